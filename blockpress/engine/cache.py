@@ -1,0 +1,68 @@
+"""Preallocated (static) KV cache written by the encoder pass and read by the decoder pass.
+
+Layout per layer: keys/values [B, kv, capacity, D], post-k_norm+RoPE keys and post-v_norm values.
+Every layer stores all positions [0, length); the sliding-window semantics of the reference
+(sliding layers keep only the last W-1 tokens) are applied when reading (`context`), so the
+stored state is the same for both layer types and a cache can be cropped or extended exactly.
+
+Invariants:
+- `length` is the number of encoded tokens (= the absolute position of the next chunk).
+- The decoder never writes; the encoder writes [length, length + S) and advances `length`.
+- `padding` [B, capacity] bool marks key positions that are real tokens (False = left padding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, layer_shapes, batch: int, capacity: int, dtype: torch.dtype, device):
+        """layer_shapes: list of (kv_heads, head_dim) per layer."""
+        self.capacity, self.batch = capacity, batch
+        self.keys = [torch.zeros(batch, kv, capacity, d, dtype=dtype, device=device) for kv, d in layer_shapes]
+        self.values = [torch.zeros(batch, kv, capacity, d, dtype=dtype, device=device) for kv, d in layer_shapes]
+        self.valid = torch.ones(batch, capacity, dtype=torch.bool, device=device)
+        self.length = 0
+        self.has_padding = False
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Grow (by copying) when a later turn needs more room than was preallocated."""
+        if needed <= self.capacity:
+            return
+        new_cap = max(needed, 2 * self.capacity)
+
+        def grow(t):
+            out = t.new_zeros(*t.shape[:2], new_cap, t.shape[-1])
+            out[:, :, : self.capacity] = t
+            return out
+
+        self.keys = [grow(t) for t in self.keys]
+        self.values = [grow(t) for t in self.values]
+        valid = torch.ones(self.batch, new_cap, dtype=torch.bool, device=self.valid.device)
+        valid[:, : self.capacity] = self.valid
+        self.valid, self.capacity = valid, new_cap
+
+    def set_padding(self, start: int, mask: torch.Tensor) -> None:
+        """mask [B, S] bool for the chunk written at `start` (True = real token)."""
+        self.valid[:, start:start + mask.shape[1]] = mask
+        self.has_padding = self.has_padding or not bool(mask.all())
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        S = k.shape[2]
+        self.keys[layer][:, :, start:start + S] = k
+        self.values[layer][:, :, start:start + S] = v
+
+    def span(self, layer: int, lo: int, hi: int):
+        return self.keys[layer][:, :, lo:hi], self.values[layer][:, :, lo:hi]
+
+    def crop(self, length: int) -> None:
+        """Forget everything from `length` on (used for multi-turn rollback and training)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length
+        self.valid[:, length:] = True
+        self.has_padding = not bool(self.valid[:, :length].all())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -1,0 +1,213 @@
+"""The canvas loop as a generator of events (spec 4.0-4.8).
+
+Layering: `denoise_step` (one decoder pass + sampler arithmetic) -> `stream` (the canvas loop,
+yielding `Draft` after every denoising step, `Commit` after every canvas and `Finished` at the
+end) -> `generate` (the same loop consumed to the end). Streaming and non-streaming therefore
+produce identical tokens by construction.
+
+Shape legend: B batch, S prompt chunk, C canvas length, V vocab.
+
+Invariants:
+- Random draws follow the reference order: per canvas `randint[B,C]` (initial canvas, drawn even
+  when the caller supplies `decoder_input_ids`), then per step `multinomial` over [B*C, V]
+  followed by `randint[B,C]` (renoise). With `generator=None` torch's global generator is used,
+  so after `torch.manual_seed(s)` the tokens equal transformers' for the same weights.
+- Rows that finished denoising are frozen (argmax, canvas and self-conditioning logits); rows
+  whose sequence finished keep being computed but are not counted in `tokens_per_forward`.
+- The committed canvas is the argmax of the last executed step; the returned cache excludes the
+  last committed canvas (it has not been encoded).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import GenerationConfig
+from ..errors import InputError
+from ..sampling import (StabilityTracker, entropy_bound_accept, sample_tokens, temperature, token_entropy,
+                        uniform_tokens)
+from .cache import KVCache
+
+
+@dataclass
+class Draft:
+    """After every denoising step: the current argmax canvas and which positions were accepted."""
+
+    canvas_index: int
+    step: int  # 1-based count of executed steps in this canvas
+    max_steps: int
+    tokens: torch.Tensor  # [B, C] argmax canvas (cpu)
+    accepted: torch.Tensor  # [B, C] bool, positions kept by entropy-bound acceptance this step (cpu)
+    done: torch.Tensor  # [B] bool, rows that stopped denoising
+
+
+@dataclass
+class Commit:
+    """After every canvas: the committed (EOS/pad-finalised) tokens."""
+
+    canvas_index: int
+    tokens: torch.Tensor  # [B, C] (cpu)
+    finished: torch.Tensor  # [B] bool, rows whose sequence has ended
+    steps: int  # denoising steps executed for this canvas
+    seconds: float  # wall time of this canvas (encoder pass included)
+
+
+@dataclass
+class GenerationResult:
+    sequences: torch.Tensor  # [B, S + n_canvases * C]
+    tokens_per_forward: torch.Tensor  # [B] float
+    steps_per_canvas: list[int]
+    canvas_seconds: list[float]
+    prompt_length: int
+    prefill_seconds: float
+    first_commit_seconds: float
+    total_seconds: float
+    forward_passes: torch.Tensor  # [B] decoder passes counted per row
+    cache: KVCache | None = field(default=None, repr=False)
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        return self.sequences[:, self.prompt_length:]
+
+
+@dataclass
+class Finished:
+    result: GenerationResult
+
+
+def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, cache, tracker, generator):
+    """One denoising step with remaining-step counter n (N..1). Returns x', a', sc', done', accepted."""
+    raw = module.decode(x, cache, sc_logits)
+    z = raw
+    if cfg.t_min is not None and cfg.t_max is not None:
+        z = raw / temperature(n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, raw.device)
+    y = sample_tokens(z, generator)
+    a = torch.argmax(z, dim=-1)
+    accepted = entropy_bound_accept(token_entropy(z), cfg.entropy_bound)
+    noise = uniform_tokens(x.shape[0], x.shape[1], z.shape[-1], x.device, generator)
+    x_new = torch.where(accepted, y, noise)
+    if tracker is not None:
+        if bool(done.any()):
+            a = torch.where(done[:, None], a_prev, a)
+            x_new = torch.where(done[:, None], x, x_new)
+            z = torch.where(done[:, None, None], sc_logits, z)
+        done = done | tracker(a, z)
+    return x_new, a, z.to(module.dtype), done, accepted
+
+
+def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length: int,
+           attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
+           cache: KVCache | None = None, decoder_input_ids: torch.Tensor | None = None,
+           self_conditioning_logits: torch.Tensor | None = None, drafts: bool = True):
+    """Yield Draft / Commit events and a final Finished(result).
+
+    input_ids [B, S]: the tokens not yet in `cache` (the whole prompt when cache is None).
+    attention_mask [B, S] (1 = token, 0 = left padding) for those tokens.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise InputError(f"input_ids must be a non-empty [batch, length] tensor, got shape {list(input_ids.shape)}")
+    B, S = input_ids.shape
+    V, C, N = module.text.vocab_size, canvas_length, cfg.max_denoising_steps
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= V:
+        raise InputError(f"input_ids contain ids outside the vocabulary [0, {V}); tokenize with this model's tokenizer")
+    dev = module.device
+    input_ids = input_ids.to(dev)
+    T_start = cache.length if cache is not None else 0
+    cur_len = T_start + S
+    n_canvases = math.ceil(cfg.max_new_tokens / C)
+    max_length = cur_len + cfg.max_new_tokens
+    limit = module.text.max_position_embeddings
+    if cur_len + n_canvases * C > limit:
+        raise InputError(f"prompt ({cur_len} tokens) + {n_canvases} canvas(es) of {C} exceeds "
+                         f"max_position_embeddings={limit}; shorten the prompt or lower max_new_tokens")
+    if cache is None:
+        cache = module.new_cache(B, cur_len + (n_canvases - 1) * C)
+    elif cache.batch != B:
+        raise InputError(f"cache was built for batch {cache.batch}, got input batch {B}")
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (B, S):
+            raise InputError(f"attention_mask shape {list(attention_mask.shape)} must equal input_ids shape {[B, S]}")
+        attention_mask = attention_mask.to(dev).bool()
+    eos = torch.tensor(cfg.eos_token_id, device=dev) if cfg.eos_token_id is not None else None
+    pad = cfg.pad_token_id
+    tracker = StabilityTracker(cfg.stability_threshold, cfg.confidence_threshold) if cfg.adaptive else None
+
+    seq = input_ids
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    passes = torch.zeros(B, dtype=torch.int32, device=dev)
+    steps_per_canvas, canvas_seconds = [], []
+    t_start = time.perf_counter()
+    prefill_seconds = first_commit = 0.0
+    chunk, chunk_mask = input_ids, attention_mask
+    with torch.no_grad():
+        for c in range(n_canvases):
+            t_canvas = time.perf_counter()
+            module.encode(chunk, cache, pad_mask=chunk_mask)
+            if c == 0:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                prefill_seconds = time.perf_counter() - t_start
+            x = uniform_tokens(B, C, V, dev, generator)
+            sc = None
+            if c == 0 and decoder_input_ids is not None:
+                x = decoder_input_ids.to(dev)
+            if c == 0 and self_conditioning_logits is not None:
+                sc = self_conditioning_logits.to(dev)
+            a = x
+            done = torch.zeros(B, dtype=torch.bool, device=dev)
+            if tracker is not None:
+                tracker.reset()
+            steps = 0
+            for n in range(N, 0, -1):
+                passes += ~(done | finished)
+                x, a, sc, done, accepted = denoise_step(module, x, a, sc, done, n, cfg, cache, tracker, generator)
+                steps += 1
+                if drafts:
+                    yield Draft(c, steps, N, a.cpu(), accepted.cpu(), done.cpu())
+                if bool(done.all()):
+                    break
+            seq = torch.cat([seq, a], dim=-1)
+            new = seq[:, -C:]
+            finished_now = torch.zeros(B, dtype=torch.bool, device=dev)
+            if eos is not None:
+                finished_now |= torch.isin(new, eos).any(dim=-1)
+            if T_start + seq.shape[1] >= max_length:
+                finished_now[:] = True
+            prev = finished
+            finished = prev | finished_now
+            if pad is not None and bool(finished.any()):
+                new[prev] = pad
+                if eos is not None and bool(finished_now.any()):
+                    is_eos = torch.isin(new, eos)
+                    cs = is_eos.cumsum(dim=-1)
+                    new[(cs > 0) & ~((cs == 1) & is_eos)] = pad
+            elapsed = time.perf_counter() - t_canvas
+            steps_per_canvas.append(steps)
+            canvas_seconds.append(elapsed)
+            committed = new.cpu()
+            if c == 0:
+                first_commit = time.perf_counter() - t_start
+            yield Commit(c, committed, finished.cpu(), steps, elapsed)
+            if bool(finished.all()):
+                break
+            chunk, chunk_mask = seq[:, -C:], None
+    new_tokens = seq[:, S:]
+    valid = (new_tokens != pad).sum(dim=-1) if pad is not None else new_tokens.shape[1]
+    result = GenerationResult(
+        sequences=seq, tokens_per_forward=valid / passes, steps_per_canvas=steps_per_canvas,
+        canvas_seconds=canvas_seconds, prompt_length=S, prefill_seconds=prefill_seconds,
+        first_commit_seconds=first_commit, total_seconds=time.perf_counter() - t_start,
+        forward_passes=passes, cache=cache)
+    yield Finished(result)
+
+
+def generate(module, input_ids, cfg, canvas_length, **kwargs) -> GenerationResult:
+    """Non-streaming generation: the same loop as `stream`, consumed to the end."""
+    for event in stream(module, input_ids, cfg, canvas_length, drafts=False, **kwargs):
+        if isinstance(event, Finished):
+            return event.result
+    raise RuntimeError("generation loop ended without a result")  # unreachable

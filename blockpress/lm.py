@@ -1,0 +1,156 @@
+"""`BlockDiffusionLM`: what `blockpress.load()` returns — the module, its tokenizer and defaults.
+
+It owns no math: generation is `engine.generate.stream` over `self.module`; generation
+parameters resolve as keyword arguments > the checkpoint's generation_config.json > the
+reference defaults (spec 4.1), validated once into a `GenerationConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .config import GenerationConfig, ModelConfig
+from .engine import generate as engine
+from .errors import InputError
+
+
+class BlockDiffusionLM:
+    def __init__(self, module, config: ModelConfig, generation_defaults: dict[str, Any] | None = None,
+                 tokenizer=None, path: Path | None = None):
+        self.module = module
+        self.config = config
+        self.generation_defaults = dict(generation_defaults or {})
+        self.tokenizer = tokenizer
+        self.path = path
+
+    # ------------------------------------------------------------------------------- properties
+    @property
+    def canvas_length(self) -> int:
+        return self.config.canvas_length
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.module.dtype
+
+    def to(self, device=None, dtype=None) -> "BlockDiffusionLM":
+        self.module.to(device=device, dtype=dtype)
+        return self
+
+    def generation_config(self, **overrides) -> GenerationConfig:
+        return GenerationConfig.resolve(self.generation_defaults, **overrides)
+
+    # ------------------------------------------------------------------------------- token API
+    def _prepare(self, input_ids, attention_mask):
+        if isinstance(input_ids, torch.Tensor):
+            ids = input_ids
+            if ids.dim() == 1:
+                ids = ids[None]
+            return ids.long(), attention_mask
+        if not input_ids:
+            raise InputError("input_ids is empty; give at least one token")
+        rows = [input_ids] if isinstance(input_ids[0], int) else list(input_ids)
+        if any(len(r) == 0 for r in rows):
+            raise InputError("a prompt in the batch is empty; give at least one token per row")
+        width = max(len(r) for r in rows)
+        pad = self.generation_defaults.get("pad_token_id", 0) or 0
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, r in enumerate(rows):  # left padding, as the reference expects
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = True
+        return ids, (mask if not bool(mask.all()) else attention_mask)
+
+    def stream(self, input_ids, attention_mask=None, generator: torch.Generator | None = None,
+               cache=None, decoder_input_ids=None, self_conditioning_logits=None, drafts: bool = True,
+               **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
+        """Yield a Draft after every denoising step, a Commit per canvas and a final Finished."""
+        cfg = self.generation_config(**sampling)
+        ids, mask = self._prepare(input_ids, attention_mask)
+        return engine.stream(self.module, ids, cfg, self.canvas_length, attention_mask=mask, generator=generator,
+                             cache=cache, decoder_input_ids=decoder_input_ids,
+                             self_conditioning_logits=self_conditioning_logits, drafts=drafts)
+
+    def generate(self, input_ids, attention_mask=None, generator: torch.Generator | None = None, cache=None,
+                 decoder_input_ids=None, self_conditioning_logits=None, **sampling) -> engine.GenerationResult:
+        """Generate canvases after `input_ids`. Keyword names and defaults follow the reference:
+        max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max, stability_threshold,
+        confidence_threshold, eos_token_id, pad_token_id."""
+        for ev in self.stream(input_ids, attention_mask, generator, cache, decoder_input_ids,
+                              self_conditioning_logits, drafts=False, **sampling):
+            if isinstance(ev, engine.Finished):
+                return ev.result
+        raise RuntimeError("generation ended without a result")  # unreachable
+
+    # ------------------------------------------------------------------------------- text API
+    def encode_chat(self, messages_or_prompt, enable_thinking: bool = False, tools=None,
+                    chat: bool | None = None) -> list[int]:
+        tok = self._need_tokenizer()
+        if isinstance(messages_or_prompt, str):
+            if chat is False or not getattr(tok, "chat_template", None):
+                ids = tok.encode(messages_or_prompt)
+                bos = tok.bos_token_id
+                return ([bos] if bos is not None else []) + ids
+            messages_or_prompt = [{"role": "user", "content": messages_or_prompt}]
+        return tok.apply_chat_template(messages_or_prompt, add_generation_prompt=True,
+                                       enable_thinking=enable_thinking, tools=tools, tokenize=True)
+
+    def decode_new(self, result: engine.GenerationResult, row: int = 0, skip_special_tokens: bool = True) -> str:
+        tok = self._need_tokenizer()
+        ids = [int(i) for i in result.new_tokens[row].tolist()]
+        eos = set(self.generation_config().eos_token_id or [])
+        for j, t in enumerate(ids):  # stop at the first EOS
+            if t in eos:
+                ids = ids[:j]
+                break
+        pad = self.generation_config().pad_token_id
+        ids = [t for t in ids if t != pad]
+        return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def generate_text(self, messages_or_prompt, enable_thinking: bool = False, tools=None, seed: int | None = None,
+                      **sampling) -> str:
+        """Chat messages (or a plain prompt, rendered as one user turn when a chat template exists) -> text."""
+        ids = self.encode_chat(messages_or_prompt, enable_thinking=enable_thinking, tools=tools)
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        result = self.generate([ids], generator=gen, **sampling)
+        return self.decode_new(result)
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise InputError("this model has no tokenizer (no tokenizer.json in its folder); pass token ids instead")
+        return self.tokenizer
+
+    # ------------------------------------------------------------------------------- saving
+    def save(self, path: str | Path) -> Path:
+        """Write a checkpoint transformers can load: config.json, generation_config.json,
+        model.safetensors (checkpoint key names), and the tokenizer files if any. Atomic."""
+        from safetensors.torch import save_file
+
+        from .model.weights import state_dict_for_checkpoint, write_atomic
+
+        path = Path(path)
+        sd = state_dict_for_checkpoint(self.module)
+        gen = {"_from_model_config": False, **self.generation_defaults}
+        if "entropy_bound" in gen:
+            gen["sampler_config"] = {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": gen.pop("entropy_bound")}
+        files: dict[str, Any] = {
+            "config.json": json.dumps(self.config.to_dict(), indent=2),
+            "generation_config.json": json.dumps(gen, indent=2),
+            "model.safetensors": lambda p: save_file(sd, str(p), metadata={"format": "pt"}),
+        }
+        if self.path is not None:
+            for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+                src = Path(self.path) / name
+                if src.is_file():
+                    files[name] = src.read_bytes()
+        write_atomic(path, files)
+        return path

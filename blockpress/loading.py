@@ -1,0 +1,103 @@
+"""`load()`: a local checkpoint folder or a Hub id -> `BlockDiffusionLM`.
+
+Hub ids are fetched with huggingface_hub (config, tokenizer, chat template and safetensors only;
+with its progress bars). The module is built on the meta device and every tensor is assigned
+once from the memory-mapped safetensors, converted straight to the target device and dtype.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import GenerationConfig, ModelConfig, _read_json
+from .errors import CheckpointError, ConfigError
+from .lm import BlockDiffusionLM
+from .model.diffusion_gemma import DiffusionGemmaModel
+from .model.weights import find_weight_files, load_weights
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_path(model: str | Path, progress: bool = True) -> Path:
+    """A folder as is; otherwise a Hub id downloaded (or found in the local HF cache)."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p
+    s = str(model)
+    if p.exists():
+        raise CheckpointError(f"{p} is a file; pass the checkpoint folder that holds config.json")
+    if s.count("/") != 1 or s.startswith((".", "/", "~")):
+        raise CheckpointError(f"{s} is neither a folder nor a Hub id like 'google/diffusiongemma-26B-A4B-it'")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+        (enable_progress_bars if progress else disable_progress_bars)()
+        return Path(snapshot_download(s, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # network, auth, missing repo: one clear line
+        raise CheckpointError(f"could not fetch '{s}' from the Hugging Face Hub ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); check the id and network or "
+                              "pass a local folder") from None
+
+
+def parse_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        if device.type == "cpu":
+            return torch.float32  # bf16 matmuls are slow on most CPUs
+        stored = config.raw.get("dtype") or config.raw.get("torch_dtype") or "bfloat16"
+        return DTYPES.get(str(stored), torch.bfloat16)
+    if str(dtype) not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[str(dtype)]
+
+
+def load(model: str | Path, device: str | torch.device | None = None, dtype=None, progress: bool = True,
+         tokenizer: bool = True) -> BlockDiffusionLM:
+    """Load a DiffusionGemma checkpoint (folder or Hub id) for generation.
+
+    device: "cpu", "cuda", ... (default: cuda when available). dtype: "bfloat16", "float32", ...
+    (default: float32 on CPU, the checkpoint's dtype on GPU).
+    """
+    folder = resolve_path(model, progress)
+    config = ModelConfig.from_file(folder / "config.json")
+    gen_path = folder / "generation_config.json"
+    gen_defaults = GenerationConfig.from_checkpoint_dict(_read_json(gen_path, "generation_config.json")) \
+        if gen_path.is_file() else {}
+    GenerationConfig.resolve(gen_defaults)  # validate the checkpoint's defaults once, here
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dt = parse_dtype(dtype, config, dev)
+    files = find_weight_files(folder)
+    with torch.device("meta"):
+        module = DiffusionGemmaModel(config)
+    load_weights(module, files, dev, dt, progress=progress)
+    module.materialize_buffers(dev)
+    module.eval()
+    tok = None
+    if tokenizer and (folder / "tokenizer.json").is_file():
+        from .tokenizer import Tokenizer
+
+        tok = Tokenizer.from_dir(folder)
+    return BlockDiffusionLM(module, config, gen_defaults, tok, folder)
+
+
+def from_config(config: ModelConfig | dict, device="cpu", dtype=torch.float32, seed: int | None = None,
+                init_std: float | None = None) -> BlockDiffusionLM:
+    """A randomly initialised model of a given architecture (training from scratch, benchmarks)."""
+    if isinstance(config, dict):
+        config = ModelConfig.from_dict(config)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device):
+        module = DiffusionGemmaModel(config).to(dtype)
+    module.reset_parameters(init_std if init_std is not None else config.text.initializer_range)
+    module.eval()
+    return BlockDiffusionLM(module, config, {})
+
+
+__all__ = ["load", "from_config", "resolve_path"]

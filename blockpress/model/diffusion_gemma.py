@@ -1,0 +1,248 @@
+"""The DiffusionGemma text stack as one plain nn.Module with two passes over shared weights.
+
+Shape legend: B batch, S encoder chunk, C canvas length, V vocab, H hidden, L key length.
+
+- `encode(ids, cache)`: causal pass over clean tokens (prompt, then each committed canvas) at
+  positions [cache.length, cache.length + S); writes K/V into the cache; returns the final-normed
+  hidden states. Uses the encoder's own `layer_scalar` buffers.
+- `decode(canvas, cache, sc_logits, sc_mask)`: one bidirectional denoising pass over the canvas at
+  positions [T, T + C) (T = cache.length) reading, never writing, the cache; returns fp32
+  soft-capped logits [B, C, V]. Sliding layers see the last W-1 cached tokens plus the canvas.
+- The LM head is the (tied) embedding matrix. Parameter names mirror the checkpoint's
+  `model.decoder.*` names (see weights.py), so the name map is a prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import FULL, SLIDING, ModelConfig
+from ..engine.cache import KVCache
+from .layers import ATTENTION_BACKENDS, MLP, Attention, RMSNorm, embed_scale, rms_norm, rope_cos_sin, rope_inv_freq
+from .moe import Experts, Router
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, i: int):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.full = cfg.is_full(i)
+        self.self_attn = Attention(H, cfg.num_attention_heads, cfg.layer_kv_heads(i), cfg.layer_head_dim(i),
+                                   self.full, eps)
+        self.mlp = MLP(H, cfg.intermediate_size)
+        self.router = Router(H, cfg.num_experts, cfg.top_k_experts, eps)
+        self.experts = Experts(H, cfg.num_experts, cfg.moe_intermediate_size)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "pre_feedforward_layernorm_2",
+                     "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"):
+            setattr(self, name, RMSNorm(H, eps))
+        self.register_buffer("layer_scalar", torch.ones(1))  # decoder pass
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))  # encoder pass
+
+    def forward(self, x, attend, scalar):
+        """x [B,S,H]; `attend(h) -> attention output [B,S,H]` closes over cache, mask, rope."""
+        h = self.post_attention_layernorm(attend(self.input_layernorm(x)))
+        x = x + h
+        B, S, H = x.shape
+        h1 = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
+        flat = x.reshape(B * S, H)  # [N, H]; the router reads the raw residual
+        w, idx = self.router(flat)
+        h2 = self.experts(self.pre_feedforward_layernorm_2(flat), w, idx).view(B, S, H)
+        h2 = self.post_feedforward_layernorm_2(h2)
+        x = x + self.post_feedforward_layernorm(h1 + h2)
+        return x * scalar
+
+
+class SelfConditioning(nn.Module):
+    def __init__(self, hidden: int, inter: int, eps: float):
+        super().__init__()
+        self.pre_norm = RMSNorm(hidden, eps)
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, soft):
+        g = self.pre_norm(soft)
+        return self.down_proj(torch.nn.functional.gelu(self.gate_proj(g), approximate="tanh") * self.up_proj(g))
+
+
+class DiffusionGemmaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        cfg = self.text = config.text
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
+        for t in (SLIDING, FULL):
+            inv = rope_inv_freq(cfg.type_head_dim(t), cfg.rope_parameters[t])
+            self.register_buffer(f"inv_freq_{t}", inv, persistent=False)
+        self.attention_backend = "sdpa"
+        self.window = cfg.sliding_window
+        self.bidirectional_encoder = cfg.use_bidirectional_attention == "all"
+
+    # helpers ------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def materialize_buffers(self, device) -> None:
+        """Recompute the non-persistent rotary tables (after building on the meta device)."""
+        for t in (SLIDING, FULL):
+            inv = rope_inv_freq(self.text.type_head_dim(t), self.text.rope_parameters[t]).to(device)
+            setattr(self, f"inv_freq_{t}", inv)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Random init for training from scratch: normal(0, std) matrices, unit norms and scales."""
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
+            else:
+                p.fill_(1.0)
+        for name, b in self.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(1.0)
+        self.materialize_buffers(self.embed_tokens.weight.device)
+
+    def set_experts_backend(self, name: str) -> None:
+        for layer in self.layers:
+            layer.experts.backend = name
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        shapes = [(self.text.layer_kv_heads(i), self.text.layer_head_dim(i)) for i in range(len(self.layers))]
+        return KVCache(shapes, batch, capacity, self.dtype, self.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight
+        return self.embed_tokens(ids) * embed_scale(self.text.hidden_size, w.dtype).to(w.device)
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = (h @ self.embed_tokens.weight.t()).float()
+        cap = self.text.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _rope(self, positions: torch.Tensor, dtype):
+        return {t: rope_cos_sin(getattr(self, f"inv_freq_{t}"), positions, dtype) for t in (SLIDING, FULL)}
+
+    def _neg(self, dtype):
+        return torch.finfo(dtype).min
+
+    # encoder pass -------------------------------------------------------------------------------
+    def encode(self, ids: torch.Tensor, cache: KVCache, pad_mask: torch.Tensor | None = None,
+               hidden_states: list | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B,S] at positions [T0, T0+S). pad_mask [B,S] bool (True = real token)."""
+        B, S = ids.shape
+        T0 = cache.length
+        cache.ensure_capacity(T0 + S)
+        if pad_mask is not None:
+            cache.set_padding(T0, pad_mask.to(torch.bool))
+        x = self.embed(ids) if inputs_embeds is None else inputs_embeds
+        dtype, dev = x.dtype, x.device
+        pos = torch.arange(T0, T0 + S, device=dev)
+        rope = self._rope(pos, dtype)
+        attn_fn = ATTENTION_BACKENDS[self.attention_backend]
+        W = self.window
+        masks = {}
+        for t in (SLIDING, FULL):
+            if self.bidirectional_encoder:
+                lo = 0 if t == FULL else max(0, T0 - W)
+            else:
+                lo = 0 if t == FULL else max(0, T0 - W + 1)
+            kp = torch.arange(lo, T0 + S, device=dev)
+            if self.bidirectional_encoder:
+                allowed = torch.ones(S, kp.numel(), dtype=torch.bool, device=dev)
+                if t == SLIDING:
+                    allowed = (kp[None, :] - pos[:, None]).abs() <= W
+            else:
+                allowed = kp[None, :] <= pos[:, None]
+                if t == SLIDING:
+                    allowed = allowed & (kp[None, :] > pos[:, None] - W)
+            allowed = allowed[None, None]  # [1,1,S,L]
+            if cache.has_padding:
+                allowed = allowed & cache.valid[:, None, None, lo:T0 + S]
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, self._neg(dtype))
+            masks[t] = (lo, mask)
+        if hidden_states is not None:
+            hidden_states.append(x)
+        for i, layer in enumerate(self.layers):
+            t = FULL if layer.full else SLIDING
+            lo, mask = masks[t]
+            cos, sin = rope[t]
+
+            def attend(h, i=i, layer=layer, lo=lo, mask=mask, cos=cos, sin=sin):
+                q, k, v = layer.self_attn.project(h, cos, sin)
+                cache.write(i, k, v, T0)
+                ck, cv = cache.span(i, lo, T0 + S)
+                return layer.self_attn.output(attn_fn(q, ck, cv, mask))
+
+            x = layer(x, attend, layer.encoder_layer_scalar)
+            if hidden_states is not None and i < len(self.layers) - 1:
+                hidden_states.append(x)
+        cache.length = T0 + S
+        x = self.norm(x)
+        if hidden_states is not None:
+            hidden_states.append(x)
+        return x
+
+    # decoder pass -------------------------------------------------------------------------------
+    def decoder_input(self, canvas: torch.Tensor, sc_logits: torch.Tensor | None,
+                      sc_mask: torch.Tensor | None) -> torch.Tensor:
+        """post_norm(embed(canvas) + SC-MLP(pre_norm(softmax(sc_logits) @ E * sqrt(H))))."""
+        e = self.embed(canvas)
+        if sc_logits is not None:
+            w = self.embed_tokens.weight
+            p = torch.softmax(sc_logits.float(), dim=-1).to(w.dtype)
+            soft = (p @ w) * embed_scale(self.text.hidden_size, e.dtype).to(e.device)
+            if sc_mask is not None:
+                soft = soft * sc_mask.to(soft.dtype)[:, None, None]
+            e = e + self.self_conditioning(soft)
+        return rms_norm(e, None, self.text.rms_norm_eps)
+
+    def decode(self, canvas: torch.Tensor, cache: KVCache, sc_logits: torch.Tensor | None = None,
+               sc_mask: torch.Tensor | None = None, hidden_states: list | None = None,
+               return_hidden: bool = False) -> torch.Tensor:
+        """canvas [B,C] -> fp32 soft-capped logits [B,C,V]; the cache is read only."""
+        B, C = canvas.shape
+        T = cache.length
+        x = self.decoder_input(canvas, sc_logits, sc_mask)
+        dtype, dev = x.dtype, x.device
+        rope = self._rope(torch.arange(T, T + C, device=dev), dtype)
+        attn_fn = ATTENTION_BACKENDS[self.attention_backend]
+        spans = {FULL: 0, SLIDING: max(0, T - (self.window - 1))}
+        masks = {}
+        for t, lo in spans.items():
+            masks[t] = None
+            if cache.has_padding:
+                allowed = torch.cat([cache.valid[:, lo:T],
+                                     torch.ones(B, C, dtype=torch.bool, device=dev)], dim=1)[:, None, None]
+                masks[t] = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, self._neg(dtype))
+        if hidden_states is not None:
+            hidden_states.append(x)
+        for i, layer in enumerate(self.layers):
+            t = FULL if layer.full else SLIDING
+            lo, mask = spans[t], masks[t]
+            cos, sin = rope[t]
+
+            def attend(h, i=i, layer=layer, lo=lo, mask=mask, cos=cos, sin=sin):
+                q, k, v = layer.self_attn.project(h, cos, sin)
+                ck, cv = cache.span(i, lo, T)
+                return layer.self_attn.output(attn_fn(q, torch.cat([ck, k], 2), torch.cat([cv, v], 2), mask))
+
+            x = layer(x, attend, layer.layer_scalar)
+            if hidden_states is not None and i < len(self.layers) - 1:
+                hidden_states.append(x)
+        x = self.norm(x)
+        if hidden_states is not None:
+            hidden_states.append(x)
+        if return_hidden:
+            return x
+        return self.lm_logits(x)

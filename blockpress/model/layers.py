@@ -1,0 +1,142 @@
+"""Building blocks of the DiffusionGemma text stack: RMSNorm, rotary tables, attention, dense MLP.
+
+Shape legend: B batch, S query chunk, L key length, H hidden, nh query heads, kv KV heads,
+D head dim, I intermediate size.
+
+Numerics follow spec section 2.12: norm statistics in fp32 (result cast back), rotary angles in
+fp32 with cos/sin cast to the activation dtype, attention scaling exactly 1.0 and softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * (mean(x^2) + eps)^-1/2 in fp32, times `weight` (not 1 + weight), cast back to x.dtype."""
+    xf = x.float()
+    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight.float()
+    return out.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    """fp32 inverse frequencies [D/2] for 'default' or 'proportional' RoPE (spec 2.3)."""
+    theta = float(params.get("rope_theta", 10000.0))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv = 1.0 / (theta ** exponents)
+    if params.get("rope_type", "default") == "proportional":
+        n_rot = int((float(params.get("partial_rotary_factor", 1.0)) * head_dim) // 2)
+        inv[n_rot:] = 0.0
+        factor = params.get("factor")
+        if factor is not None:
+            inv = inv / float(factor)
+    return inv
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """positions [S] (int) -> cos, sin [S, D] in `dtype` (angles computed in fp32)."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]  # [S, D/2]
+    emb = torch.cat([angles, angles], dim=-1)  # [S, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, h, S, D]; half-split convention: dim i pairs with i + D/2."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention_eager(q, k, v, mask):
+    """Reference attention. q [B,nh,S,D], k/v [B,kv,L,D], mask additive [B|1,1,S|1,L] or None."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # GQA: query head h reads KV head h // groups
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2))  # scaling is exactly 1.0
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def attention_sdpa(q, k, v, mask):
+    """Fused path (torch SDPA): same function as `attention_eager` up to rounding."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    if mask is not None:
+        mask = mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+
+
+ATTENTION_BACKENDS = {"eager": attention_eager, "sdpa": attention_sdpa}
+
+
+class Attention(nn.Module):
+    """Sliding or full attention. Full layers have no v_proj: V = v_norm(k_proj(x)) (k = v)."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv: int, head_dim: int, full: bool, eps: float):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim, self.full = n_heads, n_kv, head_dim, full
+        self.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, n_kv * head_dim, bias=False)
+        self.v_proj = None if full else nn.Linear(hidden, n_kv * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+        self.eps = eps
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B,S,H] -> q [B,nh,S,D], k [B,kv,S,D], v [B,kv,S,D] (post-norm, post-RoPE)."""
+        B, S, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, S, self.n_heads, self.head_dim))
+        k_raw = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
+        v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
+        k = self.k_norm(k_raw)
+        v = rms_norm(v_raw, None, self.eps)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        B, _, S, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """Gated GELU(tanh) MLP: down(gelu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+def embed_scale(hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """sqrt(H) cast to the weight dtype (53.0 in bf16 for H = 2816)."""
+    return torch.tensor(math.sqrt(hidden), dtype=torch.float32).to(dtype)

@@ -1,0 +1,205 @@
+"""Checkpoint tensors <-> module parameters (spec 3.5): one declarative name map, safetensors only.
+
+Checkpoint layout (released and transformers-saved alike):
+- `model.decoder.<name>`                               -> `<name>` (embeddings, norms, layers, self-conditioning)
+- `model.encoder.language_model.layers.<i>.layer_scalar` -> `layers.<i>.encoder_layer_scalar`
+- tied copies (`lm_head.weight`, other `model.encoder.language_model.*`) are skipped;
+- vision tensors (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`) are not used yet.
+
+Loading builds the module on the meta device and assigns each tensor once, read through
+safetensors' memory map and converted straight to the target device/dtype, so weights are never
+materialised twice. Pickle checkpoints are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+
+ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
+DECODER_PREFIX = "model.decoder."
+IGNORED_TIED = ("lm_head.weight", "model.encoder.language_model.")
+VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "model.vision", "model.encoder.multi_modal")
+
+
+def checkpoint_to_module_name(key: str) -> str | None:
+    """Map a checkpoint key to our parameter name; None for keys we skip on purpose."""
+    m = ENCODER_SCALAR.match(key)
+    if m:
+        return f"layers.{m.group(1)}.encoder_layer_scalar"
+    if key.startswith(DECODER_PREFIX):
+        return key[len(DECODER_PREFIX):]
+    return None
+
+
+def module_to_checkpoint_name(name: str) -> str:
+    m = re.match(r"^layers\.(\d+)\.encoder_layer_scalar$", name)
+    if m:
+        return f"model.encoder.language_model.layers.{m.group(1)}.layer_scalar"
+    return DECODER_PREFIX + name
+
+
+def find_weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder (sharded via the index, or single)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is malformed ({e!r}); re-download the checkpoint") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{len(missing)} shard(s) listed in {index.name} are missing from {folder} "
+                                  f"(first: {missing[0]}); finish the download")
+        return [folder / f for f in files]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    others = sorted(folder.glob("*.safetensors"))
+    if others:
+        return others
+    pickles = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+    if pickles:
+        raise CheckpointError(f"{folder} holds only pickle weights ({pickles[0]}); blockpress reads safetensors only "
+                              "(pickle can run code). Convert with transformers: "
+                              "model.save_pretrained(dir, safe_serialization=True)")
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}; "
+                          "point blockpress at a complete checkpoint folder")
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with huggingface_hub
+        return None
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, file=sys.stderr, leave=False)
+
+
+def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, progress: bool = True) -> dict:
+    """Assign every tensor of `files` into `module` (built on meta). Returns a small report."""
+    from safetensors import safe_open
+    from safetensors import SafetensorError
+
+    expected = dict(module.named_parameters())
+    expected.update({n: b for n, b in module.named_buffers() if not n.split(".")[-1].startswith("inv_freq")})
+    loaded: set[str] = set()
+    skipped_vision = 0
+    unexpected: list[str] = []
+    keys_per_file = []
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                keys_per_file.append((f, list(h.keys())))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f.name} is not a readable safetensors file ({e}); it may be truncated: "
+                                  "re-download it") from None
+    bar = _progress(sum(len(k) for _, k in keys_per_file), "loading weights", progress)
+    for f, keys in keys_per_file:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                for key in keys:
+                    if bar is not None:
+                        bar.update(1)
+                    name = checkpoint_to_module_name(key)
+                    if name is None:
+                        if key.startswith(VISION):
+                            skipped_vision += 1
+                        elif not key.startswith(IGNORED_TIED):
+                            unexpected.append(key)
+                        continue
+                    if name not in expected:
+                        unexpected.append(key)
+                        continue
+                    target = expected[name]
+                    shape = tuple(h.get_slice(key).get_shape())
+                    if shape != tuple(target.shape):
+                        raise CheckpointError(f"tensor {key} in {f.name} has shape {list(shape)}, expected "
+                                              f"{list(target.shape)} from config.json; the config and weights "
+                                              "do not belong together")
+                    t = h.get_tensor(key).to(device=device, dtype=dtype)
+                    _assign(module, name, t)
+                    loaded.add(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{f.name} could not be read ({e}); the file may be truncated: re-download it") from None
+    if bar is not None:
+        bar.close()
+    missing = [n for n in expected if n not in loaded]
+    # encoder layer scalars default to the decoder's copies (converters treat them as duplicates)
+    fallback = [n for n in missing if n.endswith("encoder_layer_scalar") and n.replace("encoder_", "") in loaded]
+    for n in fallback:
+        _assign(module, n, dict(module.named_buffers())[n.replace("encoder_", "")].detach().clone())
+    missing = [n for n in missing if n not in fallback]
+    if missing:
+        raise CheckpointError(f"{len(missing)} tensor(s) missing from the checkpoint (first: "
+                              f"{module_to_checkpoint_name(missing[0])}); the download is incomplete or the "
+                              "checkpoint is not a DiffusionGemma text model")
+    if unexpected:
+        print(f"blockpress: ignoring {len(unexpected)} unexpected tensor(s) (first: {unexpected[0]})", file=sys.stderr)
+    if skipped_vision:
+        print(f"blockpress: {skipped_vision} vision-tower tensors present and unused (text-only engine)",
+              file=sys.stderr)
+    return {"loaded": len(loaded), "vision_skipped": skipped_vision, "unexpected": unexpected,
+            "encoder_scalars_from_decoder": len(fallback)}
+
+
+def _assign(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    *path, leaf = name.split(".")
+    owner = module
+    for p in path:
+        owner = getattr(owner, p)
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=owner._parameters[leaf].requires_grad)
+    else:
+        owner._buffers[leaf] = tensor
+
+
+def state_dict_for_checkpoint(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if name.split(".")[-1].startswith("inv_freq"):
+            continue
+        out[module_to_checkpoint_name(name)] = t.detach().contiguous().cpu()
+    return out
+
+
+def write_atomic(folder: Path, files: dict) -> None:
+    """Write files into `folder` via a temp dir + rename, so a failure never leaves a half checkpoint."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        for rel, data in files.items():
+            p = tmp / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if callable(data):  # a writer that streams to the path (large tensors)
+                data(p)
+            elif isinstance(data, str):
+                p.write_text(data)
+            else:
+                p.write_bytes(data)
+        if folder.exists():
+            old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+            os.replace(folder, old)
+            os.replace(tmp, folder)
+            _rmtree(old)
+        else:
+            os.replace(tmp, folder)
+    except OSError as e:
+        _rmtree(tmp)
+        raise CheckpointError(f"could not write checkpoint to {folder} ({e.strerror or e}); free disk space or "
+                              "choose another path; nothing was overwritten") from None
+
+
+def _rmtree(p: Path) -> None:
+    import shutil
+
+    shutil.rmtree(p, ignore_errors=True)

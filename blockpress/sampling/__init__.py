@@ -1,0 +1,73 @@
+"""Pure sampler arithmetic of one denoising step (spec 4.5-4.7).
+
+Shape legend: B batch, C canvas length, V vocab.
+
+All functions are side-effect free except for the random draws, which take an optional
+`generator` (None = torch's global generator). The draw order of the reference is:
+per canvas `randint[B,C]` (initial canvas), then per step `multinomial` over the flattened
+[B*C, V] probabilities followed by `randint[B,C]` (renoise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def temperature(n: int, n_steps: int, t_min: float, t_max: float, device) -> torch.Tensor:
+    """tau = t_min + (t_max - t_min) * (n / N) in fp32, n counting down the remaining steps."""
+    n_t = torch.tensor(n, dtype=torch.int32, device=device)
+    return t_min + (t_max - t_min) * (n_t / n_steps)
+
+
+def uniform_tokens(batch: int, canvas: int, vocab: int, device, generator=None) -> torch.Tensor:
+    """Uniform noise over the whole vocabulary [0, V) (special ids included)."""
+    return torch.randint(0, vocab, (batch, canvas), device=device, generator=generator)
+
+
+def token_entropy(z: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(z) per position [B, C], with 0 * log 0 = 0 (log-softmax form)."""
+    logp = z - z.logsumexp(dim=-1, keepdim=True)
+    p = torch.softmax(logp, dim=-1)
+    logp = torch.clamp(logp, min=torch.finfo(logp.dtype).min)
+    return -(logp * p).sum(-1)
+
+
+def entropy_bound_accept(h: torch.Tensor, bound: float) -> torch.Tensor:
+    """Accept the lowest-entropy positions while the exclusive prefix sum of entropies <= bound.
+
+    h [B, C] -> bool [B, C]; the lowest-entropy position is always accepted.
+    """
+    h_sorted, order = torch.sort(h, dim=-1, descending=False)
+    cum = torch.cumsum(h_sorted, dim=-1)
+    accept_sorted = cum - h_sorted <= bound
+    return torch.scatter(torch.zeros_like(accept_sorted), -1, order, accept_sorted)
+
+
+def sample_tokens(z: torch.Tensor, generator=None) -> torch.Tensor:
+    """One categorical draw per position from softmax(z) (fp32). z [B,C,V] -> [B,C]."""
+    B, C, V = z.shape
+    probs = torch.softmax(z, dim=-1, dtype=torch.float32)
+    return torch.multinomial(probs.view(-1, V), num_samples=1, generator=generator).view(B, C)
+
+
+class StabilityTracker:
+    """Stable-and-confident stopping (spec 4.7-a); history reset for every canvas."""
+
+    def __init__(self, stability_threshold: int, confidence_threshold: float):
+        self.S, self.kappa = stability_threshold, confidence_threshold
+        self.history: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.history = None
+
+    def __call__(self, argmax: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """argmax [B,C], z [B,C,V] (temperature-scaled, possibly frozen) -> done [B]."""
+        if self.S == 0:
+            stable = torch.ones(argmax.shape[0], dtype=torch.bool, device=argmax.device)
+        else:
+            if self.history is None:
+                self.history = torch.full((self.S, *argmax.shape), -1, dtype=argmax.dtype, device=argmax.device)
+            stable = (self.history == argmax[None]).all(dim=-1).all(dim=0)
+            self.history = torch.cat([self.history[1:], argmax[None]], dim=0)
+        confident = token_entropy(z).mean(dim=-1) < self.kappa
+        return stable & confident

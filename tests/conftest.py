@@ -1,0 +1,33 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_slow = pytest.mark.skip(reason="slow: pass --runslow to run")
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "slow" in item.keywords and not config.getoption("--runslow"):
+            item.add_marker(skip_slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_dir(tmp_path_factory):
+    """The spec 6.1 tiny model, saved by transformers (save_pretrained)."""
+    from hf_oracle import build_hf_model
+
+    model = build_hf_model()
+    path = tmp_path_factory.mktemp("hf_tiny")
+    model.save_pretrained(path)
+    return path, model

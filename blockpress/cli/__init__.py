@@ -1,0 +1,66 @@
+"""`blockpress <command>`: one dispatcher, one module per command.
+
+Each command module exposes `add_parser(subparsers)` (registers its flags) and `main(args) -> int`.
+Modules are imported only when their command runs, so `blockpress --help` stays fast and a
+missing optional extra (server, train) only affects its own command. A `BlockpressError` is
+printed as one line (no traceback) and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "run": "generate from a prompt, showing the canvas as it denoises",
+    "chat": "multi-turn chat that keeps the KV cache between turns",
+    "serve": "OpenAI-compatible HTTP server with a live web page",
+    "bench": "speed benchmark (tokens/s, ms per step, roofline fraction)",
+    "train": "train or fine-tune (full or LoRA) with the DiffusionGemma objective",
+    "eval": "evaluate a model on a task (e.g. sudoku)",
+    "convert": "convert or quantize a checkpoint",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blockpress",
+        description="Fast, local engine for block-diffusion language models (DiffusionGemma).",
+    )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"blockpress {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        try:
+            mod = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith(f"{__name__}.{name}"):
+                continue  # command not built yet
+            raise
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_parser(p)
+        p.set_defaults(_module=mod)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..errors import BlockpressError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args._module.main(args) or 0)
+    except BlockpressError as e:
+        print(f"blockpress {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # python -m blockpress.cli
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""Tokenizer: a thin wrapper around a `tokenizers.Tokenizer` loaded from a checkpoint folder.
+
+Job: text <-> ids for the engine, chat-template application, and incremental (streaming)
+detokenisation.
+
+Invariants:
+- `tokenizer.json` is required; `tokenizer_config.json` and `special_tokens_map.json` are read when
+  present for bos/eos/pad/unk tokens and `chat_template`; a `chat_template.jinja` file in the
+  folder takes precedence over any template in `tokenizer_config.json`; without either, the
+  built-in `chat.DEFAULT_GEMMA4_TEMPLATE` is used (`chat_template_source == "default"`).
+- `encode` never adds special tokens unless asked: chat templates already write `<bos>`, and
+  special-token text in the input (e.g. `<|turn>`) is matched to its id, as in Hugging Face.
+- `decode` keeps special tokens by default (the output parser needs `<|channel>`, `<|tool_call>`,
+  `<turn|>`, ... to split reasoning / tool calls / content).
+- `StreamDecoder` emits text deltas whose concatenation equals `decode(all ids)` (given the same
+  `skip_special_tokens`); it never emits a partial multi-byte character: text whose tail decodes
+  to U+FFFD is held back until the following ids complete it or `flush()` is called.
+- Gemma 4 special-token ids are listed in `GEMMA4_SPECIAL_TOKENS` (spec/inference.md 1.5).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from .errors import CheckpointError, InputError
+
+__all__ = [
+    "GEMMA4_SPECIAL_TOKENS",
+    "GEMMA4_CONTROL_TOKENS",
+    "StreamDecoder",
+    "Tokenizer",
+]
+
+# Gemma 4 special tokens and their ids in the released vocabulary (spec 1.5).
+GEMMA4_SPECIAL_TOKENS: dict[str, int] = {
+    "<pad>": 0,
+    "<eos>": 1,
+    "<bos>": 2,
+    "<unk>": 3,
+    "<mask>": 4,
+    "<|tool>": 46,
+    "<tool|>": 47,
+    "<|tool_call>": 48,
+    "<tool_call|>": 49,
+    "<|tool_response>": 50,
+    "<tool_response|>": 51,
+    '<|"|>': 52,
+    "<|think|>": 98,
+    "<|channel>": 100,
+    "<channel|>": 101,
+    "<|turn>": 105,
+    "<turn|>": 106,
+    "<|image>": 255999,
+    "<|image|>": 258880,
+    "<image|>": 258882,
+}
+
+# Every special-token string the output parser treats as control text (never shown to users).
+GEMMA4_CONTROL_TOKENS: tuple[str, ...] = tuple(GEMMA4_SPECIAL_TOKENS) + (
+    "<|audio>", "<|audio|>", "<audio|>", "<|video|>",
+)
+
+_REPLACEMENT = "\ufffd"
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config values are either "<bos>" or {"content": "<bos>", ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); re-download the checkpoint file") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object; re-download the checkpoint file")
+    return data
+
+
+class Tokenizer:
+    """Checkpoint tokenizer: encode/decode, special ids, chat template, streaming decode."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, *, bos_token: str | None = "<bos>",
+                 eos_token: str | None = "<eos>", pad_token: str | None = "<pad>",
+                 unk_token: str | None = "<unk>", chat_template: str | None = None,
+                 chat_template_source: str = "default", path: Path | None = None) -> None:
+        self._tok = tok
+        self.path = path
+        self.bos_token = bos_token if bos_token is not None and tok.token_to_id(bos_token) is not None else None
+        self.eos_token = eos_token if eos_token is not None and tok.token_to_id(eos_token) is not None else None
+        self.pad_token = pad_token if pad_token is not None and tok.token_to_id(pad_token) is not None else None
+        self.unk_token = unk_token if unk_token is not None and tok.token_to_id(unk_token) is not None else None
+        if chat_template is None:
+            from .chat import DEFAULT_GEMMA4_TEMPLATE
+            chat_template, chat_template_source = DEFAULT_GEMMA4_TEMPLATE, "default"
+        self.chat_template: str = chat_template
+        self.chat_template_source: str = chat_template_source
+        added = tok.get_added_tokens_decoder()
+        self._special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self._special_tokens: tuple[str, ...] = tuple(added[i].content for i in sorted(self._special_ids))
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load from a checkpoint folder (or a path to its tokenizer.json)."""
+        path = Path(path)
+        if path.is_file() and path.name.endswith(".json"):
+            folder, tok_file = path.parent, path
+        else:
+            folder, tok_file = path, path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise CheckpointError(f"tokenizer file {tok_file} not found; put the checkpoint's tokenizer.json in {folder}")
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as exc:  # the Rust side raises plain Exception on bad files
+            raise CheckpointError(f"cannot read {tok_file} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); re-download tokenizer.json") from None
+
+        fields: dict[str, Any] = {}
+        template: str | None = None
+        source = "default"
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # later file wins
+            file = folder / name
+            if not file.is_file():
+                continue
+            data = _read_json(file)
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                content = _token_content(data.get(key))
+                if content is not None:
+                    fields[key] = content
+            if name == "tokenizer_config.json":
+                ct = data.get("chat_template")
+                if isinstance(ct, list):  # [{"name": "default", "template": ...}, ...]
+                    named = {d.get("name"): d.get("template") for d in ct if isinstance(d, dict)}
+                    ct = named.get("default") or next(iter(named.values()), None)
+                if isinstance(ct, str) and ct.strip():
+                    template, source = ct, "tokenizer_config.json"
+        jinja_file = folder / "chat_template.jinja"
+        if jinja_file.is_file():
+            try:
+                template, source = jinja_file.read_text(encoding="utf-8"), "chat_template.jinja"
+            except (OSError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"cannot read {jinja_file} ({exc}); fix or delete the file") from None
+        return cls(tok, bos_token=fields.get("bos_token", "<bos>"),
+                   eos_token=fields.get("eos_token", "<eos>"),
+                   pad_token=fields.get("pad_token", "<pad>"),
+                   unk_token=fields.get("unk_token", "<unk>"),
+                   chat_template=template, chat_template_source=source, path=folder)
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped `tokenizers.Tokenizer`."""
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self._tok.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return None if self.pad_token is None else self._tok.token_to_id(self.pad_token)
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return None if self.unk_token is None else self._tok.token_to_id(self.unk_token)
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """Strings of all special (added, special=True) tokens, by id."""
+        return self._special_tokens
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._special_ids
+
+    def is_special(self, token_id: int) -> bool:
+        return int(token_id) in self._special_ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
+    # ------------------------------------------------------------------ encode / decode
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise InputError(f"text to encode must be a string, got {type(text).__name__}; pass str")
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        for t in texts:
+            if not isinstance(t, str):
+                raise InputError(f"texts to encode must be strings, got {type(t).__name__}; pass str")
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if i < 0 or i >= self.vocab_size]
+        if bad:
+            raise InputError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size}); check the model/tokenizer pairing")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True,
+                            enable_thinking: bool = False, tools: Any = None,
+                            tokenize: bool = True, **template_kwargs: Any) -> list[int] | str:
+        """Render the chat template; ids (default) or the prompt text (`tokenize=False`).
+
+        Extra keyword arguments become template variables (e.g. `empty_thought_block=False`).
+        The template writes `<bos>` itself, so ids are encoded without extra special tokens.
+        """
+        from .chat import render_chat_template
+        text = render_chat_template(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking, tools=tools,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **template_kwargs)
+        return self.encode(text) if tokenize else text
+
+
+class StreamDecoder:
+    """Incremental detokeniser: `feed(new_ids)` returns the newly completed text.
+
+    Uses a small window of already-emitted ids as left context, so decoders that treat the
+    start of a sequence specially (leading-space stripping) and byte-fallback tokens that
+    complete a character only together produce the same text as one full `decode`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context window
+        self._read = 0    # ids before this index have been emitted
+        self._extra = 0   # chars past decode(ids[prefix:read]) already emitted (partial tail)
+        self.text = ""    # everything emitted so far
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self._ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def feed(self, new_ids: Iterable[int]) -> str:
+        """Append ids; return the text they complete ("" while nothing new is complete)."""
+        self._ids.extend(int(i) for i in new_ids)
+        if self._read == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        full_text = self._decode(self._ids[self._prefix:])
+        if not full_text.startswith(prefix_text):
+            return ""  # context changed the already-emitted text; resolved by flush()
+        done = len(prefix_text) + self._extra  # chars of full_text already emitted
+        if full_text.endswith(_REPLACEMENT):
+            # a multi-byte character may still be incomplete: emit only what precedes it
+            stable = full_text.rstrip(_REPLACEMENT)
+            delta = stable[done:] if len(stable) > done else ""
+            self._extra += len(delta)
+        else:
+            delta = full_text[done:]
+            self._prefix, self._read, self._extra = self._read, len(self._ids), 0
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an incomplete character decodes to U+FFFD)."""
+        if self._read == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        full_text = self._decode(self._ids[self._prefix:])
+        if full_text.startswith(prefix_text):
+            delta = full_text[len(prefix_text) + self._extra:]
+        else:  # pathological: fall back to the whole text
+            whole = self._decode(self._ids)
+            delta = whole[len(self.text):] if whole.startswith(self.text) else ""
+        self._prefix, self._read, self._extra = self._read, len(self._ids), 0
+        self.text += delta
+        return delta

@@ -1,0 +1,334 @@
+"""Tokenizer wrapper, streaming detokeniser, tiny test tokenizer and the Gemma 4 chat template."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockpress.chat import DEFAULT_GEMMA4_TEMPLATE, render_chat_template
+from blockpress.errors import CheckpointError, InputError
+from blockpress.testing import TINY_SPECIAL_TOKENS, TINY_VOCAB_SIZE, build_tiny_gemma_tokenizer, tiny_tokenizer_json
+from blockpress.tokenizer import GEMMA4_SPECIAL_TOKENS, StreamDecoder, Tokenizer
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+SPECIAL_STRINGS = list(TINY_SPECIAL_TOKENS)
+# Text mixing arbitrary unicode with special-token strings.
+mixed_text = st.lists(st.one_of(st.text(max_size=12), st.sampled_from(SPECIAL_STRINGS)), max_size=8).map("".join)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_tok")
+    build_tiny_gemma_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir) -> Tokenizer:
+    return Tokenizer.from_dir(tok_dir)
+
+
+# ----------------------------------------------------------------------------- tiny tokenizer
+def test_special_ids_and_sizes(tok):
+    assert tok.vocab_size == TINY_VOCAB_SIZE == 512
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    expected = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "<|tool>": 46, "<tool|>": 47,
+                "<|tool_call>": 48, "<tool_call|>": 49, "<|tool_response>": 50, "<tool_response|>": 51,
+                '<|"|>': 52, "<|think|>": 98, "<|channel>": 100, "<channel|>": 101, "<|turn>": 105, "<turn|>": 106}
+    assert TINY_SPECIAL_TOKENS == expected
+    for text, i in expected.items():
+        assert GEMMA4_SPECIAL_TOKENS[text] == i
+        assert tok.token_to_id(text) == i and tok.id_to_token(i) == text
+        assert tok.is_special(i)
+        assert tok.encode(text) == [i]
+    assert tok.special_ids == frozenset(expected.values())
+    assert tok.id_to_token(107) == "\n" and tok.encode("\n") == [107]
+    assert not tok.is_special(107) and not tok.is_special(5)
+    assert all(tok.id_to_token(i) is not None for i in range(TINY_VOCAB_SIZE))
+    assert tok.encode("hi", add_special_tokens=True)[0] == 2
+    assert tok.encode("hi")[0] != 2
+
+
+def test_tiny_tokenizer_is_deterministic(tmp_path, tok_dir):
+    build_tiny_gemma_tokenizer(tmp_path / "a" / "tokenizer.json")  # path form: parent folder used
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (tok_dir / "tokenizer.json").read_text()
+    assert (tmp_path / "a" / "chat_template.jinja").read_text() == DEFAULT_GEMMA4_TEMPLATE
+    assert tiny_tokenizer_json() == (tok_dir / "tokenizer.json").read_text()
+    assert len(json.loads(tiny_tokenizer_json())["model"]["vocab"]) == 512
+
+
+def test_merges_compress_english(tok):
+    text = "The sky is blue because the air scatters the light."
+    assert len(tok.encode(text)) < 0.6 * len(text)
+
+
+@FAST
+@given(text=st.text())
+def test_roundtrip_unicode(tok, text):
+    ids = tok.encode(text)
+    assert all(0 <= i < TINY_VOCAB_SIZE for i in ids)
+    assert tok.decode(ids) == text
+
+
+@FAST
+@given(text=mixed_text)
+def test_roundtrip_with_special_strings(tok, text):
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    plain = tok.decode(ids, skip_special_tokens=True)
+    assert plain == tok.decode([i for i in ids if not tok.is_special(i)])
+
+
+def test_decode_rejects_out_of_range(tok):
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        tok.decode([1, 512])
+    with pytest.raises(InputError):
+        tok.encode(b"bytes")  # type: ignore[arg-type]
+
+
+def test_matches_transformers_fast_tokenizer(tok, tok_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
+    rng = random.Random(0)
+    alphabet = "abcdefghij klmnopqrstuvwxyzTHE.,!?\n\t'\"<|>{}éß中😀"
+    samples = ["", " ", "Why is the sky blue?", "<|turn>user\nhi<turn|>\n", "a<eos>b<pad>", "  two  spaces "]
+    samples += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))) for _ in range(150)]
+    samples += [s + rng.choice(SPECIAL_STRINGS) + s[::-1] for s in samples[6:40]]
+    for s in samples:
+        ours = tok.encode(s)
+        assert ours == hf.encode(s, add_special_tokens=False), s
+        assert tok.encode(s, add_special_tokens=True) == hf.encode(s, add_special_tokens=True), s
+        assert tok.decode(ours) == hf.decode(ours, clean_up_tokenization_spaces=False), s
+        assert tok.decode(ours, skip_special_tokens=True) == hf.decode(
+            ours, skip_special_tokens=True, clean_up_tokenization_spaces=False), s
+
+
+# ----------------------------------------------------------------------------- streaming decode
+def _split(ids, cuts):
+    cuts = sorted({c % (len(ids) + 1) for c in cuts})
+    bounds = [0, *cuts, len(ids)]
+    return [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@FAST
+@given(text=mixed_text, cuts=st.lists(st.integers(0, 1000), max_size=10), skip=st.booleans())
+def test_stream_decoder_concatenates_to_decode(tok, text, cuts, skip):
+    ids = tok.encode(text)
+    dec = StreamDecoder(tok, skip_special_tokens=skip)
+    deltas = [dec.feed(chunk) for chunk in _split(ids, cuts)]
+    tail = dec.flush()
+    full = tok.decode(ids, skip_special_tokens=skip)
+    assert "".join(deltas) + tail == full == dec.text
+    if "\ufffd" not in full:
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_stream_decoder_holds_multibyte_characters(tok):
+    ids = tok.encode("a😀b")
+    assert len(ids) == 6  # 'a', four byte-fallback tokens, 'b'
+    dec = tok.stream_decoder()
+    assert [dec.feed([i]) for i in ids] == ["a", "", "", "", "😀", "b"]
+    assert dec.flush() == ""
+
+
+def test_stream_decoder_flushes_incomplete_bytes(tok):
+    ids = tok.encode("x😀")[:-1]  # cut inside the emoji
+    dec = tok.stream_decoder()
+    assert dec.feed(ids) == "x"
+    assert dec.flush() == tok.decode(ids)[1:]
+    assert dec.text == tok.decode(ids)
+
+
+# ----------------------------------------------------------------------------- loading
+def test_missing_tokenizer_json(tmp_path):
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_corrupt_tokenizer_json(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_template_precedence(tmp_path):
+    build_tiny_gemma_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "CFG{{ messages[0].content }}"
+    cfg["eos_token"] = {"content": "<turn|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "chat_template.jinja").write_text("JINJA{{ messages[0].content }}{{ eos_token }}")
+    t = Tokenizer.from_dir(tmp_path)
+    assert t.chat_template_source == "chat_template.jinja"
+    assert t.eos_token_id == 106
+    assert t.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "JINJAhi<turn|>"
+    (tmp_path / "chat_template.jinja").unlink()
+    t = Tokenizer.from_dir(tmp_path)
+    assert t.chat_template_source == "tokenizer_config.json"
+    assert t.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "CFGhi"
+    del cfg["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    t = Tokenizer.from_dir(tmp_path)
+    assert t.chat_template_source == "default" and t.chat_template == DEFAULT_GEMMA4_TEMPLATE
+
+
+def test_bad_template_errors(tmp_path):
+    build_tiny_gemma_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{% if %}")
+    t = Tokenizer.from_dir(tmp_path)
+    with pytest.raises(CheckpointError, match="syntax error"):
+        t.apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(InputError, match="roles must alternate"):
+        render_chat_template("{{ raise_exception('roles must alternate') }}", [])
+    assert render_chat_template("{{ x | tojson }}|{{ strftime_now('%Y') | length }}", [], x={"é": [1]}) == '{"é": [1]}|4'
+    out = render_chat_template("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}",
+                               [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert out == "a"
+
+
+# ----------------------------------------------------------------------------- chat template
+USER = [{"role": "user", "content": "Why is the sky blue?"}]
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "weather", "description": "Weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City"}},
+                   "required": ["city"]}}}
+WEATHER_DECL = ('<|tool>declaration:weather{description:<|"|>Weather<|"|>,parameters:{properties:{city:'
+                '{description:<|"|>City<|"|>,type:<|"|>STRING<|"|>}},required:[<|"|>city<|"|>],'
+                'type:<|"|>OBJECT<|"|>}}<tool|>')
+
+
+def render(messages, **kw):
+    return render_chat_template(DEFAULT_GEMMA4_TEMPLATE, messages, **kw)
+
+
+def test_plain_chat_thinking_off_has_empty_thought_block(tok):
+    text = render(USER)
+    assert text == ("<bos><|turn>user\nWhy is the sky blue?<turn|>\n<|turn>model\n"
+                    "<|channel>thought\n<channel|>")
+    ids = tok.apply_chat_template(USER)
+    assert ids == tok.encode(text)
+    # Same structure as the real ids in the spec: 2,105,<user>,107,...,106,107,105,<model>,107,100,<thought>,107,101
+    assert ids[:2] == [2, 105] and ids[-1] == 101 and ids[-2] == 107 and 100 in ids
+    assert ids[ids.index(106):ids.index(106) + 3] == [106, 107, 105]
+
+
+def test_plain_chat_without_empty_thought_block():
+    assert render(USER, empty_thought_block=False) == (
+        "<bos><|turn>user\nWhy is the sky blue?<turn|>\n<|turn>model\n")
+
+
+def test_system_and_thinking_on():
+    msgs = [{"role": "system", "content": "Be concise."}, {"role": "user", "content": "Hello"}]
+    assert render(msgs, enable_thinking=True) == (
+        "<bos><|turn>system\n<|think|>\nBe concise.<turn|>\n<|turn>user\nHello<turn|>\n<|turn>model\n")
+    assert render(msgs) == (
+        "<bos><|turn>system\nBe concise.<turn|>\n<|turn>user\nHello<turn|>\n<|turn>model\n"
+        "<|channel>thought\n<channel|>")
+    assert render(msgs[1:], enable_thinking=True) == (
+        "<bos><|turn>system\n<|think|>\n<turn|>\n<|turn>user\nHello<turn|>\n<|turn>model\n")
+
+
+def test_tools_declarations():
+    tool = {"type": "function", "function": {
+        "name": "search", "description": "Find things",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "description": "What"},
+            "limit": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "mode": {"type": "string", "enum": ["fast", "slow"]},
+            "filter": {"type": "object", "properties": {"lang": {"type": "string"}}, "required": ["lang"]},
+        }, "required": ["query"]}}}
+    text = render([{"role": "user", "content": "Plan"}], tools=[WEATHER_TOOL, tool], enable_thinking=True)
+    assert text == (
+        "<bos><|turn>system\n<|think|>\n" + WEATHER_DECL +
+        '<|tool>declaration:search{description:<|"|>Find things<|"|>,parameters:{properties:{'
+        'filter:{properties:{lang:{type:<|"|>STRING<|"|>}},required:[<|"|>lang<|"|>],type:<|"|>OBJECT<|"|>},'
+        'limit:{type:<|"|>INTEGER<|"|>},'
+        'mode:{enum:[<|"|>fast<|"|>,<|"|>slow<|"|>],type:<|"|>STRING<|"|>},'
+        'query:{description:<|"|>What<|"|>,type:<|"|>STRING<|"|>},'
+        'tags:{items:{type:<|"|>STRING<|"|>},type:<|"|>ARRAY<|"|>}},'
+        'required:[<|"|>query<|"|>],type:<|"|>OBJECT<|"|>}}<tool|>'
+        "<turn|>\n<|turn>user\nPlan<turn|>\n<|turn>model\n")
+    # bare function schemas are accepted too
+    bare = render([{"role": "user", "content": "Plan"}], tools=[WEATHER_TOOL["function"]], enable_thinking=True)
+    assert WEATHER_DECL in bare
+
+
+def test_multi_turn_with_tool_calls():
+    msgs = [
+        {"role": "system", "content": "You help."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "weather", "arguments": json.dumps({"city": "Paris", "days": 2, "metric": True,
+                                                                       "extra": None, "hours": [6, 12]})}},
+            {"id": "call_2", "type": "function", "function": {"name": "time", "arguments": {"tz": "CET"}}}]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "12:00"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny, at noon."},
+        {"role": "user", "content": [{"type": "text", "text": "Thanks"}, {"type": "text", "text": "!"}]},
+    ]
+    expected_history = (
+        "<bos><|turn>system\nYou help." + WEATHER_DECL + "<turn|>\n"
+        "<|turn>user\nWeather in Paris?<turn|>\n"
+        "<|turn>model\nChecking."
+        '<|tool_call>call:weather{city:<|"|>Paris<|"|>,days:2,extra:null,hours:[6,12],metric:true}<tool_call|>'
+        '<|tool_call>call:time{tz:<|"|>CET<|"|>}<tool_call|>'
+        '<|tool_response>response:time{value:<|"|>12:00<|"|>}<tool_response|>'
+        '<|tool_response>response:weather{value:<|"|>sunny<|"|>}<tool_response|>'
+        "Sunny, at noon.<turn|>\n"
+        "<|turn>user\nThanks!<turn|>\n")
+    assert render(msgs, tools=[WEATHER_TOOL]) == expected_history + "<|turn>model\n<|channel>thought\n<channel|>"
+    assert render(msgs, tools=[WEATHER_TOOL], add_generation_prompt=False) == expected_history
+    # history ending in tool results: the model turn stays open for the model to continue
+    open_turn = render(msgs[:5], tools=[WEATHER_TOOL])
+    assert open_turn.endswith('response:weather{value:<|"|>sunny<|"|>}<tool_response|>')
+    assert render(msgs[:5], tools=[WEATHER_TOOL], add_generation_prompt=False).endswith("<tool_response|><turn|>\n")
+    # tool name from `name`, mapping content rendered in Gemma notation
+    msgs2 = [{"role": "user", "content": "x"},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{}"}}]},
+             {"role": "tool", "name": "f", "content": {"ok": True, "n": 1}}]
+    assert render(msgs2).endswith(
+        "<|turn>model\n<|tool_call>call:f{}<tool_call|><|tool_response>response:f{n:1,ok:true}<tool_response|>")
+
+
+def test_developer_role_and_input_errors():
+    assert render([{"role": "developer", "content": "Rules"}, {"role": "user", "content": "hi"}],
+                  empty_thought_block=False) == (
+        "<bos><|turn>system\nRules<turn|>\n<|turn>user\nhi<turn|>\n<|turn>model\n")
+    with pytest.raises(InputError, match="role"):
+        render([{"role": "wizard", "content": "x"}])
+    with pytest.raises(InputError, match="messages must be a list"):
+        render("hello")
+    with pytest.raises(InputError, match="text only"):
+        render([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(InputError, match="not valid JSON"):
+        render([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}])
+    with pytest.raises(InputError, match="name"):
+        render(USER, tools=[{"type": "function", "function": {"description": "no name"}}])
+
+
+@pytest.mark.parametrize("case", ["plain", "thinking", "tools"])
+def test_template_matches_transformers_rendering(tok_dir, case):
+    """Our jinja environment renders the template exactly like transformers' apply_chat_template."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tok_dir))
+    ours = Tokenizer.from_dir(tok_dir)
+    msgs = [{"role": "system", "content": "Sys"}, {"role": "user", "content": "Plan"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "ok"}]
+    kw = {"plain": {}, "thinking": {"enable_thinking": True}, "tools": {"tools": [WEATHER_TOOL]}}[case]
+    a = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
+    b = ours.apply_chat_template(msgs, tokenize=False, **kw)
+    assert a == b
+    assert list(hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, **kw)["input_ids"]) == \
+        ours.apply_chat_template(msgs, **kw)

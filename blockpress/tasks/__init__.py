@@ -1,0 +1,1 @@
+"""Task definitions built on the engine (data generation, exact checking, evaluation), e.g. `sudoku`."""

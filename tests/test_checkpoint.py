@@ -1,0 +1,176 @@
+"""Loading and saving checkpoints: both directions with transformers, shards, Hub cache, bad files."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import blockpress
+from blockpress.errors import CheckpointError, ConfigError
+from hf_oracle import build_hf_model, hf_config
+
+transformers = pytest.importorskip("transformers")
+torch.set_grad_enabled(False)
+
+
+def _logits_hf(hf, ids, canvas):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf.config.text_config)
+    return hf(input_ids=ids, decoder_input_ids=canvas, past_key_values=cache).logits
+
+
+def _logits_bp(bp, ids, canvas):
+    cache = bp.module.new_cache(ids.shape[0], ids.shape[1])
+    bp.module.encode(ids, cache)
+    return bp.module.decode(canvas, cache)
+
+
+IDS = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+CANVAS = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def test_blockpress_saved_checkpoint_loads_in_transformers(hf_tiny_dir, tmp_path):
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    path, hf = hf_tiny_dir
+    bp = blockpress.load(path, dtype="float32", progress=False)
+    with torch.no_grad():  # make sure we save *our* weights, not a copy of the input
+        bp.module.layers[0].encoder_layer_scalar.fill_(1.25)
+        bp.module.norm.weight.mul_(1.1)
+    out = bp.save(tmp_path / "saved")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    re_hf = DiffusionGemmaForBlockDiffusion.from_pretrained(out, dtype=torch.float32)
+    re_hf.set_attn_implementation("eager")
+    re_hf.set_experts_implementation("eager")
+    re_hf.eval()
+    bp.module.attention_backend = "eager"
+    assert (_logits_hf(re_hf, IDS, CANVAS) - _logits_bp(bp, IDS, CANVAS)).abs().max() < 2e-5
+    # and it loads back into blockpress identically
+    again = blockpress.load(out, dtype="float32", progress=False)
+    again.module.attention_backend = "eager"
+    assert torch.equal(_logits_bp(again, IDS, CANVAS), _logits_bp(bp, IDS, CANVAS))
+
+
+def test_sharded_checkpoint_loads(hf_tiny_dir, tmp_path):
+    path, hf = hf_tiny_dir
+    hf.save_pretrained(tmp_path, max_shard_size="200KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    a = blockpress.load(tmp_path, dtype="float32", progress=False)
+    b = blockpress.load(path, dtype="float32", progress=False)
+    assert torch.equal(_logits_bp(a, IDS, CANVAS), _logits_bp(b, IDS, CANVAS))
+
+
+def test_loads_on_meta_then_assigns_once(hf_tiny_dir):
+    path, _ = hf_tiny_dir
+    bp = blockpress.load(path, dtype="float32", progress=False)
+    tensors = list(bp.module.parameters()) + list(bp.module.buffers())
+    assert all(t.device.type == "cpu" and not t.is_meta for t in tensors)
+    bf = blockpress.load(path, dtype="bfloat16", progress=False)
+    assert bf.module.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_hub_id_from_local_cache(hf_tiny_dir, tmp_path, monkeypatch):
+    """A Hub id resolves through huggingface_hub (offline here: from a populated cache)."""
+    path, _ = hf_tiny_dir
+    cache = tmp_path / "hub"
+    snap = cache / "models--acme--tiny-dg" / "snapshots" / ("a" * 40)
+    shutil.copytree(path, snap)
+    (cache / "models--acme--tiny-dg" / "refs").mkdir(parents=True)
+    (cache / "models--acme--tiny-dg" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as C
+
+    monkeypatch.setattr(C, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(C, "HF_HUB_OFFLINE", True)
+    bp = blockpress.load("acme/tiny-dg", dtype="float32", progress=False)
+    assert bp.config.canvas_length == 16
+    with pytest.raises(CheckpointError, match="could not fetch 'acme/missing'"):
+        blockpress.load("acme/missing", progress=False)
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_clear_errors_for_bad_checkpoints(hf_tiny_dir, tmp_path, capsys):
+    path, _ = hf_tiny_dir
+    with pytest.raises(CheckpointError, match="neither a folder nor a Hub id"):
+        blockpress.load(tmp_path / "nope" / "x" / "y")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="config.json not found"):
+        blockpress.load(empty)
+    # pickle only
+    pk = _copy(path, tmp_path / "pickle")
+    (pk / "model.safetensors").unlink()
+    torch.save({"x": torch.zeros(1)}, pk / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="pickle"):
+        blockpress.load(pk)
+    # truncated safetensors
+    tr = _copy(path, tmp_path / "trunc")
+    data = (tr / "model.safetensors").read_bytes()
+    (tr / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated|re-download"):
+        blockpress.load(tr, progress=False)
+    # malformed config
+    bad = _copy(path, tmp_path / "badcfg")
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        blockpress.load(bad)
+    # wrong model type
+    wt = _copy(path, tmp_path / "wrongtype")
+    cfg = json.loads((wt / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (wt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="model_type 'llama'"):
+        blockpress.load(wt)
+    # shape mismatch: names the tensor, expected and found
+    sm = _copy(path, tmp_path / "shape")
+    sd = load_file(sm / "model.safetensors")
+    sd["model.decoder.layers.1.self_attn.q_proj.weight"] = torch.zeros(8, 64)
+    save_file(sd, sm / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"q_proj.weight.*\[8, 64\].*\[128, 64\]"):
+        blockpress.load(sm, progress=False)
+    # missing tensor
+    ms = _copy(path, tmp_path / "missing")
+    sd = load_file(ms / "model.safetensors")
+    del sd["model.decoder.layers.2.mlp.up_proj.weight"]
+    save_file(sd, ms / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing"):
+        blockpress.load(ms, progress=False)
+    # missing shard
+    sh = tmp_path / "shards"
+    build_hf_model(hf_config()).save_pretrained(sh, max_shard_size="200KB")
+    next(sh.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match="shard"):
+        blockpress.load(sh, progress=False)
+
+
+def test_vision_weights_are_reported_once_not_fatal(hf_tiny_dir, capfd):
+    path, _ = hf_tiny_dir
+    blockpress.load(path, progress=False)
+    err = capfd.readouterr().err
+    assert err.count("vision-tower tensors present and unused") == 1
+
+
+def test_save_is_atomic_on_failure(hf_tiny_dir, tmp_path, monkeypatch):
+    path, _ = hf_tiny_dir
+    bp = blockpress.load(path, progress=False)
+    target = bp.save(tmp_path / "out")
+    before = (target / "model.safetensors").read_bytes()
+    import safetensors.torch as st
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(st, "save_file", boom)
+    with pytest.raises(CheckpointError, match="No space left"):
+        bp.save(target)
+    assert (target / "model.safetensors").read_bytes() == before  # old checkpoint intact
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no temp leftovers

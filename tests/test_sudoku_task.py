@@ -1,0 +1,324 @@
+"""Tests for blockpress.tasks.sudoku: generator, exact solver, checker, held-out split,
+grid parsing, tokenizer round-trip, evaluation and the solve() wiring (with a fake model)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from blockpress.tasks import sudoku as S
+
+# Wikipedia's example puzzle and its (published) solution; Arto Inkala's "hardest" puzzle.
+WIKI = "53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79"
+WIKI_SOL = "534678912672195348198342567859761423426853791713924856961537284287419635345286179"
+INKALA = "800000000003600000070090200050007000000045700000100030001000068008500010090000400"
+
+
+def _units():
+    for u in range(9):
+        yield [u * 9 + c for c in range(9)]
+        yield [r * 9 + u for r in range(9)]
+        br, bc = (u // 3) * 3, (u % 3) * 3
+        yield [(br + dr) * 9 + bc + dc for dr in range(3) for dc in range(3)]
+
+
+def _independently_valid(grid: str) -> bool:
+    return len(grid) == 81 and all(sorted(grid[i] for i in unit) == list("123456789") for unit in _units())
+
+
+def _rotate(grid: str) -> str:  # 90 degrees clockwise
+    return "".join(grid[(8 - c) * 9 + r] for r in range(9) for c in range(9))
+
+
+def _relabel(grid: str, perm: str) -> str:  # digit d -> perm[d-1]
+    return "".join(perm[int(ch) - 1] for ch in grid)
+
+
+# ----------------------------------------------------------------------------- generator
+@pytest.mark.parametrize("blanks", [35, 45, 55])
+def test_generated_puzzles_have_exact_blanks_and_unique_solution(blanks):
+    rng = random.Random(1000 + blanks)
+    for _ in range(3):
+        puzzle, solution = S.generate_puzzle(rng, blanks)
+        assert len(puzzle) == 81 and len(solution) == 81
+        assert puzzle.count("0") == blanks
+        assert _independently_valid(solution)
+        assert all(p == "0" or p == s for p, s in zip(puzzle, solution))
+        assert S.count_solutions(puzzle) == 1
+        assert S.solve_exact(puzzle) == solution
+
+
+def test_generator_deterministic_and_rejects_bad_blanks():
+    a = [S.generate_puzzle(random.Random(7), 40) for _ in range(2)]
+    assert a[0] == a[1]
+    assert S.generate_puzzle(random.Random(8), 40) != a[0]
+    for bad in (-1, 65, 40.0, "40", True):
+        with pytest.raises(ValueError, match="blanks"):
+            S.generate_puzzle(random.Random(0), bad)
+
+
+def test_random_full_grids_are_valid_and_varied():
+    rng = random.Random(3)
+    grids = {S.random_full_grid(rng) for _ in range(5)}
+    assert len(grids) == 5 and all(_independently_valid(g) for g in grids)
+
+
+# ----------------------------------------------------------------------------- solver
+def test_solver_solves_known_puzzles():
+    assert S.solve_exact(WIKI) == WIKI_SOL
+    assert S.count_solutions(WIKI) == 1
+    sol = S.solve_exact(INKALA)
+    assert sol is not None and _independently_valid(sol)
+    assert all(p == "0" or p == s for p, s in zip(INKALA, sol))
+    assert S.count_solutions(INKALA, limit=5) == 1
+    for puz, s in ((WIKI, WIKI_SOL), (INKALA, sol)):
+        r = S.check(puz, s)
+        assert r["solved"] and r["valid"] and r["cell_accuracy"] == 1.0 and r["clues_kept"] == 1.0
+
+
+def test_solution_counting_and_unsolvable():
+    # Blank two cells forming a deadly pattern? Simpler: blank a whole solution -> many solutions.
+    assert S.count_solutions("0" * 81, limit=2) == 2
+    assert S.count_solutions("0" * 81, limit=7) == 7
+    # Remove enough clues from WIKI that it stops being unique.
+    loose = "0" * 27 + S.parse_grid(WIKI)[27:]
+    assert S.count_solutions(loose, limit=2) == 2
+    conflict = "11" + "0" * 79  # same digit twice in row 1
+    assert S.count_solutions(conflict) == 0 and S.solve_exact(conflict) is None
+    # A consistent-looking but unsolvable grid: row 1 needs a 9 in cell 9, column 9 forbids it.
+    dead = "12345678" + "0" + "0" * 8 + "9" + "0" * 63
+    assert S.count_solutions(dead) == 0
+
+
+# ----------------------------------------------------------------------------- checker
+def test_check_detects_single_wrong_cell():
+    puz = S.parse_grid(WIKI)
+    blanks = [i for i, ch in enumerate(puz) if ch == "0"]
+    i = blanks[0]
+    wrong = WIKI_SOL[:i] + str(int(WIKI_SOL[i]) % 9 + 1) + WIKI_SOL[i + 1:]
+    r = S.check(puz, wrong)
+    assert not r["solved"] and not r["valid"] and r["well_formed"]
+    assert r["cell_accuracy"] == pytest.approx((len(blanks) - 1) / len(blanks))
+    assert r["clues_kept"] == 1.0
+
+
+def test_check_detects_clue_overwrite_and_relabelled_grid():
+    puz = S.parse_grid(WIKI)
+    clues = [i for i, ch in enumerate(puz) if ch != "0"]
+    i = clues[0]
+    over = WIKI_SOL[:i] + str(int(WIKI_SOL[i]) % 9 + 1) + WIKI_SOL[i + 1:]
+    r = S.check(puz, over)
+    assert not r["solved"] and r["clues_kept"] == pytest.approx((len(clues) - 1) / len(clues))
+    assert r["cell_accuracy"] == 1.0
+    # A valid grid that ignores the clues: valid but not solved.
+    other = _relabel(WIKI_SOL, "234567891")
+    r = S.check(puz, other)
+    assert r["valid"] and not r["solved"] and r["clues_kept"] == 0.0 and r["cell_accuracy"] == 0.0
+
+
+@pytest.mark.parametrize("pred", [None, "", "abc", WIKI_SOL[:40], WIKI_SOL + "1", WIKI_SOL[:80] + "x",
+                                  12345, [5, 3, 4], object()])
+def test_check_never_raises_on_malformed(pred):
+    r = S.check(WIKI, pred, solution=WIKI_SOL)
+    assert r["solved"] is False and r["valid"] is False
+    assert 0.0 <= r["cell_accuracy"] <= 1.0 and 0.0 <= r["clues_kept"] <= 1.0
+
+
+def test_check_scores_partial_prediction():
+    r = S.check(WIKI, WIKI_SOL[:40])  # first 40 cells right, rest missing
+    puz = S.parse_grid(WIKI)
+    blanks = [i for i, ch in enumerate(puz) if ch == "0"]
+    clues = [i for i, ch in enumerate(puz) if ch != "0"]
+    assert r["cell_accuracy"] == pytest.approx(sum(i < 40 for i in blanks) / len(blanks))
+    assert r["clues_kept"] == pytest.approx(sum(i < 40 for i in clues) / len(clues))
+    assert not r["well_formed"]
+    # a pretty-printed full answer is accepted
+    assert S.check(WIKI, S.format_grid(WIKI_SOL))["solved"]
+
+
+# ----------------------------------------------------------------------------- held-out split
+def test_canonical_key_invariances():
+    k = S.canonical_key(WIKI_SOL)
+    assert S.canonical_key(_relabel(WIKI_SOL, "937182645")) == k
+    assert S.canonical_key(_rotate(WIKI_SOL)) == k
+    transposed = "".join(WIKI_SOL[c * 9 + r] for r in range(9) for c in range(9))
+    assert S.canonical_key(_relabel(transposed, "123456798")) == k
+    other = S.random_full_grid(random.Random(11))
+    assert S.canonical_key(other) != k
+
+
+def test_test_set_deterministic_prefix_and_seeded():
+    S._test_set_cached.cache_clear()
+    a = S.test_set(45, 4)
+    S._test_set_cached.cache_clear()
+    b = S.test_set(45, 4)
+    assert a == b and len(a) == 4
+    assert S.test_set(45, 2) == a[:2]
+    assert all(p.count("0") == 45 and S.count_solutions(p) == 1 for p, _ in a)
+    assert len({s for _, s in a}) == 4
+    assert S.test_set(45, 2, seed="another-seed") != a[:2]
+
+
+def test_train_stream_skips_excluded_keys():
+    plain = S.TrainStream(random.Random(5), (40, 44), exclude_keys=())
+    first = [next(plain) for _ in range(4)]
+    # exclude the first two (via transformed copies, to exercise the canonical key)
+    keys = {S.canonical_key(_rotate(first[0][1])), S.canonical_key(_relabel(first[1][1], "987654321"))}
+    stream = S.TrainStream(random.Random(5), (40, 44), exclude_keys=keys)
+    got = [next(stream) for _ in range(2)]
+    assert stream.skipped == 2 and stream.produced == 2
+    assert all(S.canonical_key(sol) not in keys for _, sol in got)
+    assert got == first[2:4]  # same rng: the two excluded ones were dropped, nothing else
+
+
+def test_train_stream_disjoint_from_default_heldout():
+    held = S.heldout_keys()
+    assert len(held) == len(S.EVAL_BLANKS) * S.EVAL_N_PER  # all held-out solutions distinct
+    it = S.train_batch_iter(None, (35, 45), batch_size=4)  # default seed + default held-out keys
+    batch = next(it)
+    assert len(batch) == 4
+    for puzzle, sol in batch:
+        assert S.canonical_key(sol) not in held
+        assert 35 <= puzzle.count("0") <= 45
+
+
+def test_train_stream_rejects_bad_range():
+    with pytest.raises(ValueError, match="blanks_range"):
+        S.TrainStream(random.Random(0), (50, 40), exclude_keys=())
+
+
+# ----------------------------------------------------------------------------- parsing
+def test_parse_grid_accepts_dots_zeros_and_pretty_grids():
+    zeros = WIKI.replace(".", "0")
+    assert S.parse_grid(WIKI) == zeros == S.parse_grid(zeros)
+    pretty = S.format_grid(WIKI)
+    assert pretty.count("\n") == 10 and "|" in pretty and "+" in pretty
+    assert S.parse_grid(pretty) == zeros
+    rows = "\n".join(WIKI[r * 9:(r + 1) * 9] for r in range(9)) + "\n"
+    assert S.parse_grid("  " + rows) == zeros
+
+
+@pytest.mark.parametrize("bad, words", [
+    (WIKI[:80], ["80 cells", "81"]),
+    (WIKI + "1", ["82 cells", "81"]),
+    ("x" + WIKI[1:], ["'x'", "row 1", "'.' or '0'"]),
+    (WIKI[:40] + "a" + WIKI[41:], ["'a'", "row 5, column 5"]),
+    ("55" + "0" * 79, ["twice", "row 1"]),
+])
+def test_parse_grid_rejects_bad_input_with_clear_messages(bad, words):
+    with pytest.raises(ValueError) as e:
+        S.parse_grid(bad)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_parse_grid_rejects_non_string():
+    with pytest.raises(ValueError, match="string"):
+        S.parse_grid(list(WIKI))  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def test_token_ids_and_lengths():
+    assert (S.PAD_ID, S.EOS_ID, S.BOS_ID, S.UNK_ID, S.MASK_ID) == (0, 1, 2, 3, 4)
+    assert S.PROMPT_LEN == 82 and S.CANVAS_LEN == 96 >= 82
+    tok = S.build_tokenizer()
+    for name, i in [("<pad>", 0), ("<eos>", 1), ("<bos>", 2), ("<unk>", 3), ("<mask>", 4), ("\n", 15)]:
+        assert tok.token_to_id(name) == i
+    assert [tok.token_to_id(str(d)) for d in range(10)] == list(range(5, 15))
+    assert tok.get_vocab_size() == 16
+
+
+def test_tokenizer_round_trip():
+    puz, sol = S.generate_puzzle(random.Random(21), 45)
+    tok = S.build_tokenizer()
+    p_ids, t_ids = S.encode_prompt(puz), S.encode_target(sol)
+    assert len(p_ids) == S.PROMPT_LEN and p_ids[0] == S.BOS_ID
+    assert len(t_ids) == S.CANVAS_LEN and t_ids[81:] == [S.EOS_ID] * (S.CANVAS_LEN - 81)
+    assert tok.encode("<bos>" + puz).ids == p_ids  # helpers agree with the HF tokenizer
+    assert tok.encode(sol + "<eos>" * 15).ids == t_ids
+    assert tok.decode(t_ids, skip_special_tokens=True) == sol
+    assert tok.decode(p_ids, skip_special_tokens=False) == "<bos>" + puz
+    assert tok.encode("1\n\n?").ids == [6, 15, 15, 3]
+    assert S.decode_answer(t_ids) == sol and S.decode_answer(p_ids) == puz
+    assert S.encode_prompt(puz.replace("0", ".")) == p_ids
+
+
+def test_decode_answer_is_tolerant():
+    sol = S.solve_exact(WIKI)
+    ids = S.encode_target(sol)
+    noisy = [S.PAD_ID, S.MASK_ID] + ids[:10] + [S.EOS_ID, 99, -3, S.NEWLINE_ID] + ids[10:]
+    assert S.decode_answer(noisy) == sol
+    assert S.decode_answer(np.array([ids])) == sol
+    assert S.decode_answer(ids[:30]) == sol[:30]
+    assert S.decode_answer([S.EOS_ID] * 5) == ""
+
+
+# ----------------------------------------------------------------------------- evaluation
+def test_evaluate_oracle_and_identity():
+    levels = (35, 45)
+    oracle = S.evaluate(lambda ps: [S.solve_exact(p) for p in ps], blanks_list=levels, n_per=3)
+    assert set(oracle["per_blanks"]) == set(levels)
+    for r in list(oracle["per_blanks"].values()) + [oracle["overall"]]:
+        assert r["solve_rate"] == 1.0 and r["cell_accuracy"] == 1.0 and r["clues_kept"] == 1.0
+    assert oracle["overall"]["n"] == 6
+    ident = S.evaluate(lambda ps: list(ps), blanks_list=levels, n_per=3)
+    o = ident["overall"]
+    assert o["solve_rate"] == 0.0 and o["valid_rate"] == 0.0
+    assert o["clues_kept"] == 1.0 and o["cell_accuracy"] == 0.0
+    short = S.evaluate(lambda ps: [], blanks_list=(35,), n_per=2)  # too few predictions: scored as empty
+    assert short["overall"]["solve_rate"] == 0.0 and short["overall"]["clues_kept"] == 0.0
+    report = S.format_report(oracle)
+    lines = report.splitlines()
+    assert lines[0].startswith("| blanks") and len(lines) == 2 + len(levels) + 1
+    assert "| 35 |" in report and "100.0%" in report
+
+
+# ----------------------------------------------------------------------------- model entry points
+def test_solve_without_model_raises_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(S, "DEFAULT_MODEL_PATH", tmp_path / "sudoku")
+    with pytest.raises(RuntimeError) as e:
+        S.solve(WIKI)
+    msg = str(e.value)
+    assert "model=" in msg and "blockpress train sudoku" in msg and str(tmp_path) in msg
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(S, "DEFAULT_MODEL_PATH", tmp_path / "empty")
+    with pytest.raises(S.SudokuModelMissing):
+        S.solve_batch([WIKI])
+
+
+def test_solve_rejects_bad_puzzle_before_loading_model():
+    with pytest.raises(ValueError, match="81"):
+        S.solve("123", model=object())
+
+
+def test_solve_batch_wiring_with_fake_model():
+    torch = pytest.importorskip("torch")
+    pairs = S.test_set(35, 2)
+    calls = []
+
+    class FakeOut:
+        def __init__(self, sequences):
+            self.sequences = sequences
+
+    class FakeModel:
+        def generate(self, ids, **kw):
+            calls.append((ids.clone(), kw))
+            by_prompt = {tuple(S.encode_prompt(p)): s for p, s in pairs}
+            canvas = []
+            for row in ids:
+                sol = by_prompt[tuple(row.tolist())]
+                target = S.encode_target(sol)
+                if sol == pairs[1][1]:
+                    target[5] = S.EOS_ID  # one digit missing -> result padded with "0"
+                canvas.append(target)
+            return FakeOut(torch.cat([ids, torch.tensor(canvas)], dim=1))
+
+    preds = S.solve_batch([p for p, _ in pairs], FakeModel(), temperature=0.0)
+    ids, kw = calls[0]
+    assert ids.shape == (2, S.PROMPT_LEN)
+    assert kw == {"max_new_tokens": S.CANVAS_LEN, "eos_token_id": [1], "pad_token_id": 0, "temperature": 0.0}
+    assert preds[0] == pairs[0][1]
+    assert len(preds[1]) == 81 and preds[1].endswith("0") and S.check(pairs[1][0], preds[1])["cell_accuracy"] < 1
+    assert S.solve(pairs[0][0], model=FakeModel()) == pairs[0][1]

@@ -132,3 +132,22 @@ def test_generation_config_priority_and_validation():
             GenerationConfig.resolve({}, **kw)
     with pytest.raises(TypeError, match="unknown generation parameter"):
         GenerationConfig.resolve({}, temperature=0.7)
+
+
+def test_real_26b_architecture_parameter_counts():
+    """Built on the meta device from the released config: counts equal the spec's (1.6) breakdown."""
+    import torch
+
+    from blockpress.model.diffusion_gemma import DiffusionGemmaModel
+
+    with torch.device("meta"):
+        m = DiffusionGemmaModel(ModelConfig.from_dict(released()))
+    params = dict(m.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    scalars = sum(b.numel() for n, b in m.named_buffers() if n.endswith("layer_scalar"))
+    assert total + scalars == 25_250_986_812  # text-only tensors of the release
+    assert sum(p.numel() for n, p in params.items() if ".experts." in n) == 22_837_985_280
+    assert sum(p.numel() for n, p in params.items() if ".self_attn." in n) == 1_110_197_760
+    assert sum(p.numel() for n, p in params.items() if n.startswith("self_conditioning")) == 17_844_992
+    assert "layers.5.self_attn.v_proj.weight" not in params and "layers.4.self_attn.v_proj.weight" in params
+    assert tuple(params["layers.5.self_attn.q_proj.weight"].shape) == (8192, 2816)

@@ -68,7 +68,7 @@ class BlockDiffusionLM:
             mask[i, width - len(r):] = True
         return ids, (mask if not bool(mask.all()) else attention_mask)
 
-    def stream(self, input_ids, attention_mask=None, generator: torch.Generator | None = None,
+    def stream(self, input_ids, attention_mask=None, generator=None,
                cache=None, decoder_input_ids=None, self_conditioning_logits=None, drafts: bool = True,
                **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
         """Yield a Draft after every denoising step, a Commit per canvas and a final Finished."""
@@ -78,11 +78,12 @@ class BlockDiffusionLM:
                              cache=cache, decoder_input_ids=decoder_input_ids,
                              self_conditioning_logits=self_conditioning_logits, drafts=drafts)
 
-    def generate(self, input_ids, attention_mask=None, generator: torch.Generator | None = None, cache=None,
+    def generate(self, input_ids, attention_mask=None, generator=None, cache=None,
                  decoder_input_ids=None, self_conditioning_logits=None, **sampling) -> engine.GenerationResult:
         """Generate canvases after `input_ids`. Keyword names and defaults follow the reference:
         max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max, stability_threshold,
-        confidence_threshold, eos_token_id, pad_token_id."""
+        confidence_threshold, eos_token_id, pad_token_id. `generator`: None (torch's global RNG, the
+        reference's draw order), a torch.Generator, or a list with one generator per row."""
         for ev in self.stream(input_ids, attention_mask, generator, cache, decoder_input_ids,
                               self_conditioning_logits, drafts=False, **sampling):
             if isinstance(ev, engine.Finished):

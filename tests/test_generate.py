@@ -156,3 +156,20 @@ def test_generate_text_with_tokenizer(hf_tiny_dir, tmp_path):
     assert text == again
     prompt = m.encode_chat("Hello there", enable_thinking=True)
     assert prompt[0] == 2 and 98 in prompt  # <bos> ... <|think|>
+
+
+def test_per_row_generators_make_rows_batch_invariant(bp):
+    x = ids(3, 20, 4)
+    for kw in (dict(KW, stability_threshold=None, confidence_threshold=None),  # fixed steps
+               dict(KW, max_new_tokens=48, stability_threshold=0, confidence_threshold=6.2135)):  # early stop
+        gens = [torch.Generator().manual_seed(s) for s in (10, 11, 12)]
+        batched = bp.generate(x, generator=gens, **kw)
+        for b, s in enumerate((10, 11, 12)):
+            alone = bp.generate(x[b:b + 1], generator=[torch.Generator().manual_seed(s)], **kw).sequences[0]
+            n = alone.shape[0]  # alone, a finished row stops; in the batch it is padded afterwards
+            assert torch.equal(alone, batched.sequences[b, :n]) and (batched.sequences[b, n:] == 0).all()
+        assert len(set(batched.forward_passes.tolist())) > 1 or kw["stability_threshold"] is None
+    single = bp.generate(x[:1], generator=torch.Generator().manual_seed(10), **kw)
+    assert torch.equal(single.sequences[0], batched.sequences[0])  # list of one == one generator
+    with pytest.raises(InputError, match="one per row"):
+        bp.generate(x, generator=gens[:2], **kw)

@@ -79,16 +79,19 @@ class Finished:
     result: GenerationResult
 
 
-def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, cache, tracker, generator):
+def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, cache, tracker, generator,
+                 finished=None):
     """One denoising step with remaining-step counter n (N..1). Returns x', a', sc', done', accepted."""
     raw = module.decode(x, cache, sc_logits)
+    # per-row generators draw only for active rows (batch invariance); one generator draws for all
+    active = ~(done | finished) if isinstance(generator, (list, tuple)) and finished is not None else None
     z = raw
     if cfg.t_min is not None and cfg.t_max is not None:
         z = raw / temperature(n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, raw.device)
-    y = sample_tokens(z, generator)
+    y = sample_tokens(z, generator, active)
     a = torch.argmax(z, dim=-1)
     accepted = entropy_bound_accept(token_entropy(z), cfg.entropy_bound)
-    noise = uniform_tokens(x.shape[0], x.shape[1], z.shape[-1], x.device, generator)
+    noise = uniform_tokens(x.shape[0], x.shape[1], z.shape[-1], x.device, generator, active)
     x_new = torch.where(accepted, y, noise)
     if tracker is not None:
         if bool(done.any()):
@@ -107,6 +110,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
 
     input_ids [B, S]: the tokens not yet in `cache` (the whole prompt when cache is None).
     attention_mask [B, S] (1 = token, 0 = left padding) for those tokens.
+    generator: None (global RNG), one torch.Generator, or a list of B generators (one per row).
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise InputError(f"input_ids must be a non-empty [batch, length] tensor, got shape {list(input_ids.shape)}")
@@ -116,6 +120,8 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
         raise InputError(f"input_ids contain ids outside the vocabulary [0, {V}); tokenize with this model's tokenizer")
     dev = module.device
     input_ids = input_ids.to(dev)
+    if isinstance(generator, (list, tuple)) and len(generator) != B:
+        raise InputError(f"got {len(generator)} generators for a batch of {B}; give one per row")
     T_start = cache.length if cache is not None else 0
     cur_len = T_start + S
     n_canvases = math.ceil(cfg.max_new_tokens / C)
@@ -151,7 +157,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 prefill_seconds = time.perf_counter() - t_start
-            x = uniform_tokens(B, C, V, dev, generator)
+            x = uniform_tokens(B, C, V, dev, generator, ~finished)
             sc = None
             if c == 0 and decoder_input_ids is not None:
                 x = decoder_input_ids.to(dev)
@@ -164,7 +170,8 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             steps = 0
             for n in range(N, 0, -1):
                 passes += ~(done | finished)
-                x, a, sc, done, accepted = denoise_step(module, x, a, sc, done, n, cfg, cache, tracker, generator)
+                x, a, sc, done, accepted = denoise_step(module, x, a, sc, done, n, cfg, cache, tracker, generator,
+                                                         finished)
                 steps += 1
                 if drafts:
                     yield Draft(c, steps, N, a.cpu(), accepted.cpu(), done.cpu())

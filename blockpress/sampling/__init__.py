@@ -6,6 +6,12 @@ All functions are side-effect free except for the random draws, which take an op
 `generator` (None = torch's global generator). The draw order of the reference is:
 per canvas `randint[B,C]` (initial canvas), then per step `multinomial` over the flattened
 [B*C, V] probabilities followed by `randint[B,C]` (renoise).
+
+`generator` may also be a list with one generator per row: each row then draws from its own
+stream (`randint[1,C]`, `multinomial` over its [C,V]), and only while the row is `active`
+(neither done denoising nor finished), which makes a row's tokens independent of what else is in
+the batch (the server batches requests with their own seeds). For B = 1 the two forms consume
+the stream identically, since an inactive single row ends the loop.
 """
 
 from __future__ import annotations
@@ -19,8 +25,17 @@ def temperature(n: int, n_steps: int, t_min: float, t_max: float, device) -> tor
     return t_min + (t_max - t_min) * (n_t / n_steps)
 
 
-def uniform_tokens(batch: int, canvas: int, vocab: int, device, generator=None) -> torch.Tensor:
+def _rows(generator, active):
+    flags = active.tolist() if active is not None else [True] * len(generator)
+    return list(zip(generator, flags))
+
+
+def uniform_tokens(batch: int, canvas: int, vocab: int, device, generator=None, active=None) -> torch.Tensor:
     """Uniform noise over the whole vocabulary [0, V) (special ids included)."""
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.randint(0, vocab, (1, canvas), device=device, generator=g) if on
+                          else torch.zeros(1, canvas, dtype=torch.long, device=device)
+                          for g, on in _rows(generator, active)])
     return torch.randint(0, vocab, (batch, canvas), device=device, generator=generator)
 
 
@@ -43,10 +58,14 @@ def entropy_bound_accept(h: torch.Tensor, bound: float) -> torch.Tensor:
     return torch.scatter(torch.zeros_like(accept_sorted), -1, order, accept_sorted)
 
 
-def sample_tokens(z: torch.Tensor, generator=None) -> torch.Tensor:
+def sample_tokens(z: torch.Tensor, generator=None, active=None) -> torch.Tensor:
     """One categorical draw per position from softmax(z) (fp32). z [B,C,V] -> [B,C]."""
     B, C, V = z.shape
     probs = torch.softmax(z, dim=-1, dtype=torch.float32)
+    if isinstance(generator, (list, tuple)):
+        return torch.stack([torch.multinomial(probs[b], num_samples=1, generator=g).view(C) if on
+                            else torch.zeros(C, dtype=torch.long, device=z.device)
+                            for b, (g, on) in enumerate(_rows(generator, active))])
     return torch.multinomial(probs.view(-1, V), num_samples=1, generator=generator).view(B, C)
 
 

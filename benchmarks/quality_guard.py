@@ -1,0 +1,178 @@
+"""Quality guard for low-precision experts: fp8 / int4 (and bf16 for scale) vs the fp32 reference.
+
+For each format the same model is copied, its experts quantised (embeddings, attention, router,
+self-conditioning stay fp32), and compared with the fp32 model on
+  (a) the experts alone: relative error ||y_q - y|| / ||y|| of every layer's MoE output on the
+      reference pass's own inputs and routing (the local quantisation error, nothing amplified);
+  (b) one decoder step over the same cache and canvas: mean / max KL(p_fp32 || p_q) per position,
+      top-1 (argmax) agreement;
+  (c) a whole seeded generation (fixed steps, exact sampler): fraction of new tokens equal to the
+      fp32 run's. Sampling amplifies any difference (one flipped draw changes the trajectory).
+"bf16" (the whole model in bf16, the shipped precision) is the yardstick: on random weights the
+router's near-uniform top-k flips under any rounding, so (b) and (c) measure routing chaos as much
+as the format; hence the KL gate is relative to bf16's KL (`--kl-vs-bf16 fp8=..,int4=..`) and the
+expert-error gate is absolute (`--max-err`). A trained model (`--model blockpress/assets/sudoku`,
+any checkpoint folder) gives the numbers that matter. Prints a table, ends with one JSON line,
+exits 1 if a format fails a gate.
+
+    python benchmarks/quality_guard.py --preset tiny
+    python benchmarks/quality_guard.py --model blockpress/assets/sudoku --prompt-tokens 96
+    python benchmarks/quality_guard.py --model google/diffusiongemma-26B-A4B-it --device cuda --ref-dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import sys
+
+import torch
+
+from blockpress.cli.bench import preset_config
+from blockpress.config import GenerationConfig
+from blockpress.engine.generate import generate
+from blockpress.kernels.quant import QuantizedExperts, compare_logits
+from blockpress.kernels.random_weights import build_model
+
+ERR_BUDGET = {"bf16": 0.01, "fp8": 0.08, "int4": 0.25}  # relative error of the experts' output
+KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0}  # mean KL may be at most this multiple of bf16's
+
+
+def load_model(args):
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.ref_dtype]
+    if args.model:
+        from blockpress import load
+
+        return load(args.model, device=args.device, dtype=dtype, progress=False, tokenizer=False).module
+    config, _, _ = preset_config(args.preset)
+    return build_model(config, torch.device(args.device), dtype, seed=args.seed, std=args.init_std)
+
+
+@contextlib.contextmanager
+def variant(ref, fmt: str, group_size: int):
+    """The reference with `fmt` experts. fp8/int4: its experts swapped in place (and restored), so a
+    26B reference needs one extra copy of the experts only; bf16: a bf16 copy of the whole model."""
+    if fmt == "bf16":  # the whole model in bf16: the yardstick fp8/int4 errors are read against
+        yield copy.deepcopy(ref).to(torch.bfloat16)
+        return
+    saved = [layer.experts for layer in ref.layers]
+    try:
+        for layer, old in zip(ref.layers, saved):
+            E, two_im, H = old.gate_up_proj.shape
+            q = QuantizedExperts(E, H, two_im // 2, fmt, group_size, dtype=old.gate_up_proj.dtype,
+                                 device=old.gate_up_proj.device)
+            layer.experts = q.load_float_(old.gate_up_proj, old.down_proj)
+        yield ref
+    finally:
+        for layer, old in zip(ref.layers, saved):
+            layer.experts = old
+
+
+@torch.no_grad()
+def capture_expert_inputs(module, ids, canvas):
+    """(x, w, idx, y) of every layer's experts during one reference decoder step."""
+    seen = []
+    hooks = [layer.experts.register_forward_hook(lambda mod, inp, out: seen.append((*inp, out)))
+             for layer in module.layers]
+    try:
+        one_step_logits(module, ids, canvas)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+@torch.no_grad()
+def experts_error(module, captured) -> float:
+    """Mean over layers of ||experts_q(x) - y_ref|| / ||y_ref|| with the reference inputs and routing."""
+    errs = []
+    for layer, (x, w, idx, y) in zip(module.layers, captured):
+        yq = layer.experts(x.to(module.dtype), w, idx).float()
+        errs.append(float((yq - y).norm() / y.norm()))
+    return sum(errs) / len(errs)
+
+
+@torch.no_grad()
+def one_step_logits(module, ids, canvas):
+    cache = module.new_cache(ids.shape[0], ids.shape[1])
+    module.encode(ids, cache)
+    return module.decode(canvas, cache).float()
+
+
+@torch.no_grad()
+def generation_tokens(module, ids, args):
+    cfg = GenerationConfig.resolve(max_new_tokens=args.new_tokens, max_denoising_steps=args.steps,
+                                   stability_threshold=None, confidence_threshold=None)
+    torch.manual_seed(args.seed)
+    return generate(module, ids, cfg, module.config.canvas_length).sequences[:, ids.shape[1]:]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--model", help="checkpoint folder of a trained model (e.g. blockpress/assets/sudoku)")
+    p.add_argument("--formats", default="bf16,fp8,int4")
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--init-std", type=float, default=0.05, help="random weights: larger = peakier logits")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, help="default: two canvases")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-err", default="", help="expert error budgets, e.g. fp8=0.08,int4=0.25")
+    p.add_argument("--kl-vs-bf16", default="", help="KL budgets relative to bf16, e.g. fp8=2,int4=8")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cuda for the released checkpoint (reference in bf16)")
+    p.add_argument("--ref-dtype", choices=["fp32", "bf16"], default="fp32")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    ref = load_model(args)
+    V, C = ref.text.vocab_size, ref.config.canvas_length
+    args.new_tokens = args.new_tokens or 2 * C
+    err_budget = dict(ERR_BUDGET, **_pairs(args.max_err))
+    kl_budget = dict(KL_VS_BF16, **_pairs(args.kl_vs_bf16))
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(5, V, (args.batch, args.prompt_tokens), generator=g).to(args.device)
+    canvas = torch.randint(0, V, (args.batch, C), generator=g).to(args.device)
+    ref_logits, ref_tokens = one_step_logits(ref, ids, canvas), generation_tokens(ref, ids, args)
+    captured = capture_expert_inputs(ref, ids, canvas)
+    formats = [f for f in args.formats.split(",") if f]
+    if "bf16" in formats:  # the yardstick first
+        formats = ["bf16"] + [f for f in formats if f != "bf16"]
+    rows, bf16_kl = [], None
+    for fmt in formats:
+        if fmt == "bf16" and ref.dtype == torch.bfloat16:
+            continue  # the reference itself
+        with variant(ref, fmt, args.group_size) as m:
+            r = {"format": fmt, "experts_rel_err": experts_error(m, captured),
+                 **compare_logits(ref_logits, one_step_logits(m, ids, canvas))}
+            r["token_agreement_generate"] = float((generation_tokens(m, ids, args) == ref_tokens).float().mean())
+        bf16_kl = r["mean_kl"] if fmt == "bf16" else bf16_kl
+        r["kl_vs_bf16"] = r["mean_kl"] / bf16_kl if bf16_kl else None
+        r["pass"] = r["experts_rel_err"] <= err_budget.get(fmt, float("inf")) and (
+            r["kl_vs_bf16"] is None or fmt not in kl_budget or r["kl_vs_bf16"] <= kl_budget[fmt])
+        rows.append(r)
+    print(f"quality guard: {'model ' + args.model if args.model else 'random ' + args.preset} "
+          f"(std {args.init_std}), {args.ref_dtype} reference on {args.device}, "
+          f"B={args.batch} P={args.prompt_tokens} C={C}")
+    print(f"{'format':>7} {'experts err':>12} {'mean KL':>10} {'x bf16':>7} {'max KL':>10} {'top-1':>7} "
+          f"{'gen tokens =':>13} {'pass':>5}")
+    for r in rows:
+        vs = f"{r['kl_vs_bf16']:7.2f}" if r["kl_vs_bf16"] is not None else f"{'-':>7}"
+        print(f"{r['format']:>7} {r['experts_rel_err']:12.2%} {r['mean_kl']:10.2e} {vs} {r['max_kl']:10.2e} "
+              f"{r['top1_agreement']:7.1%} {r['token_agreement_generate']:13.1%} {str(r['pass']):>5}")
+    print(json.dumps({"bench": "quality_guard", "model": args.model, "preset": None if args.model else args.preset,
+                      "init_std": None if args.model else args.init_std, "group_size": args.group_size,
+                      "results": rows}))
+    return 0 if all(r["pass"] for r in rows) else 1
+
+
+def _pairs(text: str) -> dict:
+    return {k: float(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

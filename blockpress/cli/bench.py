@@ -1,0 +1,473 @@
+"""`blockpress bench`: generation speed of blockpress vs transformers vs our own AR decode, one run.
+
+Builds a model from a preset (`tiny`, `small`, `real-26b`), a config.json (`--config`) or a
+checkpoint (`--model`), with random weights made directly on the target device (meta device, then
+a seeded fill per tensor name: no CPU copy, and the transformers twin gets identical weights from
+the same fill). Times, for each batch size and mode (16 fixed steps without early stopping, and
+adaptive): tokens/s with and without the prompt encoding, ms per denoising step and per commit
+(encoder pass), time to first commit, peak memory, and the fraction of the memory-bandwidth floor
+(kernels/roofline.py) reached. Then the transformers 5.23 reference (same config, weights and
+settings) and the AR decode (the causal encoder as an LM, greedy, KV cache). Prints a table and
+ends with ONE JSON line; every ratio comes from this one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import resource
+import statistics
+import time
+
+import torch
+
+PRESETS = {
+    # the spec 6.1 tiny model: CI-sized, runs in seconds on a CPU
+    "tiny": (dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, num_experts=8,
+                  top_k_experts=3, moe_intermediate_size=32, sliding_window=8, max_position_embeddings=4096,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                               "sliding_attention", "full_attention"]), 16, 32, 32),
+    # every structural feature of the real model at ~1/100 of its width (~30M parameters)
+    "small": (dict(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
+                   num_experts=32, top_k_experts=4, moe_intermediate_size=128, sliding_window=128,
+                   max_position_embeddings=8192), 64, 128, 128),
+    # google/diffusiongemma-26B-A4B-it text stack (spec 1.5)
+    "real-26b": (dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                      num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256,
+                      global_head_dim=512, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+                      max_position_embeddings=262144, sliding_window=1024, rms_norm_eps=1e-6,
+                      final_logit_softcapping=30.0, use_bidirectional_attention="vision",
+                      layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5), 256, 1024, 1024),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def preset_config(name: str) -> tuple[dict, int, int]:
+    """-> config.json dict, default prompt tokens, default new tokens."""
+    text, canvas, prompt, new = PRESETS[name]
+    return {"model_type": "diffusion_gemma", "text_config": dict(text), "canvas_length": canvas}, prompt, new
+
+
+# ------------------------------------------------------------------------------------ timing
+
+class CallTimer:
+    """Times every call of `owner.<attr>` (device events on CUDA, so no extra synchronisation)."""
+
+    def __init__(self, owner, attr: str, device: torch.device):
+        self.owner, self.attr, self.cuda = owner, attr, device.type == "cuda"
+        self.had_instance_attr = attr in owner.__dict__
+        self.inner = getattr(owner, attr)
+        self.marks: list = []
+        setattr(owner, attr, self)
+
+    def __call__(self, *args, **kwargs):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self.inner(*args, **kwargs)
+            end.record()
+        else:
+            start = time.perf_counter()
+            out = self.inner(*args, **kwargs)
+            end = time.perf_counter()
+        self.marks.append((start, end))
+        return out
+
+    def take_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            ms = [s.elapsed_time(e) for s, e in self.marks]
+        else:
+            ms = [(e - s) * 1e3 for s, e in self.marks]
+        self.marks = []
+        return ms
+
+    def remove(self) -> None:
+        if self.had_instance_attr:
+            setattr(self.owner, self.attr, self.inner)
+        else:
+            delattr(self.owner, self.attr)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_bytes(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process high-water mark (Linux: KiB)
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _gen_config(mode: str, args):
+    from ..config import GenerationConfig
+
+    adaptive = mode == "adaptive"
+    return GenerationConfig.resolve(
+        max_new_tokens=args.new_tokens, max_denoising_steps=args.steps, entropy_bound=0.1, t_min=0.4, t_max=0.8,
+        stability_threshold=1 if adaptive else None, confidence_threshold=0.005 if adaptive else None,
+        eos_token_id=None, pad_token_id=None)
+
+
+def _summary(engine, mode, batch, total_s, prefill_s, first_commit_s, steps_ms, commit_ms, steps_per_canvas,
+             new_tokens, peak):
+    gen = batch * new_tokens
+    return {"engine": engine, "mode": mode, "batch": batch, "tok_s": gen / total_s,
+            "tok_s_excl_prompt": gen / max(total_s - prefill_s, 1e-9), "total_ms": total_s * 1e3,
+            "prefill_ms": prefill_s * 1e3, "first_commit_ms": first_commit_s * 1e3,
+            "ms_per_step": _median(steps_ms), "ms_per_commit": _median(commit_ms),
+            "steps_per_canvas": steps_per_canvas, "peak_mem_bytes": peak}
+
+
+def run_blockpress(module, ids, mode, args, label="blockpress"):
+    """Warm-up run(s), then `repeats` timed runs (median). Returns (summary, sequences of the last run)."""
+    from ..engine import generate as engine
+
+    device = module.device
+    cfg = _gen_config(mode, args)
+    C = module.config.canvas_length
+    decode_t, encode_t = CallTimer(module, "decode", device), CallTimer(module, "encode", device)
+    runs = []
+    try:
+        _reset_peak(device)
+        for r in range(args.warmup + args.repeats):
+            torch.manual_seed(args.seed)
+            res = engine.generate(module, ids, cfg, C)
+            _sync(device)
+            enc, dec = encode_t.take_ms(), decode_t.take_ms()
+            if r >= args.warmup:
+                runs.append((res, enc, dec))
+    finally:
+        decode_t.remove()
+        encode_t.remove()
+    res, enc, dec = sorted(runs, key=lambda x: x[0].total_seconds)[len(runs) // 2]
+    s = _summary(label, mode, ids.shape[0], res.total_seconds, res.prefill_seconds, res.first_commit_seconds,
+                 dec, enc[1:], statistics.mean(res.steps_per_canvas), args.new_tokens, _peak_bytes(device))
+    return s, res.sequences.cpu()
+
+
+def run_reference(hf, ids, mode, args):
+    """transformers' generate with the same settings (global seed, no EOS, fixed or adaptive steps)."""
+    from transformers import EntropyBoundSamplerConfig
+
+    device = hf.device
+    stab, conf = (1, 0.005) if mode == "adaptive" else (None, None)
+    kw = dict(max_new_tokens=args.new_tokens, max_denoising_steps=args.steps, t_min=0.4, t_max=0.8,
+              sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), stability_threshold=stab,
+              confidence_threshold=conf)
+    dec_t, enc_t = CallTimer(hf, "forward", device), CallTimer(hf.model.encoder, "forward", device)
+    runs = []
+    try:
+        _reset_peak(device)
+        for r in range(args.warmup + args.repeats):
+            torch.manual_seed(args.seed)
+            _sync(device)
+            t0 = time.perf_counter()
+            out = hf.generate(ids, **kw)
+            _sync(device)
+            total = time.perf_counter() - t0
+            enc, dec = enc_t.take_ms(), dec_t.take_ms()
+            if r >= args.warmup:
+                runs.append((total, enc, dec, out))
+    finally:
+        dec_t.remove()
+        enc_t.remove()
+    total, enc, dec, out = sorted(runs, key=lambda x: x[0])[len(runs) // 2]
+    n_canvases = -(-args.new_tokens // hf.config.canvas_length)
+    # prefill = first encoder call; first commit is not observable from outside generate
+    s = _summary("transformers", mode, ids.shape[0], total, enc[0] / 1e3, float("nan"), dec, enc[1:],
+                 len(dec) / n_canvases, args.new_tokens, _peak_bytes(device))
+    return s, out.sequences.cpu()
+
+
+@torch.no_grad()
+def run_ar(module, ids, args):
+    """Greedy autoregressive decode with the causal encoder: prefill, then one token per pass."""
+    device = module.device
+    B, P = ids.shape
+    n = args.ar_tokens or args.new_tokens
+    times = []
+    _reset_peak(device)
+    for r in range(args.warmup + args.repeats):
+        cache = module.new_cache(B, P + n)
+        _sync(device)
+        t0 = time.perf_counter()
+        h = module.encode(ids, cache)
+        tok = torch.argmax(module.lm_logits(h[:, -1:]), dim=-1)  # [B, 1]
+        _sync(device)
+        t1 = time.perf_counter()
+        for _ in range(n - 1):
+            h = module.encode(tok, cache)
+            tok = torch.argmax(module.lm_logits(h), dim=-1)
+        _sync(device)
+        t2 = time.perf_counter()
+        if r >= args.warmup:
+            times.append((t2 - t0, t1 - t0, t2 - t1))
+    total, prefill, decode = sorted(times)[len(times) // 2]
+    s = _summary("blockpress-ar", "greedy", B, total, prefill, prefill, [decode * 1e3 / max(n - 1, 1)], [],
+                 None, n, _peak_bytes(device))
+    s["tok_s"], s["tok_s_excl_prompt"] = B * n / total, B * max(n - 1, 1) / max(decode, 1e-9)
+    return s
+
+
+# ------------------------------------------------------------------------------------ report
+
+def mean_step_bytes(module, batch: int, args, hit: float, native: bool = False) -> int:
+    """Bytes of one denoising step at the mean cache length over the generation's canvases."""
+    from ..kernels.roofline import step_bytes
+
+    C = module.config.canvas_length
+    n_canvases = -(-args.new_tokens // C)
+    cached = args.prompt_tokens + (n_canvases - 1) * C // 2
+    return step_bytes(module, batch, C, cached, hit, native)["total"]
+
+
+def add_roofline(s: dict, step_bytes: int, bandwidth: float) -> None:
+    s["bytes_per_step"] = step_bytes
+    s["step_floor_ms"] = step_bytes / bandwidth * 1e3
+    if s.get("ms_per_step"):
+        s["achieved_gbs"] = step_bytes / (s["ms_per_step"] / 1e3) / 1e9
+        s["floor_fraction"] = s["step_floor_ms"] / s["ms_per_step"]
+
+
+def hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} ({torch.get_num_threads()} torch threads)"
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    cols = [("engine", "engine", "{}"), ("mode", "mode", "{}"), ("batch", "B", "{}"), ("tok_s", "tok/s", "{:.1f}"),
+            ("tok_s_excl_prompt", "tok/s excl. prompt", "{:.1f}"), ("ms_per_step", "ms/step", "{:.2f}"),
+            ("ms_per_commit", "ms/commit", "{:.2f}"), ("prefill_ms", "prefill ms", "{:.1f}"),
+            ("first_commit_ms", "1st commit ms", "{:.1f}"), ("steps_per_canvas", "steps/canvas", "{:.1f}"),
+            ("floor_fraction", "step floor %", "{:.1%}"), ("peak_mem_bytes", "peak GB", "{:.2f}")]
+
+    def cell(r, key, fmt):
+        v = r.get(key)
+        if v is None or (isinstance(v, float) and v != v):
+            return "-"
+        return fmt.format(v / 1e9 if key == "peak_mem_bytes" else v)
+
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        print(" | ".join(h for _, h, _ in cols))
+        for r in rows:
+            print(" | ".join(cell(r, k, f) for k, _, f in cols))
+        return
+    table = Table(title=title)
+    for _, h, _ in cols:
+        table.add_column(h, justify="right")
+    for r in rows:
+        table.add_row(*(cell(r, k, f) for k, _, f in cols))
+    Console(width=200).print(table)
+
+
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run(args) -> dict:
+    """The whole benchmark; returns the JSON-able result (also used by benchmarks/bench_cpu.py)."""
+    from .. import kernels
+    from ..kernels.random_weights import build_model, build_reference
+    from ..kernels.roofline import expected_hit_fraction, generation_floor_seconds, measure_bandwidth
+
+    from ..errors import InputError
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.cuda_graphs and device.type != "cuda":
+        raise InputError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    if args.config:
+        with open(args.config) as f:
+            config, prompt, new = json.load(f), 128, 128
+    else:
+        config, prompt, new = preset_config(args.preset)
+    args.prompt_tokens = args.prompt_tokens or prompt
+    args.new_tokens = args.new_tokens or new
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    if args.model:
+        from ..loading import load
+
+        lm = load(args.model, device=str(device), dtype=dtype, progress=False, tokenizer=False)
+        module, config = lm.module, lm.config.to_dict()
+        if args.precision != "native":
+            kernels.quantize_experts_(module, args.precision, args.group_size)
+    else:
+        module = build_model(config, device, dtype, args.precision, args.seed, args.init_std, args.group_size)
+    build_s = time.perf_counter() - t0
+    try:
+        choice = kernels.configure(module, experts=args.experts, attention=args.attention, precision=args.precision)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    text, C = module.text, module.config.canvas_length
+    bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth(device)
+    _free(device)
+    graphs = None
+    if args.cuda_graphs:
+        from ..kernels.graphs import GraphedDecoder
+
+        graphs = GraphedDecoder(module).install()
+    result = {"bench": "generate", "hardware": hardware(device), "device": str(device), "torch": torch.__version__,
+              "preset": None if (args.config or args.model) else args.preset, "config_file": args.config,
+              "model": args.model, "dtype": str(dtype).replace("torch.", ""), "precision": args.precision,
+              "backends": choice, "sampler": args.sampler, "cuda_graphs": bool(args.cuda_graphs),
+              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "steps": args.steps,
+              "canvas_length": C, "layers": text.num_hidden_layers, "hidden": text.hidden_size,
+              "experts": text.num_experts, "top_k": text.top_k_experts, "vocab": text.vocab_size,
+              "bandwidth_gbs": bandwidth / 1e9, "bandwidth_source": "given" if args.bandwidth_gbs else "measured copy",
+              "build_seconds": build_s, "runs": []}
+    batches = [int(b) for b in args.batch.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    seqs = {}
+    from ..kernels.sampler_fused import fast_sampling
+
+    for B in batches:
+        ids = torch.randint(5, text.vocab_size, (B, args.prompt_tokens), generator=torch.Generator().manual_seed(B))
+        ids = ids.to(device)
+        hit = expected_hit_fraction(text.num_experts, text.top_k_experts, B * C)
+        for mode in modes:
+            with fast_sampling() if args.sampler == "fast" else _nullcontext():
+                s, seqs[(B, mode)] = run_blockpress(module, ids, mode, args)
+            add_roofline(s, mean_step_bytes(module, B, args, hit), bandwidth)
+            floor = generation_floor_seconds(module, B, args.prompt_tokens, args.new_tokens, C, args.steps,
+                                             bandwidth, hit)
+            s["gen_floor_tok_s"] = B * args.new_tokens / floor
+            result["runs"].append(s)
+        if args.ar and B in [int(b) for b in args.ar_batch.split(",")]:
+            result["runs"].append(run_ar(module, ids, args))
+    if graphs is not None:
+        graphs.uninstall()
+        graphs = None
+    ref_ok = args.reference and args.precision == "native" and not args.model
+    if args.reference and not ref_ok:
+        result["reference_skipped"] = "transformers runs only on random native-precision weights here"
+    if ref_ok:
+        ref_batches = [int(b) for b in args.reference_batch.split(",")]
+        ref_bytes = {B: mean_step_bytes(module, B, args, 1.0, native=True) for B in ref_batches}
+        del module  # the real model and its transformers twin do not fit on one GPU together
+        _free(device)
+        hf = build_reference(config, device, dtype, args.seed, args.init_std)
+        result["transformers"] = __import__("transformers").__version__
+        result["reference_experts_impl"] = getattr(hf.config, "_experts_implementation", None)
+        for B in ref_batches:
+            ids = torch.randint(5, text.vocab_size, (B, args.prompt_tokens), generator=torch.Generator().manual_seed(B))
+            for mode in modes:
+                s, ref_seq = run_reference(hf, ids.to(device), mode, args)
+                add_roofline(s, ref_bytes[B], bandwidth)
+                result["runs"].append(s)
+                ours = seqs.get((B, mode))
+                if ours is not None and ours.shape == ref_seq.shape:
+                    new = slice(args.prompt_tokens, None)
+                    result.setdefault("token_agreement_vs_transformers", {})[f"B{B}-{mode}"] = \
+                        float((ours[:, new] == ref_seq[:, new]).float().mean())
+        del hf
+        _free(device)
+    result["ratios"] = _ratios(result["runs"])
+    return result
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _ratios(runs: list[dict]) -> dict:
+    def find(engine, mode, B=1):
+        return next((r for r in runs if r["engine"] == engine and r["mode"] == mode and r["batch"] == B), None)
+
+    out = {}
+    ours = find("blockpress", "fixed")
+    for name, other in (("vs_transformers_fixed", find("transformers", "fixed")),
+                        ("vs_ar", find("blockpress-ar", "greedy"))):
+        if ours and other:
+            out[name] = ours["tok_s"] / other["tok_s"]
+    ad, ref_ad = find("blockpress", "adaptive"), find("transformers", "adaptive")
+    if ad and ref_ad:
+        out["vs_transformers_adaptive"] = ad["tok_s"] / ref_ad["tok_s"]
+    return out
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size (default tiny)")
+    p.add_argument("--config", help="a config.json (diffusion_gemma) instead of a preset")
+    p.add_argument("--model", help="a checkpoint folder (real weights) instead of random ones")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native", help="expert weights")
+    p.add_argument("--group-size", type=int, default=64, help="int4 scale group along the input dim")
+    p.add_argument("--experts", default="auto", help="experts backend: auto, loop, dense, grouped, triton, scaled_mm")
+    p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
+    p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay the denoising step from a CUDA graph")
+    p.add_argument("--prompt-tokens", type=int, help="prompt length P (default per preset)")
+    p.add_argument("--new-tokens", type=int, help="new tokens N (default per preset)")
+    p.add_argument("--steps", type=int, default=16, help="denoising steps per canvas (max, in adaptive mode)")
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,2,4,8")
+    p.add_argument("--modes", default="fixed,adaptive", help="fixed (no early stop) and/or adaptive")
+    p.add_argument("--no-reference", dest="reference", action="store_false", help="skip transformers")
+    p.add_argument("--reference-batch", default="1", help="batch sizes for the transformers runs")
+    p.add_argument("--no-ar", dest="ar", action="store_false", help="skip the autoregressive baseline")
+    p.add_argument("--ar-batch", default="1", help="batch sizes for the AR baseline")
+    p.add_argument("--ar-tokens", type=int, help="tokens for the AR baseline (default: --new-tokens)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per setting (median reported)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a shared machine)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-std", type=float, default=0.02, help="std of the random weights")
+    p.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth for the floor (default: measured copy)")
+    p.add_argument("--out", help="also write the JSON result to this file")
+
+
+def main(args) -> int:
+    result = run(args)
+    title = (f"blockpress bench: {result['preset'] or result['model'] or result['config_file']} on "
+             f"{result['hardware']}, {result['dtype']}/{result['precision']}, P={result['prompt_tokens']} "
+             f"N={result['new_tokens']} steps={result['steps']} (floor at {result['bandwidth_gbs']:.0f} GB/s)")
+    print_table(result["runs"], title)
+    line = json.dumps(result, default=str)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+    return 0
+
+
+def main_argv(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_generate", description=__doc__.splitlines()[0])
+    add_parser(parser)
+    return main(parser.parse_args(argv))

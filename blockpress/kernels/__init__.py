@@ -1,0 +1,72 @@
+"""Fast paths, each beside its torch reference, and the one place that chooses between them.
+
+Importing this package registers the extra backends (registration only; the model files keep
+their references):
+- experts (`model.moe.EXPERT_BACKENDS`): "grouped" (torch._grouped_mm, moe_grouped.py),
+  "triton" (fused Triton kernel, moe_grouped.py);
+- attention (`model.layers.ATTENTION_BACKENDS`): "sdpa_gqa" (attention.py).
+Low-precision experts (quant.py) replace `layer.experts` by module swap; the fused sampler
+(sampler_fused.py) and the CUDA-graph decoder (graphs.py) are opt-in.
+
+`configure(module, ...)` applies a choice ("auto" resolves per device) and returns what it chose,
+so benchmarks can print it. Choices for "auto":
+- experts: CUDA + Triton -> "triton"; Hopper bf16 or CPU -> "grouped"; else the model's "dense".
+- attention: "sdpa_gqa".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.layers import ATTENTION_BACKENDS
+from ..model.moe import EXPERT_BACKENDS
+from ._triton import triton, usable_on
+from .attention import attention_sdpa_gqa
+from .moe_grouped import _grouped_mm_ok, experts_grouped, experts_triton
+from .quant import QuantizedExperts, quantize_experts_
+
+EXPERT_BACKENDS.setdefault("grouped", experts_grouped)
+EXPERT_BACKENDS.setdefault("triton", experts_triton)
+ATTENTION_BACKENDS.setdefault("sdpa_gqa", attention_sdpa_gqa)
+
+PRECISIONS = ("native", "fp8", "int4")
+
+
+def auto_experts_backend(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type == "cuda" and usable_on(device):
+        return "triton"
+    if _grouped_mm_ok(device, dtype):
+        return "grouped"
+    return "dense"
+
+
+def configure(module, experts: str = "auto", attention: str = "auto", precision: str = "native",
+              group_size: int = 64) -> dict:
+    """Apply backend / precision choices to a DiffusionGemmaModel in place; return the choices."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
+    dev, dtype = module.device, module.dtype
+    if precision != "native" and not any(isinstance(layer.experts, QuantizedExperts) for layer in module.layers):
+        quantize_experts_(module, precision, group_size)
+    if experts == "auto":
+        experts = auto_experts_backend(dev, dtype)
+    quantized = isinstance(module.layers[0].experts, QuantizedExperts)
+    if quantized:
+        for layer in module.layers:  # QuantizedExperts: "triton" where it runs, else the torch reference
+            layer.experts.backend = experts if experts in ("triton", "scaled_mm", "torch") else "auto"
+        resolved = module.layers[0].experts.resolved_backend(torch.empty(0, device=dev, dtype=dtype))
+    else:
+        if experts not in EXPERT_BACKENDS:
+            raise ValueError(f"unknown experts backend {experts!r}; use one of {sorted(EXPERT_BACKENDS)}")
+        module.set_experts_backend(experts)
+        resolved = experts
+    if attention == "auto":
+        attention = "sdpa_gqa"
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {attention!r}; use one of {sorted(ATTENTION_BACKENDS)}")
+    module.attention_backend = attention
+    return {"experts": resolved, "attention": attention, "precision": precision,
+            "triton": None if triton is None else triton.__version__}
+
+
+__all__ = ["configure", "auto_experts_backend", "PRECISIONS", "QuantizedExperts", "quantize_experts_"]

@@ -1,0 +1,36 @@
+"""Optional Triton import, done once for every kernel module.
+
+Job: give the kernel modules `triton` / `tl` (or None) without making Triton a dependency.
+Invariant: on a machine without CUDA, Triton can only run in its interpreter, so
+`TRITON_INTERPRET=1` is set (unless the user already chose) *before* the import: that is the
+mode our CPU agreement tests use. With CUDA present nothing is changed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:  # pragma: no cover - depends on the environment
+    import triton
+    import triton.language as tl
+except Exception:  # ImportError, or a broken install (missing driver libraries)
+    triton = None
+    tl = None
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def usable_on(device: torch.device) -> bool:
+    """Can a Triton kernel run on tensors of `device`? (CUDA compiled, or CPU through the interpreter.)"""
+    if triton is None:
+        return False
+    if device.type == "cuda":
+        return not interpreted()
+    return device.type == "cpu" and interpreted()

@@ -1,0 +1,253 @@
+"""Grouped MoE experts: every routed expert's weights are read once per call.
+
+Shape legend: N tokens, H hidden, E experts, K top-k, A = N*K assignments, Im expert intermediate,
+O output rows of a weight, BM/BN/BK tile sizes.
+
+Same function as `model.moe.experts_loop` (the reference): for each (token, expert) assignment,
+`down[e] @ (gelu_tanh(gate) * up)` with `gate, up = split(gate_up[e] @ x)`, weighted by the fp32
+router weight, the K contributions summed in fp32 and cast once to the model dtype.
+
+Two fast paths, both free of host synchronisation (fixed shapes, so a CUDA graph can hold them):
+- `experts_grouped` (torch): assignments sorted by expert, two `torch._grouped_mm` calls (one
+  launch each over all experts; CPU fallback: a per-expert loop), contributions un-sorted and
+  summed over K (deterministic, no atomics).
+- `experts_triton` (Triton, fused): tokens gathered inside the kernel, gate/up/GELU fused in the
+  first kernel, router weight fused in the second; weights may be plain, fp8 (per-channel scale)
+  or packed int4 (group scales), dequantised in registers (see quant.py for the formats).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.layers import gelu_tanh
+from ._triton import interpreted, tl, triton, usable_on
+
+# ------------------------------------------------------------------------------------ routing
+
+def route_by_expert(idx_NK: torch.Tensor, n_experts: int):
+    """Sort the A = N*K assignments by expert (stable) without host syncs.
+
+    Returns order [A] (assignment ids in expert order), counts [E] int64, offs [E] int32
+    (cumulative counts, the group ends `torch._grouped_mm` wants).
+    """
+    flat = idx_NK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts, torch.cumsum(counts, 0).to(torch.int32)
+
+
+def _grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16)
+    if device.type == "cuda":  # the fused CUTLASS kernel: Hopper and later, bf16
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    return False
+
+
+def grouped_mm(x_AI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of x sorted by group; row block g times w[g]^T. x [A, I], w [E, O, I] -> [A, O]."""
+    if _grouped_mm_ok(x_AI.device, x_AI.dtype) and x_AI.dtype == w_EOI.dtype:
+        return torch._grouped_mm(x_AI, w_EOI.transpose(1, 2), offs=offs)  # w^T view is column-major, as required
+    out = x_AI.new_empty(x_AI.shape[0], w_EOI.shape[1])
+    start = 0
+    for e, c in enumerate(counts.tolist()):  # fallback: one matmul per busy expert (host sync)
+        if c:
+            out[start:start + c] = x_AI[start:start + c] @ w_EOI[e].t()
+            start += c
+    return out
+
+
+def combine(y_AH: torch.Tensor, order: torch.Tensor, w_NK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Expert-ordered outputs -> [N, H]: un-sort, weight in fp32, sum the K contributions in fp32."""
+    N, K = w_NK.shape
+    y = torch.empty_like(y_AH)
+    y[order] = y_AH  # back to (token, k) order
+    return (y.view(N, K, -1).float() * w_NK[..., None]).sum(1).to(dtype)
+
+
+def experts_grouped(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
+    """Torch fast path: two grouped matmuls over all experts, no host sync on Hopper/CPU."""
+    K = idx_NK.shape[1]
+    Im = down_EHI.shape[-1]
+    order, counts, offs = route_by_expert(idx_NK, gate_up_EFH.shape[0])
+    xs = x_NH[order // K]  # [A, H] token of each assignment, expert-major
+    u = grouped_mm(xs, gate_up_EFH, counts, offs)  # [A, 2*Im], gate first
+    a = gelu_tanh(u[:, :Im]) * u[:, Im:]
+    y = grouped_mm(a, down_EHI, counts, offs)  # [A, H]
+    return combine(y, order, w_NK, x_NH.dtype)
+
+
+# ------------------------------------------------------------------------------------ Triton
+
+FMT_PLAIN, FMT_FP8, FMT_INT4 = 0, 1, 2
+
+
+def align_blocks(idx_NK: torch.Tensor, n_experts: int, block_m: int):
+    """Pad each expert's assignment list to a multiple of BM (vLLM's moe_align_block_size, in torch).
+
+    Returns sorted_ids [L] (assignment ids; A marks padding), block_expert [L/BM] int32 (-1: unused
+    block). L = A + E*(BM-1) rounded up to BM is fixed by the shapes, so no host sync is needed.
+    """
+    flat = idx_NK.reshape(-1)
+    A, dev = flat.numel(), flat.device
+    order, counts, _ = route_by_expert(idx_NK, n_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(padded, 0)
+    start = torch.cumsum(counts, 0) - counts
+    sorted_e = flat[order]
+    pos = (pend - padded)[sorted_e] + torch.arange(A, device=dev) - start[sorted_e]
+    L = -(-(A + n_experts * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.full((L,), A, dtype=torch.int64, device=dev)
+    sorted_ids[pos] = order
+    block_start = torch.arange(0, L, block_m, device=dev)
+    block_expert = torch.searchsorted(pend, block_start, right=True)
+    block_expert = torch.where(block_expert >= n_experts, -1, block_expert).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load_w_tile(w_ptr, n, k, nmask, kmask, s_ptr, k0, stride_n, stride_k, stride_sn, stride_sg,
+                     FMT: tl.constexpr, GROUP: tl.constexpr):
+        """Tile [BK, BN] of W^T (W is [O, I]); int4: packed along I, group scale per (n, k // GROUP)."""
+        m = kmask[:, None] & nmask[None, :]
+        if FMT == 2:
+            b = tl.load(w_ptr + n[None, :] * stride_n + (k[:, None] // 2) * stride_k, mask=m, other=0).to(tl.int32)
+            q = ((b >> ((k[:, None] % 2) * 4)) & 0xF) - 8
+            s = tl.load(s_ptr + n * stride_sn + (k0 // GROUP) * stride_sg, mask=nmask, other=0.0).to(tl.float32)
+            return q.to(tl.float32) * s[None, :]
+        else:
+            return tl.load(w_ptr + n[None, :] * stride_n + k[:, None] * stride_k, mask=m, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _moe_up_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, act_ptr, A, H, Im, TOPK,
+                       stride_xn, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_am,
+                       FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """act[row] = gelu_tanh(x W_gate^T) * (x W_up^T) for the BM assignments of one expert block."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e = tl.load(bexp_ptr + pid_m)
+        if e < 0:
+            return
+        rows = pid_m * BM + tl.arange(0, BM)
+        ids = tl.load(sorted_ptr + rows)
+        valid = ids < A
+        tok = ids // TOPK
+        n = pid_n * BN + tl.arange(0, BN)
+        nmask = n < Im
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            k = k0 + tl.arange(0, BK)
+            kmask = k < H
+            xa = tl.load(x_ptr + tok[:, None] * stride_xn + k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            wg = _load_w_tile(w_e, n, k, nmask, kmask, s_e, k0, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP)
+            wu = _load_w_tile(w_e, n + Im, k, nmask, kmask, s_e, k0, stride_wn, stride_wk, stride_sn, stride_sg,
+                              FMT, GROUP)
+            wg, wu = wg.to(xa.dtype), wu.to(xa.dtype)  # dequantised weights rounded like the torch reference
+            if F32:
+                acc_g += tl.dot(xa.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
+                acc_u += tl.dot(xa.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
+            else:
+                acc_g += tl.dot(xa, wg)
+                acc_u += tl.dot(xa, wu)
+        if FMT == 1:  # fp8: the per-output-channel scale factors out of the dot product
+            acc_g *= tl.load(s_e + n * stride_sn, mask=nmask, other=0.0)[None, :]
+            acc_u *= tl.load(s_e + (n + Im) * stride_sn, mask=nmask, other=0.0)[None, :]
+        inner = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
+        act = 0.5 * acc_g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0)) * acc_u
+        tl.store(act_ptr + rows[:, None] * stride_am + n[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=nmask[None, :])
+
+    @triton.jit
+    def _moe_down_kernel(act_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, rw_ptr, out_ptr, A, H, Im,
+                         stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_on,
+                         FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """out[assignment] = router_weight * (act W_down^T), fp32, one row per assignment."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e = tl.load(bexp_ptr + pid_m)
+        if e < 0:
+            return
+        rows = pid_m * BM + tl.arange(0, BM)
+        ids = tl.load(sorted_ptr + rows)
+        valid = ids < A
+        n = pid_n * BN + tl.arange(0, BN)
+        nmask = n < H
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, Im, BK):
+            k = k0 + tl.arange(0, BK)
+            kmask = k < Im
+            a = tl.load(act_ptr + rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & kmask[None, :],
+                        other=0.0)
+            w = _load_w_tile(w_e, n, k, nmask, kmask, s_e, k0, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP)
+            w = w.to(a.dtype)
+            if F32:
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
+        if FMT == 1:
+            acc *= tl.load(s_e + n * stride_sn, mask=nmask, other=0.0)[None, :]
+        acc *= tl.load(rw_ptr + ids, mask=valid, other=0.0)[:, None]
+        tl.store(out_ptr + ids[:, None] * stride_on + n[None, :], acc, mask=valid[:, None] & nmask[None, :])
+
+
+def _scale_strides(scale: torch.Tensor | None):
+    if scale is None:
+        return 0, 0, 0
+    if scale.dim() == 2:  # per-channel [E, O]
+        return scale.stride(0), scale.stride(1), 0
+    return scale.stride(0), scale.stride(1), scale.stride(2)  # groups [E, O, I/G]
+
+
+def triton_supported(x: torch.Tensor, fmt: int = FMT_PLAIN, groups: tuple[int, int] = (0, 0)) -> bool:
+    """tl.dot needs K tiles of >= 16, and an int4 K tile must not straddle two scale groups."""
+    return usable_on(x.device) and (fmt != FMT_INT4 or all(g % 16 == 0 for g in groups))
+
+
+def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_PLAIN,
+                   gate_up_scale=None, down_scale=None, groups: tuple[int, int] = (0, 0), inter: int | None = None,
+                   block_m: int | None = None, block_n: int = 64, block_k: int = 32):
+    """Fused Triton experts. Plain weights: gate_up [E, 2Im, H], down [E, H, Im]. fp8: same shapes
+    (float8_e4m3fn) with scales [E, O]. int4: packed uint8 [E, O, I/2] with scales [E, O, I/G]."""
+    if triton is None:
+        raise RuntimeError("experts_triton needs triton (pip install triton)")
+    N, H = x_NH.shape
+    K = idx_NK.shape[1]
+    E = gate_up_EFH.shape[0]
+    Im = inter if inter is not None else down_EHI.shape[-1] * (2 if fmt == FMT_INT4 else 1)
+    A = N * K
+    if block_m is None:  # one block per expert when the load is balanced
+        block_m = min(64, max(16, triton.next_power_of_2(-(-A // E))))
+    if fmt == FMT_INT4:  # a K tile must sit inside one scale group
+        while block_k > 16 and any(g % block_k for g in groups):
+            block_k //= 2
+        assert all(g % block_k == 0 for g in groups), "int4 groups must be multiples of 16"
+    x = x_NH.contiguous()
+    sorted_ids, block_expert = align_blocks(idx_NK, E, block_m)
+    L = sorted_ids.numel()
+    act = x.new_empty(L, Im)  # [L, Im] activations in padded expert order
+    # fp32 operands: exact ieee dots; the interpreter also needs them (its bf16 tl.dot is wrong in triton 3.9)
+    f32 = x.dtype == torch.float32 or interpreted()
+    dummy = x.new_empty(1, 1, 1, dtype=torch.float32)
+    gs, ds = gate_up_scale if gate_up_scale is not None else dummy, down_scale if down_scale is not None else dummy
+    g_st, d_st = _scale_strides(gate_up_scale), _scale_strides(down_scale)
+    grid = (L // block_m, triton.cdiv(Im, block_n))
+    _moe_up_kernel[grid](x, gate_up_EFH, gs, sorted_ids, block_expert, act, A, H, Im, K,
+                         x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
+                         act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k)
+    out = torch.zeros(A, H, dtype=torch.float32, device=x.device)
+    rw = w_NK.reshape(-1).float().contiguous()
+    grid = (L // block_m, triton.cdiv(H, block_n))
+    _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, rw, out, A, H, Im,
+                           act.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
+                           out.stride(0), FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k)
+    return out.view(N, K, H).sum(1).to(x_NH.dtype)

@@ -1,0 +1,253 @@
+"""Low-precision expert weights: fp8 (per-output-channel scales) and packed int4 (group scales).
+
+Shape legend: E experts, O output rows, I input columns of one weight [E, O, I] (gate_up: O = 2*Im,
+I = H; down: O = H, I = Im), G group size along I, N tokens, K top-k.
+
+Formats (the dequantised weight is always rounded to the activation dtype before the matmul):
+- fp8:  q float8_e4m3fn [E, O, I], scale fp32 [E, O];  w = q * scale[..., None]
+        (amax per output row / 448, so every row uses the full e4m3 range).
+- int4: q uint8 [E, O, I/2] two nibbles per byte (column 2j in the low nibble, 2j+1 in the high),
+        stored as q + 8 for q in [-8, 7]; scale [E, O, I/G] in the activation dtype;
+        w = (nibble - 8) * scale[..., j // G]. Symmetric, scale = clip * amax / 7 per group with
+        the clip ratio in CLIP_RATIOS that minimises the group's squared error (round-to-nearest
+        with clipping search, ~12% less error than plain absmax on Gaussian weights); the scale is
+        rounded to its storage dtype *before* the division so dequant is consistent.
+G is `gcd(I, group_size)`: 64 divides both 2816 and 704 in the released model (4.25 bits/weight).
+
+Only the experts (~90% of the bytes) are quantised; embeddings, attention, dense MLP, router and
+self-conditioning stay in the model dtype. `quantize_experts_` swaps `layer.experts` for a
+`QuantizedExperts` module, one layer at a time, so peak memory never holds two copies of a model.
+
+QuantizedExperts backends: "torch" (reference: dequantise each busy expert, same math as
+`experts_loop`), "triton" (fused dequant-in-registers kernel, moe_grouped.py), "scaled_mm"
+(fp8 on Hopper: activations quantised per row, `torch._scaled_grouped_mm`; w8a8, so a slightly
+different function, covered by the quality guard not the agreement test). "auto" picks triton
+on CUDA, else torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..model.layers import gelu_tanh
+from .moe_grouped import FMT_FP8, FMT_INT4, combine, experts_triton, route_by_expert, triton_supported
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FORMATS = ("fp8", "int4")
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)  # int4 clipping candidates (amax * ratio maps to 7)
+
+
+# ------------------------------------------------------------------------------------ fp8
+
+def quantize_fp8(w_EOI: torch.Tensor):
+    """-> q float8_e4m3fn [E,O,I], scale fp32 [E,O] (per output channel)."""
+    wf = w_EOI.float()
+    scale = (wf.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
+    q = (wf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize_fp8(q_EOI: torch.Tensor, scale_EO: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q_EOI.float() * scale_EO[..., None]).to(dtype)
+
+
+# ------------------------------------------------------------------------------------ int4
+
+def group_for(in_features: int, group_size: int) -> int:
+    return math.gcd(in_features, group_size)
+
+
+def pack_int4(q_EOI: torch.Tensor) -> torch.Tensor:
+    """Signed values in [-8, 7] [..., I] -> uint8 [..., I/2] (even column in the low nibble)."""
+    u = (q_EOI + 8).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., I/2] -> int8 [..., I] in [-8, 7]."""
+    lo = (p & 0xF).to(torch.int8) - 8
+    hi = (p >> 4).to(torch.int8) - 8
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+def quantize_int4(w_EOI: torch.Tensor, group_size: int = 64, scale_dtype: torch.dtype | None = None):
+    """-> packed uint8 [E,O,I/2], scale [E,O,I/G] (scale_dtype, default w's dtype)."""
+    *lead, I = w_EOI.shape
+    if I % 2:
+        raise ValueError(f"int4 packing needs an even input size, got {I}")
+    G = group_for(I, group_size)
+    wf = w_EOI.float().reshape(*lead, I // G, G)  # [E, O, I/G, G]
+    amax = wf.abs().amax(-1)
+    best_err = scale = None
+    for clip in CLIP_RATIOS:  # per group, keep the clipping that minimises the squared error
+        s = (amax * (clip / 7.0)).clamp_min(1e-8).to(scale_dtype or w_EOI.dtype)
+        sf = s.float()[..., None]
+        err = ((torch.round(wf / sf).clamp(-8, 7) * sf - wf) ** 2).sum(-1)
+        if best_err is None:
+            best_err, scale = err, s
+        else:
+            better = err < best_err
+            best_err, scale = torch.where(better, err, best_err), torch.where(better, s, scale)
+    q = torch.round(wf / scale.float()[..., None]).clamp(-8, 7).to(torch.int8).reshape(*lead, I)
+    return pack_int4(q), scale
+
+
+def dequantize_int4(p_EOI2: torch.Tensor, scale_EOg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    q = unpack_int4(p_EOI2).float()  # [E, O, I]
+    G = q.shape[-1] // scale_EOg.shape[-1]
+    w = q.unflatten(-1, (scale_EOg.shape[-1], G)) * scale_EOg.float()[..., None]
+    return w.flatten(-2).to(dtype)
+
+
+# ------------------------------------------------------------------------------------ module
+
+class QuantizedExperts(nn.Module):
+    """Drop-in for `model.moe.Experts` (same forward signature) holding fp8 or int4 weights."""
+
+    def __init__(self, n_experts: int, hidden: int, inter: int, fmt: str, group_size: int = 64,
+                 dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown expert weight format {fmt!r}; use one of {FORMATS}")
+        self.fmt, self.dtype, self.inter, self.hidden = fmt, dtype, inter, hidden
+        self.backend = "auto"
+        E, H, Im = n_experts, hidden, inter
+        kw = dict(device=device)
+        if fmt == "fp8":
+            self.groups = (H, Im)
+            self.register_buffer("gate_up_q", torch.empty(E, 2 * Im, H, dtype=FP8, **kw))
+            self.register_buffer("gate_up_scale", torch.empty(E, 2 * Im, dtype=torch.float32, **kw))
+            self.register_buffer("down_q", torch.empty(E, H, Im, dtype=FP8, **kw))
+            self.register_buffer("down_scale", torch.empty(E, H, dtype=torch.float32, **kw))
+        else:
+            g_up, g_dn = group_for(H, group_size), group_for(Im, group_size)
+            self.groups = (g_up, g_dn)
+            self.register_buffer("gate_up_q", torch.empty(E, 2 * Im, H // 2, dtype=torch.uint8, **kw))
+            self.register_buffer("gate_up_scale", torch.empty(E, 2 * Im, H // g_up, dtype=dtype, **kw))
+            self.register_buffer("down_q", torch.empty(E, H, Im // 2, dtype=torch.uint8, **kw))
+            self.register_buffer("down_scale", torch.empty(E, H, Im // g_dn, dtype=dtype, **kw))
+        self.group_size = group_size
+
+    def extra_repr(self) -> str:
+        return f"fmt={self.fmt}, groups={self.groups}, dtype={self.dtype}, backend={self.backend}"
+
+    # -------------------------------------------------------------------------- (de)quantise
+    @torch.no_grad()
+    def load_float_(self, gate_up_EFH: torch.Tensor, down_EHI: torch.Tensor, chunk: int = 16) -> "QuantizedExperts":
+        """Quantise float weights into this module, `chunk` experts at a time (bounded temporaries)."""
+        for name, w in (("gate_up", gate_up_EFH), ("down", down_EHI)):
+            q_all, s_all = getattr(self, f"{name}_q"), getattr(self, f"{name}_scale")
+            for e0 in range(0, w.shape[0], chunk):
+                part = w[e0:e0 + chunk].to(q_all.device)
+                q, s = quantize_fp8(part) if self.fmt == "fp8" else quantize_int4(part, self.group_size, self.dtype)
+                q_all[e0:e0 + chunk] = q
+                s_all[e0:e0 + chunk] = s
+        return self
+
+    def dequantize(self, which: str, experts: slice | int = slice(None)) -> torch.Tensor:
+        """Float weight `which` in {"gate_up", "down"} (rows `experts`) in the activation dtype."""
+        q, s = getattr(self, f"{which}_q")[experts], getattr(self, f"{which}_scale")[experts]
+        return dequantize_fp8(q, s, self.dtype) if self.fmt == "fp8" else dequantize_int4(q, s, self.dtype)
+
+    def weight_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    # -------------------------------------------------------------------------- forward
+    def resolved_backend(self, x: torch.Tensor) -> str:
+        b = self.backend
+        fmt = FMT_FP8 if self.fmt == "fp8" else FMT_INT4
+        # "auto" takes Triton on CUDA only (on a CPU it would be the interpreter); "triton" forces it
+        if (b == "triton" or (b == "auto" and x.is_cuda)) and triton_supported(x, fmt, self.groups):
+            return "triton"
+        if b == "scaled_mm":
+            return b
+        return "torch"
+
+    def forward(self, x_NH, w_NK, idx_NK):
+        backend = self.resolved_backend(x_NH)
+        if backend == "triton":
+            fmt = FMT_FP8 if self.fmt == "fp8" else FMT_INT4
+            return experts_triton(x_NH, w_NK, idx_NK, self.gate_up_q, self.down_q, fmt=fmt,
+                                  gate_up_scale=self.gate_up_scale, down_scale=self.down_scale,
+                                  groups=self.groups, inter=self.inter)
+        if backend == "scaled_mm":
+            return self._forward_scaled_mm(x_NH, w_NK, idx_NK)
+        return self._forward_torch(x_NH, w_NK, idx_NK)
+
+    def _forward_torch(self, x_NH, w_NK, idx_NK):
+        """Reference: like experts_loop, dequantising each busy expert once."""
+        N, H = x_NH.shape
+        K, Im = idx_NK.shape[1], self.inter
+        order, counts, _ = route_by_expert(idx_NK, self.gate_up_q.shape[0])
+        tok = order // K
+        y = x_NH.new_empty(N * K, H)
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            if c == 0:
+                continue
+            xs = x_NH[tok[start:start + c]]
+            u = xs @ self.dequantize("gate_up", e).t()  # [c, 2*Im]
+            a = gelu_tanh(u[:, :Im]) * u[:, Im:]
+            y[start:start + c] = a @ self.dequantize("down", e).t()
+            start += c
+        return combine(y, order, w_NK, x_NH.dtype)
+
+    def _forward_scaled_mm(self, x_NH, w_NK, idx_NK):
+        """Hopper fp8 x fp8 grouped GEMMs with per-row activation scales (w8a8)."""
+        if self.fmt != "fp8":
+            raise ValueError("the scaled_mm backend needs fp8 experts")
+        K, Im = idx_NK.shape[1], self.inter
+        order, _, offs = route_by_expert(idx_NK, self.gate_up_q.shape[0])
+        xs = x_NH[order // K]
+        u = _fp8_grouped(xs, self.gate_up_q, self.gate_up_scale, offs)
+        a = gelu_tanh(u[:, :Im]) * u[:, Im:]
+        y = _fp8_grouped(a, self.down_q, self.down_scale, offs)
+        return combine(y, order, w_NK, x_NH.dtype)
+
+
+def _fp8_grouped(x_AI, q_EOI, scale_EO, offs):
+    xf = x_AI.float()
+    sa = (xf.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)  # [A] per-row activation scale
+    xq = (xf / sa[:, None]).to(FP8)
+    return torch._scaled_grouped_mm(xq, q_EOI.transpose(1, 2), sa, scale_EO, offs=offs,
+                                    out_dtype=x_AI.dtype, use_fast_accum=True)
+
+
+@torch.no_grad()
+def quantize_experts_(module: nn.Module, fmt: str, group_size: int = 64, backend: str = "auto") -> nn.Module:
+    """Swap every `layer.experts` of a DiffusionGemmaModel for QuantizedExperts, in place, freeing
+    each layer's float experts before the next one is quantised. Returns the module."""
+    for layer in module.layers:
+        old = layer.experts
+        E, two_im, H = old.gate_up_proj.shape
+        q = QuantizedExperts(E, H, two_im // 2, fmt, group_size, dtype=old.gate_up_proj.dtype,
+                             device=old.gate_up_proj.device)
+        q.load_float_(old.gate_up_proj, old.down_proj)
+        q.backend = backend
+        layer.experts = q
+        del old
+    return module
+
+
+def experts_weight_bytes(module: nn.Module) -> int:
+    total = 0
+    for layer in module.layers:
+        ex = layer.experts
+        total += ex.weight_bytes() if isinstance(ex, QuantizedExperts) else sum(
+            p.numel() * p.element_size() for p in ex.parameters())
+    return total
+
+
+def compare_logits(ref_BCV: torch.Tensor, test_BCV: torch.Tensor) -> dict:
+    """Quality of a low-precision pass vs the reference: mean KL(p_ref || p_test) per position (nats),
+    top-1 agreement, and max |p_ref - p_test|."""
+    lp_ref = torch.log_softmax(ref_BCV.float(), -1)
+    lp_test = torch.log_softmax(test_BCV.float(), -1)
+    kl = (lp_ref.exp() * (lp_ref - lp_test)).sum(-1)
+    top1 = (ref_BCV.argmax(-1) == test_BCV.argmax(-1)).float().mean()
+    return {"mean_kl": float(kl.mean()), "max_kl": float(kl.max()), "top1_agreement": float(top1),
+            "max_prob_diff": float((lp_ref.exp() - lp_test.exp()).abs().max())}

@@ -1,0 +1,146 @@
+"""Roofline arithmetic: the fewest bytes a denoising step, a commit and an AR token must move.
+
+Shape legend: B batch, C canvas length, V vocab, H hidden, T encoded tokens, W sliding window.
+
+Counted from the module's actual tensors (so fp8 / int4 experts, their scales and the model dtype
+are all reflected), each read once:
+- experts: every expert of every layer that receives a token (`hit` = fraction hit; a 256-token
+  canvas with top-8 of 128 hits all of them: P(miss) = (120/128)^256 ~ 7e-8);
+- attention, dense MLP ("shared expert"), router, norms: always;
+- embedding table: twice per denoising step (tied LM head, and the self-conditioning soft embedding
+  softmax(z) @ E); an encoder pass reads only B*S rows of it;
+- self-conditioning MLP: per step;
+- KV cache: the visible keys/values (full layers: T, sliding layers: min(T, W-1));
+- logits: the fp32 [B, C, V] written once and read once by the sampler (the floor; the exact
+  sampler makes several passes).
+An AR token reads the non-expert weights, K of E experts per layer, the LM head and the cache.
+`step_flops` gives the other number of the roofline: at batch 1 the step is bandwidth-bound for
+every precision on Hopper, but int4 (and any precision at batch >= 2-4) nears the compute floor.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def weight_groups(module) -> dict[str, int]:
+    """Bytes per group of weights, from the module's parameters and buffers."""
+    g = {"experts": 0, "attention": 0, "dense_mlp": 0, "router": 0, "norms": 0}
+    for layer in module.layers:
+        g["experts"] += _nbytes(list(layer.experts.parameters()) + list(layer.experts.buffers()))
+        g["attention"] += _nbytes(p for n, p in layer.self_attn.named_parameters() if not n.endswith("norm.weight"))
+        g["dense_mlp"] += _nbytes(layer.mlp.parameters())
+        g["router"] += _nbytes(layer.router.parameters())
+        g["norms"] += _nbytes(p for n, p in layer.named_parameters() if "norm" in n)
+    g["embedding"] = _nbytes([module.embed_tokens.weight])
+    g["self_conditioning"] = _nbytes(module.self_conditioning.parameters())
+    return g
+
+
+def kv_bytes(module, batch: int, cached: int) -> int:
+    t, total = module.text, 0
+    for i in range(t.num_hidden_layers):
+        visible = cached if t.is_full(i) else min(cached, module.window - 1)
+        total += 2 * batch * t.layer_kv_heads(i) * visible * t.layer_head_dim(i)
+    return total * module.dtype.itemsize
+
+
+def native_expert_bytes(module) -> int:
+    """Expert bytes if the experts were stored in the model dtype (the transformers twin's)."""
+    t = module.text
+    return t.num_hidden_layers * t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size * module.dtype.itemsize
+
+
+def step_bytes(module, batch: int, canvas: int, cached: int, hit: float = 1.0, native: bool = False) -> dict[str, int]:
+    """Bytes one denoising step must move, by component, plus "total" (native: bf16/fp32 experts)."""
+    g = weight_groups(module)
+    if native:
+        g["experts"] = native_expert_bytes(module)
+    b = {
+        "experts": int(g["experts"] * hit),
+        "attention+dense+router+norms": g["attention"] + g["dense_mlp"] + g["router"] + g["norms"],
+        "embedding (LM head + soft embedding)": 2 * g["embedding"],
+        "self_conditioning": g["self_conditioning"],
+        "kv_cache": kv_bytes(module, batch, cached),
+        "logits (fp32 write + read)": 2 * batch * canvas * module.text.vocab_size * 4,
+    }
+    b["total"] = sum(b.values())
+    return b
+
+
+def encode_bytes(module, batch: int, tokens: int, cached: int, hit: float = 1.0) -> int:
+    """An encoder pass of `tokens` new tokens after `cached` ones (prefill or commit)."""
+    g = weight_groups(module)
+    rows = batch * tokens * module.text.hidden_size * module.dtype.itemsize
+    return (int(g["experts"] * hit) + g["attention"] + g["dense_mlp"] + g["router"] + g["norms"] + rows
+            + kv_bytes(module, batch, cached + tokens))
+
+
+def ar_token_bytes(module, batch: int, cached: int) -> int:
+    """One autoregressive token (batch rows of one token each): K/E of the experts per row, at most all."""
+    t = module.text
+    g = weight_groups(module)
+    hit = min(1.0, 1 - (1 - t.top_k_experts / t.num_experts) ** batch)
+    return (int(g["experts"] * hit) + g["attention"] + g["dense_mlp"] + g["router"] + g["norms"]
+            + g["embedding"] + kv_bytes(module, batch, cached) + batch * t.vocab_size * 4)
+
+
+def step_flops(module, batch: int, canvas: int, cached: int) -> int:
+    """Floating-point operations of one denoising step (2 per multiply-add): per canvas token the
+    projections, dense MLP, router, top-k experts, LM head and soft embedding (V x H each),
+    self-conditioning MLP, and attention over the visible keys (q k^T and p v)."""
+    t = module.text
+    H, I, Im, V = t.hidden_size, t.intermediate_size, t.moe_intermediate_size, t.vocab_size
+    macs = 2 * V * H + 3 * H * I  # LM head, soft embedding, self-conditioning MLP
+    for i in range(t.num_hidden_layers):
+        nh, kv, D = t.num_attention_heads, t.layer_kv_heads(i), t.layer_head_dim(i)
+        proj = H * nh * D * 2 + H * kv * D * (1 if t.is_full(i) else 2)  # q, o; k (+ v on sliding layers)
+        visible = (cached if t.is_full(i) else min(cached, module.window - 1)) + canvas
+        macs += proj + 2 * nh * D * visible + 3 * H * I + H * t.num_experts + t.top_k_experts * 3 * H * Im
+    return 2 * batch * canvas * macs
+
+
+def expected_hit_fraction(n_experts: int, top_k: int, tokens: int) -> float:
+    """Fraction of experts receiving >= 1 of `tokens` uniformly routed tokens (top-k, no repeats)."""
+    return 1.0 - (1.0 - top_k / n_experts) ** tokens
+
+
+def generation_floor_seconds(module, batch, prompt, new_tokens, canvas, steps, bandwidth_bps, hit=1.0) -> float:
+    """Bytes of a whole fixed-step generation (prefill, commits, steps) over the bandwidth."""
+    n_canvases = -(-new_tokens // canvas)
+    total = encode_bytes(module, batch, prompt, 0, hit)
+    for c in range(n_canvases):
+        cached = prompt + c * canvas
+        if c:
+            total += encode_bytes(module, batch, canvas, cached - canvas, hit)
+        total += steps * step_bytes(module, batch, canvas, cached, hit)["total"]
+    return total / bandwidth_bps
+
+
+def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Device-memory copy bandwidth in bytes/s (bytes read + bytes written), median of `repeats`."""
+    if nbytes is None:
+        nbytes = 2 << 30 if device.type == "cuda" else 256 << 20
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()  # never time on zeros
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    times = sorted(times[1:])  # first copy warms up
+    return 2 * nbytes / times[len(times) // 2]

@@ -1,0 +1,169 @@
+"""Fused sampler arithmetic of one denoising step: one pass over the vocabulary per position.
+
+Shape legend: B batch, C canvas length, V vocab, R = B*C rows.
+
+From the decoder's fp32 logits `raw` [B, C, V] and the step temperature tau, one read of each
+logit gives: z = raw / tau (written once, in the self-conditioning dtype), argmax(z), the entropy
+of softmax(z) (online: running max m, S = sum e^(z-m), T = sum (z-m) e^(z-m), H = log S - T/S),
+and a sample y ~ softmax(z) by Gumbel-max (argmax(z + g), g = -log(-log u)), which has the same
+distribution as `torch.multinomial` but not the same random stream.
+
+So this is the opt-in "fast" sampler: the default engine path (`blockpress.sampling`) stays exact
+(bit-identical to transformers under a seed); this one is tested statistically (chi-square) and
+for exact argmax / 1e-5 entropy agreement. `fused_sample` runs the Triton kernel where Triton runs
+(CUDA, or the interpreter on CPU when asked) and the same algorithm in torch otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..engine.generate import denoise_step as _exact_step
+from ..sampling import entropy_bound_accept, temperature, uniform_tokens
+from ._triton import tl, triton, usable_on
+
+if triton is not None:
+
+    @triton.jit
+    def _fused_sampler_kernel(raw_ptr, tau_ptr, seed_ptr, y_ptr, a_ptr, h_ptr, z_ptr, R, V, stride_r, stride_zr,
+                              HAS_TAU: tl.constexpr, WRITE_Z: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK_V: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < R
+        tau = 1.0
+        if HAS_TAU:
+            tau = tl.load(tau_ptr)
+        seed = tl.load(seed_ptr)
+        m = tl.full((ROWS,), -1.0e30, tl.float32)  # finite start: (m - m_new) * S stays 0, never nan
+        s = tl.zeros((ROWS,), tl.float32)
+        t = tl.zeros((ROWS,), tl.float32)
+        best = tl.full((ROWS,), float("-inf"), tl.float32)
+        best_i = tl.zeros((ROWS,), tl.int64)
+        gbest = tl.full((ROWS,), float("-inf"), tl.float32)
+        gbest_i = tl.zeros((ROWS,), tl.int64)
+        for v0 in range(0, V, BLOCK_V):
+            v = v0 + tl.arange(0, BLOCK_V)
+            mask = rmask[:, None] & (v < V)[None, :]
+            z = tl.load(raw_ptr + rows[:, None].to(tl.int64) * stride_r + v[None, :], mask=mask,
+                        other=float("-inf")).to(tl.float32) / tau
+            if WRITE_Z:
+                tl.store(z_ptr + rows[:, None].to(tl.int64) * stride_zr + v[None, :],
+                         z.to(z_ptr.dtype.element_ty), mask=mask)
+            cmax = tl.max(z, axis=1)
+            carg = tl.argmax(z, axis=1)
+            best_i = tl.where(cmax > best, v0 + carg, best_i)  # strict: first maximum wins, like torch
+            best = tl.maximum(best, cmax)
+            m_new = tl.maximum(m, cmax)
+            alpha = tl.exp(m - m_new)
+            d = z - m_new[:, None]
+            p = tl.exp(d)
+            t = alpha * (t + (m - m_new) * s) + tl.sum(tl.where(mask, p * d, 0.0), axis=1)
+            s = alpha * s + tl.sum(p, axis=1)
+            m = m_new
+            u = tl.rand(seed, rows[:, None] * V + v[None, :])
+            zg = tl.where(mask, z - tl.log(-tl.log(u)), float("-inf"))
+            gmax = tl.max(zg, axis=1)
+            garg = tl.argmax(zg, axis=1)
+            gbest_i = tl.where(gmax > gbest, v0 + garg, gbest_i)
+            gbest = tl.maximum(gbest, gmax)
+        tl.store(y_ptr + rows, gbest_i, mask=rmask)
+        tl.store(a_ptr + rows, best_i, mask=rmask)
+        tl.store(h_ptr + rows, tl.log(s) - t / s, mask=rmask)
+
+
+def entropy_from_logits(z: torch.Tensor) -> torch.Tensor:
+    """Same quantity as sampling.token_entropy, in the fused kernel's form (max-shifted)."""
+    d = z - z.amax(-1, keepdim=True)
+    p = d.exp()
+    s = p.sum(-1)
+    return s.log() - (p * d).sum(-1) / s
+
+
+def fused_sample_torch(raw, tau=None, generator=None, out_dtype=None):
+    """The fused algorithm in plain torch (CPU fallback). Returns y, a, h [B,C] and z (out_dtype)."""
+    z = raw.float() if tau is None else raw.float() / tau
+    u = torch.rand(z.shape, device=z.device, generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
+    y = torch.argmax(z - torch.log(-torch.log(u)), dim=-1)
+    return y, torch.argmax(z, dim=-1), entropy_from_logits(z), z.to(out_dtype or z.dtype)
+
+
+def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_program=None, block_v=None):
+    """One Triton pass over [R, V]. tau: 0-dim fp32 tensor or None; seed: int64 tensor [1] on device."""
+    B, C, V = raw.shape
+    R = B * C
+    x = raw.reshape(R, V)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    dev = raw.device
+    if seed is None:
+        seed = torch.randint(0, 2**31 - 1, (1,), device=dev)
+    rows = rows_per_program or (1 if V >= 4096 else 16)
+    bv = block_v or min(4096, triton.next_power_of_2(V))
+    y = torch.empty(R, dtype=torch.int64, device=dev)
+    a = torch.empty(R, dtype=torch.int64, device=dev)
+    h = torch.empty(R, dtype=torch.float32, device=dev)
+    z = torch.empty(R, V, dtype=out_dtype or torch.float32, device=dev)
+    tau_t = tau if tau is not None else h  # unused pointer when HAS_TAU is False
+    _fused_sampler_kernel[(triton.cdiv(R, rows),)](x, tau_t, seed, y, a, h, z, R, V, x.stride(0), z.stride(0),
+                                                   HAS_TAU=tau is not None, WRITE_Z=True, ROWS=rows, BLOCK_V=bv)
+    return y.view(B, C), a.view(B, C), h.view(B, C), z.view(B, C, V)
+
+
+def fused_sample(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto"):
+    """-> y (sample), a (argmax), h (entropy) [B,C] and z = raw/tau in out_dtype [B,C,V]."""
+    use_triton = backend == "triton" or (backend == "auto" and raw.is_cuda and usable_on(raw.device))
+    if use_triton:
+        seed = torch.randint(0, 2**31 - 1, (1,), device=raw.device, generator=generator)
+        return fused_sample_triton(raw, tau, seed, out_dtype)
+    return fused_sample_torch(raw, tau, generator, out_dtype)
+
+
+# ------------------------------------------------------------------------------------ engine hook
+
+def denoise_step_fast(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished=None):
+    """Drop-in for `engine.generate.denoise_step` using the fused sampler (same returns).
+    Per-row generator lists (the server's batch-invariant seeding) take the exact path."""
+    if isinstance(generator, (list, tuple)):
+        return _exact_step(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished)
+    raw = module.decode(x, cache, sc_logits)
+    tau = None
+    if cfg.t_min is not None and cfg.t_max is not None:
+        tau = temperature(n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, raw.device)
+    y, a, h, z = fused_sample(raw, tau, generator, out_dtype=module.dtype)
+    accepted = entropy_bound_accept(h, cfg.entropy_bound)
+    noise = uniform_tokens(x.shape[0], x.shape[1], z.shape[-1], x.device, generator)
+    x_new = torch.where(accepted, y, noise)
+    if tracker is not None:
+        if bool(done.any()):  # frozen rows keep their state; their `done` stays True (monotone)
+            a = torch.where(done[:, None], a_prev, a)
+            x_new = torch.where(done[:, None], x, x_new)
+            z = torch.where(done[:, None, None], sc_logits, z)
+        done = done | _stable_and_confident(tracker, a, h)
+    return x_new, a, z, done, accepted
+
+
+def _stable_and_confident(tracker, a, h):
+    """StabilityTracker's rule with the fused entropies (no second pass over the logits)."""
+    if tracker.S == 0:
+        stable = torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
+    else:
+        if tracker.history is None:
+            tracker.history = torch.full((tracker.S, *a.shape), -1, dtype=a.dtype, device=a.device)
+        stable = (tracker.history == a[None]).all(dim=-1).all(dim=0)
+        tracker.history = torch.cat([tracker.history[1:], a[None]], dim=0)
+    return stable & (h.mean(dim=-1) < tracker.kappa)
+
+
+@contextlib.contextmanager
+def fast_sampling():
+    """Opt-in: run the engine's canvas loop with `denoise_step_fast` inside this block."""
+    from ..engine import generate as engine
+
+    saved = engine.denoise_step
+    engine.denoise_step = denoise_step_fast
+    try:
+        yield
+    finally:
+        engine.denoise_step = saved

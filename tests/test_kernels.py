@@ -1,0 +1,248 @@
+"""Fast paths vs their torch references (CPU): grouped MoE, the Triton MoE kernel (interpreter),
+the fused sampler (exact argmax/entropy, chi-square on the samples), the static-shape decoder
+step; the CUDA-graph wrapper runs only with a GPU."""
+
+import os
+
+import pytest
+import torch
+
+import blockpress
+from blockpress import kernels
+from blockpress.kernels import moe_grouped
+from blockpress.kernels._triton import triton
+from blockpress.kernels.graphs import GraphedDecoder, static_decode
+from blockpress.kernels.moe_grouped import align_blocks, experts_grouped, experts_triton
+from blockpress.kernels.sampler_fused import (fast_sampling, fused_sample_torch, fused_sample_triton)
+from blockpress.model.moe import EXPERT_BACKENDS, experts_loop
+from blockpress.sampling import token_entropy
+
+torch.set_grad_enabled(False)
+needs_triton = pytest.mark.skipif(triton is None or (not torch.cuda.is_available()
+                                                     and os.environ.get("TRITON_INTERPRET") != "1"),
+                                  reason="triton not installed (pip install triton)")
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, num_experts=8,
+            top_k_experts=3, moe_intermediate_size=32, sliding_window=8, max_position_embeddings=4096,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # steadier on a shared CPU; restored for the other modules
+    yield
+    torch.set_num_threads(n)
+
+
+def _routing(N, E, K, seed, skew=False):
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.rand(N, E, generator=g)
+    if skew:  # leave some experts without tokens
+        probs[:, E // 2:] *= 0.01
+    w, idx = torch.topk(probs, K)
+    return w / w.sum(-1, keepdim=True) * 1.3, idx
+
+
+def _weights(E, H, Im, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.randn(E, 2 * Im, H, generator=g) / H ** 0.5).to(dtype),
+            (torch.randn(E, H, Im, generator=g) / Im ** 0.5).to(dtype))
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("N,E,K,skew", [(37, 8, 3, False), (5, 16, 2, True), (1, 8, 8, False)])
+def test_grouped_experts_match_loop(N, E, K, skew):
+    H, Im = 48, 24
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(N))
+    w, idx = _routing(N, E, K, N + E, skew)
+    gu, dn = _weights(E, H, Im, E)
+    ref = experts_loop(x, w, idx, gu, dn)
+    assert _rel(experts_grouped(x, w, idx, gu, dn), ref) < 1e-6
+    xb, gb, db = x.bfloat16(), gu.bfloat16(), dn.bfloat16()
+    assert _rel(experts_grouped(xb, w, idx, gb, db), experts_loop(xb, w, idx, gb, db)) < 1e-2
+
+
+def test_grouped_fallback_without_grouped_mm(monkeypatch):
+    monkeypatch.setattr(moe_grouped, "_grouped_mm_ok", lambda *a: False)
+    x = torch.randn(20, 48)
+    w, idx = _routing(20, 8, 2, 1, skew=True)
+    gu, dn = _weights(8, 48, 24, 2)
+    assert _rel(experts_grouped(x, w, idx, gu, dn), experts_loop(x, w, idx, gu, dn)) < 1e-6
+
+
+def test_align_blocks_invariants():
+    N, E, K, BM = 29, 8, 3, 16
+    _, idx = _routing(N, E, K, 3, skew=True)
+    sorted_ids, block_expert = align_blocks(idx, E, BM)
+    A = N * K
+    assert sorted_ids.numel() % BM == 0 and sorted_ids.numel() >= A
+    real = sorted_ids[sorted_ids < A]
+    assert torch.equal(real.sort().values, torch.arange(A))  # every assignment exactly once
+    flat = idx.reshape(-1)
+    for b, e in enumerate(block_expert.tolist()):
+        ids = sorted_ids[b * BM:(b + 1) * BM]
+        ids = ids[ids < A]
+        if e < 0:
+            assert ids.numel() == 0
+        else:  # one expert per block
+            assert (flat[ids] == e).all()
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_triton_experts_match_loop(dtype, tol):
+    N, E, K, H, Im = 23, 8, 3, 64, 40  # Im not a multiple of the tile: masks are exercised
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(5)).to(dtype)
+    w, idx = _routing(N, E, K, 6, skew=True)
+    gu, dn = _weights(E, H, Im, 7, dtype)
+    assert _rel(experts_triton(x, w, idx, gu, dn), experts_loop(x, w, idx, gu, dn)) < tol
+    assert "triton" in EXPERT_BACKENDS and "grouped" in EXPERT_BACKENDS
+
+
+def test_fused_sampler_torch_exact_parts():
+    raw = torch.randn(2, 5, 300) * 8
+    tau = torch.tensor(0.55)
+    y, a, h, z = fused_sample_torch(raw, tau, torch.Generator().manual_seed(0), torch.bfloat16)
+    ref_z = raw / tau
+    assert torch.equal(a, ref_z.argmax(-1))
+    assert (h - token_entropy(ref_z)).abs().max() < 1e-5
+    assert torch.equal(z, ref_z.bfloat16()) and y.shape == (2, 5) and (y >= 0).all() and (y < 300).all()
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_fused_sampler_triton_exact_parts():
+    raw = torch.randn(2, 7, 40) * 6
+    raw[0, 0, 3] = raw[0, 0, 30] = 50.0  # a tie across V chunks: the first index wins, like torch
+    tau = torch.tensor(0.6)
+    y, a, h, z = fused_sample_triton(raw, tau, torch.tensor([3]), rows_per_program=4, block_v=16)
+    ref_z = raw / tau
+    assert torch.equal(a, ref_z.argmax(-1)) and a[0, 0] == 3
+    assert (h - token_entropy(ref_z)).abs().max() < 1e-5
+    assert torch.equal(z, ref_z)
+    _, a0, h0, _ = fused_sample_triton(raw, None, torch.tensor([3]), rows_per_program=4, block_v=16)
+    assert torch.equal(a0, raw.argmax(-1)) and (h0 - token_entropy(raw)).abs().max() < 1e-5
+
+
+def _chi_square(samples, probs):
+    V = probs.numel()
+    n = samples.numel()
+    counts = torch.bincount(samples.flatten(), minlength=V).float()
+    return float(((counts - n * probs) ** 2 / (n * probs)).sum())
+
+
+CHI2_7DOF_P1E4 = 29.9  # critical value: a correct sampler exceeds it once in 10^4 seeds
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_fused_sampler_distribution(impl):
+    if impl == "triton" and (triton is None or (not torch.cuda.is_available()
+                                                and os.environ.get("TRITON_INTERPRET") != "1")):
+        pytest.skip("triton not installed")
+    V, R = 8, 4096
+    logits = torch.tensor([1.5, -0.3, 0.7, 2.1, -2.0, 0.0, 1.0, -1.2])
+    tau = torch.tensor(0.8)
+    raw = logits.expand(1, R, V).contiguous()
+    probs = torch.softmax(logits / tau, 0)
+    for seed in (1, 2):
+        if impl == "torch":
+            y = fused_sample_torch(raw, tau, torch.Generator().manual_seed(seed))[0]
+        else:
+            y = fused_sample_triton(raw, tau, torch.tensor([seed]), rows_per_program=512, block_v=8)[0]
+        assert _chi_square(y, probs) < CHI2_7DOF_P1E4
+        assert len(set(y[0, :64].tolist())) > 3  # rows draw independently
+
+
+def _tiny_model(seed=0):
+    cfg = {"model_type": "diffusion_gemma", "text_config": dict(TINY), "canvas_length": 8}
+    m = blockpress.from_config(cfg, seed=seed)
+    for p in m.module.parameters():
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    return m
+
+
+def test_fast_sampling_generate_runs_and_restores():
+    from blockpress.engine import generate as engine
+
+    m = _tiny_model()
+    ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=16, max_denoising_steps=4, stability_threshold=1, confidence_threshold=0.005)
+    exact = engine.denoise_step
+    with fast_sampling():
+        torch.manual_seed(1)
+        a = m.generate(ids, **kw)
+        torch.manual_seed(1)
+        b = m.generate(ids, **kw)
+    assert engine.denoise_step is exact
+    assert torch.equal(a.sequences, b.sequences) and a.sequences.shape == (2, 28)
+    assert a.new_tokens.max() < 512
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
+def test_static_decode_matches_decode(attention):
+    m = _tiny_model().module
+    m.attention_backend = attention
+    ids = torch.randint(5, 512, (2, 20), generator=torch.Generator().manual_seed(2))
+    pad = torch.ones(2, 20, dtype=torch.bool)
+    pad[1, :6] = False  # left padding: cache.valid is honoured
+    cache = m.new_cache(2, 40)  # capacity beyond length: unwritten keys must be masked
+    m.encode(ids, pad_mask=pad, cache=cache)
+    canvas = torch.randint(0, 512, (2, 8))
+    sc = torch.randn(2, 8, 512)
+    T = torch.tensor(cache.length)
+    out = static_decode(m, canvas, cache, T, sc, torch.ones(2, dtype=torch.bool))
+    assert (out - m.decode(canvas, cache, sc)).abs().max() < 2e-5
+    out0 = static_decode(m, canvas, cache, T, sc, torch.zeros(2, dtype=torch.bool))
+    assert (out0 - m.decode(canvas, cache, None)).abs().max() < 2e-5
+
+
+def test_configure_fast_backends_keep_tokens():
+    m = _tiny_model()
+    ids = torch.randint(5, 512, (1, 10), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=16, max_denoising_steps=3, stability_threshold=None, confidence_threshold=None)
+    m.module.attention_backend = "eager"
+    torch.manual_seed(0)
+    ref = m.generate(ids, **kw).sequences
+    choice = kernels.configure(m.module, experts="grouped", attention="sdpa_gqa")
+    assert choice["experts"] == "grouped" and m.module.attention_backend == "sdpa_gqa"
+    torch.manual_seed(0)
+    assert torch.equal(m.generate(ids, **kw).sequences, ref)
+    assert kernels.configure(m.module)["experts"] in EXPERT_BACKENDS
+
+
+def test_graphed_decoder_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        GraphedDecoder(_tiny_model().module)
+
+
+@pytest.mark.gpu
+def test_graphed_decoder_matches_eager_decode():
+    if triton is None:
+        pytest.skip("needs triton: the capture needs experts without host syncs in fp32")
+    m = _tiny_model().module.cuda()
+    m.set_experts_backend("triton")
+    ids = torch.randint(5, 512, (2, 20), device="cuda")
+    cache = m.new_cache(2, 40)
+    m.encode(ids, cache)
+    g = GraphedDecoder(m).install()
+    try:
+        for _ in range(2):  # second call replays the captured graph
+            canvas = torch.randint(0, 512, (2, 8), device="cuda")
+            sc = torch.randn(2, 8, 512, device="cuda")
+            assert (m.decode(canvas, cache, sc) - g._eager(canvas, cache, sc)).abs().max() < 1e-4
+            assert (m.decode(canvas, cache) - g._eager(canvas, cache)).abs().max() < 1e-4
+        m.encode(torch.randint(5, 512, (2, 8), device="cuda"), cache)  # next canvas: T moves, same graph
+        canvas = torch.randint(0, 512, (2, 8), device="cuda")
+        assert (m.decode(canvas, cache) - g._eager(canvas, cache)).abs().max() < 1e-4
+        assert len(g.captured) == 1
+    finally:
+        g.uninstall()

@@ -1,0 +1,181 @@
+"""Low-precision experts: formats (pack / error bounds), the QuantizedExperts paths vs the
+dequantised reference (torch and Triton-interpreter), the module swap, the quantised random build,
+and the quality numbers the guard reports."""
+
+import os
+
+import pytest
+import torch
+
+from blockpress.cli.bench import preset_config
+from blockpress.kernels._triton import triton
+from blockpress.kernels.quant import (QuantizedExperts, compare_logits, dequantize_fp8, dequantize_int4,
+                                      experts_weight_bytes, group_for, pack_int4, quantize_experts_, quantize_fp8,
+                                      quantize_int4, unpack_int4)
+from blockpress.kernels.random_weights import build_model
+from blockpress.model.moe import experts_loop
+
+torch.set_grad_enabled(False)
+needs_triton = pytest.mark.skipif(triton is None or (not torch.cuda.is_available()
+                                                     and os.environ.get("TRITON_INTERPRET") != "1"),
+                                  reason="triton not installed (pip install triton)")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_int4_pack_roundtrip_every_value():
+    q = torch.arange(-8, 8, dtype=torch.int8).repeat(3, 2)  # [3, 32]
+    q = q[:, torch.randperm(32, generator=torch.Generator().manual_seed(0))]
+    p = pack_int4(q)
+    assert p.dtype == torch.uint8 and p.shape == (3, 16)
+    assert torch.equal(unpack_int4(p), q)
+    assert int(p[0, 0]) == ((int(q[0, 0]) + 8) | ((int(q[0, 1]) + 8) << 4))  # even column = low nibble
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_error_within_half_step(dtype):
+    w = torch.randn(2, 12, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
+    p, s = quantize_int4(w, group_size=32, scale_dtype=dtype)
+    assert s.shape == (2, 12, 3) and s.dtype == dtype
+    deq = dequantize_int4(p, s, torch.float32)
+    step = s.float().repeat_interleave(32, -1)
+    # clipping search may clip a group's largest values, never by more than 20% of its range
+    inside = w.float().abs() <= 7 * step
+    assert ((deq - w.float()).abs()[inside] <= step[inside] / 2 + 1e-6).all()
+    assert ((deq - w.float()).abs() <= 0.25 * w.float().abs().amax(-1, keepdim=True)).all()
+    assert _rel(deq, w) < 0.12
+
+
+def test_fp8_error_bound():
+    w = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(2)) * torch.logspace(-3, 1, 16)[:, None]
+    q, s = quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 16)
+    deq = dequantize_fp8(q, s, torch.float32)
+    # e4m3: 3 mantissa bits (<= 2^-4 relative), subnormal step 2^-9 of the row scale
+    assert ((deq - w).abs() <= 2 ** -4 * w.abs() + 2 ** -10 * s[..., None] + 1e-12).all()
+    assert torch.allclose(q.float().abs().amax(-1), torch.full((3, 16), 448.0))  # full range used
+
+
+def test_group_for_real_sizes():
+    assert group_for(2816, 64) == 64 and group_for(704, 64) == 64  # the released model: 4.25 bits/weight
+    assert group_for(704, 128) == 64 and group_for(24, 64) == 8
+
+
+def _routing(N, E, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    w, idx = torch.topk(torch.rand(N, E, generator=g), K)
+    return w / w.sum(-1, keepdim=True), idx
+
+
+def _quantized(fmt, dtype, E=8, H=64, Im=32, group=16, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    gu, dn = torch.randn(E, 2 * Im, H, generator=g) / 8, torch.randn(E, H, Im, generator=g) / 6
+    q = QuantizedExperts(E, H, Im, fmt, group, dtype=dtype).load_float_(gu.to(dtype), dn.to(dtype), chunk=3)
+    return q, gu, dn
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_equals_dequantised_reference(fmt, dtype):
+    q, gu, dn = _quantized(fmt, dtype)
+    x = torch.randn(30, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    w, idx = _routing(30, 8, 3, 5)
+    q.backend = "torch"
+    ref = experts_loop(x, w, idx, q.dequantize("gate_up"), q.dequantize("down"))
+    assert _rel(q(x, w, idx), ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+    full = experts_loop(x.float(), w, idx, gu, dn)
+    assert _rel(ref, full) < (0.08 if fmt == "fp8" else 0.25)  # the format's own error, bounded
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_triton_path_equals_torch_path(fmt, dtype, tol):
+    q, _, _ = _quantized(fmt, dtype)
+    x = torch.randn(21, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
+    w, idx = _routing(21, 8, 3, 7)
+    q.backend = "torch"
+    ref = q(x, w, idx)
+    q.backend = "triton"
+    assert q.resolved_backend(x) == "triton"
+    assert _rel(q(x, w, idx), ref) < tol
+
+
+def test_weight_bytes_of_the_real_model_on_meta():
+    E, H, Im = 128, 2816, 704
+    fp8 = QuantizedExperts(E, H, Im, "fp8", dtype=torch.bfloat16, device="meta")
+    int4 = QuantizedExperts(E, H, Im, "int4", 64, dtype=torch.bfloat16, device="meta")
+    weights = E * 3 * Im * H
+    assert fp8.weight_bytes() == weights + E * (2 * Im + H) * 4
+    assert int4.weight_bytes() == weights // 2 + (weights // 64) * 2  # 4 bits + a bf16 scale per 64
+    assert 30 * int4.weight_bytes() / 1e9 == pytest.approx(12.13, abs=0.01)
+
+
+def test_module_swap_keeps_everything_else_and_generates():
+    config, _, _ = preset_config("tiny")
+    m = build_model(config, torch.device("cpu"), torch.float32, seed=1, std=0.05)
+    before = {n: p.clone() for n, p in m.named_parameters() if ".experts." not in n}
+    native_bytes = experts_weight_bytes(m)
+    quantize_experts_(m, "int4", group_size=16)
+    after = dict(m.named_parameters())
+    assert set(after) == set(before)  # embeddings, attention, router, self-conditioning untouched
+    assert all(torch.equal(before[n], after[n]) and after[n].dtype == torch.float32 for n in before)
+    assert all(isinstance(layer.experts, QuantizedExperts) for layer in m.layers)
+    assert experts_weight_bytes(m) < native_bytes / 5  # fp32 -> 4 bits + an fp32 scale per 16
+    m.set_experts_backend("grouped")  # the engine's switch must not break swapped experts
+    from blockpress.config import GenerationConfig
+    from blockpress.engine.generate import generate
+
+    cfg = GenerationConfig.resolve(max_new_tokens=16, max_denoising_steps=2, stability_threshold=None,
+                                   confidence_threshold=None)
+    out = generate(m, torch.randint(5, 512, (1, 8)), cfg, m.config.canvas_length)
+    assert out.sequences.shape == (1, 24)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantised_random_build_equals_quantising_the_float_build(fmt):
+    """The benchmark fills fp8/int4 experts on the device chunk by chunk; the result must be
+    exactly the quantised float twin (same seeds), so precisions compare the same model."""
+    config, _, _ = preset_config("tiny")
+    direct = build_model(config, torch.device("cpu"), torch.float32, precision=fmt, seed=2, group_size=16)
+    twin = quantize_experts_(build_model(config, torch.device("cpu"), torch.float32, seed=2), fmt, 16)
+    for a, b in zip(direct.layers, twin.layers):
+        for name in ("gate_up_q", "gate_up_scale", "down_q", "down_scale"):
+            assert torch.equal(getattr(a.experts, name).view(torch.uint8) if fmt == "fp8" and name.endswith("_q")
+                               else getattr(a.experts, name),
+                               getattr(b.experts, name).view(torch.uint8) if fmt == "fp8" and name.endswith("_q")
+                               else getattr(b.experts, name))
+
+
+def test_compare_logits_metrics():
+    ref = torch.randn(2, 4, 50)
+    same = compare_logits(ref, ref.clone())
+    assert same["mean_kl"] == pytest.approx(0.0, abs=1e-7) and same["top1_agreement"] == 1.0
+    worse = compare_logits(ref, ref + 0.5 * torch.randn(2, 4, 50))
+    assert worse["mean_kl"] > 1e-3 and worse["max_kl"] >= worse["mean_kl"]
+
+
+@pytest.mark.gpu
+def test_fp8_scaled_mm_on_hopper():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("fp8 grouped GEMM needs Hopper")
+    q, gu, dn = _quantized("fp8", torch.bfloat16, E=8, H=128, Im=64)
+    q = q.cuda()
+    x = torch.randn(64, 128, device="cuda").bfloat16()
+    w, idx = _routing(64, 8, 2, 8)
+    w, idx = w.cuda(), idx.cuda()
+    q.backend = "torch"
+    ref = q(x, w, idx)
+    q.backend = "scaled_mm"
+    assert _rel(q(x, w, idx), ref) < 0.08  # w8a8: activations quantised too

@@ -146,7 +146,7 @@ def run_blockpress(module, ids, mode, args, label="blockpress"):
         _reset_peak(device)
         for r in range(args.warmup + args.repeats):
             torch.manual_seed(args.seed)
-            res = engine.generate(module, ids, cfg, C)
+            res = engine.generate(module, ids, cfg, C, sampler=args.sampler)
             _sync(device)
             enc, dec = encode_t.take_ms(), decode_t.take_ms()
             if r >= args.warmup:
@@ -349,15 +349,12 @@ def run(args) -> dict:
     batches = [int(b) for b in args.batch.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     seqs = {}
-    from ..kernels.sampler_fused import fast_sampling
-
     for B in batches:
         ids = torch.randint(5, text.vocab_size, (B, args.prompt_tokens), generator=torch.Generator().manual_seed(B))
         ids = ids.to(device)
         hit = expected_hit_fraction(text.num_experts, text.top_k_experts, B * C)
         for mode in modes:
-            with fast_sampling() if args.sampler == "fast" else _nullcontext():
-                s, seqs[(B, mode)] = run_blockpress(module, ids, mode, args)
+            s, seqs[(B, mode)] = run_blockpress(module, ids, mode, args)
             add_roofline(s, mean_step_bytes(module, B, args, hit), bandwidth)
             floor = generation_floor_seconds(module, B, args.prompt_tokens, args.new_tokens, C, args.steps,
                                              bandwidth, hit)
@@ -395,13 +392,6 @@ def run(args) -> dict:
     result["ratios"] = _ratios(result["runs"])
     return result
 
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _ratios(runs: list[dict]) -> dict:

@@ -105,13 +105,21 @@ def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, c
 def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length: int,
            attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
            cache: KVCache | None = None, decoder_input_ids: torch.Tensor | None = None,
-           self_conditioning_logits: torch.Tensor | None = None, drafts: bool = True):
+           self_conditioning_logits: torch.Tensor | None = None, drafts: bool = True, sampler: str = "exact"):
     """Yield Draft / Commit events and a final Finished(result).
 
     input_ids [B, S]: the tokens not yet in `cache` (the whole prompt when cache is None).
     attention_mask [B, S] (1 = token, 0 = left padding) for those tokens.
     generator: None (global RNG), one torch.Generator, or a list of B generators (one per row).
+    sampler: "exact" (the reference's arithmetic and draws) or "fast" (the fused one-pass sampler of
+    kernels/sampler_fused.py: same distribution, different random stream).
     """
+    if sampler == "exact":
+        step_fn = denoise_step
+    elif sampler == "fast":
+        from ..kernels.sampler_fused import denoise_step_fast as step_fn
+    else:
+        raise InputError(f"unknown sampler {sampler!r}; use 'exact' or 'fast'")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise InputError(f"input_ids must be a non-empty [batch, length] tensor, got shape {list(input_ids.shape)}")
     B, S = input_ids.shape
@@ -170,7 +178,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             steps = 0
             for n in range(N, 0, -1):
                 passes += ~(done | finished)
-                x, a, sc, done, accepted = denoise_step(module, x, a, sc, done, n, cfg, cache, tracker, generator,
+                x, a, sc, done, accepted = step_fn(module, x, a, sc, done, n, cfg, cache, tracker, generator,
                                                          finished)
                 steps += 1
                 if drafts:

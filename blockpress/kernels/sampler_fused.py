@@ -16,7 +16,6 @@ for exact argmax / 1e-5 entropy agreement. `fused_sample` runs the Triton kernel
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -154,16 +153,3 @@ def _stable_and_confident(tracker, a, h):
         stable = (tracker.history == a[None]).all(dim=-1).all(dim=0)
         tracker.history = torch.cat([tracker.history[1:], a[None]], dim=0)
     return stable & (h.mean(dim=-1) < tracker.kappa)
-
-
-@contextlib.contextmanager
-def fast_sampling():
-    """Opt-in: run the engine's canvas loop with `denoise_step_fast` inside this block."""
-    from ..engine import generate as engine
-
-    saved = engine.denoise_step
-    engine.denoise_step = denoise_step_fast
-    try:
-        yield
-    finally:
-        engine.denoise_step = saved

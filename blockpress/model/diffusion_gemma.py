@@ -15,6 +15,7 @@ Shape legend: B batch, S encoder chunk, C canvas length, V vocab, H hidden, L ke
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from ..config import FULL, SLIDING, ModelConfig
@@ -82,6 +83,9 @@ class DiffusionGemmaModel(nn.Module):
         self.attention_backend = "sdpa"
         self.window = cfg.sliding_window
         self.bidirectional_encoder = cfg.use_bidirectional_attention == "all"
+        # training (blockpress.train): recompute decoder layers in backward. Encoder layers are never
+        # checkpointed: they write the KV cache (spec training.md §4.3).
+        self.gradient_checkpointing = False
 
     # helpers ------------------------------------------------------------------------------------
     @property
@@ -112,6 +116,12 @@ class DiffusionGemmaModel(nn.Module):
         self.materialize_buffers(self.embed_tokens.weight.device)
 
     def set_experts_backend(self, name: str) -> None:
+        from .moe import EXPERT_BACKENDS
+
+        if name not in EXPERT_BACKENDS:  # fast paths register themselves on import
+            import blockpress.kernels  # noqa: F401
+        if name not in EXPERT_BACKENDS:
+            raise ValueError(f"unknown experts backend {name!r}; available: {sorted(EXPERT_BACKENDS)}")
         for layer in self.layers:
             layer.experts.backend = name
 
@@ -237,7 +247,10 @@ class DiffusionGemmaModel(nn.Module):
                 ck, cv = cache.span(i, lo, T)
                 return layer.self_attn.output(attn_fn(q, torch.cat([ck, k], 2), torch.cat([cv, v], 2), mask))
 
-            x = layer(x, attend, layer.layer_scalar)
+            if self.gradient_checkpointing and torch.is_grad_enabled():  # training only; the cache is read-only here
+                x = torch.utils.checkpoint.checkpoint(layer, x, attend, layer.layer_scalar, use_reentrant=False)
+            else:
+                x = layer(x, attend, layer.layer_scalar)
             if hidden_states is not None and i < len(self.layers) - 1:
                 hidden_states.append(x)
         x = self.norm(x)

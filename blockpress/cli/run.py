@@ -1,0 +1,321 @@
+"""`blockpress run [MODEL] [PROMPT]`: generate once, watching the canvas crystallise.
+
+MODEL is a folder or a Hub id (default: the Sudoku model shipped in blockpress/assets/sudoku).
+PROMPT is text ('-' or a pipe: read stdin). For a Sudoku model (its `blockpress_task.json` or
+config.json says task "sudoku") the prompt is a puzzle (81 cells; a built-in example when
+omitted), drawn as a grid, and the answer grid marks wrong or blank cells.
+
+Output: the live canvas (on a terminal, unless --no-live), the final text, then one stats line:
+tokens/s, tokens per forward (returned tokens / decoder passes), steps per canvas, time to first
+commit. `--json` prints one JSON object instead. The returned text stops at the first stop id
+(the checkpoint's eos ids, else `<eos>` and `<turn|>`) and at --max-new-tokens tokens.
+
+This module also holds the flags and helpers shared by `chat` and `serve` (model loading,
+sampling flags -> engine keyword arguments, stop ids). No heavy imports at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
+EXAMPLE_SUDOKU = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
+
+
+# ----------------------------------------------------------------------------- flag types
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _float_in(lo: float, strict: bool, allow_none: bool = False):
+    def parse(s: str):
+        if allow_none and s.lower() == "none":
+            return None
+        try:
+            v = float(s)
+        except ValueError:
+            what = "a number or none" if allow_none else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if v != v or v in (float("inf"), float("-inf")) or (v <= lo if strict else v < lo):
+            raise argparse.ArgumentTypeError(f"expected a finite number {'>' if strict else '>='} {lo:g}, got {s}")
+        return v
+    return parse
+
+
+def _int_or_none(s: str):
+    if s.lower() == "none":
+        return None
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or none, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or none, got {v}")
+    return v
+
+
+# ----------------------------------------------------------------------------- shared flags
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help=f"checkpoint folder or Hub id (default: the shipped Sudoku model, {DEFAULT_MODEL})")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
+    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, then the reference)")
+    g.add_argument("--max-new-tokens", type=_positive_int, help="tokens to generate (rounded up to whole canvases)")
+    steps = g.add_mutually_exclusive_group()
+    steps.add_argument("--steps", type=_positive_int, metavar="N",
+                       help="speed/quality dial: exactly N denoising steps per canvas (early stopping off)")
+    steps.add_argument("--max-denoising-steps", type=_positive_int, help="step budget per canvas")
+    g.add_argument("--entropy-bound", type=_float_in(0, strict=True), help="entropy budget of accepted tokens per step")
+    # these accept "none"; SUPPRESS tells "not given" (attribute absent) from "given as none"
+    g.add_argument("--t-min", type=_float_in(0, strict=False, allow_none=True), default=argparse.SUPPRESS,
+                   help="final temperature (none: no temperature schedule)")
+    g.add_argument("--t-max", type=_float_in(0, strict=False, allow_none=True), default=argparse.SUPPRESS,
+                   help="initial temperature")
+    g.add_argument("--stability-threshold", type=_int_or_none, default=argparse.SUPPRESS,
+                   help="steps the argmax must stay unchanged to stop early (none: never stop early)")
+    g.add_argument("--confidence-threshold", type=_float_in(0, strict=True, allow_none=True),
+                   default=argparse.SUPPRESS,
+                   help="mean entropy below which a stable canvas stops (none: never stop early)")
+    if seed:
+        g.add_argument("--seed", type=int, help="random seed (same seed, same text)")
+
+
+def sampling_kwargs(args) -> dict[str, Any]:
+    """Sampling flags given on the command line -> engine keyword arguments (reference names)."""
+    kw: dict[str, Any] = {}
+    for name in ("max_new_tokens", "max_denoising_steps", "entropy_bound"):
+        if getattr(args, name, None) is not None:
+            kw[name] = getattr(args, name)
+    for name in ("t_min", "t_max", "stability_threshold", "confidence_threshold"):
+        if hasattr(args, name):
+            kw[name] = getattr(args, name)
+    if getattr(args, "steps", None) is not None:
+        kw.update(max_denoising_steps=args.steps, stability_threshold=None, confidence_threshold=None)
+    return kw
+
+
+def resolve_model(model: str | None) -> str:
+    if model is not None:
+        return model
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        from ..errors import CheckpointError
+
+        raise CheckpointError(f"no MODEL given and the shipped Sudoku model is not installed at {DEFAULT_MODEL}; "
+                              "pass MODEL (a checkpoint folder or a Hub id like google/diffusiongemma-26B-A4B-it)")
+    return str(DEFAULT_MODEL)
+
+
+def load_model(args):
+    import blockpress
+
+    return blockpress.load(resolve_model(args.model), device=args.device, dtype=args.dtype,
+                           progress=sys.stderr.isatty())
+
+
+def task_of(lm) -> str | None:
+    """"sudoku" when the folder's blockpress_task.json (or config.json) says so."""
+    if lm.path is None:
+        return None
+    f = Path(lm.path) / "blockpress_task.json"
+    if f.is_file():
+        try:
+            return json.loads(f.read_text()).get("task")
+        except (ValueError, AttributeError):
+            return None
+    raw = lm.config.raw
+    return raw.get("blockpress_task") or raw.get("task")
+
+
+def chat_stop_ids(lm) -> list[int]:
+    """The checkpoint's eos ids, else the tokenizer's <eos> and end-of-turn <turn|>."""
+    eos = lm.generation_defaults.get("eos_token_id") or lm.config.eos_token_id
+    if eos:
+        return [eos] if isinstance(eos, int) else list(eos)
+    tok = lm.tokenizer
+    ids = [tok.eos_token_id, tok.token_to_id("<turn|>")] if tok is not None else []
+    return [i for i in ids if i is not None]
+
+
+def text_defaults(lm) -> dict[str, Any]:
+    """Stop and pad ids for text generation when the checkpoint does not set them."""
+    out: dict[str, Any] = {}
+    if not lm.generation_defaults.get("eos_token_id"):
+        out["eos_token_id"] = chat_stop_ids(lm) or None
+    if lm.generation_defaults.get("pad_token_id") is None:
+        pad = lm.tokenizer.pad_token_id if lm.tokenizer is not None else None
+        out["pad_token_id"] = pad if pad is not None else 0
+    return out
+
+
+def returned_tokens(new_tokens: list[int], stop_ids, limit: int) -> tuple[list[int], str]:
+    """Tokens up to (excluding) the first stop id, at most `limit`; and the finish reason."""
+    stops = set(stop_ids or ())
+    for j, t in enumerate(new_tokens[:limit]):
+        if t in stops:
+            return new_tokens[:j], "stop"
+    return new_tokens[:limit], "length"
+
+
+def stats_of(result, n_tokens: int) -> dict[str, Any]:
+    passes = int(result.forward_passes[0])
+    spc = list(result.steps_per_canvas)
+    return {
+        "tokens": n_tokens,
+        "seconds": round(result.total_seconds, 4),
+        "tokens_per_second": round(n_tokens / result.total_seconds, 2) if result.total_seconds > 0 else None,
+        "tokens_per_forward": round(n_tokens / passes, 3) if passes else 0.0,
+        "forward_passes": passes,
+        "steps_per_canvas": spc,
+        "mean_steps_per_canvas": round(sum(spc) / len(spc), 2) if spc else 0.0,
+        "time_to_first_commit": round(result.first_commit_seconds, 4),
+    }
+
+
+def stats_line(s: dict[str, Any]) -> str:
+    return (f"{s['tokens']} tokens in {s['seconds']:.2f}s · {s['tokens_per_second'] or 0:.1f} tokens/s · "
+            f"{s['tokens_per_forward']:.2f} tokens/forward · {s['mean_steps_per_canvas']:.1f} steps/canvas "
+            f"({len(s['steps_per_canvas'])} canvases) · first commit {1000 * s['time_to_first_commit']:.0f} ms")
+
+
+def read_prompt(prompt: str | None) -> str | None:
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    return prompt
+
+
+# ----------------------------------------------------------------------------- command
+def add_parser(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("prompt", nargs="?", metavar="PROMPT",
+                   help="text, or a Sudoku puzzle for a Sudoku model; '-' (or a pipe) reads stdin")
+    add_sampling_args(p)
+    p.add_argument("--thinking", action="store_true", help="let the model think first (reasoning shown dim)")
+    p.add_argument("--raw", action="store_true", help="plain prompt without the chat template")
+    p.add_argument("--no-live", action="store_true", help="do not draw the canvas while it denoises")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
+
+
+def main(args) -> int:
+    import torch
+    from rich.console import Console
+
+    lm = load_model(args)
+    prompt = read_prompt(args.prompt)
+    console = Console(highlight=False)
+    gen = torch.Generator(device=lm.device).manual_seed(args.seed) if args.seed is not None else None
+    live = not (args.no_live or args.json)
+    if task_of(lm) == "sudoku":
+        return _run_sudoku(lm, prompt, args, console, gen, live)
+    if lm.tokenizer is None:
+        from ..errors import InputError
+
+        raise InputError(f"{lm.path} has no tokenizer.json, so it cannot read a text prompt; add the tokenizer files "
+                         "(or mark a Sudoku model with blockpress_task.json {\"task\": \"sudoku\"})")
+    if prompt is None or not prompt.strip():
+        from ..errors import InputError
+
+        raise InputError("no PROMPT given; pass it as an argument, or '-' to read it from stdin")
+    kw = {**text_defaults(lm), **sampling_kwargs(args)}
+    cfg = lm.generation_config(**kw)  # validates: SamplingError -> one-line error, exit 2
+    ids = lm.encode_chat(prompt, enable_thinking=args.thinking, chat=False if args.raw else None)
+    result = _generate(lm, ids, kw, gen, _text_view(lm, console, live), decode=True)
+    tokens, reason = returned_tokens(result.new_tokens[0].tolist(), cfg.eos_token_id, cfg.max_new_tokens)
+    from ..parsing import parse_output
+
+    parsed = parse_output(lm.tokenizer.decode(tokens), reason, control_tokens=lm.tokenizer.special_tokens)
+    stats = stats_of(result, len(tokens))
+    if args.json:
+        print(json.dumps({"text": parsed.content, "reasoning": parsed.reasoning,
+                          "tool_calls": [c.to_openai() for c in parsed.tool_calls],
+                          "finish_reason": parsed.finish_reason, "prompt_ids": ids, "token_ids": tokens,
+                          "stats": stats}, ensure_ascii=False))
+        return 0
+    if parsed.reasoning:
+        console.print(parsed.reasoning.strip(), style="dim italic", markup=False)
+    console.print(parsed.content, markup=False)
+    for c in parsed.tool_calls:
+        console.print(f"[tool call] {c.name}({c.arguments_json})", style="magenta", markup=False)
+    console.print(stats_line(stats), style="cyan", markup=False)
+    return 0
+
+
+def _text_view(lm, console, live):
+    from .view import CanvasView, TextRenderer
+
+    return CanvasView(TextRenderer(lm.tokenizer), console, live)
+
+
+def _generate(lm, ids, kw, gen, view, decode: bool):
+    """Stream one prompt through the canvas loop, feeding the view; returns the GenerationResult."""
+    import blockpress
+
+    decoder = lm.tokenizer.stream_decoder(skip_special_tokens=True) if decode and lm.tokenizer else None
+    with view:
+        for ev in lm.stream([ids], generator=gen, drafts=view.live_on, **kw):
+            if isinstance(ev, blockpress.Draft):
+                view.draft(ev.canvas_index, ev.step, ev.max_steps, ev.tokens[0].tolist(), ev.accepted[0].tolist())
+            elif isinstance(ev, blockpress.Commit):
+                view.commit(decoder.feed(ev.tokens[0].tolist()) if decoder else "")
+            elif isinstance(ev, blockpress.Finished):
+                return ev.result
+    raise RuntimeError("generation ended without a result")  # unreachable
+
+
+def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
+    from rich.text import Text
+
+    from ..tasks import sudoku as su
+    from .view import CanvasView, SudokuRenderer
+
+    puzzle = su.parse_grid(prompt if prompt and prompt.strip() else EXAMPLE_SUDOKU)
+    kw = {"max_new_tokens": su.CANVAS_LEN, "eos_token_id": [su.EOS_ID], "pad_token_id": su.PAD_ID,
+          **sampling_kwargs(args)}
+    lm.generation_config(**kw)
+    if not args.json:
+        console.print("puzzle:", style="bold")
+        console.print(su.format_grid(puzzle), markup=False)
+    ids = su.encode_prompt(puzzle)
+    renderer = SudokuRenderer(puzzle, su.DIGIT_ID0)
+    view = CanvasView(renderer, console, live, title="answer", show_committed=False)
+    result = _generate(lm, ids, kw, gen, view, decode=False)
+    tokens = result.new_tokens[0].tolist()
+    answer = su.decode_answer(tokens)
+    solution = su.solve_exact(puzzle)
+    score = su.check(puzzle, answer, solution)
+    stats = stats_of(result, len(returned_tokens(tokens, [su.EOS_ID], len(tokens))[0]))
+    if args.json:
+        print(json.dumps({"puzzle": puzzle, "answer": answer, "solution": solution, **score,
+                          "token_ids": tokens, "stats": stats}))
+        return 0
+    cells = []
+    padded = answer.ljust(81, "0")
+    for i in range(81):  # the model's digit in every cell; clues it kept bold, its own right ones green
+        d = padded[i]
+        if d == "0":
+            cells.append(("·", "bold red reverse"))
+        elif solution is not None and d != solution[i]:
+            cells.append((d, "bold red reverse"))
+        else:
+            cells.append((d, "bold" if puzzle[i] != "0" else "green"))
+    console.print("answer (red: wrong or blank):", style="bold")
+    console.print(renderer.grid(cells))
+    verdict = "solved" if score["solved"] else "not solved"
+    console.print(Text(f"{verdict} · cell accuracy {100 * score['cell_accuracy']:.1f}% · "
+                       f"clues kept {100 * score['clues_kept']:.1f}%", style="bold" if score["solved"] else "yellow"))
+    console.print(stats_line(stats), style="cyan", markup=False)
+    return 0

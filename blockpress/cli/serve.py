@@ -1,0 +1,70 @@
+"""`blockpress serve [MODEL]`: the OpenAI-compatible HTTP server with the live web page at `/`.
+
+Binds 127.0.0.1:8000 by default. Endpoints: GET /v1/models, POST /v1/chat/completions,
+POST /v1/completions, GET /health, GET /metrics, GET / (web page). `--api-key` (or the
+BLOCKPRESS_API_KEY environment variable) requires `Authorization: Bearer KEY` on /v1 routes.
+Sampling flags set server-wide defaults; requests may override them per call.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .run import _positive_int, add_model_args, add_sampling_args, load_model, sampling_kwargs
+
+
+def add_parser(p) -> None:
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--api-key", default=os.environ.get("BLOCKPRESS_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $BLOCKPRESS_API_KEY)")
+    p.add_argument("--served-model-name", help="model id clients use (default: the folder name or Hub id)")
+    p.add_argument("--max-batch", type=_positive_int, default=8, help="requests denoised together (default: 8)")
+    p.add_argument("--queue-size", type=_positive_int, default=64,
+                   help="requests allowed to wait; more get 429 (default: 64)")
+    p.add_argument("--max-tokens-limit", type=_positive_int, default=4096,
+                   help="largest max_tokens a request may ask for (default: 4096)")
+    p.add_argument("--max-prompt-tokens", type=_positive_int, default=32768, help="longest prompt (default: 32768)")
+    p.add_argument("--max-messages", type=_positive_int, default=256, help="most messages per chat request")
+    p.add_argument("--max-steps-limit", type=_positive_int, default=1024,
+                   help="most denoising steps per canvas a request may ask for (default: 1024)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20,
+                   help="largest request body (default: 1 MiB)")
+    p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_sampling_args(p, seed=False)
+
+
+def main(args) -> int:
+    import torch
+    import uvicorn
+
+    from ..server.app import create_app
+    from ..server.metrics import Metrics
+    from ..server.protocol import Limits
+    from ..server.scheduler import Scheduler
+    from ..server.serving import OpenAIServing
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args)
+    name = args.served_model_name or (args.model.rstrip("/") if args.model and "/" in args.model.strip("/")
+                                      and not os.path.isdir(args.model) else os.path.basename(str(lm.path).rstrip("/")))
+    limits = Limits(max_tokens=args.max_tokens_limit, max_messages=args.max_messages,
+                    max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
+                    max_steps=args.max_steps_limit)
+    metrics = Metrics()
+    scheduler = Scheduler(lm.module, lm.canvas_length, max_batch=args.max_batch, queue_size=args.queue_size,
+                          metrics=metrics)
+    defaults = sampling_kwargs(args)
+    defaults.pop("max_new_tokens", None)  # per request: max_tokens
+    serving = OpenAIServing(lm, scheduler, name, limits, defaults=defaults, metrics=metrics)
+    app = create_app(serving, metrics, api_key=args.api_key)
+    scheduler.start()
+    print(f"blockpress: serving '{name}' on http://{args.host}:{args.port} (web page at /, API at /v1)", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    finally:
+        scheduler.stop()
+    return 0

@@ -1,0 +1,382 @@
+"""Request and response models of the OpenAI-compatible API (pydantic), fields in OpenAI's order.
+
+Invariants:
+- Requests are validated strictly (JSON types are not coerced: `"5"` is not an int) and unknown
+  fields are ignored (OpenAI clients send fields such as `temperature` that a diffusion sampler
+  does not use). Every string in a request must be valid Unicode (no lone surrogates).
+- `to_sampling(limits, defaults)` is the one place request knobs become engine parameters: it
+  applies the server limits and resolves a `GenerationConfig` (which validates the values); any
+  problem raises `APIError` (400) naming the request field.
+- A missing `model` means the served model; another name is 404 `model_not_found`.
+
+blockpress extensions (OpenAI clients pass them with `extra_body=`):
+- request knobs: `steps` (exactly N denoising steps per canvas, early stopping off: the
+  speed/quality dial), `max_denoising_steps`, `entropy_bound`, `t_min`, `t_max`,
+  `stability_threshold`, `confidence_threshold` (omitted = the server default; a knob cannot be
+  set to null per request); `chat_template_kwargs: {"enable_thinking": bool}` (or OpenAI's
+  `reasoning_effort`: anything but none/minimal turns thinking on).
+- `stream_options: {"include_drafts": true}` adds chunks with `"choices": []` and a `blockpress`
+  field: after every denoising step `{"type": "draft", "canvas", "step", "max_steps", "text",
+  "tokens": [piece per position], "accepted": [0/1 per position]}`, after every canvas
+  `{"type": "commit", "canvas", "steps"}`. Without it the stream is plain OpenAI.
+- `usage.denoising_steps` (decoder passes for this request) and `usage.tokens_per_forward`.
+- Ignored OpenAI fields: temperature, top_p, penalties, logit_bias, logprobs (no meaning for
+  the entropy-bounded denoising sampler); `n` must be 1.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from typing_extensions import Annotated
+
+from ..config import REFERENCE_DEFAULTS, GenerationConfig
+from ..errors import SamplingError
+
+# ----------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+@dataclass
+class Limits:
+    """Server-side caps applied to every request."""
+
+    max_tokens: int = 4096  # cap on max_tokens / max_completion_tokens
+    max_messages: int = 256
+    max_prompt_tokens: int = 32768
+    max_body_bytes: int = 1 << 20
+    max_steps: int = 1024
+
+
+@dataclass
+class Sampling:
+    """What a request asks of the engine, validated."""
+
+    cfg: GenerationConfig
+    max_tokens: int
+    seed: int | None
+    stop: list[str] = field(default_factory=list)
+    include_usage: bool = False
+    include_drafts: bool = False
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _integral(v: Any) -> Any:
+    """JSON Schema integers include 2.0; strings and booleans stay invalid (strict mode)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def _check_unicode(value: Any, depth: int = 0) -> None:
+    """Reject strings with lone surrogates anywhere in the request (they cannot be tokenised)."""
+    if depth > 64:
+        raise ValueError("request JSON is nested too deeply (more than 64 levels)")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a string contains invalid Unicode (a lone surrogate); send valid UTF-8 text") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, depth + 1)
+            _check_unicode(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_unicode(v, depth + 1)
+
+
+class _Request(BaseModel):
+    model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        _check_unicode(data)
+        return data
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+    include_drafts: bool = Field(False, description="blockpress: send a `blockpress` draft frame after every "
+                                 "denoising step (and a commit frame per canvas)")
+
+
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field("{}", max_length=65536)
+
+
+class ToolCallIn(BaseModel):
+    model_config = _STRICT
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=64)
+    tool_call_id: str | None = Field(None, max_length=256)
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-.]+$")
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class _DiffusionKnobs(_Request):
+    """blockpress sampling extensions shared by both endpoints."""
+
+    steps: Int | None = Field(None, ge=1, description="blockpress: exactly this many denoising steps per canvas "
+                              "(early stopping off); the speed/quality dial")
+    max_denoising_steps: Int | None = Field(None, ge=1)
+    entropy_bound: float | None = Field(None, gt=0)
+    t_min: float | None = Field(None, ge=0)
+    t_max: float | None = Field(None, ge=0)
+    stability_threshold: Int | None = Field(None, ge=0)
+    confidence_threshold: float | None = Field(None, gt=0)
+
+    def _resolve(self, limits: Limits, defaults: dict[str, Any], max_tokens: int | None, max_tokens_field: str,
+                 default_max_tokens: int, seed: int | None, stop, stream_options) -> Sampling:
+        n = default_max_tokens if max_tokens is None else max_tokens
+        if n > limits.max_tokens:
+            raise APIError(400, f"{max_tokens_field}={n} exceeds this server's limit of {limits.max_tokens}; "
+                           "lower it", param=max_tokens_field, code="invalid_value")
+        kw: dict[str, Any] = {"max_new_tokens": n}
+        names = {"max_new_tokens": max_tokens_field}
+        for k in ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
+                  "confidence_threshold"):
+            v = getattr(self, k)
+            if v is not None:
+                kw[k] = v
+        if self.steps is not None:
+            if self.max_denoising_steps is not None and self.max_denoising_steps != self.steps:
+                raise APIError(400, "give either steps or max_denoising_steps, not both", param="steps")
+            kw.update(max_denoising_steps=self.steps, stability_threshold=None, confidence_threshold=None)
+            names["max_denoising_steps"] = "steps"
+        if kw.get("max_denoising_steps", 0) > limits.max_steps:
+            raise APIError(400, f"{names.get('max_denoising_steps', 'max_denoising_steps')} exceeds this "
+                           f"server's limit of {limits.max_steps} steps per canvas",
+                           param=names.get("max_denoising_steps", "max_denoising_steps"), code="invalid_value")
+        try:
+            cfg = GenerationConfig.resolve(defaults, **kw)
+        except SamplingError as e:
+            m = re.search(r"invalid (\w+)", str(e))
+            param = names.get(m.group(1), m.group(1)) if m else None
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return Sampling(cfg=cfg, max_tokens=n, seed=seed, stop=stops,
+                        include_usage=bool(stream_options and stream_options.include_usage),
+                        include_drafts=bool(stream_options and stream_options.include_drafts))
+
+
+_StopStr = Annotated[str, Field(min_length=1, max_length=256)]
+_Stop = Union[_StopStr, Annotated[list[_StopStr], Field(max_length=4)], None]
+
+
+def _stop_field():
+    return Field(None, description="up to 4 strings; generation ends before the first one")
+
+
+# ----------------------------------------------------------------------------- chat completions
+
+
+class ChatTemplateKwargs(BaseModel):
+    model_config = _STRICT
+    enable_thinking: bool | None = None
+
+
+class _ChatFields(_Request):
+    """OpenAI's chat-completions fields that this server uses, in OpenAI's order."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = Field(None, description="the served model's id (default: the served model)")
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    n: Int = Field(1, ge=1, le=1, description="only 1 choice per request")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    seed: Int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: _Stop = _stop_field()
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    user: str | None = Field(None, max_length=256)
+
+
+class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
+    """POST /v1/chat/completions: OpenAI's fields, then the blockpress extensions."""
+
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+    @property
+    def enable_thinking(self) -> bool:
+        if self.chat_template_kwargs is not None and self.chat_template_kwargs.enable_thinking is not None:
+            return self.chat_template_kwargs.enable_thinking
+        return self.reasoning_effort not in (None, "none", "minimal")
+
+    def to_sampling(self, limits: Limits, defaults: dict[str, Any]) -> Sampling:
+        if len(self.messages) > limits.max_messages:
+            raise APIError(400, f"{len(self.messages)} messages exceed this server's limit of {limits.max_messages}; "
+                           "drop older turns", param="messages", code="too_many_messages")
+        field_name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        default = min(limits.max_tokens, defaults.get("max_new_tokens") or REFERENCE_DEFAULTS["max_new_tokens"])
+        return self._resolve(limits, defaults, n, field_name, default, self.seed, self.stop, self.stream_options)
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    denoising_steps: int = Field(description="blockpress: decoder passes spent on this request")
+    tokens_per_forward: float = Field(description="blockpress: completion tokens per decoder pass")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+_Text = Annotated[str, Field(min_length=1)]
+_TokenIds = Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1)]
+
+
+class _CompletionFields(_Request):
+    """OpenAI's (legacy) completions fields that this server uses, in OpenAI's order."""
+
+    model: str | None = Field(None, description="the served model's id (default: the served model)")
+    prompt: Union[_Text, _TokenIds] = Field(description="text, or token ids")
+    max_tokens: Int | None = Field(16, ge=1)
+    seed: Int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: _Stop = _stop_field()
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+
+
+class CompletionRequest(_DiffusionKnobs, _CompletionFields):
+    """POST /v1/completions: OpenAI's fields, then the blockpress extensions."""
+
+    def to_sampling(self, limits: Limits, defaults: dict[str, Any]) -> Sampling:
+        n = self.max_tokens if self.max_tokens is not None else 16
+        return self._resolve(limits, defaults, n, "max_tokens", n, self.seed, self.stop, self.stream_options)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "blockpress"
+    canvas_length: int = Field(description="blockpress: tokens per canvas")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,445 @@
+"""Canvas-level batching: one thread owns the model and denoises every admitted request together.
+
+Design (continuous batching at canvas granularity):
+- Requests wait in a bounded queue (`QueueFull` when it is full: the server answers 429).
+- The scheduler keeps one *group*: rows sharing a batched KV cache whose `length` is the same for
+  every row. At each canvas boundary it (1) drops finished and cancelled rows, (2) encodes the
+  committed canvas of the continuing rows, (3) admits waiting requests, (4) denoises one canvas
+  for all rows, (5) commits it. A request arriving while a canvas is denoised joins at the next
+  boundary.
+- A joining prompt of S tokens is left-padded so that it ends where the group's cache ends (E):
+  it is encoded at positions [E - S, E) into its own cache and concatenated to the group's.
+  Attention depends on position differences only (RoPE), so a padded row computes what it would
+  compute alone. A prompt joins when S <= E and the padding E - S <= `max_padding`; otherwise it
+  waits (E grows by one canvas per boundary; when the group drains, a fresh one starts at 0).
+- Reproducible seeds: every request has its own `torch.Generator` and the sampler runs per row
+  (initial canvas, multinomial, renoise in the reference's order), so the random draws of a row
+  never depend on its neighbours. The decoder pass is batched; for a request served alone the
+  tokens equal `BlockDiffusionLM.generate(generator=torch.Generator().manual_seed(seed))`, and in a
+  batch they differ only if float rounding of the batched matmuls flips a near-tie.
+- Rows may have their own step budget (`max_denoising_steps`) and stopping rule; a row that
+  stopped denoising is frozen (no decode result used, no random draws) until the canvas commits.
+
+Shape legend: B rows in the group, S prompt length, C canvas length, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import GenerationConfig
+from ..engine.cache import KVCache
+from ..errors import InputError
+from ..sampling import (StabilityTracker, entropy_bound_accept, sample_tokens, temperature, token_entropy,
+                        uniform_tokens)
+
+
+class QueueFull(Exception):
+    """The waiting queue is at capacity."""
+
+
+@dataclass
+class Job:
+    """One generation request: the prompt ids and its resolved sampling parameters."""
+
+    prompt_ids: list[int]
+    cfg: GenerationConfig
+    seed: int | None = None
+    drafts: bool = False
+
+
+@dataclass
+class RowDraft:
+    canvas: int
+    step: int
+    max_steps: int
+    tokens: list[int]
+    accepted: list[bool]
+
+
+@dataclass
+class RowCommit:
+    canvas: int
+    tokens: list[int]  # committed canvas, pad after the first stop id
+    finished: bool
+    steps: int
+
+
+@dataclass
+class RowDone:
+    prompt_tokens: int
+    steps_per_canvas: list[int]
+    forward_passes: int
+    queue_seconds: float
+    first_commit_seconds: float
+    total_seconds: float
+
+
+@dataclass
+class RowError:
+    message: str
+
+
+class Handle:
+    """The channel between the scheduler thread and one request's consumer.
+
+    With an asyncio `loop`, events are delivered into an asyncio.Queue (read with `await aget()`);
+    without one, into a thread-safe queue (read with `get()`).
+    """
+
+    def __init__(self, job: Job, loop=None):
+        self.job = job
+        self.loop = loop
+        self.cancelled = False
+        self.submitted = time.perf_counter()
+        if loop is not None:
+            import asyncio
+
+            self._q = asyncio.Queue()
+        else:
+            self._q = queue.Queue()
+
+    def put(self, event) -> None:
+        if self.loop is not None:
+            try:
+                self.loop.call_soon_threadsafe(self._q.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                self.cancelled = True
+        else:
+            self._q.put(event)
+
+    def cancel(self) -> None:
+        """Free the slot: the row is dropped at the next step (waiting) or canvas boundary."""
+        self.cancelled = True
+
+    def get(self, timeout: float | None = None):
+        return self._q.get(timeout=timeout)
+
+    async def aget(self):
+        return await self._q.get()
+
+
+@dataclass
+class _Row:
+    handle: Handle
+    generator: torch.Generator
+    cfg: GenerationConfig
+    canvases_left: int
+    tracker: StabilityTracker | None
+    eos: torch.Tensor | None
+    started: float = field(default_factory=time.perf_counter)
+    n: int = 0  # remaining denoising steps in the current canvas (N..1), 0 = stopped
+    steps: int = 0
+    passes: int = 0
+    steps_per_canvas: list[int] = field(default_factory=list)
+    first_commit: float = 0.0
+    finished: bool = False
+
+
+def _select_rows(cache: KVCache, keep: list[int]) -> None:
+    """Keep only the given batch rows of a cache (in place)."""
+    idx = torch.tensor(keep, dtype=torch.long, device=cache.valid.device)
+    cache.keys = [k.index_select(0, idx) for k in cache.keys]
+    cache.values = [v.index_select(0, idx) for v in cache.values]
+    cache.valid = cache.valid.index_select(0, idx)
+    cache.batch = len(keep)
+    cache.has_padding = not bool(cache.valid[:, :cache.length].all())
+
+
+def _append_rows(cache: KVCache, other: KVCache) -> None:
+    """Concatenate `other`'s rows to `cache` (both of the same length), in place."""
+    cap = max(cache.capacity, other.capacity)
+    for c in (cache, other):  # grow to exactly `cap` (ensure_capacity may overshoot)
+        if c.capacity < cap:
+            grow = cap - c.capacity
+            c.keys = [torch.nn.functional.pad(k, (0, 0, 0, grow)) for k in c.keys]
+            c.values = [torch.nn.functional.pad(v, (0, 0, 0, grow)) for v in c.values]
+            c.valid = torch.nn.functional.pad(c.valid, (0, grow), value=True)
+            c.capacity = cap
+    cache.keys = [torch.cat([a, b]) for a, b in zip(cache.keys, other.keys)]
+    cache.values = [torch.cat([a, b]) for a, b in zip(cache.values, other.values)]
+    cache.valid = torch.cat([cache.valid, other.valid])
+    cache.batch += other.batch
+    cache.has_padding = cache.has_padding or other.has_padding
+
+
+class Scheduler:
+    """Owns `module` on a background thread; `submit(job)` returns a `Handle` streaming row events."""
+
+    def __init__(self, module, canvas_length: int, max_batch: int = 8, queue_size: int = 64,
+                 max_padding: int | None = None, metrics=None):
+        self.module = module
+        self.C = canvas_length
+        self.V = module.text.vocab_size
+        self.max_positions = module.text.max_position_embeddings
+        self.max_batch = max_batch
+        self.queue_size = queue_size
+        self.max_padding = 4 * canvas_length if max_padding is None else max_padding
+        self.metrics = metrics
+        self._waiting: deque[Handle] = deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.rows: list[_Row] = []
+        self.cache: KVCache | None = None
+        self._committed: torch.Tensor | None = None  # [B, C] last committed canvas, not yet encoded
+        self._admitting: list[Handle] = []  # taken from the queue, not yet rows (failed together on error)
+
+    # ------------------------------------------------------------------ public API
+    def start(self) -> "Scheduler":
+        self._thread = threading.Thread(target=self._loop, name="blockpress-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(self, job: Job, loop=None) -> Handle:
+        """Queue a job; raises QueueFull, or InputError when the prompt can never fit the positions."""
+        need = len(job.prompt_ids) + math.ceil(job.cfg.max_new_tokens / self.C) * self.C
+        if need > self.max_positions:
+            raise InputError(f"prompt ({len(job.prompt_ids)} tokens) + generated canvases need {need} positions; "
+                             f"the model has {self.max_positions}: shorten the prompt or lower max_tokens")
+        handle = Handle(job, loop)
+        with self._cond:
+            if len(self._waiting) >= self.queue_size:
+                raise QueueFull(f"the request queue is full ({self.queue_size} waiting)")
+            self._waiting.append(handle)
+            self._gauge()
+            self._cond.notify_all()
+        return handle
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    # ------------------------------------------------------------------ the loop
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self._waiting))
+            self.metrics.active_requests.set(len(self.rows))
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self.rows and not self._waiting:
+                    self._cond.wait(timeout=1.0)
+                if self._stop:
+                    break
+            try:
+                with torch.no_grad():
+                    self._canvas()
+            except Exception as e:  # never let one bad batch kill the server: fail its rows
+                for h in [r.handle for r in self.rows] + self._admitting:
+                    h.put(RowError(f"generation failed ({type(e).__name__}: {e})"))
+                self.rows, self.cache, self._committed, self._admitting = [], None, None, []
+                self._gauge()
+        for row in self.rows:
+            row.handle.put(RowError("server is shutting down"))
+        with self._cond:
+            for h in self._waiting:
+                h.put(RowError("server is shutting down"))
+            self._waiting.clear()
+
+    def _canvas(self) -> None:
+        """One canvas boundary plus one denoised canvas for every row."""
+        self._drop_finished()
+        if self.rows:  # continuing rows: encode their committed canvas
+            self.module.encode(self._committed, self.cache)
+        self._admit()
+        if not self.rows:
+            return
+        self._denoise()
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self.rows) if not (r.finished or r.handle.cancelled)]
+        if self.metrics is not None:
+            for r in self.rows:
+                if r.handle.cancelled and not r.finished:
+                    self.metrics.cancelled.inc()
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.rows, self.cache, self._committed = [], None, None
+        else:
+            _select_rows(self.cache, keep)
+            self._committed = self._committed[keep]
+            self.rows = [self.rows[i] for i in keep]
+        self._gauge()
+
+    def _select(self) -> list[Handle]:
+        """Waiting requests that can join now (FIFO, skipping ones that do not fit yet)."""
+        running = self.cache.length if self.rows else None
+        lo = hi = running
+        chosen: list[Handle] = []
+        with self._cond:
+            for h in list(self._waiting):
+                if h.cancelled:
+                    self._waiting.remove(h)
+                    if self.metrics is not None:
+                        self.metrics.cancelled.inc()
+                    continue
+                if len(self.rows) + len(chosen) >= self.max_batch:
+                    break
+                S = len(h.job.prompt_ids)
+                canvases = math.ceil(h.job.cfg.max_new_tokens / self.C)
+                if running is not None:  # join a running group: end where its cache ends
+                    ok = S <= running and running - S <= self.max_padding
+                    end = running
+                else:  # a fresh group: everyone is left-padded to the longest prompt
+                    end = max(hi or 0, S)
+                    ok = end - min(lo if lo is not None else S, S) <= self.max_padding
+                ok = ok and end + canvases * self.C <= self.max_positions and \
+                    all(end + math.ceil(c.job.cfg.max_new_tokens / self.C) * self.C <= self.max_positions
+                        for c in chosen)
+                if ok:
+                    self._waiting.remove(h)
+                    chosen.append(h)
+                    if running is None:
+                        lo, hi = min(lo if lo is not None else S, S), end
+        return chosen
+
+    def _admit(self) -> None:
+        admitted = self._admitting = self._select()
+        if not admitted:
+            return
+        dev = self.module.device
+        S = max(len(h.job.prompt_ids) for h in admitted)
+        fresh = not self.rows
+        E = S if fresh else self.cache.length
+        B = len(admitted)
+        ids = torch.zeros(B, S, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, S, dtype=torch.bool, device=dev)
+        for i, h in enumerate(admitted):  # left padding
+            p = h.job.prompt_ids
+            ids[i, S - len(p):] = torch.tensor(p, dtype=torch.long, device=dev)
+            mask[i, S - len(p):] = True
+        horizon = max(math.ceil(h.job.cfg.max_new_tokens / self.C) for h in admitted)
+        new = self.module.new_cache(B, E + horizon * self.C)
+        new.length = E - S  # positions [E - S, E); everything before is padding for these rows
+        new.valid[:, :E - S] = False
+        new.has_padding = E > S
+        self.module.encode(ids, new, pad_mask=None if bool(mask.all()) else mask)
+        rows = []
+        for h in admitted:
+            cfg = h.job.cfg
+            g = torch.Generator(device=dev)
+            if h.job.seed is not None:
+                g.manual_seed(h.job.seed)
+            else:
+                g.seed()
+            tracker = StabilityTracker(cfg.stability_threshold, cfg.confidence_threshold) if cfg.adaptive else None
+            eos = torch.tensor(cfg.eos_token_id, device=dev) if cfg.eos_token_id else None
+            rows.append(_Row(h, g, cfg, math.ceil(cfg.max_new_tokens / self.C), tracker, eos))
+            if self.metrics is not None:
+                self.metrics.queue_seconds.observe(time.perf_counter() - h.submitted)
+        if fresh:
+            self.cache, self.rows = new, rows
+        else:
+            _append_rows(self.cache, new)
+            self.rows = self.rows + rows
+        self._admitting = []
+        self._gauge()
+
+    def _denoise(self) -> None:
+        """Denoise one canvas for all rows; per-row sampling with per-row generators."""
+        m, C, V, dev = self.module, self.C, self.V, self.module.device
+        B = len(self.rows)
+        x = torch.empty(B, C, dtype=torch.long, device=dev)
+        for i, r in enumerate(self.rows):
+            x[i] = uniform_tokens(1, C, V, dev, r.generator)[0]
+            r.n, r.steps = r.cfg.max_denoising_steps, 0
+            if r.tracker is not None:
+                r.tracker.reset()
+        a = x.clone()
+        sc = None
+        t_canvas = time.perf_counter()
+        while any(r.n > 0 and not r.handle.cancelled for r in self.rows):
+            t0 = time.perf_counter()
+            raw = m.decode(x, self.cache, sc)  # [B, C, V] fp32
+            if sc is None:  # first step; rows written below, frozen rows keep theirs
+                sc = raw.to(m.dtype)
+            for i, r in enumerate(self.rows):
+                if r.n == 0 or r.handle.cancelled:
+                    continue  # frozen: keeps its canvas, argmax and self-conditioning logits
+                cfg = r.cfg
+                z = raw[i:i + 1]
+                if cfg.t_min is not None and cfg.t_max is not None:
+                    z = z / temperature(r.n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, dev)
+                y = sample_tokens(z, r.generator)
+                a[i] = torch.argmax(z, dim=-1)[0]
+                accepted = entropy_bound_accept(token_entropy(z), cfg.entropy_bound)
+                noise = uniform_tokens(1, C, V, dev, r.generator)
+                x[i] = torch.where(accepted, y, noise)[0]
+                sc[i] = z[0].to(m.dtype)
+                r.steps += 1
+                r.passes += 1
+                r.n -= 1
+                if r.tracker is not None and bool(r.tracker(a[i:i + 1], z)[0]):
+                    r.n = 0
+                if r.handle.job.drafts:
+                    r.handle.put(RowDraft(len(r.steps_per_canvas), r.steps, cfg.max_denoising_steps,
+                                          a[i].tolist(), accepted[0].tolist()))
+            if self.metrics is not None:
+                self.metrics.step_seconds.observe(time.perf_counter() - t0)
+                self.metrics.batch_rows.observe(B)
+        self._commit(a, time.perf_counter() - t_canvas)
+
+    def _commit(self, a: torch.Tensor, seconds: float) -> None:
+        now = time.perf_counter()
+        for i, r in enumerate(self.rows):
+            if r.handle.cancelled:
+                continue
+            canvas = a[i].clone()
+            stop = False
+            if r.eos is not None:
+                hits = torch.isin(canvas, r.eos).nonzero()
+                if hits.numel():
+                    stop = True
+                    pad = r.cfg.pad_token_id if r.cfg.pad_token_id is not None else 0
+                    canvas[int(hits[0]) + 1:] = pad
+            r.steps_per_canvas.append(r.steps)
+            r.canvases_left -= 1
+            r.finished = stop or r.canvases_left == 0
+            if len(r.steps_per_canvas) == 1:
+                r.first_commit = now - r.started
+            r.handle.put(RowCommit(len(r.steps_per_canvas) - 1, canvas.tolist(), r.finished, r.steps))
+            if r.finished:
+                r.handle.put(RowDone(len(r.handle.job.prompt_ids), r.steps_per_canvas, r.passes,
+                                     r.started - r.handle.submitted, r.first_commit, now - r.started))
+        if self.metrics is not None:
+            self.metrics.canvas_seconds.observe(seconds)
+        self._committed = a
+
+
+def run_job(module, canvas_length: int, job: Job) -> list[Any]:
+    """Run one job synchronously on a private scheduler (tests, CLI): the list of its events."""
+    s = Scheduler(module, canvas_length, max_batch=1, queue_size=1)
+    h = s.submit(job)
+    events: list[Any] = []
+    with torch.no_grad():
+        while not events or not isinstance(events[-1], (RowDone, RowError)):
+            s._canvas()
+            while True:
+                try:
+                    events.append(h.get(timeout=0))
+                except queue.Empty:
+                    break
+    return events
+

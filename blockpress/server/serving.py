@@ -1,0 +1,401 @@
+"""Serving logic without HTTP: requests -> prompt ids -> scheduler -> OpenAI responses / SSE chunks.
+
+Invariants:
+- Streaming and non-streaming responses are assembled by the same `OutputAssembler` from the same
+  committed canvases, so for one seed they carry the same text, reasoning and tool calls.
+- Generated text is decoded with special tokens kept and split by `blockpress.parsing` into
+  `content`, `reasoning_content` and `tool_calls`; every special token of the tokenizer is a
+  control token for the parser, so none reaches `content`. Completions decode without specials.
+- A completion ends at the first stop id (counted in completion_tokens, never shown), at
+  `max_tokens` tokens (canvases are cut there: finish_reason "length"), or at a stop string
+  (excluded from the text). When the client goes away or a stop string ends it early, the
+  request's handle is cancelled and the scheduler frees its slot at the next canvas boundary.
+- Usage: prompt/completion/total tokens plus `denoising_steps` (decoder passes for this request)
+  and `tokens_per_forward` (completion tokens per pass).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from ..cli.run import text_defaults
+from ..errors import BlockpressError
+from ..parsing import StreamingParser, ToolCall
+from .protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+                       CompletionRequest, CompletionResponse, FunctionCall, Limits, ModelCard, ModelList,
+                       ResponseMessage, ResponseToolCall, Sampling, Usage)
+from .scheduler import Handle, Job, QueueFull, RowCommit, RowDraft, RowError, Scheduler
+
+Disconnected = Callable[[], Awaitable[bool]]
+
+
+# ----------------------------------------------------------------------------- text assembly
+
+
+class StopStrings:
+    """Cut text before the first stop string; holds back a tail that may start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.buf = ""
+        self.hit = False
+
+    def feed(self, text: str) -> str:
+        if self.hit or not self.stops:
+            return "" if self.hit else text
+        self.buf += text
+        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.buf, self.hit = self.buf[:cut], "", True
+            return out
+        keep = len(self.buf) - self.hold
+        out, self.buf = (self.buf[:keep], self.buf[keep:]) if keep > 0 else ("", self.buf)
+        return out
+
+    def flush(self) -> str:
+        out, self.buf = ("" if self.hit else self.buf), ""
+        return out
+
+
+@dataclass
+class Delta:
+    reasoning: str = ""
+    content: str = ""
+
+
+@dataclass
+class Final:
+    content: str
+    reasoning: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str
+    completion_tokens: int
+    last: Delta = field(default_factory=Delta)
+
+
+class OutputAssembler:
+    """Committed token canvases -> text deltas -> final OpenAI fields. `chat=False`: plain text."""
+
+    def __init__(self, tokenizer, stop_ids, max_tokens: int, stop: list[str] | None = None, chat: bool = True):
+        self.stop_ids = set(stop_ids or ())
+        self.max_tokens = max_tokens
+        self.chat = chat
+        self.decoder = tokenizer.stream_decoder(skip_special_tokens=not chat)
+        self.parser = StreamingParser(control_tokens=tokenizer.special_tokens) if chat else None
+        self.stopper = StopStrings(stop or [])
+        self.tokens: list[int] = []
+        self.done = False
+        self.finish_reason = "length"
+        self.content: list[str] = []
+        self._final: Final | None = None
+
+    def feed(self, canvas: list[int]) -> Delta:
+        """One committed canvas (in order). Returns the new text; sets `done` at a stop."""
+        take: list[int] = []
+        for t in canvas:
+            if self.done:
+                break
+            self.tokens.append(t)
+            if t in self.stop_ids:
+                self.done, self.finish_reason = True, "stop"
+                break
+            take.append(t)
+            if len(self.tokens) >= self.max_tokens:
+                self.done = True
+        return self._text(self.decoder.feed(take))
+
+    def _text(self, text: str) -> Delta:
+        if self.parser is None:
+            d = Delta(content=text)
+        else:
+            p = self.parser.feed(text)
+            d = Delta(p.reasoning, p.content)
+        d.content = self.stopper.feed(d.content)
+        if self.stopper.hit:
+            self.done, self.finish_reason = True, "stop"
+        self.content.append(d.content)
+        return d
+
+    def finish(self) -> Final:
+        """Flush held-back text and parse tool calls; idempotent."""
+        if self._final is not None:
+            return self._final
+        self.done = True
+        last = self._text(self.decoder.flush())
+        calls: list[ToolCall] = []
+        reasoning = None
+        if self.parser is not None:
+            end = self.parser.finish(self.finish_reason)
+            tail = self.stopper.feed(end.content)
+            last.reasoning += end.reasoning
+            last.content += tail
+            self.content.append(tail)
+            calls = [] if self.stopper.hit else end.tool_calls
+            reasoning = self.parser.result.reasoning
+        tail = self.stopper.flush()
+        last.content += tail
+        self.content.append(tail)
+        reason = "tool_calls" if calls else ("stop" if self.stopper.hit else self.finish_reason)
+        self._final = Final("".join(self.content), reasoning, calls, reason, len(self.tokens), last)
+        return self._final
+
+
+# ----------------------------------------------------------------------------- the serving object
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class _Run:
+    """A submitted request: its handle, prompt size and the pass count so far."""
+
+    handle: Handle
+    prompt_tokens: int
+    passes: int = 0
+    complete: bool = False  # the scheduler finished the row (no cancel needed)
+
+
+class OpenAIServing:
+    """Turns validated requests into engine jobs and engine events into OpenAI responses."""
+
+    def __init__(self, lm, scheduler: Scheduler, model_name: str, limits: Limits | None = None,
+                 defaults: dict[str, Any] | None = None, metrics=None):
+        """defaults: server-wide sampling overrides (reference names) over the checkpoint's; stop and
+        pad ids default to the checkpoint's, else the tokenizer's <eos>/<turn|> and <pad>."""
+        if lm.tokenizer is None:
+            raise BlockpressError("this model has no tokenizer.json; the server needs one to read and write text")
+        self.lm, self.tok, self.scheduler = lm, lm.tokenizer, scheduler
+        self.model_name = model_name
+        self.limits = limits or Limits()
+        self.metrics = metrics
+        self.defaults = {**lm.generation_defaults, **text_defaults(lm), **(defaults or {})}
+        lm.generation_config(**self.defaults)  # validate the server-wide defaults once, at startup
+        self._pieces: dict[int, str] = {}
+
+    # ---------------------------------------------------------------- requests -> jobs
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, canvas_length=self.lm.canvas_length)])
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = None
+        if req.tools and req.tool_choice != "none":
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        try:
+            return self.tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                enable_thinking=req.enable_thinking, tools=tools, tokenize=True)
+        except BlockpressError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, list):
+            V = self.lm.config.text.vocab_size
+            if max(req.prompt) >= V:
+                raise APIError(400, f"prompt token id {max(req.prompt)} is outside the vocabulary [0, {V})",
+                               param="prompt")
+            return list(req.prompt)
+        bos = self.tok.bos_token_id
+        return ([bos] if bos is not None else []) + self.tok.encode(req.prompt)
+
+    def _submit(self, ids: list[int], sampling: Sampling) -> _Run:
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's limit is "
+                           f"{self.limits.max_prompt_tokens}", param="messages", code="context_length_exceeded")
+        job = Job(ids, sampling.cfg, seed=sampling.seed, drafts=sampling.include_drafts)
+        try:
+            handle = self.scheduler.submit(job, loop=asyncio.get_running_loop())
+        except QueueFull as e:
+            raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error",
+                           code="queue_full") from None
+        except BlockpressError as e:
+            raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(ids))
+        return _Run(handle, len(ids))
+
+    async def _events(self, run: _Run, asm: OutputAssembler, disconnected: Disconnected | None):
+        """Engine events for one request until it is complete or the text is done (stop string,
+        max_tokens) or the client went away. Callers release the run in a `finally`."""
+        while True:
+            if disconnected is None:
+                ev = await run.handle.aget()
+            else:
+                try:
+                    ev = await asyncio.wait_for(run.handle.aget(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await disconnected():
+                        return
+                    continue
+            if isinstance(ev, RowError):
+                run.complete = True
+                raise APIError(500, ev.message, type="server_error")
+            if isinstance(ev, RowCommit):
+                run.passes += ev.steps
+                run.complete = ev.finished
+            yield ev
+            if run.complete or asm.done:
+                return
+
+    @staticmethod
+    def _release(run: _Run) -> None:
+        """Free the scheduler slot of a request that ended early (stop string, disconnect)."""
+        if not run.complete:
+            run.handle.cancel()
+
+    def _usage(self, run: _Run, final: Final) -> Usage:
+        n, passes = final.completion_tokens, max(run.passes, 1)
+        if self.metrics is not None:
+            self.metrics.generated_tokens.inc(n)
+            self.metrics.forward_passes.inc(run.passes)
+            self.metrics.tokens_per_forward.observe(n / passes)
+        return Usage(prompt_tokens=run.prompt_tokens, completion_tokens=n, total_tokens=run.prompt_tokens + n,
+                     denoising_steps=run.passes, tokens_per_forward=round(n / passes, 4))
+
+    def _piece(self, t: int) -> str:
+        p = self._pieces.get(t)
+        if p is None:
+            p = self._pieces[t] = self.tok.decode([t])
+        return p
+
+    def _draft_frame(self, ev: RowDraft) -> dict[str, Any]:
+        pieces = [self._piece(t) for t in ev.tokens]
+        return {"type": "draft", "canvas": ev.canvas, "step": ev.step, "max_steps": ev.max_steps,
+                "text": "".join(pieces), "tokens": pieces, "accepted": [int(a) for a in ev.accepted]}
+
+    # ---------------------------------------------------------------- chat completions
+    async def chat(self, req: ChatCompletionRequest, disconnected: Disconnected | None = None):
+        """A ChatCompletionResponse, or (stream=True) an async iterator of SSE strings."""
+        self._check_model(req.model)
+        sampling = req.to_sampling(self.limits, self.defaults)
+        ids = await asyncio.to_thread(self.chat_prompt, req)  # templating + BPE off the event loop
+        run = self._submit(ids, sampling)
+        return await self.chat_response(run, sampling, req.stream, disconnected)
+
+    async def chat_response(self, run: _Run, sampling: Sampling, stream: bool,
+                            disconnected: Disconnected | None = None):
+        """Engine events of a submitted run -> ChatCompletionResponse or SSE iterator."""
+        asm = OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=True)
+        rid = "chatcmpl-" + secrets.token_hex(12)
+        if stream:
+            return self._chat_stream(rid, run, asm, sampling, disconnected)
+        try:
+            async for ev in self._events(run, asm, disconnected):
+                if isinstance(ev, RowCommit):
+                    asm.feed(ev.tokens)
+        finally:
+            self._release(run)
+        final = asm.finish()
+        msg = ResponseMessage(content=None if final.tool_calls and not final.content else final.content,
+                              reasoning_content=final.reasoning,
+                              tool_calls=[ResponseToolCall(id=c.id, function=FunctionCall(
+                                  name=c.name, arguments=c.arguments_json)) for c in final.tool_calls])
+        return ChatCompletionResponse(id=rid, model=self.model_name,
+                                      choices=[ChatChoice(message=msg, finish_reason=final.finish_reason)],
+                                      usage=self._usage(run, final))
+
+    async def _chat_stream(self, rid: str, run: _Run, asm: OutputAssembler, sampling: Sampling,
+                           disconnected: Disconnected | None) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(delta: dict | None = None, finish: str | None = None, **extra) -> str:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                 "finish_reason": finish}]
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                         "model": self.model_name, "choices": choices, **extra})
+
+        def text_chunks(d: Delta):
+            if d.reasoning:
+                yield chunk({"reasoning_content": d.reasoning})
+            if d.content:
+                yield chunk({"content": d.content})
+
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for ev in self._events(run, asm, disconnected):
+                if isinstance(ev, RowDraft):
+                    yield chunk(None, blockpress=self._draft_frame(ev))
+                elif isinstance(ev, RowCommit):
+                    for c in text_chunks(asm.feed(ev.tokens)):
+                        yield c
+                    if sampling.include_drafts:
+                        yield chunk(None, blockpress={"type": "commit", "canvas": ev.canvas, "steps": ev.steps})
+            final = asm.finish()
+            for c in text_chunks(final.last):
+                yield c
+            if final.tool_calls:
+                yield chunk({"tool_calls": [{"index": i, **c.to_openai()} for i, c in enumerate(final.tool_calls)]})
+            usage = self._usage(run, final)
+            yield chunk({}, final.finish_reason)
+            if sampling.include_usage:
+                yield chunk(None, usage=usage.model_dump())
+        except APIError as e:
+            yield _sse(e.body())
+        finally:
+            self._release(run)
+        yield "data: [DONE]\n\n"
+
+    # ---------------------------------------------------------------- completions
+    async def completion(self, req: CompletionRequest, disconnected: Disconnected | None = None):
+        self._check_model(req.model)
+        sampling = req.to_sampling(self.limits, self.defaults)
+        ids = await asyncio.to_thread(self.completion_prompt, req)
+        run = self._submit(ids, sampling)
+        asm = OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=False)
+        rid = "cmpl-" + secrets.token_hex(12)
+        if req.stream:
+            return self._completion_stream(rid, run, asm, sampling, disconnected)
+        try:
+            async for ev in self._events(run, asm, disconnected):
+                if isinstance(ev, RowCommit):
+                    asm.feed(ev.tokens)
+        finally:
+            self._release(run)
+        final = asm.finish()
+        return CompletionResponse(id=rid, model=self.model_name,
+                                  choices=[CompletionChoice(text=final.content, finish_reason=final.finish_reason)],
+                                  usage=self._usage(run, final))
+
+    async def _completion_stream(self, rid: str, run: _Run, asm: OutputAssembler, sampling: Sampling,
+                                 disconnected: Disconnected | None) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(text: str | None, finish: str | None = None, **extra) -> str:
+            choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+            return _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                         "choices": choices, **extra})
+
+        try:
+            async for ev in self._events(run, asm, disconnected):
+                if isinstance(ev, RowDraft):
+                    yield chunk(None, blockpress=self._draft_frame(ev))
+                elif isinstance(ev, RowCommit):
+                    d = asm.feed(ev.tokens)
+                    if d.content:
+                        yield chunk(d.content)
+                    if sampling.include_drafts:
+                        yield chunk(None, blockpress={"type": "commit", "canvas": ev.canvas, "steps": ev.steps})
+            final = asm.finish()
+            if final.last.content:
+                yield chunk(final.last.content)
+            usage = self._usage(run, final)
+            yield chunk("", final.finish_reason)
+            if sampling.include_usage:
+                yield chunk(None, usage=usage.model_dump())
+        except APIError as e:
+            yield _sse(e.body())
+        finally:
+            self._release(run)
+        yield "data: [DONE]\n\n"

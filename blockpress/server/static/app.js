@@ -1,0 +1,173 @@
+// blockpress web page: a chat box streaming from /v1/chat/completions with
+// stream_options.include_drafts, drawing every draft frame of the canvas as it denoises.
+// No build step, no dependencies.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const conversation = [];          // the conversation sent with every request (OpenAI messages)
+let busy = false;
+
+$("apikey").value = localStorage.getItem("blockpress-key") || "";
+$("apikey").addEventListener("change", () => localStorage.setItem("blockpress-key", $("apikey").value));
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  if ($("apikey").value) h["Authorization"] = "Bearer " + $("apikey").value;
+  return h;
+}
+
+fetch("/v1/models", { headers: headers() }).then((r) => r.json()).then((j) => {
+  const m = j.data && j.data[0];
+  if (m) { $("model").textContent = `${m.id} · canvas ${m.canvas_length} tokens`; $("model").dataset.id = m.id; }
+}).catch(() => {});
+
+const steps = $("steps");
+const showSteps = () => { $("steps-out").textContent = steps.value === "0" ? "auto" : steps.value; };
+steps.addEventListener("input", showSteps);
+showSteps();
+
+function addMessage(role, text) {
+  const div = document.createElement("div");
+  div.className = "msg " + role;
+  const reasoning = document.createElement("div");
+  reasoning.className = "reasoning";
+  const content = document.createElement("div");
+  content.className = "content";
+  content.textContent = text || "";
+  const tools = document.createElement("div");
+  tools.className = "tool";
+  div.append(reasoning, content, tools);
+  $("log").append(div);
+  $("log").scrollTop = $("log").scrollHeight;
+  return { div, reasoning, content, tools };
+}
+
+// ---------------------------------------------------------------- canvas view
+let prevTokens = null;
+function drawDraft(f) {
+  const canvas = $("canvas");
+  canvas.replaceChildren();
+  f.tokens.forEach((piece, j) => {
+    const s = document.createElement("span");
+    s.textContent = piece.replace(/\n/g, "⏎");
+    s.className = f.accepted[j] ? "acc" : (prevTokens && prevTokens[j] === piece ? "stable" : "noise");
+    canvas.append(s);
+  });
+  prevTokens = f.tokens;
+  canvas.dataset.frames = String(Number(canvas.dataset.frames) + 1);
+  canvas.dataset.accepted = String(Number(canvas.dataset.accepted || 0) + f.accepted.filter((a) => a).length);
+  $("canvas-head").textContent = `· canvas ${f.canvas + 1} · step ${f.step}/${f.max_steps}`;
+}
+
+function drawStats(s) {
+  const dl = $("stats");
+  dl.replaceChildren();
+  for (const [k, v] of Object.entries(s)) {
+    const dt = document.createElement("dt"); dt.textContent = k;
+    const dd = document.createElement("dd"); dd.textContent = v; dd.dataset.stat = k;
+    dl.append(dt, dd);
+  }
+}
+
+// ---------------------------------------------------------------- streaming
+async function* sseEvents(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buf += decoder.decode(value, { stream: true });
+    let i;
+    while ((i = buf.indexOf("\n\n")) >= 0) {
+      const block = buf.slice(0, i); buf = buf.slice(i + 2);
+      for (const line of block.split("\n")) {
+        if (line.startsWith("data: ")) yield line.slice(6);
+      }
+    }
+  }
+}
+
+async function send(text) {
+  busy = true; $("send").disabled = true;
+  conversation.push({ role: "user", content: text });
+  addMessage("user", text);
+  const out = addMessage("assistant", "");
+  prevTokens = null;
+  $("canvas").dataset.frames = "0";
+  $("canvas").dataset.accepted = "0";
+  const body = {
+    messages: conversation, stream: true,
+    stream_options: { include_drafts: true, include_usage: true },
+    max_tokens: Number($("max-tokens").value) || 256,
+    chat_template_kwargs: { enable_thinking: $("thinking").checked },
+  };
+  if ($("model").dataset.id) body.model = $("model").dataset.id;
+  if (steps.value !== "0") body.steps = Number(steps.value);
+  if ($("seed").value !== "") body.seed = Number($("seed").value);
+  const t0 = performance.now();
+  let firstCommit = null, canvases = 0, stepsTotal = 0, content = "", reasoning = "";
+  try {
+    const r = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body) });
+    if (!r.ok) {
+      const j = await r.json().catch(() => ({}));
+      throw new Error((j.error && j.error.message) || `HTTP ${r.status}`);
+    }
+    for await (const data of sseEvents(r)) {
+      if (data === "[DONE]") break;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.blockpress) {
+        const f = chunk.blockpress;
+        if (f.type === "draft") drawDraft(f);
+        if (f.type === "commit") {  // the canvas is final: show it as plain text
+          for (const s of $("canvas").children) s.className = "stable";
+          canvases += 1; stepsTotal += f.steps; prevTokens = null;
+          if (firstCommit === null) firstCommit = performance.now() - t0;
+        }
+      }
+      for (const c of chunk.choices || []) {
+        const d = c.delta || {};
+        if (d.reasoning_content) { reasoning += d.reasoning_content; out.reasoning.textContent = reasoning; }
+        if (d.content) { content += d.content; out.content.textContent = content; }
+        for (const tc of d.tool_calls || []) {
+          out.tools.textContent += `→ ${tc.function.name}(${tc.function.arguments})\n`;
+        }
+      }
+      if (chunk.usage) {
+        const u = chunk.usage, secs = (performance.now() - t0) / 1000;
+        drawStats({
+          "tokens": u.completion_tokens,
+          "tokens/s": (u.completion_tokens / secs).toFixed(1),
+          "tokens/forward": u.tokens_per_forward.toFixed(2),
+          "steps/canvas": canvases ? (stepsTotal / canvases).toFixed(1) : "–",
+          "first commit": firstCommit === null ? "–" : `${firstCommit.toFixed(0)} ms`,
+          "prompt tokens": u.prompt_tokens,
+        });
+      }
+      $("log").scrollTop = $("log").scrollHeight;
+    }
+    conversation.push({ role: "assistant", content });
+    out.div.dataset.done = "1";
+  } catch (e) {
+    out.div.classList.add("error");
+    out.content.textContent = "error: " + e.message;
+    conversation.pop();
+  } finally {
+    busy = false; $("send").disabled = false;
+  }
+}
+
+$("form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const text = $("prompt").value.trim();
+  if (!text || busy) return;
+  $("prompt").value = "";
+  send(text);
+});
+$("prompt").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("form").requestSubmit(); }
+});
+$("reset").addEventListener("click", () => {
+  conversation.length = 0; $("log").replaceChildren(); $("canvas").replaceChildren(); $("stats").replaceChildren();
+});

@@ -1,0 +1,194 @@
+"""`blockpress run` / `blockpress chat` in process: text and stats output, --json, --steps, flag
+errors, the Sudoku grid mode, stdin prompts, and ChatSession's KV-cache prefix reuse."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.cli import main as cli
+from blockpress.cli import run as run_cmd
+from blockpress.cli.chat import ChatSession
+
+from blockpress.testing import build_tiny_gemma_tokenizer
+from hf_oracle import TINY_TEXT
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add contention on a shared CPU
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_cli")
+    cfg = {"model_type": "diffusion_gemma", "canvas_length": 16, "text_config": dict(TINY_TEXT)}
+    blockpress.from_config(cfg, seed=0).save(path)
+    build_tiny_gemma_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sudoku_dir(tmp_path_factory):
+    from blockpress.tasks import sudoku as su
+
+    path = tmp_path_factory.mktemp("tiny_sudoku")
+    cfg = {"model_type": "diffusion_gemma", "canvas_length": su.CANVAS_LEN,
+           "text_config": dict(TINY_TEXT, vocab_size=len(su.VOCAB))}
+    blockpress.from_config(cfg, seed=0).save(path)
+    (path / "blockpress_task.json").write_text(json.dumps({"task": "sudoku"}))
+    return path
+
+
+def run_json(capsys, *argv):
+    assert cli(["run", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+STATS = re.compile(r"\d+ tokens in [\d.]+s · [\d.]+ tokens/s · [\d.]+ tokens/forward · [\d.]+ steps/canvas "
+                   r"\(\d+ canvases\) · first commit \d+ ms")
+
+
+def test_run_prints_text_and_stats_line(model_dir, capsys):
+    assert cli(["run", str(model_dir), "Why is the sky blue?", "--max-new-tokens", "20", "--steps", "3",
+                "--seed", "1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert STATS.fullmatch(" ".join(out[-2:]).replace("  ", " ")) or STATS.fullmatch(out[-1]), out[-2:]
+    assert "".join(out[:-1]).strip()  # some text before the stats line
+
+
+def test_run_json_matches_reference_generate(model_dir, capsys):
+    r = run_json(capsys, str(model_dir), "Why is the sky blue?", "--max-new-tokens", "40", "--steps", "4",
+                 "--seed", "3")
+    assert set(r) >= {"text", "token_ids", "prompt_ids", "stats", "finish_reason"}
+    lm = blockpress.load(model_dir, progress=False)
+    ref = lm.generate([r["prompt_ids"]], generator=torch.Generator().manual_seed(3), max_new_tokens=40,
+                      max_denoising_steps=4, stability_threshold=None, confidence_threshold=None,
+                      eos_token_id=[1, 106], pad_token_id=0)
+    n = len(r["token_ids"])
+    assert r["token_ids"] == ref.new_tokens[0].tolist()[:n]
+    assert r["finish_reason"] == "length" and n == 40  # a random model does not stop
+    assert r["stats"]["tokens"] == 40 and r["stats"]["forward_passes"] == 3 * 4
+
+
+def test_steps_fixes_steps_per_canvas(model_dir, capsys):
+    fixed = run_json(capsys, str(model_dir), "hello", "--max-new-tokens", "48", "--steps", "4")
+    assert fixed["stats"]["steps_per_canvas"] == [4, 4, 4]
+    assert fixed["stats"]["tokens_per_forward"] == pytest.approx(48 / 12, abs=1e-3)
+    # without --steps the reference's adaptive rule runs up to 48 steps (a random model is never confident)
+    adaptive = run_json(capsys, str(model_dir), "hello", "--max-new-tokens", "16", "--max-denoising-steps", "7")
+    assert adaptive["stats"]["steps_per_canvas"] == [7]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--steps", "0"], "--steps"),
+    (["--steps", "x"], "--steps"),
+    (["--entropy-bound", "-1"], "--entropy-bound"),
+    (["--t-min", "abc"], "--t-min"),
+    (["--max-new-tokens", "1.5"], "--max-new-tokens"),
+    (["--stability-threshold", "-2"], "--stability-threshold"),
+    (["--steps", "3", "--max-denoising-steps", "5"], "not allowed with argument"),
+    (["--dtype", "int3"], "--dtype"),
+])
+def test_bad_flags_exit_2_naming_the_flag(model_dir, capsys, flags, needle):
+    with pytest.raises(SystemExit) as e:
+        cli(["run", str(model_dir), "hi", *flags])
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_invalid_sampling_values_are_one_line_errors(model_dir, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert cli(["run", str(model_dir), "hi", "--t-min", "0.9", "--t-max", "0.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("blockpress run: error:") and "t_max" in err and "\n" not in err
+    monkeypatch.setattr(run_cmd, "DEFAULT_MODEL", tmp_path / "missing")
+    assert cli(["run"]) == 2
+    assert "pass MODEL" in capsys.readouterr().err
+
+
+def test_prompt_from_stdin(model_dir, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("The sky"))
+    r = run_json(capsys, str(model_dir), "-", "--raw", "--max-new-tokens", "8", "--steps", "2")
+    lm = blockpress.load(model_dir, progress=False)
+    assert r["prompt_ids"] == [lm.tokenizer.bos_token_id] + lm.tokenizer.encode("The sky")
+
+
+def test_sudoku_model_renders_grids(sudoku_dir, capsys, monkeypatch):
+    from blockpress.tasks import sudoku as su
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # no puzzle given: the built-in example
+
+    r = run_json(capsys, str(sudoku_dir), "--steps", "2", "--seed", "0")
+    assert r["puzzle"] == su.parse_grid(run_cmd.EXAMPLE_SUDOKU) and r["solution"] == su.solve_exact(r["puzzle"])
+    assert r["answer"] == su.decode_answer(r["token_ids"]) and r["stats"]["steps_per_canvas"] == [2]
+    assert cli(["run", str(sudoku_dir), run_cmd.EXAMPLE_SUDOKU.replace("0", "."), "--steps", "2", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("------+-------+------") == 4  # the puzzle grid and the answer grid
+    assert "puzzle:" in out and "answer (red: wrong or blank):" in out and "cell accuracy" in out
+    assert cli(["run", str(sudoku_dir), "123"]) == 2  # not a grid: one-line error
+    assert "81" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- chat
+def test_chat_session_encodes_only_new_tokens(model_dir):
+    lm = blockpress.load(model_dir, progress=False)
+    encoded: list[int] = []
+    real_encode = lm.module.encode
+
+    def spy(ids, cache, *args, **kwargs):
+        encoded.append(ids.shape[1])
+        return real_encode(ids, cache, *args, **kwargs)
+
+    lm.module.encode = spy
+    C = lm.canvas_length
+    s = ChatSession(lm, sampling={"max_new_tokens": 40, "max_denoising_steps": 3}, seed=0)
+    first = s.send("Why is the sky blue?")
+    prompt1 = lm.encode_chat("Why is the sky blue?")
+    assert encoded == [len(prompt1), C, C] and first.encoded == len(prompt1)
+    assert s.cache.length == len(prompt1) + 2 * C  # all but the last canvas
+    # what turn 2 must add: the reply's tail in the last canvas, the turn end, the new turn
+    tail = first.tokens[2 * C:]
+    suffix = lm.tokenizer.encode("<turn|>\n<|turn>user\nAnd the sea?<turn|>\n<|turn>model\n"
+                                 "<|channel>thought\n<channel|>")
+    encoded.clear()
+    state = s.generator.get_state()
+    second = s.send("And the sea?")
+    assert encoded[0] == second.encoded == len(tail) + len(suffix)
+    assert encoded[0] < len(prompt1) + len(first.tokens)  # far less than re-encoding the conversation
+    # and the reply is what a from-scratch run over the same tokens gives
+    lm.module.encode = real_encode
+    history = prompt1 + first.tokens[:2 * C] + tail + suffix
+    ref = lm.generate([history], generator=torch.Generator().set_state(state), max_new_tokens=40,
+                      max_denoising_steps=3, eos_token_id=[1, 106], pad_token_id=0)
+    assert second.tokens == ref.new_tokens[0].tolist()[:len(second.tokens)]
+
+
+def test_chat_thinking_toggle_and_reset_reencode(model_dir):
+    lm = blockpress.load(model_dir, progress=False)
+    s = ChatSession(lm, sampling={"max_new_tokens": 16, "max_denoising_steps": 2}, seed=1)
+    s.send("hi")
+    assert s.cache is not None
+    s.set_thinking(True)
+    ids = s.prompt_ids("again")
+    want = lm.tokenizer.encode("<bos><|turn>system\n<|think|>")  # the whole conversation, re-rendered
+    assert s.cache is None and ids[:len(want)] == want
+    s.send("again")
+    s.reset()
+    assert s.messages == [] and s.cache is None
+
+
+def test_chat_repl_commands(model_dir, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/thinking on\nagain\n/bogus\n/reset\n/exit\nignored\n"))
+    assert cli(["chat", str(model_dir), "--max-new-tokens", "16", "--steps", "2", "--no-live"]) == 0
+    out = capsys.readouterr().out
+    assert "(thinking on)" in out and "(conversation cleared)" in out and "commands:" in out
+    assert len(re.findall(r"tokens/forward", out)) == 2  # two turns ran; the line after /exit did not

@@ -1,0 +1,439 @@
+"""OpenAI-compatible server: a real `blockpress serve` process on loopback, driven by the official
+`openai` client, plus serving-logic tests without HTTP (scheduler vs the reference canvas loop,
+response assembly from real token ids, queue limits, API key)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.testing import build_tiny_gemma_tokenizer
+from blockpress.tokenizer import GEMMA4_CONTROL_TOKENS
+from hf_oracle import TINY_TEXT
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from blockpress.server.protocol import APIError, ChatCompletionRequest, Limits  # noqa: E402
+from blockpress.server.scheduler import Handle, Job, RowCommit, RowDone, Scheduler, run_job  # noqa: E402
+from blockpress.server.serving import OpenAIServing, OutputAssembler, _Run  # noqa: E402
+
+SPECIAL = re.compile("|".join(re.escape(t) for t in GEMMA4_CONTROL_TOKENS))  # control-token text
+
+
+# ----------------------------------------------------------------------------- helpers (shared)
+def build_tiny_model(path: Path, canvas_length: int = 16) -> Path:
+    """A random tiny DiffusionGemma with the tiny Gemma-4 tokenizer, saved in HF layout."""
+    cfg = {"model_type": "diffusion_gemma", "canvas_length": canvas_length, "text_config": dict(TINY_TEXT)}
+    blockpress.from_config(cfg, seed=0).save(path)
+    build_tiny_gemma_tokenizer(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m blockpress serve DIR` on a free loopback port; stopped (by pid) in `stop()`."""
+
+    def __init__(self, model_dir: Path, *flags: str, log: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.log = open(log or Path(model_dir) / f"server-{self.port}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "blockpress", "serve", str(model_dir), "--port", str(self.port), "--threads", "1",
+             "--log-level", "warning", *flags], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.read_log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not become healthy in 120 s")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-3000:]
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_serve"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = ServerProcess(model_dir, "--max-messages", "8", "--max-tokens-limit", "512", "--max-batch", "8")
+    yield s
+    assert s.proc.poll() is None, "server crashed: " + s.read_log()
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server, model_dir):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    c.model_id = Path(model_dir).name  # the served name defaults to the folder name
+    return c
+
+
+@pytest.fixture(scope="module")
+def lm(model_dir):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: threads only add contention on a shared CPU
+    yield blockpress.load(model_dir, progress=False)
+    torch.set_num_threads(n)
+
+
+MSG = [{"role": "user", "content": "Why is the sky blue?"}]
+FAST = {"steps": 3}  # 3 denoising steps per canvas: quick on CPU
+
+
+def chat_text(client, seed, stream=False, messages=MSG, max_tokens=40, **extra):
+    """(text, response or chunks) of one chat completion with the fast step setting."""
+    kw = dict(model=client.model_id, messages=messages, max_tokens=max_tokens, seed=seed,
+              extra_body={**FAST, **extra})
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        return r.choices[0].message.content, r
+    text, chunks = "", []
+    for ch in client.chat.completions.create(stream=True, **kw):
+        chunks.append(ch)
+        if ch.choices:
+            text += ch.choices[0].delta.content or ""
+    return text, chunks
+
+
+# ----------------------------------------------------------------------------- through the server
+def test_models_and_health(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [client.model_id]
+    assert models[0].canvas_length == 16
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_chat_stream_equals_nonstream_and_seeds(client):
+    a, resp = chat_text(client, seed=5)
+    b, chunks = chat_text(client, seed=5, stream=True)
+    assert a and a == b
+    assert chat_text(client, seed=5)[0] == a  # same seed, same text
+    assert chat_text(client, seed=6)[0] != a
+    u = resp.usage
+    assert u.completion_tokens == 40 and u.total_tokens == u.prompt_tokens + 40  # random model: no stop token
+    extra = u.model_extra
+    assert extra["denoising_steps"] == 3 * 3  # 3 canvases of 16 for 40 tokens, 3 steps each
+    assert extra["tokens_per_forward"] == pytest.approx(40 / 9, abs=1e-3)
+    assert chunks[-1].choices[0].finish_reason == resp.choices[0].finish_reason == "length"
+
+
+def test_completion_stream_equals_nonstream(client):
+    model = client.model_id
+    r = client.completions.create(model=model, prompt="The sky is", max_tokens=24, seed=2, extra_body=FAST)
+    s = client.completions.create(model=model, prompt="The sky is", max_tokens=24, seed=2, extra_body=FAST,
+                                  stream=True)
+    text = "".join(c.choices[0].text for c in s if c.choices)
+    assert r.choices[0].text and text == r.choices[0].text
+    assert r.usage.completion_tokens == 24
+
+
+def test_same_seed_same_text_under_concurrency(server, client):
+    prompts = [f"Question {i}: tell me about the sea and the sky" + " please" * i for i in range(6)]
+    solo = [chat_text(client, seed=100 + i, messages=[{"role": "user", "content": p}])[0]
+            for i, p in enumerate(prompts)]
+    before = server.metrics()
+    results: dict[int, str] = {}
+
+    def worker(i):
+        time.sleep(0.03 * i)  # staggered: later ones join a running batch at a canvas boundary
+        results[i] = chat_text(client, seed=100 + i, messages=[{"role": "user", "content": prompts[i]}],
+                               stream=bool(i % 2))[0]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(6)] == solo
+    after = server.metrics()
+    steps = after["blockpress_step_seconds_count"] - before["blockpress_step_seconds_count"]
+    solo_steps = after['blockpress_batch_rows_bucket{le="1"}'] - before['blockpress_batch_rows_bucket{le="1"}']
+    assert solo_steps < steps, "the concurrent requests never shared a batch"
+
+
+def test_reasoning_and_tool_call_fields_never_leak_control_tokens(server):
+    body = {"messages": MSG, "max_tokens": 48, "seed": 9, **FAST,
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "properties": {"city": {"type": "string"}}}}}],
+            "chat_template_kwargs": {"enable_thinking": True}}
+    for seed in range(4):
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, "seed": seed}, timeout=60).json()
+        msg = r["choices"][0]["message"]
+        assert {"content", "reasoning_content", "tool_calls"} <= set(msg)
+        for text in (msg["content"] or "", msg["reasoning_content"] or ""):
+            assert not SPECIAL.search(text), text
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    assert not SPECIAL.search(c["delta"].get("content") or "")
+
+
+def test_draft_frames_only_on_request(server):
+    def frames(options):
+        out = []
+        body = {"messages": MSG, "max_tokens": 20, "seed": 1, **FAST, "stream": True, "stream_options": options}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    out.append(json.loads(line[6:]))
+        return out
+
+    plain = frames({"include_usage": True})
+    assert not any("blockpress" in c for c in plain)
+    assert plain[-1]["usage"]["completion_tokens"] == 20
+    rich = frames({"include_drafts": True})
+    drafts = [c["blockpress"] for c in rich if c.get("blockpress", {}).get("type") == "draft"]
+    assert [(d["canvas"], d["step"]) for d in drafts] == [(c, s) for c in range(2) for s in (1, 2, 3)]
+    d = drafts[0]
+    assert len(d["tokens"]) == len(d["accepted"]) == 16 and d["text"] == "".join(d["tokens"])
+    assert all(a in (0, 1) for a in d["accepted"]) and any(d["accepted"])
+    assert [c["blockpress"]["steps"] for c in rich if c.get("blockpress", {}).get("type") == "commit"] == [3, 3]
+
+
+def test_metrics_move(server, client):
+    before = server.metrics()
+    chat_text(client, seed=1, max_tokens=16)
+    after = server.metrics()
+    key = 'blockpress_requests_total{endpoint="/v1/chat/completions",status="200"}'
+    assert after[key] == before.get(key, 0) + 1
+    assert after["blockpress_generated_tokens_total"] == before["blockpress_generated_tokens_total"] + 16
+    assert after["blockpress_step_seconds_count"] == before["blockpress_step_seconds_count"] + 3
+    assert after["blockpress_tokens_per_forward_count"] == before["blockpress_tokens_per_forward_count"] + 1
+    for name in ("blockpress_queue_depth", "blockpress_active_requests", "blockpress_forward_passes_total"):
+        assert name in after
+
+
+BAD = [
+    ("invalid json", b'{"messages": [', 400, None),
+    ("messages not a list", {"messages": "hi"}, 400, "messages"),
+    ("wrong role", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    ("string max_tokens", {"messages": MSG, "max_tokens": "5"}, 400, "max_tokens"),
+    ("negative max_tokens", {"messages": MSG, "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens over limit", {"messages": MSG, "max_tokens": 100000}, 400, "max_tokens"),
+    ("zero steps", {"messages": MSG, "steps": 0}, 400, "steps"),
+    ("t_max below t_min", {"messages": MSG, "t_min": 0.9, "t_max": 0.1}, 400, "t_max"),
+    ("n=2", {"messages": MSG, "n": 2}, 400, "n"),
+    ("empty messages", {"messages": []}, 400, "messages"),
+    ("too many messages", {"messages": MSG * 9}, 400, "messages"),
+    ("unknown model", {"messages": MSG, "model": "gpt-9"}, 404, "model"),
+    ("lone surrogate", '{"messages": [{"role": "user", "content": "\\ud800"}]}'.encode(), 400, None),
+    ("huge body", {"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, None),
+    ("too many stops", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
+    ("bad prompt ids", {"prompt": [1, 2, 999999]}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors(server, name, body, status, param):
+    path = "/v1/completions" if name == "bad prompt ids" else "/v1/chat/completions"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_unknown_route_and_method(server):
+    r = httpx.get(server.url + "/v1/nope")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_disconnect_frees_the_slot(server):
+    before = server.metrics()["blockpress_requests_cancelled_total"]
+    body = {"messages": MSG, "max_tokens": 512, "steps": 48, "stream": True,
+            "stream_options": {"include_drafts": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as s:
+        for line in s.iter_lines():
+            if '"draft"' in line:
+                break  # generation is running: now hang up
+    deadline = time.time() + 20  # the full request would take 32 canvases x 48 steps
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["blockpress_active_requests"] == 0 and m["blockpress_requests_cancelled_total"] > before:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"slot not freed after disconnect: {server.metrics()}")
+
+
+# ----------------------------------------------------------------------------- without HTTP
+def test_scheduler_equals_reference_loop(lm):
+    """A request served alone gives exactly the tokens of BlockDiffusionLM.generate with its seed."""
+    ids = lm.encode_chat("Hello there")
+    for kw in (dict(max_new_tokens=40, max_denoising_steps=5, eos_token_id=[1, 106], pad_token_id=0),
+               dict(max_new_tokens=20, max_denoising_steps=40, entropy_bound=3.0, confidence_threshold=6.0)):
+        ref = lm.generate([ids], generator=torch.Generator().manual_seed(7), **kw)
+        events = run_job(lm.module, lm.canvas_length, Job(ids, lm.generation_config(**kw), seed=7))
+        tokens = [t for e in events if isinstance(e, RowCommit) for t in e.tokens]
+        assert tokens == ref.new_tokens[0].tolist()
+        assert events[-1].steps_per_canvas == ref.steps_per_canvas
+
+
+def test_scheduler_rows_join_at_canvas_boundaries(lm):
+    """Rows joining a running batch (left-padded to its cache end) give their solo tokens."""
+    s = Scheduler(lm.module, lm.canvas_length, max_batch=4).start()
+    try:
+        jobs = [Job(lm.encode_chat("prompt %d " % i * (i + 1)), lm.generation_config(max_new_tokens=48,
+                    max_denoising_steps=4), seed=i) for i in range(3)]
+
+        def collect(h):
+            out = []
+            while not isinstance(e := h.get(timeout=60), RowDone):
+                out += e.tokens if isinstance(e, RowCommit) else []
+            return out
+
+        solo = [collect(s.submit(j)) for j in jobs]
+        first = s.submit(jobs[0])
+        assert isinstance(first.get(timeout=60), RowCommit)  # the first canvas of job 0 is done
+        late = [s.submit(j) for j in jobs[1:]]
+        got = [solo[0][:16] + collect(first)] + [collect(h) for h in late]
+        assert got == solo
+    finally:
+        s.stop()
+
+
+THOUGHT_AND_CALL = ('<|channel>thought\nhmm<channel|>Hello<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}'
+                    '<tool_call|><turn|>')
+
+
+def _serving(lm):
+    return OpenAIServing(lm, Scheduler(lm.module, lm.canvas_length), "tiny", Limits(max_tokens=64))
+
+
+def _run_with(serving, ids, canvas):
+    """A submitted run whose engine events are the given token ids, one RowCommit per canvas."""
+    h = Handle(Job(ids, serving.lm.generation_config()), loop=asyncio.get_running_loop())
+    chunks = [ids[i:i + canvas] for i in range(0, len(ids), canvas)]
+    for k, c in enumerate(chunks):
+        c = c + [0] * (canvas - len(c))
+        h.put(RowCommit(k, c, k == len(chunks) - 1, 2))
+    return _Run(h, prompt_tokens=7)
+
+
+def test_response_assembly_reasoning_and_tool_calls(lm):
+    tok = lm.tokenizer
+    ids = tok.encode(THOUGHT_AND_CALL)
+    assert 100 in ids and 48 in ids and 106 in ids  # real control-token ids
+    serving = _serving(lm)
+    req = ChatCompletionRequest(messages=MSG, max_tokens=64)
+    sampling = req.to_sampling(serving.limits, serving.defaults)
+
+    async def both():
+        full = await serving.chat_response(_run_with(serving, ids, 16), sampling, stream=False)
+        sse = await serving.chat_response(_run_with(serving, ids, 16), sampling, stream=True)
+        return full, [line async for line in sse]
+
+    full, lines = asyncio.run(both())
+    msg = full.choices[0].message
+    assert (msg.content, msg.reasoning_content) == ("Hello", "hmm")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    assert full.choices[0].finish_reason == "tool_calls"
+    assert full.usage.completion_tokens == ids.index(106) + 1 and full.usage.denoising_steps == 3 * 2  # 3 canvases
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "Hello"
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "hmm"
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"})]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and lines[-1] == "data: [DONE]\n\n"
+
+
+def test_output_assembler_stops_and_limits(lm):
+    tok = lm.tokenizer
+    ids = tok.encode("The sky is blue. The sea is blue too.")
+    for split in (1, 3, 16):  # streaming deltas for any canvas split equal the one-shot text
+        asm = OutputAssembler(tok, [1, 106], 100, stop=["sea"], chat=True)
+        text = ""
+        for i in range(0, len(ids), split):
+            text += asm.feed(ids[i:i + split]).content
+            if asm.done:
+                break
+        final = asm.finish()
+        assert text + final.last.content == final.content == "The sky is blue. The "
+        assert final.finish_reason == "stop"
+    asm = OutputAssembler(tok, [1], 5, chat=False)
+    asm.feed(ids)
+    assert asm.finish().content == tok.decode(ids[:5]) and asm.finish_reason == "length"
+
+
+def test_queue_full_is_429_and_api_key(lm):
+    from blockpress.server.app import create_app
+    from blockpress.server.metrics import Metrics
+
+    serving = OpenAIServing(lm, Scheduler(lm.module, lm.canvas_length, queue_size=1), "tiny")  # never started
+    req = ChatCompletionRequest(messages=MSG, stream=True)
+
+    async def twice():
+        first = await serving.chat(req)  # queued (nobody drains the queue)
+        with pytest.raises(APIError) as e:
+            await serving.chat(req)
+        await first.aclose()
+        return e.value
+
+    err = asyncio.run(twice())
+    assert err.status == 429 and err.type == "rate_limit_error"
+
+    app = create_app(serving, Metrics(), api_key="sekret")
+
+    async def calls():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return [(await c.get("/v1/models", headers=h)).status_code for h in
+                    ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer sekret"})] + \
+                [(await c.get("/health")).status_code]
+
+    assert asyncio.run(calls()) == [401, 401, 200, 200]

@@ -1,0 +1,80 @@
+"""The web page at `/`, driven by a headless Chromium (Debian's /usr/bin/chromium via Playwright):
+send a prompt, watch draft frames arrive, check the final text equals the API's for the same seed,
+and save a screenshot to artifacts/web.png."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("playwright.sync_api")
+pytest.importorskip("openai")
+CHROMIUM = Path("/usr/bin/chromium")
+if not CHROMIUM.exists():
+    pytest.skip("needs Debian's chromium (apt-get install -y chromium)", allow_module_level=True)
+
+import httpx  # noqa: E402
+from playwright.sync_api import sync_playwright  # noqa: E402
+
+from test_server import ServerProcess, build_tiny_model  # noqa: E402
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = ServerProcess(build_tiny_model(tmp_path_factory.mktemp("tiny_web")), "--max-tokens-limit", "256")
+    yield s
+    s.stop()
+
+
+def test_page_streams_drafts_and_final_text(server):
+    steps, max_tokens, seed = 6, 40, 11
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url + "/")
+            page.wait_for_function("document.getElementById('model').dataset.id !== undefined")
+            page.eval_on_selector("#steps", f"e => {{ e.value = {steps}; e.dispatchEvent(new Event('input')); }}")
+            assert page.text_content("#steps-out") == str(steps)
+            page.fill("#max-tokens", str(max_tokens))
+            page.fill("#seed", str(seed))
+            page.fill("#prompt", "Why is the sky blue?")
+            page.click("#send")
+            page.wait_for_selector(".msg.assistant[data-done='1']", timeout=60_000)
+
+            text = page.text_content(".msg.assistant .content")
+            frames = int(page.get_attribute("#canvas", "data-frames"))
+            assert frames == 3 * steps  # 40 tokens = 3 canvases of 16, one frame per denoising step
+            assert page.locator("#canvas span").count() == 16
+            # every step accepts at least the lowest-entropy position, drawn highlighted
+            assert int(page.get_attribute("#canvas", "data-accepted")) >= frames
+            assert page.locator("#canvas span.stable").count() == 16  # the committed canvas
+            assert page.text_content("#canvas-head") == f"· canvas 3 · step {steps}/{steps}"
+            assert page.text_content("dd[data-stat='tokens']") == str(max_tokens)
+            assert float(page.text_content("dd[data-stat='steps/canvas']")) == steps
+            assert not errors, errors
+
+            api = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": max_tokens,
+                "seed": seed, "steps": steps, "chat_template_kwargs": {"enable_thinking": False}}).json()
+            assert text and text == api["choices"][0]["message"]["content"]
+
+            # a second, slower turn: screenshot mid-canvas (noise turning into text), then hang up
+            page.eval_on_selector("#steps", "e => { e.value = 48; e.dispatchEvent(new Event('input')); }")
+            page.fill("#max-tokens", "256")
+            page.fill("#prompt", "And why is the sea blue?")
+            page.click("#send")
+            page.wait_for_function("Number(document.getElementById('canvas').dataset.frames) >= 20")
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "web.png"), full_page=True)
+            assert page.locator("#canvas span.noise").count() > 0
+        finally:
+            browser.close()
+    assert (ARTIFACTS / "web.png").stat().st_size > 10_000

@@ -139,17 +139,5 @@ def denoise_step_fast(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker
             a = torch.where(done[:, None], a_prev, a)
             x_new = torch.where(done[:, None], x, x_new)
             z = torch.where(done[:, None, None], sc_logits, z)
-        done = done | _stable_and_confident(tracker, a, h)
+        done = done | tracker(a, z, entropy=h)
     return x_new, a, z, done, accepted
-
-
-def _stable_and_confident(tracker, a, h):
-    """StabilityTracker's rule with the fused entropies (no second pass over the logits)."""
-    if tracker.S == 0:
-        stable = torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
-    else:
-        if tracker.history is None:
-            tracker.history = torch.full((tracker.S, *a.shape), -1, dtype=a.dtype, device=a.device)
-        stable = (tracker.history == a[None]).all(dim=-1).all(dim=0)
-        tracker.history = torch.cat([tracker.history[1:], a[None]], dim=0)
-    return stable & (h.mean(dim=-1) < tracker.kappa)

@@ -79,14 +79,18 @@ class StabilityTracker:
     def reset(self) -> None:
         self.history = None
 
-    def __call__(self, argmax: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """argmax [B,C], z [B,C,V] (temperature-scaled, possibly frozen) -> done [B]."""
+    def stable(self, argmax: torch.Tensor) -> torch.Tensor:
+        """[B] True where the argmax equals each of the last S argmax canvases; records this one."""
         if self.S == 0:
-            stable = torch.ones(argmax.shape[0], dtype=torch.bool, device=argmax.device)
-        else:
-            if self.history is None:
-                self.history = torch.full((self.S, *argmax.shape), -1, dtype=argmax.dtype, device=argmax.device)
-            stable = (self.history == argmax[None]).all(dim=-1).all(dim=0)
-            self.history = torch.cat([self.history[1:], argmax[None]], dim=0)
-        confident = token_entropy(z).mean(dim=-1) < self.kappa
-        return stable & confident
+            return torch.ones(argmax.shape[0], dtype=torch.bool, device=argmax.device)
+        if self.history is None:
+            self.history = torch.full((self.S, *argmax.shape), -1, dtype=argmax.dtype, device=argmax.device)
+        stable = (self.history == argmax[None]).all(dim=-1).all(dim=0)
+        self.history = torch.cat([self.history[1:], argmax[None]], dim=0)
+        return stable
+
+    def __call__(self, argmax: torch.Tensor, z: torch.Tensor, entropy: torch.Tensor | None = None) -> torch.Tensor:
+        """argmax [B,C], z [B,C,V] (temperature-scaled, possibly frozen) -> done [B].
+        `entropy` [B,C] may be passed when already computed from z (fused sampler)."""
+        h = token_entropy(z) if entropy is None else entropy
+        return self.stable(argmax) & (h.mean(dim=-1) < self.kappa)

@@ -222,12 +222,15 @@ def test_parse_grid_rejects_non_string():
 # ----------------------------------------------------------------------------- tokenizer
 def test_token_ids_and_lengths():
     assert (S.PAD_ID, S.EOS_ID, S.BOS_ID, S.UNK_ID, S.MASK_ID) == (0, 1, 2, 3, 4)
-    assert S.PROMPT_LEN == 82 and S.CANVAS_LEN == 96 >= 82
+    assert S.PROMPT_LEN == 82 and S.CANVAS_LEN == 82
     tok = S.build_tokenizer()
     for name, i in [("<pad>", 0), ("<eos>", 1), ("<bos>", 2), ("<unk>", 3), ("<mask>", 4), ("\n", 15)]:
         assert tok.token_to_id(name) == i
     assert [tok.token_to_id(str(d)) for d in range(10)] == list(range(5, 15))
-    assert tok.get_vocab_size() == 16
+    # one token per (cell, digit): row 1 col 1 blank is the first, row 9 col 9 digit 9 the last
+    assert tok.token_to_id("<r1c1:0>") == S.CELL_ID0 and tok.token_to_id("<r9c9:9>") == S.CELL_ID0 + 809
+    assert tok.token_to_id("<r2c3:7>") == S.CELL_ID0 + 10 * (9 + 2) + 7
+    assert tok.get_vocab_size() == len(S.VOCAB) == 16 + 810
 
 
 def test_tokenizer_round_trip():
@@ -236,12 +239,14 @@ def test_tokenizer_round_trip():
     p_ids, t_ids = S.encode_prompt(puz), S.encode_target(sol)
     assert len(p_ids) == S.PROMPT_LEN and p_ids[0] == S.BOS_ID
     assert len(t_ids) == S.CANVAS_LEN and t_ids[81:] == [S.EOS_ID] * (S.CANVAS_LEN - 81)
-    assert tok.encode("<bos>" + puz).ids == p_ids  # helpers agree with the HF tokenizer
-    assert tok.encode(sol + "<eos>" * 15).ids == t_ids
+    cells = "".join(f"<r{i // 9 + 1}c{i % 9 + 1}:{ch}>" for i, ch in enumerate(puz))
+    assert tok.encode("<bos>" + cells).ids == p_ids  # helpers agree with the HF tokenizer
+    assert tok.encode(sol + "<eos>").ids == t_ids
     assert tok.decode(t_ids, skip_special_tokens=True) == sol
-    assert tok.decode(p_ids, skip_special_tokens=False) == "<bos>" + puz
+    assert tok.decode(p_ids, skip_special_tokens=False) == "<bos>" + cells
     assert tok.encode("1\n\n?").ids == [6, 15, 15, 3]
-    assert S.decode_answer(t_ids) == sol and S.decode_answer(p_ids) == puz
+    assert S.decode_answer(t_ids) == sol and S.decode_answer(p_ids) == ""  # cell tokens are not answer digits
+    assert S.decode_prompt(p_ids) == puz
     assert S.encode_prompt(puz.replace("0", ".")) == p_ids
 
 

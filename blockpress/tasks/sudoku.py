@@ -9,16 +9,20 @@ Encoding conventions
   grid (including `format_grid`'s output) parses; it always returns the normalised form.
 - A solution has no "0". Graded difficulty is the number of blanks in the puzzle.
 
-Model encoding (a tiny char-level vocabulary, `VOCAB`, 16 ids)
----------------------------------------------------------------
+Model encoding (`VOCAB`, 826 ids: a char-level part plus one token per (cell, digit))
+-------------------------------------------------------------------------------------
 - ids: <pad>=0, <eos>=1, <bos>=2, <unk>=3, <mask>=4 (reserved, never produced by these
-  helpers), "0".."9" = 5..14, "\\n" = 15.
-- prompt = <bos> + the 81 puzzle digits (blanks as "0"): `PROMPT_LEN` = 82 tokens, always, so
-  batches need no padding.
-- answer canvas = the 81 solution digits + <eos> fill up to `CANVAS_LEN` = 96 tokens. The
-  canvas must be >= 82 long (81 digits + at least one <eos>) so the model learns to stop.
+  helpers), "0".."9" = 5..14, "\\n" = 15, then the cell tokens `<rRcC:D>` (row R and column C
+  in 1..9, D the given digit or 0 for a blank) at `CELL_ID0 + 10 * cell + D`.
+- prompt = <bos> + one cell token per cell: `PROMPT_LEN` = 82 tokens, always, so batches need no
+  padding. A cell token names its cell, so the model reads row/column/box membership from the
+  token's embedding instead of having to infer absolute positions from relative (RoPE) offsets;
+  and since cell tokens are most of the vocabulary, the uniform noise of the diffusion canvas is
+  almost always visibly foreign (close to masked diffusion) rather than a plausible wrong digit.
+- answer canvas = the 81 solution digits ("1".."9" ids) + one <eos>: `CANVAS_LEN` = 82 tokens.
 - `decode_answer` keeps the first 81 digit tokens and skips everything else (<eos>, <pad>,
-  stray specials), so it never raises on model output; it may return fewer than 81 chars.
+  cell tokens, stray specials), so it never raises on model output; it may return fewer than 81
+  chars.
 
 Held-out split (the guarantee)
 ------------------------------
@@ -54,11 +58,11 @@ from ..errors import BlockpressError, InputError
 
 __all__ = [
     "N_CELLS", "PROMPT_LEN", "CANVAS_LEN", "VOCAB", "PAD_ID", "EOS_ID", "BOS_ID", "UNK_ID",
-    "MASK_ID", "DIGIT_ID0", "NEWLINE_ID", "TEST_SEED", "TRAIN_SEED", "EVAL_BLANKS",
+    "MASK_ID", "DIGIT_ID0", "NEWLINE_ID", "CELL_ID0", "TEST_SEED", "TRAIN_SEED", "EVAL_BLANKS",
     "EVAL_N_PER", "MIN_BLANKS", "MAX_BLANKS", "DEFAULT_MODEL_PATH", "SudokuModelMissing",
     "parse_grid", "format_grid", "count_solutions", "solve_exact", "is_valid_solution",
     "random_full_grid", "generate_puzzle", "canonical_key", "test_set", "heldout_keys",
-    "TrainStream", "train_batch_iter", "check", "build_tokenizer", "encode_prompt",
+    "TrainStream", "train_batch_iter", "check", "build_tokenizer", "encode_prompt", "decode_prompt",
     "encode_target", "decode_answer", "evaluate", "format_report", "solve", "solve_batch",
 ]
 
@@ -72,9 +76,11 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
 VOCAB: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
 VOCAB.update({str(d): DIGIT_ID0 + d for d in range(10)})
 VOCAB["\n"] = NEWLINE_ID
+CELL_ID0 = 16  # cell token for (cell i, digit d) is CELL_ID0 + 10 * i + d (d = 0: blank)
+VOCAB.update({f"<r{i // 9 + 1}c{i % 9 + 1}:{d}>": CELL_ID0 + 10 * i + d for i in range(N_CELLS) for d in range(10)})
 
-PROMPT_LEN = 1 + N_CELLS  # <bos> + 81 puzzle digits
-CANVAS_LEN = 96  # 81 solution digits + <eos> fill; must be >= N_CELLS + 1
+PROMPT_LEN = 1 + N_CELLS  # <bos> + 81 cell tokens
+CANVAS_LEN = N_CELLS + 1  # 81 solution digits + <eos>; must be >= N_CELLS + 1
 assert CANVAS_LEN >= N_CELLS + 1
 
 # ----------------------------------------------------------------------------- split / eval
@@ -480,7 +486,8 @@ def check(puzzle: str, prediction: Any, solution: str | None = None) -> dict[str
 
 # ============================================================================= tokenisation
 def build_tokenizer():
-    """HF `tokenizers.Tokenizer` for VOCAB: one token per character, specials registered as special.
+    """HF `tokenizers.Tokenizer` for VOCAB: one token per character, specials registered as special,
+    cell tokens (`<r1c1:0>` ..) as added tokens, so they round-trip through encode/decode.
 
     decode(ids) concatenates tokens (no spaces); decode(..., skip_special_tokens=True) drops
     <pad>/<eos>/<bos>/<unk>/<mask>. Unknown characters map to <unk>.
@@ -491,19 +498,32 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, normalized=False) for t, i in VOCAB.items() if i >= CELL_ID0])
     return tok
 
 
 def encode_prompt(puzzle: str) -> list[int]:
-    """<bos> + 81 puzzle digit ids (blank "0" -> id 5): always PROMPT_LEN ids."""
+    """<bos> + one cell token per cell (cell i holding digit d, 0 = blank -> CELL_ID0 + 10 i + d):
+    always PROMPT_LEN ids."""
     flat = parse_grid(puzzle, check_conflicts=False)
-    return [BOS_ID] + [DIGIT_ID0 + ord(ch) - 48 for ch in flat]
+    return [BOS_ID] + [CELL_ID0 + 10 * i + ord(ch) - 48 for i, ch in enumerate(flat)]
 
 
 def encode_target(solution: str) -> list[int]:
     """81 solution digit ids + <eos> fill: always CANVAS_LEN ids."""
     flat = parse_grid(solution, check_conflicts=False)
     return [DIGIT_ID0 + ord(ch) - 48 for ch in flat] + [EOS_ID] * (CANVAS_LEN - N_CELLS)
+
+
+def decode_prompt(ids: Any) -> str:
+    """The puzzle (81 chars, "0" = blank) held by a prompt's cell tokens; other ids are skipped."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    cells = ["0"] * N_CELLS
+    for t in ids:
+        k = int(t) - CELL_ID0
+        if 0 <= k < 10 * N_CELLS:
+            cells[k // 10] = chr(48 + k % 10)
+    return "".join(cells)
 
 
 def decode_answer(ids: Any) -> str:

@@ -1,0 +1,186 @@
+"""`blockpress train DATA`: train from scratch or fine-tune (full or LoRA) with the DiffusionGemma objective.
+
+DATA is `sudoku` (generated puzzles), a chat `.jsonl` file (`messages`, or `prompt`/`completion`), or a
+plain-text `.txt` / `.jsonl` (`text`) file. The model is `--model DIR` (a checkpoint to fine-tune),
+`--config config.json` or `--size {nano,micro,mini,small}` (from scratch). Checkpoints go to
+`--out DIR/checkpoint-<step>` (Hugging Face layout + trainer state); `--resume` continues the newest.
+Multi-process: `torchrun --nproc_per_node N -m blockpress train ...` (DDP; gloo on CPU, nccl on GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SUDOKU_GENERATION = {"max_new_tokens": 96, "max_denoising_steps": 32, "entropy_bound": 0.1, "t_min": 0.4,
+                     "t_max": 0.8, "stability_threshold": 1, "confidence_threshold": 0.005,
+                     "eos_token_id": [1], "pad_token_id": 0}
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("data", help="'sudoku', a chat .jsonl file, or a plain-text .txt/.jsonl file")
+    src = p.add_argument_group("model")
+    src.add_argument("--model", help="checkpoint folder to fine-tune (default: train from scratch)")
+    src.add_argument("--config", help="config.json for a model trained from scratch")
+    src.add_argument("--size", default="micro", help="named size from scratch: nano, micro, mini, small")
+    src.add_argument("--tokenizer", help="folder with tokenizer.json (text/chat from scratch)")
+    src.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    src.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    src.add_argument("--experts-backend", default="dense", choices=["loop", "dense"])
+    run = p.add_argument_group("run")
+    run.add_argument("--out", default=None, help="output folder (default runs/<data>)")
+    run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    run.add_argument("--steps", type=int, default=1000)
+    run.add_argument("--batch-size", type=int, default=32, help="global batch (all ranks)")
+    run.add_argument("--lr", type=float, default=1e-3)
+    run.add_argument("--min-lr-ratio", type=float, default=0.1)
+    run.add_argument("--warmup", type=int, default=30)
+    run.add_argument("--weight-decay", type=float, default=0.01)
+    run.add_argument("--clip", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--log-every", type=int, default=10)
+    run.add_argument("--eval-every", type=int, default=200)
+    run.add_argument("--eval-batches", type=int, default=2)
+    run.add_argument("--save-every", type=int, default=200)
+    run.add_argument("--save-minutes", type=float, default=0.0)
+    run.add_argument("--keep-last", type=int, default=2)
+    run.add_argument("--grad-checkpointing", action="store_true", help="recompute decoder layers in backward")
+    run.add_argument("--max-canvases", type=int, default=None, help="truncate responses to N canvases")
+    run.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
+    run.add_argument("--no-progress", action="store_true")
+    o = p.add_argument_group("objective")
+    o.add_argument("--eps", type=float, default=1e-3, help="t ~ U[eps, 1)")
+    o.add_argument("--sc-prob", type=float, default=0.5, help="self-conditioning probability")
+    o.add_argument("--ar-weight", type=float, default=1.0, help="encoder next-token loss weight")
+    o.add_argument("--ar-scope", default="response", choices=["response", "all"])
+    o.add_argument("--ar-only", action="store_true", help="autoregressive baseline (encoder only, causal LM)")
+    o.add_argument("--blanks", type=int, nargs=2, default=(25, 58), metavar=("LO", "HI"),
+                   help="sudoku: blanks per training puzzle")
+    lo = p.add_argument_group("LoRA")
+    lo.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank")
+    lo.add_argument("--lora-alpha", type=float, default=None, help="default 2*rank")
+    lo.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+
+
+def _eos(lm) -> int:
+    e = lm.config.text.eos_token_id
+    return e if isinstance(e, int) else (e or [1])[0]
+
+
+def build(args):
+    """-> (lm, source, eval_source, TrainConfig, lora spec, extra files)."""
+    import torch
+
+    import blockpress
+    from blockpress.errors import InputError
+    from blockpress.train import objective as obj
+    from blockpress.train import sizes
+    from blockpress.train.data import SudokuSource, build_source
+    from blockpress.train.trainer import TrainConfig, latest_checkpoint
+
+    out = Path(args.out or f"runs/{Path(args.data).stem}")
+    task = args.data == "sudoku"
+    resume_ck = latest_checkpoint(out) if args.resume else None
+    extra = {}
+    lora = None
+    if args.lora:
+        from blockpress.train.lora import LoraSpec
+
+        lora = LoraSpec(rank=args.lora, alpha=args.lora_alpha or 2.0 * args.lora,
+                        targets=tuple(args.lora_targets.split(",")))
+    if args.model:
+        lm = blockpress.load(resume_ck if (resume_ck and lora is None) else args.model, device=args.device,
+                             dtype="float32", progress=False)
+    elif resume_ck is not None:
+        lm = blockpress.load(resume_ck, device=args.device, dtype="float32", progress=False)
+    else:
+        if task:
+            from blockpress.tasks import sudoku as sd
+
+            cfg = json.loads(Path(args.config).read_text()) if args.config else \
+                sizes.model_config(args.size, vocab_size=len(sd.VOCAB), canvas_length=sd.CANVAS_LEN,
+                                   context=sd.PROMPT_LEN)
+        else:
+            if not args.tokenizer and not args.config:
+                raise InputError("training text/chat from scratch needs --tokenizer DIR (tokenizer.json)")
+            from blockpress.tokenizer import Tokenizer
+
+            tok = Tokenizer.from_dir(args.tokenizer)
+            cfg = json.loads(Path(args.config).read_text()) if args.config else \
+                sizes.model_config(args.size, vocab_size=tok.vocab_size, canvas_length=64, context=512)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        lm = blockpress.from_config(cfg, device=device, seed=args.seed)
+        if not task and args.tokenizer:
+            lm.path = Path(args.tokenizer)
+            from blockpress.tokenizer import Tokenizer
+
+            lm.tokenizer = Tokenizer.from_dir(args.tokenizer)
+    if task:
+        from blockpress.tasks import sudoku as sd
+
+        tokdir = out / "tokenizer"
+        tokdir.mkdir(parents=True, exist_ok=True)
+        sd.build_tokenizer().save(str(tokdir / "tokenizer.json"))
+        if lm.path is None:
+            lm.path = tokdir
+        lm.generation_defaults = {**SUDOKU_GENERATION, **lm.generation_defaults}
+        extra["blockpress_task.json"] = json.dumps({"task": "sudoku"})
+    lm.module.set_experts_backend(args.experts_backend)
+    if lora is not None:
+        from blockpress.train.lora import add_lora, load_adapter_weights
+
+        add_lora(lm.module, lora)
+        if resume_ck is not None:
+            load_adapter_weights(lm.module, resume_ck)
+    ocfg = obj.ObjectiveConfig(eps=args.eps, sc_prob=args.sc_prob, ar_weight=args.ar_weight, ar_scope=args.ar_scope,
+                               seed=args.seed, ar_only=args.ar_only)
+    tcfg = TrainConfig(out_dir=str(out), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                       min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay,
+                       clip=args.clip, log_every=args.log_every, eval_every=args.eval_every,
+                       eval_batches=args.eval_batches, save_every=args.save_every, save_minutes=args.save_minutes,
+                       keep_last=args.keep_last, grad_checkpointing=args.grad_checkpointing,
+                       max_canvases=args.max_canvases, stop_after=args.stop_after,
+                       progress=not args.no_progress, objective=ocfg)
+    if task:
+        source = SudokuSource(tuple(args.blanks), args.seed, "train")
+        eval_source = SudokuSource(tuple(args.blanks), args.seed, "eval")
+    else:
+        source = build_source("chat" if args.data.endswith(".jsonl") and _is_chat(args.data) else "text",
+                              args.data, lm.tokenizer, args.batch_size, args.seed)
+        eval_source = None
+    return lm, source, eval_source, tcfg, lora, extra, resume_ck
+
+
+def _is_chat(path: str) -> bool:
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                return "messages" in row or "prompt" in row
+    return False
+
+
+def main(args) -> int:
+    import torch
+
+    from blockpress.train import distributed as dist
+    from blockpress.train.trainer import Trainer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, world = dist.setup()
+    lm, source, eval_source, tcfg, lora, extra, resume_ck = build(args)
+    ddp = dist.wrap(lm.module) if world > 1 else None
+    trainer = Trainer(lm, source, tcfg, eval_source, lora=lora, rank=rank, world=world, ddp_module=ddp,
+                      extra_files=extra)
+    if resume_ck is not None:
+        trainer.load_state(resume_ck)
+        if rank == 0:
+            print(f"resumed from {resume_ck} at step {trainer.step}")
+    if rank == 0:
+        n = sum(p.numel() for p in lm.module.parameters() if p.requires_grad)
+        print(f"training {n / 1e6:.2f}M parameters on {lm.device} ({world} process(es)), out: {tcfg.out_dir}")
+    trainer.train()
+    dist.cleanup()
+    return 0

@@ -1,0 +1,151 @@
+"""Training data sources: chat JSONL, plain text, and task generators (sudoku).
+
+Every source maps (step, global example index) -> one (prompt ids, response ids) pair,
+deterministically, so a resumed run or a data-parallel rank sees exactly the examples it would
+have seen in one uninterrupted single-process run. The objective (objective.collate) does the
+canvas split, EOS fill and corruption.
+
+- `ChatJsonlSource`: rows `{"messages": [...]}`; everything before the final assistant turn is the
+  prompt, rendered with the model's chat template (`add_generation_prompt=True`, so the
+  `<|turn>model\\n` header is prompt, never supervised, spec §3); the response is the final assistant
+  content + the turn-close token (`<turn|>` when the tokenizer has it, else EOS). Rows may instead give
+  `{"prompt": str, "completion": str}`.
+- `TextSource`: plain text (a .txt file: one document per blank-line-separated paragraph, or .jsonl
+  with a "text" field); prompt = BOS + the first `prompt_tokens` tokens, response = the rest.
+- `SudokuSource`: generated puzzles from `blockpress.tasks.sudoku` (never a held-out solution).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from ..errors import InputError
+
+Example = tuple[list[int], list[int]]
+
+
+class Source:
+    """Deterministic example index -> (prompt, response)."""
+
+    def example(self, step: int, index: int) -> Example:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def batch(self, step: int, indices: range) -> list[Example]:
+        return [self.example(step, i) for i in indices]
+
+
+class ListSource(Source):
+    """A finite list of examples, visited in a seeded permutation per epoch (batch_size fixes the order)."""
+
+    def __init__(self, examples: list[Example], batch_size: int, seed: int = 0):
+        if not examples:
+            raise InputError("the training data is empty; give at least one example")
+        self.examples, self.batch_size, self.seed = examples, batch_size, seed
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            p = list(range(len(self.examples)))
+            random.Random(f"{self.seed}/{epoch}").shuffle(p)
+            self._perms = {epoch: p}
+        return self._perms[epoch]
+
+    def example(self, step: int, index: int) -> Example:
+        k = step * self.batch_size + index
+        epoch, j = divmod(k, len(self.examples))
+        return self.examples[self._perm(epoch)[j]]
+
+    def __len__(self):
+        return len(self.examples)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{path}:{n} is not valid JSON ({e.msg}); one JSON object per line") from None
+    return rows
+
+
+def chat_example(tokenizer, row: dict) -> Example:
+    """One chat row -> (prompt ids via the chat template, final assistant turn ids + turn close)."""
+    if "messages" in row:
+        msgs = row["messages"]
+        if not msgs or msgs[-1].get("role") != "assistant":
+            raise InputError("a chat row must end with an assistant message (the supervised turn)")
+        history, answer = msgs[:-1], msgs[-1].get("content", "")
+        prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+    elif "prompt" in row and "completion" in row:
+        answer = row["completion"]
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                               add_generation_prompt=True, tokenize=True)
+    else:
+        raise InputError("a JSONL row needs 'messages' (chat) or 'prompt' + 'completion'")
+    close = tokenizer.token_to_id("<turn|>")
+    close = close if close is not None else tokenizer.eos_token_id
+    return list(prompt), tokenizer.encode(answer) + ([close] if close is not None else [])
+
+
+class ChatJsonlSource(ListSource):
+    def __init__(self, path: str | Path, tokenizer, batch_size: int, seed: int = 0, max_prompt: int | None = None):
+        if tokenizer is None:
+            raise InputError("chat JSONL training needs a tokenizer (tokenizer.json in the model folder)")
+        exs = [chat_example(tokenizer, r) for r in _read_jsonl(Path(path))]
+        if max_prompt:
+            exs = [(p[-max_prompt:], r) for p, r in exs]
+        super().__init__(exs, batch_size, seed)
+
+
+class TextSource(ListSource):
+    def __init__(self, path: str | Path, tokenizer, batch_size: int, seed: int = 0, prompt_tokens: int = 16,
+                 max_tokens: int = 1024):
+        if tokenizer is None:
+            raise InputError("text training needs a tokenizer (tokenizer.json in the model folder)")
+        path = Path(path)
+        if path.suffix == ".jsonl":
+            docs = [r["text"] for r in _read_jsonl(path) if r.get("text")]
+        else:
+            docs = [d.strip() for d in path.read_text().split("\n\n") if d.strip()]
+        bos = tokenizer.bos_token_id
+        exs = []
+        for d in docs:
+            ids = tokenizer.encode(d)[:max_tokens]
+            if len(ids) > prompt_tokens:
+                exs.append(([bos] if bos is not None else []) + ids[:prompt_tokens], ids[prompt_tokens:])
+        super().__init__(exs, batch_size, seed)
+
+
+class SudokuSource(Source):
+    """Fresh unique-solution puzzles; example (step, i) comes from its own seeded RNG."""
+
+    def __init__(self, blanks_range: tuple[int, int] = (25, 58), seed: int = 0, stream: str = "train",
+                 exclude_keys=None):
+        from ..tasks import sudoku
+
+        self.sudoku = sudoku
+        self.blanks_range, self.seed, self.stream = tuple(blanks_range), seed, stream
+        self.exclude = frozenset(sudoku.heldout_keys() if exclude_keys is None else exclude_keys)
+
+    def example(self, step: int, index: int) -> Example:
+        sd = self.sudoku
+        rng = random.Random(f"sudoku/{self.stream}/{self.seed}/{step}/{index}")
+        puzzle, solution = next(sd.TrainStream(rng, self.blanks_range, self.exclude))
+        return sd.encode_prompt(puzzle), sd.encode_target(solution)
+
+
+def build_source(kind: str, path: str | None, tokenizer, batch_size: int, seed: int, **kw) -> Source:
+    if kind == "sudoku":
+        return SudokuSource(kw.get("blanks_range", (25, 58)), seed, kw.get("stream", "train"))
+    if path is None:
+        raise InputError(f"--data {kind} needs a file path")
+    if kind == "chat":
+        return ChatJsonlSource(path, tokenizer, batch_size, seed)
+    if kind == "text":
+        return TextSource(path, tokenizer, batch_size, seed)
+    raise InputError(f"unknown data kind {kind!r}; use a .jsonl chat file, a .txt file, or 'sudoku'")

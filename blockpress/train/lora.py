@@ -1,0 +1,225 @@
+"""LoRA adapters on the shared encoder/decoder stack, saved and loaded in PEFT's format.
+
+Adapters live *inside* the adapted `nn.Linear` as two child linears `lora_A` [r, in] and `lora_B`
+[out, r] plus a forward hook adding `scale * B(A(x))` (scale = alpha / r), so parameter names stay
+the checkpoint names (`layers.N.self_attn.q_proj.weight`) and the adapter names are PEFT's
+(`layers.N.self_attn.q_proj.lora_A.weight`). Targets: the attention projections and the dense MLP of
+every layer (spec training.md §4.2: expert tensors and the router are not `nn.Linear`-adapted; the
+self-conditioning MLP and the tied embedding stay frozen).
+
+File format (`save_adapter`): `adapter_config.json` (peft_type LORA, r, lora_alpha, a regex
+`target_modules` restricted to the text layers, base_model_name_or_path) and
+`adapter_model.safetensors` with keys for transformers' `DiffusionGemmaForBlockDiffusion`:
+`base_model.model.model.decoder.layers.N.<proj>.lora_{A,B}.weight` and the same tensors again under
+`base_model.model.model.encoder.language_model.layers.N...`. transformers ties encoder and decoder
+weights but PEFT gives each tree its own adapter; writing both makes PEFT's encoder and decoder passes
+equal to ours (one shared stack, one adapter). `apply_adapter` reads the decoder keys; if a PEFT-trained
+adapter has *different* encoder keys it warns and uses the decoder ones. Merging adds the delta once
+to the shared weight (never once per tree: the "double merge" pitfall).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+
+DEC = "base_model.model.model.decoder."
+ENC = "base_model.model.model.encoder.language_model."
+PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+@dataclass
+class LoraSpec:
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = tuple(PROJ)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def target_modules(module: nn.Module, targets) -> dict[str, nn.Linear]:
+    """Our names (`layers.N.self_attn.q_proj`) of the linears to adapt."""
+    out = {}
+    for i, layer in enumerate(module.layers):
+        for t in targets:
+            if t not in PROJ:
+                raise ValueError(f"unknown LoRA target {t!r}; choose from {sorted(PROJ)}")
+            lin = getattr(getattr(layer, PROJ[t]), t, None)
+            if isinstance(lin, nn.Linear):  # full-attention layers have no v_proj
+                out[f"layers.{i}.{PROJ[t]}.{t}"] = lin
+    return out
+
+
+def _hook(lin, inputs, output):
+    x = inputs[0]
+    return output + lin.lora_B(lin.lora_A(x.to(lin.lora_A.weight.dtype))).to(output.dtype) * lin.lora_scale
+
+
+def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True) -> list[str]:
+    """Attach zero-initialised adapters (PEFT init: A kaiming-uniform, B zeros). Returns adapted names."""
+    if freeze_base:
+        for p in module.parameters():
+            p.requires_grad_(False)
+    names = []
+    for name, lin in target_modules(module, spec.targets).items():
+        if hasattr(lin, "lora_A"):
+            raise ValueError(f"{name} already has a LoRA adapter; merge or remove it first")
+        w = lin.weight
+        lin.lora_A = nn.Linear(lin.in_features, spec.rank, bias=False, device=w.device, dtype=w.dtype)
+        lin.lora_B = nn.Linear(spec.rank, lin.out_features, bias=False, device=w.device, dtype=w.dtype)
+        nn.init.kaiming_uniform_(lin.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(lin.lora_B.weight)
+        lin.lora_scale = spec.scale
+        lin._lora_handle = lin.register_forward_hook(_hook)
+        names.append(name)
+    module.lora_spec = spec
+    return names
+
+
+def lora_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in module.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+
+
+def save_adapter(module: nn.Module, path: str | Path, spec: LoraSpec | None = None,
+                 base_model: str | None = None) -> Path:
+    """Write a PEFT adapter folder (atomic): adapter_config.json + adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    from ..model.weights import write_atomic
+
+    spec = spec or module.lora_spec
+    sd = {}
+    for n, p in lora_state(module).items():
+        t = p.detach().contiguous().cpu()
+        sd[DEC + n] = t
+        sd[ENC + n] = t.clone()
+    layers = "|".join(sorted({PROJ[t] + r"\." + t for t in spec.targets}))
+    config = {
+        "peft_type": "LORA", "task_type": None, "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": 0.0,
+        "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
+        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "target_modules": rf".*model\.(decoder|encoder\.language_model)\.layers\.\d+\.({layers})",
+        "base_model_name_or_path": base_model, "revision": None,
+    }
+    write_atomic(Path(path), {"adapter_config.json": json.dumps(config, indent=2),
+                              "adapter_model.safetensors": lambda p: save_file(sd, str(p), metadata={"format": "pt"})})
+    return Path(path)
+
+
+def _read_adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg_p, w_p = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not cfg_p.is_file() or not w_p.is_file():
+        raise CheckpointError(f"{path} is not a LoRA adapter folder (needs adapter_config.json and "
+                              "adapter_model.safetensors, as PEFT writes)")
+    cfg = json.loads(cfg_p.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{path} holds a {cfg.get('peft_type')} adapter; blockpress loads LoRA adapters only")
+    return cfg, load_file(str(w_p))
+
+
+_KEY = re.compile(r"^(layers\.\d+\.(?:self_attn|mlp)\.\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
+
+
+def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """PEFT keys -> {our linear name: {"A": .., "B": ..}} from the decoder keys (encoder keys checked)."""
+    dec, enc = {}, {}
+    for k, v in tensors.items():
+        for prefix, dst in ((DEC, dec), (ENC, enc)):
+            if k.startswith(prefix):
+                m = _KEY.match(k[len(prefix):])
+                if m:
+                    dst.setdefault(m.group(1), {})[m.group(2)] = v
+    if not dec:
+        if enc:
+            dec = enc
+        else:
+            raise CheckpointError("the adapter has no text-layer LoRA keys (expected "
+                                  f"'{DEC}layers.N.self_attn.q_proj.lora_A.weight')")
+    differs = [n for n in enc if n in dec and any(not torch.equal(enc[n][x], dec[n][x]) for x in "AB" if x in enc[n])]
+    if differs:
+        print(f"blockpress: the adapter's encoder and decoder LoRA weights differ ({len(differs)} modules, e.g. "
+              f"{differs[0]}); blockpress shares one stack and uses the decoder weights", file=sys.stderr)
+    return dec
+
+
+def load_adapter_weights(module: nn.Module, path: str | Path) -> None:
+    """Copy adapter weights from a folder into adapters already attached with add_lora."""
+    _, tensors = _read_adapter(Path(path))
+    mods = dict(module.named_modules())
+    for name, ab in _adapter_tensors(tensors).items():
+        lin = mods[name]
+        with torch.no_grad():
+            lin.lora_A.weight.copy_(ab["A"])
+            lin.lora_B.weight.copy_(ab["B"])
+
+
+def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
+    """Load a PEFT LoRA adapter folder into a blockpress model (BlockDiffusionLM or its module).
+
+    merge=False attaches the adapter (unmerged, exact); merge=True folds `scale * B @ A` into the
+    shared weights once. Returns the adapted module names."""
+    module = getattr(model, "module", model)
+    cfg, tensors = _read_adapter(Path(path))
+    ab_all = _adapter_tensors(tensors)
+    r = int(cfg.get("r", 8))
+    alpha = float(cfg.get("lora_alpha", r))
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r  # rsLoRA scales by 1/sqrt(r)
+    if cfg.get("use_dora"):
+        raise CheckpointError("DoRA adapters are not supported; train a plain LoRA adapter")
+    mods = dict(module.named_modules())
+    names = []
+    for name, ab in ab_all.items():
+        lin = mods.get(name)
+        if not isinstance(lin, nn.Linear):
+            raise CheckpointError(f"adapter targets {name}, which this model does not have; wrong base model?")
+        A, B = ab["A"].to(lin.weight), ab["B"].to(lin.weight)
+        if merge:
+            with torch.no_grad():
+                lin.weight += scale * (B @ A)
+        else:
+            if hasattr(lin, "lora_A"):
+                raise ValueError(f"{name} already has a LoRA adapter attached")
+            lin.lora_A = nn.Linear(A.shape[1], A.shape[0], bias=False, device=A.device, dtype=A.dtype)
+            lin.lora_B = nn.Linear(B.shape[1], B.shape[0], bias=False, device=B.device, dtype=B.dtype)
+            with torch.no_grad():
+                lin.lora_A.weight.copy_(A)
+                lin.lora_B.weight.copy_(B)
+            lin.lora_A.weight.requires_grad_(False)
+            lin.lora_B.weight.requires_grad_(False)
+            lin.lora_scale = scale
+            lin._lora_handle = lin.register_forward_hook(_hook)
+        names.append(name)
+    return names
+
+
+def merge_lora(module: nn.Module) -> int:
+    """Fold every attached adapter into its weight (once) and remove it. Returns the count merged."""
+    n = 0
+    for lin in list(module.modules()):
+        if isinstance(lin, nn.Linear) and hasattr(lin, "lora_A"):
+            with torch.no_grad():
+                lin.weight += lin.lora_scale * (lin.lora_B.weight @ lin.lora_A.weight)
+            remove_lora_from(lin)
+            n += 1
+    if hasattr(module, "lora_spec"):
+        del module.lora_spec
+    return n
+
+
+def remove_lora_from(lin: nn.Linear) -> None:
+    lin._lora_handle.remove()
+    del lin.lora_A, lin.lora_B, lin.lora_scale, lin._lora_handle

@@ -1,0 +1,215 @@
+"""The DiffusionGemma training objective (shared/spec/training.md §1-2): corruption, batch layout, loss.
+
+Shape legend: B batch, S clean sequence length, C canvas length, V vocab, T decoder context length.
+
+Per example (one (prompt, response) pair), with its own RNG derived from (seed, step, example index)
+so that data-parallel ranks and resumed runs draw exactly the same noise:
+- the response is cut into canvases of C tokens measured from its first token; the last one is
+  EOS-filled (§2.1, §2.4); one canvas `b` is selected uniformly (§2.2 (A), Google's way);
+- t ~ U[eps, 1); each canvas position keeps its clean token with prob 1 - t, otherwise takes a token
+  drawn uniformly from the whole vocabulary [0, V) (no mask token, §1.1-1.2);
+- a self-conditioning coin with probability `sc_prob` (§1.6).
+
+Batch layout (the leakage rule, §1.3): every row is left-padded so that the selected canvas's
+context (prompt + clean canvases < b) ends at the same position T for all rows:
+`[pad .. pad | prompt | canvas 0 .. canvas b-1 | canvas b (clean) | later canvases | pad ..]`.
+One causal encoder pass over the clean rows gives the AR logits and the K/V cache; the cache is then
+cropped to T, so the decoder (queries at positions T + j) sees the prompt and earlier canvases but
+never the clean copy of the canvas it denoises, nor any later canvas. RoPE is relative, so the per-row
+left-padding offset does not change any attention score.
+
+Loss (§1.4-1.6): L = w_diff * mean_b[ mean_j CE(decoder logits, clean canvas) over every canvas
+position, corrupted or not, EOS fill included ] + w_ar * mean_b[ mean CE of the encoder's next-token
+prediction over scored targets ] where the AR targets are the response tokens (`ar_scope="response"`,
+[RH]/[MB]) or every valid token after the first (`"all"`, [G-SFT]). Decoder pass 1 runs without
+gradient and zero self-conditioning; pass 2 uses softmax(pass-1 logits) as the SC signal for rows whose
+coin is on, a zero *embedding* (sc_mask False) for the others. Prompt positions never get diffusion loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ObjectiveConfig:
+    eps: float = 1e-3  # t ~ U[eps, 1)
+    sc_prob: float = 0.5  # self-conditioning probability per example
+    diffusion_weight: float = 1.0
+    ar_weight: float = 1.0  # encoder next-token loss (0 disables the encoder loss)
+    ar_scope: str = "response"  # "response": targets are response tokens; "all": every valid token
+    seed: int = 0
+    ar_only: bool = False  # baseline: plain causal LM (no decoder passes)
+
+    def __post_init__(self):
+        if not 0.0 <= self.eps < 1.0:
+            raise ValueError(f"eps must be in [0, 1), got {self.eps}")
+        if not 0.0 <= self.sc_prob <= 1.0:
+            raise ValueError(f"sc_prob must be in [0, 1], got {self.sc_prob}")
+        if self.ar_scope not in ("response", "all"):
+            raise ValueError(f"ar_scope must be 'response' or 'all', got {self.ar_scope!r}")
+
+
+def example_generator(seed: int, step: int, index: int, stream: str = "train") -> torch.Generator:
+    """A CPU generator that depends only on (seed, step, global example index, stream name)."""
+    h = hashlib.blake2b(f"{stream}/{seed}/{step}/{index}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(h, "little") & ((1 << 63) - 1))
+
+
+def corrupt(x0: torch.Tensor, t: torch.Tensor, vocab_size: int, generator: torch.Generator | None = None):
+    """Uniform-state corruption. x0 [..., C] ids, t [...] -> (x_t, replaced [..., C] bool).
+
+    Each position is replaced with prob t by a token uniform over [0, V) (which may equal the original)."""
+    u = torch.rand(x0.shape, generator=generator)
+    replaced = u < t.unsqueeze(-1)
+    noise = torch.randint(0, vocab_size, x0.shape, generator=generator)
+    return torch.where(replaced, noise, x0), replaced
+
+
+def split_canvases(response: list[int], C: int, eos_id: int, max_canvases: int | None = None) -> list[list[int]]:
+    """Response-relative chunks of C tokens; the last one EOS-filled (§2.1)."""
+    if not response:
+        raise ValueError("empty response: nothing to supervise")
+    n = -(-len(response) // C)
+    if max_canvases is not None:
+        n = min(n, max_canvases)
+    filled = list(response[: n * C]) + [eos_id] * (n * C - min(len(response), n * C))
+    return [filled[i * C:(i + 1) * C] for i in range(n)]
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor  # [B,S] clean rows (left/right padded with pad_id)
+    valid: torch.Tensor  # [B,S] bool, real tokens
+    ar_target: torch.Tensor  # [B,S] bool, positions whose token is an AR target (predicted from j-1)
+    ctx_len: int  # T: decoder context length (same for all rows)
+    canvas_clean: torch.Tensor  # [B,C] the selected canvas (diffusion targets)
+    canvas_noisy: torch.Tensor  # [B,C] x_t
+    replaced: torch.Tensor  # [B,C] bool, positions that were re-drawn
+    t: torch.Tensor  # [B] corruption level
+    sc_mask: torch.Tensor  # [B] bool, self-conditioning on
+
+    def to(self, device) -> "TrainBatch":
+        return TrainBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.valid.sum())
+
+
+def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int, cfg: ObjectiveConfig,
+            step: int, first_index: int = 0, eos_id: int = 1, pad_id: int = 0,
+            max_canvases: int | None = None, stream: str = "train") -> TrainBatch:
+    """(prompt ids, response ids) pairs -> TrainBatch. Example k uses the RNG of global index first_index + k."""
+    rows, sel, ts, xt, rep, clean, sc = [], [], [], [], [], [], []
+    for k, (prompt, response) in enumerate(examples):
+        g = example_generator(cfg.seed, step, first_index + k, stream)
+        canv = split_canvases(response, C, eos_id, max_canvases)
+        b = int(torch.randint(0, len(canv), (1,), generator=g))
+        t = cfg.eps + (1.0 - cfg.eps) * torch.rand((), generator=g)
+        x0 = torch.tensor(canv[b])
+        x, r = corrupt(x0, t, vocab_size, g)
+        coin = bool(torch.rand((), generator=g) < cfg.sc_prob)
+        rows.append((list(prompt), [tok for c in canv for tok in c]))
+        sel.append(b)
+        ts.append(t)
+        xt.append(x)
+        rep.append(r)
+        clean.append(x0)
+        sc.append(coin)
+    ctx = [len(p) + b * C for (p, _), b in zip(rows, sel)]
+    T = max(ctx)
+    lefts = [T - c for c in ctx]
+    S = max(lft + len(p) + len(r) for lft, (p, r) in zip(lefts, rows))
+    B = len(rows)
+    ids = torch.full((B, S), pad_id, dtype=torch.long)
+    valid = torch.zeros(B, S, dtype=torch.bool)
+    target = torch.zeros(B, S, dtype=torch.bool)
+    for i, (lft, (p, r)) in enumerate(zip(lefts, rows)):
+        n = len(p) + len(r)
+        ids[i, lft:lft + n] = torch.tensor(p + r, dtype=torch.long)
+        valid[i, lft:lft + n] = True
+        lo = lft + (len(p) if cfg.ar_scope == "response" else 1)
+        target[i, max(lo, lft + 1):lft + n] = True  # never the first token of a row (nothing predicts it)
+    return TrainBatch(ids, valid, target, T, torch.stack(clean), torch.stack(xt), torch.stack(rep),
+                      torch.stack(ts).float(), torch.tensor(sc, dtype=torch.bool))
+
+
+def _per_example_mean(ce: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """ce, mask [B,N] -> mean over examples (that have any scored token) of their mean CE."""
+    m = mask.to(ce.dtype)
+    count = m.sum(1)
+    per = (ce * m).sum(1) / count.clamp(min=1)
+    has = count > 0
+    return per[has].mean() if bool(has.any()) else ce.sum() * 0.0
+
+
+def encoder_pass(module, batch: TrainBatch, context_only: bool = False):
+    """Causal encoder over the clean rows. Returns (AR logits [B,S,V] fp32, cache filled to S).
+
+    context_only: encode only the decoder's context [0, T) and return (None, cache filled to T): the
+    same cache the decoder reads after cropping (causal attention: positions < T never see later
+    tokens), without the work on the clean canvases that only the AR loss needs."""
+    ids, valid = batch.input_ids, batch.valid
+    if context_only:
+        ids, valid = ids[:, :batch.ctx_len], valid[:, :batch.ctx_len]
+    B, S = ids.shape
+    cache = module.new_cache(B, S)
+    pad = None if bool(valid.all()) else valid
+    h = module.encode(ids, cache, pad_mask=pad)
+    return (None if context_only else module.lm_logits(h)), cache
+
+
+def ar_loss(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """Per-example mean next-token CE over `ar_target` positions (token j predicted from j-1)."""
+    B, S, V = logits.shape
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, V), batch.input_ids[:, 1:].reshape(-1),
+                         reduction="none").view(B, S - 1)
+    return _per_example_mean(ce, batch.ar_target[:, 1:])
+
+
+def decoder_logits(module, batch: TrainBatch, cache) -> torch.Tensor:
+    """Crop the cache to the context, run the detached SC pass 1, then pass 2. -> [B,C,V] fp32."""
+    cache.crop(batch.ctx_len)  # the decoder reads cache positions [0, T): no clean canvas b or later
+    with torch.no_grad():
+        sc_logits = module.decode(batch.canvas_noisy, cache)  # pass 1: zero SC, whole batch always
+    return module.decode(batch.canvas_noisy, cache, sc_logits=sc_logits, sc_mask=batch.sc_mask)
+
+
+def diffusion_loss(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    B, C, V = logits.shape
+    ce = F.cross_entropy(logits.reshape(-1, V), batch.canvas_clean.reshape(-1), reduction="none").view(B, C)
+    return _per_example_mean(ce, torch.ones_like(batch.canvas_clean, dtype=torch.bool))
+
+
+def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """The full objective on one (micro-)batch. Returns (loss, float stats for logging)."""
+    skip_ar = not cfg.ar_only and not cfg.ar_weight
+    enc_logits, cache = encoder_pass(module, batch, context_only=skip_ar)
+    l_ar = torch.zeros(()) if skip_ar else ar_loss(enc_logits, batch)
+    if cfg.ar_only:
+        return l_ar, {"loss": float(l_ar.detach()), "ar": float(l_ar.detach())}
+    logits = decoder_logits(module, batch, cache)
+    l_diff = diffusion_loss(logits, batch)
+    loss = cfg.diffusion_weight * l_diff + (cfg.ar_weight * l_ar if cfg.ar_weight else 0.0)
+    with torch.no_grad():
+        correct = logits.argmax(-1) == batch.canvas_clean
+        acc_noisy = correct[batch.replaced].float().mean() if bool(batch.replaced.any()) else torch.tensor(1.0)
+    return loss, {"loss": float(loss.detach()), "diff": float(l_diff.detach()), "ar": float(l_ar.detach()),
+                  "acc": float(correct.float().mean()), "acc_replaced": float(acc_noisy)}
+
+
+class ObjectiveModule(nn.Module):
+    """`compute_loss` as a module forward, so DDP can wrap the whole step (distributed.wrap)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: TrainBatch, cfg: ObjectiveConfig):
+        return compute_loss(self.module, batch, cfg)

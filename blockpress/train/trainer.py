@@ -1,0 +1,289 @@
+"""The training loop: AdamW, warmup + cosine, clipping, eval, checkpoints, exact resume.
+
+Invariants:
+- Step s consumes global examples [0, batch_size) of step s from the source and noise from
+  (seed, s, example index) (objective.collate), so a run resumed from a checkpoint at step s gives
+  exactly the losses an uninterrupted run would (same weights, optimizer, schedule, data, noise).
+- Data parallel: rank r of W takes examples [r*B/W, (r+1)*B/W) of each global batch; DDP averages the
+  gradients of the per-rank means, which equals the single-process mean over the global batch
+  (all ranks hold the same number of examples).
+- Checkpoints: `out_dir/checkpoint-<step>/` in the Hugging Face layout (model.save, atomic) plus
+  `trainer_state.pt` (optimizer, scheduler, step, history, RNG), or the PEFT adapter files for LoRA runs;
+  `out_dir/latest` names the newest complete checkpoint and is replaced atomically after it is written.
+- Logs: `out_dir/metrics.jsonl` (one JSON object per logged step / eval) and `out_dir/loss.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import objective as obj
+from .data import Source
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/train"
+    steps: int = 1000
+    batch_size: int = 32  # global batch (all ranks together)
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.99)
+    clip: float = 1.0
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 2
+    save_every: int = 200
+    save_minutes: float = 0.0  # also save when this many minutes passed since the last save (0: off)
+    keep_last: int = 2
+    grad_checkpointing: bool = False
+    max_canvases: int | None = None
+    stop_after: int | None = None  # stop (as if killed) after this many steps of this invocation
+    progress: bool = True
+    objective: obj.ObjectiveConfig = field(default_factory=obj.ObjectiveConfig)
+
+
+def lr_lambda(cfg: TrainConfig):
+    def f(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        p = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    return f
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    p = Path(out_dir) / "latest"
+    if not p.is_file():
+        return None
+    ck = Path(out_dir) / p.read_text().strip()
+    return ck if (ck / "trainer_state.pt").is_file() else None
+
+
+class Trainer:
+    def __init__(self, lm, source: Source, cfg: TrainConfig, eval_source: Source | None = None,
+                 lora=None, rank: int = 0, world: int = 1, ddp_module=None, extra_files: dict | None = None):
+        """lm: BlockDiffusionLM being trained (lm.module). lora: a lora.LoraSpec when training adapters
+        (the module must already carry them). ddp_module: DDP wrapper of lm.module (distributed.py)."""
+        self.lm, self.source, self.cfg, self.eval_source = lm, source, cfg, eval_source
+        self.lora, self.rank, self.world = lora, rank, world
+        self.model = ddp_module if ddp_module is not None else lm.module
+        self.extra_files = extra_files or {}
+        if cfg.batch_size % world:
+            raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the number of ranks {world}")
+        params = [p for p in lm.module.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=cfg.lr, betas=cfg.betas, eps=1e-8)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
+        self.step = 0
+        self.history: list[dict] = []
+        self.out = Path(cfg.out_dir)
+        lm.module.gradient_checkpointing = cfg.grad_checkpointing
+        self.device = lm.device
+        self.autocast = self.device.type == "cuda" and lm.dtype == torch.float32
+
+    # ----------------------------------------------------------------------------- one step
+    def _batch(self, step: int, source: Source, stream: str = "train") -> obj.TrainBatch:
+        per = self.cfg.batch_size // self.world
+        lo = self.rank * per
+        exs = source.batch(step, range(lo, lo + per))
+        V = self.lm.config.text.vocab_size
+        eos = (self.lm.config.text.eos_token_id if isinstance(self.lm.config.text.eos_token_id, int)
+               else (self.lm.config.text.eos_token_id or [1])[0])
+        pad = self.lm.config.text.pad_token_id or 0
+        return obj.collate(exs, self.lm.canvas_length, V, self.cfg.objective, step, lo, eos_id=eos, pad_id=pad,
+                           max_canvases=self.cfg.max_canvases, stream=stream).to(self.device)
+
+    def _loss(self, batch: obj.TrainBatch):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            if self.world > 1 and self.lm.module.training:
+                return self.model(batch, self.cfg.objective)  # DDP(ObjectiveModule): gradients all-reduced
+            return obj.compute_loss(self.lm.module, batch, self.cfg.objective)
+
+    @torch.enable_grad()
+    def train_step(self) -> dict:
+        self.lm.module.train()
+        batch = self._batch(self.step, self.source)
+        t0 = time.perf_counter()
+        loss, stats = self._loss(batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for p in self.lm.module.parameters() if p.requires_grad]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip) if self.cfg.clip else torch.tensor(0.0)
+        self.opt.step()
+        self.sched.step()
+        dt = time.perf_counter() - t0
+        if self.world > 1:  # log the global-batch mean, not rank 0's share
+            from .distributed import all_reduce_mean
+
+            stats = {k: all_reduce_mean(v) for k, v in stats.items()}
+        stats.update(step=self.step, lr=self.sched.get_last_lr()[0], grad_norm=float(gnorm), seconds=dt,
+                     tokens_per_s=batch.n_tokens * self.world / dt)
+        self.step += 1
+        return stats
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Mean loss on fixed eval examples with fixed noise (stream 'eval'): comparable across steps."""
+        src = self.eval_source or self.source
+        self.lm.module.eval()
+        rows = []
+        for k in range(self.cfg.eval_batches):
+            batch = self._batch(10**9 + k, src, stream="eval")
+            rows.append(self._loss(batch)[1])
+        self.lm.module.train()
+        out = {f"eval_{k}": sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+        if self.world > 1:
+            from .distributed import all_reduce_mean
+
+            out = {k: all_reduce_mean(v) for k, v in out.items()}
+        return out
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def state(self) -> dict:
+        return {"step": self.step, "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+                "history": self.history, "config": _jsonable(asdict(self.cfg)),
+                "torch_rng": torch.get_rng_state()}
+
+    def save(self) -> Path:
+        """Write checkpoint-<step> (weights or adapter + trainer state), then point `latest` at it."""
+        name = f"checkpoint-{self.step:07d}"
+        path = self.out / name
+        if self.rank == 0:
+            if self.lora is not None:
+                from .lora import save_adapter
+
+                save_adapter(self.lm.module, path, self.lora)
+            else:
+                self.lm.save(path)
+            for rel, data in self.extra_files.items():
+                (path / rel).write_bytes(data if isinstance(data, bytes) else data.encode())
+            tmp = path / "trainer_state.pt.tmp"
+            torch.save(self.state(), tmp)
+            os.replace(tmp, path / "trainer_state.pt")
+            latest_tmp = self.out / "latest.tmp"
+            latest_tmp.write_text(name)
+            os.replace(latest_tmp, self.out / "latest")
+            self._prune()
+            self.plot()
+        if self.world > 1:
+            torch.distributed.barrier()
+        return path
+
+    def _prune(self) -> None:
+        cks = sorted(p for p in self.out.glob("checkpoint-*") if p.is_dir())
+        for p in cks[:-self.cfg.keep_last] if self.cfg.keep_last > 0 else []:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def load_state(self, ckpt: Path) -> None:
+        """Restore optimizer, scheduler, step and history (weights are loaded by the caller)."""
+        st = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
+        self.opt.load_state_dict(st["optimizer"])
+        self.sched.load_state_dict(st["scheduler"])
+        self.step, self.history = st["step"], st["history"]
+        torch.set_rng_state(st["torch_rng"])
+
+    # ----------------------------------------------------------------------------- loop
+    def log(self, row: dict) -> None:
+        self.history.append(row)
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def plot(self) -> None:
+        from .plot import plot_history
+
+        try:
+            plot_history(self.history, self.out / "loss.png")
+        except Exception as e:  # a plotting problem must never kill a run
+            print(f"blockpress train: could not plot losses ({e})")
+
+    def train(self) -> list[dict]:
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        bar = _Progress(cfg.steps, self.step, enabled=cfg.progress and self.rank == 0)
+        last_save = time.time()
+        done_here = 0
+        window: list[dict] = []
+        with bar:
+            while self.step < cfg.steps:
+                stats = self.train_step()
+                window.append(stats)
+                done_here += 1
+                bar.update(self.step, stats)
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    row = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
+                    row["step"] = self.step
+                    row["time"] = time.time()
+                    self.log(row)
+                    window = []
+                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    ev = self.evaluate()
+                    self.log({"step": self.step, "time": time.time(), **ev})
+                    bar.note(f"step {self.step}: eval loss {ev['eval_loss']:.4f}")
+                due = (cfg.save_every and self.step % cfg.save_every == 0) or \
+                      (cfg.save_minutes and time.time() - last_save > 60 * cfg.save_minutes)
+                if due or self.step == cfg.steps:
+                    self.save()
+                    last_save = time.time()
+                if cfg.stop_after is not None and done_here >= cfg.stop_after:
+                    break
+        return self.history
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=str))
+
+
+class _Progress:
+    """A rich progress bar (loss, tokens/s, ETA) on a terminal; one plain line per log step otherwise."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.rich = None
+        self.t0, self.s0 = time.time(), start
+        if enabled and os.isatty(2):
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.rich = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
+            self.task = self.rich.add_task("train", total=total, completed=start, info="")
+
+    def __enter__(self):
+        if self.rich:
+            self.rich.__enter__()
+        return self
+
+    def __exit__(self, *a):
+        if self.rich:
+            self.rich.__exit__(*a)
+
+    def update(self, step: int, s: dict) -> None:
+        if not self.enabled:
+            return
+        info = f"loss {s['loss']:.4f}  {s['tokens_per_s']:.0f} tok/s"
+        if self.rich:
+            self.rich.update(self.task, completed=step, info=info)
+        elif step % 10 == 0 or step == self.total:
+            rate = (step - self.s0) / max(1e-9, time.time() - self.t0)
+            eta = (self.total - step) / max(rate, 1e-9)
+            print(f"step {step}/{self.total}  {info}  lr {s['lr']:.2e}  eta {eta / 60:.1f} min", flush=True)
+
+    def note(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        (self.rich.console.print if self.rich else print)(msg)

@@ -1,0 +1,149 @@
+"""LoRA: PEFT-format adapters that PEFT loads on transformers' model with our logits; merge once."""
+
+import json
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.train import lora as L
+
+pytest.importorskip("peft")
+
+@pytest.fixture(autouse=True)
+def _grad_enabled():
+    """test_parity.py turns autograd off globally at import; training tests need it on."""
+    with torch.enable_grad():
+        yield
+
+
+
+def _randomise_adapters(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in L.lora_state(module).items():
+            p.copy_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def _bp_logits(bp, ids, canvas):
+    with torch.no_grad():
+        cache = bp.module.new_cache(ids.shape[0], ids.shape[1])
+        h = bp.module.encode(ids, cache)
+        return bp.module.lm_logits(h), bp.module.decode(canvas, cache)
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory, hf_tiny_dir):
+    path, _ = hf_tiny_dir
+    bp = blockpress.load(path, progress=False)
+    bp.module.attention_backend = "eager"
+    spec = L.LoraSpec(rank=4, alpha=8.0)
+    names = L.add_lora(bp.module, spec)
+    assert all(not p.requires_grad for n, p in bp.module.named_parameters() if "lora_" not in n)
+    _randomise_adapters(bp.module)
+    out = tmp_path_factory.mktemp("adapter")
+    L.save_adapter(bp.module, out, spec, base_model=str(path))
+    return path, bp, out, names
+
+
+def test_adapter_files_use_peft_names(adapter):
+    _, _, out, names = adapter
+    from safetensors.torch import load_file
+
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8.0
+    keys = set(load_file(str(out / "adapter_model.safetensors")))
+    assert "base_model.model.model.decoder.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert "base_model.model.model.encoder.language_model.layers.0.mlp.down_proj.lora_B.weight" in keys
+    assert len(keys) == 4 * len(names)  # A and B, decoder and encoder trees
+
+
+def test_peft_on_transformers_matches_blockpress(adapter):
+    from peft import PeftModel
+    from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache
+
+    path, bp, out, names = adapter
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(path).eval()
+    hf.set_attn_implementation("eager")
+    hf.set_experts_implementation("eager")
+    ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    canvas = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config.text_config)
+        hf.model.encoder(input_ids=ids, past_key_values=cache)
+        base_ref = hf(decoder_input_ids=canvas, past_key_values=cache).logits
+    peft = PeftModel.from_pretrained(hf, str(out)).eval()
+    n_adapted = sum(1 for n, _ in peft.named_modules() if n.endswith(".lora_A"))
+    assert n_adapted == 2 * len(names)  # encoder and decoder trees, nothing in the vision tower
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config.text_config)
+        enc = peft.base_model.model.model.encoder(input_ids=ids, past_key_values=cache)
+        ref = peft.base_model.model(decoder_input_ids=canvas, past_key_values=cache).logits
+    enc_logits, dec_logits = _bp_logits(bp, ids, canvas)
+    assert (ref - dec_logits).abs().max() < 1e-4
+    assert (ref - base_ref).abs().max() > 1e-3  # the adapter matters: the check can fail
+    ref_enc = bp.module.lm_logits(enc.last_hidden_state)
+    assert (ref_enc - enc_logits).abs().max() < 1e-4
+
+
+def test_apply_and_merge_once(adapter):
+    path, bp, out, _ = adapter
+    ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(2))
+    canvas = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
+    want = _bp_logits(bp, ids, canvas)
+    fresh = blockpress.load(path, progress=False)
+    fresh.module.attention_backend = "eager"
+    base = _bp_logits(fresh, ids, canvas)
+    L.apply_adapter(fresh, out)  # unmerged
+    got = _bp_logits(fresh, ids, canvas)
+    assert all((a - b).abs().max() < 1e-5 for a, b in zip(want, got))
+    assert L.merge_lora(fresh.module) > 0
+    merged = _bp_logits(fresh, ids, canvas)
+    assert all((a - b).abs().max() < 1e-4 for a, b in zip(want, merged))
+    assert not any("lora" in n for n, _ in fresh.module.named_parameters())
+    other = blockpress.load(path, progress=False)
+    other.module.attention_backend = "eager"
+    L.apply_adapter(other, out, merge=True)  # merge straight from the folder: the delta is added once
+    assert all((a - b).abs().max() < 1e-4 for a, b in zip(want, _bp_logits(other, ids, canvas)))
+    assert (base[1] - merged[1]).abs().max() > 1e-3
+
+
+def test_lora_training_updates_only_adapters(tmp_path):
+    from blockpress.train import objective as obj
+    from blockpress.train.sizes import model_config
+
+    lm = blockpress.from_config(model_config("nano", vocab_size=16, canvas_length=8, context=8), seed=0)
+    before = {k: v.clone() for k, v in lm.module.state_dict().items()}
+    L.add_lora(lm.module, L.LoraSpec(rank=2, alpha=4))
+    cfg = obj.ObjectiveConfig(seed=0)
+    b = obj.collate([([2, 5, 6], [7, 8, 9, 10])] * 4, 8, 16, cfg, 0)
+    opt = torch.optim.AdamW([p for p in lm.module.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        loss, _ = obj.compute_loss(lm.module, b, cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    sd = lm.module.state_dict()
+    assert all(torch.equal(before[k], sd[k]) for k in before)
+    assert any(v.abs().sum() > 0 for k, v in sd.items() if "lora_B" in k)
+    with pytest.raises(Exception):
+        L.apply_adapter(lm, tmp_path)  # not an adapter folder
+
+
+def test_cli_lora_run_saves_peft_adapters_and_resumes(tmp_path):
+    from blockpress.cli import main as cli_main
+
+    common = ["--size", "nano", "--batch-size", "2", "--eval-every", "0", "--no-progress", "--threads", "1",
+              "--blanks", "40", "42", "--log-every", "1"]
+    assert cli_main(["train", "sudoku", "--out", str(tmp_path / "base"), "--steps", "1", "--save-every", "1", *common]) == 0
+    base = tmp_path / "base" / "checkpoint-0000001"
+    lora = ["train", "sudoku", "--model", str(base), "--lora", "2", "--out", str(tmp_path / "lora"), "--steps", "3",
+            "--save-every", "1", *common]
+    assert cli_main(lora + ["--stop-after", "2"]) == 0
+    ck = tmp_path / "lora" / "checkpoint-0000002"
+    assert (ck / "adapter_config.json").is_file() and not (ck / "model.safetensors").exists()
+    assert cli_main(lora + ["--resume"]) == 0
+    rows = [json.loads(l) for l in open(tmp_path / "lora" / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    lm = blockpress.load(base, progress=False)
+    assert len(L.apply_adapter(lm, tmp_path / "lora" / "checkpoint-0000003")) > 0

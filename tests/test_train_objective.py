@@ -1,0 +1,217 @@
+"""The training objective (spec training.md §1-2): corruption statistics, loss support, leakage, learning."""
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.train import objective as obj
+from blockpress.train.sizes import model_config
+
+V, C = 16, 8
+
+@pytest.fixture(autouse=True)
+def _grad_enabled():
+    """test_parity.py turns autograd off globally at import; training tests need it on."""
+    with torch.enable_grad():
+        yield
+
+
+
+def tiny(seed=0):
+    lm = blockpress.from_config(model_config("nano", vocab_size=V, canvas_length=C, context=16), seed=seed)
+    lm.module.attention_backend = "eager"
+    return lm
+
+
+def examples(n=4, prompt=5, resp=(8, 12, 20, 3), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(5, V, (prompt + i % 2,), generator=g).tolist(),
+             torch.randint(5, V, (resp[i % len(resp)],), generator=g).tolist()) for i in range(n)]
+
+
+def test_corruption_rate_matches_t():
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randint(0, V, (4000, 64), generator=g)
+    for tv in (0.1, 0.5, 0.9):
+        t = torch.full((4000,), tv)
+        xt, rep = obj.corrupt(x0, t, V, g)
+        n = rep.numel()
+        sigma = (tv * (1 - tv) / n) ** 0.5
+        assert abs(rep.float().mean().item() - tv) < 5 * sigma
+        # a replaced position draws uniformly over the whole vocabulary (the original included)
+        changed = (xt != x0).float().mean().item()
+        assert abs(changed - tv * (1 - 1 / V)) < 0.01
+        assert torch.equal(xt[~rep], x0[~rep])
+        assert xt[rep].bincount(minlength=V).float().div(rep.sum()).sub(1 / V).abs().max() < 0.01
+
+
+def test_collate_per_example_t_and_determinism():
+    cfg = obj.ObjectiveConfig(seed=3)
+    exs = [([2, 5, 6], list(range(5, 13)))] * 400
+    b = obj.collate(exs, C, V, cfg, step=7)
+    assert (b.t >= cfg.eps).all() and (b.t < 1).all()
+    # t is uniform: mean ~ 0.5, and each row's replaced fraction tracks its own t
+    assert abs(b.t.mean().item() - 0.5) < 0.05
+    frac = b.replaced.float().mean(1)
+    assert torch.corrcoef(torch.stack([frac, b.t]))[0, 1] > 0.8
+    assert abs(b.sc_mask.float().mean().item() - 0.5) < 0.1
+    # noise depends only on (seed, step, global index): a shard equals the slice of the full batch
+    shard = obj.collate(exs[100:200], C, V, cfg, step=7, first_index=100)
+    assert torch.equal(shard.canvas_noisy, b.canvas_noisy[100:200])
+    other = obj.collate(exs, C, V, cfg, step=8)
+    assert not torch.equal(other.canvas_noisy, b.canvas_noisy)
+
+
+def test_layout_aligns_context_and_selects_one_canvas():
+    cfg = obj.ObjectiveConfig(seed=1)
+    exs = examples(8)
+    b = obj.collate(exs, C, V, cfg, step=0)
+    T = b.ctx_len
+    for i, (p, r) in enumerate(exs):
+        row = b.input_ids[i][b.valid[i]].tolist()
+        canv = obj.split_canvases(r, C, 1)
+        assert row == p + [tok for c in canv for tok in c]  # EOS-filled response, nothing dropped
+        # the clean copy of the selected canvas starts exactly at T in every row
+        assert b.input_ids[i, T:T + C].tolist() == b.canvas_clean[i].tolist()
+        assert b.canvas_clean[i].tolist() in canv
+        # AR targets: response tokens only (ar_scope="response")
+        lft = int(b.valid[i].long().argmax())
+        assert not b.ar_target[i, :lft + len(p)].any() and b.ar_target[i, lft + len(p):lft + len(row)].all()
+
+
+def _loss_grads(lm, batch, cfg):
+    lm.module.zero_grad()
+    logits, cache = obj.encoder_pass(lm.module, batch)
+    logits.retain_grad()
+    loss = cfg.ar_weight * obj.ar_loss(logits, batch) + obj.diffusion_loss(obj.decoder_logits(lm.module, batch, cache), batch)
+    loss.backward()
+    return loss, logits.grad
+
+
+def test_prompt_positions_get_no_loss():
+    lm = tiny()
+    exs = [(list(range(5, 15)), [7] * 8), (list(range(6, 16)), [9] * 8)]
+    cfg = obj.ObjectiveConfig(seed=0)
+    b = obj.collate(exs, C, V, cfg, step=0)
+    P = 10
+    _, g = _loss_grads(lm, b, cfg)
+    # logits at j predict token j+1: positions 0..P-2 predict prompt tokens -> no gradient at all
+    assert g[:, :P - 1].abs().max() == 0
+    assert g[:, P - 1:].abs().max() > 0
+    # the loss does not depend on the prompt tokens' own next-token predictions: change what a prompt
+    # position "should" predict (its label) without changing the model input -> same loss
+    relabel = obj.TrainBatch(**vars(b))
+    relabel.ar_target = b.ar_target.clone()
+    loss1 = obj.ar_loss(obj.encoder_pass(lm.module, b)[0], b)
+    labels = b.input_ids.clone()
+    labels[:, 1:P] = (labels[:, 1:P] + 3) % V
+    logits = obj.encoder_pass(lm.module, b)[0]
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1),
+                                           reduction="none").view(2, -1)
+    m = b.ar_target[:, 1:].float()
+    assert torch.allclose(((ce * m).sum(1) / m.sum(1)).mean(), loss1)
+    # "all" scope (G-SFT) does score prompt tokens: the check above can fail
+    b_all = obj.collate(exs, C, V, obj.ObjectiveConfig(seed=0, ar_scope="all"), step=0)
+    _, g_all = _loss_grads(lm, b_all, cfg)
+    assert g_all[:, :P - 1].abs().max() > 0
+
+
+def test_decoder_never_sees_its_clean_canvas():
+    lm = tiny()
+    cfg = obj.ObjectiveConfig(seed=2, sc_prob=1.0)
+    exs = [([2, 5, 6, 7], [5 + (i * 7 + k) % 11 for i in range(3 * C)]) for k in range(6)]  # three canvases each
+    b = obj.collate(exs, C, V, cfg, step=0)
+    assert len(set(b.valid.long().argmax(1).tolist())) > 1  # rows selected different canvases
+
+    def dec_logits(batch):
+        with torch.no_grad():
+            _, cache = obj.encoder_pass(lm.module, batch)
+            return obj.decoder_logits(lm.module, batch, cache)
+
+    ref = dec_logits(b)
+    T = b.ctx_len
+    leak = obj.TrainBatch(**vars(b))
+    leak.input_ids = b.input_ids.clone()
+    leak.input_ids[:, T:] = (leak.input_ids[:, T:] + 5) % V  # the clean selected canvas and later ones
+    assert torch.equal(dec_logits(leak), ref)
+    # ... while the context (prompt / earlier canvases) does matter: the check can fail
+    ctx = obj.TrainBatch(**vars(b))
+    ctx.input_ids = b.input_ids.clone()
+    ctx.input_ids[:, T - 1] = (ctx.input_ids[:, T - 1] + 5) % V
+    assert not torch.allclose(dec_logits(ctx), ref)
+
+
+def test_context_only_encoder_matches_full_encoder():
+    """ar_weight=0 encodes only the context [0, T): same decoder loss and gradients as encoding the whole
+    clean rows and cropping (causal attention), so skipping the clean canvases changes nothing but time."""
+    lm = tiny()
+    exs = [([2, 5, 6, 7][: 2 + k % 3], [5 + (i * 7 + k) % 11 for i in range(2 * C + k)]) for k in range(5)]
+    full_cfg = obj.ObjectiveConfig(seed=4, sc_prob=0.5, ar_weight=1.0)
+    ctx_cfg = obj.ObjectiveConfig(seed=4, sc_prob=0.5, ar_weight=0.0)
+    b = obj.collate(exs, C, V, full_cfg, step=0)
+    assert b.ctx_len < b.input_ids.shape[1] and not bool(b.valid.all())  # padded rows, canvases after T
+
+    def grads(cfg, weight):
+        lm.module.zero_grad()
+        loss, stats = obj.compute_loss(lm.module, b, cfg)
+        (loss if weight else stats_loss(lm, b)).backward()
+        return stats["diff"], [p.grad.clone() for p in lm.module.parameters() if p.grad is not None]
+
+    def stats_loss(lm, b):  # the diffusion term alone, through the full encoder
+        _, cache = obj.encoder_pass(lm.module, b)
+        return obj.diffusion_loss(obj.decoder_logits(lm.module, b, cache), b)
+
+    d_full, g_full = grads(full_cfg, weight=False)
+    d_ctx, g_ctx = grads(ctx_cfg, weight=True)
+    assert abs(d_full - d_ctx) < 1e-5
+    assert len(g_full) == len(g_ctx) and all(torch.allclose(a, c, atol=1e-5) for a, c in zip(g_full, g_ctx))
+
+
+def test_self_conditioning_off_is_zero_embedding():
+    lm = tiny()
+    m = lm.module
+    canvas = torch.randint(0, V, (2, C))
+    sc = torch.randn(2, C, V)
+    off = m.decoder_input(canvas, sc, torch.tensor([False, False]))
+    plain = torch.nn.functional.rms_norm(m.embed(canvas) + m.self_conditioning(torch.zeros(2, C, m.text.hidden_size)),
+                                         (m.text.hidden_size,), eps=m.text.rms_norm_eps)
+    assert torch.allclose(off, plain, atol=1e-5)
+    on = m.decoder_input(canvas, sc, torch.tensor([True, False]))
+    assert not torch.allclose(on[0], off[0]) and torch.allclose(on[1], off[1])
+
+
+def test_loss_decreases_on_a_fixed_batch():
+    torch.manual_seed(0)
+    lm = tiny()
+    lm.module.train()
+    cfg = obj.ObjectiveConfig(seed=0)
+    b = obj.collate(examples(8), C, V, cfg, step=0)
+    opt = torch.optim.AdamW(lm.module.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(25):
+        loss, stats = obj.compute_loss(lm.module, b, cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(stats["loss"])
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    lm = tiny()
+    cfg = obj.ObjectiveConfig(seed=0)
+    b = obj.collate(examples(4), C, V, cfg, step=0)
+    grads = []
+    for gc in (False, True):
+        lm.module.gradient_checkpointing = gc
+        lm.module.zero_grad()
+        obj.compute_loss(lm.module, b, cfg)[0].backward()
+        grads.append(torch.cat([p.grad.flatten() for p in lm.module.parameters() if p.grad is not None]))
+    lm.module.gradient_checkpointing = False
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [dict(eps=1.0), dict(sc_prob=2.0), dict(ar_scope="prompt")])
+def test_objective_config_validates(bad):
+    with pytest.raises(ValueError):
+        obj.ObjectiveConfig(**bad)

@@ -1,0 +1,132 @@
+"""Trainer: exact resume, checkpoints that transformers 5.23 loads with identical logits, the CLIs."""
+
+import json
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.cli import main as cli_main
+
+TINY = ["--size", "nano", "--batch-size", "4", "--lr", "3e-3", "--warmup", "2", "--log-every", "1",
+        "--eval-every", "0", "--threads", "1", "--no-progress", "--blanks", "40", "44"]
+
+@pytest.fixture(autouse=True)
+def _grad_enabled():
+    """test_parity.py turns autograd off globally at import; training tests need it on."""
+    with torch.enable_grad():
+        yield
+
+
+
+def _losses(out):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r}
+
+
+def test_resume_gives_the_same_next_loss(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert cli_main(["train", "sudoku", "--out", str(full), "--steps", "4", "--save-every", "0", *TINY]) == 0
+    # "killed" after 2 steps (a checkpoint at step 2), then resumed in a fresh model/optimizer
+    assert cli_main(["train", "sudoku", "--out", str(part), "--steps", "4", "--save-every", "2",
+                     "--stop-after", "2", *TINY]) == 0
+    assert (part / "latest").read_text() == "checkpoint-0000002"
+    assert cli_main(["train", "sudoku", "--out", str(part), "--steps", "4", "--save-every", "2",
+                     "--resume", *TINY]) == 0
+    a, b = _losses(full), _losses(part)
+    assert a[1] != a[3]  # training moves
+    for s in (1, 2, 3, 4):
+        assert a[s] == pytest.approx(b[s], rel=1e-6, abs=1e-6), (s, a, b)
+    ck = part / "checkpoint-0000004"
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
+              "blockpress_task.json", "trainer_state.pt"):
+        assert (ck / f).is_file(), f
+    assert (part / "loss.png").is_file()
+    # the resumed final weights equal the uninterrupted run's
+    wa = blockpress.load(full / "checkpoint-0000004", progress=False).module.state_dict()
+    wb = blockpress.load(ck, progress=False).module.state_dict()
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_trained_checkpoint_loads_in_transformers_with_identical_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache
+
+    from blockpress.train import objective as obj
+    from blockpress.train.sizes import model_config
+
+    lm = blockpress.from_config(model_config("nano", vocab_size=16, canvas_length=8, context=12), seed=0)
+    # a few real optimisation steps so every tensor differs from its init
+    cfg = obj.ObjectiveConfig(seed=0)
+    opt = torch.optim.AdamW(lm.module.parameters(), lr=1e-2)
+    exs = [([2] + [5 + (i + k) % 10 for i in range(9)], [5 + (3 * i + k) % 10 for i in range(6)]) for k in range(4)]
+    for s in range(3):
+        loss, _ = obj.compute_loss(lm.module, obj.collate(exs, 8, 16, cfg, s), cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    lm.module.eval()
+    lm.save(tmp_path / "m")
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "m").eval()
+    hf.set_attn_implementation("eager")
+    hf.set_experts_implementation("eager")
+    bp = blockpress.load(tmp_path / "m", progress=False)
+    bp.module.attention_backend = "eager"
+    ids = torch.tensor([e[0] for e in exs])
+    canvas = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config.text_config)
+        hf.model.encoder(input_ids=ids, past_key_values=cache)
+        ref = hf(decoder_input_ids=canvas, past_key_values=cache).logits
+        ours_cache = bp.module.new_cache(4, 10)
+        bp.module.encode(ids, ours_cache)
+        got = bp.module.decode(canvas, ours_cache)
+    assert (ref - got).abs().max() < 1e-4
+
+
+def test_eval_cli_runs_on_a_tiny_sample(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli_main(["train", "sudoku", "--out", str(out), "--steps", "1", "--save-every", "1", *TINY]) == 0
+    ck = out / "checkpoint-0000001"
+    res = tmp_path / "r.json"
+    assert cli_main(["eval", "sudoku", "--model", str(ck), "--n", "2", "--blanks", "40", "--steps", "1", "2",
+                     "--json", str(res)]) == 0
+    data = json.loads(res.read_text())
+    assert set(data) == {"steps=1", "steps=2"}
+    r = data["steps=1"]["per_blanks"]["40"]
+    assert r["n"] == 2 and 0 <= r["cell_accuracy"] <= 1 and 0 <= r["clues_kept"] <= 1
+    assert "| 40 | 2 |" in capsys.readouterr().out
+    assert cli_main(["eval", "sudoku", "--model", str(ck), "--n", "1", "--blanks", "40", "--ar"]) == 0
+
+
+@pytest.mark.slow
+def test_eval_cli_full_default_sets():
+    from blockpress.tasks import sudoku as sd
+
+    if not (sd.DEFAULT_MODEL_PATH / "config.json").is_file():
+        pytest.skip("no shipped sudoku model")
+    assert cli_main(["eval", "sudoku"]) == 0
+
+
+def test_chat_jsonl_supervises_only_the_final_assistant_turn(tmp_path):
+    from blockpress.testing import build_tiny_gemma_tokenizer
+    from blockpress.train.data import ChatJsonlSource, chat_example
+
+    tok = build_tiny_gemma_tokenizer(tmp_path / "tok")
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+                          {"role": "user", "content": "and again?"}, {"role": "assistant", "content": "yes again"}]},
+            {"prompt": "2+2?", "completion": "4"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    prompt, resp = chat_example(tok, rows[0])
+    assert prompt == tok.apply_chat_template(rows[0]["messages"][:-1], add_generation_prompt=True, tokenize=True)
+    # the model header (and the empty thought block of thinking-off) is context, exactly as at inference
+    assert "and again?<turn|>\n<|turn>model\n" in tok.decode(prompt)
+    assert tok.decode(resp) == "yes again<turn|>"
+    assert "hello there" in tok.decode(prompt)  # earlier turns are history
+    src = ChatJsonlSource(data, tok, batch_size=2)
+    assert sorted(map(len, (src.example(0, 0)[1], src.example(0, 1)[1]))) == sorted([len(resp), len(tok.encode("4")) + 1])
+    assert cli_main(["train", str(data), "--tokenizer", str(tmp_path / "tok"), "--size", "nano", "--steps", "2",
+                     "--batch-size", "2", "--out", str(tmp_path / "run"), "--save-every", "2", "--eval-every", "0",
+                     "--no-progress", "--threads", "1"]) == 0
+    lm = blockpress.load(tmp_path / "run" / "checkpoint-0000002", progress=False)
+    assert lm.tokenizer is not None and (tmp_path / "run" / "checkpoint-0000002" / "chat_template.jinja").is_file()

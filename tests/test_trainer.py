@@ -26,13 +26,16 @@ def _losses(out):
 def test_resume_gives_the_same_next_loss(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     assert cli_main(["train", "sudoku", "--out", str(full), "--steps", "4", "--save-every", "0", *TINY]) == 0
-    # "killed" after 2 steps (a checkpoint at step 2), then resumed in a fresh model/optimizer
+    # "killed" after 3 steps (the last checkpoint at step 2, step 3 logged), then resumed in a fresh
+    # model/optimizer: it redoes step 3 and the log holds every step once
     assert cli_main(["train", "sudoku", "--out", str(part), "--steps", "4", "--save-every", "2",
-                     "--stop-after", "2", *TINY]) == 0
-    assert (part / "latest").read_text() == "checkpoint-0000002"
+                     "--stop-after", "3", *TINY]) == 0
+    assert (part / "latest").read_text() == "checkpoint-0000002" and 3 in _losses(part)
     assert cli_main(["train", "sudoku", "--out", str(part), "--steps", "4", "--save-every", "2",
                      "--resume", *TINY]) == 0
     a, b = _losses(full), _losses(part)
+    steps = [r["step"] for r in map(json.loads, open(part / "metrics.jsonl")) if "loss" in r]
+    assert steps == [1, 2, 3, 4]
     assert a[1] != a[3]  # training moves
     for s in (1, 2, 3, 4):
         assert a[s] == pytest.approx(b[s], rel=1e-6, abs=1e-6), (s, a, b)

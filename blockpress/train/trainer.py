@@ -195,6 +195,11 @@ class Trainer:
         self.sched.load_state_dict(st["scheduler"])
         self.step, self.history = st["step"], st["history"]
         torch.set_rng_state(st["torch_rng"])
+        if self.rank == 0:  # the log restarts at the checkpoint: drop rows a killed run wrote after it
+            self.out.mkdir(parents=True, exist_ok=True)
+            tmp = self.out / "metrics.jsonl.tmp"
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in self.history))
+            os.replace(tmp, self.out / "metrics.jsonl")
 
     # ----------------------------------------------------------------------------- loop
     def log(self, row: dict) -> None:

@@ -147,3 +147,37 @@ def test_cli_lora_run_saves_peft_adapters_and_resumes(tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
     lm = blockpress.load(base, progress=False)
     assert len(L.apply_adapter(lm, tmp_path / "lora" / "checkpoint-0000003")) > 0
+
+
+def test_cli_run_with_adapter_attached_or_merged(tmp_path, capsys):
+    """`blockpress run BASE --adapter DIR` (and --merge-adapter) generates with the adapter applied."""
+    from blockpress.cli import main as cli_main
+    from blockpress.tasks import sudoku as sd
+    from blockpress.train.sizes import model_config
+
+    base = tmp_path / "base"
+    lm = blockpress.from_config(model_config("nano", vocab_size=len(sd.VOCAB), canvas_length=sd.CANVAS_LEN,
+                                             context=sd.PROMPT_LEN), seed=0)
+    lm.save(base)
+    sd.build_tokenizer().save(str(base / "tokenizer.json"))
+    (base / "blockpress_task.json").write_text('{"task": "sudoku"}')
+    L.add_lora(lm.module, L.LoraSpec(rank=2, alpha=4))
+    with torch.no_grad():  # a non-trivial adapter (B starts at zero)
+        for n, p in lm.module.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn_like(p) * 0.5)
+    L.save_adapter(lm.module, tmp_path / "adapter", L.LoraSpec(rank=2, alpha=4))
+
+    def run(*extra):
+        puzzle = sd.test_set(35, 1)[0][0]
+        code = cli_main(["run", str(base), puzzle, "--json", "--seed", "0", "--steps", "4", *extra])
+        out = capsys.readouterr()
+        return code, (json.loads(out.out)["token_ids"] if code == 0 else out.err)
+
+    plain, attached = run()[1], run("--adapter", str(tmp_path / "adapter"))[1]
+    merged = run("--adapter", str(tmp_path / "adapter"), "--merge-adapter")[1]
+    assert attached == merged and attached != plain
+    code, err = run("--merge-adapter")
+    assert code == 2 and "--merge-adapter needs --adapter" in err
+    code, err = run("--adapter", str(tmp_path))
+    assert code == 2 and "not a LoRA adapter folder" in err

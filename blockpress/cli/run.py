@@ -71,6 +71,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
+    p.add_argument("--adapter", metavar="DIR",
+                   help="LoRA adapter folder (PEFT format: adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--merge-adapter", action="store_true",
+                   help="fold the adapter into the weights once at load (faster steps; default: kept separate)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
@@ -123,8 +127,17 @@ def resolve_model(model: str | None) -> str:
 def load_model(args):
     import blockpress
 
-    return blockpress.load(resolve_model(args.model), device=args.device, dtype=args.dtype,
-                           progress=sys.stderr.isatty())
+    lm = blockpress.load(resolve_model(args.model), device=args.device, dtype=args.dtype,
+                         progress=sys.stderr.isatty())
+    if getattr(args, "adapter", None):
+        from ..train.lora import apply_adapter
+
+        apply_adapter(lm, args.adapter, merge=args.merge_adapter)
+    elif getattr(args, "merge_adapter", False):
+        from ..errors import InputError
+
+        raise InputError("--merge-adapter needs --adapter DIR")
+    return lm
 
 
 def task_of(lm) -> str | None:

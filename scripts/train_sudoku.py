@@ -15,7 +15,7 @@ import sys
 
 from blockpress.cli import main
 
-RECIPE = ["train", "sudoku", "--size", "micro", "--steps", "3000", "--batch-size", "32", "--lr", "2e-3",
+RECIPE = ["train", "sudoku", "--size", "micro", "--steps", "4000", "--batch-size", "32", "--lr", "2e-3",
           "--warmup", "50", "--blanks", "30", "56", "--ar-weight", "0", "--eval-every", "100",
           "--save-every", "100", "--log-every", "20", "--threads", "2"]
 

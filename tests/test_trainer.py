@@ -99,6 +99,15 @@ def test_eval_cli_runs_on_a_tiny_sample(tmp_path, capsys):
     assert r["n"] == 2 and 0 <= r["cell_accuracy"] <= 1 and 0 <= r["clues_kept"] <= 1
     assert "| 40 | 2 |" in capsys.readouterr().out
     assert cli_main(["eval", "sudoku", "--model", str(ck), "--n", "1", "--blanks", "40", "--ar"]) == 0
+    # per-puzzle generators: predictions depend on neither the batch size nor n (n=1 is a prefix of n=3)
+    preds = []
+    for n, bs in (("3", "3"), ("3", "1"), ("1", "3")):
+        assert cli_main(["eval", "sudoku", "--model", str(ck), "--n", n, "--blanks", "40", "--batch-size", bs,
+                         "--json", str(res)]) == 0
+        preds.append(json.loads(res.read_text())["default"]["per_blanks"]["40"]["predictions"])
+    assert len(preds[0]) == 3 and all(len(p) == 81 for p in preds[0])
+    assert preds[0] == preds[1] and preds[2] == preds[0][:1]
+    assert len(set(preds[0])) > 1  # the untrained model still predicts differently per puzzle
 
 
 @pytest.mark.slow

@@ -563,7 +563,8 @@ def evaluate(solve_fn: Callable[[list[str]], Sequence[Any]], blanks_list: Iterab
     """Run solve_fn (list of puzzles -> list of predictions, one call per level) on the held-out sets.
 
     Returns {"per_blanks": {blanks: {n, solve_rate, cell_accuracy, clues_kept, valid_rate,
-    seconds}}, "overall": {same, pooled over all puzzles}, "n_per", "seed"}. A prediction list
+    seconds, predictions (the predicted grids, in test-set order)}}, "overall": {same without
+    predictions, pooled over all puzzles}, "n_per", "seed"}. A prediction list
     that is too short counts the missing ones as empty predictions.
     """
     per: dict[int, dict[str, float]] = {}
@@ -580,6 +581,7 @@ def evaluate(solve_fn: Callable[[list[str]], Sequence[Any]], blanks_list: Iterab
         rows = [check(p, pred, sol) for (p, sol), pred in zip(pairs, preds)]
         pooled += rows
         per[int(blanks)] = _summarise(rows, dt)
+        per[int(blanks)]["predictions"] = [_as_pred(pred) for pred in preds[: len(pairs)]]
     return {"per_blanks": per, "overall": _summarise(pooled, total_s), "n_per": n_per, "seed": seed}
 
 

@@ -327,3 +327,10 @@ def test_solve_batch_wiring_with_fake_model():
     assert preds[0] == pairs[0][1]
     assert len(preds[1]) == 81 and preds[1].endswith("0") and S.check(pairs[1][0], preds[1])["cell_accuracy"] < 1
     assert S.solve(pairs[0][0], model=FakeModel()) == pairs[0][1]
+
+
+def test_training_writes_generation_defaults_for_one_canvas():
+    from blockpress.cli.train import SUDOKU_GENERATION
+
+    assert SUDOKU_GENERATION["max_new_tokens"] == S.CANVAS_LEN
+    assert SUDOKU_GENERATION["eos_token_id"] == [S.EOS_ID] and SUDOKU_GENERATION["pad_token_id"] == S.PAD_ID

@@ -50,6 +50,18 @@ def test_resume_gives_the_same_next_loss(tmp_path):
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
 
 
+def test_resumed_run_keeps_the_tokenizer_after_pruning(tmp_path):
+    """A resumed run must not take its tokenizer from the checkpoint it resumed from: pruning deletes it."""
+    out = tmp_path / "run"
+    common = ["train", "sudoku", "--out", str(out), "--steps", "4", "--save-every", "1", "--keep-last", "1", *TINY]
+    assert cli_main(common + ["--stop-after", "1"]) == 0
+    assert cli_main(common + ["--resume"]) == 0
+    cks = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert cks == ["checkpoint-0000004"]  # checkpoint-0000001 (resumed from) is gone
+    assert (out / cks[0] / "tokenizer.json").is_file()
+    assert blockpress.load(out / cks[0], progress=False).tokenizer is not None
+
+
 def test_trained_checkpoint_loads_in_transformers_with_identical_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache

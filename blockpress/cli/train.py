@@ -13,9 +13,14 @@ import argparse
 import json
 from pathlib import Path
 
-SUDOKU_GENERATION = {"max_new_tokens": 96, "max_denoising_steps": 32, "entropy_bound": 0.1, "t_min": 0.4,
+# generation_config.json written with a Sudoku checkpoint: one canvas (81 digits + <eos>), the reference's
+# sampler defaults otherwise (blockpress.tasks.sudoku: CANVAS_LEN 82, EOS_ID 1, PAD_ID 0)
+SUDOKU_GENERATION = {"max_new_tokens": 82, "max_denoising_steps": 32, "entropy_bound": 0.1, "t_min": 0.4,
                      "t_max": 0.8, "stability_threshold": 1, "confidence_threshold": 0.005,
                      "eos_token_id": [1], "pad_token_id": 0}
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -116,14 +121,23 @@ def build(args):
             from blockpress.tokenizer import Tokenizer
 
             lm.tokenizer = Tokenizer.from_dir(args.tokenizer)
+    # Checkpoints copy the tokenizer files from lm.path. Keep a snapshot in the run folder and point there:
+    # a resumed run's lm.path is the checkpoint it resumed from, which keep_last pruning deletes later.
+    tokdir = out / "tokenizer"
     if task:
         from blockpress.tasks import sudoku as sd
 
-        tokdir = out / "tokenizer"
         tokdir.mkdir(parents=True, exist_ok=True)
         sd.build_tokenizer().save(str(tokdir / "tokenizer.json"))
-        if lm.path is None:
+        lm.path = tokdir
+    elif lm.path is not None and Path(lm.path).resolve() != tokdir.resolve():
+        names = [n for n in TOKENIZER_FILES if (Path(lm.path) / n).is_file()]
+        if names:
+            tokdir.mkdir(parents=True, exist_ok=True)
+            for n in names:
+                (tokdir / n).write_bytes((Path(lm.path) / n).read_bytes())
             lm.path = tokdir
+    if task:
         lm.generation_defaults = {**SUDOKU_GENERATION, **lm.generation_defaults}
         extra["blockpress_task.json"] = json.dumps({"task": "sudoku"})
     lm.module.set_experts_backend(args.experts_backend)

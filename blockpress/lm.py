@@ -17,6 +17,9 @@ from .config import GenerationConfig, ModelConfig
 from .engine import generate as engine
 from .errors import InputError
 
+# files of a checkpoint folder that belong to its tokenizer (copied along by save())
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
 
 class BlockDiffusionLM:
     def __init__(self, module, config: ModelConfig, generation_defaults: dict[str, Any] | None = None,
@@ -150,7 +153,7 @@ class BlockDiffusionLM:
             "model.safetensors": lambda p: save_file(sd, str(p), metadata={"format": "pt"}),
         }
         if self.path is not None:
-            for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+            for name in TOKENIZER_FILES:
                 src = Path(self.path) / name
                 if src.is_file():
                     files[name] = src.read_bytes()

@@ -127,16 +127,16 @@ def resolve_model(model: str | None) -> str:
 def load_model(args):
     import blockpress
 
+    if getattr(args, "merge_adapter", False) and not getattr(args, "adapter", None):
+        from ..errors import InputError
+
+        raise InputError("--merge-adapter needs --adapter DIR")
     lm = blockpress.load(resolve_model(args.model), device=args.device, dtype=args.dtype,
                          progress=sys.stderr.isatty())
     if getattr(args, "adapter", None):
         from ..train.lora import apply_adapter
 
         apply_adapter(lm, args.adapter, merge=args.merge_adapter)
-    elif getattr(args, "merge_adapter", False):
-        from ..errors import InputError
-
-        raise InputError("--merge-adapter needs --adapter DIR")
     return lm
 
 

@@ -20,9 +20,6 @@ SUDOKU_GENERATION = {"max_new_tokens": 82, "max_denoising_steps": 32, "entropy_b
                      "eos_token_id": [1], "pad_token_id": 0}
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-
-
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("data", help="'sudoku', a chat .jsonl file, or a plain-text .txt/.jsonl file")
     src = p.add_argument_group("model")
@@ -131,6 +128,8 @@ def build(args):
         sd.build_tokenizer().save(str(tokdir / "tokenizer.json"))
         lm.path = tokdir
     elif lm.path is not None and Path(lm.path).resolve() != tokdir.resolve():
+        from blockpress.lm import TOKENIZER_FILES
+
         names = [n for n in TOKENIZER_FILES if (Path(lm.path) / n).is_file()]
         if names:
             tokdir.mkdir(parents=True, exist_ok=True)

@@ -16,11 +16,11 @@ def plot_history(history: list[dict], path: str | Path, title: str = "training l
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, style in (("loss", "-"), ("diff", "--"), ("ar", ":")):
         pts = [(h["step"], h[key]) for h in train if key in h]
-        if pts:
+        if any(v > 0 for _, v in pts):  # all-zero: a term that was off (e.g. --ar-weight 0)
             ax.plot(*zip(*pts), style, label=f"train {key}")
     for key in ("eval_loss", "eval_diff", "eval_ar"):
         pts = [(h["step"], h[key]) for h in evals if key in h]
-        if pts:
+        if any(v > 0 for _, v in pts):
             ax.plot(*zip(*pts), "o-", ms=3, label=key.replace("_", " "))
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats)")

@@ -154,3 +154,37 @@ def test_chat_jsonl_supervises_only_the_final_assistant_turn(tmp_path):
                      "--no-progress", "--threads", "1"]) == 0
     lm = blockpress.load(tmp_path / "run" / "checkpoint-0000002", progress=False)
     assert lm.tokenizer is not None and (tmp_path / "run" / "checkpoint-0000002" / "chat_template.jinja").is_file()
+
+
+def test_plain_text_training_splits_documents_and_runs_from_the_cli(tmp_path):
+    """Plain text: one document per blank-line paragraph, prompt = BOS + a per-document seeded number of
+    tokens in [lo, hi], response = the rest; `blockpress train file.txt` runs with a held-out eval file."""
+    from blockpress.testing import build_tiny_gemma_tokenizer
+    from blockpress.train.data import TextSource
+
+    tok = build_tiny_gemma_tokenizer(tmp_path / "tok")
+    docs = [" ".join(f"word{i} and{j}" for j in range(12)) for i in range(20)]
+    data = tmp_path / "train.txt"
+    data.write_text("\n\n".join(docs) + "\n")
+    (tmp_path / "held.txt").write_text(docs[0] + "\n\n" + docs[1])
+    src = TextSource(data, tok, batch_size=4, prompt_tokens=(1, 5))
+    lengths = set()
+    for i, doc in enumerate(docs):
+        prompt, response = src.examples[i]
+        assert prompt[0] == tok.bos_token_id and 1 <= len(prompt) - 1 <= 5
+        assert prompt[1:] + response == tok.encode(doc)  # nothing lost or duplicated at the split
+        lengths.add(len(prompt))
+    assert len(lengths) > 1  # the split point varies between documents
+    again = TextSource(data, tok, batch_size=4, prompt_tokens=(1, 5))
+    assert again.examples == src.examples  # seeded: a resumed run sees the same examples
+    with pytest.raises(blockpress.errors.InputError, match="prompt_tokens"):
+        TextSource(data, tok, batch_size=4, prompt_tokens=(5, 1))
+    out = tmp_path / "run"
+    assert cli_main(["train", str(data), "--tokenizer", str(tmp_path / "tok"), "--size", "nano", "--steps", "2",
+                     "--batch-size", "4", "--canvas-length", "8", "--context", "32", "--prompt-tokens", "1", "5",
+                     "--out", str(out), "--save-every", "2", "--eval-every", "2", "--eval-data",
+                     str(tmp_path / "held.txt"), "--no-progress", "--threads", "1"]) == 0
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert any("eval_loss" in r for r in rows)
+    lm = blockpress.load(out / "checkpoint-0000002", progress=False)
+    assert lm.canvas_length == 8 and lm.tokenizer is not None

@@ -27,6 +27,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     src.add_argument("--config", help="config.json for a model trained from scratch")
     src.add_argument("--size", default="micro", help="named size from scratch: nano, micro, mini, small")
     src.add_argument("--tokenizer", help="folder with tokenizer.json (text/chat from scratch)")
+    src.add_argument("--canvas-length", type=int, default=64, help="text/chat from scratch: canvas length")
+    src.add_argument("--context", type=int, default=512,
+                     help="text/chat from scratch: longest context the sliding window must cover")
     src.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     src.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     src.add_argument("--experts-backend", default="dense", choices=["loop", "dense"])
@@ -42,6 +45,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     run.add_argument("--clip", type=float, default=1.0)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--log-every", type=int, default=10)
+    run.add_argument("--eval-data", default=None, help="text/chat: held-out file for the periodic eval loss")
     run.add_argument("--eval-every", type=int, default=200)
     run.add_argument("--eval-batches", type=int, default=2)
     run.add_argument("--save-every", type=int, default=200)
@@ -57,6 +61,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     o.add_argument("--ar-weight", type=float, default=1.0, help="encoder next-token loss weight")
     o.add_argument("--ar-scope", default="response", choices=["response", "all"])
     o.add_argument("--ar-only", action="store_true", help="autoregressive baseline (encoder only, causal LM)")
+    o.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 16), metavar=("LO", "HI"),
+                   help="plain text: tokens of each document given as prompt (a per-document draw in [LO, HI])")
     o.add_argument("--blanks", type=int, nargs=2, default=(25, 58), metavar=("LO", "HI"),
                    help="sudoku: blanks per training puzzle")
     lo = p.add_argument_group("LoRA")
@@ -110,7 +116,8 @@ def build(args):
 
             tok = Tokenizer.from_dir(args.tokenizer)
             cfg = json.loads(Path(args.config).read_text()) if args.config else \
-                sizes.model_config(args.size, vocab_size=tok.vocab_size, canvas_length=64, context=512)
+                sizes.model_config(args.size, vocab_size=tok.vocab_size, canvas_length=args.canvas_length,
+                                   context=args.context)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         lm = blockpress.from_config(cfg, device=device, seed=args.seed)
         if not task and args.tokenizer:
@@ -160,8 +167,13 @@ def build(args):
         eval_source = SudokuSource(tuple(args.blanks), args.seed, "eval")
     else:
         source = build_source("chat" if args.data.endswith(".jsonl") and _is_chat(args.data) else "text",
-                              args.data, lm.tokenizer, args.batch_size, args.seed)
+                              args.data, lm.tokenizer, args.batch_size, args.seed,
+                              prompt_tokens=tuple(args.prompt_tokens))
         eval_source = None
+        if args.eval_data:
+            eval_source = build_source("chat" if args.eval_data.endswith(".jsonl") and _is_chat(args.eval_data)
+                                       else "text", args.eval_data, lm.tokenizer, args.batch_size, args.seed,
+                                       prompt_tokens=tuple(args.prompt_tokens))
     return lm, source, eval_source, tcfg, lora, extra, resume_ck
 
 

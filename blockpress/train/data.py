@@ -12,6 +12,8 @@ canvas split, EOS fill and corruption.
   `{"prompt": str, "completion": str}`.
 - `TextSource`: plain text (a .txt file: one document per blank-line-separated paragraph, or .jsonl
   with a "text" field); prompt = BOS + the first `prompt_tokens` tokens, response = the rest.
+  `prompt_tokens` may be a (lo, hi) range: each document then gets its own length, drawn once from
+  a seeded RNG, so the model also learns to continue short prompts.
 - `SudokuSource`: generated puzzles from `blockpress.tasks.sudoku` (never a held-out solution).
 """
 
@@ -103,8 +105,8 @@ class ChatJsonlSource(ListSource):
 
 
 class TextSource(ListSource):
-    def __init__(self, path: str | Path, tokenizer, batch_size: int, seed: int = 0, prompt_tokens: int = 16,
-                 max_tokens: int = 1024):
+    def __init__(self, path: str | Path, tokenizer, batch_size: int, seed: int = 0,
+                 prompt_tokens: int | tuple[int, int] = 16, max_tokens: int = 1024):
         if tokenizer is None:
             raise InputError("text training needs a tokenizer (tokenizer.json in the model folder)")
         path = Path(path)
@@ -112,12 +114,17 @@ class TextSource(ListSource):
             docs = [r["text"] for r in _read_jsonl(path) if r.get("text")]
         else:
             docs = [d.strip() for d in path.read_text().split("\n\n") if d.strip()]
+        lo, hi = (prompt_tokens, prompt_tokens) if isinstance(prompt_tokens, int) else tuple(prompt_tokens)
+        if not 0 <= lo <= hi:
+            raise InputError(f"prompt_tokens range ({lo}, {hi}) must satisfy 0 <= lo <= hi")
+        rng = random.Random(f"text-prompt/{seed}")
         bos = tokenizer.bos_token_id
         exs = []
         for d in docs:
             ids = tokenizer.encode(d)[:max_tokens]
-            if len(ids) > prompt_tokens:
-                exs.append(([bos] if bos is not None else []) + ids[:prompt_tokens], ids[prompt_tokens:])
+            k = rng.randint(lo, hi)
+            if len(ids) > k and (k > 0 or bos is not None):
+                exs.append((([bos] if bos is not None else []) + ids[:k], ids[k:]))
         super().__init__(exs, batch_size, seed)
 
 
@@ -147,5 +154,5 @@ def build_source(kind: str, path: str | None, tokenizer, batch_size: int, seed: 
     if kind == "chat":
         return ChatJsonlSource(path, tokenizer, batch_size, seed)
     if kind == "text":
-        return TextSource(path, tokenizer, batch_size, seed)
+        return TextSource(path, tokenizer, batch_size, seed, prompt_tokens=kw.get("prompt_tokens", 16))
     raise InputError(f"unknown data kind {kind!r}; use a .jsonl chat file, a .txt file, or 'sudoku'")

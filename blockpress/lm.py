@@ -73,23 +73,27 @@ class BlockDiffusionLM:
 
     def stream(self, input_ids, attention_mask=None, generator=None,
                cache=None, decoder_input_ids=None, self_conditioning_logits=None, drafts: bool = True,
-               sampler: str = "exact", **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
-        """Yield a Draft after every denoising step, a Commit per canvas and a final Finished."""
+               sampler: str = "exact", fixed_tokens=None,
+               **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
+        """Yield a Draft after every denoising step, a Commit per canvas and a final Finished.
+        fixed_tokens [B, L]: new-token positions held at given ids (-1 = free), see engine.stream."""
         cfg = self.generation_config(**sampling)
         ids, mask = self._prepare(input_ids, attention_mask)
         return engine.stream(self.module, ids, cfg, self.canvas_length, attention_mask=mask, generator=generator,
                              cache=cache, decoder_input_ids=decoder_input_ids,
-                             self_conditioning_logits=self_conditioning_logits, drafts=drafts, sampler=sampler)
+                             self_conditioning_logits=self_conditioning_logits, drafts=drafts, sampler=sampler,
+                             fixed_tokens=fixed_tokens)
 
     def generate(self, input_ids, attention_mask=None, generator=None, cache=None,
                  decoder_input_ids=None, self_conditioning_logits=None, sampler: str = "exact",
-                 **sampling) -> engine.GenerationResult:
+                 fixed_tokens=None, **sampling) -> engine.GenerationResult:
         """Generate canvases after `input_ids`. Keyword names and defaults follow the reference:
         max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max, stability_threshold,
         confidence_threshold, eos_token_id, pad_token_id. `generator`: None (torch's global RNG, the
         reference's draw order), a torch.Generator, or a list with one generator per row."""
         for ev in self.stream(input_ids, attention_mask, generator, cache, decoder_input_ids,
-                              self_conditioning_logits, drafts=False, sampler=sampler, **sampling):
+                              self_conditioning_logits, drafts=False, sampler=sampler, fixed_tokens=fixed_tokens,
+                              **sampling):
             if isinstance(ev, engine.Finished):
                 return ev.result
         raise RuntimeError("generation ended without a result")  # unreachable
@@ -128,6 +132,13 @@ class BlockDiffusionLM:
             gen = torch.Generator(device=self.device).manual_seed(seed)
         result = self.generate([ids], generator=gen, **sampling)
         return self.decode_new(result)
+
+    def infill(self, template: str, seed: int | None = None, **sampling):
+        """Fill `[MASK]` (one token) / `[MASK:n]` holes in `template`, seeing the text on both sides.
+        Returns an `infill.InfillResult` (.text, .fills); see blockpress/infill.py."""
+        from .infill import infill
+
+        return infill(self, template, seed=seed, **sampling)
 
     def _need_tokenizer(self):
         if self.tokenizer is None:

@@ -14,6 +14,7 @@ import sys
 
 COMMANDS = {
     "run": "generate from a prompt, showing the canvas as it denoises",
+    "infill": "fill [MASK:n] holes in a text, seeing the text on both sides",
     "chat": "multi-turn chat that keeps the KV cache between turns",
     "serve": "OpenAI-compatible HTTP server with a live web page",
     "bench": "speed benchmark (tokens/s, ms per step, roofline fraction)",

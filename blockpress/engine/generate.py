@@ -80,8 +80,11 @@ class Finished:
 
 
 def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, cache, tracker, generator,
-                 finished=None):
-    """One denoising step with remaining-step counter n (N..1). Returns x', a', sc', done', accepted."""
+                 finished=None, fixed=None):
+    """One denoising step with remaining-step counter n (N..1). Returns x', a', sc', done', accepted.
+
+    fixed: None, or (mask [B,C] bool, tokens [B,C]) — positions held at given tokens (infilling): their
+    entropy counts as 0 in the acceptance budget and the canvas and argmax keep the given token."""
     raw = module.decode(x, cache, sc_logits)
     # per-row generators draw only for active rows (batch invariance); one generator draws for all
     active = ~(done | finished) if isinstance(generator, (list, tuple)) and finished is not None else None
@@ -90,9 +93,12 @@ def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, c
         z = raw / temperature(n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, raw.device)
     y = sample_tokens(z, generator, active)
     a = torch.argmax(z, dim=-1)
-    accepted = entropy_bound_accept(token_entropy(z), cfg.entropy_bound)
+    h = token_entropy(z)
+    accepted = entropy_bound_accept(h if fixed is None else h.masked_fill(fixed[0], 0.0), cfg.entropy_bound)
     noise = uniform_tokens(x.shape[0], x.shape[1], z.shape[-1], x.device, generator, active)
     x_new = torch.where(accepted, y, noise)
+    if fixed is not None:
+        x_new, a = clamp(x_new, fixed), clamp(a, fixed)
     if tracker is not None:
         if bool(done.any()):
             a = torch.where(done[:, None], a_prev, a)
@@ -102,10 +108,16 @@ def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, c
     return x_new, a, z.to(module.dtype), done, accepted
 
 
+def clamp(tokens: torch.Tensor, fixed) -> torch.Tensor:
+    """tokens [B,C] with the fixed positions (mask, values) written in."""
+    return tokens if fixed is None else torch.where(fixed[0], fixed[1], tokens)
+
+
 def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length: int,
            attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
            cache: KVCache | None = None, decoder_input_ids: torch.Tensor | None = None,
-           self_conditioning_logits: torch.Tensor | None = None, drafts: bool = True, sampler: str = "exact"):
+           self_conditioning_logits: torch.Tensor | None = None, drafts: bool = True, sampler: str = "exact",
+           fixed_tokens: torch.Tensor | None = None):
     """Yield Draft / Commit events and a final Finished(result).
 
     input_ids [B, S]: the tokens not yet in `cache` (the whole prompt when cache is None).
@@ -113,6 +125,10 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     generator: None (global RNG), one torch.Generator, or a list of B generators (one per row).
     sampler: "exact" (the reference's arithmetic and draws) or "fast" (the fused one-pass sampler of
     kernels/sampler_fused.py: same distribution, different random stream).
+    fixed_tokens [B, L] (infilling / editing in place): token ids the new tokens must hold, -1 where the
+    model decides. Canvas c holds columns [c*C, (c+1)*C) fixed from its first step to its commit (the
+    model sees them, as it sees unreplaced positions in training); L may span several canvases. Random
+    draws are unchanged, so fixing nothing (all -1) gives the same tokens as no `fixed_tokens`.
     """
     if sampler == "exact":
         step_fn = denoise_step
@@ -146,6 +162,17 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
         if tuple(attention_mask.shape) != (B, S):
             raise InputError(f"attention_mask shape {list(attention_mask.shape)} must equal input_ids shape {[B, S]}")
         attention_mask = attention_mask.to(dev).bool()
+    if fixed_tokens is not None:
+        fixed_tokens = torch.as_tensor(fixed_tokens, dtype=torch.long)
+        if fixed_tokens.dim() != 2 or fixed_tokens.shape[0] != B:
+            raise InputError(f"fixed_tokens must be [batch={B}, length], got shape {list(fixed_tokens.shape)}")
+        if fixed_tokens.shape[1] > n_canvases * C:
+            raise InputError(f"fixed_tokens spans {fixed_tokens.shape[1]} tokens but max_new_tokens="
+                             f"{cfg.max_new_tokens} gives {n_canvases} canvas(es) of {C}; raise max_new_tokens")
+        if fixed_tokens.numel() and (int(fixed_tokens.min()) < -1 or int(fixed_tokens.max()) >= V):
+            raise InputError(f"fixed_tokens must hold ids in [0, {V}) or -1 (free)")
+        pad_to = n_canvases * C - fixed_tokens.shape[1]
+        fixed_tokens = torch.nn.functional.pad(fixed_tokens, (0, pad_to), value=-1).to(dev)
     eos = torch.tensor(cfg.eos_token_id, device=dev) if cfg.eos_token_id is not None else None
     pad = cfg.pad_token_id
     tracker = StabilityTracker(cfg.stability_threshold, cfg.confidence_threshold) if cfg.adaptive else None
@@ -169,6 +196,12 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             sc = None
             if c == 0 and decoder_input_ids is not None:
                 x = decoder_input_ids.to(dev)
+            fixed = None
+            if fixed_tokens is not None:
+                cols = fixed_tokens[:, c * C:(c + 1) * C]
+                if bool((cols >= 0).any()):
+                    fixed = (cols >= 0, cols.clamp(min=0))
+                    x = clamp(x, fixed)
             if c == 0 and self_conditioning_logits is not None:
                 sc = self_conditioning_logits.to(dev)
             a = x
@@ -179,7 +212,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             for n in range(N, 0, -1):
                 passes += ~(done | finished)
                 x, a, sc, done, accepted = step_fn(module, x, a, sc, done, n, cfg, cache, tracker, generator,
-                                                         finished)
+                                                   finished, fixed=fixed)
                 steps += 1
                 if drafts:
                     yield Draft(c, steps, N, a.cpu(), accepted.cpu(), done.cpu())

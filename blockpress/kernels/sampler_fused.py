@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.generate import clamp
 from ..engine.generate import denoise_step as _exact_step
 from ..sampling import entropy_bound_accept, temperature, uniform_tokens
 from ._triton import tl, triton, usable_on
@@ -121,19 +122,22 @@ def fused_sample(raw, tau=None, generator=None, out_dtype=None, backend: str = "
 
 # ------------------------------------------------------------------------------------ engine hook
 
-def denoise_step_fast(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished=None):
+def denoise_step_fast(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished=None,
+                      fixed=None):
     """Drop-in for `engine.generate.denoise_step` using the fused sampler (same returns).
     Per-row generator lists (the server's batch-invariant seeding) take the exact path."""
     if isinstance(generator, (list, tuple)):
-        return _exact_step(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished)
+        return _exact_step(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished, fixed)
     raw = module.decode(x, cache, sc_logits)
     tau = None
     if cfg.t_min is not None and cfg.t_max is not None:
         tau = temperature(n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, raw.device)
     y, a, h, z = fused_sample(raw, tau, generator, out_dtype=module.dtype)
-    accepted = entropy_bound_accept(h, cfg.entropy_bound)
+    accepted = entropy_bound_accept(h if fixed is None else h.masked_fill(fixed[0], 0.0), cfg.entropy_bound)
     noise = uniform_tokens(x.shape[0], x.shape[1], z.shape[-1], x.device, generator)
     x_new = torch.where(accepted, y, noise)
+    if fixed is not None:
+        x_new, a = clamp(x_new, fixed), clamp(a, fixed)
     if tracker is not None:
         if bool(done.any()):  # frozen rows keep their state; their `done` stays True (monotone)
             a = torch.where(done[:, None], a_prev, a)

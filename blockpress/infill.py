@@ -1,0 +1,137 @@
+"""Infilling: fill holes inside a text, with the text on both sides in view (what an AR model can't do).
+
+A template is text with holes: `[MASK]` is one token, `[MASK:n]` is n tokens (tokens of the model's
+tokenizer). Everything before the first hole is the prompt (encoded once, causally); from the first
+hole on, the text is laid out on the canvas(es): the given tokens are held fixed from the first
+denoising step to the commit, the holes start as noise and denoise as usual, so every hole sees the
+text after it within the same canvas (a canvas of C tokens; text further right is not seen, as a
+block-diffusion model reads only earlier canvases). This is exactly the training distribution: in
+training, unreplaced canvas positions are clean tokens at arbitrary places.
+
+A hole's length is exact; a model may put end-of-text or other special tokens in it, which decoding
+drops, so a fill can come back shorter. Text after the template is not generated (the canvas beyond
+the template's last token is free and then discarded).
+
+    lm = blockpress.load("blockpress/assets/kjv")
+    lm.infill("In the beginning God [MASK:2] the heaven and the earth.", seed=0).text
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import InputError
+
+HOLE = re.compile(r"\[MASK(?::(\d+))?\]")
+MAX_HOLE = 4096
+
+
+@dataclass
+class Template:
+    prefix: str  # text before the first hole (the prompt)
+    pieces: list[str | int]  # after the prefix: text pieces and hole lengths, in order
+
+    @property
+    def holes(self) -> list[int]:
+        return [p for p in self.pieces if isinstance(p, int)]
+
+
+@dataclass
+class InfillResult:
+    text: str  # the template with every hole filled
+    fills: list[str]  # what went into each hole, in order
+    prompt_ids: list[int]
+    region_ids: list[int]  # the canvas tokens from the first hole to the template's end (fills included)
+    hole_mask: list[bool]  # over region_ids: True where the model chose the token
+    result: Any = field(repr=False, default=None)  # the engine's GenerationResult
+
+
+def parse_template(template: str) -> Template:
+    """Split on `[MASK]` / `[MASK:n]`; raises InputError when there is no hole or a length is 0 or absurd."""
+    if not isinstance(template, str):
+        raise InputError(f"an infill template is a string, got {type(template).__name__}")
+    pieces: list[str | int] = []
+    pos, prefix = 0, None
+    for m in HOLE.finditer(template):
+        n = int(m.group(1)) if m.group(1) is not None else 1
+        if not 1 <= n <= MAX_HOLE:
+            raise InputError(f"hole {m.group(0)} must hold 1..{MAX_HOLE} tokens")
+        text = template[pos:m.start()]
+        if prefix is None:
+            prefix = text
+        elif text:
+            pieces.append(text)
+        pieces.append(n)
+        pos = m.end()
+    if prefix is None:
+        raise InputError("the template has no hole; mark one with [MASK] (one token) or [MASK:n] (n tokens)")
+    if template[pos:]:
+        pieces.append(template[pos:])
+    return Template(prefix, pieces)
+
+
+def layout(tokenizer, template: Template) -> tuple[list[int], list[int]]:
+    """-> (prompt ids: BOS when the tokenizer has one + the prefix; region ids with -1 at every hole)."""
+    bos = tokenizer.bos_token_id
+    prompt = ([bos] if bos is not None else []) + (tokenizer.encode(template.prefix) if template.prefix else [])
+    if not prompt:
+        raise InputError("this tokenizer has no BOS token, so the template needs some text before the first hole")
+    region: list[int] = []
+    for p in template.pieces:
+        region.extend([-1] * p if isinstance(p, int) else tokenizer.encode(p))
+    return prompt, region
+
+
+@dataclass
+class Plan:
+    """What `infill` runs: the prompt, the region with -1 at holes, and the engine keywords."""
+
+    template: Template
+    prompt: list[int]
+    region: list[int]
+    kwargs: dict[str, Any]
+
+
+def plan(lm, template: str, **sampling) -> Plan:
+    """Parse and lay out `template` for `lm`; sampling keywords are validated here (SamplingError)."""
+    tok = lm._need_tokenizer()
+    if "max_new_tokens" in sampling:
+        raise InputError("infill sets max_new_tokens from the template; make the holes longer or shorter instead")
+    tpl = parse_template(template)
+    prompt, region = layout(tok, tpl)
+    C = lm.canvas_length
+    kw = {"pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else 0, **sampling,
+          "max_new_tokens": math.ceil(len(region) / C) * C, "eos_token_id": None,
+          "fixed_tokens": torch.tensor([region])}
+    lm.generation_config(**{k: v for k, v in kw.items() if k != "fixed_tokens"})
+    return Plan(tpl, prompt, region, kw)
+
+
+def finish(lm, p: Plan, result) -> InfillResult:
+    """The engine's result -> the filled text and each hole's fill."""
+    tok = lm.tokenizer
+    out = result.new_tokens[0, :len(p.region)].tolist()
+    fills, at = [], 0
+    for piece in p.template.pieces:  # walk the layout again: each hole's own slice, adjacent holes kept apart
+        n = piece if isinstance(piece, int) else len(tok.encode(piece))
+        if isinstance(piece, int):
+            fills.append(tok.decode(out[at:at + n], skip_special_tokens=True))
+        at += n
+    text = p.template.prefix + tok.decode(out, skip_special_tokens=True)
+    return InfillResult(text, fills, p.prompt, out, [t < 0 for t in p.region], result)
+
+
+def infill(lm, template: str, *, seed: int | None = None, generator: torch.Generator | None = None,
+           sampler: str = "exact", **sampling) -> InfillResult:
+    """Fill the holes of `template` with `lm` (a BlockDiffusionLM with a tokenizer). Sampling keywords as
+    in generate (max_new_tokens is set from the template; the end of text does not stop infilling)."""
+    p = plan(lm, template, **sampling)
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=lm.device).manual_seed(seed)
+    result = lm.generate([p.prompt], generator=generator, sampler=sampler, **p.kwargs)
+    return finish(lm, p, result)

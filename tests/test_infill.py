@@ -1,0 +1,124 @@
+"""Infilling / editing in place: fixed canvas tokens (engine), the `[MASK:n]` template API and CLI."""
+
+import json
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.cli import main as cli_main
+from blockpress.errors import InputError
+from blockpress.infill import parse_template
+
+torch.set_grad_enabled(False)
+KW = dict(max_new_tokens=32, max_denoising_steps=6, eos_token_id=[1], pad_token_id=0)  # 2 canvases of 16
+
+
+@pytest.fixture(scope="module")
+def bp(hf_tiny_dir, tmp_path_factory):
+    from blockpress.testing import build_tiny_gemma_tokenizer
+
+    path, _ = hf_tiny_dir
+    m = blockpress.load(path, dtype="float32", progress=False)
+    m.module.attention_backend = "eager"
+    m.tokenizer = build_tiny_gemma_tokenizer(tmp_path_factory.mktemp("tok"))
+    return m
+
+
+def prompt(seed=0, T=12):
+    return torch.randint(5, 512, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("sampler", ["exact", "fast"])
+def test_fixing_nothing_changes_nothing(bp, sampler):
+    a = bp.generate(prompt(), generator=torch.Generator().manual_seed(1), sampler=sampler, **KW)
+    free = torch.full((1, 20), -1)
+    b = bp.generate(prompt(), generator=torch.Generator().manual_seed(1), sampler=sampler, fixed_tokens=free, **KW)
+    assert torch.equal(a.sequences, b.sequences)
+
+
+@pytest.mark.parametrize("sampler", ["exact", "fast"])
+def test_fixed_tokens_hold_on_every_draft_and_change_the_free_ones(bp, sampler):
+    C = bp.canvas_length
+    fixed = torch.full((1, 2 * C), -1)
+    pos = torch.tensor([0, 3, 4, 9, C - 1, C + 2, 2 * C - 1])  # both canvases, edges included
+    fixed[0, pos] = torch.randint(5, 512, (len(pos),), generator=torch.Generator().manual_seed(7))
+    events = list(bp.stream(prompt(), generator=torch.Generator().manual_seed(1), sampler=sampler,
+                            fixed_tokens=fixed, **{**KW, "eos_token_id": None}))
+    mask = fixed[0] >= 0
+    for ev in events:
+        if isinstance(ev, blockpress.Draft):
+            cols = fixed[0, ev.canvas_index * C:(ev.canvas_index + 1) * C]
+            assert torch.equal(ev.tokens[0][cols >= 0], cols[cols >= 0])
+    out = events[-1].result.new_tokens[0]
+    assert torch.equal(out[mask], fixed[0, mask])
+    plain = bp.generate(prompt(), generator=torch.Generator().manual_seed(1), sampler=sampler,
+                        **{**KW, "eos_token_id": None}).new_tokens[0]
+    assert not torch.equal(out[~mask], plain[~mask])  # the model saw the fixed tokens
+
+
+def test_fixed_positions_do_not_spend_the_entropy_budget(bp):
+    """All but one position fixed: the free one is accepted on every step. Were the fixed positions' entropies
+    (random weights: about log V each) counted, the bound would admit only the single lowest-entropy position."""
+    C = bp.canvas_length
+    fixed = torch.randint(5, 512, (1, C), generator=torch.Generator().manual_seed(3))
+    free = 5
+    fixed[0, free] = -1
+    kw = {**KW, "max_new_tokens": C, "eos_token_id": None, "stability_threshold": None,
+          "confidence_threshold": None}
+    drafts = [e for e in bp.stream(prompt(), generator=torch.Generator().manual_seed(0), fixed_tokens=fixed, **kw)
+              if isinstance(e, blockpress.Draft)]
+    assert len(drafts) == KW["max_denoising_steps"]
+    assert all(bool(d.accepted[0, free]) for d in drafts)
+
+
+def test_fixed_tokens_errors(bp):
+    C = bp.canvas_length
+    with pytest.raises(InputError, match="spans"):
+        bp.generate(prompt(), fixed_tokens=torch.full((1, 2 * C + 1), -1), **KW)
+    with pytest.raises(InputError, match=r"\[batch=1"):
+        bp.generate(prompt(), fixed_tokens=torch.full((2, 4), -1), **KW)
+    with pytest.raises(InputError, match="ids in"):
+        bp.generate(prompt(), fixed_tokens=torch.tensor([[10**6]]), **KW)
+
+
+def test_parse_template():
+    t = parse_template("a [MASK] b[MASK:3][MASK:2] c")
+    assert t.prefix == "a " and t.pieces == [1, " b", 3, 2, " c"] and t.holes == [1, 3, 2]
+    assert parse_template("[MASK:4]").prefix == ""
+    for bad, msg in [("no holes here", "no hole"), ("x [MASK:0]", "1.."), ("x [MASK:99999]", "1..")]:
+        with pytest.raises(InputError, match=msg):
+            parse_template(bad)
+
+
+def test_infill_keeps_the_text_and_fills_every_hole(bp):
+    tpl = "The cat [MASK:3] on the [MASK] mat, and then[MASK:2][MASK:4] slept."
+    r = bp.infill(tpl, seed=0, max_denoising_steps=4)
+    tok = bp.tokenizer
+    assert len(r.fills) == 4 and len(r.region_ids) == len(r.hole_mask)
+    assert sum(r.hole_mask) == 3 + 1 + 2 + 4
+    # every given token is where the template put it, every fill is what the model chose there
+    expected = []
+    for piece in [3, " on the ", 1, " mat, and then", 2, 4, " slept."]:
+        expected += [None] * piece if isinstance(piece, int) else tok.encode(piece)
+    assert [t if e is None else e for t, e in zip(r.region_ids, expected)] == r.region_ids
+    assert r.prompt_ids == [tok.bos_token_id] + tok.encode("The cat ")
+    assert r.text == "The cat " + tok.decode(r.region_ids, skip_special_tokens=True)
+    assert r.text.endswith(" slept.") and " on the " in r.text
+    again = bp.infill(tpl, seed=0, max_denoising_steps=4)
+    assert again.region_ids == r.region_ids  # seeded
+    with pytest.raises(InputError, match="max_new_tokens"):
+        bp.infill(tpl, max_new_tokens=8)
+
+
+def test_infill_cli_json(bp, tmp_path, capsys):
+    from blockpress.testing import build_tiny_gemma_tokenizer
+
+    bp.save(tmp_path / "m")
+    build_tiny_gemma_tokenizer(tmp_path / "m")
+    assert cli_main(["infill", str(tmp_path / "m"), "Once [MASK:2] a time", "--seed", "1", "--json",
+                     "--steps", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"].startswith("Once ") and out["text"].endswith(" a time") and len(out["fills"]) == 1
+    assert cli_main(["infill", str(tmp_path / "m"), "no hole"]) == 2
+    assert "no hole" in capsys.readouterr().err

@@ -8,9 +8,12 @@ text after it within the same canvas (a canvas of C tokens; text further right i
 block-diffusion model reads only earlier canvases). This is exactly the training distribution: in
 training, unreplaced canvas positions are clean tokens at arbitrary places.
 
-A hole's length is exact; a model may put end-of-text or other special tokens in it, which decoding
-drops, so a fill can come back shorter. Text after the template is not generated (the canvas beyond
-the template's last token is free and then discarded).
+A hole's length is exact, but a fill ends at the first end-of-text token the model puts in the hole
+(the checkpoint's eos ids, else the tokenizer's <eos>), and special tokens are not shown, so a fill can
+come back shorter: the model's way of saying the hole needed fewer tokens. The server's
+`/v1/completions` with `suffix` (OpenAI's insert mode) is the same operation with one hole. Text
+after the template is not generated (the canvas beyond the template's last token is free and then
+discarded).
 
     lm = blockpress.load("blockpress/assets/kjv")
     lm.infill("In the beginning God [MASK:2] the heaven and the earth.", seed=0).text
@@ -44,7 +47,7 @@ class Template:
 @dataclass
 class InfillResult:
     text: str  # the template with every hole filled
-    fills: list[str]  # what went into each hole, in order
+    fills: list[str]  # what went into each hole, in order (up to the first end-of-text token in it)
     prompt_ids: list[int]
     region_ids: list[int]  # the canvas tokens from the first hole to the template's end (fills included)
     hole_mask: list[bool]  # over region_ids: True where the model chose the token
@@ -116,14 +119,19 @@ def finish(lm, p: Plan, result) -> InfillResult:
     """The engine's result -> the filled text and each hole's fill."""
     tok = lm.tokenizer
     out = result.new_tokens[0, :len(p.region)].tolist()
-    fills, at = [], 0
+    stops = set(lm.generation_config().eos_token_id or ([tok.eos_token_id] if tok.eos_token_id is not None else []))
+    fills, parts, at = [], [p.template.prefix], 0
     for piece in p.template.pieces:  # walk the layout again: each hole's own slice, adjacent holes kept apart
-        n = piece if isinstance(piece, int) else len(tok.encode(piece))
         if isinstance(piece, int):
-            fills.append(tok.decode(out[at:at + n], skip_special_tokens=True))
-        at += n
-    text = p.template.prefix + tok.decode(out, skip_special_tokens=True)
-    return InfillResult(text, fills, p.prompt, out, [t < 0 for t in p.region], result)
+            ids = out[at:at + piece]
+            cut = next((j for j, t in enumerate(ids) if t in stops), len(ids))
+            fills.append(tok.decode(ids[:cut], skip_special_tokens=True))
+            parts.append(fills[-1])
+            at += piece
+        else:
+            parts.append(piece)
+            at += len(tok.encode(piece))
+    return InfillResult("".join(parts), fills, p.prompt, out, [t < 0 for t in p.region], result)
 
 
 def infill(lm, template: str, *, seed: int | None = None, generator: torch.Generator | None = None,

@@ -103,8 +103,16 @@ def test_infill_keeps_the_text_and_fills_every_hole(bp):
         expected += [None] * piece if isinstance(piece, int) else tok.encode(piece)
     assert [t if e is None else e for t, e in zip(r.region_ids, expected)] == r.region_ids
     assert r.prompt_ids == [tok.bos_token_id] + tok.encode("The cat ")
-    assert r.text == "The cat " + tok.decode(r.region_ids, skip_special_tokens=True)
-    assert r.text.endswith(" slept.") and " on the " in r.text
+    f = r.fills
+    assert r.text == f"The cat {f[0]} on the {f[1]} mat, and then{f[2]}{f[3]} slept."
+    stops = {tok.eos_token_id}
+    at = 0
+    for n, fill in zip([3, 1, 2, 4], f):  # each fill: its hole's tokens up to the first end-of-text
+        at = r.hole_mask.index(True, at)
+        ids = r.region_ids[at:at + n]
+        cut = next((j for j, t in enumerate(ids) if t in stops), n)
+        assert fill == tok.decode(ids[:cut], skip_special_tokens=True)
+        at += n
     again = bp.infill(tpl, seed=0, max_denoising_steps=4)
     assert again.region_ids == r.region_ids  # seeded
     with pytest.raises(InputError, match="max_new_tokens"):

@@ -126,6 +126,7 @@ def lm(model_dir):
 
 MSG = [{"role": "user", "content": "Why is the sky blue?"}]
 FAST = {"steps": 3}  # 3 denoising steps per canvas: quick on CPU
+FAST_KW = {"max_denoising_steps": 3, "stability_threshold": None, "confidence_threshold": None}  # FAST, engine names
 
 
 def chat_text(client, seed, stream=False, messages=MSG, max_tokens=40, **extra):
@@ -173,6 +174,27 @@ def test_completion_stream_equals_nonstream(client):
     text = "".join(c.choices[0].text for c in s if c.choices)
     assert r.choices[0].text and text == r.choices[0].text
     assert r.usage.completion_tokens == 24
+
+
+def test_completion_insert_mode_equals_infill(client, lm):
+    """OpenAI's `suffix` (insert mode) fills a max_tokens hole between prompt and suffix, seeing both: the same
+    text as `lm.infill` with the same seed (streamed and not), and different tokens than without the suffix."""
+    model, kw = client.model_id, dict(max_tokens=6, seed=5, extra_body=FAST)
+    r = client.completions.create(model=model, prompt="Once upon a", suffix=" lived happily ever after.", **kw)
+    s = client.completions.create(model=model, prompt="Once upon a", suffix=" lived happily ever after.",
+                                  stream=True, **kw)
+    ref = lm.infill("Once upon a[MASK:6] lived happily ever after.", seed=5, **FAST_KW)
+    assert r.choices[0].text == ref.fills[0]
+    assert "".join(c.choices[0].text for c in s if c.choices) == ref.fills[0]
+    alone = lm.generate([lm.encode_chat("Once upon a", chat=False)], generator=torch.Generator().manual_seed(5),
+                        max_new_tokens=6, **FAST_KW)
+    assert ref.region_ids[:6] != alone.new_tokens[0, :6].tolist()  # the suffix changed what the model wrote
+
+
+def test_completion_insert_mode_errors(server):
+    body = {"prompt": "Hi", "suffix": "x " * 600, "max_tokens": 8}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
 
 
 def test_same_seed_same_text_under_concurrency(server, client):

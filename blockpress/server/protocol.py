@@ -334,6 +334,9 @@ class _CompletionFields(_Request):
 
     model: str | None = Field(None, description="the served model's id (default: the served model)")
     prompt: Union[_Text, _TokenIds] = Field(description="text, or token ids")
+    suffix: str | None = Field(None, max_length=65536,
+                               description="insert mode: the text after the completion; the model fills the "
+                                           "max_tokens-token hole between prompt and suffix, seeing both")
     max_tokens: Int | None = Field(16, ge=1)
     seed: Int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stop: _Stop = _stop_field()

@@ -37,6 +37,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..engine.cache import KVCache
+from ..engine.generate import clamp
 from ..errors import InputError
 from ..sampling import (StabilityTracker, entropy_bound_accept, sample_tokens, temperature, token_entropy,
                         uniform_tokens)
@@ -54,6 +55,7 @@ class Job:
     cfg: GenerationConfig
     seed: int | None = None
     drafts: bool = False
+    fixed_tokens: list[int] | None = None  # infilling: new-token positions held at these ids (-1 = free)
 
 
 @dataclass
@@ -142,6 +144,14 @@ class _Row:
     steps_per_canvas: list[int] = field(default_factory=list)
     first_commit: float = 0.0
     finished: bool = False
+    fixed: torch.Tensor | None = None  # [canvases * C] ids, -1 = free (Job.fixed_tokens, padded)
+
+    def fixed_for(self, canvas: int, C: int):
+        """(mask [1,C], ids [1,C]) held in this canvas, or None."""
+        if self.fixed is None:
+            return None
+        cols = self.fixed[canvas * C:(canvas + 1) * C][None]
+        return (cols >= 0, cols.clamp(min=0)) if bool((cols >= 0).any()) else None
 
 
 def _select_rows(cache: KVCache, keep: list[int]) -> None:
@@ -346,7 +356,13 @@ class Scheduler:
                 g.seed()
             tracker = StabilityTracker(cfg.stability_threshold, cfg.confidence_threshold) if cfg.adaptive else None
             eos = torch.tensor(cfg.eos_token_id, device=dev) if cfg.eos_token_id else None
-            rows.append(_Row(h, g, cfg, math.ceil(cfg.max_new_tokens / self.C), tracker, eos))
+            n_canvases = math.ceil(cfg.max_new_tokens / self.C)
+            fixed = None
+            if h.job.fixed_tokens is not None:
+                fixed = torch.full((n_canvases * self.C,), -1, dtype=torch.long, device=dev)
+                fixed[:len(h.job.fixed_tokens)] = torch.tensor(h.job.fixed_tokens[:n_canvases * self.C],
+                                                               dtype=torch.long, device=dev)
+            rows.append(_Row(h, g, cfg, n_canvases, tracker, eos, fixed=fixed))
             if self.metrics is not None:
                 self.metrics.queue_seconds.observe(time.perf_counter() - h.submitted)
         if fresh:
@@ -362,8 +378,9 @@ class Scheduler:
         m, C, V, dev = self.module, self.C, self.V, self.module.device
         B = len(self.rows)
         x = torch.empty(B, C, dtype=torch.long, device=dev)
+        fixed = [r.fixed_for(len(r.steps_per_canvas), C) for r in self.rows]
         for i, r in enumerate(self.rows):
-            x[i] = uniform_tokens(1, C, V, dev, r.generator)[0]
+            x[i] = clamp(uniform_tokens(1, C, V, dev, r.generator), fixed[i])[0]
             r.n, r.steps = r.cfg.max_denoising_steps, 0
             if r.tracker is not None:
                 r.tracker.reset()
@@ -383,10 +400,12 @@ class Scheduler:
                 if cfg.t_min is not None and cfg.t_max is not None:
                     z = z / temperature(r.n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, dev)
                 y = sample_tokens(z, r.generator)
-                a[i] = torch.argmax(z, dim=-1)[0]
-                accepted = entropy_bound_accept(token_entropy(z), cfg.entropy_bound)
+                a[i] = clamp(torch.argmax(z, dim=-1), fixed[i])[0]
+                h = token_entropy(z)
+                accepted = entropy_bound_accept(h if fixed[i] is None else h.masked_fill(fixed[i][0], 0.0),
+                                                cfg.entropy_bound)
                 noise = uniform_tokens(1, C, V, dev, r.generator)
-                x[i] = torch.where(accepted, y, noise)[0]
+                x[i] = clamp(torch.where(accepted, y, noise), fixed[i])[0]
                 sc[i] = z[0].to(m.dtype)
                 r.steps += 1
                 r.passes += 1

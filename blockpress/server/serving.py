@@ -17,7 +17,9 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -210,11 +212,11 @@ class OpenAIServing:
         bos = self.tok.bos_token_id
         return ([bos] if bos is not None else []) + self.tok.encode(req.prompt)
 
-    def _submit(self, ids: list[int], sampling: Sampling) -> _Run:
+    def _submit(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None) -> _Run:
         if len(ids) > self.limits.max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this server's limit is "
                            f"{self.limits.max_prompt_tokens}", param="messages", code="context_length_exceeded")
-        job = Job(ids, sampling.cfg, seed=sampling.seed, drafts=sampling.include_drafts)
+        job = Job(ids, sampling.cfg, seed=sampling.seed, drafts=sampling.include_drafts, fixed_tokens=fixed_tokens)
         try:
             handle = self.scheduler.submit(job, loop=asyncio.get_running_loop())
         except QueueFull as e:
@@ -348,19 +350,36 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     # ---------------------------------------------------------------- completions
+    def _hole_tokens(self, ev: RowCommit, holes: list[int] | None) -> list[int]:
+        """A committed canvas's tokens that belong to the completion (insert mode: the hole's only)."""
+        if holes is None:
+            return ev.tokens
+        base = ev.canvas * self.lm.canvas_length
+        return [t for j, t in enumerate(ev.tokens) if base + j < len(holes) and holes[base + j] < 0]
+
     async def completion(self, req: CompletionRequest, disconnected: Disconnected | None = None):
         self._check_model(req.model)
         sampling = req.to_sampling(self.limits, self.defaults)
         ids = await asyncio.to_thread(self.completion_prompt, req)
-        run = self._submit(ids, sampling)
+        holes = None
+        if req.suffix:  # insert mode: the hole (max_tokens) then the suffix, held fixed on the canvas
+            region = [-1] * sampling.max_tokens + await asyncio.to_thread(self.tok.encode, req.suffix)
+            if len(region) > self.limits.max_tokens:
+                raise APIError(400, f"max_tokens + the suffix's {len(region) - sampling.max_tokens} tokens exceed "
+                               f"this server's limit of {self.limits.max_tokens}; shorten the suffix",
+                               param="suffix", code="context_length_exceeded")
+            C = self.lm.canvas_length
+            sampling.cfg = dataclasses.replace(sampling.cfg, max_new_tokens=math.ceil(len(region) / C) * C)
+            holes = region
+        run = self._submit(ids, sampling, fixed_tokens=holes)
         asm = OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=False)
         rid = "cmpl-" + secrets.token_hex(12)
         if req.stream:
-            return self._completion_stream(rid, run, asm, sampling, disconnected)
+            return self._completion_stream(rid, run, asm, sampling, disconnected, holes)
         try:
             async for ev in self._events(run, asm, disconnected):
                 if isinstance(ev, RowCommit):
-                    asm.feed(ev.tokens)
+                    asm.feed(self._hole_tokens(ev, holes))
         finally:
             self._release(run)
         final = asm.finish()
@@ -369,7 +388,8 @@ class OpenAIServing:
                                   usage=self._usage(run, final))
 
     async def _completion_stream(self, rid: str, run: _Run, asm: OutputAssembler, sampling: Sampling,
-                                 disconnected: Disconnected | None) -> AsyncIterator[str]:
+                                 disconnected: Disconnected | None,
+                                 holes: list[int] | None = None) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(text: str | None, finish: str | None = None, **extra) -> str:
@@ -382,7 +402,7 @@ class OpenAIServing:
                 if isinstance(ev, RowDraft):
                     yield chunk(None, blockpress=self._draft_frame(ev))
                 elif isinstance(ev, RowCommit):
-                    d = asm.feed(ev.tokens)
+                    d = asm.feed(self._hole_tokens(ev, holes))
                     if d.content:
                         yield chunk(d.content)
                     if sampling.include_drafts:

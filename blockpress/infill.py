@@ -8,7 +8,9 @@ text after it within the same canvas (a canvas of C tokens; text further right i
 block-diffusion model reads only earlier canvases). This is exactly the training distribution: in
 training, unreplaced canvas positions are clean tokens at arbitrary places.
 
-A hole's length is exact, but a fill ends at the first end-of-text token the model puts in the hole
+Tokenizers attach a space to the word after it (" created" is one token), so a single space right
+before a hole is moved into the hole: "God [MASK] the" is laid out as "God" + hole + " the" and the
+fill comes back as " created". A hole's length is exact, but a fill ends at the first end-of-text token the model puts in the hole
 (the checkpoint's eos ids, else the tokenizer's <eos>), and special tokens are not shown, so a fill can
 come back shorter: the model's way of saying the hole needed fewer tokens. The server's
 `/v1/completions` with `suffix` (OpenAI's insert mode) is the same operation with one hole. Text
@@ -65,6 +67,8 @@ def parse_template(template: str) -> Template:
         if not 1 <= n <= MAX_HOLE:
             raise InputError(f"hole {m.group(0)} must hold 1..{MAX_HOLE} tokens")
         text = template[pos:m.start()]
+        if text.endswith(" ") and not text.endswith("  "):
+            text = text[:-1]  # the hole's first token carries the space (see the module docstring)
         if prefix is None:
             prefix = text
         elif text:

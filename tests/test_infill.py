@@ -84,7 +84,8 @@ def test_fixed_tokens_errors(bp):
 
 def test_parse_template():
     t = parse_template("a [MASK] b[MASK:3][MASK:2] c")
-    assert t.prefix == "a " and t.pieces == [1, " b", 3, 2, " c"] and t.holes == [1, 3, 2]
+    assert t.prefix == "a" and t.pieces == [1, " b", 3, 2, " c"] and t.holes == [1, 3, 2]
+    assert parse_template("x  [MASK] y [MASK]").pieces == [1, " y", 1]  # one space moves into the hole, not two
     assert parse_template("[MASK:4]").prefix == ""
     for bad, msg in [("no holes here", "no hole"), ("x [MASK:0]", "1.."), ("x [MASK:99999]", "1..")]:
         with pytest.raises(InputError, match=msg):
@@ -99,12 +100,12 @@ def test_infill_keeps_the_text_and_fills_every_hole(bp):
     assert sum(r.hole_mask) == 3 + 1 + 2 + 4
     # every given token is where the template put it, every fill is what the model chose there
     expected = []
-    for piece in [3, " on the ", 1, " mat, and then", 2, 4, " slept."]:
+    for piece in [3, " on the", 1, " mat, and then", 2, 4, " slept."]:
         expected += [None] * piece if isinstance(piece, int) else tok.encode(piece)
     assert [t if e is None else e for t, e in zip(r.region_ids, expected)] == r.region_ids
-    assert r.prompt_ids == [tok.bos_token_id] + tok.encode("The cat ")
+    assert r.prompt_ids == [tok.bos_token_id] + tok.encode("The cat")
     f = r.fills
-    assert r.text == f"The cat {f[0]} on the {f[1]} mat, and then{f[2]}{f[3]} slept."
+    assert r.text == f"The cat{f[0]} on the{f[1]} mat, and then{f[2]}{f[3]} slept."
     stops = {tok.eos_token_id}
     at = 0
     for n, fill in zip([3, 1, 2, 4], f):  # each fill: its hole's tokens up to the first end-of-text
@@ -127,6 +128,27 @@ def test_infill_cli_json(bp, tmp_path, capsys):
     assert cli_main(["infill", str(tmp_path / "m"), "Once [MASK:2] a time", "--seed", "1", "--json",
                      "--steps", "3"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["text"].startswith("Once ") and out["text"].endswith(" a time") and len(out["fills"]) == 1
+    assert out["text"].startswith("Once") and out["text"].endswith(" a time") and len(out["fills"]) == 1
     assert cli_main(["infill", str(tmp_path / "m"), "no hole"]) == 2
     assert "no hole" in capsys.readouterr().err
+
+
+def test_word_infill_eval_examples_and_cli(bp, tmp_path, capsys):
+    from blockpress.tasks import text_infill as ti
+    from blockpress.testing import build_tiny_gemma_tokenizer
+
+    passages = [f"Passage {i} says that the quick brown fox jumps over the lazy dog {i} times today." for i in range(6)]
+    exs = ti.make_examples(passages, 4, seed=1)
+    assert len(exs) == 4 and exs == ti.make_examples(passages, 4, seed=1)
+    for ex, p in zip(exs, passages):
+        assert ex.prefix + ex.word + ex.suffix == p and ex.word.startswith(" ") and ex.word[1:].isalpha()
+    assert len({ex.word for ex in ti.make_examples(passages * 5, 30, seed=2)}) > 3  # the hidden word varies
+    (tmp_path / "held.txt").write_text("\n\n".join(passages))
+    bp.save(tmp_path / "m")
+    build_tiny_gemma_tokenizer(tmp_path / "m")
+    assert cli_main(["eval", "infill", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "held.txt"), "--n", "2",
+                     "--steps", "2", "--json", str(tmp_path / "r.json")]) == 0
+    res = json.loads((tmp_path / "r.json").read_text())["steps=2"]
+    assert set(res["summary"]) == {"both sides", "left only"} and res["summary"]["both sides"]["n"] == 2
+    assert [r["word"] for r in res["rows"]["left only"]] == [ex.word.strip() for ex in ti.make_examples(passages, 2)]
+    assert "exact match" in capsys.readouterr().out

@@ -1,4 +1,9 @@
-"""`blockpress eval sudoku`: solve rate, cell accuracy and clue preservation per number of blanks.
+"""`blockpress eval sudoku|infill`: task evals of a model.
+
+`infill`: hide one word of each held-out passage (--data, default the shipped text model's
+eval/heldout.txt) and fill it with and without the text after it (blockpress/tasks/text_infill.py).
+
+`sudoku`: solve rate, cell accuracy and clue preservation per number of blanks.
 
 Evaluates the held-out puzzles of `blockpress.tasks.sudoku.test_set` (never trained on). `--steps 1 4 16`
 evaluates each denoising-step budget with early stopping disabled (fixed N steps); without `--steps` the
@@ -16,8 +21,9 @@ import json
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("task", choices=["sudoku"], help="task to evaluate")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the shipped sudoku model)")
+    p.add_argument("task", choices=["sudoku", "infill"], help="task to evaluate")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model for the task)")
+    p.add_argument("--data", default=None, help="infill: passages separated by blank lines")
     p.add_argument("--adapter", default=None, help="LoRA adapter folder to apply")
     p.add_argument("--n", type=int, default=50, help="puzzles per blanks level")
     p.add_argument("--blanks", type=int, nargs="+", default=None, help="blanks levels (default 35 40 45 50 55)")
@@ -75,6 +81,8 @@ def main(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.task == "infill":
+        return _infill(args)
     path = args.model or sd.DEFAULT_MODEL_PATH
     if args.model is None and not (sd.DEFAULT_MODEL_PATH / "config.json").is_file():
         raise sd.SudokuModelMissing(f"no sudoku model at {path}; pass --model DIR")
@@ -90,4 +98,37 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: v for k, v in results.items()}, f, indent=2)
+    return 0
+
+
+def _infill(args) -> int:
+    from pathlib import Path
+
+    import blockpress
+    from blockpress.errors import InputError
+    from blockpress.tasks import text_infill as ti
+
+    from .infill import DEFAULT_TEXT_MODEL
+
+    path = Path(args.model) if args.model else DEFAULT_TEXT_MODEL
+    data = Path(args.data) if args.data else path / "eval" / "heldout.txt"
+    if not data.is_file():
+        raise InputError(f"no passages at {data}; pass --data FILE (passages separated by blank lines)")
+    lm = blockpress.load(path, device=args.device, progress=False)
+    if args.adapter:
+        from blockpress.train.lora import apply_adapter
+
+        apply_adapter(lm, args.adapter)
+    examples = ti.make_examples(ti.read_passages(data), args.n, args.seed)
+    results = {}
+    for s in args.steps or [None]:
+        kw = {} if s is None else {"max_denoising_steps": s, "stability_threshold": None}
+        name = "default" if s is None else f"steps={s}"
+        results[name] = res = ti.evaluate(lm, examples, args.seed, **kw)
+        print(f"\n{name} ({path}, {len(examples)} passages of {data}, {res['seconds']:.0f} s)")
+        print(ti.format_report(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(json.dumps({name: r["summary"] for name, r in results.items()}))
     return 0

@@ -22,16 +22,27 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+ASSETS = Path(__file__).resolve().parent / "assets"
+SHIPPED_MODELS = {"sudoku": ASSETS / "sudoku", "kjv": ASSETS / "kjv"}  # name -> folder inside the package
+
+
 def resolve_path(model: str | Path, progress: bool = True) -> Path:
-    """A folder as is; otherwise a Hub id downloaded (or found in the local HF cache)."""
+    """A folder as is; a shipped model's name ('sudoku', 'kjv') when no such folder exists; otherwise a
+    Hub id (owner/name) downloaded or found in the local HF cache."""
     p = Path(model).expanduser()
     if p.is_dir():
         return p
     s = str(model)
     if p.exists():
         raise CheckpointError(f"{p} is a file; pass the checkpoint folder that holds config.json")
+    if s in SHIPPED_MODELS:
+        if not (SHIPPED_MODELS[s] / "config.json").is_file():
+            raise CheckpointError(f"the shipped model '{s}' is not installed at {SHIPPED_MODELS[s]}; reinstall "
+                                  "blockpress or pass a checkpoint folder")
+        return SHIPPED_MODELS[s]
     if s.count("/") != 1 or s.startswith((".", "/", "~")):
-        raise CheckpointError(f"{s} is neither a folder nor a Hub id like 'google/diffusiongemma-26B-A4B-it'")
+        raise CheckpointError(f"{s} is neither a folder, a shipped model ({', '.join(SHIPPED_MODELS)}), nor a Hub id "
+                              "like 'google/diffusiongemma-26B-A4B-it'")
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.utils import disable_progress_bars, enable_progress_bars

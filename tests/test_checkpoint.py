@@ -3,6 +3,8 @@
 import json
 import shutil
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -100,8 +102,20 @@ def _copy(src, dst):
 
 def test_clear_errors_for_bad_checkpoints(hf_tiny_dir, tmp_path, capsys):
     path, _ = hf_tiny_dir
-    with pytest.raises(CheckpointError, match="neither a folder nor a Hub id"):
+    with pytest.raises(CheckpointError, match="neither a folder, a shipped model .*nor a Hub id"):
         blockpress.load(tmp_path / "nope" / "x" / "y")
+    from blockpress.loading import SHIPPED_MODELS, resolve_path
+
+    assert resolve_path("sudoku") == SHIPPED_MODELS["sudoku"]  # a shipped model by name
+    (tmp_path / "sudoku").mkdir()
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert resolve_path("sudoku") == Path("sudoku")  # a folder of that name wins
+    finally:
+        os.chdir(cwd)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ConfigError, match="config.json not found"):

@@ -67,7 +67,8 @@ def _int_or_none(s: str):
 # ----------------------------------------------------------------------------- shared flags
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", metavar="MODEL",
-                   help=f"checkpoint folder or Hub id (default: the shipped Sudoku model, {DEFAULT_MODEL})")
+                   help="checkpoint folder, Hub id, or a shipped model's name: sudoku, kjv "
+                        f"(default: the shipped Sudoku model, {DEFAULT_MODEL})")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import blockpress
+
 from blockpress.cli import main as cli_main
 from blockpress.cli.bench import PRESETS, preset_config
 from blockpress.config import ModelConfig
@@ -114,3 +116,22 @@ def test_quality_guard_tiny(capsys, monkeypatch):
     assert set(rows) == {"bf16", "fp8", "int4"}
     assert rows["bf16"]["experts_rel_err"] < rows["fp8"]["experts_rel_err"] < rows["int4"]["experts_rel_err"]
     assert e.value.code == 0 and all(r["pass"] for r in rows.values())
+
+
+def test_bench_a_checkpoint_with_a_text_prompt_against_its_transformers_twin(tmp_path, capsys):
+    """--model: the checkpoint's own weights in both engines (transformers loads it with from_pretrained);
+    --prompt: real text through the model's tokenizer. Same seed, same tokens."""
+    from blockpress.testing import build_tiny_gemma_tokenizer
+    from blockpress.train import sizes
+
+    model = tmp_path / "m"
+    blockpress.from_config(sizes.model_config("nano", vocab_size=512, canvas_length=8, context=32), seed=0).save(model)
+    build_tiny_gemma_tokenizer(model)
+    assert cli_main(["bench", "--model", str(model), "--prompt", "The sky is blue because", "--new-tokens", "16",
+                     "--steps", "3", "--modes", "fixed", "--threads", "1", "--no-ar"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["token_agreement_vs_transformers"] == {"B1-fixed": 1.0}
+    assert result["prompt_tokens"] == len(blockpress.load(model, progress=False).encode_chat("The sky is blue because",
+                                                                                             chat=False))
+    assert cli_main(["bench", "--prompt", "hi"]) == 2
+    assert "--prompt needs --model" in capsys.readouterr().err

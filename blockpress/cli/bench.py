@@ -295,12 +295,14 @@ def _free(device):
 def run(args) -> dict:
     """The whole benchmark; returns the JSON-able result (also used by benchmarks/bench_cpu.py)."""
     from .. import kernels
-    from ..kernels.random_weights import build_model, build_reference
+    from ..kernels.random_weights import build_model, build_reference, load_reference
     from ..kernels.roofline import expected_hit_fraction, generation_floor_seconds, measure_bandwidth
 
     from ..errors import InputError
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.prompt is not None and not args.model:
+        raise InputError("--prompt needs --model (a checkpoint with a tokenizer); presets use random prompt ids")
     if args.cuda_graphs and device.type != "cuda":
         raise InputError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
     if args.threads:
@@ -318,8 +320,13 @@ def run(args) -> dict:
     if args.model:
         from ..loading import load
 
-        lm = load(args.model, device=str(device), dtype=dtype, progress=False, tokenizer=False)
+        lm = load(args.model, device=str(device), dtype=dtype, progress=False, tokenizer=args.prompt is not None)
         module, config = lm.module, lm.config.to_dict()
+        if args.prompt is not None:
+            if lm.tokenizer is None:
+                raise InputError(f"--prompt needs the model's tokenizer.json; {args.model} has none")
+            text_ids = lm.encode_chat(args.prompt, chat=False)
+            args.prompt_tokens = len(text_ids)
         if args.precision != "native":
             kernels.quantize_experts_(module, args.precision, args.group_size)
     else:
@@ -349,9 +356,14 @@ def run(args) -> dict:
     batches = [int(b) for b in args.batch.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     seqs = {}
+
+    def prompt_ids(B):
+        if args.prompt is not None:
+            return torch.tensor([text_ids] * B)
+        return torch.randint(5, text.vocab_size, (B, args.prompt_tokens), generator=torch.Generator().manual_seed(B))
+
     for B in batches:
-        ids = torch.randint(5, text.vocab_size, (B, args.prompt_tokens), generator=torch.Generator().manual_seed(B))
-        ids = ids.to(device)
+        ids = prompt_ids(B).to(device)
         hit = expected_hit_fraction(text.num_experts, text.top_k_experts, B * C)
         for mode in modes:
             s, seqs[(B, mode)] = run_blockpress(module, ids, mode, args)
@@ -365,19 +377,20 @@ def run(args) -> dict:
     if graphs is not None:
         graphs.uninstall()
         graphs = None
-    ref_ok = args.reference and args.precision == "native" and not args.model
+    ref_ok = args.reference and args.precision == "native"
     if args.reference and not ref_ok:
-        result["reference_skipped"] = "transformers runs only on random native-precision weights here"
+        result["reference_skipped"] = "transformers runs only on native-precision weights here"
     if ref_ok:
         ref_batches = [int(b) for b in args.reference_batch.split(",")]
         ref_bytes = {B: mean_step_bytes(module, B, args, 1.0, native=True) for B in ref_batches}
         del module  # the real model and its transformers twin do not fit on one GPU together
         _free(device)
-        hf = build_reference(config, device, dtype, args.seed, args.init_std)
+        hf = load_reference(args.model, device, dtype) if args.model else \
+            build_reference(config, device, dtype, args.seed, args.init_std)
         result["transformers"] = __import__("transformers").__version__
         result["reference_experts_impl"] = getattr(hf.config, "_experts_implementation", None)
         for B in ref_batches:
-            ids = torch.randint(5, text.vocab_size, (B, args.prompt_tokens), generator=torch.Generator().manual_seed(B))
+            ids = prompt_ids(B)
             for mode in modes:
                 s, ref_seq = run_reference(hf, ids.to(device), mode, args)
                 add_roofline(s, ref_bytes[B], bandwidth)
@@ -425,6 +438,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
     p.add_argument("--cuda-graphs", action="store_true", help="replay the denoising step from a CUDA graph")
     p.add_argument("--prompt-tokens", type=int, help="prompt length P (default per preset)")
+    p.add_argument("--prompt", help="with --model: this text (the model's tokenizer) as the prompt of every row, "
+                                    "instead of P random ids")
     p.add_argument("--new-tokens", type=int, help="new tokens N (default per preset)")
     p.add_argument("--steps", type=int, default=16, help="denoising steps per canvas (max, in adaptive mode)")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,2,4,8")

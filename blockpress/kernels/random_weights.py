@@ -102,3 +102,13 @@ def build_reference(config: dict, device, dtype, seed: int = 0, std: float = 0.0
     hf.generation_config.eos_token_id = None  # no early end: every run generates all new tokens
     hf.generation_config.pad_token_id = None
     return hf.eval()
+
+
+def load_reference(folder, device, dtype):
+    """transformers' model from a checkpoint folder (a trained model's twin), with no early end."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(str(folder), dtype=dtype).to(device)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = None
+    return hf.eval()

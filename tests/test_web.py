@@ -78,3 +78,39 @@ def test_page_streams_drafts_and_final_text(server):
         finally:
             browser.close()
     assert (ARTIFACTS / "web.png").stat().st_size > 10_000
+
+
+def test_page_text_mode_fills_the_gap_between_two_texts(server):
+    """Text mode posts /v1/completions; with text in the second box it is insert mode (OpenAI's `suffix`):
+    the page shows prompt + fill + suffix, and the fill equals the API's for the same seed."""
+    steps, max_tokens, seed = 4, 6, 3
+    prompt, suffix = "Once upon a", " lived a king."
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url + "/")
+            page.wait_for_function("document.getElementById('model').dataset.id !== undefined")
+            assert page.input_value("#mode") == "chat"  # the tiny model has a chat template
+            assert page.is_hidden("#suffix")
+            page.select_option("#mode", "text")
+            assert page.is_visible("#suffix") and page.is_hidden("#thinking")
+            page.eval_on_selector("#steps", f"e => {{ e.value = {steps}; e.dispatchEvent(new Event('input')); }}")
+            page.fill("#max-tokens", str(max_tokens))
+            page.fill("#seed", str(seed))
+            page.fill("#prompt", prompt)
+            page.fill("#suffix", suffix)
+            page.click("#send")
+            page.wait_for_selector(".msg.completion[data-done='1']", timeout=60_000)
+            fill = page.text_content(".msg.completion .fill")
+            assert page.text_content(".msg.completion") == prompt + fill + suffix
+            assert int(page.get_attribute("#canvas", "data-frames")) == steps  # one canvas: hole + suffix fit
+            assert not errors, errors
+            api = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "prompt": prompt, "suffix": suffix, "max_tokens": max_tokens, "seed": seed, "steps": steps}).json()
+            assert fill == api["choices"][0]["text"]
+            assert page.input_value("#prompt") == prompt  # text mode keeps the boxes for another run
+        finally:
+            browser.close()

@@ -378,6 +378,8 @@ class ModelCard(BaseModel):
     created: int = 0
     owned_by: str = "blockpress"
     canvas_length: int = Field(description="blockpress: tokens per canvas")
+    chat: bool = Field(True, description="blockpress: the model has its own chat template (else: a text model, "
+                                         "use /v1/completions)")
 
 
 class ModelList(BaseModel):

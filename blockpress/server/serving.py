@@ -184,7 +184,8 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- requests -> jobs
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, canvas_length=self.lm.canvas_length)])
+        return ModelList(data=[ModelCard(id=self.model_name, canvas_length=self.lm.canvas_length,
+                                         chat=self.tok.chat_template_source != "default")])
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -1,6 +1,8 @@
 // blockpress web page: a chat box streaming from /v1/chat/completions with
 // stream_options.include_drafts, drawing every draft frame of the canvas as it denoises.
-// No build step, no dependencies.
+// Text mode (the default for models without a chat template) streams /v1/completions instead;
+// with text in the second box it is insert mode (OpenAI's `suffix`): the model fills the gap
+// between the two texts, seeing both. No build step, no dependencies.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -16,9 +18,23 @@ function headers() {
   return h;
 }
 
+function setMode(mode) {
+  $("mode").value = mode;
+  const text = mode === "text";
+  $("suffix").hidden = !text;
+  $("thinking").parentElement.hidden = text;
+  $("prompt").placeholder = text ? "Text to continue, or the text before the gap (Enter sends)"
+    : "Ask something… (Enter sends, Shift+Enter: new line)";
+}
+$("mode").addEventListener("change", () => setMode($("mode").value));
+
 fetch("/v1/models", { headers: headers() }).then((r) => r.json()).then((j) => {
   const m = j.data && j.data[0];
-  if (m) { $("model").textContent = `${m.id} · canvas ${m.canvas_length} tokens`; $("model").dataset.id = m.id; }
+  if (m) {
+    $("model").textContent = `${m.id} · canvas ${m.canvas_length} tokens`;
+    setMode(m.chat === false ? "text" : "chat");
+    $("model").dataset.id = m.id;
+  }
 }).catch(() => {});
 
 const steps = $("steps");
@@ -90,25 +106,45 @@ async function* sseEvents(response) {
 
 async function send(text) {
   busy = true; $("send").disabled = true;
-  conversation.push({ role: "user", content: text });
-  addMessage("user", text);
-  const out = addMessage("assistant", "");
+  const chat = $("mode").value === "chat";
+  const suffix = chat ? "" : $("suffix").value;
+  let out;
+  if (chat) {
+    conversation.push({ role: "user", content: text });
+    addMessage("user", text);
+    out = addMessage("assistant", "");
+  } else {  // one box: the given text plain, the model's text highlighted as it arrives
+    out = addMessage("assistant", "");
+    out.div.classList.add("completion");
+    out.content.textContent = text;
+    const fill = document.createElement("span");
+    fill.className = "fill";
+    out.content.append(fill, document.createTextNode(suffix));
+    out.content = fill;
+  }
   prevTokens = null;
   $("canvas").dataset.frames = "0";
   $("canvas").dataset.accepted = "0";
   const body = {
-    messages: conversation, stream: true,
+    stream: true,
     stream_options: { include_drafts: true, include_usage: true },
     max_tokens: Number($("max-tokens").value) || 256,
-    chat_template_kwargs: { enable_thinking: $("thinking").checked },
   };
+  if (chat) {
+    body.messages = conversation;
+    body.chat_template_kwargs = { enable_thinking: $("thinking").checked };
+  } else {
+    body.prompt = text;
+    if (suffix) body.suffix = suffix;
+  }
   if ($("model").dataset.id) body.model = $("model").dataset.id;
   if (steps.value !== "0") body.steps = Number(steps.value);
   if ($("seed").value !== "") body.seed = Number($("seed").value);
   const t0 = performance.now();
   let firstCommit = null, canvases = 0, stepsTotal = 0, content = "", reasoning = "";
   try {
-    const r = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body) });
+    const url = chat ? "/v1/chat/completions" : "/v1/completions";
+    const r = await fetch(url, { method: "POST", headers: headers(), body: JSON.stringify(body) });
     if (!r.ok) {
       const j = await r.json().catch(() => ({}));
       throw new Error((j.error && j.error.message) || `HTTP ${r.status}`);
@@ -127,7 +163,7 @@ async function send(text) {
         }
       }
       for (const c of chunk.choices || []) {
-        const d = c.delta || {};
+        const d = c.delta || { content: c.text };
         if (d.reasoning_content) { reasoning += d.reasoning_content; out.reasoning.textContent = reasoning; }
         if (d.content) { content += d.content; out.content.textContent = content; }
         for (const tc of d.tool_calls || []) {
@@ -147,12 +183,12 @@ async function send(text) {
       }
       $("log").scrollTop = $("log").scrollHeight;
     }
-    conversation.push({ role: "assistant", content });
+    if (chat) conversation.push({ role: "assistant", content });
     out.div.dataset.done = "1";
   } catch (e) {
     out.div.classList.add("error");
     out.content.textContent = "error: " + e.message;
-    conversation.pop();
+    if (chat) conversation.pop();
   } finally {
     busy = false; $("send").disabled = false;
   }
@@ -160,9 +196,10 @@ async function send(text) {
 
 $("form").addEventListener("submit", (e) => {
   e.preventDefault();
-  const text = $("prompt").value.trim();
-  if (!text || busy) return;
-  $("prompt").value = "";
+  const chat = $("mode").value === "chat";
+  const text = chat ? $("prompt").value.trim() : $("prompt").value;
+  if (!text.trim() || busy) return;
+  if (chat) $("prompt").value = "";  // text mode keeps both boxes: edit and run again
   send(text);
 });
 $("prompt").addEventListener("keydown", (e) => {

@@ -103,11 +103,14 @@ class BlockDiffusionLM:
                     chat: bool | None = None) -> list[int]:
         tok = self._need_tokenizer()
         if isinstance(messages_or_prompt, str):
-            if chat is False or not getattr(tok, "chat_template", None):
+            if chat is False or not getattr(tok, "chat_template", None) or (chat is None and not tok.is_chat):
                 ids = tok.encode(messages_or_prompt)
                 bos = tok.bos_token_id
                 return ([bos] if bos is not None else []) + ids
             messages_or_prompt = [{"role": "user", "content": messages_or_prompt}]
+        if not tok.is_chat:
+            raise InputError("this model has no chat template (a plain text model); give a plain prompt string, "
+                             "or add chat_template.jinja to its folder")
         return tok.apply_chat_template(messages_or_prompt, add_generation_prompt=True,
                                        enable_thinking=enable_thinking, tools=tools, tokenize=True)
 

@@ -201,6 +201,12 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @property
+    def is_chat(self) -> bool:
+        """A chat model: its own template, or Gemma's turn tokens for the built-in default one. A plain text
+        model (no template, no `<|turn>`) gets its prompt as is: the default template would be noise to it."""
+        return self.chat_template_source != "default" or self.token_to_id("<|turn>") is not None
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(int(token_id))
 

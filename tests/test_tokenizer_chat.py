@@ -332,3 +332,36 @@ def test_template_matches_transformers_rendering(tok_dir, case):
     assert a == b
     assert list(hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, **kw)["input_ids"]) == \
         ours.apply_chat_template(msgs, **kw)
+
+
+def test_plain_text_models_are_not_chat_models(tmp_path, tok):
+    """A tokenizer with neither a template nor Gemma's turn tokens (the shipped KJV model's kind) is a plain text
+    model: prompts go in as they are, chat messages are refused with a clear error, the server says chat: false."""
+    import blockpress
+    from blockpress.train import sizes
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    raw = HFTokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(["and the earth was without form and void"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    folder = tmp_path / "text-model"
+    blockpress.from_config(sizes.model_config("nano", vocab_size=raw.get_vocab_size(), canvas_length=8,
+                                              context=16), seed=0).save(folder)
+    raw.save(str(folder / "tokenizer.json"))
+    lm = blockpress.load(folder, progress=False)
+    assert tok.is_chat and not lm.tokenizer.is_chat
+    assert lm.encode_chat("and the earth") == [lm.tokenizer.bos_token_id] + lm.tokenizer.encode("and the earth")
+    with pytest.raises(InputError, match="no chat template"):
+        lm.encode_chat([{"role": "user", "content": "hi"}])
+    pytest.importorskip("fastapi")
+    from blockpress.server.protocol import APIError, ChatCompletionRequest
+    from blockpress.server.serving import OpenAIServing
+
+    serving = OpenAIServing(lm, scheduler=None, model_name="text-model")
+    assert serving.models().data[0].chat is False
+    with pytest.raises(APIError, match="use /v1/completions"):
+        serving.chat_prompt(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]))

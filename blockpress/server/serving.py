@@ -185,7 +185,7 @@ class OpenAIServing:
     # ---------------------------------------------------------------- requests -> jobs
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, canvas_length=self.lm.canvas_length,
-                                         chat=self.tok.chat_template_source != "default")])
+                                         chat=self.tok.is_chat)])
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -193,6 +193,9 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if not self.tok.is_chat:
+            raise APIError(400, f"'{self.model_name}' is a plain text model (no chat template); use /v1/completions",
+                           param="messages", code="model_not_chat")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = None
         if req.tools and req.tool_choice != "none":

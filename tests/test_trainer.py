@@ -188,3 +188,6 @@ def test_plain_text_training_splits_documents_and_runs_from_the_cli(tmp_path):
     assert any("eval_loss" in r for r in rows)
     lm = blockpress.load(out / "checkpoint-0000002", progress=False)
     assert lm.canvas_length == 8 and lm.tokenizer is not None
+    from blockpress.loading import resolve_path
+
+    assert resolve_path(out) == resolve_path(out / "latest") == out / "checkpoint-0000002"  # a run folder: its newest

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .config import GenerationConfig, ModelConfig, _read_json
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, InputError
 from .lm import BlockDiffusionLM
 from .model.diffusion_gemma import DiffusionGemmaModel
 from .model.weights import find_weight_files, load_weights
@@ -74,12 +74,19 @@ def parse_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dtype
 
 
 def load(model: str | Path, device: str | torch.device | None = None, dtype=None, progress: bool = True,
-         tokenizer: bool = True) -> BlockDiffusionLM:
+         tokenizer: bool = True, precision: str = "native", group_size: int = 64) -> BlockDiffusionLM:
     """Load a DiffusionGemma checkpoint (folder or Hub id) for generation.
 
     device: "cpu", "cuda", ... (default: cuda when available). dtype: "bfloat16", "float32", ...
     (default: float32 on CPU, the checkpoint's dtype on GPU).
+    precision: "native", or "fp8" / "int4" expert weights (per-channel fp8; 4-bit with a scale per
+    `group_size` inputs), quantised layer by layer while loading, so the float experts never exist
+    all at once; attention, router, embeddings and norms stay in `dtype`.
     """
+    from .kernels import PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise InputError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     folder = resolve_path(model, progress)
     config = ModelConfig.from_file(folder / "config.json")
     gen_path = folder / "generation_config.json"
@@ -91,7 +98,12 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     files = find_weight_files(folder)
     with torch.device("meta"):
         module = DiffusionGemmaModel(config)
-    load_weights(module, files, dev, dt, progress=progress)
+    on_loaded = None
+    if precision != "native":
+        from .kernels.quant import streaming_quantizer
+
+        on_loaded = streaming_quantizer(module, precision, group_size)
+    load_weights(module, files, dev, dt, progress=progress, on_loaded=on_loaded)
     module.materialize_buffers(dev)
     module.eval()
     tok = None

@@ -179,3 +179,61 @@ def test_fp8_scaled_mm_on_hopper():
     ref = q(x, w, idx)
     q.backend = "scaled_mm"
     assert _rel(q(x, w, idx), ref) < 0.08  # w8a8: activations quantised too
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_load_quantises_layer_by_layer_while_loading(tmp_path, fmt):
+    """load(precision=...) quantises each layer as soon as its two float expert tensors are in: the same weights
+    as quantising a natively loaded model afterwards (the tested path), while no more than one layer's float
+    experts exist at a time."""
+    import blockpress
+    from blockpress.kernels import quant
+    from blockpress.train import sizes
+
+    folder = tmp_path / "m"
+    blockpress.from_config(sizes.model_config("nano", vocab_size=256, canvas_length=8, context=16), seed=0).save(folder)
+    live, peak = set(), [0]
+    real = quant._quantize_layer_
+
+    def spy(layer, *a, **k):  # count layers whose float experts are materialised when one is quantised
+        live.update(i for i, lay in enumerate(module_ref[0].layers) if not isinstance(lay.experts, quant.QuantizedExperts)
+                    and not lay.experts.gate_up_proj.is_meta)
+        peak[0] = max(peak[0], len(live))
+        live.clear()
+        return real(layer, *a, **k)
+
+    module_ref = [None]
+    orig_stream = quant.streaming_quantizer
+
+    def capture(module, *a, **k):
+        module_ref[0] = module
+        return orig_stream(module, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quant, "_quantize_layer_", spy)
+        mp.setattr(quant, "streaming_quantizer", capture)
+        streamed = blockpress.load(folder, progress=False, precision=fmt, group_size=16)
+    assert all(isinstance(layer.experts, quant.QuantizedExperts) for layer in streamed.module.layers)
+    assert peak[0] == 1
+    after = blockpress.load(folder, progress=False)
+    quant.quantize_experts_(after.module, fmt, 16)
+    for a, b in zip(streamed.module.state_dict().items(), after.module.state_dict().items()):
+        assert a[0] == b[0] and torch.equal(a[1], b[1]), a[0]
+    ids = torch.randint(5, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=8, max_denoising_steps=3)
+    assert torch.equal(streamed.generate(ids, generator=torch.Generator().manual_seed(1), **kw).sequences,
+                       after.generate(ids, generator=torch.Generator().manual_seed(1), **kw).sequences)
+    with pytest.raises(blockpress.InputError, match="unknown precision"):
+        blockpress.load(folder, progress=False, precision="int3")
+
+
+def test_cli_runs_the_shipped_model_with_int4_experts(capsys):
+    import json
+
+    from blockpress.cli import main as cli_main
+
+    from blockpress.cli.run import EXAMPLE_SUDOKU
+
+    assert cli_main(["run", "sudoku", EXAMPLE_SUDOKU, "--precision", "int4", "--json", "--seed", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["clues_kept"] == 1.0 and len(out["answer"]) == 81

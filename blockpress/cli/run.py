@@ -72,6 +72,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
+    p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
+                   help="expert weights: native, or fp8 / int4 quantised layer by layer while loading (a model "
+                        "too big for the GPU in bf16 loads straight into 4 bits); attention and embeddings keep --dtype")
     p.add_argument("--adapter", metavar="DIR",
                    help="LoRA adapter folder (PEFT format: adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--merge-adapter", action="store_true",
@@ -133,7 +136,7 @@ def load_model(args):
 
         raise InputError("--merge-adapter needs --adapter DIR")
     lm = blockpress.load(resolve_model(args.model), device=args.device, dtype=args.dtype,
-                         progress=sys.stderr.isatty())
+                         progress=sys.stderr.isatty(), precision=getattr(args, "precision", "native"))
     if getattr(args, "adapter", None):
         from ..train.lora import apply_adapter
 

@@ -27,6 +27,8 @@ on CUDA, else torch.
 
 from __future__ import annotations
 
+import re
+
 import math
 
 import torch
@@ -218,19 +220,46 @@ def _fp8_grouped(x_AI, q_EOI, scale_EO, offs):
 
 
 @torch.no_grad()
+def _quantize_layer_(layer: nn.Module, fmt: str, group_size: int, backend: str = "auto") -> None:
+    old = layer.experts
+    E, two_im, H = old.gate_up_proj.shape
+    q = QuantizedExperts(E, H, two_im // 2, fmt, group_size, dtype=old.gate_up_proj.dtype,
+                         device=old.gate_up_proj.device)
+    q.load_float_(old.gate_up_proj, old.down_proj)
+    q.backend = backend
+    layer.experts = q
+
+
 def quantize_experts_(module: nn.Module, fmt: str, group_size: int = 64, backend: str = "auto") -> nn.Module:
     """Swap every `layer.experts` of a DiffusionGemmaModel for QuantizedExperts, in place, freeing
     each layer's float experts before the next one is quantised. Returns the module."""
     for layer in module.layers:
-        old = layer.experts
-        E, two_im, H = old.gate_up_proj.shape
-        q = QuantizedExperts(E, H, two_im // 2, fmt, group_size, dtype=old.gate_up_proj.dtype,
-                             device=old.gate_up_proj.device)
-        q.load_float_(old.gate_up_proj, old.down_proj)
-        q.backend = backend
-        layer.experts = q
-        del old
+        _quantize_layer_(layer, fmt, group_size, backend)
     return module
+
+
+_EXPERT_TENSOR = re.compile(r"layers\.(\d+)\.experts\.(gate_up_proj|down_proj)$")
+
+
+def streaming_quantizer(module: nn.Module, fmt: str, group_size: int = 64):
+    """A `load_weights(on_loaded=...)` hook: as soon as both float expert tensors of a layer are loaded,
+    that layer's experts are quantised and the float copies dropped. The float experts of the whole
+    model never exist at once (peak: the quantised model + about one layer in float), so a checkpoint
+    too big for the device in bf16 loads straight into fp8 / int4."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown expert weight format {fmt!r}; use one of {FORMATS}")
+    seen: dict[int, set[str]] = {}
+
+    def on_loaded(name: str) -> None:
+        m = _EXPERT_TENSOR.match(name)
+        if m is None:
+            return
+        i = int(m.group(1))
+        seen.setdefault(i, set()).add(m.group(2))
+        if len(seen[i]) == 2:
+            _quantize_layer_(module.layers[i], fmt, group_size)
+
+    return on_loaded
 
 
 def experts_weight_bytes(module: nn.Module) -> int:

@@ -84,8 +84,10 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, file=sys.stderr, leave=False)
 
 
-def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, progress: bool = True) -> dict:
-    """Assign every tensor of `files` into `module` (built on meta). Returns a small report."""
+def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, progress: bool = True,
+                 on_loaded=None) -> dict:
+    """Assign every tensor of `files` into `module` (built on meta). Returns a small report.
+    on_loaded(name): called after each tensor is in place (streaming quantisation hooks in here)."""
     from safetensors import safe_open
     from safetensors import SafetensorError
 
@@ -128,6 +130,9 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
                     t = h.get_tensor(key).to(device=device, dtype=dtype)
                     _assign(module, name, t)
                     loaded.add(name)
+                    del t
+                    if on_loaded is not None:
+                        on_loaded(name)
         except SafetensorError as e:
             raise CheckpointError(f"{f.name} could not be read ({e}); the file may be truncated: re-download it") from None
     if bar is not None:

@@ -112,9 +112,10 @@ def plan(lm, template: str, **sampling) -> Plan:
     tpl = parse_template(template)
     prompt, region = layout(tok, tpl)
     C = lm.canvas_length
+    n_new = math.ceil(len(region) / C) * C
     kw = {"pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else 0, **sampling,
-          "max_new_tokens": math.ceil(len(region) / C) * C, "eos_token_id": None,
-          "fixed_tokens": torch.tensor([region])}
+          "max_new_tokens": n_new, "eos_token_id": None,
+          "fixed_tokens": torch.tensor([region + [-2] * (n_new - len(region))])}  # past the template: discarded
     lm.generation_config(**{k: v for k, v in kw.items() if k != "fixed_tokens"})
     return Plan(tpl, prompt, region, kw)
 

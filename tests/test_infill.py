@@ -72,6 +72,24 @@ def test_fixed_positions_do_not_spend_the_entropy_budget(bp):
     assert all(bool(d.accepted[0, free]) for d in drafts)
 
 
+@pytest.mark.parametrize("sampler", ["exact", "fast"])
+def test_discarded_positions_do_not_hold_up_adaptive_stopping(bp, sampler):
+    """-2 (free, discarded): adaptive stopping looks only at the other positions. All positions fixed but three:
+    marked -2 the canvas stops as soon as the fixed ones are stable (step 2); marked -1 the three noisy free
+    positions keep it going."""
+    C = bp.canvas_length
+    base = torch.randint(5, 512, (1, C), generator=torch.Generator().manual_seed(4))
+    kw = {**KW, "max_new_tokens": C, "eos_token_id": None, "max_denoising_steps": 12, "stability_threshold": 1,
+          "confidence_threshold": 1e9}
+    steps = {}
+    for mark in (-1, -2):
+        fixed = base.clone()
+        fixed[0, -3:] = mark
+        r = bp.generate(prompt(), generator=torch.Generator().manual_seed(0), sampler=sampler, fixed_tokens=fixed, **kw)
+        steps[mark] = r.steps_per_canvas[0]
+    assert steps[-2] == 2 and steps[-1] > 2
+
+
 def test_fixed_tokens_errors(bp):
     C = bp.canvas_length
     with pytest.raises(InputError, match="spans"):

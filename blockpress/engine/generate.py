@@ -80,11 +80,12 @@ class Finished:
 
 
 def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, cache, tracker, generator,
-                 finished=None, fixed=None):
+                 finished=None, fixed=None, watch=None):
     """One denoising step with remaining-step counter n (N..1). Returns x', a', sc', done', accepted.
 
     fixed: None, or (mask [B,C] bool, tokens [B,C]) — positions held at given tokens (infilling): their
-    entropy counts as 0 in the acceptance budget and the canvas and argmax keep the given token."""
+    entropy counts as 0 in the acceptance budget and the canvas and argmax keep the given token.
+    watch: None, or [B,C] bool — the positions adaptive stopping looks at (default: all)."""
     raw = module.decode(x, cache, sc_logits)
     # per-row generators draw only for active rows (batch invariance); one generator draws for all
     active = ~(done | finished) if isinstance(generator, (list, tuple)) and finished is not None else None
@@ -104,7 +105,7 @@ def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, c
             a = torch.where(done[:, None], a_prev, a)
             x_new = torch.where(done[:, None], x, x_new)
             z = torch.where(done[:, None, None], sc_logits, z)
-        done = done | tracker(a, z)
+        done = done | tracker(a, z, watch=watch)
     return x_new, a, z.to(module.dtype), done, accepted
 
 
@@ -126,9 +127,11 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     sampler: "exact" (the reference's arithmetic and draws) or "fast" (the fused one-pass sampler of
     kernels/sampler_fused.py: same distribution, different random stream).
     fixed_tokens [B, L] (infilling / editing in place): token ids the new tokens must hold, -1 where the
-    model decides. Canvas c holds columns [c*C, (c+1)*C) fixed from its first step to its commit (the
-    model sees them, as it sees unreplaced positions in training); L may span several canvases. Random
-    draws are unchanged, so fixing nothing (all -1) gives the same tokens as no `fixed_tokens`.
+    model decides, -2 where it decides but the caller will discard the token (adaptive stopping then
+    ignores the position; columns past L count as -1). Canvas c holds columns [c*C, (c+1)*C) fixed
+    from its first step to its commit (the model sees them, as it sees unreplaced positions in
+    training); L may span several canvases. Random draws are unchanged, so fixing nothing (all -1)
+    gives the same tokens as no `fixed_tokens`.
     """
     if sampler == "exact":
         step_fn = denoise_step
@@ -169,8 +172,8 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
         if fixed_tokens.shape[1] > n_canvases * C:
             raise InputError(f"fixed_tokens spans {fixed_tokens.shape[1]} tokens but max_new_tokens="
                              f"{cfg.max_new_tokens} gives {n_canvases} canvas(es) of {C}; raise max_new_tokens")
-        if fixed_tokens.numel() and (int(fixed_tokens.min()) < -1 or int(fixed_tokens.max()) >= V):
-            raise InputError(f"fixed_tokens must hold ids in [0, {V}) or -1 (free)")
+        if fixed_tokens.numel() and (int(fixed_tokens.min()) < -2 or int(fixed_tokens.max()) >= V):
+            raise InputError(f"fixed_tokens must hold ids in [0, {V}), -1 (free) or -2 (free, discarded)")
         pad_to = n_canvases * C - fixed_tokens.shape[1]
         fixed_tokens = torch.nn.functional.pad(fixed_tokens, (0, pad_to), value=-1).to(dev)
     eos = torch.tensor(cfg.eos_token_id, device=dev) if cfg.eos_token_id is not None else None
@@ -196,12 +199,14 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             sc = None
             if c == 0 and decoder_input_ids is not None:
                 x = decoder_input_ids.to(dev)
-            fixed = None
+            fixed = watch = None
             if fixed_tokens is not None:
                 cols = fixed_tokens[:, c * C:(c + 1) * C]
                 if bool((cols >= 0).any()):
                     fixed = (cols >= 0, cols.clamp(min=0))
                     x = clamp(x, fixed)
+                if bool((cols == -2).any()):
+                    watch = cols != -2
             if c == 0 and self_conditioning_logits is not None:
                 sc = self_conditioning_logits.to(dev)
             a = x
@@ -212,7 +217,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             for n in range(N, 0, -1):
                 passes += ~(done | finished)
                 x, a, sc, done, accepted = step_fn(module, x, a, sc, done, n, cfg, cache, tracker, generator,
-                                                   finished, fixed=fixed)
+                                                   finished, fixed=fixed, watch=watch)
                 steps += 1
                 if drafts:
                     yield Draft(c, steps, N, a.cpu(), accepted.cpu(), done.cpu())

@@ -123,11 +123,12 @@ def fused_sample(raw, tau=None, generator=None, out_dtype=None, backend: str = "
 # ------------------------------------------------------------------------------------ engine hook
 
 def denoise_step_fast(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished=None,
-                      fixed=None):
+                      fixed=None, watch=None):
     """Drop-in for `engine.generate.denoise_step` using the fused sampler (same returns).
     Per-row generator lists (the server's batch-invariant seeding) take the exact path."""
     if isinstance(generator, (list, tuple)):
-        return _exact_step(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished, fixed)
+        return _exact_step(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished, fixed,
+                           watch)
     raw = module.decode(x, cache, sc_logits)
     tau = None
     if cfg.t_min is not None and cfg.t_max is not None:
@@ -143,5 +144,5 @@ def denoise_step_fast(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker
             a = torch.where(done[:, None], a_prev, a)
             x_new = torch.where(done[:, None], x, x_new)
             z = torch.where(done[:, None, None], sc_logits, z)
-        done = done | tracker(a, z, entropy=h)
+        done = done | tracker(a, z, entropy=h, watch=watch)
     return x_new, a, z, done, accepted

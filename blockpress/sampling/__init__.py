@@ -79,18 +79,29 @@ class StabilityTracker:
     def reset(self) -> None:
         self.history = None
 
-    def stable(self, argmax: torch.Tensor) -> torch.Tensor:
-        """[B] True where the argmax equals each of the last S argmax canvases; records this one."""
+    def stable(self, argmax: torch.Tensor, watch: torch.Tensor | None = None) -> torch.Tensor:
+        """[B] True where the argmax equals each of the last S argmax canvases (at the `watch` positions
+        [B,C] when given); records this one."""
         if self.S == 0:
             return torch.ones(argmax.shape[0], dtype=torch.bool, device=argmax.device)
         if self.history is None:
             self.history = torch.full((self.S, *argmax.shape), -1, dtype=argmax.dtype, device=argmax.device)
-        stable = (self.history == argmax[None]).all(dim=-1).all(dim=0)
+        same = self.history == argmax[None]
+        if watch is not None:
+            same = same | ~watch[None]
+        stable = same.all(dim=-1).all(dim=0)
         self.history = torch.cat([self.history[1:], argmax[None]], dim=0)
         return stable
 
-    def __call__(self, argmax: torch.Tensor, z: torch.Tensor, entropy: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, argmax: torch.Tensor, z: torch.Tensor, entropy: torch.Tensor | None = None,
+                 watch: torch.Tensor | None = None) -> torch.Tensor:
         """argmax [B,C], z [B,C,V] (temperature-scaled, possibly frozen) -> done [B].
-        `entropy` [B,C] may be passed when already computed from z (fused sampler)."""
+        `entropy` [B,C] may be passed when already computed from z (fused sampler). `watch` [B,C] bool:
+        only these positions count (infilling: the canvas past the template is free but discarded)."""
         h = token_entropy(z) if entropy is None else entropy
-        return self.stable(argmax) & (h.mean(dim=-1) < self.kappa)
+        if watch is None:
+            mean = h.mean(dim=-1)
+        else:
+            w = watch.to(h.dtype)
+            mean = (h * w).sum(-1) / w.sum(-1).clamp(min=1)
+        return self.stable(argmax, watch) & (mean < self.kappa)

@@ -147,11 +147,12 @@ class _Row:
     fixed: torch.Tensor | None = None  # [canvases * C] ids, -1 = free (Job.fixed_tokens, padded)
 
     def fixed_for(self, canvas: int, C: int):
-        """(mask [1,C], ids [1,C]) held in this canvas, or None."""
+        """((mask [1,C], ids [1,C]) held in this canvas, or None; watch [1,C] for stopping, or None)."""
         if self.fixed is None:
-            return None
+            return None, None
         cols = self.fixed[canvas * C:(canvas + 1) * C][None]
-        return (cols >= 0, cols.clamp(min=0)) if bool((cols >= 0).any()) else None
+        return ((cols >= 0, cols.clamp(min=0)) if bool((cols >= 0).any()) else None,
+                cols != -2 if bool((cols == -2).any()) else None)
 
 
 def _select_rows(cache: KVCache, keep: list[int]) -> None:
@@ -378,7 +379,7 @@ class Scheduler:
         m, C, V, dev = self.module, self.C, self.V, self.module.device
         B = len(self.rows)
         x = torch.empty(B, C, dtype=torch.long, device=dev)
-        fixed = [r.fixed_for(len(r.steps_per_canvas), C) for r in self.rows]
+        fixed, watch = zip(*[r.fixed_for(len(r.steps_per_canvas), C) for r in self.rows])
         for i, r in enumerate(self.rows):
             x[i] = clamp(uniform_tokens(1, C, V, dev, r.generator), fixed[i])[0]
             r.n, r.steps = r.cfg.max_denoising_steps, 0
@@ -410,7 +411,7 @@ class Scheduler:
                 r.steps += 1
                 r.passes += 1
                 r.n -= 1
-                if r.tracker is not None and bool(r.tracker(a[i:i + 1], z)[0]):
+                if r.tracker is not None and bool(r.tracker(a[i:i + 1], z, watch=watch[i])[0]):
                     r.n = 0
                 if r.handle.job.drafts:
                     r.handle.put(RowDraft(len(r.steps_per_canvas), r.steps, cfg.max_denoising_steps,

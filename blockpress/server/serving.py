@@ -359,7 +359,7 @@ class OpenAIServing:
         if holes is None:
             return ev.tokens
         base = ev.canvas * self.lm.canvas_length
-        return [t for j, t in enumerate(ev.tokens) if base + j < len(holes) and holes[base + j] < 0]
+        return [t for j, t in enumerate(ev.tokens) if base + j < len(holes) and holes[base + j] == -1]
 
     async def completion(self, req: CompletionRequest, disconnected: Disconnected | None = None):
         self._check_model(req.model)
@@ -373,8 +373,9 @@ class OpenAIServing:
                                f"this server's limit of {self.limits.max_tokens}; shorten the suffix",
                                param="suffix", code="context_length_exceeded")
             C = self.lm.canvas_length
-            sampling.cfg = dataclasses.replace(sampling.cfg, max_new_tokens=math.ceil(len(region) / C) * C)
-            holes = region
+            n_new = math.ceil(len(region) / C) * C
+            sampling.cfg = dataclasses.replace(sampling.cfg, max_new_tokens=n_new)
+            holes = region + [-2] * (n_new - len(region))  # past the suffix: free, discarded, not watched
         run = self._submit(ids, sampling, fixed_tokens=holes)
         asm = OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=False)
         rid = "cmpl-" + secrets.token_hex(12)

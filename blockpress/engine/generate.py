@@ -85,7 +85,8 @@ def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, c
 
     fixed: None, or (mask [B,C] bool, tokens [B,C]) — positions held at given tokens (infilling): their
     entropy counts as 0 in the acceptance budget and the canvas and argmax keep the given token.
-    watch: None, or [B,C] bool — the positions adaptive stopping looks at (default: all)."""
+    watch: None, or [B,C] bool — the positions adaptive stopping looks at (default: all; with fixed
+    tokens, the free positions whose tokens are kept)."""
     raw = module.decode(x, cache, sc_logits)
     # per-row generators draw only for active rows (batch invariance); one generator draws for all
     active = ~(done | finished) if isinstance(generator, (list, tuple)) and finished is not None else None
@@ -127,8 +128,8 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     sampler: "exact" (the reference's arithmetic and draws) or "fast" (the fused one-pass sampler of
     kernels/sampler_fused.py: same distribution, different random stream).
     fixed_tokens [B, L] (infilling / editing in place): token ids the new tokens must hold, -1 where the
-    model decides, -2 where it decides but the caller will discard the token (adaptive stopping then
-    ignores the position; columns past L count as -1). Canvas c holds columns [c*C, (c+1)*C) fixed
+    model decides, -2 where it decides but the caller will discard the token; adaptive stopping then
+    looks only at the -1 positions (columns past L count as -1). Canvas c holds columns [c*C, (c+1)*C) fixed
     from its first step to its commit (the model sees them, as it sees unreplaced positions in
     training); L may span several canvases. Random draws are unchanged, so fixing nothing (all -1)
     gives the same tokens as no `fixed_tokens`.
@@ -205,8 +206,8 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
                 if bool((cols >= 0).any()):
                     fixed = (cols >= 0, cols.clamp(min=0))
                     x = clamp(x, fixed)
-                if bool((cols == -2).any()):
-                    watch = cols != -2
+                if bool((cols != -1).any()):  # stopping looks only at what the model decides and the caller keeps
+                    watch = cols == -1
             if c == 0 and self_conditioning_logits is not None:
                 sc = self_conditioning_logits.to(dev)
             a = x

@@ -152,7 +152,7 @@ class _Row:
             return None, None
         cols = self.fixed[canvas * C:(canvas + 1) * C][None]
         return ((cols >= 0, cols.clamp(min=0)) if bool((cols >= 0).any()) else None,
-                cols != -2 if bool((cols == -2).any()) else None)
+                cols == -1 if bool((cols != -1).any()) else None)
 
 
 def _select_rows(cache: KVCache, keep: list[int]) -> None:

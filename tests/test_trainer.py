@@ -191,3 +191,14 @@ def test_plain_text_training_splits_documents_and_runs_from_the_cli(tmp_path):
     from blockpress.loading import resolve_path
 
     assert resolve_path(out) == resolve_path(out / "latest") == out / "checkpoint-0000002"  # a run folder: its newest
+
+
+def test_loss_plot_draws_only_informative_curves(tmp_path):
+    from blockpress.train.plot import plot_history
+
+    hist = [{"step": s, "loss": 3.0 - s / 10, "diff": 3.0 - s / 10, "ar": 0.0} for s in range(5)]
+    hist += [{"step": 4, "eval_loss": 2.8, "eval_diff": 2.8, "eval_ar": 0.0}]
+    assert plot_history(hist, tmp_path / "a.png") == ["train loss", "eval loss"]  # AR off: loss is the diffusion term
+    both = [{**h, "ar": 1.0, "loss": h["diff"] + 1.0} for h in hist[:5]]
+    assert plot_history(both, tmp_path / "b.png") == ["train loss", "train diff", "train ar"]
+    assert (tmp_path / "a.png").stat().st_size > 5000

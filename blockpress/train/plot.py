@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_history(history: list[dict], path: str | Path, title: str = "training loss") -> None:
+def plot_history(history: list[dict], path: str | Path, title: str = "training loss") -> list[str]:
+    """Write the PNG; returns the labels of the curves drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -14,14 +15,17 @@ def plot_history(history: list[dict], path: str | Path, title: str = "training l
     train = [h for h in history if "loss" in h]
     evals = [h for h in history if "eval_loss" in h]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, style in (("loss", "-"), ("diff", "--"), ("ar", ":")):
-        pts = [(h["step"], h[key]) for h in train if key in h]
-        if any(v > 0 for _, v in pts):  # all-zero: a term that was off (e.g. --ar-weight 0)
-            ax.plot(*zip(*pts), style, label=f"train {key}")
-    for key in ("eval_loss", "eval_diff", "eval_ar"):
-        pts = [(h["step"], h[key]) for h in evals if key in h]
-        if any(v > 0 for _, v in pts):
-            ax.plot(*zip(*pts), "o-", ms=3, label=key.replace("_", " "))
+    def drawn(rows, loss, diff, ar):
+        """The curves worth drawing: no all-zero term (e.g. --ar-weight 0), and no diffusion term that is
+        the whole loss anyway."""
+        has_ar = any(h.get(ar, 0) > 0 for h in rows)
+        return [k for k in (loss, diff, ar) if any(h.get(k, 0) > 0 for h in rows) and (has_ar or k != diff)]
+
+    for key in drawn(train, "loss", "diff", "ar"):
+        style = {"loss": "-", "diff": "--", "ar": ":"}[key]
+        ax.plot(*zip(*[(h["step"], h[key]) for h in train if key in h]), style, label=f"train {key}")
+    for key in drawn(evals, "eval_loss", "eval_diff", "eval_ar"):
+        ax.plot(*zip(*[(h["step"], h[key]) for h in evals if key in h]), "o-", ms=3, label=key.replace("_", " "))
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats)")
     ax.set_yscale("log")
@@ -30,4 +34,6 @@ def plot_history(history: list[dict], path: str | Path, title: str = "training l
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    labels = [line.get_label() for line in ax.get_lines()]
     plt.close(fig)
+    return labels

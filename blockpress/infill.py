@@ -10,15 +10,16 @@ training, unreplaced canvas positions are clean tokens at arbitrary places.
 
 Tokenizers attach a space to the word after it (" created" is one token), so a single space right
 before a hole is moved into the hole: "God [MASK] the" is laid out as "God" + hole + " the" and the
-fill comes back as " created". A hole's length is exact, but a fill ends at the first end-of-text token the model puts in the hole
-(the checkpoint's eos ids, else the tokenizer's <eos>), and special tokens are not shown, so a fill can
-come back shorter: the model's way of saying the hole needed fewer tokens. The server's
-`/v1/completions` with `suffix` (OpenAI's insert mode) is the same operation with one hole. Text
-after the template is not generated (the canvas beyond the template's last token is free and then
-discarded).
+fill comes back as " created". A hole's length is exact, but a fill ends at the first end-of-text
+token the model puts in the hole (the checkpoint's eos ids, else the tokenizer's <eos>), and special
+tokens are not shown, so a fill can come back shorter: the model's way of saying the hole needed
+fewer tokens. The server's `/v1/completions` with `suffix` (OpenAI's insert mode) is the same
+operation with one hole. Text after the template is not generated: the canvas past the template's
+last token is free (the model may continue the text there), then discarded, and adaptive stopping
+watches only the holes.
 
-    lm = blockpress.load("blockpress/assets/kjv")
-    lm.infill("In the beginning God [MASK:2] the heaven and the earth.", seed=0).text
+    lm = blockpress.load("kjv")
+    lm.infill("In the beginning God [MASK] the heaven and the earth.", seed=0).text
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ SHIPPED_MODELS = {"sudoku": ASSETS / "sudoku", "kjv": ASSETS / "kjv"}  # name ->
 
 
 def resolve_path(model: str | Path, progress: bool = True) -> Path:
-    """A folder as is (a training run's folder: the checkpoint its `latest` file names); a shipped model's name ('sudoku', 'kjv') when no such folder exists; otherwise a
-    Hub id (owner/name) downloaded or found in the local HF cache."""
+    """A folder as is (a training run's folder: the checkpoint its `latest` file names); a shipped
+    model's name ('sudoku', 'kjv') when no such folder exists; otherwise a Hub id (owner/name)
+    downloaded or found in the local HF cache."""
     p = Path(model).expanduser()
     run_dir = p if p.is_dir() else p.parent
     if (p.name == "latest" or (p.is_dir() and not (p / "config.json").exists())) and (run_dir / "latest").is_file():

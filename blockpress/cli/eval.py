@@ -25,7 +25,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model for the task)")
     p.add_argument("--data", default=None, help="infill: passages separated by blank lines")
     p.add_argument("--adapter", default=None, help="LoRA adapter folder to apply")
-    p.add_argument("--n", type=int, default=50, help="puzzles per blanks level")
+    p.add_argument("--n", type=int, default=None,
+                   help="sudoku: puzzles per blanks level (default 50); infill: passages (default 200)")
     p.add_argument("--blanks", type=int, nargs="+", default=None, help="blanks levels (default 35 40 45 50 55)")
     p.add_argument("--steps", type=int, nargs="+", default=None, help="fixed denoising-step budgets to compare")
     p.add_argument("--batch-size", type=int, default=50)
@@ -91,7 +92,7 @@ def main(args) -> int:
         from blockpress.train.lora import apply_adapter
 
         apply_adapter(lm, args.adapter)
-    results = run_eval(lm, args.n, args.blanks, args.steps, args.batch_size, args.seed, args.ar)
+    results = run_eval(lm, args.n or 50, args.blanks, args.steps, args.batch_size, args.seed, args.ar)
     for name, res in results.items():
         print(f"\n{name} ({path})")
         print(sd.format_report(res))
@@ -108,9 +109,9 @@ def _infill(args) -> int:
     from blockpress.errors import InputError
     from blockpress.tasks import text_infill as ti
 
-    from .infill import DEFAULT_TEXT_MODEL
+    from blockpress.loading import SHIPPED_MODELS, resolve_path
 
-    path = Path(args.model) if args.model else DEFAULT_TEXT_MODEL
+    path = resolve_path(args.model, progress=False) if args.model else SHIPPED_MODELS["kjv"]
     data = Path(args.data) if args.data else path / "eval" / "heldout.txt"
     if not data.is_file():
         raise InputError(f"no passages at {data}; pass --data FILE (passages separated by blank lines)")
@@ -119,7 +120,7 @@ def _infill(args) -> int:
         from blockpress.train.lora import apply_adapter
 
         apply_adapter(lm, args.adapter)
-    examples = ti.make_examples(ti.read_passages(data), args.n, args.seed)
+    examples = ti.make_examples(ti.read_passages(data), args.n or 200, args.seed)
     results = {}
     for s in args.steps or [None]:
         kw = {} if s is None else {"max_denoising_steps": s, "stability_threshold": None}

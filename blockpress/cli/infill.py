@@ -9,11 +9,8 @@ MODEL defaults to the shipped text model (blockpress/assets/kjv) when it is inst
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from .run import add_model_args, add_sampling_args, load_model, read_prompt, sampling_kwargs, stats_line, stats_of
-
-DEFAULT_TEXT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "kjv"
 
 
 def add_parser(p) -> None:
@@ -61,8 +58,10 @@ def main(args) -> int:
     from ..infill import finish, plan
     from .view import CanvasView, TextRenderer
 
-    if args.model is None and (DEFAULT_TEXT_MODEL / "config.json").is_file():
-        args.model = str(DEFAULT_TEXT_MODEL)
+    from ..loading import SHIPPED_MODELS
+
+    if args.model is None and (SHIPPED_MODELS["kjv"] / "config.json").is_file():
+        args.model = str(SHIPPED_MODELS["kjv"])
     template = read_prompt(args.template)
     if template is None or not template.strip():
         raise InputError("no TEMPLATE given; e.g. blockpress infill 'In the beginning God [MASK] the heaven'")

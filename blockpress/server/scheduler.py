@@ -55,7 +55,7 @@ class Job:
     cfg: GenerationConfig
     seed: int | None = None
     drafts: bool = False
-    fixed_tokens: list[int] | None = None  # infilling: new-token positions held at these ids (-1 = free)
+    fixed_tokens: list[int] | None = None  # insert mode: new tokens held at these ids (-1 free, -2 free+discarded)
 
 
 @dataclass
@@ -360,9 +360,9 @@ class Scheduler:
             n_canvases = math.ceil(cfg.max_new_tokens / self.C)
             fixed = None
             if h.job.fixed_tokens is not None:
+                given = h.job.fixed_tokens[:n_canvases * self.C]
                 fixed = torch.full((n_canvases * self.C,), -1, dtype=torch.long, device=dev)
-                fixed[:len(h.job.fixed_tokens)] = torch.tensor(h.job.fixed_tokens[:n_canvases * self.C],
-                                                               dtype=torch.long, device=dev)
+                fixed[:len(given)] = torch.tensor(given, dtype=torch.long, device=dev)
             rows.append(_Row(h, g, cfg, n_canvases, tracker, eos, fixed=fixed))
             if self.metrics is not None:
                 self.metrics.queue_seconds.observe(time.perf_counter() - h.submitted)

@@ -154,6 +154,7 @@ def test_chat_jsonl_supervises_only_the_final_assistant_turn(tmp_path):
                      "--no-progress", "--threads", "1"]) == 0
     lm = blockpress.load(tmp_path / "run" / "checkpoint-0000002", progress=False)
     assert lm.tokenizer is not None and (tmp_path / "run" / "checkpoint-0000002" / "chat_template.jinja").is_file()
+    assert lm.generation_config().eos_token_id == [tok.eos_token_id, tok.token_to_id("<turn|>")]  # a turn ends
 
 
 def test_plain_text_training_splits_documents_and_runs_from_the_cli(tmp_path):
@@ -188,6 +189,8 @@ def test_plain_text_training_splits_documents_and_runs_from_the_cli(tmp_path):
     assert any("eval_loss" in r for r in rows)
     lm = blockpress.load(out / "checkpoint-0000002", progress=False)
     assert lm.canvas_length == 8 and lm.tokenizer is not None
+    gen = lm.generation_config()  # stops where the training data's responses stopped
+    assert gen.eos_token_id == [tok.eos_token_id] and gen.pad_token_id == tok.pad_token_id
     from blockpress.loading import resolve_path
 
     assert resolve_path(out) == resolve_path(out / "latest") == out / "checkpoint-0000002"  # a run folder: its newest

@@ -162,9 +162,9 @@ def test_rows_finish_denoising_at_different_steps(pair, monkeypatch):
     seen = []
     orig = StabilityTracker.__call__
 
-    def recording(self, argmax, z):
+    def recording(self, argmax, z, **kw):
         seen.append(token_entropy(z).mean(-1))
-        return orig(self, argmax, z)
+        return orig(self, argmax, z, **kw)
 
     kw = dict(BASE, max_new_tokens=2 * bp.canvas_length, eos_token_id=[1])
     with monkeypatch.context() as m:

@@ -191,6 +191,7 @@ def test_plain_text_training_splits_documents_and_runs_from_the_cli(tmp_path):
     assert lm.canvas_length == 8 and lm.tokenizer is not None
     gen = lm.generation_config()  # stops where the training data's responses stopped
     assert gen.eos_token_id[0] == tok.eos_token_id and gen.pad_token_id == tok.pad_token_id
+    assert not (out / "checkpoint-0000002" / "blockpress_task.json").exists()  # a text model, not a task model
     from blockpress.loading import resolve_path
 
     assert resolve_path(out) == resolve_path(out / "latest") == out / "checkpoint-0000002"  # a run folder: its newest

@@ -145,12 +145,12 @@ def build(args):
             lm.path = tokdir
     if task:
         lm.generation_defaults = {**SUDOKU_GENERATION, **lm.generation_defaults}
+        extra["blockpress_task.json"] = json.dumps({"task": "sudoku"})
     elif lm.tokenizer is not None:  # checkpoints stop at the tokenizer's end of text, as the data was written
         tok = lm.tokenizer
         ends = [i for i in (tok.eos_token_id, tok.token_to_id("<turn|>")) if i is not None]  # <turn|>: chat turns
         stop = {"eos_token_id": ends or None, "pad_token_id": tok.pad_token_id}
         lm.generation_defaults = {**{k: v for k, v in stop.items() if v is not None}, **lm.generation_defaults}
-        extra["blockpress_task.json"] = json.dumps({"task": "sudoku"})
     lm.module.set_experts_backend(args.experts_backend)
     if lora is not None:
         from blockpress.train.lora import add_lora, load_adapter_weights

@@ -69,3 +69,10 @@ def test_eval_cli_reproduces_the_published_infill_rows(tmp_path):
     mine = json.loads(out.read_text())["default"]
     for mode, rows in mine["rows"].items():
         assert rows == published["rows"][mode][:4], mode
+
+
+def test_infill_cli_with_only_a_template_uses_the_shipped_text_model(capsys):
+    assert cli_main(["infill", "In the beginning God [MASK] the heaven and the earth.", "--seed", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"].startswith("In the beginning God") and out["text"].endswith(" the heaven and the earth.")
+    assert len(out["fills"]) == 1 and sum(out["hole_mask"]) == 1

@@ -55,11 +55,12 @@ def main(args) -> int:
     import blockpress
 
     from ..errors import InputError
-    from ..infill import finish, plan
+    from ..infill import HOLE, finish, plan
+    from ..loading import SHIPPED_MODELS
     from .view import CanvasView, TextRenderer
 
-    from ..loading import SHIPPED_MODELS
-
+    if args.template is None and args.model is not None and HOLE.search(args.model):
+        args.template, args.model = args.model, None  # one argument with holes: the template, default model
     if args.model is None and (SHIPPED_MODELS["kjv"] / "config.json").is_file():
         args.model = str(SHIPPED_MODELS["kjv"])
     template = read_prompt(args.template)

@@ -174,3 +174,27 @@ def build_tiny_gemma_tokenizer(path_or_dir: str | Path) -> Tokenizer:
     (folder / "tokenizer_config.json").write_text(json.dumps(_TOKENIZER_CONFIG, indent=2), encoding="utf-8")
     (folder / "chat_template.jinja").write_text(DEFAULT_GEMMA4_TEMPLATE, encoding="utf-8")
     return Tokenizer.from_dir(folder)
+
+
+def decoder_logits_gap_vs_transformers(folder, ids, canvas) -> float:
+    """Max |logit difference| between transformers 5.23 and blockpress (both fp32, eager) for one decoder pass
+    over `canvas` [B,C] after encoding `ids` [B,S], both loading the checkpoint `folder`. Test helper."""
+    import torch
+    import transformers
+
+    import blockpress
+
+    hf = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(str(folder)).eval()
+    hf.set_attn_implementation("eager")
+    hf.set_experts_implementation("eager")
+    bp = blockpress.load(folder, progress=False)
+    bp.module.attention_backend = "eager"
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=hf.config.text_config)
+        hf.model.encoder(input_ids=ids, past_key_values=cache)
+        ref = hf(decoder_input_ids=canvas, past_key_values=cache).logits
+        ours = bp.module.new_cache(ids.shape[0], ids.shape[1])
+        bp.module.encode(ids, ours)
+        got = bp.module.decode(canvas, ours)
+    assert ref.shape == got.shape, (ref.shape, got.shape)
+    return float((ref - got).abs().max())

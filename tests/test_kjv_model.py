@@ -41,23 +41,13 @@ def test_generates_plain_text_from_a_plain_prompt(lm):
 
 
 def test_asset_loads_in_transformers_with_the_same_logits(lm):
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(ASSET).eval()
-    hf.set_attn_implementation("eager")
-    hf.set_experts_implementation("eager")
-    bp = blockpress.load(ASSET, progress=False)
-    bp.module.attention_backend = "eager"
+    pytest.importorskip("transformers")
+    from blockpress.testing import decoder_logits_gap_vs_transformers
+
     ids = torch.tensor([lm.encode_chat("In the beginning God created the heaven and the earth.")])
     canvas = torch.randint(0, lm.config.text.vocab_size, (1, lm.canvas_length),
                            generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        cache = transformers.DynamicCache(config=hf.config.text_config)
-        hf.model.encoder(input_ids=ids, past_key_values=cache)
-        ref = hf(decoder_input_ids=canvas, past_key_values=cache).logits
-        ours = bp.module.new_cache(1, ids.shape[1])
-        bp.module.encode(ids, ours)
-        got = bp.module.decode(canvas, ours)
-    assert ref.shape == got.shape and (ref - got).abs().max() < 1e-4
+    assert decoder_logits_gap_vs_transformers(ASSET, ids, canvas) < 1e-4
 
 
 def test_eval_cli_reproduces_the_published_infill_rows(tmp_path):

@@ -50,22 +50,12 @@ def test_asset_loads_and_solve_keeps_every_clue(lm):
 def test_asset_loads_in_transformers_with_the_same_logits():
     """transformers 5.23 loads the shipped folder and its decoder logits equal ours (fp32)."""
     transformers = pytest.importorskip("transformers")
-    hf = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(ASSET).eval()
-    hf.set_attn_implementation("eager")
-    hf.set_experts_implementation("eager")
-    assert hf.config.canvas_length == sd.CANVAS_LEN
-    bp = blockpress.load(ASSET, progress=False)
-    bp.module.attention_backend = "eager"
+    from blockpress.testing import decoder_logits_gap_vs_transformers
+
+    assert transformers.DiffusionGemmaConfig.from_pretrained(ASSET).canvas_length == sd.CANVAS_LEN
     ids = torch.tensor([sd.encode_prompt(p) for p, _ in sd.test_set(45, 2)])
     canvas = torch.randint(0, len(sd.VOCAB), (2, sd.CANVAS_LEN), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        cache = transformers.DynamicCache(config=hf.config.text_config)
-        hf.model.encoder(input_ids=ids, past_key_values=cache)
-        ref = hf(decoder_input_ids=canvas, past_key_values=cache).logits
-        ours = bp.module.new_cache(2, ids.shape[1])
-        bp.module.encode(ids, ours)
-        got = bp.module.decode(canvas, ours)
-    assert ref.shape == got.shape and (ref - got).abs().max() < 1e-4
+    assert decoder_logits_gap_vs_transformers(ASSET, ids, canvas) < 1e-4
 
 
 def test_published_eval_is_consistent(published):

@@ -4,6 +4,8 @@ and save a screenshot to artifacts/web.png."""
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import pytest
@@ -31,8 +33,9 @@ def server(tmp_path_factory):
     s.stop()
 
 
-def test_page_streams_drafts_and_final_text(server):
-    steps, max_tokens, seed = 6, 40, 11
+@contextlib.contextmanager
+def open_page(server):
+    """Chromium on the server's page, once it knows the model; yields (page, page errors)."""
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
         try:
@@ -41,42 +44,48 @@ def test_page_streams_drafts_and_final_text(server):
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(server.url + "/")
             page.wait_for_function("document.getElementById('model').dataset.id !== undefined")
-            page.eval_on_selector("#steps", f"e => {{ e.value = {steps}; e.dispatchEvent(new Event('input')); }}")
-            assert page.text_content("#steps-out") == str(steps)
-            page.fill("#max-tokens", str(max_tokens))
-            page.fill("#seed", str(seed))
-            page.fill("#prompt", "Why is the sky blue?")
-            page.click("#send")
-            page.wait_for_selector(".msg.assistant[data-done='1']", timeout=60_000)
-
-            text = page.text_content(".msg.assistant .content")
-            frames = int(page.get_attribute("#canvas", "data-frames"))
-            assert frames == 3 * steps  # 40 tokens = 3 canvases of 16, one frame per denoising step
-            assert page.locator("#canvas span").count() == 16
-            # every step accepts at least the lowest-entropy position, drawn highlighted
-            assert int(page.get_attribute("#canvas", "data-accepted")) >= frames
-            assert page.locator("#canvas span.stable").count() == 16  # the committed canvas
-            assert page.text_content("#canvas-head") == f"· canvas 3 · step {steps}/{steps}"
-            assert page.text_content("dd[data-stat='tokens']") == str(max_tokens)
-            assert float(page.text_content("dd[data-stat='steps/canvas']")) == steps
-            assert not errors, errors
-
-            api = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-                "messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": max_tokens,
-                "seed": seed, "steps": steps, "chat_template_kwargs": {"enable_thinking": False}}).json()
-            assert text and text == api["choices"][0]["message"]["content"]
-
-            # a second, slower turn: screenshot mid-canvas (noise turning into text), then hang up
-            page.eval_on_selector("#steps", "e => { e.value = 48; e.dispatchEvent(new Event('input')); }")
-            page.fill("#max-tokens", "256")
-            page.fill("#prompt", "And why is the sea blue?")
-            page.click("#send")
-            page.wait_for_function("Number(document.getElementById('canvas').dataset.frames) >= 20")
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "web.png"), full_page=True)
-            assert page.locator("#canvas span.noise").count() > 0
+            yield page, errors
         finally:
             browser.close()
+
+
+def test_page_streams_drafts_and_final_text(server):
+    steps, max_tokens, seed = 6, 40, 11
+    with open_page(server) as (page, errors):
+        page.eval_on_selector("#steps", f"e => {{ e.value = {steps}; e.dispatchEvent(new Event('input')); }}")
+        assert page.text_content("#steps-out") == str(steps)
+        page.fill("#max-tokens", str(max_tokens))
+        page.fill("#seed", str(seed))
+        page.fill("#prompt", "Why is the sky blue?")
+        page.click("#send")
+        page.wait_for_selector(".msg.assistant[data-done='1']", timeout=60_000)
+
+        text = page.text_content(".msg.assistant .content")
+        frames = int(page.get_attribute("#canvas", "data-frames"))
+        assert frames == 3 * steps  # 40 tokens = 3 canvases of 16, one frame per denoising step
+        assert page.locator("#canvas span").count() == 16
+        # every step accepts at least the lowest-entropy position, drawn highlighted
+        assert int(page.get_attribute("#canvas", "data-accepted")) >= frames
+        assert page.locator("#canvas span.stable").count() == 16  # the committed canvas
+        assert page.text_content("#canvas-head") == f"· canvas 3 · step {steps}/{steps}"
+        assert page.text_content("dd[data-stat='tokens']") == str(max_tokens)
+        assert float(page.text_content("dd[data-stat='steps/canvas']")) == steps
+        assert not errors, errors
+
+        api = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": max_tokens,
+            "seed": seed, "steps": steps, "chat_template_kwargs": {"enable_thinking": False}}).json()
+        assert text and text == api["choices"][0]["message"]["content"]
+
+        # a second, slower turn: screenshot mid-canvas (noise turning into text), then hang up
+        page.eval_on_selector("#steps", "e => { e.value = 48; e.dispatchEvent(new Event('input')); }")
+        page.fill("#max-tokens", "256")
+        page.fill("#prompt", "And why is the sea blue?")
+        page.click("#send")
+        page.wait_for_function("Number(document.getElementById('canvas').dataset.frames) >= 20")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "web.png"), full_page=True)
+        assert page.locator("#canvas span.noise").count() > 0
     assert (ARTIFACTS / "web.png").stat().st_size > 10_000
 
 
@@ -85,32 +94,23 @@ def test_page_text_mode_fills_the_gap_between_two_texts(server):
     the page shows prompt + fill + suffix, and the fill equals the API's for the same seed."""
     steps, max_tokens, seed = 4, 6, 3
     prompt, suffix = "Once upon a", " lived a king."
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 800})
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(server.url + "/")
-            page.wait_for_function("document.getElementById('model').dataset.id !== undefined")
-            assert page.input_value("#mode") == "chat"  # the tiny model has a chat template
-            assert page.is_hidden("#suffix")
-            page.select_option("#mode", "text")
-            assert page.is_visible("#suffix") and page.is_hidden("#thinking")
-            page.eval_on_selector("#steps", f"e => {{ e.value = {steps}; e.dispatchEvent(new Event('input')); }}")
-            page.fill("#max-tokens", str(max_tokens))
-            page.fill("#seed", str(seed))
-            page.fill("#prompt", prompt)
-            page.fill("#suffix", suffix)
-            page.click("#send")
-            page.wait_for_selector(".msg.completion[data-done='1']", timeout=60_000)
-            fill = page.text_content(".msg.completion .fill")
-            assert page.text_content(".msg.completion") == prompt + fill + suffix
-            assert int(page.get_attribute("#canvas", "data-frames")) == steps  # one canvas: hole + suffix fit
-            assert not errors, errors
-            api = httpx.post(server.url + "/v1/completions", timeout=60, json={
-                "prompt": prompt, "suffix": suffix, "max_tokens": max_tokens, "seed": seed, "steps": steps}).json()
-            assert fill == api["choices"][0]["text"]
-            assert page.input_value("#prompt") == prompt  # text mode keeps the boxes for another run
-        finally:
-            browser.close()
+    with open_page(server) as (page, errors):
+        assert page.input_value("#mode") == "chat"  # the tiny model has a chat template
+        assert page.is_hidden("#suffix")
+        page.select_option("#mode", "text")
+        assert page.is_visible("#suffix") and page.is_hidden("#thinking")
+        page.eval_on_selector("#steps", f"e => {{ e.value = {steps}; e.dispatchEvent(new Event('input')); }}")
+        page.fill("#max-tokens", str(max_tokens))
+        page.fill("#seed", str(seed))
+        page.fill("#prompt", prompt)
+        page.fill("#suffix", suffix)
+        page.click("#send")
+        page.wait_for_selector(".msg.completion[data-done='1']", timeout=60_000)
+        fill = page.text_content(".msg.completion .fill")
+        assert page.text_content(".msg.completion") == prompt + fill + suffix
+        assert int(page.get_attribute("#canvas", "data-frames")) == steps  # one canvas: hole + suffix fit
+        assert not errors, errors
+        api = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "suffix": suffix, "max_tokens": max_tokens, "seed": seed, "steps": steps}).json()
+        assert fill == api["choices"][0]["text"]
+        assert page.input_value("#prompt") == prompt  # text mode keeps the boxes for another run

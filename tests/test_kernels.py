@@ -244,3 +244,51 @@ def test_graphed_decoder_matches_eager_decode():
         assert len(g.captured) == 1
     finally:
         g.uninstall()
+
+
+def test_sc_topk_soft_embedding_matches_the_exact_one_at_k_equal_v_and_bounds_the_error():
+    from blockpress.kernels.sc_topk import kept_mass, soft_embedding_topk
+
+    g = torch.Generator().manual_seed(0)
+    z, w = 3 * torch.randn(2, 7, 300, generator=g), torch.randn(300, 24, generator=g)
+    exact = torch.softmax(z, -1) @ w
+    torch.testing.assert_close(soft_embedding_topk(z, w, 300), exact, atol=1e-5, rtol=1e-5)
+    for k in (1, 8, 64):  # the dropped mass bounds the error: ||exact - topk|| <= (1 - kept) * max ||E_v||
+        err = (soft_embedding_topk(z, w, k) - exact).norm(dim=-1)
+        bound = (1 - kept_mass(z, k)) * w.norm(dim=-1).max()
+        assert bool((err <= bound + 1e-5).all()) and float(err.max()) > 0
+
+
+def test_sc_topk_decoder_on_a_confident_trained_model(hf_tiny_dir):
+    """Decoder logits with top-K self-conditioning: equal to the exact path at K = V on a tiny random model,
+    and within 1e-3 nats (mean KL) at K = 8 on the shipped Sudoku model, whose canvases are confident."""
+    import blockpress
+    from blockpress import kernels
+    from blockpress.kernels.quant import compare_logits
+    from blockpress.tasks import sudoku as sd
+
+    path, _ = hf_tiny_dir
+    for lm, ids, k_small in ((blockpress.load(path, dtype="float32", progress=False),
+                              torch.randint(5, 500, (2, 12), generator=torch.Generator().manual_seed(1)), None),
+                             (blockpress.load("sudoku", progress=False),
+                              torch.tensor([sd.encode_prompt(p) for p, _ in sd.test_set(45, 2)]), 8)):
+        m, V = lm.module, lm.config.text.vocab_size
+        kernels.configure(m)  # the same backends for every pass below; only sc_topk changes
+        with torch.no_grad():
+            cache = m.new_cache(ids.shape[0], ids.shape[1])
+            m.encode(ids, cache)
+            x = torch.randint(0, V, (ids.shape[0], lm.canvas_length), generator=torch.Generator().manual_seed(2))
+            z1 = m.decode(x, cache)
+            x2 = z1.argmax(-1)
+            sc = m.decode(x2, cache, z1)  # a mid-denoising self-conditioning input
+            ref = m.decode(x2, cache, sc)
+            kernels.configure(m, sc_topk=V)
+            torch.testing.assert_close(m.decode(x2, cache, sc), ref, atol=1e-4, rtol=1e-4)
+            if k_small is not None:
+                kernels.configure(m, sc_topk=k_small)
+                c = compare_logits(ref, m.decode(x2, cache, sc))
+                assert c["mean_kl"] < 1e-3 and c["top1_agreement"] == 1.0, c
+            kernels.configure(m, sc_topk=None)
+            torch.testing.assert_close(m.decode(x2, cache, sc), ref)
+    with pytest.raises(ValueError, match="sc_topk"):
+        kernels.configure(m, sc_topk=0)

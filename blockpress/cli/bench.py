@@ -333,7 +333,8 @@ def run(args) -> dict:
         module = build_model(config, device, dtype, args.precision, args.seed, args.init_std, args.group_size)
     build_s = time.perf_counter() - t0
     try:
-        choice = kernels.configure(module, experts=args.experts, attention=args.attention, precision=args.precision)
+        choice = kernels.configure(module, experts=args.experts, attention=args.attention, precision=args.precision,
+                                   sc_topk=args.sc_topk)
     except ValueError as e:
         raise InputError(str(e)) from None
     text, C = module.text, module.config.canvas_length
@@ -437,6 +438,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
     p.add_argument("--cuda-graphs", action="store_true", help="replay the denoising step from a CUDA graph")
+    p.add_argument("--sc-topk", type=int, default=None, metavar="K",
+                   help="self-conditioning over the top-K tokens only (approximate; default: exact, all V)")
     p.add_argument("--prompt-tokens", type=int, help="prompt length P (default per preset)")
     p.add_argument("--prompt", help="with --model: this text (the model's tokenizer) as the prompt of every row, "
                                     "instead of P random ids")

@@ -41,8 +41,9 @@ def auto_experts_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def configure(module, experts: str = "auto", attention: str = "auto", precision: str = "native",
-              group_size: int = 64) -> dict:
-    """Apply backend / precision choices to a DiffusionGemmaModel in place; return the choices."""
+              group_size: int = 64, sc_topk: int | None = None) -> dict:
+    """Apply backend / precision choices to a DiffusionGemmaModel in place; return the choices.
+    sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
     dev, dtype = module.device, module.dtype
@@ -65,7 +66,10 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {attention!r}; use one of {sorted(ATTENTION_BACKENDS)}")
     module.attention_backend = attention
-    return {"experts": resolved, "attention": attention, "precision": precision,
+    if sc_topk is not None and int(sc_topk) < 1:
+        raise ValueError(f"sc_topk must be a positive number of tokens or None, got {sc_topk}")
+    module.sc_topk = None if sc_topk is None else int(sc_topk)
+    return {"experts": resolved, "attention": attention, "precision": precision, "sc_topk": module.sc_topk,
             "triton": None if triton is None else triton.__version__}
 
 

@@ -62,10 +62,14 @@ def step_bytes(module, batch: int, canvas: int, cached: int, hit: float = 1.0, n
     g = weight_groups(module)
     if native:
         g["experts"] = native_expert_bytes(module)
+    k = None if native else getattr(module, "sc_topk", None)  # top-k soft embedding: k rows per position, not E
+    t = module.text
+    soft = g["embedding"] if k is None else min(g["embedding"], batch * canvas * k * t.hidden_size *
+                                                 module.embed_tokens.weight.element_size())
     b = {
         "experts": int(g["experts"] * hit),
         "attention+dense+router+norms": g["attention"] + g["dense_mlp"] + g["router"] + g["norms"],
-        "embedding (LM head + soft embedding)": 2 * g["embedding"],
+        "embedding (LM head + soft embedding)": g["embedding"] + soft,
         "self_conditioning": g["self_conditioning"],
         "kv_cache": kv_bytes(module, batch, cached),
         "logits (fp32 write + read)": 2 * batch * canvas * module.text.vocab_size * 4,

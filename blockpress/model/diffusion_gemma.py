@@ -81,6 +81,9 @@ class DiffusionGemmaModel(nn.Module):
             inv = rope_inv_freq(cfg.type_head_dim(t), cfg.rope_parameters[t])
             self.register_buffer(f"inv_freq_{t}", inv, persistent=False)
         self.attention_backend = "sdpa"
+        # None: the exact soft embedding softmax(z) @ E over the whole vocabulary (the reference). K: only
+        # the K most likely tokens' rows of E (kernels/sc_topk.py; an approximation, opt-in)
+        self.sc_topk: int | None = None
         self.window = cfg.sliding_window
         self.bidirectional_encoder = cfg.use_bidirectional_attention == "all"
         # training (blockpress.train): recompute decoder layers in backward. Encoder layers are never
@@ -210,8 +213,14 @@ class DiffusionGemmaModel(nn.Module):
         e = self.embed(canvas)
         if sc_logits is not None:
             w = self.embed_tokens.weight
-            p = torch.softmax(sc_logits.float(), dim=-1).to(w.dtype)
-            soft = (p @ w) * embed_scale(self.text.hidden_size, e.dtype).to(e.device)
+            if self.sc_topk is None:
+                p = torch.softmax(sc_logits.float(), dim=-1).to(w.dtype)
+                soft = p @ w
+            else:
+                from ..kernels.sc_topk import soft_embedding_topk
+
+                soft = soft_embedding_topk(sc_logits, w, self.sc_topk)
+            soft = soft * embed_scale(self.text.hidden_size, e.dtype).to(e.device)
             if sc_mask is not None:
                 soft = soft * sc_mask.to(soft.dtype)[:, None, None]
             e = e + self.self_conditioning(soft)

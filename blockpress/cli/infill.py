@@ -61,7 +61,10 @@ def main(args) -> int:
 
     if args.template is None and args.model is not None and HOLE.search(args.model):
         args.template, args.model = args.model, None  # one argument with holes: the template, default model
-    if args.model is None and (SHIPPED_MODELS["kjv"] / "config.json").is_file():
+    if args.model is None:  # the shipped text model (`run`'s default, the Sudoku model, has no text to fill)
+        if not (SHIPPED_MODELS["kjv"] / "config.json").is_file():
+            raise InputError(f"no MODEL given and the shipped text model is not installed at {SHIPPED_MODELS['kjv']}; "
+                             "pass a checkpoint folder or Hub id")
         args.model = str(SHIPPED_MODELS["kjv"])
     template = read_prompt(args.template)
     if template is None or not template.strip():

@@ -83,16 +83,27 @@ def parse_template(template: str) -> Template:
     return Template(prefix, pieces)
 
 
-def layout(tokenizer, template: Template) -> tuple[list[int], list[int]]:
-    """-> (prompt ids: BOS when the tokenizer has one + the prefix; region ids with -1 at every hole)."""
+def layout(tokenizer, template: Template) -> tuple[list[int], list[int], list[int]]:
+    """-> (prompt ids: BOS when the tokenizer has one + the prefix; region ids with -1 at every hole;
+    the number of region tokens of each piece)."""
     bos = tokenizer.bos_token_id
     prompt = ([bos] if bos is not None else []) + (tokenizer.encode(template.prefix) if template.prefix else [])
     if not prompt:
         raise InputError("this tokenizer has no BOS token, so the template needs some text before the first hole")
     region: list[int] = []
+    lengths: list[int] = []
     for p in template.pieces:
-        region.extend([-1] * p if isinstance(p, int) else tokenizer.encode(p))
-    return prompt, region
+        ids = [-1] * p if isinstance(p, int) else tokenizer.encode(p)
+        region.extend(ids)
+        lengths.append(len(ids))
+    return prompt, region, lengths
+
+
+def whole_canvases(region: list[int], canvas_length: int) -> tuple[int, list[int]]:
+    """(max_new_tokens covering `region` in whole canvases, region padded to it with -2: free positions
+    past the template, whose tokens are discarded and which adaptive stopping ignores)."""
+    n_new = math.ceil(len(region) / canvas_length) * canvas_length
+    return n_new, region + [-2] * (n_new - len(region))
 
 
 @dataclass
@@ -102,6 +113,7 @@ class Plan:
     template: Template
     prompt: list[int]
     region: list[int]
+    lengths: list[int]  # region tokens per template piece
     kwargs: dict[str, Any]
 
 
@@ -111,14 +123,12 @@ def plan(lm, template: str, **sampling) -> Plan:
     if "max_new_tokens" in sampling:
         raise InputError("infill sets max_new_tokens from the template; make the holes longer or shorter instead")
     tpl = parse_template(template)
-    prompt, region = layout(tok, tpl)
-    C = lm.canvas_length
-    n_new = math.ceil(len(region) / C) * C
+    prompt, region, lengths = layout(tok, tpl)
+    n_new, fixed = whole_canvases(region, lm.canvas_length)
     kw = {"pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else 0, **sampling,
-          "max_new_tokens": n_new, "eos_token_id": None,
-          "fixed_tokens": torch.tensor([region + [-2] * (n_new - len(region))])}  # past the template: discarded
+          "max_new_tokens": n_new, "eos_token_id": None, "fixed_tokens": torch.tensor([fixed])}
     lm.generation_config(**{k: v for k, v in kw.items() if k != "fixed_tokens"})
-    return Plan(tpl, prompt, region, kw)
+    return Plan(tpl, prompt, region, lengths, kw)
 
 
 def finish(lm, p: Plan, result) -> InfillResult:
@@ -127,16 +137,15 @@ def finish(lm, p: Plan, result) -> InfillResult:
     out = result.new_tokens[0, :len(p.region)].tolist()
     stops = set(lm.generation_config().eos_token_id or ([tok.eos_token_id] if tok.eos_token_id is not None else []))
     fills, parts, at = [], [p.template.prefix], 0
-    for piece in p.template.pieces:  # walk the layout again: each hole's own slice, adjacent holes kept apart
+    for piece, n in zip(p.template.pieces, p.lengths):  # each hole's own slice, adjacent holes kept apart
         if isinstance(piece, int):
-            ids = out[at:at + piece]
+            ids = out[at:at + n]
             cut = next((j for j, t in enumerate(ids) if t in stops), len(ids))
             fills.append(tok.decode(ids[:cut], skip_special_tokens=True))
             parts.append(fills[-1])
-            at += piece
         else:
             parts.append(piece)
-            at += len(tok.encode(piece))
+        at += n
     return InfillResult("".join(parts), fills, p.prompt, out, [t < 0 for t in p.region], result)
 
 

@@ -2,7 +2,7 @@
 
     sudo apt-get install bible-kjv                           # the public-domain KJV text + its reader
     python3 scripts/prepare_kjv.py --out runs/kjv            # passages, held-out split, BPE tokenizer
-    OMP_WAIT_POLICY=PASSIVE python3 scripts/train_kjv.py --out runs/kjv-model     # 2 cores: ~80 min
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/train_kjv.py --out runs/kjv-model     # 2 cores: ~66 min
 
 Equivalent to `blockpress train runs/kjv/train.txt` with the recipe below: the `micro` size (hidden 128,
 4 layers, 4 experts top-2) over the 2,048-id byte-level BPE vocabulary, canvas 32, sliding window

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..cli.run import text_defaults
 from ..errors import BlockpressError
+from ..infill import whole_canvases
 from ..parsing import StreamingParser, ToolCall
 from .protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                        CompletionRequest, CompletionResponse, FunctionCall, Limits, ModelCard, ModelList,
@@ -372,10 +372,8 @@ class OpenAIServing:
                 raise APIError(400, f"max_tokens + the suffix's {len(region) - sampling.max_tokens} tokens exceed "
                                f"this server's limit of {self.limits.max_tokens}; shorten the suffix",
                                param="suffix", code="context_length_exceeded")
-            C = self.lm.canvas_length
-            n_new = math.ceil(len(region) / C) * C
+            n_new, holes = whole_canvases(region, self.lm.canvas_length)  # past the suffix: -2, discarded
             sampling.cfg = dataclasses.replace(sampling.cfg, max_new_tokens=n_new)
-            holes = region + [-2] * (n_new - len(region))  # past the suffix: free, discarded, not watched
         run = self._submit(ids, sampling, fixed_tokens=holes)
         asm = OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=False)
         rid = "cmpl-" + secrets.token_hex(12)

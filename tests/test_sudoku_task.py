@@ -334,3 +334,30 @@ def test_training_writes_generation_defaults_for_one_canvas():
 
     assert SUDOKU_GENERATION["max_new_tokens"] == S.CANVAS_LEN
     assert SUDOKU_GENERATION["eos_token_id"] == [S.EOS_ID] and SUDOKU_GENERATION["pad_token_id"] == S.PAD_ID
+
+
+def test_inplace_encoding_round_trip():
+    puzzle, solution = S.test_set(45, 1)[0]
+    prompt, fixed, response = S.encode_inplace(puzzle, solution)
+    assert prompt == [S.BOS_ID] and len(fixed) == len(response) == S.CANVAS_LEN
+    for i, ch in enumerate(puzzle):
+        if ch == "0":
+            assert fixed[i] == -1
+        else:
+            assert fixed[i] == response[i] == S.cell_token(i, int(ch))
+    assert fixed[81:] == response[81:] == [S.EOS_ID]
+    assert S.decode_answer(response, "inplace") == solution
+    assert S.decode_answer(response) == ""  # cell tokens are not digit tokens in the prompt format
+    assert S.encode_inplace(puzzle)[2] == []
+    assert S.digit_of(S.cell_token(80, 9), "inplace") == 9 and S.digit_of(S.DIGIT_ID0 + 9, "inplace") == -1
+    with pytest.raises(ValueError, match="unknown sudoku format"):
+        S.decode_answer(response, "grid")
+
+
+def test_inplace_source_holds_the_clues():
+    from blockpress.train.data import SudokuSource
+
+    prompt, response, held = SudokuSource((40, 44), format="inplace").example(0, 3)
+    assert prompt == [S.BOS_ID] and len(held) == len(response) == S.CANVAS_LEN
+    assert 40 <= held.count(False) <= 44 and held[81]  # the blanks are free, clues and <eos> held
+    assert all(S.digit_of(t, "inplace") > 0 for t in response[:81])

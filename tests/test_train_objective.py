@@ -215,3 +215,45 @@ def test_gradient_checkpointing_gives_same_gradients():
 def test_objective_config_validates(bad):
     with pytest.raises(ValueError):
         obj.ObjectiveConfig(**bad)
+
+
+def test_held_positions_stay_clean_unscored_and_leave_the_draws_alone():
+    """Infill training: held canvas positions are never corrupted and get no loss; the other
+    positions draw exactly the noise they would draw without any held position."""
+    cfg = obj.ObjectiveConfig(seed=5)
+    g = torch.Generator().manual_seed(1)
+    exs = [([2, 5], torch.randint(5, V, (C,), generator=g).tolist()) for _ in range(64)]
+    held = [[j % 3 == 0 for j in range(C)] for _ in exs]
+    free = obj.collate(exs, C, V, cfg, step=2)
+    with_held = obj.collate([(p, r, h) for (p, r), h in zip(exs, held)], C, V, cfg, step=2)
+    mask = torch.tensor(held)
+    assert free.scored is None and torch.equal(with_held.scored, ~mask)
+    assert not with_held.replaced[mask].any() and free.replaced[mask].any()
+    assert torch.equal(with_held.canvas_noisy[mask], with_held.canvas_clean[mask])
+    assert torch.equal(with_held.canvas_noisy[~mask], free.canvas_noisy[~mask])
+    assert torch.equal(with_held.t, free.t) and torch.equal(with_held.sc_mask, free.sc_mask)
+    # the loss reads only scored positions: garbage logits at held positions change nothing
+    logits = torch.randn(64, C, V, generator=g)
+    spoiled = logits.clone()
+    spoiled[mask] = torch.randn(int(mask.sum()), V, generator=g) * 50
+    assert torch.allclose(obj.diffusion_loss(logits, with_held), obj.diffusion_loss(spoiled, with_held))
+    assert not torch.allclose(obj.diffusion_loss(logits, free), obj.diffusion_loss(spoiled, free))
+    with pytest.raises(ValueError, match="held has 3 flags for 8 response tokens"):
+        obj.collate([([2], exs[0][1], [True] * 3)], C, V, cfg, step=0)
+
+
+def test_held_flags_follow_the_selected_canvas():
+    """A response of several canvases: the flags of the canvas the example trains are the ones applied."""
+    cfg = obj.ObjectiveConfig(seed=0)
+    resp = list(range(5, 5 + 2 * C))
+    held = [j >= C for j in range(2 * C)]  # only the second canvas is held
+    seen = set()
+    for k in range(12):
+        b = obj.collate([([2], resp, held)], C, V, cfg, step=k)
+        second = b.canvas_clean[0, 0].item() == resp[C]
+        seen.add(second)
+        if second:  # canvas 1: every position held, clean, unscored
+            assert not b.scored.any() and torch.equal(b.canvas_noisy, b.canvas_clean)
+        else:  # canvas 0: nothing held (scored None = every position)
+            assert b.scored is None
+    assert seen == {True, False}

@@ -206,3 +206,32 @@ def test_loss_plot_draws_only_informative_curves(tmp_path):
     both = [{**h, "ar": 1.0, "loss": h["diff"] + 1.0} for h in hist[:5]]
     assert plot_history(both, tmp_path / "b.png") == ["train loss", "train diff", "train ar"]
     assert (tmp_path / "a.png").stat().st_size > 5000
+
+
+def test_inplace_sudoku_model_trains_and_solve_holds_the_clues(tmp_path, capsys):
+    """--sudoku-format inplace: the folder says so, solve()/run hold the clues on the canvas (an untrained
+    prompt-format model does not keep them), and the prompt is <bos> alone."""
+    from blockpress.tasks import sudoku as sd
+
+    out = tmp_path / "inpl"
+    assert cli_main(["train", "sudoku", "--out", str(out), "--steps", "2", "--save-every", "2",
+                     "--sudoku-format", "inplace", *TINY]) == 0
+    ck = out / "checkpoint-0000002"
+    assert json.loads((ck / "blockpress_task.json").read_text()) == {"task": "sudoku", "format": "inplace"}
+    lm = blockpress.load(ck, progress=False)
+    assert sd.model_format(lm) == "inplace"
+    pairs = sd.test_set(40, 3)
+    preds = sd.solve_batch([p for p, _ in pairs], lm, generator=torch.Generator().manual_seed(0))
+    scores = [sd.check(p, pr, s) for (p, s), pr in zip(pairs, preds)]
+    assert all(r["clues_kept"] == 1.0 and r["well_formed"] for r in scores)
+    capsys.readouterr()
+    assert cli_main(["run", str(ck), pairs[0][0], "--json", "--seed", "0"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["format"] == "inplace" and res["clues_kept"] == 1.0 and res["token_ids"][81] == sd.EOS_ID
+    prompt_run = tmp_path / "prompt"
+    assert cli_main(["train", "sudoku", "--out", str(prompt_run), "--steps", "1", "--save-every", "1", *TINY]) == 0
+    untrained = blockpress.load(prompt_run / "checkpoint-0000001", progress=False)
+    assert sd.model_format(untrained) == "prompt"
+    kept = [sd.check(p, pr)["clues_kept"] for (p, _), pr in
+            zip(pairs, sd.solve_batch([p for p, _ in pairs], untrained, generator=torch.Generator().manual_seed(0)))]
+    assert min(kept) < 1.0

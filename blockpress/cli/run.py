@@ -146,16 +146,9 @@ def load_model(args):
 
 def task_of(lm) -> str | None:
     """"sudoku" when the folder's blockpress_task.json (or config.json) says so."""
-    if lm.path is None:
-        return None
-    f = Path(lm.path) / "blockpress_task.json"
-    if f.is_file():
-        try:
-            return json.loads(f.read_text()).get("task")
-        except (ValueError, AttributeError):
-            return None
-    raw = lm.config.raw
-    return raw.get("blockpress_task") or raw.get("task")
+    from ..tasks import task_info
+
+    return task_info(lm).get("task")
 
 
 def chat_stop_ids(lm) -> list[int]:
@@ -294,6 +287,7 @@ def _generate(lm, ids, kw, gen, view, decode: bool):
 
 
 def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
+    import torch
     from rich.text import Text
 
     from ..tasks import sudoku as su
@@ -306,17 +300,23 @@ def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
     if not args.json:
         console.print("puzzle:", style="bold")
         console.print(su.format_grid(puzzle), markup=False)
-    ids = su.encode_prompt(puzzle)
-    renderer = SudokuRenderer(puzzle, su.DIGIT_ID0)
+    fmt = su.model_format(lm)
+    if fmt == "inplace":  # the clues are held on the canvas; the model denoises the blanks
+        ids, fixed, _ = su.encode_inplace(puzzle)
+        kw["fixed_tokens"] = torch.tensor([fixed])
+        kw["eos_token_id"] = None  # an <eos> drawn at a blank must not pad the clues after it
+    else:
+        ids = su.encode_prompt(puzzle)
+    renderer = SudokuRenderer(puzzle, lambda t: su.digit_of(t, fmt))
     view = CanvasView(renderer, console, live, title="answer", show_committed=False)
     result = _generate(lm, ids, kw, gen, view, decode=False)
     tokens = result.new_tokens[0].tolist()
-    answer = su.decode_answer(tokens)
+    answer = su.decode_answer(tokens, fmt)
     solution = su.solve_exact(puzzle)
     score = su.check(puzzle, answer, solution)
     stats = stats_of(result, len(returned_tokens(tokens, [su.EOS_ID], len(tokens))[0]))
     if args.json:
-        print(json.dumps({"puzzle": puzzle, "answer": answer, "solution": solution, **score,
+        print(json.dumps({"puzzle": puzzle, "answer": answer, "solution": solution, **score, "format": fmt,
                           "token_ids": tokens, "stats": stats}))
         return 0
     cells = []

@@ -65,6 +65,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="plain text: tokens of each document given as prompt (a per-document draw in [LO, HI])")
     o.add_argument("--blanks", type=int, nargs=2, default=(25, 58), metavar=("LO", "HI"),
                    help="sudoku: blanks per training puzzle")
+    o.add_argument("--sudoku-format", default="prompt", choices=["prompt", "inplace"],
+                   help="sudoku: 'prompt' (the puzzle is the prompt, the canvas the 81 digits) or 'inplace' "
+                        "(the clues are held on the canvas, only the blanks are denoised; solve() then "
+                        "holds them with fixed_tokens)")
     lo = p.add_argument_group("LoRA")
     lo.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank")
     lo.add_argument("--lora-alpha", type=float, default=None, help="default 2*rank")
@@ -108,7 +112,7 @@ def build(args):
 
             cfg = json.loads(Path(args.config).read_text()) if args.config else \
                 sizes.model_config(args.size, vocab_size=len(sd.VOCAB), canvas_length=sd.CANVAS_LEN,
-                                   context=sd.PROMPT_LEN)
+                                   context=sd.PROMPT_LEN if args.sudoku_format == "prompt" else 1)
         else:
             if not args.tokenizer and not args.config:
                 raise InputError("training text/chat from scratch needs --tokenizer DIR (tokenizer.json)")
@@ -145,7 +149,7 @@ def build(args):
             lm.path = tokdir
     if task:
         lm.generation_defaults = {**SUDOKU_GENERATION, **lm.generation_defaults}
-        extra["blockpress_task.json"] = json.dumps({"task": "sudoku"})
+        extra["blockpress_task.json"] = json.dumps({"task": "sudoku", "format": args.sudoku_format})
     elif lm.tokenizer is not None:  # checkpoints stop at the tokenizer's end of text, as the data was written
         tok = lm.tokenizer
         ends = [i for i in (tok.eos_token_id, tok.token_to_id("<turn|>")) if i is not None]  # <turn|>: chat turns
@@ -168,8 +172,8 @@ def build(args):
                        max_canvases=args.max_canvases, stop_after=args.stop_after,
                        progress=not args.no_progress, objective=ocfg)
     if task:
-        source = SudokuSource(tuple(args.blanks), args.seed, "train")
-        eval_source = SudokuSource(tuple(args.blanks), args.seed, "eval")
+        source = SudokuSource(tuple(args.blanks), args.seed, "train", format=args.sudoku_format)
+        eval_source = SudokuSource(tuple(args.blanks), args.seed, "eval", format=args.sudoku_format)
     else:
         source = build_source("chat" if args.data.endswith(".jsonl") and _is_chat(args.data) else "text",
                               args.data, lm.tokenizer, args.batch_size, args.seed,

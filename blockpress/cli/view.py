@@ -48,8 +48,9 @@ class TextRenderer:
 class SudokuRenderer:
     """A 9x9 grid: clues bold, digits the model wrote highlighted when accepted, noise dim."""
 
-    def __init__(self, puzzle: str, digit_id0: int):
-        self.puzzle, self.d0 = puzzle, digit_id0
+    def __init__(self, puzzle: str, digit_of):
+        """digit_of(token id) -> the digit 0-9 it writes, or -1 (sudoku.digit_of for the model's format)."""
+        self.puzzle, self.digit_of = puzzle, digit_of
 
     def grid(self, cells: list[tuple[str, str]]) -> Text:
         out = Text()
@@ -71,7 +72,7 @@ class SudokuRenderer:
                 cells.append((self.puzzle[i], "bold"))
                 continue
             t = tokens[i] if i < len(tokens) else -1
-            d = t - self.d0
+            d = self.digit_of(t)
             ch = str(d) if 1 <= d <= 9 else "·"
             style = ACCEPTED if i < len(accepted) and accepted[i] else (
                 STABLE if prev is not None and prev[i] == t else NOISE)

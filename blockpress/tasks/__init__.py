@@ -1,1 +1,25 @@
 """Task definitions built on the engine (data generation, exact checking, evaluation), e.g. `sudoku`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def task_info(lm: Any) -> dict[str, Any]:
+    """What a model folder says it was trained for: its `blockpress_task.json` (e.g.
+    `{"task": "sudoku", "format": "inplace"}`), else the `blockpress_task` / `task` field of its config,
+    else {}. `lm` is a loaded model (anything with `.path` and `.config.raw`)."""
+    path = getattr(lm, "path", None)
+    if path is not None:
+        f = Path(path) / "blockpress_task.json"
+        if f.is_file():
+            try:
+                info = json.loads(f.read_text())
+            except ValueError:
+                return {}
+            return info if isinstance(info, dict) else {}
+    raw = getattr(getattr(lm, "config", None), "raw", None) or {}
+    task = raw.get("blockpress_task") or raw.get("task")
+    return {"task": task} if task else {}

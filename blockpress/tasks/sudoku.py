@@ -63,7 +63,7 @@ __all__ = [
     "parse_grid", "format_grid", "count_solutions", "solve_exact", "is_valid_solution",
     "random_full_grid", "generate_puzzle", "canonical_key", "test_set", "heldout_keys",
     "TrainStream", "train_batch_iter", "check", "build_tokenizer", "encode_prompt", "decode_prompt",
-    "encode_target", "decode_answer", "evaluate", "format_report", "solve", "solve_batch",
+    "encode_target", "decode_answer", "FORMATS", "cell_token", "encode_inplace", "model_format", "digit_of", "evaluate", "format_report", "solve", "solve_batch",
 ]
 
 N_CELLS = 81
@@ -80,6 +80,11 @@ CELL_ID0 = 16  # cell token for (cell i, digit d) is CELL_ID0 + 10 * i + d (d = 
 VOCAB.update({f"<r{i // 9 + 1}c{i % 9 + 1}:{d}>": CELL_ID0 + 10 * i + d for i in range(N_CELLS) for d in range(10)})
 
 PROMPT_LEN = 1 + N_CELLS  # <bos> + 81 cell tokens
+# How a model reads a puzzle (its blockpress_task.json "format"):
+# "prompt":  the puzzle is the prompt (<bos> + 81 cell tokens), the canvas is 81 digit tokens + <eos>;
+# "inplace": the prompt is <bos> alone; the canvas is 81 cell tokens + <eos>, the clues held on it as
+#            given tokens (infilling: `fixed_tokens` at inference, held positions in training).
+FORMATS = ("prompt", "inplace")
 CANVAS_LEN = N_CELLS + 1  # 81 solution digits + <eos>; must be >= N_CELLS + 1
 assert CANVAS_LEN >= N_CELLS + 1
 
@@ -515,6 +520,47 @@ def encode_target(solution: str) -> list[int]:
     return [DIGIT_ID0 + ord(ch) - 48 for ch in flat] + [EOS_ID] * (CANVAS_LEN - N_CELLS)
 
 
+def cell_token(i: int, d: int) -> int:
+    """The id of cell i (0..80, row by row) holding digit d (0 = blank)."""
+    return CELL_ID0 + 10 * i + d
+
+
+def encode_inplace(puzzle: str, solution: str | None = None) -> tuple[list[int], list[int], list[int]]:
+    """The "inplace" format: (prompt, fixed, response).
+
+    prompt = [<bos>]; fixed = CANVAS_LEN ids for `fixed_tokens` (the clue's cell token at every clue,
+    -1 at every blank, <eos> after the grid); response = the solution's cell tokens + <eos> fill, or []
+    when no solution is given. Training holds the fixed positions clean and scores only the blanks."""
+    flat = parse_grid(puzzle, check_conflicts=False)
+    fixed = [cell_token(i, ord(ch) - 48) if ch != "0" else -1 for i, ch in enumerate(flat)]
+    fixed += [EOS_ID] * (CANVAS_LEN - N_CELLS)
+    response = []
+    if solution is not None:
+        sol = parse_grid(solution, check_conflicts=False)
+        response = [cell_token(i, ord(ch) - 48) for i, ch in enumerate(sol)] + [EOS_ID] * (CANVAS_LEN - N_CELLS)
+    return [BOS_ID], fixed, response
+
+
+def digit_of(token: int, format: str = "prompt") -> int:
+    """The digit (0-9) a canvas token writes in `format`, or -1 for any other token."""
+    if format == "inplace":
+        return (token - CELL_ID0) % 10 if CELL_ID0 <= token < CELL_ID0 + 10 * N_CELLS else -1
+    d = token - DIGIT_ID0
+    return d if 0 <= d <= 9 else -1
+
+
+def model_format(model: Any) -> str:
+    """The puzzle format a loaded sudoku model was trained with ("prompt" unless its
+    blockpress_task.json says otherwise)."""
+    from . import task_info
+
+    fmt = task_info(model).get("format", "prompt")
+    if fmt not in FORMATS:
+        raise ValueError(f"the model's blockpress_task.json names sudoku format {fmt!r}; "
+                         f"this version of blockpress knows {FORMATS}")
+    return fmt
+
+
 def decode_prompt(ids: Any) -> str:
     """The puzzle (81 chars, "0" = blank) held by a prompt's cell tokens; other ids are skipped."""
     ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
@@ -526,8 +572,11 @@ def decode_prompt(ids: Any) -> str:
     return "".join(cells)
 
 
-def decode_answer(ids: Any) -> str:
+def decode_answer(ids: Any, format: str = "prompt") -> str:
     """The first 81 digit tokens of one sequence as a string; every other id is skipped.
+
+    format "inplace": canvas position i is cell i; its digit is that of the cell token there (`<r1c1:5>`
+    -> "5", whichever cell the token names), "0" for any other token; always 81 chars for 81+ ids.
 
     Takes a list/tuple of ints, a 1-D numpy array or torch tensor, or a 2-D one with one row.
     May return fewer than 81 chars if the sequence holds fewer digit tokens.
@@ -540,13 +589,17 @@ def decode_answer(ids: Any) -> str:
             raise ValueError(f"decode_answer takes one sequence, got a batch of {len(ids)}; "
                              "call it once per row")
         ids = list(ids[0])
+    if format not in FORMATS:
+        raise ValueError(f"unknown sudoku format {format!r}; use one of {FORMATS}")
+    if format == "inplace":
+        return "".join(str(max(digit_of(int(t), format), 0)) for t in ids[:N_CELLS])
     out = []
     for t in ids:
         try:
-            d = int(t) - DIGIT_ID0
+            d = digit_of(int(t), format)
         except (TypeError, ValueError):
             continue
-        if 0 <= d <= 9:
+        if d >= 0:
             out.append(chr(48 + d))
             if len(out) == N_CELLS:
                 break
@@ -637,14 +690,22 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, **sampling: Any) -> l
     m = _resolve_model(model)
     import torch
 
-    ids = torch.tensor([encode_prompt(p) for p in flat], dtype=torch.long)
+    fmt = model_format(m)
+    if fmt == "inplace":  # the clues are held on the canvas (fixed_tokens); the model fills the blanks
+        rows = [encode_inplace(p) for p in flat]
+        ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
+        sampling = {"fixed_tokens": torch.tensor([r[1] for r in rows], dtype=torch.long), **sampling}
+    else:
+        ids = torch.tensor([encode_prompt(p) for p in flat], dtype=torch.long)
     device = getattr(m, "device", None)
     if device is not None:
         ids = ids.to(device)
-    out = m.generate(ids, max_new_tokens=CANVAS_LEN, eos_token_id=[EOS_ID], pad_token_id=PAD_ID, **sampling)
+    # inplace: no end-of-text handling; an <eos> drawn at a blank must not pad the clues after it
+    stops = {"eos_token_id": [EOS_ID]} if fmt == "prompt" else {"eos_token_id": None}
+    out = m.generate(ids, max_new_tokens=CANVAS_LEN, pad_token_id=PAD_ID, **{**stops, **sampling})
     seqs = getattr(out, "sequences", out)
     canvas = seqs[:, ids.shape[1]:]
-    return [decode_answer(row).ljust(N_CELLS, "0") for row in canvas]
+    return [decode_answer(row, fmt).ljust(N_CELLS, "0") for row in canvas]
 
 
 def solve(puzzle: str, model: Any = None, **sampling: Any) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import InputError
 
-Example = tuple[list[int], list[int]]
+Example = tuple  # (prompt ids, response ids) or (prompt ids, response ids, held flags per response token)
 
 
 class Source:
@@ -132,10 +132,12 @@ class SudokuSource(Source):
     """Fresh unique-solution puzzles; example (step, i) comes from its own seeded RNG."""
 
     def __init__(self, blanks_range: tuple[int, int] = (25, 58), seed: int = 0, stream: str = "train",
-                 exclude_keys=None):
+                 exclude_keys=None, format: str = "prompt"):
         from ..tasks import sudoku
 
-        self.sudoku = sudoku
+        if format not in sudoku.FORMATS:
+            raise InputError(f"unknown sudoku format {format!r}; use one of {sudoku.FORMATS}")
+        self.sudoku, self.format = sudoku, format
         self.blanks_range, self.seed, self.stream = tuple(blanks_range), seed, stream
         self.exclude = frozenset(sudoku.heldout_keys() if exclude_keys is None else exclude_keys)
 
@@ -143,12 +145,16 @@ class SudokuSource(Source):
         sd = self.sudoku
         rng = random.Random(f"sudoku/{self.stream}/{self.seed}/{step}/{index}")
         puzzle, solution = next(sd.TrainStream(rng, self.blanks_range, self.exclude))
+        if self.format == "inplace":  # clues held on the canvas, only the blanks are denoised and scored
+            prompt, fixed, response = sd.encode_inplace(puzzle, solution)
+            return prompt, response, [f >= 0 for f in fixed]
         return sd.encode_prompt(puzzle), sd.encode_target(solution)
 
 
 def build_source(kind: str, path: str | None, tokenizer, batch_size: int, seed: int, **kw) -> Source:
     if kind == "sudoku":
-        return SudokuSource(kw.get("blanks_range", (25, 58)), seed, kw.get("stream", "train"))
+        return SudokuSource(kw.get("blanks_range", (25, 58)), seed, kw.get("stream", "train"),
+                            format=kw.get("format", "prompt"))
     if path is None:
         raise InputError(f"--data {kind} needs a file path")
     if kind == "chat":

@@ -61,12 +61,17 @@ def example_generator(seed: int, step: int, index: int, stream: str = "train") -
     return torch.Generator().manual_seed(int.from_bytes(h, "little") & ((1 << 63) - 1))
 
 
-def corrupt(x0: torch.Tensor, t: torch.Tensor, vocab_size: int, generator: torch.Generator | None = None):
+def corrupt(x0: torch.Tensor, t: torch.Tensor, vocab_size: int, generator: torch.Generator | None = None,
+            held: torch.Tensor | None = None):
     """Uniform-state corruption. x0 [..., C] ids, t [...] -> (x_t, replaced [..., C] bool).
 
-    Each position is replaced with prob t by a token uniform over [0, V) (which may equal the original)."""
+    Each position is replaced with prob t by a token uniform over [0, V) (which may equal the original).
+    held [..., C] bool: positions that stay clean whatever t is (infill training: the given context
+    on the canvas, as `fixed_tokens` holds it at inference). The random draws do not depend on it."""
     u = torch.rand(x0.shape, generator=generator)
     replaced = u < t.unsqueeze(-1)
+    if held is not None:
+        replaced &= ~held
     noise = torch.randint(0, vocab_size, x0.shape, generator=generator)
     return torch.where(replaced, noise, x0), replaced
 
@@ -93,6 +98,7 @@ class TrainBatch:
     replaced: torch.Tensor  # [B,C] bool, positions that were re-drawn
     t: torch.Tensor  # [B] corruption level
     sc_mask: torch.Tensor  # [B] bool, self-conditioning on
+    scored: torch.Tensor | None = None  # [B,C] bool, positions with diffusion loss (None: all)
 
     def to(self, device) -> "TrainBatch":
         return TrainBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
@@ -105,15 +111,31 @@ class TrainBatch:
 def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int, cfg: ObjectiveConfig,
             step: int, first_index: int = 0, eos_id: int = 1, pad_id: int = 0,
             max_canvases: int | None = None, stream: str = "train") -> TrainBatch:
-    """(prompt ids, response ids) pairs -> TrainBatch. Example k uses the RNG of global index first_index + k."""
-    rows, sel, ts, xt, rep, clean, sc = [], [], [], [], [], [], []
-    for k, (prompt, response) in enumerate(examples):
+    """(prompt ids, response ids) pairs -> TrainBatch. Example k uses the RNG of global index first_index + k.
+
+    An example may be a triple (prompt, response, held): held is one bool per response token (True: the
+    token is given context on the canvas, never corrupted and never scored; infill training). Tokens
+    of the EOS fill are free."""
+    rows, sel, ts, xt, rep, clean, sc, scored = [], [], [], [], [], [], [], []
+    any_held = False
+    for k, ex in enumerate(examples):
+        prompt, response = ex[0], ex[1]
+        held_tokens = ex[2] if len(ex) > 2 else None
+        if held_tokens is not None and len(held_tokens) != len(response):
+            raise ValueError(f"example {first_index + k}: held has {len(held_tokens)} flags for "
+                             f"{len(response)} response tokens")
         g = example_generator(cfg.seed, step, first_index + k, stream)
         canv = split_canvases(response, C, eos_id, max_canvases)
         b = int(torch.randint(0, len(canv), (1,), generator=g))
         t = cfg.eps + (1.0 - cfg.eps) * torch.rand((), generator=g)
         x0 = torch.tensor(canv[b])
-        x, r = corrupt(x0, t, vocab_size, g)
+        held = torch.zeros(C, dtype=torch.bool)
+        if held_tokens is not None:
+            part = [bool(v) for v in held_tokens[b * C:(b + 1) * C]]
+            held[:len(part)] = torch.tensor(part, dtype=torch.bool)
+            any_held |= bool(held.any())
+        x, r = corrupt(x0, t, vocab_size, g, held)
+        scored.append(~held)
         coin = bool(torch.rand((), generator=g) < cfg.sc_prob)
         rows.append((list(prompt), [tok for c in canv for tok in c]))
         sel.append(b)
@@ -137,7 +159,8 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
         lo = lft + (len(p) if cfg.ar_scope == "response" else 1)
         target[i, max(lo, lft + 1):lft + n] = True  # never the first token of a row (nothing predicts it)
     return TrainBatch(ids, valid, target, T, torch.stack(clean), torch.stack(xt), torch.stack(rep),
-                      torch.stack(ts).float(), torch.tensor(sc, dtype=torch.bool))
+                      torch.stack(ts).float(), torch.tensor(sc, dtype=torch.bool),
+                      torch.stack(scored) if any_held else None)
 
 
 def _per_example_mean(ce: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -184,7 +207,8 @@ def decoder_logits(module, batch: TrainBatch, cache) -> torch.Tensor:
 def diffusion_loss(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     B, C, V = logits.shape
     ce = F.cross_entropy(logits.reshape(-1, V), batch.canvas_clean.reshape(-1), reduction="none").view(B, C)
-    return _per_example_mean(ce, torch.ones_like(batch.canvas_clean, dtype=torch.bool))
+    scored = batch.scored if batch.scored is not None else torch.ones_like(batch.canvas_clean, dtype=torch.bool)
+    return _per_example_mean(ce, scored)
 
 
 def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict[str, float]]:
@@ -200,8 +224,9 @@ def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig) -> tuple[torch
     with torch.no_grad():
         correct = logits.argmax(-1) == batch.canvas_clean
         acc_noisy = correct[batch.replaced].float().mean() if bool(batch.replaced.any()) else torch.tensor(1.0)
+        acc = correct[batch.scored] if batch.scored is not None else correct  # held positions are given
     return loss, {"loss": float(loss.detach()), "diff": float(l_diff.detach()), "ar": float(l_ar.detach()),
-                  "acc": float(correct.float().mean()), "acc_replaced": float(acc_noisy)}
+                  "acc": float(acc.float().mean()), "acc_replaced": float(acc_noisy)}
 
 
 class ObjectiveModule(nn.Module):

@@ -361,3 +361,37 @@ def test_inplace_source_holds_the_clues():
     assert prompt == [S.BOS_ID] and len(held) == len(response) == S.CANVAS_LEN
     assert 40 <= held.count(False) <= 44 and held[81]  # the blanks are free, clues and <eos> held
     assert all(S.digit_of(t, "inplace") > 0 for t in response[:81])
+
+
+def test_random_symmetry_keeps_puzzles_proper():
+    import random
+
+    rng = random.Random(0)
+    for puzzle, solution in S.test_set(45, 4):
+        for _ in range(5):
+            sym = S.random_symmetry(rng)
+            p2, s2 = S.apply_symmetry(puzzle, sym), S.apply_symmetry(solution, sym)
+            assert S.is_valid_solution(s2) and p2.count("0") == 45
+            assert S.count_solutions(p2) == 1 and S.solve_exact(p2) == s2
+            assert all(a == "0" or a == b for a, b in zip(p2, s2))  # clues are the solution's digits
+    seen = {S.apply_symmetry(S.test_set(45, 1)[0][1], S.random_symmetry(rng)) for _ in range(50)}
+    assert len(seen) == 50  # a large group: draws differ
+
+
+def test_augmented_source_reuses_bases_deterministically_and_respects_the_split():
+    from blockpress.train.data import SudokuSource
+    from blockpress.errors import InputError
+
+    a = SudokuSource((40, 50), augment=4, exclude_keys=frozenset())
+    b = SudokuSource((40, 50), augment=4, exclude_keys=frozenset())
+    window = [a.example(s, 1) for s in range(4, 8)]  # steps 4-7 share base (1, 1)
+    assert [b.example(s, 1) for s in (7, 5, 6, 4)] == [window[3], window[1], window[2], window[0]]
+    puzzles = [S.decode_prompt(p) for p, _ in window]
+    assert len(set(puzzles)) == 4 and len({p.count("0") for p in puzzles}) == 1
+    assert a.example(8, 1) != window[0]
+    # a transformed solution that lands on a held-out key is redrawn
+    _, s1 = a._puzzle(5, 1)
+    c = SudokuSource((40, 50), augment=4, exclude_keys=frozenset({S.canonical_key(s1)}))
+    assert S.canonical_key(c._puzzle(5, 1)[1]) != S.canonical_key(s1)
+    with pytest.raises(InputError, match="augment must be an integer >= 1"):
+        SudokuSource((40, 50), augment=0)

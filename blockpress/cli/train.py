@@ -65,6 +65,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="plain text: tokens of each document given as prompt (a per-document draw in [LO, HI])")
     o.add_argument("--blanks", type=int, nargs=2, default=(25, 58), metavar=("LO", "HI"),
                    help="sudoku: blanks per training puzzle")
+    o.add_argument("--augment", type=int, default=1, metavar="K",
+                   help="sudoku: show each generated puzzle K times under random symmetries (digit relabelling, "
+                        "row/column/band/stack permutations, transposition); data costs K times less, which a "
+                        "GPU at batch 256 needs (default 1: every puzzle fresh)")
     o.add_argument("--sudoku-format", default="prompt", choices=["prompt", "inplace"],
                    help="sudoku: 'prompt' (the puzzle is the prompt, the canvas the 81 digits) or 'inplace' "
                         "(the clues are held on the canvas, only the blanks are denoised; solve() then "
@@ -172,7 +176,7 @@ def build(args):
                        max_canvases=args.max_canvases, stop_after=args.stop_after,
                        progress=not args.no_progress, objective=ocfg)
     if task:
-        source = SudokuSource(tuple(args.blanks), args.seed, "train", format=args.sudoku_format)
+        source = SudokuSource(tuple(args.blanks), args.seed, "train", format=args.sudoku_format, augment=args.augment)
         eval_source = SudokuSource(tuple(args.blanks), args.seed, "eval", format=args.sudoku_format)
     else:
         source = build_source("chat" if args.data.endswith(".jsonl") and _is_chat(args.data) else "text",

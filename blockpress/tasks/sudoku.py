@@ -63,7 +63,7 @@ __all__ = [
     "parse_grid", "format_grid", "count_solutions", "solve_exact", "is_valid_solution",
     "random_full_grid", "generate_puzzle", "canonical_key", "test_set", "heldout_keys",
     "TrainStream", "train_batch_iter", "check", "build_tokenizer", "encode_prompt", "decode_prompt",
-    "encode_target", "decode_answer", "FORMATS", "cell_token", "encode_inplace", "model_format", "digit_of", "evaluate", "format_report", "solve", "solve_batch",
+    "encode_target", "decode_answer", "FORMATS", "random_symmetry", "apply_symmetry", "cell_token", "encode_inplace", "model_format", "digit_of", "evaluate", "format_report", "solve", "solve_batch",
 ]
 
 N_CELLS = 81
@@ -338,6 +338,30 @@ def generate_puzzle(rng: random.Random, blanks: int, *, orders_per_grid: int = 4
                 return "".join(map(str, puzzle)), sol
     raise RuntimeError(f"could not generate a unique sudoku with {blanks} blanks in {max_grids} "
                        "grids; use fewer blanks (up to 58 is practical)")
+
+
+def random_symmetry(rng: random.Random) -> tuple[list[int], dict[str, str]]:
+    """A random validity-preserving transform of a grid: (cell map, digit map).
+
+    Bands and the rows inside each band are permuted, stacks and the columns inside each stack too,
+    the grid is transposed half of the time, and the digits 1-9 are relabelled. Every such transform
+    maps a puzzle with a unique solution to one with a unique solution and the same number of blanks."""
+    rows = [3 * b + r for b in rng.sample(range(3), 3) for r in rng.sample(range(3), 3)]
+    cols = [3 * b + c for b in rng.sample(range(3), 3) for c in rng.sample(range(3), 3)]
+    if rng.random() < 0.5:
+        cells = [rows[c] * 9 + cols[r] for r in range(9) for c in range(9)]
+    else:
+        cells = [rows[r] * 9 + cols[c] for r in range(9) for c in range(9)]
+    digits = dict(zip("123456789", rng.sample("123456789", 9)))
+    digits["0"] = "0"
+    return cells, digits
+
+
+def apply_symmetry(grid: str, symmetry: tuple[list[int], dict[str, str]]) -> str:
+    """The grid (81 chars, "0" = blank) under a transform from `random_symmetry`."""
+    cells, digits = symmetry
+    flat = parse_grid(grid, check_conflicts=False)
+    return "".join(digits[flat[i]] for i in cells)
 
 
 # ============================================================================= held-out split

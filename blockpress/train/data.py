@@ -129,22 +129,50 @@ class TextSource(ListSource):
 
 
 class SudokuSource(Source):
-    """Fresh unique-solution puzzles; example (step, i) comes from its own seeded RNG."""
+    """Fresh unique-solution puzzles; example (step, i) comes from its own seeded RNG.
+
+    augment K > 1: generating a unique puzzle costs ~2-60 ms of Python, which would starve a GPU at
+    batch 256. So example (step, i) is then base puzzle (step // K, i) under a random symmetry drawn
+    from (step, i) (`sudoku.random_symmetry`: band/row/stack/column permutations, transposition, digit
+    relabelling): each generated puzzle is seen K times, as K different-looking puzzles, and data costs
+    K times less. A transformed solution whose canonical key is held out is redrawn, so the held-out
+    split stays unseen under the larger symmetry group too. K = 1 gives the plain stream."""
 
     def __init__(self, blanks_range: tuple[int, int] = (25, 58), seed: int = 0, stream: str = "train",
-                 exclude_keys=None, format: str = "prompt"):
+                 exclude_keys=None, format: str = "prompt", augment: int = 1):
         from ..tasks import sudoku
 
         if format not in sudoku.FORMATS:
             raise InputError(f"unknown sudoku format {format!r}; use one of {sudoku.FORMATS}")
-        self.sudoku, self.format = sudoku, format
+        if isinstance(augment, bool) or not isinstance(augment, int) or augment < 1:
+            raise InputError(f"augment must be an integer >= 1 (1 = no augmentation), got {augment!r}")
+        self.sudoku, self.format, self.augment = sudoku, format, augment
         self.blanks_range, self.seed, self.stream = tuple(blanks_range), seed, stream
         self.exclude = frozenset(sudoku.heldout_keys() if exclude_keys is None else exclude_keys)
+        self._bases: dict[tuple[int, int], tuple[str, str]] = {}
+
+    def _puzzle(self, step: int, index: int) -> tuple[str, str]:
+        sd = self.sudoku
+        if self.augment == 1:
+            rng = random.Random(f"sudoku/{self.stream}/{self.seed}/{step}/{index}")
+            return next(sd.TrainStream(rng, self.blanks_range, self.exclude))
+        key = (step // self.augment, index)
+        base = self._bases.get(key)
+        if base is None:
+            if len(self._bases) > 4096:  # keep the current window's bases only
+                self._bases = {k: v for k, v in self._bases.items() if k[0] == key[0]}
+            rng = random.Random(f"sudoku/{self.stream}/{self.seed}/base{self.augment}/{key[0]}/{index}")
+            base = self._bases[key] = next(sd.TrainStream(rng, self.blanks_range, self.exclude))
+        rng = random.Random(f"sudoku/{self.stream}/{self.seed}/sym/{step}/{index}")
+        while True:
+            sym = sd.random_symmetry(rng)
+            solution = sd.apply_symmetry(base[1], sym)
+            if sd.canonical_key(solution) not in self.exclude:
+                return sd.apply_symmetry(base[0], sym), solution
 
     def example(self, step: int, index: int) -> Example:
         sd = self.sudoku
-        rng = random.Random(f"sudoku/{self.stream}/{self.seed}/{step}/{index}")
-        puzzle, solution = next(sd.TrainStream(rng, self.blanks_range, self.exclude))
+        puzzle, solution = self._puzzle(step, index)
         if self.format == "inplace":  # clues held on the canvas, only the blanks are denoised and scored
             prompt, fixed, response = sd.encode_inplace(puzzle, solution)
             return prompt, response, [f >= 0 for f in fixed]
@@ -154,7 +182,7 @@ class SudokuSource(Source):
 def build_source(kind: str, path: str | None, tokenizer, batch_size: int, seed: int, **kw) -> Source:
     if kind == "sudoku":
         return SudokuSource(kw.get("blanks_range", (25, 58)), seed, kw.get("stream", "train"),
-                            format=kw.get("format", "prompt"))
+                            format=kw.get("format", "prompt"), augment=kw.get("augment", 1))
     if path is None:
         raise InputError(f"--data {kind} needs a file path")
     if kind == "chat":

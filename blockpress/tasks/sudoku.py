@@ -63,7 +63,8 @@ __all__ = [
     "parse_grid", "format_grid", "count_solutions", "solve_exact", "is_valid_solution",
     "random_full_grid", "generate_puzzle", "canonical_key", "test_set", "heldout_keys",
     "TrainStream", "train_batch_iter", "check", "build_tokenizer", "encode_prompt", "decode_prompt",
-    "encode_target", "decode_answer", "FORMATS", "random_symmetry", "apply_symmetry", "cell_token", "encode_inplace", "model_format", "digit_of", "evaluate", "format_report", "solve", "solve_batch",
+    "encode_target", "decode_answer", "evaluate", "format_report", "solve", "solve_batch",
+    "FORMATS", "random_symmetry", "apply_symmetry", "cell_token", "encode_inplace", "model_format", "digit_of",
 ]
 
 N_CELLS = 81

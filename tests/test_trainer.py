@@ -184,7 +184,7 @@ def test_plain_text_training_splits_documents_and_runs_from_the_cli(tmp_path):
     assert cli_main(["train", str(data), "--tokenizer", str(tmp_path / "tok"), "--size", "nano", "--steps", "2",
                      "--batch-size", "4", "--canvas-length", "8", "--context", "32", "--prompt-tokens", "1", "5",
                      "--out", str(out), "--save-every", "2", "--eval-every", "2", "--eval-data",
-                     str(tmp_path / "held.txt"), "--no-progress", "--threads", "1"]) == 0
+                     str(tmp_path / "held.txt"), "--no-progress", "--threads", "1", "--infill-rate", "0.5"]) == 0
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert any("eval_loss" in r for r in rows)
     lm = blockpress.load(out / "checkpoint-0000002", progress=False)
@@ -235,3 +235,34 @@ def test_inplace_sudoku_model_trains_and_solve_holds_the_clues(tmp_path, capsys)
     kept = [sd.check(p, pr)["clues_kept"] for (p, _), pr in
             zip(pairs, sd.solve_batch([p for p, _ in pairs], untrained, generator=torch.Generator().manual_seed(0)))]
     assert min(kept) < 1.0
+
+
+def test_infill_source_leaves_one_span_per_canvas_free(tmp_path, capsys):
+    """--infill-rate: the chosen examples hold every canvas except one span; the others pass through."""
+    from blockpress.errors import InputError
+    from blockpress.train.data import InfillSource, ListSource
+
+    C = 8
+    inner = ListSource([([2], list(range(10, 10 + n))) for n in (5, 8, 19)], batch_size=3)
+    src = InfillSource(inner, C, rate=0.5, span=(2, 3), seed=1)
+    held_any = plain = 0
+    for step in range(40):
+        for i in range(3):
+            ex = src.example(step, i)
+            assert ex[:2] == inner.example(step, i)[:2]
+            if len(ex) == 2:
+                plain += 1
+                continue
+            held_any += 1
+            resp, held = ex[1], ex[2]
+            for start in range(0, len(resp), C):
+                free = [j for j in range(start, min(start + C, len(resp))) if not held[j]]
+                assert 2 <= len(free) <= 3 and free == list(range(free[0], free[0] + len(free)))
+            assert src.example(step, i) == ex  # deterministic
+    assert held_any > 20 and plain > 20
+    with pytest.raises(InputError, match="infill-rate must be in"):
+        InfillSource(inner, C, rate=1.5)
+    assert cli_main(["train", "sudoku", "--out", str(tmp_path / "x"), "--infill-rate", "0.5", *TINY]) == 2
+    assert "for Sudoku use --sudoku-format inplace" in capsys.readouterr().err
+    assert cli_main(["train", str(tmp_path / "t.txt"), "--augment", "4", *TINY]) == 2
+    assert "apply to `blockpress train sudoku` only" in capsys.readouterr().err

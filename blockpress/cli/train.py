@@ -65,6 +65,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="plain text: tokens of each document given as prompt (a per-document draw in [LO, HI])")
     o.add_argument("--blanks", type=int, nargs=2, default=(25, 58), metavar=("LO", "HI"),
                    help="sudoku: blanks per training puzzle")
+    o.add_argument("--infill-rate", type=float, default=0.0, metavar="P",
+                   help="text/chat: train this fraction of examples as infilling (each canvas held as given context "
+                        "except one random span, which alone is denoised and scored; default 0)")
+    o.add_argument("--infill-span", type=int, nargs=2, default=(1, 8), metavar=("LO", "HI"),
+                   help="text/chat: length in tokens of the span left free by --infill-rate (default 1 8)")
     o.add_argument("--augment", type=int, default=1, metavar="K",
                    help="sudoku: show each generated puzzle K times under random symmetries (digit relabelling, "
                         "row/column/band/stack permutations, transposition); data costs K times less, which a "
@@ -97,6 +102,10 @@ def build(args):
 
     out = Path(args.out or f"runs/{Path(args.data).stem}")
     task = args.data == "sudoku"
+    if task and args.infill_rate:
+        raise InputError("--infill-rate is for text and chat data; for Sudoku use --sudoku-format inplace")
+    if not task and (args.augment != 1 or args.sudoku_format != "prompt"):
+        raise InputError("--augment and --sudoku-format apply to `blockpress train sudoku` only")
     resume_ck = latest_checkpoint(out) if args.resume else None
     extra = {}
     lora = None
@@ -187,6 +196,10 @@ def build(args):
             eval_source = build_source("chat" if args.eval_data.endswith(".jsonl") and _is_chat(args.eval_data)
                                        else "text", args.eval_data, lm.tokenizer, args.batch_size, args.seed,
                                        prompt_tokens=tuple(args.prompt_tokens))
+        if args.infill_rate:
+            from blockpress.train.data import InfillSource
+
+            source = InfillSource(source, lm.canvas_length, args.infill_rate, tuple(args.infill_span), args.seed)
     return lm, source, eval_source, tcfg, lora, extra, resume_ck
 
 

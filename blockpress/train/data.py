@@ -179,6 +179,37 @@ class SudokuSource(Source):
         return sd.encode_prompt(puzzle), sd.encode_target(solution)
 
 
+class InfillSource(Source):
+    """Infill training over another source: with probability `rate` an example holds its whole canvas
+    as given context except one random span per canvas, which is denoised and scored alone (the
+    `held` flags of objective.collate), as `lm.infill` and the server's insert mode present a gap at
+    inference. Other examples pass through unchanged. Deterministic in (seed, step, index)."""
+
+    def __init__(self, inner: Source, canvas_length: int, rate: float, span: tuple[int, int] = (1, 8),
+                 seed: int = 0):
+        lo, hi = (int(v) for v in span)
+        if not 0.0 <= rate <= 1.0:
+            raise InputError(f"--infill-rate must be in [0, 1], got {rate}")
+        if not 1 <= lo <= hi:
+            raise InputError(f"--infill-span ({lo}, {hi}) must satisfy 1 <= lo <= hi")
+        self.inner, self.C, self.rate, self.span, self.seed = inner, int(canvas_length), float(rate), (lo, hi), seed
+
+    def example(self, step: int, index: int) -> Example:
+        ex = self.inner.example(step, index)
+        rng = random.Random(f"infill/{self.seed}/{step}/{index}")
+        if rng.random() >= self.rate:
+            return ex
+        prompt, response = ex[0], ex[1]
+        held = list(ex[2]) if len(ex) > 2 else [False] * len(response)
+        for start in range(0, len(response), self.C):
+            n = min(self.C, len(response) - start)
+            size = min(rng.randint(*self.span), n)
+            gap = start + rng.randint(0, n - size)
+            for j in range(start, start + n):
+                held[j] = held[j] or not gap <= j < gap + size
+        return prompt, response, held
+
+
 def build_source(kind: str, path: str | None, tokenizer, batch_size: int, seed: int, **kw) -> Source:
     if kind == "sudoku":
         return SudokuSource(kw.get("blanks_range", (25, 58)), seed, kw.get("stream", "train"),

@@ -28,7 +28,7 @@ def published():
 def test_asset_files_and_size():
     for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "blockpress_task.json"):
         assert (ASSET / f).is_file(), f"missing {f} in {ASSET}"
-    assert json.loads((ASSET / "blockpress_task.json").read_text()) == {"task": "sudoku"}
+    assert json.loads((ASSET / "blockpress_task.json").read_text()) == {"task": "sudoku", "format": "prompt"}
     assert sum(p.stat().st_size for p in ASSET.iterdir()) <= 50 * 2**20
     tok = json.loads((ASSET / "tokenizer.json").read_text())
     want = json.loads(sd.build_tokenizer().to_str())

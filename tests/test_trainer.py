@@ -228,6 +228,9 @@ def test_inplace_sudoku_model_trains_and_solve_holds_the_clues(tmp_path, capsys)
     assert cli_main(["run", str(ck), pairs[0][0], "--json", "--seed", "0"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["format"] == "inplace" and res["clues_kept"] == 1.0 and res["token_ids"][81] == sd.EOS_ID
+    assert cli_main(["train", "sudoku", "--out", str(tmp_path / "mixed"), "--model", str(ck), "--steps", "1",
+                     *TINY]) == 2  # an inplace model continued in the prompt format: refused
+    assert "trained with --sudoku-format inplace" in capsys.readouterr().err
     prompt_run = tmp_path / "prompt"
     assert cli_main(["train", "sudoku", "--out", str(prompt_run), "--steps", "1", "--save-every", "1", *TINY]) == 0
     untrained = blockpress.load(prompt_run / "checkpoint-0000001", progress=False)

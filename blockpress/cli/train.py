@@ -142,6 +142,12 @@ def build(args):
             from blockpress.tokenizer import Tokenizer
 
             lm.tokenizer = Tokenizer.from_dir(args.tokenizer)
+    if task and (args.model or resume_ck is not None):
+        from blockpress.tasks import sudoku as sd
+
+        if sd.model_format(lm) != args.sudoku_format:
+            raise InputError(f"the model was trained with --sudoku-format {sd.model_format(lm)}; continue it with "
+                             f"that format (got {args.sudoku_format})")
     # Checkpoints copy the tokenizer files from lm.path. Keep a snapshot in the run folder and point there:
     # a resumed run's lm.path is the checkpoint it resumed from, which keep_last pruning deletes later.
     tokdir = out / "tokenizer"

@@ -1,7 +1,6 @@
 """Data parallel (DDP, gloo on CPU): 2 processes give the 1-process losses and weights on the same global batch."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -53,21 +52,18 @@ def _run(rank, world, out):
         torch.distributed.destroy_process_group()
 
 
-def _worker(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _worker(rank, world, init_file, out):
+    # A file rendezvous, not a TCP port picked free beforehand (it can be taken before gloo binds it).
+    # With the port the test failed about once in 25 runs on a loaded 2-core machine (a worker exited);
+    # the cause was not pinned down. dist.setup() then finds the group initialised.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     _run(rank, world, out)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_process_ddp_equals_one_process(tmp_path):
     _run(0, 1, str(tmp_path))
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
     one, two = torch.load(tmp_path / "w1.pt"), torch.load(tmp_path / "w2.pt")
     assert one["losses"][0] != one["losses"][1]
     # step 1: same weights, same global batch -> same loss and same (all-reduced) gradients

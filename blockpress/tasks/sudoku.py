@@ -726,8 +726,8 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, **sampling: Any) -> l
     if device is not None:
         ids = ids.to(device)
     # inplace: no end-of-text handling; an <eos> drawn at a blank must not pad the clues after it
-    stops = {"eos_token_id": [EOS_ID]} if fmt == "prompt" else {"eos_token_id": None}
-    out = m.generate(ids, max_new_tokens=CANVAS_LEN, pad_token_id=PAD_ID, **{**stops, **sampling})
+    eos = [EOS_ID] if fmt == "prompt" else None
+    out = m.generate(ids, **{"max_new_tokens": CANVAS_LEN, "eos_token_id": eos, "pad_token_id": PAD_ID, **sampling})
     seqs = getattr(out, "sequences", out)
     canvas = seqs[:, ids.shape[1]:]
     return [decode_answer(row, fmt).ljust(N_CELLS, "0") for row in canvas]

@@ -88,3 +88,30 @@ def test_eval_cli_reproduces_the_whole_published_table(published, tmp_path):
     fresh = json.loads(out.read_text())["default"]["per_blanks"]
     for b, r in published["default"]["per_blanks"].items():
         assert fresh[b]["predictions"] == r["predictions"], b
+
+
+def test_repair_edits_only_the_broken_cells_of_the_shipped_model(lm):
+    """One repair round on real predictions: cells that broke no rule and every clue stay as they were,
+    solved puzzles are untouched, and the broken cells are denoised again (the canvas changes there)."""
+    from blockpress.cli.eval import puzzle_seed
+
+    pairs = sd.test_set(55, 4)
+    puzzles = [p for p, _ in pairs]
+
+    def gens():
+        return [torch.Generator().manual_seed(puzzle_seed(0, p)) for p in puzzles]
+
+    first = sd.solve_batch(puzzles, lm, generator=gens())
+    fixed = sd.solve_batch(puzzles, lm, generator=gens(), repair=1)
+    changed = 0
+    assert any(sd.broken_cells(p, g) for p, g in zip(puzzles, first)), "nothing to repair: pick harder puzzles"
+    for (p, sol), a, b in zip(pairs, first, fixed):
+        free = set(sd.broken_cells(p, a))
+        for i in range(81):
+            if p[i] != "0":
+                assert b[i] == p[i]
+            elif i not in free:
+                assert b[i] == a[i]
+        changed += sum(a[i] != b[i] for i in free)
+        assert sd.check(p, b, sol)["solved"] >= sd.check(p, a, sol)["solved"]
+    assert changed > 0

@@ -395,3 +395,80 @@ def test_augmented_source_reuses_bases_deterministically_and_respects_the_split(
     assert S.canonical_key(c._puzzle(5, 1)[1]) != S.canonical_key(s1)
     with pytest.raises(InputError, match="augment must be an integer >= 1"):
         SudokuSource((40, 50), augment=0)
+
+
+# ----------------------------------------------------------------------------- repair (editing in place)
+def _wiki_puzzle() -> str:
+    return S.parse_grid(WIKI)
+
+
+def test_broken_cells_finds_what_breaks_a_rule_and_nothing_else():
+    puz = _wiki_puzzle()
+    assert S.broken_cells(puz, WIKI_SOL) == [] and S.broken_cells(puz, WIKI_SOL, "cells") == []
+    blanks = [i for i in range(81) if puz[i] == "0"]
+    # swap two blank cells of row 0 that hold different digits: no repeat in the row, repeats in 2 columns
+    a, b = [i for i in blanks if i < 9][:2]
+    g = list(WIKI_SOL)
+    g[a], g[b] = g[b], g[a]
+    g = "".join(g)
+    cells = S.broken_cells(puz, g, "cells")
+    assert a in cells and b in cells
+    for i in cells:  # every listed cell holds a digit repeated in one of its units (checked independently)
+        assert puz[i] == "0"
+        assert any(sum(g[j] == g[i] for j in unit) > 1 for unit in _units() if i in unit)
+    units = S.broken_cells(puz, g)  # "units": every blank of a unit that holds a repeat
+    assert set(cells) <= set(units) and S.broken_cells(puz, g, "all") == blanks
+    assert S.broken_cells(puz, WIKI_SOL, "all") == []
+    for i in set(blanks) - set(units):
+        assert all(len({g[j] for j in unit}) == 9 for unit in _units() if i in unit)
+    # a clue overwritten in the grid is read back at its clue, so the repeat shows on the blank side
+    clue = next(i for i in range(81) if puz[i] != "0")
+    over = WIKI_SOL[:clue] + str(int(WIKI_SOL[clue]) % 9 + 1) + WIKI_SOL[clue + 1:]
+    assert S.broken_cells(puz, over) == []
+    # non-digits and short predictions break their units; clues are never listed
+    hole = WIKI_SOL[:a] + "0" + WIKI_SOL[a + 1:]
+    assert a in S.broken_cells(puz, hole, "cells")
+    assert {i for i in blanks if i >= 40} <= set(S.broken_cells(puz, WIKI_SOL[:40], "cells"))
+    assert all(puz[i] == "0" for i in S.broken_cells(puz, ""))
+    with pytest.raises(ValueError, match="scope"):
+        S.broken_cells(puz, WIKI_SOL, "rows")
+
+
+def test_solve_batch_repair_holds_all_but_the_broken_cells():
+    """A repair round re-denoises exactly the broken cells: the second generate holds the clues and every
+    other cell at the first prediction (fixed_tokens), frees the broken ones, and runs only on broken rows."""
+    torch = pytest.importorskip("torch")
+    pairs = S.test_set(35, 2)
+    good, bad = pairs[0][1], list(pairs[1][1])
+    blanks = [i for i in range(81) if pairs[1][0][i] == "0"]
+    blanks = [blanks[0], next(i for i in blanks if bad[i] != bad[blanks[0]])]
+    bad[blanks[0]], bad[blanks[1]] = bad[blanks[1]], bad[blanks[0]]
+    bad = "".join(bad)
+    calls = []
+
+    class FakeModel:
+        def generate(self, ids, **kw):
+            calls.append(kw)
+            if len(calls) == 1:  # first pass: puzzle 0 solved, puzzle 1 with two cells swapped
+                canvas = [S.encode_target(good), S.encode_target(bad)]
+            else:  # repair: write the solution into the free cells
+                canvas = [[f if f >= 0 else S.DIGIT_ID0 + int(pairs[1][1][i]) if i < 81 else S.EOS_ID
+                           for i, f in enumerate(row)] for row in kw["fixed_tokens"].tolist()]
+            return torch.cat([ids, torch.tensor(canvas)], dim=1)
+
+    gens = [torch.Generator().manual_seed(k) for k in range(2)]
+    preds = S.solve_batch([p for p, _ in pairs], FakeModel(), repair=3, generator=gens)
+    assert preds == [good, pairs[1][1]]
+    assert len(calls) == 2  # the second round finds nothing broken and stops
+    fixed = calls[1]["fixed_tokens"].tolist()
+    assert len(fixed) == 1 and calls[1]["generator"] == [gens[1]]
+    free = S.broken_cells(pairs[1][0], bad)
+    assert blanks[0] in free and blanks[1] in free
+    for i in range(81):
+        assert fixed[0][i] == (-1 if i in free else S.DIGIT_ID0 + int(bad[i]))
+    assert fixed[0][81:] == [S.EOS_ID]
+    for bad_rounds in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="repair"):
+            S.solve_batch([pairs[0][0]], FakeModel(), repair=bad_rounds)
+    with pytest.raises(ValueError, match="repair_scope"):
+        S.solve_batch([pairs[0][0]], FakeModel(), repair_scope="rows")

@@ -64,7 +64,7 @@ __all__ = [
     "random_full_grid", "generate_puzzle", "canonical_key", "test_set", "heldout_keys",
     "TrainStream", "train_batch_iter", "check", "build_tokenizer", "encode_prompt", "decode_prompt",
     "encode_target", "decode_answer", "evaluate", "format_report", "solve", "solve_batch",
-    "FORMATS", "random_symmetry", "apply_symmetry", "cell_token", "encode_inplace", "model_format", "digit_of",
+    "FORMATS", "REPAIR_SCOPES", "broken_cells", "repair_canvas", "random_symmetry", "apply_symmetry", "cell_token", "encode_inplace", "model_format", "digit_of",
 ]
 
 N_CELLS = 81
@@ -703,25 +703,101 @@ def _resolve_model(model: Any) -> Any:
     return blockpress.load(path)
 
 
-def solve_batch(puzzles: Sequence[str], model: Any = None, **sampling: Any) -> list[str]:
+def broken_cells(puzzle: str, grid: str, scope: str = "units") -> list[int]:
+    """The blank cells of `puzzle` that `grid` visibly breaks, by the rules alone (never the solution).
+
+    The grid is read with the puzzle's clues written back in. scope "cells": blank cells holding a
+    non-digit or a digit repeated in their row, column or box; "units": every blank cell of a row,
+    column or box that holds a repeat or a non-digit; "all": every blank cell once anything is broken
+    (a fresh attempt). A complete grid with no repeat that keeps the clues is a solution, so [] means
+    `grid` solves a puzzle (the unique solution of a proper one).
+    """
+    if scope not in REPAIR_SCOPES:
+        raise ValueError(f"unknown repair scope {scope!r}; use one of {REPAIR_SCOPES}")
+    puz = parse_grid(puzzle, check_conflicts=False)
+    g = [p if p != "0" else ch for p, ch in zip(puz, _as_pred(grid)[:N_CELLS].ljust(N_CELLS, "0"))]
+    bad: set[int] = set()
+    for unit in _UNITS:
+        seen: dict[str, list[int]] = {}
+        for i in unit:
+            seen.setdefault(g[i], []).append(i)
+        hit = [i for d, cells in seen.items() for i in cells if d not in _DIGITS or len(cells) > 1]
+        if hit:
+            bad.update(unit if scope == "units" else range(N_CELLS) if scope == "all" else hit)
+    return sorted(i for i in bad if puz[i] == "0")
+
+
+_DIGITS = frozenset("123456789")
+_UNITS = ([[i for i in range(N_CELLS) if _ROW[i] == u] for u in range(9)]
+          + [[i for i in range(N_CELLS) if _COL[i] == u] for u in range(9)]
+          + [[i for i in range(N_CELLS) if _BOX[i] == u] for u in range(9)])
+REPAIR_SCOPES = ("units", "cells", "all")
+
+
+def repair_canvas(puzzle: str, grid: str, free: Iterable[int], format: str = "prompt") -> list[int]:
+    """`fixed_tokens` (CANVAS_LEN ids) for a repair round: the clue, else the grid's digit, at every cell;
+    -1 (free) at the cells `free` and at cells the grid leaves blank; <eos> after the grid."""
+    fmt = format
+    free = set(free)
+    row = []
+    for i, (p, ch) in enumerate(zip(puzzle, grid)):
+        d = ord(p if p != "0" else ch) - 48
+        row.append(-1 if i in free or not 0 <= d <= 9 else (cell_token(i, d) if fmt == "inplace" else DIGIT_ID0 + d))
+    return row + [EOS_ID] * (CANVAS_LEN - N_CELLS)
+
+
+def _rows(x: Any, keep: list[int]) -> Any:
+    """The rows `keep` of a per-row sampling argument (a list of generators); anything else as is."""
+    return [x[k] for k in keep] if isinstance(x, (list, tuple)) else x
+
+
+def solve_batch(puzzles: Sequence[str], model: Any = None, *, repair: int = 0, repair_scope: str = "units",
+                **sampling: Any) -> list[str]:
     """Predict solutions for puzzles with one batched generate (prompts are all PROMPT_LEN long).
 
     Each result is 81 chars; if the model produced fewer than 81 digit tokens the rest is "0".
-    sampling is passed through to model.generate.
+    sampling is passed through to model.generate (`generator` may be a list, one per puzzle).
+
+    repair: up to this many rounds of editing in place. A round takes every prediction that breaks a
+    rule (`broken_cells`: a digit repeated in a row, column or box), holds its other cells on the canvas
+    (`fixed_tokens`) and denoises the broken cells again from noise. It uses the rules, never the
+    solution; it stops early when no prediction breaks a rule.
     """
     flat = [parse_grid(p) for p in puzzles]
     if not flat:
         return []
+    if not isinstance(repair, int) or isinstance(repair, bool) or repair < 0:
+        raise ValueError(f"repair must be a whole number of rounds >= 0, got {repair!r}")
+    if repair_scope not in REPAIR_SCOPES:
+        raise ValueError(f"unknown repair_scope {repair_scope!r}; use one of {REPAIR_SCOPES}")
     m = _resolve_model(model)
-    import torch
-
     fmt = model_format(m)
     if fmt == "inplace":  # the clues are held on the canvas (fixed_tokens); the model fills the blanks
-        rows = [encode_inplace(p) for p in flat]
-        ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
-        sampling = {"fixed_tokens": torch.tensor([r[1] for r in rows], dtype=torch.long), **sampling}
+        fixed = [encode_inplace(p)[1] for p in flat]
+    else:
+        fixed = None
+    preds = _generate(m, fmt, flat, fixed, sampling)
+    for _ in range(repair):
+        todo = [(k, cells) for k in range(len(flat)) if (cells := broken_cells(flat[k], preds[k], repair_scope))]
+        if not todo:
+            break
+        keep = [k for k, _ in todo]
+        rows = [repair_canvas(flat[k], preds[k], cells, fmt) for k, cells in todo]
+        redo = _generate(m, fmt, [flat[k] for k in keep], rows, {k: _rows(v, keep) for k, v in sampling.items()})
+        for k, pred in zip(keep, redo):
+            preds[k] = pred
+    return preds
+
+
+def _generate(m: Any, fmt: str, flat: list[str], fixed: list[list[int]] | None, sampling: dict) -> list[str]:
+    import torch
+
+    if fmt == "inplace":
+        ids = torch.tensor([[BOS_ID]] * len(flat), dtype=torch.long)
     else:
         ids = torch.tensor([encode_prompt(p) for p in flat], dtype=torch.long)
+    if fixed is not None:
+        sampling = {"fixed_tokens": torch.tensor(fixed, dtype=torch.long), **sampling}
     device = getattr(m, "device", None)
     if device is not None:
         ids = ids.to(device)
@@ -733,11 +809,11 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, **sampling: Any) -> l
     return [decode_answer(row, fmt).ljust(N_CELLS, "0") for row in canvas]
 
 
-def solve(puzzle: str, model: Any = None, **sampling: Any) -> str:
+def solve(puzzle: str, model: Any = None, *, repair: int = 0, **sampling: Any) -> str:
     """The 81-digit solution a DiffusionGemma sudoku model predicts for one puzzle.
 
     model: a loaded blockpress model (default: blockpress.load(DEFAULT_MODEL_PATH); raises
-    SudokuModelMissing, a RuntimeError, if none is installed). The result is not verified:
-    use `check(puzzle, result)`.
+    SudokuModelMissing, a RuntimeError, if none is installed). repair: rounds of re-denoising the
+    cells that break a rule (see `solve_batch`). The result is not verified: use `check(puzzle, result)`.
     """
-    return solve_batch([puzzle], model, **sampling)[0]
+    return solve_batch([puzzle], model, repair=repair, **sampling)[0]

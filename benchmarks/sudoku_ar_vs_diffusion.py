@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=20, help="puzzles per blanks level")
     p.add_argument("--blanks", type=int, nargs="+", default=[35, 45, 55])
     p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--repair", type=int, default=0, metavar="R",
+                   help="also evaluate the default sampler with up to R repair rounds (editing in place)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--png", default="benchmarks/results/sudoku_ar_vs_diffusion.png")
     args = p.parse_args(argv)
@@ -43,6 +45,10 @@ def main(argv=None) -> int:
         rows.append(("diffusion", int(name.split("=")[1]), res))
     for name, res in run_eval(dm, args.n, args.blanks).items():
         rows.append(("diffusion (adaptive)", dm.generation_defaults.get("max_denoising_steps"), res))
+    if args.repair:
+        for name, res in run_eval(dm, args.n, args.blanks, repair=args.repair).items():
+            rows.append((f"diffusion (adaptive + {args.repair} repair rounds)",
+                         dm.generation_defaults.get("max_denoising_steps"), res))
     if args.ar:
         am = blockpress.load(args.ar, progress=False)
         rows.append(("autoregressive (greedy)", sd.N_CELLS, run_eval(am, args.n, args.blanks, ar=True)["ar"]))
@@ -75,11 +81,14 @@ def _plot(rows, path):
 
     diff = [(s, r["overall"]) for n, s, r in rows if n == "diffusion"]
     ar = [r["overall"] for n, _, r in rows if n.startswith("autoregressive")]
+    extra = [(n, r["overall"]) for n, _, r in rows if n.startswith("diffusion (")]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "solve_rate", "puzzles solved"), (axes[1], "cell_accuracy", "blank-cell accuracy")):
         ax.plot([s for s, _ in diff], [100 * o[key] for _, o in diff], "o-", label="block diffusion")
         if ar:
             ax.axhline(100 * ar[0][key], color="C3", ls="--", label="autoregressive (81 steps)")
+        for k, (name, o) in enumerate(extra):
+            ax.axhline(100 * o[key], color=f"C{k + 1}", ls=":", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("denoising steps (fixed)")
         ax.set_ylabel(f"{label} (%)")

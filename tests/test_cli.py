@@ -192,3 +192,23 @@ def test_chat_repl_commands(model_dir, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "(thinking on)" in out and "(conversation cleared)" in out and "commands:" in out
     assert len(re.findall(r"tokens/forward", out)) == 2  # two turns ran; the line after /exit did not
+
+
+def test_sudoku_run_repair_rounds(sudoku_dir, capsys, monkeypatch):
+    """`run --repair R` re-denoises the broken cells: each round is reported and the clues stay."""
+    from blockpress.tasks import sudoku as su
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # no puzzle given: the built-in example
+    r = run_json(capsys, str(sudoku_dir), "--steps", "2", "--seed", "0", "--repair", "2")
+    assert r["answer"] == su.decode_answer(r["token_ids"]) and len(r["repaired_cells"]) <= 2
+    assert r["repaired_cells"] and all(0 < k <= 81 for k in r["repaired_cells"])  # a random model breaks rules
+    # the last round held the clues on the canvas (position i is cell i)
+    assert all(r["token_ids"][i] == su.DIGIT_ID0 + int(ch) for i, ch in enumerate(r["puzzle"]) if ch != "0")
+    assert cli(["run", str(sudoku_dir), "--steps", "2", "--seed", "0", "--repair", "1", "--no-live"]) == 0
+    assert "repair 1:" in capsys.readouterr().out
+
+
+def test_repair_flag_on_a_text_model_is_a_clear_error(model_dir, capsys):
+    assert cli(["run", str(model_dir), "hi", "--repair", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--repair" in err and "Sudoku" in err

@@ -322,7 +322,7 @@ def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
     view = CanvasView(renderer, console, live, title="answer", show_committed=False)
     result = _generate(lm, ids, kw, gen, view, decode=False)
     tokens = result.new_tokens[0].tolist()
-    answer = su.decode_answer(tokens, fmt).ljust(81, "0")
+    answer = su.decode_answer(tokens, fmt)
     stats = stats_of(result, len(returned_tokens(tokens, [su.EOS_ID], len(tokens))[0]))  # the first pass
     rounds = []
     for r in range(args.repair or 0):  # edit in place: the broken cells from noise, the rest held
@@ -336,7 +336,7 @@ def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
         view = CanvasView(renderer, console, live, title=f"repair {r + 1}", show_committed=False)
         result = _generate(lm, ids, {**kw, "fixed_tokens": fixed}, gen, view, decode=False)
         tokens = result.new_tokens[0].tolist()
-        answer = su.decode_answer(tokens, fmt).ljust(81, "0")
+        answer = su.decode_answer(tokens, fmt)
     solution = su.solve_exact(puzzle)
     score = su.check(puzzle, answer, solution)
     if args.json:

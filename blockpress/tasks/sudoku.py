@@ -739,6 +739,7 @@ def repair_canvas(puzzle: str, grid: str, free: Iterable[int], format: str = "pr
     -1 (free) at the cells `free` and at cells the grid leaves blank; <eos> after the grid."""
     fmt = format
     free = set(free)
+    grid = _as_pred(grid)[:N_CELLS].ljust(N_CELLS, "0")
     row = []
     for i, (p, ch) in enumerate(zip(puzzle, grid)):
         d = ord(p if p != "0" else ch) - 48

@@ -115,3 +115,20 @@ def test_repair_edits_only_the_broken_cells_of_the_shipped_model(lm):
         changed += sum(a[i] != b[i] for i in free)
         assert sd.check(p, b, sol)["solved"] >= sd.check(p, a, sol)["solved"]
     assert changed > 0
+
+
+def test_published_repair_eval_is_consistent(published):
+    """benchmarks/results/sudoku-eval-repair.json (`blockpress eval sudoku --repair 8`): its numbers follow
+    from its predictions, and every puzzle the default sampler solved is still solved (a repair round never
+    touches a grid that breaks no rule; both runs share the first pass: same batches, same seeds)."""
+    repaired = json.loads((PUBLISHED.parent / "sudoku-eval-repair.json").read_text())["default+repair=8"]
+    default = published["default"]["per_blanks"]
+    for b, r in repaired["per_blanks"].items():
+        pairs = sd.test_set(int(b), r["n"])
+        rows = [sd.check(p, pred, sol) for (p, sol), pred in zip(pairs, r["predictions"])]
+        assert r["solve_rate"] == pytest.approx(sum(x["solved"] for x in rows) / len(rows))
+        assert r["cell_accuracy"] == pytest.approx(sum(x["cell_accuracy"] for x in rows) / len(rows))
+        for (p, sol), before, after in zip(pairs, default[b]["predictions"], r["predictions"]):
+            if sd.check(p, before, sol)["solved"]:
+                assert after == before
+    assert repaired["overall"]["solve_rate"] > published["default"]["overall"]["solve_rate"]

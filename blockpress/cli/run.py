@@ -269,9 +269,6 @@ def main(args) -> int:
     for c in parsed.tool_calls:
         console.print(f"[tool call] {c.name}({c.arguments_json})", style="magenta", markup=False)
     console.print(stats_line(stats), style="cyan", markup=False)
-    if rounds:
-        console.print(f"repair: {len(rounds)} round(s) re-denoised {' + '.join(map(str, rounds))} cells",
-                      style="cyan", markup=False)
     return 0
 
 

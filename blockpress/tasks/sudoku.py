@@ -743,7 +743,7 @@ def repair_canvas(puzzle: str, grid: str, free: Iterable[int], format: str = "pr
     row = []
     for i, (p, ch) in enumerate(zip(puzzle, grid)):
         d = ord(p if p != "0" else ch) - 48
-        row.append(-1 if i in free or not 0 <= d <= 9 else (cell_token(i, d) if fmt == "inplace" else DIGIT_ID0 + d))
+        row.append(-1 if i in free or not 1 <= d <= 9 else (cell_token(i, d) if fmt == "inplace" else DIGIT_ID0 + d))
     return row + [EOS_ID] * (CANVAS_LEN - N_CELLS)
 
 

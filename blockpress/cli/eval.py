@@ -11,7 +11,9 @@ model's generation_config.json defaults are used. Each puzzle samples from its o
 (--seed, puzzle), so a result does not depend on the batch size, and `--n 3` gives exactly the first
 three predictions of `--n 50` (the held-out sets are prefixes of each other): CI checks the published
 numbers that way. `--repair R` adds up to R rounds of editing in place (`solve_batch(repair=R)`): each
-round re-denoises the cells that break a Sudoku rule and holds the rest. `--ar` evaluates the model as a causal LM (greedy),
+round re-denoises the cells that break a Sudoku rule and holds the rest. Repair rounds batch only the
+broken puzzles, and CPU matmuls differ by ~1e-7 between batch shapes, so after a repair round a
+near-tied draw can differ with --n or --batch-size (the first pass does not). `--ar` evaluates the model as a causal LM (greedy),
 the autoregressive baseline. `--json FILE` writes all results.
 """
 
@@ -61,7 +63,7 @@ def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0
     for s in steps or [None]:
         kw = {} if s is None else {"max_denoising_steps": s, "stability_threshold": None}
 
-        def solve(puzzles, kw=kw):  # one generator per puzzle: results do not depend on batching or n
+        def solve(puzzles, kw=kw):  # one generator per puzzle: the first pass does not depend on batching or n
             gens = [torch.Generator(device=lm.device).manual_seed(puzzle_seed(seed, p)) for p in puzzles]
             return sd.solve_batch(puzzles, lm, generator=gens, repair=repair, **kw)
         name = ("default" if s is None else f"steps={s}") + (f"+repair={repair}" if repair else "")

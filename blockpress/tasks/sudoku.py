@@ -171,6 +171,10 @@ _BITS = [[(1 << k, k + 1) for k in range(9) if m >> k & 1] for m in range(512)]
 _ROW = [i // 9 for i in range(N_CELLS)]
 _COL = [i % 9 for i in range(N_CELLS)]
 _BOX = [(i // 27) * 3 + (i % 9) // 3 for i in range(N_CELLS)]
+_UNITS = ([[i for i in range(N_CELLS) if _ROW[i] == u] for u in range(9)]  # 9 rows, 9 columns, 9 boxes
+          + [[i for i in range(N_CELLS) if _COL[i] == u] for u in range(9)]
+          + [[i for i in range(N_CELLS) if _BOX[i] == u] for u in range(9)])
+_DIGITS = frozenset("123456789")
 
 
 def _to_cells(puzzle: str | Sequence[int]) -> list[int]:
@@ -271,14 +275,7 @@ def is_valid_solution(grid: str) -> bool:
     """True iff grid is 81 digits 1-9 and every row, column and box is a permutation of 1..9."""
     if not isinstance(grid, str) or len(grid) != N_CELLS or not all("1" <= ch <= "9" for ch in grid):
         return False
-    want = set("123456789")
-    for u in range(9):
-        if set(grid[u * 9:(u + 1) * 9]) != want or set(grid[u::9]) != want:
-            return False
-        br, bc = (u // 3) * 3, (u % 3) * 3
-        if {grid[(br + dr) * 9 + bc + dc] for dr in range(3) for dc in range(3)} != want:
-            return False
-    return True
+    return all({grid[i] for i in unit} == _DIGITS for unit in _UNITS)
 
 
 # ============================================================================= generator
@@ -727,29 +724,19 @@ def broken_cells(puzzle: str, grid: str, scope: str = "units") -> list[int]:
     return sorted(i for i in bad if puz[i] == "0")
 
 
-_DIGITS = frozenset("123456789")
-_UNITS = ([[i for i in range(N_CELLS) if _ROW[i] == u] for u in range(9)]
-          + [[i for i in range(N_CELLS) if _COL[i] == u] for u in range(9)]
-          + [[i for i in range(N_CELLS) if _BOX[i] == u] for u in range(9)])
 REPAIR_SCOPES = ("units", "cells", "all")
 
 
 def repair_canvas(puzzle: str, grid: str, free: Iterable[int], format: str = "prompt") -> list[int]:
     """`fixed_tokens` (CANVAS_LEN ids) for a repair round: the clue, else the grid's digit, at every cell;
     -1 (free) at the cells `free` and at cells the grid leaves blank; <eos> after the grid."""
-    fmt = format
     free = set(free)
     grid = _as_pred(grid)[:N_CELLS].ljust(N_CELLS, "0")
     row = []
     for i, (p, ch) in enumerate(zip(puzzle, grid)):
         d = ord(p if p != "0" else ch) - 48
-        row.append(-1 if i in free or not 1 <= d <= 9 else (cell_token(i, d) if fmt == "inplace" else DIGIT_ID0 + d))
+        row.append(-1 if i in free or not 1 <= d <= 9 else (cell_token(i, d) if format == "inplace" else DIGIT_ID0 + d))
     return row + [EOS_ID] * (CANVAS_LEN - N_CELLS)
-
-
-def _rows(x: Any, keep: list[int]) -> Any:
-    """The rows `keep` of a per-row sampling argument (a list of generators); anything else as is."""
-    return [x[k] for k in keep] if isinstance(x, (list, tuple)) else x
 
 
 def solve_batch(puzzles: Sequence[str], model: Any = None, *, repair: int = 0, repair_scope: str = "units",
@@ -784,7 +771,9 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, *, repair: int = 0, r
             break
         keep = [k for k, _ in todo]
         rows = [repair_canvas(flat[k], preds[k], cells, fmt) for k, cells in todo]
-        redo = _generate(m, fmt, [flat[k] for k in keep], rows, {k: _rows(v, keep) for k, v in sampling.items()})
+        gens = sampling.get("generator")  # one per puzzle: the broken rows' own generators go on
+        sub = {**sampling, "generator": [gens[k] for k in keep]} if isinstance(gens, (list, tuple)) else sampling
+        redo = _generate(m, fmt, [flat[k] for k in keep], rows, sub)
         for k, pred in zip(keep, redo):
             preds[k] = pred
     return preds

@@ -45,6 +45,36 @@ def test_corruption_rate_matches_t():
         assert xt[rep].bincount(minlength=V).float().div(rep.sum()).sub(1 / V).abs().max() < 0.01
 
 
+def test_swap_noise_writes_tokens_of_the_same_canvas_at_kept_positions():
+    """swap_rate: after the uniform draw, each kept (and not held) position takes, with prob swap_rate,
+    the clean token of a random position of its own canvas; the uniform part is left as it was."""
+    g0 = torch.Generator().manual_seed(0)
+    B, L = 3000, 12
+    x0 = torch.stack([torch.randperm(V, generator=g0)[:L] for _ in range(B)])  # distinct tokens per row
+    t = torch.full((B,), 0.4)
+    held = torch.zeros(B, L, dtype=torch.bool)
+    held[:, :2] = True
+    plain, rep0 = obj.corrupt(x0, t, V, torch.Generator().manual_seed(7), held)
+    xs, rep = obj.corrupt(x0, t, V, torch.Generator().manual_seed(7), held, swap_rate=0.25)
+    assert torch.equal(xs[rep0], plain[rep0]) and bool((rep0 <= rep).all())  # the uniform draws are untouched
+    swapped = rep & ~rep0
+    assert not (swapped & held).any() and torch.equal(xs[~rep], x0[~rep])
+    kept = ~rep0 & ~held
+    frac = swapped[kept].float().mean().item()
+    assert abs(frac - 0.25) < 0.02, frac
+    # every swapped token is one of its own canvas's clean tokens, at a random position (1/L: itself)
+    rows = swapped.nonzero()[:, 0]
+    assert bool((x0[rows] == xs[swapped][:, None]).any(1).all())
+    same = (xs[swapped] == x0[swapped]).float().mean().item()
+    assert abs(same - 1 / L) < 0.02, same
+    # through collate: the config's rate reaches corrupt, and 0 keeps the plain objective's draws
+    exs = [([2, 5], x0[i].tolist()) for i in range(64)]
+    a = obj.collate(exs, L, V, obj.ObjectiveConfig(seed=1), step=3)
+    b = obj.collate(exs, L, V, obj.ObjectiveConfig(seed=1, swap_rate=0.5), step=3)
+    assert torch.equal(a.t, b.t) and torch.equal(a.canvas_noisy[a.replaced], b.canvas_noisy[a.replaced])
+    assert int((b.replaced & ~a.replaced).sum()) > 0.3 * int((~a.replaced).sum())
+
+
 def test_collate_per_example_t_and_determinism():
     cfg = obj.ObjectiveConfig(seed=3)
     exs = [([2, 5, 6], list(range(5, 13)))] * 400
@@ -211,7 +241,8 @@ def test_gradient_checkpointing_gives_same_gradients():
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
-@pytest.mark.parametrize("bad", [dict(eps=1.0), dict(sc_prob=2.0), dict(ar_scope="prompt")])
+@pytest.mark.parametrize("bad", [dict(eps=1.0), dict(sc_prob=2.0), dict(ar_scope="prompt"), dict(swap_rate=-0.1),
+                                 dict(swap_rate=1.5)])
 def test_objective_config_validates(bad):
     with pytest.raises(ValueError):
         obj.ObjectiveConfig(**bad)

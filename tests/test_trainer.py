@@ -269,3 +269,6 @@ def test_infill_source_leaves_one_span_per_canvas_free(tmp_path, capsys):
     assert "for Sudoku use --sudoku-format inplace" in capsys.readouterr().err
     assert cli_main(["train", str(tmp_path / "t.txt"), "--augment", "4", *TINY]) == 2
     assert "apply to `blockpress train sudoku` only" in capsys.readouterr().err
+    assert cli_main(["train", "sudoku", "--out", str(tmp_path / "y"), "--swap-rate", "1.5", *TINY]) == 2
+    assert "--swap-rate must be in [0, 1], got 1.5" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()

@@ -65,6 +65,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="plain text: tokens of each document given as prompt (a per-document draw in [LO, HI])")
     o.add_argument("--blanks", type=int, nargs=2, default=(25, 58), metavar=("LO", "HI"),
                    help="sudoku: blanks per training puzzle")
+    o.add_argument("--swap-rate", type=float, default=0.0, metavar="P",
+                   help="also overwrite each uncorrupted canvas position, with prob P, by the token of another "
+                        "position of the same clean canvas: plausible wrong tokens that teach the decoder to revise "
+                        "what it has written (an addition to the spec objective; default 0)")
     o.add_argument("--infill-rate", type=float, default=0.0, metavar="P",
                    help="text/chat: train this fraction of examples as infilling (each canvas held as given context "
                         "except one random span, which alone is denoised and scored; default 0)")
@@ -106,6 +110,13 @@ def build(args):
         raise InputError("--infill-rate is for text and chat data; for Sudoku use --sudoku-format inplace")
     if not task and (args.augment != 1 or args.sudoku_format != "prompt"):
         raise InputError("--augment and --sudoku-format apply to `blockpress train sudoku` only")
+    try:
+        ocfg = obj.ObjectiveConfig(eps=args.eps, sc_prob=args.sc_prob, ar_weight=args.ar_weight,
+                                   ar_scope=args.ar_scope, seed=args.seed, ar_only=args.ar_only,
+                                   swap_rate=args.swap_rate)
+    except ValueError as e:  # name the flag, not the dataclass field
+        field = str(e).split(" ", 1)[0]
+        raise InputError(f"--{field.replace('_', '-')} {str(e).split(' ', 1)[1]}") from None
     resume_ck = latest_checkpoint(out) if args.resume else None
     extra = {}
     lora = None
@@ -181,8 +192,6 @@ def build(args):
         add_lora(lm.module, lora)
         if resume_ck is not None:
             load_adapter_weights(lm.module, resume_ck)
-    ocfg = obj.ObjectiveConfig(eps=args.eps, sc_prob=args.sc_prob, ar_weight=args.ar_weight, ar_scope=args.ar_scope,
-                               seed=args.seed, ar_only=args.ar_only)
     tcfg = TrainConfig(out_dir=str(out), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                        min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay,
                        clip=args.clip, log_every=args.log_every, eval_every=args.eval_every,

@@ -8,6 +8,11 @@ so that data-parallel ranks and resumed runs draw exactly the same noise:
   EOS-filled (§2.1, §2.4); one canvas `b` is selected uniformly (§2.2 (A), Google's way);
 - t ~ U[eps, 1); each canvas position keeps its clean token with prob 1 - t, otherwise takes a token
   drawn uniformly from the whole vocabulary [0, V) (no mask token, §1.1-1.2);
+- optionally (`swap_rate` > 0, off by default: an addition to the spec) each position that kept its clean
+  token is, with prob `swap_rate`, overwritten by the clean token of a random position of the same canvas.
+  With a large vocabulary, uniform noise almost never looks like data (a Sudoku canvas has 9 digits among
+  826 ids), so a decoder trained on it alone learns that a plausible token is always right and copies it
+  with probability ~1; swapped tokens are plausible but wrong, which teaches it to revise them;
 - a self-conditioning coin with probability `sc_prob` (§1.6).
 
 Batch layout (the leakage rule, §1.3): every row is left-padded so that the selected canvas's
@@ -45,6 +50,7 @@ class ObjectiveConfig:
     ar_scope: str = "response"  # "response": targets are response tokens; "all": every valid token
     seed: int = 0
     ar_only: bool = False  # baseline: plain causal LM (no decoder passes)
+    swap_rate: float = 0.0  # prob. that a kept position takes another position's clean token (0: spec objective)
 
     def __post_init__(self):
         if not 0.0 <= self.eps < 1.0:
@@ -53,6 +59,8 @@ class ObjectiveConfig:
             raise ValueError(f"sc_prob must be in [0, 1], got {self.sc_prob}")
         if self.ar_scope not in ("response", "all"):
             raise ValueError(f"ar_scope must be 'response' or 'all', got {self.ar_scope!r}")
+        if not 0.0 <= self.swap_rate <= 1.0:
+            raise ValueError(f"swap_rate must be in [0, 1], got {self.swap_rate}")
 
 
 def example_generator(seed: int, step: int, index: int, stream: str = "train") -> torch.Generator:
@@ -62,18 +70,28 @@ def example_generator(seed: int, step: int, index: int, stream: str = "train") -
 
 
 def corrupt(x0: torch.Tensor, t: torch.Tensor, vocab_size: int, generator: torch.Generator | None = None,
-            held: torch.Tensor | None = None):
+            held: torch.Tensor | None = None, swap_rate: float = 0.0):
     """Uniform-state corruption. x0 [..., C] ids, t [...] -> (x_t, replaced [..., C] bool).
 
     Each position is replaced with prob t by a token uniform over [0, V) (which may equal the original).
     held [..., C] bool: positions that stay clean whatever t is (infill training: the given context
-    on the canvas, as `fixed_tokens` holds it at inference). The random draws do not depend on it."""
+    on the canvas, as `fixed_tokens` holds it at inference). The random draws do not depend on it.
+    swap_rate: each position not replaced (nor held) then takes, with this prob, the clean token of a
+    position drawn uniformly from the same canvas (in-distribution errors; counted in `replaced`). At
+    0 nothing more is drawn, so the generator's stream is the plain objective's."""
     u = torch.rand(x0.shape, generator=generator)
     replaced = u < t.unsqueeze(-1)
     if held is not None:
         replaced &= ~held
     noise = torch.randint(0, vocab_size, x0.shape, generator=generator)
-    return torch.where(replaced, noise, x0), replaced
+    x = torch.where(replaced, noise, x0)
+    if swap_rate > 0:
+        swap = torch.rand(x0.shape, generator=generator) < swap_rate
+        src = torch.randint(0, x0.shape[-1], x0.shape, generator=generator)
+        swap &= ~replaced if held is None else ~(replaced | held)
+        x = torch.where(swap, x0.gather(-1, src), x)
+        replaced = replaced | swap
+    return x, replaced
 
 
 def split_canvases(response: list[int], C: int, eos_id: int, max_canvases: int | None = None) -> list[list[int]]:
@@ -134,7 +152,7 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
             part = [bool(v) for v in held_tokens[b * C:(b + 1) * C]]
             held[:len(part)] = torch.tensor(part, dtype=torch.bool)
             any_held |= bool(held.any())
-        x, r = corrupt(x0, t, vocab_size, g, held)
+        x, r = corrupt(x0, t, vocab_size, g, held, cfg.swap_rate)
         scored.append(~held)
         coin = bool(torch.rand((), generator=g) < cfg.sc_prob)
         rows.append((list(prompt), [tok for c in canv for tok in c]))

@@ -472,3 +472,5 @@ def test_solve_batch_repair_holds_all_but_the_broken_cells():
             S.solve_batch([pairs[0][0]], FakeModel(), repair=bad_rounds)
     with pytest.raises(ValueError, match="repair_scope"):
         S.solve_batch([pairs[0][0]], FakeModel(), repair_scope="rows")
+    with pytest.raises(ValueError, match="pass the puzzle, not fixed_tokens"):
+        S.solve_batch([pairs[0][0]], FakeModel(), fixed_tokens=torch.zeros(1, 82, dtype=torch.long))

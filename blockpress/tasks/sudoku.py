@@ -758,6 +758,9 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, *, repair: int = 0, r
         raise ValueError(f"repair must be a whole number of rounds >= 0, got {repair!r}")
     if repair_scope not in REPAIR_SCOPES:
         raise ValueError(f"unknown repair_scope {repair_scope!r}; use one of {REPAIR_SCOPES}")
+    if "fixed_tokens" in sampling:
+        raise ValueError("solve_batch builds the canvas itself (the clues, and the held cells of a repair round); "
+                         "pass the puzzle, not fixed_tokens")
     m = _resolve_model(model)
     fmt = model_format(m)
     if fmt == "inplace":  # the clues are held on the canvas (fixed_tokens); the model fills the blanks

@@ -74,3 +74,34 @@ def test_two_process_ddp_equals_one_process(tmp_path):
         assert torch.allclose(g1[k], g2[k], atol=1e-6, rtol=1e-4), k
     # later steps agree up to float reduction order (Adam amplifies tiny gradient differences)
     assert abs(one["losses"][1] - two["losses"][1]) < 1e-3
+
+
+@pytest.mark.slow
+def test_torchrun_cli_matches_one_process(tmp_path):
+    """The path users run: `torchrun --standalone --nproc-per-node 2 -m blockpress train ...` (dist.setup()
+    reads RANK/WORLD_SIZE/MASTER_ADDR/PORT from torchrun) logs the 1-process loss on the same global batch.
+    Slow (two interpreter start-ups) and it binds a local port, so it is opt-in (--runslow)."""
+    import json
+    import subprocess
+    import sys
+
+    args = ["train", "sudoku", "--size", "nano", "--batch-size", "4", "--steps", "2", "--lr", "3e-3",
+            "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--save-every", "0", "--threads", "1",
+            "--no-progress", "--blanks", "40", "44", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "blockpress", *args, "--out", str(tmp_path / "one")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "blockpress", *args, "--out", str(tmp_path / "two")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "2 process(es)" in two.stdout + two.stderr
+
+    def losses(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    a, b = losses("one"), losses("two")
+    assert len(a) == len(b) == 2
+    assert abs(a[0] - b[0]) < 1e-5 and abs(a[1] - b[1]) < 1e-3

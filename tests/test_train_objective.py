@@ -242,7 +242,7 @@ def test_gradient_checkpointing_gives_same_gradients():
 
 
 @pytest.mark.parametrize("bad", [dict(eps=1.0), dict(sc_prob=2.0), dict(ar_scope="prompt"), dict(swap_rate=-0.1),
-                                 dict(swap_rate=1.5)])
+                                 dict(swap_rate=1.5), dict(rollout=-0.5), dict(rollout=2.0)])
 def test_objective_config_validates(bad):
     with pytest.raises(ValueError):
         obj.ObjectiveConfig(**bad)
@@ -288,3 +288,103 @@ def test_held_flags_follow_the_selected_canvas():
         else:  # canvas 0: nothing held (scored None = every position)
             assert b.scored is None
     assert seen == {True, False}
+
+
+def _rollout_batch(B=6, rollout=1.0, seed=2, held=False):
+    g = torch.Generator().manual_seed(seed)
+    exs = [([2, 5], torch.randint(5, V, (C,), generator=g).tolist()) for _ in range(B)]
+    if held:
+        exs = [(p, r, [j < 2 for j in range(C)]) for p, r in exs]
+    return obj.collate(exs, C, V, obj.ObjectiveConfig(seed=seed, rollout=rollout), step=1)
+
+
+def test_rollout_draws_come_last_and_zero_draws_nothing():
+    """rollout > 0 leaves every other draw of the batch as the plain objective makes it; rollout 0 adds
+    nothing; the coin follows the rate; the draws depend only on (seed, step, global example index)."""
+    plain = _rollout_batch(rollout=0.0)
+    assert plain.rollout is None
+    on = _rollout_batch(rollout=0.5, B=400)
+    ref = _rollout_batch(rollout=0.0, B=400)
+    for k in ("canvas_noisy", "canvas_clean", "replaced", "t", "sc_mask", "input_ids"):
+        assert torch.equal(getattr(on, k), getattr(ref, k)), k
+    r = on.rollout
+    assert abs(r.coin.float().mean().item() - 0.5) < 0.08
+    assert bool(((r.tau >= 0.4) & (r.tau < 0.8)).all()) and bool(((r.bound >= 1e-2) & (r.bound < 1e2)).all())
+    assert r.u.shape == (400, C) and r.noise.shape == (400, C) and int(r.noise.max()) < V
+    exs = [([2, 5], list(range(5, 5 + C)))] * 20
+    cfg = obj.ObjectiveConfig(seed=3, rollout=0.5)
+    full = obj.collate(exs, C, V, cfg, step=4)
+    shard = obj.collate(exs[10:], C, V, cfg, step=4, first_index=10)
+    assert torch.equal(shard.rollout.u, full.rollout.u[10:]) and torch.equal(shard.rollout.noise, full.rollout.noise[10:])
+
+
+def test_rollout_step_is_one_sampler_step():
+    """Accepted positions (entropy bound, sampling.entropy_bound_accept on z / tau) hold an inverse-CDF
+    sample of softmax(z / tau), the others the drawn noise; rows with the coin off are untouched;
+    rollout rows get z / tau as self-conditioning and always have it on; held positions stay clean."""
+    from blockpress.sampling import entropy_bound_accept, token_entropy
+
+    b = _rollout_batch(B=6, held=True)
+    r = b.rollout
+    r.coin[:] = torch.tensor([True, True, True, False, True, False])
+    r.bound[:] = torch.tensor([1e-2, 1e2, 0.5, 0.5, 1e-2, 1e2])
+    b.sc_mask[:] = False
+    z_raw = torch.randn(6, C, V, generator=torch.Generator().manual_seed(0)) * 3
+    z_raw[:, 3, :] = -30.0
+    z_raw[:, 3, 7] = 30.0  # a certain position: always accepted, always token 7
+    canvas, sc, sc_mask = obj.rollout_step(z_raw, b)
+    z = z_raw / r.tau[:, None, None]
+    acc = entropy_bound_accept(token_entropy(z), r.bound[:, None])
+    cdf = torch.softmax(z, -1).cumsum(-1)
+    held = ~b.scored
+    for i in range(6):
+        if not r.coin[i]:
+            assert torch.equal(canvas[i], b.canvas_noisy[i]) and torch.equal(sc[i], z_raw[i]) and not sc_mask[i]
+            continue
+        assert sc_mask[i] and torch.allclose(sc[i], z[i])
+        for j in range(C):
+            if held[i, j]:
+                assert canvas[i, j] == b.canvas_clean[i, j]
+            elif acc[i, j]:
+                y = int(canvas[i, j])
+                assert (y == 0 or cdf[i, j, y - 1] < r.u[i, j]) and r.u[i, j] <= cdf[i, j, y]
+            else:
+                assert canvas[i, j] == r.noise[i, j]
+        assert canvas[i, 3] == 7
+    assert int(acc[1, 2:].sum()) == C - 2  # bound 1e2: the whole canvas is accepted
+    assert int(acc[0].sum()) < C  # bound 1e-2 on random logits: few positions
+
+
+def test_rollout_samples_follow_the_model_distribution():
+    """The inverse-CDF draw is a categorical sample of softmax(z / tau): frequencies over many rows."""
+    n = 4000
+    b = _rollout_batch(B=n, seed=9)
+    b.rollout.bound[:] = 1e9  # accept everything: the canvas is the sample
+    probs = torch.softmax(torch.tensor([2.0, 1.0, 0.0, -1.0] + [-30.0] * (V - 4)), -1)
+    b.rollout.tau[:] = 1.0
+    z_raw = probs.log().expand(n, C, V).clone()
+    canvas, _, _ = obj.rollout_step(z_raw, b)
+    freq = canvas.flatten().bincount(minlength=V).float() / canvas.numel()
+    assert torch.allclose(freq[:4], probs[:4], atol=0.01), (freq[:4], probs[:4])
+
+
+def test_rollout_reaches_pass_2_and_the_loss_falls():
+    """With rollout on, pass 2 reads the rollout canvas (the loss differs from the plain objective's on the
+    same batch), the loss is finite, and it falls on a fixed batch."""
+    torch.manual_seed(0)
+    lm = tiny()
+    lm.module.train()
+    cfg = obj.ObjectiveConfig(seed=0, rollout=1.0)
+    b = obj.collate(examples(8), C, V, cfg, step=0)
+    plain = obj.collate(examples(8), C, V, obj.ObjectiveConfig(seed=0), step=0)
+    with torch.no_grad():
+        assert obj.compute_loss(lm.module, b, cfg)[1]["diff"] != obj.compute_loss(lm.module, plain, cfg)[1]["diff"]
+    opt = torch.optim.AdamW(lm.module.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(25):
+        loss, stats = obj.compute_loss(lm.module, b, cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(stats["loss"])
+    assert all(map(lambda v: v == v, losses)) and losses[-1] < 0.7 * losses[0], losses

@@ -23,16 +23,18 @@ def _losses(out):
     return {r["step"]: r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r}
 
 
-def test_resume_gives_the_same_next_loss(tmp_path):
+@pytest.mark.parametrize("objective", [[], ["--rollout", "0.5", "--swap-rate", "0.2"]], ids=["spec", "rollout+swap"])
+def test_resume_gives_the_same_next_loss(tmp_path, objective):
     full, part = tmp_path / "full", tmp_path / "part"
-    assert cli_main(["train", "sudoku", "--out", str(full), "--steps", "4", "--save-every", "0", *TINY]) == 0
+    args = [*TINY, *objective]
+    assert cli_main(["train", "sudoku", "--out", str(full), "--steps", "4", "--save-every", "0", *args]) == 0
     # "killed" after 3 steps (the last checkpoint at step 2, step 3 logged), then resumed in a fresh
     # model/optimizer: it redoes step 3 and the log holds every step once
     assert cli_main(["train", "sudoku", "--out", str(part), "--steps", "4", "--save-every", "2",
-                     "--stop-after", "3", *TINY]) == 0
+                     "--stop-after", "3", *args]) == 0
     assert (part / "latest").read_text() == "checkpoint-0000002" and 3 in _losses(part)
     assert cli_main(["train", "sudoku", "--out", str(part), "--steps", "4", "--save-every", "2",
-                     "--resume", *TINY]) == 0
+                     "--resume", *args]) == 0
     a, b = _losses(full), _losses(part)
     steps = [r["step"] for r in map(json.loads, open(part / "metrics.jsonl")) if "loss" in r]
     assert steps == [1, 2, 3, 4]
@@ -272,3 +274,5 @@ def test_infill_source_leaves_one_span_per_canvas_free(tmp_path, capsys):
     assert cli_main(["train", "sudoku", "--out", str(tmp_path / "y"), "--swap-rate", "1.5", *TINY]) == 2
     assert "--swap-rate must be in [0, 1], got 1.5" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
+    assert cli_main(["train", "sudoku", "--out", str(tmp_path / "z"), "--rollout", "1.5", *TINY]) == 2
+    assert "--rollout must be in [0, 1], got 1.5" in capsys.readouterr().err

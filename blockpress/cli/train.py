@@ -69,6 +69,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="also overwrite each uncorrupted canvas position, with prob P, by the token of another "
                         "position of the same clean canvas: plausible wrong tokens that teach the decoder to revise "
                         "what it has written (an addition to the spec objective; default 0)")
+    o.add_argument("--rollout", type=float, default=0.0, metavar="P",
+                   help="train this fraction of examples on the canvas one step of the model's own sampler makes "
+                        "from the noised one (its own confident mistakes, to be taken back; SUNDAE-style unrolled "
+                        "denoising, an addition to the spec objective; no extra forward pass; default 0)")
     o.add_argument("--infill-rate", type=float, default=0.0, metavar="P",
                    help="text/chat: train this fraction of examples as infilling (each canvas held as given context "
                         "except one random span, which alone is denoised and scored; default 0)")
@@ -113,7 +117,7 @@ def build(args):
     try:
         ocfg = obj.ObjectiveConfig(eps=args.eps, sc_prob=args.sc_prob, ar_weight=args.ar_weight,
                                    ar_scope=args.ar_scope, seed=args.seed, ar_only=args.ar_only,
-                                   swap_rate=args.swap_rate)
+                                   swap_rate=args.swap_rate, rollout=args.rollout)
     except ValueError as e:  # name the flag, not the dataclass field
         field = str(e).split(" ", 1)[0]
         raise InputError(f"--{field.replace('_', '-')} {str(e).split(' ', 1)[1]}") from None

@@ -29,6 +29,17 @@ prediction over scored targets ] where the AR targets are the response tokens (`
 [RH]/[MB]) or every valid token after the first (`"all"`, [G-SFT]). Decoder pass 1 runs without
 gradient and zero self-conditioning; pass 2 uses softmax(pass-1 logits) as the SC signal for rows whose
 coin is on, a zero *embedding* (sc_mask False) for the others. Prompt positions never get diffusion loss.
+
+Rollout rows (`rollout_step`): pass 1's logits z, at a temperature tau ~ U[0.4, 0.8] (the release's
+schedule range), give what one inference step would: a sample y ~ softmax(z / tau) at the positions the
+entropy bound accepts (a per-row bound, log-uniform in [1e-2, 1e2], from a few tokens to the whole canvas),
+fresh uniform noise elsewhere (spec 4.5-4.6). Pass 2 reads that canvas with z / tau as its
+self-conditioning input (what the next inference step gets) and is scored against the clean canvas as
+usual. Its errors are the model's own plausible mistakes, accepted as confidently as the sampler would
+accept them, which is what the decoder must take back at inference. Held positions stay clean. The draws
+(coin, tau, bound, one uniform per position for inverse-CDF sampling, the noise) are made in `collate`
+from the example's generator, after every other draw, so resumed and data-parallel runs agree and a run
+with rollout 0 draws exactly what it did before.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ class ObjectiveConfig:
     seed: int = 0
     ar_only: bool = False  # baseline: plain causal LM (no decoder passes)
     swap_rate: float = 0.0  # prob. that a kept position takes another position's clean token (0: spec objective)
+    rollout: float = 0.0  # prob. that an example is denoised from one step of the model's own sampler (0: spec)
 
     def __post_init__(self):
         if not 0.0 <= self.eps < 1.0:
@@ -61,6 +73,8 @@ class ObjectiveConfig:
             raise ValueError(f"ar_scope must be 'response' or 'all', got {self.ar_scope!r}")
         if not 0.0 <= self.swap_rate <= 1.0:
             raise ValueError(f"swap_rate must be in [0, 1], got {self.swap_rate}")
+        if not 0.0 <= self.rollout <= 1.0:
+            raise ValueError(f"rollout must be in [0, 1], got {self.rollout}")
 
 
 def example_generator(seed: int, step: int, index: int, stream: str = "train") -> torch.Generator:
@@ -105,6 +119,23 @@ def split_canvases(response: list[int], C: int, eos_id: int, max_canvases: int |
     return [filled[i * C:(i + 1) * C] for i in range(n)]
 
 
+ROLLOUT_TAU = (0.4, 0.8)  # temperature range of the release's schedule (t_min, t_max)
+ROLLOUT_LOG10_BOUND = (-2.0, 2.0)  # entropy bound of a rollout step, log-uniform: a few tokens .. all
+
+
+@dataclass
+class RolloutDraws:
+    """Per-example random draws of a rollout step (made in `collate`, used after decoder pass 1)."""
+    coin: torch.Tensor  # [B] bool: this row learns from a rollout canvas
+    tau: torch.Tensor  # [B] sampling temperature
+    bound: torch.Tensor  # [B] entropy bound of the acceptance
+    u: torch.Tensor  # [B,C] uniforms in [0, 1): inverse-CDF sample per position
+    noise: torch.Tensor  # [B,C] uniform tokens for the positions not accepted
+
+    def to(self, device) -> "RolloutDraws":
+        return RolloutDraws(**{k: v.to(device) for k, v in vars(self).items()})
+
+
 @dataclass
 class TrainBatch:
     input_ids: torch.Tensor  # [B,S] clean rows (left/right padded with pad_id)
@@ -117,9 +148,11 @@ class TrainBatch:
     t: torch.Tensor  # [B] corruption level
     sc_mask: torch.Tensor  # [B] bool, self-conditioning on
     scored: torch.Tensor | None = None  # [B,C] bool, positions with diffusion loss (None: all)
+    rollout: RolloutDraws | None = None  # cfg.rollout > 0 only
 
     def to(self, device) -> "TrainBatch":
-        return TrainBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
+        return TrainBatch(**{k: (v.to(device) if isinstance(v, (torch.Tensor, RolloutDraws)) else v)
+                             for k, v in vars(self).items()})
 
     @property
     def n_tokens(self) -> int:
@@ -134,7 +167,7 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
     An example may be a triple (prompt, response, held): held is one bool per response token (True: the
     token is given context on the canvas, never corrupted and never scored; infill training). Tokens
     of the EOS fill are free."""
-    rows, sel, ts, xt, rep, clean, sc, scored = [], [], [], [], [], [], [], []
+    rows, sel, ts, xt, rep, clean, sc, scored, roll = [], [], [], [], [], [], [], [], []
     any_held = False
     for k, ex in enumerate(examples):
         prompt, response = ex[0], ex[1]
@@ -155,6 +188,8 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
         x, r = corrupt(x0, t, vocab_size, g, held, cfg.swap_rate)
         scored.append(~held)
         coin = bool(torch.rand((), generator=g) < cfg.sc_prob)
+        if cfg.rollout > 0:  # drawn last: the draws above are the same with or without rollout
+            roll.append(_rollout_draws(g, cfg.rollout, C, vocab_size))
         rows.append((list(prompt), [tok for c in canv for tok in c]))
         sel.append(b)
         ts.append(t)
@@ -176,9 +211,19 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
         valid[i, lft:lft + n] = True
         lo = lft + (len(p) if cfg.ar_scope == "response" else 1)
         target[i, max(lo, lft + 1):lft + n] = True  # never the first token of a row (nothing predicts it)
+    rollout = RolloutDraws(*(torch.stack(parts) for parts in zip(*roll))) if roll else None
     return TrainBatch(ids, valid, target, T, torch.stack(clean), torch.stack(xt), torch.stack(rep),
                       torch.stack(ts).float(), torch.tensor(sc, dtype=torch.bool),
-                      torch.stack(scored) if any_held else None)
+                      torch.stack(scored) if any_held else None, rollout)
+
+
+def _rollout_draws(g: torch.Generator, rate: float, C: int, vocab_size: int) -> tuple[torch.Tensor, ...]:
+    coin = torch.rand((), generator=g) < rate
+    lo, hi = ROLLOUT_TAU
+    tau = lo + (hi - lo) * torch.rand((), generator=g)
+    blo, bhi = ROLLOUT_LOG10_BOUND
+    bound = 10.0 ** (blo + (bhi - blo) * torch.rand((), generator=g))
+    return coin, tau, bound, torch.rand(C, generator=g), torch.randint(0, vocab_size, (C,), generator=g)
 
 
 def _per_example_mean(ce: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -214,12 +259,41 @@ def ar_loss(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     return _per_example_mean(ce, batch.ar_target[:, 1:])
 
 
-def decoder_logits(module, batch: TrainBatch, cache) -> torch.Tensor:
-    """Crop the cache to the context, run the detached SC pass 1, then pass 2. -> [B,C,V] fp32."""
+def rollout_step(z_raw: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of the inference sampler (spec 4.5-4.6) from pass 1's raw logits, for the rollout rows.
+
+    z_raw [B,C,V] -> (decoder input canvas [B,C], self-conditioning logits [B,C,V], sc_mask [B]); rows
+    whose coin is off get x_t, z_raw and their own SC coin back unchanged. Rollout rows always get
+    self-conditioning, as every inference step after the first does. Held positions stay clean."""
+    from blockpress.sampling import entropy_bound_accept, token_entropy
+
+    r = batch.rollout
+    z = z_raw.float() / r.tau.to(torch.float32)[:, None, None]
+    cdf = torch.softmax(z, dim=-1).cumsum(-1)  # [B,C,V]
+    y = torch.searchsorted(cdf, r.u.to(cdf.dtype).unsqueeze(-1)).squeeze(-1).clamp(max=z.shape[-1] - 1)
+    acc = entropy_bound_accept(token_entropy(z), r.bound.to(torch.float32)[:, None])
+    x = torch.where(acc, y, r.noise)
+    if batch.scored is not None:
+        x = torch.where(batch.scored, x, batch.canvas_clean)
+    on = r.coin[:, None]
+    return (torch.where(on, x, batch.canvas_noisy), torch.where(on[..., None], z.to(z_raw.dtype), z_raw),
+            batch.sc_mask | r.coin)
+
+
+def decoder_inputs(module, batch: TrainBatch, cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Crop the cache to the context and run the detached pass 1 -> pass 2's (canvas, SC logits, SC mask)."""
     cache.crop(batch.ctx_len)  # the decoder reads cache positions [0, T): no clean canvas b or later
     with torch.no_grad():
         sc_logits = module.decode(batch.canvas_noisy, cache)  # pass 1: zero SC, whole batch always
-    return module.decode(batch.canvas_noisy, cache, sc_logits=sc_logits, sc_mask=batch.sc_mask)
+        if batch.rollout is not None and bool(batch.rollout.coin.any()):
+            return rollout_step(sc_logits, batch)
+    return batch.canvas_noisy, sc_logits, batch.sc_mask
+
+
+def decoder_logits(module, batch: TrainBatch, cache) -> torch.Tensor:
+    """Pass 1 (detached, `decoder_inputs`), then pass 2 with its self-conditioning. -> [B,C,V] fp32."""
+    canvas, sc_logits, sc_mask = decoder_inputs(module, batch, cache)
+    return module.decode(canvas, cache, sc_logits=sc_logits, sc_mask=sc_mask)
 
 
 def diffusion_loss(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
@@ -236,12 +310,15 @@ def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig) -> tuple[torch
     l_ar = torch.zeros(()) if skip_ar else ar_loss(enc_logits, batch)
     if cfg.ar_only:
         return l_ar, {"loss": float(l_ar.detach()), "ar": float(l_ar.detach())}
-    logits = decoder_logits(module, batch, cache)
+    canvas, sc_logits, sc_mask = decoder_inputs(module, batch, cache)
+    logits = module.decode(canvas, cache, sc_logits=sc_logits, sc_mask=sc_mask)
     l_diff = diffusion_loss(logits, batch)
     loss = cfg.diffusion_weight * l_diff + (cfg.ar_weight * l_ar if cfg.ar_weight else 0.0)
     with torch.no_grad():
         correct = logits.argmax(-1) == batch.canvas_clean
-        acc_noisy = correct[batch.replaced].float().mean() if bool(batch.replaced.any()) else torch.tensor(1.0)
+        # positions the decoder had to change: x_t's re-drawn ones, or a rollout canvas's wrong ones
+        wrong = batch.replaced if canvas is batch.canvas_noisy else canvas != batch.canvas_clean
+        acc_noisy = correct[wrong].float().mean() if bool(wrong.any()) else torch.tensor(1.0)
         acc = correct[batch.scored] if batch.scored is not None else correct  # held positions are given
     return loss, {"loss": float(loss.detach()), "diff": float(l_diff.detach()), "ar": float(l_ar.detach()),
                   "acc": float(acc.float().mean()), "acc_replaced": float(acc_noisy)}

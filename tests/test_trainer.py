@@ -122,6 +122,15 @@ def test_eval_cli_runs_on_a_tiny_sample(tmp_path, capsys):
     assert len(preds[0]) == 3 and all(len(p) == 81 for p in preds[0])
     assert preds[0] == preds[1] and preds[2] == preds[0][:1]
     assert len(set(preds[0])) > 1  # the untrained model still predicts differently per puzzle
+    # --split val: other puzzles (the validation split), recorded as such
+    assert cli_main(["eval", "sudoku", "--model", str(ck), "--n", "3", "--blanks", "40", "--split", "val",
+                     "--json", str(res)]) == 0
+    val = json.loads(res.read_text())["default"]
+    assert val["seed"] == "blockpress-sudoku-val" and "val split" in capsys.readouterr().out
+    from blockpress.tasks import sudoku as sd
+
+    test_keys = {sd.canonical_key(sol) for _, sol in sd.test_set(40, 3)}
+    assert not test_keys & {sd.canonical_key(sol) for _, sol in sd.test_set(40, 3, sd.VAL_SEED)}
 
 
 @pytest.mark.slow

@@ -14,7 +14,9 @@ numbers that way. `--repair R` adds up to R rounds of editing in place (`solve_b
 round re-denoises the cells that break a Sudoku rule and holds the rest. Repair rounds batch only the
 broken puzzles, and CPU matmuls differ by ~1e-7 between batch shapes, so after a repair round a
 near-tied draw can differ with --n or --batch-size (the first pass does not). `--ar` evaluates the model as a causal LM (greedy),
-the autoregressive baseline. `--json FILE` writes all results.
+the autoregressive baseline. `--split val` evaluates the validation split instead (seed
+"blockpress-sudoku-val", the same generator): make choices there (sampler settings, which checkpoint to
+ship) and report the test split. `--json FILE` writes all results.
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="sudoku: up to R rounds of re-denoising the cells that break a rule, the rest of the "
                         "canvas held (edited in place; uses the rules, never the solution). Default 0")
     p.add_argument("--ar", action="store_true", help="greedy autoregressive decoding (AR baseline model)")
+    p.add_argument("--split", choices=["test", "val"], default="test",
+                   help="sudoku: the held-out test puzzles (default) or the validation split, for choosing "
+                        "settings and checkpoints without touching the test set")
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the results here")
 
 
 def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0, ar: bool = False,
-             repair: int = 0) -> dict:
+             repair: int = 0, split: str = "test") -> dict:
     import torch
 
     from blockpress.errors import InputError
@@ -53,12 +58,13 @@ def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0
     if repair < 0:
         raise InputError(f"--repair must be >= 0 rounds, got {repair}")
     blanks = tuple(blanks or sd.EVAL_BLANKS)
+    puzzles_seed = sd.SPLITS[split]
     if ar:
         if repair:
             raise InputError("--repair edits a diffusion canvas in place; an AR model (--ar) cannot")
         from blockpress.train.ar import sudoku_solver
 
-        return {"ar": sd.evaluate(_batched(sudoku_solver(lm), batch_size), blanks, n)}
+        return {"ar": sd.evaluate(_batched(sudoku_solver(lm), batch_size), blanks, n, puzzles_seed)}
     out = {}
     for s in steps or [None]:
         kw = {} if s is None else {"max_denoising_steps": s, "stability_threshold": None}
@@ -67,7 +73,7 @@ def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0
             gens = [torch.Generator(device=lm.device).manual_seed(puzzle_seed(seed, p)) for p in puzzles]
             return sd.solve_batch(puzzles, lm, generator=gens, repair=repair, **kw)
         name = ("default" if s is None else f"steps={s}") + (f"+repair={repair}" if repair else "")
-        out[name] = sd.evaluate(_batched(solve, batch_size), blanks, n)
+        out[name] = sd.evaluate(_batched(solve, batch_size), blanks, n, puzzles_seed)
     return out
 
 
@@ -105,9 +111,10 @@ def main(args) -> int:
         from blockpress.train.lora import apply_adapter
 
         apply_adapter(lm, args.adapter)
-    results = run_eval(lm, args.n or 50, args.blanks, args.steps, args.batch_size, args.seed, args.ar, args.repair)
+    results = run_eval(lm, args.n or 50, args.blanks, args.steps, args.batch_size, args.seed, args.ar, args.repair,
+                       args.split)
     for name, res in results.items():
-        print(f"\n{name} ({path})")
+        print(f"\n{name} ({path}, {args.split} split)")
         print(sd.format_report(res))
     if args.json:
         with open(args.json, "w") as f:

@@ -58,7 +58,7 @@ from ..errors import BlockpressError, InputError
 
 __all__ = [
     "N_CELLS", "PROMPT_LEN", "CANVAS_LEN", "VOCAB", "PAD_ID", "EOS_ID", "BOS_ID", "UNK_ID",
-    "MASK_ID", "DIGIT_ID0", "NEWLINE_ID", "CELL_ID0", "TEST_SEED", "TRAIN_SEED", "EVAL_BLANKS",
+    "MASK_ID", "DIGIT_ID0", "NEWLINE_ID", "CELL_ID0", "TEST_SEED", "VAL_SEED", "SPLITS", "TRAIN_SEED", "EVAL_BLANKS",
     "EVAL_N_PER", "MIN_BLANKS", "MAX_BLANKS", "DEFAULT_MODEL_PATH", "SudokuModelMissing",
     "parse_grid", "format_grid", "count_solutions", "solve_exact", "is_valid_solution",
     "random_full_grid", "generate_puzzle", "canonical_key", "test_set", "heldout_keys",
@@ -91,6 +91,8 @@ assert CANVAS_LEN >= N_CELLS + 1
 
 # ----------------------------------------------------------------------------- split / eval
 TEST_SEED = "blockpress-sudoku-test"
+VAL_SEED = "blockpress-sudoku-val"  # the validation split: choices (sampler, checkpoint) are made here, never on the test set
+SPLITS = {"test": TEST_SEED, "val": VAL_SEED}
 TRAIN_SEED = "blockpress-sudoku-train"
 EVAL_BLANKS = (35, 40, 45, 50, 55)
 EVAL_N_PER = 50

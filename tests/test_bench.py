@@ -135,3 +135,19 @@ def test_bench_a_checkpoint_with_a_text_prompt_against_its_transformers_twin(tmp
                                                                                              chat=False))
     assert cli_main(["bench", "--prompt", "hi"]) == 2
     assert "--prompt needs --model" in capsys.readouterr().err
+
+
+def test_bench_fuse_commit_times_the_fused_pass_and_keeps_the_tokens(capsys):
+    """--fuse-commit: the same tokens as transformers, the fused pass timed, no separate commit passes, and a
+    lower floor (the commits' weight reads are gone)."""
+    assert cli_main(["bench", *FAST, "--modes", "fixed", "--repeats", "1", "--no-ar", "--fuse-commit"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["fuse_commit"] is True
+    assert result["token_agreement_vs_transformers"] == {"B1-fixed": 1.0}
+    ours = next(r for r in result["runs"] if r["engine"] == "blockpress")
+    assert ours["ms_per_fused_commit_step"] > 0 and ours["ms_per_commit"] is None
+    config, _, _ = preset_config("tiny")
+    module = DiffusionGemmaModel(ModelConfig.from_dict(config))
+    plain = generation_floor_seconds(module, 1, 8, 32, 16, 3, 1e10)
+    fused = generation_floor_seconds(module, 1, 8, 32, 16, 3, 1e10, fuse_commit=True)
+    assert fused < plain

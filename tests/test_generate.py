@@ -173,3 +173,59 @@ def test_per_row_generators_make_rows_batch_invariant(bp):
     assert torch.equal(single.sequences[0], batched.sequences[0])  # list of one == one generator
     with pytest.raises(InputError, match="one per row"):
         bp.generate(x, generator=gens[:2], **kw)
+
+
+def test_fused_commit_pass_equals_encode_then_decode(bp):
+    """encode_decode(chunk, canvas) = encode(chunk) then decode(canvas): logits and the cache it leaves,
+    with the chunk past the sliding window, left padding in the cache, and self-conditioning logits."""
+    m = bp.module
+    rows = [ids(1, 20, 1)[0].tolist(), ids(1, 13, 2)[0].tolist()]
+    x, mask = bp._prepare(rows, None)
+    C = bp.canvas_length
+    assert m.window < 20 + C  # the chunk's queries and the canvas's reach past the window
+    caches = []
+    for _ in range(2):
+        c = m.new_cache(2, 20 + 3 * C)
+        m.encode(x, c, pad_mask=mask)
+        caches.append(c)
+    for k, sc in enumerate((None, torch.randn(2, C, 512, generator=torch.Generator().manual_seed(3)))):
+        chunk, canvas = ids(2, C, 10 + k), ids(2, C, 20 + k)
+        m.encode(chunk, caches[0])
+        ref = m.decode(canvas, caches[0], sc)
+        got = m.encode_decode(chunk, canvas, caches[1], sc_logits=sc)
+        assert (got - ref).abs().max() < 2e-5
+        assert caches[1].length == caches[0].length
+        for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+            assert (a - b).abs().max() < 2e-5
+    # the encoder and decoder layer_scalars really differ in this model: each segment used its own
+    assert any(not torch.equal(layer.layer_scalar, layer.encoder_layer_scalar) for layer in m.layers)
+
+
+def _counted(fn, counts, name):
+    """fn, counting its calls in counts[name] (the real method still runs)."""
+    def call(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return fn(*args, **kwargs)
+    return call
+
+
+@pytest.mark.parametrize("sampler,per_row", [("exact", False), ("fast", False), ("exact", True)])
+def test_fuse_commit_gives_the_same_tokens(bp, sampler, per_row, monkeypatch):
+    """fuse_commit=True: one encoder call (the prompt) and one fused pass per later canvas; the same
+    sequences and tokens per forward as the reference loop (left-padded batch, adaptive stopping, 3 canvases)."""
+    rows = [ids(1, 20, 1)[0].tolist(), ids(1, 13, 2)[0].tolist()]
+    kw = dict(KW, max_new_tokens=48, eos_token_id=None, sampler=sampler)
+    outs, calls = [], []
+    for fuse in (False, True):
+        gen = [torch.Generator().manual_seed(s) for s in (1, 2)] if per_row else torch.Generator().manual_seed(1)
+        counts = {}
+        for name in ("encode", "encode_decode"):
+            monkeypatch.setattr(bp.module, name, _counted(getattr(bp.module, name), counts, name))
+        outs.append(bp.generate(rows, generator=gen, fuse_commit=fuse, **kw))
+        monkeypatch.undo()
+        calls.append(counts)
+    assert calls == [{"encode": 3}, {"encode": 1, "encode_decode": 2}]
+    assert len(outs[0].steps_per_canvas) == 3
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert torch.equal(outs[0].tokens_per_forward, outs[1].tokens_per_forward)
+    assert outs[0].steps_per_canvas == outs[1].steps_per_canvas and outs[1].cache.length == outs[0].cache.length

@@ -80,14 +80,16 @@ class Finished:
 
 
 def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, cache, tracker, generator,
-                 finished=None, fixed=None, watch=None):
+                 finished=None, fixed=None, watch=None, raw=None):
     """One denoising step with remaining-step counter n (N..1). Returns x', a', sc', done', accepted.
 
     fixed: None, or (mask [B,C] bool, tokens [B,C]) — positions held at given tokens (infilling): their
     entropy counts as 0 in the acceptance budget and the canvas and argmax keep the given token.
     watch: None, or [B,C] bool — the positions adaptive stopping looks at (default: all; with fixed
-    tokens, the free positions whose tokens are kept)."""
-    raw = module.decode(x, cache, sc_logits)
+    tokens, the free positions whose tokens are kept).
+    raw: the decoder's logits for x when the caller already has them (a commit fused into this step)."""
+    if raw is None:
+        raw = module.decode(x, cache, sc_logits)
     # per-row generators draw only for active rows (batch invariance); one generator draws for all
     active = ~(done | finished) if isinstance(generator, (list, tuple)) and finished is not None else None
     z = raw
@@ -119,7 +121,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
            attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
            cache: KVCache | None = None, decoder_input_ids: torch.Tensor | None = None,
            self_conditioning_logits: torch.Tensor | None = None, drafts: bool = True, sampler: str = "exact",
-           fixed_tokens: torch.Tensor | None = None):
+           fixed_tokens: torch.Tensor | None = None, fuse_commit: bool = False):
     """Yield Draft / Commit events and a final Finished(result).
 
     input_ids [B, S]: the tokens not yet in `cache` (the whole prompt when cache is None).
@@ -133,6 +135,9 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     from its first step to its commit (the model sees them, as it sees unreplaced positions in
     training); L may span several canvases. Random draws are unchanged, so fixing nothing (all -1)
     gives the same tokens as no `fixed_tokens`.
+    fuse_commit: encode each committed canvas in the same pass as the next canvas's first denoising step
+    (`module.encode_decode`: one read of the weights instead of two; the same function up to fp32
+    summation order, so tokens match the reference unless a draw sits on a rounding-level tie).
     """
     if sampler == "exact":
         step_fn = denoise_step
@@ -191,7 +196,9 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     with torch.no_grad():
         for c in range(n_canvases):
             t_canvas = time.perf_counter()
-            module.encode(chunk, cache, pad_mask=chunk_mask)
+            fused = fuse_commit and c > 0  # the commit runs inside this canvas's first step
+            if not fused:
+                module.encode(chunk, cache, pad_mask=chunk_mask)
             if c == 0:
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
@@ -217,8 +224,9 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             steps = 0
             for n in range(N, 0, -1):
                 passes += ~(done | finished)
+                raw = module.encode_decode(chunk, x, cache, chunk_mask, sc) if fused and steps == 0 else None
                 x, a, sc, done, accepted = step_fn(module, x, a, sc, done, n, cfg, cache, tracker, generator,
-                                                   finished, fixed=fixed, watch=watch)
+                                                   finished, fixed=fixed, watch=watch, raw=raw)
                 steps += 1
                 if drafts:
                     yield Draft(c, steps, N, a.cpu(), accepted.cpu(), done.cpu())

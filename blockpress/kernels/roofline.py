@@ -78,12 +78,13 @@ def step_bytes(module, batch: int, canvas: int, cached: int, hit: float = 1.0, n
     return b
 
 
-def encode_bytes(module, batch: int, tokens: int, cached: int, hit: float = 1.0) -> int:
-    """An encoder pass of `tokens` new tokens after `cached` ones (prefill or commit)."""
+def encode_bytes(module, batch: int, tokens: int, cached: int, hit: float = 1.0, weights: bool = True) -> int:
+    """An encoder pass of `tokens` new tokens after `cached` ones (prefill or commit). weights=False: only
+    what it adds to a denoising step it is fused with (`encode_decode`: the step reads the weights anyway)."""
     g = weight_groups(module)
     rows = batch * tokens * module.text.hidden_size * module.dtype.itemsize
-    return (int(g["experts"] * hit) + g["attention"] + g["dense_mlp"] + g["router"] + g["norms"] + rows
-            + kv_bytes(module, batch, cached + tokens))
+    w = int(g["experts"] * hit) + g["attention"] + g["dense_mlp"] + g["router"] + g["norms"]
+    return (w if weights else 0) + rows + kv_bytes(module, batch, cached + tokens)
 
 
 def ar_token_bytes(module, batch: int, cached: int) -> int:
@@ -115,14 +116,16 @@ def expected_hit_fraction(n_experts: int, top_k: int, tokens: int) -> float:
     return 1.0 - (1.0 - top_k / n_experts) ** tokens
 
 
-def generation_floor_seconds(module, batch, prompt, new_tokens, canvas, steps, bandwidth_bps, hit=1.0) -> float:
-    """Bytes of a whole fixed-step generation (prefill, commits, steps) over the bandwidth."""
+def generation_floor_seconds(module, batch, prompt, new_tokens, canvas, steps, bandwidth_bps, hit=1.0,
+                             fuse_commit: bool = False) -> float:
+    """Bytes of a whole fixed-step generation (prefill, commits, steps) over the bandwidth. fuse_commit:
+    each commit shares the next canvas's first step's weight read (engine `fuse_commit=True`)."""
     n_canvases = -(-new_tokens // canvas)
     total = encode_bytes(module, batch, prompt, 0, hit)
     for c in range(n_canvases):
         cached = prompt + c * canvas
         if c:
-            total += encode_bytes(module, batch, canvas, cached - canvas, hit)
+            total += encode_bytes(module, batch, canvas, cached - canvas, hit, weights=not fuse_commit)
         total += steps * step_bytes(module, batch, canvas, cached, hit)["total"]
     return total / bandwidth_bps
 

@@ -123,13 +123,14 @@ def fused_sample(raw, tau=None, generator=None, out_dtype=None, backend: str = "
 # ------------------------------------------------------------------------------------ engine hook
 
 def denoise_step_fast(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished=None,
-                      fixed=None, watch=None):
+                      fixed=None, watch=None, raw=None):
     """Drop-in for `engine.generate.denoise_step` using the fused sampler (same returns).
     Per-row generator lists (the server's batch-invariant seeding) take the exact path."""
     if isinstance(generator, (list, tuple)):
         return _exact_step(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished, fixed,
-                           watch)
-    raw = module.decode(x, cache, sc_logits)
+                           watch, raw)
+    if raw is None:
+        raw = module.decode(x, cache, sc_logits)
     tau = None
     if cfg.t_min is not None and cfg.t_max is not None:
         tau = temperature(n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, raw.device)

@@ -8,6 +8,8 @@ Shape legend: B batch, S encoder chunk, C canvas length, V vocab, H hidden, L ke
 - `decode(canvas, cache, sc_logits, sc_mask)`: one bidirectional denoising pass over the canvas at
   positions [T, T + C) (T = cache.length) reading, never writing, the cache; returns fp32
   soft-capped logits [B, C, V]. Sliding layers see the last W-1 cached tokens plus the canvas.
+- `encode_decode(ids, canvas, cache)`: both in one pass over the weights (a commit fused into the
+  next canvas's first denoising step; opt-in in the engine, `fuse_commit=True`).
 - The LM head is the (tied) embedding matrix. Parameter names mirror the checkpoint's
   `model.decoder.*` names (see weights.py), so the name map is a prefix.
 """
@@ -149,20 +151,10 @@ class DiffusionGemmaModel(nn.Module):
     def _neg(self, dtype):
         return torch.finfo(dtype).min
 
-    # encoder pass -------------------------------------------------------------------------------
-    def encode(self, ids: torch.Tensor, cache: KVCache, pad_mask: torch.Tensor | None = None,
-               hidden_states: list | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """ids [B,S] at positions [T0, T0+S). pad_mask [B,S] bool (True = real token)."""
-        B, S = ids.shape
-        T0 = cache.length
-        cache.ensure_capacity(T0 + S)
-        if pad_mask is not None:
-            cache.set_padding(T0, pad_mask.to(torch.bool))
-        x = self.embed(ids) if inputs_embeds is None else inputs_embeds
-        dtype, dev = x.dtype, x.device
+    def _encoder_masks(self, T0: int, S: int, cache: KVCache, dtype, dev) -> dict:
+        """Per layer type: (first visible cache position lo, additive mask [B|1,1,S,T0+S-lo]) for an
+        encoder chunk at positions [T0, T0+S) (spec 3.2: causal, sliding layers q - W < k <= q)."""
         pos = torch.arange(T0, T0 + S, device=dev)
-        rope = self._rope(pos, dtype)
-        attn_fn = ATTENTION_BACKENDS[self.attention_backend]
         W = self.window
         masks = {}
         for t in (SLIDING, FULL):
@@ -184,6 +176,36 @@ class DiffusionGemmaModel(nn.Module):
                 allowed = allowed & cache.valid[:, None, None, lo:T0 + S]
             mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, self._neg(dtype))
             masks[t] = (lo, mask)
+        return masks
+
+    def _decoder_masks(self, T: int, B: int, C: int, cache: KVCache, dtype, dev) -> dict:
+        """Per layer type: (first visible cache position lo, additive padding mask or None) for a canvas at
+        [T, T+C) (spec 3.4: every canvas query sees cache [lo, T) and the whole canvas)."""
+        masks = {}
+        for t, lo in ((FULL, 0), (SLIDING, max(0, T - (self.window - 1)))):
+            mask = None
+            if cache.has_padding:
+                allowed = torch.cat([cache.valid[:, lo:T],
+                                     torch.ones(B, C, dtype=torch.bool, device=dev)], dim=1)[:, None, None]
+                mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, self._neg(dtype))
+            masks[t] = (lo, mask)
+        return masks
+
+    # encoder pass -------------------------------------------------------------------------------
+    def encode(self, ids: torch.Tensor, cache: KVCache, pad_mask: torch.Tensor | None = None,
+               hidden_states: list | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B,S] at positions [T0, T0+S). pad_mask [B,S] bool (True = real token)."""
+        B, S = ids.shape
+        T0 = cache.length
+        cache.ensure_capacity(T0 + S)
+        if pad_mask is not None:
+            cache.set_padding(T0, pad_mask.to(torch.bool))
+        x = self.embed(ids) if inputs_embeds is None else inputs_embeds
+        dtype, dev = x.dtype, x.device
+        pos = torch.arange(T0, T0 + S, device=dev)
+        rope = self._rope(pos, dtype)
+        attn_fn = ATTENTION_BACKENDS[self.attention_backend]
+        masks = self._encoder_masks(T0, S, cache, dtype, dev)
         if hidden_states is not None:
             hidden_states.append(x)
         for i, layer in enumerate(self.layers):
@@ -205,6 +227,51 @@ class DiffusionGemmaModel(nn.Module):
         if hidden_states is not None:
             hidden_states.append(x)
         return x
+
+    # commit + first denoising step in one pass ----------------------------------------------------
+    def encode_decode(self, ids: torch.Tensor, canvas: torch.Tensor, cache: KVCache,
+                      pad_mask: torch.Tensor | None = None, sc_logits: torch.Tensor | None = None,
+                      sc_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`encode(ids, cache, pad_mask)` then `decode(canvas, cache, sc_logits, sc_mask)`, in one pass.
+
+        ids [B,S] (a committed canvas) at positions [T0, T0+S), canvas [B,C] at [T0+S, T0+S+C). Rows of
+        both run through every layer together, so each weight is read once for the two passes (a step
+        of the 26B model is bound by reading its weights). Attention is split per segment: ids queries
+        see the cache causally and write their K/V first (encoder masks), canvas queries see the
+        updated cache [lo, T0+S) plus the whole canvas (decoder masks); the encoder and decoder
+        `layer_scalar`s scale their own rows. Same function as the two calls up to fp32 summation
+        order (the GEMMs see S+C rows instead of S and C). Returns decode's logits [B,C,V]."""
+        B, S = ids.shape
+        C = canvas.shape[1]
+        T0 = cache.length
+        T = T0 + S
+        cache.ensure_capacity(T)
+        if pad_mask is not None:
+            cache.set_padding(T0, pad_mask.to(torch.bool))
+        x = torch.cat([self.embed(ids), self.decoder_input(canvas, sc_logits, sc_mask)], dim=1)  # [B, S+C, H]
+        dtype, dev = x.dtype, x.device
+        rope = self._rope(torch.arange(T0, T + C, device=dev), dtype)
+        attn_fn = ATTENTION_BACKENDS[self.attention_backend]
+        enc_masks = self._encoder_masks(T0, S, cache, dtype, dev)
+        dec_masks = self._decoder_masks(T, B, C, cache, dtype, dev)
+        for i, layer in enumerate(self.layers):
+            t = FULL if layer.full else SLIDING
+            (lo_e, mask_e), (lo_d, mask_d) = enc_masks[t], dec_masks[t]
+            cos, sin = rope[t]
+
+            def attend(h, i=i, layer=layer, lo_e=lo_e, mask_e=mask_e, lo_d=lo_d, mask_d=mask_d, cos=cos, sin=sin):
+                q, k, v = layer.self_attn.project(h, cos, sin)  # [B, heads, S+C, D]
+                cache.write(i, k[:, :, :S], v[:, :, :S], T0)
+                ek, ev = cache.span(i, lo_e, T)
+                out_e = attn_fn(q[:, :, :S], ek, ev, mask_e)
+                dk, dv = cache.span(i, lo_d, T)
+                out_d = attn_fn(q[:, :, S:], torch.cat([dk, k[:, :, S:]], 2), torch.cat([dv, v[:, :, S:]], 2), mask_d)
+                return layer.self_attn.output(torch.cat([out_e, out_d], 2))
+
+            scalar = torch.cat([layer.encoder_layer_scalar.expand(S), layer.layer_scalar.expand(C)])[None, :, None]
+            x = layer(x, attend, scalar)
+        cache.length = T
+        return self.lm_logits(self.norm(x[:, S:]))
 
     # decoder pass -------------------------------------------------------------------------------
     def decoder_input(self, canvas: torch.Tensor, sc_logits: torch.Tensor | None,
@@ -236,19 +303,12 @@ class DiffusionGemmaModel(nn.Module):
         dtype, dev = x.dtype, x.device
         rope = self._rope(torch.arange(T, T + C, device=dev), dtype)
         attn_fn = ATTENTION_BACKENDS[self.attention_backend]
-        spans = {FULL: 0, SLIDING: max(0, T - (self.window - 1))}
-        masks = {}
-        for t, lo in spans.items():
-            masks[t] = None
-            if cache.has_padding:
-                allowed = torch.cat([cache.valid[:, lo:T],
-                                     torch.ones(B, C, dtype=torch.bool, device=dev)], dim=1)[:, None, None]
-                masks[t] = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, self._neg(dtype))
+        masks = self._decoder_masks(T, B, C, cache, dtype, dev)
         if hidden_states is not None:
             hidden_states.append(x)
         for i, layer in enumerate(self.layers):
             t = FULL if layer.full else SLIDING
-            lo, mask = spans[t], masks[t]
+            lo, mask = masks[t]
             cos, sin = rope[t]
 
             def attend(h, i=i, layer=layer, lo=lo, mask=mask, cos=cos, sin=sin):

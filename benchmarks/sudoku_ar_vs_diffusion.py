@@ -27,6 +27,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--diffusion", default=str(sd.DEFAULT_MODEL_PATH), help="diffusion checkpoint folder")
     p.add_argument("--ar", default=None, help="AR-baseline checkpoint folder (trained with --ar-only)")
+    p.add_argument("--ar-results", default=None, metavar="JSON",
+                   help="instead of --ar: the AR baseline's saved `blockpress eval sudoku --ar --json` file (its "
+                        "predictions are re-scored here; it must cover --n and --blanks)")
     p.add_argument("--n", type=int, default=20, help="puzzles per blanks level")
     p.add_argument("--blanks", type=int, nargs="+", default=[35, 45, 55])
     p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -38,6 +41,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    saved_ar = _saved_ar(args.ar_results, args.n, args.blanks) if args.ar_results and not args.ar else None
     rows = []  # (name, steps or None, results)
     dm = blockpress.load(args.diffusion, progress=False)
     t0 = time.perf_counter()
@@ -52,6 +56,8 @@ def main(argv=None) -> int:
     if args.ar:
         am = blockpress.load(args.ar, progress=False)
         rows.append(("autoregressive (greedy)", sd.N_CELLS, run_eval(am, args.n, args.blanks, ar=True)["ar"]))
+    elif saved_ar is not None:
+        rows.append(("autoregressive (greedy)", sd.N_CELLS, saved_ar))
     wall = time.perf_counter() - t0
 
     hdr = "| model | steps | " + " | ".join(f"solved@{b}" for b in args.blanks) + \
@@ -71,6 +77,20 @@ def main(argv=None) -> int:
                            for n, s, r in rows]}
     print(json.dumps(summary))
     return 0
+
+
+def _saved_ar(path, n, blanks) -> dict:
+    """A saved AR eval, re-scored from its predictions on the same held-out puzzles (first n per level)."""
+    saved = json.load(open(path))["ar"]["per_blanks"]  # checked before any model runs
+    missing = [b for b in blanks if len(saved.get(str(b), {}).get("predictions", [])) < n]
+    if missing:
+        raise SystemExit(f"{path} has fewer than {n} AR predictions at blanks {missing}; re-run the AR eval")
+    preds = {b: saved[str(b)]["predictions"][:n] for b in blanks}
+    res = sd.evaluate(lambda puzzles: preds[puzzles[0].count("0")], blanks, n)  # one call per level
+    for b in blanks:
+        res["per_blanks"][b]["seconds"] = saved[str(b)]["seconds"] * n / saved[str(b)]["n"]
+    res["overall"]["seconds"] = sum(res["per_blanks"][b]["seconds"] for b in blanks)
+    return res
 
 
 def _plot(rows, path):

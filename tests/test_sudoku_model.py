@@ -132,3 +132,35 @@ def test_published_repair_eval_is_consistent(published):
             if sd.check(p, before, sol)["solved"]:
                 assert after == before
     assert repaired["overall"]["solve_rate"] > published["default"]["overall"]["solve_rate"]
+
+
+def test_ar_vs_diffusion_bench_rescores_a_saved_ar_eval(tmp_path, capsys):
+    """benchmarks/sudoku_ar_vs_diffusion.py --ar-results: the saved AR predictions re-scored on the same
+    puzzles give the saved numbers; the diffusion rows run; one JSON line at the end; a file that does
+    not cover --n is refused."""
+    import runpy
+    import sys
+
+    root = PUBLISHED.parent.parent
+    saved = root / "results" / "sudoku-ar-equal-data.json"
+    argv = ["x", "--n", "2", "--blanks", "35", "45", "--steps", "1", "--threads", "1", "--png",
+            str(tmp_path / "p.png"), "--ar-results", str(saved)]
+    old = sys.argv
+    try:
+        sys.argv = argv
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path(str(root / "sudoku_ar_vs_diffusion.py"), run_name="__main__")
+        assert e.value.code == 0
+        line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        ar = [r for r in line["results"] if r["model"].startswith("autoregressive")]
+        want = json.loads(saved.read_text())["ar"]["per_blanks"]
+        rows = [sd.check(p, pred, sol) for b in (35, 45)
+                for (p, sol), pred in zip(sd.test_set(b, 2), want[str(b)]["predictions"])]
+        assert ar[0]["cell_accuracy"] == pytest.approx(sum(r["cell_accuracy"] for r in rows) / 4, abs=1e-4)
+        assert [r["model"] for r in line["results"]][:2] == ["diffusion", "diffusion (adaptive)"]
+        assert (tmp_path / "p.png").is_file()
+        sys.argv = argv[:2] + ["999"] + argv[3:]
+        with pytest.raises(SystemExit, match="fewer than 999 AR predictions"):
+            runpy.run_path(str(root / "sudoku_ar_vs_diffusion.py"), run_name="__main__")
+    finally:
+        sys.argv = old

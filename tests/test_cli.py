@@ -208,7 +208,33 @@ def test_sudoku_run_repair_rounds(sudoku_dir, capsys, monkeypatch):
     assert "repair 1:" in capsys.readouterr().out
 
 
+def test_sudoku_run_samples_keeps_the_fewest_broken_candidate(sudoku_dir, capsys, monkeypatch):
+    """`run --samples K` denoises K candidates side by side and keeps the one with the fewest broken cells:
+    the same seed's K rows, scored by the rules, give the printed answer."""
+    import torch
+
+    from blockpress.tasks import sudoku as su
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    r = run_json(capsys, str(sudoku_dir), "--steps", "2", "--seed", "3", "--samples", "3")
+    assert r["stats"]["candidates"] == 3 and r["answer"] == su.decode_answer(r["token_ids"])
+    lm = blockpress.load(sudoku_dir, progress=False)
+    out = lm.generate([su.encode_prompt(r["puzzle"])] * 3, generator=torch.Generator().manual_seed(3),
+                      max_new_tokens=su.CANVAS_LEN, max_denoising_steps=2, stability_threshold=None,
+                      eos_token_id=[su.EOS_ID], pad_token_id=su.PAD_ID)
+    cands = [su.decode_answer(row.tolist()) for row in out.new_tokens]
+    assert r["answer"] == su.pick_candidate(r["puzzle"], cands)
+    assert r["stats"]["candidates_breaking_no_rule"] == sum(not su.broken_cells(r["puzzle"], c, "cells")
+                                                            for c in cands)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert cli(["run", str(sudoku_dir), "--steps", "2", "--seed", "3", "--samples", "2", "--no-live"]) == 0
+    assert "2 candidates:" in capsys.readouterr().out
+
+
 def test_repair_flag_on_a_text_model_is_a_clear_error(model_dir, capsys):
     assert cli(["run", str(model_dir), "hi", "--repair", "2"]) == 2
     err = capsys.readouterr().err
     assert "--repair" in err and "Sudoku" in err
+    assert cli(["run", str(model_dir), "hi", "--samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--samples" in err and "Sudoku" in err

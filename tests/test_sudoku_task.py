@@ -474,3 +474,87 @@ def test_solve_batch_repair_holds_all_but_the_broken_cells():
         S.solve_batch([pairs[0][0]], FakeModel(), repair_scope="rows")
     with pytest.raises(ValueError, match="pass the puzzle, not fixed_tokens"):
         S.solve_batch([pairs[0][0]], FakeModel(), fixed_tokens=torch.zeros(1, 82, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- samples (best of K by the rules)
+def test_pick_candidate_keeps_the_grid_that_breaks_no_rule():
+    puz = _wiki_puzzle()
+    blanks = [i for i in range(81) if puz[i] == "0"]
+    a, b = [i for i in blanks if i < 9][:2]
+    swapped = list(WIKI_SOL)
+    swapped[a], swapped[b] = swapped[b], swapped[a]
+    swapped = "".join(swapped)
+    short = WIKI_SOL[:60]
+    assert S.pick_candidate(puz, [swapped, short, WIKI_SOL, swapped]) == WIKI_SOL
+    assert S.pick_candidate(puz, [WIKI_SOL, swapped]) == WIKI_SOL
+    # none is right: the fewest broken cells wins, the earliest on ties
+    assert len(S.broken_cells(puz, swapped, "cells")) < len(S.broken_cells(puz, short, "cells"))
+    assert S.pick_candidate(puz, [short, swapped]) == swapped
+    other = WIKI_SOL[:a] + "0" + WIKI_SOL[a + 1:]
+    n_swapped, n_other = (len(S.broken_cells(puz, g, "cells")) for g in (swapped, other))
+    assert S.pick_candidate(puz, [swapped, other]) == (swapped if n_swapped <= n_other else other)
+    with pytest.raises(ValueError, match="at least one"):
+        S.pick_candidate(puz, [])
+
+
+class _CandidateModel:
+    """Fake model: candidate j of each puzzle (rows come puzzle-major) writes `grids[puzzle][j]`."""
+
+    def __init__(self, grids, k, path=None):
+        self.grids, self.k, self.calls, self.path = grids, k, [], path
+
+    def generate(self, ids, **kw):
+        import torch
+
+        self.calls.append((ids.clone(), kw))
+        by_prompt = {tuple(S.encode_prompt(p)): g for p, g in self.grids.items()}
+        canvas = [S.encode_target(by_prompt[tuple(row.tolist())][r % self.k][:81].ljust(81, "1"))
+                  for r, row in enumerate(ids)]
+        return torch.cat([ids, torch.tensor(canvas)], dim=1)
+
+
+def test_solve_batch_samples_denoises_k_candidates_and_keeps_a_valid_one():
+    torch = pytest.importorskip("torch")
+    pairs = S.test_set(35, 2)
+    (p0, s0), (p1, s1) = pairs
+    wrong0 = s0.replace("1", "x").replace("2", "1").replace("x", "2")  # digits 1/2 relabelled: breaks clues' units
+    b1 = [i for i in range(81) if p1[i] == "0"]
+    i, j = b1[0], next(c for c in b1 if s1[c] != s1[b1[0]] and c // 9 == b1[0] // 9)
+    swapped = list(s1)
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    swapped = "".join(swapped)
+    worse = s1[:40] + "1" * 41
+    m = _CandidateModel({p0: [wrong0, s0, wrong0], p1: [worse, swapped, worse]}, k=3)
+    gens = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
+    preds = S.solve_batch([p0, p1], m, samples=3, generator=gens)
+    assert preds == [s0, swapped]  # puzzle 0: the one that breaks no rule; puzzle 1: the fewest broken cells
+    (ids, kw), = m.calls
+    assert ids.shape == (6, S.PROMPT_LEN) and ids[:3].tolist() == [S.encode_prompt(p0)] * 3
+    g = kw["generator"]
+    assert len(g) == 6 and g[0] is gens[0] and g[3] is gens[1]  # candidate 0 draws as samples=1 would
+    seeds = [x.initial_seed() for x in g]
+    assert len(set(seeds)) == 6
+    m2 = _CandidateModel(m.grids, k=3)
+    S.solve_batch([p0, p1], m2, samples=3, generator=[torch.Generator().manual_seed(7),
+                                                      torch.Generator().manual_seed(8)])
+    assert [x.initial_seed() for x in m2.calls[0][1]["generator"]] == seeds  # a function of the puzzle's seed
+    for bad in (0, -2, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="samples"):
+            S.solve_batch([p0], m, samples=bad)
+    with pytest.raises(ValueError, match="one per puzzle"):
+        S.solve_batch([p0, p1], m, samples=3, generator=gens[:1])
+
+
+def test_solve_batch_samples_defaults_to_the_models_task_file(tmp_path):
+    pytest.importorskip("torch")
+    import json
+
+    p0, s0 = S.test_set(35, 1)[0]
+    (tmp_path / "blockpress_task.json").write_text(json.dumps({"task": "sudoku", "samples": 2}))
+    m = _CandidateModel({p0: ["1" * 81, s0]}, k=2, path=tmp_path)
+    assert S.default_samples(m) == 2 and S.solve(p0, m) == s0 and m.calls[0][0].shape[0] == 2
+    assert S.solve_batch([p0], m, samples=1) == ["1" * 81] and m.calls[-1][0].shape[0] == 1  # the flag wins
+    assert S.default_samples(_CandidateModel({}, 1)) == 1  # no task file: one candidate
+    (tmp_path / "blockpress_task.json").write_text(json.dumps({"task": "sudoku", "samples": 0}))
+    with pytest.raises(ValueError, match="blockpress_task.json sets samples=0"):
+        S.solve(p0, m)

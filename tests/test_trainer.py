@@ -131,6 +131,20 @@ def test_eval_cli_runs_on_a_tiny_sample(tmp_path, capsys):
 
     test_keys = {sd.canonical_key(sol) for _, sol in sd.test_set(40, 3)}
     assert not test_keys & {sd.canonical_key(sol) for _, sol in sd.test_set(40, 3, sd.VAL_SEED)}
+    # --samples K: K candidates per puzzle, still independent of batching; named after the flag
+    picks = []
+    for bs in ("3", "1"):
+        assert cli_main(["eval", "sudoku", "--model", str(ck), "--n", "3", "--blanks", "40", "--samples", "2",
+                         "--batch-size", bs, "--json", str(res)]) == 0
+        data = json.loads(res.read_text())
+        assert set(data) == {"default+samples=2"}
+        picks.append(data["default+samples=2"]["per_blanks"]["40"]["predictions"])
+    assert picks[0] == picks[1]
+    for puzzle, pick, first in zip([p for p, _ in sd.test_set(40, 3)], picks[0], preds[0]):
+        assert len(sd.broken_cells(puzzle, pick, "cells")) <= len(sd.broken_cells(puzzle, first, "cells"))
+    capsys.readouterr()
+    assert cli_main(["eval", "sudoku", "--model", str(ck), "--n", "1", "--blanks", "40", "--ar", "--samples", "2"]) == 2
+    assert "--samples" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -13,7 +13,10 @@ three predictions of `--n 50` (the held-out sets are prefixes of each other): CI
 numbers that way. `--repair R` adds up to R rounds of editing in place (`solve_batch(repair=R)`): each
 round re-denoises the cells that break a Sudoku rule and holds the rest. Repair rounds batch only the
 broken puzzles, and CPU matmuls differ by ~1e-7 between batch shapes, so after a repair round a
-near-tied draw can differ with --n or --batch-size (the first pass does not). `--ar` evaluates the model as a causal LM (greedy),
+near-tied draw can differ with --n or --batch-size (the first pass does not). `--samples K` denoises K
+candidates per puzzle side by side and keeps the one that breaks no rule, else the fewest cells
+(`solve_batch(samples=K)`; without the flag: the model's blockpress_task.json "samples", else 1; with it
+the results are named e.g. "default+samples=K"). `--ar` evaluates the model as a causal LM (greedy),
 the autoregressive baseline. `--split val` evaluates the validation split instead (seed
 "blockpress-sudoku-val", the same generator): make choices there (sampler settings, which checkpoint to
 ship) and report the test split. `--json FILE` writes all results.
@@ -39,6 +42,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repair", type=int, default=0, metavar="R",
                    help="sudoku: up to R rounds of re-denoising the cells that break a rule, the rest of the "
                         "canvas held (edited in place; uses the rules, never the solution). Default 0")
+    p.add_argument("--samples", type=int, default=None, metavar="K",
+                   help="sudoku: candidates per puzzle denoised side by side, the one that breaks no rule kept "
+                        "(uses the rules, never the solution). Default: the model's own (blockpress_task.json)")
     p.add_argument("--ar", action="store_true", help="greedy autoregressive decoding (AR baseline model)")
     p.add_argument("--split", choices=["test", "val"], default="test",
                    help="sudoku: the held-out test puzzles (default) or the validation split, for choosing "
@@ -49,7 +55,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0, ar: bool = False,
-             repair: int = 0, split: str = "test") -> dict:
+             repair: int = 0, split: str = "test", samples: int | None = None) -> dict:
     import torch
 
     from blockpress.errors import InputError
@@ -57,11 +63,16 @@ def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0
 
     if repair < 0:
         raise InputError(f"--repair must be >= 0 rounds, got {repair}")
+    if samples is not None and samples < 1:
+        raise InputError(f"--samples must be >= 1 candidate per puzzle, got {samples}")
     blanks = tuple(blanks or sd.EVAL_BLANKS)
     puzzles_seed = sd.SPLITS[split]
     if ar:
         if repair:
             raise InputError("--repair edits a diffusion canvas in place; an AR model (--ar) cannot")
+        if samples not in (None, 1):
+            raise InputError("--samples draws several diffusion canvases per puzzle; the greedy AR baseline (--ar) "
+                             "has one answer")
         from blockpress.train.ar import sudoku_solver
 
         return {"ar": sd.evaluate(_batched(sudoku_solver(lm), batch_size), blanks, n, puzzles_seed)}
@@ -71,8 +82,9 @@ def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0
 
         def solve(puzzles, kw=kw):  # one generator per puzzle: the first pass does not depend on batching or n
             gens = [torch.Generator(device=lm.device).manual_seed(puzzle_seed(seed, p)) for p in puzzles]
-            return sd.solve_batch(puzzles, lm, generator=gens, repair=repair, **kw)
-        name = ("default" if s is None else f"steps={s}") + (f"+repair={repair}" if repair else "")
+            return sd.solve_batch(puzzles, lm, generator=gens, samples=samples, repair=repair, **kw)
+        name = "+".join([("default" if s is None else f"steps={s}")] + ([f"samples={samples}"] if samples else [])
+                        + ([f"repair={repair}"] if repair else []))
         out[name] = sd.evaluate(_batched(solve, batch_size), blanks, n, puzzles_seed)
     return out
 
@@ -112,7 +124,7 @@ def main(args) -> int:
 
         apply_adapter(lm, args.adapter)
     results = run_eval(lm, args.n or 50, args.blanks, args.steps, args.batch_size, args.seed, args.ar, args.repair,
-                       args.split)
+                       args.split, args.samples)
     for name, res in results.items():
         print(f"\n{name} ({path}, {args.split} split)")
         print(sd.format_report(res))

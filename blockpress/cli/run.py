@@ -221,6 +221,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repair", type=_int_or_none, default=0, metavar="R",
                    help="Sudoku: up to R rounds of editing the canvas in place, re-denoising the cells that break "
                         "a rule while the rest stays (default 0)")
+    p.add_argument("--samples", type=_positive_int, default=None, metavar="K",
+                   help="Sudoku: denoise K candidate answers side by side and keep the one that breaks no rule "
+                        "(else the fewest cells); default: the model's own (blockpress_task.json, else 1)")
 
 
 def main(args) -> int:
@@ -239,6 +242,11 @@ def main(args) -> int:
 
         raise InputError("--repair re-denoises the cells of a Sudoku answer that break a rule; this model is not "
                          "a Sudoku model (for text, edit in place with `blockpress infill`)")
+    if args.samples not in (None, 1):
+        from ..errors import InputError
+
+        raise InputError("--samples keeps the Sudoku candidate that breaks no rule; this model is not a Sudoku "
+                         "model (drop --samples)")
     if lm.tokenizer is None:
         from ..errors import InputError
 
@@ -278,13 +286,14 @@ def _text_view(lm, console, live):
     return CanvasView(TextRenderer(lm.tokenizer), console, live)
 
 
-def _generate(lm, ids, kw, gen, view, decode: bool):
-    """Stream one prompt through the canvas loop, feeding the view; returns the GenerationResult."""
+def _generate(lm, ids, kw, gen, view, decode: bool, rows: int = 1):
+    """Stream one prompt (as `rows` batch rows, each from its own noise) through the canvas loop, feeding
+    the view with row 0; returns the GenerationResult."""
     import blockpress
 
     decoder = lm.tokenizer.stream_decoder(skip_special_tokens=True) if decode and lm.tokenizer else None
     with view:
-        for ev in lm.stream([ids], generator=gen, drafts=view.live_on, **kw):
+        for ev in lm.stream([ids] * rows, generator=gen, drafts=view.live_on, **kw):
             if isinstance(ev, blockpress.Draft):
                 view.draft(ev.canvas_index, ev.step, ev.max_steps, ev.tokens[0].tolist(), ev.accepted[0].tolist())
             elif isinstance(ev, blockpress.Commit):
@@ -311,16 +320,31 @@ def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
     fmt = su.model_format(lm)
     if fmt == "inplace":  # the clues are held on the canvas; the model denoises the blanks
         ids, fixed, _ = su.encode_inplace(puzzle)
-        kw["fixed_tokens"] = torch.tensor([fixed])
         kw["eos_token_id"] = None  # an <eos> drawn at a blank must not pad the clues after it
     else:
         ids = su.encode_prompt(puzzle)
+        fixed = None
+    k = args.samples or su.default_samples(lm)
+    if fixed is not None:
+        kw["fixed_tokens"] = torch.tensor([fixed] * k)
     renderer = SudokuRenderer(puzzle, lambda t: su.digit_of(t, fmt))
-    view = CanvasView(renderer, console, live, title="answer", show_committed=False)
-    result = _generate(lm, ids, kw, gen, view, decode=False)
-    tokens = result.new_tokens[0].tolist()
-    answer = su.decode_answer(tokens, fmt)
+    title = "answer" if k == 1 else f"answer (candidate 1 of {k} shown)"
+    view = CanvasView(renderer, console, live, title=title, show_committed=False)
+    result = _generate(lm, ids, kw, gen, view, decode=False, rows=k)
+    rows = [result.new_tokens[j].tolist() for j in range(k)]
+    cands = [su.decode_answer(r, fmt) for r in rows]
+    answer = su.pick_candidate(puzzle, cands)
+    chosen = cands.index(answer)
+    tokens = rows[chosen]
     stats = stats_of(result, len(returned_tokens(tokens, [su.EOS_ID], len(tokens))[0]))  # the first pass
+    if k > 1:
+        broken = [len(su.broken_cells(puzzle, c, "cells")) for c in cands]
+        stats["candidates"] = k
+        stats["candidates_breaking_no_rule"] = broken.count(0)
+        if not args.json:
+            console.print(f"{k} candidates: {broken.count(0)} break no rule; kept candidate {chosen + 1} "
+                          f"({broken[chosen]} cells break a rule)", style="cyan")
+        kw.pop("fixed_tokens", None)
     rounds = []
     for r in range(args.repair or 0):  # edit in place: the broken cells from noise, the rest held
         free = su.broken_cells(puzzle, answer)

@@ -64,7 +64,7 @@ __all__ = [
     "random_full_grid", "generate_puzzle", "canonical_key", "test_set", "heldout_keys",
     "TrainStream", "train_batch_iter", "check", "build_tokenizer", "encode_prompt", "decode_prompt",
     "encode_target", "decode_answer", "evaluate", "format_report", "solve", "solve_batch",
-    "FORMATS", "REPAIR_SCOPES", "broken_cells", "repair_canvas", "random_symmetry", "apply_symmetry", "cell_token", "encode_inplace", "model_format", "digit_of",
+    "FORMATS", "REPAIR_SCOPES", "broken_cells", "repair_canvas", "default_samples", "pick_candidate", "random_symmetry", "apply_symmetry", "cell_token", "encode_inplace", "model_format", "digit_of",
 ]
 
 N_CELLS = 81
@@ -741,8 +741,8 @@ def repair_canvas(puzzle: str, grid: str, free: Iterable[int], format: str = "pr
     return row + [EOS_ID] * (CANVAS_LEN - N_CELLS)
 
 
-def solve_batch(puzzles: Sequence[str], model: Any = None, *, repair: int = 0, repair_scope: str = "units",
-                **sampling: Any) -> list[str]:
+def solve_batch(puzzles: Sequence[str], model: Any = None, *, samples: int | None = None, repair: int = 0,
+                repair_scope: str = "units", **sampling: Any) -> list[str]:
     """Predict solutions for puzzles with one batched generate (prompts are all PROMPT_LEN long).
 
     Each result is 81 chars; if the model produced fewer than 81 digit tokens the rest is "0".
@@ -752,12 +752,22 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, *, repair: int = 0, r
     rule (`broken_cells`: a digit repeated in a row, column or box), holds its other cells on the canvas
     (`fixed_tokens`) and denoises the broken cells again from noise. It uses the rules, never the
     solution; it stops early when no prediction breaks a rule.
+
+    samples: candidates per puzzle, denoised side by side in one batch, each from its own noise; the
+    answer is the first candidate that breaks no rule (`broken_cells` is empty: for a proper puzzle that
+    is its unique solution), else the one that breaks the fewest cells. Like repair it uses the rules,
+    never the solution. None takes the model's default (`default_samples`: blockpress_task.json
+    "samples", else 1). With a list of generators, candidate 0 of puzzle k draws from generator k (as
+    samples=1 would) and candidate j > 0 from a generator seeded by (its initial seed, j). Repair rounds
+    then edit the chosen candidates.
     """
     flat = [parse_grid(p) for p in puzzles]
     if not flat:
         return []
     if not isinstance(repair, int) or isinstance(repair, bool) or repair < 0:
         raise ValueError(f"repair must be a whole number of rounds >= 0, got {repair!r}")
+    if samples is not None and (not isinstance(samples, int) or isinstance(samples, bool) or samples < 1):
+        raise ValueError(f"samples must be a whole number of candidates >= 1, got {samples!r}")
     if repair_scope not in REPAIR_SCOPES:
         raise ValueError(f"unknown repair_scope {repair_scope!r}; use one of {REPAIR_SCOPES}")
     if "fixed_tokens" in sampling:
@@ -769,7 +779,21 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, *, repair: int = 0, r
         fixed = [encode_inplace(p)[1] for p in flat]
     else:
         fixed = None
-    preds = _generate(m, fmt, flat, fixed, sampling)
+    k = default_samples(m) if samples is None else samples
+    if k == 1:
+        preds = _generate(m, fmt, flat, fixed, sampling)
+    else:
+        gens = sampling.get("generator")
+        sub = sampling
+        if isinstance(gens, (list, tuple)):
+            if len(gens) != len(flat):
+                raise ValueError(f"generator: got {len(gens)} generators for {len(flat)} puzzles; pass one per "
+                                 "puzzle (or one for the whole batch)")
+            sub = {**sampling, "generator": [g if j == 0 else _candidate_generator(g, j) for g in gens
+                                             for j in range(k)]}
+        cands = _generate(m, fmt, [p for p in flat for _ in range(k)],
+                          None if fixed is None else [row for row in fixed for _ in range(k)], sub)
+        preds = [pick_candidate(flat[i], cands[i * k:(i + 1) * k]) for i in range(len(flat))]
     for _ in range(repair):
         todo = [(k, cells) for k in range(len(flat)) if (cells := broken_cells(flat[k], preds[k], repair_scope))]
         if not todo:
@@ -782,6 +806,39 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, *, repair: int = 0, r
         for k, pred in zip(keep, redo):
             preds[k] = pred
     return preds
+
+
+def default_samples(model: Any) -> int:
+    """Candidates per puzzle a sudoku model solves with by default: its blockpress_task.json "samples"
+    (chosen on the validation split when it was shipped), else 1."""
+    from . import task_info
+
+    k = task_info(model).get("samples", 1)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"the model's blockpress_task.json sets samples={k!r}; it must be a whole number >= 1 "
+                         "(fix or remove the field)")
+    return k
+
+
+def pick_candidate(puzzle: str, candidates: Sequence[Any]) -> str:
+    """The candidate grid that breaks the fewest cells by the rules alone (`broken_cells(scope="cells")`),
+    the earliest one on ties: a candidate that breaks none solves the puzzle."""
+    if not candidates:
+        raise ValueError("pick_candidate needs at least one candidate grid")
+    counts = [len(broken_cells(puzzle, c, "cells")) for c in candidates]
+    return _as_pred(candidates[counts.index(min(counts))])
+
+
+def _candidate_generator(gen: Any, j: int) -> Any:
+    """A generator for candidate j > 0 of a puzzle whose candidate 0 draws from `gen`: seeded by
+    (gen's initial seed, j), so results depend on the puzzle's own seed alone, not on batching."""
+    import hashlib
+
+    import torch
+
+    seed = int.from_bytes(hashlib.blake2b(f"{gen.initial_seed()}/{j}".encode(), digest_size=8).digest(),
+                          "little") >> 1
+    return torch.Generator(device=gen.device).manual_seed(seed)
 
 
 def _generate(m: Any, fmt: str, flat: list[str], fixed: list[list[int]] | None, sampling: dict) -> list[str]:
@@ -804,11 +861,13 @@ def _generate(m: Any, fmt: str, flat: list[str], fixed: list[list[int]] | None, 
     return [decode_answer(row, fmt).ljust(N_CELLS, "0") for row in canvas]
 
 
-def solve(puzzle: str, model: Any = None, *, repair: int = 0, **sampling: Any) -> str:
+def solve(puzzle: str, model: Any = None, *, samples: int | None = None, repair: int = 0, **sampling: Any) -> str:
     """The 81-digit solution a DiffusionGemma sudoku model predicts for one puzzle.
 
     model: a loaded blockpress model (default: blockpress.load(DEFAULT_MODEL_PATH); raises
-    SudokuModelMissing, a RuntimeError, if none is installed). repair: rounds of re-denoising the
-    cells that break a rule (see `solve_batch`). The result is not verified: use `check(puzzle, result)`.
+    SudokuModelMissing, a RuntimeError, if none is installed). samples: candidates denoised side by side,
+    the one that breaks no rule (else the fewest cells) kept; None = the model's default. repair: rounds
+    of re-denoising the cells that break a rule (see `solve_batch`). Neither looks at a solution; the
+    result is not verified: use `check(puzzle, result)`.
     """
-    return solve_batch([puzzle], model, repair=repair, **sampling)[0]
+    return solve_batch([puzzle], model, samples=samples, repair=repair, **sampling)[0]

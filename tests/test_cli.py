@@ -219,10 +219,13 @@ def test_sudoku_run_samples_keeps_the_fewest_broken_candidate(sudoku_dir, capsys
     r = run_json(capsys, str(sudoku_dir), "--steps", "2", "--seed", "3", "--samples", "3")
     assert r["stats"]["candidates"] == 3 and r["answer"] == su.decode_answer(r["token_ids"])
     lm = blockpress.load(sudoku_dir, progress=False)
-    out = lm.generate([su.encode_prompt(r["puzzle"])] * 3, generator=torch.Generator().manual_seed(3),
-                      max_new_tokens=su.CANVAS_LEN, max_denoising_steps=2, stability_threshold=None,
-                      eos_token_id=[su.EOS_ID], pad_token_id=su.PAD_ID)
-    cands = [su.decode_answer(row.tolist()) for row in out.new_tokens]
+    gen = torch.Generator().manual_seed(3)
+    kw = dict(generator=gen, max_new_tokens=su.CANVAS_LEN, max_denoising_steps=2, stability_threshold=None,
+              eos_token_id=[su.EOS_ID], pad_token_id=su.PAD_ID)
+    first = lm.generate([su.encode_prompt(r["puzzle"])], **kw).new_tokens  # candidate 1 (breaks rules: random)
+    more = lm.generate([su.encode_prompt(r["puzzle"])] * 2, **kw).new_tokens  # then 2 more, the same generator
+    cands = [su.decode_answer(row.tolist()) for row in [*first, *more]]
+    assert su.broken_cells(r["puzzle"], cands[0]) and len(set(cands)) == 3
     assert r["answer"] == su.pick_candidate(r["puzzle"], cands)
     assert r["stats"]["candidates_breaking_no_rule"] == sum(not su.broken_cells(r["puzzle"], c, "cells")
                                                             for c in cands)

@@ -498,7 +498,8 @@ def test_pick_candidate_keeps_the_grid_that_breaks_no_rule():
 
 
 class _CandidateModel:
-    """Fake model: candidate j of each puzzle (rows come puzzle-major) writes `grids[puzzle][j]`."""
+    """Fake model: the first generate writes candidate 0 of every puzzle, a later one candidates 1..K-1
+    (rows come puzzle-major): `grids[puzzle][j]` is candidate j."""
 
     def __init__(self, grids, k, path=None):
         self.grids, self.k, self.calls, self.path = grids, k, [], path
@@ -508,36 +509,38 @@ class _CandidateModel:
 
         self.calls.append((ids.clone(), kw))
         by_prompt = {tuple(S.encode_prompt(p)): g for p, g in self.grids.items()}
-        canvas = [S.encode_target(by_prompt[tuple(row.tolist())][r % self.k][:81].ljust(81, "1"))
+        pick = (lambda r: 0) if len(self.calls) == 1 else (lambda r: 1 + r % (self.k - 1))
+        canvas = [S.encode_target(by_prompt[tuple(row.tolist())][pick(r)][:81].ljust(81, "1"))
                   for r, row in enumerate(ids)]
         return torch.cat([ids, torch.tensor(canvas)], dim=1)
 
 
-def test_solve_batch_samples_denoises_k_candidates_and_keeps_a_valid_one():
+def test_solve_batch_samples_draws_more_candidates_only_where_the_first_breaks_a_rule():
     torch = pytest.importorskip("torch")
-    pairs = S.test_set(35, 2)
-    (p0, s0), (p1, s1) = pairs
-    wrong0 = s0.replace("1", "x").replace("2", "1").replace("x", "2")  # digits 1/2 relabelled: breaks clues' units
+    (p0, s0), (p1, s1), (p2, s2) = S.test_set(35, 3)
+    wrong0 = s0.replace("1", "x").replace("2", "1").replace("x", "2")  # digits 1/2 relabelled: clashes with clues
     b1 = [i for i in range(81) if p1[i] == "0"]
     i, j = b1[0], next(c for c in b1 if s1[c] != s1[b1[0]] and c // 9 == b1[0] // 9)
     swapped = list(s1)
     swapped[i], swapped[j] = swapped[j], swapped[i]
     swapped = "".join(swapped)
     worse = s1[:40] + "1" * 41
-    m = _CandidateModel({p0: [wrong0, s0, wrong0], p1: [worse, swapped, worse]}, k=3)
-    gens = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
-    preds = S.solve_batch([p0, p1], m, samples=3, generator=gens)
-    assert preds == [s0, swapped]  # puzzle 0: the one that breaks no rule; puzzle 1: the fewest broken cells
-    (ids, kw), = m.calls
-    assert ids.shape == (6, S.PROMPT_LEN) and ids[:3].tolist() == [S.encode_prompt(p0)] * 3
-    g = kw["generator"]
-    assert len(g) == 6 and g[0] is gens[0] and g[3] is gens[1]  # candidate 0 draws as samples=1 would
-    seeds = [x.initial_seed() for x in g]
-    assert len(set(seeds)) == 6
+    m = _CandidateModel({p0: [wrong0, s0, wrong0], p1: [worse, swapped, worse], p2: [s2, "1" * 81, "1" * 81]}, k=3)
+    gens = [torch.Generator().manual_seed(s) for s in (7, 8, 9)]
+    preds = S.solve_batch([p0, p1, p2], m, samples=3, generator=gens)
+    # puzzle 0: the candidate that breaks no rule; 1: the fewest broken cells; 2: candidate 0 already solves it
+    assert preds == [s0, swapped, s2]
+    (ids0, kw0), (ids1, kw1) = m.calls
+    assert ids0.shape == (3, S.PROMPT_LEN) and kw0["generator"] == gens  # the samples=1 pass itself
+    assert ids1.tolist() == [S.encode_prompt(p0)] * 2 + [S.encode_prompt(p1)] * 2  # 2 more each, not for p2
+    seeds = [g.initial_seed() for g in kw1["generator"]]
+    assert len(kw1["generator"]) == 4 and len(set(seeds) | {7, 8}) == 6
     m2 = _CandidateModel(m.grids, k=3)
     S.solve_batch([p0, p1], m2, samples=3, generator=[torch.Generator().manual_seed(7),
                                                       torch.Generator().manual_seed(8)])
-    assert [x.initial_seed() for x in m2.calls[0][1]["generator"]] == seeds  # a function of the puzzle's seed
+    assert [g.initial_seed() for g in m2.calls[1][1]["generator"]] == seeds  # a function of the puzzle's seed
+    m3 = _CandidateModel(m.grids, k=3)
+    assert S.solve_batch([p2], m3, samples=3) == [s2] and len(m3.calls) == 1  # nothing broken: one pass
     for bad in (0, -2, 1.5, True, "3"):
         with pytest.raises(ValueError, match="samples"):
             S.solve_batch([p0], m, samples=bad)
@@ -552,8 +555,9 @@ def test_solve_batch_samples_defaults_to_the_models_task_file(tmp_path):
     p0, s0 = S.test_set(35, 1)[0]
     (tmp_path / "blockpress_task.json").write_text(json.dumps({"task": "sudoku", "samples": 2}))
     m = _CandidateModel({p0: ["1" * 81, s0]}, k=2, path=tmp_path)
-    assert S.default_samples(m) == 2 and S.solve(p0, m) == s0 and m.calls[0][0].shape[0] == 2
-    assert S.solve_batch([p0], m, samples=1) == ["1" * 81] and m.calls[-1][0].shape[0] == 1  # the flag wins
+    assert S.default_samples(m) == 2 and S.solve(p0, m) == s0 and len(m.calls) == 2
+    m.calls.clear()
+    assert S.solve_batch([p0], m, samples=1) == ["1" * 81] and len(m.calls) == 1  # the argument wins
     assert S.default_samples(_CandidateModel({}, 1)) == 1  # no task file: one candidate
     (tmp_path / "blockpress_task.json").write_text(json.dumps({"task": "sudoku", "samples": 0}))
     with pytest.raises(ValueError, match="blockpress_task.json sets samples=0"):

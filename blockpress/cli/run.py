@@ -324,27 +324,35 @@ def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
     else:
         ids = su.encode_prompt(puzzle)
         fixed = None
-    k = args.samples or su.default_samples(lm)
     if fixed is not None:
-        kw["fixed_tokens"] = torch.tensor([fixed] * k)
+        kw["fixed_tokens"] = torch.tensor([fixed])
     renderer = SudokuRenderer(puzzle, lambda t: su.digit_of(t, fmt))
-    title = "answer" if k == 1 else f"answer (candidate 1 of {k} shown)"
-    view = CanvasView(renderer, console, live, title=title, show_committed=False)
-    result = _generate(lm, ids, kw, gen, view, decode=False, rows=k)
-    rows = [result.new_tokens[j].tolist() for j in range(k)]
-    cands = [su.decode_answer(r, fmt) for r in rows]
-    answer = su.pick_candidate(puzzle, cands)
-    chosen = cands.index(answer)
-    tokens = rows[chosen]
+    view = CanvasView(renderer, console, live, title="answer", show_committed=False)
+    result = _generate(lm, ids, kw, gen, view, decode=False)
+    tokens = result.new_tokens[0].tolist()
+    answer = su.decode_answer(tokens, fmt)
     stats = stats_of(result, len(returned_tokens(tokens, [su.EOS_ID], len(tokens))[0]))  # the first pass
-    if k > 1:
-        broken = [len(su.broken_cells(puzzle, c, "cells")) for c in cands]
-        stats["candidates"] = k
-        stats["candidates_breaking_no_rule"] = broken.count(0)
+    k = args.samples or su.default_samples(lm)
+    broken = len(su.broken_cells(puzzle, answer, "cells"))
+    stats["candidates"] = 1  # candidate answers drawn (up to --samples: more only when the first breaks a rule)
+    if k > 1 and broken:  # candidates 2..K side by side; the one that breaks the fewest cells is kept
         if not args.json:
-            console.print(f"{k} candidates: {broken.count(0)} break no rule; kept candidate {chosen + 1} "
-                          f"({broken[chosen]} cells break a rule)", style="cyan")
-        kw.pop("fixed_tokens", None)
+            console.print(f"candidate 1 breaks a rule at {broken} cells; denoising {k - 1} more side by side",
+                          style="cyan")
+        more = {**kw, "fixed_tokens": torch.tensor([fixed] * (k - 1))} if fixed is not None else kw
+        view = CanvasView(renderer, console, live, title=f"candidates 2-{k} (candidate 2 shown)",
+                          show_committed=False)
+        extra = _generate(lm, ids, more, gen, view, decode=False, rows=k - 1)
+        rows = [tokens] + [extra.new_tokens[j].tolist() for j in range(k - 1)]
+        cands = [su.decode_answer(r, fmt) for r in rows]
+        answer = su.pick_candidate(puzzle, cands)
+        tokens = rows[cands.index(answer)]
+        counts = [len(su.broken_cells(puzzle, c, "cells")) for c in cands]
+        stats.update(candidates=k, candidates_breaking_no_rule=counts.count(0))
+        if not args.json:
+            console.print(f"{k} candidates: {counts.count(0)} break no rule; kept candidate "
+                          f"{cands.index(answer) + 1} ({counts[cands.index(answer)]} cells break a rule)",
+                          style="cyan")
     rounds = []
     for r in range(args.repair or 0):  # edit in place: the broken cells from noise, the rest held
         free = su.broken_cells(puzzle, answer)

@@ -753,13 +753,14 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, *, samples: int | Non
     (`fixed_tokens`) and denoises the broken cells again from noise. It uses the rules, never the
     solution; it stops early when no prediction breaks a rule.
 
-    samples: candidates per puzzle, denoised side by side in one batch, each from its own noise; the
-    answer is the first candidate that breaks no rule (`broken_cells` is empty: for a proper puzzle that
-    is its unique solution), else the one that breaks the fewest cells. Like repair it uses the rules,
-    never the solution. None takes the model's default (`default_samples`: blockpress_task.json
-    "samples", else 1). With a list of generators, candidate 0 of puzzle k draws from generator k (as
-    samples=1 would) and candidate j > 0 from a generator seeded by (its initial seed, j). Repair rounds
-    then edit the chosen candidates.
+    samples: up to this many candidate answers per puzzle, each denoised from its own noise; the answer is
+    the first candidate that breaks no rule (`broken_cells` is empty: for a proper puzzle, its unique
+    solution), else the one that breaks the fewest cells. Like repair it uses the rules, never the
+    solution. Candidate 0 is the samples=1 pass itself; only the puzzles whose candidate 0 breaks a rule
+    get candidates 1..K-1, side by side in one batch, so easy puzzles cost one pass and every puzzle that
+    samples=1 solves gets the same answer. None takes the model's default (`default_samples`:
+    blockpress_task.json "samples", else 1). With a list of generators, candidate j > 0 of puzzle k draws
+    from a generator seeded by (generator k's initial seed, j). Repair rounds then edit the chosen answers.
     """
     flat = [parse_grid(p) for p in puzzles]
     if not flat:
@@ -779,21 +780,22 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, *, samples: int | Non
         fixed = [encode_inplace(p)[1] for p in flat]
     else:
         fixed = None
-    k = default_samples(m) if samples is None else samples
-    if k == 1:
-        preds = _generate(m, fmt, flat, fixed, sampling)
-    else:
-        gens = sampling.get("generator")
+    n_cand = default_samples(m) if samples is None else samples
+    gens = sampling.get("generator")
+    if isinstance(gens, (list, tuple)) and len(gens) != len(flat):
+        raise ValueError(f"generator: got {len(gens)} generators for {len(flat)} puzzles; pass one per puzzle "
+                         "(or one for the whole batch)")
+    preds = _generate(m, fmt, flat, fixed, sampling)  # candidate 0: exactly the samples=1 pass
+    todo = [i for i in range(len(flat)) if broken_cells(flat[i], preds[i], "cells")] if n_cand > 1 else []
+    if todo:  # candidates 1..K-1, only for the puzzles whose first candidate breaks a rule
+        more = n_cand - 1
         sub = sampling
         if isinstance(gens, (list, tuple)):
-            if len(gens) != len(flat):
-                raise ValueError(f"generator: got {len(gens)} generators for {len(flat)} puzzles; pass one per "
-                                 "puzzle (or one for the whole batch)")
-            sub = {**sampling, "generator": [g if j == 0 else _candidate_generator(g, j) for g in gens
-                                             for j in range(k)]}
-        cands = _generate(m, fmt, [p for p in flat for _ in range(k)],
-                          None if fixed is None else [row for row in fixed for _ in range(k)], sub)
-        preds = [pick_candidate(flat[i], cands[i * k:(i + 1) * k]) for i in range(len(flat))]
+            sub = {**sampling, "generator": [_candidate_generator(gens[i], j) for i in todo for j in range(1, n_cand)]}
+        cands = _generate(m, fmt, [flat[i] for i in todo for _ in range(more)],
+                          None if fixed is None else [fixed[i] for i in todo for _ in range(more)], sub)
+        for r, i in enumerate(todo):
+            preds[i] = pick_candidate(flat[i], [preds[i], *cands[r * more:(r + 1) * more]])
     for _ in range(repair):
         todo = [(k, cells) for k in range(len(flat)) if (cells := broken_cells(flat[k], preds[k], repair_scope))]
         if not todo:

@@ -343,9 +343,30 @@ def test_scheduler_equals_reference_loop(lm):
         assert events[-1].steps_per_canvas == ref.steps_per_canvas
 
 
-def test_scheduler_rows_join_at_canvas_boundaries(lm):
-    """Rows joining a running batch (left-padded to its cache end) give their solo tokens."""
-    s = Scheduler(lm.module, lm.canvas_length, max_batch=4).start()
+def test_scheduler_fused_commit_equals_reference_loop(lm, monkeypatch):
+    """fuse_commit=True: the prompt is encoded alone, every later commit inside the next canvas's first
+    denoising pass (one `encode_decode` per boundary, no separate `encode`), with the reference's tokens."""
+    ids = lm.encode_chat("Hello there")
+    kw = dict(max_new_tokens=48, max_denoising_steps=5, eos_token_id=None)
+    ref = lm.generate([ids], generator=torch.Generator().manual_seed(7), **kw)
+    calls = {"encode": 0, "encode_decode": 0}
+    for name in calls:
+        def counted(*a, _f=getattr(lm.module, name), _n=name, **k):
+            calls[_n] += 1
+            return _f(*a, **k)
+        monkeypatch.setattr(lm.module, name, counted)
+    events = run_job(lm.module, lm.canvas_length, Job(ids, lm.generation_config(**kw), seed=7), fuse_commit=True)
+    monkeypatch.undo()
+    assert calls == {"encode": 1, "encode_decode": 2}  # 3 canvases: prompt, then 2 fused commits
+    assert [t for e in events if isinstance(e, RowCommit) for t in e.tokens] == ref.new_tokens[0].tolist()
+    assert events[-1].steps_per_canvas == ref.steps_per_canvas
+
+
+@pytest.mark.parametrize("fuse_commit", [False, True])
+def test_scheduler_rows_join_at_canvas_boundaries(lm, fuse_commit):
+    """Rows joining a running batch (left-padded to its cache end) give their solo tokens; with a fused
+    commit, a boundary where requests wait encodes the commit on its own so that they can join."""
+    s = Scheduler(lm.module, lm.canvas_length, max_batch=4, fuse_commit=fuse_commit).start()
     try:
         jobs = [Job(lm.encode_chat("prompt %d " % i * (i + 1)), lm.generation_config(max_new_tokens=48,
                     max_denoising_steps=4), seed=i) for i in range(3)]

@@ -31,6 +31,10 @@ def add_parser(p) -> None:
                    help="most denoising steps per canvas a request may ask for (default: 1024)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20,
                    help="largest request body (default: 1 MiB)")
+    p.add_argument("--fuse-commit", action="store_true",
+                   help="encode each committed canvas in the same pass as the next canvas's first denoising step "
+                        "when nobody waits to join (one read of the weights for both; same tokens up to fp32 "
+                        "rounding)")
     p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_sampling_args(p, seed=False)
@@ -56,7 +60,7 @@ def main(args) -> int:
                     max_steps=args.max_steps_limit)
     metrics = Metrics()
     scheduler = Scheduler(lm.module, lm.canvas_length, max_batch=args.max_batch, queue_size=args.queue_size,
-                          metrics=metrics)
+                          metrics=metrics, fuse_commit=args.fuse_commit)
     defaults = sampling_kwargs(args)
     defaults.pop("max_new_tokens", None)  # per request: max_tokens
     serving = OpenAIServing(lm, scheduler, name, limits, defaults=defaults, metrics=metrics)

@@ -19,6 +19,10 @@ Design (continuous batching at canvas granularity):
   batch they differ only if float rounding of the batched matmuls flips a near-tie.
 - Rows may have their own step budget (`max_denoising_steps`) and stopping rule; a row that
   stopped denoising is frozen (no decode result used, no random draws) until the canvas commits.
+- `fuse_commit=True` (`blockpress serve --fuse-commit`): at a boundary where nobody waits to join,
+  the committed canvas is encoded in the same pass as the next canvas's first denoising step
+  (`encode_decode`: one read of the weights for both). A request that arrives during that boundary
+  joins at the next one. Same tokens as the unfused loop up to fp32 summation order.
 
 Shape legend: B rows in the group, S prompt length, C canvas length, V vocab.
 """
@@ -186,7 +190,7 @@ class Scheduler:
     """Owns `module` on a background thread; `submit(job)` returns a `Handle` streaming row events."""
 
     def __init__(self, module, canvas_length: int, max_batch: int = 8, queue_size: int = 64,
-                 max_padding: int | None = None, metrics=None):
+                 max_padding: int | None = None, metrics=None, fuse_commit: bool = False):
         self.module = module
         self.C = canvas_length
         self.V = module.text.vocab_size
@@ -195,6 +199,7 @@ class Scheduler:
         self.queue_size = queue_size
         self.max_padding = 4 * canvas_length if max_padding is None else max_padding
         self.metrics = metrics
+        self.fuse_commit = fuse_commit
         self._waiting: deque[Handle] = deque()
         self._cond = threading.Condition()
         self._stop = False
@@ -271,12 +276,20 @@ class Scheduler:
     def _canvas(self) -> None:
         """One canvas boundary plus one denoised canvas for every row."""
         self._drop_finished()
+        pending = None  # a committed canvas to encode inside the first denoising pass
         if self.rows:  # continuing rows: encode their committed canvas
-            self.module.encode(self._committed, self.cache)
-        self._admit()
+            with self._cond:
+                fuse = self.fuse_commit and not self._waiting
+            if fuse:  # nobody to admit: no prompt has to be encoded between the commit and the step
+                pending = self._committed
+            else:
+                self.module.encode(self._committed, self.cache)
+                self._admit()
+        else:
+            self._admit()
         if not self.rows:
             return
-        self._denoise()
+        self._denoise(pending)
 
     def _drop_finished(self) -> None:
         keep = [i for i, r in enumerate(self.rows) if not (r.finished or r.handle.cancelled)]
@@ -374,8 +387,9 @@ class Scheduler:
         self._admitting = []
         self._gauge()
 
-    def _denoise(self) -> None:
-        """Denoise one canvas for all rows; per-row sampling with per-row generators."""
+    def _denoise(self, pending: torch.Tensor | None = None) -> None:
+        """Denoise one canvas for all rows; per-row sampling with per-row generators. pending [B, C]: the
+        committed canvas, encoded into the cache by the first step's pass (`encode_decode`)."""
         m, C, V, dev = self.module, self.C, self.V, self.module.device
         B = len(self.rows)
         x = torch.empty(B, C, dtype=torch.long, device=dev)
@@ -390,7 +404,11 @@ class Scheduler:
         t_canvas = time.perf_counter()
         while any(r.n > 0 and not r.handle.cancelled for r in self.rows):
             t0 = time.perf_counter()
-            raw = m.decode(x, self.cache, sc)  # [B, C, V] fp32
+            if pending is not None:  # fused: commit + first step in one pass over the weights
+                raw = m.encode_decode(pending, x, self.cache)  # [B, C, V] fp32
+                pending = None
+            else:
+                raw = m.decode(x, self.cache, sc)  # [B, C, V] fp32
             if sc is None:  # first step; rows written below, frozen rows keep theirs
                 sc = raw.to(m.dtype)
             for i, r in enumerate(self.rows):
@@ -419,6 +437,8 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.step_seconds.observe(time.perf_counter() - t0)
                 self.metrics.batch_rows.observe(B)
+        if pending is not None:  # every row was cancelled before the first step: the cache still needs it
+            m.encode(pending, self.cache)
         self._commit(a, time.perf_counter() - t_canvas)
 
     def _commit(self, a: torch.Tensor, seconds: float) -> None:
@@ -448,9 +468,9 @@ class Scheduler:
         self._committed = a
 
 
-def run_job(module, canvas_length: int, job: Job) -> list[Any]:
+def run_job(module, canvas_length: int, job: Job, fuse_commit: bool = False) -> list[Any]:
     """Run one job synchronously on a private scheduler (tests, CLI): the list of its events."""
-    s = Scheduler(module, canvas_length, max_batch=1, queue_size=1)
+    s = Scheduler(module, canvas_length, max_batch=1, queue_size=1, fuse_commit=fuse_commit)
     h = s.submit(job)
     events: list[Any] = []
     with torch.no_grad():

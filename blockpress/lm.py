@@ -73,29 +73,32 @@ class BlockDiffusionLM:
 
     def stream(self, input_ids, attention_mask=None, generator=None,
                cache=None, decoder_input_ids=None, self_conditioning_logits=None, drafts: bool = True,
-               sampler: str = "exact", fixed_tokens=None, fuse_commit: bool = False,
+               sampler: str = "exact", fixed_tokens=None, fuse_commit: bool = False, compact_rows: bool | None = None,
                **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
         """Yield a Draft after every denoising step, a Commit per canvas and a final Finished.
         fixed_tokens [B, L]: new-token positions held at given ids (-1 = free), see engine.stream.
         fuse_commit: encode each committed canvas in the next canvas's first denoising pass (one read of
-        the weights instead of two; equal up to fp32 summation order), see engine.stream."""
+        the weights instead of two; equal up to fp32 summation order), see engine.stream.
+        compact_rows: denoise only the rows still denoising (default: on with per-row generators), see
+        engine.stream."""
         cfg = self.generation_config(**sampling)
         ids, mask = self._prepare(input_ids, attention_mask)
         return engine.stream(self.module, ids, cfg, self.canvas_length, attention_mask=mask, generator=generator,
                              cache=cache, decoder_input_ids=decoder_input_ids,
                              self_conditioning_logits=self_conditioning_logits, drafts=drafts, sampler=sampler,
-                             fixed_tokens=fixed_tokens, fuse_commit=fuse_commit)
+                             fixed_tokens=fixed_tokens, fuse_commit=fuse_commit, compact_rows=compact_rows)
 
     def generate(self, input_ids, attention_mask=None, generator=None, cache=None,
                  decoder_input_ids=None, self_conditioning_logits=None, sampler: str = "exact",
-                 fixed_tokens=None, fuse_commit: bool = False, **sampling) -> engine.GenerationResult:
+                 fixed_tokens=None, fuse_commit: bool = False, compact_rows: bool | None = None,
+                 **sampling) -> engine.GenerationResult:
         """Generate canvases after `input_ids`. Keyword names and defaults follow the reference:
         max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max, stability_threshold,
         confidence_threshold, eos_token_id, pad_token_id. `generator`: None (torch's global RNG, the
         reference's draw order), a torch.Generator, or a list with one generator per row."""
         for ev in self.stream(input_ids, attention_mask, generator, cache, decoder_input_ids,
                               self_conditioning_logits, drafts=False, sampler=sampler, fixed_tokens=fixed_tokens,
-                              fuse_commit=fuse_commit, **sampling):
+                              fuse_commit=fuse_commit, compact_rows=compact_rows, **sampling):
             if isinstance(ev, engine.Finished):
                 return ev.result
         raise RuntimeError("generation ended without a result")  # unreachable

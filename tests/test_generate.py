@@ -175,6 +175,46 @@ def test_per_row_generators_make_rows_batch_invariant(bp):
         bp.generate(x, generator=gens[:2], **kw)
 
 
+@pytest.mark.parametrize("case", ["plain", "fixed_tokens", "fuse_commit"])
+def test_row_compaction_gives_the_same_tokens(bp, case, monkeypatch):
+    """compact_rows=True (the default with per-row generators): once a row stops denoising, the decoder runs
+    on the other rows only. Same drafts, sequences, passes and step counts as the full-batch loop (left
+    padding, early stopping at different steps, 3 canvases; infilling; a fused commit). Random weights never
+    repeat an argmax, so stopping here is by entropy alone; test_sudoku_model covers the stability history."""
+    rows = [ids(1, 20, 1)[0].tolist(), ids(1, 13, 2)[0].tolist(), ids(1, 17, 3)[0].tolist()]
+    kw = dict(KW, max_new_tokens=48, stability_threshold=0, confidence_threshold=6.212)
+    if case == "fixed_tokens":
+        kw["fixed_tokens"] = torch.tensor([[-1, 7, -1, 9] * 6, [5] * 3 + [-1] * 21, [-2] * 4 + [-1] * 20])
+    elif case == "fuse_commit":
+        kw["fuse_commit"] = True
+    runs, sizes = [], []
+    for compact in (False, True):
+        gens = [torch.Generator().manual_seed(s) for s in (4, 5, 6)]
+        seen = []
+        decode = bp.module.decode
+        monkeypatch.setattr(bp.module, "decode", lambda x, *a, **k: seen.append(x.shape[0]) or decode(x, *a, **k))
+        runs.append(list(bp.stream(rows, generator=gens, compact_rows=compact, **kw)))
+        monkeypatch.undo()
+        sizes.append(seen)
+    assert set(sizes[0]) == {3} and min(sizes[1]) < 3, "the compacted run must skip stopped rows"
+    assert sum(sizes[1]) < sum(sizes[0])
+    full, fast = runs[0][-1].result, runs[1][-1].result
+    assert len(full.steps_per_canvas) == 3 and len(set(full.forward_passes.tolist())) > 1
+    for name in ("sequences", "tokens_per_forward", "forward_passes"):
+        assert torch.equal(getattr(full, name), getattr(fast, name)), name
+    assert full.steps_per_canvas == fast.steps_per_canvas
+    drafts = [[e for e in r if isinstance(e, blockpress.Draft)] for r in runs]
+    assert len(drafts[0]) == len(drafts[1])
+    for d0, d1 in zip(*drafts):  # every intermediate canvas (Drafts hold their own copies)
+        assert torch.equal(d0.tokens, d1.tokens) and torch.equal(d0.done, d1.done)
+        assert torch.equal(d0.accepted[~d0.done], d1.accepted[~d1.done])
+
+
+def test_row_compaction_needs_per_row_generators(bp):
+    with pytest.raises(InputError, match="one generator per row"):
+        bp.generate(ids(2), generator=torch.Generator().manual_seed(0), compact_rows=True, **KW)
+
+
 def test_fused_commit_pass_equals_encode_then_decode(bp):
     """encode_decode(chunk, canvas) = encode(chunk) then decode(canvas): logits and the cache it leaves,
     with the chunk past the sliding window, left padding in the cache, and self-conditioning logits."""

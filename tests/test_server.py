@@ -387,6 +387,37 @@ def test_scheduler_rows_join_at_canvas_boundaries(lm, fuse_commit):
         s.stop()
 
 
+def test_scheduler_row_compaction_gives_the_same_tokens(lm, monkeypatch):
+    """Rows with different step budgets in one batch: once a row stops, the decoder pass leaves it out
+    (compact_rows, the default), and every row gets the tokens and step counts of the full-batch loop."""
+    ids = lm.encode_chat("Hello there")
+    jobs = [Job(ids, lm.generation_config(max_new_tokens=48, max_denoising_steps=k, eos_token_id=None), seed=k)
+            for k in (2, 5, 3)]
+    outs, sizes = [], []
+    for compact in (False, True):
+        seen = []
+        decode = lm.module.decode
+        monkeypatch.setattr(lm.module, "decode", lambda x, *a, **k: seen.append(x.shape[0]) or decode(x, *a, **k))
+        s = Scheduler(lm.module, lm.canvas_length, max_batch=3, compact_rows=compact)
+        handles = [s.submit(j) for j in jobs]  # queued before the thread starts: admitted together
+        s.start()
+        try:
+            runs = []
+            for h in handles:
+                events = []
+                while not isinstance(e := h.get(timeout=60), RowDone):
+                    events.append(e)
+                runs.append(([t for e in events if isinstance(e, RowCommit) for t in e.tokens], e.steps_per_canvas))
+        finally:
+            s.stop()
+            monkeypatch.undo()
+        outs.append(runs)
+        sizes.append(seen)
+    assert set(sizes[0]) == {3} and sorted(set(sizes[1])) == [1, 2, 3]
+    assert sum(sizes[1]) == 3 * (2 + 5 + 3) < sum(sizes[0])  # 3 canvases, each row's own budget
+    assert outs[0] == outs[1] and [r[1] for r in outs[1]] == [[2] * 3, [5] * 3, [3] * 3]
+
+
 THOUGHT_AND_CALL = ('<|channel>thought\nhmm<channel|>Hello<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}'
                     '<tool_call|><turn|>')
 

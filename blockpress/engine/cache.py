@@ -64,5 +64,16 @@ class KVCache:
         self.valid[:, length:] = True
         self.has_padding = not bool(self.valid[:, :length].all())
 
+    def rows(self, index: torch.Tensor) -> "KVCache":
+        """A read-only copy of the rows `index` [b] (positions [0, length) only), for a decoder pass over
+        part of the batch (row compaction); the encoder must not write to it."""
+        sub = KVCache.__new__(KVCache)
+        sub.keys = [t[index, :, :self.length] for t in self.keys]
+        sub.values = [t[index, :, :self.length] for t in self.values]
+        sub.valid = self.valid[index, :self.length]
+        sub.batch, sub.capacity, sub.length = int(index.numel()), self.length, self.length
+        sub.has_padding = self.has_padding and not bool(sub.valid.all())
+        return sub
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -112,6 +112,30 @@ def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, c
     return x_new, a, z.to(module.dtype), done, accepted
 
 
+def _compact_step(step_fn, module, x, a, sc, done, n, cfg, cache, tracker, generator, finished, fixed, watch, sub):
+    """`step_fn` over the rows not yet done (frozen rows keep their state, as in the full step), results
+    written back into full-batch tensors. sub: (row ids, cache rows) of the previous call, reused while the
+    set of active rows is the same (the cache rows are gathered only when a row stops)."""
+    rows = (~done).nonzero().squeeze(1)
+    if sub is None or not torch.equal(sub[0], rows):
+        sub = (rows, cache.rows(rows))
+    hist = tracker.history if tracker is not None else None
+    if hist is not None:
+        tracker.history = hist[:, rows]
+    xs, as_, scs, dones, acc = step_fn(
+        module, x[rows], a[rows], sc[rows], done[rows], n, cfg, sub[1], tracker, [generator[i] for i in rows.tolist()],
+        finished[rows], fixed=None if fixed is None else (fixed[0][rows], fixed[1][rows]),
+        watch=None if watch is None else watch[rows])
+    if hist is not None:
+        hist[:, rows] = tracker.history
+        tracker.history = hist
+    x, a, done = x.clone(), a.clone(), done.clone()  # earlier Drafts may alias these (.cpu() of a cpu tensor)
+    x[rows], a[rows], sc[rows], done[rows] = xs, as_, scs, dones  # sc: the last step's output, owned here
+    accepted = torch.zeros_like(done[:, None].expand_as(x))
+    accepted[rows] = acc
+    return x, a, sc, done, accepted, sub
+
+
 def clamp(tokens: torch.Tensor, fixed) -> torch.Tensor:
     """tokens [B,C] with the fixed positions (mask, values) written in."""
     return tokens if fixed is None else torch.where(fixed[0], fixed[1], tokens)
@@ -121,7 +145,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
            attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
            cache: KVCache | None = None, decoder_input_ids: torch.Tensor | None = None,
            self_conditioning_logits: torch.Tensor | None = None, drafts: bool = True, sampler: str = "exact",
-           fixed_tokens: torch.Tensor | None = None, fuse_commit: bool = False):
+           fixed_tokens: torch.Tensor | None = None, fuse_commit: bool = False, compact_rows: bool | None = None):
     """Yield Draft / Commit events and a final Finished(result).
 
     input_ids [B, S]: the tokens not yet in `cache` (the whole prompt when cache is None).
@@ -138,6 +162,11 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     fuse_commit: encode each committed canvas in the same pass as the next canvas's first denoising step
     (`module.encode_decode`: one read of the weights instead of two; the same function up to fp32
     summation order, so tokens match the reference unless a draw sits on a rounding-level tie).
+    compact_rows: run each denoising step on the rows still denoising only (rows that stopped are frozen, so
+    their pass is wasted work: in a batch with adaptive stopping most rows stop long before the last one).
+    Needs one generator per row (each row's draws are then its own, whatever else is in the pass); the
+    tokens equal the uncompacted loop's up to fp32 rounding of the smaller batch's matmuls. None (default):
+    on with per-row generators and B > 1, unless `module.decode` is a CUDA-graphed decoder (one shape).
     """
     if sampler == "exact":
         step_fn = denoise_step
@@ -182,6 +211,12 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             raise InputError(f"fixed_tokens must hold ids in [0, {V}), -1 (free) or -2 (free, discarded)")
         pad_to = n_canvases * C - fixed_tokens.shape[1]
         fixed_tokens = torch.nn.functional.pad(fixed_tokens, (0, pad_to), value=-1).to(dev)
+    per_row = isinstance(generator, (list, tuple))
+    if compact_rows and not per_row:
+        raise InputError("compact_rows=True needs one generator per row (generator=[...]): with one shared "
+                         "random stream, leaving stopped rows out would change every later row's draws")
+    # a CUDA-graphed decoder (an instance `decode`) captures one batch shape: compaction would re-capture
+    compact = per_row and B > 1 and "decode" not in vars(module) if compact_rows is None else bool(compact_rows)
     eos = torch.tensor(cfg.eos_token_id, device=dev) if cfg.eos_token_id is not None else None
     pad = cfg.pad_token_id
     tracker = StabilityTracker(cfg.stability_threshold, cfg.confidence_threshold) if cfg.adaptive else None
@@ -222,11 +257,16 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             if tracker is not None:
                 tracker.reset()
             steps = 0
+            sub = None  # row compaction: (active row ids, their cache rows)
             for n in range(N, 0, -1):
                 passes += ~(done | finished)
-                raw = module.encode_decode(chunk, x, cache, chunk_mask, sc) if fused and steps == 0 else None
-                x, a, sc, done, accepted = step_fn(module, x, a, sc, done, n, cfg, cache, tracker, generator,
-                                                   finished, fixed=fixed, watch=watch, raw=raw)
+                if compact and steps > 0 and bool(done.any()):
+                    x, a, sc, done, accepted, sub = _compact_step(step_fn, module, x, a, sc, done, n, cfg, cache,
+                                                                  tracker, generator, finished, fixed, watch, sub)
+                else:
+                    raw = module.encode_decode(chunk, x, cache, chunk_mask, sc) if fused and steps == 0 else None
+                    x, a, sc, done, accepted = step_fn(module, x, a, sc, done, n, cfg, cache, tracker, generator,
+                                                       finished, fixed=fixed, watch=watch, raw=raw)
                 steps += 1
                 if drafts:
                     yield Draft(c, steps, N, a.cpu(), accepted.cpu(), done.cpu())

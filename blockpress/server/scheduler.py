@@ -18,7 +18,8 @@ Design (continuous batching at canvas granularity):
   tokens equal `BlockDiffusionLM.generate(generator=torch.Generator().manual_seed(seed))`, and in a
   batch they differ only if float rounding of the batched matmuls flips a near-tie.
 - Rows may have their own step budget (`max_denoising_steps`) and stopping rule; a row that
-  stopped denoising is frozen (no decode result used, no random draws) until the canvas commits.
+  stopped denoising is frozen (no decode result used, no random draws) until the canvas commits;
+  with `compact_rows` (the default) the decoder pass leaves frozen rows out altogether.
 - `fuse_commit=True` (`blockpress serve --fuse-commit`): at a boundary where nobody waits to join,
   the committed canvas is encoded in the same pass as the next canvas's first denoising step
   (`encode_decode`: one read of the weights for both). A request that arrives during that boundary
@@ -190,7 +191,7 @@ class Scheduler:
     """Owns `module` on a background thread; `submit(job)` returns a `Handle` streaming row events."""
 
     def __init__(self, module, canvas_length: int, max_batch: int = 8, queue_size: int = 64,
-                 max_padding: int | None = None, metrics=None, fuse_commit: bool = False):
+                 max_padding: int | None = None, metrics=None, fuse_commit: bool = False, compact_rows: bool = True):
         self.module = module
         self.C = canvas_length
         self.V = module.text.vocab_size
@@ -200,6 +201,7 @@ class Scheduler:
         self.max_padding = 4 * canvas_length if max_padding is None else max_padding
         self.metrics = metrics
         self.fuse_commit = fuse_commit
+        self.compact_rows = compact_rows
         self._waiting: deque[Handle] = deque()
         self._cond = threading.Condition()
         self._stop = False
@@ -401,21 +403,29 @@ class Scheduler:
                 r.tracker.reset()
         a = x.clone()
         sc = None
+        sub = None  # row compaction: (active row ids, their cache rows), rebuilt when a row stops
         t_canvas = time.perf_counter()
-        while any(r.n > 0 and not r.handle.cancelled for r in self.rows):
+        while active := [i for i, r in enumerate(self.rows) if r.n > 0 and not r.handle.cancelled]:
             t0 = time.perf_counter()
+            at = range(B)  # row i's logits are raw[at[i]]
             if pending is not None:  # fused: commit + first step in one pass over the weights
                 raw = m.encode_decode(pending, x, self.cache)  # [B, C, V] fp32
                 pending = None
+            elif self.compact_rows and sc is not None and len(active) < B:  # frozen rows: no pass
+                if sub is None or sub[0] != active:
+                    sub = (active, self.cache.rows(torch.tensor(active, device=dev)))
+                raw = m.decode(x[active], sub[1], sc[active])  # [len(active), C, V] fp32
+                at = dict(zip(active, range(len(active))))
             else:
                 raw = m.decode(x, self.cache, sc)  # [B, C, V] fp32
             if sc is None:  # first step; rows written below, frozen rows keep theirs
                 sc = raw.to(m.dtype)
-            for i, r in enumerate(self.rows):
-                if r.n == 0 or r.handle.cancelled:
-                    continue  # frozen: keeps its canvas, argmax and self-conditioning logits
+            for i in active:
+                r = self.rows[i]
+                if r.handle.cancelled:  # cancelled during this pass
+                    continue
                 cfg = r.cfg
-                z = raw[i:i + 1]
+                z = raw[at[i]:at[i] + 1]
                 if cfg.t_min is not None and cfg.t_max is not None:
                     z = z / temperature(r.n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, dev)
                 y = sample_tokens(z, r.generator)
@@ -436,7 +446,7 @@ class Scheduler:
                                           a[i].tolist(), accepted[0].tolist()))
             if self.metrics is not None:
                 self.metrics.step_seconds.observe(time.perf_counter() - t0)
-                self.metrics.batch_rows.observe(B)
+                self.metrics.batch_rows.observe(raw.shape[0])
         if pending is not None:  # every row was cancelled before the first step: the cache still needs it
             m.encode(pending, self.cache)
         self._commit(a, time.perf_counter() - t_canvas)

@@ -46,16 +46,23 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="sudoku: candidates per puzzle denoised side by side, the one that breaks no rule kept "
                         "(uses the rules, never the solution). Default: the model's own (blockpress_task.json)")
     p.add_argument("--ar", action="store_true", help="greedy autoregressive decoding (AR baseline model)")
+    p.add_argument("--no-compact-rows", action="store_true",
+                   help="keep puzzles that stopped denoising in every decoder pass of their batch (the reference "
+                        "loop; same answers, slower: for timing compaction)")
     p.add_argument("--split", choices=["test", "val"], default="test",
                    help="sudoku: the held-out test puzzles (default) or the validation split, for choosing "
                         "settings and checkpoints without touching the test set")
     p.add_argument("--device", default=None)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
+    p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
+                   help="expert weights: native, or fp8 / int4 quantised while loading (judge a format by the task)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the results here")
 
 
 def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0, ar: bool = False,
-             repair: int = 0, split: str = "test", samples: int | None = None) -> dict:
+             repair: int = 0, split: str = "test", samples: int | None = None, compact_rows: bool = True) -> dict:
     import torch
 
     from blockpress.errors import InputError
@@ -82,7 +89,8 @@ def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0
 
         def solve(puzzles, kw=kw):  # one generator per puzzle: the first pass does not depend on batching or n
             gens = [torch.Generator(device=lm.device).manual_seed(puzzle_seed(seed, p)) for p in puzzles]
-            return sd.solve_batch(puzzles, lm, generator=gens, samples=samples, repair=repair, **kw)
+            return sd.solve_batch(puzzles, lm, generator=gens, samples=samples, repair=repair,
+                                  compact_rows=compact_rows, **kw)
         name = "+".join([("default" if s is None else f"steps={s}")] + ([f"samples={samples}"] if samples else [])
                         + ([f"repair={repair}"] if repair else []))
         out[name] = sd.evaluate(_batched(solve, batch_size), blanks, n, puzzles_seed)
@@ -118,13 +126,13 @@ def main(args) -> int:
     path = args.model or sd.DEFAULT_MODEL_PATH
     if args.model is None and not (sd.DEFAULT_MODEL_PATH / "config.json").is_file():
         raise sd.SudokuModelMissing(f"no sudoku model at {path}; pass --model DIR")
-    lm = blockpress.load(path, device=args.device, progress=False)
+    lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision, progress=False)
     if args.adapter:
         from blockpress.train.lora import apply_adapter
 
         apply_adapter(lm, args.adapter)
     results = run_eval(lm, args.n or 50, args.blanks, args.steps, args.batch_size, args.seed, args.ar, args.repair,
-                       args.split, args.samples)
+                       args.split, args.samples, not args.no_compact_rows)
     for name, res in results.items():
         print(f"\n{name} ({path}, {args.split} split)")
         print(sd.format_report(res))
@@ -147,7 +155,7 @@ def _infill(args) -> int:
     data = Path(args.data) if args.data else path / "eval" / "heldout.txt"
     if not data.is_file():
         raise InputError(f"no passages at {data}; pass --data FILE (passages separated by blank lines)")
-    lm = blockpress.load(path, device=args.device, progress=False)
+    lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision, progress=False)
     if args.adapter:
         from blockpress.train.lora import apply_adapter
 

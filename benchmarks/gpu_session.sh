@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Issue 4's GPU measurements in three device calls of under 10 minutes each (a session has 30 minutes of
+# device time). Each call writes JSON and logs under $OUT and ends with a summary table.
+#
+# Once, on the development machine (the device image has transformers 5.17, the oracle is 5.23; its other
+# needs, tokenizers 0.23 / huggingface_hub 1.3x / safetensors 0.8, are already there):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.23.0
+# Then, through the device tool (carry [".whl"]):
+#   bash benchmarks/gpu_session.sh check   # versions, compiled-kernel and CUDA-only tests, bandwidth (~5 min)
+#   bash benchmarks/gpu_session.sh bf16    # real 26B-A4B, bf16: vs transformers and AR, fast paths, batch 1-8
+#   bash benchmarks/gpu_session.sh quant   # fp8 and int4 experts, peak memory
+# PRESET=tiny runs the same steps on a tiny model (a dry run; on a CPU the CUDA-only flags are dropped).
+set -uo pipefail
+OUT=${OUT:-/tmp/blockpress-gpu}
+PRESET=${PRESET:-real-26b}
+PART=${1:?usage: gpu_session.sh check|bf16|quant}
+# seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
+case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=140 ;; *) DEFAULT_LIMIT=240 ;; esac
+STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+CUDA=$(python3 -c 'import torch; print(int(torch.cuda.is_available()))')
+GPU_FLAGS="--cuda-graphs"; FAST=triton
+[ "$CUDA" = 1 ] || { GPU_FLAGS=""; FAST=grouped; }  # a CPU dry run: no graphs, no Triton interpreter (slow)
+
+bench() {  # bench NAME ARGS...: one `blockpress bench` run, JSON in $OUT/NAME.json, log in $OUT/log.txt
+  local name=$1; shift
+  echo "=== $name: blockpress bench --preset $PRESET $*" | tee -a "$OUT/log.txt"
+  local t0=$SECONDS
+  timeout "$STEP_LIMIT" python3 -m blockpress bench --preset "$PRESET" --out "$OUT/$name.json" "$@" \
+    >>"$OUT/log.txt" 2>&1 || echo "!!! $name failed or timed out (rc $?)" | tee -a "$OUT/log.txt"
+  echo "--- $name: $((SECONDS - t0)) s" | tee -a "$OUT/log.txt"
+}
+
+case "$PART" in
+  check)
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+      python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
+"transformers", transformers.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'
+    } 2>&1 | tee -a "$OUT/log.txt"
+    # compiled Triton kernels (not the interpreter), the CUDA graph and fp8 grouped-GEMM tests
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_quant.py tests/test_bench.py \
+      2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
+    bench tiny-all --batch 1,2 --modes fixed,adaptive --new-tokens 64 --experts auto $GPU_FLAGS
+    ;;
+  bf16)
+    bench bf16-base --batch 1 --modes fixed --experts grouped --attention sdpa_gqa
+    bench bf16-fast --batch 1,2,4,8 --modes fixed --experts $FAST --attention sdpa_gqa --sampler fast $GPU_FLAGS \
+      --no-reference --no-ar
+    bench bf16-fused --batch 1 --modes fixed --experts $FAST --attention sdpa_gqa --sampler fast $GPU_FLAGS \
+      --fuse-commit --no-reference --no-ar
+    ;;
+  quant)
+    bench fp8 --batch 1,4 --precision fp8 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference --no-ar
+    bench fp8-scaled-mm --batch 1 --precision fp8 --modes fixed --experts scaled_mm --sampler fast $GPU_FLAGS \
+      --no-reference --no-ar
+    bench int4 --batch 1,4 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference --no-ar
+    bench int4-topk --batch 1 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --sc-topk 64 \
+      --fuse-commit --no-reference --no-ar
+    ;;
+  *) echo "unknown part $PART (check, bf16 or quant)"; exit 2 ;;
+esac
+
+python3 - "$OUT" <<'EOF'
+import glob, json, sys
+
+def f(r, k, fmt, scale=1.0):
+    return format(r[k] * scale, fmt) if isinstance(r.get(k), (int, float)) else "-"
+
+print("\n| run | engine | B | mode | tok/s | excl. prompt | ms/step | ms/commit | step floor frac | GB/s | peak GB |")
+print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+for path in sorted(glob.glob(f"{sys.argv[1]}/*.json")):
+    res = json.load(open(path))
+    for r in res.get("runs", []):
+        print(f"| {path.split('/')[-1][:-5]} | {r.get('engine')} | {r.get('batch')} | {r.get('mode')} | "
+              f"{f(r, 'tok_s', '.0f')} | {f(r, 'tok_s_excl_prompt', '.0f')} | {f(r, 'ms_per_step', '.2f')} | "
+              f"{f(r, 'ms_per_commit', '.2f')} | {f(r, 'floor_fraction', '.2f')} | {f(r, 'achieved_gbs', '.0f')} | "
+              f"{f(r, 'peak_mem_bytes', '.1f', 1e-9)} |")
+EOF

@@ -215,6 +215,80 @@ def test_row_compaction_needs_per_row_generators(bp):
         bp.generate(ids(2), generator=torch.Generator().manual_seed(0), compact_rows=True, **KW)
 
 
+def _host_reads(monkeypatch, fn):
+    """Calls that make a GPU's host wait for the device (a device value read on the host) or copy host data
+    to it (torch.tensor), made while fn runs: counted on any device, so the CPU suite checks the loop."""
+    count = {"n": 0}
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist", "cpu", "numpy"):
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, **k):
+            count["n"] += 1
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    orig_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: count.__setitem__("n", count["n"] + 1) or orig_tensor(*a, **k))
+    try:
+        fn()
+    finally:
+        monkeypatch.undo()
+    return count["n"]
+
+
+@pytest.mark.parametrize("sampler", ["exact", "fast"])
+def test_fixed_steps_read_nothing_back_per_step(bp, sampler, monkeypatch):
+    """With fixed steps a denoising step never waits for the device: twice the steps, the same number of
+    host reads and host-to-device tensors (they come per generation and per canvas, not per step); adaptive
+    stopping at batch 1 reads one flag per step."""
+    x = ids(1, 20, 5)
+    backends = [layer.experts.backend for layer in bp.module.layers]
+    bp.module.set_experts_backend("grouped")  # sync-free (the GPU paths); "loop", the reference, reads counts
+    try:
+        fixed = {**KW, "stability_threshold": None, "confidence_threshold": None, "sampler": sampler}
+        del fixed["max_denoising_steps"]
+        counts = {}
+        for steps in (4, 8):
+            for mode, kw in (("fixed", fixed), ("adaptive", dict(fixed, stability_threshold=1, confidence_threshold=1e-9))):
+                gen = torch.Generator().manual_seed(0)
+                bp.generate(x, generator=gen, max_denoising_steps=steps, **kw)  # warm: caches made once
+                r = []
+                counts[mode, steps] = _host_reads(
+                    monkeypatch, lambda: r.append(bp.generate(x, generator=gen, max_denoising_steps=steps, **kw)))
+                assert r[0].steps_per_canvas == [steps, steps]  # never stops early (entropy never under 1e-9)
+    finally:
+        for layer, name in zip(bp.module.layers, backends):
+            layer.experts.backend = name
+    assert counts["fixed", 8] == counts["fixed", 4]
+    assert counts["adaptive", 8] - counts["adaptive", 4] == 2 * 4  # 2 canvases x 4 more steps x 1 flag
+
+
+@pytest.mark.gpu
+def test_fixed_steps_do_not_synchronise_on_cuda(hf_tiny_dir):
+    """On a GPU, PyTorch's sync debug mode counts the synchronising calls: no more with twice the steps."""
+    import warnings
+
+    from blockpress.kernels import configure
+
+    path, _ = hf_tiny_dir
+    m = blockpress.load(path, device="cuda", dtype="bfloat16", progress=False)
+    configure(m.module)  # the sync-free experts backend for this GPU (triton, else grouped)
+    x = ids(1, 20, 5).cuda()
+    kw = {k: v for k, v in KW.items() if k != "max_denoising_steps"}
+    kw.update(stability_threshold=None, confidence_threshold=None)
+    counts = []
+    for steps in (4, 8):
+        m.generate(x, generator=torch.Generator("cuda").manual_seed(0), max_denoising_steps=steps, **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                m.generate(x, generator=torch.Generator("cuda").manual_seed(0), max_denoising_steps=steps, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    assert counts[0] == counts[1], counts
+
+
 def test_fused_commit_pass_equals_encode_then_decode(bp):
     """encode_decode(chunk, canvas) = encode(chunk) then decode(canvas): logits and the cache it leaves,
     with the chunk past the sliding window, left padding in the cache, and self-conditioning logits."""
@@ -269,3 +343,17 @@ def test_fuse_commit_gives_the_same_tokens(bp, sampler, per_row, monkeypatch):
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert torch.equal(outs[0].tokens_per_forward, outs[1].tokens_per_forward)
     assert outs[0].steps_per_canvas == outs[1].steps_per_canvas and outs[1].cache.length == outs[0].cache.length
+
+
+def test_temperature_schedule_is_the_reference_formula_bit_for_bit():
+    """The device-resident schedule gives, entry by entry, the reference's scalar fp32 arithmetic
+    tau = t_min + (t_max - t_min) * (n / N) with n an int32 tensor."""
+    from blockpress.sampling import temperature, temperature_schedule
+
+    for N, lo, hi in ((16, 0.4, 0.8), (7, 0.1, 1.3), (128, 0.4, 0.8), (1, 0.5, 0.5), (33, 0.0, 2.0)):
+        for n in range(N + 1):
+            ref = lo + (hi - lo) * (torch.tensor(n, dtype=torch.int32) / N)
+            got = temperature(n, N, lo, hi, "cpu")
+            assert got.dtype == ref.dtype == torch.float32 and torch.equal(got, ref), (N, lo, hi, n)
+    a = temperature_schedule(16, 0.4, 0.8, torch.device("cpu"))
+    assert temperature_schedule(16, 0.4, 0.8, torch.device("cpu")) is a  # made once per schedule and device

@@ -16,6 +16,10 @@ Invariants:
   whose sequence finished keep being computed but are not counted in `tokens_per_forward`.
 - The committed canvas is the argmax of the last executed step; the returned cache excludes the
   last committed canvas (it has not been encoded).
+- No host synchronisation inside a canvas with fixed steps and one generator (or none): nothing in a
+  step reads a device value on the host or copies a host value to the device (the temperature schedule
+  and sqrt(H) live on the device), so a GPU's host queues steps ahead. Adaptive stopping reads `done`
+  once per step (B = 1) or twice (B > 1: frozen rows); drafts and per-row generators read more.
 """
 
 from __future__ import annotations
@@ -104,7 +108,8 @@ def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, c
     if fixed is not None:
         x_new, a = clamp(x_new, fixed), clamp(a, fixed)
     if tracker is not None:
-        if bool(done.any()):
+        # a single row is never done at a step's start (the loop ends when it stops): no host sync for it
+        if x.shape[0] > 1 and bool(done.any()):
             a = torch.where(done[:, None], a_prev, a)
             x_new = torch.where(done[:, None], x, x_new)
             z = torch.where(done[:, None, None], sc_logits, z)
@@ -260,7 +265,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             sub = None  # row compaction: (active row ids, their cache rows)
             for n in range(N, 0, -1):
                 passes += ~(done | finished)
-                if compact and steps > 0 and bool(done.any()):
+                if compact and tracker is not None and steps > 0 and bool(done.any()):
                     x, a, sc, done, accepted, sub = _compact_step(step_fn, module, x, a, sc, done, n, cfg, cache,
                                                                   tracker, generator, finished, fixed, watch, sub)
                 else:
@@ -270,7 +275,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
                 steps += 1
                 if drafts:
                     yield Draft(c, steps, N, a.cpu(), accepted.cpu(), done.cpu())
-                if bool(done.all()):
+                if tracker is not None and bool(done.all()):  # fixed steps: nothing to ask the device
                     break
             seq = torch.cat([seq, a], dim=-1)
             new = seq[:, -C:]

@@ -23,14 +23,14 @@ from __future__ import annotations
 import torch
 
 from ..config import FULL, SLIDING
-from ..model.layers import ATTENTION_BACKENDS, embed_scale, rms_norm, rope_cos_sin
+from ..model.layers import ATTENTION_BACKENDS, rms_norm, rope_cos_sin
 
 SYNC_FREE_EXPERTS = ("grouped", "triton", "auto")  # "auto": QuantizedExperts picking triton
 
 
 def decoder_input(module, canvas, sc_logits, sc_mask, scale):
-    """`module.decoder_input` with the embedding scale given as a device tensor (spec 2.10): the
-    model's version builds it on the host each call, a copy a CUDA graph cannot capture."""
+    """`module.decoder_input` with the embedding scale given as a device tensor (spec 2.10) and the
+    self-conditioning mask as a tensor, so that one captured graph serves steps with and without logits."""
     w = module.embed_tokens.weight
     e = torch.nn.functional.embedding(canvas, w) * scale
     p = torch.softmax(sc_logits.float(), dim=-1).to(w.dtype)
@@ -43,7 +43,7 @@ def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None):
     scale: sqrt(H) in the weight dtype on the device (computed here when not given)."""
     B, C = canvas.shape
     if scale is None:
-        scale = embed_scale(module.text.hidden_size, module.dtype).to(canvas.device)
+        scale = module.embed_scale(module.dtype, canvas.device)
     x = decoder_input(module, canvas, sc_logits, sc_mask, scale)
     dtype, dev = x.dtype, x.device
     pos = T + torch.arange(C, device=dev)  # canvas positions [T, T+C)
@@ -80,7 +80,7 @@ class _Captured:
         self.sc = torch.zeros(B, C, V, dtype=module.dtype, device=dev)
         self.sc_mask = torch.zeros(B, dtype=torch.bool, device=dev)
         self.buffers = cache.keys[0].data_ptr()
-        scale = embed_scale(module.text.hidden_size, module.dtype).to(dev)
+        scale = module.embed_scale(module.dtype, dev)
         args = (module, self.canvas, cache, self.T, self.sc, self.sc_mask, scale)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))

@@ -141,7 +141,9 @@ def denoise_step_fast(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker
     if fixed is not None:
         x_new, a = clamp(x_new, fixed), clamp(a, fixed)
     if tracker is not None:
-        if bool(done.any()):  # frozen rows keep their state; their `done` stays True (monotone)
+        # frozen rows keep their state; their `done` stays True (monotone). A single row is never done at a
+        # step's start (the loop ends when it stops): no host sync for it
+        if x.shape[0] > 1 and bool(done.any()):
             a = torch.where(done[:, None], a_prev, a)
             x_new = torch.where(done[:, None], x, x_new)
             z = torch.where(done[:, None, None], sc_logits, z)

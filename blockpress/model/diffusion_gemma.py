@@ -91,6 +91,7 @@ class DiffusionGemmaModel(nn.Module):
         # training (blockpress.train): recompute decoder layers in backward. Encoder layers are never
         # checkpointed: they write the KV cache (spec training.md §4.3).
         self.gradient_checkpointing = False
+        self._scales: dict = {}  # (dtype, device) -> sqrt(H) on that device: made once, not copied per pass
 
     # helpers ------------------------------------------------------------------------------------
     @property
@@ -134,9 +135,18 @@ class DiffusionGemmaModel(nn.Module):
         shapes = [(self.text.layer_kv_heads(i), self.text.layer_head_dim(i)) for i in range(len(self.layers))]
         return KVCache(shapes, batch, capacity, self.dtype, self.device)
 
+    def embed_scale(self, dtype: torch.dtype, device) -> torch.Tensor:
+        """sqrt(H) in `dtype` on `device`, made once: a host-to-device copy in every pass would make the
+        host wait for the GPU (a copy from pageable memory synchronises the stream)."""
+        key = (dtype, torch.device(device))
+        scale = self._scales.get(key)
+        if scale is None:
+            scale = self._scales[key] = embed_scale(self.text.hidden_size, dtype).to(device)
+        return scale
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight
-        return self.embed_tokens(ids) * embed_scale(self.text.hidden_size, w.dtype).to(w.device)
+        return self.embed_tokens(ids) * self.embed_scale(w.dtype, w.device)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = (h @ self.embed_tokens.weight.t()).float()
@@ -287,7 +297,7 @@ class DiffusionGemmaModel(nn.Module):
                 from ..kernels.sc_topk import soft_embedding_topk
 
                 soft = soft_embedding_topk(sc_logits, w, self.sc_topk)
-            soft = soft * embed_scale(self.text.hidden_size, e.dtype).to(e.device)
+            soft = soft * self.embed_scale(e.dtype, e.device)
             if sc_mask is not None:
                 soft = soft * sc_mask.to(soft.dtype)[:, None, None]
             e = e + self.self_conditioning(soft)

@@ -16,12 +16,24 @@ the stream identically, since an inactive single row ends the loop.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
 def temperature(n: int, n_steps: int, t_min: float, t_max: float, device) -> torch.Tensor:
-    """tau = t_min + (t_max - t_min) * (n / N) in fp32, n counting down the remaining steps."""
-    n_t = torch.tensor(n, dtype=torch.int32, device=device)
+    """tau = t_min + (t_max - t_min) * (n / N) in fp32, n counting down the remaining steps.
+
+    A 0-dim view into `temperature_schedule` (made on the device once per schedule), so a denoising step
+    copies nothing from the host: a host-to-device copy would make the host wait for the GPU."""
+    return temperature_schedule(n_steps, t_min, t_max, torch.device(device))[n]
+
+
+@functools.lru_cache(maxsize=256)
+def temperature_schedule(n_steps: int, t_min: float, t_max: float, device: torch.device) -> torch.Tensor:
+    """[N + 1] fp32 on `device`: entry n is tau for n remaining steps (the same fp32 arithmetic as one
+    scalar at a time). Cached: treat as read-only."""
+    n_t = torch.arange(n_steps + 1, dtype=torch.int32, device=device)
     return t_min + (t_max - t_min) * (n_t / n_steps)
 
 

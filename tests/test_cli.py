@@ -241,3 +241,14 @@ def test_repair_flag_on_a_text_model_is_a_clear_error(model_dir, capsys):
     assert cli(["run", str(model_dir), "hi", "--samples", "2"]) == 2
     err = capsys.readouterr().err
     assert "--samples" in err and "Sudoku" in err
+
+
+@pytest.mark.timeout(120)  # without the check, serve would start serving and chat would wait for input
+@pytest.mark.parametrize("command", [["serve"], ["chat"], ["infill", "In the [MASK] beginning"]])
+def test_text_commands_refuse_a_sudoku_model(sudoku_dir, command, capsys):
+    """serve / chat / infill speak text; a Sudoku model would answer typed text with noise: one-line error
+    that names the Sudoku entry points."""
+    argv = [command[0], str(sudoku_dir)] + command[1:]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert "is a Sudoku model" in err and "blockpress run sudoku" in err and "Traceback" not in err

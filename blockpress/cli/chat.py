@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .run import (add_model_args, add_sampling_args, load_model, returned_tokens, sampling_kwargs, stats_line,
-                  stats_of, text_defaults)
+from .run import (add_model_args, add_sampling_args, load_model, refuse_task_model, returned_tokens, sampling_kwargs,
+                  stats_line, stats_of, text_defaults)
 
 END_OF_TURN = "<turn|>\n"
 
@@ -131,6 +131,7 @@ def main(args) -> int:
     from .view import CanvasView, TextRenderer
 
     lm = load_model(args)
+    refuse_task_model(lm, "chat")
     session = ChatSession(lm, thinking=args.thinking, sampling=sampling_kwargs(args), seed=args.seed)
     console = Console(highlight=False)
     interactive = sys.stdin.isatty()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 
-from .run import add_model_args, add_sampling_args, load_model, read_prompt, sampling_kwargs, stats_line, stats_of
+from .run import (add_model_args, add_sampling_args, load_model, read_prompt, refuse_task_model, sampling_kwargs,
+                  stats_line, stats_of)
 
 
 def add_parser(p) -> None:
@@ -70,6 +71,7 @@ def main(args) -> int:
     if template is None or not template.strip():
         raise InputError("no TEMPLATE given; e.g. blockpress infill 'In the beginning God [MASK] the heaven'")
     lm = load_model(args)
+    refuse_task_model(lm, "infill")
     p = plan(lm, template, **sampling_kwargs(args))
     console = Console(highlight=False)
     gen = torch.Generator(device=lm.device).manual_seed(args.seed) if args.seed is not None else None

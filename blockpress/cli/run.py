@@ -128,6 +128,20 @@ def resolve_model(model: str | None) -> str:
     return str(DEFAULT_MODEL)
 
 
+def refuse_task_model(lm, command: str) -> None:
+    """`serve`, `chat` and `infill` speak text: a task model (Sudoku) reads a structured prompt that only
+    its own entry points build, and would answer typed text with noise."""
+    from ..tasks import task_info
+
+    task = task_info(lm).get("task")
+    if task == "sudoku":
+        from ..errors import InputError
+
+        raise InputError(f"{lm.path} is a Sudoku model: `blockpress {command}` speaks text, which it cannot read. "
+                         "Use `blockpress run sudoku PUZZLE` (live grid), `blockpress eval sudoku`, or "
+                         "`blockpress.tasks.sudoku.solve(puzzle)`")
+
+
 def load_model(args):
     import blockpress
 

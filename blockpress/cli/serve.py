@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from .run import _positive_int, add_model_args, add_sampling_args, load_model, sampling_kwargs
+from .run import _positive_int, add_model_args, add_sampling_args, load_model, refuse_task_model, sampling_kwargs
 
 
 def add_parser(p) -> None:
@@ -53,6 +53,7 @@ def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args)
+    refuse_task_model(lm, "serve")
     name = args.served_model_name or (args.model.rstrip("/") if args.model and "/" in args.model.strip("/")
                                       and not os.path.isdir(args.model) else os.path.basename(str(lm.path).rstrip("/")))
     limits = Limits(max_tokens=args.max_tokens_limit, max_messages=args.max_messages,

@@ -139,6 +139,22 @@ def test_invalid_inputs_get_clear_errors(bp):
         bp.generate_text("hi")  # this checkpoint has no tokenizer.json
 
 
+def test_huge_stability_threshold_means_never_stop_early(bp, monkeypatch):
+    """A threshold beyond the step budget can never be met; it must not size the argmax history (it once
+    tried to allocate threshold x canvas int64s: 256 GB for 10**9) and must give the fixed-step tokens."""
+    x = ids()
+    kw = dict(KW, confidence_threshold=1e9)  # confident always: only stability could stop a row
+    sizes = []
+    full = torch.full
+    monkeypatch.setattr(torch, "full", lambda size, *a, **k: (sizes.append(tuple(size)), full(size, *a, **k))[1])
+    huge = bp.generate(x, generator=torch.Generator().manual_seed(5), **dict(kw, stability_threshold=10**9))
+    assert sizes and max(s[0] for s in sizes if len(s) == 3) == KW["max_denoising_steps"]
+    fixed = bp.generate(x, generator=torch.Generator().manual_seed(5),
+                        **dict(KW, stability_threshold=None, confidence_threshold=None))
+    assert torch.equal(huge.sequences, fixed.sequences)
+    assert huge.steps_per_canvas == fixed.steps_per_canvas == [KW["max_denoising_steps"]] * 2
+
+
 def test_generate_text_with_tokenizer(hf_tiny_dir, tmp_path):
     from blockpress.testing import build_tiny_gemma_tokenizer
 

@@ -343,6 +343,19 @@ def test_scheduler_equals_reference_loop(lm):
         assert events[-1].steps_per_canvas == ref.steps_per_canvas
 
 
+def test_scheduler_huge_stability_threshold(lm):
+    """A request may send any stability_threshold >= 0: one beyond its step budget means "never stop early"
+    (same tokens as fixed steps), not an argmax history sized by the threshold (10**9: hundreds of GB)."""
+    ids = lm.encode_chat("Hello there")
+    kw = dict(max_new_tokens=20, max_denoising_steps=4, confidence_threshold=1e9)
+    events = run_job(lm.module, lm.canvas_length,
+                     Job(ids, lm.generation_config(**kw, stability_threshold=10**9), seed=3))
+    ref = lm.generate([ids], generator=torch.Generator().manual_seed(3),
+                      **dict(kw, stability_threshold=None, confidence_threshold=None))
+    assert [t for e in events if isinstance(e, RowCommit) for t in e.tokens] == ref.new_tokens[0].tolist()
+    assert events[-1].steps_per_canvas == ref.steps_per_canvas and set(ref.steps_per_canvas) == {4}
+
+
 def test_scheduler_fused_commit_equals_reference_loop(lm, monkeypatch):
     """fuse_commit=True: the prompt is encoded alone, every later commit inside the next canvas's first
     denoising pass (one `encode_decode` per boundary, no separate `encode`), with the reference's tokens."""

@@ -224,7 +224,8 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     compact = per_row and B > 1 and "decode" not in vars(module) if compact_rows is None else bool(compact_rows)
     eos = torch.tensor(cfg.eos_token_id, device=dev) if cfg.eos_token_id is not None else None
     pad = cfg.pad_token_id
-    tracker = StabilityTracker(cfg.stability_threshold, cfg.confidence_threshold) if cfg.adaptive else None
+    tracker = StabilityTracker(cfg.stability_threshold, cfg.confidence_threshold,
+                               cfg.max_denoising_steps) if cfg.adaptive else None
 
     seq = input_ids
     finished = torch.zeros(B, dtype=torch.bool, device=dev)

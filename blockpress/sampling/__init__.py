@@ -84,7 +84,12 @@ def sample_tokens(z: torch.Tensor, generator=None, active=None) -> torch.Tensor:
 class StabilityTracker:
     """Stable-and-confident stopping (spec 4.7-a); history reset for every canvas."""
 
-    def __init__(self, stability_threshold: int, confidence_threshold: float):
+    def __init__(self, stability_threshold: int, confidence_threshold: float, max_steps: int | None = None):
+        # A canvas takes at most `max_steps` steps, and a row needs S recorded steps before it can be
+        # stable, so any S >= max_steps means "never stops early": clamping keeps the history (S canvases
+        # of argmaxes) from growing with an arbitrarily large threshold.
+        if max_steps is not None:
+            stability_threshold = min(stability_threshold, max_steps)
         self.S, self.kappa = stability_threshold, confidence_threshold
         self.history: torch.Tensor | None = None
 

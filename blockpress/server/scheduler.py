@@ -370,7 +370,8 @@ class Scheduler:
                 g.manual_seed(h.job.seed)
             else:
                 g.seed()
-            tracker = StabilityTracker(cfg.stability_threshold, cfg.confidence_threshold) if cfg.adaptive else None
+            tracker = StabilityTracker(cfg.stability_threshold, cfg.confidence_threshold,
+                                                  cfg.max_denoising_steps) if cfg.adaptive else None
             eos = torch.tensor(cfg.eos_token_id, device=dev) if cfg.eos_token_id else None
             n_canvases = math.ceil(cfg.max_new_tokens / self.C)
             fixed = None

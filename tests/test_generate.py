@@ -135,6 +135,10 @@ def test_invalid_inputs_get_clear_errors(bp):
         bp.generate(torch.tensor([[5, 600]]))
     with pytest.raises(InputError, match="empty"):
         bp.generate([])
+    with pytest.raises(SamplingError, match=r"eos_token_id=512: must be a token id .*\[0, 512\)"):
+        bp.generate(x, eos_token_id=[1, 512])
+    with pytest.raises(SamplingError, match="pad_token_id=-1"):
+        bp.generate(x, pad_token_id=-1)
     with pytest.raises(InputError, match="tokenizer"):
         bp.generate_text("hi")  # this checkpoint has no tokenizer.json
 
@@ -373,3 +377,8 @@ def test_temperature_schedule_is_the_reference_formula_bit_for_bit():
             assert got.dtype == ref.dtype == torch.float32 and torch.equal(got, ref), (N, lo, hi, n)
     a = temperature_schedule(16, 0.4, 0.8, torch.device("cpu"))
     assert temperature_schedule(16, 0.4, 0.8, torch.device("cpu")) is a  # made once per schedule and device
+    # a huge budget is made in chunks (10**12 steps once tried to allocate 4 TB), still bit for bit
+    for N, n in ((10**12, 10**12), (10**12, 10**12 - 4097), (10**6, 4096), (10**6, 4095), (10**6, 123457)):
+        ref = 0.4 + (0.8 - 0.4) * (torch.tensor(n, dtype=torch.int32 if N < 2**31 else torch.int64) / N)
+        assert torch.equal(temperature(n, N, 0.4, 0.8, "cpu"), ref), (N, n)
+    assert temperature_schedule(10**12, 0.4, 0.8, torch.device("cpu"), 0).numel() == 4096

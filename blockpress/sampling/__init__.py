@@ -21,19 +21,27 @@ import functools
 import torch
 
 
+_SCHEDULE_CHUNK = 4096
+
+
 def temperature(n: int, n_steps: int, t_min: float, t_max: float, device) -> torch.Tensor:
     """tau = t_min + (t_max - t_min) * (n / N) in fp32, n counting down the remaining steps.
 
     A 0-dim view into `temperature_schedule` (made on the device once per schedule), so a denoising step
     copies nothing from the host: a host-to-device copy would make the host wait for the GPU."""
-    return temperature_schedule(n_steps, t_min, t_max, torch.device(device))[n]
+    chunk, i = divmod(n, _SCHEDULE_CHUNK)
+    return temperature_schedule(n_steps, t_min, t_max, torch.device(device), chunk)[i]
 
 
 @functools.lru_cache(maxsize=256)
-def temperature_schedule(n_steps: int, t_min: float, t_max: float, device: torch.device) -> torch.Tensor:
-    """[N + 1] fp32 on `device`: entry n is tau for n remaining steps (the same fp32 arithmetic as one
-    scalar at a time). Cached: treat as read-only."""
-    n_t = torch.arange(n_steps + 1, dtype=torch.int32, device=device)
+def temperature_schedule(n_steps: int, t_min: float, t_max: float, device: torch.device,
+                         chunk: int = 0) -> torch.Tensor:
+    """fp32 on `device`: entry i is tau for n = chunk * 4096 + i remaining steps, n <= N (the same fp32
+    arithmetic as one scalar at a time). Made in chunks of 4096 so that a huge step budget (adaptive
+    mode with no practical limit) costs no more memory than the steps it runs. Cached: read-only."""
+    lo = chunk * _SCHEDULE_CHUNK
+    n_t = torch.arange(lo, min(lo + _SCHEDULE_CHUNK, n_steps + 1),
+                       dtype=torch.int32 if n_steps < 2**31 else torch.int64, device=device)
     return t_min + (t_max - t_min) * (n_t / n_steps)
 
 

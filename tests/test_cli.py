@@ -97,12 +97,32 @@ def test_steps_fixes_steps_per_canvas(model_dir, capsys):
     (["--stability-threshold", "-2"], "--stability-threshold"),
     (["--steps", "3", "--max-denoising-steps", "5"], "not allowed with argument"),
     (["--dtype", "int3"], "--dtype"),
+    (["--threads", "0"], "--threads"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(model_dir, capsys, flags, needle):
     with pytest.raises(SystemExit) as e:
         cli(["run", str(model_dir), "hi", *flags])
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["eval", "sudoku"], ["bench"], ["train"], ["serve"], ["chat"]])
+def test_threads_must_be_a_positive_integer_everywhere(command, capsys):
+    """--threads -1 once reached torch.set_num_threads (a traceback) and --threads 0 was ignored."""
+    for bad in ("-1", "0", "x"):
+        with pytest.raises(SystemExit) as e:
+            cli([*command, "--threads", bad])
+        assert e.value.code == 2 and "--threads: expected a positive integer" in capsys.readouterr().err
+
+
+def test_run_threads_sets_torch_threads(model_dir, capsys):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert cli(["run", str(model_dir), "hi", "--max-new-tokens", "8", "--steps", "2", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_invalid_sampling_values_are_one_line_errors(model_dir, capsys, tmp_path, monkeypatch):

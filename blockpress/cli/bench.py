@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from .run import _positive_int
+
 PRESETS = {
     # the spec 6.1 tiny model: CI-sized, runs in seconds on a CPU
     "tiny": (dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
@@ -460,7 +462,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ar-tokens", type=int, help="tokens for the AR baseline (default: --new-tokens)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1, help="timed runs per setting (median reported)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a shared machine)")
+    p.add_argument("--threads", type=_positive_int, metavar="N", help="torch CPU threads (1 is steadier on a shared machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-std", type=float, default=0.02, help="std of the random weights")
     p.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth for the floor (default: measured copy)")

@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from .run import _positive_int
+
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("task", choices=["sudoku", "infill"], help="task to evaluate")
@@ -57,7 +59,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
                    help="expert weights: native, or fp8 / int4 quantised while loading (judge a format by the task)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="torch CPU threads")
     p.add_argument("--json", default=None, help="write the results here")
 
 

@@ -79,6 +79,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="LoRA adapter folder (PEFT format: adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--merge-adapter", action="store_true",
                    help="fold the adapter into the weights once at load (faster steps; default: kept separate)")
+    p.add_argument("--threads", type=_positive_int, metavar="N",
+                   help="torch CPU threads (default: one per core; on a CPU shared with another busy process, "
+                        "the number of free cores is much faster)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
@@ -149,6 +152,10 @@ def load_model(args):
         from ..errors import InputError
 
         raise InputError("--merge-adapter needs --adapter DIR")
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
     lm = blockpress.load(resolve_model(args.model), device=args.device, dtype=args.dtype,
                          progress=sys.stderr.isatty(), precision=getattr(args, "precision", "native"))
     if getattr(args, "adapter", None):

@@ -35,13 +35,11 @@ def add_parser(p) -> None:
                    help="encode each committed canvas in the same pass as the next canvas's first denoising step "
                         "when nobody waits to join (one read of the weights for both; same tokens up to fp32 "
                         "rounding)")
-    p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_sampling_args(p, seed=False)
 
 
 def main(args) -> int:
-    import torch
     import uvicorn
 
     from ..server.app import create_app
@@ -50,8 +48,6 @@ def main(args) -> int:
     from ..server.scheduler import Scheduler
     from ..server.serving import OpenAIServing
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     lm = load_model(args)
     refuse_task_model(lm, "serve")
     name = args.served_model_name or (args.model.rstrip("/") if args.model and "/" in args.model.strip("/")

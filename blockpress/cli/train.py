@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .run import _positive_int
+
 # generation_config.json written with a Sudoku checkpoint: one canvas (81 digits + <eos>), the reference's
 # sampler defaults otherwise (blockpress.tasks.sudoku: CANVAS_LEN 82, EOS_ID 1, PAD_ID 0)
 SUDOKU_GENERATION = {"max_new_tokens": 82, "max_denoising_steps": 32, "entropy_bound": 0.1, "t_min": 0.4,
@@ -31,7 +33,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     src.add_argument("--context", type=int, default=512,
                      help="text/chat from scratch: longest context the sliding window must cover")
     src.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    src.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    src.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="torch CPU threads")
     src.add_argument("--experts-backend", default="dense", choices=["loop", "dense"])
     run = p.add_argument_group("run")
     run.add_argument("--out", default=None, help="output folder (default runs/<data>)")

@@ -291,12 +291,30 @@ BAD = [
     ("huge body", {"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, None),
     ("too many stops", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
     ("bad prompt ids", {"prompt": [1, 2, 999999]}, 400, "prompt"),
+    ("chat logprobs", {"messages": MSG, "logprobs": True}, 400, "logprobs"),
+    ("chat top_logprobs", {"messages": MSG, "top_logprobs": 3}, 400, "logprobs"),
+    ("completion n=2", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("completion best_of", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("completion echo", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("completion logprobs", {"prompt": "hi", "logprobs": 0}, 400, "logprobs"),
+    ("completion batch of prompts", {"prompt": [[1, 2], [3, 4]]}, 400, "prompt"),
+    ("completion stops", {"prompt": "hi", "stop": ["x"] * 5}, 400, "stop"),
+    ("completion long stop", {"prompt": "hi", "stop": ["ok", "x" * 300]}, 400, "stop.1"),
+    ("completion prompt too long", {"prompt": list(range(5, 30)) * 2000}, 400, "prompt"),
 ]
+
+# what each refusal must say (a client reads the message, not the code)
+BAD_MESSAGES = {
+    "chat logprobs": "logprobs are not supported", "completion n=2": "one choice per request",
+    "completion batch of prompts": "prompt: expected a non-empty string or a non-empty list of token ids",
+    "completion stops": "stop: List should have at most 4 items", "completion long stop": "at most 256 characters",
+    "too many stops": "stop: List should have at most 4 items", "completion echo": "echo is not supported",
+}
 
 
 @pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_requests_get_openai_errors(server, name, body, status, param):
-    path = "/v1/completions" if name == "bad prompt ids" else "/v1/chat/completions"
+    path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == status, r.text
@@ -304,6 +322,7 @@ def test_bad_requests_get_openai_errors(server, name, body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if param is not None:
         assert err["param"] == param
+    assert BAD_MESSAGES.get(name, "") in err["message"]
 
 
 def test_unknown_route_and_method(server):

@@ -103,6 +103,48 @@ class _BodyTooLarge(Exception):
     pass
 
 
+# pydantic names the branch of a union field in the error's location ("stop.constrained-str",
+# "prompt.list[constrained-int]"): not a path a client can act on
+_BRANCH_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function"}
+# what a union field takes, said once instead of one complaint per branch
+UNION_FIELDS = {
+    "stop": "a string of 1-256 characters or a list of at most 4 such strings",
+    "prompt": "a non-empty string or a non-empty list of token ids (one prompt per request: send a batch as "
+              "separate requests, the server batches them)",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+    "content": "a string or a list of content parts",
+}
+
+
+def _is_branch(part: Any) -> bool:
+    return isinstance(part, str) and ("[" in part or "-" in part or part in _BRANCH_NAMES)
+
+
+def validation_message(errs: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for pydantic errors: the errors of the first failing field, the most specific one
+    first (a constraint before a wrong type, a deeper location before a shallower), union branch names
+    dropped from the path; a wrong type for a union field says what the field takes."""
+    if not errs:
+        return "invalid request", None
+
+    def path(err):
+        return [str(x) for x in err.get("loc", ()) if x != "body" and not _is_branch(x)]
+
+    top = path(errs[0])[:1]
+    same = [err for err in errs if path(err)[:1] == top]
+    best = min(same, key=lambda err: (str(err.get("type", "")).endswith("_type"), -len(path(err))))
+    loc = path(best)
+    where = ".".join(loc) or None
+    field = loc[-1] if loc and not loc[-1].isdigit() else (loc[-2] if len(loc) > 1 else None)
+    branched = any(_is_branch(x) for err in same for x in err.get("loc", ()))
+    if branched and field in UNION_FIELDS and all(str(err.get("type", "")).endswith("_type") for err in same):
+        loc = path(same[0])
+        where = ".".join(loc) or None
+        return f"{where}: expected {UNION_FIELDS[field]}", where
+    msg = str(best.get("msg", "invalid request")).removeprefix("Value error, ")
+    return (f"{where}: {msg}" if where else msg), where
+
+
 def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="blockpress", version="0.1.0",
                   description="OpenAI-compatible API for block-diffusion language models (DiffusionGemma).")
@@ -115,14 +157,11 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
+        errs = list(e.errors())
+        if errs and errs[0].get("type") == "json_invalid":
             return _error(400, "request body is not valid JSON", code="invalid_json")
-        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        where = ".".join(loc)
-        return _error(400, f"{where}: {msg}" if where else msg, param=where or None, code="invalid_value")
+        message, where = validation_message(errs)
+        return _error(400, message, param=where, code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):

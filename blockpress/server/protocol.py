@@ -20,8 +20,11 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
   "tokens": [piece per position], "accepted": [0/1 per position]}`, after every canvas
   `{"type": "commit", "canvas", "steps"}`. Without it the stream is plain OpenAI.
 - `usage.denoising_steps` (decoder passes for this request) and `usage.tokens_per_forward`.
-- Ignored OpenAI fields: temperature, top_p, penalties, logit_bias, logprobs (no meaning for
-  the entropy-bounded denoising sampler); `n` must be 1.
+- Ignored OpenAI fields: temperature, top_p, penalties, logit_bias (no meaning for the
+  entropy-bounded denoising sampler). Refused with a 400 naming the field rather than silently
+  dropped, because a client would read a wrong answer: `n` > 1, `best_of` > 1, `echo`, and
+  `logprobs` / `top_logprobs` (a denoised token is not drawn once from a left-to-right distribution,
+  so it has no autoregressive log-probability to report).
 """
 
 from __future__ import annotations
@@ -230,6 +233,17 @@ class _DiffusionKnobs(_Request):
                         include_drafts=bool(stream_options and stream_options.include_drafts))
 
 
+def _refuse_unsupported(req, logprobs: bool) -> None:
+    if req.n != 1:
+        raise APIError(400, f"n={req.n} is not supported: one choice per request; send several requests with "
+                       "different seeds (the server batches them)", param="n", code="unsupported_value")
+    if logprobs:
+        raise APIError(400, "logprobs are not supported: a denoised token is accepted after several parallel "
+                       "refinement steps, not drawn once from a left-to-right distribution, so it has no "
+                       "autoregressive log-probability to report; leave logprobs unset", param="logprobs",
+                       code="unsupported_value")
+
+
 _StopStr = Annotated[str, Field(min_length=1, max_length=256)]
 _Stop = Union[_StopStr, Annotated[list[_StopStr], Field(max_length=4)], None]
 
@@ -253,7 +267,9 @@ class _ChatFields(_Request):
     model: str | None = Field(None, description="the served model's id (default: the served model)")
     max_completion_tokens: Int | None = Field(None, ge=1)
     max_tokens: Int | None = Field(None, ge=1)
-    n: Int = Field(1, ge=1, le=1, description="only 1 choice per request")
+    n: Int = Field(1, ge=1, description="only 1 choice per request")
+    logprobs: bool | None = None
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     seed: Int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stop: _Stop = _stop_field()
@@ -279,6 +295,7 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
         if len(self.messages) > limits.max_messages:
             raise APIError(400, f"{len(self.messages)} messages exceed this server's limit of {limits.max_messages}; "
                            "drop older turns", param="messages", code="too_many_messages")
+        _refuse_unsupported(self, logprobs=bool(self.logprobs) or bool(self.top_logprobs))
         field_name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         default = min(limits.max_tokens, defaults.get("max_new_tokens") or REFERENCE_DEFAULTS["max_new_tokens"])
@@ -338,6 +355,10 @@ class _CompletionFields(_Request):
                                description="insert mode: the text after the completion; the model fills the "
                                            "max_tokens-token hole between prompt and suffix, seeing both")
     max_tokens: Int | None = Field(16, ge=1)
+    n: Int = Field(1, ge=1, description="only 1 choice per request")
+    best_of: Int | None = Field(None, ge=1)
+    echo: bool = False
+    logprobs: Int | None = Field(None, ge=0, le=5)
     seed: Int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stop: _Stop = _stop_field()
     stream: bool = False
@@ -349,6 +370,13 @@ class CompletionRequest(_DiffusionKnobs, _CompletionFields):
     """POST /v1/completions: OpenAI's fields, then the blockpress extensions."""
 
     def to_sampling(self, limits: Limits, defaults: dict[str, Any]) -> Sampling:
+        _refuse_unsupported(self, logprobs=self.logprobs is not None)
+        if self.best_of not in (None, 1):
+            raise APIError(400, f"best_of={self.best_of} is not supported: one completion per request; send "
+                           "several requests with different seeds", param="best_of", code="unsupported_value")
+        if self.echo:
+            raise APIError(400, "echo is not supported: the prompt is not repeated in the completion; prepend it "
+                           "yourself", param="echo", code="unsupported_value")
         n = self.max_tokens if self.max_tokens is not None else 16
         return self._resolve(limits, defaults, n, "max_tokens", n, self.seed, self.stop, self.stream_options)
 

@@ -211,15 +211,16 @@ class OpenAIServing:
             V = self.lm.config.text.vocab_size
             if max(req.prompt) >= V:
                 raise APIError(400, f"prompt token id {max(req.prompt)} is outside the vocabulary [0, {V})",
-                               param="prompt")
+                               param="prompt", code="invalid_value")
             return list(req.prompt)
         bos = self.tok.bos_token_id
         return ([bos] if bos is not None else []) + self.tok.encode(req.prompt)
 
-    def _submit(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None) -> _Run:
+    def _submit(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None,
+                prompt_field: str = "messages") -> _Run:
         if len(ids) > self.limits.max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this server's limit is "
-                           f"{self.limits.max_prompt_tokens}", param="messages", code="context_length_exceeded")
+                           f"{self.limits.max_prompt_tokens}", param=prompt_field, code="context_length_exceeded")
         job = Job(ids, sampling.cfg, seed=sampling.seed, drafts=sampling.include_drafts, fixed_tokens=fixed_tokens)
         try:
             handle = self.scheduler.submit(job, loop=asyncio.get_running_loop())
@@ -374,7 +375,7 @@ class OpenAIServing:
                                param="suffix", code="context_length_exceeded")
             n_new, holes = whole_canvases(region, self.lm.canvas_length)  # past the suffix: -2, discarded
             sampling.cfg = dataclasses.replace(sampling.cfg, max_new_tokens=n_new)
-        run = self._submit(ids, sampling, fixed_tokens=holes)
+        run = self._submit(ids, sampling, fixed_tokens=holes, prompt_field="prompt")
         asm = OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=False)
         rid = "cmpl-" + secrets.token_hex(12)
         if req.stream:

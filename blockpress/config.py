@@ -373,6 +373,18 @@ class GenerationConfig:
         if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
             bad("pad_token_id", "a non-negative integer or None", pad)
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """eos/pad ids must be tokens of the model's vocabulary (an id past it never matches, and a pad id
+        past it would be written into the sequence)."""
+        from .errors import SamplingError
+
+        for name, ids in (("eos_token_id", self.eos_token_id or []),
+                          ("pad_token_id", [] if self.pad_token_id is None else [self.pad_token_id])):
+            bad = [i for i in ids if not 0 <= i < vocab_size]
+            if bad:
+                raise SamplingError(f"invalid {name}={bad[0]}: must be a token id in this model's vocabulary "
+                                    f"[0, {vocab_size}) (or None)")
+
     @property
     def adaptive(self) -> bool:
         return self.stability_threshold is not None and self.confidence_threshold is not None

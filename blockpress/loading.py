@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .config import GenerationConfig, ModelConfig, _read_json
-from .errors import CheckpointError, ConfigError, InputError
+from .errors import CheckpointError, ConfigError, InputError, SamplingError
 from .lm import BlockDiffusionLM
 from .model.diffusion_gemma import DiffusionGemmaModel
 from .model.weights import find_weight_files, load_weights
@@ -74,6 +74,20 @@ def parse_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dtype
     return DTYPES[str(dtype)]
 
 
+
+def _checkpoint_generation_defaults(path: Path, vocab_size: int) -> dict:
+    """The sampler defaults a checkpoint's generation_config.json sets, validated once here so that a bad
+    file is named at load time, not blamed on a later generate() call."""
+    raw = _read_json(path, "generation_config.json")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must contain a JSON object; fix it or delete it to use the reference defaults")
+    defaults = GenerationConfig.from_checkpoint_dict(raw)
+    try:
+        GenerationConfig.resolve(defaults).check_vocab(vocab_size)
+    except SamplingError as e:
+        raise ConfigError(f"{path}: {e}; fix it or delete it to use the reference defaults") from None
+    return defaults
+
 def load(model: str | Path, device: str | torch.device | None = None, dtype=None, progress: bool = True,
          tokenizer: bool = True, precision: str = "native", group_size: int = 64) -> BlockDiffusionLM:
     """Load a DiffusionGemma checkpoint (folder or Hub id) for generation.
@@ -91,9 +105,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     folder = resolve_path(model, progress)
     config = ModelConfig.from_file(folder / "config.json")
     gen_path = folder / "generation_config.json"
-    gen_defaults = GenerationConfig.from_checkpoint_dict(_read_json(gen_path, "generation_config.json")) \
-        if gen_path.is_file() else {}
-    GenerationConfig.resolve(gen_defaults)  # validate the checkpoint's defaults once, here
+    gen_defaults = _checkpoint_generation_defaults(gen_path, config.text.vocab_size) if gen_path.is_file() else {}
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dt = parse_dtype(dtype, config, dev)
     files = find_weight_files(folder)

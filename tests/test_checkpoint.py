@@ -164,6 +164,14 @@ def test_clear_errors_for_bad_checkpoints(hf_tiny_dir, tmp_path, capsys):
     next(sh.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(CheckpointError, match="shard"):
         blockpress.load(sh, progress=False)
+    # a bad generation_config.json is named at load, not blamed on a later generate()
+    for i, (text, needle) in enumerate((('{"entropy_bound": -1}', "entropy_bound=-1"),
+                                        ('{"eos_token_id": [1, 512]}', r"eos_token_id=512: .*\[0, 512\)"),
+                                        ("[1]", "must contain a JSON object"))):
+        gc = _copy(path, tmp_path / f"gencfg{i}")
+        (gc / "generation_config.json").write_text(text)
+        with pytest.raises(ConfigError, match=f"generation_config.json.*{needle}.*delete it"):
+            blockpress.load(gc, progress=False)
 
 
 def test_vision_weights_are_reported_once_not_fatal(hf_tiny_dir, capfd):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GenerationConfig
-from ..errors import InputError, SamplingError
+from ..errors import InputError
 from ..sampling import (StabilityTracker, entropy_bound_accept, sample_tokens, temperature, token_entropy,
                         uniform_tokens)
 from .cache import KVCache
@@ -185,13 +185,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     V, C, N = module.text.vocab_size, canvas_length, cfg.max_denoising_steps
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= V:
         raise InputError(f"input_ids contain ids outside the vocabulary [0, {V}); tokenize with this model's tokenizer")
-    eos_ids = [] if cfg.eos_token_id is None else (
-        [cfg.eos_token_id] if isinstance(cfg.eos_token_id, int) else list(cfg.eos_token_id))
-    for name, values in (("eos_token_id", eos_ids), ("pad_token_id", [] if cfg.pad_token_id is None else [cfg.pad_token_id])):
-        bad = [v for v in values if not 0 <= v < V]
-        if bad:
-            raise SamplingError(f"invalid {name}={bad[0]}: must be a token id in this model's vocabulary [0, {V}) "
-                                f"(or None); take it from the tokenizer or leave it to the checkpoint's default")
+    cfg.check_vocab(V)
     dev = module.device
     input_ids = input_ids.to(dev)
     if isinstance(generator, (list, tuple)) and len(generator) != B:

@@ -299,3 +299,44 @@ def test_infill_source_leaves_one_span_per_canvas_free(tmp_path, capsys):
     assert not (tmp_path / "y").exists()
     assert cli_main(["train", "sudoku", "--out", str(tmp_path / "z"), "--rollout", "1.5", *TINY]) == 2
     assert "--rollout must be in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_bad_training_data_and_flags_are_one_line_errors(tmp_path, capsys):
+    """Broken data files and out-of-range flags exit 2 with the file, line and fix, before any output."""
+    from blockpress.testing import build_tiny_gemma_tokenizer
+
+    build_tiny_gemma_tokenizer(tmp_path / "tok")
+    ok = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    cases = {
+        "missing.jsonl": (None, "data file .*missing.jsonl not found"),
+        "array.jsonl": ("[1, 2]\n", r"array.jsonl:1 is a JSON list, not an object"),
+        "msgs.jsonl": (json.dumps(ok) + '\n{"messages": "nope"}\n', r"msgs.jsonl:2: 'messages' must be a list"),
+        "role.jsonl": (json.dumps({"messages": [{"content": "x"}, ok["messages"][1]]}) + "\n",
+                       r"role.jsonl:1: each message must be an object with a string 'role'"),
+        "pc.jsonl": ('{"prompt": "a", "completion": 5}\n', r"pc.jsonl:1: 'prompt' and 'completion' must be strings"),
+        "text.jsonl": ('{"text": ["a"]}\n', r"text.jsonl:1: 'text' must be a string"),
+        "latin1.txt": (b"caf\xe9 au lait\n", r"latin1.txt is not UTF-8 text"),
+    }
+    import re
+
+    for name, (content, needle) in cases.items():
+        path = tmp_path / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        elif content is not None:
+            path.write_text(content)
+        out = tmp_path / ("out-" + name)
+        assert cli_main(["train", str(path), "--tokenizer", str(tmp_path / "tok"), *TINY, "--steps", "1",
+                         "--out", str(out)]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert re.search(needle, err) and "\n" not in err and "Traceback" not in err, (name, err)
+        assert not out.exists(), name  # nothing written
+    for flags, needle in ((["--steps", "0"], "--steps: expected a positive integer"),
+                          (["--lr", "-1"], "--lr: expected a finite number > 0"),
+                          (["--batch-size", "0"], "--batch-size: expected a positive integer"),
+                          (["--lora", "-1"], "--lora: expected an integer >= 0")):
+        with pytest.raises(SystemExit) as e:
+            cli_main(["train", "sudoku", *TINY, *flags, "--out", str(tmp_path / "f")])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert cli_main(["train", "sudoku", "--size", "huge", "--out", str(tmp_path / "h")]) == 2
+    assert "unknown model size 'huge'; choose one of" in capsys.readouterr().err

@@ -37,6 +37,16 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
 def _float_in(lo: float, strict: bool, allow_none: bool = False):
     def parse(s: str):
         if allow_none and s.lower() == "none":

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .run import _positive_int
+from .run import _float_in, _nonneg_int, _positive_int
 
 # generation_config.json written with a Sudoku checkpoint: one canvas (81 digits + <eos>), the reference's
 # sampler defaults otherwise (blockpress.tasks.sudoku: CANVAS_LEN 82, EOS_ID 1, PAD_ID 0)
@@ -29,8 +29,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     src.add_argument("--config", help="config.json for a model trained from scratch")
     src.add_argument("--size", default="micro", help="named size from scratch: nano, micro, mini, small")
     src.add_argument("--tokenizer", help="folder with tokenizer.json (text/chat from scratch)")
-    src.add_argument("--canvas-length", type=int, default=64, help="text/chat from scratch: canvas length")
-    src.add_argument("--context", type=int, default=512,
+    src.add_argument("--canvas-length", type=_positive_int, default=64, help="text/chat from scratch: canvas length")
+    src.add_argument("--context", type=_positive_int, default=512,
                      help="text/chat from scratch: longest context the sliding window must cover")
     src.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     src.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="torch CPU threads")
@@ -38,23 +38,23 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("run")
     run.add_argument("--out", default=None, help="output folder (default runs/<data>)")
     run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    run.add_argument("--steps", type=int, default=1000)
-    run.add_argument("--batch-size", type=int, default=32, help="global batch (all ranks)")
-    run.add_argument("--lr", type=float, default=1e-3)
-    run.add_argument("--min-lr-ratio", type=float, default=0.1)
-    run.add_argument("--warmup", type=int, default=30)
-    run.add_argument("--weight-decay", type=float, default=0.01)
-    run.add_argument("--clip", type=float, default=1.0)
+    run.add_argument("--steps", type=_positive_int, default=1000)
+    run.add_argument("--batch-size", type=_positive_int, default=32, help="global batch (all ranks)")
+    run.add_argument("--lr", type=_float_in(0, strict=True), default=1e-3)
+    run.add_argument("--min-lr-ratio", type=_float_in(0, strict=False), default=0.1)
+    run.add_argument("--warmup", type=_nonneg_int, default=30)
+    run.add_argument("--weight-decay", type=_float_in(0, strict=False), default=0.01)
+    run.add_argument("--clip", type=_float_in(0, strict=False), default=1.0, help="gradient-norm clip (0: off)")
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--log-every", type=int, default=10)
+    run.add_argument("--log-every", type=_positive_int, default=10)
     run.add_argument("--eval-data", default=None, help="text/chat: held-out file for the periodic eval loss")
-    run.add_argument("--eval-every", type=int, default=200)
-    run.add_argument("--eval-batches", type=int, default=2)
-    run.add_argument("--save-every", type=int, default=200)
-    run.add_argument("--save-minutes", type=float, default=0.0)
-    run.add_argument("--keep-last", type=int, default=2)
+    run.add_argument("--eval-every", type=_nonneg_int, default=200, help="steps between eval losses (0: off)")
+    run.add_argument("--eval-batches", type=_positive_int, default=2)
+    run.add_argument("--save-every", type=_nonneg_int, default=200, help="steps between checkpoints (0: only the last)")
+    run.add_argument("--save-minutes", type=_float_in(0, strict=False), default=0.0)
+    run.add_argument("--keep-last", type=_nonneg_int, default=2, help="checkpoints kept (0: all)")
     run.add_argument("--grad-checkpointing", action="store_true", help="recompute decoder layers in backward")
-    run.add_argument("--max-canvases", type=int, default=None, help="truncate responses to N canvases")
+    run.add_argument("--max-canvases", type=_positive_int, default=None, help="truncate responses to N canvases")
     run.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
     run.add_argument("--no-progress", action="store_true")
     o = p.add_argument_group("objective")
@@ -80,7 +80,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "except one random span, which alone is denoised and scored; default 0)")
     o.add_argument("--infill-span", type=int, nargs=2, default=(1, 8), metavar=("LO", "HI"),
                    help="text/chat: length in tokens of the span left free by --infill-rate (default 1 8)")
-    o.add_argument("--augment", type=int, default=1, metavar="K",
+    o.add_argument("--augment", type=_positive_int, default=1, metavar="K",
                    help="sudoku: show each generated puzzle K times under random symmetries (digit relabelling, "
                         "row/column/band/stack permutations, transposition); data costs K times less, which a "
                         "GPU at batch 256 needs (default 1: every puzzle fresh)")
@@ -89,8 +89,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "(the clues are held on the canvas, only the blanks are denoised; solve() then "
                         "holds them with fixed_tokens)")
     lo = p.add_argument_group("LoRA")
-    lo.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank")
-    lo.add_argument("--lora-alpha", type=float, default=None, help="default 2*rank")
+    lo.add_argument("--lora", type=_nonneg_int, default=0, metavar="RANK", help="train LoRA adapters of this rank (0: full fine-tuning)")
+    lo.add_argument("--lora-alpha", type=_float_in(0, strict=True), default=None, help="default 2*rank")
     lo.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
 
 
@@ -165,24 +165,6 @@ def build(args):
         if sd.model_format(lm) != args.sudoku_format:
             raise InputError(f"the model was trained with --sudoku-format {sd.model_format(lm)}; continue it with "
                              f"that format (got {args.sudoku_format})")
-    # Checkpoints copy the tokenizer files from lm.path. Keep a snapshot in the run folder and point there:
-    # a resumed run's lm.path is the checkpoint it resumed from, which keep_last pruning deletes later.
-    tokdir = out / "tokenizer"
-    if task:
-        from blockpress.tasks import sudoku as sd
-
-        tokdir.mkdir(parents=True, exist_ok=True)
-        sd.build_tokenizer().save(str(tokdir / "tokenizer.json"))
-        lm.path = tokdir
-    elif lm.path is not None and Path(lm.path).resolve() != tokdir.resolve():
-        from blockpress.lm import TOKENIZER_FILES
-
-        names = [n for n in TOKENIZER_FILES if (Path(lm.path) / n).is_file()]
-        if names:
-            tokdir.mkdir(parents=True, exist_ok=True)
-            for n in names:
-                (tokdir / n).write_bytes((Path(lm.path) / n).read_bytes())
-            lm.path = tokdir
     if task:
         lm.generation_defaults = {**SUDOKU_GENERATION, **lm.generation_defaults}
         extra["blockpress_task.json"] = json.dumps({"task": "sudoku", "format": args.sudoku_format})
@@ -221,15 +203,40 @@ def build(args):
             from blockpress.train.data import InfillSource
 
             source = InfillSource(source, lm.canvas_length, args.infill_rate, tuple(args.infill_span), args.seed)
+    # Checkpoints copy the tokenizer files from lm.path. Keep a snapshot in the run folder and point there:
+    # a resumed run's lm.path is the checkpoint it resumed from, which keep_last pruning deletes later.
+    # Done last, after the data is read, so that a bad data file leaves no run folder behind.
+    tokdir = out / "tokenizer"
+    if task:
+        from blockpress.tasks import sudoku as sd
+
+        tokdir.mkdir(parents=True, exist_ok=True)
+        sd.build_tokenizer().save(str(tokdir / "tokenizer.json"))
+        lm.path = tokdir
+    elif lm.path is not None and Path(lm.path).resolve() != tokdir.resolve():
+        from blockpress.lm import TOKENIZER_FILES
+
+        names = [n for n in TOKENIZER_FILES if (Path(lm.path) / n).is_file()]
+        if names:
+            tokdir.mkdir(parents=True, exist_ok=True)
+            for n in names:
+                (tokdir / n).write_bytes((Path(lm.path) / n).read_bytes())
+            lm.path = tokdir
     return lm, source, eval_source, tcfg, lora, extra, resume_ck
 
 
 def _is_chat(path: str) -> bool:
-    with open(path) as f:
-        for line in f:
-            if line.strip():
+    """Whether a .jsonl file holds chat rows (its first row has 'messages' or 'prompt'); a broken file is
+    left to the data reader, which names the line."""
+    from blockpress.train.data import read_data_file
+
+    for line in read_data_file(Path(path)).splitlines():
+        if line.strip():
+            try:
                 row = json.loads(line)
-                return "messages" in row or "prompt" in row
+            except json.JSONDecodeError:
+                return True
+            return isinstance(row, dict) and ("messages" in row or "prompt" in row)
     return False
 
 

@@ -63,32 +63,60 @@ class ListSource(Source):
         return len(self.examples)
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_data_file(path: Path) -> str:
+    """The text of a training data file, or an InputError that names the problem."""
+    if not path.is_file():
+        raise InputError(f"data file {path} not found; give 'sudoku', a chat .jsonl file, or a plain-text "
+                         ".txt/.jsonl file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    """[(where, row)]: `where` is "path:line" for error messages; every row must be a JSON object."""
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{path}:{n} is not valid JSON ({e.msg}); one JSON object per line") from None
+    for n, line in enumerate(read_data_file(path).splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{n} is not valid JSON ({e.msg}); one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise InputError(f"{path}:{n} is a JSON {type(row).__name__}, not an object; one JSON object "
+                                 "per line")
+            rows.append((f"{path}:{n}", row))
     return rows
 
 
-def chat_example(tokenizer, row: dict) -> Example:
+def _message(m, where: str) -> dict:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+            or not isinstance(m.get("content"), (str, list, type(None))):
+        raise InputError(f"{where}: each message must be an object with a string 'role' and a 'content' (a string "
+                         f"or a list of parts), got {json.dumps(m)[:80]}")
+    return m
+
+
+def chat_example(tokenizer, row: dict, where: str = "a chat row") -> Example:
     """One chat row -> (prompt ids via the chat template, final assistant turn ids + turn close)."""
     if "messages" in row:
         msgs = row["messages"]
+        if not isinstance(msgs, list):
+            raise InputError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+        msgs = [_message(m, where) for m in msgs]
         if not msgs or msgs[-1].get("role") != "assistant":
-            raise InputError("a chat row must end with an assistant message (the supervised turn)")
+            raise InputError(f"{where}: a chat row must end with an assistant message (the supervised turn)")
         history, answer = msgs[:-1], msgs[-1].get("content", "")
         prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
     elif "prompt" in row and "completion" in row:
         answer = row["completion"]
+        if not isinstance(answer, str) or not isinstance(row["prompt"], str):
+            raise InputError(f"{where}: 'prompt' and 'completion' must be strings")
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
                                                add_generation_prompt=True, tokenize=True)
     else:
-        raise InputError("a JSONL row needs 'messages' (chat) or 'prompt' + 'completion'")
+        raise InputError(f"{where}: a JSONL row needs 'messages' (chat) or 'prompt' + 'completion'")
     close = tokenizer.token_to_id("<turn|>")
     close = close if close is not None else tokenizer.eos_token_id
     return list(prompt), tokenizer.encode(answer) + ([close] if close is not None else [])
@@ -98,7 +126,7 @@ class ChatJsonlSource(ListSource):
     def __init__(self, path: str | Path, tokenizer, batch_size: int, seed: int = 0, max_prompt: int | None = None):
         if tokenizer is None:
             raise InputError("chat JSONL training needs a tokenizer (tokenizer.json in the model folder)")
-        exs = [chat_example(tokenizer, r) for r in _read_jsonl(Path(path))]
+        exs = [chat_example(tokenizer, r, where) for where, r in _read_jsonl(Path(path))]
         if max_prompt:
             exs = [(p[-max_prompt:], r) for p, r in exs]
         super().__init__(exs, batch_size, seed)
@@ -111,9 +139,14 @@ class TextSource(ListSource):
             raise InputError("text training needs a tokenizer (tokenizer.json in the model folder)")
         path = Path(path)
         if path.suffix == ".jsonl":
-            docs = [r["text"] for r in _read_jsonl(path) if r.get("text")]
+            docs = []
+            for where, r in _read_jsonl(path):
+                if not isinstance(r.get("text", ""), str):
+                    raise InputError(f"{where}: 'text' must be a string")
+                if r.get("text"):
+                    docs.append(r["text"])
         else:
-            docs = [d.strip() for d in path.read_text().split("\n\n") if d.strip()]
+            docs = [d.strip() for d in read_data_file(path).split("\n\n") if d.strip()]
         lo, hi = (prompt_tokens, prompt_tokens) if isinstance(prompt_tokens, int) else tuple(prompt_tokens)
         if not 0 <= lo <= hi:
             raise InputError(f"prompt_tokens range ({lo}, {hi}) must satisfy 0 <= lo <= hi")

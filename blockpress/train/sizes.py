@@ -9,6 +9,8 @@ layers behave as full attention, softcap 30.
 
 from __future__ import annotations
 
+from ..errors import InputError
+
 # transformers builds a default (~170M-parameter) vision tower when vision_config is null; a text-only
 # model declares a tiny one instead (blockpress ignores vision; transformers initialises it randomly).
 TINY_VISION = {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -25,7 +27,7 @@ SIZES = {  # name: (hidden, layers)
 def model_config(size: str = "micro", vocab_size: int = 16, canvas_length: int = 96, context: int = 96,
                  pad_id: int = 0, eos_id: int = 1, bos_id: int = 2, experts: int = 4, top_k: int = 2) -> dict:
     if size not in SIZES:
-        raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)} or pass a config.json")
+        raise InputError(f"unknown model size {size!r}; choose one of {sorted(SIZES)} or pass a config.json")
     H, L = SIZES[size]
     hd = H // 4
     window = 1 << (context + canvas_length - 1).bit_length()  # >= context + canvas

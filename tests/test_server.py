@@ -239,6 +239,45 @@ def test_reasoning_and_tool_call_fields_never_leak_control_tokens(server):
                     assert not SPECIAL.search(c["delta"].get("content") or "")
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("tools,choice,opening", [
+    ([WEATHER, CLOCK], {"type": "function", "function": {"name": "get_time"}}, "call:get_time{"),
+    ([WEATHER], "required", "call:get_weather{"),  # the only tool: named
+    ([WEATHER, CLOCK], "required", "call:"),
+])
+def test_tool_choice_holds_the_call_opening_on_the_canvas(server, tools, choice, opening):
+    """A forced tool choice pins `<|tool_call>call:[NAME{]` at the start of the first canvas; the random
+    model writes the rest (its call does not close, so the parser keeps it as text, control tokens
+    dropped). Same text streamed."""
+    body = {"messages": MSG, "max_tokens": 32, "seed": 4, "tools": tools, "tool_choice": choice, **FAST}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    text = msg["content"] or "call:" + msg["tool_calls"][0]["function"]["name"] + "{"
+    assert text.startswith(opening), text
+    free = httpx.post(server.url + "/v1/chat/completions", json={**body, "tool_choice": "auto"}, timeout=60)
+    assert not (free.json()["choices"][0]["message"]["content"] or "").startswith("call:")  # pinned, not chance
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == msg["content"]
+
+
+@pytest.mark.parametrize("tools,choice,needle", [
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "names the tool 'nope', which is not in tools"),
+    (None, "required", "needs tools"),
+    ([WEATHER], {"type": "other"}, 'tool_choice must be "none", "auto", "required"'),
+])
+def test_tool_choice_errors(server, tools, choice, needle):
+    body = {"messages": MSG, "tool_choice": choice, **({"tools": tools} if tools else {})}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert needle in r.json()["error"]["message"]
+
+
 def test_draft_frames_only_on_request(server):
     def frames(options):
         out = []

@@ -15,6 +15,9 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
   `stability_threshold`, `confidence_threshold` (omitted = the server default; a knob cannot be
   set to null per request); `chat_template_kwargs: {"enable_thinking": bool}` (or OpenAI's
   `reasoning_effort`: anything but none/minimal turns thinking on).
+- `tool_choice` "required" or {"type": "function", "function": {"name"}} is enforced by holding the
+  opening of a call (`<|tool_call>call:`, plus `NAME{` when the tool is known) on the first canvas;
+  a choice naming no offered tool, or "required" without tools, is a 400.
 - `stream_options: {"include_drafts": true}` adds chunks with `"choices": []` and a `blockpress`
   field: after every denoising step `{"type": "draft", "canvas", "step", "max_steps", "text",
   "tokens": [piece per position], "accepted": [0/1 per position]}`, after every canvas
@@ -291,7 +294,31 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
             return self.chat_template_kwargs.enable_thinking
         return self.reasoning_effort not in (None, "none", "minimal")
 
+    @property
+    def forced_tool(self) -> str | None:
+        """The tool call `tool_choice` demands: None (the model decides), "" (any tool: "required", or the
+        only tool), or a tool's name (a named choice). A choice that names no offered tool is a 400."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return None
+        names = [t.function.name for t in self.tools or []]
+        if not names:
+            raise APIError(400, f"tool_choice {choice!r} needs tools; offer at least one in 'tools'",
+                           param="tool_choice", code="invalid_value")
+        if choice == "required":
+            return names[0] if len(names) == 1 else ""
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                           '"function": {"name": ...}}', param="tool_choice", code="invalid_value")
+        if name not in names:
+            raise APIError(400, f"tool_choice names the tool {name!r}, which is not in tools ({', '.join(names)})",
+                           param="tool_choice", code="invalid_value")
+        return name
+
     def to_sampling(self, limits: Limits, defaults: dict[str, Any]) -> Sampling:
+        _ = self.forced_tool  # validate tool_choice against tools before any work
         if len(self.messages) > limits.max_messages:
             raise APIError(400, f"{len(self.messages)} messages exceed this server's limit of {limits.max_messages}; "
                            "drop older turns", param="messages", code="too_many_messages")

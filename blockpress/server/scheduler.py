@@ -371,7 +371,7 @@ class Scheduler:
             else:
                 g.seed()
             tracker = StabilityTracker(cfg.stability_threshold, cfg.confidence_threshold,
-                                                  cfg.max_denoising_steps) if cfg.adaptive else None
+                                       cfg.max_denoising_steps) if cfg.adaptive else None
             eos = torch.tensor(cfg.eos_token_id, device=dev) if cfg.eos_token_id else None
             n_canvases = math.ceil(cfg.max_new_tokens / self.C)
             fixed = None

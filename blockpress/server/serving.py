@@ -288,8 +288,17 @@ class OpenAIServing:
         self._check_model(req.model)
         sampling = req.to_sampling(self.limits, self.defaults)
         ids = await asyncio.to_thread(self.chat_prompt, req)  # templating + BPE off the event loop
-        run = self._submit(ids, sampling)
+        run = self._submit(ids, sampling, fixed_tokens=self.tool_call_prefix(req.forced_tool))
         return await self.chat_response(run, sampling, req.stream, disconnected)
+
+    def tool_call_prefix(self, tool: str | None) -> list[int] | None:
+        """tool_choice "required" / named, done the diffusion way: the opening of a call,
+        `<|tool_call>call:` (+ `NAME{` for a named tool), is held on the first canvas (as insert mode
+        holds a suffix) and the model denoises the rest around it, arguments included. The call then
+        starts the answer, so a thinking turn is skipped."""
+        if tool is None:
+            return None
+        return self.tok.encode("<|tool_call>call:" + (tool + "{" if tool else ""))
 
     async def chat_response(self, run: _Run, sampling: Sampling, stream: bool,
                             disconnected: Disconnected | None = None):

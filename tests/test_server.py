@@ -331,6 +331,9 @@ BAD = [
     ("too many stops", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
     ("bad prompt ids", {"prompt": [1, 2, 999999]}, 400, "prompt"),
     ("chat logprobs", {"messages": MSG, "logprobs": True}, 400, "logprobs"),
+    ("json mode", {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("image part", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content.0.type"),
     ("chat top_logprobs", {"messages": MSG, "top_logprobs": 3}, 400, "logprobs"),
     ("completion n=2", {"prompt": "hi", "n": 2}, 400, "n"),
     ("completion best_of", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
@@ -344,7 +347,8 @@ BAD = [
 
 # what each refusal must say (a client reads the message, not the code)
 BAD_MESSAGES = {
-    "chat logprobs": "logprobs are not supported", "completion n=2": "one choice per request",
+    "chat logprobs": "logprobs are not supported", "json mode": "response_format 'json_object' is not supported",
+    "image part": "only text content parts are supported", "completion n=2": "one choice per request",
     "completion batch of prompts": "prompt: expected a non-empty string or a non-empty list of token ids",
     "completion stops": "stop: List should have at most 4 items", "completion long stop": "at most 256 characters",
     "too many stops": "stop: List should have at most 4 items", "completion echo": "echo is not supported",

@@ -25,7 +25,8 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
 - `usage.denoising_steps` (decoder passes for this request) and `usage.tokens_per_forward`.
 - Ignored OpenAI fields: temperature, top_p, penalties, logit_bias (no meaning for the
   entropy-bounded denoising sampler). Refused with a 400 naming the field rather than silently
-  dropped, because a client would read a wrong answer: `n` > 1, `best_of` > 1, `echo`, and
+  dropped, because a client would read a wrong answer: `n` > 1, `best_of` > 1, `echo`,
+  `response_format` other than text, image/audio content parts, and
   `logprobs` / `top_logprobs` (a denoised token is not drawn once from a left-to-right distribution,
   so it has no autoregressive log-probability to report).
 """
@@ -162,9 +163,16 @@ class ToolCallIn(BaseModel):
     function: FunctionCall
 
 
+def _text_part_type(v: Any) -> Any:
+    if v != "text":
+        raise ValueError(f"only text content parts are supported (got {v!r}): blockpress serves the text model; "
+                         "send images or audio as text, or leave them out")
+    return v
+
+
 class TextPart(BaseModel):
     model_config = _STRICT
-    type: Literal["text"]
+    type: Annotated[str, BeforeValidator(_text_part_type)]
     text: str
 
 
@@ -274,6 +282,7 @@ class _ChatFields(_Request):
     logprobs: bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=20)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    response_format: dict[str, Any] | None = None
     seed: Int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stop: _Stop = _stop_field()
     stream: bool = False
@@ -323,6 +332,12 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
             raise APIError(400, f"{len(self.messages)} messages exceed this server's limit of {limits.max_messages}; "
                            "drop older turns", param="messages", code="too_many_messages")
         _refuse_unsupported(self, logprobs=bool(self.logprobs) or bool(self.top_logprobs))
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(400, f"response_format {kind!r} is not supported: no constrained decoding yet, so the "
+                           "output would not be guaranteed to parse; ask for JSON in the prompt and validate it, "
+                           "or use tools with tool_choice (which is enforced)", param="response_format",
+                           code="unsupported_value")
         field_name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         default = min(limits.max_tokens, defaults.get("max_new_tokens") or REFERENCE_DEFAULTS["max_new_tokens"])

@@ -239,6 +239,42 @@ def test_reasoning_and_tool_call_fields_never_leak_control_tokens(server):
                     assert not SPECIAL.search(c["delta"].get("content") or "")
 
 
+def test_n_choices_are_the_single_answers_with_seed_plus_i(client):
+    """n=3 runs three rows; choice i is the n=1 answer with seed + i, streamed or not; usage counts the
+    prompt once and sums completion tokens and decoder passes."""
+    kw = dict(model=client.model_id, messages=MSG, max_tokens=24, extra_body=FAST)
+    many = client.chat.completions.create(n=3, seed=11, **kw)
+    singles = [client.chat.completions.create(seed=11 + i, **kw) for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
+    assert len({c.message.content for c in many.choices}) == 3  # different seeds, different texts
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert many.usage.denoising_steps == sum(s.usage.denoising_steps for s in singles)
+    texts, finishes, usage = ["", "", ""], [None] * 3, None
+    for ch in client.chat.completions.create(n=3, seed=11, stream=True, stream_options={"include_usage": True}, **kw):
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+        usage = ch.usage or usage
+    assert texts == [c.message.content for c in many.choices] and None not in finishes
+    assert usage.completion_tokens == many.usage.completion_tokens
+    comp = client.completions.create(model=client.model_id, prompt="The sky", max_tokens=16, n=2, seed=5,
+                                     extra_body=FAST)
+    one = client.completions.create(model=client.model_id, prompt="The sky", max_tokens=16, seed=6, extra_body=FAST)
+    assert [c.index for c in comp.choices] == [0, 1] and comp.choices[1].text == one.choices[0].text
+
+
+def test_n_choices_draft_frames_carry_the_choice_index(server):
+    body = {"messages": MSG, "max_tokens": 16, "seed": 2, "n": 2, "stream": True,
+            "stream_options": {"include_drafts": True}, **FAST}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as s:
+        frames = [json.loads(line[6:]).get("blockpress") for line in s.iter_lines() if line.startswith("data: {")]
+    drafts = [f for f in frames if f and f["type"] == "draft"]
+    assert {f["index"] for f in drafts} == {0, 1}
+    assert sum(f["index"] == 0 for f in drafts) == sum(f["index"] == 1 for f in drafts) == FAST["steps"]
+
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
@@ -322,7 +358,7 @@ BAD = [
     ("max_tokens over limit", {"messages": MSG, "max_tokens": 100000}, 400, "max_tokens"),
     ("zero steps", {"messages": MSG, "steps": 0}, 400, "steps"),
     ("t_max below t_min", {"messages": MSG, "t_min": 0.9, "t_max": 0.1}, 400, "t_max"),
-    ("n=2", {"messages": MSG, "n": 2}, 400, "n"),
+    ("n over limit", {"messages": MSG, "n": 9}, 400, "n"),
     ("empty messages", {"messages": []}, 400, "messages"),
     ("too many messages", {"messages": MSG * 9}, 400, "messages"),
     ("unknown model", {"messages": MSG, "model": "gpt-9"}, 404, "model"),
@@ -335,7 +371,7 @@ BAD = [
     ("image part", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content.0.type"),
     ("chat top_logprobs", {"messages": MSG, "top_logprobs": 3}, 400, "logprobs"),
-    ("completion n=2", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("completion n=0", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completion best_of", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("completion echo", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("completion logprobs", {"prompt": "hi", "logprobs": 0}, 400, "logprobs"),
@@ -348,7 +384,7 @@ BAD = [
 # what each refusal must say (a client reads the message, not the code)
 BAD_MESSAGES = {
     "chat logprobs": "logprobs are not supported", "json mode": "response_format 'json_object' is not supported",
-    "image part": "only text content parts are supported", "completion n=2": "one choice per request",
+    "image part": "only text content parts are supported", "n over limit": "n=9 exceeds this server's limit of 8",
     "completion batch of prompts": "prompt: expected a non-empty string or a non-empty list of token ids",
     "completion stops": "stop: List should have at most 4 items", "completion long stop": "at most 256 characters",
     "too many stops": "stop: List should have at most 4 items", "completion echo": "echo is not supported",
@@ -375,9 +411,10 @@ def test_unknown_route_and_method(server):
     assert r.status_code == 405 and "error" in r.json()
 
 
-def test_disconnect_frees_the_slot(server):
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_frees_the_slot(server, n):
     before = server.metrics()["blockpress_requests_cancelled_total"]
-    body = {"messages": MSG, "max_tokens": 512, "steps": 48, "stream": True,
+    body = {"messages": MSG, "max_tokens": 512, "steps": 48, "stream": True, "n": n,
             "stream_options": {"include_drafts": True}}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as s:
         for line in s.iter_lines():
@@ -386,7 +423,7 @@ def test_disconnect_frees_the_slot(server):
     deadline = time.time() + 20  # the full request would take 32 canvases x 48 steps
     while time.time() < deadline:
         m = server.metrics()
-        if m["blockpress_active_requests"] == 0 and m["blockpress_requests_cancelled_total"] > before:
+        if m["blockpress_active_requests"] == 0 and m["blockpress_requests_cancelled_total"] >= before + n:
             return
         time.sleep(0.2)
     pytest.fail(f"slot not freed after disconnect: {server.metrics()}")

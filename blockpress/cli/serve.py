@@ -27,6 +27,8 @@ def add_parser(p) -> None:
                    help="largest max_tokens a request may ask for (default: 4096)")
     p.add_argument("--max-prompt-tokens", type=_positive_int, default=32768, help="longest prompt (default: 32768)")
     p.add_argument("--max-messages", type=_positive_int, default=256, help="most messages per chat request")
+    p.add_argument("--max-choices", type=_positive_int, default=8,
+                   help="most choices (n) a request may ask for; each is a row of the batch (default: 8)")
     p.add_argument("--max-steps-limit", type=_positive_int, default=1024,
                    help="most denoising steps per canvas a request may ask for (default: 1024)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20,
@@ -54,7 +56,7 @@ def main(args) -> int:
                                       and not os.path.isdir(args.model) else os.path.basename(str(lm.path).rstrip("/")))
     limits = Limits(max_tokens=args.max_tokens_limit, max_messages=args.max_messages,
                     max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
-                    max_steps=args.max_steps_limit)
+                    max_steps=args.max_steps_limit, max_choices=args.max_choices)
     metrics = Metrics()
     scheduler = Scheduler(lm.module, lm.canvas_length, max_batch=args.max_batch, queue_size=args.queue_size,
                           metrics=metrics, fuse_commit=args.fuse_commit)

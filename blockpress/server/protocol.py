@@ -23,9 +23,11 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
   "tokens": [piece per position], "accepted": [0/1 per position]}`, after every canvas
   `{"type": "commit", "canvas", "steps"}`. Without it the stream is plain OpenAI.
 - `usage.denoising_steps` (decoder passes for this request) and `usage.tokens_per_forward`.
+- `n` choices (up to `Limits.max_choices`) run as n rows of the batch; with a seed, choice i samples
+  with seed + i, so choice 0 is the n=1 answer. Usage counts the prompt once and sums the rest.
 - Ignored OpenAI fields: temperature, top_p, penalties, logit_bias (no meaning for the
   entropy-bounded denoising sampler). Refused with a 400 naming the field rather than silently
-  dropped, because a client would read a wrong answer: `n` > 1, `best_of` > 1, `echo`,
+  dropped, because a client would read a wrong answer: `best_of` > 1, `echo`,
   `response_format` other than text, image/audio content parts, and
   `logprobs` / `top_logprobs` (a denoised token is not drawn once from a left-to-right distribution,
   so it has no autoregressive log-probability to report).
@@ -87,6 +89,7 @@ class Limits:
     max_prompt_tokens: int = 32768
     max_body_bytes: int = 1 << 20
     max_steps: int = 1024
+    max_choices: int = 8  # cap on n
 
 
 @dataclass
@@ -99,6 +102,12 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     include_usage: bool = False
     include_drafts: bool = False
+    n: int = 1  # choices: choice i samples with seed + i (choice 0 is the n=1 answer)
+
+    def choice_seed(self, i: int) -> int | None:
+        if self.seed is None:
+            return None
+        return self.seed + i if self.seed + i <= _SEED_MAX else self.seed - i
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -241,13 +250,13 @@ class _DiffusionKnobs(_Request):
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return Sampling(cfg=cfg, max_tokens=n, seed=seed, stop=stops,
                         include_usage=bool(stream_options and stream_options.include_usage),
-                        include_drafts=bool(stream_options and stream_options.include_drafts))
+                        include_drafts=bool(stream_options and stream_options.include_drafts), n=self.n)
 
 
-def _refuse_unsupported(req, logprobs: bool) -> None:
-    if req.n != 1:
-        raise APIError(400, f"n={req.n} is not supported: one choice per request; send several requests with "
-                       "different seeds (the server batches them)", param="n", code="unsupported_value")
+def _refuse_unsupported(req, limits: Limits, logprobs: bool) -> None:
+    if req.n > limits.max_choices:
+        raise APIError(400, f"n={req.n} exceeds this server's limit of {limits.max_choices} choices per request",
+                       param="n", code="invalid_value")
     if logprobs:
         raise APIError(400, "logprobs are not supported: a denoised token is accepted after several parallel "
                        "refinement steps, not drawn once from a left-to-right distribution, so it has no "
@@ -278,7 +287,7 @@ class _ChatFields(_Request):
     model: str | None = Field(None, description="the served model's id (default: the served model)")
     max_completion_tokens: Int | None = Field(None, ge=1)
     max_tokens: Int | None = Field(None, ge=1)
-    n: Int = Field(1, ge=1, description="only 1 choice per request")
+    n: Int = Field(1, ge=1, description="choices; choice i samples with seed + i")
     logprobs: bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=20)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
@@ -331,7 +340,7 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
         if len(self.messages) > limits.max_messages:
             raise APIError(400, f"{len(self.messages)} messages exceed this server's limit of {limits.max_messages}; "
                            "drop older turns", param="messages", code="too_many_messages")
-        _refuse_unsupported(self, logprobs=bool(self.logprobs) or bool(self.top_logprobs))
+        _refuse_unsupported(self, limits, logprobs=bool(self.logprobs) or bool(self.top_logprobs))
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise APIError(400, f"response_format {kind!r} is not supported: no constrained decoding yet, so the "
@@ -397,7 +406,7 @@ class _CompletionFields(_Request):
                                description="insert mode: the text after the completion; the model fills the "
                                            "max_tokens-token hole between prompt and suffix, seeing both")
     max_tokens: Int | None = Field(16, ge=1)
-    n: Int = Field(1, ge=1, description="only 1 choice per request")
+    n: Int = Field(1, ge=1, description="choices; choice i samples with seed + i")
     best_of: Int | None = Field(None, ge=1)
     echo: bool = False
     logprobs: Int | None = Field(None, ge=0, le=5)
@@ -412,7 +421,7 @@ class CompletionRequest(_DiffusionKnobs, _CompletionFields):
     """POST /v1/completions: OpenAI's fields, then the blockpress extensions."""
 
     def to_sampling(self, limits: Limits, defaults: dict[str, Any]) -> Sampling:
-        _refuse_unsupported(self, logprobs=self.logprobs is not None)
+        _refuse_unsupported(self, limits, logprobs=self.logprobs is not None)
         if self.best_of not in (None, 1):
             raise APIError(400, f"best_of={self.best_of} is not supported: one completion per request; send "
                            "several requests with different seeds", param="best_of", code="unsupported_value")

@@ -282,14 +282,61 @@ class OpenAIServing:
         return {"type": "draft", "canvas": ev.canvas, "step": ev.step, "max_steps": ev.max_steps,
                 "text": "".join(pieces), "tokens": pieces, "accepted": [int(a) for a in ev.accepted]}
 
+    # ---------------------------------------------------------------- several choices
+    def _submit_choices(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None,
+                        prompt_field: str = "messages") -> list[_Run]:
+        """One run per choice (`n`), choice i seeded with seed + i; all or none are admitted."""
+        runs: list[_Run] = []
+        try:
+            for i in range(sampling.n):
+                runs.append(self._submit(ids, dataclasses.replace(sampling, seed=sampling.choice_seed(i)),
+                                         fixed_tokens, prompt_field))
+        except APIError:
+            for r in runs:
+                self._release(r)
+            raise
+        return runs
+
+    async def _collect(self, run: _Run, asm: OutputAssembler, disconnected: Disconnected | None,
+                       tokens_of: Callable[[RowCommit], list[int]]) -> Final:
+        try:
+            async for ev in self._events(run, asm, disconnected):
+                if isinstance(ev, RowCommit):
+                    asm.feed(tokens_of(ev))
+        finally:
+            self._release(run)
+        return asm.finish()
+
+    async def _collect_all(self, runs: list[_Run], asms: list[OutputAssembler], disconnected: Disconnected | None,
+                           tokens_of: Callable[[RowCommit], list[int]]) -> list[Final]:
+        disconnected = _shared(disconnected, len(runs))
+        tasks = [asyncio.ensure_future(self._collect(r, a, disconnected, tokens_of)) for r, a in zip(runs, asms)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:  # one choice failed or the request was cancelled: stop the others too
+                t.cancel()
+
+    def _usage_all(self, runs: list[_Run], finals: list[Final]) -> Usage:
+        """Usage of all choices: the prompt once, completion tokens and decoder passes summed."""
+        us = [self._usage(r, f) for r, f in zip(runs, finals)]
+        if len(us) == 1:
+            return us[0]
+        n, passes = sum(u.completion_tokens for u in us), sum(u.denoising_steps for u in us)
+        return Usage(prompt_tokens=us[0].prompt_tokens, completion_tokens=n, total_tokens=us[0].prompt_tokens + n,
+                     denoising_steps=passes, tokens_per_forward=round(n / max(passes, 1), 4))
+
+    def _frame(self, frame: dict[str, Any], index: int, n: int) -> dict[str, Any]:
+        return {**frame, "index": index} if n > 1 else frame
+
     # ---------------------------------------------------------------- chat completions
     async def chat(self, req: ChatCompletionRequest, disconnected: Disconnected | None = None):
         """A ChatCompletionResponse, or (stream=True) an async iterator of SSE strings."""
         self._check_model(req.model)
         sampling = req.to_sampling(self.limits, self.defaults)
         ids = await asyncio.to_thread(self.chat_prompt, req)  # templating + BPE off the event loop
-        run = self._submit(ids, sampling, fixed_tokens=self.tool_call_prefix(req.forced_tool))
-        return await self.chat_response(run, sampling, req.stream, disconnected)
+        runs = self._submit_choices(ids, sampling, fixed_tokens=self.tool_call_prefix(req.forced_tool))
+        return await self.chat_response(runs, sampling, req.stream, disconnected)
 
     def tool_call_prefix(self, tool: str | None) -> list[int] | None:
         """tool_choice "required" / named, done the diffusion way: the opening of a call,
@@ -300,67 +347,80 @@ class OpenAIServing:
             return None
         return self.tok.encode("<|tool_call>call:" + (tool + "{" if tool else ""))
 
-    async def chat_response(self, run: _Run, sampling: Sampling, stream: bool,
+    def _new_assembler(self, sampling: Sampling, chat: bool) -> OutputAssembler:
+        return OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=chat)
+
+    async def chat_response(self, runs: _Run | list[_Run], sampling: Sampling, stream: bool,
                             disconnected: Disconnected | None = None):
-        """Engine events of a submitted run -> ChatCompletionResponse or SSE iterator."""
-        asm = OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=True)
+        """Engine events of submitted runs (one per choice) -> ChatCompletionResponse or SSE iterator."""
+        runs = [runs] if isinstance(runs, _Run) else runs
+        asms = [self._new_assembler(sampling, chat=True) for _ in runs]
         rid = "chatcmpl-" + secrets.token_hex(12)
         if stream:
-            return self._chat_stream(rid, run, asm, sampling, disconnected)
-        try:
-            async for ev in self._events(run, asm, disconnected):
-                if isinstance(ev, RowCommit):
-                    asm.feed(ev.tokens)
-        finally:
-            self._release(run)
-        final = asm.finish()
-        msg = ResponseMessage(content=None if final.tool_calls and not final.content else final.content,
-                              reasoning_content=final.reasoning,
-                              tool_calls=[ResponseToolCall(id=c.id, function=FunctionCall(
-                                  name=c.name, arguments=c.arguments_json)) for c in final.tool_calls])
-        return ChatCompletionResponse(id=rid, model=self.model_name,
-                                      choices=[ChatChoice(message=msg, finish_reason=final.finish_reason)],
-                                      usage=self._usage(run, final))
+            return self._chat_stream(rid, runs, asms, sampling, disconnected)
+        finals = await self._collect_all(runs, asms, disconnected, lambda ev: ev.tokens)
+        choices = []
+        for i, final in enumerate(finals):
+            msg = ResponseMessage(content=None if final.tool_calls and not final.content else final.content,
+                                  reasoning_content=final.reasoning,
+                                  tool_calls=[ResponseToolCall(id=c.id, function=FunctionCall(
+                                      name=c.name, arguments=c.arguments_json)) for c in final.tool_calls])
+            choices.append(ChatChoice(index=i, message=msg, finish_reason=final.finish_reason))
+        return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
+                                      usage=self._usage_all(runs, finals))
 
-    async def _chat_stream(self, rid: str, run: _Run, asm: OutputAssembler, sampling: Sampling,
+    async def _chat_stream(self, rid: str, runs: list[_Run], asms: list[OutputAssembler], sampling: Sampling,
                            disconnected: Disconnected | None) -> AsyncIterator[str]:
-        created = int(time.time())
+        created, n = int(time.time()), len(runs)
+        finals: list[Final | None] = [None] * n
+        disconnected = _shared(disconnected, n)
 
-        def chunk(delta: dict | None = None, finish: str | None = None, **extra) -> str:
-            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+        def chunk(i: int, delta: dict | None = None, finish: str | None = None, **extra) -> str:
+            choices = [] if delta is None else [{"index": i, "delta": delta, "logprobs": None,
                                                  "finish_reason": finish}]
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                          "model": self.model_name, "choices": choices, **extra})
 
-        def text_chunks(d: Delta):
+        def text_chunks(i: int, d: Delta):
             if d.reasoning:
-                yield chunk({"reasoning_content": d.reasoning})
+                yield chunk(i, {"reasoning_content": d.reasoning})
             if d.content:
-                yield chunk({"content": d.content})
+                yield chunk(i, {"content": d.content})
 
+        async def choice(i: int):
+            run, asm = runs[i], asms[i]
+            try:
+                yield chunk(i, {"role": "assistant", "content": ""})
+                async for ev in self._events(run, asm, disconnected):
+                    if isinstance(ev, RowDraft):
+                        yield chunk(i, None, blockpress=self._frame(self._draft_frame(ev), i, n))
+                    elif isinstance(ev, RowCommit):
+                        for c in text_chunks(i, asm.feed(ev.tokens)):
+                            yield c
+                        if sampling.include_drafts:
+                            yield chunk(i, None, blockpress=self._frame(
+                                {"type": "commit", "canvas": ev.canvas, "steps": ev.steps}, i, n))
+                final = finals[i] = asm.finish()
+                for c in text_chunks(i, final.last):
+                    yield c
+                if final.tool_calls:
+                    yield chunk(i, {"tool_calls": [{"index": k, **c.to_openai()}
+                                                   for k, c in enumerate(final.tool_calls)]})
+                yield chunk(i, {}, final.finish_reason)
+            finally:
+                self._release(run)
+
+        merged = _merge([choice(i) for i in range(n)])
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for ev in self._events(run, asm, disconnected):
-                if isinstance(ev, RowDraft):
-                    yield chunk(None, blockpress=self._draft_frame(ev))
-                elif isinstance(ev, RowCommit):
-                    for c in text_chunks(asm.feed(ev.tokens)):
-                        yield c
-                    if sampling.include_drafts:
-                        yield chunk(None, blockpress={"type": "commit", "canvas": ev.canvas, "steps": ev.steps})
-            final = asm.finish()
-            for c in text_chunks(final.last):
+            async for c in merged:
                 yield c
-            if final.tool_calls:
-                yield chunk({"tool_calls": [{"index": i, **c.to_openai()} for i, c in enumerate(final.tool_calls)]})
-            usage = self._usage(run, final)
-            yield chunk({}, final.finish_reason)
+            usage = self._usage_all(runs, finals)
             if sampling.include_usage:
-                yield chunk(None, usage=usage.model_dump())
+                yield chunk(0, None, usage=usage.model_dump())
         except APIError as e:
             yield _sse(e.body())
         finally:
-            self._release(run)
+            await merged.aclose()  # the client went away: free every choice's run now
         yield "data: [DONE]\n\n"
 
     # ---------------------------------------------------------------- completions
@@ -384,51 +444,113 @@ class OpenAIServing:
                                param="suffix", code="context_length_exceeded")
             n_new, holes = whole_canvases(region, self.lm.canvas_length)  # past the suffix: -2, discarded
             sampling.cfg = dataclasses.replace(sampling.cfg, max_new_tokens=n_new)
-        run = self._submit(ids, sampling, fixed_tokens=holes, prompt_field="prompt")
-        asm = OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=False)
+        runs = self._submit_choices(ids, sampling, fixed_tokens=holes, prompt_field="prompt")
+        asms = [self._new_assembler(sampling, chat=False) for _ in runs]
         rid = "cmpl-" + secrets.token_hex(12)
         if req.stream:
-            return self._completion_stream(rid, run, asm, sampling, disconnected, holes)
-        try:
-            async for ev in self._events(run, asm, disconnected):
-                if isinstance(ev, RowCommit):
-                    asm.feed(self._hole_tokens(ev, holes))
-        finally:
-            self._release(run)
-        final = asm.finish()
+            return self._completion_stream(rid, runs, asms, sampling, disconnected, holes)
+        finals = await self._collect_all(runs, asms, disconnected, lambda ev: self._hole_tokens(ev, holes))
         return CompletionResponse(id=rid, model=self.model_name,
-                                  choices=[CompletionChoice(text=final.content, finish_reason=final.finish_reason)],
-                                  usage=self._usage(run, final))
+                                  choices=[CompletionChoice(index=i, text=f.content, finish_reason=f.finish_reason)
+                                           for i, f in enumerate(finals)],
+                                  usage=self._usage_all(runs, finals))
 
-    async def _completion_stream(self, rid: str, run: _Run, asm: OutputAssembler, sampling: Sampling,
+    async def _completion_stream(self, rid: str, runs: list[_Run], asms: list[OutputAssembler], sampling: Sampling,
                                  disconnected: Disconnected | None,
                                  holes: list[int] | None = None) -> AsyncIterator[str]:
-        created = int(time.time())
+        created, n = int(time.time()), len(runs)
+        finals: list[Final | None] = [None] * n
+        disconnected = _shared(disconnected, n)
 
-        def chunk(text: str | None, finish: str | None = None, **extra) -> str:
-            choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        def chunk(i: int, text: str | None, finish: str | None = None, **extra) -> str:
+            choices = [] if text is None else [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                          "choices": choices, **extra})
 
+        async def choice(i: int):
+            run, asm = runs[i], asms[i]
+            try:
+                async for ev in self._events(run, asm, disconnected):
+                    if isinstance(ev, RowDraft):
+                        yield chunk(i, None, blockpress=self._frame(self._draft_frame(ev), i, n))
+                    elif isinstance(ev, RowCommit):
+                        d = asm.feed(self._hole_tokens(ev, holes))
+                        if d.content:
+                            yield chunk(i, d.content)
+                        if sampling.include_drafts:
+                            yield chunk(i, None, blockpress=self._frame(
+                                {"type": "commit", "canvas": ev.canvas, "steps": ev.steps}, i, n))
+                final = finals[i] = asm.finish()
+                if final.last.content:
+                    yield chunk(i, final.last.content)
+                yield chunk(i, "", final.finish_reason)
+            finally:
+                self._release(run)
+
+        merged = _merge([choice(i) for i in range(n)])
         try:
-            async for ev in self._events(run, asm, disconnected):
-                if isinstance(ev, RowDraft):
-                    yield chunk(None, blockpress=self._draft_frame(ev))
-                elif isinstance(ev, RowCommit):
-                    d = asm.feed(self._hole_tokens(ev, holes))
-                    if d.content:
-                        yield chunk(d.content)
-                    if sampling.include_drafts:
-                        yield chunk(None, blockpress={"type": "commit", "canvas": ev.canvas, "steps": ev.steps})
-            final = asm.finish()
-            if final.last.content:
-                yield chunk(final.last.content)
-            usage = self._usage(run, final)
-            yield chunk("", final.finish_reason)
+            async for c in merged:
+                yield c
+            usage = self._usage_all(runs, finals)
             if sampling.include_usage:
-                yield chunk(None, usage=usage.model_dump())
+                yield chunk(0, None, usage=usage.model_dump())
         except APIError as e:
             yield _sse(e.body())
         finally:
-            self._release(run)
+            await merged.aclose()  # the client went away: free every choice's run now
         yield "data: [DONE]\n\n"
+
+
+def _shared(disconnected: Disconnected | None, n: int) -> Disconnected | None:
+    """With several choices, one client connection is polled by several tasks: poll it under a lock and
+    remember a disconnect, so the ASGI receive channel is never read concurrently."""
+    if disconnected is None or n == 1:
+        return disconnected
+    lock, gone = asyncio.Lock(), [False]
+
+    async def check() -> bool:
+        async with lock:
+            if not gone[0]:
+                gone[0] = await disconnected()
+            return gone[0]
+    return check
+
+
+async def _merge(gens: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """Items of several async generators as they come (one choice's chunks stay in order). An exception
+    in one is raised here; closing this generator closes them all (their `finally` frees their runs)."""
+    if len(gens) == 1:
+        g = gens[0]
+        try:
+            async for item in g:
+                yield item
+        finally:
+            await g.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(g):
+        try:
+            async for item in g:
+                await queue.put(item)
+            await queue.put(end)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put(e)
+        finally:
+            await g.aclose()
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()

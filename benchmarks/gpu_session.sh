@@ -59,7 +59,7 @@ case "$PART" in
     ;;
   quant)
     bench fp8 --batch 1,4 --precision fp8 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference --no-ar
-    bench fp8-scaled-mm --batch 1 --precision fp8 --modes fixed --experts scaled_mm --sampler fast $GPU_FLAGS \
+    [ "$CUDA" = 1 ] && bench fp8-scaled-mm --batch 1 --precision fp8 --modes fixed --experts scaled_mm --sampler fast $GPU_FLAGS \
       --no-reference --no-ar
     bench int4 --batch 1,4 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference --no-ar
     bench int4-topk --batch 1 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --sc-topk 64 \

@@ -237,3 +237,16 @@ def test_cli_runs_the_shipped_model_with_int4_experts(capsys):
     assert cli_main(["run", "sudoku", EXAMPLE_SUDOKU, "--precision", "int4", "--json", "--seed", "0"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["clues_kept"] == 1.0 and len(out["answer"]) == 81
+
+
+def test_scaled_mm_backend_is_refused_where_it_cannot_run():
+    """torch._scaled_grouped_mm exists only on fp8-capable GPUs: asking for it elsewhere, or for non-fp8
+    experts, is a one-line error naming the fix, not a NotImplementedError from inside the first pass."""
+    from blockpress.kernels import configure
+
+    cfg, _, _ = preset_config("tiny")
+    module = build_model(cfg, device="cpu", dtype=torch.float32, seed=0)
+    with pytest.raises(ValueError, match="needs fp8 experts; add --precision fp8"):
+        configure(module, experts="scaled_mm")
+    with pytest.raises(ValueError, match="needs a CUDA GPU with fp8 matmuls"):
+        configure(module, experts="scaled_mm", precision="fp8")

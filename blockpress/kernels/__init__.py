@@ -52,6 +52,12 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     if experts == "auto":
         experts = auto_experts_backend(dev, dtype)
     quantized = isinstance(module.layers[0].experts, QuantizedExperts)
+    if experts == "scaled_mm":  # torch._scaled_grouped_mm: fp8 x fp8 on Hopper-class GPUs only
+        if not (quantized and module.layers[0].experts.fmt == "fp8"):
+            raise ValueError("the scaled_mm experts backend needs fp8 experts; add --precision fp8")
+        if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
+            raise ValueError("the scaled_mm experts backend needs a CUDA GPU with fp8 matmuls (compute capability "
+                             ">= 8.9: Ada, Hopper); use the default experts backend here")
     if quantized:
         for layer in module.layers:  # QuantizedExperts: "triton" where it runs, else the torch reference
             layer.experts.backend = experts if experts in ("triton", "scaled_mm", "torch") else "auto"

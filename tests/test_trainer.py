@@ -340,3 +340,30 @@ def test_bad_training_data_and_flags_are_one_line_errors(tmp_path, capsys):
         assert e.value.code == 2 and needle in capsys.readouterr().err
     assert cli_main(["train", "sudoku", "--size", "huge", "--out", str(tmp_path / "h")]) == 2
     assert "unknown model size 'huge'; choose one of" in capsys.readouterr().err
+
+
+def test_full_disk_at_a_checkpoint_keeps_the_last_one_and_resumes(tmp_path, capsys, monkeypatch):
+    """A checkpoint write that fails (ENOSPC) is a one-line error naming --resume and the last complete
+    checkpoint; the half-written folder is removed, `latest` still points at the previous checkpoint,
+    and --resume from it finishes the run."""
+    out = tmp_path / "run"
+    args = ["train", "sudoku", "--out", str(out), "--steps", "4", "--save-every", "2", *TINY]
+    real_save = torch.save
+    calls = []
+
+    def flaky_save(obj, f, *a, **k):
+        calls.append(f)
+        if len(calls) == 2:  # the trainer state of checkpoint-0000004
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", flaky_save)
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "No space left on device" in err and "--resume from checkpoint-0000002" in err and "\n" not in err
+    assert not (out / "checkpoint-0000004").exists()
+    assert (out / "latest").read_text() == "checkpoint-0000002"
+    monkeypatch.setattr(torch, "save", real_save)
+    assert cli_main([*args, "--resume"]) == 0
+    assert (out / "latest").read_text() == "checkpoint-0000004"
+    assert (out / "checkpoint-0000004" / "trainer_state.pt").is_file()

@@ -201,7 +201,7 @@ def write_atomic(folder: Path, files: dict) -> None:
     except OSError as e:
         _rmtree(tmp)
         raise CheckpointError(f"could not write checkpoint to {folder} ({e.strerror or e}); free disk space or "
-                              "choose another path; nothing was overwritten") from None
+                              "choose another path; nothing was overwritten") from e
 
 
 def _rmtree(p: Path) -> None:

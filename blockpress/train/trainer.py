@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError
 from . import objective as obj
 from .data import Source
 
@@ -159,29 +160,44 @@ class Trainer:
                 "torch_rng": torch.get_rng_state()}
 
     def save(self) -> Path:
-        """Write checkpoint-<step> (weights or adapter + trainer state), then point `latest` at it."""
-        name = f"checkpoint-{self.step:07d}"
-        path = self.out / name
+        """Write checkpoint-<step> (weights or adapter + trainer state), then point `latest` at it. A write
+        that fails (a full disk) removes the half-written checkpoint, leaves `latest` on the last complete
+        one, and says so."""
+        path = self.out / f"checkpoint-{self.step:07d}"
         if self.rank == 0:
-            if self.lora is not None:
-                from .lora import save_adapter
-
-                save_adapter(self.lm.module, path, self.lora)
-            else:
-                self.lm.save(path)
-            for rel, data in self.extra_files.items():
-                (path / rel).write_bytes(data if isinstance(data, bytes) else data.encode())
-            tmp = path / "trainer_state.pt.tmp"
-            torch.save(self.state(), tmp)
-            os.replace(tmp, path / "trainer_state.pt")
-            latest_tmp = self.out / "latest.tmp"
-            latest_tmp.write_text(name)
-            os.replace(latest_tmp, self.out / "latest")
+            try:
+                self._write_checkpoint(path)
+            except (OSError, CheckpointError) as e:
+                last = latest_checkpoint(self.out)
+                if last is None or last.resolve() != path.resolve():
+                    shutil.rmtree(path, ignore_errors=True)
+                cause = e if isinstance(e, OSError) else e.__cause__
+                why = getattr(cause, "strerror", None) or str(cause or e)
+                raise CheckpointError(
+                    f"could not write {path} ({why}); free disk space, then continue with --resume "
+                    + (f"from {last.name}" if last is not None else "(no complete checkpoint yet: it starts over)")
+                ) from None
             self._prune()
             self.plot()
         if self.world > 1:
             torch.distributed.barrier()
         return path
+
+    def _write_checkpoint(self, path: Path) -> None:
+        if self.lora is not None:
+            from .lora import save_adapter
+
+            save_adapter(self.lm.module, path, self.lora)
+        else:
+            self.lm.save(path)
+        for rel, data in self.extra_files.items():
+            (path / rel).write_bytes(data if isinstance(data, bytes) else data.encode())
+        tmp = path / "trainer_state.pt.tmp"
+        torch.save(self.state(), tmp)
+        os.replace(tmp, path / "trainer_state.pt")
+        latest_tmp = self.out / "latest.tmp"
+        latest_tmp.write_text(path.name)
+        os.replace(latest_tmp, self.out / "latest")
 
     def _prune(self) -> None:
         cks = sorted(p for p in self.out.glob("checkpoint-*") if p.is_dir())

@@ -115,6 +115,23 @@ def test_threads_must_be_a_positive_integer_everywhere(command, capsys):
         assert e.value.code == 2 and "--threads: expected a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["eval", "sudoku", "--n", "0"], "--n: expected a positive integer"),
+    (["eval", "sudoku", "--blanks", "40", "99"], "--blanks: expected an integer in 0..64, got 99"),
+    (["eval", "sudoku", "--batch-size", "0"], "--batch-size: expected a positive integer"),
+    (["eval", "sudoku", "--repair", "-1"], "--repair: expected an integer >= 0"),
+    (["bench", "--batch", "1,0"], "--batch: expected a positive integer, got 0"),
+    (["bench", "--batch", "1,x"], "--batch: expected a positive integer, got 'x'"),
+    (["bench", "--repeats", "0"], "--repeats: expected a positive integer"),
+    (["bench", "--new-tokens", "0"], "--new-tokens: expected a positive integer"),
+])
+def test_numeric_flags_are_checked_before_any_work(argv, needle, capsys):
+    """Each of these was a traceback (ValueError, IndexError, RuntimeError) or a silent nonsense run."""
+    with pytest.raises(SystemExit) as e:
+        cli(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
 def test_run_threads_sets_torch_threads(model_dir, capsys):
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .run import _positive_int
+from .run import _nonneg_int, _positive_int, _positive_int_list
 
 PRESETS = {
     # the spec 6.1 tiny model: CI-sized, runs in seconds on a CPU
@@ -439,29 +439,29 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native", help="expert weights")
-    p.add_argument("--group-size", type=int, default=64, help="int4 scale group along the input dim")
+    p.add_argument("--group-size", type=_positive_int, default=64, help="int4 scale group along the input dim")
     p.add_argument("--experts", default="auto", help="experts backend: auto, loop, dense, grouped, triton, scaled_mm")
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
     p.add_argument("--cuda-graphs", action="store_true", help="replay the denoising step from a CUDA graph")
     p.add_argument("--fuse-commit", action="store_true",
                    help="encode each committed canvas in the next canvas's first denoising pass (one weight read)")
-    p.add_argument("--sc-topk", type=int, default=None, metavar="K",
+    p.add_argument("--sc-topk", type=_positive_int, default=None, metavar="K",
                    help="self-conditioning over the top-K tokens only (approximate; default: exact, all V)")
-    p.add_argument("--prompt-tokens", type=int, help="prompt length P (default per preset)")
+    p.add_argument("--prompt-tokens", type=_positive_int, help="prompt length P (default per preset)")
     p.add_argument("--prompt", help="with --model: this text (the model's tokenizer) as the prompt of every row, "
                                     "instead of P random ids")
-    p.add_argument("--new-tokens", type=int, help="new tokens N (default per preset)")
-    p.add_argument("--steps", type=int, default=16, help="denoising steps per canvas (max, in adaptive mode)")
-    p.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,2,4,8")
+    p.add_argument("--new-tokens", type=_positive_int, help="new tokens N (default per preset)")
+    p.add_argument("--steps", type=_positive_int, default=16, help="denoising steps per canvas (max, in adaptive mode)")
+    p.add_argument("--batch", type=_positive_int_list, default="1", help="comma-separated batch sizes, e.g. 1,2,4,8")
     p.add_argument("--modes", default="fixed,adaptive", help="fixed (no early stop) and/or adaptive")
     p.add_argument("--no-reference", dest="reference", action="store_false", help="skip transformers")
-    p.add_argument("--reference-batch", default="1", help="batch sizes for the transformers runs")
+    p.add_argument("--reference-batch", type=_positive_int_list, default="1", help="batch sizes for the transformers runs")
     p.add_argument("--no-ar", dest="ar", action="store_false", help="skip the autoregressive baseline")
-    p.add_argument("--ar-batch", default="1", help="batch sizes for the AR baseline")
-    p.add_argument("--ar-tokens", type=int, help="tokens for the AR baseline (default: --new-tokens)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per setting (median reported)")
+    p.add_argument("--ar-batch", type=_positive_int_list, default="1", help="batch sizes for the AR baseline")
+    p.add_argument("--ar-tokens", type=_positive_int, help="tokens for the AR baseline (default: --new-tokens)")
+    p.add_argument("--warmup", type=_nonneg_int, default=1)
+    p.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per setting (median reported)")
     p.add_argument("--threads", type=_positive_int, metavar="N", help="torch CPU threads (1 is steadier on a shared machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-std", type=float, default=0.02, help="std of the random weights")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .run import _positive_int
+from .run import _int_in, _nonneg_int, _positive_int
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -35,13 +35,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model for the task)")
     p.add_argument("--data", default=None, help="infill: passages separated by blank lines")
     p.add_argument("--adapter", default=None, help="LoRA adapter folder to apply")
-    p.add_argument("--n", type=int, default=None,
+    p.add_argument("--n", type=_positive_int, default=None,
                    help="sudoku: puzzles per blanks level (default 50); infill: passages (default 200)")
-    p.add_argument("--blanks", type=int, nargs="+", default=None, help="blanks levels (default 35 40 45 50 55)")
-    p.add_argument("--steps", type=int, nargs="+", default=None, help="fixed denoising-step budgets to compare")
-    p.add_argument("--batch-size", type=int, default=50)
+    p.add_argument("--blanks", type=_int_in(0, 64), nargs="+", default=None,
+                   help="blanks levels, 0..64 (a unique puzzle keeps >= 17 clues; default 35 40 45 50 55)")
+    p.add_argument("--steps", type=_positive_int, nargs="+", default=None, help="fixed denoising-step budgets to compare")
+    p.add_argument("--batch-size", type=_positive_int, default=50)
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--repair", type=int, default=0, metavar="R",
+    p.add_argument("--repair", type=_nonneg_int, default=0, metavar="R",
                    help="sudoku: up to R rounds of re-denoising the cells that break a rule, the rest of the "
                         "canvas held (edited in place; uses the rules, never the solution). Default 0")
     p.add_argument("--samples", type=int, default=None, metavar="K",

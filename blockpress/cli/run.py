@@ -47,6 +47,25 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
+def _int_in(lo: int, hi: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {s!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {v}")
+        return v
+    return parse
+
+
+def _positive_int_list(s: str) -> str:
+    """A comma-separated list of positive integers ("1,2,4,8"), checked and returned as given."""
+    for part in s.split(","):
+        _positive_int(part.strip())
+    return s
+
+
 def _float_in(lo: float, strict: bool, allow_none: bool = False):
     def parse(s: str):
         if allow_none and s.lower() == "none":

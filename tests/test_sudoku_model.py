@@ -259,3 +259,21 @@ def test_sudoku_cpu_bench_agrees_with_transformers(capsys):
     assert runs["blockpress (reference draws)"]["token_agreement_vs_transformers"] == 1.0
     assert runs["blockpress (per-row seeds, compaction)"]["same_answers_as_uncompacted"] == 1.0
     assert runs["transformers"]["solve_rate"] == runs["blockpress (reference draws)"]["solve_rate"]
+
+
+def test_solve_takes_a_model_folder_loads_it_once_and_refuses_a_text_model(monkeypatch):
+    """solve(p, model=<folder>) loads a Sudoku checkpoint once per process (a loop of solve() calls does
+    not reload it); a text model or a non-model is a clear InputError, not an AttributeError."""
+    puzzle, _ = sd.test_set(35, 1)[0]
+    loads = []
+    real = blockpress.load
+    monkeypatch.setattr(blockpress, "load", lambda *a, **k: (loads.append(a[0]), real(*a, **k))[1])
+    monkeypatch.setattr(sd, "_LOADED", {})
+    folder = str(sd.DEFAULT_MODEL_PATH)
+    first = sd.solve(puzzle, model=folder, samples=1)
+    assert sd.solve(puzzle, model=folder, samples=1) == first and len(loads) == 1
+    assert sd.check(puzzle, first, sd.solve_exact(puzzle))["solved"]
+    with pytest.raises(sd.InputError, match="kjv is not a Sudoku model"):
+        sd.solve(puzzle, model="kjv")
+    with pytest.raises(sd.InputError, match="model must be a loaded blockpress model or a checkpoint folder"):
+        sd.solve(puzzle, model=5)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -690,16 +691,35 @@ def format_report(results: dict[str, Any]) -> str:
 
 
 # ============================================================================= model entry points
-def _resolve_model(model: Any) -> Any:
-    if model is not None:
-        return model
-    path = Path(DEFAULT_MODEL_PATH)
-    if not (path / "config.json").is_file():
-        raise SudokuModelMissing(f"no sudoku model at {path}; pass model=blockpress.load(<dir>) or "
-                                 "train one with `blockpress train sudoku`")
-    import blockpress  # lazy: pulls in torch and the model code
+_LOADED: dict[str, Any] = {}  # models solve() loaded from a path, kept: a loop of solve() calls loads once
 
-    return blockpress.load(path)
+
+def _resolve_model(model: Any) -> Any:
+    """A loaded model as given; None -> the shipped model; a folder path (or a shipped model's name) ->
+    that model, which must be a Sudoku model. Loaded once per path and process."""
+    if model is not None and not isinstance(model, (str, Path)):
+        if not callable(getattr(model, "generate", None)):
+            raise InputError(f"model must be a loaded blockpress model or a checkpoint folder, got "
+                             f"{type(model).__name__}")
+        return model
+    if model is None:
+        path = Path(DEFAULT_MODEL_PATH)
+        if not (path / "config.json").is_file():
+            raise SudokuModelMissing(f"no sudoku model at {path}; pass model=blockpress.load(<dir>) or "
+                                     "train one with `blockpress train sudoku`")
+    else:
+        path = model
+    key = str(path)
+    if key not in _LOADED:
+        import blockpress  # lazy: pulls in torch and the model code
+        from . import task_info
+
+        lm = blockpress.load(path, progress=sys.stderr.isatty())
+        if model is not None and task_info(lm).get("task") != "sudoku":
+            raise InputError(f"{model} is not a Sudoku model (its blockpress_task.json does not say task sudoku); "
+                             "leave model unset for the shipped one, or train one with `blockpress train sudoku`")
+        _LOADED[key] = lm
+    return _LOADED[key]
 
 
 def broken_cells(puzzle: str, grid: str, scope: str = "units") -> list[int]:
@@ -866,8 +886,8 @@ def _generate(m: Any, fmt: str, flat: list[str], fixed: list[list[int]] | None, 
 def solve(puzzle: str, model: Any = None, *, samples: int | None = None, repair: int = 0, **sampling: Any) -> str:
     """The 81-digit solution a DiffusionGemma sudoku model predicts for one puzzle.
 
-    model: a loaded blockpress model (default: blockpress.load(DEFAULT_MODEL_PATH); raises
-    SudokuModelMissing, a RuntimeError, if none is installed). samples: candidates denoised side by side,
+    model: a loaded blockpress model, or a Sudoku checkpoint folder (loaded once per process; default: the
+    shipped model, DEFAULT_MODEL_PATH; raises SudokuModelMissing, a RuntimeError, if none is installed). samples: candidates denoised side by side,
     the one that breaks no rule (else the fewest cells) kept; None = the model's default. repair: rounds
     of re-denoising the cells that break a rule (see `solve_batch`). Neither looks at a solution; the
     result is not verified: use `check(puzzle, result)`.

@@ -8,6 +8,7 @@ reference defaults (spec 4.1), validated once into a `GenerationConfig`.
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -54,6 +55,9 @@ class BlockDiffusionLM:
     def _prepare(self, input_ids, attention_mask):
         if isinstance(input_ids, torch.Tensor):
             ids = input_ids
+            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+                raise InputError(f"input_ids must hold integer token ids, got a {ids.dtype} tensor; tokenize the "
+                                 "text (model.tokenizer.encode) or pass a torch.long tensor")
             if ids.dim() == 1:
                 ids = ids[None]
             return ids.long(), attention_mask
@@ -62,6 +66,10 @@ class BlockDiffusionLM:
         rows = [input_ids] if isinstance(input_ids[0], int) else list(input_ids)
         if any(len(r) == 0 for r in rows):
             raise InputError("a prompt in the batch is empty; give at least one token per row")
+        bad = next((t for r in rows for t in r if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if bad is not None:
+            raise InputError(f"input_ids must be integer token ids, got {bad!r}; tokenize the text "
+                             "(model.tokenizer.encode) or pass lists of ints")
         width = max(len(r) for r in rows)
         pad = self.generation_defaults.get("pad_token_id", 0) or 0
         ids = torch.full((len(rows), width), pad, dtype=torch.long)

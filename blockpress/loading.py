@@ -61,8 +61,30 @@ def resolve_path(model: str | Path, progress: bool = True) -> Path:
                               "pass a local folder") from None
 
 
+def parse_device(device: str | torch.device | None) -> torch.device:
+    """None -> cuda when available, else cpu; a device torch cannot use here is an InputError naming why."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"device {str(device)!r} asked for, but torch sees no CUDA GPU here "
+                             f"(torch {torch.__version__}, torch.cuda.is_available() is False); use device 'cpu', "
+                             "or install a CUDA build of torch on a machine with a GPU")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InputError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible "
+                             "(cuda:0 ...)")
+    return dev
+
+
 def parse_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ConfigError(f"dtype {dtype} is not a floating-point type; use float32, bfloat16 or float16 "
+                              "(quantised weights: precision='fp8' or 'int4')")
         return dtype
     if dtype in (None, "auto"):
         if device.type == "cpu":
@@ -106,7 +128,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     config = ModelConfig.from_file(folder / "config.json")
     gen_path = folder / "generation_config.json"
     gen_defaults = _checkpoint_generation_defaults(gen_path, config.text.vocab_size) if gen_path.is_file() else {}
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = parse_device(device)
     dt = parse_dtype(dtype, config, dev)
     files = find_weight_files(folder)
     with torch.device("meta"):
@@ -134,6 +156,7 @@ def from_config(config: ModelConfig | dict, device="cpu", dtype=torch.float32, s
         config = ModelConfig.from_dict(config)
     if seed is not None:
         torch.manual_seed(seed)
+    device = parse_device(device)
     with torch.device(device):
         module = DiffusionGemmaModel(config).to(dtype)
     module.reset_parameters(init_std if init_std is not None else config.text.initializer_range)

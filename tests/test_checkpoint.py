@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import blockpress
-from blockpress.errors import CheckpointError, ConfigError
+from blockpress.errors import CheckpointError, ConfigError, InputError
 from hf_oracle import build_hf_model, hf_config
 
 transformers = pytest.importorskip("transformers")
@@ -164,6 +164,18 @@ def test_clear_errors_for_bad_checkpoints(hf_tiny_dir, tmp_path, capsys):
     next(sh.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(CheckpointError, match="shard"):
         blockpress.load(sh, progress=False)
+    # devices and dtypes torch cannot use here: one line naming why
+    with pytest.raises(InputError, match="unknown device 'tpu:0'"):
+        blockpress.load(path, device="tpu:0", progress=False)
+    with pytest.raises(ConfigError, match="not a floating-point type"):
+        blockpress.load(path, dtype=torch.int8, progress=False)
+    import unittest.mock
+
+    with unittest.mock.patch("torch.cuda.is_available", return_value=False):
+        with pytest.raises(InputError, match="torch sees no CUDA GPU here"):
+            blockpress.load(path, device="cuda", progress=False)
+        with pytest.raises(InputError, match="torch sees no CUDA GPU here"):
+            blockpress.from_config(json.loads((Path(path) / "config.json").read_text()), device="cuda:1")
     # a bad generation_config.json is named at load, not blamed on a later generate()
     for i, (text, needle) in enumerate((('{"entropy_bound": -1}', "entropy_bound=-1"),
                                         ('{"eos_token_id": [1, 512]}', r"eos_token_id=512: .*\[0, 512\)"),

@@ -135,6 +135,10 @@ def test_invalid_inputs_get_clear_errors(bp):
         bp.generate(torch.tensor([[5, 600]]))
     with pytest.raises(InputError, match="empty"):
         bp.generate([])
+    with pytest.raises(InputError, match="integer token ids, got a torch.float32 tensor"):
+        bp.generate(x.float())
+    with pytest.raises(InputError, match="integer token ids, got 3.5"):
+        bp.generate([[5, 3.5]])
     with pytest.raises(SamplingError, match=r"eos_token_id=512: must be a token id .*\[0, 512\)"):
         bp.generate(x, eos_token_id=[1, 512])
     with pytest.raises(SamplingError, match="pad_token_id=-1"):

@@ -305,7 +305,9 @@ def run(args) -> dict:
 
     from ..errors import InputError
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from ..loading import parse_device
+
+    device = parse_device(args.device)
     if args.prompt is not None and not args.model:
         raise InputError("--prompt needs --model (a checkpoint with a tokenizer); presets use random prompt ids")
     if args.cuda_graphs and device.type != "cuda":

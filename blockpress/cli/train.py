@@ -108,6 +108,7 @@ def build(args):
     from blockpress.train import objective as obj
     from blockpress.train import sizes
     from blockpress.train.data import SudokuSource, build_source
+    from blockpress.config import _read_json
     from blockpress.train.trainer import TrainConfig, latest_checkpoint
 
     out = Path(args.out or f"runs/{Path(args.data).stem}")
@@ -140,7 +141,7 @@ def build(args):
         if task:
             from blockpress.tasks import sudoku as sd
 
-            cfg = json.loads(Path(args.config).read_text()) if args.config else \
+            cfg = _read_json(Path(args.config), "--config") if args.config else \
                 sizes.model_config(args.size, vocab_size=len(sd.VOCAB), canvas_length=sd.CANVAS_LEN,
                                    context=sd.PROMPT_LEN if args.sudoku_format == "prompt" else 1)
         else:
@@ -149,10 +150,10 @@ def build(args):
             from blockpress.tokenizer import Tokenizer
 
             tok = Tokenizer.from_dir(args.tokenizer)
-            cfg = json.loads(Path(args.config).read_text()) if args.config else \
+            cfg = _read_json(Path(args.config), "--config") if args.config else \
                 sizes.model_config(args.size, vocab_size=tok.vocab_size, canvas_length=args.canvas_length,
                                    context=args.context)
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = args.device
         lm = blockpress.from_config(cfg, device=device, seed=args.seed)
         if not task and args.tokenizer:
             lm.path = Path(args.tokenizer)

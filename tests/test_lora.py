@@ -181,3 +181,50 @@ def test_cli_run_with_adapter_attached_or_merged(tmp_path, capsys):
     assert code == 2 and "--merge-adapter needs --adapter" in err
     code, err = run("--adapter", str(tmp_path))
     assert code == 2 and "not a LoRA adapter folder" in err
+
+
+def test_broken_or_foreign_adapters_are_clear_errors(adapter, tmp_path):
+    """A config whose r disagrees with the weights, a truncated safetensors, invalid JSON, or an adapter
+    trained on a model with another vocabulary (same layer shapes: it would load and write noise) is a
+    CheckpointError naming the problem, and the model is left untouched."""
+    import shutil
+
+    path, _, out, _ = adapter
+    cases = {}
+    d = cases["rank"] = tmp_path / "rank"
+    shutil.copytree(out, d)
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "r": 8}))
+    d = cases["truncated"] = tmp_path / "truncated"
+    shutil.copytree(out, d)
+    data = (d / "adapter_model.safetensors").read_bytes()
+    (d / "adapter_model.safetensors").write_bytes(data[:100])
+    d = cases["json"] = tmp_path / "json"
+    shutil.copytree(out, d)
+    (d / "adapter_config.json").write_text("{r: 4")
+    d = cases["vocab"] = tmp_path / "vocab"
+    shutil.copytree(out, d)
+    other = tmp_path / "other_base"
+    other.mkdir()
+    base_cfg = json.loads((path / "config.json").read_text())
+    base_cfg["text_config"]["vocab_size"] = 1024
+    (other / "config.json").write_text(json.dumps(base_cfg))
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": str(other)}))
+    from safetensors.torch import load_file, save_file
+
+    d = cases["late"] = tmp_path / "late"  # only the last layer is wrong: nothing may be merged before the check
+    shutil.copytree(out, d)
+    sd = load_file(d / "adapter_model.safetensors")
+    last = sorted(k for k in sd if "lora_A" in k and k.startswith(L.DEC))[-1]
+    sd[last] = torch.zeros(sd[last].shape[0], sd[last].shape[1] + 1)
+    save_file(sd, d / "adapter_model.safetensors")
+    needles = {"rank": "says r=8 but the weights for .* have rank 4", "truncated": "not a readable safetensors",
+               "late": "features, this model's layer maps",
+               "json": "not valid JSON", "vocab": "trained on .*other_base \\(vocabulary 1024\\).* is 512"}
+    fresh = blockpress.load(path, progress=False)
+    before = {k: v.clone() for k, v in fresh.module.state_dict().items()}
+    for name, folder in cases.items():
+        with pytest.raises(blockpress.CheckpointError, match=needles[name]):
+            L.apply_adapter(fresh, folder, merge=True)
+    after = fresh.module.state_dict()
+    assert set(after) == set(before) and all(torch.equal(before[k], after[k]) for k in before)

@@ -131,7 +131,9 @@ def build(args):
         from blockpress.train.lora import LoraSpec
 
         lora = LoraSpec(rank=args.lora, alpha=args.lora_alpha or 2.0 * args.lora,
-                        targets=tuple(args.lora_targets.split(",")))
+                        targets=tuple(args.lora_targets.split(",")),
+                        base_model=str(Path(args.model).resolve()) if args.model and Path(args.model).is_dir()
+                        else args.model)
     if args.model:
         lm = blockpress.load(resume_ck if (resume_ck and lora is None) else args.model, device=args.device,
                              dtype="float32", progress=False)

@@ -158,6 +158,10 @@ class TextSource(ListSource):
             k = rng.randint(lo, hi)
             if len(ids) > k and (k > 0 or bos is not None):
                 exs.append((([bos] if bos is not None else []) + ids[:k], ids[k:]))
+        if docs and not exs:
+            raise InputError(f"none of the {len(docs)} document(s) in {path} is longer than its prompt part "
+                             f"(--prompt-tokens {lo} {hi}); give longer documents (separated by blank lines) "
+                             "or lower --prompt-tokens")
         super().__init__(exs, batch_size, seed)
 
 

@@ -25,6 +25,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ class LoraSpec:
     rank: int = 8
     alpha: float = 16.0
     targets: tuple[str, ...] = tuple(PROJ)
+    base_model: str | None = None  # written as base_model_name_or_path: the model the adapter was trained on
 
     @property
     def scale(self) -> float:
@@ -111,7 +113,7 @@ def save_adapter(module: nn.Module, path: str | Path, spec: LoraSpec | None = No
         "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "target_modules": rf".*model\.(decoder|encoder\.language_model)\.layers\.\d+\.({layers})",
-        "base_model_name_or_path": base_model, "revision": None,
+        "base_model_name_or_path": base_model or spec.base_model, "revision": None,
     }
     write_atomic(Path(path), {"adapter_config.json": json.dumps(config, indent=2),
                               "adapter_model.safetensors": lambda p: save_file(sd, str(p), metadata={"format": "pt"})})
@@ -125,10 +127,19 @@ def _read_adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not cfg_p.is_file() or not w_p.is_file():
         raise CheckpointError(f"{path} is not a LoRA adapter folder (needs adapter_config.json and "
                               "adapter_model.safetensors, as PEFT writes)")
-    cfg = json.loads(cfg_p.read_text())
+    try:
+        cfg = json.loads(cfg_p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_p} is not valid JSON ({e}); re-download or re-save the adapter") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_p} must contain a JSON object; re-download or re-save the adapter")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{path} holds a {cfg.get('peft_type')} adapter; blockpress loads LoRA adapters only")
-    return cfg, load_file(str(w_p))
+    try:
+        return cfg, load_file(str(w_p))
+    except Exception as e:  # safetensors raises its own error type for a bad header or a short file
+        raise CheckpointError(f"{w_p} is not a readable safetensors file ({e}); it may be truncated: re-download "
+                              "or re-save the adapter") from None
 
 
 _KEY = re.compile(r"^(layers\.\d+\.(?:self_attn|mlp)\.\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
@@ -167,6 +178,26 @@ def load_adapter_weights(module: nn.Module, path: str | Path) -> None:
             lin.lora_B.weight.copy_(ab["B"])
 
 
+def _check_base_model(base: Any, module: nn.Module, path: str | Path) -> None:
+    """When the adapter names a base model this machine holds (a folder or a shipped model; a Hub id is not
+    fetched), its vocabulary must be this model's: a text adapter on the Sudoku model (same layer shapes)
+    would otherwise load and write noise."""
+    if not isinstance(base, str) or not base:
+        return
+    from ..loading import SHIPPED_MODELS
+
+    folder = SHIPPED_MODELS.get(base, Path(base))
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    vocab = (raw.get("text_config") or raw).get("vocab_size")
+    have = module.config.text.vocab_size if hasattr(module, "config") else None
+    if isinstance(vocab, int) and have is not None and vocab != have:
+        raise CheckpointError(f"{path} was trained on {base} (vocabulary {vocab}), but this model's vocabulary is "
+                              f"{have}; load the adapter on its base model")
+
+
 def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
     """Load a PEFT LoRA adapter folder into a blockpress model (BlockDiffusionLM or its module).
 
@@ -180,19 +211,32 @@ def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r  # rsLoRA scales by 1/sqrt(r)
     if cfg.get("use_dora"):
         raise CheckpointError("DoRA adapters are not supported; train a plain LoRA adapter")
+    _check_base_model(cfg.get("base_model_name_or_path"), module, path)
     mods = dict(module.named_modules())
-    names = []
+    checked = []  # every layer is checked before any is changed: a bad adapter leaves the model as it was
     for name, ab in ab_all.items():
         lin = mods.get(name)
         if not isinstance(lin, nn.Linear):
             raise CheckpointError(f"adapter targets {name}, which this model does not have; wrong base model?")
         A, B = ab["A"].to(lin.weight), ab["B"].to(lin.weight)
+        if A.dim() != 2 or B.dim() != 2 or A.shape[0] != B.shape[1]:
+            raise CheckpointError(f"adapter weights for {name} have shapes A {list(A.shape)}, B {list(B.shape)}; "
+                                  "expected A [r, in] and B [out, r]")
+        if A.shape[0] != r:
+            raise CheckpointError(f"adapter_config.json says r={r} but the weights for {name} have rank "
+                                  f"{A.shape[0]}; the config and weights do not belong together")
+        if A.shape[1] != lin.in_features or B.shape[0] != lin.out_features:
+            raise CheckpointError(f"adapter weights for {name} map {A.shape[1]} -> {B.shape[0]} features, this "
+                                  f"model's layer maps {lin.in_features} -> {lin.out_features}; the adapter was "
+                                  "trained on another base model")
+        if not merge and hasattr(lin, "lora_A"):
+            raise ValueError(f"{name} already has a LoRA adapter attached")
+        checked.append((name, lin, A, B))
+    for name, lin, A, B in checked:
         if merge:
             with torch.no_grad():
                 lin.weight += scale * (B @ A)
         else:
-            if hasattr(lin, "lora_A"):
-                raise ValueError(f"{name} already has a LoRA adapter attached")
             lin.lora_A = nn.Linear(A.shape[1], A.shape[0], bias=False, device=A.device, dtype=A.dtype)
             lin.lora_B = nn.Linear(B.shape[1], B.shape[0], bias=False, device=B.device, dtype=B.dtype)
             with torch.no_grad():
@@ -202,8 +246,7 @@ def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
             lin.lora_B.weight.requires_grad_(False)
             lin.lora_scale = scale
             lin._lora_handle = lin.register_forward_hook(_hook)
-        names.append(name)
-    return names
+    return [name for name, *_ in checked]
 
 
 def merge_lora(module: nn.Module) -> int:

@@ -289,3 +289,16 @@ def test_text_commands_refuse_a_sudoku_model(sudoku_dir, command, capsys):
     assert cli(argv) == 2
     err = capsys.readouterr().err
     assert "is a Sudoku model" in err and "blockpress run sudoku" in err and "Traceback" not in err
+
+
+def test_eval_refuses_a_model_of_the_other_task(capsys, tmp_path):
+    """eval sudoku on a text model reported 0 % solved; eval infill on the Sudoku model blamed missing
+    passages; a non-UTF-8 passage file was a UnicodeDecodeError traceback."""
+    assert cli(["eval", "sudoku", "--model", "kjv", "--n", "1", "--blanks", "40"]) == 2
+    assert "kjv is not a Sudoku model" in capsys.readouterr().err
+    assert cli(["eval", "infill", "--model", "sudoku", "--n", "1"]) == 2
+    assert "is a Sudoku model: `blockpress eval infill` speaks text" in capsys.readouterr().err
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9\n\nmore text here for a passage\n")
+    assert cli(["eval", "infill", "--data", str(bad), "--n", "1"]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err

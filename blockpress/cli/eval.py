@@ -130,6 +130,13 @@ def main(args) -> int:
     if args.model is None and not (sd.DEFAULT_MODEL_PATH / "config.json").is_file():
         raise sd.SudokuModelMissing(f"no sudoku model at {path}; pass --model DIR")
     lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision, progress=False)
+    from blockpress.tasks import task_info
+
+    if task_info(lm).get("task") != "sudoku":
+        from blockpress.errors import InputError
+
+        raise InputError(f"{path} is not a Sudoku model (its blockpress_task.json does not say task sudoku); leave "
+                         "--model unset for the shipped one, or train one with `blockpress train sudoku`")
     if args.adapter:
         from blockpress.train.lora import apply_adapter
 
@@ -154,11 +161,19 @@ def _infill(args) -> int:
 
     from blockpress.loading import SHIPPED_MODELS, resolve_path
 
+    from .run import refuse_task_model
+
+    def check(data: Path) -> Path:
+        if not data.is_file():
+            raise InputError(f"no passages at {data}; pass --data FILE (passages separated by blank lines)")
+        return data
+
+    if args.data:  # a typo in --data fails before the model loads
+        check(Path(args.data))
     path = resolve_path(args.model, progress=False) if args.model else SHIPPED_MODELS["kjv"]
-    data = Path(args.data) if args.data else path / "eval" / "heldout.txt"
-    if not data.is_file():
-        raise InputError(f"no passages at {data}; pass --data FILE (passages separated by blank lines)")
     lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision, progress=False)
+    refuse_task_model(lm, "eval infill")
+    data = check(Path(args.data) if args.data else path / "eval" / "heldout.txt")
     if args.adapter:
         from blockpress.train.lora import apply_adapter
 

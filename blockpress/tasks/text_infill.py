@@ -29,7 +29,9 @@ class Example:
 
 
 def read_passages(path: str | Path) -> list[str]:
-    text = Path(path).read_text()
+    from ..train.data import read_data_file
+
+    text = read_data_file(Path(path))
     return [p.strip() for p in text.split("\n\n") if p.strip()]
 
 

@@ -172,6 +172,9 @@ def test_chat_jsonl_supervises_only_the_final_assistant_turn(tmp_path):
     assert "and again?<turn|>\n<|turn>model\n" in tok.decode(prompt)
     assert tok.decode(resp) == "yes again<turn|>"
     assert "hello there" in tok.decode(prompt)  # earlier turns are history
+    parts = {"messages": [*rows[0]["messages"][:-1], {"role": "assistant", "content": [
+        {"type": "text", "text": "yes "}, {"type": "text", "text": "again"}]}]}
+    assert chat_example(tok, parts) == (prompt, resp)  # content parts read as their text, in order
     src = ChatJsonlSource(data, tok, batch_size=2)
     assert sorted(map(len, (src.example(0, 0)[1], src.example(0, 1)[1]))) == sorted([len(resp), len(tok.encode("4")) + 1])
     assert cli_main(["train", str(data), "--tokenizer", str(tmp_path / "tok"), "--size", "nano", "--steps", "2",

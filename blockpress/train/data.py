@@ -107,7 +107,9 @@ def chat_example(tokenizer, row: dict, where: str = "a chat row") -> Example:
         msgs = [_message(m, where) for m in msgs]
         if not msgs or msgs[-1].get("role") != "assistant":
             raise InputError(f"{where}: a chat row must end with an assistant message (the supervised turn)")
-        history, answer = msgs[:-1], msgs[-1].get("content", "")
+        history, answer = msgs[:-1], msgs[-1].get("content") or ""
+        if isinstance(answer, list):  # content parts: the text ones, in order
+            answer = "".join(p.get("text", "") for p in answer if isinstance(p, dict) and p.get("type") == "text")
         prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
     elif "prompt" in row and "completion" in row:
         answer = row["completion"]

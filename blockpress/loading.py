@@ -7,6 +7,7 @@ once from the memory-mapped safetensors, converted straight to the target device
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -110,6 +111,61 @@ def _checkpoint_generation_defaults(path: Path, vocab_size: int) -> dict:
         raise ConfigError(f"{path}: {e}; fix it or delete it to use the reference defaults") from None
     return defaults
 
+def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native", group_size: int = 64) -> int:
+    """Bytes the weights of a (meta-device) module will take once loaded: expert tensors in fp8 (1 byte
+    per weight + an fp32 scale per output row) or int4 (half a byte + a `dtype` scale per group, as
+    kernels/quant.py stores them), everything else in `dtype`."""
+    from .kernels.quant import group_for
+
+    item = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name, p in module.named_parameters():
+        if precision != "native" and ".experts." in name and p.dim() == 3:
+            E, O, I = p.shape
+            total += p.numel() + E * O * 4 if precision == "fp8" else \
+                p.numel() // 2 + E * O * (I // group_for(I, group_size)) * item
+        else:
+            total += p.numel() * item
+    return total
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Memory free for the weights on `device`: the GPU's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
+def check_memory(module, device: torch.device, dtype: torch.dtype, precision: str, group_size: int) -> None:
+    """Refuse, before reading any weight, a load that cannot fit: name what it needs, what is free, and
+    the precisions that would fit. BLOCKPRESS_SKIP_MEMORY_CHECK=1 skips it (e.g. with swap)."""
+    if os.environ.get("BLOCKPRESS_SKIP_MEMORY_CHECK") == "1":
+        return
+    free = _free_bytes(device)
+    need = estimated_weight_bytes(module, dtype, precision, group_size)
+    if free is None or need <= free:
+        return
+    gib = 2 ** 30
+    options = []
+    for prec in ("fp8", "int4"):
+        if prec != precision:
+            n = estimated_weight_bytes(module, dtype, prec, group_size)
+            options.append(f"precision {prec} needs ~{n / gib:.1f} GiB" + (" (fits)" if n <= free else ""))
+    if dtype.itemsize > 2:
+        n = estimated_weight_bytes(module, torch.bfloat16, precision, group_size)
+        options.append(f"dtype bfloat16 needs ~{n / gib:.1f} GiB" + (" (fits)" if n <= free else ""))
+    raise InputError(f"the weights need ~{need / gib:.1f} GiB ({str(dtype).removeprefix('torch.')}, precision "
+                     f"{precision}) but {device} has {free / gib:.1f} GiB free; " + "; ".join(options)
+                     + " (--precision / --dtype on the command line; BLOCKPRESS_SKIP_MEMORY_CHECK=1 to try anyway)")
+
+
 def load(model: str | Path, device: str | torch.device | None = None, dtype=None, progress: bool = True,
          tokenizer: bool = True, precision: str = "native", group_size: int = 64) -> BlockDiffusionLM:
     """Load a DiffusionGemma checkpoint (folder or Hub id) for generation.
@@ -133,6 +189,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     files = find_weight_files(folder)
     with torch.device("meta"):
         module = DiffusionGemmaModel(config)
+    check_memory(module, dev, dt, precision, group_size)
     on_loaded = None
     if precision != "native":
         from .kernels.quant import streaming_quantizer

@@ -208,3 +208,46 @@ def test_save_is_atomic_on_failure(hf_tiny_dir, tmp_path, monkeypatch):
         bp.save(target)
     assert (target / "model.safetensors").read_bytes() == before  # old checkpoint intact
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no temp leftovers
+
+
+@pytest.mark.parametrize("precision", ["native", "fp8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_bytes_estimate_is_exact(hf_tiny_dir, precision, dtype):
+    """The estimate the memory check uses (from the meta-device module, before any weight is read) equals
+    the bytes of the loaded weights, quantised experts included."""
+    from blockpress.kernels.quant import QuantizedExperts
+    from blockpress.loading import estimated_weight_bytes
+    from blockpress.model.diffusion_gemma import DiffusionGemmaModel
+
+    path, _ = hf_tiny_dir
+    lm = blockpress.load(path, progress=False, precision=precision, dtype=dtype, group_size=16)
+    real = sum(p.numel() * p.element_size() for p in lm.module.parameters())
+    real += sum(b.numel() * b.element_size() for m in lm.module.modules() if isinstance(m, QuantizedExperts)
+                for b in m.buffers())
+    with torch.device("meta"):
+        meta = DiffusionGemmaModel(lm.config)
+    assert estimated_weight_bytes(meta, dtype, precision, group_size=16) == real
+
+
+def test_a_load_that_cannot_fit_is_refused_before_reading_weights(hf_tiny_dir, monkeypatch):
+    """A model too big for the free memory is refused up front with what it needs, what is free and the
+    precisions that would fit (a 26B model in bf16 on a 24 GB card would otherwise die mid-load)."""
+    import blockpress.loading as loading
+    from blockpress.model.diffusion_gemma import DiffusionGemmaModel
+
+    path, _ = hf_tiny_dir
+    cfg = blockpress.config.ModelConfig.from_file(Path(path) / "config.json")
+    with torch.device("meta"):
+        meta = DiffusionGemmaModel(cfg)
+    need = loading.estimated_weight_bytes(meta, torch.float32, "native")
+    int4 = loading.estimated_weight_bytes(meta, torch.float32, "int4")
+    monkeypatch.setattr(loading, "_free_bytes", lambda device: (need + int4) // 2)  # int4 fits, fp32 does not
+    read = []
+    monkeypatch.setattr(loading, "load_weights", lambda *a, **k: read.append(1))
+    with pytest.raises(InputError, match=r"the weights need ~.* GiB \(float32, precision native\) but cpu has .* "
+                                         r"free; .*precision int4 needs ~.* GiB \(fits\)"):
+        blockpress.load(path, progress=False, dtype="float32")
+    assert not read  # refused before any weight was read
+    monkeypatch.setenv("BLOCKPRESS_SKIP_MEMORY_CHECK", "1")
+    blockpress.load(path, progress=False, dtype="float32")
+    assert read == [1]

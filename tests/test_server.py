@@ -613,6 +613,14 @@ def test_queue_full_is_429_and_api_key(lm):
     err = asyncio.run(twice())
     assert err.status == 429 and err.type == "rate_limit_error"
 
+    # n choices are admitted all or none: a queue with room for 2 refuses n=3 and frees the 2 it took
+    serving3 = OpenAIServing(lm, Scheduler(lm.module, lm.canvas_length, queue_size=2), "tiny")
+    with pytest.raises(APIError) as e3:
+        asyncio.run(serving3.chat(ChatCompletionRequest(messages=MSG, n=3)))
+    assert e3.value.status == 429
+    waiting = serving3.scheduler._waiting
+    assert len(waiting) == 2 and all(h.cancelled for h in waiting)
+
     app = create_app(serving, Metrics(), api_key="sekret")
 
     async def calls():

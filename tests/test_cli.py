@@ -302,3 +302,19 @@ def test_eval_refuses_a_model_of_the_other_task(capsys, tmp_path):
     bad.write_bytes(b"caf\xe9\n\nmore text here for a passage\n")
     assert cli(["eval", "infill", "--data", str(bad), "--n", "1"]) == 2
     assert "is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_serve_checks_its_address_before_loading_the_model(capsys, monkeypatch):
+    """A port in use was reported by uvicorn only after the model had loaded (minutes for a big one)."""
+    import socket
+
+    import blockpress.cli.serve as serve_mod
+
+    monkeypatch.setattr(serve_mod, "load_model", lambda args: pytest.fail("the model loaded first"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert cli(["serve", "kjv", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "pick another --port" in err

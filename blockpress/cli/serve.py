@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 
-from .run import _positive_int, add_model_args, add_sampling_args, load_model, refuse_task_model, sampling_kwargs
+from .run import _int_in, _positive_int, add_model_args, add_sampling_args, load_model, refuse_task_model, sampling_kwargs
 
 
 def add_parser(p) -> None:
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("BLOCKPRESS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $BLOCKPRESS_API_KEY)")
     p.add_argument("--served-model-name", help="model id clients use (default: the folder name or Hub id)")
@@ -41,8 +41,31 @@ def add_parser(p) -> None:
     add_sampling_args(p, seed=False)
 
 
+def _check_address(host: str, port: int) -> None:
+    """Fail before the model loads (minutes for a big one) when the address cannot be bound."""
+    import socket
+
+    from ..errors import InputError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise InputError(f"cannot resolve --host {host!r} ({e.strerror}); use an address such as 127.0.0.1 "
+                         "or 0.0.0.0") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise InputError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port, or stop the "
+                             "process using it") from None
+
+
 def main(args) -> int:
     import uvicorn
+
+    _check_address(args.host, args.port)
 
     from ..server.app import create_app
     from ..server.metrics import Metrics

@@ -97,7 +97,6 @@ def parse_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dtype
     return DTYPES[str(dtype)]
 
 
-
 def _checkpoint_generation_defaults(path: Path, vocab_size: int) -> dict:
     """The sampler defaults a checkpoint's generation_config.json sets, validated once here so that a bad
     file is named at load time, not blamed on a later generate() call."""
@@ -110,6 +109,7 @@ def _checkpoint_generation_defaults(path: Path, vocab_size: int) -> dict:
     except SamplingError as e:
         raise ConfigError(f"{path}: {e}; fix it or delete it to use the reference defaults") from None
     return defaults
+
 
 def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native", group_size: int = 64) -> int:
     """Bytes the weights of a (meta-device) module will take once loaded: expert tensors in fp8 (1 byte

@@ -458,13 +458,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=_positive_int_list, default="1", help="comma-separated batch sizes, e.g. 1,2,4,8")
     p.add_argument("--modes", default="fixed,adaptive", help="fixed (no early stop) and/or adaptive")
     p.add_argument("--no-reference", dest="reference", action="store_false", help="skip transformers")
-    p.add_argument("--reference-batch", type=_positive_int_list, default="1", help="batch sizes for the transformers runs")
+    p.add_argument("--reference-batch", type=_positive_int_list, default="1",
+                   help="batch sizes for the transformers runs")
     p.add_argument("--no-ar", dest="ar", action="store_false", help="skip the autoregressive baseline")
     p.add_argument("--ar-batch", type=_positive_int_list, default="1", help="batch sizes for the AR baseline")
     p.add_argument("--ar-tokens", type=_positive_int, help="tokens for the AR baseline (default: --new-tokens)")
     p.add_argument("--warmup", type=_nonneg_int, default=1)
     p.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per setting (median reported)")
-    p.add_argument("--threads", type=_positive_int, metavar="N", help="torch CPU threads (1 is steadier on a shared machine)")
+    p.add_argument("--threads", type=_positive_int, metavar="N",
+                   help="torch CPU threads (1 is steadier on a shared machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-std", type=float, default=0.02, help="std of the random weights")
     p.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth for the floor (default: measured copy)")

@@ -39,7 +39,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="sudoku: puzzles per blanks level (default 50); infill: passages (default 200)")
     p.add_argument("--blanks", type=_int_in(0, 64), nargs="+", default=None,
                    help="blanks levels, 0..64 (a unique puzzle keeps >= 17 clues; default 35 40 45 50 55)")
-    p.add_argument("--steps", type=_positive_int, nargs="+", default=None, help="fixed denoising-step budgets to compare")
+    p.add_argument("--steps", type=_positive_int, nargs="+", default=None,
+                   help="fixed denoising-step budgets to compare")
     p.add_argument("--batch-size", type=_positive_int, default=50)
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--repair", type=_nonneg_int, default=0, metavar="R",

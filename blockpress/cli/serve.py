@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-from .run import _int_in, _positive_int, add_model_args, add_sampling_args, load_model, refuse_task_model, sampling_kwargs
+from .run import (_int_in, _positive_int, add_model_args, add_sampling_args, load_model, refuse_task_model,
+                  sampling_kwargs)
 
 
 def add_parser(p) -> None:

@@ -89,7 +89,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "(the clues are held on the canvas, only the blanks are denoised; solve() then "
                         "holds them with fixed_tokens)")
     lo = p.add_argument_group("LoRA")
-    lo.add_argument("--lora", type=_nonneg_int, default=0, metavar="RANK", help="train LoRA adapters of this rank (0: full fine-tuning)")
+    lo.add_argument("--lora", type=_nonneg_int, default=0, metavar="RANK",
+                    help="train LoRA adapters of this rank (0: full fine-tuning)")
     lo.add_argument("--lora-alpha", type=_float_in(0, strict=True), default=None, help="default 2*rank")
     lo.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
 

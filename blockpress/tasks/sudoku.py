@@ -887,9 +887,9 @@ def solve(puzzle: str, model: Any = None, *, samples: int | None = None, repair:
     """The 81-digit solution a DiffusionGemma sudoku model predicts for one puzzle.
 
     model: a loaded blockpress model, or a Sudoku checkpoint folder (loaded once per process; default: the
-    shipped model, DEFAULT_MODEL_PATH; raises SudokuModelMissing, a RuntimeError, if none is installed). samples: candidates denoised side by side,
-    the one that breaks no rule (else the fewest cells) kept; None = the model's default. repair: rounds
-    of re-denoising the cells that break a rule (see `solve_batch`). Neither looks at a solution; the
-    result is not verified: use `check(puzzle, result)`.
+    shipped model, DEFAULT_MODEL_PATH; raises SudokuModelMissing, a RuntimeError, if none is installed).
+    samples: candidates denoised side by side, the one that breaks no rule (else the fewest cells) kept;
+    None = the model's default. repair: rounds of re-denoising the cells that break a rule (see
+    `solve_batch`). Neither looks at a solution; the result is not verified: use `check(puzzle, result)`.
     """
     return solve_batch([puzzle], model, samples=samples, repair=repair, **sampling)[0]

@@ -131,13 +131,7 @@ def main(args) -> int:
     if args.model is None and not (sd.DEFAULT_MODEL_PATH / "config.json").is_file():
         raise sd.SudokuModelMissing(f"no sudoku model at {path}; pass --model DIR")
     lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision, progress=False)
-    from blockpress.tasks import task_info
-
-    if task_info(lm).get("task") != "sudoku":
-        from blockpress.errors import InputError
-
-        raise InputError(f"{path} is not a Sudoku model (its blockpress_task.json does not say task sudoku); leave "
-                         "--model unset for the shipped one, or train one with `blockpress train sudoku`")
+    sd.require_sudoku_model(lm, path)
     if args.adapter:
         from blockpress.train.lora import apply_adapter
 

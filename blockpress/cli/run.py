@@ -27,36 +27,28 @@ EXAMPLE_SUDOKU = "53007000060019500009800006080006000340080300170002000606000028
 
 
 # ----------------------------------------------------------------------------- flag types
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
-
-
-def _int_in(lo: int, hi: int):
-    def parse(s: str) -> int:
+def _int_flag(what: str, lo: int, hi: int | None = None, allow_none: bool = False):
+    """An argparse type: an integer in [lo, hi] (or "none" when allowed), else "expected <what>, got ..."."""
+    def parse(s: str):
+        if allow_none and s.lower() == "none":
+            return None
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {s!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {v}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
         return v
     return parse
+
+
+_positive_int = _int_flag("a positive integer", 1)
+_nonneg_int = _int_flag("an integer >= 0", 0)
+_int_or_none = _int_flag("an integer >= 0 or none", 0, allow_none=True)
+
+
+def _int_in(lo: int, hi: int):
+    return _int_flag(f"an integer in {lo}..{hi}", lo, hi)
 
 
 def _positive_int_list(s: str) -> str:
@@ -79,18 +71,6 @@ def _float_in(lo: float, strict: bool, allow_none: bool = False):
             raise argparse.ArgumentTypeError(f"expected a finite number {'>' if strict else '>='} {lo:g}, got {s}")
         return v
     return parse
-
-
-def _int_or_none(s: str):
-    if s.lower() == "none":
-        return None
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or none, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or none, got {v}")
-    return v
 
 
 # ----------------------------------------------------------------------------- shared flags

@@ -691,6 +691,15 @@ def format_report(results: dict[str, Any]) -> str:
 
 
 # ============================================================================= model entry points
+def require_sudoku_model(lm: Any, name: Any) -> None:
+    """InputError unless `lm`'s blockpress_task.json says task sudoku (a text model would be scored as noise)."""
+    from . import task_info
+
+    if task_info(lm).get("task") != "sudoku":
+        raise InputError(f"{name} is not a Sudoku model (its blockpress_task.json does not say task sudoku); leave "
+                         "the model unset for the shipped one, or train one with `blockpress train sudoku`")
+
+
 _LOADED: dict[str, Any] = {}  # models solve() loaded from a path, kept: a loop of solve() calls loads once
 
 
@@ -712,12 +721,10 @@ def _resolve_model(model: Any) -> Any:
     key = str(path)
     if key not in _LOADED:
         import blockpress  # lazy: pulls in torch and the model code
-        from . import task_info
 
         lm = blockpress.load(path, progress=sys.stderr.isatty())
-        if model is not None and task_info(lm).get("task") != "sudoku":
-            raise InputError(f"{model} is not a Sudoku model (its blockpress_task.json does not say task sudoku); "
-                             "leave model unset for the shipped one, or train one with `blockpress train sudoku`")
+        if model is not None:
+            require_sudoku_model(lm, model)
         _LOADED[key] = lm
     return _LOADED[key]
 

@@ -53,15 +53,17 @@ case "$PART" in
   bf16)
     bench bf16-base --batch 1 --modes fixed --experts grouped --attention sdpa_gqa
     bench bf16-fast --batch 1,2,4,8 --modes fixed --experts $FAST --attention sdpa_gqa --sampler fast $GPU_FLAGS \
-      --no-reference --no-ar
+      --no-reference --no-ar --profile
     bench bf16-fused --batch 1 --modes fixed --experts $FAST --attention sdpa_gqa --sampler fast $GPU_FLAGS \
       --fuse-commit --no-reference --no-ar
     ;;
   quant)
-    bench fp8 --batch 1,4 --precision fp8 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference --no-ar
+    bench fp8 --batch 1,4 --precision fp8 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference --no-ar \
+      --profile
     [ "$CUDA" = 1 ] && bench fp8-scaled-mm --batch 1 --precision fp8 --modes fixed --experts scaled_mm --sampler fast $GPU_FLAGS \
       --no-reference --no-ar
-    bench int4 --batch 1,4 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference --no-ar
+    bench int4 --batch 1,4 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference --no-ar \
+      --profile
     bench int4-topk --batch 1 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --sc-topk 64 \
       --fuse-commit --no-reference --no-ar
     ;;
@@ -83,4 +85,17 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/*.json")):
               f"{f(r, 'tok_s', '.0f')} | {f(r, 'tok_s_excl_prompt', '.0f')} | {f(r, 'ms_per_step', '.2f')} | "
               f"{f(r, 'ms_per_commit', '.2f')} | {f(r, 'floor_fraction', '.2f')} | {f(r, 'achieved_gbs', '.0f')} | "
               f"{f(r, 'peak_mem_bytes', '.1f', 1e-9)} |")
+profiles = [(path.split('/')[-1][:-5], json.load(open(path)).get("profile")) for path in sorted(glob.glob(f"{sys.argv[1]}/*.json"))]
+profiles = [(n, p) for n, p in profiles if p]
+if profiles:  # where a step's time goes (eager kernels, --profile): the answer when a target is missed
+    parts = ["experts", "attention", "decoder, rest", "sampler"]
+    classes = ["dense GEMM", "norm", "other"]
+    print("\n| run (B, eager) | wall ms/step | busy | gap | " + " | ".join(parts) + " | experts GB/s | "
+          + " | ".join(f"kernels: {c}" for c in classes) + " |")
+    print("|---|" + "---:|" * (4 + len(parts) + len(classes)))
+    for n, p in profiles:
+        print(f"| {n} (B={p.get('batch')}) | {p['wall_ms_per_step']:.2f} | {p['busy_ms_per_step']:.2f} | "
+              f"{p['gap_ms_per_step']:.2f} | " + " | ".join(f"{p['by_part_ms'].get(c, 0):.2f}" for c in parts) +
+              f" | {p.get('experts_achieved_gbs', 0):.0f} | " +
+              " | ".join(f"{p['by_class_ms'].get(c, 0):.2f}" for c in classes) + " |")
 EOF

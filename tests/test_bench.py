@@ -151,3 +151,40 @@ def test_bench_fuse_commit_times_the_fused_pass_and_keeps_the_tokens(capsys):
     plain = generation_floor_seconds(module, 1, 8, 32, 16, 3, 1e10)
     fused = generation_floor_seconds(module, 1, 8, 32, 16, 3, 1e10, fuse_commit=True)
     assert fused < plain
+
+
+def test_bench_profile_splits_a_step_by_kernel_class(capsys):
+    """--profile: the steps after the first of one canvas, at the first batch size; the classes add up to the
+    busy time, the exact sampler's draws and the GEMMs are where they belong, the top list is sorted."""
+    assert cli_main(["bench", *FAST, "--modes", "fixed", "--no-reference", "--no-ar", "--batch", "2,1",
+                     "--profile"]) == 0
+    out = capsys.readouterr().out
+    p = json.loads(out.strip().splitlines()[-1])["profile"]
+    assert "step profile" in out and p["batch"] == 2 and p["steps_profiled"] == 2  # --steps 3, the first left out
+    assert sum(p["by_class_ms"].values()) == pytest.approx(p["busy_ms_per_step"])
+    assert p["by_class_ms"]["dense GEMM"] > 0 and p["by_class_ms"]["sampler"] > 0
+    # the code ranges: experts and attention inside the decoder pass, the sampler outside it; they add up
+    total = p["busy_ms_per_step"] if p["parts_add_up_to"] == "busy" else p["wall_ms_per_step"]
+    assert sum(p["by_part_ms"].values()) == pytest.approx(total, rel=1e-6)
+    assert all(p["by_part_ms"][part] > 0 for part in ("experts", "attention", "decoder, rest", "sampler"))
+    assert p["experts_achieved_gbs"] > 0
+    assert p["wall_ms_per_step"] >= p["busy_ms_per_step"] * 0.5
+    times = [k["ms_per_step"] for k in p["top"]]
+    assert times == sorted(times, reverse=True) and len(times) <= 12
+    assert cli_main(["bench", *FAST, "--steps", "1", "--no-reference", "--no-ar", "--profile"]) == 2
+    assert "--steps 2 or more" in capsys.readouterr().err
+
+
+def test_kernel_classes_of_hopper_kernel_names():
+    from blockpress.kernels.profile import kernel_class
+
+    assert kernel_class("_moe_up_kernel") == "experts"
+    assert kernel_class("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::"
+                        "GroupProblemShape<...>>>") == "experts"  # torch._grouped_mm
+    assert kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1") == \
+        "dense GEMM"
+    assert kernel_class("nvjet_hsh_192x192_64x3_2x1_v_bz_coopA_TNT") == "dense GEMM"
+    assert kernel_class("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64>>") == "attention"
+    assert kernel_class("_fused_sampler_kernel") == "sampler"
+    assert kernel_class("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>") == "other"
+    assert kernel_class("aten::_fused_rms_norm") == "norm"

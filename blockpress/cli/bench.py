@@ -310,6 +310,9 @@ def run(args) -> dict:
     device = parse_device(args.device)
     if args.prompt is not None and not args.model:
         raise InputError("--prompt needs --model (a checkpoint with a tokenizer); presets use random prompt ids")
+    if args.profile and args.steps < 2:
+        raise InputError("--profile leaves out a canvas's first step (it follows the prompt's encoding), so it "
+                         "needs --steps 2 or more")
     if args.cuda_graphs and device.type != "cuda":
         raise InputError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
     if args.threads:
@@ -386,6 +389,14 @@ def run(args) -> dict:
     if graphs is not None:
         graphs.uninstall()
         graphs = None
+    if args.profile:  # eager kernels (a CUDA graph's replay hides them), first batch size, fixed steps
+        from ..kernels.profile import print_profile, profile_steps
+
+        B = batches[0]
+        result["profile"] = profile_steps(module, prompt_ids(B).to(device), _gen_config("fixed", args), C,
+                                          sampler=args.sampler)
+        result["profile"]["batch"] = B
+        print_profile(result["profile"], f"B={B}")
     ref_ok = args.reference and args.precision == "native"
     if args.reference and not ref_ok:
         result["reference_skipped"] = "transformers runs only on native-precision weights here"
@@ -446,6 +457,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
     p.add_argument("--cuda-graphs", action="store_true", help="replay the denoising step from a CUDA graph")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one canvas's denoising steps (first batch size, eager): time per step by "
+                        "kernel class, top kernels, experts' achieved GB/s (JSON key 'profile')")
     p.add_argument("--fuse-commit", action="store_true",
                    help="encode each committed canvas in the next canvas's first denoising pass (one weight read)")
     p.add_argument("--sc-topk", type=_positive_int, default=None, metavar="K",

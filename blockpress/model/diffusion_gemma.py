@@ -92,6 +92,7 @@ class DiffusionGemmaModel(nn.Module):
         # checkpointed: they write the KV cache (spec training.md §4.3).
         self.gradient_checkpointing = False
         self._scales: dict = {}  # (dtype, device) -> sqrt(H) on that device: made once, not copied per pass
+        self._rope_memo: dict = {}  # (start, length, dtype, device) -> rotary tables (see `_rope`)
 
     # helpers ------------------------------------------------------------------------------------
     @property
@@ -102,8 +103,13 @@ class DiffusionGemmaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half(): the memoised rotary tables are stale
+        self._rope_memo.clear()
+        return super()._apply(fn, recurse)
+
     def materialize_buffers(self, device) -> None:
         """Recompute the non-persistent rotary tables (after building on the meta device)."""
+        self._rope_memo.clear()
         for t in (SLIDING, FULL):
             inv = rope_inv_freq(self.text.type_head_dim(t), self.text.rope_parameters[t]).to(device)
             setattr(self, f"inv_freq_{t}", inv)
@@ -155,8 +161,19 @@ class DiffusionGemmaModel(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _rope(self, positions: torch.Tensor, dtype):
-        return {t: rope_cos_sin(getattr(self, f"inv_freq_{t}"), positions, dtype) for t in (SLIDING, FULL)}
+    def _rope(self, start: int, length: int, dtype, device) -> dict:
+        """Rotary tables for positions [start, start + length), per layer type. Every denoising step of a
+        canvas asks for the same span, so the last few spans are kept (a small host-side memo: the
+        tables are a function of the span, dtype and device only; nothing writes to them)."""
+        key = (start, length, dtype, torch.device(device))
+        tables = self._rope_memo.get(key)
+        if tables is None:
+            pos = torch.arange(start, start + length, device=device)
+            tables = {t: rope_cos_sin(getattr(self, f"inv_freq_{t}"), pos, dtype) for t in (SLIDING, FULL)}
+            if len(self._rope_memo) >= 8:
+                self._rope_memo.pop(next(iter(self._rope_memo)))
+            self._rope_memo[key] = tables
+        return tables
 
     def _neg(self, dtype):
         return torch.finfo(dtype).min
@@ -212,8 +229,7 @@ class DiffusionGemmaModel(nn.Module):
             cache.set_padding(T0, pad_mask.to(torch.bool))
         x = self.embed(ids) if inputs_embeds is None else inputs_embeds
         dtype, dev = x.dtype, x.device
-        pos = torch.arange(T0, T0 + S, device=dev)
-        rope = self._rope(pos, dtype)
+        rope = self._rope(T0, S, dtype, dev)
         attn_fn = ATTENTION_BACKENDS[self.attention_backend]
         masks = self._encoder_masks(T0, S, cache, dtype, dev)
         if hidden_states is not None:
@@ -260,7 +276,7 @@ class DiffusionGemmaModel(nn.Module):
             cache.set_padding(T0, pad_mask.to(torch.bool))
         x = torch.cat([self.embed(ids), self.decoder_input(canvas, sc_logits, sc_mask)], dim=1)  # [B, S+C, H]
         dtype, dev = x.dtype, x.device
-        rope = self._rope(torch.arange(T0, T + C, device=dev), dtype)
+        rope = self._rope(T0, S + C, dtype, dev)
         attn_fn = ATTENTION_BACKENDS[self.attention_backend]
         enc_masks = self._encoder_masks(T0, S, cache, dtype, dev)
         dec_masks = self._decoder_masks(T, B, C, cache, dtype, dev)
@@ -311,7 +327,7 @@ class DiffusionGemmaModel(nn.Module):
         T = cache.length
         x = self.decoder_input(canvas, sc_logits, sc_mask)
         dtype, dev = x.dtype, x.device
-        rope = self._rope(torch.arange(T, T + C, device=dev), dtype)
+        rope = self._rope(T, C, dtype, dev)
         attn_fn = ATTENTION_BACKENDS[self.attention_backend]
         masks = self._decoder_masks(T, B, C, cache, dtype, dev)
         if hidden_states is not None:

@@ -1,0 +1,192 @@
+"""Where a denoising step's time goes: per-kernel device times, grouped, against the bytes each group moves.
+
+`profile_steps` runs one canvas of a generation under torch.profiler and keeps the denoising steps after
+the first (no prompt encoding, no commit). It reports, per step:
+- wall time (a host sync per step, from the draft events, so the profile does not hide launch gaps);
+- device busy time (sum of kernel times on CUDA; of the ops' own CPU time on a CPU) and the gap between
+  them (host-side launch/dispatch time a CUDA graph removes);
+- the busy time by class: experts, dense GEMMs, attention, norms, sampler, other (element-wise, copies);
+- the top kernels (name, calls per step, ms per step);
+- the experts' achieved bandwidth (their bytes per step, `roofline.step_bytes`, over their time), so a
+  report can say how far each class is from the memory-bandwidth floor.
+
+The classes come from kernel / op names (first match wins); a kernel the patterns do not know counts as
+"other", so the sum of the classes is always the busy time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import time
+
+import torch
+
+CLASSES = [  # (class, pattern on the lower-cased kernel or op name); order matters
+    ("experts", r"moe|grouped|groupproblemshape|experts"),
+    ("attention", r"flash|fmha|attention|sdpa|attn"),
+    ("sampler", r"sampler|multinomial|exponential|argmax|argsort|sort|cumsum|randint|random|distribution|philox"),
+    ("dense GEMM", r"gemm|matmul|aten::mm|aten::addmm|aten::bmm|aten::linear|cutlass|xmma|cublas|nvjet|sm90_|sm80_"),
+    ("norm", r"norm"),
+]
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, pat in CLASSES:
+        if re.search(pat, low):
+            return cls
+    return "other"
+
+
+PARTS = ("experts", "attention", "decoder, rest", "sampler")  # where in the step, by code range
+
+
+def _device_rows(prof, cuda: bool) -> list[tuple[str, int, float]]:
+    """(name, calls, self time in us) of every kernel (CUDA) or every op with its own CPU time (CPU)."""
+    rows = []
+    for e in prof.key_averages():
+        if e.key.startswith("bp::"):  # our code ranges (and, on CUDA, their GPU-side spans): not kernels
+            continue
+        if cuda:
+            if str(getattr(e, "device_type", "")).split(".")[-1] != "CUDA":
+                continue
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0.0)
+        else:
+            if not e.key.startswith("aten::"):
+                continue
+            us = e.self_cpu_time_total
+        if us > 0:
+            rows.append((e.key, int(e.count), float(us)))
+    return rows
+
+
+def _range_us(prof, name: str, cuda: bool) -> float:
+    """Time inside the code range `name`: its kernels' device time (CUDA) or its CPU wall time (CPU)."""
+    total = 0.0
+    for e in prof.events():
+        if e.name != name or str(getattr(e, "device_type", "CPU")).split(".")[-1] != "CPU":
+            continue
+        total += (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)) if cuda \
+            else e.cpu_time_total
+    return total
+
+
+@contextlib.contextmanager
+def _ranges(module):
+    """Name the experts, attention and decoder-pass code ranges while profiling (the wrappers are removed after,
+    so the timed runs never carry them)."""
+    from torch.profiler import record_function
+
+    from ..model.layers import ATTENTION_BACKENDS
+
+    def named(fn, name):
+        def wrapper(*args, **kwargs):
+            with record_function(name):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    attn_key = module.attention_backend
+    attn_fn = ATTENTION_BACKENDS[attn_key]
+    own_decode = vars(module).get("decode")
+    ATTENTION_BACKENDS[attn_key] = named(attn_fn, "bp::attention")
+    module.decode = named(module.decode, "bp::decode")
+    for layer in module.layers:
+        layer.experts.forward = named(layer.experts.forward, "bp::experts")
+    try:
+        yield
+    finally:
+        ATTENTION_BACKENDS[attn_key] = attn_fn
+        if own_decode is None:
+            del module.decode
+        else:
+            module.decode = own_decode
+        for layer in module.layers:
+            del layer.experts.forward
+
+
+def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: str = "exact",
+                  top: int = 12) -> dict:
+    """Profile the denoising steps 2..N of one canvas (fixed steps) on `ids`; see the module docstring."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..engine import generate as engine
+    from .roofline import step_bytes
+
+    dev = module.device
+    cuda = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities)
+    steps, marks = 0, []
+    cfg = dataclasses.replace(cfg, max_new_tokens=canvas_length)
+    torch.manual_seed(0)
+    started = False
+    with _ranges(module):
+        events = engine.stream(module, ids, cfg, canvas_length, sampler=sampler)
+        try:
+            for ev in events:
+                if isinstance(ev, engine.Draft):
+                    if cuda:
+                        torch.cuda.synchronize(dev)
+                    marks.append(time.perf_counter())
+                    if not started:  # step 1 (after the prompt's encoder pass) is left out
+                        prof.start()
+                        started = True
+                    else:
+                        steps += 1
+                elif isinstance(ev, engine.Commit):
+                    break
+        finally:
+            if started:
+                prof.stop()
+            events.close()
+    if steps == 0:
+        raise ValueError("the profile needs at least 2 denoising steps per canvas (--steps 2 or more)")
+    per_step = 1e3 * steps  # us in total -> ms per step
+    wall_ms = (marks[-1] - marks[0]) * 1e3 / steps
+    rows = _device_rows(prof, cuda)
+    busy_ms = sum(us for _, _, us in rows) / per_step
+    by_class: dict[str, float] = {cls: 0.0 for cls, _ in CLASSES}
+    by_class["other"] = 0.0
+    for name, _, us in rows:
+        by_class[kernel_class(name)] += us / per_step
+    experts, attention, decode = (_range_us(prof, f"bp::{n}", cuda) / per_step for n in ("experts", "attention", "decode"))
+    total = busy_ms if cuda else wall_ms  # what the parts add up to: kernel time (CUDA), wall time (CPU)
+    by_part = {"experts": experts, "attention": attention, "decoder, rest": max(decode - experts - attention, 0.0),
+               "sampler": max(total - decode, 0.0)}
+    kernels = [{"name": name, "class": kernel_class(name), "calls_per_step": calls / steps,
+                "ms_per_step": us / per_step} for name, calls, us in sorted(rows, key=lambda r: -r[2])[:top]]
+    B, T = ids.shape[0], ids.shape[1]
+    expert_bytes = step_bytes(module, B, canvas_length, T)["experts"]
+    out = {"steps_profiled": steps, "wall_ms_per_step": wall_ms, "busy_ms_per_step": busy_ms,
+           "gap_ms_per_step": max(wall_ms - busy_ms, 0.0), "timer": "CUDA kernels" if cuda else "CPU ops (self)",
+           "parts_add_up_to": "busy" if cuda else "wall", "by_part_ms": by_part, "by_class_ms": by_class,
+           "top": kernels, "expert_bytes_per_step": expert_bytes}
+    if experts > 0:
+        out["experts_achieved_gbs"] = expert_bytes / (experts / 1e3) / 1e9
+    return out
+
+
+def print_profile(p: dict, title: str = "") -> None:
+    """Two small tables: time per step by class, then the top kernels."""
+    lines = [f"{title} step profile ({p['timer']}, {p['steps_profiled']} steps): wall {p['wall_ms_per_step']:.2f} ms, "
+             f"busy {p['busy_ms_per_step']:.2f} ms, gap {p['gap_ms_per_step']:.2f} ms per step"]
+    total = (p["busy_ms_per_step"] if p["parts_add_up_to"] == "busy" else p["wall_ms_per_step"]) or 1.0
+    lines.append(f"  {'part of the step':<16} {'ms/step':>9} {'share':>7}   ({p['parts_add_up_to']} time)")
+    for part, ms in p["by_part_ms"].items():
+        lines.append(f"  {part:<16} {ms:9.3f} {ms / total:7.1%}")
+    busy = p["busy_ms_per_step"] or 1.0
+    lines.append(f"  {'kernel class':<16} {'ms/step':>9} {'share':>7}   (busy time)")
+    for cls, ms in sorted(p["by_class_ms"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {cls:<16} {ms:9.3f} {ms / busy:7.1%}")
+    if "experts_achieved_gbs" in p:
+        lines.append(f"  experts: {p['expert_bytes_per_step'] / 1e9:.3f} GB per step at "
+                     f"{p['experts_achieved_gbs']:.0f} GB/s")
+    lines.append(f"  {'top kernels':<70} {'class':<11} {'calls':>6} {'ms/step':>9}")
+    for k in p["top"]:
+        name = k["name"] if len(k["name"]) <= 70 else k["name"][:67] + "..."
+        lines.append(f"  {name:<70} {k['class']:<11} {k['calls_per_step']:6.1f} {k['ms_per_step']:9.3f}")
+    print("\n".join(lines))

@@ -1,0 +1,81 @@
+"""The one-call RMSNorm and the folded-sign RoPE against their plain references (bit for bit on CPU),
+and the memoised rotary tables (same tables as made fresh; dropped when the module moves)."""
+
+import pytest
+import torch
+
+from blockpress.config import FULL, SLIDING, ModelConfig
+from blockpress.model.diffusion_gemma import DiffusionGemmaModel
+from blockpress.model.layers import (apply_rope, apply_rope_reference, rms_norm, rms_norm_reference, rope_cos_sin,
+                                     rope_cos_sin_reference, rope_inv_freq)
+from hf_oracle import TINY_TEXT, TINY_VISION
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 32, 128), (3, 7, 96), (2, 5, 4, 16)])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_is_the_reference_bit_for_bit(dtype, shape, with_weight):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 4).to(dtype)
+    w = torch.randn(shape[-1], generator=g).to(dtype) if with_weight else None
+    fast, ref = rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6)
+    assert fast.dtype == ref.dtype == dtype
+    assert torch.equal(fast, ref)
+
+
+def test_rms_norm_with_a_weight_of_another_dtype_takes_the_reference():
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    w = torch.randn(64)  # fp32 weight on bf16 activations: the reference multiplies in fp32
+    assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+
+
+def test_rms_norm_gradients_match_the_reference():
+    g = torch.Generator().manual_seed(0)
+    x0, w0 = torch.randn(3, 9, 64, generator=g), torch.randn(64, generator=g)
+    grads = []
+    for fn in (rms_norm, rms_norm_reference):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        (fn(x, w, 1e-6) * torch.arange(64.0)).sum().backward()
+        grads.append((x.grad, w.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,params", [
+    (32, {"rope_type": "default", "rope_theta": 10000.0}),
+    (64, {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}),  # zero frequencies
+])
+def test_rope_is_the_reference_bit_for_bit(dtype, head_dim, params):
+    g = torch.Generator().manual_seed(head_dim)
+    inv = rope_inv_freq(head_dim, params)
+    pos = torch.arange(1000, 1037)
+    x = (torch.randn(2, 3, 37, head_dim, generator=g) * 3).to(dtype)
+    cos, sin = rope_cos_sin_reference(inv, pos, dtype)
+    cos_f, sin_signed = rope_cos_sin(inv, pos, dtype)
+    assert torch.equal(cos_f, cos)
+    assert torch.equal(sin_signed.abs(), sin.abs())
+    ref = apply_rope_reference(x, cos, sin)
+    fast = apply_rope(x, cos_f, sin_signed)
+    assert torch.equal(fast, ref)
+    assert torch.equal(torch.signbit(fast), torch.signbit(ref))  # -0.0 where the reference has -0.0
+
+
+def test_rotary_tables_are_memoised_per_span_and_dropped_when_the_module_moves():
+    m = DiffusionGemmaModel(ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": dict(TINY_TEXT),
+                                                   "vision_config": dict(TINY_VISION)}))
+    a = m._rope(40, 8, torch.float32, "cpu")
+    assert m._rope(40, 8, torch.float32, "cpu") is a  # every step of a canvas: the same tables
+    for t in (SLIDING, FULL):  # and they are the tables made from scratch
+        fresh = rope_cos_sin(getattr(m, f"inv_freq_{t}"), torch.arange(40, 48), torch.float32)
+        assert all(torch.equal(u, v) for u, v in zip(a[t], fresh))
+    assert m._rope(41, 8, torch.float32, "cpu") is not a
+    for start in range(20):  # bounded: a long generation does not keep every span
+        m._rope(start, 8, torch.float32, "cpu")
+    assert len(m._rope_memo) <= 8
+    m.to(torch.float64)
+    assert not m._rope_memo
+    b = m._rope(40, 8, torch.float64, "cpu")
+    assert b[SLIDING][0].dtype == torch.float64

@@ -7,9 +7,11 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.23.0
 # Then, through the device tool (carry [".whl"]):
-#   bash benchmarks/gpu_session.sh check   # versions, compiled-kernel and CUDA-only tests, bandwidth (~5 min)
+#   bash benchmarks/gpu_session.sh check   # versions, compiled-kernel and CUDA-only tests, expert tile sweep (~7 min)
 #   bash benchmarks/gpu_session.sh bf16    # real 26B-A4B, bf16: vs transformers and AR, fast paths, batch 1-8
 #   bash benchmarks/gpu_session.sh quant   # fp8 and int4 experts, peak memory
+# MOE_TILES="bm=..,bn=..,bk=.." (the check part's best bf16 spec, tiles.json "best") makes the fast runs use those
+# Triton tiles; MOE_TILES_FP8 / MOE_TILES_INT4 override it for the fp8 / int4 runs.
 # PRESET=tiny runs the same steps on a tiny model (a dry run; on a CPU the CUDA-only flags are dropped).
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
@@ -27,6 +29,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 CUDA=$(python3 -c 'import torch; print(int(torch.cuda.is_available()))')
 GPU_FLAGS="--cuda-graphs"; FAST=triton
+[ -n "${MOE_TILES:-}" ] && GPU_FLAGS="$GPU_FLAGS --moe-tiles $MOE_TILES"  # from the check part's tile sweep
 [ "$CUDA" = 1 ] || { GPU_FLAGS=""; FAST=grouped; }  # a CPU dry run: no graphs, no Triton interpreter (slow)
 
 bench() {  # bench NAME ARGS...: one `blockpress bench` run, JSON in $OUT/NAME.json, log in $OUT/log.txt
@@ -49,6 +52,13 @@ case "$PART" in
       "tests/test_generate.py::test_fixed_steps_do_not_synchronise_on_cuda" \
       2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
     bench tiny-all --batch 1,2 --modes fixed,adaptive --new-tokens 64 --experts auto $GPU_FLAGS
+    # the expert kernels' tiles on one layer of the real shapes, bf16/fp8/int4 (the defaults are untuned); the
+    # winner goes to the next parts as MOE_TILES="<best spec>" (bench --moe-tiles)
+    if [ "$CUDA" = 1 ]; then
+      echo "=== tiles: benchmarks/sweep_moe_tiles.py --preset $PRESET" | tee -a "$OUT/log.txt"
+      timeout 240 python3 benchmarks/sweep_moe_tiles.py --preset "$PRESET" --out "$OUT/tiles.json" \
+        2>&1 | tee -a "$OUT/log.txt" | grep -v '^{' | tail -40 || echo "!!! tiles failed or timed out" | tee -a "$OUT/log.txt"
+    fi
     ;;
   bf16)
     bench bf16-base --batch 1 --modes fixed --experts grouped --attention sdpa_gqa
@@ -59,11 +69,11 @@ case "$PART" in
     ;;
   quant)
     bench fp8 --batch 1,4 --precision fp8 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference --no-ar \
-      --profile
+      --profile ${MOE_TILES_FP8:+--moe-tiles $MOE_TILES_FP8}
     [ "$CUDA" = 1 ] && bench fp8-scaled-mm --batch 1 --precision fp8 --modes fixed --experts scaled_mm --sampler fast $GPU_FLAGS \
       --no-reference --no-ar
     bench int4 --batch 1,4 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference --no-ar \
-      --profile
+      --profile ${MOE_TILES_INT4:+--moe-tiles $MOE_TILES_INT4}
     bench int4-topk --batch 1 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --sc-topk 64 \
       --fuse-commit --no-reference --no-ar
     ;;

@@ -188,3 +188,62 @@ def test_kernel_classes_of_hopper_kernel_names():
     assert kernel_class("_fused_sampler_kernel") == "sampler"
     assert kernel_class("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>") == "other"
     assert kernel_class("aten::_fused_rms_norm") == "norm"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_moe_tile_sweep_on_cpu_checks_every_setting_against_torch(capsys, monkeypatch):
+    """benchmarks/sweep_moe_tiles.py through the Triton interpreter: the defaults come first and agree with the
+    plain-torch experts, every grid setting agrees with them, and the JSON names a best spec per precision."""
+    from blockpress.kernels._triton import triton, usable_on
+
+    if triton is None or not usable_on(torch.device("cpu")):
+        pytest.skip("triton not installed (pip install triton), or TRITON_INTERPRET is off")
+    monkeypatch.setattr(sys, "argv", ["sweep_moe_tiles.py", "--preset", "tiny", "--device", "cpu", "--precision",
+                                      "native,int4", "--grid", "bm=16;bn=16,32;bk=16", "--repeats", "1"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "benchmarks" / "sweep_moe_tiles.py"), run_name="__main__")
+    assert e.value.code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result["best"]) == {"native", "int4"}
+    assert all(v < 1e-4 for v in result["rel_err_vs_torch"].values())
+    rows = result["results"]
+    assert [r["spec"] for r in rows if r["precision"] == "native"] == \
+        ["bm=auto,bn=64,bk=32", "bm=16,bn=16,bk=16", "bm=16,bn=32,bk=16"]
+    assert all(r["ok"] and r["ms"] > 0 for r in rows)
+    assert all(v["speedup_vs_default"] > 0 for v in result["best"].values())
+
+
+def test_moe_tiles_setting_reaches_the_kernel_launch(monkeypatch):
+    """set_moe_tiles / --moe-tiles: the process-wide tiles are what experts_triton launches with (bad specs are
+    refused with the rule), and explicit block_* arguments still win."""
+    from blockpress.kernels import moe_grouped
+
+    with pytest.raises(ValueError, match="powers of two"):
+        moe_grouped.parse_tiles("bn=48")
+    with pytest.raises(ValueError, match="key=value"):
+        moe_grouped.parse_tiles("tile=64")
+    assert moe_grouped.parse_tiles("bm=auto,bn=128,bk=64,warps=8,stages=4").spec() == \
+        "bm=auto,bn=128,bk=64,warps=8,stages=4"
+    seen = []
+
+    class Launch:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((self.name, kw["BM"], kw["BN"], kw["BK"], kw.get("num_warps")))
+
+    monkeypatch.setattr(moe_grouped, "_moe_up_kernel", Launch("up"), raising=False)
+    monkeypatch.setattr(moe_grouped, "_moe_down_kernel", Launch("down"), raising=False)
+    monkeypatch.setattr(moe_grouped, "triton", moe_grouped.triton or __import__("types").SimpleNamespace(
+        next_power_of_2=lambda n: 1 << (n - 1).bit_length(), cdiv=lambda a, b: -(-a // b)))
+    x, idx = torch.randn(8, 32), torch.randint(0, 4, (8, 2))
+    w, gu, dn = torch.rand(8, 2), torch.randn(4, 32, 32), torch.randn(4, 32, 16)
+    prev = moe_grouped.set_moe_tiles("bm=32,bn=128,bk=64,warps=8")
+    try:
+        moe_grouped.experts_triton(x, w, idx, gu, dn)
+        moe_grouped.experts_triton(x, w, idx, gu, dn, block_n=16)
+    finally:
+        moe_grouped.set_moe_tiles(prev)
+    assert seen == [("up", 32, 128, 64, 8), ("down", 32, 128, 64, 8), ("up", 32, 16, 64, 8), ("down", 32, 16, 64, 8)]
+    assert moe_grouped.TILES == prev

@@ -25,6 +25,17 @@ import torch
 
 from .run import _nonneg_int, _positive_int, _positive_int_list
 
+
+def _tiles(spec: str) -> str:
+    """argparse type of --moe-tiles: the spec string, checked."""
+    from ..kernels.moe_grouped import parse_tiles
+
+    try:
+        parse_tiles(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
 PRESETS = {
     # the spec 6.1 tiny model: CI-sized, runs in seconds on a CPU
     "tiny": (dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
@@ -347,6 +358,10 @@ def run(args) -> dict:
                                    sc_topk=args.sc_topk)
     except ValueError as e:
         raise InputError(str(e)) from None
+    from ..kernels import moe_grouped
+
+    moe_grouped.set_moe_tiles(args.moe_tiles)  # checked by argparse; None: the defaults
+    choice["moe_tiles"] = moe_grouped.TILES.spec()
     text, C = module.text, module.config.canvas_length
     bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth(device)
     _free(device)
@@ -457,6 +472,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
     p.add_argument("--cuda-graphs", action="store_true", help="replay the denoising step from a CUDA graph")
+    p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC",
+                   help="Triton expert kernels' tiles, e.g. bm=32,bn=128,bk=64,warps=8,stages=4 (the winner of "
+                        "benchmarks/sweep_moe_tiles.py; default: bm=auto,bn=64,bk=32)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one canvas's denoising steps (first batch size, eager): time per step by "
                         "kernel class, top kernels, experts' achieved GB/s (JSON key 'profile')")

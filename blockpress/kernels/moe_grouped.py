@@ -18,6 +18,8 @@ Two fast paths, both free of host synchronisation (fixed shapes, so a CUDA graph
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..model.layers import gelu_tanh
@@ -213,13 +215,81 @@ def triton_supported(x: torch.Tensor, fmt: int = FMT_PLAIN, groups: tuple[int, i
     return usable_on(x.device) and (fmt != FMT_INT4 or all(g % 16 == 0 for g in groups))
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and launch settings of the two Triton expert kernels (the same for both).
+
+    block_m None: the next power of two >= the mean assignments per expert (16..64), one block per expert
+    when the load is balanced. The defaults are untuned; `benchmarks/sweep_moe_tiles.py` times a grid of
+    them on one layer of a real config, and `set_moe_tiles("bm=32,bn=128,bk=64,warps=8,stages=4")` (or
+    `blockpress bench --moe-tiles ...`) applies the winner."""
+
+    block_m: int | None = None
+    block_n: int = 64
+    block_k: int = 32
+    num_warps: int | None = None  # None: Triton's default
+    num_stages: int | None = None
+
+    def spec(self) -> str:
+        parts = [f"bm={self.block_m or 'auto'}", f"bn={self.block_n}", f"bk={self.block_k}"]
+        parts += [f"warps={self.num_warps}"] if self.num_warps else []
+        parts += [f"stages={self.num_stages}"] if self.num_stages else []
+        return ",".join(parts)
+
+
+_TILE_KEYS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "warps": "num_warps", "stages": "num_stages"}
+TILES = Tiles()
+
+
+def parse_tiles(spec: str) -> Tiles:
+    """'bm=32,bn=128,bk=64,warps=8,stages=4' (any subset; bm=auto) -> Tiles; ValueError naming the problem."""
+    values: dict = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, val = part.partition("=")
+        key = key.strip().lower()
+        if key not in _TILE_KEYS or not val:
+            raise ValueError(f"bad tile setting {part!r} in {spec!r}: use key=value pairs with keys "
+                             f"{', '.join(_TILE_KEYS)}, e.g. 'bm=32,bn=128,bk=64,warps=8,stages=4'")
+        if key == "bm" and val.strip() == "auto":
+            values["block_m"] = None
+            continue
+        try:
+            n = int(val)
+        except ValueError:
+            raise ValueError(f"tile setting {key}={val!r} is not an integer") from None
+        if key in ("bm", "bn", "bk") and (n < 16 or n & (n - 1)):
+            raise ValueError(f"{key}={n}: tile sizes must be powers of two >= 16 (tl.dot's smallest tile)")
+        if key == "warps" and n not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"warps={n}: use 1, 2, 4, 8, 16 or 32")
+        if key == "stages" and not 1 <= n <= 8:
+            raise ValueError(f"stages={n}: use 1..8")
+        values[_TILE_KEYS[key]] = n
+    return Tiles(**values)
+
+
+def set_moe_tiles(tiles: "Tiles | str | None") -> Tiles:
+    """Set the Triton expert kernels' tiles for this process (a spec string, a Tiles, or None for the
+    defaults); returns the previous setting."""
+    global TILES
+    prev = TILES
+    TILES = Tiles() if tiles is None else parse_tiles(tiles) if isinstance(tiles, str) else tiles
+    return prev
+
+
 def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_PLAIN,
                    gate_up_scale=None, down_scale=None, groups: tuple[int, int] = (0, 0), inter: int | None = None,
-                   block_m: int | None = None, block_n: int = 64, block_k: int = 32):
+                   block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                   tiles: Tiles | None = None):
     """Fused Triton experts. Plain weights: gate_up [E, 2Im, H], down [E, H, Im]. fp8: same shapes
-    (float8_e4m3fn) with scales [E, O]. int4: packed uint8 [E, O, I/2] with scales [E, O, I/G]."""
+    (float8_e4m3fn) with scales [E, O]. int4: packed uint8 [E, O, I/2] with scales [E, O, I/G].
+    Tiles: explicit block_* arguments, else `tiles`, else the process-wide `TILES` (set_moe_tiles)."""
     if triton is None:
         raise RuntimeError("experts_triton needs triton (pip install triton)")
+    t = tiles or TILES
+    block_m = block_m if block_m is not None else t.block_m
+    block_n = block_n if block_n is not None else t.block_n
+    block_k = block_k if block_k is not None else t.block_k
+    launch = {k: v for k, v in (("num_warps", t.num_warps), ("num_stages", t.num_stages)) if v is not None}
     N, H = x_NH.shape
     K = idx_NK.shape[1]
     E = gate_up_EFH.shape[0]
@@ -243,11 +313,13 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     grid = (L // block_m, triton.cdiv(Im, block_n))
     _moe_up_kernel[grid](x, gate_up_EFH, gs, sorted_ids, block_expert, act, A, H, Im, K,
                          x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
-                         act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k)
+                         act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
+                         **launch)
     out = torch.zeros(A, H, dtype=torch.float32, device=x.device)
     rw = w_NK.reshape(-1).float().contiguous()
     grid = (L // block_m, triton.cdiv(H, block_n))
     _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, rw, out, A, H, Im,
                            act.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
-                           out.stride(0), FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k)
+                           out.stride(0), FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
+                           **launch)
     return out.view(N, K, H).sum(1).to(x_NH.dtype)

@@ -5,13 +5,15 @@ the first (no prompt encoding, no commit). It reports, per step:
 - wall time (a host sync per step, from the draft events, so the profile does not hide launch gaps);
 - device busy time (sum of kernel times on CUDA; of the ops' own CPU time on a CPU) and the gap between
   them (host-side launch/dispatch time a CUDA graph removes);
-- the busy time by class: experts, dense GEMMs, attention, norms, sampler, other (element-wise, copies);
+- the time by part of the step, from named code ranges set only while profiling: the experts, the
+  attention kernel, the rest of the decoder pass, and the sampler (everything outside the decoder pass).
+  On CUDA the parts are kernel time and add up to the busy time; on a CPU they are wall time;
+- the busy time by kernel class, from kernel / op names (first match wins; a name the patterns do not
+  know counts as "other", so the classes add up to the busy time): experts, attention, sampler, dense
+  GEMM, norm, other;
 - the top kernels (name, calls per step, ms per step);
 - the experts' achieved bandwidth (their bytes per step, `roofline.step_bytes`, over their time), so a
-  report can say how far each class is from the memory-bandwidth floor.
-
-The classes come from kernel / op names (first match wins); a kernel the patterns do not know counts as
-"other", so the sum of the classes is always the busy time.
+  report can say how far they are from the memory-bandwidth floor.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: s
 
 
 def print_profile(p: dict, title: str = "") -> None:
-    """Two small tables: time per step by class, then the top kernels."""
+    """Three small tables: time per step by part, by kernel class, then the top kernels."""
     lines = [f"{title} step profile ({p['timer']}, {p['steps_profiled']} steps): wall {p['wall_ms_per_step']:.2f} ms, "
              f"busy {p['busy_ms_per_step']:.2f} ms, gap {p['gap_ms_per_step']:.2f} ms per step"]
     total = (p["busy_ms_per_step"] if p["parts_add_up_to"] == "busy" else p["wall_ms_per_step"]) or 1.0

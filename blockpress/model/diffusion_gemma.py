@@ -170,8 +170,8 @@ class DiffusionGemmaModel(nn.Module):
         if tables is None:
             pos = torch.arange(start, start + length, device=device)
             tables = {t: rope_cos_sin(getattr(self, f"inv_freq_{t}"), pos, dtype) for t in (SLIDING, FULL)}
-            if len(self._rope_memo) >= 8:
-                self._rope_memo.pop(next(iter(self._rope_memo)))
+            if len(self._rope_memo) >= 8:  # a new canvas: the old spans are done with
+                self._rope_memo.clear()
             self._rope_memo[key] = tables
         return tables
 

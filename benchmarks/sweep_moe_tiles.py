@@ -12,7 +12,7 @@ tiling differs); the script exits 1 on a disagreement. A setting Triton cannot c
 registers) is listed as failed, not fatal. With int4, a BK larger than the scale group is halved until it
 fits (so bk=128 and bk=64 can be the same kernel there).
 
-    python benchmarks/sweep_moe_tiles.py --preset real-26b --precision native,fp8,int4      # H100/H200, ~2 min
+    python benchmarks/sweep_moe_tiles.py --preset real-26b --precision native,fp8,int4      # H100/H200 (~2 min, estimated)
     TRITON_INTERPRET=1 python benchmarks/sweep_moe_tiles.py --preset tiny --grid "bm=16;bn=16,32;bk=16"  # CPU
 
 Ends with one JSON line; its "best" gives, per precision, the spec to pass on:
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-DEFAULT_GRID = "bm=auto,32;bn=64,128;bk=64,128;warps=4,8"  # 16 settings (+ the defaults), ~2 min on an H100
+DEFAULT_GRID = "bm=auto,32;bn=64,128;bk=64,128;warps=4,8"  # 16 settings (+ the defaults); ~2 min on an H100, estimated, not yet run
 
 
 def parse_grid(text: str) -> list[str]:

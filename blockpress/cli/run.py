@@ -27,15 +27,22 @@ EXAMPLE_SUDOKU = "53007000060019500009800006080006000340080300170002000606000028
 
 
 # ----------------------------------------------------------------------------- flag types
+def _parse_number(s: str, cast, what: str, allow_none: bool):
+    """cast(s), or None for "none" when allowed; else argparse's "expected <what>, got ..." error."""
+    if allow_none and s.lower() == "none":
+        return None
+    try:
+        return cast(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+
+
 def _int_flag(what: str, lo: int, hi: int | None = None, allow_none: bool = False):
     """An argparse type: an integer in [lo, hi] (or "none" when allowed), else "expected <what>, got ..."."""
     def parse(s: str):
-        if allow_none and s.lower() == "none":
+        v = _parse_number(s, int, what, allow_none)
+        if v is None:
             return None
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
         if v < lo or (hi is not None and v > hi):
             raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
         return v
@@ -60,13 +67,9 @@ def _positive_int_list(s: str) -> str:
 
 def _float_in(lo: float, strict: bool, allow_none: bool = False):
     def parse(s: str):
-        if allow_none and s.lower() == "none":
+        v = _parse_number(s, float, "a number or none" if allow_none else "a number", allow_none)
+        if v is None:
             return None
-        try:
-            v = float(s)
-        except ValueError:
-            what = "a number or none" if allow_none else "a number"
-            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
         if v != v or v in (float("inf"), float("-inf")) or (v <= lo if strict else v < lo):
             raise argparse.ArgumentTypeError(f"expected a finite number {'>' if strict else '>='} {lo:g}, got {s}")
         return v

@@ -42,9 +42,6 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-PARTS = ("experts", "attention", "decoder, rest", "sampler")  # where in the step, by code range
-
-
 def _device_rows(prof, cuda: bool) -> list[tuple[str, int, float]]:
     """(name, calls, self time in us) of every kernel (CUDA) or every op with its own CPU time (CPU)."""
     rows = []

@@ -63,17 +63,17 @@ case "$PART" in
   bf16)
     bench bf16-base --batch 1 --modes fixed --experts grouped --attention sdpa_gqa
     bench bf16-fast --batch 1,2,4,8 --modes fixed --experts $FAST --attention sdpa_gqa --sampler fast $GPU_FLAGS \
-      --no-reference --no-ar --profile
+      --no-reference --ar-tokens 256 --profile
     bench bf16-fused --batch 1 --modes fixed --experts $FAST --attention sdpa_gqa --sampler fast $GPU_FLAGS \
       --fuse-commit --no-reference --no-ar
     ;;
   quant)
-    bench fp8 --batch 1,4 --precision fp8 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference --no-ar \
-      --profile ${MOE_TILES_FP8:+--moe-tiles $MOE_TILES_FP8}
+    bench fp8 --batch 1,4 --precision fp8 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference \
+      --ar-tokens 256 --profile ${MOE_TILES_FP8:+--moe-tiles $MOE_TILES_FP8}
     [ "$CUDA" = 1 ] && bench fp8-scaled-mm --batch 1 --precision fp8 --modes fixed --experts scaled_mm --sampler fast $GPU_FLAGS \
       --no-reference --no-ar
-    bench int4 --batch 1,4 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference --no-ar \
-      --profile ${MOE_TILES_INT4:+--moe-tiles $MOE_TILES_INT4}
+    bench int4 --batch 1,4 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference \
+      --ar-tokens 256 --profile ${MOE_TILES_INT4:+--moe-tiles $MOE_TILES_INT4}
     bench int4-topk --batch 1 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --sc-topk 64 \
       --fuse-commit --no-reference --no-ar
     ;;
@@ -86,15 +86,15 @@ import glob, json, sys
 def f(r, k, fmt, scale=1.0):
     return format(r[k] * scale, fmt) if isinstance(r.get(k), (int, float)) else "-"
 
-print("\n| run | engine | B | mode | tok/s | excl. prompt | ms/step | ms/commit | step floor frac | GB/s | peak GB |")
-print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+print("\n| run | engine | B | mode | tok/s | excl. prompt | ms/step | ms/commit | step floor frac | GB/s | peak GB | captures in timed runs |")
+print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 for path in sorted(glob.glob(f"{sys.argv[1]}/*.json")):
     res = json.load(open(path))
     for r in res.get("runs", []):
         print(f"| {path.split('/')[-1][:-5]} | {r.get('engine')} | {r.get('batch')} | {r.get('mode')} | "
               f"{f(r, 'tok_s', '.0f')} | {f(r, 'tok_s_excl_prompt', '.0f')} | {f(r, 'ms_per_step', '.2f')} | "
               f"{f(r, 'ms_per_commit', '.2f')} | {f(r, 'floor_fraction', '.2f')} | {f(r, 'achieved_gbs', '.0f')} | "
-              f"{f(r, 'peak_mem_bytes', '.1f', 1e-9)} |")
+              f"{f(r, 'peak_mem_bytes', '.1f', 1e-9)} | {r.get('graph_captures_timed', '-')} |")
 profiles = [(path.split('/')[-1][:-5], json.load(open(path)).get("profile")) for path in sorted(glob.glob(f"{sys.argv[1]}/*.json"))]
 profiles = [(n, p) for n, p in profiles if p]
 if profiles:  # where a step's time goes (eager kernels, --profile): the answer when a target is missed

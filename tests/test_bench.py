@@ -247,3 +247,37 @@ def test_moe_tiles_setting_reaches_the_kernel_launch(monkeypatch):
         moe_grouped.set_moe_tiles(prev)
     assert seen == [("up", 32, 128, 64, 8), ("down", 32, 128, 64, 8), ("up", 32, 16, 64, 8), ("down", 32, 16, 64, 8)]
     assert moe_grouped.TILES == prev
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_bench_runs_replay_graphed_passes_after_the_warmup(fuse):
+    """The bench's --cuda-graphs bookkeeping, with the graph wrapper's plumbing run without capture (CPU): the
+    timed runs (diffusion and the AR baseline) reuse the warm-up's pooled cache and captured passes, so they
+    report 0 captures, and give the same tokens as the eager engine."""
+    import argparse
+
+    from blockpress.cli.bench import add_parser, run_ar, run_blockpress
+    from blockpress.kernels.graphs import GraphedPasses
+    from blockpress.kernels.random_weights import build_model
+
+    p = argparse.ArgumentParser()
+    add_parser(p)
+    args = p.parse_args([*FAST[2:], "--warmup", "1", "--repeats", "2", "--ar-tokens", "6"]
+                        + (["--fuse-commit"] if fuse else []))
+    args.prompt_tokens = 8
+    module = build_model(preset_config("tiny")[0], torch.device("cpu"), torch.float32)
+    ids = torch.randint(5, module.text.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    eager, eager_seqs = run_blockpress(module, ids, "fixed", args)
+    eager_ar = run_ar(module, ids, args)
+    graphs = GraphedPasses(module, capture=False).install()
+    try:
+        s, seqs = run_blockpress(module, ids, "fixed", args, graphs=graphs)
+        ar = run_ar(module, ids, args, graphs)
+        passes = set(graphs.captured)
+    finally:
+        graphs.uninstall()
+    assert torch.equal(seqs, eager_seqs)
+    assert s["graph_captures_timed"] == 0 and ar["graph_captures_timed"] == 0
+    assert "graph_captures_timed" not in eager and "graph_captures_timed" not in eager_ar
+    commit = ("encode_decode", ((1, 16), (1, 16))) if fuse else ("encode", (1, 16))
+    assert passes == {("decode", (1, 16)), commit, ("encode", (1, 1))} and graphs.captures == 3  # AR: (1, 1)

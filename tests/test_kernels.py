@@ -1,6 +1,7 @@
 """Fast paths vs their torch references (CPU): grouped MoE, the Triton MoE kernel (interpreter),
-the fused sampler (exact argmax/entropy, chi-square on the samples), the static-shape decoder
-step; the CUDA-graph wrapper runs only with a GPU."""
+the fused sampler (exact argmax/entropy, chi-square on the samples), the static-shape passes
+(denoising step, commit, fused commit, AR step) and the graph wrapper's plumbing without capture;
+the CUDA-graph capture itself runs only with a GPU."""
 
 import os
 
@@ -11,7 +12,7 @@ import blockpress
 from blockpress import kernels
 from blockpress.kernels import moe_grouped
 from blockpress.kernels._triton import triton
-from blockpress.kernels.graphs import GraphedDecoder, static_decode
+from blockpress.kernels.graphs import GraphedPasses, static_decode, static_encode, static_encode_decode
 from blockpress.kernels.moe_grouped import align_blocks, experts_grouped, experts_triton
 from blockpress.kernels.sampler_fused import fused_sample_torch, fused_sample_triton
 from blockpress.model.moe import EXPERT_BACKENDS, experts_loop
@@ -159,8 +160,8 @@ def test_fused_sampler_distribution(impl):
         assert len(set(y[0, :64].tolist())) > 3  # rows draw independently
 
 
-def _tiny_model(seed=0):
-    cfg = {"model_type": "diffusion_gemma", "text_config": dict(TINY), "canvas_length": 8}
+def _tiny_model(seed=0, **text):
+    cfg = {"model_type": "diffusion_gemma", "text_config": {**TINY, **text}, "canvas_length": 8}
     m = blockpress.from_config(cfg, seed=seed)
     for p in m.module.parameters():
         if p.dim() == 1:
@@ -215,33 +216,167 @@ def test_configure_fast_backends_keep_tokens():
     assert kernels.configure(m.module)["experts"] in EXPERT_BACKENDS
 
 
-def test_graphed_decoder_needs_cuda():
+def _prefilled_twins(m, capacity=48):
+    """Two caches holding the same left-padded 20-token prompt (eager encode): one per path under test."""
+    ids = torch.randint(5, 512, (2, 20), generator=torch.Generator().manual_seed(3))
+    pad = torch.ones(2, 20, dtype=torch.bool)
+    pad[1, :6] = False
+    caches = [m.new_cache(2, capacity) for _ in range(2)]
+    for c in caches:
+        m.encode(ids, c, pad_mask=pad)
+    return caches
+
+
+def _same_cache(a, b, upto):
+    return max(float((x[:, :, :upto] - y[:, :, :upto]).abs().max()) for x, y in zip(a.keys + a.values, b.keys + b.values))
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
+def test_static_encode_matches_encode(attention, bidirectional):
+    """Commit chunk (S = 8) then an AR step (S = 1) past the sliding window (W = 8 < 20 cached tokens), with
+    padding in the cache and unwritten capacity behind: the same hidden states and the same K/V written."""
+    m = _tiny_model(use_bidirectional_attention="all" if bidirectional else None).module
+    m.attention_backend = attention
+    assert m.bidirectional_encoder is bidirectional
+    eager, static = _prefilled_twins(m)
+    for S in (8, 1):
+        chunk = torch.randint(5, 512, (2, S), generator=torch.Generator().manual_seed(S))
+        T0 = eager.length
+        want = m.encode(chunk, eager)
+        got = static_encode(m, chunk, static, torch.tensor(T0))
+        static.length = T0 + S
+        assert got.shape == want.shape and (got - want).abs().max() < 2e-5
+        assert _same_cache(eager, static, T0 + S) < 2e-5
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
+def test_static_encode_decode_matches_encode_decode(attention):
+    m = _tiny_model().module
+    m.attention_backend = attention
+    eager, static = _prefilled_twins(m)
+    ids = torch.randint(5, 512, (2, 8), generator=torch.Generator().manual_seed(5))
+    canvas = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(6))
+    sc = torch.randn(2, 8, 512, generator=torch.Generator().manual_seed(7))
+    for logits, mask in ((sc, True), (None, False)):  # with self-conditioning, then without (mask False)
+        T0 = eager.length
+        want = m.encode_decode(ids, canvas, eager, None, logits)
+        got = static_encode_decode(m, ids, canvas, static, torch.tensor(T0), sc, torch.full((2,), mask))
+        static.length = T0 + 8
+        assert (got - want).abs().max() < 2e-5
+        assert _same_cache(eager, static, T0 + 8) < 2e-5
+
+
+def test_graphed_passes_need_cuda_to_capture():
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
     with pytest.raises(RuntimeError, match="CUDA"):
-        GraphedDecoder(_tiny_model().module)
+        GraphedPasses(_tiny_model().module)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_graphed_passes_plumbing_generates_the_same_tokens(fuse):
+    """GraphedPasses without capture: the static passes on their own input buffers and pooled caches, routed in
+    for decode / commit / fused commit. A padded batch of 2, 3 canvases, fixed steps and adaptive stopping:
+    the tokens equal the eager engine's; a second generation reuses the pooled cache and every captured pass
+    (no new captures), and one whose previous cache is still held gets new buffers (and new captures)."""
+    lm = _tiny_model()
+    ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=24, fuse_commit=fuse)
+    modes = [dict(max_denoising_steps=3, stability_threshold=None, confidence_threshold=None),
+             dict(max_denoising_steps=6, stability_threshold=1, confidence_threshold=0.5)]
+    want = []
+    for mode in modes:
+        torch.manual_seed(0)
+        want.append(lm.generate(ids, **kw, **mode).sequences)
+    g = GraphedPasses(lm.module, capture=False).install()
+    try:
+        passes = {"decode", "encode_decode"} if fuse else {"decode", "encode"}
+        for round_ in range(2):
+            for mode, ref in zip(modes, want):
+                torch.manual_seed(0)
+                out = lm.generate(ids, **kw, **mode)
+                assert torch.equal(out.sequences, ref)
+                assert len(out.steps_per_canvas) == 3
+                del out  # its cache goes back to the pool
+            assert {name for name, _ in g.captured} == passes
+            assert g.captures == len(passes)  # the second round replayed only
+        torch.manual_seed(0)
+        held = lm.generate(ids, **kw, **modes[0])
+        torch.manual_seed(0)
+        again = lm.generate(ids, **kw, **modes[0])
+        assert torch.equal(again.sequences, want[0]) and torch.equal(held.sequences, want[0])
+        assert again.cache.keys[0].data_ptr() != held.cache.keys[0].data_ptr()
+        assert g.captures == 2 * len(passes)
+        del held, again
+        # the same cache shape (20 + 8 positions) for an unpadded prompt: the pooled buffers' padding is reset
+        unpadded = torch.randint(5, 512, (2, 20), generator=torch.Generator().manual_seed(10))
+        kw = dict(max_new_tokens=16, fuse_commit=fuse, **modes[0])
+        torch.manual_seed(0)
+        out = lm.generate(unpadded, **kw)
+        assert out.cache.keys[0].data_ptr() == g._pool[(2, 28)][0].keys[0].data_ptr()
+        g.uninstall()
+        torch.manual_seed(0)
+        assert torch.equal(out.sequences, lm.generate(unpadded, **kw).sequences)
+    finally:
+        g.uninstall()
+    assert "decode" not in vars(lm.module) and "new_cache" not in vars(lm.module)
+
+
+def test_graphed_passes_autoregressive_steps():
+    """Greedy AR decoding (bench's baseline): prefill eager, one-token steps through the static encoder pass."""
+    m = _tiny_model().module
+    ids = torch.randint(5, 512, (1, 10), generator=torch.Generator().manual_seed(9))
+
+    def greedy():
+        cache = m.new_cache(1, 16)
+        tok = torch.argmax(m.lm_logits(m.encode(ids, cache)[:, -1:]), -1)
+        out = [tok]
+        for _ in range(5):
+            out.append(torch.argmax(m.lm_logits(m.encode(out[-1], cache)), -1))
+        return torch.cat(out, 1), cache.length
+
+    want = greedy()
+    g = GraphedPasses(m, capture=False).install()
+    try:
+        got = greedy()
+        assert torch.equal(got[0], want[0]) and got[1] == want[1] == 15
+        assert set(g.captured) == {("encode", (1, 1))} and g.captures == 1
+    finally:
+        g.uninstall()
 
 
 @pytest.mark.gpu
-def test_graphed_decoder_matches_eager_decode():
+def test_graphed_passes_match_eager_passes():
     if triton is None:
         pytest.skip("needs triton: the capture needs experts without host syncs in fp32")
     m = _tiny_model().module.cuda()
     m.set_experts_backend("triton")
     ids = torch.randint(5, 512, (2, 20), device="cuda")
-    cache = m.new_cache(2, 40)
-    m.encode(ids, cache)
-    g = GraphedDecoder(m).install()
+    caches = [m.new_cache(2, 48) for _ in range(2)]
+    for c in caches:
+        m.encode(ids, c)
+    eager, graphed = caches
+    g = GraphedPasses(m).install()
     try:
-        for _ in range(2):  # second call replays the captured graph
+        for _ in range(2):  # second call replays the captured graphs
             canvas = torch.randint(0, 512, (2, 8), device="cuda")
             sc = torch.randn(2, 8, 512, device="cuda")
-            assert (m.decode(canvas, cache, sc) - g._eager(canvas, cache, sc)).abs().max() < 1e-4
-            assert (m.decode(canvas, cache) - g._eager(canvas, cache)).abs().max() < 1e-4
-        m.encode(torch.randint(5, 512, (2, 8), device="cuda"), cache)  # next canvas: T moves, same graph
+            assert (m.decode(canvas, graphed, sc) - g._eager["decode"](canvas, eager, sc)).abs().max() < 1e-4
+            assert (m.decode(canvas, graphed) - g._eager["decode"](canvas, eager)).abs().max() < 1e-4
+        for S in (8, 1):  # commit, then an AR step: T moves, the decode graph stays
+            chunk = torch.randint(5, 512, (2, S), device="cuda")
+            assert (m.encode(chunk, graphed) - g._eager["encode"](chunk, eager)).abs().max() < 1e-4
+            assert graphed.length == eager.length and _same_cache(eager, graphed, eager.length) < 1e-4
+        chunk, canvas = torch.randint(5, 512, (2, 8), device="cuda"), torch.randint(0, 512, (2, 8), device="cuda")
+        out = m.encode_decode(chunk, canvas, graphed)
+        assert (out - g._eager["encode_decode"](chunk, canvas, eager)).abs().max() < 1e-4
+        assert _same_cache(eager, graphed, eager.length) < 1e-4
         canvas = torch.randint(0, 512, (2, 8), device="cuda")
-        assert (m.decode(canvas, cache) - g._eager(canvas, cache)).abs().max() < 1e-4
-        assert len(g.captured) == 1
+        assert (m.decode(canvas, graphed) - g._eager["decode"](canvas, eager)).abs().max() < 1e-4
+        assert g.captures == 4  # decode, encode S=8, encode S=1, encode_decode
     finally:
         g.uninstall()
 

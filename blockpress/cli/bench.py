@@ -149,8 +149,10 @@ def _summary(engine, mode, batch, total_s, prefill_s, first_commit_s, steps_ms, 
     return out
 
 
-def run_blockpress(module, ids, mode, args, label="blockpress"):
-    """Warm-up run(s), then `repeats` timed runs (median). Returns (summary, sequences of the last run)."""
+def run_blockpress(module, ids, mode, args, label="blockpress", graphs=None):
+    """Warm-up run(s), then `repeats` timed runs (median). Returns (summary, sequences of the last run).
+    graphs: the installed GraphedPasses, whose captures during the timed runs are reported (0 when they
+    replay only)."""
     from ..engine import generate as engine
 
     device = module.device
@@ -161,9 +163,12 @@ def run_blockpress(module, ids, mode, args, label="blockpress"):
     try:
         _reset_peak(device)
         for r in range(args.warmup + args.repeats):
+            if r == args.warmup and graphs is not None:
+                captured = graphs.captures
             torch.manual_seed(args.seed)
             res = engine.generate(module, ids, cfg, C, sampler=args.sampler, fuse_commit=args.fuse_commit)
             _sync(device)
+            res.cache = None  # gone, so the next run's cache reuses its buffers (and CUDA graphs: GraphedPasses)
             ms = [t.take_ms() for t in timers]
             if r >= args.warmup:
                 runs.append((res, *ms))
@@ -173,6 +178,8 @@ def run_blockpress(module, ids, mode, args, label="blockpress"):
     res, dec, enc, fused = sorted(runs, key=lambda x: x[0].total_seconds)[len(runs) // 2]
     s = _summary(label, mode, ids.shape[0], res.total_seconds, res.prefill_seconds, res.first_commit_seconds,
                  dec, enc[1:], statistics.mean(res.steps_per_canvas), args.new_tokens, _peak_bytes(device), fused)
+    if graphs is not None:
+        s["graph_captures_timed"] = graphs.captures - captured
     return s, res.sequences.cpu()
 
 
@@ -211,14 +218,17 @@ def run_reference(hf, ids, mode, args):
 
 
 @torch.no_grad()
-def run_ar(module, ids, args):
-    """Greedy autoregressive decode with the causal encoder: prefill, then one token per pass."""
+def run_ar(module, ids, args, graphs=None):
+    """Greedy autoregressive decode with the causal encoder: prefill, then one token per pass (replayed from a
+    CUDA graph with --cuda-graphs, like the diffusion steps, so that the ratio compares like with like)."""
     device = module.device
     B, P = ids.shape
     n = args.ar_tokens or args.new_tokens
     times = []
     _reset_peak(device)
     for r in range(args.warmup + args.repeats):
+        if r == args.warmup and graphs is not None:
+            captured = graphs.captures
         cache = module.new_cache(B, P + n)
         _sync(device)
         t0 = time.perf_counter()
@@ -233,10 +243,13 @@ def run_ar(module, ids, args):
         t2 = time.perf_counter()
         if r >= args.warmup:
             times.append((t2 - t0, t1 - t0, t2 - t1))
+        cache = None  # gone before the next run asks for one: it gets these buffers (and their graphs) back
     total, prefill, decode = sorted(times)[len(times) // 2]
     s = _summary("blockpress-ar", "greedy", B, total, prefill, prefill, [decode * 1e3 / max(n - 1, 1)], [],
                  None, n, _peak_bytes(device))
     s["tok_s"], s["tok_s_excl_prompt"] = B * n / total, B * max(n - 1, 1) / max(decode, 1e-9)
+    if graphs is not None:
+        s["graph_captures_timed"] = graphs.captures - captured
     return s
 
 
@@ -367,9 +380,9 @@ def run(args) -> dict:
     _free(device)
     graphs = None
     if args.cuda_graphs:
-        from ..kernels.graphs import GraphedDecoder
+        from ..kernels.graphs import GraphedPasses
 
-        graphs = GraphedDecoder(module).install()
+        graphs = GraphedPasses(module).install()
     result = {"bench": "generate", "hardware": hardware(device), "device": str(device), "torch": torch.__version__,
               "preset": None if (args.config or args.model) else args.preset, "config_file": args.config,
               "model": args.model, "dtype": str(dtype).replace("torch.", ""), "precision": args.precision,
@@ -393,14 +406,14 @@ def run(args) -> dict:
         ids = prompt_ids(B).to(device)
         hit = expected_hit_fraction(text.num_experts, text.top_k_experts, B * C)
         for mode in modes:
-            s, seqs[(B, mode)] = run_blockpress(module, ids, mode, args)
+            s, seqs[(B, mode)] = run_blockpress(module, ids, mode, args, graphs=graphs)
             add_roofline(s, mean_step_bytes(module, B, args, hit), bandwidth)
             floor = generation_floor_seconds(module, B, args.prompt_tokens, args.new_tokens, C, args.steps,
                                              bandwidth, hit, fuse_commit=args.fuse_commit)
             s["gen_floor_tok_s"] = B * args.new_tokens / floor
             result["runs"].append(s)
         if args.ar and B in [int(b) for b in args.ar_batch.split(",")]:
-            result["runs"].append(run_ar(module, ids, args))
+            result["runs"].append(run_ar(module, ids, args, graphs))
     if graphs is not None:
         graphs.uninstall()
         graphs = None
@@ -471,7 +484,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", default="auto", help="experts backend: auto, loop, dense, grouped, triton, scaled_mm")
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
-    p.add_argument("--cuda-graphs", action="store_true", help="replay the denoising step from a CUDA graph")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC",
                    help="Triton expert kernels' tiles, e.g. bm=32,bn=128,bk=64,warps=8,stages=4 (the winner of "
                         "benchmarks/sweep_moe_tiles.py; default: bm=auto,bn=64,bk=32)")

@@ -1,28 +1,41 @@
-"""Static-shape denoising step and a CUDA-graph wrapper around it.
+"""Static-shape passes and a CUDA-graph wrapper that replays them.
 
-Shape legend: B batch, C canvas length, V vocab, P cache capacity, T encoded tokens (cache.length).
+Shape legend: B batch, S encoder chunk, C canvas length, V vocab, P cache capacity, T0 / T encoded
+tokens (cache.length) before / after the chunk.
 
-`static_decode` computes the same function as `DiffusionGemmaModel.decode` (spec 3.4) with shapes
-that never change inside a generation: attention always spans the whole cache capacity P plus the
-canvas, and the visible cached keys are chosen by a mask built from a *device* tensor T
-(full layers: k < T; sliding layers: T - (W-1) <= k < T; padding from cache.valid). Masked keys get
-weight exactly 0, so the result equals the dynamic path up to fp32 summation order (tested on CPU).
-Self-conditioning always takes a logits buffer plus a per-row mask (first step: mask False, which
-makes the signal exactly 0, as with no logits). Nothing in the step copies from the host: the
-embedding scale and T are device tensors made before capture.
+Each static pass computes the same function as its `DiffusionGemmaModel` method with shapes that never
+change inside a generation: attention always spans the whole cache capacity P (plus the canvas), and
+which keys are visible is decided by masks built from a *device* tensor T0, never by host slicing.
+Masked keys get weight exactly 0, so each equals the dynamic pass up to fp32 summation order (tested
+on CPU). Nothing in a pass copies from the host: the embedding scale and T0 are device tensors made
+before capture.
+- `static_decode`: a denoising step (spec 3.4). Self-conditioning always takes a logits buffer plus a
+  per-row mask (first step: mask False, which makes the signal exactly 0, as with no logits).
+- `static_encode`: the commit pass (spec 3.2) over a chunk without padding; it writes K/V at
+  [T0, T0+S) with `index_copy_` on device positions. With S = 1 it is an autoregressive step.
+- `static_encode_decode`: a commit fused into the next canvas's first denoising step (one read of the
+  weights for both), one attention call per layer with a per-row mask (chunk rows: the encoder rule;
+  canvas rows: the whole canvas plus the cache as a decoder sees it after the commit).
 
-`GraphedDecoder` (CUDA only) captures `static_decode` once per (batch, canvas, cache buffers) and
-replays it for every denoising step of every canvas: T is copied into the graph's input, so the
-per-canvas growth of the cache needs no re-capture (only a cache reallocation does). Experts must
-use a backend without host synchronisation ("grouped" on Hopper, "triton"); install with
-`GraphedDecoder(module).install()`, which routes `module.decode` through the graph.
+`GraphedPasses` (CUDA; `capture=False` runs the same plumbing eagerly, for tests) routes
+`module.decode`, `module.encode` (chunks of size 1 or the canvas length, without padding: commits and
+AR steps; a prompt's prefill stays eager, as its length varies and it is compute-bound) and
+`module.encode_decode` through graphs captured once per pass and shape, and `module.new_cache`
+through a pool, so that every generation of a shape reuses one set of cache buffers and the graphs
+captured on them: a graph reads the cache at the addresses it was captured with. A cache whose buffers
+differ (another live cache, or one regrown by `ensure_capacity`) is recaptured; `captures` counts the
+captures, so a benchmark can show that its timed runs replay only. Experts must use a backend without
+host synchronisation ("grouped" on Hopper, "triton").
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..config import FULL, SLIDING
+from ..engine.cache import KVCache
 from ..model.layers import ATTENTION_BACKENDS, rms_norm, rope_cos_sin
 
 SYNC_FREE_EXPERTS = ("grouped", "triton", "auto")  # "auto": QuantizedExperts picking triton
@@ -38,24 +51,54 @@ def decoder_input(module, canvas, sc_logits, sc_mask, scale):
     return rms_norm(e + module.self_conditioning(soft), None, module.text.rms_norm_eps)
 
 
+def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _cache_seen_by_canvas(module, cache, T) -> dict:
+    """Per layer type: [B, P] bool, the cached keys a canvas at [T, T+C) attends to (spec 3.4: full layers
+    k < T, sliding layers T - (W-1) <= k < T; padding from cache.valid)."""
+    kpos = torch.arange(cache.capacity, device=cache.valid.device)
+    seen = (kpos < T)[None] & cache.valid
+    return {FULL: seen, SLIDING: seen & (kpos >= T - (module.window - 1))[None]}
+
+
+def _cache_seen_by_chunk(module, cache, T0, S: int) -> dict:
+    """Per layer type: [B, S, P] bool, the cached keys (the chunk's own included, written first) that an
+    encoder chunk at [T0, T0+S) attends to (spec 3.2: causal, sliding q - W < k <= q; or, with a
+    bidirectional encoder, every k < T0+S, sliding |k - q| <= W)."""
+    dev = cache.valid.device
+    kpos = torch.arange(cache.capacity, device=dev)[None, :]  # [1, P]
+    qpos = (T0 + torch.arange(S, device=dev))[:, None]  # [S, 1]
+    valid = cache.valid[:, None, :]  # [B, 1, P]
+    if module.bidirectional_encoder:
+        full = (kpos < T0 + S) & (qpos >= 0)  # [S, P]
+        sliding = full & ((kpos - qpos).abs() <= module.window)
+    else:
+        full = kpos <= qpos
+        sliding = full & (kpos > qpos - module.window)
+    return {FULL: full[None] & valid, SLIDING: sliding[None] & valid}
+
+
+def _rope(module, T0, n: int, dtype) -> dict:
+    pos = T0 + torch.arange(n, device=T0.device)
+    return {t: rope_cos_sin(getattr(module, f"inv_freq_{t}"), pos, dtype) for t in (SLIDING, FULL)}
+
+
+def _scale(module, device, scale):
+    return module.embed_scale(module.dtype, device) if scale is None else scale
+
+
 def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None):
     """canvas [B,C]; T 0-dim int64 device tensor; sc_logits [B,C,V]; sc_mask [B] bool -> fp32 logits.
     scale: sqrt(H) in the weight dtype on the device (computed here when not given)."""
     B, C = canvas.shape
-    if scale is None:
-        scale = module.embed_scale(module.dtype, canvas.device)
-    x = decoder_input(module, canvas, sc_logits, sc_mask, scale)
+    x = decoder_input(module, canvas, sc_logits, sc_mask, _scale(module, canvas.device, scale))
     dtype, dev = x.dtype, x.device
-    pos = T + torch.arange(C, device=dev)  # canvas positions [T, T+C)
-    rope = {t: rope_cos_sin(getattr(module, f"inv_freq_{t}"), pos, dtype) for t in (SLIDING, FULL)}
-    kpos = torch.arange(cache.capacity, device=dev)
-    seen = (kpos < T)[None] & cache.valid  # [B, P]
-    lo = {FULL: torch.zeros_like(T), SLIDING: T - (module.window - 1)}
+    rope = _rope(module, T, C, dtype)
     canvas_keys = torch.ones(B, C, dtype=torch.bool, device=dev)
-    masks = {}
-    for t in (SLIDING, FULL):
-        allowed = torch.cat([seen & (kpos >= lo[t])[None], canvas_keys], dim=1)[:, None, None]  # [B,1,1,P+C]
-        masks[t] = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, torch.finfo(dtype).min)
+    masks = {t: _additive(torch.cat([seen, canvas_keys], dim=1)[:, None, None], dtype)  # [B,1,1,P+C]
+             for t, seen in _cache_seen_by_canvas(module, cache, T).items()}
     attn_fn = ATTENTION_BACKENDS[module.attention_backend]
     for i, layer in enumerate(module.layers):
         t = FULL if layer.full else SLIDING
@@ -71,68 +114,219 @@ def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None):
     return module.lm_logits(module.norm(x))
 
 
+def static_encode(module, ids, cache, T0, scale=None):
+    """`module.encode(ids, cache)` for a chunk without padding, with T0 (= cache.length, 0-dim int64) on
+    the device: writes K/V at [T0, T0+S) and returns the final-normed hidden states [B,S,H]. The caller
+    advances `cache.length` (a host value) and makes sure the capacity holds T0 + S."""
+    B, S = ids.shape
+    x = torch.nn.functional.embedding(ids, module.embed_tokens.weight) * _scale(module, ids.device, scale)
+    rope = _rope(module, T0, S, x.dtype)
+    pos = T0 + torch.arange(S, device=ids.device)
+    masks = {t: _additive(seen[:, None], x.dtype) for t, seen in _cache_seen_by_chunk(module, cache, T0, S).items()}
+    attn_fn = ATTENTION_BACKENDS[module.attention_backend]
+    for i, layer in enumerate(module.layers):
+        t = FULL if layer.full else SLIDING
+        cos, sin = rope[t]
+
+        def attend(h, i=i, layer=layer, mask=masks[t], cos=cos, sin=sin):
+            q, k, v = layer.self_attn.project(h, cos, sin)
+            cache.keys[i].index_copy_(2, pos, k)
+            cache.values[i].index_copy_(2, pos, v)
+            return layer.self_attn.output(attn_fn(q, cache.keys[i], cache.values[i], mask))
+
+        x = layer(x, attend, layer.encoder_layer_scalar)
+    return module.norm(x)
+
+
+def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, scale=None):
+    """`module.encode_decode(ids, canvas, cache, None, sc_logits)` with T0 on the device and the
+    self-conditioning mask as in `static_decode`: ids [B,S] at [T0, T0+S) (written to the cache),
+    canvas [B,C] at [T0+S, T0+S+C). Returns the canvas's fp32 logits [B,C,V]."""
+    B, S = ids.shape
+    C = canvas.shape[1]
+    scale = _scale(module, ids.device, scale)
+    e = torch.nn.functional.embedding(ids, module.embed_tokens.weight) * scale
+    x = torch.cat([e, decoder_input(module, canvas, sc_logits, sc_mask, scale)], dim=1)  # [B, S+C, H]
+    dtype, dev = x.dtype, x.device
+    rope = _rope(module, T0, S + C, dtype)
+    pos = T0 + torch.arange(S, device=dev)
+    by_chunk = _cache_seen_by_chunk(module, cache, T0, S)  # [B, S, P]
+    by_canvas = _cache_seen_by_canvas(module, cache, T0 + S)  # [B, P]
+    masks = {}
+    for t in (SLIDING, FULL):  # rows: chunk then canvas; keys: cache [P] then canvas [C]
+        chunk_rows = torch.cat([by_chunk[t], torch.zeros(B, S, C, dtype=torch.bool, device=dev)], dim=2)
+        canvas_rows = torch.cat([by_canvas[t], torch.ones(B, C, dtype=torch.bool, device=dev)], dim=1)
+        masks[t] = _additive(torch.cat([chunk_rows, canvas_rows[:, None].expand(B, C, -1)], dim=1)[:, None], dtype)
+    attn_fn = ATTENTION_BACKENDS[module.attention_backend]
+    for i, layer in enumerate(module.layers):
+        t = FULL if layer.full else SLIDING
+        cos, sin = rope[t]
+
+        def attend(h, i=i, layer=layer, mask=masks[t], cos=cos, sin=sin):
+            q, k, v = layer.self_attn.project(h, cos, sin)  # [B, heads, S+C, D]
+            cache.keys[i].index_copy_(2, pos, k[:, :, :S])
+            cache.values[i].index_copy_(2, pos, v[:, :, :S])
+            keys = torch.cat([cache.keys[i], k[:, :, S:]], 2)  # [B, kv, P+C, D]
+            values = torch.cat([cache.values[i], v[:, :, S:]], 2)
+            return layer.self_attn.output(attn_fn(q, keys, values, mask))
+
+        scalar = torch.cat([layer.encoder_layer_scalar.expand(S), layer.layer_scalar.expand(C)])[None, :, None]
+        x = layer(x, attend, scalar)
+    return module.lm_logits(module.norm(x[:, S:]))
+
+
+def _buffers(cache) -> tuple:
+    """The addresses a graph captured on `cache` reads and writes."""
+    return tuple(t.data_ptr() for t in (*cache.keys, *cache.values, cache.valid))
+
+
+def _on_buffers(cache) -> KVCache:
+    """A new, empty KVCache object on `cache`'s buffers (the same tensors, length 0)."""
+    view = KVCache.__new__(KVCache)
+    view.keys, view.values, view.valid = list(cache.keys), list(cache.values), cache.valid
+    view.batch, view.capacity = cache.batch, cache.capacity
+    view.length, view.has_padding = 0, False
+    return view
+
+
 class _Captured:
-    def __init__(self, module, canvas, cache, warmup: int):
-        B, C = canvas.shape
-        V, dev = module.text.vocab_size, canvas.device
-        self.canvas = canvas.clone()
-        self.T = torch.tensor(cache.length, dtype=torch.int64, device=dev)
-        self.sc = torch.zeros(B, C, V, dtype=module.dtype, device=dev)
-        self.sc_mask = torch.zeros(B, dtype=torch.bool, device=dev)
-        self.buffers = cache.keys[0].data_ptr()
-        scale = module.embed_scale(module.dtype, dev)
-        args = (module, self.canvas, cache, self.T, self.sc, self.sc_mask, scale)
+    """One static pass over its own input buffers: captured as a CUDA graph, or (capture=False) run eagerly
+    on the same buffers. It keeps the cache tensors it was captured on (not the cache object, which would
+    keep a pooled cache in use), so their addresses stay its own while it exists."""
+
+    def __init__(self, module, fn, inputs: dict, cache, capture: bool, warmup: int):
+        self.inputs = {}
+        for name, (value, shape, dtype) in inputs.items():
+            self.inputs[name] = buf = torch.zeros(shape, dtype=dtype, device=cache.valid.device)
+            if value is not None:
+                _set(buf, value)
+        self.cache = _on_buffers(cache)
+        self.buffers = _buffers(cache)
+        self.fn = lambda: fn(module, cache=self.cache, scale=module.embed_scale(module.dtype, module.device),
+                             **self.inputs)
+        self.graph = None
+        if not capture:
+            return
+        dev = cache.valid.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm up (allocator, cuBLAS handles, Triton autotune) off the graph
+        with torch.cuda.stream(side):  # warm up (allocator, cuBLAS handles, Triton compiles) off the graph
             for _ in range(warmup):
-                static_decode(*args)
+                self.fn()  # an encoder pass writes the same K/V its replay will write
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = static_decode(*args)
+            self.out = self.fn()
+
+    def replay(self, inputs: dict) -> torch.Tensor:
+        for name, (value, _, _) in inputs.items():
+            if value is not None:  # None: the buffer keeps what it holds (a masked-out signal)
+                _set(self.inputs[name], value)
+        if self.graph is None:
+            self.out = self.fn()
+        else:
+            self.graph.replay()
+        return self.out.clone()  # the output buffer is overwritten by the next replay
 
 
-class GraphedDecoder:
-    """`module.decode` replacement replaying a captured static_decode (CUDA only)."""
+def _set(buf: torch.Tensor, value) -> None:
+    if isinstance(value, torch.Tensor):
+        buf.copy_(value)
+    else:  # a host scalar: a fill kernel with the value as its argument, no host-to-device copy
+        buf.fill_(value)
 
-    def __init__(self, module, warmup: int = 2):
-        if not torch.cuda.is_available() or module.device.type != "cuda":
-            raise RuntimeError("GraphedDecoder needs the model on a CUDA device")
+
+class GraphedPasses:
+    """Routes a DiffusionGemmaModel's decode / encode / encode_decode / new_cache through captured graphs
+    (see the module docstring). `capture=False` runs the same static passes and plumbing without graphs."""
+
+    def __init__(self, module, warmup: int = 2, capture: bool = True, encode_sizes=None):
+        on_cuda = torch.cuda.is_available() and module.device.type == "cuda"
+        if capture and not on_cuda:
+            raise RuntimeError("CUDA graphs need the model on a CUDA device (capture=False runs the static passes "
+                               "without graphs)")
         busy = {getattr(layer.experts, "backend", "?") for layer in module.layers} - set(SYNC_FREE_EXPERTS)
-        if busy:
+        if capture and busy:
             raise ValueError(f"experts backend(s) {sorted(busy)} synchronise with the host and cannot be captured; "
                              "call module.set_experts_backend('grouped') or 'triton' first")
-        self.module, self.warmup = module, warmup
-        self.captured: dict = {}
-        self._eager = module.decode
+        self.module, self.warmup, self.capture = module, warmup, capture
+        self.encode_sizes = set(encode_sizes or (1, module.config.canvas_length))
+        self.captured: dict = {}  # (pass, shapes) -> _Captured on the latest buffers only
+        self.captures = 0
+        self._pool: dict = {}  # (batch, capacity) -> (a cache object on the buffers, weakref to the one handed out)
+        self._eager = {name: getattr(module, name) for name in ("decode", "encode", "encode_decode", "new_cache")}
 
-    def __call__(self, canvas, cache, sc_logits=None, sc_mask=None, **kwargs):
-        if kwargs:  # hidden states etc.: not captured, use the eager pass
-            return self._eager(canvas, cache, sc_logits, sc_mask, **kwargs)
-        key = (tuple(canvas.shape), id(cache), cache.capacity)
-        g = self.captured.get(key)
-        if g is None or g.buffers != cache.keys[0].data_ptr():
+    # graphs ---------------------------------------------------------------------------------------------
+    def _run(self, name: str, key: tuple, cache, fn, inputs: dict) -> torch.Tensor:
+        """Replay the pass (name, key) captured on this cache's buffers (capturing it first when there is none)
+        with `inputs`: name -> (tensor, python scalar or None, shape, dtype)."""
+        g = self.captured.get((name, key))
+        if g is None or g.buffers != _buffers(cache):
+            self.captured.pop((name, key), None)  # its graph and memory pool go before the new capture
             with torch.no_grad():
-                g = self.captured[key] = _Captured(self.module, canvas, cache, self.warmup)
-        g.canvas.copy_(canvas)
-        g.T.fill_(cache.length)
-        if sc_logits is None:
-            g.sc_mask.fill_(False)
-        else:
-            g.sc.copy_(sc_logits)
-            if sc_mask is None:
-                g.sc_mask.fill_(True)
-            else:
-                g.sc_mask.copy_(sc_mask)
-        g.graph.replay()
-        return g.out.clone()  # the graph's output buffer is overwritten by the next replay
+                g = self.captured[(name, key)] = _Captured(self.module, fn, inputs, cache, self.capture, self.warmup)
+            self.captures += 1
+        return g.replay(inputs)
 
-    def install(self) -> "GraphedDecoder":
-        self.module.decode = self  # instance attribute shadows the method for the engine loop
+    def _sc(self, canvas, sc_logits, sc_mask) -> dict:
+        """Self-conditioning inputs: no logits -> the mask is False and the logits buffer is not written."""
+        B, C = canvas.shape
+        m, dev = self.module, canvas.device
+        mask = False if sc_logits is None else (True if sc_mask is None else sc_mask)
+        return {"sc_logits": (sc_logits, (B, C, m.text.vocab_size), m.dtype),
+                "sc_mask": (mask, (B,), torch.bool)}
+
+    def decode(self, canvas, cache, sc_logits=None, sc_mask=None, **kwargs):
+        if kwargs:  # hidden states etc.: not captured, use the eager pass
+            return self._eager["decode"](canvas, cache, sc_logits, sc_mask, **kwargs)
+        inputs = {"canvas": (canvas, canvas.shape, torch.long), "T": (cache.length, (), torch.long),
+                  **self._sc(canvas, sc_logits, sc_mask)}
+        return self._run("decode", tuple(canvas.shape), cache, static_decode, inputs)
+
+    def encode(self, ids, cache, pad_mask=None, hidden_states=None, inputs_embeds=None):
+        B, S = ids.shape
+        if pad_mask is not None or hidden_states is not None or inputs_embeds is not None or S not in self.encode_sizes:
+            return self._eager["encode"](ids, cache, pad_mask=pad_mask, hidden_states=hidden_states,
+                                         inputs_embeds=inputs_embeds)
+        T0 = cache.length
+        cache.ensure_capacity(T0 + S)
+        inputs = {"ids": (ids, ids.shape, torch.long), "T0": (T0, (), torch.long)}
+        out = self._run("encode", (B, S), cache, static_encode, inputs)
+        cache.length = T0 + S
+        return out
+
+    def encode_decode(self, ids, canvas, cache, pad_mask=None, sc_logits=None, sc_mask=None):
+        if pad_mask is not None:
+            return self._eager["encode_decode"](ids, canvas, cache, pad_mask, sc_logits, sc_mask)
+        T0, S = cache.length, ids.shape[1]
+        cache.ensure_capacity(T0 + S)
+        inputs = {"ids": (ids, ids.shape, torch.long), "canvas": (canvas, canvas.shape, torch.long),
+                  "T0": (T0, (), torch.long), **self._sc(canvas, sc_logits, sc_mask)}
+        out = self._run("encode_decode", (tuple(ids.shape), tuple(canvas.shape)), cache, static_encode_decode, inputs)
+        cache.length = T0 + S
+        return out
+
+    # cache pool -----------------------------------------------------------------------------------------
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty cache on the pooled buffers of (batch, capacity) when the cache last handed out on them is
+        gone (stale keys past `length` are never visible), else on new buffers, which join the pool."""
+        entry = self._pool.get((batch, capacity))
+        if entry is not None and entry[1]() is None:
+            cache = _on_buffers(entry[0])
+            cache.valid.fill_(True)
+        else:
+            cache = self._eager["new_cache"](batch, capacity)
+        self._pool[(batch, capacity)] = (_on_buffers(cache), weakref.ref(cache))
+        return cache
+
+    def install(self) -> "GraphedPasses":
+        for name in self._eager:  # instance attributes shadow the methods for the engine loop
+            setattr(self.module, name, getattr(self, name))
         return self
 
     def uninstall(self) -> None:
-        if self.module.__dict__.get("decode") is self:
-            del self.module.decode
+        for name in self._eager:
+            if name in self.module.__dict__:
+                delattr(self.module, name)
         self.captured.clear()
+        self._pool.clear()

@@ -167,7 +167,8 @@ def check_memory(module, device: torch.device, dtype: torch.dtype, precision: st
 
 
 def load(model: str | Path, device: str | torch.device | None = None, dtype=None, progress: bool = True,
-         tokenizer: bool = True, precision: str = "native", group_size: int = 64) -> BlockDiffusionLM:
+         tokenizer: bool = True, precision: str = "native", group_size: int = 64, experts: str = "auto",
+         attention: str = "auto") -> BlockDiffusionLM:
     """Load a DiffusionGemma checkpoint (folder or Hub id) for generation.
 
     device: "cpu", "cuda", ... (default: cuda when available). dtype: "bfloat16", "float32", ...
@@ -175,11 +176,19 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     precision: "native", or "fp8" / "int4" expert weights (per-channel fp8; 4-bit with a scale per
     `group_size` inputs), quantised layer by layer while loading, so the float experts never exist
     all at once; attention, router, embeddings and norms stay in `dtype`.
+    experts / attention: the kernels (`blockpress.kernels.configure`). "auto" picks the fastest path that
+    runs here (experts: the Triton kernel on a CUDA GPU, grouped GEMMs on a CPU; attention: SDPA with
+    the KV heads grouped inside the kernel); "loop" / "sdpa" or "eager" are the plain references (the
+    same function up to fp32 summation order).
     """
-    from .kernels import PRECISIONS
+    from .kernels import PRECISIONS, check_names, configure
 
     if precision not in PRECISIONS:
         raise InputError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    try:
+        check_names(experts, attention)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     folder = resolve_path(model, progress)
     config = ModelConfig.from_file(folder / "config.json")
     gen_path = folder / "generation_config.json"
@@ -198,6 +207,10 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     load_weights(module, files, dev, dt, progress=progress, on_loaded=on_loaded)
     module.materialize_buffers(dev)
     module.eval()
+    try:
+        configure(module, experts=experts, attention=attention, precision=precision, group_size=group_size)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     tok = None
     if tokenizer and (folder / "tokenizer.json").is_file():
         from .tokenizer import Tokenizer

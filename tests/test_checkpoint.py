@@ -251,3 +251,31 @@ def test_a_load_that_cannot_fit_is_refused_before_reading_weights(hf_tiny_dir, m
     monkeypatch.setenv("BLOCKPRESS_SKIP_MEMORY_CHECK", "1")
     blockpress.load(path, progress=False, dtype="float32")
     assert read == [1]
+
+
+def test_load_picks_the_fast_kernels_and_keeps_the_references_one_flag_away(hf_tiny_dir, monkeypatch):
+    """load() configures the fastest kernels that run here (a loaded model is what run/chat/serve use); the
+    plain references stay selectable and give the same tokens; an unknown name is refused before any weight
+    is read, with the choices."""
+    import blockpress.loading as loading
+
+    path, _ = hf_tiny_dir
+    fast = blockpress.load(path, progress=False, dtype="float32")
+    ref = blockpress.load(path, progress=False, dtype="float32", experts="loop", attention="sdpa")
+    assert {layer.experts.backend for layer in fast.module.layers} == {"grouped"}  # CPU: grouped GEMMs
+    assert fast.module.attention_backend == "sdpa_gqa"
+    assert {layer.experts.backend for layer in ref.module.layers} == {"loop"} and ref.module.attention_backend == "sdpa"
+    kw = dict(max_new_tokens=32, max_denoising_steps=4, stability_threshold=None, confidence_threshold=None)
+    ids = [[2, 17, 99, 5, 64, 8]]
+    a = fast.generate(ids, generator=torch.Generator().manual_seed(0), **kw)
+    b = ref.generate(ids, generator=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    read = []
+    monkeypatch.setattr(loading, "load_weights", lambda *a, **k: read.append(1))
+    with pytest.raises(InputError, match=r"unknown experts backend 'fused'; use one of .*'grouped'.*'loop'"):
+        blockpress.load(path, progress=False, experts="fused")
+    with pytest.raises(InputError, match=r"unknown attention backend 'flash'; use one of .*'sdpa_gqa'"):
+        blockpress.load(path, progress=False, attention="flash")
+    assert not read
+    q = blockpress.load(hf_tiny_dir[0], progress=False, dtype="float32", precision="int4", experts="loop")
+    assert {layer.experts.backend for layer in q.module.layers} == {"torch"}  # the quantised experts' reference

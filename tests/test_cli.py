@@ -79,6 +79,21 @@ def test_run_json_matches_reference_generate(model_dir, capsys):
     assert r["stats"]["tokens"] == 40 and r["stats"]["forward_passes"] == 3 * 4
 
 
+def test_reference_kernels_flag_gives_the_same_tokens(model_dir, capsys, monkeypatch):
+    """--reference-kernels loads the plain PyTorch references; the tokens are those of the fast kernels."""
+    loaded, real_load = [], blockpress.load
+
+    def spy(*a, **k):
+        lm = real_load(*a, **k)
+        loaded.append((lm.module.layers[0].experts.backend, lm.module.attention_backend))
+        return lm
+
+    monkeypatch.setattr(blockpress, "load", spy)
+    argv = [str(model_dir), "Why is the sky blue?", "--max-new-tokens", "32", "--steps", "4", "--seed", "5"]
+    assert run_json(capsys, *argv)["token_ids"] == run_json(capsys, *argv, "--reference-kernels")["token_ids"]
+    assert loaded == [("grouped", "sdpa_gqa"), ("loop", "sdpa")]
+
+
 def test_steps_fixes_steps_per_canvas(model_dir, capsys):
     fixed = run_json(capsys, str(model_dir), "hello", "--max-new-tokens", "48", "--steps", "4")
     assert fixed["stats"]["steps_per_canvas"] == [4, 4, 4]
@@ -150,6 +165,17 @@ def test_invalid_sampling_values_are_one_line_errors(model_dir, capsys, tmp_path
     monkeypatch.setattr(run_cmd, "DEFAULT_MODEL", tmp_path / "missing")
     assert cli(["run"]) == 2
     assert "pass MODEL" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cuda_graphs_flag_is_refused_without_a_gpu(model_dir, capsys):
+    for cmd in (["run", str(model_dir), "hi"], ["chat", str(model_dir)], ["infill", str(model_dir), "a [MASK] b"]):
+        assert cli([*cmd, "--cuda-graphs"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "--cuda-graphs needs a CUDA GPU and the model would run on cpu" in err and "\n" not in err
+    with pytest.raises(SystemExit):  # the server has no such flag (its batch changes cache buffers)
+        cli(["serve", str(model_dir), "--cuda-graphs"])
+    assert "unrecognized arguments: --cuda-graphs" in capsys.readouterr().err
 
 
 def test_prompt_from_stdin(model_dir, capsys, monkeypatch):

@@ -77,7 +77,7 @@ def _float_in(lo: float, strict: bool, allow_none: bool = False):
 
 
 # ----------------------------------------------------------------------------- shared flags
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True) -> None:
     p.add_argument("model", nargs="?", metavar="MODEL",
                    help="checkpoint folder, Hub id, or a shipped model's name: sudoku, kjv "
                         f"(default: the shipped Sudoku model, {DEFAULT_MODEL})")
@@ -94,6 +94,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int, metavar="N",
                    help="torch CPU threads (default: one per core; on a CPU shared with another busy process, "
                         "the number of free cores is much faster)")
+    p.add_argument("--reference-kernels", action="store_true",
+                   help="run the plain PyTorch references (experts one by one, attention with expanded KV heads) "
+                        "instead of the fast kernels: the same function up to rounding, for checking a fast path")
+    if cuda_graphs:
+        p.add_argument("--cuda-graphs", action="store_true",
+                       help="CUDA GPU: replay every denoising step and commit from a CUDA graph captured on first "
+                            "use (removes the ~2,000 kernel launches of each pass from the host's path)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
@@ -168,12 +175,31 @@ def load_model(args):
         import torch
 
         torch.set_num_threads(args.threads)
+    graphs = getattr(args, "cuda_graphs", False)
+    if graphs:
+        from ..errors import InputError
+        from ..loading import parse_device
+
+        if parse_device(args.device).type != "cuda":
+            raise InputError(f"--cuda-graphs needs a CUDA GPU and the model would run on {parse_device(args.device)}; "
+                             "drop the flag (or pass --device cuda on a machine with one)")
+    reference = getattr(args, "reference_kernels", False)
     lm = blockpress.load(resolve_model(args.model), device=args.device, dtype=args.dtype,
-                         progress=sys.stderr.isatty(), precision=getattr(args, "precision", "native"))
+                         progress=sys.stderr.isatty(), precision=getattr(args, "precision", "native"),
+                         experts="loop" if reference else "auto", attention="sdpa" if reference else "auto")
     if getattr(args, "adapter", None):
         from ..train.lora import apply_adapter
 
         apply_adapter(lm, args.adapter, merge=args.merge_adapter)
+    if graphs:
+        from ..errors import InputError
+        from ..kernels.graphs import GraphedPasses
+
+        try:
+            GraphedPasses(lm.module).install()
+        except ValueError as e:
+            raise InputError(f"--cuda-graphs: {e}. With the default kernels this means Triton is missing "
+                             "(pip install triton), or --reference-kernels was given: drop one of the flags") from None
     return lm
 
 

@@ -40,12 +40,22 @@ def auto_experts_backend(device: torch.device, dtype: torch.dtype) -> str:
     return "dense"
 
 
+def check_names(experts: str = "auto", attention: str = "auto") -> None:
+    """ValueError naming the choices when a backend name is unknown (cheap: before loading any weights)."""
+    known = {"auto", "scaled_mm", "torch", *EXPERT_BACKENDS}
+    if experts not in known:
+        raise ValueError(f"unknown experts backend {experts!r}; use one of {sorted(known)}")
+    if attention != "auto" and attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {attention!r}; use one of {sorted({'auto', *ATTENTION_BACKENDS})}")
+
+
 def configure(module, experts: str = "auto", attention: str = "auto", precision: str = "native",
               group_size: int = 64, sc_topk: int | None = None) -> dict:
     """Apply backend / precision choices to a DiffusionGemmaModel in place; return the choices.
     sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
+    check_names(experts, attention)
     dev, dtype = module.device, module.dtype
     if precision != "native" and not any(isinstance(layer.experts, QuantizedExperts) for layer in module.layers):
         quantize_experts_(module, precision, group_size)
@@ -60,7 +70,8 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
                              ">= 8.9: Ada, Hopper); use the default experts backend here")
     if quantized:
         for layer in module.layers:  # QuantizedExperts: "triton" where it runs, else the torch reference
-            layer.experts.backend = experts if experts in ("triton", "scaled_mm", "torch") else "auto"
+            layer.experts.backend = "torch" if experts == "loop" else \
+                experts if experts in ("triton", "scaled_mm", "torch") else "auto"  # "loop": the reference
         resolved = module.layers[0].experts.resolved_backend(torch.empty(0, device=dev, dtype=dtype))
     else:
         if experts not in EXPERT_BACKENDS:
@@ -79,4 +90,4 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
             "triton": None if triton is None else triton.__version__}
 
 
-__all__ = ["configure", "auto_experts_backend", "PRECISIONS", "QuantizedExperts", "quantize_experts_"]
+__all__ = ["configure", "check_names", "auto_experts_backend", "PRECISIONS", "QuantizedExperts", "quantize_experts_"]

@@ -427,3 +427,48 @@ def test_sc_topk_decoder_on_a_confident_trained_model(hf_tiny_dir):
             torch.testing.assert_close(m.decode(x2, cache, sc), ref)
     with pytest.raises(ValueError, match="sc_topk"):
         kernels.configure(m, sc_topk=0)
+
+
+def test_first_use_check_keeps_a_kernel_that_agrees_and_replaces_one_that_does_not(monkeypatch):
+    """checked_on_first_use: the first call runs both and compares; an agreeing kernel runs alone afterwards,
+    a failing or disagreeing one is replaced by the reference for good, with one warning naming why."""
+    monkeypatch.setattr(moe_grouped, "FIRST_USE", {})
+    x = torch.randn(8, 16)
+    calls = []
+
+    def run(name, value):
+        def f():
+            calls.append(name)
+            if isinstance(value, Exception):
+                raise value
+            return value
+        return f
+
+    good, near = ("cpu", "float32", "good"), x + 1e-7
+    outs = [moe_grouped.checked_on_first_use(good, run("fast", near), run("ref", x), "k") for _ in range(3)]
+    assert torch.equal(outs[0], x) and all(torch.equal(o, near) for o in outs[1:])  # first call: the reference's
+    assert calls == ["ref", "fast", "fast", "fast"] and moe_grouped.FIRST_USE[good] is True
+    for key, fast, why in ((("cpu", "float32", "broken"), RuntimeError("PTX compile failed\nmore"),
+                            r"it failed: RuntimeError: PTX compile failed\."),
+                           (("cpu", "float32", "wrong"), x * 1.01,
+                            r"its result differs from the torch path by 1\.00e-02 \(relative; allowed 1e-04\)\. Using"),
+                           (("cpu", "float32", "nan"), x * float("nan"), r"its result differs from the torch path by nan")):
+        calls.clear()
+        with pytest.warns(RuntimeWarning, match=r"blockpress: k is off on cpu \(float32\): " + why):
+            assert torch.equal(moe_grouped.checked_on_first_use(key, run("fast", fast), run("ref", x), "k"), x)
+        assert torch.equal(moe_grouped.checked_on_first_use(key, run("fast", fast), run("ref", x), "k"), x)
+        assert calls == ["ref", "fast", "ref"] and moe_grouped.FIRST_USE[key] is False
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton")
+def test_auto_experts_on_a_gpu_are_the_checked_triton_kernel(monkeypatch):
+    monkeypatch.setattr(moe_grouped, "FIRST_USE", {})
+    w_NK, idx = _routing(12, 8, 3, seed=1)
+    x = torch.randn(12, 32, generator=torch.Generator().manual_seed(1))
+    gu, dn = _weights(8, 32, 16, seed=1)
+    out = moe_grouped.experts_triton_checked(x, w_NK, idx, gu, dn)
+    assert _rel(out, experts_loop(x, w_NK, idx, gu, dn)) < 1e-5
+    assert list(moe_grouped.FIRST_USE.values()) == [True]
+    if torch.cuda.is_available():
+        assert kernels.auto_experts_backend(torch.device("cuda"), torch.bfloat16) == "triton_checked"

@@ -3,14 +3,16 @@
 Importing this package registers the extra backends (registration only; the model files keep
 their references):
 - experts (`model.moe.EXPERT_BACKENDS`): "grouped" (torch._grouped_mm, moe_grouped.py),
-  "triton" (fused Triton kernel, moe_grouped.py);
+  "triton" (fused Triton kernel, moe_grouped.py), "triton_checked" (the same, compared with the torch
+  path on its first call and replaced by it, with a warning, if it disagrees or fails);
 - attention (`model.layers.ATTENTION_BACKENDS`): "sdpa_gqa" (attention.py).
 Low-precision experts (quant.py) replace `layer.experts` by module swap; the fused sampler
 (sampler_fused.py) and the CUDA-graph decoder (graphs.py) are opt-in.
 
 `configure(module, ...)` applies a choice ("auto" resolves per device) and returns what it chose,
 so benchmarks can print it. Choices for "auto":
-- experts: CUDA + Triton -> "triton"; Hopper bf16 or CPU -> "grouped"; else the model's "dense".
+- experts: CUDA + Triton -> "triton_checked"; Hopper bf16 or CPU -> "grouped"; else the model's "dense"
+  (explicit "triton" skips the first-use check: benchmarks and tests want the kernel, not a fallback).
 - attention: "sdpa_gqa".
 """
 
@@ -22,11 +24,12 @@ from ..model.layers import ATTENTION_BACKENDS
 from ..model.moe import EXPERT_BACKENDS
 from ._triton import triton, usable_on
 from .attention import attention_sdpa_gqa
-from .moe_grouped import _grouped_mm_ok, experts_grouped, experts_triton
+from .moe_grouped import _grouped_mm_ok, experts_grouped, experts_triton, experts_triton_checked
 from .quant import QuantizedExperts, quantize_experts_
 
 EXPERT_BACKENDS.setdefault("grouped", experts_grouped)
 EXPERT_BACKENDS.setdefault("triton", experts_triton)
+EXPERT_BACKENDS.setdefault("triton_checked", experts_triton_checked)
 ATTENTION_BACKENDS.setdefault("sdpa_gqa", attention_sdpa_gqa)
 
 PRECISIONS = ("native", "fp8", "int4")
@@ -34,7 +37,7 @@ PRECISIONS = ("native", "fp8", "int4")
 
 def auto_experts_backend(device: torch.device, dtype: torch.dtype) -> str:
     if device.type == "cuda" and usable_on(device):
-        return "triton"
+        return "triton_checked"
     if _grouped_mm_ok(device, dtype):
         return "grouped"
     return "dense"

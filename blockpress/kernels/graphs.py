@@ -38,7 +38,7 @@ from ..config import FULL, SLIDING
 from ..engine.cache import KVCache
 from ..model.layers import ATTENTION_BACKENDS, rms_norm, rope_cos_sin
 
-SYNC_FREE_EXPERTS = ("grouped", "triton", "auto")  # "auto": QuantizedExperts picking triton
+SYNC_FREE_EXPERTS = ("grouped", "triton", "triton_checked", "auto")  # "auto": QuantizedExperts picking triton
 
 
 def decoder_input(module, canvas, sc_logits, sc_mask, scale):

@@ -323,3 +323,51 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
                            out.stride(0), FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
                            **launch)
     return out.view(N, K, H).sum(1).to(x_NH.dtype)
+
+
+# ------------------------------------------------------------------------------------ checked on first use
+
+# (device, dtype, what) -> True (the fast kernel agreed with its torch reference) / False (it did not, or
+# failed to compile or launch: the reference runs instead). Filled by `checked_on_first_use`.
+FIRST_USE: dict = {}
+FIRST_USE_TOL = {torch.float32: 1e-4}  # relative error; 16-bit activations: 2e-2
+
+
+def checked_on_first_use(key: tuple, fast, reference, what: str) -> torch.Tensor:
+    """fast() on this key's later calls if its first call agreed with reference() (relative Frobenius error
+    within FIRST_USE_TOL), else reference() from then on, with one warning that says why. A compiled kernel
+    that fails on an untried GPU (a Triton compile error, a wrong result) thus costs one reference
+    computation, not a crash or wrong text. The first call synchronises the host once (the comparison):
+    it runs before any CUDA-graph capture, in the capture's warm-up."""
+    ok = FIRST_USE.get(key)
+    if ok is True:
+        return fast()
+    if ok is False:
+        return reference()
+    ref = reference()
+    try:
+        out = fast()
+        err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+        tol = FIRST_USE_TOL.get(ref.dtype, 2e-2)
+        ok = err <= tol  # NaN: False
+        why = f"its result differs from the torch path by {err:.2e} (relative; allowed {tol:.0e})"
+    except Exception as e:  # noqa: BLE001 - any compile or launch failure means: use the reference
+        ok, why = False, f"it failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    FIRST_USE[key] = ok
+    if not ok:
+        import warnings
+
+        warnings.warn(f"blockpress: {what} is off on {key[0]} ({key[1]}): {why}. Using the torch path instead "
+                      "(slower; please report this with your GPU and versions)", RuntimeWarning, stacklevel=3)
+    return ref
+
+
+def experts_triton_checked(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
+    """`experts_triton`, checked against `experts_grouped` (or the loop where grouped GEMMs do not run) on
+    its first call per device and dtype: what "auto" picks on a CUDA GPU."""
+    from ..model.moe import experts_dense
+
+    ref = experts_grouped if _grouped_mm_ok(x_NH.device, x_NH.dtype) else experts_dense
+    args = (x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI)
+    return checked_on_first_use((str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), "triton experts"),
+                                lambda: experts_triton(*args), lambda: ref(*args), "the Triton experts kernel")

@@ -22,7 +22,8 @@ QuantizedExperts backends: "torch" (reference: dequantise each busy expert, same
 `experts_loop`), "triton" (fused dequant-in-registers kernel, moe_grouped.py), "scaled_mm"
 (fp8 on Hopper: activations quantised per row, `torch._scaled_grouped_mm`; w8a8, so a slightly
 different function, covered by the quality guard not the agreement test). "auto" picks triton
-on CUDA, else torch.
+on CUDA, checked against torch on its first call (`moe_grouped.checked_on_first_use`: a kernel that
+fails or disagrees on an untried GPU is replaced by torch with a warning), else torch.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from ..model.layers import gelu_tanh
-from .moe_grouped import FMT_FP8, FMT_INT4, combine, experts_triton, route_by_expert, triton_supported
+from .moe_grouped import FMT_FP8, FMT_INT4, checked_on_first_use, combine, experts_triton, route_by_expert, triton_supported
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -173,9 +174,17 @@ class QuantizedExperts(nn.Module):
         backend = self.resolved_backend(x_NH)
         if backend == "triton":
             fmt = FMT_FP8 if self.fmt == "fp8" else FMT_INT4
-            return experts_triton(x_NH, w_NK, idx_NK, self.gate_up_q, self.down_q, fmt=fmt,
-                                  gate_up_scale=self.gate_up_scale, down_scale=self.down_scale,
-                                  groups=self.groups, inter=self.inter)
+
+            def fast():
+                return experts_triton(x_NH, w_NK, idx_NK, self.gate_up_q, self.down_q, fmt=fmt,
+                                      gate_up_scale=self.gate_up_scale, down_scale=self.down_scale,
+                                      groups=self.groups, inter=self.inter)
+
+            if self.backend == "triton":  # asked for by name: the kernel, unchecked
+                return fast()
+            key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), f"triton {self.fmt} experts")
+            return checked_on_first_use(key, fast, lambda: self._forward_torch(x_NH, w_NK, idx_NK),
+                                        f"the Triton {self.fmt} experts kernel")
         if backend == "scaled_mm":
             return self._forward_scaled_mm(x_NH, w_NK, idx_NK)
         return self._forward_torch(x_NH, w_NK, idx_NK)

@@ -276,6 +276,18 @@ def set_moe_tiles(tiles: "Tiles | str | None") -> Tiles:
     return prev
 
 
+def auto_block_m(assignments: int, n_experts: int) -> int:
+    """One M block per expert when the load is balanced (16..64)."""
+    return min(64, max(16, triton.next_power_of_2(-(-assignments // n_experts))))
+
+
+def compiled_variant(idx_NK: torch.Tensor, n_experts: int) -> tuple:
+    """What picks a separately compiled Triton kernel for these shapes beyond dtype and format: the M tile,
+    and Triton's specialisation of integer arguments (== 1, divisible by 16) for the assignment count."""
+    A = idx_NK.numel()
+    return (TILES.block_m or auto_block_m(A, n_experts), A == 1, A % 16 == 0)
+
+
 def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_PLAIN,
                    gate_up_scale=None, down_scale=None, groups: tuple[int, int] = (0, 0), inter: int | None = None,
                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
@@ -295,8 +307,8 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     E = gate_up_EFH.shape[0]
     Im = inter if inter is not None else down_EHI.shape[-1] * (2 if fmt == FMT_INT4 else 1)
     A = N * K
-    if block_m is None:  # one block per expert when the load is balanced
-        block_m = min(64, max(16, triton.next_power_of_2(-(-A // E))))
+    if block_m is None:
+        block_m = auto_block_m(A, E)
     if fmt == FMT_INT4:  # a K tile must sit inside one scale group
         while block_k > 16 and any(g % block_k for g in groups):
             block_k //= 2
@@ -327,7 +339,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
 
 # ------------------------------------------------------------------------------------ checked on first use
 
-# (device, dtype, what) -> True (the fast kernel agreed with its torch reference) / False (it did not, or
+# (device, dtype, what, ...) -> True (the fast kernel agreed with its torch reference) / False (it did not, or
 # failed to compile or launch: the reference runs instead). Filled by `checked_on_first_use`.
 FIRST_USE: dict = {}
 FIRST_USE_TOL = {torch.float32: 1e-4}  # relative error; 16-bit activations: 2e-2
@@ -363,11 +375,12 @@ def checked_on_first_use(key: tuple, fast, reference, what: str) -> torch.Tensor
 
 
 def experts_triton_checked(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
-    """`experts_triton`, checked against `experts_grouped` (or the loop where grouped GEMMs do not run) on
-    its first call per device and dtype: what "auto" picks on a CUDA GPU."""
+    """`experts_triton`, checked against `experts_grouped` (or the padded batched path where grouped GEMMs do
+    not run) on its first call per device, dtype and compiled variant: what "auto" picks on a CUDA GPU."""
     from ..model.moe import experts_dense
 
     ref = experts_grouped if _grouped_mm_ok(x_NH.device, x_NH.dtype) else experts_dense
     args = (x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI)
-    return checked_on_first_use((str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), "triton experts"),
-                                lambda: experts_triton(*args), lambda: ref(*args), "the Triton experts kernel")
+    key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), "triton experts",
+           compiled_variant(idx_NK, gate_up_EFH.shape[0]))
+    return checked_on_first_use(key, lambda: experts_triton(*args), lambda: ref(*args), "the Triton experts kernel")

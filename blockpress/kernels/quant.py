@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from ..model.layers import gelu_tanh
-from .moe_grouped import FMT_FP8, FMT_INT4, checked_on_first_use, combine, experts_triton, route_by_expert, triton_supported
+from .moe_grouped import (FMT_FP8, FMT_INT4, checked_on_first_use, combine, compiled_variant, experts_triton,
+                          route_by_expert, triton_supported)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -182,7 +183,8 @@ class QuantizedExperts(nn.Module):
 
             if self.backend == "triton":  # asked for by name: the kernel, unchecked
                 return fast()
-            key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), f"triton {self.fmt} experts")
+            key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), f"triton {self.fmt} experts",
+                   compiled_variant(idx_NK, self.gate_up_q.shape[0]))
             return checked_on_first_use(key, fast, lambda: self._forward_torch(x_NH, w_NK, idx_NK),
                                         f"the Triton {self.fmt} experts kernel")
         if backend == "scaled_mm":

@@ -68,6 +68,8 @@ case "$PART" in
       --fuse-commit --no-reference --no-ar
     ;;
   quant)
+    # the predicted peak (meta-device accounting, seconds), next to the int4 run's measured peak_mem_bytes
+    python3 benchmarks/peak_memory.py --preset "$PRESET" --precision int4 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt"
     bench fp8 --batch 1,4 --precision fp8 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference \
       --ar-tokens 256 --profile ${MOE_TILES_FP8:+--moe-tiles $MOE_TILES_FP8}
     [ "$CUDA" = 1 ] && bench fp8-scaled-mm --batch 1 --precision fp8 --modes fixed --experts scaled_mm --sampler fast $GPU_FLAGS \

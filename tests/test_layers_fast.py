@@ -80,3 +80,46 @@ def test_rotary_tables_are_memoised_per_span_and_dropped_when_the_module_moves()
     assert not m._rope_memo
     b = m._rope(40, 8, torch.float64, "cpu")
     assert b[SLIDING][0].dtype == torch.float64
+
+
+# ---------------------------------------------------------------------------------------------- memory cuts
+# The 26B model's [B, C, V] tensors are 268 MB each in fp32; these paths hold fewer of them at once and must
+# compute exactly what the one-shot forms compute (the peak itself: tests/test_memory.py).
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_rows_in_chunks_is_the_one_shot_softmax_bit_for_bit(dtype, monkeypatch):
+    import blockpress.model.layers as layers
+
+    z = (torch.randn(2, 13, 300, generator=torch.Generator().manual_seed(0)) * 5).to(dtype)
+    want = torch.softmax(z.float(), dim=-1).to(torch.bfloat16)
+    monkeypatch.setattr(layers, "SOFTMAX_CHUNK", 4 * 300)  # 4 rows per chunk: 7 chunks, the last one short
+    assert torch.equal(layers.softmax_rows(z, torch.bfloat16), want)
+    zg = z.float().requires_grad_()
+    assert torch.equal(layers.softmax_rows(zg, torch.bfloat16), want)  # autograd: the one-shot form
+
+
+def test_in_place_softcap_and_entropy_equal_the_autograd_forms():
+    """No-grad passes cap the logits and compute the entropy in place; with autograd they keep the plain form.
+    Both give the same bits."""
+    from blockpress.sampling import token_entropy
+
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": dict(TINY_TEXT, final_logit_softcapping=30.0),
+                                 "vision_config": TINY_VISION})
+    torch.manual_seed(0)
+    m = DiffusionGemmaModel(cfg)
+    with torch.no_grad():
+        m.embed_tokens.weight.normal_(0, 2.0)  # logits beyond the cap, so tanh bends them
+    h = torch.randn(2, 5, cfg.text.hidden_size) * 3
+    with torch.no_grad():
+        fast = m.lm_logits(h)
+    with torch.enable_grad():
+        slow = m.lm_logits(h.requires_grad_())
+    assert slow.requires_grad and torch.equal(fast, slow.detach()) and fast.abs().max() > 20
+    z = fast * 0.7
+    z[0, 0, :] = float("-inf")  # 0 * log 0 = 0: a fully masked row keeps its finite answer
+    z[0, 0, 3] = 1.0
+    with torch.no_grad():
+        e_fast = token_entropy(z)
+    with torch.enable_grad():
+        e_slow = token_entropy(z.clone().requires_grad_())
+    assert torch.equal(e_fast, e_slow.detach()) and torch.isfinite(e_fast).all()

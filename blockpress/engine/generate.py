@@ -98,7 +98,9 @@ def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, c
     active = ~(done | finished) if isinstance(generator, (list, tuple)) and finished is not None else None
     z = raw
     if cfg.t_min is not None and cfg.t_max is not None:
-        z = raw / temperature(n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, raw.device)
+        tau = temperature(n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, raw.device)
+        # in place: the decoder's logits are this step's own and unused after (one [B,C,V] fp32 buffer fewer)
+        z = raw / tau if raw.requires_grad else raw.div_(tau)
     y = sample_tokens(z, generator, active)
     a = torch.argmax(z, dim=-1)
     h = token_entropy(z)

@@ -1,0 +1,145 @@
+"""Peak GPU memory of a generation, accounted on the meta device (no GPU, no weights in memory).
+
+The issue's int4 target is a peak of 18 GB on the bench workload (batch 1, 1024-token prompt, 1024 new
+tokens): the weights alone are ~17 GB there, so what a pass allocates on top decides it. This script
+builds the model on the meta device, runs each pass of a generation under `kernels.memory.LiveBytes`
+(every tensor allocated and freed as the engine's code does; the Triton experts and a fused attention
+kernel replaced by stand-ins that allocate what they allocate on a GPU) and prints, per pass, the most
+bytes alive at once on top of the weights and the cache, then the predicted peak:
+
+- eager: weights + cache + the held self-conditioning logits + the largest pass (the caching allocator
+  reuses freed blocks from pass to pass); a step is the decoder pass and then the sampler on its logits;
+- with CUDA graphs (`--cuda-graphs`): the same + the captured passes' shared memory pool (the largest of
+  them: `GraphedPasses` captures all into one pool) + the graph's own copy of the self-conditioning
+  logits (its input buffer) + the larger of the eager prefill and the sampler (with the replay's copy of
+  the logits), which run in the general pool.
+Both samplers: "exact" (the reference's draws) and "fast" (the fused Triton sampler's allocations).
+
+It leaves out the caching allocator's rounding and fragmentation and the CUDA context (not in
+`max_memory_allocated`); `blockpress bench` on a GPU reports the measured `peak_mem_bytes`.
+
+    python benchmarks/peak_memory.py --preset real-26b --precision int4
+    python benchmarks/peak_memory.py --preset tiny --precision native --batch 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from blockpress.cli.bench import preset_config
+from blockpress.config import GenerationConfig, ModelConfig
+from blockpress.engine.generate import denoise_step
+from blockpress.kernels import sampler_fused
+from blockpress.kernels.memory import LiveBytes, fused_sample_meta, meta_backends
+from blockpress.kernels.sampler_fused import denoise_step_fast as fast_step
+from blockpress.loading import estimated_weight_bytes
+from blockpress.model.diffusion_gemma import DiffusionGemmaModel
+
+GB = 1e9
+
+
+def measure(fn) -> tuple[int, list]:
+    with LiveBytes() as lb:
+        out = fn()
+        del out
+    return lb.peak, lb.top(4)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="real-26b", choices=["tiny", "small", "real-26b"])
+    p.add_argument("--precision", default="int4", choices=["native", "fp8", "int4"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-tokens", type=int, default=None)
+    p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--budget-gb", type=float, default=18.0, help="the target to compare with (issue 4: int4 18 GB)")
+    args = p.parse_args(argv)
+    torch.set_grad_enabled(False)
+    config, prompt, new = preset_config(args.preset)
+    P, N, B = args.prompt_tokens or prompt, args.new_tokens or new, args.batch
+    dtype = getattr(torch, args.dtype)
+    with torch.device("meta"):
+        m = DiffusionGemmaModel(ModelConfig.from_dict(config)).to(dtype)
+    m.materialize_buffers("meta")
+    weights = estimated_weight_bytes(m, dtype, args.precision)
+    meta_backends(m)
+    C, V = m.config.canvas_length, m.text.vocab_size
+    capacity = P + (math.ceil(N / C) - 1) * C
+    cache = m.new_cache(B, capacity)
+    kv = cache.nbytes() + cache.valid.numel()
+    dev = torch.device("meta")
+    canvas = torch.zeros(B, C, dtype=torch.long, device=dev)
+    sc = torch.zeros(B, C, V, dtype=dtype, device=dev)  # the previous step's logits, held between steps
+    cfg = GenerationConfig.resolve({}, max_denoising_steps=16, t_min=0.4, t_max=0.8, stability_threshold=None,
+                                   confidence_threshold=None)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    T = capacity - C  # the last canvas: the longest cache
+
+    def raw_logits():  # made outside the measurement: with graphs it is the replay's output copy
+        with torch.utils._python_dispatch._disable_current_modes():
+            return torch.zeros(B, C, V, dtype=torch.float32, device=dev)
+
+    def at(length):
+        cache.length = length
+        return cache
+
+    passes = {
+        "prefill": lambda: m.encode(torch.zeros(B, P, dtype=torch.long, device=dev), at(0)),
+        "decode": lambda: m.decode(canvas, at(T), sc),
+        "step (decode + exact sampler)": lambda: denoise_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None),
+        "sampler (exact, logits given)": lambda: denoise_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None,
+                                                              raw=raw_logits()),
+        "sampler (fast, logits given)": lambda: fast_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None,
+                                                          raw=raw_logits()),
+        "commit": lambda: m.encode(canvas, at(T - C)),
+        "fused commit + first step": lambda: m.encode_decode(canvas, canvas, at(T - C), None, sc),
+    }
+    rows = {}
+    real_fused_sample = sampler_fused.fused_sample
+    sampler_fused.fused_sample = fused_sample_meta  # the Triton kernel's allocations
+    try:
+        for name, fn in passes.items():
+            peak, top = measure(fn)
+            rows[name] = {"peak_bytes": peak, "largest": [(b, op) for b, op in top]}
+    finally:
+        sampler_fused.fused_sample = real_fused_sample
+    held = sc.numel() * sc.element_size()  # the self-conditioning logits kept from the previous step
+    logits = B * C * V * 4
+    # a step: the decoder pass (its logits are its last allocation), then the sampler on those logits
+    step = {s: max(rows["decode"]["peak_bytes"], logits + rows[f"sampler ({s}, logits given)"]["peak_bytes"])
+            for s in ("exact", "fast")}
+    base = weights + kv + held
+    passes_eager = [rows[k]["peak_bytes"] for k in ("prefill", "commit", "fused commit + first step")]
+    # CUDA graphs: the captured passes share one memory pool (GraphedPasses), the prefill and the sampler run
+    # eagerly in the general pool, one after the other
+    pool = max(rows[k]["peak_bytes"] for k in ("decode", "commit", "fused commit + first step"))
+    predicted = {}
+    for s in ("exact", "fast"):
+        sampler = rows[f"sampler ({s}, logits given)"]["peak_bytes"]
+        predicted[s] = {"eager": base + max(step[s], *passes_eager),
+                        "cuda_graphs": base + pool + held + max(rows["prefill"]["peak_bytes"], logits + sampler)}
+    print(f"{args.preset}, {args.dtype}, experts {args.precision}, B={B}, P={P}, N={N} (cache {capacity} positions)")
+    print(f"  weights {weights / GB:.3f} GB, KV cache {kv / GB:.3f} GB, self-conditioning logits held {held / GB:.3f} GB")
+    print(f"  {'pass':32s} {'peak on top (GB)':>16s}   largest allocations (MB, op)")
+    for name, r in rows.items():
+        big = ", ".join(f"{b / 1e6:.0f} {op}" for b, op in r["largest"])
+        print(f"  {name:32s} {r['peak_bytes'] / GB:16.3f}   {big}")
+    print(f"  predicted peak (GB; budget {args.budget_gb:.1f}):   eager   CUDA graphs")
+    for s_, v in predicted.items():
+        print(f"    {s_ + ' sampler':28s} {v['eager'] / GB:7.2f} {v['cuda_graphs'] / GB:13.2f}")
+    result = {"bench": "peak_memory", "preset": args.preset, "precision": args.precision, "dtype": args.dtype,
+              "batch": B, "prompt_tokens": P, "new_tokens": N, "weights_bytes": weights, "kv_bytes": kv,
+              "held_bytes": held, "passes": {k: v["peak_bytes"] for k, v in rows.items()},
+              "predicted_peak_bytes": predicted,
+              "budget_bytes": args.budget_gb * GB}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

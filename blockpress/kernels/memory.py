@@ -1,0 +1,99 @@
+"""Peak memory accounting on the meta device: how much a pass allocates at once, without a GPU.
+
+`LiveBytes` is a dispatch mode that records every tensor an op allocates inside it and frees it when
+the last Python reference to it (or to a view of it) goes, so `peak` is the most bytes alive at once:
+what `torch.cuda.max_memory_allocated()` adds on top of what existed before (weights, cache), less the
+caching allocator's rounding and fragmentation. In-place ops and views allocate nothing.
+
+On the meta device the kernels that a GPU runs fused are replaced by stand-ins that allocate what the
+GPU path allocates (`meta_backends`): the Triton experts (the padded assignment list, the [L, Im]
+activations and the fp32 [A, H] outputs summed over K) and a fused attention kernel (its output only:
+flash / memory-efficient SDPA keep no score matrix). Everything else is the engine's own code.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class LiveBytes(TorchDispatchMode):
+    """with LiveBytes() as lb: ...  ->  lb.peak (bytes alive at once), lb.live (still alive), lb.largest."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.largest: list[tuple[int, str]] = []  # (bytes, op) of each allocation
+
+    def _release(self, rec: list) -> None:
+        rec[0] -= 1
+        if rec[0] == 0:
+            self.live -= rec[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.is_mutable:  # in place / out=: no new storage
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if func.is_view:  # shares its base's storage: keeps the base's record alive
+                base = next((a for a in args if isinstance(a, torch.Tensor) and hasattr(a, "_bp_live")), None)
+                if base is not None:
+                    rec = base._bp_live
+                    rec[0] += 1
+                    t._bp_live = rec
+                    weakref.finalize(t, self._release, rec)
+                continue
+            rec = [1, t.numel() * t.element_size()]
+            t._bp_live = rec
+            self.live += rec[1]
+            self.peak = max(self.peak, self.live)
+            self.largest.append((rec[1], func.__name__))
+            weakref.finalize(t, self._release, rec)
+        return out
+
+    def top(self, n: int = 6) -> list[tuple[int, str]]:
+        return sorted(self.largest, reverse=True)[:n]
+
+
+def _experts_meta(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, block_m: int = 16):
+    """The Triton experts path's allocations (moe_grouped.experts_triton), shapes only."""
+    N, H = x_NH.shape
+    K, E, Im = idx_NK.shape[1], gate_up_EFH.shape[0], down_EHI.shape[-1]
+    A = N * K
+    L = -(-(A + E * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.empty(L, dtype=torch.long, device=x_NH.device)  # noqa: F841 - alive like the kernel's
+    act = x_NH.new_empty(L, Im)  # noqa: F841
+    out = torch.zeros(A, H, dtype=torch.float32, device=x_NH.device)
+    return out.view(N, K, H).sum(1).to(x_NH.dtype)
+
+
+def _attention_meta(q, k, v, mask):
+    """A fused attention kernel's allocation: its output."""
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+def meta_backends(module) -> None:
+    """Route `module` (on the meta device) through the stand-ins above."""
+    from ..model.layers import ATTENTION_BACKENDS
+    from ..model.moe import EXPERT_BACKENDS
+
+    EXPERT_BACKENDS.setdefault("meta", _experts_meta)
+    ATTENTION_BACKENDS.setdefault("meta", _attention_meta)
+    for layer in module.layers:
+        layer.experts.backend = "meta"
+    module.attention_backend = "meta"
+
+
+def fused_sample_meta(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto"):
+    """The Triton fused sampler's allocations (sampler_fused.fused_sample_triton): y, a, h and z."""
+    B, C, V = raw.shape
+    dev = raw.device
+    y = torch.empty(B, C, dtype=torch.int64, device=dev)
+    a = torch.empty(B, C, dtype=torch.int64, device=dev)
+    h = torch.empty(B, C, dtype=torch.float32, device=dev)
+    return y, a, h, torch.empty(B, C, V, dtype=out_dtype or torch.float32, device=dev)
+

@@ -472,3 +472,20 @@ def test_auto_experts_on_a_gpu_are_the_checked_triton_kernel(monkeypatch):
     assert list(moe_grouped.FIRST_USE.values()) == [True]
     if torch.cuda.is_available():
         assert kernels.auto_experts_backend(torch.device("cuda"), torch.bfloat16) == "triton_checked"
+
+
+@pytest.mark.gpu
+def test_row_block_softmax_and_in_place_softcap_are_bit_identical_on_cuda(monkeypatch):
+    """The memory cuts (tests/test_layers_fast.py on CPU) give the same bits with CUDA's kernels."""
+    import blockpress.model.layers as layers
+    from blockpress.sampling import token_entropy
+
+    z = (torch.randn(2, 256, 262144 // 4, device="cuda") * 5).to(torch.bfloat16)
+    want = torch.softmax(z.float(), dim=-1).to(torch.bfloat16)
+    monkeypatch.setattr(layers, "SOFTMAX_CHUNK", 1 << 22)  # 64 rows per block
+    assert torch.equal(layers.softmax_rows(z, torch.bfloat16), want)
+    x = torch.randn(256, 4096, device="cuda") * 40
+    assert torch.equal(x.clone().div_(30.0).tanh_().mul_(30.0), torch.tanh(x / 30.0) * 30.0)
+    with torch.enable_grad():
+        slow = token_entropy(x.clone().requires_grad_())
+    assert torch.equal(token_entropy(x), slow.detach())

@@ -282,10 +282,11 @@ def auto_block_m(assignments: int, n_experts: int) -> int:
 
 
 def compiled_variant(idx_NK: torch.Tensor, n_experts: int) -> tuple:
-    """What picks a separately compiled Triton kernel for these shapes beyond dtype and format: the M tile,
-    and Triton's specialisation of integer arguments (== 1, divisible by 16) for the assignment count."""
+    """What picks a separately compiled Triton kernel for these shapes beyond dtype and format: the tiles (the
+    M tile as resolved here), and Triton's specialisation of integer arguments (== 1, divisible by 16) for
+    the assignment count."""
     A = idx_NK.numel()
-    return (TILES.block_m or auto_block_m(A, n_experts), A == 1, A % 16 == 0)
+    return (TILES.spec(), TILES.block_m or auto_block_m(A, n_experts), A == 1, A % 16 == 0)
 
 
 def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_PLAIN,

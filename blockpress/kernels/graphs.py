@@ -89,6 +89,22 @@ def _scale(module, device, scale):
     return module.embed_scale(module.dtype, device) if scale is None else scale
 
 
+def _layers(module, x, rope, masks, keys_values, scalar):
+    """The layer loop of the static passes. keys_values(i, k, v) -> the keys and values layer i attends to
+    (writing the cache first where the pass does); scalar(layer) -> the residual scale of its rows."""
+    attn_fn = ATTENTION_BACKENDS[module.attention_backend]
+    for i, layer in enumerate(module.layers):
+        t = FULL if layer.full else SLIDING
+        cos, sin = rope[t]
+
+        def attend(h, i=i, layer=layer, mask=masks[t], cos=cos, sin=sin):
+            q, k, v = layer.self_attn.project(h, cos, sin)
+            return layer.self_attn.output(attn_fn(q, *keys_values(i, k, v), mask))
+
+        x = layer(x, attend, scalar(layer))
+    return x
+
+
 def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None):
     """canvas [B,C]; T 0-dim int64 device tensor; sc_logits [B,C,V]; sc_mask [B] bool -> fp32 logits.
     scale: sqrt(H) in the weight dtype on the device (computed here when not given)."""
@@ -99,18 +115,11 @@ def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None):
     canvas_keys = torch.ones(B, C, dtype=torch.bool, device=dev)
     masks = {t: _additive(torch.cat([seen, canvas_keys], dim=1)[:, None, None], dtype)  # [B,1,1,P+C]
              for t, seen in _cache_seen_by_canvas(module, cache, T).items()}
-    attn_fn = ATTENTION_BACKENDS[module.attention_backend]
-    for i, layer in enumerate(module.layers):
-        t = FULL if layer.full else SLIDING
-        cos, sin = rope[t]
 
-        def attend(h, i=i, layer=layer, mask=masks[t], cos=cos, sin=sin):
-            q, k, v = layer.self_attn.project(h, cos, sin)
-            keys = torch.cat([cache.keys[i], k], 2)  # [B, kv, P+C, D]
-            values = torch.cat([cache.values[i], v], 2)
-            return layer.self_attn.output(attn_fn(q, keys, values, mask))
+    def keys_values(i, k, v):  # the cache [P] then the canvas [C]
+        return torch.cat([cache.keys[i], k], 2), torch.cat([cache.values[i], v], 2)
 
-        x = layer(x, attend, layer.layer_scalar)
+    x = _layers(module, x, rope, masks, keys_values, lambda layer: layer.layer_scalar)
     return module.lm_logits(module.norm(x))
 
 
@@ -123,19 +132,13 @@ def static_encode(module, ids, cache, T0, scale=None):
     rope = _rope(module, T0, S, x.dtype)
     pos = T0 + torch.arange(S, device=ids.device)
     masks = {t: _additive(seen[:, None], x.dtype) for t, seen in _cache_seen_by_chunk(module, cache, T0, S).items()}
-    attn_fn = ATTENTION_BACKENDS[module.attention_backend]
-    for i, layer in enumerate(module.layers):
-        t = FULL if layer.full else SLIDING
-        cos, sin = rope[t]
 
-        def attend(h, i=i, layer=layer, mask=masks[t], cos=cos, sin=sin):
-            q, k, v = layer.self_attn.project(h, cos, sin)
-            cache.keys[i].index_copy_(2, pos, k)
-            cache.values[i].index_copy_(2, pos, v)
-            return layer.self_attn.output(attn_fn(q, cache.keys[i], cache.values[i], mask))
+    def keys_values(i, k, v):  # the chunk's K/V written first; the mask bounds what each row sees
+        cache.keys[i].index_copy_(2, pos, k)
+        cache.values[i].index_copy_(2, pos, v)
+        return cache.keys[i], cache.values[i]
 
-        x = layer(x, attend, layer.encoder_layer_scalar)
-    return module.norm(x)
+    return module.norm(_layers(module, x, rope, masks, keys_values, lambda layer: layer.encoder_layer_scalar))
 
 
 def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, scale=None):
@@ -157,21 +160,16 @@ def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, sca
         chunk_rows = torch.cat([by_chunk[t], torch.zeros(B, S, C, dtype=torch.bool, device=dev)], dim=2)
         canvas_rows = torch.cat([by_canvas[t], torch.ones(B, C, dtype=torch.bool, device=dev)], dim=1)
         masks[t] = _additive(torch.cat([chunk_rows, canvas_rows[:, None].expand(B, C, -1)], dim=1)[:, None], dtype)
-    attn_fn = ATTENTION_BACKENDS[module.attention_backend]
-    for i, layer in enumerate(module.layers):
-        t = FULL if layer.full else SLIDING
-        cos, sin = rope[t]
 
-        def attend(h, i=i, layer=layer, mask=masks[t], cos=cos, sin=sin):
-            q, k, v = layer.self_attn.project(h, cos, sin)  # [B, heads, S+C, D]
-            cache.keys[i].index_copy_(2, pos, k[:, :, :S])
-            cache.values[i].index_copy_(2, pos, v[:, :, :S])
-            keys = torch.cat([cache.keys[i], k[:, :, S:]], 2)  # [B, kv, P+C, D]
-            values = torch.cat([cache.values[i], v[:, :, S:]], 2)
-            return layer.self_attn.output(attn_fn(q, keys, values, mask))
+    def keys_values(i, k, v):  # k, v [B, kv, S+C, D]: the chunk's rows written, then cache [P] + canvas [C]
+        cache.keys[i].index_copy_(2, pos, k[:, :, :S])
+        cache.values[i].index_copy_(2, pos, v[:, :, :S])
+        return torch.cat([cache.keys[i], k[:, :, S:]], 2), torch.cat([cache.values[i], v[:, :, S:]], 2)
 
-        scalar = torch.cat([layer.encoder_layer_scalar.expand(S), layer.layer_scalar.expand(C)])[None, :, None]
-        x = layer(x, attend, scalar)
+    def scalar(layer):  # the encoder's scale on the chunk's rows, the decoder's on the canvas's
+        return torch.cat([layer.encoder_layer_scalar.expand(S), layer.layer_scalar.expand(C)])[None, :, None]
+
+    x = _layers(module, x, rope, masks, keys_values, scalar)
     return module.lm_logits(module.norm(x[:, S:]))
 
 

@@ -159,7 +159,7 @@ def softmax_rows(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`torch.softmax(z.float(), -1).to(dtype)`, computed a block of rows at a time into the `dtype` result.
 
     Each row's softmax is independent of the others, so the result is the same (bit for bit on CPU, tested;
-    a GPU picks its softmax kernel by the row length, checked by a GPU test); what changes is memory: for the 26B model's self-conditioning input ([256, 262144]
+    a GPU picks its softmax kernel by the row length: a GPU test checks it, not yet run); what changes is memory: for the 26B model's self-conditioning input ([256, 262144]
     per row of the batch) the one-shot form holds an fp32 copy and an fp32 softmax (268 MB each) at once,
     this holds 64 MB chunks of them. Under autograd: the one-shot form."""
     V = z.shape[-1]

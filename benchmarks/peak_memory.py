@@ -53,6 +53,9 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="real-26b", choices=["tiny", "small", "real-26b"])
     p.add_argument("--precision", default="int4", choices=["native", "fp8", "int4"])
+    p.add_argument("--linears", default="native", choices=["native", "int8"],
+                   help="attention / dense-MLP projections (int8: only the weights change; the Triton kernel "
+                        "allocates what F.linear does, its output)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=None)
@@ -66,7 +69,7 @@ def main(argv=None) -> dict:
     with torch.device("meta"):
         m = DiffusionGemmaModel(ModelConfig.from_dict(config)).to(dtype)
     m.materialize_buffers("meta")
-    weights = estimated_weight_bytes(m, dtype, args.precision)
+    weights = estimated_weight_bytes(m, dtype, args.precision, linears=args.linears)
     meta_backends(m)
     C, V = m.config.canvas_length, m.text.vocab_size
     capacity = P + (math.ceil(N / C) - 1) * C
@@ -123,7 +126,7 @@ def main(argv=None) -> dict:
         sampler = rows[f"sampler ({s}, logits given)"]["peak_bytes"]
         predicted[s] = {"eager": base + max(step[s], *passes_eager),
                         "cuda_graphs": base + pool + held + max(rows["prefill"]["peak_bytes"], logits + sampler)}
-    print(f"{args.preset}, {args.dtype}, experts {args.precision}, B={B}, P={P}, N={N} (cache {capacity} positions)")
+    print(f"{args.preset}, {args.dtype}, experts {args.precision}, linears {args.linears}, B={B}, P={P}, N={N} (cache {capacity} positions)")
     print(f"  weights {weights / GB:.3f} GB, KV cache {kv / GB:.3f} GB, self-conditioning logits held {held / GB:.3f} GB")
     print(f"  {'pass':32s} {'peak on top (GB)':>16s}   largest allocations (MB, op)")
     for name, r in rows.items():
@@ -132,7 +135,8 @@ def main(argv=None) -> dict:
     print(f"  predicted peak (GB; budget {args.budget_gb:.1f}):   eager   CUDA graphs")
     for s_, v in predicted.items():
         print(f"    {s_ + ' sampler':28s} {v['eager'] / GB:7.2f} {v['cuda_graphs'] / GB:13.2f}")
-    result = {"bench": "peak_memory", "preset": args.preset, "precision": args.precision, "dtype": args.dtype,
+    result = {"bench": "peak_memory", "preset": args.preset, "precision": args.precision, "linears": args.linears,
+              "dtype": args.dtype,
               "batch": B, "prompt_tokens": P, "new_tokens": N, "weights_bytes": weights, "kv_bytes": kv,
               "held_bytes": held, "passes": {k: v["peak_bytes"] for k, v in rows.items()},
               "predicted_peak_bytes": predicted,

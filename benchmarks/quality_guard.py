@@ -1,7 +1,8 @@
-"""Quality guard for low-precision experts: fp8 / int4 (and bf16 for scale) vs the fp32 reference.
+"""Quality guard for low-precision weights: fp8 / int4 experts, int8 linears (and bf16 for scale) vs fp32.
 
-For each format the same model is copied, its experts quantised (embeddings, attention, router,
-self-conditioning stay fp32), and compared with the fp32 model on
+For each format the same model is copied, its experts quantised (fp8, int4), or its attention and
+dense-MLP projections (int8-linears), or both (int4+int8-linears); embeddings, router and
+self-conditioning stay fp32. Each is compared with the fp32 model on
   (a) the experts alone: relative error ||y_q - y|| / ||y|| of every layer's MoE output on the
       reference pass's own inputs and routing (the local quantisation error, nothing amplified);
   (b) one decoder step over the same cache and canvas: mean / max KL(p_fp32 || p_q) per position,
@@ -12,7 +13,7 @@ self-conditioning stay fp32), and compared with the fp32 model on
 router's near-uniform top-k flips under any rounding, so (b) and (c) measure routing chaos as much
 as the format; hence the KL gate is relative to bf16's KL (`--kl-vs-bf16 fp8=..,int4=..`), except that
 a mean KL under `--kl-floor` (default 1e-3 nats) always passes: on a trained model bf16's KL can be
-~1e-5, and 10x that is still imperceptible. The expert-error gate is absolute (`--max-err`). A trained model (`--model blockpress/assets/sudoku`,
+~1e-5, and 10x that is still imperceptible. The expert- and linear-error gates are absolute (`--max-err`). A trained model (`--model blockpress/assets/sudoku`,
 any checkpoint folder) gives the numbers that matter. Prints a table, ends with one JSON line,
 exits 1 if a format fails a gate.
 
@@ -34,11 +35,15 @@ import torch
 from blockpress.cli.bench import preset_config
 from blockpress.config import GenerationConfig
 from blockpress.engine.generate import generate
+from blockpress.kernels.linear_q import QUANTIZED_LINEARS, Int8Linear
 from blockpress.kernels.quant import QuantizedExperts, compare_logits
 from blockpress.kernels.random_weights import build_model
 
-ERR_BUDGET = {"bf16": 0.01, "fp8": 0.08, "int4": 0.25}  # relative error of the experts' output
-KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0}  # mean KL may be at most this multiple of bf16's
+LINEARS = "int8-linears"  # attention and dense-MLP projections in int8 (kernels/linear_q.py)
+# relative error of the experts' output (of each projection's output, for int8 linears)
+ERR_BUDGET = {"bf16": 0.01, "fp8": 0.08, "int4": 0.25, LINEARS: 0.02}
+# mean KL may be at most this multiple of bf16's
+KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, LINEARS: 2.0, f"fp8+{LINEARS}": 2.0, f"int4+{LINEARS}": 8.0}
 
 
 def load_model(args):
@@ -51,24 +56,43 @@ def load_model(args):
     return build_model(config, torch.device(args.device), dtype, seed=args.seed, std=args.init_std)
 
 
+def _parts(fmt: str) -> tuple[str | None, bool]:
+    """'int4+int8-linears' -> ('int4', True); 'int8-linears' -> (None, True); 'fp8' -> ('fp8', False)."""
+    parts = fmt.split("+")
+    experts = next((x for x in parts if x in ("fp8", "int4")), None)
+    if any(x not in ("fp8", "int4", LINEARS) for x in parts) or (fmt != "bf16" and not parts):
+        raise SystemExit(f"unknown format {fmt!r}: use bf16, fp8, int4, {LINEARS}, or an experts format "
+                         f"+{LINEARS} (e.g. int4+{LINEARS})")
+    return experts, LINEARS in parts
+
+
 @contextlib.contextmanager
 def variant(ref, fmt: str, group_size: int):
-    """The reference with `fmt` experts. fp8/int4: its experts swapped in place (and restored), so a
-    26B reference needs one extra copy of the experts only; bf16: a bf16 copy of the whole model."""
+    """The reference with `fmt` weights. fp8/int4 experts and int8 linears: swapped in place (and restored),
+    so a 26B reference needs one extra copy of what is quantised only; bf16: a bf16 copy of the whole model."""
     if fmt == "bf16":  # the whole model in bf16: the yardstick fp8/int4 errors are read against
         yield copy.deepcopy(ref).to(torch.bfloat16)
         return
+    experts, linears = _parts(fmt)
     saved = [layer.experts for layer in ref.layers]
+    saved_lin = [(getattr(layer, part), name, getattr(getattr(layer, part), name, None))
+                 for layer in ref.layers for part, names in QUANTIZED_LINEARS.items() for name in names]
     try:
-        for layer, old in zip(ref.layers, saved):
+        for layer, old in zip(ref.layers, saved) if experts else ():
             E, two_im, H = old.gate_up_proj.shape
-            q = QuantizedExperts(E, H, two_im // 2, fmt, group_size, dtype=old.gate_up_proj.dtype,
+            q = QuantizedExperts(E, H, two_im // 2, experts, group_size, dtype=old.gate_up_proj.dtype,
                                  device=old.gate_up_proj.device)
             layer.experts = q.load_float_(old.gate_up_proj, old.down_proj)
+        for parent, name, lin in saved_lin if linears else ():
+            if lin is not None:  # full-attention layers have no v_proj
+                setattr(parent, name, Int8Linear.from_linear(lin, backend="torch"))
         yield ref
     finally:
         for layer, old in zip(ref.layers, saved):
             layer.experts = old
+        for parent, name, lin in saved_lin:
+            if lin is not None:
+                setattr(parent, name, lin)
 
 
 @torch.no_grad()
@@ -83,6 +107,30 @@ def capture_expert_inputs(module, ids, canvas):
         for h in hooks:
             h.remove()
     return seen
+
+
+@torch.no_grad()
+def capture_linear_inputs(module, ids, canvas) -> dict:
+    """name -> (x, y) of every attention / dense-MLP projection in one reference decoder step (the last call)."""
+    seen, hooks = {}, []
+    for name, mod in module.named_modules():
+        part, _, leaf = name.rpartition(".")
+        if leaf in QUANTIZED_LINEARS.get(part.rpartition(".")[2], ()):
+            hooks.append(mod.register_forward_hook(lambda m, inp, out, name=name: seen.update({name: (inp[0], out)})))
+    try:
+        one_step_logits(module, ids, canvas)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+@torch.no_grad()
+def linears_error(module, captured: dict) -> float:
+    """Mean over projections of ||linear_q(x) - y_ref|| / ||y_ref|| on the reference inputs (0: not quantised)."""
+    errs = [float((module.get_submodule(n)(x.to(module.dtype)).float() - y.float()).norm() / y.float().norm())
+            for n, (x, y) in captured.items()]
+    return sum(errs) / len(errs)
 
 
 @torch.no_grad()
@@ -114,7 +162,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--model", help="checkpoint folder of a trained model (e.g. blockpress/assets/sudoku)")
-    p.add_argument("--formats", default="bf16,fp8,int4")
+    p.add_argument("--formats", default=f"bf16,fp8,int4,{LINEARS},fp8+{LINEARS},int4+{LINEARS}")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--init-std", type=float, default=0.05, help="random weights: larger = peakier logits")
     p.add_argument("--prompt-tokens", type=int, default=32)
@@ -142,6 +190,7 @@ def main(argv=None) -> int:
     canvas = torch.randint(0, V, (args.batch, C), generator=g).to(args.device)
     ref_logits, ref_tokens = one_step_logits(ref, ids, canvas), generation_tokens(ref, ids, args)
     captured = capture_expert_inputs(ref, ids, canvas)
+    captured_linears = capture_linear_inputs(ref, ids, canvas)
     formats = [f for f in args.formats.split(",") if f]
     if "bf16" in formats:  # the yardstick first
         formats = ["bf16"] + [f for f in formats if f != "bf16"]
@@ -151,22 +200,25 @@ def main(argv=None) -> int:
             continue  # the reference itself
         with variant(ref, fmt, args.group_size) as m:
             r = {"format": fmt, "experts_rel_err": experts_error(m, captured),
+                 "linears_rel_err": linears_error(m, captured_linears),
                  **compare_logits(ref_logits, one_step_logits(m, ids, canvas))}
             r["token_agreement_generate"] = float((generation_tokens(m, ids, args) == ref_tokens).float().mean())
         bf16_kl = r["mean_kl"] if fmt == "bf16" else bf16_kl
         r["kl_vs_bf16"] = r["mean_kl"] / bf16_kl if bf16_kl else None
-        r["pass"] = r["experts_rel_err"] <= err_budget.get(fmt, float("inf")) and (
+        experts_fmt = "bf16" if fmt == "bf16" else _parts(fmt)[0]
+        r["pass"] = r["experts_rel_err"] <= err_budget.get(experts_fmt, float("inf")) and (
+            r["linears_rel_err"] <= err_budget[LINEARS] or fmt == "bf16") and (
             r["kl_vs_bf16"] is None or fmt not in kl_budget or r["kl_vs_bf16"] <= kl_budget[fmt]
             or r["mean_kl"] <= args.kl_floor)
         rows.append(r)
     print(f"quality guard: {'model ' + args.model if args.model else 'random ' + args.preset} "
           f"(std {args.init_std}), {args.ref_dtype} reference on {args.device}, "
           f"B={args.batch} P={args.prompt_tokens} C={C}")
-    print(f"{'format':>7} {'experts err':>12} {'mean KL':>10} {'x bf16':>7} {'max KL':>10} {'top-1':>7} "
+    print(f"{'format':>17} {'experts err':>12} {'linears err':>12} {'mean KL':>10} {'x bf16':>7} {'max KL':>10} {'top-1':>7} "
           f"{'gen tokens =':>13} {'pass':>5}")
     for r in rows:
         vs = f"{r['kl_vs_bf16']:7.2f}" if r["kl_vs_bf16"] is not None else f"{'-':>7}"
-        print(f"{r['format']:>7} {r['experts_rel_err']:12.2%} {r['mean_kl']:10.2e} {vs} {r['max_kl']:10.2e} "
+        print(f"{r['format']:>17} {r['experts_rel_err']:12.2%} {r['linears_rel_err']:12.2%} {r['mean_kl']:10.2e} {vs} {r['max_kl']:10.2e} "
               f"{r['top1_agreement']:7.1%} {r['token_agreement_generate']:13.1%} {str(r['pass']):>5}")
     print(json.dumps({"bench": "quality_guard", "model": args.model, "preset": None if args.model else args.preset,
                       "init_std": None if args.model else args.init_std, "group_size": args.group_size,

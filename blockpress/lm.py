@@ -170,6 +170,11 @@ class BlockDiffusionLM:
         from .model.weights import state_dict_for_checkpoint, write_atomic
 
         path = Path(path)
+        quantized = {type(m).__name__ for m in self.module.modules()} & {"QuantizedExperts", "Int8Linear"}
+        if quantized:
+            raise InputError(f"this model holds quantised weights ({', '.join(sorted(quantized))}: --precision / "
+                             "--linears at load) and save writes float checkpoints that transformers loads; load "
+                             "the model in its native precision to save it")
         sd = state_dict_for_checkpoint(self.module)
         gen = {"_from_model_config": False, **self.generation_defaults}
         if "entropy_bound" in gen:

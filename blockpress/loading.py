@@ -111,19 +111,25 @@ def _checkpoint_generation_defaults(path: Path, vocab_size: int) -> dict:
     return defaults
 
 
-def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native", group_size: int = 64) -> int:
+def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native", group_size: int = 64,
+                           linears: str = "native") -> int:
     """Bytes the weights of a (meta-device) module will take once loaded: expert tensors in fp8 (1 byte
     per weight + an fp32 scale per output row) or int4 (half a byte + a `dtype` scale per group, as
-    kernels/quant.py stores them), everything else in `dtype`."""
+    kernels/quant.py stores them), attention / dense-MLP projections in int8 with linears="int8" (1 byte
+    + an fp32 scale per row, kernels/linear_q.py), everything else in `dtype`."""
+    from .kernels.linear_q import _LINEAR_WEIGHT, QUANTIZED_LINEARS
     from .kernels.quant import group_for
 
     item = torch.empty((), dtype=dtype).element_size()
     total = 0
     for name, p in module.named_parameters():
+        m = _LINEAR_WEIGHT.search(name)
         if precision != "native" and ".experts." in name and p.dim() == 3:
             E, O, I = p.shape
             total += p.numel() + E * O * 4 if precision == "fp8" else \
                 p.numel() // 2 + E * O * (I // group_for(I, group_size)) * item
+        elif linears == "int8" and m is not None and m.group(3) in QUANTIZED_LINEARS[m.group(2)]:
+            total += p.numel() + p.shape[0] * 4
         else:
             total += p.numel() * item
     return total
@@ -143,32 +149,35 @@ def _free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_memory(module, device: torch.device, dtype: torch.dtype, precision: str, group_size: int) -> None:
+def check_memory(module, device: torch.device, dtype: torch.dtype, precision: str, group_size: int,
+                 linears: str = "native") -> None:
     """Refuse, before reading any weight, a load that cannot fit: name what it needs, what is free, and
     the precisions that would fit. BLOCKPRESS_SKIP_MEMORY_CHECK=1 skips it (e.g. with swap)."""
     if os.environ.get("BLOCKPRESS_SKIP_MEMORY_CHECK") == "1":
         return
     free = _free_bytes(device)
-    need = estimated_weight_bytes(module, dtype, precision, group_size)
+    need = estimated_weight_bytes(module, dtype, precision, group_size, linears)
     if free is None or need <= free:
         return
     gib = 2 ** 30
     options = []
-    for prec in ("fp8", "int4"):
-        if prec != precision:
-            n = estimated_weight_bytes(module, dtype, prec, group_size)
-            options.append(f"precision {prec} needs ~{n / gib:.1f} GiB" + (" (fits)" if n <= free else ""))
+    for prec, lin in (("fp8", linears), ("int4", linears), ("int4", "int8")):
+        if (prec, lin) != (precision, linears):
+            n = estimated_weight_bytes(module, dtype, prec, group_size, lin)
+            options.append(f"precision {prec}" + (" with int8 linears" if lin == "int8" else "")
+                           + f" needs ~{n / gib:.1f} GiB" + (" (fits)" if n <= free else ""))
     if dtype.itemsize > 2:
-        n = estimated_weight_bytes(module, torch.bfloat16, precision, group_size)
+        n = estimated_weight_bytes(module, torch.bfloat16, precision, group_size, linears)
         options.append(f"dtype bfloat16 needs ~{n / gib:.1f} GiB" + (" (fits)" if n <= free else ""))
     raise InputError(f"the weights need ~{need / gib:.1f} GiB ({str(dtype).removeprefix('torch.')}, precision "
-                     f"{precision}) but {device} has {free / gib:.1f} GiB free; " + "; ".join(options)
-                     + " (--precision / --dtype on the command line; BLOCKPRESS_SKIP_MEMORY_CHECK=1 to try anyway)")
+                     f"{precision}, linears {linears}) but {device} has {free / gib:.1f} GiB free; " + "; ".join(options)
+                     + " (--precision / --linears / --dtype on the command line; BLOCKPRESS_SKIP_MEMORY_CHECK=1 to "
+                     "try anyway)")
 
 
 def load(model: str | Path, device: str | torch.device | None = None, dtype=None, progress: bool = True,
          tokenizer: bool = True, precision: str = "native", group_size: int = 64, experts: str = "auto",
-         attention: str = "auto") -> BlockDiffusionLM:
+         attention: str = "auto", linears: str = "native") -> BlockDiffusionLM:
     """Load a DiffusionGemma checkpoint (folder or Hub id) for generation.
 
     device: "cpu", "cuda", ... (default: cuda when available). dtype: "bfloat16", "float32", ...
@@ -176,6 +185,8 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     precision: "native", or "fp8" / "int4" expert weights (per-channel fp8; 4-bit with a scale per
     `group_size` inputs), quantised layer by layer while loading, so the float experts never exist
     all at once; attention, router, embeddings and norms stay in `dtype`.
+    linears: "native", or "int8": the attention and dense-MLP projections in 8 bits (a scale per output
+    row), quantised as each is read; with precision="int4" the 26B-A4B weights take ~15.3 GB, not ~17.
     experts / attention: the kernels (`blockpress.kernels.configure`). "auto" picks the fastest path that
     runs here (experts: the Triton kernel on a CUDA GPU, grouped GEMMs on a CPU; attention: SDPA with
     the KV heads grouped inside the kernel); "loop" / "sdpa" or "eager" are the plain references (the
@@ -186,7 +197,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     if precision not in PRECISIONS:
         raise InputError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     try:
-        check_names(experts, attention)
+        check_names(experts, attention, linears)
     except ValueError as e:
         raise InputError(str(e)) from None
     folder = resolve_path(model, progress)
@@ -198,17 +209,23 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     files = find_weight_files(folder)
     with torch.device("meta"):
         module = DiffusionGemmaModel(config)
-    check_memory(module, dev, dt, precision, group_size)
-    on_loaded = None
+    check_memory(module, dev, dt, precision, group_size, linears)
+    hooks = []
     if precision != "native":
         from .kernels.quant import streaming_quantizer
 
-        on_loaded = streaming_quantizer(module, precision, group_size)
+        hooks.append(streaming_quantizer(module, precision, group_size))
+    if linears != "native":
+        from .kernels.linear_q import linear_streaming_quantizer
+
+        hooks.append(linear_streaming_quantizer(module))
+    on_loaded = None if not hooks else lambda name: [h(name) for h in hooks]
     load_weights(module, files, dev, dt, progress=progress, on_loaded=on_loaded)
     module.materialize_buffers(dev)
     module.eval()
     try:
-        configure(module, experts=experts, attention=attention, precision=precision, group_size=group_size)
+        configure(module, experts=experts, attention=attention, precision=precision, group_size=group_size,
+                  linears=linears)
     except ValueError as e:
         raise InputError(str(e)) from None
     tok = None

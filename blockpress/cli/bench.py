@@ -368,7 +368,7 @@ def run(args) -> dict:
     build_s = time.perf_counter() - t0
     try:
         choice = kernels.configure(module, experts=args.experts, attention=args.attention, precision=args.precision,
-                                   sc_topk=args.sc_topk)
+                                   sc_topk=args.sc_topk, linears=args.linears)
     except ValueError as e:
         raise InputError(str(e)) from None
     from ..kernels import moe_grouped
@@ -386,7 +386,7 @@ def run(args) -> dict:
     result = {"bench": "generate", "hardware": hardware(device), "device": str(device), "torch": torch.__version__,
               "preset": None if (args.config or args.model) else args.preset, "config_file": args.config,
               "model": args.model, "dtype": str(dtype).replace("torch.", ""), "precision": args.precision,
-              "backends": choice, "sampler": args.sampler, "cuda_graphs": bool(args.cuda_graphs),
+              "linears": args.linears, "backends": choice, "sampler": args.sampler, "cuda_graphs": bool(args.cuda_graphs),
               "fuse_commit": bool(args.fuse_commit),
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "steps": args.steps,
               "canvas_length": C, "layers": text.num_hidden_layers, "hidden": text.hidden_size,
@@ -425,7 +425,7 @@ def run(args) -> dict:
                                           sampler=args.sampler)
         result["profile"]["batch"] = B
         print_profile(result["profile"], f"B={B}")
-    ref_ok = args.reference and args.precision == "native"
+    ref_ok = args.reference and args.precision == "native" and args.linears == "native"
     if args.reference and not ref_ok:
         result["reference_skipped"] = "transformers runs only on native-precision weights here"
     if ref_ok:
@@ -481,6 +481,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native", help="expert weights")
     p.add_argument("--group-size", type=_positive_int, default=64, help="int4 scale group along the input dim")
+    p.add_argument("--linears", choices=["native", "int8"], default="native",
+                   help="attention and dense-MLP projections: native, or int8 (weight-only, a scale per row)")
     p.add_argument("--experts", default="auto", help="experts backend: auto, loop, dense, grouped, triton, scaled_mm")
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")

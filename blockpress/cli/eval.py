@@ -61,6 +61,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
                    help="expert weights: native, or fp8 / int4 quantised while loading (judge a format by the task)")
+    p.add_argument("--linears", choices=["native", "int8"], default="native",
+                   help="attention and dense-MLP projections: native, or int8 quantised while loading")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="torch CPU threads")
     p.add_argument("--json", default=None, help="write the results here")
 
@@ -130,7 +132,8 @@ def main(args) -> int:
     path = args.model or sd.DEFAULT_MODEL_PATH
     if args.model is None and not (sd.DEFAULT_MODEL_PATH / "config.json").is_file():
         raise sd.SudokuModelMissing(f"no sudoku model at {path}; pass --model DIR")
-    lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision, progress=False)
+    lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision,
+                         linears=args.linears, progress=False)
     sd.require_sudoku_model(lm, path)
     if args.adapter:
         from blockpress.train.lora import apply_adapter
@@ -166,7 +169,8 @@ def _infill(args) -> int:
     if args.data:  # a typo in --data fails before the model loads
         check(Path(args.data))
     path = resolve_path(args.model, progress=False) if args.model else SHIPPED_MODELS["kjv"]
-    lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision, progress=False)
+    lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision,
+                         linears=args.linears, progress=False)
     refuse_task_model(lm, "eval infill")
     data = check(Path(args.data) if args.data else path / "eval" / "heldout.txt")
     if args.adapter:

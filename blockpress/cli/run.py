@@ -87,6 +87,9 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True) -> None
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
                    help="expert weights: native, or fp8 / int4 quantised layer by layer while loading (a model "
                         "too big for the GPU in bf16 loads straight into 4 bits); attention and embeddings keep --dtype")
+    p.add_argument("--linears", choices=["native", "int8"], default="native",
+                   help="attention and dense-MLP projections: native (--dtype), or int8 (8 bits with a scale per row, "
+                        "quantised while loading; with --precision int4 the 26B-A4B weights take ~15.3 GB, not ~17)")
     p.add_argument("--adapter", metavar="DIR",
                    help="LoRA adapter folder (PEFT format: adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--merge-adapter", action="store_true",
@@ -186,6 +189,7 @@ def load_model(args):
     reference = getattr(args, "reference_kernels", False)
     lm = blockpress.load(resolve_model(args.model), device=args.device, dtype=args.dtype,
                          progress=sys.stderr.isatty(), precision=getattr(args, "precision", "native"),
+                         linears=getattr(args, "linears", "native"),
                          experts="loop" if reference else "auto", attention="sdpa" if reference else "auto")
     if getattr(args, "adapter", None):
         from ..train.lora import apply_adapter

@@ -6,7 +6,8 @@ their references):
   "triton" (fused Triton kernel, moe_grouped.py), "triton_checked" (the same, compared with the torch
   path on its first call and replaced by it, with a warning, if it disagrees or fails);
 - attention (`model.layers.ATTENTION_BACKENDS`): "sdpa_gqa" (attention.py).
-Low-precision experts (quant.py) replace `layer.experts` by module swap; the fused sampler
+Low-precision experts (quant.py) replace `layer.experts` by module swap, 8-bit linears (linear_q.py) the
+attention and dense-MLP projections; the fused sampler
 (sampler_fused.py) and the CUDA-graph decoder (graphs.py) are opt-in.
 
 `configure(module, ...)` applies a choice ("auto" resolves per device) and returns what it chose,
@@ -25,6 +26,7 @@ from ..model.moe import EXPERT_BACKENDS
 from ._triton import triton, usable_on
 from .attention import attention_sdpa_gqa
 from .moe_grouped import _grouped_mm_ok, experts_grouped, experts_triton, experts_triton_checked
+from .linear_q import LINEAR_FORMATS, Int8Linear, has_int8_linears, quantize_linears_
 from .quant import QuantizedExperts, quantize_experts_
 
 EXPERT_BACKENDS.setdefault("grouped", experts_grouped)
@@ -43,8 +45,10 @@ def auto_experts_backend(device: torch.device, dtype: torch.dtype) -> str:
     return "dense"
 
 
-def check_names(experts: str = "auto", attention: str = "auto") -> None:
+def check_names(experts: str = "auto", attention: str = "auto", linears: str = "native") -> None:
     """ValueError naming the choices when a backend name is unknown (cheap: before loading any weights)."""
+    if linears not in LINEAR_FORMATS:
+        raise ValueError(f"unknown linears format {linears!r}; use one of {', '.join(LINEAR_FORMATS)}")
     known = {"auto", "scaled_mm", "torch", *EXPERT_BACKENDS}
     if experts not in known:
         raise ValueError(f"unknown experts backend {experts!r}; use one of {sorted(known)}")
@@ -53,15 +57,24 @@ def check_names(experts: str = "auto", attention: str = "auto") -> None:
 
 
 def configure(module, experts: str = "auto", attention: str = "auto", precision: str = "native",
-              group_size: int = 64, sc_topk: int | None = None) -> dict:
+              group_size: int = 64, sc_topk: int | None = None, linears: str = "native") -> dict:
     """Apply backend / precision choices to a DiffusionGemmaModel in place; return the choices.
-    sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py)."""
+    sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py).
+    linears: "native", or "int8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py); a module
+    that already holds 8-bit linears keeps them. Their kernel follows `experts`: "loop" / "torch" (the
+    references) -> the torch reference, "triton" -> the kernel unchecked, else "auto" (checked on first use)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
-    check_names(experts, attention)
+    check_names(experts, attention, linears)
     dev, dtype = module.device, module.dtype
     if precision != "native" and not any(isinstance(layer.experts, QuantizedExperts) for layer in module.layers):
         quantize_experts_(module, precision, group_size)
+    if linears == "int8" and not has_int8_linears(module):
+        quantize_linears_(module)
+    linear_backend = "torch" if experts in ("loop", "torch") else "triton" if experts == "triton" else "auto"
+    for m in module.modules():
+        if isinstance(m, Int8Linear):
+            m.backend = linear_backend
     if experts == "auto":
         experts = auto_experts_backend(dev, dtype)
     quantized = isinstance(module.layers[0].experts, QuantizedExperts)
@@ -89,8 +102,12 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     if sc_topk is not None and int(sc_topk) < 1:
         raise ValueError(f"sc_topk must be a positive number of tokens or None, got {sc_topk}")
     module.sc_topk = None if sc_topk is None else int(sc_topk)
+    int8 = next((m for m in module.modules() if isinstance(m, Int8Linear)), None)
     return {"experts": resolved, "attention": attention, "precision": precision, "sc_topk": module.sc_topk,
+            "linears": "native" if int8 is None else
+            "int8 " + int8.resolved_backend(torch.empty(0, device=dev, dtype=dtype)),
             "triton": None if triton is None else triton.__version__}
 
 
-__all__ = ["configure", "check_names", "auto_experts_backend", "PRECISIONS", "QuantizedExperts", "quantize_experts_"]
+__all__ = ["configure", "check_names", "auto_experts_backend", "PRECISIONS", "LINEAR_FORMATS", "QuantizedExperts",
+           "quantize_experts_", "Int8Linear", "quantize_linears_"]

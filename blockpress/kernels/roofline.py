@@ -34,8 +34,9 @@ def weight_groups(module) -> dict[str, int]:
     g = {"experts": 0, "attention": 0, "dense_mlp": 0, "router": 0, "norms": 0}
     for layer in module.layers:
         g["experts"] += _nbytes(list(layer.experts.parameters()) + list(layer.experts.buffers()))
-        g["attention"] += _nbytes(p for n, p in layer.self_attn.named_parameters() if not n.endswith("norm.weight"))
-        g["dense_mlp"] += _nbytes(layer.mlp.parameters())
+        attn = list(layer.self_attn.named_parameters()) + list(layer.self_attn.named_buffers())  # int8 linears: buffers
+        g["attention"] += _nbytes(p for n, p in attn if not n.endswith("norm.weight"))
+        g["dense_mlp"] += _nbytes(list(layer.mlp.parameters()) + list(layer.mlp.buffers()))
         g["router"] += _nbytes(layer.router.parameters())
         g["norms"] += _nbytes(p for n, p in layer.named_parameters() if "norm" in n)
     g["embedding"] = _nbytes([module.embed_tokens.weight])

@@ -1,0 +1,195 @@
+"""8-bit linears (weight-only, W8A16): the attention projections and the dense MLP in half the bytes.
+
+Shape legend: M rows of activations (tokens), I input features, O output features, BM/BN/BK tiles.
+
+Why: at batch 1 a denoising step of the 26B-A4B model reads every weight once. With the experts in
+fp8 / int4 (quant.py), the attention projections and the dense MLP stay the largest bf16 part: 3.29 GB
+per step (17 % of an int4 step, 11 % of an fp8 one) and 3.29 GB of GPU memory. In 8 bits they are half
+that: an int4 step moves 19.21 -> 17.56 GB and the int4 model shrinks by 1.65 GB. The router,
+embeddings, norms and self-conditioning stay in the model dtype (small, and quality-sensitive).
+
+Format: q int8 [O, I], scale fp32 [O] (amax of the row / 127, symmetric round-to-nearest);
+w = q * scale[:, None]. int8 rather than fp8: the same bytes, 7 bits of mantissa-equivalent instead of
+3 for a row's bulk, and every GPU (and Triton's CPU interpreter) converts int8 to bf16 exactly.
+
+Backends of `Int8Linear` (chosen by `kernels.configure(..., linears="int8")`):
+- "torch" (reference): `F.linear(x, w)` with w dequantised into the activation dtype on each call;
+- "triton": one kernel, int8 tiles converted in registers, the row scale applied to the fp32
+  accumulator (it factors out of the dot product), no dequantised copy in memory;
+- "auto": triton on CUDA, checked against torch on its first call per device, dtype and compiled
+  variant (`moe_grouped.checked_on_first_use`), else torch.
+The kernel is free of host synchronisation, so CUDA graphs hold it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._triton import interpreted, tl, triton, usable_on
+from .moe_grouped import checked_on_first_use
+
+INT8_MAX = 127.0
+LINEAR_FORMATS = ("native", "int8")
+# the projections made 8-bit, by the module that holds them (router, embeddings, self-conditioning stay)
+QUANTIZED_LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+_LINEAR_WEIGHT = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$")
+
+
+def quantize_int8_rows(w_OI: torch.Tensor):
+    """-> q int8 [O, I], scale fp32 [O] (per output row)."""
+    wf = w_OI.float()
+    scale = (wf.abs().amax(-1) / INT8_MAX).clamp_min(1e-12)
+    q = torch.round(wf / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8_rows(q_OI: torch.Tensor, scale_O: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q_OI.float() * scale_O[:, None]).to(dtype)
+
+
+class Int8Linear(nn.Module):
+    """Drop-in for a bias-free `nn.Linear` holding int8 weights with a scale per output feature."""
+
+    def __init__(self, in_features: int, out_features: int, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.backend = "auto"
+        self.register_buffer("weight_q", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, lin: nn.Linear, backend: str = "auto") -> "Int8Linear":
+        if lin.bias is not None:
+            raise ValueError("Int8Linear holds bias-free projections only")
+        m = cls(lin.in_features, lin.out_features, device=lin.weight.device)
+        m.weight_q, m.weight_scale = quantize_int8_rows(lin.weight)
+        m.backend = backend
+        return m
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8, backend={self.backend}"
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_int8_rows(self.weight_q, self.weight_scale, dtype)
+
+    def weight_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def resolved_backend(self, x: torch.Tensor) -> str:
+        if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
+            if usable_on(x.device):
+                return "triton"
+        return "torch"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.resolved_backend(x) == "torch":
+            return F.linear(x, self.dequantize(x.dtype))
+        fast = lambda: linear_int8_triton(x, self.weight_q, self.weight_scale)  # noqa: E731
+        if self.backend == "triton":  # asked for by name: the kernel, unchecked
+            return fast()
+        M = x.numel() // x.shape[-1]
+        key = (str(x.device), str(x.dtype).removeprefix("torch."), "triton int8 linear",
+               (block_m_for(M), M == 1, M % 16 == 0, self.out_features % 16 == 0, self.in_features % 16 == 0))
+        return checked_on_first_use(key, fast, lambda: F.linear(x, self.dequantize(x.dtype)),
+                                    "the Triton int8 linear kernel")
+
+
+# ------------------------------------------------------------------------------------ Triton
+
+BLOCK_N, BLOCK_K = 64, 64
+
+
+def block_m_for(M: int) -> int:
+    """16 for a one-token step, up to 64 for a canvas (256 rows) or a prompt."""
+    return 16 if M <= 16 else 32 if M <= 32 else 64
+
+
+if triton is not None:
+
+    @triton.jit
+    def _linear_int8_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om,
+                            F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """out[m, n] = scale[n] * sum_k x[m, k] q[n, k]. Programs that share an N block run side by side
+        (axis 0 is M), so the weight tile they all read comes from L2 after the first."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        m = pid_m * BM + tl.arange(0, BM)
+        n = pid_n * BN + tl.arange(0, BN)
+        mmask, nmask = m < M, n < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            kmask = k < K
+            xa = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :],
+                         mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(q_ptr + n[None, :].to(tl.int64) * stride_qn + k[:, None],
+                        mask=kmask[:, None] & nmask[None, :], other=0)  # [BK, BN] of q^T
+            if F32:
+                acc += tl.dot(xa.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(xa, w.to(xa.dtype))  # |q| <= 127: exact in bf16 / fp16
+        acc *= tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]
+        tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+def linear_int8_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
+    """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel."""
+    if triton is None:
+        raise RuntimeError("linear_int8_triton needs triton (pip install triton)")
+    lead, I = x.shape[:-1], x.shape[-1]
+    O = q_OI.shape[0]
+    assert q_OI.shape[1] == I and q_OI.stride(1) == 1 and scale_O.shape == (O,), "weight [O, I] row-major, scale [O]"
+    x2 = x.reshape(-1, I)  # [M, I]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty(M, O, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.view(*lead, O)
+    bm = block_m_for(M)
+    # fp32 operands: exact ieee dots; the interpreter needs them too (its bf16 tl.dot is wrong in triton 3.9)
+    f32 = x.dtype == torch.float32 or interpreted()
+    grid = (triton.cdiv(M, bm), triton.cdiv(O, BLOCK_N))
+    _linear_int8_kernel[grid](x2, q_OI, scale_O, out, M, O, I, x2.stride(0), q_OI.stride(0), out.stride(0),
+                              F32=f32, BM=bm, BN=BLOCK_N, BK=BLOCK_K)
+    return out.view(*lead, O)
+
+
+# ------------------------------------------------------------------------------------ module swap
+
+def _swap(layer: nn.Module, part: str, name: str, backend: str) -> None:
+    parent = getattr(layer, part)
+    lin = getattr(parent, name, None)
+    if isinstance(lin, nn.Linear):  # full-attention layers have no v_proj
+        setattr(parent, name, Int8Linear.from_linear(lin, backend))
+
+
+@torch.no_grad()
+def quantize_linears_(module: nn.Module, backend: str = "auto") -> nn.Module:
+    """Swap the attention and dense-MLP projections of every layer for Int8Linear, in place, one at a
+    time (each float weight is freed before the next is quantised). Returns the module."""
+    for layer in module.layers:
+        for part, names in QUANTIZED_LINEARS.items():
+            for name in names:
+                _swap(layer, part, name, backend)
+    return module
+
+
+def linear_streaming_quantizer(module: nn.Module):
+    """A `load_weights(on_loaded=...)` hook: each projection is quantised as soon as its weight is in."""
+
+    def on_loaded(name: str) -> None:
+        m = _LINEAR_WEIGHT.match(name)
+        if m is not None and m.group(3) in QUANTIZED_LINEARS[m.group(2)]:
+            _swap(module.layers[int(m.group(1))], m.group(2), m.group(3), "auto")
+
+    return on_loaded
+
+
+def has_int8_linears(module: nn.Module) -> bool:
+    return any(isinstance(m, Int8Linear) for m in module.modules())

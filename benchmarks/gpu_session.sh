@@ -9,7 +9,7 @@
 # Then, through the device tool (carry [".whl"]):
 #   bash benchmarks/gpu_session.sh check   # versions, compiled-kernel and CUDA-only tests, expert tile sweep (~7 min, estimated)
 #   bash benchmarks/gpu_session.sh bf16    # real 26B-A4B, bf16: vs transformers and AR, fast paths, batch 1-8
-#   bash benchmarks/gpu_session.sh quant   # fp8 and int4 experts, peak memory
+#   bash benchmarks/gpu_session.sh quant   # fp8 and int4 experts (int4 also with int8 linears), peak memory
 # MOE_TILES="bm=..,bn=..,bk=.." (the check part's best bf16 spec, tiles.json "best") makes the fast runs use those
 # Triton tiles; MOE_TILES_FP8 / MOE_TILES_INT4 override it for the fp8 / int4 runs.
 # PRESET=tiny runs the same steps on a tiny model (a dry run; on a CPU the CUDA-only flags are dropped).
@@ -48,7 +48,8 @@ case "$PART" in
 "transformers", transformers.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'
     } 2>&1 | tee -a "$OUT/log.txt"
     # compiled Triton kernels (not the interpreter), the CUDA graph and fp8 grouped-GEMM tests
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_quant.py tests/test_bench.py \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_quant.py tests/test_linear_q.py \
+      tests/test_bench.py \
       "tests/test_generate.py::test_fixed_steps_do_not_synchronise_on_cuda" \
       2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
     bench tiny-all --batch 1,2 --modes fixed,adaptive --new-tokens 64 --experts auto $GPU_FLAGS
@@ -58,6 +59,10 @@ case "$PART" in
       echo "=== tiles: benchmarks/sweep_moe_tiles.py --preset $PRESET" | tee -a "$OUT/log.txt"
       timeout 240 python3 benchmarks/sweep_moe_tiles.py --preset "$PRESET" --out "$OUT/tiles.json" \
         2>&1 | tee -a "$OUT/log.txt" | grep -v '^{' | tail -40 || echo "!!! tiles failed or timed out" | tee -a "$OUT/log.txt"
+      # the int8 linear kernel vs cuBLAS bf16 on every projection shape, 1 / 256 / 512 / 1024 rows
+      echo "=== linears: benchmarks/bench_linears.py --preset $PRESET" | tee -a "$OUT/log.txt"
+      timeout 120 python3 benchmarks/bench_linears.py --preset "$PRESET" 2>&1 | tee "$OUT/linears.txt" \
+        | tee -a "$OUT/log.txt" | grep -v '^{' | tail -20 || echo "!!! linears failed or timed out" | tee -a "$OUT/log.txt"
     fi
     ;;
   bf16)
@@ -70,12 +75,18 @@ case "$PART" in
   quant)
     # the predicted peak (meta-device accounting, seconds), next to the int4 run's measured peak_mem_bytes
     python3 benchmarks/peak_memory.py --preset "$PRESET" --precision int4 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt"
+    python3 benchmarks/peak_memory.py --preset "$PRESET" --precision int4 --linears int8 2>&1 | grep -v '^{' \
+      | tee -a "$OUT/log.txt"
     bench fp8 --batch 1,4 --precision fp8 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference \
       --ar-tokens 256 --profile ${MOE_TILES_FP8:+--moe-tiles $MOE_TILES_FP8}
     [ "$CUDA" = 1 ] && bench fp8-scaled-mm --batch 1 --precision fp8 --modes fixed --experts scaled_mm --sampler fast $GPU_FLAGS \
       --no-reference --no-ar
     bench int4 --batch 1,4 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference \
       --ar-tokens 256 --profile ${MOE_TILES_INT4:+--moe-tiles $MOE_TILES_INT4}
+    # attention and dense-MLP projections in int8 too: 1.65 GB less to hold; per step at 256 rows they sit at the
+    # ridge point (bf16 0.98 ms of bytes vs 0.85 ms of math at peak), so the step gains little, the AR step a lot
+    bench int4-lin8 --batch 1 --precision int4 --linears int8 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS \
+      --no-reference --ar-tokens 256 ${MOE_TILES_INT4:+--moe-tiles $MOE_TILES_INT4}
     bench int4-topk --batch 1 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --sc-topk 64 \
       --fuse-commit --no-reference --no-ar
     ;;

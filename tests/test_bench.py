@@ -113,8 +113,11 @@ def test_quality_guard_tiny(capsys, monkeypatch):
         runpy.run_path(str(ROOT / "benchmarks" / "quality_guard.py"), run_name="__main__")
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["format"]: r for r in result["results"]}
-    assert set(rows) == {"bf16", "fp8", "int4"}
+    assert set(rows) == {"bf16", "fp8", "int4", "int8-linears", "fp8+int8-linears", "int4+int8-linears"}
     assert rows["bf16"]["experts_rel_err"] < rows["fp8"]["experts_rel_err"] < rows["int4"]["experts_rel_err"]
+    assert rows["int8-linears"]["experts_rel_err"] == 0 == rows["int4"]["linears_rel_err"]  # each swaps only its part
+    assert 0 < rows["int8-linears"]["linears_rel_err"] == rows["int4+int8-linears"]["linears_rel_err"] < 0.02
+    assert rows["int4+int8-linears"]["experts_rel_err"] == rows["int4"]["experts_rel_err"]
     assert e.value.code == 0 and all(r["pass"] for r in rows.values())
 
 
@@ -281,3 +284,23 @@ def test_bench_runs_replay_graphed_passes_after_the_warmup(fuse):
     assert "graph_captures_timed" not in eager and "graph_captures_timed" not in eager_ar
     commit = ("encode_decode", ((1, 16), (1, 16))) if fuse else ("encode", (1, 16))
     assert passes == {("decode", (1, 16)), commit, ("encode", (1, 1))} and graphs.captures == 3  # AR: (1, 1)
+
+
+def test_linear_kernel_bench_checks_every_projection_shape(capsys):
+    """bench_linears.py enumerates the real model's projections (their bytes are the roofline's 3.29 GB) and
+    runs, checks and times the int8 kernel on a CPU (Triton's interpreter) with a JSON line at the end."""
+    mod = runpy.run_path(str(ROOT / "benchmarks" / "bench_linears.py"))
+    from blockpress.config import ModelConfig
+    from blockpress.kernels.roofline import weight_groups
+    from blockpress.model.diffusion_gemma import DiffusionGemmaModel
+
+    text = ModelConfig.from_dict(preset_config("real-26b")[0]).text
+    shapes = mod["projection_shapes"](text)
+    with torch.device("meta"):
+        g = weight_groups(DiffusionGemmaModel(ModelConfig.from_dict(preset_config("real-26b")[0])).to(torch.bfloat16))
+    assert 2 * sum(i * o * n for (i, o), n in shapes.items()) == g["attention"] + g["dense_mlp"]
+    assert sum(shapes.values()) == 7 * 30 - 5  # q k v o gate up down per layer; the 5 full layers have no v
+    assert mod["main"](["--preset", "tiny", "--rows", "1,5", "--repeats", "1", "--device", "cpu"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["ok"] and {r["rows"] for r in line["results"]} == {1, 5}
+    assert max(r["rel_err"] for r in line["results"]) < 1e-5

@@ -1,0 +1,243 @@
+"""8-bit linears (kernels/linear_q.py): the format's error bound, the Triton kernel (interpreter on CPU) vs the
+torch reference, the module swap, streaming while loading, the memory estimate, graphs, LoRA and save."""
+
+import os
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.kernels import configure
+from blockpress.kernels._triton import triton
+from blockpress.kernels.linear_q import (QUANTIZED_LINEARS, Int8Linear, dequantize_int8_rows, linear_int8_triton,
+                                         quantize_int8_rows, quantize_linears_)
+from blockpress.kernels.random_weights import build_model
+
+needs_triton = pytest.mark.skipif(triton is None or (not torch.cuda.is_available()
+                                                     and os.environ.get("TRITON_INTERPRET") != "1"),
+                                  reason="triton not installed (pip install triton)")
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _tiny(seed=0):
+    from blockpress.cli.bench import preset_config
+
+    config, _, _ = preset_config("tiny")
+    return build_model(config, torch.device("cpu"), torch.float32, seed=seed, std=0.05)
+
+
+def test_int8_rows_error_within_half_step_and_full_range():
+    w = torch.randn(24, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-4, 1, 24)[:, None]
+    w[3] = 0.0  # an all-zero row must not divide by zero
+    q, s = quantize_int8_rows(w)
+    assert q.dtype == torch.int8 and s.shape == (24,) and s.dtype == torch.float32
+    deq = dequantize_int8_rows(q, s, torch.float32)
+    assert ((deq - w).abs() <= s[:, None] / 2 + 1e-12).all()  # round to nearest: half a step per row
+    full = torch.ones(24, dtype=torch.bool)
+    full[3] = False
+    assert (q[full].abs().amax(-1) == 127).all() and (q[3] == 0).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("M,I,O", [(1, 64, 80), (17, 96, 130), (100, 128, 64), (256, 72, 200)])
+def test_triton_kernel_equals_the_torch_reference(dtype, tol, M, I, O):
+    """Odd sizes on purpose: partial M, N and K tiles, a one-token row (the AR step)."""
+    g = torch.Generator().manual_seed(M + I + O)
+    lin = torch.nn.Linear(I, O, bias=False)
+    lin.weight.copy_(torch.randn(O, I, generator=g) / I ** 0.5)
+    m = Int8Linear.from_linear(lin.to(dtype), backend="torch")
+    x = torch.randn(M, I, generator=g).to(dtype)
+    ref = m(x)
+    torch.testing.assert_close(ref, torch.nn.functional.linear(x, m.dequantize(dtype)))
+    assert _rel(linear_int8_triton(x, m.weight_q, m.weight_scale), ref) < tol
+    m.backend = "triton"
+    assert m.resolved_backend(x) == "triton"
+    x3 = torch.randn(2, 5, 2 * I, generator=g).to(dtype)[..., ::2]  # 3-d, non-contiguous rows
+    m.backend = "torch"
+    ref3 = m(x3)
+    m.backend = "triton"
+    out3 = m(x3)
+    assert out3.shape == (2, 5, O) and _rel(out3, ref3) < tol
+    # the format's own error against the float layer, bounded
+    assert _rel(ref, lin(x)) < (1e-2 if dtype == torch.float32 else 3e-2)
+
+
+def test_module_swap_touches_only_the_projections_and_counts_bytes():
+    m = _tiny()
+    before = {n: p.clone() for n, p in m.named_parameters()}
+    configure(m, experts="loop", linears="int8")
+    swapped = {n for n, mod in m.named_modules() if isinstance(mod, Int8Linear)}
+    want = {f"layers.{i}.{part}.{name}" for i, layer in enumerate(m.layers) for part, names in QUANTIZED_LINEARS.items()
+            for name in names if getattr(getattr(layer, part), name, None) is not None}
+    assert swapped == want and len(want) > 0
+    assert any(getattr(layer.self_attn, "v_proj") is None for layer in m.layers)  # full layers: k = v, nothing to swap
+    after = dict(m.named_parameters())
+    for n, p in after.items():  # router, embeddings, norms, experts, self-conditioning untouched
+        assert torch.equal(p, before[n]), n
+    assert set(before) - set(after) == {f"{n}.weight" for n in want}
+    assert all(mod.backend == "torch" for mod in m.modules() if isinstance(mod, Int8Linear))  # "loop": references
+    from blockpress.kernels.roofline import weight_groups
+    from blockpress.loading import estimated_weight_bytes
+
+    g = weight_groups(m)
+    with torch.device("meta"):
+        meta = type(m)(m.config)
+    q_bytes = sum(mod.weight_bytes() for mod in m.modules() if isinstance(mod, Int8Linear))
+    assert estimated_weight_bytes(meta, torch.float32, linears="int8") == q_bytes + sum(
+        p.numel() * p.element_size() for p in m.parameters())
+    assert g["attention"] + g["dense_mlp"] == q_bytes + sum(
+        p.numel() * 4 for n, p in m.named_parameters() if ".self_attn." in n and not n.endswith("norm.weight"))
+
+
+def test_estimate_of_the_real_model():
+    from blockpress.cli.bench import preset_config
+    from blockpress.config import ModelConfig
+    from blockpress.loading import estimated_weight_bytes
+    from blockpress.model.diffusion_gemma import DiffusionGemmaModel
+
+    with torch.device("meta"):
+        m = DiffusionGemmaModel(ModelConfig.from_dict(preset_config("real-26b")[0]))
+    native = estimated_weight_bytes(m, torch.bfloat16, "int4")
+    int8 = estimated_weight_bytes(m, torch.bfloat16, "int4", linears="int8")
+    assert native / 1e9 == pytest.approx(16.96, abs=0.01)
+    assert (native - int8) / 1e9 == pytest.approx(1.64, abs=0.01)  # 3.29 GB of bf16 projections, halved
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_generation_with_the_kernel_equals_the_reference_and_graph_plumbing():
+    """fp32, seeded: the Triton int8 linears (interpreter) give the reference's tokens, also through the static
+    passes GraphedPasses routes to (capture off on CPU)."""
+    from blockpress.config import GenerationConfig
+    from blockpress.engine.generate import generate
+    from blockpress.kernels.graphs import GraphedPasses
+
+    m = _tiny(seed=3)
+    configure(m, experts="grouped", linears="int8")
+    ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    cfg = GenerationConfig.resolve(max_new_tokens=32, max_denoising_steps=3, stability_threshold=None,
+                                   confidence_threshold=None)
+
+    def tokens():
+        torch.manual_seed(0)
+        return generate(m, ids, cfg, m.config.canvas_length).sequences
+
+    for mod in m.modules():
+        if isinstance(mod, Int8Linear):
+            mod.backend = "torch"
+    ref = tokens()
+    for mod in m.modules():
+        if isinstance(mod, Int8Linear):
+            mod.backend = "triton"
+    assert torch.equal(tokens(), ref)
+    g = GraphedPasses(m, capture=False).install()
+    try:
+        assert torch.equal(tokens(), ref)
+    finally:
+        g.uninstall()
+
+
+def test_load_quantises_while_loading_and_refuses_what_it_cannot_do(tmp_path):
+    from blockpress.train import sizes
+
+    folder = tmp_path / "m"
+    blockpress.from_config(sizes.model_config("nano", vocab_size=256, canvas_length=8, context=16), seed=0).save(folder)
+    streamed = blockpress.load(folder, progress=False, precision="int4", group_size=16, linears="int8")
+    after = blockpress.load(folder, progress=False, precision="int4", group_size=16)
+    quantize_linears_(after.module)
+    sa, sb = streamed.module.state_dict(), after.module.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(k.endswith("q_proj.weight_q") for k in sa)
+    ids = torch.randint(5, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=8, max_denoising_steps=3)
+    assert torch.equal(streamed.generate(ids, generator=torch.Generator().manual_seed(1), **kw).sequences,
+                       after.generate(ids, generator=torch.Generator().manual_seed(1), **kw).sequences)
+    with pytest.raises(blockpress.InputError, match="unknown linears format 'int4'"):
+        blockpress.load(folder, progress=False, linears="int4")
+    with pytest.raises(blockpress.InputError, match="holds quantised weights .*Int8Linear"):
+        streamed.save(tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
+
+
+def test_memory_refusal_offers_int8_linears(tmp_path, monkeypatch):
+    from blockpress import loading
+    from blockpress.train import sizes
+
+    folder = tmp_path / "m"
+    blockpress.from_config(sizes.model_config("nano", vocab_size=256, canvas_length=8, context=16), seed=0).save(folder)
+    monkeypatch.setattr(loading, "_free_bytes", lambda device: 1000)
+    with pytest.raises(blockpress.InputError, match="precision int4 with int8 linears needs") as e:
+        blockpress.load(folder, progress=False)
+    assert "--linears" in str(e.value)
+
+
+def test_lora_adapter_runs_beside_int8_linears_and_merge_is_refused(tmp_path):
+    from blockpress.train import lora as L
+    from blockpress.train import sizes
+
+    folder = tmp_path / "m"
+    lm = blockpress.from_config(sizes.model_config("nano", vocab_size=256, canvas_length=8, context=16), seed=0)
+    lm.save(folder)
+    L.add_lora(lm.module, L.LoraSpec(rank=2, alpha=4))
+    for n, p in lm.module.named_parameters():
+        if "lora_B" in n:
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.5)
+    L.save_adapter(lm.module, tmp_path / "adapter", L.LoraSpec(rank=2, alpha=4))
+    ids = torch.randint(5, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    canvas = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(3))
+
+    def logits(model):
+        cache = model.module.new_cache(1, 6)
+        model.module.encode(ids, cache)
+        return model.module.decode(canvas, cache)
+
+    base = blockpress.load(folder, progress=False, linears="int8")
+    plain = logits(base)
+    names = L.apply_adapter(base, tmp_path / "adapter")
+    assert names and all(isinstance(base.module.get_submodule(n), Int8Linear) for n in names)
+    with_adapter = logits(base)
+    float_base = blockpress.load(folder, progress=False)
+    L.apply_adapter(float_base, tmp_path / "adapter")
+    want = logits(float_base)
+    assert _rel(with_adapter, want) < _rel(plain, want) / 10  # the adapter's effect is there, int8 error aside
+    again = blockpress.load(folder, progress=False, linears="int8")
+    with pytest.raises(blockpress.InputError, match="cannot be merged"):
+        L.apply_adapter(again, tmp_path / "adapter", merge=True)
+    assert not any(hasattr(mod, "lora_A") for mod in again.module.modules())  # refused before any change
+    with pytest.raises(blockpress.InputError, match="LoRA training needs the float projections"):
+        L.add_lora(again.module, L.LoraSpec(rank=2, alpha=4))
+
+
+def test_cli_run_with_int8_linears_and_int4_experts(capsys):
+    import json
+
+    from blockpress.cli import main as cli_main
+    from blockpress.cli.run import EXAMPLE_SUDOKU
+
+    assert cli_main(["run", "sudoku", EXAMPLE_SUDOKU, "--precision", "int4", "--linears", "int8", "--json",
+                     "--seed", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["clues_kept"] == 1.0 and len(out["answer"]) == 81
+
+
+@pytest.mark.gpu
+def test_int8_linear_kernel_compiled_on_cuda():
+    if triton is None:
+        pytest.skip("needs triton")
+    g = torch.Generator().manual_seed(0)
+    for M, I, O in ((1, 2816, 4096), (256, 2816, 2112), (512, 2112, 2816), (1024, 4096, 2816)):
+        lin = torch.nn.Linear(I, O, bias=False)
+        lin.weight.copy_(torch.randn(O, I, generator=g) / I ** 0.5)
+        m = Int8Linear.from_linear(lin.cuda().bfloat16(), backend="torch")
+        x = torch.randn(M, I, generator=g).cuda().bfloat16()
+        assert _rel(linear_int8_triton(x, m.weight_q, m.weight_scale), m(x)) < 1e-2

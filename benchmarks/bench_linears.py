@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
+
+from blockpress.kernels.profile import time_ms
 
 
 def projection_shapes(text) -> dict[tuple[int, int], int]:
@@ -38,19 +39,6 @@ def projection_shapes(text) -> dict[tuple[int, int], int]:
         for s in layer:
             shapes[s] = shapes.get(s, 0) + 1
     return shapes
-
-
-def time_ms(fn, device, repeats: int) -> float:
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=25, rep=100))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def main(argv=None) -> int:

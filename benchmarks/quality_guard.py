@@ -95,12 +95,20 @@ def variant(ref, fmt: str, group_size: int):
                 setattr(parent, name, lin)
 
 
+def projection_names(module) -> list[str]:
+    """The attention and dense-MLP projections int8-linears quantises (full layers have no v_proj)."""
+    return [f"layers.{i}.{part}.{name}" for i, layer in enumerate(module.layers)
+            for part, names in QUANTIZED_LINEARS.items() for name in names
+            if getattr(getattr(layer, part), name, None) is not None]
+
+
 @torch.no_grad()
-def capture_expert_inputs(module, ids, canvas):
-    """(x, w, idx, y) of every layer's experts during one reference decoder step."""
-    seen = []
-    hooks = [layer.experts.register_forward_hook(lambda mod, inp, out: seen.append((*inp, out)))
-             for layer in module.layers]
+def capture_first_calls(module, ids, canvas, names: list[str]) -> dict:
+    """name -> (inputs, output) of each named submodule's first call in `one_step_logits` (the prompt's
+    encoder pass): the inputs a quantised twin is then measured on."""
+    seen = {}
+    hooks = [module.get_submodule(n).register_forward_hook(
+        lambda mod, inp, out, n=n: None if n in seen else seen.update({n: (inp, out)})) for n in names]
     try:
         one_step_logits(module, ids, canvas)
     finally:
@@ -110,36 +118,14 @@ def capture_expert_inputs(module, ids, canvas):
 
 
 @torch.no_grad()
-def capture_linear_inputs(module, ids, canvas) -> dict:
-    """name -> (x, y) of every attention / dense-MLP projection in one reference decoder step (the last call)."""
-    seen, hooks = {}, []
-    for name, mod in module.named_modules():
-        part, _, leaf = name.rpartition(".")
-        if leaf in QUANTIZED_LINEARS.get(part.rpartition(".")[2], ()):
-            hooks.append(mod.register_forward_hook(lambda m, inp, out, name=name: seen.update({name: (inp[0], out)})))
-    try:
-        one_step_logits(module, ids, canvas)
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen
-
-
-@torch.no_grad()
-def linears_error(module, captured: dict) -> float:
-    """Mean over projections of ||linear_q(x) - y_ref|| / ||y_ref|| on the reference inputs (0: not quantised)."""
-    errs = [float((module.get_submodule(n)(x.to(module.dtype)).float() - y.float()).norm() / y.float().norm())
-            for n, (x, y) in captured.items()]
-    return sum(errs) / len(errs)
-
-
-@torch.no_grad()
-def experts_error(module, captured) -> float:
-    """Mean over layers of ||experts_q(x) - y_ref|| / ||y_ref|| with the reference inputs and routing."""
+def rel_error(module, captured: dict) -> float:
+    """Mean over the captured submodules of ||twin(inputs) - y_ref|| / ||y_ref|| (0 where nothing is quantised):
+    the local quantisation error, nothing amplified."""
     errs = []
-    for layer, (x, w, idx, y) in zip(module.layers, captured):
-        yq = layer.experts(x.to(module.dtype), w, idx).float()
-        errs.append(float((yq - y).norm() / y.norm()))
+    for n, (inp, y) in captured.items():
+        x, *rest = inp
+        yq = module.get_submodule(n)(x.to(module.dtype), *rest).float()
+        errs.append(float((yq - y.float()).norm() / y.float().norm()))
     return sum(errs) / len(errs)
 
 
@@ -189,8 +175,8 @@ def main(argv=None) -> int:
     ids = torch.randint(5, V, (args.batch, args.prompt_tokens), generator=g).to(args.device)
     canvas = torch.randint(0, V, (args.batch, C), generator=g).to(args.device)
     ref_logits, ref_tokens = one_step_logits(ref, ids, canvas), generation_tokens(ref, ids, args)
-    captured = capture_expert_inputs(ref, ids, canvas)
-    captured_linears = capture_linear_inputs(ref, ids, canvas)
+    captured = capture_first_calls(ref, ids, canvas, [f"layers.{i}.experts" for i in range(len(ref.layers))])
+    captured_linears = capture_first_calls(ref, ids, canvas, projection_names(ref))
     formats = [f for f in args.formats.split(",") if f]
     if "bf16" in formats:  # the yardstick first
         formats = ["bf16"] + [f for f in formats if f != "bf16"]
@@ -199,8 +185,8 @@ def main(argv=None) -> int:
         if fmt == "bf16" and ref.dtype == torch.bfloat16:
             continue  # the reference itself
         with variant(ref, fmt, args.group_size) as m:
-            r = {"format": fmt, "experts_rel_err": experts_error(m, captured),
-                 "linears_rel_err": linears_error(m, captured_linears),
+            r = {"format": fmt, "experts_rel_err": rel_error(m, captured),
+                 "linears_rel_err": rel_error(m, captured_linears),
                  **compare_logits(ref_logits, one_step_logits(m, ids, canvas))}
             r["token_agreement_generate"] = float((generation_tokens(m, ids, args) == ref_tokens).float().mean())
         bf16_kl = r["mean_kl"] if fmt == "bf16" else bf16_kl

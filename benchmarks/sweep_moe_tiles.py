@@ -25,9 +25,10 @@ import argparse
 import itertools
 import json
 import sys
-import time
 
 import torch
+
+from blockpress.kernels.profile import time_ms
 
 DEFAULT_GRID = "bm=auto,32;bn=64,128;bk=64,128;warps=4,8"  # 16 settings (+ the defaults); ~2 min on an H100, estimated, not yet run
 
@@ -76,19 +77,6 @@ def build_layer(text, precision: str, device, dtype, group_size: int, seed: int)
         return experts_triton(x, w, idx, q.gate_up_q, q.down_q, fmt=fmt, gate_up_scale=q.gate_up_scale,
                               down_scale=q.down_scale, groups=q.groups, inter=q.inter, tiles=tiles)
     return call, q._forward_torch, q.weight_bytes()  # the torch path dequantises each busy expert
-
-
-def time_ms(fn, device, repeats: int) -> float:
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=25, rep=100))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def main(argv=None) -> int:

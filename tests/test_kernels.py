@@ -489,3 +489,49 @@ def test_row_block_softmax_and_in_place_softcap_are_bit_identical_on_cuda(monkey
     with torch.enable_grad():
         slow = token_entropy(x.clone().requires_grad_())
     assert torch.equal(token_entropy(x), slow.detach())
+
+
+def test_capture_blocker_names_a_switched_off_experts_kernel(monkeypatch):
+    """A Triton experts kernel that failed its first-use check falls back to a path with host reads: graphs on that
+    device are then skipped (the pass runs eagerly) with the reason; a switched-off linear kernel (its fallback has
+    no host reads) or another device does not block."""
+    from blockpress.kernels import moe_grouped
+    from blockpress.kernels.graphs import capture_blocker
+
+    monkeypatch.setattr(moe_grouped, "FIRST_USE", {})
+    assert capture_blocker("cuda:0") is None
+    moe_grouped.FIRST_USE[("cuda:0", "bfloat16", "triton int8 linear", ())] = False
+    moe_grouped.FIRST_USE[("cuda:0", "bfloat16", "triton int4 experts", ())] = True
+    moe_grouped.FIRST_USE[("cuda:1", "bfloat16", "triton experts", ())] = False
+    assert capture_blocker("cuda:0") is None
+    moe_grouped.FIRST_USE[("cuda:0", "bfloat16", "triton int4 experts", (1,))] = False
+    assert capture_blocker("cuda:0") == "the triton int4 experts kernel failed its first-use check on cuda:0"
+    assert "triton experts" in capture_blocker("cuda:1")
+
+
+@pytest.mark.gpu
+def test_graphs_run_eagerly_when_the_experts_kernel_is_switched_off(monkeypatch):
+    """The first-use check switches a broken kernel off during the capture's warm-up; the pass must then run eagerly
+    (right numbers, a warning), not fail inside the capture on the fallback's host reads."""
+    if triton is None:
+        pytest.skip("needs triton")
+    from blockpress.kernels import moe_grouped
+
+    monkeypatch.setattr(moe_grouped, "FIRST_USE", {})
+    m = _tiny_model().module.cuda()
+    m.set_experts_backend("triton_checked")
+    monkeypatch.setattr(moe_grouped, "experts_triton", lambda x, *a, **k: torch.zeros_like(x))  # a "broken kernel"
+    ids = torch.randint(5, 512, (2, 20), device="cuda")
+    caches = [m.new_cache(2, 48) for _ in range(2)]
+    for c in caches:
+        m.encode(ids, c)
+    eager, graphed = caches
+    g = GraphedPasses(m).install()
+    try:
+        canvas = torch.randint(0, 512, (2, 8), device="cuda")
+        with pytest.warns(RuntimeWarning, match="CUDA graphs are off for this pass"):
+            out = m.decode(canvas, graphed)
+        assert (out - g._eager["decode"](canvas, eager)).abs().max() < 1e-4
+        assert all(c.graph is None for c in g.captured.values())
+    finally:
+        g.uninstall()

@@ -25,7 +25,9 @@ through a pool, so that every generation of a shape reuses one set of cache buff
 captured on them: a graph reads the cache at the addresses it was captured with. A cache whose buffers
 differ (another live cache, or one regrown by `ensure_capacity`) is recaptured; `captures` counts the
 captures, so a benchmark can show that its timed runs replay only. Experts must use a backend without
-host synchronisation ("grouped" on Hopper, "triton").
+host synchronisation ("grouped" on Hopper, "triton"). A pass whose capture cannot work (a Triton experts
+kernel switched off by its first-use check falls back to a path that reads counts on the host) or fails
+runs eagerly on the same buffers, with a warning, instead of raising from inside CUDA.
 """
 
 from __future__ import annotations
@@ -187,6 +189,16 @@ def _on_buffers(cache) -> KVCache:
     return view
 
 
+def capture_blocker(device) -> str | None:
+    """Why passes on `device` must not be captured now, or None: a Triton experts kernel that its first-use check
+    switched off (moe_grouped.checked_on_first_use) runs its torch fallback, which reads the routing counts on
+    the host, and a host read inside a capture is a CUDA error, not a slow pass."""
+    from .moe_grouped import FIRST_USE
+
+    off = sorted({k[2] for k, ok in FIRST_USE.items() if ok is False and k[0] == str(device) and "experts" in k[2]})
+    return None if not off else f"the {' and the '.join(off)} kernel failed its first-use check on {device}"
+
+
 class _Captured:
     """One static pass over its own input buffers: captured as a CUDA graph, or (capture=False) run eagerly
     on the same buffers. It keeps the cache tensors it was captured on (not the cache object, which would
@@ -212,9 +224,20 @@ class _Captured:
             for _ in range(warmup):
                 self.fn()  # an encoder pass writes the same K/V its replay will write
         torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = self.fn()
+        why = capture_blocker(dev)  # the warm-up ran the first-use checks
+        if why is None:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.out = self.fn()
+                self.graph = graph
+            except RuntimeError as e:  # an untried GPU / driver: this pass runs eagerly rather than not at all
+                why = f"capturing it failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        if why is not None:
+            import warnings
+
+            warnings.warn(f"blockpress: CUDA graphs are off for this pass: {why}; it runs eagerly on the same "
+                          "buffers (correct, slower)", RuntimeWarning, stacklevel=2)
 
     def replay(self, inputs: dict) -> torch.Tensor:
         for name, (value, _, _) in inputs.items():

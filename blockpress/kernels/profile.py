@@ -34,6 +34,21 @@ CLASSES = [  # (class, pattern on the lower-cased kernel or op name); order matt
 ]
 
 
+def time_ms(fn, device: torch.device, repeats: int = 3) -> float:
+    """One kernel call's time in ms: `triton.testing.do_bench` on CUDA (warm-up, L2 flush, median), the best
+    of `repeats` wall-clock calls elsewhere (for the benchmark scripts' per-kernel tables)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=100))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 def kernel_class(name: str) -> str:
     low = name.lower()
     for cls, pat in CLASSES:

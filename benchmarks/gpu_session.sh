@@ -99,14 +99,15 @@ import glob, json, sys
 def f(r, k, fmt, scale=1.0):
     return format(r[k] * scale, fmt) if isinstance(r.get(k), (int, float)) else "-"
 
-print("\n| run | engine | B | mode | tok/s | excl. prompt | ms/step | ms/commit | step floor frac | GB/s | peak GB | captures in timed runs |")
-print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("\n| run | engine | B | mode | tok/s | excl. prompt | ms/step | ms/commit | step floor frac | roofline frac | GB/s | peak GB | captures in timed runs |")
+print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for path in sorted(glob.glob(f"{sys.argv[1]}/*.json")):
     res = json.load(open(path))
     for r in res.get("runs", []):
         print(f"| {path.split('/')[-1][:-5]} | {r.get('engine')} | {r.get('batch')} | {r.get('mode')} | "
               f"{f(r, 'tok_s', '.0f')} | {f(r, 'tok_s_excl_prompt', '.0f')} | {f(r, 'ms_per_step', '.2f')} | "
-              f"{f(r, 'ms_per_commit', '.2f')} | {f(r, 'floor_fraction', '.2f')} | {f(r, 'achieved_gbs', '.0f')} | "
+              f"{f(r, 'ms_per_commit', '.2f')} | {f(r, 'floor_fraction', '.2f')} | {f(r, 'floor_fraction_roofline', '.2f')} | "
+              f"{f(r, 'achieved_gbs', '.0f')} | "
               f"{f(r, 'peak_mem_bytes', '.1f', 1e-9)} | {r.get('graph_captures_timed', '-')} |")
 profiles = [(path.split('/')[-1][:-5], json.load(open(path)).get("profile")) for path in sorted(glob.glob(f"{sys.argv[1]}/*.json"))]
 profiles = [(n, p) for n, p in profiles if p]

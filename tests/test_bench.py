@@ -59,6 +59,36 @@ def test_roofline_of_the_real_model(real_meta):
     assert H100_BPS / ar_token_bytes(real_meta, 1, 1536) < 600
 
 
+def test_roofline_counting_math_too(real_meta):
+    """pass_parts splits a pass into kernel groups whose bytes add up to step_bytes / encode_bytes and whose FLOPs
+    add up to step_flops; with math counted the floor can only rise, stays the byte floor with an infinite peak,
+    and at batch 4 the 26B step is compute-bound (its projections, experts and LM head at 1,024 rows)."""
+    from blockpress.kernels.roofline import (encode_bytes, floor_seconds, pass_parts, peak_bf16_flops, step_flops)
+
+    m = _quantized_copy(real_meta, "int4")
+    for B in (1, 4):
+        step = pass_parts(m, B, 256, 1408)
+        assert sum(b for b, _ in step.values()) == step_bytes(m, B, 256, 1408)["total"]
+        assert sum(f for _, f in step.values()) == step_flops(m, B, 256, 1408)
+        enc = pass_parts(m, B, 256, 1024, decoder=False)
+        assert sum(b for b, _ in enc.values()) == encode_bytes(m, B, 256, 1024)
+    bytes_only = generation_floor_seconds(m, 1, 1024, 1024, 256, 16, H100_BPS)
+    old_formula = (encode_bytes(m, 1, 1024, 0) + sum(encode_bytes(m, 1, 256, 1024 + (c - 1) * 256) for c in range(1, 4))
+                   + 16 * sum(step_bytes(m, 1, 256, 1024 + c * 256)["total"] for c in range(4))) / H100_BPS
+    assert bytes_only == pytest.approx(old_formula, rel=1e-12)
+    for fuse in (False, True):
+        a = generation_floor_seconds(m, 1, 1024, 1024, 256, 16, H100_BPS, fuse_commit=fuse)
+        assert generation_floor_seconds(m, 1, 1024, 1024, 256, 16, H100_BPS, fuse_commit=fuse, peak_flops=1e30) == \
+            pytest.approx(a, rel=1e-12)
+        assert generation_floor_seconds(m, 1, 1024, 1024, 256, 16, H100_BPS, fuse_commit=fuse, peak_flops=989e12) > a
+    one = floor_seconds(pass_parts(m, 1, 256, 1408), H100_BPS, 989e12)
+    four = floor_seconds(pass_parts(m, 4, 256, 1408), H100_BPS, 989e12)
+    assert step_bytes(m, 1, 256, 1408)["total"] / H100_BPS < one < 1.03 * step_bytes(m, 1, 256, 1408)["total"] / H100_BPS
+    assert four > 1.5 * step_bytes(m, 4, 256, 1408)["total"] / H100_BPS  # batch 4: math, not bytes
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_bf16_flops("NVIDIA H200") == 989e12 and peak_bf16_flops("Some New GPU") is None
+
+
 def test_presets_are_valid_configs():
     for name in PRESETS:
         config, prompt, new = preset_config(name)
@@ -89,13 +119,18 @@ def test_cli_bench_tiny_with_reference_and_ar(capsys):
 def test_bench_scripts_run_quantised_batched_and_fast(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_generate.py", *FAST, "--no-reference", "--no-ar", "--modes", "fixed",
                                       "--precision", "int4", "--group-size", "16", "--batch", "1,2",
-                                      "--sampler", "fast"])
+                                      "--sampler", "fast", "--linears", "int8", "--peak-tflops", "0.001"])
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(ROOT / "benchmarks" / "bench_generate.py"), run_name="__main__")
     assert e.value.code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["batch"] for r in result["runs"]] == [1, 2] and result["precision"] == "int4"
     assert result["sampler"] == "fast" and "reference_skipped" not in result
+    assert result["linears"] == "int8" and result["backends"]["linears"].startswith("int8")
+    for r in result["runs"]:  # a 1 GFLOP/s "GPU": the floors that count math are far above the byte floors
+        assert r["step_floor_ms_roofline"] > 10 * r["step_floor_ms"]
+        assert r["gen_floor_tok_s_roofline"] < r["gen_floor_tok_s"] / 10
+        assert r["floor_fraction_roofline"] == pytest.approx(r["step_floor_ms_roofline"] / r["ms_per_step"])
 
     monkeypatch.setattr(sys, "argv", ["bench_cpu.py", *FAST, "--no-reference", "--batch", "1"])
     with pytest.raises(SystemExit) as e:

@@ -290,7 +290,8 @@ def print_table(rows: list[dict], title: str) -> None:
             ("tok_s_excl_prompt", "tok/s excl. prompt", "{:.1f}"), ("ms_per_step", "ms/step", "{:.2f}"),
             ("ms_per_commit", "ms/commit", "{:.2f}"), ("prefill_ms", "prefill ms", "{:.1f}"),
             ("first_commit_ms", "1st commit ms", "{:.1f}"), ("steps_per_canvas", "steps/canvas", "{:.1f}"),
-            ("floor_fraction", "step floor %", "{:.1%}"), ("peak_mem_bytes", "peak GB", "{:.2f}")]
+            ("floor_fraction", "step floor %", "{:.1%}"), ("floor_fraction_roofline", "roofline %", "{:.1%}"),
+            ("peak_mem_bytes", "peak GB", "{:.2f}")]
 
     def cell(r, key, fmt):
         v = r.get(key)
@@ -325,7 +326,8 @@ def run(args) -> dict:
     """The whole benchmark; returns the JSON-able result (also used by benchmarks/bench_cpu.py)."""
     from .. import kernels
     from ..kernels.random_weights import build_model, build_reference, load_reference
-    from ..kernels.roofline import expected_hit_fraction, generation_floor_seconds, measure_bandwidth
+    from ..kernels.roofline import (expected_hit_fraction, floor_seconds, generation_floor_seconds, measure_bandwidth,
+                                    pass_parts, peak_bf16_flops)
 
     from ..errors import InputError
 
@@ -377,6 +379,8 @@ def run(args) -> dict:
     choice["moe_tiles"] = moe_grouped.TILES.spec()
     text, C = module.text, module.config.canvas_length
     bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth(device)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else (
+        peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
     _free(device)
     graphs = None
     if args.cuda_graphs:
@@ -392,6 +396,7 @@ def run(args) -> dict:
               "canvas_length": C, "layers": text.num_hidden_layers, "hidden": text.hidden_size,
               "experts": text.num_experts, "top_k": text.top_k_experts, "vocab": text.vocab_size,
               "bandwidth_gbs": bandwidth / 1e9, "bandwidth_source": "given" if args.bandwidth_gbs else "measured copy",
+              "peak_tflops": peak / 1e12 if peak else None,
               "build_seconds": build_s, "runs": []}
     batches = [int(b) for b in args.batch.split(",")]
     modes = [m for m in args.modes.split(",") if m]
@@ -411,6 +416,15 @@ def run(args) -> dict:
             floor = generation_floor_seconds(module, B, args.prompt_tokens, args.new_tokens, C, args.steps,
                                              bandwidth, hit, fuse_commit=args.fuse_commit)
             s["gen_floor_tok_s"] = B * args.new_tokens / floor
+            if peak:  # the same floors with each kernel group's math counted too (compute-bound from batch 2)
+                n_canvases = -(-args.new_tokens // C)
+                cached = args.prompt_tokens + (n_canvases - 1) * C // 2  # the mean cache, as mean_step_bytes
+                s["step_floor_ms_roofline"] = floor_seconds(pass_parts(module, B, C, cached, hit), bandwidth, peak) * 1e3
+                if s.get("ms_per_step"):
+                    s["floor_fraction_roofline"] = s["step_floor_ms_roofline"] / s["ms_per_step"]
+                s["gen_floor_tok_s_roofline"] = B * args.new_tokens / generation_floor_seconds(
+                    module, B, args.prompt_tokens, args.new_tokens, C, args.steps, bandwidth, hit,
+                    fuse_commit=args.fuse_commit, peak_flops=peak)
             result["runs"].append(s)
         if args.ar and B in [int(b) for b in args.ar_batch.split(",")]:
             result["runs"].append(run_ar(module, ids, args, graphs))
@@ -517,6 +531,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-std", type=float, default=0.02, help="std of the random weights")
     p.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth for the floor (default: measured copy)")
+    p.add_argument("--peak-tflops", type=float,
+                   help="dense bf16 peak for the roofline floors that count math too (default: known GPUs, e.g. "
+                        "H100 SXM 989; none on a CPU: bytes-only floors)")
     p.add_argument("--out", help="also write the JSON result to this file")
 
 

@@ -112,23 +112,96 @@ def step_flops(module, batch: int, canvas: int, cached: int) -> int:
     return 2 * batch * canvas * macs
 
 
+# dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by a substring of torch.cuda.get_device_name()
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "GH200": 989.0,
+                    "A100": 312.0, "L40S": 362.0, "RTX 4090": 165.0, "RTX 5090": 209.0}
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The dense bf16 peak (FLOP/s) of a named GPU, or None when it is not in the table."""
+    for key, tflops in PEAK_BF16_TFLOPS.items():  # longer keys first where they share a prefix ("H100 PCIe")
+        if key in device_name:
+            return tflops * 1e12
+    return None
+
+
+def pass_parts(module, batch: int, tokens: int, cached: int, hit: float = 1.0,
+               decoder: bool = True) -> dict[str, tuple[int, int]]:
+    """One pass by kernel group: name -> (bytes it must move, FLOPs it must do). decoder=True: a denoising step
+    over a `tokens`-long canvas after `cached` tokens (its bytes add up to `step_bytes`); False: an encoder pass
+    of `tokens` new tokens (prefill or commit; its bytes add up to `encode_bytes`)."""
+    t = module.text
+    H, I, Im, V, E, K = (t.hidden_size, t.intermediate_size, t.moe_intermediate_size, t.vocab_size,
+                         t.num_experts, t.top_k_experts)
+    g = weight_groups(module)
+    rows = batch * tokens
+    proj = attn = 0
+    for i in range(t.num_hidden_layers):
+        nh, kv, D = t.num_attention_heads, t.layer_kv_heads(i), t.layer_head_dim(i)
+        proj += H * nh * D * 2 + H * kv * D * (1 if t.is_full(i) else 2) + 3 * H * I
+        # keys a row sees (an encoder row sees fewer, causally: an upper bound there)
+        attn += 2 * nh * D * ((cached if t.is_full(i) else min(cached, module.window - 1)) + tokens)
+    L = t.num_hidden_layers
+    parts = {
+        "experts": (int(g["experts"] * hit), 2 * rows * L * K * 3 * H * Im),
+        "projections + dense MLP": (g["attention"] + g["dense_mlp"], 2 * rows * proj),
+        "router + norms": (g["router"] + g["norms"], 2 * rows * L * H * E),
+        "attention (KV cache)": (kv_bytes(module, batch, cached if decoder else cached + tokens), 2 * rows * attn),
+    }
+    if not decoder:
+        parts["embedding rows"] = (rows * H * module.dtype.itemsize, 0)
+        return parts
+    b = step_bytes(module, batch, tokens, cached, hit)
+    k = getattr(module, "sc_topk", None)
+    parts["LM head + soft embedding"] = (b["embedding (LM head + soft embedding)"], 2 * rows * H * (V + (k or V)))
+    parts["self-conditioning MLP"] = (g["self_conditioning"], 2 * rows * 3 * H * I)
+    parts["logits"] = (b["logits (fp32 write + read)"], 0)
+    return parts
+
+
+WEIGHT_PARTS = ("experts", "projections + dense MLP", "router + norms")
+
+
+def floor_seconds(parts: dict[str, tuple[int, int]], bandwidth_bps: float, peak_flops: float | None) -> float:
+    """Sum over kernel groups of max(bytes / bandwidth, FLOPs / peak): each group waits for the slower of its
+    memory traffic and its math (peak_flops None: bytes only). At batch 1 the experts are far below the ridge
+    point (16 FLOPs per bf16 weight byte) while the projections, the LM head and the soft embedding over 256
+    rows sit at it (256 FLOPs per bf16 byte, 512 per int8 byte; an H100's ridge is ~295); from batch 2 those
+    are compute-bound."""
+    return sum(max(nb / bandwidth_bps, fl / peak_flops if peak_flops else 0.0) for nb, fl in parts.values())
+
+
 def expected_hit_fraction(n_experts: int, top_k: int, tokens: int) -> float:
     """Fraction of experts receiving >= 1 of `tokens` uniformly routed tokens (top-k, no repeats)."""
     return 1.0 - (1.0 - top_k / n_experts) ** tokens
 
 
 def generation_floor_seconds(module, batch, prompt, new_tokens, canvas, steps, bandwidth_bps, hit=1.0,
-                             fuse_commit: bool = False) -> float:
-    """Bytes of a whole fixed-step generation (prefill, commits, steps) over the bandwidth. fuse_commit:
-    each commit shares the next canvas's first step's weight read (engine `fuse_commit=True`)."""
+                             fuse_commit: bool = False, peak_flops: float | None = None) -> float:
+    """A whole fixed-step generation (prefill, commits, steps): bytes over the bandwidth, or with `peak_flops`
+    the per-kernel-group roofline (`floor_seconds`) of each pass. fuse_commit: each commit runs inside the next
+    canvas's first step, which reads the weights once for both (engine `fuse_commit=True`)."""
     n_canvases = -(-new_tokens // canvas)
-    total = encode_bytes(module, batch, prompt, 0, hit)
+    total = floor_seconds(pass_parts(module, batch, prompt, 0, hit, decoder=False), bandwidth_bps, peak_flops)
     for c in range(n_canvases):
         cached = prompt + c * canvas
+        step = pass_parts(module, batch, canvas, cached, hit)
         if c:
-            total += encode_bytes(module, batch, canvas, cached - canvas, hit, weights=not fuse_commit)
-        total += steps * step_bytes(module, batch, canvas, cached, hit)["total"]
-    return total / bandwidth_bps
+            commit = pass_parts(module, batch, canvas, cached - canvas, hit, decoder=False)
+            if fuse_commit:  # one pass: the step's parts plus the commit's work, its weights not read again
+                first = dict(step)
+                for name, (nb, fl) in commit.items():
+                    ob, of = first.get(name, (0, 0))
+                    first[name] = (ob + (0 if name in WEIGHT_PARTS else nb), of + fl)
+                total += floor_seconds(first, bandwidth_bps, peak_flops)
+                steps_left = steps - 1
+            else:
+                total += floor_seconds(commit, bandwidth_bps, peak_flops)
+                steps_left = steps
+            total += steps_left * floor_seconds(step, bandwidth_bps, peak_flops)
+        else:
+            total += steps * floor_seconds(step, bandwidth_bps, peak_flops)
+    return total
 
 
 def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:

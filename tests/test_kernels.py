@@ -348,17 +348,22 @@ def test_graphed_passes_autoregressive_steps():
         g.uninstall()
 
 
+def _two_prefilled_caches(m):
+    """Two caches holding the same 20-token prompt (batch 2): one for the eager pass, one for the graphed one."""
+    ids = torch.randint(5, 512, (2, 20), device="cuda")
+    caches = [m.new_cache(2, 48) for _ in range(2)]
+    for c in caches:
+        m.encode(ids, c)
+    return caches
+
+
 @pytest.mark.gpu
 def test_graphed_passes_match_eager_passes():
     if triton is None:
         pytest.skip("needs triton: the capture needs experts without host syncs in fp32")
     m = _tiny_model().module.cuda()
     m.set_experts_backend("triton")
-    ids = torch.randint(5, 512, (2, 20), device="cuda")
-    caches = [m.new_cache(2, 48) for _ in range(2)]
-    for c in caches:
-        m.encode(ids, c)
-    eager, graphed = caches
+    eager, graphed = _two_prefilled_caches(m)
     g = GraphedPasses(m).install()
     try:
         for _ in range(2):  # second call replays the captured graphs
@@ -521,11 +526,7 @@ def test_graphs_run_eagerly_when_the_experts_kernel_is_switched_off(monkeypatch)
     m = _tiny_model().module.cuda()
     m.set_experts_backend("triton_checked")
     monkeypatch.setattr(moe_grouped, "experts_triton", lambda x, *a, **k: torch.zeros_like(x))  # a "broken kernel"
-    ids = torch.randint(5, 512, (2, 20), device="cuda")
-    caches = [m.new_cache(2, 48) for _ in range(2)]
-    for c in caches:
-        m.encode(ids, c)
-    eager, graphed = caches
+    eager, graphed = _two_prefilled_caches(m)
     g = GraphedPasses(m).install()
     try:
         canvas = torch.randint(0, 512, (2, 8), device="cuda")

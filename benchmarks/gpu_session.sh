@@ -79,8 +79,9 @@ case "$PART" in
       | tee -a "$OUT/log.txt"
     bench fp8 --batch 1,4 --precision fp8 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference \
       --ar-tokens 256 --profile ${MOE_TILES_FP8:+--moe-tiles $MOE_TILES_FP8}
-    [ "$CUDA" = 1 ] && bench fp8-scaled-mm --batch 1 --precision fp8 --modes fixed --experts scaled_mm --sampler fast $GPU_FLAGS \
-      --no-reference --no-ar
+    # vLLM's FP8 recipe: fp8 weights and fp8 activations in the experts and the projections (w8a8, scaled_mm)
+    [ "$CUDA" = 1 ] && bench fp8-w8a8 --batch 1,4 --precision fp8 --linears fp8 --modes fixed --experts scaled_mm \
+      --sampler fast $GPU_FLAGS --no-reference --no-ar
     bench int4 --batch 1,4 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference \
       --ar-tokens 256 --profile ${MOE_TILES_INT4:+--moe-tiles $MOE_TILES_INT4}
     # attention and dense-MLP projections in int8 too: 1.65 GB less to hold; per step at 256 rows they sit at the

@@ -53,8 +53,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="real-26b", choices=["tiny", "small", "real-26b"])
     p.add_argument("--precision", default="int4", choices=["native", "fp8", "int4"])
-    p.add_argument("--linears", default="native", choices=["native", "int8"],
-                   help="attention / dense-MLP projections (int8: only the weights change; the Triton kernel "
+    p.add_argument("--linears", default="native", choices=["native", "int8", "fp8"],
+                   help="attention / dense-MLP projections (8 bits: only the weights change; the Triton kernel "
                         "allocates what F.linear does, its output)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--batch", type=int, default=1)

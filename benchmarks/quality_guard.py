@@ -35,15 +35,20 @@ import torch
 from blockpress.cli.bench import preset_config
 from blockpress.config import GenerationConfig
 from blockpress.engine.generate import generate
-from blockpress.kernels.linear_q import QUANTIZED_LINEARS, Int8Linear
+from blockpress.kernels.linear_q import QUANTIZED_LINEARS, QuantizedLinear
 from blockpress.kernels.quant import QuantizedExperts, compare_logits
 from blockpress.kernels.random_weights import build_model
 
-LINEARS = "int8-linears"  # attention and dense-MLP projections in int8 (kernels/linear_q.py)
-# relative error of the experts' output (of each projection's output, for int8 linears)
-ERR_BUDGET = {"bf16": 0.01, "fp8": 0.08, "int4": 0.25, LINEARS: 0.02}
-# mean KL may be at most this multiple of bf16's
-KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, LINEARS: 2.0, f"fp8+{LINEARS}": 2.0, f"int4+{LINEARS}": 8.0}
+# attention and dense-MLP projections in 8 bits (kernels/linear_q.py): weight-only int8 / fp8, or fp8 weights and
+# fp8 activations ("-a8": the scaled_mm backend, w8a8, which runs on a CPU too)
+LINEAR_PARTS = {"int8-linears": ("int8", "torch"), "fp8-linears": ("fp8", "torch"),
+                "fp8-linears-a8": ("fp8", "scaled_mm")}
+LINEARS = "int8-linears"
+# relative error of the experts' output (of each projection's output, for the linears)
+ERR_BUDGET = {"bf16": 0.01, "fp8": 0.08, "int4": 0.25, "int8-linears": 0.02, "fp8-linears": 0.08,
+              "fp8-linears-a8": 0.10}
+# mean KL may be at most this multiple of bf16's (combined formats: the experts format's budget)
+KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, "int8-linears": 2.0, "fp8-linears": 4.0, "fp8-linears-a8": 8.0}
 
 
 def load_model(args):
@@ -56,19 +61,28 @@ def load_model(args):
     return build_model(config, torch.device(args.device), dtype, seed=args.seed, std=args.init_std)
 
 
-def _parts(fmt: str) -> tuple[str | None, bool]:
-    """'int4+int8-linears' -> ('int4', True); 'int8-linears' -> (None, True); 'fp8' -> ('fp8', False)."""
+def _parts(fmt: str) -> tuple[str | None, str | None]:
+    """'int4+int8-linears' -> ('int4', 'int8-linears'); 'fp8-linears' -> (None, 'fp8-linears'); 'fp8' -> ('fp8', None)."""
     parts = fmt.split("+")
-    experts = next((x for x in parts if x in ("fp8", "int4")), None)
-    if any(x not in ("fp8", "int4", LINEARS) for x in parts) or (fmt != "bf16" and not parts):
-        raise SystemExit(f"unknown format {fmt!r}: use bf16, fp8, int4, {LINEARS}, or an experts format "
-                         f"+{LINEARS} (e.g. int4+{LINEARS})")
-    return experts, LINEARS in parts
+    experts = [x for x in parts if x in ("fp8", "int4")]
+    linears = [x for x in parts if x in LINEAR_PARTS]
+    if len(experts) + len(linears) != len(parts) or len(experts) > 1 or len(linears) > 1:
+        raise SystemExit(f"unknown format {fmt!r}: use bf16, an experts format (fp8, int4), a linears format "
+                         f"({', '.join(LINEAR_PARTS)}) or one of each joined by + (e.g. int4+{LINEARS})")
+    return (experts or [None])[0], (linears or [None])[0]
+
+
+def _budget(table: dict, fmt: str):
+    """A format's budget: its own, else the experts part's (combined formats)."""
+    if fmt in table or fmt == "bf16":
+        return table.get(fmt)
+    experts, _ = _parts(fmt)
+    return table.get(experts) if experts else None
 
 
 @contextlib.contextmanager
 def variant(ref, fmt: str, group_size: int):
-    """The reference with `fmt` weights. fp8/int4 experts and int8 linears: swapped in place (and restored),
+    """The reference with `fmt` weights. fp8/int4 experts and 8-bit linears: swapped in place (and restored),
     so a 26B reference needs one extra copy of what is quantised only; bf16: a bf16 copy of the whole model."""
     if fmt == "bf16":  # the whole model in bf16: the yardstick fp8/int4 errors are read against
         yield copy.deepcopy(ref).to(torch.bfloat16)
@@ -85,7 +99,7 @@ def variant(ref, fmt: str, group_size: int):
             layer.experts = q.load_float_(old.gate_up_proj, old.down_proj)
         for parent, name, lin in saved_lin if linears else ():
             if lin is not None:  # full-attention layers have no v_proj
-                setattr(parent, name, Int8Linear.from_linear(lin, backend="torch"))
+                setattr(parent, name, QuantizedLinear.from_linear(lin, *LINEAR_PARTS[linears]))
         yield ref
     finally:
         for layer, old in zip(ref.layers, saved):
@@ -96,7 +110,7 @@ def variant(ref, fmt: str, group_size: int):
 
 
 def projection_names(module) -> list[str]:
-    """The attention and dense-MLP projections int8-linears quantises (full layers have no v_proj)."""
+    """The attention and dense-MLP projections the linears formats quantise (full layers have no v_proj)."""
     return [f"layers.{i}.{part}.{name}" for i, layer in enumerate(module.layers)
             for part, names in QUANTIZED_LINEARS.items() for name in names
             if getattr(getattr(layer, part), name, None) is not None]
@@ -148,7 +162,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--model", help="checkpoint folder of a trained model (e.g. blockpress/assets/sudoku)")
-    p.add_argument("--formats", default=f"bf16,fp8,int4,{LINEARS},fp8+{LINEARS},int4+{LINEARS}")
+    p.add_argument("--formats", default=f"bf16,fp8,int4,{','.join(LINEAR_PARTS)},fp8+{LINEARS},int4+{LINEARS}")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--init-std", type=float, default=0.05, help="random weights: larger = peakier logits")
     p.add_argument("--prompt-tokens", type=int, default=32)
@@ -166,6 +180,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    formats = [f for f in args.formats.split(",") if f]
+    for f in formats:  # a typo is named before the model loads
+        if f != "bf16":
+            _parts(f)
     ref = load_model(args)
     V, C = ref.text.vocab_size, ref.config.canvas_length
     args.new_tokens = args.new_tokens or 2 * C
@@ -177,7 +195,6 @@ def main(argv=None) -> int:
     ref_logits, ref_tokens = one_step_logits(ref, ids, canvas), generation_tokens(ref, ids, args)
     captured = capture_first_calls(ref, ids, canvas, [f"layers.{i}.experts" for i in range(len(ref.layers))])
     captured_linears = capture_first_calls(ref, ids, canvas, projection_names(ref))
-    formats = [f for f in args.formats.split(",") if f]
     if "bf16" in formats:  # the yardstick first
         formats = ["bf16"] + [f for f in formats if f != "bf16"]
     rows, bf16_kl = [], None
@@ -191,11 +208,12 @@ def main(argv=None) -> int:
             r["token_agreement_generate"] = float((generation_tokens(m, ids, args) == ref_tokens).float().mean())
         bf16_kl = r["mean_kl"] if fmt == "bf16" else bf16_kl
         r["kl_vs_bf16"] = r["mean_kl"] / bf16_kl if bf16_kl else None
-        experts_fmt = "bf16" if fmt == "bf16" else _parts(fmt)[0]
-        r["pass"] = r["experts_rel_err"] <= err_budget.get(experts_fmt, float("inf")) and (
-            r["linears_rel_err"] <= err_budget[LINEARS] or fmt == "bf16") and (
-            r["kl_vs_bf16"] is None or fmt not in kl_budget or r["kl_vs_bf16"] <= kl_budget[fmt]
-            or r["mean_kl"] <= args.kl_floor)
+        experts_fmt, linears_fmt = (fmt, None) if fmt == "bf16" else _parts(fmt)
+        kl_max = _budget(kl_budget, fmt)
+        r["pass"] = (r["experts_rel_err"] <= err_budget.get(experts_fmt, float("inf"))
+                     and r["linears_rel_err"] <= err_budget.get(linears_fmt, float("inf"))
+                     and (r["kl_vs_bf16"] is None or kl_max is None or r["kl_vs_bf16"] <= kl_max
+                          or r["mean_kl"] <= args.kl_floor))
         rows.append(r)
     print(f"quality guard: {'model ' + args.model if args.model else 'random ' + args.preset} "
           f"(std {args.init_std}), {args.ref_dtype} reference on {args.device}, "

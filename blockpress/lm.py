@@ -170,7 +170,7 @@ class BlockDiffusionLM:
         from .model.weights import state_dict_for_checkpoint, write_atomic
 
         path = Path(path)
-        quantized = {type(m).__name__ for m in self.module.modules()} & {"QuantizedExperts", "Int8Linear"}
+        quantized = {type(m).__name__ for m in self.module.modules()} & {"QuantizedExperts", "QuantizedLinear"}
         if quantized:
             raise InputError(f"this model holds quantised weights ({', '.join(sorted(quantized))}: --precision / "
                              "--linears at load) and save writes float checkpoints that transformers loads; load "

@@ -115,8 +115,8 @@ def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native"
                            linears: str = "native") -> int:
     """Bytes the weights of a (meta-device) module will take once loaded: expert tensors in fp8 (1 byte
     per weight + an fp32 scale per output row) or int4 (half a byte + a `dtype` scale per group, as
-    kernels/quant.py stores them), attention / dense-MLP projections in int8 with linears="int8" (1 byte
-    + an fp32 scale per row, kernels/linear_q.py), everything else in `dtype`."""
+    kernels/quant.py stores them), attention / dense-MLP projections in 8 bits with linears="int8" / "fp8"
+    (1 byte + an fp32 scale per row, kernels/linear_q.py), everything else in `dtype`."""
     from .kernels.linear_q import _LINEAR_WEIGHT, QUANTIZED_LINEARS
     from .kernels.quant import group_for
 
@@ -128,7 +128,7 @@ def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native"
             E, O, I = p.shape
             total += p.numel() + E * O * 4 if precision == "fp8" else \
                 p.numel() // 2 + E * O * (I // group_for(I, group_size)) * item
-        elif linears == "int8" and m is not None and m.group(3) in QUANTIZED_LINEARS[m.group(2)]:
+        elif linears != "native" and m is not None and m.group(3) in QUANTIZED_LINEARS[m.group(2)]:
             total += p.numel() + p.shape[0] * 4
         else:
             total += p.numel() * item
@@ -185,8 +185,9 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     precision: "native", or "fp8" / "int4" expert weights (per-channel fp8; 4-bit with a scale per
     `group_size` inputs), quantised layer by layer while loading, so the float experts never exist
     all at once; attention, router, embeddings and norms stay in `dtype`.
-    linears: "native", or "int8": the attention and dense-MLP projections in 8 bits (a scale per output
-    row), quantised as each is read; with precision="int4" the 26B-A4B weights take ~15.3 GB, not ~17.
+    linears: "native", or "int8" / "fp8": the attention and dense-MLP projections in 8 bits (a scale per
+    output row), quantised as each is read; with precision="int4" the 26B-A4B weights take ~15.3 GB, not ~17.
+    int8 is the more accurate; fp8 can also run with fp8 activations (experts="scaled_mm", Hopper / Ada).
     experts / attention: the kernels (`blockpress.kernels.configure`). "auto" picks the fastest path that
     runs here (experts: the Triton kernel on a CUDA GPU, grouped GEMMs on a CPU; attention: SDPA with
     the KV heads grouped inside the kernel); "loop" / "sdpa" or "eager" are the plain references (the
@@ -218,7 +219,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     if linears != "native":
         from .kernels.linear_q import linear_streaming_quantizer
 
-        hooks.append(linear_streaming_quantizer(module))
+        hooks.append(linear_streaming_quantizer(module, linears))
     on_loaded = None if not hooks else lambda name: [h(name) for h in hooks]
     load_weights(module, files, dev, dt, progress=progress, on_loaded=on_loaded)
     module.materialize_buffers(dev)

@@ -148,11 +148,15 @@ def test_quality_guard_tiny(capsys, monkeypatch):
         runpy.run_path(str(ROOT / "benchmarks" / "quality_guard.py"), run_name="__main__")
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["format"]: r for r in result["results"]}
-    assert set(rows) == {"bf16", "fp8", "int4", "int8-linears", "fp8+int8-linears", "int4+int8-linears"}
+    assert set(rows) == {"bf16", "fp8", "int4", "int8-linears", "fp8-linears", "fp8-linears-a8", "fp8+int8-linears",
+                         "int4+int8-linears"}
     assert rows["bf16"]["experts_rel_err"] < rows["fp8"]["experts_rel_err"] < rows["int4"]["experts_rel_err"]
     assert rows["int8-linears"]["experts_rel_err"] == 0 == rows["int4"]["linears_rel_err"]  # each swaps only its part
     assert 0 < rows["int8-linears"]["linears_rel_err"] == rows["int4+int8-linears"]["linears_rel_err"] < 0.02
     assert rows["int4+int8-linears"]["experts_rel_err"] == rows["int4"]["experts_rel_err"]
+    # int8 keeps ~7 bits of a row's bulk, fp8 3; fp8 activations add their own rounding
+    assert rows["int8-linears"]["linears_rel_err"] < rows["fp8-linears"]["linears_rel_err"] \
+        < rows["fp8-linears-a8"]["linears_rel_err"] < 0.1
     assert e.value.code == 0 and all(r["pass"] for r in rows.values())
 
 
@@ -323,7 +327,7 @@ def test_bench_runs_replay_graphed_passes_after_the_warmup(fuse):
 
 def test_linear_kernel_bench_checks_every_projection_shape(capsys):
     """bench_linears.py enumerates the real model's projections (their bytes are the roofline's 3.29 GB) and
-    runs, checks and times the int8 kernel on a CPU (Triton's interpreter) with a JSON line at the end."""
+    runs, checks and times the 8-bit paths on a CPU (Triton's interpreter, _scaled_mm) with a JSON line at the end."""
     mod = runpy.run_path(str(ROOT / "benchmarks" / "bench_linears.py"))
     from blockpress.config import ModelConfig
     from blockpress.kernels.roofline import weight_groups
@@ -338,4 +342,5 @@ def test_linear_kernel_bench_checks_every_projection_shape(capsys):
     assert mod["main"](["--preset", "tiny", "--rows", "1,5", "--repeats", "1", "--device", "cpu"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["ok"] and {r["rows"] for r in line["results"]} == {1, 5}
-    assert max(r["rel_err"] for r in line["results"]) < 1e-5
+    assert line["variants"] == ["int8", "fp8", "fp8-a8"]
+    assert max(max(r["rel_err"].values()) for r in line["results"]) < 1e-5

@@ -9,7 +9,8 @@ import torch
 import blockpress
 from blockpress.kernels import configure
 from blockpress.kernels._triton import triton
-from blockpress.kernels.linear_q import (QUANTIZED_LINEARS, Int8Linear, dequantize_int8_rows, linear_int8_triton,
+from blockpress.kernels.linear_q import (QUANTIZED_LINEARS, QuantizedLinear, dequantize_int8_rows,
+                                         linear_fp8_scaled_mm, linear_fp8_w8a8_reference, linear_q_triton,
                                          quantize_int8_rows, quantize_linears_)
 from blockpress.kernels.random_weights import build_model
 
@@ -48,18 +49,19 @@ def test_int8_rows_error_within_half_step_and_full_range():
 
 
 @needs_triton
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("M,I,O", [(1, 64, 80), (17, 96, 130), (100, 128, 64), (256, 72, 200)])
-def test_triton_kernel_equals_the_torch_reference(dtype, tol, M, I, O):
+def test_triton_kernel_equals_the_torch_reference(fmt, dtype, tol, M, I, O):
     """Odd sizes on purpose: partial M, N and K tiles, a one-token row (the AR step)."""
     g = torch.Generator().manual_seed(M + I + O)
     lin = torch.nn.Linear(I, O, bias=False)
     lin.weight.copy_(torch.randn(O, I, generator=g) / I ** 0.5)
-    m = Int8Linear.from_linear(lin.to(dtype), backend="torch")
+    m = QuantizedLinear.from_linear(lin.to(dtype), fmt, backend="torch")
     x = torch.randn(M, I, generator=g).to(dtype)
     ref = m(x)
     torch.testing.assert_close(ref, torch.nn.functional.linear(x, m.dequantize(dtype)))
-    assert _rel(linear_int8_triton(x, m.weight_q, m.weight_scale), ref) < tol
+    assert _rel(linear_q_triton(x, m.weight_q, m.weight_scale), ref) < tol
     m.backend = "triton"
     assert m.resolved_backend(x) == "triton"
     x3 = torch.randn(2, 5, 2 * I, generator=g).to(dtype)[..., ::2]  # 3-d, non-contiguous rows
@@ -69,14 +71,35 @@ def test_triton_kernel_equals_the_torch_reference(dtype, tol, M, I, O):
     out3 = m(x3)
     assert out3.shape == (2, 5, O) and _rel(out3, ref3) < tol
     # the format's own error against the float layer, bounded
-    assert _rel(ref, lin(x)) < (1e-2 if dtype == torch.float32 else 3e-2)
+    assert _rel(ref, lin(x)) < {"int8": 1e-2, "fp8": 5e-2}[fmt] + (0 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_fp8_w8a8_scaled_mm_equals_its_arithmetic(dtype, tol):
+    """The scaled_mm backend (fp8 activations per row x fp8 weights) is the w8a8 arithmetic done in fp32 torch
+    (torch._scaled_mm runs on a CPU too), and it is further from the float layer than weight-only fp8."""
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(96, 48, bias=False)
+    lin.weight.copy_(torch.randn(48, 96, generator=g) / 10)
+    m = QuantizedLinear.from_linear(lin.to(dtype), "fp8", backend="scaled_mm")
+    x = torch.randn(3, 7, 96, generator=g).to(dtype)
+    assert m.resolved_backend(x) == "scaled_mm"
+    out = m(x)
+    assert out.shape == (3, 7, 48) and out.dtype == dtype
+    assert _rel(out, linear_fp8_w8a8_reference(x, m.weight_q, m.weight_scale)) < tol
+    assert torch.equal(out, linear_fp8_scaled_mm(x, m.weight_q, m.weight_scale))
+    m.backend = "torch"
+    weight_only = m(x)
+    assert _rel(weight_only, lin(x)) < _rel(out, lin(x)) < 0.08
+    int8 = QuantizedLinear.from_linear(lin, "int8", backend="scaled_mm")
+    assert int8.resolved_backend(x) == "torch"  # w8a8 needs fp8 weights: int8 keeps its weight-only paths
 
 
 def test_module_swap_touches_only_the_projections_and_counts_bytes():
     m = _tiny()
     before = {n: p.clone() for n, p in m.named_parameters()}
     configure(m, experts="loop", linears="int8")
-    swapped = {n for n, mod in m.named_modules() if isinstance(mod, Int8Linear)}
+    swapped = {n for n, mod in m.named_modules() if isinstance(mod, QuantizedLinear)}
     want = {f"layers.{i}.{part}.{name}" for i, layer in enumerate(m.layers) for part, names in QUANTIZED_LINEARS.items()
             for name in names if getattr(getattr(layer, part), name, None) is not None}
     assert swapped == want and len(want) > 0
@@ -85,18 +108,30 @@ def test_module_swap_touches_only_the_projections_and_counts_bytes():
     for n, p in after.items():  # router, embeddings, norms, experts, self-conditioning untouched
         assert torch.equal(p, before[n]), n
     assert set(before) - set(after) == {f"{n}.weight" for n in want}
-    assert all(mod.backend == "torch" for mod in m.modules() if isinstance(mod, Int8Linear))  # "loop": references
+    assert all(mod.backend == "torch" for mod in m.modules() if isinstance(mod, QuantizedLinear))  # "loop": references
     from blockpress.kernels.roofline import weight_groups
     from blockpress.loading import estimated_weight_bytes
 
     g = weight_groups(m)
     with torch.device("meta"):
         meta = type(m)(m.config)
-    q_bytes = sum(mod.weight_bytes() for mod in m.modules() if isinstance(mod, Int8Linear))
+    q_bytes = sum(mod.weight_bytes() for mod in m.modules() if isinstance(mod, QuantizedLinear))
     assert estimated_weight_bytes(meta, torch.float32, linears="int8") == q_bytes + sum(
         p.numel() * p.element_size() for p in m.parameters())
     assert g["attention"] + g["dense_mlp"] == q_bytes + sum(
         p.numel() * 4 for n, p in m.named_parameters() if ".self_attn." in n and not n.endswith("norm.weight"))
+
+
+def test_fp8_linears_through_configure_and_the_reference_flag():
+    m = _tiny()
+    choice = configure(m, experts="loop", linears="fp8")
+    qs = [mod for mod in m.modules() if isinstance(mod, QuantizedLinear)]
+    assert qs and all(q.fmt == "fp8" and q.weight_q.dtype == torch.float8_e4m3fn and q.backend == "torch" for q in qs)
+    assert choice["linears"] == "fp8 torch"
+    assert configure(m, linears="int8")["linears"] == "fp8 torch"  # a module that holds 8-bit linears keeps them
+    assert all(q.backend == "auto" for q in qs)  # "auto": the Triton kernel on a GPU, the reference here
+    with pytest.raises(ValueError, match="unknown linears format 'int4'"):
+        configure(m, linears="int4")
 
 
 def test_estimate_of_the_real_model():
@@ -133,11 +168,11 @@ def test_generation_with_the_kernel_equals_the_reference_and_graph_plumbing():
         return generate(m, ids, cfg, m.config.canvas_length).sequences
 
     for mod in m.modules():
-        if isinstance(mod, Int8Linear):
+        if isinstance(mod, QuantizedLinear):
             mod.backend = "torch"
     ref = tokens()
     for mod in m.modules():
-        if isinstance(mod, Int8Linear):
+        if isinstance(mod, QuantizedLinear):
             mod.backend = "triton"
     assert torch.equal(tokens(), ref)
     g = GraphedPasses(m, capture=False).install()
@@ -164,7 +199,7 @@ def test_load_quantises_while_loading_and_refuses_what_it_cannot_do(tmp_path):
                        after.generate(ids, generator=torch.Generator().manual_seed(1), **kw).sequences)
     with pytest.raises(blockpress.InputError, match="unknown linears format 'int4'"):
         blockpress.load(folder, progress=False, linears="int4")
-    with pytest.raises(blockpress.InputError, match="holds quantised weights .*Int8Linear"):
+    with pytest.raises(blockpress.InputError, match="holds quantised weights .*QuantizedLinear"):
         streamed.save(tmp_path / "copy")
     assert not (tmp_path / "copy").exists()
 
@@ -204,7 +239,7 @@ def test_lora_adapter_runs_beside_int8_linears_and_merge_is_refused(tmp_path):
     base = blockpress.load(folder, progress=False, linears="int8")
     plain = logits(base)
     names = L.apply_adapter(base, tmp_path / "adapter")
-    assert names and all(isinstance(base.module.get_submodule(n), Int8Linear) for n in names)
+    assert names and all(isinstance(base.module.get_submodule(n), QuantizedLinear) for n in names)
     with_adapter = logits(base)
     float_base = blockpress.load(folder, progress=False)
     L.apply_adapter(float_base, tmp_path / "adapter")
@@ -235,9 +270,13 @@ def test_int8_linear_kernel_compiled_on_cuda():
     if triton is None:
         pytest.skip("needs triton")
     g = torch.Generator().manual_seed(0)
-    for M, I, O in ((1, 2816, 4096), (256, 2816, 2112), (512, 2112, 2816), (1024, 4096, 2816)):
-        lin = torch.nn.Linear(I, O, bias=False)
-        lin.weight.copy_(torch.randn(O, I, generator=g) / I ** 0.5)
-        m = Int8Linear.from_linear(lin.cuda().bfloat16(), backend="torch")
-        x = torch.randn(M, I, generator=g).cuda().bfloat16()
-        assert _rel(linear_int8_triton(x, m.weight_q, m.weight_scale), m(x)) < 1e-2
+    for fmt in ("int8", "fp8"):
+        for M, I, O in ((1, 2816, 4096), (256, 2816, 2112), (512, 2112, 2816), (1024, 4096, 2816)):
+            lin = torch.nn.Linear(I, O, bias=False)
+            lin.weight.copy_(torch.randn(O, I, generator=g) / I ** 0.5)
+            m = QuantizedLinear.from_linear(lin.cuda().bfloat16(), fmt, backend="torch")
+            x = torch.randn(M, I, generator=g).cuda().bfloat16()
+            assert _rel(linear_q_triton(x, m.weight_q, m.weight_scale), m(x)) < 1e-2
+            if fmt == "fp8" and torch.cuda.get_device_capability() >= (8, 9):  # fp8 tensor cores: w8a8
+                w8a8 = linear_fp8_scaled_mm(x, m.weight_q, m.weight_scale)
+                assert _rel(w8a8, linear_fp8_w8a8_reference(x, m.weight_q, m.weight_scale)) < 1e-2

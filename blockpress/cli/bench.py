@@ -495,8 +495,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native", help="expert weights")
     p.add_argument("--group-size", type=_positive_int, default=64, help="int4 scale group along the input dim")
-    p.add_argument("--linears", choices=["native", "int8"], default="native",
-                   help="attention and dense-MLP projections: native, or int8 (weight-only, a scale per row)")
+    p.add_argument("--linears", choices=["native", "int8", "fp8"], default="native",
+                   help="attention and dense-MLP projections: native, or int8 / fp8 (a scale per row; weight-only, "
+                        "or fp8 x fp8 with --experts scaled_mm)")
     p.add_argument("--experts", default="auto", help="experts backend: auto, loop, dense, grouped, triton, scaled_mm")
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")

@@ -87,9 +87,10 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True) -> None
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
                    help="expert weights: native, or fp8 / int4 quantised layer by layer while loading (a model "
                         "too big for the GPU in bf16 loads straight into 4 bits); attention and embeddings keep --dtype")
-    p.add_argument("--linears", choices=["native", "int8"], default="native",
-                   help="attention and dense-MLP projections: native (--dtype), or int8 (8 bits with a scale per row, "
-                        "quantised while loading; with --precision int4 the 26B-A4B weights take ~15.3 GB, not ~17)")
+    p.add_argument("--linears", choices=["native", "int8", "fp8"], default="native",
+                   help="attention and dense-MLP projections: native (--dtype), or int8 / fp8 (8 bits with a scale per "
+                        "row, quantised while loading; int8 is the more accurate; with --precision int4 the 26B-A4B "
+                        "weights take ~15.3 GB, not ~17)")
     p.add_argument("--adapter", metavar="DIR",
                    help="LoRA adapter folder (PEFT format: adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--merge-adapter", action="store_true",

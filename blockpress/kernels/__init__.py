@@ -26,7 +26,7 @@ from ..model.moe import EXPERT_BACKENDS
 from ._triton import triton, usable_on
 from .attention import attention_sdpa_gqa
 from .moe_grouped import _grouped_mm_ok, experts_grouped, experts_triton, experts_triton_checked
-from .linear_q import LINEAR_FORMATS, Int8Linear, has_int8_linears, quantize_linears_
+from .linear_q import LINEAR_FORMATS, QuantizedLinear, quantize_linears_, quantized_linears
 from .quant import QuantizedExperts, quantize_experts_
 
 EXPERT_BACKENDS.setdefault("grouped", experts_grouped)
@@ -60,21 +60,19 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
               group_size: int = 64, sc_topk: int | None = None, linears: str = "native") -> dict:
     """Apply backend / precision choices to a DiffusionGemmaModel in place; return the choices.
     sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py).
-    linears: "native", or "int8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py); a module
-    that already holds 8-bit linears keeps them. Their kernel follows `experts`: "loop" / "torch" (the
-    references) -> the torch reference, "triton" -> the kernel unchecked, else "auto" (checked on first use)."""
+    linears: "native", or "int8" / "fp8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py);
+    a module that already holds 8-bit linears keeps them. Their kernel follows `experts`: "loop" / "torch" (the
+    references) -> the torch reference, "triton" -> the kernel unchecked, "scaled_mm" -> fp8 linears with fp8
+    activations too (w8a8, like the experts), else "auto" (checked on first use)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
     check_names(experts, attention, linears)
     dev, dtype = module.device, module.dtype
     if precision != "native" and not any(isinstance(layer.experts, QuantizedExperts) for layer in module.layers):
         quantize_experts_(module, precision, group_size)
-    if linears == "int8" and not has_int8_linears(module):
-        quantize_linears_(module)
-    linear_backend = "torch" if experts in ("loop", "torch") else "triton" if experts == "triton" else "auto"
-    for m in module.modules():
-        if isinstance(m, Int8Linear):
-            m.backend = linear_backend
+    if linears != "native" and not quantized_linears(module):
+        quantize_linears_(module, linears)
+    asked = experts
     if experts == "auto":
         experts = auto_experts_backend(dev, dtype)
     quantized = isinstance(module.layers[0].experts, QuantizedExperts)
@@ -84,6 +82,9 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
         if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
             raise ValueError("the scaled_mm experts backend needs a CUDA GPU with fp8 matmuls (compute capability "
                              ">= 8.9: Ada, Hopper); use the default experts backend here")
+    for m in quantized_linears(module):  # QuantizedLinear: the experts' choice where it applies, else "auto"
+        m.backend = "torch" if asked in ("loop", "torch") else "triton" if asked == "triton" else \
+            "scaled_mm" if asked == "scaled_mm" and m.fmt == "fp8" else "auto"
     if quantized:
         for layer in module.layers:  # QuantizedExperts: "triton" where it runs, else the torch reference
             layer.experts.backend = "torch" if experts == "loop" else \
@@ -102,12 +103,12 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     if sc_topk is not None and int(sc_topk) < 1:
         raise ValueError(f"sc_topk must be a positive number of tokens or None, got {sc_topk}")
     module.sc_topk = None if sc_topk is None else int(sc_topk)
-    int8 = next((m for m in module.modules() if isinstance(m, Int8Linear)), None)
+    q = (quantized_linears(module) or [None])[0]
     return {"experts": resolved, "attention": attention, "precision": precision, "sc_topk": module.sc_topk,
-            "linears": "native" if int8 is None else
-            "int8 " + int8.resolved_backend(torch.empty(0, device=dev, dtype=dtype)),
+            "linears": "native" if q is None else
+            f"{q.fmt} {q.resolved_backend(torch.empty(0, device=dev, dtype=dtype))}",
             "triton": None if triton is None else triton.__version__}
 
 
 __all__ = ["configure", "check_names", "auto_experts_backend", "PRECISIONS", "LINEAR_FORMATS", "QuantizedExperts",
-           "quantize_experts_", "Int8Linear", "quantize_linears_"]
+           "quantize_experts_", "QuantizedLinear", "quantize_linears_"]

@@ -1,4 +1,4 @@
-"""8-bit linears (weight-only, W8A16): the attention projections and the dense MLP in half the bytes.
+"""8-bit linears: the attention projections and the dense MLP in half the bytes (int8 or fp8 weights).
 
 Shape legend: M rows of activations (tokens), I input features, O output features, BM/BN/BK tiles.
 
@@ -8,17 +8,22 @@ per step (17 % of an int4 step, 11 % of an fp8 one) and 3.29 GB of GPU memory. I
 that: an int4 step moves 19.21 -> 17.56 GB and the int4 model shrinks by 1.65 GB. The router,
 embeddings, norms and self-conditioning stay in the model dtype (small, and quality-sensitive).
 
-Format: q int8 [O, I], scale fp32 [O] (amax of the row / 127, symmetric round-to-nearest);
-w = q * scale[:, None]. int8 rather than fp8: the same bytes, 7 bits of mantissa-equivalent instead of
-3 for a row's bulk, and every GPU (and Triton's CPU interpreter) converts int8 to bf16 exactly.
+Formats (a scale per output row, fp32): "int8": q int8 [O, I], scale = amax / 127, round to nearest;
+"fp8": q float8_e4m3fn [O, I], scale = amax / 448 (quant.quantize_fp8). w = q * scale[:, None]. int8 keeps
+~7 bits for a row's bulk against fp8's 3 (a tenth of the error, `quality_guard.py`); fp8 is what Hopper's
+fp8 tensor cores take, so only fp8 weights can also run with 8-bit activations.
 
-Backends of `Int8Linear` (chosen by `kernels.configure(..., linears="int8")`):
+Backends of `QuantizedLinear` (chosen by `kernels.configure(..., linears=)`):
 - "torch" (reference): `F.linear(x, w)` with w dequantised into the activation dtype on each call;
-- "triton": one kernel, int8 tiles converted in registers, the row scale applied to the fp32
-  accumulator (it factors out of the dot product), no dequantised copy in memory;
+- "triton": weight-only, one kernel: 8-bit tiles converted in registers, the row scale applied to the
+  fp32 accumulator (it factors out of the dot product), no dequantised copy in memory;
+- "scaled_mm" (fp8 only): w8a8, activations quantised to fp8 per row, `torch._scaled_mm` with row and
+  column scales: half the math of the others on Hopper / Ada (at 256 rows a projection is compute-bound
+  in 8 bits), a different function (activation rounding), judged by the quality guard, not the agreement
+  test (which checks it against the same w8a8 arithmetic in fp32);
 - "auto": triton on CUDA, checked against torch on its first call per device, dtype and compiled
   variant (`moe_grouped.checked_on_first_use`), else torch.
-The kernel is free of host synchronisation, so CUDA graphs hold it.
+The kernels are free of host synchronisation, so CUDA graphs hold them.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from torch import nn
 
 from ._triton import interpreted, tl, triton, usable_on
 from .moe_grouped import checked_on_first_use
+from .quant import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
 
 INT8_MAX = 127.0
-LINEAR_FORMATS = ("native", "int8")
+LINEAR_FORMATS = ("native", "int8", "fp8")
 # the projections made 8-bit, by the module that holds them (router, embeddings, self-conditioning stay)
 QUANTIZED_LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 _LINEAR_WEIGHT = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$")
@@ -51,52 +57,86 @@ def dequantize_int8_rows(q_OI: torch.Tensor, scale_O: torch.Tensor, dtype: torch
     return (q_OI.float() * scale_O[:, None]).to(dtype)
 
 
-class Int8Linear(nn.Module):
-    """Drop-in for a bias-free `nn.Linear` holding int8 weights with a scale per output feature."""
+class QuantizedLinear(nn.Module):
+    """Drop-in for a bias-free `nn.Linear` holding int8 or fp8 weights with a scale per output feature."""
 
-    def __init__(self, in_features: int, out_features: int, device=None):
+    def __init__(self, in_features: int, out_features: int, fmt: str = "int8", device=None):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        if fmt not in LINEAR_FORMATS[1:]:
+            raise ValueError(f"unknown linear weight format {fmt!r}; use one of {LINEAR_FORMATS[1:]}")
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
         self.backend = "auto"
-        self.register_buffer("weight_q", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        dtype = torch.int8 if fmt == "int8" else FP8
+        self.register_buffer("weight_q", torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, lin: nn.Linear, backend: str = "auto") -> "Int8Linear":
+    def from_linear(cls, lin: nn.Linear, fmt: str = "int8", backend: str = "auto") -> "QuantizedLinear":
         if lin.bias is not None:
-            raise ValueError("Int8Linear holds bias-free projections only")
-        m = cls(lin.in_features, lin.out_features, device=lin.weight.device)
-        m.weight_q, m.weight_scale = quantize_int8_rows(lin.weight)
+            raise ValueError("QuantizedLinear holds bias-free projections only")
+        m = cls(lin.in_features, lin.out_features, fmt, device=lin.weight.device)
+        m.weight_q, m.weight_scale = quantize_int8_rows(lin.weight) if fmt == "int8" else quantize_fp8(lin.weight)
         m.backend = backend
         return m
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8, backend={self.backend}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}, backend={self.backend}"
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.fmt == "fp8":
+            return dequantize_fp8(self.weight_q, self.weight_scale, dtype)
         return dequantize_int8_rows(self.weight_q, self.weight_scale, dtype)
 
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def resolved_backend(self, x: torch.Tensor) -> str:
+        if self.backend == "scaled_mm" and self.fmt == "fp8":
+            return "scaled_mm"
         if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
             if usable_on(x.device):
                 return "triton"
         return "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.resolved_backend(x) == "torch":
+        backend = self.resolved_backend(x)
+        if backend == "torch":
             return F.linear(x, self.dequantize(x.dtype))
-        fast = lambda: linear_int8_triton(x, self.weight_q, self.weight_scale)  # noqa: E731
+        if backend == "scaled_mm":
+            return linear_fp8_scaled_mm(x, self.weight_q, self.weight_scale)
+        fast = lambda: linear_q_triton(x, self.weight_q, self.weight_scale)  # noqa: E731
         if self.backend == "triton":  # asked for by name: the kernel, unchecked
             return fast()
         M = x.numel() // x.shape[-1]
-        key = (str(x.device), str(x.dtype).removeprefix("torch."), "triton int8 linear",
+        key = (str(x.device), str(x.dtype).removeprefix("torch."), f"triton {self.fmt} linear",
                (block_m_for(M), M == 1, M % 16 == 0, self.out_features % 16 == 0, self.in_features % 16 == 0))
         return checked_on_first_use(key, fast, lambda: F.linear(x, self.dequantize(x.dtype)),
-                                    "the Triton int8 linear kernel")
+                                    f"the Triton {self.fmt} linear kernel")
+
+
+def quantize_rows_fp8(x_MI: torch.Tensor):
+    """Activations -> fp8 [M, I] and their fp32 scale per row [M] (amax / 448)."""
+    xf = x_MI.float()
+    scale = (xf.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
+    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def linear_fp8_scaled_mm(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
+    """w8a8: x [..., I] quantised to fp8 per row, times the fp8 weight, both scales applied to the fp32
+    accumulator by `torch._scaled_mm` (Hopper / Ada fp8 tensor cores; also runs on a CPU)."""
+    lead, I = x.shape[:-1], x.shape[-1]
+    xq, sa = quantize_rows_fp8(x.reshape(-1, I))
+    out = torch._scaled_mm(xq, q_OI.t(), scale_a=sa[:, None], scale_b=scale_O[None, :], out_dtype=x.dtype)
+    return out.view(*lead, q_OI.shape[0])
+
+
+def linear_fp8_w8a8_reference(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
+    """The arithmetic `linear_fp8_scaled_mm` stands for, in plain fp32 torch (its agreement test)."""
+    lead, I = x.shape[:-1], x.shape[-1]
+    xq, sa = quantize_rows_fp8(x.reshape(-1, I))
+    out = (xq.float() * sa[:, None]) @ (q_OI.float() * scale_O[:, None]).t()
+    return out.to(x.dtype).view(*lead, q_OI.shape[0])
 
 
 # ------------------------------------------------------------------------------------ Triton
@@ -112,8 +152,8 @@ def block_m_for(M: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _linear_int8_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om,
-                            F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _linear_q_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om,
+                         F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """out[m, n] = scale[n] * sum_k x[m, k] q[n, k]. Programs that share an N block run side by side
         (axis 0 is M), so the weight tile they all read comes from L2 after the first."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -127,20 +167,20 @@ if triton is not None:
             xa = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :],
                          mask=mmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(q_ptr + n[None, :].to(tl.int64) * stride_qn + k[:, None],
-                        mask=kmask[:, None] & nmask[None, :], other=0)  # [BK, BN] of q^T
+                        mask=kmask[:, None] & nmask[None, :], other=0.0)  # [BK, BN] of q^T
             if F32:
                 acc += tl.dot(xa.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
-                acc += tl.dot(xa, w.to(xa.dtype))  # |q| <= 127: exact in bf16 / fp16
+                acc += tl.dot(xa, w.to(tl.float32).to(xa.dtype))  # int8 and e4m3 values are exact in bf16 / fp16
         acc *= tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]
         tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
 
 
-def linear_int8_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
-    """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel."""
+def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
+    """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel (q int8 or float8_e4m3fn)."""
     if triton is None:
-        raise RuntimeError("linear_int8_triton needs triton (pip install triton)")
+        raise RuntimeError("linear_q_triton needs triton (pip install triton)")
     lead, I = x.shape[:-1], x.shape[-1]
     O = q_OI.shape[0]
     assert q_OI.shape[1] == I and q_OI.stride(1) == 1 and scale_O.shape == (O,), "weight [O, I] row-major, scale [O]"
@@ -155,41 +195,41 @@ def linear_int8_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tenso
     # fp32 operands: exact ieee dots; the interpreter needs them too (its bf16 tl.dot is wrong in triton 3.9)
     f32 = x.dtype == torch.float32 or interpreted()
     grid = (triton.cdiv(M, bm), triton.cdiv(O, BLOCK_N))
-    _linear_int8_kernel[grid](x2, q_OI, scale_O, out, M, O, I, x2.stride(0), q_OI.stride(0), out.stride(0),
-                              F32=f32, BM=bm, BN=BLOCK_N, BK=BLOCK_K)
+    _linear_q_kernel[grid](x2, q_OI, scale_O, out, M, O, I, x2.stride(0), q_OI.stride(0), out.stride(0),
+                           F32=f32, BM=bm, BN=BLOCK_N, BK=BLOCK_K)
     return out.view(*lead, O)
 
 
 # ------------------------------------------------------------------------------------ module swap
 
-def _swap(layer: nn.Module, part: str, name: str, backend: str) -> None:
+def _swap(layer: nn.Module, part: str, name: str, fmt: str, backend: str) -> None:
     parent = getattr(layer, part)
     lin = getattr(parent, name, None)
     if isinstance(lin, nn.Linear):  # full-attention layers have no v_proj
-        setattr(parent, name, Int8Linear.from_linear(lin, backend))
+        setattr(parent, name, QuantizedLinear.from_linear(lin, fmt, backend))
 
 
 @torch.no_grad()
-def quantize_linears_(module: nn.Module, backend: str = "auto") -> nn.Module:
-    """Swap the attention and dense-MLP projections of every layer for Int8Linear, in place, one at a
+def quantize_linears_(module: nn.Module, fmt: str = "int8", backend: str = "auto") -> nn.Module:
+    """Swap the attention and dense-MLP projections of every layer for QuantizedLinear, in place, one at a
     time (each float weight is freed before the next is quantised). Returns the module."""
     for layer in module.layers:
         for part, names in QUANTIZED_LINEARS.items():
             for name in names:
-                _swap(layer, part, name, backend)
+                _swap(layer, part, name, fmt, backend)
     return module
 
 
-def linear_streaming_quantizer(module: nn.Module):
+def linear_streaming_quantizer(module: nn.Module, fmt: str = "int8"):
     """A `load_weights(on_loaded=...)` hook: each projection is quantised as soon as its weight is in."""
 
     def on_loaded(name: str) -> None:
         m = _LINEAR_WEIGHT.match(name)
         if m is not None and m.group(3) in QUANTIZED_LINEARS[m.group(2)]:
-            _swap(module.layers[int(m.group(1))], m.group(2), m.group(3), "auto")
+            _swap(module.layers[int(m.group(1))], m.group(2), m.group(3), fmt, "auto")
 
     return on_loaded
 
 
-def has_int8_linears(module: nn.Module) -> bool:
-    return any(isinstance(m, Int8Linear) for m in module.modules())
+def quantized_linears(module: nn.Module) -> list[QuantizedLinear]:
+    return [m for m in module.modules() if isinstance(m, QuantizedLinear)]

@@ -59,9 +59,9 @@ def target_modules(module: nn.Module, targets) -> dict[str, nn.Linear]:
             if t not in PROJ:
                 raise ValueError(f"unknown LoRA target {t!r}; choose from {sorted(PROJ)}")
             lin = getattr(getattr(layer, PROJ[t]), t, None)
-            if type(lin).__name__ == "Int8Linear":
+            if type(lin).__name__ == "QuantizedLinear":
                 raise InputError(f"layers.{i}.{PROJ[t]}.{t} holds 8-bit weights; LoRA training needs the float "
-                                 "projections: load the model without --linears int8")
+                                 "projections: load the model without --linears")
             if isinstance(lin, nn.Linear):  # full-attention layers have no v_proj
                 out[f"layers.{i}.{PROJ[t]}.{t}"] = lin
     return out
@@ -219,13 +219,13 @@ def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
     checked = []  # every layer is checked before any is changed: a bad adapter leaves the model as it was
     for name, ab in ab_all.items():
         lin = mods.get(name)
-        int8 = type(lin).__name__ == "Int8Linear"  # kernels/linear_q.py: the adapter runs beside the 8-bit weight
-        if not (int8 or isinstance(lin, nn.Linear)):
+        eight_bit = type(lin).__name__ == "QuantizedLinear"  # kernels/linear_q.py: the adapter runs beside it
+        if not (eight_bit or isinstance(lin, nn.Linear)):
             raise CheckpointError(f"adapter targets {name}, which this model does not have; wrong base model?")
-        if int8 and merge:
-            raise InputError(f"{name} holds 8-bit weights (--linears int8), which an adapter cannot be merged into; "
+        if eight_bit and merge:
+            raise InputError(f"{name} holds 8-bit weights (--linears), which an adapter cannot be merged into; "
                              "drop --merge-adapter (the adapter then runs beside them) or load with --linears native")
-        like = torch.empty(0, device=lin.weight_scale.device, dtype=module.dtype) if int8 else lin.weight
+        like = torch.empty(0, device=lin.weight_scale.device, dtype=module.dtype) if eight_bit else lin.weight
         A, B = ab["A"].to(like), ab["B"].to(like)
         if A.dim() != 2 or B.dim() != 2 or A.shape[0] != B.shape[1]:
             raise CheckpointError(f"adapter weights for {name} have shapes A {list(A.shape)}, B {list(B.shape)}; "

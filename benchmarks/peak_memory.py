@@ -11,8 +11,9 @@ bytes alive at once on top of the weights and the cache, then the predicted peak
   reuses freed blocks from pass to pass); a step is the decoder pass and then the sampler on its logits;
 - with CUDA graphs (`--cuda-graphs`): the same + the captured passes' shared memory pool (the largest of
   them: `GraphedPasses` captures all into one pool) + the graph's own copy of the self-conditioning
-  logits (its input buffer) + the larger of the eager prefill and the sampler (with the replay's copy of
-  the logits), which run in the general pool.
+  logits (its input buffer) + the larger of the eager prefill and the sampler, which run in the general
+  pool; the sampler reads the graph's own logits buffer (`GraphedPasses(copy_outputs=False)`, what the bench
+  and `--cuda-graphs` use; a copy would add one [B, C, V] fp32 tensor).
 Both samplers: "exact" (the reference's draws) and "fast" (the fused Triton sampler's allocations).
 
 It leaves out the caching allocator's rounding and fragmentation and the CUDA context (not in
@@ -125,7 +126,7 @@ def main(argv=None) -> dict:
     for s in ("exact", "fast"):
         sampler = rows[f"sampler ({s}, logits given)"]["peak_bytes"]
         predicted[s] = {"eager": base + max(step[s], *passes_eager),
-                        "cuda_graphs": base + pool + held + max(rows["prefill"]["peak_bytes"], logits + sampler)}
+                        "cuda_graphs": base + pool + held + max(rows["prefill"]["peak_bytes"], sampler)}
     print(f"{args.preset}, {args.dtype}, experts {args.precision}, linears {args.linears}, B={B}, P={P}, N={N} (cache {capacity} positions)")
     print(f"  weights {weights / GB:.3f} GB, KV cache {kv / GB:.3f} GB, self-conditioning logits held {held / GB:.3f} GB")
     print(f"  {'pass':32s} {'peak on top (GB)':>16s}   largest allocations (MB, op)")

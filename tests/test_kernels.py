@@ -278,6 +278,48 @@ def test_graphed_passes_need_cuda_to_capture():
         GraphedPasses(_tiny_model().module)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_graph_outputs_without_copies_give_the_engines_tokens(dtype):
+    """copy_outputs=False hands the engine a pass's own logits buffer, which the next pass overwrites (capture=False
+    does the same on CPU). The engine must read it before then: tokens equal those with copies with both samplers,
+    a fused commit, and adaptive stopping at batch 2 (frozen rows re-read their self-conditioning logits after later
+    passes). An fp32 model, whose self-conditioning logits are the logits tensor itself, keeps getting copies."""
+    lm = _tiny_model()
+    lm.module.to(dtype)
+    ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(8))
+    settings = [dict(sampler=s, fuse_commit=f, max_new_tokens=24, **mode)
+                for s in ("exact", "fast") for f in (False, True)
+                for mode in (dict(max_denoising_steps=3, stability_threshold=None, confidence_threshold=None),
+                             dict(max_denoising_steps=6, stability_threshold=1, confidence_threshold=0.5))]
+
+    def run_all():
+        out = []
+        for kw in settings:
+            torch.manual_seed(0)
+            out.append(lm.generate(ids, **kw).sequences)
+        return out
+
+    g = GraphedPasses(lm.module, capture=False).install()  # the static passes with copies: the same rounding
+    try:
+        want = run_all()
+    finally:
+        g.uninstall()
+    g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
+    try:
+        assert g.copy_outputs == (dtype == torch.float32)
+        got = run_all()
+        canvas = torch.randint(0, 512, (2, 8))
+        cache = lm.module.new_cache(2, 20)
+        lm.module.encode(ids, cache)
+        first, second = lm.module.decode(canvas, cache), lm.module.decode(canvas, cache)
+        assert (first.data_ptr() == second.data_ptr()) == (dtype != torch.float32)  # the contract, visible
+    finally:
+        g.uninstall()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("fuse", [False, True])
 def test_graphed_passes_plumbing_generates_the_same_tokens(fuse):
     """GraphedPasses without capture: the static passes on their own input buffers and pooled caches, routed in

@@ -386,7 +386,7 @@ def run(args) -> dict:
     if args.cuda_graphs:
         from ..kernels.graphs import GraphedPasses
 
-        graphs = GraphedPasses(module).install()
+        graphs = GraphedPasses(module, copy_outputs=False).install()  # only the engine loop reads its outputs
     result = {"bench": "generate", "hardware": hardware(device), "device": str(device), "torch": torch.__version__,
               "preset": None if (args.config or args.model) else args.preset, "config_file": args.config,
               "model": args.model, "dtype": str(dtype).replace("torch.", ""), "precision": args.precision,

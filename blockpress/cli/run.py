@@ -201,7 +201,7 @@ def load_model(args):
         from ..kernels.graphs import GraphedPasses
 
         try:
-            GraphedPasses(lm.module).install()
+            GraphedPasses(lm.module, copy_outputs=False).install()  # only the engine loop reads its outputs
         except ValueError as e:
             raise InputError(f"--cuda-graphs: {e}. With the default kernels this means Triton is missing "
                              "(pip install triton), or --reference-kernels was given: drop one of the flags") from None

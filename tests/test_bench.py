@@ -228,6 +228,7 @@ def test_kernel_classes_of_hopper_kernel_names():
     assert kernel_class("nvjet_hsh_192x192_64x3_2x1_v_bz_coopA_TNT") == "dense GEMM"
     assert kernel_class("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64>>") == "attention"
     assert kernel_class("_fused_sampler_kernel") == "sampler"
+    assert kernel_class("_linear_q_kernel") == "dense GEMM"  # the 8-bit projections (kernels/linear_q.py)
     assert kernel_class("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>") == "other"
     assert kernel_class("aten::_fused_rms_norm") == "norm"
 

@@ -29,7 +29,8 @@ CLASSES = [  # (class, pattern on the lower-cased kernel or op name); order matt
     ("experts", r"moe|grouped|groupproblemshape|experts"),
     ("attention", r"flash|fmha|attention|sdpa|attn"),
     ("sampler", r"sampler|multinomial|exponential|argmax|argsort|sort|cumsum|randint|random|distribution|philox"),
-    ("dense GEMM", r"gemm|matmul|aten::mm|aten::addmm|aten::bmm|aten::linear|cutlass|xmma|cublas|nvjet|sm90_|sm80_"),
+    ("dense GEMM", r"gemm|matmul|aten::mm|aten::addmm|aten::bmm|aten::linear|linear_q|scaled_mm|cutlass|xmma|cublas|"
+                   r"nvjet|sm90_|sm80_"),
     ("norm", r"norm"),
 ]
 

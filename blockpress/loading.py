@@ -164,7 +164,7 @@ def check_memory(module, device: torch.device, dtype: torch.dtype, precision: st
     for prec, lin in (("fp8", linears), ("int4", linears), ("int4", "int8")):
         if (prec, lin) != (precision, linears):
             n = estimated_weight_bytes(module, dtype, prec, group_size, lin)
-            options.append(f"precision {prec}" + (" with int8 linears" if lin == "int8" else "")
+            options.append(f"precision {prec}" + (f" with {lin} linears" if lin != "native" else "")
                            + f" needs ~{n / gib:.1f} GiB" + (" (fits)" if n <= free else ""))
     if dtype.itemsize > 2:
         n = estimated_weight_bytes(module, torch.bfloat16, precision, group_size, linears)

@@ -10,7 +10,7 @@ embeddings, norms and self-conditioning stay in the model dtype (small, and qual
 
 Formats (a scale per output row, fp32): "int8": q int8 [O, I], scale = amax / 127, round to nearest;
 "fp8": q float8_e4m3fn [O, I], scale = amax / 448 (quant.quantize_fp8). w = q * scale[:, None]. int8 keeps
-~7 bits for a row's bulk against fp8's 3 (a tenth of the error, `quality_guard.py`); fp8 is what Hopper's
+~7 bits for a row's bulk against fp8's 3 (a third of the error, `quality_guard.py`); fp8 is what Hopper's
 fp8 tensor cores take, so only fp8 weights can also run with 8-bit activations.
 
 Backends of `QuantizedLinear` (chosen by `kernels.configure(..., linears=)`):

@@ -5,7 +5,8 @@ their references):
 - experts (`model.moe.EXPERT_BACKENDS`): "grouped" (torch._grouped_mm, moe_grouped.py),
   "triton" (fused Triton kernel, moe_grouped.py), "triton_checked" (the same, compared with the torch
   path on its first call and replaced by it, with a warning, if it disagrees or fails);
-- attention (`model.layers.ATTENTION_BACKENDS`): "sdpa_gqa" (attention.py).
+- attention (`model.layers.ATTENTION_BACKENDS`): "sdpa_gqa" (attention.py);
+- the final-logit soft cap (`model.layers.SOFTCAP_BACKENDS`): "triton", "triton_checked" (softcap.py).
 Low-precision experts (quant.py) replace `layer.experts` by module swap, 8-bit linears (linear_q.py) the
 attention and dense-MLP projections; the fused sampler
 (sampler_fused.py) and the CUDA-graph decoder (graphs.py) are opt-in.
@@ -28,6 +29,7 @@ from .attention import attention_sdpa_gqa
 from .moe_grouped import _grouped_mm_ok, experts_grouped, experts_triton, experts_triton_checked
 from .linear_q import LINEAR_FORMATS, QuantizedLinear, quantize_linears_, quantized_linears
 from .quant import QuantizedExperts, quantize_experts_
+from .softcap import softcap_triton  # noqa: F401  (registers the soft-cap backends)
 
 EXPERT_BACKENDS.setdefault("grouped", experts_grouped)
 EXPERT_BACKENDS.setdefault("triton", experts_triton)
@@ -82,6 +84,9 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
         if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
             raise ValueError("the scaled_mm experts backend needs a CUDA GPU with fp8 matmuls (compute capability "
                              ">= 8.9: Ada, Hopper); use the default experts backend here")
+    # the final-logit soft cap: one Triton pass on a GPU (checked on first use), the reference elsewhere
+    module.softcap_backend = "torch" if asked in ("loop", "torch") or not (dev.type == "cuda" and usable_on(dev)) \
+        else "triton" if asked == "triton" else "triton_checked"
     for m in quantized_linears(module):  # QuantizedLinear: the experts' choice where it applies, else "auto"
         m.backend = "torch" if asked in ("loop", "torch") else "triton" if asked == "triton" else \
             "scaled_mm" if asked == "scaled_mm" and m.fmt == "fp8" else "auto"
@@ -107,6 +112,7 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     return {"experts": resolved, "attention": attention, "precision": precision, "sc_topk": module.sc_topk,
             "linears": "native" if q is None else
             f"{q.fmt} {q.resolved_backend(torch.empty(0, device=dev, dtype=dtype))}",
+            "softcap": module.softcap_backend,
             "triton": None if triton is None else triton.__version__}
 
 

@@ -22,8 +22,8 @@ from torch import nn
 
 from ..config import FULL, SLIDING, ModelConfig
 from ..engine.cache import KVCache
-from .layers import (ATTENTION_BACKENDS, MLP, Attention, RMSNorm, embed_scale, rms_norm, rope_cos_sin, rope_inv_freq,
-                     softmax_rows)
+from .layers import (ATTENTION_BACKENDS, MLP, SOFTCAP_BACKENDS, Attention, RMSNorm, embed_scale, rms_norm, rope_cos_sin,
+                     rope_inv_freq, softmax_rows)
 from .moe import Experts, Router
 
 
@@ -84,6 +84,7 @@ class DiffusionGemmaModel(nn.Module):
             inv = rope_inv_freq(cfg.type_head_dim(t), cfg.rope_parameters[t])
             self.register_buffer(f"inv_freq_{t}", inv, persistent=False)
         self.attention_backend = "sdpa"
+        self.softcap_backend = "torch"  # final-logit soft cap: layers.SOFTCAP_BACKENDS
         # None: the exact soft embedding softmax(z) @ E over the whole vocabulary (the reference). K: only
         # the K most likely tokens' rows of E (kernels/sc_topk.py; an approximation, opt-in)
         self.sc_topk: int | None = None
@@ -156,14 +157,13 @@ class DiffusionGemmaModel(nn.Module):
         return self.embed_tokens(ids) * self.embed_scale(w.dtype, w.device)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = (h @ self.embed_tokens.weight.t()).float()
+        logits = h @ self.embed_tokens.weight.t()
         cap = self.text.final_logit_softcapping
-        if cap:
-            if logits.requires_grad:
-                logits = torch.tanh(logits / cap) * cap
-            else:  # the same ops in place: one [B, C, V] fp32 buffer live instead of three (268 MB each on the 26B)
-                logits.div_(cap).tanh_().mul_(cap)
-        return logits
+        if not cap:
+            return logits.float()
+        if logits.requires_grad:
+            return torch.tanh(logits.float() / cap) * cap
+        return SOFTCAP_BACKENDS[self.softcap_backend](logits, cap)
 
     def _rope(self, start: int, length: int, dtype, device) -> dict:
         """Rotary tables for positions [start, start + length), per layer type. Every denoising step of a

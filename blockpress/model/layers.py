@@ -152,17 +152,39 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 
+def softcap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """fp32 `cap * tanh(logits / cap)` of the LM head's product (the reference; no autograd: in place, so one
+    [B, C, V] fp32 buffer is live instead of three, 268 MB each on the 26B model). Each of its four passes
+    reads and writes the whole tensor: kernels/softcap.py does the same in one."""
+    return logits.float().div_(cap).tanh_().mul_(cap)
+
+
+SOFTCAP_BACKENDS = {"torch": softcap_logits}  # kernels/ registers "triton" and "triton_checked"
+
+
 SOFTMAX_CHUNK = 1 << 24  # elements per fp32 chunk of `softmax_rows` (64 MB)
+
+
+SOFTMAX_IN_DTYPE_ON_CUDA = True  # softmax_rows on a GPU: one kernel in the input's dtype (tests switch it off)
 
 
 def softmax_rows(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`torch.softmax(z.float(), -1).to(dtype)`, computed a block of rows at a time into the `dtype` result.
 
     Each row's softmax is independent of the others, so the result is the same (bit for bit on CPU, tested;
-    a GPU picks its softmax kernel by the row length: a GPU test checks it, not yet run); what changes is memory: for the 26B model's self-conditioning input ([256, 262144]
-    per row of the batch) the one-shot form holds an fp32 copy and an fp32 softmax (268 MB each) at once,
-    this holds 64 MB chunks of them. Under autograd: the one-shot form."""
+    a GPU picks its softmax kernel by the row length: a GPU test checks it, not yet run); what changes is
+    memory: for the 26B model's self-conditioning input ([256, 262144] per row of the batch) the one-shot form
+    holds an fp32 copy and an fp32 softmax (268 MB each) at once, this holds 64 MB chunks of them. Under
+    autograd: the one-shot form.
+
+    On a CUDA GPU, when z already has the result's dtype (bf16 logits held between steps): `torch.softmax(z)`,
+    one kernel that reads bf16, computes in fp32 (CUDA's softmax accumulates bf16 in float) and writes bf16.
+    The fp32 round trip costs ~1.3 GB of traffic a step on the 26B model (the cast, the fp32 softmax, the copy
+    back), this ~0.4 GB. Not bit for bit: its sum runs in another order, so an element on a bf16 rounding
+    boundary may round the other way (a GPU test bounds it, not yet run)."""
     V = z.shape[-1]
+    if z.is_cuda and z.dtype == dtype and not z.requires_grad and SOFTMAX_IN_DTYPE_ON_CUDA:
+        return torch.softmax(z, dim=-1)
     rows = max(1, SOFTMAX_CHUNK // max(V, 1))
     flat = z.reshape(-1, V)
     if z.requires_grad or flat.shape[0] <= rows:

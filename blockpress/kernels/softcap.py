@@ -1,0 +1,62 @@
+"""The final-logit soft cap in one pass over the logits (the reference makes four).
+
+Shape legend: B batch, C canvas, V vocab.
+
+`model.layers.softcap_logits` (the reference) turns the LM head's bf16 product [B, C, V] into fp32
+`cap * tanh(x / cap)` with four whole-tensor passes: the cast, then the divide, tanh and multiply in place.
+On the 26B model that is 134 MB read + 268 MB written by the cast and 3 x (268 + 268) MB by the rest,
+~2 GB of traffic per denoising step (0.6 ms on an H100, a tenth of an int4 step's floor), for what one
+elementwise kernel does reading 134 MB and writing 268 MB. `softcap_triton` is that kernel: the same fp32
+division and, compiled for CUDA, libdevice's tanhf (what torch's CUDA tanh calls), so its result should
+match the reference to an ulp or two (the GPU test checks; not yet run). Triton's CPU interpreter has no libdevice, so there
+the kernel computes tanh as 2 sigmoid(2z) - 1 (a few ulp off; the CPU test allows for it).
+"softcap_backend" on the module picks it (`kernels.configure`: "triton_checked" on a CUDA GPU, checked
+against the reference on its first call per device and dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.layers import SOFTCAP_BACKENDS, softcap_logits
+from ._triton import interpreted, tl, triton
+from .moe_grouped import checked_on_first_use
+
+BLOCK = 4096
+
+if triton is not None:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _softcap_kernel(x_ptr, out_ptr, n, cap, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        z = tl.math.div_rn(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), cap)
+        if LIBDEVICE:
+            t = libdevice.tanh(z)
+        else:
+            t = 2.0 * tl.sigmoid(2.0 * z) - 1.0
+        tl.store(out_ptr + offs, t * cap, mask=mask)
+
+
+def softcap_triton(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """fp32 cap * tanh(logits / cap) of any-dtype logits, in one Triton kernel."""
+    if triton is None:
+        raise RuntimeError("softcap_triton needs triton (pip install triton)")
+    x = logits.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n = x.numel()
+    if n:
+        _softcap_kernel[(triton.cdiv(n, BLOCK),)](x, out, n, float(cap), BLOCK=BLOCK, LIBDEVICE=not interpreted())
+    return out
+
+
+def softcap_triton_checked(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    key = (str(logits.device), str(logits.dtype).removeprefix("torch."), "triton soft cap", ())
+    # the reference works in place on fp32 input (an fp32 model's logits): give it a copy, the kernel runs after it
+    ref = lambda: softcap_logits(logits.clone() if logits.dtype == torch.float32 else logits, cap)  # noqa: E731
+    return checked_on_first_use(key, lambda: softcap_triton(logits, cap), ref, "the Triton soft-cap kernel")
+
+
+SOFTCAP_BACKENDS.setdefault("triton", softcap_triton)
+SOFTCAP_BACKENDS.setdefault("triton_checked", softcap_triton_checked)

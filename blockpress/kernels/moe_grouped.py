@@ -12,8 +12,9 @@ Two fast paths, both free of host synchronisation (fixed shapes, so a CUDA graph
   launch each over all experts; CPU fallback: a per-expert loop), contributions un-sorted and
   summed over K (deterministic, no atomics).
 - `experts_triton` (Triton, fused): tokens gathered inside the kernel, gate/up/GELU fused in the
-  first kernel, router weight fused in the second; weights may be plain, fp8 (per-channel scale)
-  or packed int4 (group scales), dequantised in registers (see quant.py for the formats).
+  first kernel, the down projection in the second, the router-weighted sum over K in a third (fp32,
+  like `combine`); weights may be plain, fp8 (per-channel scale) or packed int4 (group scales),
+  dequantised in registers (see quant.py for the formats).
 """
 
 from __future__ import annotations
@@ -168,11 +169,12 @@ if triton is not None:
                  mask=nmask[None, :])
 
     @triton.jit
-    def _moe_down_kernel(act_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, rw_ptr, out_ptr, A, H, Im,
+    def _moe_down_kernel(act_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, out_ptr, A, H, Im,
                          stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_on,
                          FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """out[assignment] = router_weight * (act W_down^T), fp32, one row per assignment."""
+        """out[assignment] = act W_down^T in the activation dtype (rounded there, as the torch paths round each
+        expert's output), one row per assignment; the router weights are applied by _moe_sum_kernel."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
         if e < 0:
@@ -198,8 +200,21 @@ if triton is not None:
                 acc += tl.dot(a, w)
         if FMT == 1:
             acc *= tl.load(s_e + n * stride_sn, mask=nmask, other=0.0)[None, :]
-        acc *= tl.load(rw_ptr + ids, mask=valid, other=0.0)[:, None]
-        tl.store(out_ptr + ids[:, None] * stride_on + n[None, :], acc, mask=valid[:, None] & nmask[None, :])
+        tl.store(out_ptr + ids[:, None] * stride_on + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _moe_sum_kernel(y_ptr, rw_ptr, out_ptr, H, K, BH: tl.constexpr):
+        """out[token] = sum_k float(y[token * K + k]) * router_weight[token, k], in fp32, cast once (the torch
+        paths' `combine`)."""
+        t, pid_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        h = pid_h * BH + tl.arange(0, BH)
+        hmask = h < H
+        acc = tl.zeros((BH,), dtype=tl.float32)
+        for k in range(0, K):
+            y = tl.load(y_ptr + (t * K + k) * H + h, mask=hmask, other=0.0).to(tl.float32)
+            acc += y * tl.load(rw_ptr + t * K + k)
+        tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=hmask)
 
 
 def _scale_strides(scale: torch.Tensor | None):
@@ -290,6 +305,7 @@ def compiled_variant(idx_NK: torch.Tensor, n_experts: int) -> tuple:
 
 
 UNWRITTEN_FILL: float | None = None  # tests set NaN: the value an output buffer starts with before its kernel
+SUM_BLOCK = 1024  # hidden columns per program of the weighted sum over a token's K expert outputs
 
 
 def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_PLAIN,
@@ -331,18 +347,21 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
                          x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
                          act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
                          **launch)
-    # every (assignment, column) is stored by the down kernel (each assignment id sits once in a used block), so
-    # the buffer needs no zero fill: 23 MB per layer of the 26B model at batch 1, ~0.7 GB of writes a step
-    out = torch.empty(A, H, dtype=torch.float32, device=x.device)
+    # per-assignment outputs in the activation dtype (bf16: 11.5 MB per layer of the 26B model at batch 1, not
+    # fp32's 23 MB written and read again). Every (assignment, column) is stored by the down kernel (each
+    # assignment id sits once in a used block), so the buffer needs no zero fill.
+    y = torch.empty(A, H, dtype=x.dtype, device=x.device)
     if UNWRITTEN_FILL is not None:  # tests: poison the buffer, so an element the kernel misses shows up
-        out.fill_(UNWRITTEN_FILL)
-    rw = w_NK.reshape(-1).float().contiguous()
+        y.fill_(UNWRITTEN_FILL)
     grid = (L // block_m, triton.cdiv(H, block_n))
-    _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, rw, out, A, H, Im,
+    _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, y, A, H, Im,
                            act.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
-                           out.stride(0), FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
+                           y.stride(0), FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
                            **launch)
-    return out.view(N, K, H).sum(1).to(x_NH.dtype)
+    out = torch.empty(N, H, dtype=x.dtype, device=x.device)
+    rw = w_NK.reshape(-1).float().contiguous()
+    _moe_sum_kernel[(N, triton.cdiv(H, SUM_BLOCK))](y, rw, out, H, K, BH=SUM_BLOCK)
+    return out
 
 
 # ------------------------------------------------------------------------------------ checked on first use

@@ -8,8 +8,8 @@ On the 26B model that is 134 MB read + 268 MB written by the cast and 3 x (268 +
 ~2 GB of traffic per denoising step (0.6 ms on an H100, a tenth of an int4 step's floor), for what one
 elementwise kernel does reading 134 MB and writing 268 MB. `softcap_triton` is that kernel: the same fp32
 division and, compiled for CUDA, libdevice's tanhf (what torch's CUDA tanh calls), so its result should
-match the reference to an ulp or two (the GPU test checks; not yet run). Triton's CPU interpreter has no libdevice, so there
-the kernel computes tanh as 2 sigmoid(2z) - 1 (a few ulp off; the CPU test allows for it).
+match the reference to an ulp or two (the GPU test checks; not yet run). Triton's CPU interpreter has no
+libdevice, so there the kernel computes tanh as 2 sigmoid(2z) - 1 (a few ulp off; the CPU test allows it).
 "softcap_backend" on the module picks it (`kernels.configure`: "triton_checked" on a CUDA GPU, checked
 against the reference on its first call per device and dtype).
 """

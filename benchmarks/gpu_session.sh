@@ -18,7 +18,7 @@ OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
 PART=${1:?usage: gpu_session.sh check|bf16|quant}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
-case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=140 ;; *) DEFAULT_LIMIT=240 ;; esac
+case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; *) DEFAULT_LIMIT=240 ;; esac
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -80,7 +80,7 @@ case "$PART" in
     bench fp8 --batch 1,4 --precision fp8 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference \
       --ar-tokens 256 --profile ${MOE_TILES_FP8:+--moe-tiles $MOE_TILES_FP8}
     # vLLM's FP8 recipe: fp8 weights and fp8 activations in the experts and the projections (w8a8, scaled_mm)
-    [ "$CUDA" = 1 ] && bench fp8-w8a8 --batch 1,4 --precision fp8 --linears fp8 --modes fixed --experts scaled_mm \
+    [ "$CUDA" = 1 ] && bench fp8-w8a8 --batch 1 --precision fp8 --linears fp8 --modes fixed --experts scaled_mm \
       --sampler fast $GPU_FLAGS --no-reference --no-ar
     bench int4 --batch 1,4 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --no-reference \
       --ar-tokens 256 --profile ${MOE_TILES_INT4:+--moe-tiles $MOE_TILES_INT4}

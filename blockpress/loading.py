@@ -117,13 +117,13 @@ def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native"
     per weight + an fp32 scale per output row) or int4 (half a byte + a `dtype` scale per group, as
     kernels/quant.py stores them), attention / dense-MLP projections in 8 bits with linears="int8" / "fp8"
     (1 byte + an fp32 scale per row, kernels/linear_q.py), everything else in `dtype`."""
-    from .kernels.linear_q import _LINEAR_WEIGHT, QUANTIZED_LINEARS
+    from .kernels.linear_q import LINEAR_WEIGHT, QUANTIZED_LINEARS
     from .kernels.quant import group_for
 
     item = torch.empty((), dtype=dtype).element_size()
     total = 0
     for name, p in module.named_parameters():
-        m = _LINEAR_WEIGHT.search(name)
+        m = LINEAR_WEIGHT.search(name)
         if precision != "native" and ".experts." in name and p.dim() == 3:
             E, O, I = p.shape
             total += p.numel() + E * O * 4 if precision == "fp8" else \

@@ -244,8 +244,8 @@ def test_a_load_that_cannot_fit_is_refused_before_reading_weights(hf_tiny_dir, m
     monkeypatch.setattr(loading, "_free_bytes", lambda device: (need + int4) // 2)  # int4 fits, fp32 does not
     read = []
     monkeypatch.setattr(loading, "load_weights", lambda *a, **k: read.append(1))
-    with pytest.raises(InputError, match=r"the weights need ~.* GiB \(float32, precision native, linears native\) but cpu has .* "
-                                         r"free; .*precision int4 needs ~.* GiB \(fits\)"):
+    with pytest.raises(InputError, match=r"the weights need ~.* GiB \(float32, precision native, linears native\) "
+                                         r"but cpu has .* free; .*precision int4 needs ~.* GiB \(fits\)"):
         blockpress.load(path, progress=False, dtype="float32")
     assert not read  # refused before any weight was read
     monkeypatch.setenv("BLOCKPRESS_SKIP_MEMORY_CHECK", "1")

@@ -255,14 +255,17 @@ def run_ar(module, ids, args, graphs=None):
 
 # ------------------------------------------------------------------------------------ report
 
+def mean_cached(module, args) -> int:
+    """The cache length a denoising step sees on average over the generation's canvases."""
+    C = module.config.canvas_length
+    return args.prompt_tokens + (-(-args.new_tokens // C) - 1) * C // 2
+
+
 def mean_step_bytes(module, batch: int, args, hit: float, native: bool = False) -> int:
     """Bytes of one denoising step at the mean cache length over the generation's canvases."""
     from ..kernels.roofline import step_bytes
 
-    C = module.config.canvas_length
-    n_canvases = -(-args.new_tokens // C)
-    cached = args.prompt_tokens + (n_canvases - 1) * C // 2
-    return step_bytes(module, batch, C, cached, hit, native)["total"]
+    return step_bytes(module, batch, module.config.canvas_length, mean_cached(module, args), hit, native)["total"]
 
 
 def add_roofline(s: dict, step_bytes: int, bandwidth: float) -> None:
@@ -390,8 +393,8 @@ def run(args) -> dict:
     result = {"bench": "generate", "hardware": hardware(device), "device": str(device), "torch": torch.__version__,
               "preset": None if (args.config or args.model) else args.preset, "config_file": args.config,
               "model": args.model, "dtype": str(dtype).replace("torch.", ""), "precision": args.precision,
-              "linears": args.linears, "backends": choice, "sampler": args.sampler, "cuda_graphs": bool(args.cuda_graphs),
-              "fuse_commit": bool(args.fuse_commit),
+              "linears": args.linears, "backends": choice, "sampler": args.sampler,
+              "cuda_graphs": bool(args.cuda_graphs), "fuse_commit": bool(args.fuse_commit),
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "steps": args.steps,
               "canvas_length": C, "layers": text.num_hidden_layers, "hidden": text.hidden_size,
               "experts": text.num_experts, "top_k": text.top_k_experts, "vocab": text.vocab_size,
@@ -417,9 +420,8 @@ def run(args) -> dict:
                                              bandwidth, hit, fuse_commit=args.fuse_commit)
             s["gen_floor_tok_s"] = B * args.new_tokens / floor
             if peak:  # the same floors with each kernel group's math counted too (compute-bound from batch 2)
-                n_canvases = -(-args.new_tokens // C)
-                cached = args.prompt_tokens + (n_canvases - 1) * C // 2  # the mean cache, as mean_step_bytes
-                s["step_floor_ms_roofline"] = floor_seconds(pass_parts(module, B, C, cached, hit), bandwidth, peak) * 1e3
+                parts = pass_parts(module, B, C, mean_cached(module, args), hit)
+                s["step_floor_ms_roofline"] = floor_seconds(parts, bandwidth, peak) * 1e3
                 if s.get("ms_per_step"):
                     s["floor_fraction_roofline"] = s["step_floor_ms_roofline"] / s["ms_per_step"]
                 s["gen_floor_tok_s_roofline"] = B * args.new_tokens / generation_floor_seconds(

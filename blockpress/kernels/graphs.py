@@ -212,6 +212,7 @@ class _Captured:
                 _set(buf, value)
         self.cache = _on_buffers(cache)
         self.buffers = _buffers(cache)
+        self.out = None  # the pass's output buffer: the graph's, or (no graph) the first eager result's
         self.fn = lambda: fn(module, cache=self.cache, scale=module.embed_scale(module.dtype, module.device),
                              **self.inputs)
         self.graph = None
@@ -248,7 +249,7 @@ class _Captured:
                 _set(self.inputs[name], value)
         if self.graph is None:
             out = self.fn()
-            if getattr(self, "out", None) is None or self.out.shape != out.shape:
+            if self.out is None:
                 self.out = out
             else:
                 self.out.copy_(out)

@@ -41,8 +41,9 @@ from .quant import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
 INT8_MAX = 127.0
 LINEAR_FORMATS = ("native", "int8", "fp8")
 # the projections made 8-bit, by the module that holds them (router, embeddings, self-conditioning stay)
-QUANTIZED_LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
-_LINEAR_WEIGHT = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$")
+QUANTIZED_LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                     "mlp": ("gate_proj", "up_proj", "down_proj")}
+LINEAR_WEIGHT = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$")
 
 
 def quantize_int8_rows(w_OI: torch.Tensor):
@@ -105,13 +106,13 @@ class QuantizedLinear(nn.Module):
             return F.linear(x, self.dequantize(x.dtype))
         if backend == "scaled_mm":
             return linear_fp8_scaled_mm(x, self.weight_q, self.weight_scale)
-        fast = lambda: linear_q_triton(x, self.weight_q, self.weight_scale)  # noqa: E731
         if self.backend == "triton":  # asked for by name: the kernel, unchecked
-            return fast()
+            return linear_q_triton(x, self.weight_q, self.weight_scale)
         M = x.numel() // x.shape[-1]
         key = (str(x.device), str(x.dtype).removeprefix("torch."), f"triton {self.fmt} linear",
                (block_m_for(M), M == 1, M % 16 == 0, self.out_features % 16 == 0, self.in_features % 16 == 0))
-        return checked_on_first_use(key, fast, lambda: F.linear(x, self.dequantize(x.dtype)),
+        return checked_on_first_use(key, lambda: linear_q_triton(x, self.weight_q, self.weight_scale),
+                                    lambda: F.linear(x, self.dequantize(x.dtype)),
                                     f"the Triton {self.fmt} linear kernel")
 
 
@@ -224,7 +225,7 @@ def linear_streaming_quantizer(module: nn.Module, fmt: str = "int8"):
     """A `load_weights(on_loaded=...)` hook: each projection is quantised as soon as its weight is in."""
 
     def on_loaded(name: str) -> None:
-        m = _LINEAR_WEIGHT.match(name)
+        m = LINEAR_WEIGHT.match(name)
         if m is not None and m.group(3) in QUANTIZED_LINEARS[m.group(2)]:
             _swap(module.layers[int(m.group(1))], m.group(2), m.group(3), fmt, "auto")
 

@@ -7,8 +7,9 @@ caching allocator's rounding and fragmentation. In-place ops and views allocate 
 
 On the meta device the kernels that a GPU runs fused are replaced by stand-ins that allocate what the
 GPU path allocates (`meta_backends`): the Triton experts (the padded assignment list, the [L, Im]
-activations and the fp32 [A, H] outputs summed over K) and a fused attention kernel (its output only:
-flash / memory-efficient SDPA keep no score matrix). Everything else is the engine's own code.
+activations, the [A, H] per-assignment outputs and their weighted sum [N, H]) and a fused attention
+kernel (its output only: flash / memory-efficient SDPA keep no score matrix). Everything else is the
+engine's own code.
 """
 
 from __future__ import annotations

@@ -79,13 +79,12 @@ def step_bytes(module, batch: int, canvas: int, cached: int, hit: float = 1.0, n
     return b
 
 
-def encode_bytes(module, batch: int, tokens: int, cached: int, hit: float = 1.0, weights: bool = True) -> int:
-    """An encoder pass of `tokens` new tokens after `cached` ones (prefill or commit). weights=False: only
-    what it adds to a denoising step it is fused with (`encode_decode`: the step reads the weights anyway)."""
+def encode_bytes(module, batch: int, tokens: int, cached: int, hit: float = 1.0) -> int:
+    """An encoder pass of `tokens` new tokens after `cached` ones (prefill or commit)."""
     g = weight_groups(module)
     rows = batch * tokens * module.text.hidden_size * module.dtype.itemsize
     w = int(g["experts"] * hit) + g["attention"] + g["dense_mlp"] + g["router"] + g["norms"]
-    return (w if weights else 0) + rows + kv_bytes(module, batch, cached + tokens)
+    return w + rows + kv_bytes(module, batch, cached + tokens)
 
 
 def ar_token_bytes(module, batch: int, cached: int) -> int:
@@ -113,7 +112,7 @@ def step_flops(module, batch: int, canvas: int, cached: int) -> int:
 
 
 # dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by a substring of torch.cuda.get_device_name()
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "GH200": 989.0,
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0,
                     "A100": 312.0, "L40S": 362.0, "RTX 4090": 165.0, "RTX 5090": 209.0}
 
 
@@ -185,22 +184,18 @@ def generation_floor_seconds(module, batch, prompt, new_tokens, canvas, steps, b
     total = floor_seconds(pass_parts(module, batch, prompt, 0, hit, decoder=False), bandwidth_bps, peak_flops)
     for c in range(n_canvases):
         cached = prompt + c * canvas
-        step = pass_parts(module, batch, canvas, cached, hit)
-        if c:
-            commit = pass_parts(module, batch, canvas, cached - canvas, hit, decoder=False)
-            if fuse_commit:  # one pass: the step's parts plus the commit's work, its weights not read again
-                first = dict(step)
-                for name, (nb, fl) in commit.items():
-                    ob, of = first.get(name, (0, 0))
-                    first[name] = (ob + (0 if name in WEIGHT_PARTS else nb), of + fl)
-                total += floor_seconds(first, bandwidth_bps, peak_flops)
-                steps_left = steps - 1
-            else:
-                total += floor_seconds(commit, bandwidth_bps, peak_flops)
-                steps_left = steps
-            total += steps_left * floor_seconds(step, bandwidth_bps, peak_flops)
-        else:
-            total += steps * floor_seconds(step, bandwidth_bps, peak_flops)
+        step, plain_steps = pass_parts(module, batch, canvas, cached, hit), steps
+        if c and fuse_commit:  # one pass: the step's parts plus the commit's work, its weights not read again
+            merged = dict(step)
+            for name, (nb, fl) in pass_parts(module, batch, canvas, cached - canvas, hit, decoder=False).items():
+                ob, of = merged.get(name, (0, 0))
+                merged[name] = (ob + (0 if name in WEIGHT_PARTS else nb), of + fl)
+            total += floor_seconds(merged, bandwidth_bps, peak_flops)
+            plain_steps -= 1
+        elif c:
+            total += floor_seconds(pass_parts(module, batch, canvas, cached - canvas, hit, decoder=False),
+                                   bandwidth_bps, peak_flops)
+        total += plain_steps * floor_seconds(step, bandwidth_bps, peak_flops)
     return total
 
 

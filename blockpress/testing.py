@@ -1,4 +1,5 @@
-"""Test fixtures shared by the test suite: a tiny but real Gemma-4-like tokenizer.
+"""Test fixtures shared by the test suite: a tiny but real Gemma-4-like tokenizer, and a hand-driven server
+scheduler (`drive_scheduler`).
 
 Job: `build_tiny_gemma_tokenizer(dir)` writes `tokenizer.json`, `tokenizer_config.json` and
 `chat_template.jinja` into a folder and returns the loaded `blockpress.tokenizer.Tokenizer`.
@@ -30,6 +31,7 @@ __all__ = [
     "TINY_SPECIAL_TOKENS",
     "TINY_VOCAB_SIZE",
     "build_tiny_gemma_tokenizer",
+    "drive_scheduler",
     "tiny_tokenizer_json",
 ]
 
@@ -198,3 +200,27 @@ def decoder_logits_gap_vs_transformers(folder, ids, canvas) -> float:
         got = bp.module.decode(canvas, ours)
     assert ref.shape == got.shape, (ref.shape, got.shape)
     return float((ref - got).abs().max())
+
+
+def drive_scheduler(s, plan: dict) -> list[list[int]]:
+    """Run a `blockpress.server.scheduler.Scheduler`'s loop by hand (no thread, so the schedule is deterministic):
+    the jobs of plan[k] are submitted before canvas boundary k. Returns each job's generated tokens, in submission
+    order; a job that does not end with RowDone fails the assertion with its last event."""
+    import torch
+
+    from .server.scheduler import RowCommit, RowDone
+
+    handles, k = [], 0
+    while k <= max(plan) or s.rows or s._waiting:
+        handles += [s.submit(j) for j in plan.get(k, [])]
+        with torch.no_grad():
+            s._canvas()
+        k += 1
+    out = []
+    for h in handles:
+        events = []
+        while not h._q.empty():
+            events.append(h.get())
+        assert events and isinstance(events[-1], RowDone), events[-1:]
+        out.append([t for e in events if isinstance(e, RowCommit) for t in e.tokens])
+    return out

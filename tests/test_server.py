@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import blockpress
-from blockpress.testing import build_tiny_gemma_tokenizer
+from blockpress.testing import build_tiny_gemma_tokenizer, drive_scheduler
 from blockpress.tokenizer import GEMMA4_CONTROL_TOKENS
 from hf_oracle import TINY_TEXT
 
@@ -528,6 +528,51 @@ def test_scheduler_row_compaction_gives_the_same_tokens(lm, monkeypatch):
     assert set(sizes[0]) == {3} and sorted(set(sizes[1])) == [1, 2, 3]
     assert sum(sizes[1]) == 3 * (2 + 5 + 3) < sum(sizes[0])  # 3 canvases, each row's own budget
     assert outs[0] == outs[1] and [r[1] for r in outs[1]] == [[2] * 3, [5] * 3, [3] * 3]
+
+
+@pytest.mark.parametrize("fuse_commit", [False, True])
+def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit):
+    """With GraphedPasses installed (`serve --cuda-graphs`; capture off on CPU runs the same static passes and
+    plumbing), the group's cache lives in slots shared by the graphs of every batch size. Requests joining at
+    different boundaries (left-padded), finishing out of order (the kept rows move down), with fixed and adaptive
+    steps, and one that needs more positions than the slots hold (regrown, the running rows copied): every row
+    gets the tokens of the scheduler without graphs. Once every batch size has run on the grown slots, the same
+    traffic replays only: no new captures, the same buffers."""
+    from blockpress.kernels.graphs import GraphedPasses
+
+    def job(text, new_tokens, seed, **kw):
+        return Job(lm.encode_chat(text), lm.generation_config(max_new_tokens=new_tokens, **kw), seed=seed)
+
+    fixed = dict(max_denoising_steps=3, stability_threshold=None, confidence_threshold=None)
+    adaptive = dict(max_denoising_steps=6, stability_threshold=1, confidence_threshold=0.5)
+    plan = {0: [job("a short one", 48, 1, eos_token_id=None, **fixed), job("the second prompt, longer", 16, 2, **adaptive)],
+            1: [job("joins later", 32, 3, eos_token_id=None, **adaptive)],
+            2: [job("wants more room than the slots hold", 160, 4, eos_token_id=None, **fixed)]}
+    short = {0: [job("hi", 32, 10 + i, eos_token_id=None, **fixed) for i in range(4)]}
+    want, want_short = (drive_scheduler(Scheduler(lm.module, lm.canvas_length, max_batch=4, fuse_commit=fuse_commit), p)
+                        for p in (plan, short))
+    g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
+    try:
+        s = Scheduler(lm.module, lm.canvas_length, max_batch=4, fuse_commit=fuse_commit)
+        assert s.graphs is g
+        got = drive_scheduler(s, plan)
+        assert got == want
+        slots, captures = s._slots, g.captures
+        assert slots.batch == 4 and slots.capacity >= len(plan[2][0].prompt_ids) + 160
+        names = {k[0] for k in g.captured}
+        assert "decode" in names and ("encode_decode" in names) == fuse_commit and names <= {"decode", "encode",
+                                                                                             "encode_decode"}
+        assert all(c.buffers == tuple(t.data_ptr() for t in (*slots.keys, *slots.values, slots.valid))
+                   for c in g.captured.values())  # the graphs on the first, smaller slots were released
+        assert drive_scheduler(s, plan) == want  # batch sizes last seen on the first slots are captured on these
+        captures = g.captures
+        assert drive_scheduler(s, plan) == want
+        assert g.captures == captures and s._slots is slots
+        # four short prompts: slot 3's previous occupant (padded to join late) had padding past their end
+        assert drive_scheduler(s, short) == want_short
+    finally:
+        g.uninstall()
+    assert Scheduler(lm.module, lm.canvas_length).graphs is None
 
 
 THOUGHT_AND_CALL = ('<|channel>thought\nhmm<channel|>Hello<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}'

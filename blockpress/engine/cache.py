@@ -75,5 +75,16 @@ class KVCache:
         sub.has_padding = self.has_padding and not bool(sub.valid.all())
         return sub
 
+    def view_rows(self, lo: int, hi: int) -> "KVCache":
+        """Rows [lo, hi) as a cache on the same storage (no copy; writes go to this cache's buffers), with this
+        cache's length. Rows [0, hi) of a buffer are addressed from the same pointer for every hi, which is what
+        lets the server's CUDA graphs of several batch sizes share one set of buffers."""
+        view = KVCache.__new__(KVCache)
+        view.keys = [t[lo:hi] for t in self.keys]
+        view.values = [t[lo:hi] for t in self.values]
+        view.valid = self.valid[lo:hi]
+        view.batch, view.capacity, view.length, view.has_padding = hi - lo, self.capacity, self.length, self.has_padding
+        return view
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)

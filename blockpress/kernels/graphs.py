@@ -363,14 +363,32 @@ class GraphedPasses:
         self._pool[(batch, capacity)] = (_on_buffers(cache), weakref.ref(cache))
         return cache
 
+    def eager(self, name: str):
+        """The module's own (uncaptured) pass `name`: for work that must not be captured, such as a server's
+        prefill into rows of its graphs' buffers (a capture there would evict the commit's graph)."""
+        return self._eager[name]
+
+    def release(self, keep: KVCache | None = None) -> None:
+        """Drop every captured pass except those on `keep`'s buffers, so that the memory of caches no longer used
+        (and of their graphs) can go."""
+        mine = None if keep is None else _buffers(keep)
+        for key in [k for k, g in self.captured.items() if g.buffers != mine]:
+            del self.captured[key]
+
     def install(self) -> "GraphedPasses":
         for name in self._eager:  # instance attributes shadow the methods for the engine loop
             setattr(self.module, name, getattr(self, name))
+        self.module.__dict__["_graphed_passes"] = self  # installed(module) finds it (a server's scheduler)
         return self
 
     def uninstall(self) -> None:
-        for name in self._eager:
+        for name in (*self._eager, "_graphed_passes"):
             if name in self.module.__dict__:
                 delattr(self.module, name)
         self.captured.clear()
         self._pool.clear()
+
+
+def installed(module) -> GraphedPasses | None:
+    """The GraphedPasses installed on `module`, or None."""
+    return vars(module).get("_graphed_passes")

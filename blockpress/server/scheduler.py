@@ -24,6 +24,14 @@ Design (continuous batching at canvas granularity):
   the committed canvas is encoded in the same pass as the next canvas's first denoising step
   (`encode_decode`: one read of the weights for both). A request that arrives during that boundary
   joins at the next one. Same tokens as the unfused loop up to fp32 summation order.
+- CUDA graphs (`blockpress serve --cuda-graphs`: `GraphedPasses` installed on the module): a graph reads the
+  cache at the addresses it was captured on, so the group's cache lives in *slots*: one set of buffers of
+  R rows x P positions (R and P powers of two, grown by doubling when a request needs more), and a group of
+  B rows is their first B rows, a view that starts at the same address for every B. Rows that finish are
+  moved down (the kept rows' K/V copied into the lowest slots), joining rows are prefilled (eagerly: a
+  prompt's length varies) straight into the slots after them, so the graphs of every batch size stay valid
+  and a server in steady state only replays. Frozen rows are not compacted out of the decoder pass then (the
+  pass runs the group's batch size, whose graph exists); tokens are the same either way.
 
 Shape legend: B rows in the group, S prompt length, C canvas length, V vocab.
 """
@@ -44,6 +52,7 @@ from ..config import GenerationConfig
 from ..engine.cache import KVCache
 from ..engine.generate import clamp
 from ..errors import InputError
+from ..kernels.graphs import installed
 from ..sampling import (StabilityTracker, entropy_bound_accept, sample_tokens, temperature, token_entropy,
                         uniform_tokens)
 
@@ -210,6 +219,8 @@ class Scheduler:
         self.cache: KVCache | None = None
         self._committed: torch.Tensor | None = None  # [B, C] last committed canvas, not yet encoded
         self._admitting: list[Handle] = []  # taken from the queue, not yet rows (failed together on error)
+        self.graphs = installed(module)  # CUDA graphs: the group's cache is rows [0, B) of `_slots`
+        self._slots: KVCache | None = None
 
     # ------------------------------------------------------------------ public API
     def start(self) -> "Scheduler":
@@ -304,7 +315,10 @@ class Scheduler:
         if not keep:
             self.rows, self.cache, self._committed = [], None, None
         else:
-            _select_rows(self.cache, keep)
+            if self.graphs is not None:
+                self._keep_slots(keep)
+            else:
+                _select_rows(self.cache, keep)
             self._committed = self._committed[keep]
             self.rows = [self.rows[i] for i in keep]
         self._gauge()
@@ -357,11 +371,14 @@ class Scheduler:
             ids[i, S - len(p):] = torch.tensor(p, dtype=torch.long, device=dev)
             mask[i, S - len(p):] = True
         horizon = max(math.ceil(h.job.cfg.max_new_tokens / self.C) for h in admitted)
-        new = self.module.new_cache(B, E + horizon * self.C)
+        if self.graphs is not None:  # the rows after the group's in the slots; the prefill is not captured
+            new, encode = self._slot_rows(B, E + horizon * self.C), self.graphs.eager("encode")
+        else:
+            new, encode = self.module.new_cache(B, E + horizon * self.C), self.module.encode
         new.length = E - S  # positions [E - S, E); everything before is padding for these rows
         new.valid[:, :E - S] = False
         new.has_padding = E > S
-        self.module.encode(ids, new, pad_mask=None if bool(mask.all()) else mask)
+        encode(ids, new, pad_mask=None if bool(mask.all()) else mask)
         rows = []
         for h in admitted:
             cfg = h.job.cfg
@@ -384,12 +401,57 @@ class Scheduler:
                 self.metrics.queue_seconds.observe(time.perf_counter() - h.submitted)
         if fresh:
             self.cache, self.rows = new, rows
+        elif self.graphs is not None:  # the new rows are already in place after the group's
+            self.cache = self._group(len(self.rows) + B, E, self.cache.has_padding or new.has_padding)
+            self.rows = self.rows + rows
         else:
             _append_rows(self.cache, new)
             self.rows = self.rows + rows
         self._admitting = []
         self._gauge()
 
+    # ------------------------------------------------------------------ slots (CUDA graphs)
+    def _group(self, n: int, length: int, has_padding: bool) -> KVCache:
+        view = self._slots.view_rows(0, n)
+        view.length, view.has_padding = length, has_padding
+        return view
+
+    def _slot_rows(self, n: int, needed: int) -> KVCache:
+        """Slots for n joining rows after the group's, with room for `needed` positions (the slots are regrown,
+        the group's rows copied, when they lack either): an empty cache on them, every position valid."""
+        have = len(self.rows)
+        slots = self._slots
+        if slots is None or slots.batch < have + n or slots.capacity < needed:
+            rows = min(self.max_batch, 1 << (have + n - 1).bit_length())
+            cap = max(needed, slots.capacity if slots is not None else 0)
+            cap = max(needed, min(1 << (cap - 1).bit_length(), self.max_positions))
+            if slots is not None:
+                rows, cap = max(rows, slots.batch), max(cap, slots.capacity)
+            new = self.graphs.eager("new_cache")(rows, cap)
+            if have:  # the group's rows move with their K/V (positions [0, length))
+                L = self.cache.length
+                for dst, src in zip(new.keys + new.values, self.cache.keys + self.cache.values):
+                    dst[:have, :, :L] = src[:, :, :L]
+                new.valid[:have, :L] = self.cache.valid[:, :L]
+            self._slots = new
+            if have:
+                self.cache = self._group(have, self.cache.length, self.cache.has_padding)
+            self.graphs.release(new)  # the graphs captured on the old buffers, and with them the buffers, go
+        view = self._slots.view_rows(have, have + n)
+        view.valid.fill_(True)  # a previous occupant's padding
+        return view
+
+    def _keep_slots(self, keep: list[int]) -> None:
+        """Move the rows `keep` (ascending) of the group down to slots [0, len(keep))."""
+        L, n = self.cache.length, len(keep)
+        if keep != list(range(n)):
+            idx = torch.tensor(keep, dtype=torch.long, device=self._slots.valid.device)
+            for t in self._slots.keys + self._slots.values:
+                t[:n, :, :L] = t[idx, :, :L]  # the right side is gathered into a new tensor first
+            self._slots.valid[:n] = self._slots.valid[idx]
+        self.cache = self._group(n, L, not bool(self._slots.valid[:n, :L].all()))
+
+    # ------------------------------------------------------------------ denoising
     def _denoise(self, pending: torch.Tensor | None = None) -> None:
         """Denoise one canvas for all rows; per-row sampling with per-row generators. pending [B, C]: the
         committed canvas, encoded into the cache by the first step's pass (`encode_decode`)."""
@@ -412,7 +474,7 @@ class Scheduler:
             if pending is not None:  # fused: commit + first step in one pass over the weights
                 raw = m.encode_decode(pending, x, self.cache)  # [B, C, V] fp32
                 pending = None
-            elif self.compact_rows and sc is not None and len(active) < B:  # frozen rows: no pass
+            elif self.compact_rows and self.graphs is None and sc is not None and len(active) < B:  # frozen: no pass
                 if sub is None or sub[0] != active:
                     sub = (active, self.cache.rows(torch.tensor(active, device=dev)))
                 raw = m.decode(x[active], sub[1], sc[active])  # [len(active), C, V] fp32
@@ -440,7 +502,7 @@ class Scheduler:
                 r.steps += 1
                 r.passes += 1
                 r.n -= 1
-                if r.tracker is not None and bool(r.tracker(a[i:i + 1], z, watch=watch[i])[0]):
+                if r.tracker is not None and bool(r.tracker(a[i:i + 1], z, entropy=h, watch=watch[i])[0]):
                     r.n = 0
                 if r.handle.job.drafts:
                     r.handle.put(RowDraft(len(r.steps_per_canvas), r.steps, cfg.max_denoising_steps,

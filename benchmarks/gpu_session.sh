@@ -10,15 +10,16 @@
 #   bash benchmarks/gpu_session.sh check   # versions, compiled-kernel and CUDA-only tests, expert tile sweep (~7 min, estimated)
 #   bash benchmarks/gpu_session.sh bf16    # real 26B-A4B, bf16: vs transformers and AR, fast paths, batch 1-8
 #   bash benchmarks/gpu_session.sh quant   # fp8 and int4 experts (int4 also with int8 linears), peak memory
+#   bash benchmarks/gpu_session.sh serve   # the server's scheduler under load, int4 + int8 linears, graphs off / on
 # MOE_TILES="bm=..,bn=..,bk=.." (the check part's best bf16 spec, tiles.json "best") makes the fast runs use those
 # Triton tiles; MOE_TILES_FP8 / MOE_TILES_INT4 override it for the fp8 / int4 runs.
 # PRESET=tiny runs the same steps on a tiny model (a dry run; on a CPU the CUDA-only flags are dropped).
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh check|bf16|quant}
+PART=${1:?usage: gpu_session.sh check|bf16|quant|serve}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
-case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; *) DEFAULT_LIMIT=240 ;; esac
+case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -91,7 +92,21 @@ case "$PART" in
     bench int4-topk --batch 1 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS --sc-topk 64 \
       --fuse-commit --no-reference --no-ar
     ;;
-  *) echo "unknown part $PART (check, bf16 or quant)"; exit 2 ;;
+  serve)
+    # the server's scheduler under closed-loop load (benchmarks/bench_serve.py), int4 experts + int8 linears (the
+    # 16 GiB configuration), as served by default, then with CUDA graphs (slots), fused commits and the fused sampler;
+    # 1 and 4 requests in flight
+    for run in eager graphs; do
+      flags=""; [ "$run" = graphs ] && flags="$GPU_FLAGS --fuse-commit --sampler fast"
+      echo "=== serve-$run: benchmarks/bench_serve.py --preset $PRESET $flags" | tee -a "$OUT/log.txt"
+      t0=$SECONDS
+      timeout "$STEP_LIMIT" python3 benchmarks/bench_serve.py --preset "$PRESET" --precision int4 --linears int8 \
+        --concurrency 1,4 --requests 4 --prompt-tokens 1024 --new-tokens 256 --steps 16 --out "$OUT/serve-$run.json" \
+        $flags >>"$OUT/log.txt" 2>&1 || echo "!!! serve-$run failed or timed out (rc $?)" | tee -a "$OUT/log.txt"
+      echo "--- serve-$run: $((SECONDS - t0)) s" | tee -a "$OUT/log.txt"
+    done
+    ;;
+  *) echo "unknown part $PART (check, bf16, quant or serve)"; exit 2 ;;
 esac
 
 python3 - "$OUT" <<'EOF'
@@ -100,8 +115,9 @@ import glob, json, sys
 def f(r, k, fmt, scale=1.0):
     return format(r[k] * scale, fmt) if isinstance(r.get(k), (int, float)) else "-"
 
-print("\n| run | engine | B | mode | tok/s | excl. prompt | ms/step | ms/commit | step floor frac | roofline frac | GB/s | peak GB | captures in timed runs |")
-print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+if any(json.load(open(p)).get("runs") for p in glob.glob(f"{sys.argv[1]}/*.json")):
+    print("\n| run | engine | B | mode | tok/s | excl. prompt | ms/step | ms/commit | step floor frac | roofline frac | GB/s | peak GB | captures in timed runs |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for path in sorted(glob.glob(f"{sys.argv[1]}/*.json")):
     res = json.load(open(path))
     for r in res.get("runs", []):
@@ -110,6 +126,16 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/*.json")):
               f"{f(r, 'ms_per_commit', '.2f')} | {f(r, 'floor_fraction', '.2f')} | {f(r, 'floor_fraction_roofline', '.2f')} | "
               f"{f(r, 'achieved_gbs', '.0f')} | "
               f"{f(r, 'peak_mem_bytes', '.1f', 1e-9)} | {r.get('graph_captures_timed', '-')} |")
+serves = [(path.split('/')[-1][:-5], json.load(open(path))) for path in sorted(glob.glob(f"{sys.argv[1]}/serve-*.json"))]
+if serves:  # bench_serve.py: aggregate and per-request rates under load
+    print("\n| serve run | in flight | tok/s | request tok/s p50 | 1st commit p50 ms | rows/step | ms/step | peak GB | captures in timed part |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, res in serves:
+        for lv in res["levels"]:
+            print(f"| {n} | {lv['concurrency']} | {f(lv, 'tok_s', '.0f')} | {f(lv, 'request_tok_s_p50', '.0f')} | "
+                  f"{f(lv, 'first_commit_ms_p50', '.0f')} | {f(lv, 'rows_per_step', '.2f')} | "
+                  f"{f(lv, 'ms_per_batched_step', '.2f')} | {f(lv, 'peak_mem_bytes', '.1f', 1e-9)} | "
+                  f"{lv.get('graph_captures_timed', '-')} |")
 profiles = [(path.split('/')[-1][:-5], json.load(open(path)).get("profile")) for path in sorted(glob.glob(f"{sys.argv[1]}/*.json"))]
 profiles = [(n, p) for n, p in profiles if p]
 if profiles:  # where a step's time goes (eager kernels, --profile): the answer when a target is missed

@@ -345,3 +345,38 @@ def test_linear_kernel_bench_checks_every_projection_shape(capsys):
     assert line["ok"] and {r["rows"] for r in line["results"]} == {1, 5}
     assert line["variants"] == ["int8", "fp8", "fp8-a8"]
     assert max(max(r["rel_err"].values()) for r in line["results"]) < 1e-5
+
+
+def test_serving_bench_counts_every_request_and_reports_graph_captures(capsys):
+    """bench_serve.py: closed-loop load on the server's scheduler, levels 1 and 3 (a finished request is replaced at
+    once, so requests join a running batch). Every timed request's tokens are counted, the rates follow from them,
+    and with the CUDA-graph plumbing installed (capture off on CPU) each level reports its captures in the timed part;
+    without it, none. A bad flag combination is refused with exit code 2."""
+    import argparse
+
+    from blockpress.kernels.graphs import GraphedPasses
+    from blockpress.kernels.random_weights import build_model
+
+    mod = runpy.run_path(str(ROOT / "benchmarks" / "bench_serve.py"))
+    p = argparse.ArgumentParser()
+    mod["add_parser"](p)
+    args = p.parse_args(["--preset", "tiny", "--concurrency", "1,3", "--requests", "4", "--prompt-tokens", "8",
+                         "--new-tokens", "32", "--steps", "2", "--mode", "adaptive", "--device", "cpu"])
+    module = build_model(preset_config("tiny")[0], torch.device("cpu"), torch.float32)
+    plain = mod["run"](args, module)
+    g = GraphedPasses(module, capture=False).install()
+    try:
+        graphed = mod["run"](args, module)
+    finally:
+        g.uninstall()
+    for result, graphs in ((plain, False), (graphed, True)):
+        assert result["cuda_graphs"] is graphs and [lv["concurrency"] for lv in result["levels"]] == [1, 3]
+        for lv in result["levels"]:
+            assert lv["requests"] == 4 and lv["tokens"] == 4 * 32
+            assert lv["tok_s"] == pytest.approx(lv["tokens"] / lv["wall_s"])
+            assert 1 <= lv["rows_per_step"] <= lv["concurrency"] and lv["batched_steps"] >= 2 * 2 * 4 / 3
+            assert lv["first_commit_ms_p50"] <= lv["first_commit_ms_p95"] <= 1e3 * lv["wall_s"]
+            assert ("graph_captures_timed" in lv) == graphs
+    assert graphed["levels"][0]["graph_captures_timed"] == 0  # one row, one shape: the warm-up captured it all
+    assert mod["main"](["--preset", "tiny", "--device", "cpu", "--cuda-graphs"]) == 2
+    assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err

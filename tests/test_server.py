@@ -442,6 +442,24 @@ def test_scheduler_equals_reference_loop(lm):
         assert events[-1].steps_per_canvas == ref.steps_per_canvas
 
 
+def test_scheduler_fast_sampler_equals_the_engines(lm):
+    """sampler="fast" (serve --sampler fast): a request served alone gets generate(sampler="fast")'s tokens with its
+    seed (the fused pass's draws from the row's generator, in the engine's order), with fixed steps and with
+    adaptive stopping (which reads the fused pass's entropy); other tokens than the exact sampler's."""
+    ids = lm.encode_chat("Hello there")
+    for kw in (dict(max_new_tokens=40, max_denoising_steps=5, eos_token_id=None),
+               dict(max_new_tokens=20, max_denoising_steps=40, entropy_bound=3.0, confidence_threshold=6.0)):
+        ref = lm.generate([ids], generator=torch.Generator().manual_seed(7), sampler="fast", **kw)
+        events = run_job(lm.module, lm.canvas_length, Job(ids, lm.generation_config(**kw), seed=7), sampler="fast")
+        tokens = [t for e in events if isinstance(e, RowCommit) for t in e.tokens]
+        assert tokens == ref.new_tokens[0].tolist()
+        assert events[-1].steps_per_canvas == ref.steps_per_canvas
+        exact = lm.generate([ids], generator=torch.Generator().manual_seed(7), **kw)
+        assert tokens != exact.new_tokens[0].tolist()
+    with pytest.raises(blockpress.errors.InputError, match="unknown sampler"):
+        Scheduler(lm.module, lm.canvas_length, sampler="gumbel")
+
+
 def test_scheduler_huge_stability_threshold(lm):
     """A request may send any stability_threshold >= 0: one beyond its step budget means "never stop early"
     (same tokens as fixed steps), not an argmax history sized by the threshold (10**9: hundreds of GB)."""

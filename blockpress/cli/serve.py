@@ -38,6 +38,9 @@ def add_parser(p) -> None:
                    help="encode each committed canvas in the same pass as the next canvas's first denoising step "
                         "when nobody waits to join (one read of the weights for both; same tokens up to fp32 "
                         "rounding)")
+    p.add_argument("--sampler", choices=["exact", "fast"], default="exact",
+                   help="exact: the reference's sampler arithmetic and random draws (default); fast: one fused pass "
+                        "over each row's logits (Gumbel-max, seeded per request: reproducible, other tokens)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_sampling_args(p, seed=False)
 
@@ -83,7 +86,7 @@ def main(args) -> int:
                     max_steps=args.max_steps_limit, max_choices=args.max_choices)
     metrics = Metrics()
     scheduler = Scheduler(lm.module, lm.canvas_length, max_batch=args.max_batch, queue_size=args.queue_size,
-                          metrics=metrics, fuse_commit=args.fuse_commit)
+                          metrics=metrics, fuse_commit=args.fuse_commit, sampler=args.sampler)
     defaults = sampling_kwargs(args)
     defaults.pop("max_new_tokens", None)  # per request: max_tokens
     serving = OpenAIServing(lm, scheduler, name, limits, defaults=defaults, metrics=metrics)

@@ -93,6 +93,11 @@ class Histogram(_Metric):
     def count(self) -> int:
         return self._count
 
+    @property
+    def total(self) -> float:
+        """The sum of the observed values."""
+        return self._sum
+
     def render(self) -> list[str]:
         with self._lock:
             counts, total, n = list(self._counts), self._sum, self._count

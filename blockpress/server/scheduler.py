@@ -24,6 +24,10 @@ Design (continuous batching at canvas granularity):
   the committed canvas is encoded in the same pass as the next canvas's first denoising step
   (`encode_decode`: one read of the weights for both). A request that arrives during that boundary
   joins at the next one. Same tokens as the unfused loop up to fp32 summation order.
+- `sampler="fast"` (`serve --sampler fast`): each row's sampler arithmetic in one pass over its logits (the fused
+  Gumbel-max sampler of `kernels/sampler_fused.py`, seeded from the row's generator) instead of the reference's
+  several; reproducible per seed, but not the reference's random stream. A request served alone gets
+  `generate(sampler="fast")`'s tokens.
 - CUDA graphs (`blockpress serve --cuda-graphs`: `GraphedPasses` installed on the module): a graph reads the
   cache at the addresses it was captured on, so the group's cache lives in *slots*: one set of buffers of
   R rows x P positions (R and P powers of two, grown by doubling when a request needs more), and a group of
@@ -53,6 +57,7 @@ from ..engine.cache import KVCache
 from ..engine.generate import clamp
 from ..errors import InputError
 from ..kernels.graphs import installed
+from ..kernels.sampler_fused import fused_sample
 from ..sampling import (StabilityTracker, entropy_bound_accept, sample_tokens, temperature, token_entropy,
                         uniform_tokens)
 
@@ -200,7 +205,10 @@ class Scheduler:
     """Owns `module` on a background thread; `submit(job)` returns a `Handle` streaming row events."""
 
     def __init__(self, module, canvas_length: int, max_batch: int = 8, queue_size: int = 64,
-                 max_padding: int | None = None, metrics=None, fuse_commit: bool = False, compact_rows: bool = True):
+                 max_padding: int | None = None, metrics=None, fuse_commit: bool = False, compact_rows: bool = True,
+                 sampler: str = "exact"):
+        if sampler not in ("exact", "fast"):
+            raise InputError(f"unknown sampler {sampler!r}; use 'exact' or 'fast'")
         self.module = module
         self.C = canvas_length
         self.V = module.text.vocab_size
@@ -211,6 +219,7 @@ class Scheduler:
         self.metrics = metrics
         self.fuse_commit = fuse_commit
         self.compact_rows = compact_rows
+        self.sampler = sampler
         self._waiting: deque[Handle] = deque()
         self._cond = threading.Condition()
         self._stop = False
@@ -489,11 +498,15 @@ class Scheduler:
                     continue
                 cfg = r.cfg
                 z = raw[at[i]:at[i] + 1]
-                if cfg.t_min is not None and cfg.t_max is not None:
-                    z = z / temperature(r.n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, dev)
-                y = sample_tokens(z, r.generator)
-                a[i] = clamp(torch.argmax(z, dim=-1), fixed[i])[0]
-                h = token_entropy(z)
+                tau = None if cfg.t_min is None or cfg.t_max is None else \
+                    temperature(r.n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, dev)
+                if self.sampler == "fast":  # one pass over the row's logits; z comes back in the model dtype
+                    y, top, h, z = fused_sample(z, tau, r.generator, out_dtype=m.dtype)
+                else:  # the reference's arithmetic and draws
+                    z = z if tau is None else z / tau
+                    y = sample_tokens(z, r.generator)
+                    top, h = torch.argmax(z, dim=-1), token_entropy(z)
+                a[i] = clamp(top, fixed[i])[0]
                 accepted = entropy_bound_accept(h if fixed[i] is None else h.masked_fill(fixed[i][0], 0.0),
                                                 cfg.entropy_bound)
                 noise = uniform_tokens(1, C, V, dev, r.generator)
@@ -541,9 +554,9 @@ class Scheduler:
         self._committed = a
 
 
-def run_job(module, canvas_length: int, job: Job, fuse_commit: bool = False) -> list[Any]:
+def run_job(module, canvas_length: int, job: Job, fuse_commit: bool = False, sampler: str = "exact") -> list[Any]:
     """Run one job synchronously on a private scheduler (tests, CLI): the list of its events."""
-    s = Scheduler(module, canvas_length, max_batch=1, queue_size=1, fuse_commit=fuse_commit)
+    s = Scheduler(module, canvas_length, max_batch=1, queue_size=1, fuse_commit=fuse_commit, sampler=sampler)
     h = s.submit(job)
     events: list[Any] = []
     with torch.no_grad():

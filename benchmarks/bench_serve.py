@@ -1,0 +1,244 @@
+"""Serving benchmark: the server's scheduler under closed-loop load, in process (no HTTP, no tokenizer).
+
+For each concurrency c, c requests are kept in flight (a finished one is replaced at once) until `--requests`
+have finished, after an untimed warm-up of c requests (where CUDA graphs are captured). Every request has a
+random P-token prompt and generates N tokens (no end-of-text stop) with fixed or adaptive steps. Reports, per
+level: aggregate generated tok/s, each request's own tok/s, time to first commit from submission (p50 / p95),
+rows per batched step, wall ms per batched step, and the CUDA graph captures in the timed part (0: the server
+only replays). A table, then one JSON line.
+
+    python benchmarks/bench_serve.py --preset small --concurrency 1,2,4                   # CPU
+    python benchmarks/bench_serve.py --preset real-26b --precision int4 --linears int8 --cuda-graphs \\
+        --concurrency 1,2,4,8 --prompt-tokens 1024 --new-tokens 1024 --steps 16         # GPU
+    python benchmarks/bench_serve.py --model blockpress/assets/kjv --concurrency 1,4     # a checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+from blockpress.cli.bench import DTYPES, PRESETS, _free, _gen_config, _peak_bytes, _reset_peak, _sync, _tiles, \
+    hardware, preset_config
+from blockpress.cli.run import _nonneg_int, _positive_int, _positive_int_list
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def closed_loop(scheduler, make_job, concurrency: int, requests: int) -> dict:
+    """Keep `concurrency` requests in flight until `requests` have finished; per-request timings and the level's
+    totals. make_job(i) -> the i-th Job. A request that fails raises (a benchmark of errors is no benchmark)."""
+    from blockpress.server.scheduler import RowCommit, RowDone, RowError
+
+    finished: queue.Queue = queue.Queue()
+
+    def follow(h, rec):
+        while True:
+            e = h.get()
+            if isinstance(e, RowCommit):
+                rec["first"] = rec["first"] or time.perf_counter()
+                rec["tokens"] += len(e.tokens)
+            elif isinstance(e, (RowDone, RowError)):
+                rec["done"], rec["error"] = time.perf_counter(), getattr(e, "message", None)
+                rec["passes"] = getattr(e, "forward_passes", 0)
+                finished.put(rec)
+                return
+
+    m = scheduler.metrics
+    steps0, rows0 = m.batch_rows.count, m.batch_rows.total
+    t0, recs, submitted = time.perf_counter(), [], 0
+
+    def submit():
+        nonlocal submitted
+        rec = {"submitted": time.perf_counter(), "first": None, "tokens": 0}
+        h = scheduler.submit(make_job(submitted))
+        submitted += 1
+        threading.Thread(target=follow, args=(h, rec), daemon=True).start()
+
+    for _ in range(min(concurrency, requests)):
+        submit()
+    while len(recs) < requests:
+        rec = finished.get(timeout=3600)
+        if rec["error"]:
+            raise RuntimeError(f"a request failed: {rec['error']}")
+        recs.append(rec)
+        if submitted < requests:
+            submit()
+    wall = max(r["done"] for r in recs) - t0
+    steps, rows = m.batch_rows.count - steps0, m.batch_rows.total - rows0
+    tokens = sum(r["tokens"] for r in recs)
+    return {"concurrency": concurrency, "requests": requests, "tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall, "request_tok_s_p50": _pct([r["tokens"] / (r["done"] - r["submitted"])
+                                                                for r in recs], 0.5),
+            "first_commit_ms_p50": 1e3 * _pct([r["first"] - r["submitted"] for r in recs], 0.5),
+            "first_commit_ms_p95": 1e3 * _pct([r["first"] - r["submitted"] for r in recs], 0.95),
+            "batched_steps": steps, "rows_per_step": rows / steps if steps else None,
+            "ms_per_batched_step": 1e3 * wall / steps if steps else None,
+            "row_passes_per_request": statistics.mean(r["passes"] for r in recs)}
+
+
+def build(args):
+    """(module, config dict) for --model or the preset, with the default fast kernels configured."""
+    from blockpress import kernels
+    from blockpress.loading import load, parse_device
+
+    device = parse_device(args.device)
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    if args.model:
+        lm = load(args.model, device=str(device), dtype=dtype, progress=sys.stderr.isatty(), tokenizer=False,
+                  precision=args.precision, linears=args.linears)
+        return lm.module
+    from blockpress.kernels.random_weights import build_model
+
+    config, _, _ = preset_config(args.preset)
+    module = build_model(config, device, dtype, args.precision, args.seed)
+    kernels.configure(module, precision=args.precision, linears=args.linears)
+    return module
+
+
+def run(args, module=None) -> dict:
+    from blockpress.errors import InputError
+    from blockpress.kernels.graphs import GraphedPasses, installed
+    from blockpress.server.metrics import Metrics
+    from blockpress.server.scheduler import Job, Scheduler
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from blockpress.kernels import moe_grouped
+
+    moe_grouped.set_moe_tiles(args.moe_tiles)
+    t0 = time.perf_counter()
+    module = module if module is not None else build(args)
+    device, C, V = module.device, module.config.canvas_length, module.text.vocab_size
+    if args.cuda_graphs and device.type != "cuda":
+        raise InputError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
+    _, prompt, new = preset_config(args.preset) if not args.model else (None, 128, 128)
+    args.prompt_tokens, args.new_tokens = args.prompt_tokens or prompt, args.new_tokens or new
+    cfg = _gen_config(args.mode, args)
+    graphs = installed(module)
+    ours = args.cuda_graphs and graphs is None
+    if ours:
+        graphs = GraphedPasses(module, copy_outputs=False).install()
+    result = {"bench": "serve", "hardware": hardware(device), "device": str(device), "torch": torch.__version__,
+              "model": args.model, "preset": None if args.model else args.preset,
+              "dtype": str(module.dtype).replace("torch.", ""), "precision": args.precision, "linears": args.linears,
+              "cuda_graphs": graphs is not None, "fuse_commit": bool(args.fuse_commit), "sampler": args.sampler,
+              "mode": args.mode,
+              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "steps": args.steps,
+              "canvas_length": C, "moe_tiles": moe_grouped.TILES.spec(), "build_seconds": time.perf_counter() - t0, "levels": []}
+    _free(device)
+    try:
+        for c in (int(c) for c in str(args.concurrency).split(",")):
+            metrics = Metrics()
+            s = Scheduler(module, C, max_batch=max(c, 1), queue_size=max(c, 1) * 2, metrics=metrics,
+                          fuse_commit=args.fuse_commit, sampler=args.sampler).start()
+
+            def make_job(i, c=c):
+                ids = torch.randint(5, V, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1000 * c + i))
+                return Job(ids.tolist(), cfg, seed=args.seed + i)
+
+            try:
+                if args.warmup:
+                    closed_loop(s, make_job, c, c * args.warmup)
+                _sync(device)
+                _reset_peak(device)
+                captures = graphs.captures if graphs is not None else 0
+                level = closed_loop(s, make_job, c, args.requests or 2 * c)
+                _sync(device)
+                level["peak_mem_bytes"] = _peak_bytes(device)
+                if graphs is not None:
+                    level["graph_captures_timed"] = graphs.captures - captures
+            finally:
+                s.stop()
+            result["levels"].append(level)
+            print(f"  concurrency {c}: {level['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        if ours:
+            graphs.uninstall()
+    return result
+
+
+def print_table(result: dict) -> None:
+    title = (f"bench_serve: {result['model'] or result['preset']} on {result['hardware']}, {result['dtype']}/"
+             f"{result['precision']}, P={result['prompt_tokens']} N={result['new_tokens']} steps={result['steps']} "
+             f"({result['mode']}), graphs {'on' if result['cuda_graphs'] else 'off'}, fused commit "
+             f"{'on' if result['fuse_commit'] else 'off'}, sampler {result['sampler']}")
+    cols = [("concurrency", "c", "{}"), ("tok_s", "tok/s", "{:.1f}"), ("request_tok_s_p50", "req tok/s p50", "{:.1f}"),
+            ("first_commit_ms_p50", "1st commit p50 ms", "{:.0f}"), ("first_commit_ms_p95", "p95 ms", "{:.0f}"),
+            ("rows_per_step", "rows/step", "{:.2f}"), ("ms_per_batched_step", "ms/step", "{:.2f}"),
+            ("graph_captures_timed", "captures", "{}")]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=title)
+        for _, head, _ in cols:
+            t.add_column(head, justify="right")
+        for lv in result["levels"]:
+            t.add_row(*("-" if lv.get(k) is None else f.format(lv[k]) for k, _, f in cols))
+        Console(stderr=True).print(t)
+    except ImportError:
+        print(title, file=sys.stderr)
+        for lv in result["levels"]:
+            print("  " + "  ".join(f"{h}={'-' if lv.get(k) is None else f.format(lv[k])}" for k, h, f in cols),
+                  file=sys.stderr)
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model size (default small)")
+    p.add_argument("--model", help="a checkpoint folder (real weights) instead of random ones")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native", help="expert weights")
+    p.add_argument("--linears", choices=["native", "int8", "fp8"], default="native",
+                   help="attention and dense-MLP projections")
+    p.add_argument("--cuda-graphs", action="store_true", help="the server's CUDA graphs (serve --cuda-graphs)")
+    p.add_argument("--fuse-commit", action="store_true", help="serve --fuse-commit")
+    p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="serve --sampler")
+    p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC", help="Triton expert kernels' tiles (as bench's)")
+    p.add_argument("--mode", choices=["fixed", "adaptive"], default="fixed",
+                   help="fixed steps (no early stop) or adaptive stopping")
+    p.add_argument("--concurrency", type=_positive_int_list, default="1,2,4",
+                   help="requests in flight, comma-separated levels (default 1,2,4)")
+    p.add_argument("--requests", type=_positive_int, help="timed requests per level (default: 2 x concurrency)")
+    p.add_argument("--warmup", type=_nonneg_int, default=1, help="untimed rounds of c requests per level")
+    p.add_argument("--prompt-tokens", type=_positive_int, help="prompt length P (default per preset)")
+    p.add_argument("--new-tokens", type=_positive_int, help="new tokens N (default per preset)")
+    p.add_argument("--steps", type=_positive_int, default=16, help="denoising steps per canvas (max, if adaptive)")
+    p.add_argument("--threads", type=_positive_int, metavar="N", help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="also write the JSON line to this file")
+
+
+def main(argv=None) -> int:
+    from blockpress.errors import InputError
+
+    p = argparse.ArgumentParser(prog="bench_serve", description=__doc__.splitlines()[0])
+    add_parser(p)
+    args = p.parse_args(argv)
+    try:
+        result = run(args)
+    except InputError as e:
+        print(f"bench_serve: error: {e}", file=sys.stderr)
+        return 2
+    print_table(result)
+    line = json.dumps(result, default=str)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -188,13 +188,24 @@ def test_fast_sampler_option_generates_reproducibly():
     assert not torch.equal(a.sequences, exact.sequences)  # a different random stream, as documented
 
 
+@pytest.fixture(params=["whole cache", "window"])
+def sliding_reads(request, monkeypatch):
+    """The static passes' sliding layers read the whole cache, or only a gathered window (what a cache several times
+    longer than the window gets: forced here at the tests' short caches)."""
+    from blockpress.kernels import graphs
+
+    monkeypatch.setattr(graphs, "WINDOW_READS", 10**9 if request.param == "whole cache" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
-def test_static_decode_matches_decode(attention):
+@pytest.mark.parametrize("prompt", [20, 5])  # more cached tokens than the sliding window (W = 8), and fewer
+def test_static_decode_matches_decode(attention, sliding_reads, prompt):
     m = _tiny_model().module
     m.attention_backend = attention
-    ids = torch.randint(5, 512, (2, 20), generator=torch.Generator().manual_seed(2))
-    pad = torch.ones(2, 20, dtype=torch.bool)
-    pad[1, :6] = False  # left padding: cache.valid is honoured
+    ids = torch.randint(5, 512, (2, prompt), generator=torch.Generator().manual_seed(2))
+    pad = torch.ones(2, prompt, dtype=torch.bool)
+    pad[1, :prompt // 3] = False  # left padding: cache.valid is honoured
     cache = m.new_cache(2, 40)  # capacity beyond length: unwritten keys must be masked
     m.encode(ids, pad_mask=pad, cache=cache)
     canvas = torch.randint(0, 512, (2, 8))
@@ -237,7 +248,7 @@ def _same_cache(a, b, upto):
 
 @pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
-def test_static_encode_matches_encode(attention, bidirectional):
+def test_static_encode_matches_encode(attention, bidirectional, sliding_reads):
     """Commit chunk (S = 8) then an AR step (S = 1) past the sliding window (W = 8 < 20 cached tokens), with
     padding in the cache and unwritten capacity behind: the same hidden states and the same K/V written."""
     m = _tiny_model(use_bidirectional_attention="all" if bidirectional else None).module
@@ -255,7 +266,7 @@ def test_static_encode_matches_encode(attention, bidirectional):
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
-def test_static_encode_decode_matches_encode_decode(attention):
+def test_static_encode_decode_matches_encode_decode(attention, sliding_reads):
     m = _tiny_model().module
     m.attention_backend = attention
     eager, static = _prefilled_twins(m)

@@ -57,29 +57,72 @@ def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def _cache_seen_by_canvas(module, cache, T) -> dict:
-    """Per layer type: [B, P] bool, the cached keys a canvas at [T, T+C) attends to (spec 3.4: full layers
-    k < T, sliding layers T - (W-1) <= k < T; padding from cache.valid)."""
-    kpos = torch.arange(cache.capacity, device=cache.valid.device)
-    seen = (kpos < T)[None] & cache.valid
-    return {FULL: seen, SLIDING: seen & (kpos >= T - (module.window - 1))[None]}
+# A sliding layer reads a gathered window of the cache instead of all P positions when that moves fewer bytes: the
+# gather reads and writes the window, attention reads it again, so about 3 x its size against P.
+WINDOW_READS = 3
 
 
-def _cache_seen_by_chunk(module, cache, T0, S: int) -> dict:
-    """Per layer type: [B, S, P] bool, the cached keys (the chunk's own included, written first) that an
-    encoder chunk at [T0, T0+S) attends to (spec 3.2: causal, sliding q - W < k <= q; or, with a
-    bidirectional encoder, every k < T0+S, sliding |k - q| <= W)."""
-    dev = cache.valid.device
-    kpos = torch.arange(cache.capacity, device=dev)[None, :]  # [1, P]
-    qpos = (T0 + torch.arange(S, device=dev))[:, None]  # [S, 1]
-    valid = cache.valid[:, None, :]  # [B, 1, P]
-    if module.bidirectional_encoder:
-        full = (kpos < T0 + S) & (qpos >= 0)  # [S, P]
-        sliding = full & ((kpos - qpos).abs() <= module.window)
-    else:
-        full = kpos <= qpos
-        sliding = full & (kpos > qpos - module.window)
-    return {FULL: full[None] & valid, SLIDING: sliding[None] & valid}
+class _Window:
+    """The positions [T0 - W, T0 + S) of a cache, gathered for the sliding layers (all they can see from an encoder
+    chunk at [T0, T0+S), or from a canvas after the cache's T0 = T tokens when S = 0): `idx` [n] (clamped to 0),
+    `kpos` [n] the true positions (negative before the start), `valid` [B, n]."""
+
+    def __init__(self, module, cache, T0, S: int):
+        self.kpos = T0 - module.window + torch.arange(module.window + S, device=cache.valid.device)
+        self.idx = self.kpos.clamp(min=0)  # <= T0 + S - 1 < capacity
+        self.valid = cache.valid.index_select(1, self.idx) & (self.kpos >= 0)[None]
+
+    @staticmethod
+    def of(module, cache, T0, S: int) -> "_Window | None":
+        """The window, or None where reading the whole cache is cheaper (a short cache)."""
+        return _Window(module, cache, T0, S) if WINDOW_READS * (module.window + S) < cache.capacity else None
+
+
+def _positions(cache, window):
+    """(kpos [P'], valid [B, P']) of the keys a layer reads: the whole cache, or a gathered window."""
+    if window is not None:
+        return window.kpos, window.valid
+    return torch.arange(cache.capacity, device=cache.valid.device), cache.valid
+
+
+def _cache_seen_by_canvas(module, cache, T, window=None) -> dict:
+    """Per layer type: [B, P] bool (sliding layers [B, n] over `window` when given), the cached keys a canvas at
+    [T, T+C) attends to (spec 3.4: full layers k < T, sliding layers T - (W-1) <= k < T; padding from
+    cache.valid)."""
+    out = {}
+    for t in (FULL, SLIDING):
+        kpos, valid = _positions(cache, window if t == SLIDING else None)
+        seen = (kpos < T)[None] & valid
+        out[t] = seen if t == FULL else seen & (kpos >= T - (module.window - 1))[None]
+    return out
+
+
+def _cache_seen_by_chunk(module, cache, T0, S: int, window=None) -> dict:
+    """Per layer type: [B, S, P] bool (sliding layers [B, S, n] over `window` when given), the cached keys (the
+    chunk's own included, written first) that an encoder chunk at [T0, T0+S) attends to (spec 3.2: causal,
+    sliding q - W < k <= q; or, with a bidirectional encoder, every k < T0+S, sliding |k - q| <= W)."""
+    qpos = (T0 + torch.arange(S, device=cache.valid.device))[:, None]  # [S, 1]
+    out = {}
+    for t in (FULL, SLIDING):
+        kpos, valid = _positions(cache, window if t == SLIDING else None)
+        kpos = kpos[None, :]  # [1, P']
+        if module.bidirectional_encoder:
+            seen = (kpos < T0 + S) & (qpos >= 0)  # [S, P']
+            if t == SLIDING:
+                seen = seen & ((kpos - qpos).abs() <= module.window)
+        else:
+            seen = kpos <= qpos
+            if t == SLIDING:
+                seen = seen & (kpos > qpos - module.window)
+        out[t] = seen[None] & valid[:, None, :]
+    return out
+
+
+def _cached(cache, i: int, full: bool, window):
+    """Layer i's cached keys and values as a pass reads them: all P positions, or a sliding layer's window."""
+    if full or window is None:
+        return cache.keys[i], cache.values[i]
+    return cache.keys[i].index_select(2, window.idx), cache.values[i].index_select(2, window.idx)
 
 
 def _rope(module, T0, n: int, dtype) -> dict:
@@ -115,11 +158,13 @@ def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None):
     dtype, dev = x.dtype, x.device
     rope = _rope(module, T, C, dtype)
     canvas_keys = torch.ones(B, C, dtype=torch.bool, device=dev)
+    window = _Window.of(module, cache, T, 0)
     masks = {t: _additive(torch.cat([seen, canvas_keys], dim=1)[:, None, None], dtype)  # [B,1,1,P+C]
-             for t, seen in _cache_seen_by_canvas(module, cache, T).items()}
+             for t, seen in _cache_seen_by_canvas(module, cache, T, window).items()}
 
-    def keys_values(i, k, v):  # the cache [P] then the canvas [C]
-        return torch.cat([cache.keys[i], k], 2), torch.cat([cache.values[i], v], 2)
+    def keys_values(i, k, v):  # the cache [P] (a sliding layer: its window) then the canvas [C]
+        ck, cv = _cached(cache, i, module.layers[i].full, window)
+        return torch.cat([ck, k], 2), torch.cat([cv, v], 2)
 
     x = _layers(module, x, rope, masks, keys_values, lambda layer: layer.layer_scalar)
     return module.lm_logits(module.norm(x))
@@ -133,12 +178,14 @@ def static_encode(module, ids, cache, T0, scale=None):
     x = torch.nn.functional.embedding(ids, module.embed_tokens.weight) * _scale(module, ids.device, scale)
     rope = _rope(module, T0, S, x.dtype)
     pos = T0 + torch.arange(S, device=ids.device)
-    masks = {t: _additive(seen[:, None], x.dtype) for t, seen in _cache_seen_by_chunk(module, cache, T0, S).items()}
+    window = _Window.of(module, cache, T0, S)
+    masks = {t: _additive(seen[:, None], x.dtype)
+             for t, seen in _cache_seen_by_chunk(module, cache, T0, S, window).items()}
 
     def keys_values(i, k, v):  # the chunk's K/V written first; the mask bounds what each row sees
         cache.keys[i].index_copy_(2, pos, k)
         cache.values[i].index_copy_(2, pos, v)
-        return cache.keys[i], cache.values[i]
+        return _cached(cache, i, module.layers[i].full, window)
 
     return module.norm(_layers(module, x, rope, masks, keys_values, lambda layer: layer.encoder_layer_scalar))
 
@@ -155,8 +202,9 @@ def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, sca
     dtype, dev = x.dtype, x.device
     rope = _rope(module, T0, S + C, dtype)
     pos = T0 + torch.arange(S, device=dev)
-    by_chunk = _cache_seen_by_chunk(module, cache, T0, S)  # [B, S, P]
-    by_canvas = _cache_seen_by_canvas(module, cache, T0 + S)  # [B, P]
+    window = _Window.of(module, cache, T0, S)  # [T0 - W, T0 + S): the chunk's sliding keys and the canvas's
+    by_chunk = _cache_seen_by_chunk(module, cache, T0, S, window)  # [B, S, P] (sliding: [B, S, n])
+    by_canvas = _cache_seen_by_canvas(module, cache, T0 + S, window)  # [B, P] (sliding: [B, n])
     masks = {}
     for t in (SLIDING, FULL):  # rows: chunk then canvas; keys: cache [P] then canvas [C]
         chunk_rows = torch.cat([by_chunk[t], torch.zeros(B, S, C, dtype=torch.bool, device=dev)], dim=2)
@@ -166,7 +214,8 @@ def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, sca
     def keys_values(i, k, v):  # k, v [B, kv, S+C, D]: the chunk's rows written, then cache [P] + canvas [C]
         cache.keys[i].index_copy_(2, pos, k[:, :, :S])
         cache.values[i].index_copy_(2, pos, v[:, :, :S])
-        return torch.cat([cache.keys[i], k[:, :, S:]], 2), torch.cat([cache.values[i], v[:, :, S:]], 2)
+        ck, cv = _cached(cache, i, module.layers[i].full, window)
+        return torch.cat([ck, k[:, :, S:]], 2), torch.cat([cv, v[:, :, S:]], 2)
 
     def scalar(layer):  # the encoder's scale on the chunk's rows, the decoder's on the canvas's
         return torch.cat([layer.encoder_layer_scalar.expand(S), layer.layer_scalar.expand(C)])[None, :, None]

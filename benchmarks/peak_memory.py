@@ -9,8 +9,10 @@ bytes alive at once on top of the weights and the cache, then the predicted peak
 
 - eager: weights + cache + the held self-conditioning logits + the largest pass (the caching allocator
   reuses freed blocks from pass to pass); a step is the decoder pass and then the sampler on its logits;
-- with CUDA graphs (`--cuda-graphs`): the same + the captured passes' shared memory pool (the largest of
-  them: `GraphedPasses` captures all into one pool) + the graph's own copy of the self-conditioning
+- with CUDA graphs (`--cuda-graphs`): weights + the graphs' cache (one canvas longer: the static passes write
+  a canvas's K/V past the cache's length) + the held logits + the captured passes' shared memory pool (the
+  largest of the static passes, measured the same way: `GraphedPasses` captures all into one pool) + the
+  graph's own copy of the self-conditioning
   logits (its input buffer) + the larger of the eager prefill and the sampler, which run in the general
   pool; the sampler reads the graph's own logits buffer (`GraphedPasses(copy_outputs=False)`, what the bench
   and `--cuda-graphs` use; a copy would add one [B, C, V] fp32 tensor).
@@ -35,6 +37,7 @@ from blockpress.cli.bench import preset_config
 from blockpress.config import GenerationConfig, ModelConfig
 from blockpress.engine.generate import denoise_step
 from blockpress.kernels import sampler_fused
+from blockpress.kernels.graphs import static_decode, static_encode, static_encode_decode
 from blockpress.kernels.memory import LiveBytes, fused_sample_meta, meta_backends
 from blockpress.kernels.sampler_fused import denoise_step_fast as fast_step
 from blockpress.loading import estimated_weight_bytes
@@ -92,6 +95,14 @@ def main(argv=None) -> dict:
         cache.length = length
         return cache
 
+    gcache = m.new_cache(B, capacity + C)  # GraphedPasses.new_cache: one canvas of room past the last commit
+    kv_graphs = gcache.nbytes() + gcache.valid.numel()
+    on = torch.ones(B, dtype=torch.bool, device=dev)
+
+    def pos(n):  # a device position, as the graphs' input buffers hold it
+        with torch.utils._python_dispatch._disable_current_modes():
+            return torch.tensor(n, device=dev)
+
     passes = {
         "prefill": lambda: m.encode(torch.zeros(B, P, dtype=torch.long, device=dev), at(0)),
         "decode": lambda: m.decode(canvas, at(T), sc),
@@ -102,6 +113,9 @@ def main(argv=None) -> dict:
                                                           raw=raw_logits()),
         "commit": lambda: m.encode(canvas, at(T - C)),
         "fused commit + first step": lambda: m.encode_decode(canvas, canvas, at(T - C), None, sc),
+        "graphs: decode": lambda: static_decode(m, canvas, gcache, pos(T), sc, on),
+        "graphs: commit": lambda: static_encode(m, canvas, gcache, pos(T - C)),
+        "graphs: fused commit + first step": lambda: static_encode_decode(m, canvas, canvas, gcache, pos(T - C), sc, on),
     }
     rows = {}
     real_fused_sample = sampler_fused.fused_sample
@@ -121,12 +135,13 @@ def main(argv=None) -> dict:
     passes_eager = [rows[k]["peak_bytes"] for k in ("prefill", "commit", "fused commit + first step")]
     # CUDA graphs: the captured passes share one memory pool (GraphedPasses), the prefill and the sampler run
     # eagerly in the general pool, one after the other
-    pool = max(rows[k]["peak_bytes"] for k in ("decode", "commit", "fused commit + first step"))
+    pool = max(rows[f"graphs: {k}"]["peak_bytes"] for k in ("decode", "commit", "fused commit + first step"))
     predicted = {}
     for s in ("exact", "fast"):
         sampler = rows[f"sampler ({s}, logits given)"]["peak_bytes"]
         predicted[s] = {"eager": base + max(step[s], *passes_eager),
-                        "cuda_graphs": base + pool + held + max(rows["prefill"]["peak_bytes"], sampler)}
+                        "cuda_graphs": weights + kv_graphs + held + pool + held + max(rows["prefill"]["peak_bytes"],
+                                                                                       sampler)}
     print(f"{args.preset}, {args.dtype}, experts {args.precision}, linears {args.linears}, B={B}, P={P}, N={N} (cache {capacity} positions)")
     print(f"  weights {weights / GB:.3f} GB, KV cache {kv / GB:.3f} GB, self-conditioning logits held {held / GB:.3f} GB")
     print(f"  {'pass':32s} {'peak on top (GB)':>16s}   largest allocations (MB, op)")

@@ -211,8 +211,13 @@ def test_static_decode_matches_decode(attention, sliding_reads, prompt):
     canvas = torch.randint(0, 512, (2, 8))
     sc = torch.randn(2, 8, 512)
     T = torch.tensor(cache.length)
+    before = [t.clone() for t in cache.keys + cache.values]
     out = static_decode(m, canvas, cache, T, sc, torch.ones(2, dtype=torch.bool))
     assert (out - m.decode(canvas, cache, sc)).abs().max() < 2e-5
+    # the canvas's K/V went to [T, T + 8), past the cache's length: what it holds is untouched
+    assert all(torch.equal(a[:, :, :prompt], b[:, :, :prompt]) for a, b in zip(before, cache.keys + cache.values))
+    assert any(not torch.equal(a[:, :, prompt:prompt + 8], b[:, :, prompt:prompt + 8])
+               for a, b in zip(before, cache.keys + cache.values))
     out0 = static_decode(m, canvas, cache, T, sc, torch.zeros(2, dtype=torch.bool))
     assert (out0 - m.decode(canvas, cache, None)).abs().max() < 2e-5
 

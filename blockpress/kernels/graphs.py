@@ -85,15 +85,17 @@ def _positions(cache, window):
     return torch.arange(cache.capacity, device=cache.valid.device), cache.valid
 
 
-def _cache_seen_by_canvas(module, cache, T, window=None) -> dict:
-    """Per layer type: [B, P] bool (sliding layers [B, n] over `window` when given), the cached keys a canvas at
-    [T, T+C) attends to (spec 3.4: full layers k < T, sliding layers T - (W-1) <= k < T; padding from
-    cache.valid)."""
+def _seen_by_canvas(module, cache, T, C: int, window=None) -> dict:
+    """Per layer type: [B, P] bool (sliding layers [B, n] over `window` when given), the keys a canvas at [T, T+C)
+    attends to, its own K/V written at those positions first (spec 3.4: full layers k < T, sliding layers
+    T - (W-1) <= k < T, padding from cache.valid; and the whole canvas)."""
     out = {}
     for t in (FULL, SLIDING):
         kpos, valid = _positions(cache, window if t == SLIDING else None)
         seen = (kpos < T)[None] & valid
-        out[t] = seen if t == FULL else seen & (kpos >= T - (module.window - 1))[None]
+        if t == SLIDING:
+            seen = seen & (kpos >= T - (module.window - 1))[None]
+        out[t] = seen | ((kpos >= T) & (kpos < T + C))[None]
     return out
 
 
@@ -152,19 +154,22 @@ def _layers(module, x, rope, masks, keys_values, scalar):
 
 def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None):
     """canvas [B,C]; T 0-dim int64 device tensor; sc_logits [B,C,V]; sc_mask [B] bool -> fp32 logits.
-    scale: sqrt(H) in the weight dtype on the device (computed here when not given)."""
+    scale: sqrt(H) in the weight dtype on the device (computed here when not given). The canvas's K/V are written
+    to the cache at [T, T+C), past its length (scratch that the commit overwrites; the capacity must hold T + C),
+    so attention reads the cache in place instead of a copy of it with the canvas appended."""
     B, C = canvas.shape
     x = decoder_input(module, canvas, sc_logits, sc_mask, _scale(module, canvas.device, scale))
-    dtype, dev = x.dtype, x.device
+    dtype = x.dtype
     rope = _rope(module, T, C, dtype)
-    canvas_keys = torch.ones(B, C, dtype=torch.bool, device=dev)
-    window = _Window.of(module, cache, T, 0)
-    masks = {t: _additive(torch.cat([seen, canvas_keys], dim=1)[:, None, None], dtype)  # [B,1,1,P+C]
-             for t, seen in _cache_seen_by_canvas(module, cache, T, window).items()}
+    pos = T + torch.arange(C, device=x.device)
+    window = _Window.of(module, cache, T, C)
+    masks = {t: _additive(seen[:, None, None], dtype)  # [B,1,1,P]
+             for t, seen in _seen_by_canvas(module, cache, T, C, window).items()}
 
-    def keys_values(i, k, v):  # the cache [P] (a sliding layer: its window) then the canvas [C]
-        ck, cv = _cached(cache, i, module.layers[i].full, window)
-        return torch.cat([ck, k], 2), torch.cat([cv, v], 2)
+    def keys_values(i, k, v):  # the canvas's K/V written at [T, T+C); the cache (a sliding layer: its window)
+        cache.keys[i].index_copy_(2, pos, k)
+        cache.values[i].index_copy_(2, pos, v)
+        return _cached(cache, i, module.layers[i].full, window)
 
     x = _layers(module, x, rope, masks, keys_values, lambda layer: layer.layer_scalar)
     return module.lm_logits(module.norm(x))
@@ -193,7 +198,8 @@ def static_encode(module, ids, cache, T0, scale=None):
 def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, scale=None):
     """`module.encode_decode(ids, canvas, cache, None, sc_logits)` with T0 on the device and the
     self-conditioning mask as in `static_decode`: ids [B,S] at [T0, T0+S) (written to the cache),
-    canvas [B,C] at [T0+S, T0+S+C). Returns the canvas's fp32 logits [B,C,V]."""
+    canvas [B,C] at [T0+S, T0+S+C) (written as scratch, as in `static_decode`: the capacity must hold
+    T0 + S + C). Returns the canvas's fp32 logits [B,C,V]."""
     B, S = ids.shape
     C = canvas.shape[1]
     scale = _scale(module, ids.device, scale)
@@ -201,21 +207,17 @@ def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, sca
     x = torch.cat([e, decoder_input(module, canvas, sc_logits, sc_mask, scale)], dim=1)  # [B, S+C, H]
     dtype, dev = x.dtype, x.device
     rope = _rope(module, T0, S + C, dtype)
-    pos = T0 + torch.arange(S, device=dev)
-    window = _Window.of(module, cache, T0, S)  # [T0 - W, T0 + S): the chunk's sliding keys and the canvas's
-    by_chunk = _cache_seen_by_chunk(module, cache, T0, S, window)  # [B, S, P] (sliding: [B, S, n])
-    by_canvas = _cache_seen_by_canvas(module, cache, T0 + S, window)  # [B, P] (sliding: [B, n])
-    masks = {}
-    for t in (SLIDING, FULL):  # rows: chunk then canvas; keys: cache [P] then canvas [C]
-        chunk_rows = torch.cat([by_chunk[t], torch.zeros(B, S, C, dtype=torch.bool, device=dev)], dim=2)
-        canvas_rows = torch.cat([by_canvas[t], torch.ones(B, C, dtype=torch.bool, device=dev)], dim=1)
-        masks[t] = _additive(torch.cat([chunk_rows, canvas_rows[:, None].expand(B, C, -1)], dim=1)[:, None], dtype)
+    pos = T0 + torch.arange(S + C, device=dev)  # the chunk's positions, then the canvas's
+    window = _Window.of(module, cache, T0, S + C)  # [T0 - W, T0 + S + C): every sliding key either row kind sees
+    by_chunk = _cache_seen_by_chunk(module, cache, T0, S, window)  # [B, S, P] (sliding: [B, S, n]); no canvas
+    by_canvas = _seen_by_canvas(module, cache, T0 + S, C, window)  # [B, P] (sliding: [B, n])
+    masks = {t: _additive(torch.cat([by_chunk[t], by_canvas[t][:, None].expand(B, C, -1)], dim=1)[:, None], dtype)
+             for t in (SLIDING, FULL)}  # rows: chunk then canvas
 
-    def keys_values(i, k, v):  # k, v [B, kv, S+C, D]: the chunk's rows written, then cache [P] + canvas [C]
-        cache.keys[i].index_copy_(2, pos, k[:, :, :S])
-        cache.values[i].index_copy_(2, pos, v[:, :, :S])
-        ck, cv = _cached(cache, i, module.layers[i].full, window)
-        return torch.cat([ck, k[:, :, S:]], 2), torch.cat([cv, v[:, :, S:]], 2)
+    def keys_values(i, k, v):  # k, v [B, kv, S+C, D]: both segments written, then the cache read in place
+        cache.keys[i].index_copy_(2, pos, k)
+        cache.values[i].index_copy_(2, pos, v)
+        return _cached(cache, i, module.layers[i].full, window)
 
     def scalar(layer):  # the encoder's scale on the chunk's rows, the decoder's on the canvas's
         return torch.cat([layer.encoder_layer_scalar.expand(S), layer.layer_scalar.expand(C)])[None, :, None]
@@ -371,6 +373,7 @@ class GraphedPasses:
     def decode(self, canvas, cache, sc_logits=None, sc_mask=None, **kwargs):
         if kwargs:  # hidden states etc.: not captured, use the eager pass
             return self._eager["decode"](canvas, cache, sc_logits, sc_mask, **kwargs)
+        cache.ensure_capacity(cache.length + canvas.shape[1])  # the canvas's K/V go to [T, T+C) (new_cache: room)
         inputs = {"canvas": (canvas, canvas.shape, torch.long), "T": (cache.length, (), torch.long),
                   **self._sc(canvas, sc_logits, sc_mask)}
         return self._run("decode", tuple(canvas.shape), cache, static_decode, inputs, self.copy_outputs)
@@ -391,7 +394,7 @@ class GraphedPasses:
         if pad_mask is not None:
             return self._eager["encode_decode"](ids, canvas, cache, pad_mask, sc_logits, sc_mask)
         T0, S = cache.length, ids.shape[1]
-        cache.ensure_capacity(T0 + S)
+        cache.ensure_capacity(T0 + S + canvas.shape[1])
         inputs = {"ids": (ids, ids.shape, torch.long), "canvas": (canvas, canvas.shape, torch.long),
                   "T0": (T0, (), torch.long), **self._sc(canvas, sc_logits, sc_mask)}
         out = self._run("encode_decode", (tuple(ids.shape), tuple(canvas.shape)), cache, static_encode_decode, inputs,
@@ -402,13 +405,15 @@ class GraphedPasses:
     # cache pool -----------------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty cache on the pooled buffers of (batch, capacity) when the cache last handed out on them is
-        gone (stale keys past `length` are never visible), else on new buffers, which join the pool."""
+        gone (stale keys past `length` are never visible), else on new buffers, which join the pool. It holds one
+        canvas more than asked: the static passes write a canvas's K/V past the cache's length, and the engine's
+        last canvas is never committed, so the engine asks for no room for it."""
         entry = self._pool.get((batch, capacity))
         if entry is not None and entry[1]() is None:
             cache = _on_buffers(entry[0])
             cache.valid.fill_(True)
         else:
-            cache = self._eager["new_cache"](batch, capacity)
+            cache = self._eager["new_cache"](batch, capacity + self.module.config.canvas_length)
         self._pool[(batch, capacity)] = (_on_buffers(cache), weakref.ref(cache))
         return cache
 

@@ -16,7 +16,6 @@ only replays). A table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import queue
 import statistics
 import sys
@@ -26,7 +25,7 @@ import time
 import torch
 
 from blockpress.cli.bench import DTYPES, PRESETS, _free, _gen_config, _peak_bytes, _reset_peak, _sync, _tiles, \
-    hardware, preset_config
+    hardware, preset_config, print_json
 from blockpress.cli.run import _nonneg_int, _positive_int, _positive_int_list
 
 
@@ -232,11 +231,7 @@ def main(argv=None) -> int:
         print(f"bench_serve: error: {e}", file=sys.stderr)
         return 2
     print_table(result)
-    line = json.dumps(result, default=str)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    print_json(result, args.out)
     return 0
 
 

@@ -546,12 +546,17 @@ def main(args) -> int:
              f"{result['hardware']}, {result['dtype']}/{result['precision']}, P={result['prompt_tokens']} "
              f"N={result['new_tokens']} steps={result['steps']} (floor at {result['bandwidth_gbs']:.0f} GB/s)")
     print_table(result["runs"], title)
+    print_json(result, args.out)
+    return 0
+
+
+def print_json(result: dict, out: str | None = None) -> None:
+    """A benchmark's final JSON line, also written to `out` when given."""
     line = json.dumps(result, default=str)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(line + "\n")
     print(line)
-    return 0
 
 
 def main_argv(argv=None) -> int:

@@ -28,6 +28,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from blockpress.server.protocol import APIError, ChatCompletionRequest, Limits  # noqa: E402
+from blockpress.server import scheduler as scheduler_mod  # noqa: E402
 from blockpress.server.scheduler import Handle, Job, RowCommit, RowDone, Scheduler, run_job  # noqa: E402
 from blockpress.server.serving import OpenAIServing, OutputAssembler, _Run  # noqa: E402
 
@@ -549,7 +550,7 @@ def test_scheduler_row_compaction_gives_the_same_tokens(lm, monkeypatch):
 
 
 @pytest.mark.parametrize("fuse_commit", [False, True])
-def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit):
+def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
     """With GraphedPasses installed (`serve --cuda-graphs`; capture off on CPU runs the same static passes and
     plumbing), the group's cache lives in slots shared by the graphs of every batch size. Requests joining at
     different boundaries (left-padded), finishing out of order (the kept rows move down), with fixed and adaptive
@@ -588,6 +589,14 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit):
         assert g.captures == captures and s._slots is slots
         # four short prompts: slot 3's previous occupant (padded to join late) had padding past their end
         assert drive_scheduler(s, short) == want_short
+        assert s._slot_bytes(slots.batch, slots.capacity) == slots.nbytes() + slots.valid.numel()
+        # where doubling would not fit in the GPU's spare memory, the slots grow to just what is needed
+        monkeypatch.setattr(scheduler_mod, "_spare_bytes", lambda device: 1)
+        tight = Scheduler(lm.module, lm.canvas_length, max_batch=4, fuse_commit=fuse_commit)
+        assert drive_scheduler(tight, plan) == want
+        joined_at = max(len(j.prompt_ids) for j in plan[0]) + 2 * lm.canvas_length  # the group's end at boundary 2
+        assert tight._slots.capacity == joined_at + 160  # the late request's end, not a power of two
+        assert tight._slots.capacity < slots.capacity and tight._slots.batch <= slots.batch
     finally:
         g.uninstall()
     assert Scheduler(lm.module, lm.canvas_length).graphs is None

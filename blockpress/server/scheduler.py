@@ -30,7 +30,8 @@ Design (continuous batching at canvas granularity):
   `generate(sampler="fast")`'s tokens.
 - CUDA graphs (`blockpress serve --cuda-graphs`: `GraphedPasses` installed on the module): a graph reads the
   cache at the addresses it was captured on, so the group's cache lives in *slots*: one set of buffers of
-  R rows x P positions (R and P powers of two, grown by doubling when a request needs more), and a group of
+  R rows x P positions (R and P powers of two, grown by doubling when a request needs more; just what is
+  needed where doubling would not fit in the GPU's free memory), and a group of
   B rows is their first B rows, a view that starts at the same address for every B. Rows that finish are
   moved down (the kept rows' K/V copied into the lowest slots), joining rows are prefilled (eagerly: a
   prompt's length varies) straight into the slots after them, so the graphs of every batch size stay valid
@@ -172,6 +173,15 @@ class _Row:
         cols = self.fixed[canvas * C:(canvas + 1) * C][None]
         return ((cols >= 0, cols.clamp(min=0)) if bool((cols >= 0).any()) else None,
                 cols == -1 if bool((cols != -1).any()) else None)
+
+
+def _spare_bytes(device) -> int | None:
+    """Memory a new allocation on `device` can take (CUDA: free, plus what the caching allocator holds unused), or
+    None where that is not known."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _select_rows(cache: KVCache, keep: list[int]) -> None:
@@ -431,11 +441,13 @@ class Scheduler:
         have = len(self.rows)
         slots = self._slots
         if slots is None or slots.batch < have + n or slots.capacity < needed:
-            rows = min(self.max_batch, 1 << (have + n - 1).bit_length())
-            cap = max(needed, slots.capacity if slots is not None else 0)
-            cap = max(needed, min(1 << (cap - 1).bit_length(), self.max_positions))
-            if slots is not None:
-                rows, cap = max(rows, slots.batch), max(cap, slots.capacity)
+            least = (max(have + n, slots.batch if slots is not None else 0),
+                     max(needed, slots.capacity if slots is not None else 0))
+            rows = max(least[0], min(self.max_batch, 1 << (have + n - 1).bit_length()))
+            cap = max(least[1], min(1 << (least[1] - 1).bit_length(), self.max_positions))
+            spare = _spare_bytes(self.module.device)
+            if spare is not None and self._slot_bytes(rows, cap) > spare:  # doubling would not fit: what is needed
+                rows, cap = least
             new = self.graphs.eager("new_cache")(rows, cap)
             if have:  # the group's rows move with their K/V (positions [0, length))
                 L = self.cache.length
@@ -449,6 +461,12 @@ class Scheduler:
         view = self._slots.view_rows(have, have + n)
         view.valid.fill_(True)  # a previous occupant's padding
         return view
+
+    def _slot_bytes(self, rows: int, capacity: int) -> int:
+        """Bytes of slots for rows x capacity positions (K and V of every layer, and the padding mask)."""
+        t = self.module.text
+        per = sum(2 * t.layer_kv_heads(i) * t.layer_head_dim(i) for i in range(t.num_hidden_layers))
+        return rows * capacity * (per * self.module.dtype.itemsize + 1)
 
     def _keep_slots(self, keep: list[int]) -> None:
         """Move the rows `keep` (ascending) of the group down to slots [0, len(keep))."""

@@ -555,9 +555,11 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
     plumbing), the group's cache lives in slots shared by the graphs of every batch size. Requests joining at
     different boundaries (left-padded), finishing out of order (the kept rows move down), with fixed and adaptive
     steps, and one that needs more positions than the slots hold (regrown, the running rows copied): every row
-    gets the tokens of the scheduler without graphs. Once every batch size has run on the grown slots, the same
-    traffic replays only: no new captures, the same buffers."""
+    gets the tokens of the scheduler without graphs, with its row-passes (compaction: the rows still denoising are
+    swapped into the lowest slots). Once every batch size has run on the grown slots, the same traffic replays
+    only: no new captures, the same buffers."""
     from blockpress.kernels.graphs import GraphedPasses
+    from blockpress.server.metrics import Metrics
 
     def job(text, new_tokens, seed, **kw):
         return Job(lm.encode_chat(text), lm.generation_config(max_new_tokens=new_tokens, **kw), seed=seed)
@@ -568,14 +570,23 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
             1: [job("joins later", 32, 3, eos_token_id=None, **adaptive)],
             2: [job("wants more room than the slots hold", 160, 4, eos_token_id=None, **fixed)]}
     short = {0: [job("hi", 32, 10 + i, eos_token_id=None, **fixed) for i in range(4)]}
-    want, want_short = (drive_scheduler(Scheduler(lm.module, lm.canvas_length, max_batch=4, fuse_commit=fuse_commit), p)
-                        for p in (plan, short))
+
+    def scheduler(**kw):
+        return Scheduler(lm.module, lm.canvas_length, max_batch=4, fuse_commit=fuse_commit, metrics=Metrics(), **kw)
+
+    ref, full = scheduler(), scheduler(compact_rows=False)
+    want, want_short = drive_scheduler(ref, plan), drive_scheduler(scheduler(), short)
+    assert drive_scheduler(full, plan) == want
     g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
     try:
-        s = Scheduler(lm.module, lm.canvas_length, max_batch=4, fuse_commit=fuse_commit)
+        s = scheduler()
         assert s.graphs is g
         got = drive_scheduler(s, plan)
         assert got == want
+        # row compaction under graphs (the rows still denoising swapped into the lowest slots): the row-passes of
+        # the scheduler without graphs, fewer than with every row in every pass
+        rows = [x.metrics.batch_rows for x in (s, ref, full)]
+        assert rows[0].count == rows[1].count and rows[0].total == rows[1].total < rows[2].total
         slots, captures = s._slots, g.captures
         assert slots.batch == 4 and slots.capacity >= len(plan[2][0].prompt_ids) + 160
         names = {k[0] for k in g.captured}
@@ -592,7 +603,7 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
         assert s._slot_bytes(slots.batch, slots.capacity) == slots.nbytes() + slots.valid.numel()
         # where doubling would not fit in the GPU's spare memory, the slots grow to just what is needed
         monkeypatch.setattr(scheduler_mod, "_spare_bytes", lambda device: 1)
-        tight = Scheduler(lm.module, lm.canvas_length, max_batch=4, fuse_commit=fuse_commit)
+        tight = scheduler()
         assert drive_scheduler(tight, plan) == want
         joined_at = max(len(j.prompt_ids) for j in plan[0]) + 2 * lm.canvas_length  # the group's end at boundary 2
         assert tight._slots.capacity == joined_at + 160  # the late request's end, not a power of two

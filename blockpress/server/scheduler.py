@@ -35,8 +35,8 @@ Design (continuous batching at canvas granularity):
   B rows is their first B rows, a view that starts at the same address for every B. Rows that finish are
   moved down (the kept rows' K/V copied into the lowest slots), joining rows are prefilled (eagerly: a
   prompt's length varies) straight into the slots after them, so the graphs of every batch size stay valid
-  and a server in steady state only replays. Frozen rows are not compacted out of the decoder pass then (the
-  pass runs the group's batch size, whose graph exists); tokens are the same either way.
+  and a server in steady state only replays. Row compaction swaps the rows still denoising into the lowest
+  slots, and the pass runs that prefix (the graph of its batch size).
 
 Shape legend: B rows in the group, S prompt length, C canvas length, V vocab.
 """
@@ -468,6 +468,26 @@ class Scheduler:
         per = sum(2 * t.layer_kv_heads(i) * t.layer_head_dim(i) for i in range(t.num_hidden_layers))
         return rows * capacity * (per * self.module.dtype.itemsize + 1)
 
+    def _to_front(self, active: list[int], x, a, sc, fixed, watch):
+        """Swap rows so that the `active` ones hold slots [0, n): each frozen row inside that range trades places
+        with an active row beyond it (their K/V, padding, canvas, argmax, self-conditioning logits and state).
+        Returns fixed and watch in the new order."""
+        n = len(active)
+        order = list(range(len(self.rows)))
+        for hole, mover in zip([i for i in range(n) if i not in active], [i for i in active if i >= n]):
+            order[hole], order[mover] = mover, hole
+        dev = self._slots.valid.device
+        dst = [p for p, o in enumerate(order) if o != p]
+        src, dst = torch.tensor([order[p] for p in dst], device=dev), torch.tensor(dst, device=dev)
+        L = self.cache.length
+        for t in self._slots.keys + self._slots.values:
+            t[dst, :, :L] = t[src, :, :L]  # the right side is gathered first
+        self._slots.valid[dst] = self._slots.valid[src]
+        for t in (x, a, sc):
+            t[dst] = t[src]
+        self.rows = [self.rows[o] for o in order]
+        return [fixed[o] for o in order], [watch[o] for o in order]
+
     def _keep_slots(self, keep: list[int]) -> None:
         """Move the rows `keep` (ascending) of the group down to slots [0, len(keep))."""
         L, n = self.cache.length, len(keep)
@@ -501,7 +521,13 @@ class Scheduler:
             if pending is not None:  # fused: commit + first step in one pass over the weights
                 raw = m.encode_decode(pending, x, self.cache)  # [B, C, V] fp32
                 pending = None
-            elif self.compact_rows and self.graphs is None and sc is not None and len(active) < B:  # frozen: no pass
+            elif self.compact_rows and self.graphs is not None and sc is not None and len(active) < B:
+                n = len(active)  # graphs: the active rows are swapped into slots [0, n) and the pass runs those
+                if active != list(range(n)):
+                    fixed, watch = self._to_front(active, x, a, sc, fixed, watch)
+                    active = list(range(n))
+                raw = m.decode(x[:n], self._group(n, self.cache.length, self.cache.has_padding), sc[:n])
+            elif self.compact_rows and sc is not None and len(active) < B:  # frozen rows: no pass
                 if sub is None or sub[0] != active:
                     sub = (active, self.cache.rows(torch.tensor(active, device=dev)))
                 raw = m.decode(x[active], sub[1], sc[active])  # [len(active), C, V] fp32

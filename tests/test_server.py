@@ -613,6 +613,31 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
     assert Scheduler(lm.module, lm.canvas_length).graphs is None
 
 
+def test_scheduler_warm_up_leaves_it_ready(lm):
+    """serve's warm-up on a GPU (one short request through the loop before start(), so that kernel compiles and
+    graph captures do not land in the first client's request): afterwards nothing is queued or running, a
+    request gets the tokens a fresh scheduler gives it, and under the graph plumbing the warm-up has captured the
+    passes of batch 1 (with the fused commit on: the step and the fused commit). After start() it is refused."""
+    from blockpress.kernels.graphs import GraphedPasses
+
+    job = Job(lm.encode_chat("Hello there"), lm.generation_config(max_new_tokens=32, max_denoising_steps=3), seed=5)
+    want = drive_scheduler(Scheduler(lm.module, lm.canvas_length, fuse_commit=True), {0: [job]})
+    g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
+    try:
+        s = Scheduler(lm.module, lm.canvas_length, fuse_commit=True)
+        assert s.warm_up() > 0 and not s.rows and not s._waiting and s.cache is None
+        assert {name for name, _ in g.captured} == {"decode", "encode_decode"}  # nobody waited: commits fused
+        assert drive_scheduler(s, {0: [job]}) == want
+    finally:
+        g.uninstall()
+    s = Scheduler(lm.module, lm.canvas_length).start()
+    try:
+        with pytest.raises(RuntimeError, match="before start"):
+            s.warm_up()
+    finally:
+        s.stop()
+
+
 THOUGHT_AND_CALL = ('<|channel>thought\nhmm<channel|>Hello<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}'
                     '<tool_call|><turn|>')
 

@@ -91,6 +91,17 @@ def main(args) -> int:
     defaults.pop("max_new_tokens", None)  # per request: max_tokens
     serving = OpenAIServing(lm, scheduler, name, limits, defaults=defaults, metrics=metrics)
     app = create_app(serving, metrics, api_key=args.api_key)
+    if lm.module.device.type == "cuda":  # kernel compiles and graph captures before the first client, not in it
+        from ..errors import BlockpressError
+
+        print("blockpress: warming up (Triton compiles, first-use checks, CUDA graphs)...", end=" ", flush=True)
+        try:
+            print(f"{scheduler.warm_up():.1f} s", flush=True)
+        except Exception as e:  # noqa: BLE001 - one line for the user, not a traceback from inside a kernel
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise BlockpressError(f"a first short generation failed on {lm.module.device} ({type(e).__name__}: {why}); "
+                                  "with less GPU memory than the model needs, try --precision int4 --linears int8; "
+                                  "with --cuda-graphs, try without") from None
     scheduler.start()
     print(f"blockpress: serving '{name}' on http://{args.host}:{args.port} (web page at /, API at /v1)", flush=True)
     try:

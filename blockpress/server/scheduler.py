@@ -269,6 +269,25 @@ class Scheduler:
             self._cond.notify_all()
         return handle
 
+    def warm_up(self) -> float:
+        """Run one short request through the loop before `start()`: on a GPU, Triton compiles and checks its kernels
+        and CUDA graphs capture batch 1 here instead of inside the first client's request. Two canvases of two
+        steps, so that a fused commit runs too. Returns the seconds it took."""
+        if self._thread is not None:
+            raise RuntimeError("warm_up() runs before start(): it drives the loop on the calling thread")
+        t0 = time.perf_counter()
+        ids = [min(5 + i, self.V - 1) for i in range(8)]
+        cfg = GenerationConfig.resolve(max_new_tokens=2 * self.C, max_denoising_steps=2, stability_threshold=None,
+                                       confidence_threshold=None, eos_token_id=None, pad_token_id=None)
+        h = self.submit(Job(ids, cfg, seed=0))
+        with torch.no_grad():
+            while self.rows or self._waiting:
+                self._canvas()
+        while not h._q.empty():
+            if isinstance(e := h.get(), RowError):
+                raise RuntimeError(f"warm-up failed: {e.message}")
+        return time.perf_counter() - t0
+
     @property
     def queue_depth(self) -> int:
         return len(self._waiting)

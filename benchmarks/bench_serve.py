@@ -36,7 +36,10 @@ def _pct(xs, q):
 
 def closed_loop(scheduler, make_job, concurrency: int, requests: int) -> dict:
     """Keep `concurrency` requests in flight until `requests` have finished; per-request timings and the level's
-    totals. make_job(i) -> the i-th Job. A request that fails raises (a benchmark of errors is no benchmark)."""
+    totals. make_job(i) -> the i-th Job. A request that fails raises (a benchmark of errors is no benchmark). The
+    scheduler must have been made with `metrics=` (rows per step come from them)."""
+    if scheduler.metrics is None:
+        raise ValueError("closed_loop needs a Scheduler made with metrics=Metrics()")
     from blockpress.server.scheduler import RowCommit, RowDone, RowError
 
     finished: queue.Queue = queue.Queue()

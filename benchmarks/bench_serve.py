@@ -90,7 +90,8 @@ def closed_loop(scheduler, make_job, concurrency: int, requests: int) -> dict:
 
 
 def build(args):
-    """(module, config dict) for --model or the preset, with the default fast kernels configured."""
+    """The model for --model (loaded, quantised while loading) or the preset (random weights on the device), with
+    the default fast kernels configured."""
     from blockpress import kernels
     from blockpress.loading import load, parse_device
 

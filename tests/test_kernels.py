@@ -270,9 +270,10 @@ def test_static_encode_matches_encode(attention, bidirectional, sliding_reads):
         assert _same_cache(eager, static, T0 + S) < 2e-5
 
 
+@pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
-def test_static_encode_decode_matches_encode_decode(attention, sliding_reads):
-    m = _tiny_model().module
+def test_static_encode_decode_matches_encode_decode(attention, sliding_reads, bidirectional):
+    m = _tiny_model(use_bidirectional_attention="all" if bidirectional else None).module
     m.attention_backend = attention
     eager, static = _prefilled_twins(m)
     ids = torch.randint(5, 512, (2, 8), generator=torch.Generator().manual_seed(5))

@@ -4,8 +4,11 @@ Shape legend: B batch, S encoder chunk, C canvas length, V vocab, P cache capaci
 tokens (cache.length) before / after the chunk.
 
 Each static pass computes the same function as its `DiffusionGemmaModel` method with shapes that never
-change inside a generation: attention always spans the whole cache capacity P (plus the canvas), and
-which keys are visible is decided by masks built from a *device* tensor T0, never by host slicing.
+change inside a generation: attention spans the whole cache capacity P (a sliding layer: a gathered window
+[T0 - W, T0 + S) where 3 x that is less than P, `WINDOW_READS`), and which keys are visible is decided by
+masks built from a *device* tensor T0, never by host slicing. A canvas's K/V are written into the cache
+past its length (scratch that the commit overwrites: the capacity must hold the canvas), so attention reads
+the cache in place rather than a copy with the canvas appended.
 Masked keys get weight exactly 0, so each equals the dynamic pass up to fp32 summation order (tested
 on CPU). Nothing in a pass copies from the host: the embedding scale and T0 are device tensors made
 before capture.
@@ -63,9 +66,9 @@ WINDOW_READS = 3
 
 
 class _Window:
-    """The positions [T0 - W, T0 + S) of a cache, gathered for the sliding layers (all they can see from an encoder
-    chunk at [T0, T0+S), or from a canvas after the cache's T0 = T tokens when S = 0): `idx` [n] (clamped to 0),
-    `kpos` [n] the true positions (negative before the start), `valid` [B, n]."""
+    """The positions [T0 - W, T0 + S) of a cache, gathered for the sliding layers: all they can see from rows at
+    [T0, T0+S) whose K/V are written there first (an encoder chunk; a canvas, S = C; or both). `idx` [n]
+    (clamped to 0), `kpos` [n] the true positions (negative before the start), `valid` [B, n]."""
 
     def __init__(self, module, cache, T0, S: int):
         self.kpos = T0 - module.window + torch.arange(module.window + S, device=cache.valid.device)

@@ -7,7 +7,9 @@ stored state is the same for both layer types and a cache can be cropped or exte
 
 Invariants:
 - `length` is the number of encoded tokens (= the absolute position of the next chunk).
-- The decoder never writes; the encoder writes [length, length + S) and advances `length`.
+- The encoder writes [length, length + S) and advances `length`. The eager decoder never writes; the static
+  (CUDA-graph) passes write a canvas's K/V past `length` as scratch, which no pass sees as cached (keys at or
+  past `length` are masked) and the commit overwrites.
 - `padding` [B, capacity] bool marks key positions that are real tokens (False = left padding).
 """
 

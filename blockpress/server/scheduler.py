@@ -565,8 +565,8 @@ class Scheduler:
                     temperature(r.n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, dev)
                 if self.sampler == "fast":  # one pass over the row's logits; z comes back in the model dtype
                     y, top, h, z = fused_sample(z, tau, r.generator, out_dtype=m.dtype)
-                else:  # the reference's arithmetic and draws
-                    z = z if tau is None else z / tau
+                else:  # the reference's arithmetic and draws; z in place (the pass's logits are this step's own)
+                    z = z if tau is None else z.div_(tau)
                     y = sample_tokens(z, r.generator)
                     top, h = torch.argmax(z, dim=-1), token_entropy(z)
                 a[i] = clamp(top, fixed[i])[0]

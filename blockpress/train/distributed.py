@@ -48,5 +48,8 @@ def all_reduce_mean(x: float) -> float:
 
 
 def cleanup() -> None:
+    """Leave the process group together: a barrier first, so that no rank tears gloo down while another still
+    talks to it (that race aborted a worker now and then: "terminate called without an active exception")."""
     if tdist.is_available() and tdist.is_initialized():
+        tdist.barrier()
         tdist.destroy_process_group()

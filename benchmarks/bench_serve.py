@@ -111,20 +111,21 @@ def build(args):
 
 def run(args, module=None) -> dict:
     from blockpress.errors import InputError
+    from blockpress.kernels import moe_grouped
     from blockpress.kernels.graphs import GraphedPasses, installed
+    from blockpress.loading import parse_device
     from blockpress.server.metrics import Metrics
     from blockpress.server.scheduler import Job, Scheduler
 
+    on = module.device if module is not None else parse_device(args.device)
+    if args.cuda_graphs and on.type != "cuda":  # before a build that can take minutes
+        raise InputError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from blockpress.kernels import moe_grouped
-
     moe_grouped.set_moe_tiles(args.moe_tiles)
     t0 = time.perf_counter()
     module = module if module is not None else build(args)
     device, C, V = module.device, module.config.canvas_length, module.text.vocab_size
-    if args.cuda_graphs and device.type != "cuda":
-        raise InputError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
     _, prompt, new = preset_config(args.preset) if not args.model else (None, 128, 128)
     args.prompt_tokens, args.new_tokens = args.prompt_tokens or prompt, args.new_tokens or new
     cfg = _gen_config(args.mode, args)
@@ -136,9 +137,9 @@ def run(args, module=None) -> dict:
               "model": args.model, "preset": None if args.model else args.preset,
               "dtype": str(module.dtype).replace("torch.", ""), "precision": args.precision, "linears": args.linears,
               "cuda_graphs": graphs is not None, "fuse_commit": bool(args.fuse_commit), "sampler": args.sampler,
-              "mode": args.mode,
-              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "steps": args.steps,
-              "canvas_length": C, "moe_tiles": moe_grouped.TILES.spec(), "build_seconds": time.perf_counter() - t0, "levels": []}
+              "mode": args.mode, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "steps": args.steps, "canvas_length": C, "moe_tiles": moe_grouped.TILES.spec(),
+              "build_seconds": time.perf_counter() - t0, "levels": []}
     _free(device)
     try:
         for c in (int(c) for c in str(args.concurrency).split(",")):

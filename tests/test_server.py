@@ -566,7 +566,8 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
 
     fixed = dict(max_denoising_steps=3, stability_threshold=None, confidence_threshold=None)
     adaptive = dict(max_denoising_steps=6, stability_threshold=1, confidence_threshold=0.5)
-    plan = {0: [job("a short one", 48, 1, eos_token_id=None, **fixed), job("the second prompt, longer", 16, 2, **adaptive)],
+    plan = {0: [job("a short one", 48, 1, eos_token_id=None, **fixed),
+                job("the second prompt, longer", 16, 2, **adaptive)],
             1: [job("joins later", 32, 3, eos_token_id=None, **adaptive)],
             2: [job("wants more room than the slots hold", 160, 4, eos_token_id=None, **fixed)]}
     short = {0: [job("hi", 32, 10 + i, eos_token_id=None, **fixed) for i in range(4)]}
@@ -659,7 +660,8 @@ def _drive_traffic(s: Scheduler, plan: dict) -> list:
         events = []
         while not h._q.empty():
             events.append(h.get())
-        out.append(([e.tokens for e in events if isinstance(e, RowCommit)], any(isinstance(e, RowDone) for e in events)))
+        out.append(([e.tokens for e in events if isinstance(e, RowCommit)],
+                    any(isinstance(e, RowDone) for e in events)))
     return out
 
 

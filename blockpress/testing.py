@@ -218,9 +218,7 @@ def drive_scheduler(s, plan: dict) -> list[list[int]]:
         k += 1
     out = []
     for h in handles:
-        events = []
-        while not h._q.empty():
-            events.append(h.get())
+        events = h.drain()
         assert events and isinstance(events[-1], RowDone), events[-1:]
         out.append([t for e in events if isinstance(e, RowCommit) for t in e.tokens])
     return out

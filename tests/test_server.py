@@ -657,9 +657,7 @@ def _drive_traffic(s: Scheduler, plan: dict) -> list:
         k += 1
     out = []
     for h, _ in runs:
-        events = []
-        while not h._q.empty():
-            events.append(h.get())
+        events = h.drain()
         out.append(([e.tokens for e in events if isinstance(e, RowCommit)],
                     any(isinstance(e, RowDone) for e in events)))
     return out

@@ -235,10 +235,8 @@ def _buffers(cache) -> tuple:
 
 
 def _on_buffers(cache) -> KVCache:
-    """A new, empty KVCache object on `cache`'s buffers (the same tensors, length 0)."""
-    view = KVCache.__new__(KVCache)
-    view.keys, view.values, view.valid = list(cache.keys), list(cache.values), cache.valid
-    view.batch, view.capacity = cache.batch, cache.capacity
+    """A new, empty KVCache object on `cache`'s buffers (views of all its rows, length 0)."""
+    view = cache.view_rows(0, cache.batch)
     view.length, view.has_padding = 0, False
     return view
 

@@ -145,6 +145,15 @@ class Handle:
     def get(self, timeout: float | None = None):
         return self._q.get(timeout=timeout)
 
+    def drain(self) -> list:
+        """The events delivered so far, without waiting (a thread-safe queue only: no asyncio `loop`)."""
+        events = []
+        while True:
+            try:
+                events.append(self._q.get_nowait())
+            except queue.Empty:
+                return events
+
     async def aget(self):
         return await self._q.get()
 
@@ -283,8 +292,8 @@ class Scheduler:
         with torch.no_grad():
             while self.rows or self._waiting:
                 self._canvas()
-        while not h._q.empty():
-            if isinstance(e := h.get(), RowError):
+        for e in h.drain():
+            if isinstance(e, RowError):
                 raise RuntimeError(f"warm-up failed: {e.message}")
         return time.perf_counter() - t0
 
@@ -532,7 +541,8 @@ class Scheduler:
                 r.tracker.reset()
         a = x.clone()
         sc = None
-        sub = None  # row compaction: (active row ids, their cache rows), rebuilt when a row stops
+        sub = None  # row compaction: (active row ids, their cache rows) or, under graphs, (n, rows [0, n) of the
+        # slots), rebuilt when a row stops
         t_canvas = time.perf_counter()
         while active := [i for i, r in enumerate(self.rows) if r.n > 0 and not r.handle.cancelled]:
             t0 = time.perf_counter()
@@ -545,7 +555,9 @@ class Scheduler:
                 if active != list(range(n)):
                     fixed, watch = self._to_front(active, x, a, sc, fixed, watch)
                     active = list(range(n))
-                raw = m.decode(x[:n], self._group(n, self.cache.length, self.cache.has_padding), sc[:n])
+                if sub is None or sub[0] != n:  # the prefix's cache view, made once per size
+                    sub = (n, self._group(n, self.cache.length, self.cache.has_padding))
+                raw = m.decode(x[:n], sub[1], sc[:n])
             elif self.compact_rows and sc is not None and len(active) < B:  # frozen rows: no pass
                 if sub is None or sub[0] != active:
                     sub = (active, self.cache.rows(torch.tensor(active, device=dev)))
@@ -625,10 +637,6 @@ def run_job(module, canvas_length: int, job: Job, fuse_commit: bool = False, sam
     with torch.no_grad():
         while not events or not isinstance(events[-1], (RowDone, RowError)):
             s._canvas()
-            while True:
-                try:
-                    events.append(h.get(timeout=0))
-                except queue.Empty:
-                    break
+            events += h.drain()
     return events
 

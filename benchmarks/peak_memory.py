@@ -10,12 +10,12 @@ bytes alive at once on top of the weights and the cache, then the predicted peak
 - eager: weights + cache + the held self-conditioning logits + the largest pass (the caching allocator
   reuses freed blocks from pass to pass); a step is the decoder pass and then the sampler on its logits;
 - with CUDA graphs (`--cuda-graphs`): weights + the graphs' cache (one canvas longer: the static passes write
-  a canvas's K/V past the cache's length) + the held logits + the captured passes' shared memory pool (the
-  largest of the static passes, measured the same way: `GraphedPasses` captures all into one pool) + the
-  graph's own copy of the self-conditioning
-  logits (its input buffer) + the larger of the eager prefill and the sampler, which run in the general
-  pool; the sampler reads the graph's own logits buffer (`GraphedPasses(copy_outputs=False)`, what the bench
-  and `--cuda-graphs` use; a copy would add one [B, C, V] fp32 tensor).
+  a canvas's K/V past the cache's length) + the graphs' two shared buffers (the self-conditioning logits every
+  pass reads, which the sampler writes in place, and the fp32 logits every pass writes) + the captured passes'
+  memory pool (the largest of the static passes' intermediates, measured the same way: `GraphedPasses` captures
+  all into one pool) + the larger of the eager prefill and the sampler, which run in the general pool; the
+  sampler reads the shared logits buffer (`GraphedPasses(copy_outputs=False)`, what the bench and
+  `--cuda-graphs` use; a copy would add one [B, C, V] fp32 tensor).
 Both samplers: "exact" (the reference's draws) and "fast" (the fused Triton sampler's allocations).
 
 It leaves out the caching allocator's rounding and fragmentation and the CUDA context (not in
@@ -98,6 +98,8 @@ def main(argv=None) -> dict:
     gcache = m.new_cache(B, capacity + C)  # GraphedPasses.new_cache: one canvas of room past the last commit
     kv_graphs = gcache.nbytes() + gcache.valid.numel()
     on = torch.ones(B, dtype=torch.bool, device=dev)
+    shared_out = torch.zeros(B, C, V, dtype=torch.float32, device=dev)  # GraphedPasses' shared buffers: the logits
+    # every captured pass writes (made outside the measurement) and the self-conditioning logits (`sc`) it reads
 
     def pos(n):  # a device position, as the graphs' input buffers hold it
         with torch.utils._python_dispatch._disable_current_modes():
@@ -113,9 +115,15 @@ def main(argv=None) -> dict:
                                                           raw=raw_logits()),
         "commit": lambda: m.encode(canvas, at(T - C)),
         "fused commit + first step": lambda: m.encode_decode(canvas, canvas, at(T - C), None, sc),
-        "graphs: decode": lambda: static_decode(m, canvas, gcache, pos(T), sc, on),
+        "graphs: decode": lambda: static_decode(m, canvas, gcache, pos(T), sc, on, out=shared_out),
         "graphs: commit": lambda: static_encode(m, canvas, gcache, pos(T - C)),
-        "graphs: fused commit + first step": lambda: static_encode_decode(m, canvas, canvas, gcache, pos(T - C), sc, on),
+        "graphs: fused commit + first step": lambda: static_encode_decode(m, canvas, canvas, gcache, pos(T - C), sc,
+                                                                          on, out=shared_out),
+        # the engine under graphs: the sampler writes the next pass's self-conditioning logits into its input buffer
+        "graphs: sampler (exact)": lambda: denoise_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None,
+                                                        raw=raw_logits(), sc_out=sc),
+        "graphs: sampler (fast)": lambda: fast_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None,
+                                                    raw=raw_logits(), sc_out=sc),
     }
     rows = {}
     real_fused_sample = sampler_fused.fused_sample
@@ -133,15 +141,15 @@ def main(argv=None) -> dict:
             for s in ("exact", "fast")}
     base = weights + kv + held
     passes_eager = [rows[k]["peak_bytes"] for k in ("prefill", "commit", "fused commit + first step")]
-    # CUDA graphs: the captured passes share one memory pool (GraphedPasses), the prefill and the sampler run
-    # eagerly in the general pool, one after the other
+    # CUDA graphs: the captured passes share one memory pool (GraphedPasses) and two buffers (self-conditioning
+    # logits in, logits out), the prefill and the sampler run eagerly in the general pool, one after the other
     pool = max(rows[f"graphs: {k}"]["peak_bytes"] for k in ("decode", "commit", "fused commit + first step"))
     predicted = {}
     for s in ("exact", "fast"):
-        sampler = rows[f"sampler ({s}, logits given)"]["peak_bytes"]
+        sampler = rows[f"graphs: sampler ({s})"]["peak_bytes"]
         predicted[s] = {"eager": base + max(step[s], *passes_eager),
-                        "cuda_graphs": weights + kv_graphs + held + pool + held + max(rows["prefill"]["peak_bytes"],
-                                                                                       sampler)}
+                        "cuda_graphs": weights + kv_graphs + held + logits + pool + max(rows["prefill"]["peak_bytes"],
+                                                                                         sampler)}
     print(f"{args.preset}, {args.dtype}, experts {args.precision}, linears {args.linears}, B={B}, P={P}, N={N} (cache {capacity} positions)")
     print(f"  weights {weights / GB:.3f} GB, KV cache {kv / GB:.3f} GB, self-conditioning logits held {held / GB:.3f} GB")
     print(f"  {'pass':32s} {'peak on top (GB)':>16s}   largest allocations (MB, op)")

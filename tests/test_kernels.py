@@ -132,6 +132,11 @@ def test_fused_sampler_triton_exact_parts():
     assert torch.equal(z, ref_z)
     _, a0, h0, _ = fused_sample_triton(raw, None, torch.tensor([3]), rows_per_program=4, block_v=16)
     assert torch.equal(a0, raw.argmax(-1)) and (h0 - token_entropy(raw)).abs().max() < 1e-5
+    into = torch.full((2, 7, 40), float("nan"))  # out= (a graph's self-conditioning input)
+    y2, _, _, z2 = fused_sample_triton(raw, tau, torch.tensor([3]), rows_per_program=4, block_v=16, out=into)
+    assert z2.data_ptr() == into.data_ptr() and torch.equal(into, ref_z) and torch.equal(y2, y)
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_sample_triton(raw, tau, torch.tensor([3]), out=torch.empty(2, 40, 7).transpose(1, 2))
 
 
 def _chi_square(samples, probs):
@@ -337,17 +342,18 @@ def test_graph_outputs_without_copies_give_the_engines_tokens(dtype):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_graphed_passes_plumbing_generates_the_same_tokens(fuse):
+@pytest.mark.parametrize("fuse,sampler", [(False, "exact"), (True, "exact"), (True, "fast")])
+def test_graphed_passes_plumbing_generates_the_same_tokens(fuse, sampler):
     """GraphedPasses without capture: the static passes on their own input buffers and pooled caches, routed in
-    for decode / commit / fused commit. A padded batch of 2, 3 canvases, fixed steps and adaptive stopping:
-    the tokens equal the eager engine's; a second generation reuses the pooled cache and every captured pass
-    (no new captures), and one whose previous cache is still held gets new buffers (and new captures)."""
+    for decode / commit / fused commit, the sampler writing the self-conditioning logits into the passes' input
+    buffer. A padded batch of 2, 3 canvases, fixed steps and adaptive stopping: the tokens equal the eager
+    engine's; a second generation reuses the pooled cache and every captured pass (no new captures), and one
+    whose previous cache is still held gets new buffers (and new captures)."""
     lm = _tiny_model()
     ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(8))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[0, :3] = 0
-    kw = dict(attention_mask=mask, max_new_tokens=24, fuse_commit=fuse)
+    kw = dict(attention_mask=mask, max_new_tokens=24, fuse_commit=fuse, sampler=sampler)
     modes = [dict(max_denoising_steps=3, stability_threshold=None, confidence_threshold=None),
              dict(max_denoising_steps=6, stability_threshold=1, confidence_threshold=0.5)]
     want = []
@@ -376,7 +382,7 @@ def test_graphed_passes_plumbing_generates_the_same_tokens(fuse):
         del held, again
         # the same cache shape (20 + 8 positions) for an unpadded prompt: the pooled buffers' padding is reset
         unpadded = torch.randint(5, 512, (2, 20), generator=torch.Generator().manual_seed(10))
-        kw = dict(max_new_tokens=16, fuse_commit=fuse, **modes[0])
+        kw = dict(max_new_tokens=16, fuse_commit=fuse, sampler=sampler, **modes[0])
         torch.manual_seed(0)
         out = lm.generate(unpadded, **kw)
         assert out.cache.keys[0].data_ptr() == g._pool[(2, 28)][0].keys[0].data_ptr()
@@ -386,6 +392,67 @@ def test_graphed_passes_plumbing_generates_the_same_tokens(fuse):
     finally:
         g.uninstall()
     assert "decode" not in vars(lm.module) and "new_cache" not in vars(lm.module)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monkeypatch):
+    """Every captured decode and fused commit writes its logits into rows [0, B) of one buffer and reads its
+    self-conditioning logits from rows [0, B) of another, whatever its batch size B (one [B, C, V] fp32 output for
+    all, not one per graph). The engine writes each step's self-conditioning logits into that input buffer, so no
+    pass copies them in (copies of [B, C, V] into a pass's buffers are counted). A larger batch than any before
+    moves both buffers and recaptures the passes on them. Tokens stay those of a GraphedPasses of each batch size
+    alone (bf16: the static passes round otherwise than the eager ones; the fp32 test above compares with those)."""
+    from blockpress.kernels import graphs as graphs_mod
+
+    lm = _tiny_model()
+    m = lm.module.to(torch.bfloat16)
+    C = lm.canvas_length
+    copies = []
+    real_set = graphs_mod._set
+
+    def counting_set(buf, value):
+        if isinstance(value, torch.Tensor) and value.dim() == 3 and not (
+                value.data_ptr() == buf.data_ptr() and value.shape == buf.shape):
+            copies.append(tuple(value.shape))
+        real_set(buf, value)
+
+    monkeypatch.setattr(graphs_mod, "_set", counting_set)
+    gen = torch.Generator().manual_seed(12)
+    prompts = {B: torch.randint(5, 512, (B, 12), generator=gen) for B in (1, 2, 3)}
+    kw = dict(max_new_tokens=3 * C, max_denoising_steps=3, stability_threshold=None, confidence_threshold=None,
+              fuse_commit=True)
+    want = {}
+    for B, ids in prompts.items():
+        alone = GraphedPasses(m, capture=False, copy_outputs=False).install()
+        try:
+            torch.manual_seed(B)
+            want[B] = lm.generate(ids, **kw).sequences
+        finally:
+            alone.uninstall()
+    copies.clear()
+    g = GraphedPasses(m, capture=False, copy_outputs=False).install()
+    try:
+        for B in (2, 1):
+            torch.manual_seed(B)
+            assert torch.equal(lm.generate(prompts[B], **kw).sequences, want[B])
+        assert copies == []  # each step's self-conditioning logits were written where the passes read them
+        assert {k for k, _ in g.captured} == {"decode", "encode_decode"} and len(g.captured) == 4  # B = 2 and 1
+        out, sc_in = g._shared[("out", C)], g._shared[("sc_logits", C)]
+        assert out.shape[0] == sc_in.shape[0] == 2 and out.dtype == torch.float32 and sc_in.dtype == m.dtype
+        cache = m.new_cache(1, 32)
+        m.encode(prompts[1], cache)
+        canvas = torch.randint(0, 512, (1, C))
+        outputs = [m.encode_decode(canvas, canvas, cache), m.decode(canvas, cache, torch.randn(1, C, 512))]
+        assert {t.data_ptr() for t in outputs} == {out.data_ptr()} and copies  # logits from elsewhere: copied in
+        del cache, outputs
+        torch.manual_seed(3)
+        assert torch.equal(lm.generate(prompts[3], **kw).sequences, want[3])
+        grown = g._shared[("out", C)]
+        assert grown.shape[0] == 3 and grown.data_ptr() != out.data_ptr()
+        assert {key[0] if name == "decode" else key[0][0] for name, key in g.captured} == {3}  # B 1, 2: gone
+        assert all(out.data_ptr() not in c.shared for c in g.captured.values())
+    finally:
+        g.uninstall()
 
 
 def test_graphed_passes_autoregressive_steps():
@@ -666,6 +733,13 @@ def test_softcap_in_one_pass_equals_the_reference(dtype):
     want = lm.module.lm_logits(h)
     lm.module.softcap_backend = "triton"
     torch.testing.assert_close(lm.module.lm_logits(h), want, rtol=1e-5, atol=1e-5)
+    into = torch.full_like(want, float("nan"))  # out= (the graphs' shared logits buffer): written, not replaced
+    assert lm.module.lm_logits(h, out=into) is into
+    torch.testing.assert_close(into, want, rtol=1e-5, atol=1e-5)
+    buf = torch.empty(3, 7, 1001)
+    assert softcap_triton(x, 30.0, out=buf) is buf and torch.equal(buf, out)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        softcap_triton(x, 30.0, out=torch.empty(3, 7, 1001, dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu

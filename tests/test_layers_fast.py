@@ -115,6 +115,12 @@ def test_in_place_softcap_and_entropy_equal_the_autograd_forms():
     with torch.enable_grad():
         slow = m.lm_logits(h.requires_grad_())
     assert slow.requires_grad and torch.equal(fast, slow.detach()) and fast.abs().max() > 20
+    with torch.no_grad():  # out= (the CUDA graphs' shared logits buffer): the same bits, written into it
+        into = torch.full_like(fast, float("nan"))
+        assert m.lm_logits(h, out=into) is into and torch.equal(into, fast)
+        m.text.final_logit_softcapping = None
+        into = torch.full_like(fast, float("nan"))
+        assert m.lm_logits(h, out=into) is into and torch.equal(into, m.lm_logits(h))
     z = fast * 0.7
     z[0, 0, :] = float("-inf")  # 0 * log 0 = 0: a fully masked row keeps its finite answer
     z[0, 0, 3] = 1.0

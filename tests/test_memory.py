@@ -30,6 +30,16 @@ def test_live_bytes_counts_allocations_views_and_frees():
     del b, c
 
 
+def test_live_bytes_counts_a_batched_matmul_once():
+    """`x @ w.t()` on a 3-d x is mm then `_unsafe_view`, which the op schema does not mark as a view: its product
+    is one allocation (the LM head's [B, C, V] logits were counted twice before)."""
+    x, w = torch.empty(2, 3, 8, device="meta"), torch.empty(5, 8, device="meta")
+    with LiveBytes() as lb:
+        y = x @ w.t()
+        z = y.reshape(6, 5).contiguous()  # a view: nothing new
+    assert lb.peak == 2 * 3 * 5 * 4 and z.shape == (6, 5)
+
+
 def test_a_decoder_step_holds_few_vocabulary_sized_buffers(monkeypatch):
     """A big vocabulary against a small model, so the [B, C, V] tensors are what counts: the decoder pass peaks at
     about one fp32 logits buffer plus its bf16 matmul, the exact sampler adds two (its softmax and multinomial's

@@ -557,9 +557,21 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
     steps, and one that needs more positions than the slots hold (regrown, the running rows copied): every row
     gets the tokens of the scheduler without graphs, with its row-passes (compaction: the rows still denoising are
     swapped into the lowest slots). Once every batch size has run on the grown slots, the same traffic replays
-    only: no new captures, the same buffers."""
+    only: no new captures, the same buffers. The self-conditioning logits are kept in the graphs' own input buffer
+    (rows swapped there too): no pass copies them in."""
+    from blockpress.kernels import graphs as graphs_mod
     from blockpress.kernels.graphs import GraphedPasses
     from blockpress.server.metrics import Metrics
+
+    copies, real_set = [], graphs_mod._set
+
+    def counting_set(buf, value):
+        if isinstance(value, torch.Tensor) and value.dim() == 3 and not (
+                value.data_ptr() == buf.data_ptr() and value.shape == buf.shape):
+            copies.append(tuple(value.shape))
+        real_set(buf, value)
+
+    monkeypatch.setattr(graphs_mod, "_set", counting_set)
 
     def job(text, new_tokens, seed, **kw):
         return Job(lm.encode_chat(text), lm.generation_config(max_new_tokens=new_tokens, **kw), seed=seed)
@@ -583,7 +595,7 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
         s = scheduler()
         assert s.graphs is g
         got = drive_scheduler(s, plan)
-        assert got == want
+        assert got == want and copies == []
         # row compaction under graphs (the rows still denoising swapped into the lowest slots): the row-passes of
         # the scheduler without graphs, fewer than with every row in every pass
         rows = [x.metrics.batch_rows for x in (s, ref, full)]
@@ -601,7 +613,10 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
         assert g.captures == captures and s._slots is slots
         # four short prompts: slot 3's previous occupant (padded to join late) had padding past their end
         assert drive_scheduler(s, short) == want_short
-        assert s._slot_bytes(slots.batch, slots.capacity) == slots.nbytes() + slots.valid.numel()
+        # the graphs' shared logits buffers have the slots' rows (reserved when the slots grew, not at every size)
+        assert {t.shape[0] for t in g._shared.values()} == {slots.batch} and len(g._shared) == 2
+        shared = sum(t.nbytes for t in g._shared.values())
+        assert s._slot_bytes(slots.batch, slots.capacity) == slots.nbytes() + slots.valid.numel() + shared
         # where doubling would not fit in the GPU's spare memory, the slots grow to just what is needed
         monkeypatch.setattr(scheduler_mod, "_spare_bytes", lambda device: 1)
         tight = scheduler()
@@ -682,20 +697,29 @@ def test_scheduler_slots_under_random_traffic(lm, seed):
 
 
 def test_scheduler_warm_up_leaves_it_ready(lm):
-    """serve's warm-up on a GPU (one short request through the loop before start(), so that kernel compiles and
-    graph captures do not land in the first client's request): afterwards nothing is queued or running, a
-    request gets the tokens a fresh scheduler gives it, and under the graph plumbing the warm-up has captured the
-    passes of batch 1 (with the fused commit on: the step and the fused commit). After start() it is refused."""
+    """serve's warm-up on a GPU (short requests through the loop before start(), so that kernel compiles and
+    graph captures do not land in the first clients' requests): afterwards nothing is queued or running, a
+    request gets the tokens a fresh scheduler gives it, and under the graph plumbing the warm-up has captured, for
+    every batch size up to max_batch, the denoising step, the commit and the fused commit: traffic of mixed batch
+    sizes (joins, a queue, early stops, rows leaving) then captures nothing more. After start() it is refused."""
     from blockpress.kernels.graphs import GraphedPasses
 
     job = Job(lm.encode_chat("Hello there"), lm.generation_config(max_new_tokens=32, max_denoising_steps=3), seed=5)
     want = drive_scheduler(Scheduler(lm.module, lm.canvas_length, fuse_commit=True), {0: [job]})
+    plan = _random_traffic(3, lm.module.text.vocab_size, lm.canvas_length)
+    jobs = {k: [j for j, _ in v if len(j.prompt_ids) <= 8 + lm.canvas_length] for k, v in plan.items()}
+    want_mixed = drive_scheduler(Scheduler(lm.module, lm.canvas_length, max_batch=3, fuse_commit=True), jobs)
     g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
     try:
-        s = Scheduler(lm.module, lm.canvas_length, fuse_commit=True)
+        s = Scheduler(lm.module, lm.canvas_length, fuse_commit=True, max_batch=3)
         assert s.warm_up() > 0 and not s.rows and not s._waiting and s.cache is None
-        assert {name for name, _ in g.captured} == {"decode", "encode_decode"}  # nobody waited: commits fused
+        C = lm.canvas_length
+        assert set(g.captured) == {("decode", (b, C)) for b in (1, 2, 3)} | {("encode", (b, C)) for b in (1, 2, 3)} \
+            | {("encode_decode", ((b, C), (b, C))) for b in (1, 2, 3)}
+        captures = g.captures
         assert drive_scheduler(s, {0: [job]}) == want
+        assert drive_scheduler(s, jobs) == want_mixed and sum(map(len, jobs.values())) >= 4
+        assert g.captures == captures  # every pass the traffic ran was captured by the warm-up
     finally:
         g.uninstall()
     s = Scheduler(lm.module, lm.canvas_length).start()

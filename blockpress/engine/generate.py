@@ -84,14 +84,16 @@ class Finished:
 
 
 def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, cache, tracker, generator,
-                 finished=None, fixed=None, watch=None, raw=None):
+                 finished=None, fixed=None, watch=None, raw=None, sc_out=None):
     """One denoising step with remaining-step counter n (N..1). Returns x', a', sc', done', accepted.
 
     fixed: None, or (mask [B,C] bool, tokens [B,C]) — positions held at given tokens (infilling): their
     entropy counts as 0 in the acceptance budget and the canvas and argmax keep the given token.
     watch: None, or [B,C] bool — the positions adaptive stopping looks at (default: all; with fixed
     tokens, the free positions whose tokens are kept).
-    raw: the decoder's logits for x when the caller already has them (a commit fused into this step)."""
+    raw: the decoder's logits for x when the caller already has them (a commit fused into this step).
+    sc_out: None, or a [B,C,V] tensor in the model dtype to write the returned self-conditioning logits into (the
+    CUDA-graphed decoder's own input buffer, `GraphedPasses.sc_buffer`; it may be `sc_logits` itself)."""
     if raw is None:
         raw = module.decode(x, cache, sc_logits)
     # per-row generators draw only for active rows (batch invariance); one generator draws for all
@@ -116,7 +118,7 @@ def denoise_step(module, x, a_prev, sc_logits, done, n, cfg: GenerationConfig, c
             x_new = torch.where(done[:, None], x, x_new)
             z = torch.where(done[:, None, None], sc_logits, z)
         done = done | tracker(a, z, watch=watch)
-    return x_new, a, z.to(module.dtype), done, accepted
+    return x_new, a, z.to(module.dtype) if sc_out is None else sc_out.copy_(z), done, accepted
 
 
 def _compact_step(step_fn, module, x, a, sc, done, n, cfg, cache, tracker, generator, finished, fixed, watch, sub):
@@ -220,6 +222,9 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
         pad_to = n_canvases * C - fixed_tokens.shape[1]
         fixed_tokens = torch.nn.functional.pad(fixed_tokens, (0, pad_to), value=-1).to(dev)
     per_row = isinstance(generator, (list, tuple))
+    graphs = vars(module).get("_graphed_passes")  # kernels.graphs.installed(module), without the import cycle
+    # CUDA graphs: each step's self-conditioning logits go straight into the decoder graph's input buffer
+    sc_out = graphs.sc_buffer(B, C) if graphs is not None else None
     if compact_rows and not per_row:
         raise InputError("compact_rows=True needs one generator per row (generator=[...]): with one shared "
                          "random stream, leaving stopped rows out would change every later row's draws")
@@ -275,7 +280,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
                 else:
                     raw = module.encode_decode(chunk, x, cache, chunk_mask, sc) if fused and steps == 0 else None
                     x, a, sc, done, accepted = step_fn(module, x, a, sc, done, n, cfg, cache, tracker, generator,
-                                                       finished, fixed=fixed, watch=watch, raw=raw)
+                                                       finished, fixed=fixed, watch=watch, raw=raw, sc_out=sc_out)
                 steps += 1
                 if drafts:
                     yield Draft(c, steps, N, a.cpu(), accepted.cpu(), done.cpu())

@@ -155,9 +155,10 @@ def _layers(module, x, rope, masks, keys_values, scalar):
     return x
 
 
-def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None):
-    """canvas [B,C]; T 0-dim int64 device tensor; sc_logits [B,C,V]; sc_mask [B] bool -> fp32 logits.
-    scale: sqrt(H) in the weight dtype on the device (computed here when not given). The canvas's K/V are written
+def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None, out=None):
+    """canvas [B,C]; T 0-dim int64 device tensor; sc_logits [B,C,V]; sc_mask [B] bool -> fp32 logits (written
+    into `out` [B,C,V] fp32 when given). scale: sqrt(H) in the weight dtype on the device (computed here when not
+    given). The canvas's K/V are written
     to the cache at [T, T+C), past its length (scratch that the commit overwrites; the capacity must hold T + C),
     so attention reads the cache in place instead of a copy of it with the canvas appended."""
     B, C = canvas.shape
@@ -175,7 +176,7 @@ def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None):
         return _cached(cache, i, module.layers[i].full, window)
 
     x = _layers(module, x, rope, masks, keys_values, lambda layer: layer.layer_scalar)
-    return module.lm_logits(module.norm(x))
+    return module.lm_logits(module.norm(x), out=out)
 
 
 def static_encode(module, ids, cache, T0, scale=None):
@@ -198,9 +199,9 @@ def static_encode(module, ids, cache, T0, scale=None):
     return module.norm(_layers(module, x, rope, masks, keys_values, lambda layer: layer.encoder_layer_scalar))
 
 
-def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, scale=None):
+def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, scale=None, out=None):
     """`module.encode_decode(ids, canvas, cache, None, sc_logits)` with T0 on the device and the
-    self-conditioning mask as in `static_decode`: ids [B,S] at [T0, T0+S) (written to the cache),
+    self-conditioning mask and `out` as in `static_decode`: ids [B,S] at [T0, T0+S) (written to the cache),
     canvas [B,C] at [T0+S, T0+S+C) (written as scratch, as in `static_decode`: the capacity must hold
     T0 + S + C). Returns the canvas's fp32 logits [B,C,V]."""
     B, S = ids.shape
@@ -226,7 +227,7 @@ def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, sca
         return torch.cat([layer.encoder_layer_scalar.expand(S), layer.layer_scalar.expand(C)])[None, :, None]
 
     x = _layers(module, x, rope, masks, keys_values, scalar)
-    return module.lm_logits(module.norm(x[:, S:]))
+    return module.lm_logits(module.norm(x[:, S:]), out=out)
 
 
 def _buffers(cache) -> tuple:
@@ -254,19 +255,25 @@ def capture_blocker(device) -> str | None:
 class _Captured:
     """One static pass over its own input buffers: captured as a CUDA graph, or (capture=False) run eagerly
     on the same buffers. It keeps the cache tensors it was captured on (not the cache object, which would
-    keep a pooled cache in use), so their addresses stay its own while it exists."""
+    keep a pooled cache in use), so their addresses stay its own while it exists. shared: name -> a tensor the
+    pass uses instead of a buffer of its own (an input's, or "out": where it writes its logits), shared with
+    other passes (`GraphedPasses.shared`)."""
 
-    def __init__(self, module, fn, inputs: dict, cache, capture: bool, warmup: int, pool=None):
+    def __init__(self, module, fn, inputs: dict, cache, capture: bool, warmup: int, pool=None, shared=None):
+        shared = shared or {}
         self.inputs = {}
         for name, (value, shape, dtype) in inputs.items():
-            self.inputs[name] = buf = torch.zeros(shape, dtype=dtype, device=cache.valid.device)
+            buf = shared.get(name)
+            self.inputs[name] = buf = torch.zeros(shape, dtype=dtype, device=cache.valid.device) if buf is None else buf
             if value is not None:
                 _set(buf, value)
         self.cache = _on_buffers(cache)
         self.buffers = _buffers(cache)
-        self.out = None  # the pass's output buffer: the graph's, or (no graph) the first eager result's
+        self.shared = tuple(t.data_ptr() for t in shared.values())
+        out = {"out": shared["out"]} if "out" in shared else {}
+        self.out = None  # the pass's output buffer: the graph's (or the shared one), or (no graph) the first result
         self.fn = lambda: fn(module, cache=self.cache, scale=module.embed_scale(module.dtype, module.device),
-                             **self.inputs)
+                             **self.inputs, **out)
         self.graph = None
         if not capture:
             return
@@ -303,7 +310,7 @@ class _Captured:
             out = self.fn()
             if self.out is None:
                 self.out = out
-            else:
+            elif out.data_ptr() != self.out.data_ptr():
                 self.out.copy_(out)
         else:
             self.graph.replay()
@@ -312,6 +319,10 @@ class _Captured:
 
 def _set(buf: torch.Tensor, value) -> None:
     if isinstance(value, torch.Tensor):
+        if value.data_ptr() == buf.data_ptr() and value.shape == buf.shape and value.stride() == buf.stride():
+            return  # the caller wrote into the buffer itself (`GraphedPasses.sc_buffer`): nothing to copy
+        if value.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+            value = value.clone()  # other rows of the same buffer: copy_ must not read what it writes
         buf.copy_(value)
     else:  # a host scalar: a fill kernel with the value as its argument, no host-to-device copy
         buf.fill_(value)
@@ -321,11 +332,19 @@ class GraphedPasses:
     """Routes a DiffusionGemmaModel's decode / encode / encode_decode / new_cache through captured graphs
     (see the module docstring). `capture=False` runs the same static passes and plumbing without graphs.
 
-    copy_outputs=False: decode and encode_decode return the graph's own logits buffer instead of a copy, valid
-    until that pass runs again (the [B, C, V] fp32 copy is 0.27 GB of memory and 0.54 GB of traffic per step on
-    the 26B model). For the engine's canvas loop, which consumes a step's logits before the next pass and keeps
-    only new tensors (the sampler's z, the self-conditioning logits in the model dtype); an fp32 model still gets
-    copies, because there the self-conditioning logits are the logits tensor itself, read after the next pass."""
+    Shared buffers: every captured decode and fused commit writes its fp32 logits into rows [0, B) of one buffer
+    (per canvas length), and reads its self-conditioning logits from rows [0, B) of another, whatever its batch
+    size B: one [B, C, V] fp32 output for all passes and batch sizes instead of one per captured graph (0.27 GB
+    per row on the 26B model; a server capturing batch sizes 1..8 would otherwise hold 36 of them per pass). A
+    caller that writes the next pass's self-conditioning logits into `sc_buffer(B, C)` saves the copy into it
+    (0.13 GB written and read per step on the 26B model). The buffers grow (to `reserve`'s row count when more
+    than the batch) and the passes on the old ones are captured again.
+
+    copy_outputs=False: decode and encode_decode return the shared logits buffer instead of a copy, valid
+    until the next decode or fused commit (the [B, C, V] fp32 copy is 0.27 GB of memory and 0.54 GB of traffic
+    per step on the 26B model). For the engine's canvas loop, which consumes a step's logits before the next pass
+    and keeps only new tensors (the sampler's z, the self-conditioning logits in the model dtype); an fp32 model
+    still gets copies (without `sc_buffer` its self-conditioning logits are the logits tensor itself)."""
 
     def __init__(self, module, warmup: int = 2, capture: bool = True, encode_sizes=None, copy_outputs: bool = True):
         on_cuda = torch.cuda.is_available() and module.device.type == "cuda"
@@ -342,34 +361,66 @@ class GraphedPasses:
         self.captured: dict = {}  # (pass, shapes) -> _Captured on the latest buffers only
         self.captures = 0
         # One memory pool for every captured pass: their intermediates overlap instead of adding up (decode and a
-        # fused commit each peak at ~0.4 GB on the 26B model). Safe because passes replay one at a time on one
-        # stream, and a graph's output tensor stays alive with it, so no later capture places anything on it. (An
-        # earlier graph's intermediates may overlap a later graph's output: hence copy_outputs=False only for the
-        # engine's loop, which reads no pass's output after another pass has run.)
+        # fused commit each peak at ~0.14 GB on the 26B model besides their logits). Safe because passes replay one
+        # at a time on one stream, and a graph's output tensor stays alive with it, so no later capture places
+        # anything on it. The logits of decode and fused commits are written into the shared buffer, outside it.
         self._graph_pool = torch.cuda.graph_pool_handle() if capture else None
+        self._shared: dict = {}  # (name, C) -> [rows, C, V]: "out" (fp32 logits), "sc_logits" (model dtype)
+        self._rows_hint = 0
         self._pool: dict = {}  # (batch, capacity) -> (a cache object on the buffers, weakref to the one handed out)
         self._eager = {name: getattr(module, name) for name in ("decode", "encode", "encode_decode", "new_cache")}
 
     # graphs ---------------------------------------------------------------------------------------------
-    def _run(self, name: str, key: tuple, cache, fn, inputs: dict, copy: bool = True) -> torch.Tensor:
-        """Replay the pass (name, key) captured on this cache's buffers (capturing it first when there is none)
-        with `inputs`: name -> (tensor, python scalar or None, shape, dtype)."""
+    def _run(self, name: str, key: tuple, cache, fn, inputs: dict, copy: bool = True, shared=None) -> torch.Tensor:
+        """Replay the pass (name, key) captured on this cache's buffers and these shared buffers (capturing it
+        first when there is none) with `inputs`: name -> (tensor, python scalar or None, shape, dtype)."""
         g = self.captured.get((name, key))
-        if g is None or g.buffers != _buffers(cache):
+        if g is None or g.buffers != _buffers(cache) or g.shared != tuple(t.data_ptr() for t in (shared or {}).values()):
             self.captured.pop((name, key), None)  # its graph and memory pool go before the new capture
             with torch.no_grad():
                 g = self.captured[(name, key)] = _Captured(self.module, fn, inputs, cache, self.capture, self.warmup,
-                                                           self._graph_pool)
+                                                           self._graph_pool, shared)
             self.captures += 1
         return g.replay(inputs, copy)
+
+    def _shared_rows(self, name: str, B: int, C: int) -> torch.Tensor:
+        """Rows [0, B) of the shared buffer `name` for canvases of C, grown (and the passes on the old buffer
+        dropped, to be captured again on the new one) when it has fewer rows."""
+        buf = self._shared.get((name, C))
+        if buf is None or buf.shape[0] < B:
+            if buf is not None:
+                old = buf.data_ptr()
+                self.captured = {k: g for k, g in self.captured.items() if old not in g.shared}
+                del buf
+            m = self.module
+            dtype = torch.float32 if name == "out" else m.dtype
+            buf = self._shared[(name, C)] = torch.zeros(max(B, self._rows_hint), C, m.text.vocab_size, dtype=dtype,
+                                                        device=m.device)
+        return buf[:B]
+
+    def sc_buffer(self, batch: int, canvas_length: int) -> torch.Tensor:
+        """The self-conditioning input of the decode and fused-commit passes of this batch size, [B, C, V] in the
+        model dtype: write a step's self-conditioning logits here and pass this tensor as `sc_logits`, and the pass
+        reads them where they are (no copy). Valid until the buffer grows (a larger batch than any before)."""
+        return self._shared_rows("sc_logits", batch, canvas_length)
+
+    def reserve(self, rows: int) -> None:
+        """Grow the shared buffers to at least `rows` rows when they next grow (a server: its slots' row count), so
+        that a batch growing one row at a time does not regrow them, and recapture, at every size."""
+        self._rows_hint = max(self._rows_hint, rows)
 
     def _sc(self, canvas, sc_logits, sc_mask) -> dict:
         """Self-conditioning inputs: no logits -> the mask is False and the logits buffer is not written."""
         B, C = canvas.shape
-        m, dev = self.module, canvas.device
+        m = self.module
         mask = False if sc_logits is None else (True if sc_mask is None else sc_mask)
         return {"sc_logits": (sc_logits, (B, C, m.text.vocab_size), m.dtype),
                 "sc_mask": (mask, (B,), torch.bool)}
+
+    def _logits_io(self, canvas) -> dict:
+        """The shared buffers of a pass producing a canvas's logits: its self-conditioning input and its output."""
+        B, C = canvas.shape
+        return {"sc_logits": self._shared_rows("sc_logits", B, C), "out": self._shared_rows("out", B, C)}
 
     def decode(self, canvas, cache, sc_logits=None, sc_mask=None, **kwargs):
         if kwargs:  # hidden states etc.: not captured, use the eager pass
@@ -377,7 +428,8 @@ class GraphedPasses:
         cache.ensure_capacity(cache.length + canvas.shape[1])  # the canvas's K/V go to [T, T+C) (new_cache: room)
         inputs = {"canvas": (canvas, canvas.shape, torch.long), "T": (cache.length, (), torch.long),
                   **self._sc(canvas, sc_logits, sc_mask)}
-        return self._run("decode", tuple(canvas.shape), cache, static_decode, inputs, self.copy_outputs)
+        return self._run("decode", tuple(canvas.shape), cache, static_decode, inputs, self.copy_outputs,
+                         self._logits_io(canvas))
 
     def encode(self, ids, cache, pad_mask=None, hidden_states=None, inputs_embeds=None):
         B, S = ids.shape
@@ -399,7 +451,7 @@ class GraphedPasses:
         inputs = {"ids": (ids, ids.shape, torch.long), "canvas": (canvas, canvas.shape, torch.long),
                   "T0": (T0, (), torch.long), **self._sc(canvas, sc_logits, sc_mask)}
         out = self._run("encode_decode", (tuple(ids.shape), tuple(canvas.shape)), cache, static_encode_decode, inputs,
-                        self.copy_outputs)
+                        self.copy_outputs, self._logits_io(canvas))
         cache.length = T0 + S
         return out
 
@@ -442,6 +494,7 @@ class GraphedPasses:
                 delattr(self.module, name)
         self.captured.clear()
         self._pool.clear()
+        self._shared.clear()
 
 
 def installed(module) -> GraphedPasses | None:

@@ -40,8 +40,9 @@ class LiveBytes(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if not isinstance(t, torch.Tensor):
                 continue
-            if func.is_view:  # shares its base's storage: keeps the base's record alive
-                base = next((a for a in args if isinstance(a, torch.Tensor) and hasattr(a, "_bp_live")), None)
+            if func.is_view or _shares_storage(t, args):  # a view (or `_unsafe_view`): keeps its base's record alive
+                base = next((a for a in args if isinstance(a, torch.Tensor) and hasattr(a, "_bp_live")
+                             and a.untyped_storage()._cdata == t.untyped_storage()._cdata), None)
                 if base is not None:
                     rec = base._bp_live
                     rec[0] += 1
@@ -58,6 +59,13 @@ class LiveBytes(TorchDispatchMode):
 
     def top(self, n: int = 6) -> list[tuple[int, str]]:
         return sorted(self.largest, reverse=True)[:n]
+
+
+def _shares_storage(t: torch.Tensor, args) -> bool:
+    """Whether `t` lives in an argument's storage: ops that are views without saying so in their schema, such as
+    `_unsafe_view` (a matmul's reshape of its product), allocate nothing."""
+    mine = t.untyped_storage()._cdata
+    return any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == mine for a in args)
 
 
 def _experts_meta(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, block_m: int = 16):
@@ -89,12 +97,12 @@ def meta_backends(module) -> None:
     module.attention_backend = "meta"
 
 
-def fused_sample_meta(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto"):
-    """The Triton fused sampler's allocations (sampler_fused.fused_sample_triton): y, a, h and z."""
+def fused_sample_meta(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto", out=None):
+    """The Triton fused sampler's allocations (sampler_fused.fused_sample_triton): y, a, h and z (none with `out`)."""
     B, C, V = raw.shape
     dev = raw.device
     y = torch.empty(B, C, dtype=torch.int64, device=dev)
     a = torch.empty(B, C, dtype=torch.int64, device=dev)
     h = torch.empty(B, C, dtype=torch.float32, device=dev)
-    return y, a, h, torch.empty(B, C, V, dtype=out_dtype or torch.float32, device=dev)
+    return y, a, h, torch.empty(B, C, V, dtype=out_dtype or torch.float32, device=dev) if out is None else out
 

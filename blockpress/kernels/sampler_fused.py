@@ -81,16 +81,18 @@ def entropy_from_logits(z: torch.Tensor) -> torch.Tensor:
     return s.log() - (p * d).sum(-1) / s
 
 
-def fused_sample_torch(raw, tau=None, generator=None, out_dtype=None):
-    """The fused algorithm in plain torch (CPU fallback). Returns y, a, h [B,C] and z (out_dtype)."""
+def fused_sample_torch(raw, tau=None, generator=None, out_dtype=None, out=None):
+    """The fused algorithm in plain torch (CPU fallback). Returns y, a, h [B,C] and z (out_dtype; written into
+    `out` when given)."""
     z = raw.float() if tau is None else raw.float() / tau
     u = torch.rand(z.shape, device=z.device, generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
     y = torch.argmax(z - torch.log(-torch.log(u)), dim=-1)
-    return y, torch.argmax(z, dim=-1), entropy_from_logits(z), z.to(out_dtype or z.dtype)
+    return y, torch.argmax(z, dim=-1), entropy_from_logits(z), z.to(out_dtype or z.dtype) if out is None else out.copy_(z)
 
 
-def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_program=None, block_v=None):
-    """One Triton pass over [R, V]. tau: 0-dim fp32 tensor or None; seed: int64 tensor [1] on device."""
+def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_program=None, block_v=None, out=None):
+    """One Triton pass over [R, V]. tau: 0-dim fp32 tensor or None; seed: int64 tensor [1] on device; out: a
+    contiguous [B, C, V] tensor to write z into (its dtype wins over out_dtype)."""
     B, C, V = raw.shape
     R = B * C
     x = raw.reshape(R, V)
@@ -104,48 +106,58 @@ def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_progr
     y = torch.empty(R, dtype=torch.int64, device=dev)
     a = torch.empty(R, dtype=torch.int64, device=dev)
     h = torch.empty(R, dtype=torch.float32, device=dev)
-    z = torch.empty(R, V, dtype=out_dtype or torch.float32, device=dev)
+    if out is None:
+        z = torch.empty(R, V, dtype=out_dtype or torch.float32, device=dev)
+    elif out.shape != raw.shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor of shape {list(raw.shape)}, got {list(out.shape)}")
+    else:
+        z = out.view(R, V)
     tau_t = tau if tau is not None else h  # unused pointer when HAS_TAU is False
     _fused_sampler_kernel[(triton.cdiv(R, rows),)](x, tau_t, seed, y, a, h, z, R, V, x.stride(0), z.stride(0),
                                                    HAS_TAU=tau is not None, WRITE_Z=True, ROWS=rows, BLOCK_V=bv)
     return y.view(B, C), a.view(B, C), h.view(B, C), z.view(B, C, V)
 
 
-def fused_sample(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto"):
-    """-> y (sample), a (argmax), h (entropy) [B,C] and z = raw/tau in out_dtype [B,C,V]."""
+def fused_sample(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto", out=None):
+    """-> y (sample), a (argmax), h (entropy) [B,C] and z = raw/tau in out_dtype [B,C,V] (written into `out`, a
+    contiguous tensor, when given)."""
     use_triton = backend == "triton" or (backend == "auto" and raw.is_cuda and usable_on(raw.device))
     if use_triton:
         seed = torch.randint(0, 2**31 - 1, (1,), device=raw.device, generator=generator)
-        return fused_sample_triton(raw, tau, seed, out_dtype)
-    return fused_sample_torch(raw, tau, generator, out_dtype)
+        return fused_sample_triton(raw, tau, seed, out_dtype, out=out)
+    return fused_sample_torch(raw, tau, generator, out_dtype, out=out)
 
 
 # ------------------------------------------------------------------------------------ engine hook
 
 def denoise_step_fast(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished=None,
-                      fixed=None, watch=None, raw=None):
-    """Drop-in for `engine.generate.denoise_step` using the fused sampler (same returns).
-    Per-row generator lists (the server's batch-invariant seeding) take the exact path."""
+                      fixed=None, watch=None, raw=None, sc_out=None):
+    """Drop-in for `engine.generate.denoise_step` using the fused sampler (same returns and arguments; with
+    `sc_out` the kernel writes z there directly). Per-row generator lists (the server's batch-invariant seeding)
+    take the exact path."""
     if isinstance(generator, (list, tuple)):
         return _exact_step(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished, fixed,
-                           watch, raw)
+                           watch, raw, sc_out)
     if raw is None:
         raw = module.decode(x, cache, sc_logits)
     tau = None
     if cfg.t_min is not None and cfg.t_max is not None:
         tau = temperature(n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, raw.device)
-    y, a, h, z = fused_sample(raw, tau, generator, out_dtype=module.dtype)
+    # frozen rows keep their self-conditioning logits (which sc_out may hold): z is then written there after
+    # them. A single row is never done at a step's start (the loop ends when it stops): no host sync for it
+    frozen = tracker is not None and x.shape[0] > 1 and bool(done.any())
+    y, a, h, z = fused_sample(raw, tau, generator, out_dtype=module.dtype, out=None if frozen else sc_out)
     accepted = entropy_bound_accept(h if fixed is None else h.masked_fill(fixed[0], 0.0), cfg.entropy_bound)
     noise = uniform_tokens(x.shape[0], x.shape[1], z.shape[-1], x.device, generator)
     x_new = torch.where(accepted, y, noise)
     if fixed is not None:
         x_new, a = clamp(x_new, fixed), clamp(a, fixed)
     if tracker is not None:
-        # frozen rows keep their state; their `done` stays True (monotone). A single row is never done at a
-        # step's start (the loop ends when it stops): no host sync for it
-        if x.shape[0] > 1 and bool(done.any()):
+        if frozen:  # frozen rows keep their state; their `done` stays True (monotone)
             a = torch.where(done[:, None], a_prev, a)
             x_new = torch.where(done[:, None], x, x_new)
             z = torch.where(done[:, None, None], sc_logits, z)
+            if sc_out is not None:
+                z = sc_out.copy_(z)
         done = done | tracker(a, z, entropy=h, watch=watch)
     return x_new, a, z, done, accepted

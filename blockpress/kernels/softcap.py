@@ -20,7 +20,7 @@ import torch
 
 from ..model.layers import SOFTCAP_BACKENDS, softcap_logits
 from ._triton import interpreted, tl, triton
-from .moe_grouped import checked_on_first_use
+from .moe_grouped import FIRST_USE, checked_on_first_use
 
 BLOCK = 4096
 
@@ -39,23 +39,32 @@ if triton is not None:
         tl.store(out_ptr + offs, t * cap, mask=mask)
 
 
-def softcap_triton(logits: torch.Tensor, cap: float) -> torch.Tensor:
-    """fp32 cap * tanh(logits / cap) of any-dtype logits, in one Triton kernel."""
+def softcap_triton(logits: torch.Tensor, cap: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 cap * tanh(logits / cap) of any-dtype logits, in one Triton kernel (into `out`, contiguous fp32 of
+    their shape, when given)."""
     if triton is None:
         raise RuntimeError("softcap_triton needs triton (pip install triton)")
     x = logits.contiguous()
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    elif out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 tensor of shape {list(x.shape)}")
     n = x.numel()
     if n:
         _softcap_kernel[(triton.cdiv(n, BLOCK),)](x, out, n, float(cap), BLOCK=BLOCK, LIBDEVICE=not interpreted())
     return out
 
 
-def softcap_triton_checked(logits: torch.Tensor, cap: float) -> torch.Tensor:
+def softcap_triton_checked(logits: torch.Tensor, cap: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`softcap_triton`, checked against the reference on its first call per device and dtype. With `out`, a
+    later call's result is written there; a fallback's (the reference's) too."""
     key = (str(logits.device), str(logits.dtype).removeprefix("torch."), "triton soft cap", ())
     # the reference works in place on fp32 input (an fp32 model's logits): give it a copy, the kernel runs after it
     ref = lambda: softcap_logits(logits.clone() if logits.dtype == torch.float32 else logits, cap)  # noqa: E731
-    return checked_on_first_use(key, lambda: softcap_triton(logits, cap), ref, "the Triton soft-cap kernel")
+    checking = FIRST_USE.get(key) is None  # the first call compares two results: the kernel's must be its own
+    res = checked_on_first_use(key, lambda: softcap_triton(logits, cap, out=None if checking else out), ref,
+                               "the Triton soft-cap kernel")
+    return res if out is None or res.data_ptr() == out.data_ptr() else out.copy_(res)
 
 
 SOFTCAP_BACKENDS.setdefault("triton", softcap_triton)

@@ -156,9 +156,14 @@ class DiffusionGemmaModel(nn.Module):
         w = self.embed_tokens.weight
         return self.embed_tokens(ids) * self.embed_scale(w.dtype, w.device)
 
-    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def lm_logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of final-normed hidden states. out: an fp32 tensor of their shape to write them into (no
+        autograd; the CUDA graphs' shared logits buffer)."""
         logits = h @ self.embed_tokens.weight.t()
         cap = self.text.final_logit_softcapping
+        if out is not None:
+            res = out.copy_(logits) if not cap else SOFTCAP_BACKENDS[self.softcap_backend](logits, cap, out=out)
+            return res if res.data_ptr() == out.data_ptr() else out.copy_(res)  # a backend's fallback: its own
         if not cap:
             return logits.float()
         if logits.requires_grad:

@@ -152,11 +152,12 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 
-def softcap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
+def softcap_logits(logits: torch.Tensor, cap: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 `cap * tanh(logits / cap)` of the LM head's product (the reference; no autograd: in place, so one
     [B, C, V] fp32 buffer is live instead of three, 268 MB each on the 26B model). Each of its four passes
-    reads and writes the whole tensor: kernels/softcap.py does the same in one."""
-    return logits.float().div_(cap).tanh_().mul_(cap)
+    reads and writes the whole tensor: kernels/softcap.py does the same in one. out: an fp32 tensor of the
+    logits' shape to write into (CUDA graphs: one logits buffer shared by every captured pass)."""
+    return (logits.float() if out is None else out.copy_(logits)).div_(cap).tanh_().mul_(cap)
 
 
 SOFTCAP_BACKENDS = {"torch": softcap_logits}  # kernels/ registers "triton" and "triton_checked"
@@ -181,9 +182,10 @@ def softmax_rows(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     one kernel that reads bf16, computes in fp32 (CUDA's softmax accumulates bf16 in float) and writes bf16.
     The fp32 round trip costs ~1.3 GB of traffic a step on the 26B model (the cast, the fp32 softmax, the copy
     back), this ~0.4 GB. Not bit for bit: its sum runs in another order, so an element on a bf16 rounding
-    boundary may round the other way (a GPU test bounds it, not yet run)."""
+    boundary may round the other way (a GPU test bounds it, not yet run). The meta device (memory accounting,
+    kernels/memory.py) takes the GPU's path."""
     V = z.shape[-1]
-    if z.is_cuda and z.dtype == dtype and not z.requires_grad and SOFTMAX_IN_DTYPE_ON_CUDA:
+    if (z.is_cuda or z.is_meta) and z.dtype == dtype and not z.requires_grad and SOFTMAX_IN_DTYPE_ON_CUDA:
         return torch.softmax(z, dim=-1)
     rows = max(1, SOFTMAX_CHUNK // max(V, 1))
     flat = z.reshape(-1, V)

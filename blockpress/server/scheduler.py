@@ -279,23 +279,50 @@ class Scheduler:
         return handle
 
     def warm_up(self) -> float:
-        """Run one short request through the loop before `start()`: on a GPU, Triton compiles and checks its kernels
-        and CUDA graphs capture batch 1 here instead of inside the first client's request. Two canvases of two
-        steps, so that a fused commit runs too. Returns the seconds it took."""
+        """Run short requests through the loop before `start()`: on a GPU, Triton compiles and checks its kernels
+        and CUDA graphs capture their passes here instead of inside the first clients' requests. One request of
+        two canvases of two steps (a fused commit runs too); then, under CUDA graphs, `max_batch` requests of
+        2..max_batch+1 canvases and 1..max_batch steps, so that each batch size runs a denoising step, a commit
+        and (with `fuse_commit`) a fused commit: every graph the server replays is captured before it listens.
+        That second part is left out where slots for it would not fit in the GPU's spare memory. Returns the
+        seconds it took."""
         if self._thread is not None:
             raise RuntimeError("warm_up() runs before start(): it drives the loop on the calling thread")
         t0 = time.perf_counter()
+        self._warm([(2, 2)])
+        M = min(self.max_batch, self.queue_size)
+        if self.graphs is not None and M > 1:
+            need = 8 + (M + 1) * self.C
+            spare = _spare_bytes(self.module.device)
+            if need <= self.max_positions and (spare is None or self._slot_bytes(M, need) <= spare // 2):
+                plan = [(i + 2, i + 1) for i in range(M)]  # (canvases, steps): rows stop, then leave, one by one
+                fuse = self.fuse_commit
+                try:
+                    self.fuse_commit = False  # plain commits (what a boundary with a request joining runs)
+                    self._warm(plan)
+                    if fuse:
+                        self.fuse_commit = True
+                        self._warm(plan)
+                finally:
+                    self.fuse_commit = fuse
+        return time.perf_counter() - t0
+
+    def _warm(self, plan: list[tuple[int, int]]) -> None:
+        """Submit one 8-token request per (canvases, fixed steps) and run the loop until they are done."""
         ids = [min(5 + i, self.V - 1) for i in range(8)]
-        cfg = GenerationConfig.resolve(max_new_tokens=2 * self.C, max_denoising_steps=2, stability_threshold=None,
-                                       confidence_threshold=None, eos_token_id=None, pad_token_id=None)
-        h = self.submit(Job(ids, cfg, seed=0))
+        handles = []
+        for canvases, steps in plan:
+            cfg = GenerationConfig.resolve(max_new_tokens=canvases * self.C, max_denoising_steps=steps,
+                                           stability_threshold=None, confidence_threshold=None, eos_token_id=None,
+                                           pad_token_id=None)
+            handles.append(self.submit(Job(ids, cfg, seed=0)))
         with torch.no_grad():
             while self.rows or self._waiting:
                 self._canvas()
-        for e in h.drain():
-            if isinstance(e, RowError):
-                raise RuntimeError(f"warm-up failed: {e.message}")
-        return time.perf_counter() - t0
+        for h in handles:
+            for e in h.drain():
+                if isinstance(e, RowError):
+                    raise RuntimeError(f"warm-up failed: {e.message}")
 
     @property
     def queue_depth(self) -> int:
@@ -477,6 +504,7 @@ class Scheduler:
             if spare is not None and self._slot_bytes(rows, cap) > spare:  # doubling would not fit: what is needed
                 rows, cap = least
             new = self.graphs.eager("new_cache")(rows, cap)
+            self.graphs.reserve(rows)  # the graphs' shared logits buffers grow to the slots' rows at once
             if have:  # the group's rows move with their K/V (positions [0, length))
                 L = self.cache.length
                 for dst, src in zip(new.keys + new.values, self.cache.keys + self.cache.values):
@@ -491,10 +519,11 @@ class Scheduler:
         return view
 
     def _slot_bytes(self, rows: int, capacity: int) -> int:
-        """Bytes of slots for rows x capacity positions (K and V of every layer, and the padding mask)."""
-        t = self.module.text
+        """Bytes of slots for rows x capacity positions (K and V of every layer, and the padding mask), and of the
+        graphs' shared buffers for as many rows (fp32 logits and self-conditioning logits)."""
+        t, size = self.module.text, self.module.dtype.itemsize
         per = sum(2 * t.layer_kv_heads(i) * t.layer_head_dim(i) for i in range(t.num_hidden_layers))
-        return rows * capacity * (per * self.module.dtype.itemsize + 1)
+        return rows * (capacity * (per * size + 1) + self.C * self.V * (4 + size))
 
     def _to_front(self, active: list[int], x, a, sc, fixed, watch):
         """Swap rows so that the `active` ones hold slots [0, n): each frozen row inside that range trades places
@@ -565,8 +594,8 @@ class Scheduler:
                 at = dict(zip(active, range(len(active))))
             else:
                 raw = m.decode(x, self.cache, sc)  # [B, C, V] fp32
-            if sc is None:  # first step; rows written below, frozen rows keep theirs
-                sc = raw.to(m.dtype)
+            if sc is None:  # first step; rows written below, frozen rows keep theirs. Graphs: the passes' own input
+                sc = raw.to(m.dtype) if self.graphs is None else self.graphs.sc_buffer(B, C).copy_(raw)
             for i in active:
                 r = self.rows[i]
                 if r.handle.cancelled:  # cancelled during this pass

@@ -195,6 +195,17 @@ def test_bench_fuse_commit_times_the_fused_pass_and_keeps_the_tokens(capsys):
     assert fused < plain
 
 
+def test_bench_compact_rows_keeps_the_references_tokens(capsys):
+    """--compact-rows (adaptive, batch 2): the decoder skips stopped rows, the sampler draws for all, so the tokens
+    stay transformers'; it is recorded in the JSON, and refused with --cuda-graphs."""
+    assert cli_main(["bench", *FAST, "--modes", "adaptive", "--batch", "2", "--reference-batch", "2", "--no-ar",
+                     "--compact-rows"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["compact_rows"] is True and result["token_agreement_vs_transformers"] == {"B2-adaptive": 1.0}
+    assert cli_main(["bench", *FAST, "--compact-rows", "--cuda-graphs"]) == 2
+    assert "--compact-rows cannot run on CUDA graphs" in capsys.readouterr().err
+
+
 def test_bench_profile_splits_a_step_by_kernel_class(capsys):
     """--profile: the steps after the first of one canvas, at the first batch size; the classes add up to the
     busy time, the exact sampler's draws and the GEMMs are where they belong, the top list is sorted."""

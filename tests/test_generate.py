@@ -199,12 +199,15 @@ def test_per_row_generators_make_rows_batch_invariant(bp):
         bp.generate(x, generator=gens[:2], **kw)
 
 
+@pytest.mark.parametrize("gen", ["per_row", "one"])
 @pytest.mark.parametrize("case", ["plain", "fixed_tokens", "fuse_commit"])
-def test_row_compaction_gives_the_same_tokens(bp, case, monkeypatch):
+def test_row_compaction_gives_the_same_tokens(bp, case, gen, monkeypatch):
     """compact_rows=True (the default with per-row generators): once a row stops denoising, the decoder runs
     on the other rows only. Same drafts, sequences, passes and step counts as the full-batch loop (left
-    padding, early stopping at different steps, 3 canvases; infilling; a fused commit). Random weights never
-    repeat an argmax, so stopping here is by entropy alone; test_sudoku_model covers the stability history."""
+    padding, early stopping at different steps, 3 canvases; infilling; a fused commit). With one generator for
+    the batch the sampler still draws for every row, so the random stream is the full loop's. Random weights
+    never repeat an argmax, so stopping here is by entropy alone; test_sudoku_model covers the stability
+    history."""
     rows = [ids(1, 20, 1)[0].tolist(), ids(1, 13, 2)[0].tolist(), ids(1, 17, 3)[0].tolist()]
     kw = dict(KW, max_new_tokens=48, stability_threshold=0, confidence_threshold=6.212)
     if case == "fixed_tokens":
@@ -213,7 +216,8 @@ def test_row_compaction_gives_the_same_tokens(bp, case, monkeypatch):
         kw["fuse_commit"] = True
     runs, sizes = [], []
     for compact in (False, True):
-        gens = [torch.Generator().manual_seed(s) for s in (4, 5, 6)]
+        gens = [torch.Generator().manual_seed(s) for s in (4, 5, 6)] if gen == "per_row" else \
+            torch.Generator().manual_seed(4)
         seen = []
         decode = bp.module.decode
         monkeypatch.setattr(bp.module, "decode", lambda x, *a, **k: seen.append(x.shape[0]) or decode(x, *a, **k))
@@ -234,9 +238,14 @@ def test_row_compaction_gives_the_same_tokens(bp, case, monkeypatch):
         assert torch.equal(d0.accepted[~d0.done], d1.accepted[~d1.done])
 
 
-def test_row_compaction_needs_per_row_generators(bp):
-    with pytest.raises(InputError, match="one generator per row"):
-        bp.generate(ids(2), generator=torch.Generator().manual_seed(0), compact_rows=True, **KW)
+def test_row_compaction_is_off_by_default_with_one_generator(bp, monkeypatch):
+    """With one generator (or none) for the batch, the default is the reference's loop: every row in every pass."""
+    seen = []
+    decode = bp.module.decode
+    monkeypatch.setattr(bp.module, "decode", lambda x, *a, **k: seen.append(x.shape[0]) or decode(x, *a, **k))
+    out = bp.generate(ids(3), generator=torch.Generator().manual_seed(4),
+                      **dict(KW, max_new_tokens=48, stability_threshold=0, confidence_threshold=6.212))
+    assert set(seen) == {3} and len(set(out.forward_passes.tolist())) > 1  # rows stopped, and stayed in the pass
 
 
 def _host_reads(monkeypatch, fn):

@@ -455,6 +455,23 @@ def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monke
         g.uninstall()
 
 
+def test_row_compaction_is_refused_on_graphed_passes():
+    """compact_rows=True under CUDA graphs would capture every new set of rows anew: a clear error; unset, the
+    engine keeps the batch whole there (the server swaps rows into graph-shaped prefixes instead)."""
+    lm = _tiny_model()
+    ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(8))
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    g = GraphedPasses(lm.module, capture=False).install()
+    try:
+        with pytest.raises(blockpress.errors.InputError, match="compact_rows=True cannot run on CUDA-graphed"):
+            lm.generate(ids, max_new_tokens=8, generator=gens, compact_rows=True)
+        lm.generate(ids, max_new_tokens=8, generator=gens, max_denoising_steps=6, stability_threshold=1,
+                    confidence_threshold=0.5)
+        assert {key[0] for name, key in g.captured if name == "decode"} == {2}
+    finally:
+        g.uninstall()
+
+
 def test_graphed_passes_autoregressive_steps():
     """Greedy AR decoding (bench's baseline): prefill eager, one-token steps through the static encoder pass."""
     m = _tiny_model().module

@@ -166,7 +166,8 @@ def run_blockpress(module, ids, mode, args, label="blockpress", graphs=None):
             if r == args.warmup and graphs is not None:
                 captured = graphs.captures
             torch.manual_seed(args.seed)
-            res = engine.generate(module, ids, cfg, C, sampler=args.sampler, fuse_commit=args.fuse_commit)
+            res = engine.generate(module, ids, cfg, C, sampler=args.sampler, fuse_commit=args.fuse_commit,
+                                  compact_rows=True if getattr(args, "compact_rows", False) else None)
             _sync(device)
             res.cache = None  # gone, so the next run's cache reuses its buffers (and CUDA graphs: GraphedPasses)
             ms = [t.take_ms() for t in timers]
@@ -342,6 +343,9 @@ def run(args) -> dict:
     if args.profile and args.steps < 2:
         raise InputError("--profile leaves out a canvas's first step (it follows the prompt's encoding), so it "
                          "needs --steps 2 or more")
+    if args.cuda_graphs and args.compact_rows:
+        raise InputError("--compact-rows cannot run on CUDA graphs (each set of rows would be captured anew); "
+                         "drop one of the two flags")
     if args.cuda_graphs and device.type != "cuda":
         raise InputError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
     if args.threads:
@@ -395,6 +399,7 @@ def run(args) -> dict:
               "model": args.model, "dtype": str(dtype).replace("torch.", ""), "precision": args.precision,
               "linears": args.linears, "backends": choice, "sampler": args.sampler,
               "cuda_graphs": bool(args.cuda_graphs), "fuse_commit": bool(args.fuse_commit),
+              "compact_rows": bool(args.compact_rows),
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "steps": args.steps,
               "canvas_length": C, "layers": text.num_hidden_layers, "hidden": text.hidden_size,
               "experts": text.num_experts, "top_k": text.top_k_experts, "vocab": text.vocab_size,
@@ -512,6 +517,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "kernel class, top kernels, experts' achieved GB/s (JSON key 'profile')")
     p.add_argument("--fuse-commit", action="store_true",
                    help="encode each committed canvas in the next canvas's first denoising pass (one weight read)")
+    p.add_argument("--compact-rows", action="store_true",
+                   help="adaptive mode, batch > 1: run each decoder pass on the rows still denoising only (the "
+                        "sampler still draws for every row: the same random stream); not with --cuda-graphs")
     p.add_argument("--sc-topk", type=_positive_int, default=None, metavar="K",
                    help="self-conditioning over the top-K tokens only (approximate; default: exact, all V)")
     p.add_argument("--prompt-tokens", type=_positive_int, help="prompt length P (default per preset)")

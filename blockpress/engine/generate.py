@@ -145,6 +145,23 @@ def _compact_step(step_fn, module, x, a, sc, done, n, cfg, cache, tracker, gener
     return x, a, sc, done, accepted, sub
 
 
+def _compact_pass(step_fn, module, x, a, sc, done, n, cfg, cache, tracker, generator, finished, fixed, watch, sub):
+    """One generator for the batch: the decoder runs on the rows not yet done, the sampler on every row (its
+    random draws use as many numbers whatever the logits, so every row draws what the full step draws; the frozen
+    rows' logits are zeros and their results are replaced by their frozen state, as in the full step). sub: as in
+    `_compact_step`."""
+    rows = (~done).nonzero().squeeze(1)
+    if sub is None or not torch.equal(sub[0], rows):
+        sub = (rows, cache.rows(rows))
+    part = module.decode(x[rows], sub[1], sc[rows])  # [k, C, V] fp32
+    raw = part.new_zeros(x.shape[0], *part.shape[1:])
+    raw[rows] = part
+    del part
+    x, a, sc, done_new, accepted = step_fn(module, x, a, sc, done, n, cfg, cache, tracker, generator, finished,
+                                           fixed=fixed, watch=watch, raw=raw)
+    return x, a, sc, done_new, accepted & ~done[:, None], sub
+
+
 def clamp(tokens: torch.Tensor, fixed) -> torch.Tensor:
     """tokens [B,C] with the fixed positions (mask, values) written in."""
     return tokens if fixed is None else torch.where(fixed[0], fixed[1], tokens)
@@ -171,11 +188,14 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     fuse_commit: encode each committed canvas in the same pass as the next canvas's first denoising step
     (`module.encode_decode`: one read of the weights instead of two; the same function up to fp32
     summation order, so tokens match the reference unless a draw sits on a rounding-level tie).
-    compact_rows: run each denoising step on the rows still denoising only (rows that stopped are frozen, so
-    their pass is wasted work: in a batch with adaptive stopping most rows stop long before the last one).
-    Needs one generator per row (each row's draws are then its own, whatever else is in the pass); the
-    tokens equal the uncompacted loop's up to fp32 rounding of the smaller batch's matmuls. None (default):
-    on with per-row generators and B > 1, unless `module.decode` is a CUDA-graphed decoder (one shape).
+    compact_rows: run each denoising step's decoder pass on the rows still denoising only (rows that stopped are
+    frozen, so their pass is wasted work: in a batch with adaptive stopping most rows stop long before the last
+    one). With one generator per row the sampler also runs on those rows only (each row's draws are its own);
+    with one generator (or none) for the batch it runs on every row, so that the random stream is the
+    uncompacted loop's. Either way the tokens equal the uncompacted loop's up to fp32 rounding of the smaller
+    batch's matmuls. None (default): on with per-row generators and B > 1, unless `module.decode` is a
+    CUDA-graphed decoder (one shape; compaction would recapture); off with one generator (the reference's
+    arithmetic, batch for batch).
     """
     if sampler == "exact":
         step_fn = denoise_step
@@ -222,14 +242,15 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
         pad_to = n_canvases * C - fixed_tokens.shape[1]
         fixed_tokens = torch.nn.functional.pad(fixed_tokens, (0, pad_to), value=-1).to(dev)
     per_row = isinstance(generator, (list, tuple))
+    # CUDA-graphed passes capture one batch shape: compaction would re-capture
     graphs = vars(module).get("_graphed_passes")  # kernels.graphs.installed(module), without the import cycle
+    graphed = graphs is not None
+    if compact_rows and graphed:
+        raise InputError("compact_rows=True cannot run on CUDA-graphed passes (every new set of rows would be "
+                         "captured anew); leave compact_rows unset, or generate without CUDA graphs")
+    compact = per_row and B > 1 and not graphed if compact_rows is None else bool(compact_rows)
     # CUDA graphs: each step's self-conditioning logits go straight into the decoder graph's input buffer
-    sc_out = graphs.sc_buffer(B, C) if graphs is not None else None
-    if compact_rows and not per_row:
-        raise InputError("compact_rows=True needs one generator per row (generator=[...]): with one shared "
-                         "random stream, leaving stopped rows out would change every later row's draws")
-    # a CUDA-graphed decoder (an instance `decode`) captures one batch shape: compaction would re-capture
-    compact = per_row and B > 1 and "decode" not in vars(module) if compact_rows is None else bool(compact_rows)
+    sc_out = graphs.sc_buffer(B, C) if graphed else None
     eos = torch.tensor(cfg.eos_token_id, device=dev) if cfg.eos_token_id is not None else None
     pad = cfg.pad_token_id
     tracker = StabilityTracker(cfg.stability_threshold, cfg.confidence_threshold,
@@ -275,8 +296,8 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             for n in range(N, 0, -1):
                 passes += ~(done | finished)
                 if compact and tracker is not None and steps > 0 and bool(done.any()):
-                    x, a, sc, done, accepted, sub = _compact_step(step_fn, module, x, a, sc, done, n, cfg, cache,
-                                                                  tracker, generator, finished, fixed, watch, sub)
+                    x, a, sc, done, accepted, sub = (_compact_step if per_row else _compact_pass)(
+                        step_fn, module, x, a, sc, done, n, cfg, cache, tracker, generator, finished, fixed, watch, sub)
                 else:
                     raw = module.encode_decode(chunk, x, cache, chunk_mask, sc) if fused and steps == 0 else None
                     x, a, sc, done, accepted = step_fn(module, x, a, sc, done, n, cfg, cache, tracker, generator,

@@ -322,6 +322,54 @@ def test_fixed_steps_do_not_synchronise_on_cuda(hf_tiny_dir):
     assert counts[0] == counts[1], counts
 
 
+def test_chunked_prefill_equals_the_whole_prompt_at_once(bp, monkeypatch):
+    """A long prompt is encoded `prefill_chunk` tokens at a time (no autograd, causal encoder): the same hidden
+    states and cache as one pass over it, with chunks shorter than the sliding window and longer, left padding
+    longer than a chunk (a row whose first chunk is all padding), and the same generated tokens. A bidirectional
+    encoder, and autograd, encode the whole prompt in one pass."""
+    m = bp.module
+    rows = [ids(1, 37, 1)[0].tolist(), ids(1, 9, 2)[0].tolist()]  # 28 positions of padding in row 2
+    x, mask = bp._prepare(rows, None)
+    assert m.window == 8 and m.prefill_chunk and not m.bidirectional_encoder
+    calls = []
+    encode = type(m).encode
+    monkeypatch.setattr(type(m), "encode", lambda self, ids, *a, **k: calls.append(ids.shape[1]) or encode(
+        self, ids, *a, **k))
+    outs = {}
+    for chunk in (None, 5, 16):
+        monkeypatch.setattr(m, "prefill_chunk", chunk)
+        calls.clear()
+        cache = m.new_cache(2, 40)  # grown once to hold the prompt
+        with torch.no_grad():
+            h = m.encode(x, cache, pad_mask=mask)
+        outs[chunk] = (h, cache, list(calls))
+    h0, c0, _ = outs[None]
+    for chunk in (5, 16):
+        h, c, seen = outs[chunk]
+        assert seen == [37] + [min(chunk, 37 - i) for i in range(0, 37, chunk)]
+        # padding positions hold whatever their (fully masked) attention gives; nothing ever attends to them
+        real = mask.bool()
+        assert c.length == 37 and (h - h0)[real].abs().max() < 2e-5 and torch.equal(c.valid, c0.valid)
+        for a, b in zip(c0.keys + c0.values, c.keys + c.values):
+            assert (a[:, :, :37] - b[:, :, :37]).transpose(1, 2)[real].abs().max() < 2e-5
+    monkeypatch.setattr(m, "prefill_chunk", None)
+    want = bp.generate(rows, generator=torch.Generator().manual_seed(3), **KW).sequences
+    monkeypatch.setattr(m, "prefill_chunk", 5)
+    assert torch.equal(bp.generate(rows, generator=torch.Generator().manual_seed(3), **KW).sequences, want)
+    for whole in ("autograd", "bidirectional"):
+        calls.clear()
+        cache = m.new_cache(2, 40)
+        if whole == "bidirectional":
+            monkeypatch.setattr(m, "bidirectional_encoder", True)
+            with torch.no_grad():
+                m.encode(x, cache, pad_mask=mask)
+            monkeypatch.setattr(m, "bidirectional_encoder", False)
+        else:
+            with torch.enable_grad():
+                m.encode(x, cache, pad_mask=mask)
+        assert calls == [37], whole
+
+
 def test_fused_commit_pass_equals_encode_then_decode(bp):
     """encode_decode(chunk, canvas) = encode(chunk) then decode(canvas): logits and the cache it leaves,
     with the chunk past the sliding window, left padding in the cache, and self-conditioning logits."""

@@ -222,3 +222,23 @@ def drive_scheduler(s, plan: dict) -> list[list[int]]:
         assert events and isinstance(events[-1], RowDone), events[-1:]
         out.append([t for e in events if isinstance(e, RowCommit) for t in e.tokens])
     return out
+
+
+def count_logits_copies(monkeypatch) -> list:
+    """Patch the CUDA-graph plumbing (`kernels.graphs._set`) to record the shape of every [B, C, V] tensor copied into
+    a captured pass's input buffer (the self-conditioning logits), leaving out a buffer handed back to itself (what
+    `GraphedPasses.sc_buffer` is for). Returns the list it appends to."""
+    import torch
+
+    from .kernels import graphs
+
+    copies, real_set = [], graphs._set
+
+    def counting_set(buf, value):
+        if isinstance(value, torch.Tensor) and value.dim() == 3 and not (
+                value.data_ptr() == buf.data_ptr() and value.shape == buf.shape):
+            copies.append(tuple(value.shape))
+        real_set(buf, value)
+
+    monkeypatch.setattr(graphs, "_set", counting_set)
+    return copies

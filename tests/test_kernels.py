@@ -402,21 +402,12 @@ def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monke
     pass copies them in (copies of [B, C, V] into a pass's buffers are counted). A larger batch than any before
     moves both buffers and recaptures the passes on them. Tokens stay those of a GraphedPasses of each batch size
     alone (bf16: the static passes round otherwise than the eager ones; the fp32 test above compares with those)."""
-    from blockpress.kernels import graphs as graphs_mod
+    from blockpress.testing import count_logits_copies
 
     lm = _tiny_model()
     m = lm.module.to(torch.bfloat16)
     C = lm.canvas_length
-    copies = []
-    real_set = graphs_mod._set
-
-    def counting_set(buf, value):
-        if isinstance(value, torch.Tensor) and value.dim() == 3 and not (
-                value.data_ptr() == buf.data_ptr() and value.shape == buf.shape):
-            copies.append(tuple(value.shape))
-        real_set(buf, value)
-
-    monkeypatch.setattr(graphs_mod, "_set", counting_set)
+    copies = count_logits_copies(monkeypatch)
     gen = torch.Generator().manual_seed(12)
     prompts = {B: torch.randint(5, 512, (B, 12), generator=gen) for B in (1, 2, 3)}
     kw = dict(max_new_tokens=3 * C, max_denoising_steps=3, stability_threshold=None, confidence_threshold=None,

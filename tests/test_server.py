@@ -559,19 +559,11 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
     swapped into the lowest slots). Once every batch size has run on the grown slots, the same traffic replays
     only: no new captures, the same buffers. The self-conditioning logits are kept in the graphs' own input buffer
     (rows swapped there too): no pass copies them in."""
-    from blockpress.kernels import graphs as graphs_mod
     from blockpress.kernels.graphs import GraphedPasses
     from blockpress.server.metrics import Metrics
+    from blockpress.testing import count_logits_copies
 
-    copies, real_set = [], graphs_mod._set
-
-    def counting_set(buf, value):
-        if isinstance(value, torch.Tensor) and value.dim() == 3 and not (
-                value.data_ptr() == buf.data_ptr() and value.shape == buf.shape):
-            copies.append(tuple(value.shape))
-        real_set(buf, value)
-
-    monkeypatch.setattr(graphs_mod, "_set", counting_set)
+    copies = count_logits_copies(monkeypatch)
 
     def job(text, new_tokens, seed, **kw):
         return Job(lm.encode_chat(text), lm.generation_config(max_new_tokens=new_tokens, **kw), seed=seed)

@@ -225,6 +225,9 @@ def test_static_decode_matches_decode(attention, sliding_reads, prompt):
                for a, b in zip(before, cache.keys + cache.values))
     out0 = static_decode(m, canvas, cache, T, sc, torch.zeros(2, dtype=torch.bool))
     assert (out0 - m.decode(canvas, cache, None)).abs().max() < 2e-5
+    m.sc_topk = 3  # top-K self-conditioning reaches the static pass too (it used the exact soft embedding)
+    out3 = static_decode(m, canvas, cache, T, sc, torch.ones(2, dtype=torch.bool))
+    assert (out3 - m.decode(canvas, cache, sc)).abs().max() < 2e-5 and (out3 - out).abs().max() > 1e-3
 
 
 def test_configure_fast_backends_keep_tokens():

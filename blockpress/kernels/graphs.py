@@ -41,7 +41,7 @@ import torch
 
 from ..config import FULL, SLIDING
 from ..engine.cache import KVCache
-from ..model.layers import ATTENTION_BACKENDS, rms_norm, rope_cos_sin, softmax_rows
+from ..model.layers import ATTENTION_BACKENDS, rms_norm, rope_cos_sin
 
 SYNC_FREE_EXPERTS = ("grouped", "triton", "triton_checked", "auto")  # "auto": QuantizedExperts picking triton
 
@@ -51,8 +51,7 @@ def decoder_input(module, canvas, sc_logits, sc_mask, scale):
     self-conditioning mask as a tensor, so that one captured graph serves steps with and without logits."""
     w = module.embed_tokens.weight
     e = torch.nn.functional.embedding(canvas, w) * scale
-    p = softmax_rows(sc_logits, w.dtype)
-    soft = (p @ w) * scale * sc_mask.to(w.dtype)[:, None, None]  # rows without logits: exactly 0
+    soft = module.soft_embedding(sc_logits) * scale * sc_mask.to(w.dtype)[:, None, None]  # rows without logits: 0
     return rms_norm(e + module.self_conditioning(soft), None, module.text.rms_norm_eps)
 
 

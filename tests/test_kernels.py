@@ -449,6 +449,45 @@ def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monke
         g.uninstall()
 
 
+@needs_triton
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a fast path switched off (a failed first-use check) fails it
+def test_gpu_fast_path_combination_gives_the_reference_tokens():
+    """What `gpu_session.sh` runs, end to end in fp32 (Triton: the interpreter on CPU, compiled on a GPU): int4
+    experts and int8 linears through their Triton kernels, the checked Triton soft cap writing into the graphs'
+    shared logits buffer, the fused sampler writing the self-conditioning logits into the graphs' input buffer,
+    the graph plumbing (captured on a GPU) with a fused commit, adaptive stopping at batch 2. Tokens equal those of
+    the torch reference paths on the same quantised weights, without graphs."""
+    from blockpress.kernels.linear_q import quantized_linears
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(1)).to(dev)
+    kw = dict(max_new_tokens=16, max_denoising_steps=5, stability_threshold=1, confidence_threshold=0.5,
+              sampler="fast", fuse_commit=True)
+    seqs = []
+    for fast in (False, True):
+        lm = _tiny_model(final_logit_softcapping=30.0)
+        m = lm.module.to(dev)
+        kernels.configure(m, experts="torch", precision="int4", linears="int8", group_size=16)  # the references
+        g = None
+        if fast:
+            for layer in m.layers:
+                layer.experts.backend = "triton"
+            for q in quantized_linears(m):
+                q.backend = "triton"
+            m.softcap_backend = "triton_checked"
+            g = GraphedPasses(m, capture=dev == "cuda", copy_outputs=False).install()
+        try:
+            torch.manual_seed(0)
+            seqs.append(lm.generate(ids, **kw).sequences)
+            if g is not None:
+                assert {name for name, _ in g.captured} == {"decode", "encode_decode"} and len(g._shared) == 2
+        finally:
+            if g is not None:
+                g.uninstall()
+    same = float((seqs[0] == seqs[1]).float().mean())
+    assert same == 1.0 if dev == "cpu" else same >= 0.95  # a GPU's fp32 kernels may sum in another order
+
+
 def test_row_compaction_is_refused_on_graphed_passes():
     """compact_rows=True under CUDA graphs would capture every new set of rows anew: a clear error; unset, the
     engine keeps the batch whole there (the server swaps rows into graph-shaped prefixes instead)."""

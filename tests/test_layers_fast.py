@@ -128,6 +128,8 @@ def test_lm_head_and_soft_embedding_in_row_blocks_equal_the_whole_products(dtype
             into = torch.full((2, 9, V), float("nan"))
             assert m.lm_logits(h, out=into) is into
             torch.testing.assert_close(into, whole[cap], **tol)
+    with pytest.raises(ValueError, match="torch.no_grad"):  # out= records no gradient: refused where one is wanted
+        m.lm_logits(h, out=torch.empty(2, 9, V))
 
 
 def test_in_place_softcap_and_entropy_equal_the_autograd_forms():

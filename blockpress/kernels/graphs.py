@@ -271,8 +271,12 @@ class _Captured:
         self.shared = tuple(t.data_ptr() for t in shared.values())
         out = {"out": shared["out"]} if "out" in shared else {}
         self.out = None  # the pass's output buffer: the graph's (or the shared one), or (no graph) the first result
-        self.fn = lambda: fn(module, cache=self.cache, scale=module.embed_scale(module.dtype, module.device),
-                             **self.inputs, **out)
+        def run():  # inference only: no autograd graph (and the out= writes need none)
+            with torch.no_grad():
+                return fn(module, cache=self.cache, scale=module.embed_scale(module.dtype, module.device),
+                          **self.inputs, **out)
+
+        self.fn = run
         self.graph = None
         if not capture:
             return

@@ -179,6 +179,9 @@ class DiffusionGemmaModel(nn.Module):
         V = w.shape[0]
         if out is None:
             out = torch.empty(*h.shape[:-1], V, dtype=torch.float32, device=h.device)
+        elif torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
+            raise ValueError("lm_logits(out=...) writes in place and records no gradient: call it under "
+                             "torch.no_grad(), or without out=")
         flat, into = h.reshape(-1, h.shape[-1]), out.view(-1, V)
         for i, j in row_blocks(flat.shape[0], V):
             logits = flat[i:j] @ w.t()

@@ -352,12 +352,15 @@ def _text_view(lm, console, live):
 
 def _generate(lm, ids, kw, gen, view, decode: bool, rows: int = 1):
     """Stream one prompt (as `rows` batch rows, each from its own noise) through the canvas loop, feeding
-    the view with row 0; returns the GenerationResult."""
+    the view with row 0; returns the GenerationResult. With several rows (Sudoku candidates) the decoder runs on
+    the rows still denoising only (`compact_rows`: the same random stream; not under CUDA graphs)."""
     import blockpress
+    from ..kernels.graphs import installed
 
     decoder = lm.tokenizer.stream_decoder(skip_special_tokens=True) if decode and lm.tokenizer else None
+    compact = True if rows > 1 and installed(lm.module) is None else None
     with view:
-        for ev in lm.stream([ids] * rows, generator=gen, drafts=view.live_on, **kw):
+        for ev in lm.stream([ids] * rows, generator=gen, drafts=view.live_on, compact_rows=compact, **kw):
             if isinstance(ev, blockpress.Draft):
                 view.draft(ev.canvas_index, ev.step, ev.max_steps, ev.tokens[0].tolist(), ev.accepted[0].tolist())
             elif isinstance(ev, blockpress.Commit):

@@ -23,7 +23,7 @@ from torch import nn
 from ..config import FULL, SLIDING, ModelConfig
 from ..engine.cache import KVCache
 from .layers import (ATTENTION_BACKENDS, MLP, SOFTCAP_BACKENDS, Attention, RMSNorm, embed_scale, rms_norm, rope_cos_sin,
-                     rope_inv_freq, row_blocks, softmax_rows)
+                     rope_inv_freq, softmax_rows)
 from .moe import Experts, Router
 
 PREFILL_CHUNK = 2048  # tokens a long prompt is encoded at a time (DiffusionGemmaModel.prefill_chunk; None: whole)
@@ -164,50 +164,32 @@ class DiffusionGemmaModel(nn.Module):
         """fp32 logits of final-normed hidden states. out: an fp32 tensor of their shape to write them into (no
         autograd; the CUDA graphs' shared logits buffer).
 
-        Under torch.no_grad(), the LM head's product is made a block of rows at a time (`layers.row_blocks`), each
-        block soft-capped into the fp32 result: the model-dtype product of all rows ([256, 262144] bf16 for a 26B
-        canvas, 134 MB) is never alive at once, only a block of it (33 MB)."""
+        One product over all rows: each block of rows would read the whole [V, H] table again (1.48 GB on the 26B
+        model), where splitting the rows would only save its [rows, V] model-dtype intermediate."""
         w = self.embed_tokens.weight
         cap = self.text.final_logit_softcapping
-        if out is None and torch.is_grad_enabled():  # the whole product (autograd: the plain form)
-            logits = h @ w.t()
-            if not cap:
-                return logits.float()
-            if logits.requires_grad:
-                return torch.tanh(logits.float() / cap) * cap
-            return SOFTCAP_BACKENDS[self.softcap_backend](logits, cap)
-        V = w.shape[0]
-        if out is None:
-            out = torch.empty(*h.shape[:-1], V, dtype=torch.float32, device=h.device)
-        elif torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
+        if out is not None and torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
             raise ValueError("lm_logits(out=...) writes in place and records no gradient: call it under "
                              "torch.no_grad(), or without out=")
-        flat, into = h.reshape(-1, h.shape[-1]), out.view(-1, V)
-        for i, j in row_blocks(flat.shape[0], V):
-            logits = flat[i:j] @ w.t()
-            dst = into[i:j]
-            res = dst.copy_(logits) if not cap else SOFTCAP_BACKENDS[self.softcap_backend](logits, cap, out=dst)
-            if res.data_ptr() != dst.data_ptr():  # a backend's fallback returned its own tensor
-                dst.copy_(res)
-        return out
+        logits = h @ w.t()
+        if out is not None:
+            res = out.copy_(logits) if not cap else SOFTCAP_BACKENDS[self.softcap_backend](logits, cap, out=out)
+            return res if res.data_ptr() == out.data_ptr() else out.copy_(res)  # a backend's fallback: its own
+        if not cap:
+            return logits.float()
+        if logits.requires_grad:
+            return torch.tanh(logits.float() / cap) * cap
+        return SOFTCAP_BACKENDS[self.softcap_backend](logits, cap)
 
     def soft_embedding(self, sc_logits: torch.Tensor) -> torch.Tensor:
         """softmax(sc_logits) @ E [B, C, H] in the weight dtype (spec 2.10's soft embedding), or its top-K
-        approximation (`sc_topk`). Under torch.no_grad() a block of rows at a time (`layers.row_blocks`): the
-        [B, C, V] probabilities are never alive at once (134 MB in bf16 for a 26B canvas), only a block."""
+        approximation (`sc_topk`): what the eager and the static (CUDA-graph) decoder passes both call."""
         w = self.embed_tokens.weight
         if self.sc_topk is not None:
             from ..kernels.sc_topk import soft_embedding_topk
 
             return soft_embedding_topk(sc_logits, w, self.sc_topk)
-        if torch.is_grad_enabled():  # the whole product (training: gradients through E, and maybe the logits)
-            return softmax_rows(sc_logits, w.dtype) @ w
-        V = sc_logits.shape[-1]
-        flat = sc_logits.reshape(-1, V)
-        out = torch.empty(flat.shape[0], w.shape[1], dtype=w.dtype, device=w.device)
-        for i, j in row_blocks(flat.shape[0], V):
-            torch.matmul(softmax_rows(flat[i:j], w.dtype), w, out=out[i:j])
-        return out.view(*sc_logits.shape[:-1], w.shape[1])
+        return softmax_rows(sc_logits, w.dtype) @ w  # softmax(z.float()).to(w.dtype), in 64 MB chunks
 
     def _rope(self, start: int, length: int, dtype, device) -> dict:
         """Rotary tables for positions [start, start + length), per layer type. Every denoising step of a

@@ -166,13 +166,6 @@ SOFTCAP_BACKENDS = {"torch": softcap_logits}  # kernels/ registers "triton" and 
 SOFTMAX_CHUNK = 1 << 24  # elements per fp32 chunk of `softmax_rows` (64 MB)
 
 
-def row_blocks(rows: int, width: int):
-    """(start, end) row ranges of at most SOFTMAX_CHUNK elements of `width` each (at least one row per block): how
-    the no-grad passes over [rows, V] tensors bound what they hold at once (64 rows for the 26B's V = 262144)."""
-    step = max(1, SOFTMAX_CHUNK // max(width, 1))
-    return [(i, min(i + step, rows)) for i in range(0, rows, step)]
-
-
 SOFTMAX_IN_DTYPE_ON_CUDA = True  # softmax_rows on a GPU: one kernel in the input's dtype (tests switch it off)
 
 

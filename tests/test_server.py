@@ -688,7 +688,7 @@ def test_scheduler_slots_under_random_traffic(lm, seed):
         g.uninstall()
 
 
-def test_scheduler_warm_up_leaves_it_ready(lm):
+def test_scheduler_warm_up_leaves_it_ready(lm, monkeypatch):
     """serve's warm-up on a GPU (short requests through the loop before start(), so that kernel compiles and
     graph captures do not land in the first clients' requests): afterwards nothing is queued or running, a
     request gets the tokens a fresh scheduler gives it, and under the graph plumbing the warm-up has captured, for
@@ -712,6 +712,12 @@ def test_scheduler_warm_up_leaves_it_ready(lm):
         assert drive_scheduler(s, {0: [job]}) == want
         assert drive_scheduler(s, jobs) == want_mixed and sum(map(len, jobs.values())) >= 4
         assert g.captures == captures  # every pass the traffic ran was captured by the warm-up
+        # where slots for max_batch rows would not fit in half the spare GPU memory: batch 1 only
+        monkeypatch.setattr(scheduler_mod, "_spare_bytes", lambda device: 1)
+        g.captured.clear()
+        s = Scheduler(lm.module, lm.canvas_length, fuse_commit=True, max_batch=3)
+        s.warm_up()
+        assert set(g.captured) == {("decode", (1, C)), ("encode_decode", ((1, C), (1, C)))}
     finally:
         g.uninstall()
     s = Scheduler(lm.module, lm.canvas_length).start()

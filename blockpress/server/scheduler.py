@@ -293,8 +293,9 @@ class Scheduler:
         M = min(self.max_batch, self.queue_size)
         if self.graphs is not None and M > 1:
             need = 8 + (M + 1) * self.C
+            cap = min(1 << (need - 1).bit_length(), self.max_positions)  # what `_slot_rows` will allocate
             spare = _spare_bytes(self.module.device)
-            if need <= self.max_positions and (spare is None or self._slot_bytes(M, need) <= spare // 2):
+            if need <= self.max_positions and (spare is None or self._slot_bytes(M, cap) <= spare // 2):
                 plan = [(i + 2, i + 1) for i in range(M)]  # (canvases, steps): rows stop, then leave, one by one
                 fuse = self.fuse_commit
                 try:

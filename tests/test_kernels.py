@@ -488,19 +488,73 @@ def test_gpu_fast_path_combination_gives_the_reference_tokens():
     assert same == 1.0 if dev == "cpu" else same >= 0.95  # a GPU's fp32 kernels may sum in another order
 
 
-def test_row_compaction_is_refused_on_graphed_passes():
-    """compact_rows=True under CUDA graphs would capture every new set of rows anew: a clear error; unset, the
-    engine keeps the batch whole there (the server swaps rows into graph-shaped prefixes instead)."""
+@pytest.mark.parametrize("case", ["plain", "fixed_tokens", "fuse_commit"])
+def test_row_compaction_on_graphed_passes_swaps_rows_into_a_prefix(case):
+    """With per-row generators the engine compacts under CUDA graphs too: the rows still denoising are swapped into
+    the lowest rows of the cache and the graphs of that prefix run (one capture per batch size, on the same
+    buffers). Drafts, commits, sequences, passes and the returned cache come back in the caller's order and equal
+    the eager engine's (left padding, rows stopping at different steps, 3 canvases; infilling; fused commits). A
+    second generation captures nothing new. With one generator compact_rows=True is refused there."""
     lm = _tiny_model()
-    ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(8))
-    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
-    g = GraphedPasses(lm.module, capture=False).install()
+    m = lm.module
+    rows = [torch.randint(5, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 13, 17)]
+    # random weights never repeat an argmax: stopping by entropy alone, near ln(512) = 6.24
+    kw = dict(max_new_tokens=24, max_denoising_steps=6, stability_threshold=0, confidence_threshold=6.21)
+    if case == "fixed_tokens":
+        kw["fixed_tokens"] = torch.tensor([[-1, 7, -1, 9] * 6, [5] * 3 + [-1] * 21, [-2] * 4 + [-1] * 20])
+    elif case == "fuse_commit":
+        kw["fuse_commit"] = True
+
+    def run(calls):
+        """The events, the result, and for every decoder pass: canvas row -> the self-conditioning logits it got."""
+        decode = m.decode
+
+        def recording(x, cache, sc=None, *args, **kwargs):
+            calls.append({tuple(r.tolist()): None if sc is None else sc[i].clone() for i, r in enumerate(x)})
+            return decode(x, cache, sc, *args, **kwargs)
+
+        m.decode = recording
+        try:
+            events = list(lm.stream(rows, generator=[torch.Generator().manual_seed(s) for s in (4, 5, 6)], **kw))
+        finally:
+            m.decode = decode  # eager: the bound method as an attribute (deleted below); graphs: theirs
+        return events, events[-1].result
+
+    want_calls = []
+    want_events, want = run(want_calls)
+    del m.decode  # the eager method again
+    assert len(set(want.forward_passes.tolist())) > 1  # the rows stopped at different steps
+    g = GraphedPasses(m, capture=False).install()
     try:
-        with pytest.raises(blockpress.errors.InputError, match="compact_rows=True cannot run on CUDA-graphed"):
-            lm.generate(ids, max_new_tokens=8, generator=gens, compact_rows=True)
-        lm.generate(ids, max_new_tokens=8, generator=gens, max_denoising_steps=6, stability_threshold=1,
-                    confidence_threshold=0.5)
-        assert {key[0] for name, key in g.captured if name == "decode"} == {2}
+        for round_ in range(2):
+            calls = []
+            events, got = run(calls)
+            # every pass got the rows (in any order) and their self-conditioning logits that the eager one got
+            assert [c.keys() for c in calls] == [c.keys() for c in want_calls]
+            for c, w in zip(calls, want_calls):
+                assert all((c[k] is None) == (w[k] is None) and (c[k] is None or (c[k] - w[k]).abs().max() < 2e-5)
+                           for k in c)
+            for name in ("sequences", "tokens_per_forward", "forward_passes"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
+            assert got.steps_per_canvas == want.steps_per_canvas and len(events) == len(want_events)
+            for e, w in zip(events, want_events):
+                if isinstance(e, blockpress.Draft):
+                    assert torch.equal(e.tokens, w.tokens) and torch.equal(e.done, w.done)
+                    assert torch.equal(e.accepted[~e.done], w.accepted[~w.done])
+                elif isinstance(e, blockpress.Commit):
+                    assert torch.equal(e.tokens, w.tokens) and torch.equal(e.finished, w.finished)
+            L = want.cache.length
+            assert got.cache.length == L and torch.equal(got.cache.valid[:, :L], want.cache.valid[:, :L])
+            for a_, b_ in zip(got.cache.keys + got.cache.values, want.cache.keys + want.cache.values):
+                assert (a_[:, :, :L] - b_[:, :, :L]).abs().max() < 2e-5
+            sizes = {key[0] for name, key in g.captured if name == "decode"}
+            assert 3 in sizes and min(sizes) < 3  # the prefixes' graphs, on the pooled cache's buffers
+            if round_ == 0:
+                captures = g.captures
+            del events, got, e  # the last event holds the result and its (pooled) cache
+        assert g.captures == captures
+        with pytest.raises(blockpress.errors.InputError, match="one generator cannot run on CUDA-graphed"):
+            lm.generate(rows, generator=torch.Generator().manual_seed(1), compact_rows=True, **kw)
     finally:
         g.uninstall()
 

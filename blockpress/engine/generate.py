@@ -193,9 +193,10 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     one). With one generator per row the sampler also runs on those rows only (each row's draws are its own);
     with one generator (or none) for the batch it runs on every row, so that the random stream is the
     uncompacted loop's. Either way the tokens equal the uncompacted loop's up to fp32 rounding of the smaller
-    batch's matmuls. None (default): on with per-row generators and B > 1, unless `module.decode` is a
-    CUDA-graphed decoder (one shape; compaction would recapture); off with one generator (the reference's
-    arithmetic, batch for batch).
+    batch's matmuls. Under CUDA graphs (per-row generators only) the rows still denoising are swapped into the
+    lowest rows of the cache and the graphs of that batch size run on a prefix view of it, as the server does;
+    events and the result come back in the caller's row order. None (default): on with per-row generators and
+    B > 1; off with one generator (the reference's arithmetic, batch for batch).
     """
     if sampler == "exact":
         step_fn = denoise_step
@@ -242,13 +243,15 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
         pad_to = n_canvases * C - fixed_tokens.shape[1]
         fixed_tokens = torch.nn.functional.pad(fixed_tokens, (0, pad_to), value=-1).to(dev)
     per_row = isinstance(generator, (list, tuple))
-    # CUDA-graphed passes capture one batch shape: compaction would re-capture
+    # CUDA-graphed passes capture one shape per batch size: there, compaction swaps the rows still denoising into
+    # the lowest rows (slots) and runs the graphs of that prefix, which needs per-row generators (with one
+    # generator the sampler draws for every row, in the caller's row order)
     graphs = vars(module).get("_graphed_passes")  # kernels.graphs.installed(module), without the import cycle
     graphed = graphs is not None
-    if compact_rows and graphed:
-        raise InputError("compact_rows=True cannot run on CUDA-graphed passes (every new set of rows would be "
-                         "captured anew); leave compact_rows unset, or generate without CUDA graphs")
-    compact = per_row and B > 1 and not graphed if compact_rows is None else bool(compact_rows)
+    if compact_rows and graphed and not per_row:
+        raise InputError("compact_rows=True with one generator cannot run on CUDA-graphed passes; give one "
+                         "generator per row (generator=[...]), or generate without CUDA graphs")
+    compact = per_row and B > 1 if compact_rows is None else bool(compact_rows)
     # CUDA graphs: each step's self-conditioning logits go straight into the decoder graph's input buffer
     sc_out = graphs.sc_buffer(B, C) if graphed else None
     eos = torch.tensor(cfg.eos_token_id, device=dev) if cfg.eos_token_id is not None else None
@@ -259,6 +262,35 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     seq = input_ids
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     passes = torch.zeros(B, dtype=torch.int32, device=dev)
+    # compaction under graphs: slot s holds the caller's row perm[s] (all per-row state is kept in slot order and
+    # put back in the caller's order for every event and the result)
+    perm = list(range(B))
+
+    def in_order(t):
+        return t if perm == list(range(B)) else t[torch.tensor(perm, device=t.device).argsort()]
+
+    def to_front(active: list[int]) -> None:
+        """Swap rows so that the `active` ones hold slots [0, len(active)): their K/V, padding, canvas, argmax,
+        self-conditioning logits (in the graphs' buffer), stopping history, generator and the rest."""
+        nonlocal x, a, sc, done, finished, passes, seq, fixed, watch, fixed_tokens, generator, perm
+        k, order = len(active), list(range(B))
+        for hole, mover in zip([i for i in range(k) if i not in active], [i for i in active if i >= k]):
+            order[hole], order[mover] = mover, hole
+        idx = torch.tensor(order, device=dev)
+        dst = torch.tensor([s_ for s_, o in enumerate(order) if o != s_], device=dev)
+        src, L = idx[dst], cache.length
+        for t in cache.keys + cache.values:
+            t[dst, :, :L] = t[src, :, :L]  # the right side is gathered first
+        cache.valid[dst] = cache.valid[src]
+        sc[dst] = sc[src]
+        x, a, done, finished, passes, seq = (t[idx] for t in (x, a, done, finished, passes, seq))
+        fixed = None if fixed is None else (fixed[0][idx], fixed[1][idx])
+        watch = None if watch is None else watch[idx]
+        fixed_tokens = None if fixed_tokens is None else fixed_tokens[idx]
+        if tracker.history is not None:  # None: stopping by confidence alone keeps no history
+            tracker.history = tracker.history[:, idx]
+        generator = [generator[o] for o in order]
+        perm = [perm[o] for o in order]
     steps_per_canvas, canvas_seconds = [], []
     t_start = time.perf_counter()
     prefill_seconds = first_commit = 0.0
@@ -295,7 +327,28 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             sub = None  # row compaction: (active row ids, their cache rows)
             for n in range(N, 0, -1):
                 passes += ~(done | finished)
-                if compact and tracker is not None and steps > 0 and bool(done.any()):
+                if compact and graphed and tracker is not None and steps > 0 and bool(done.any()):
+                    active = (~done).nonzero().squeeze(1).tolist()
+                    k = len(active)
+                    if active != list(range(k)):
+                        to_front(active)
+                    if sub is None or sub[0] != k:  # the prefix's cache view, made once per size
+                        sub = (k, cache.view_rows(0, k))
+                    hist = tracker.history
+                    if hist is not None:
+                        tracker.history = hist[:, :k]
+                    xs, as_, _, dones, acc = step_fn(
+                        module, x[:k], a[:k], sc[:k], done[:k], n, cfg, sub[1], tracker, generator[:k], finished[:k],
+                        fixed=None if fixed is None else (fixed[0][:k], fixed[1][:k]),
+                        watch=None if watch is None else watch[:k], sc_out=sc[:k])
+                    if hist is not None:
+                        hist[:, :k] = tracker.history
+                        tracker.history = hist
+                    x, a, done = x.clone(), a.clone(), done.clone()  # earlier Drafts may alias them
+                    x[:k], a[:k], done[:k] = xs, as_, dones
+                    accepted = torch.zeros_like(x, dtype=torch.bool)
+                    accepted[:k] = acc
+                elif compact and tracker is not None and steps > 0 and bool(done.any()):
                     x, a, sc, done, accepted, sub = (_compact_step if per_row else _compact_pass)(
                         step_fn, module, x, a, sc, done, n, cfg, cache, tracker, generator, finished, fixed, watch, sub)
                 else:
@@ -304,7 +357,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
                                                        finished, fixed=fixed, watch=watch, raw=raw, sc_out=sc_out)
                 steps += 1
                 if drafts:
-                    yield Draft(c, steps, N, a.cpu(), accepted.cpu(), done.cpu())
+                    yield Draft(c, steps, N, in_order(a).cpu(), in_order(accepted).cpu(), in_order(done).cpu())
                 if tracker is not None and bool(done.all()):  # fixed steps: nothing to ask the device
                     break
             seq = torch.cat([seq, a], dim=-1)
@@ -325,13 +378,19 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             elapsed = time.perf_counter() - t_canvas
             steps_per_canvas.append(steps)
             canvas_seconds.append(elapsed)
-            committed = new.cpu()
+            committed = in_order(new).cpu()
             if c == 0:
                 first_commit = time.perf_counter() - t_start
-            yield Commit(c, committed, finished.cpu(), steps, elapsed)
+            yield Commit(c, committed, in_order(finished).cpu(), steps, elapsed)
             if bool(finished.all()):
                 break
             chunk, chunk_mask = seq[:, -C:], None
+    if perm != list(range(B)):  # the caller's row order again, the cache's rows too
+        back = torch.tensor(perm, device=dev).argsort()
+        for t in cache.keys + cache.values:
+            t[:, :, :cache.length] = t[back, :, :cache.length]
+        cache.valid.copy_(cache.valid[back])
+        seq, passes = seq[back], passes[back]
     new_tokens = seq[:, S:]
     valid = (new_tokens != pad).sum(dim=-1) if pad is not None else new_tokens.shape[1]
     result = GenerationResult(

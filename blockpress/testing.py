@@ -242,3 +242,26 @@ def count_logits_copies(monkeypatch) -> list:
 
     monkeypatch.setattr(graphs, "_set", counting_set)
     return copies
+
+
+def count_host_reads(monkeypatch, fn) -> int:
+    """Calls that make a GPU's host wait for the device (a device value read on the host) or copy host data to it
+    (torch.tensor), made while fn runs: counted on any device, so a CPU test can check a loop's synchronisation."""
+    import torch
+
+    count = {"n": 0}
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist", "cpu", "numpy"):
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, **k):
+            count["n"] += 1
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    orig_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: count.__setitem__("n", count["n"] + 1) or orig_tensor(*a, **k))
+    try:
+        fn()
+    finally:
+        monkeypatch.undo()
+    return count["n"]
+

@@ -6,6 +6,7 @@ import torch
 
 import blockpress
 from blockpress.errors import InputError, SamplingError
+from blockpress.testing import count_host_reads
 from blockpress.model.moe import experts_dense, experts_loop
 
 transformers = pytest.importorskip("transformers")
@@ -248,26 +249,6 @@ def test_row_compaction_is_off_by_default_with_one_generator(bp, monkeypatch):
     assert set(seen) == {3} and len(set(out.forward_passes.tolist())) > 1  # rows stopped, and stayed in the pass
 
 
-def _host_reads(monkeypatch, fn):
-    """Calls that make a GPU's host wait for the device (a device value read on the host) or copy host data
-    to it (torch.tensor), made while fn runs: counted on any device, so the CPU suite checks the loop."""
-    count = {"n": 0}
-    for name in ("__bool__", "__int__", "__float__", "item", "tolist", "cpu", "numpy"):
-        orig = getattr(torch.Tensor, name)
-
-        def counted(self, *a, _orig=orig, **k):
-            count["n"] += 1
-            return _orig(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    orig_tensor = torch.tensor
-    monkeypatch.setattr(torch, "tensor", lambda *a, **k: count.__setitem__("n", count["n"] + 1) or orig_tensor(*a, **k))
-    try:
-        fn()
-    finally:
-        monkeypatch.undo()
-    return count["n"]
-
-
 @pytest.mark.parametrize("sampler", ["exact", "fast"])
 def test_fixed_steps_read_nothing_back_per_step(bp, sampler, monkeypatch):
     """With fixed steps a denoising step never waits for the device: twice the steps, the same number of
@@ -285,7 +266,7 @@ def test_fixed_steps_read_nothing_back_per_step(bp, sampler, monkeypatch):
                 gen = torch.Generator().manual_seed(0)
                 bp.generate(x, generator=gen, max_denoising_steps=steps, **kw)  # warm: caches made once
                 r = []
-                counts[mode, steps] = _host_reads(
+                counts[mode, steps] = count_host_reads(
                     monkeypatch, lambda: r.append(bp.generate(x, generator=gen, max_denoising_steps=steps, **kw)))
                 assert r[0].steps_per_canvas == [steps, steps]  # never stops early (entropy never under 1e-9)
     finally:

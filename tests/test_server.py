@@ -688,6 +688,29 @@ def test_scheduler_slots_under_random_traffic(lm, seed):
         g.uninstall()
 
 
+def test_scheduler_reads_the_device_once_per_step_for_all_rows(lm, monkeypatch):
+    """Three adaptive rows streaming drafts: every row's stop flag comes to the host in one read per step, every
+    row's draft in one more (a GPU's host waits for the device at each read: one per row would stall its queue B
+    times a step). Counted as the reads that 4 more steps per canvas add."""
+    from blockpress.testing import count_host_reads
+
+    def reads(steps):
+        kw = dict(max_new_tokens=lm.canvas_length, max_denoising_steps=steps, stability_threshold=1,
+                  confidence_threshold=1e-9, eos_token_id=None)  # never stops early: every row runs every step
+        jobs = [Job(lm.encode_chat(t), lm.generation_config(**kw), seed=i, drafts=True)
+                for i, t in enumerate(["one", "two two", "three three three"])]
+        s = Scheduler(lm.module, lm.canvas_length, max_batch=3)
+        handles = [s.submit(j) for j in jobs]
+        n = count_host_reads(monkeypatch, lambda: s._canvas())
+        drafts = [[e for e in h.drain() if isinstance(e, RowDraft)] for h in handles]
+        assert [len(d) for d in drafts] == [steps] * 3 and all(d[-1].step == steps for d in drafts)
+        return n
+
+    for steps in (4, 8):
+        reads(steps)  # warm: what is made once per setting (rotary tables, temperature schedules)
+    assert reads(8) - reads(4) == 4 * 2  # 4 more steps x (the stop flags + the drafts), whatever the rows
+
+
 def test_scheduler_warm_up_leaves_it_ready(lm, monkeypatch):
     """serve's warm-up on a GPU (short requests through the loop before start(), so that kernel compiles and
     graph captures do not land in the first clients' requests): afterwards nothing is queued or running, a

@@ -20,6 +20,8 @@ Design (continuous batching at canvas granularity):
 - Rows may have their own step budget (`max_denoising_steps`) and stopping rule; a row that
   stopped denoising is frozen (no decode result used, no random draws) until the canvas commits;
   with `compact_rows` (the default) the decoder pass leaves frozen rows out altogether.
+- Host reads: a step reads every row's stop flag in one transfer and every streaming row's draft in one more,
+  not one per row (on a GPU each read waits for the device to drain its queue).
 - `fuse_commit=True` (`blockpress serve --fuse-commit`): at a boundary where nobody waits to join,
   the committed canvas is encoded in the same pass as the next canvas's first denoising step
   (`encode_decode`: one read of the weights for both). A request that arrives during that boundary
@@ -597,6 +599,7 @@ class Scheduler:
                 raw = m.decode(x, self.cache, sc)  # [B, C, V] fp32
             if sc is None:  # first step; rows written below, frozen rows keep theirs. Graphs: the passes' own input
                 sc = raw.to(m.dtype) if self.graphs is None else self.graphs.sc_buffer(B, C).copy_(raw)
+            stops, drafts = [], []  # device values read on the host once for all rows, after the loop
             for i in active:
                 r = self.rows[i]
                 if r.handle.cancelled:  # cancelled during this pass
@@ -620,11 +623,20 @@ class Scheduler:
                 r.steps += 1
                 r.passes += 1
                 r.n -= 1
-                if r.tracker is not None and bool(r.tracker(a[i:i + 1], z, entropy=h, watch=watch[i])[0]):
-                    r.n = 0
+                if r.tracker is not None:
+                    stops.append((r, r.tracker(a[i:i + 1], z, entropy=h, watch=watch[i])[0]))
                 if r.handle.job.drafts:
-                    r.handle.put(RowDraft(len(r.steps_per_canvas), r.steps, cfg.max_denoising_steps,
-                                          a[i].tolist(), accepted[0].tolist()))
+                    drafts.append((r, torch.stack([a[i], accepted[0].to(a.dtype)])))
+            # one host read per step for every row's stop flag, one for every row's draft (a GPU's host waits for
+            # the device at each read: one per row would stall the queue B times a step)
+            if stops:
+                for (r, _), stop in zip(stops, torch.stack([f for _, f in stops]).tolist()):
+                    if stop:
+                        r.n = 0
+            if drafts:
+                for (r, _), (top, acc) in zip(drafts, torch.stack([d for _, d in drafts]).tolist()):
+                    r.handle.put(RowDraft(len(r.steps_per_canvas), r.steps, r.cfg.max_denoising_steps, top,
+                                          [bool(v) for v in acc]))
             if self.metrics is not None:
                 self.metrics.step_seconds.observe(time.perf_counter() - t0)
                 self.metrics.batch_rows.observe(raw.shape[0])

@@ -1,7 +1,8 @@
 """Serving benchmark: the server's scheduler under closed-loop load, in process (no HTTP, no tokenizer).
 
 For each concurrency c, c requests are kept in flight (a finished one is replaced at once) until `--requests`
-have finished, after an untimed warm-up of c requests (where CUDA graphs are captured). Every request has a
+have finished, after an untimed warm-up of c requests (on a GPU also `serve`'s own warm-up, which captures the
+CUDA graphs of every batch size up to c; its seconds are reported). Every request has a
 random P-token prompt and generates N tokens (no end-of-text stop) with fixed or adaptive steps. Reports, per
 level: aggregate generated tok/s, each request's own tok/s, time to first commit from submission (p50 / p95),
 rows per batched step, wall ms per batched step, and the CUDA graph captures in the timed part (0: the server
@@ -145,7 +146,10 @@ def run(args, module=None) -> dict:
         for c in (int(c) for c in str(args.concurrency).split(",")):
             metrics = Metrics()
             s = Scheduler(module, C, max_batch=max(c, 1), queue_size=max(c, 1) * 2, metrics=metrics,
-                          fuse_commit=args.fuse_commit, sampler=args.sampler).start()
+                          fuse_commit=args.fuse_commit, sampler=args.sampler)
+            if device.type == "cuda":  # as `serve` does before it listens: compiles, checks, every batch size's graphs
+                warm_s = s.warm_up()
+            s.start()
 
             def make_job(i, c=c):
                 ids = torch.randint(5, V, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1000 * c + i))
@@ -158,6 +162,8 @@ def run(args, module=None) -> dict:
                 _reset_peak(device)
                 captures = graphs.captures if graphs is not None else 0
                 level = closed_loop(s, make_job, c, args.requests or 2 * c)
+                if device.type == "cuda":
+                    level["warm_up_seconds"] = warm_s
                 _sync(device)
                 level["peak_mem_bytes"] = _peak_bytes(device)
                 if graphs is not None:

@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_session.sh bf16    # real 26B-A4B, bf16: vs transformers and AR, fast paths, batch 1-8
 #   bash benchmarks/gpu_session.sh quant   # fp8 and int4 experts (int4 also with int8 linears), peak memory
 #   bash benchmarks/gpu_session.sh serve   # the server's scheduler under load, int4 + int8 linears, graphs off / on
+#   bash benchmarks/gpu_session.sh long    # an 8K-token prompt: chunked prefill (2,048) against one pass
 # A session's 30 minutes of device time (machine start included) hold three parts: check, quant, bf16 first (the
 # issue's targets); serve in the next session, or when a part finished early.
 # MOE_TILES="bm=..,bn=..,bk=.." (the check part's best bf16 spec, tiles.json "best") makes the fast runs use those
@@ -19,7 +20,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh check|bf16|quant|serve}
+PART=${1:?usage: gpu_session.sh check|bf16|quant|serve|long}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -108,7 +109,16 @@ case "$PART" in
       echo "--- serve-$run: $((SECONDS - t0)) s" | tee -a "$OUT/log.txt"
     done
     ;;
-  *) echo "unknown part $PART (check, bf16, quant or serve)"; exit 2 ;;
+  long)
+    # prefill of an 8K-token prompt (int4 experts + int8 linears): 2,048 tokens a chunk (the default) against the
+    # whole prompt in one pass; prefill_ms and peak_mem_bytes are the numbers to compare
+    LONG=8192; [ "$PRESET" = real-26b ] || LONG=3000  # a dry run's preset holds 4,096 positions
+    for chunk in 2048 0; do
+      bench long-prefill-$chunk --batch 1 --precision int4 --linears int8 --modes fixed --experts $FAST --sampler fast \
+        $GPU_FLAGS --prompt-tokens $LONG --new-tokens 256 --prefill-chunk $chunk --no-reference --no-ar
+    done
+    ;;
+  *) echo "unknown part $PART (check, bf16, quant, serve or long)"; exit 2 ;;
 esac
 
 python3 - "$OUT" <<'EOF'
@@ -118,13 +128,14 @@ def f(r, k, fmt, scale=1.0):
     return format(r[k] * scale, fmt) if isinstance(r.get(k), (int, float)) else "-"
 
 if any(json.load(open(p)).get("runs") for p in glob.glob(f"{sys.argv[1]}/*.json")):
-    print("\n| run | engine | B | mode | tok/s | excl. prompt | ms/step | ms/commit | step floor frac | roofline frac | GB/s | peak GB | captures in timed runs |")
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| run | engine | B | mode | tok/s | excl. prompt | prefill ms | ms/step | ms/commit | step floor frac | roofline frac | GB/s | peak GB | captures in timed runs |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for path in sorted(glob.glob(f"{sys.argv[1]}/*.json")):
     res = json.load(open(path))
     for r in res.get("runs", []):
         print(f"| {path.split('/')[-1][:-5]} | {r.get('engine')} | {r.get('batch')} | {r.get('mode')} | "
-              f"{f(r, 'tok_s', '.0f')} | {f(r, 'tok_s_excl_prompt', '.0f')} | {f(r, 'ms_per_step', '.2f')} | "
+              f"{f(r, 'tok_s', '.0f')} | {f(r, 'tok_s_excl_prompt', '.0f')} | {f(r, 'prefill_ms', '.0f')} | "
+              f"{f(r, 'ms_per_step', '.2f')} | "
               f"{f(r, 'ms_per_commit', '.2f')} | {f(r, 'floor_fraction', '.2f')} | {f(r, 'floor_fraction_roofline', '.2f')} | "
               f"{f(r, 'achieved_gbs', '.0f')} | "
               f"{f(r, 'peak_mem_bytes', '.1f', 1e-9)} | {r.get('graph_captures_timed', '-')} |")

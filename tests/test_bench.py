@@ -195,6 +195,14 @@ def test_bench_fuse_commit_times_the_fused_pass_and_keeps_the_tokens(capsys):
     assert fused < plain
 
 
+def test_bench_prefill_chunk_keeps_the_references_tokens(capsys):
+    """--prefill-chunk 3: the 8-token prompt encoded 3 tokens at a time, the same tokens as transformers (which
+    encodes it whole); recorded in the JSON's backends."""
+    assert cli_main(["bench", *FAST, "--modes", "fixed", "--no-ar", "--prefill-chunk", "3"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["backends"]["prefill_chunk"] == 3 and result["token_agreement_vs_transformers"] == {"B1-fixed": 1.0}
+
+
 def test_bench_compact_rows_keeps_the_references_tokens(capsys):
     """--compact-rows (adaptive, batch 2): the decoder skips stopped rows, the sampler draws for all, so the tokens
     stay transformers'; it is recorded in the JSON, and refused with --cuda-graphs."""

@@ -384,6 +384,9 @@ def run(args) -> dict:
 
     moe_grouped.set_moe_tiles(args.moe_tiles)  # checked by argparse; None: the defaults
     choice["moe_tiles"] = moe_grouped.TILES.spec()
+    if args.prefill_chunk is not None:  # 0: the whole prompt in one pass
+        module.prefill_chunk = args.prefill_chunk or None
+    choice["prefill_chunk"] = module.prefill_chunk
     text, C = module.text, module.config.canvas_length
     bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth(device)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (
@@ -520,6 +523,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compact-rows", action="store_true",
                    help="adaptive mode, batch > 1: run each decoder pass on the rows still denoising only (the "
                         "sampler still draws for every row: the same random stream); not with --cuda-graphs")
+    p.add_argument("--prefill-chunk", type=_nonneg_int, default=None, metavar="N",
+                   help="encode a long prompt N tokens at a time (default: the model's, 2048; 0: in one pass)")
     p.add_argument("--sc-topk", type=_positive_int, default=None, metavar="K",
                    help="self-conditioning over the top-K tokens only (approximate; default: exact, all V)")
     p.add_argument("--prompt-tokens", type=_positive_int, help="prompt length P (default per preset)")

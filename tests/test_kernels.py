@@ -559,6 +559,38 @@ def test_row_compaction_on_graphed_passes_swaps_rows_into_a_prefix(case):
         g.uninstall()
 
 
+@pytest.mark.parametrize("seed", [2, 3, 5, 6])  # settings whose rows stop at different steps
+def test_row_compaction_on_graphed_passes_under_random_settings(seed):
+    """Seeded settings (batch 2-4, prompt lengths, 1-3 canvases, step budgets, stopping thresholds, fused commits,
+    both samplers, infilled positions): compaction under the graph plumbing gives the eager engine's sequences and
+    passes."""
+    import random
+
+    rnd = random.Random(seed)
+    lm = _tiny_model()
+    B = rnd.randint(2, 4)
+    rows = [[rnd.randrange(5, 512) for _ in range(rnd.randint(5, 20))] for _ in range(B)]
+    C = lm.canvas_length
+    kw = dict(max_new_tokens=C * rnd.randint(1, 3), max_denoising_steps=rnd.randint(3, 6), stability_threshold=0,
+              confidence_threshold=rnd.choice([6.2, 6.21, 6.215]), fuse_commit=rnd.random() < 0.5,
+              sampler=rnd.choice(["exact", "fast"]))
+    if rnd.random() < 0.5:
+        kw["fixed_tokens"] = torch.tensor([[rnd.choice([-1, -1, -2, rnd.randrange(5, 512)]) for _ in range(C)]
+                                           for _ in range(B)])
+
+    def run():
+        return lm.generate(rows, generator=[torch.Generator().manual_seed(seed * 10 + i) for i in range(B)], **kw)
+
+    want = run()
+    assert len(set(want.forward_passes.tolist())) > 1  # rows stopped at different steps: compaction ran
+    g = GraphedPasses(lm.module, capture=False).install()
+    try:
+        got = run()
+    finally:
+        g.uninstall()
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(got.forward_passes, want.forward_passes), kw
+
+
 def test_graphed_passes_autoregressive_steps():
     """Greedy AR decoding (bench's baseline): prefill eager, one-token steps through the static encoder pass."""
     m = _tiny_model().module

@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_session.sh bf16    # real 26B-A4B, bf16: vs transformers and AR, fast paths, batch 1-8
 #   bash benchmarks/gpu_session.sh quant   # fp8 and int4 experts (int4 also with int8 linears), peak memory
 #   bash benchmarks/gpu_session.sh serve   # the server's scheduler under load, int4 + int8 linears, graphs off / on
-#   bash benchmarks/gpu_session.sh long    # an 8K-token prompt: chunked prefill (2,048) against one pass
+#   bash benchmarks/gpu_session.sh long    # an 8K-token prompt: chunked prefill (2,048) against one pass; and the
+#                                          # experts' K-sum by atomics against the third kernel (int4, batch 1)
 # A session's 30 minutes of device time (machine start included) hold three parts: check, quant, bf16 first (the
 # issue's targets); serve in the next session, or when a part finished early.
 # MOE_TILES="bm=..,bn=..,bk=.." (the check part's best bf16 spec, tiles.json "best") makes the fast runs use those
@@ -22,7 +23,7 @@ OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
 PART=${1:?usage: gpu_session.sh check|bf16|quant|serve|long}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
-case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
+case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -116,6 +117,12 @@ case "$PART" in
     for chunk in 2048 0; do
       bench long-prefill-$chunk --batch 1 --precision int4 --linears int8 --modes fixed --experts $FAST --sampler fast \
         $GPU_FLAGS --prompt-tokens $LONG --new-tokens 256 --prefill-chunk $chunk --no-reference --no-ar
+    done
+    # the experts' sum over a token's K outputs: a third kernel over the [A, H] per-assignment outputs (0.69 GB a
+    # step written and read) against fp32 atomic adds in the down kernel; ms/step is the number to compare
+    for sum in kernel atomic; do
+      bench int4-sum-$sum --batch 1 --precision int4 --modes fixed --experts $FAST --sampler fast $GPU_FLAGS \
+        --moe-sum $sum --no-reference --no-ar ${MOE_TILES_INT4:+--moe-tiles $MOE_TILES_INT4}
     done
     ;;
   *) echo "unknown part $PART (check, bf16, quant, serve or long)"; exit 2 ;;

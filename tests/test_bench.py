@@ -203,6 +203,24 @@ def test_bench_prefill_chunk_keeps_the_references_tokens(capsys):
     assert result["backends"]["prefill_chunk"] == 3 and result["token_agreement_vs_transformers"] == {"B1-fixed": 1.0}
 
 
+def test_bench_moe_sum_atomic_keeps_the_references_tokens(capsys):
+    """--moe-sum atomic (the Triton experts' K-sum by fp32 atomics in the down kernel; the interpreter on CPU): the
+    same tokens as transformers, recorded in the JSON (the process-wide setting is put back after)."""
+    from blockpress.kernels import moe_grouped
+
+    if moe_grouped.triton is None:
+        pytest.skip("triton not installed")
+    try:
+        assert cli_main(["bench", *FAST, "--modes", "fixed", "--no-ar", "--experts", "triton",
+                         "--moe-sum", "atomic", "--new-tokens", "16"]) == 0
+        assert moe_grouped.MOE_SUM == "atomic"
+    finally:
+        moe_grouped.set_moe_sum("kernel")
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["backends"]["moe_sum"] == "atomic" and result["backends"]["experts"] == "triton"
+    assert result["token_agreement_vs_transformers"] == {"B1-fixed": 1.0}
+
+
 def test_bench_compact_rows_keeps_the_references_tokens(capsys):
     """--compact-rows (adaptive, batch 2): the decoder skips stopped rows, the sampler draws for all, so the tokens
     stay transformers'; it is recorded in the JSON, and refused with --cuda-graphs."""

@@ -95,8 +95,12 @@ def test_align_blocks_invariants():
 
 @needs_triton
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("moe_sum", ["kernel", "atomic"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_triton_experts_match_loop(dtype, tol, monkeypatch):
+def test_triton_experts_match_loop(dtype, tol, moe_sum, monkeypatch):
+    """Both ways of summing a token's K expert outputs (a third kernel over the per-assignment outputs, or atomic
+    adds into fp32 by the down kernel) match the loop reference; the atomic sum equals the kernel's up to the
+    order of the K fp32 additions."""
     N, E, K, H, Im = 23, 8, 3, 64, 40  # Im not a multiple of the tile: masks are exercised
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(5)).to(dtype)
     w, idx = _routing(N, E, K, 6, skew=True)
@@ -104,9 +108,23 @@ def test_triton_experts_match_loop(dtype, tol, monkeypatch):
     from blockpress.kernels import moe_grouped
 
     monkeypatch.setattr(moe_grouped, "UNWRITTEN_FILL", float("nan"))  # the output buffer is not zero-filled:
-    out = experts_triton(x, w, idx, gu, dn)  # an element the down kernel missed would be NaN here
+    kernel = experts_triton(x, w, idx, gu, dn)  # an element the down kernel missed would be NaN here
+    prev = moe_grouped.set_moe_sum(moe_sum)
+    try:
+        out = experts_triton(x, w, idx, gu, dn)
+        assert moe_grouped.compiled_variant(idx, E)[-1] == moe_sum  # a first-use check of its own
+    finally:
+        moe_grouped.set_moe_sum(prev)
     assert not out.isnan().any() and _rel(out, experts_loop(x, w, idx, gu, dn)) < tol
+    if dtype == torch.float32:
+        assert _rel(out, kernel) < 1e-6
+    else:  # each expert's output rounded to bf16 before its weighted sum, as the kernel path does: within the
+        # final cast's ulp (the interpreter casts by truncation, torch to nearest); unrounded sums miss by up to ~100
+        ulps = (out.float() - kernel.float()).abs() / (kernel.float().abs() * 2 ** -7).clamp_min(1e-30)
+        assert float(ulps.max()) <= 1.0001
     assert "triton" in EXPERT_BACKENDS and "grouped" in EXPERT_BACKENDS
+    with pytest.raises(ValueError, match="unknown MoE sum"):
+        moe_grouped.set_moe_sum("fast")
 
 
 def test_fused_sampler_torch_exact_parts():

@@ -384,6 +384,8 @@ def run(args) -> dict:
 
     moe_grouped.set_moe_tiles(args.moe_tiles)  # checked by argparse; None: the defaults
     choice["moe_tiles"] = moe_grouped.TILES.spec()
+    moe_grouped.set_moe_sum(args.moe_sum)
+    choice["moe_sum"] = args.moe_sum
     if args.prefill_chunk is not None:  # 0: the whole prompt in one pass
         module.prefill_chunk = args.prefill_chunk or None
     choice["prefill_chunk"] = module.prefill_chunk
@@ -515,6 +517,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC",
                    help="Triton expert kernels' tiles, e.g. bm=32,bn=128,bk=64,warps=8,stages=4 (the winner of "
                         "benchmarks/sweep_moe_tiles.py; default: bm=auto,bn=64,bk=32)")
+    p.add_argument("--moe-sum", choices=["kernel", "atomic"], default="kernel",
+                   help="how the Triton experts sum a token's K expert outputs: kernel (a third kernel, deterministic; "
+                        "default) or atomic (fp32 atomic adds in the down kernel: no [A, H] buffer, run-to-run "
+                        "last-bit differences)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one canvas's denoising steps (first batch size, eager): time per step by "
                         "kernel class, top kernels, experts' achieved GB/s (JSON key 'profile')")

@@ -70,13 +70,18 @@ def _shares_storage(t: torch.Tensor, args) -> bool:
 
 def _experts_meta(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, block_m: int = 16):
     """The Triton experts path's allocations (moe_grouped.experts_triton), shapes only."""
+    from . import moe_grouped
+
     N, H = x_NH.shape
     K, E, Im = idx_NK.shape[1], gate_up_EFH.shape[0], down_EHI.shape[-1]
     A = N * K
     L = -(-(A + E * (block_m - 1)) // block_m) * block_m
     sorted_ids = torch.empty(L, dtype=torch.long, device=x_NH.device)  # noqa: F841 - alive like the kernel's
     act = x_NH.new_empty(L, Im)  # noqa: F841
-    y = x_NH.new_empty(A, H)  # noqa: F841 - per-assignment outputs, alive until the weighted sum is written
+    if moe_grouped.MOE_SUM == "atomic":  # the weighted sum added into fp32 by the down kernel, then cast
+        acc = x_NH.new_empty(N, H, dtype=torch.float32)  # noqa: F841
+    else:
+        y = x_NH.new_empty(A, H)  # noqa: F841 - per-assignment outputs, alive until the weighted sum is written
     return x_NH.new_empty(N, H)
 
 

@@ -169,12 +169,16 @@ if triton is not None:
                  mask=nmask[None, :])
 
     @triton.jit
-    def _moe_down_kernel(act_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, out_ptr, A, H, Im,
+    def _moe_down_kernel(act_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, out_ptr, rw_ptr, A, H, Im, TOPK,
                          stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_on,
                          FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ATOMIC: tl.constexpr,
+                         ROUND_BF16: tl.constexpr):
         """out[assignment] = act W_down^T in the activation dtype (rounded there, as the torch paths round each
-        expert's output), one row per assignment; the router weights are applied by _moe_sum_kernel."""
+        expert's output), one row per assignment; the router weights are applied by _moe_sum_kernel. ATOMIC: the
+        weighted sum over the K assignments of a token is done here instead, added in fp32 into out[token] (each
+        output rounded to bf16 first when ROUND_BF16, as the torch paths round it; the order of the K additions
+        is the GPU's, so the last bit of the sum may differ from run to run)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
         if e < 0:
@@ -200,8 +204,16 @@ if triton is not None:
                 acc += tl.dot(a, w)
         if FMT == 1:
             acc *= tl.load(s_e + n * stride_sn, mask=nmask, other=0.0)[None, :]
-        tl.store(out_ptr + ids[:, None] * stride_on + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=valid[:, None] & nmask[None, :])
+        if ATOMIC:
+            if ROUND_BF16:
+                acc = acc.to(tl.bfloat16).to(tl.float32)
+            rw = tl.load(rw_ptr + ids, mask=valid, other=0.0)
+            tok = ids // TOPK
+            tl.atomic_add(out_ptr + tok[:, None] * stride_on + n[None, :], acc * rw[:, None],
+                          mask=valid[:, None] & nmask[None, :])
+        else:
+            tl.store(out_ptr + ids[:, None] * stride_on + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=valid[:, None] & nmask[None, :])
 
     @triton.jit
     def _moe_sum_kernel(y_ptr, rw_ptr, out_ptr, H, K, BH: tl.constexpr):
@@ -301,11 +313,26 @@ def compiled_variant(idx_NK: torch.Tensor, n_experts: int) -> tuple:
     M tile as resolved here), and Triton's specialisation of integer arguments (== 1, divisible by 16) for
     the assignment count."""
     A = idx_NK.numel()
-    return (TILES.spec(), TILES.block_m or auto_block_m(A, n_experts), A == 1, A % 16 == 0)
+    return (TILES.spec(), TILES.block_m or auto_block_m(A, n_experts), A == 1, A % 16 == 0, MOE_SUM)
 
 
 UNWRITTEN_FILL: float | None = None  # tests set NaN: the value an output buffer starts with before its kernel
 SUM_BLOCK = 1024  # hidden columns per program of the weighted sum over a token's K expert outputs
+# How the Triton experts sum a token's K expert outputs: "kernel" (default: the down kernel writes each assignment's
+# output, [A, H] in the activation dtype, and a third kernel weights and sums them in a fixed order, deterministic)
+# or "atomic" (opt-in, `set_moe_sum`, `bench --moe-sum atomic`: the down kernel adds each weighted output into an fp32
+# [N, H] with atomics; the [A, H] buffer, 0.69 GB written and read a step on the 26B model, is gone, but the order of
+# the K additions is the GPU's: the last bit of a sum, and so rarely a token, may differ between runs)
+MOE_SUM = "kernel"
+
+
+def set_moe_sum(mode: str) -> str:
+    """Set how the Triton experts sum over K ("kernel" or "atomic", see MOE_SUM); returns the previous setting."""
+    global MOE_SUM
+    if mode not in ("kernel", "atomic"):
+        raise ValueError(f"unknown MoE sum {mode!r}; use 'kernel' (deterministic, default) or 'atomic'")
+    prev, MOE_SUM = MOE_SUM, mode
+    return prev
 
 
 def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_PLAIN,
@@ -347,19 +374,26 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
                          x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
                          act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
                          **launch)
+    rw = w_NK.reshape(-1).float().contiguous()
+    grid = (L // block_m, triton.cdiv(H, block_n))
+    down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
+                ROUND_BF16=x.dtype == torch.bfloat16, **launch)
+    if MOE_SUM == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
+        acc = torch.zeros(N, H, dtype=torch.float32, device=x.device)
+        _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, acc, rw, A, H, Im, K,
+                               act.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
+                               acc.stride(0), ATOMIC=True, **down)
+        return acc.to(x.dtype)
     # per-assignment outputs in the activation dtype (bf16: 11.5 MB per layer of the 26B model at batch 1, not
     # fp32's 23 MB written and read again). Every (assignment, column) is stored by the down kernel (each
     # assignment id sits once in a used block), so the buffer needs no zero fill.
     y = torch.empty(A, H, dtype=x.dtype, device=x.device)
     if UNWRITTEN_FILL is not None:  # tests: poison the buffer, so an element the kernel misses shows up
         y.fill_(UNWRITTEN_FILL)
-    grid = (L // block_m, triton.cdiv(H, block_n))
-    _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, y, A, H, Im,
+    _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, y, rw, A, H, Im, K,
                            act.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
-                           y.stride(0), FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
-                           **launch)
+                           y.stride(0), ATOMIC=False, **down)
     out = torch.empty(N, H, dtype=x.dtype, device=x.device)
-    rw = w_NK.reshape(-1).float().contiguous()
     _moe_sum_kernel[(N, triton.cdiv(H, SUM_BLOCK))](y, rw, out, H, K, BH=SUM_BLOCK)
     return out
 

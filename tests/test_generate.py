@@ -6,8 +6,8 @@ import torch
 
 import blockpress
 from blockpress.errors import InputError, SamplingError
-from blockpress.testing import count_host_reads
 from blockpress.model.moe import experts_dense, experts_loop
+from blockpress.testing import count_host_reads
 
 transformers = pytest.importorskip("transformers")
 from transformers import EntropyBoundSamplerConfig  # noqa: E402

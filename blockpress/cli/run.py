@@ -355,6 +355,7 @@ def _generate(lm, ids, kw, gen, view, decode: bool, rows: int = 1):
     the view with row 0; returns the GenerationResult. With several rows (Sudoku candidates) the decoder runs on
     the rows still denoising only (`compact_rows`: the same random stream; not under CUDA graphs)."""
     import blockpress
+
     from ..kernels.graphs import installed
 
     decoder = lm.tokenizer.stream_decoder(skip_special_tokens=True) if decode and lm.tokenizer else None

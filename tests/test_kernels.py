@@ -577,6 +577,34 @@ def test_row_compaction_on_graphed_passes_swaps_rows_into_a_prefix(case):
         g.uninstall()
 
 
+def test_row_compaction_on_graphed_passes_puts_the_cache_back_when_the_caller_stops_early():
+    """A caller that stops reading a stream mid-generation (a client gone) leaves the cache in its own row order:
+    rows swapped for compaction under graphs are put back when the generator closes."""
+    lm = _tiny_model()
+    m = lm.module
+    lengths = (20, 13, 17)  # with these seeds row 1 stops first, so row 2 is swapped into its slot
+    rows = [torch.randint(5, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+    kw = dict(max_new_tokens=24, max_denoising_steps=6, stability_threshold=0, confidence_threshold=6.21)
+    padding = torch.tensor([[p >= 20 - n for p in range(20)] for n in lengths])  # left padding per row
+    g = GraphedPasses(m, capture=False).install()
+    caches = []
+    new_cache = m.new_cache
+    m.new_cache = lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1]
+    try:
+        it = lm.stream(rows, generator=[torch.Generator().manual_seed(s) for s in (4, 5, 6)], **kw)
+        swapped = False
+        for event in it:
+            swapped = swapped or not torch.equal(caches[0].valid[:, :20], padding)
+            if swapped:
+                break
+        assert swapped, "no row was swapped: the test needs rows that stop out of order"
+        it.close()
+        assert torch.equal(caches[0].valid[:, :20], padding)
+    finally:
+        m.new_cache = new_cache
+        g.uninstall()
+
+
 @pytest.mark.parametrize("seed", [2, 3, 5, 6])  # settings whose rows stop at different steps
 def test_row_compaction_on_graphed_passes_under_random_settings(seed):
     """Seeded settings (batch 2-4, prompt lengths, 1-3 canvases, step budgets, stopping thresholds, fused commits,

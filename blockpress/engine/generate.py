@@ -295,102 +295,105 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     t_start = time.perf_counter()
     prefill_seconds = first_commit = 0.0
     chunk, chunk_mask = input_ids, attention_mask
-    with torch.no_grad():
-        for c in range(n_canvases):
-            t_canvas = time.perf_counter()
-            fused = fuse_commit and c > 0  # the commit runs inside this canvas's first step
-            if not fused:
-                module.encode(chunk, cache, pad_mask=chunk_mask)
-            if c == 0:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                prefill_seconds = time.perf_counter() - t_start
-            x = uniform_tokens(B, C, V, dev, generator, ~finished)
-            sc = None
-            if c == 0 and decoder_input_ids is not None:
-                x = decoder_input_ids.to(dev)
-            fixed = watch = None
-            if fixed_tokens is not None:
-                cols = fixed_tokens[:, c * C:(c + 1) * C]
-                if bool((cols >= 0).any()):
-                    fixed = (cols >= 0, cols.clamp(min=0))
-                    x = clamp(x, fixed)
-                if bool((cols != -1).any()):  # stopping looks only at what the model decides and the caller keeps
-                    watch = cols == -1
-            if c == 0 and self_conditioning_logits is not None:
-                sc = self_conditioning_logits.to(dev)
-            a = x
-            done = torch.zeros(B, dtype=torch.bool, device=dev)
-            if tracker is not None:
-                tracker.reset()
-            steps = 0
-            sub = None  # row compaction: (active row ids, their cache rows)
-            for n in range(N, 0, -1):
-                passes += ~(done | finished)
-                if compact and graphed and tracker is not None and steps > 0 and bool(done.any()):
-                    active = (~done).nonzero().squeeze(1).tolist()
-                    k = len(active)
-                    if active != list(range(k)):
-                        to_front(active)
-                    if sub is None or sub[0] != k:  # the prefix's cache view, made once per size
-                        sub = (k, cache.view_rows(0, k))
-                    hist = tracker.history
-                    if hist is not None:
-                        tracker.history = hist[:, :k]
-                    xs, as_, _, dones, acc = step_fn(
-                        module, x[:k], a[:k], sc[:k], done[:k], n, cfg, sub[1], tracker, generator[:k], finished[:k],
-                        fixed=None if fixed is None else (fixed[0][:k], fixed[1][:k]),
-                        watch=None if watch is None else watch[:k], sc_out=sc[:k])
-                    if hist is not None:
-                        hist[:, :k] = tracker.history
-                        tracker.history = hist
-                    x, a, done = x.clone(), a.clone(), done.clone()  # earlier Drafts may alias them
-                    x[:k], a[:k], done[:k] = xs, as_, dones
-                    accepted = torch.zeros_like(x, dtype=torch.bool)
-                    accepted[:k] = acc
-                elif compact and tracker is not None and steps > 0 and bool(done.any()):
-                    x, a, sc, done, accepted, sub = (_compact_step if per_row else _compact_pass)(
-                        step_fn, module, x, a, sc, done, n, cfg, cache, tracker, generator, finished, fixed, watch, sub)
-                else:
-                    raw = module.encode_decode(chunk, x, cache, chunk_mask, sc) if fused and steps == 0 else None
-                    x, a, sc, done, accepted = step_fn(module, x, a, sc, done, n, cfg, cache, tracker, generator,
-                                                       finished, fixed=fixed, watch=watch, raw=raw, sc_out=sc_out)
-                steps += 1
-                if drafts:
-                    yield Draft(c, steps, N, in_order(a).cpu(), in_order(accepted).cpu(), in_order(done).cpu())
-                if tracker is not None and bool(done.all()):  # fixed steps: nothing to ask the device
+    try:
+        with torch.no_grad():
+            for c in range(n_canvases):
+                t_canvas = time.perf_counter()
+                fused = fuse_commit and c > 0  # the commit runs inside this canvas's first step
+                if not fused:
+                    module.encode(chunk, cache, pad_mask=chunk_mask)
+                if c == 0:
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
+                    prefill_seconds = time.perf_counter() - t_start
+                x = uniform_tokens(B, C, V, dev, generator, ~finished)
+                sc = None
+                if c == 0 and decoder_input_ids is not None:
+                    x = decoder_input_ids.to(dev)
+                fixed = watch = None
+                if fixed_tokens is not None:
+                    cols = fixed_tokens[:, c * C:(c + 1) * C]
+                    if bool((cols >= 0).any()):
+                        fixed = (cols >= 0, cols.clamp(min=0))
+                        x = clamp(x, fixed)
+                    if bool((cols != -1).any()):  # stopping looks only at what the model decides and the caller keeps
+                        watch = cols == -1
+                if c == 0 and self_conditioning_logits is not None:
+                    sc = self_conditioning_logits.to(dev)
+                a = x
+                done = torch.zeros(B, dtype=torch.bool, device=dev)
+                if tracker is not None:
+                    tracker.reset()
+                steps = 0
+                sub = None  # row compaction: (active row ids, their cache rows)
+                for n in range(N, 0, -1):
+                    passes += ~(done | finished)
+                    if compact and graphed and tracker is not None and steps > 0 and bool(done.any()):
+                        active = (~done).nonzero().squeeze(1).tolist()
+                        k = len(active)
+                        if active != list(range(k)):
+                            to_front(active)
+                        if sub is None or sub[0] != k:  # the prefix's cache view, made once per size
+                            sub = (k, cache.view_rows(0, k))
+                        hist = tracker.history
+                        if hist is not None:
+                            tracker.history = hist[:, :k]
+                        xs, as_, _, dones, acc = step_fn(
+                            module, x[:k], a[:k], sc[:k], done[:k], n, cfg, sub[1], tracker, generator[:k],
+                            finished[:k], fixed=None if fixed is None else (fixed[0][:k], fixed[1][:k]),
+                            watch=None if watch is None else watch[:k], sc_out=sc[:k])
+                        if hist is not None:
+                            hist[:, :k] = tracker.history
+                            tracker.history = hist
+                        x, a, done = x.clone(), a.clone(), done.clone()  # earlier Drafts may alias them
+                        x[:k], a[:k], done[:k] = xs, as_, dones
+                        accepted = torch.zeros_like(x, dtype=torch.bool)
+                        accepted[:k] = acc
+                    elif compact and tracker is not None and steps > 0 and bool(done.any()):
+                        x, a, sc, done, accepted, sub = (_compact_step if per_row else _compact_pass)(
+                            step_fn, module, x, a, sc, done, n, cfg, cache, tracker, generator, finished, fixed, watch,
+                            sub)
+                    else:
+                        raw = module.encode_decode(chunk, x, cache, chunk_mask, sc) if fused and steps == 0 else None
+                        x, a, sc, done, accepted = step_fn(module, x, a, sc, done, n, cfg, cache, tracker, generator,
+                                                           finished, fixed=fixed, watch=watch, raw=raw, sc_out=sc_out)
+                    steps += 1
+                    if drafts:
+                        yield Draft(c, steps, N, in_order(a).cpu(), in_order(accepted).cpu(), in_order(done).cpu())
+                    if tracker is not None and bool(done.all()):  # fixed steps: nothing to ask the device
+                        break
+                seq = torch.cat([seq, a], dim=-1)
+                new = seq[:, -C:]
+                finished_now = torch.zeros(B, dtype=torch.bool, device=dev)
+                if eos is not None:
+                    finished_now |= torch.isin(new, eos).any(dim=-1)
+                if T_start + seq.shape[1] >= max_length:
+                    finished_now[:] = True
+                prev = finished
+                finished = prev | finished_now
+                if pad is not None and bool(finished.any()):
+                    new[prev] = pad
+                    if eos is not None and bool(finished_now.any()):
+                        is_eos = torch.isin(new, eos)
+                        cs = is_eos.cumsum(dim=-1)
+                        new[(cs > 0) & ~((cs == 1) & is_eos)] = pad
+                elapsed = time.perf_counter() - t_canvas
+                steps_per_canvas.append(steps)
+                canvas_seconds.append(elapsed)
+                committed = in_order(new).cpu()
+                if c == 0:
+                    first_commit = time.perf_counter() - t_start
+                yield Commit(c, committed, in_order(finished).cpu(), steps, elapsed)
+                if bool(finished.all()):
                     break
-            seq = torch.cat([seq, a], dim=-1)
-            new = seq[:, -C:]
-            finished_now = torch.zeros(B, dtype=torch.bool, device=dev)
-            if eos is not None:
-                finished_now |= torch.isin(new, eos).any(dim=-1)
-            if T_start + seq.shape[1] >= max_length:
-                finished_now[:] = True
-            prev = finished
-            finished = prev | finished_now
-            if pad is not None and bool(finished.any()):
-                new[prev] = pad
-                if eos is not None and bool(finished_now.any()):
-                    is_eos = torch.isin(new, eos)
-                    cs = is_eos.cumsum(dim=-1)
-                    new[(cs > 0) & ~((cs == 1) & is_eos)] = pad
-            elapsed = time.perf_counter() - t_canvas
-            steps_per_canvas.append(steps)
-            canvas_seconds.append(elapsed)
-            committed = in_order(new).cpu()
-            if c == 0:
-                first_commit = time.perf_counter() - t_start
-            yield Commit(c, committed, in_order(finished).cpu(), steps, elapsed)
-            if bool(finished.all()):
-                break
-            chunk, chunk_mask = seq[:, -C:], None
-    if perm != list(range(B)):  # the caller's row order again, the cache's rows too
-        back = torch.tensor(perm, device=dev).argsort()
-        for t in cache.keys + cache.values:
-            t[:, :, :cache.length] = t[back, :, :cache.length]
-        cache.valid.copy_(cache.valid[back])
-        seq, passes = seq[back], passes[back]
+                chunk, chunk_mask = seq[:, -C:], None
+    finally:  # also when the caller stops reading early: a cache of theirs must not stay in slot order
+        if perm != list(range(B)):  # the caller's row order again, the cache's rows too
+            back = torch.tensor(perm, device=dev).argsort()
+            for t in cache.keys + cache.values:
+                t[:, :, :cache.length] = t[back, :, :cache.length]
+            cache.valid.copy_(cache.valid[back])
+            seq, passes = seq[back], passes[back]
     new_tokens = seq[:, S:]
     valid = (new_tokens != pad).sum(dim=-1) if pad is not None else new_tokens.shape[1]
     result = GenerationResult(

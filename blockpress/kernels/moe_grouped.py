@@ -173,12 +173,12 @@ if triton is not None:
                          stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_on,
                          FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ATOMIC: tl.constexpr,
-                         ROUND_BF16: tl.constexpr):
+                         ROUND: tl.constexpr):
         """out[assignment] = act W_down^T in the activation dtype (rounded there, as the torch paths round each
         expert's output), one row per assignment; the router weights are applied by _moe_sum_kernel. ATOMIC: the
         weighted sum over the K assignments of a token is done here instead, added in fp32 into out[token] (each
-        output rounded to bf16 first when ROUND_BF16, as the torch paths round it; the order of the K additions
-        is the GPU's, so the last bit of the sum may differ from run to run)."""
+        output rounded first to the activation dtype, ROUND 1: bf16, 2: fp16, as the torch paths round it; the
+        order of the K additions is the GPU's, so the last bit of the sum may differ from run to run)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
         if e < 0:
@@ -205,8 +205,10 @@ if triton is not None:
         if FMT == 1:
             acc *= tl.load(s_e + n * stride_sn, mask=nmask, other=0.0)[None, :]
         if ATOMIC:
-            if ROUND_BF16:
+            if ROUND == 1:
                 acc = acc.to(tl.bfloat16).to(tl.float32)
+            elif ROUND == 2:
+                acc = acc.to(tl.float16).to(tl.float32)
             rw = tl.load(rw_ptr + ids, mask=valid, other=0.0)
             tok = ids // TOPK
             tl.atomic_add(out_ptr + tok[:, None] * stride_on + n[None, :], acc * rw[:, None],
@@ -377,7 +379,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     rw = w_NK.reshape(-1).float().contiguous()
     grid = (L // block_m, triton.cdiv(H, block_n))
     down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
-                ROUND_BF16=x.dtype == torch.bfloat16, **launch)
+                ROUND={torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0), **launch)
     if MOE_SUM == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
         acc = torch.zeros(N, H, dtype=torch.float32, device=x.device)
         _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, acc, rw, A, H, Im, K,

@@ -88,5 +88,27 @@ class KVCache:
         view.batch, view.capacity, view.length, view.has_padding = hi - lo, self.capacity, self.length, self.has_padding
         return view
 
+    def move_rows(self, dst, src) -> None:
+        """Rows `dst` take the K/V (positions [0, length)) and the padding mask of rows `src` (lists or index
+        tensors), all sources read before any is written: a permutation of the rows, or the kept rows moved down.
+        Row compaction under CUDA graphs uses it to put the rows still at work into a prefix of the buffers."""
+        dev = self.valid.device
+        dst, src = (torch.as_tensor(i, dtype=torch.long, device=dev) for i in (dst, src))
+        L = self.length
+        for t in self.keys + self.values:
+            t[dst, :, :L] = t[src, :, :L]  # the right side is gathered into a new tensor first
+        self.valid[dst] = self.valid[src]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def front_order(active: list[int], rows: int) -> list[int]:
+    """The row order (new row s takes old row order[s]) that puts the `active` rows (ascending) into rows
+    [0, len(active)) with the fewest moves: each inactive row in that range trades places with an active row
+    beyond it."""
+    k, order = len(active), list(range(rows))
+    for hole, mover in zip([i for i in range(k) if i not in active], [i for i in active if i >= k]):
+        order[hole], order[mover] = mover, hole
+    return order
+

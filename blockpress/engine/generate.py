@@ -34,7 +34,7 @@ from ..config import GenerationConfig
 from ..errors import InputError
 from ..sampling import (StabilityTracker, entropy_bound_accept, sample_tokens, temperature, token_entropy,
                         uniform_tokens)
-from .cache import KVCache
+from .cache import KVCache, front_order
 
 
 @dataclass
@@ -263,26 +263,21 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     passes = torch.zeros(B, dtype=torch.int32, device=dev)
     # compaction under graphs: slot s holds the caller's row perm[s] (all per-row state is kept in slot order and
-    # put back in the caller's order for every event and the result)
-    perm = list(range(B))
+    # put back in the caller's order, by the index `back`, for every event and the result); None: no row moved
+    perm, back = list(range(B)), None
 
     def in_order(t):
-        return t if perm == list(range(B)) else t[torch.tensor(perm, device=t.device).argsort()]
+        return t if back is None else t[back]
 
     def to_front(active: list[int]) -> None:
         """Swap rows so that the `active` ones hold slots [0, len(active)): their K/V, padding, canvas, argmax,
         self-conditioning logits (in the graphs' buffer), stopping history, generator and the rest."""
-        nonlocal x, a, sc, done, finished, passes, seq, fixed, watch, fixed_tokens, generator, perm
-        k, order = len(active), list(range(B))
-        for hole, mover in zip([i for i in range(k) if i not in active], [i for i in active if i >= k]):
-            order[hole], order[mover] = mover, hole
+        nonlocal x, a, sc, done, finished, passes, seq, fixed, watch, fixed_tokens, generator, perm, back
+        order = front_order(active, B)
         idx = torch.tensor(order, device=dev)
-        dst = torch.tensor([s_ for s_, o in enumerate(order) if o != s_], device=dev)
-        src, L = idx[dst], cache.length
-        for t in cache.keys + cache.values:
-            t[dst, :, :L] = t[src, :, :L]  # the right side is gathered first
-        cache.valid[dst] = cache.valid[src]
-        sc[dst] = sc[src]
+        dst = [s_ for s_, o in enumerate(order) if o != s_]
+        cache.move_rows(dst, [order[s_] for s_ in dst])
+        sc[dst] = sc[[order[s_] for s_ in dst]]
         x, a, done, finished, passes, seq = (t[idx] for t in (x, a, done, finished, passes, seq))
         fixed = None if fixed is None else (fixed[0][idx], fixed[1][idx])
         watch = None if watch is None else watch[idx]
@@ -291,6 +286,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             tracker.history = tracker.history[:, idx]
         generator = [generator[o] for o in order]
         perm = [perm[o] for o in order]
+        back = None if perm == list(range(B)) else torch.tensor(perm, device=dev).argsort()
     steps_per_canvas, canvas_seconds = [], []
     t_start = time.perf_counter()
     prefill_seconds = first_commit = 0.0
@@ -388,11 +384,8 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
                     break
                 chunk, chunk_mask = seq[:, -C:], None
     finally:  # also when the caller stops reading early: a cache of theirs must not stay in slot order
-        if perm != list(range(B)):  # the caller's row order again, the cache's rows too
-            back = torch.tensor(perm, device=dev).argsort()
-            for t in cache.keys + cache.values:
-                t[:, :, :cache.length] = t[back, :, :cache.length]
-            cache.valid.copy_(cache.valid[back])
+        if back is not None:  # the caller's row order again, the cache's rows too
+            cache.move_rows(list(range(B)), back)
             seq, passes = seq[back], passes[back]
     new_tokens = seq[:, S:]
     valid = (new_tokens != pad).sum(dim=-1) if pad is not None else new_tokens.shape[1]

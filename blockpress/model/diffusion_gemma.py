@@ -172,9 +172,8 @@ class DiffusionGemmaModel(nn.Module):
             raise ValueError("lm_logits(out=...) writes in place and records no gradient: call it under "
                              "torch.no_grad(), or without out=")
         logits = h @ w.t()
-        if out is not None:
-            res = out.copy_(logits) if not cap else SOFTCAP_BACKENDS[self.softcap_backend](logits, cap, out=out)
-            return res if res.data_ptr() == out.data_ptr() else out.copy_(res)  # a backend's fallback: its own
+        if out is not None:  # every soft-cap backend writes into `out` (a checked kernel's fallback too)
+            return out.copy_(logits) if not cap else SOFTCAP_BACKENDS[self.softcap_backend](logits, cap, out=out)
         if not cap:
             return logits.float()
         if logits.requires_grad:
@@ -257,8 +256,8 @@ class DiffusionGemmaModel(nn.Module):
         Chunked prefill: without autograd, a causal encoder encodes more than `prefill_chunk` tokens a chunk at a
         time, each chunk attending to the cache the chunks before it wrote (what a commit does). The same function
         up to fp32 summation order; what changes is the memory and the work of a long prompt's attention: masks
-        of [chunk, T] instead of [S, S] (at a 32K-token prompt on the 26B model, ~9 GB on top of the weights and
-        cache become ~0.5 GB), and sliding layers that look at [chunk, window + chunk] keys instead of all S. A
+        of [chunk, T] instead of [S, S] (at a 32K-token prompt on the 26B model, ~8.9 GB on top of the weights and
+        cache become ~0.65 GB, counted by benchmarks/peak_memory.py), and sliding layers that look at [chunk, window + chunk] keys instead of all S. A
         bidirectional encoder (every prompt token sees every other) is encoded whole."""
         B, S = ids.shape
         T0 = cache.length

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..engine.cache import KVCache
+from ..engine.cache import KVCache, front_order
 from ..engine.generate import clamp
 from ..errors import InputError
 from ..kernels.graphs import installed
@@ -532,17 +532,10 @@ class Scheduler:
         """Swap rows so that the `active` ones hold slots [0, n): each frozen row inside that range trades places
         with an active row beyond it (their K/V, padding, canvas, argmax, self-conditioning logits and state).
         Returns fixed and watch in the new order."""
-        n = len(active)
-        order = list(range(len(self.rows)))
-        for hole, mover in zip([i for i in range(n) if i not in active], [i for i in active if i >= n]):
-            order[hole], order[mover] = mover, hole
-        dev = self._slots.valid.device
+        order = front_order(active, len(self.rows))
         dst = [p for p, o in enumerate(order) if o != p]
-        src, dst = torch.tensor([order[p] for p in dst], device=dev), torch.tensor(dst, device=dev)
-        L = self.cache.length
-        for t in self._slots.keys + self._slots.values:
-            t[dst, :, :L] = t[src, :, :L]  # the right side is gathered first
-        self._slots.valid[dst] = self._slots.valid[src]
+        src = [order[p] for p in dst]
+        self.cache.move_rows(dst, src)  # a view of the slots: their K/V and padding move
         for t in (x, a, sc):
             t[dst] = t[src]
         self.rows = [self.rows[o] for o in order]
@@ -552,10 +545,7 @@ class Scheduler:
         """Move the rows `keep` (ascending) of the group down to slots [0, len(keep))."""
         L, n = self.cache.length, len(keep)
         if keep != list(range(n)):
-            idx = torch.tensor(keep, dtype=torch.long, device=self._slots.valid.device)
-            for t in self._slots.keys + self._slots.values:
-                t[:n, :, :L] = t[idx, :, :L]  # the right side is gathered into a new tensor first
-            self._slots.valid[:n] = self._slots.valid[idx]
+            self.cache.move_rows(list(range(n)), keep)
         self.cache = self._group(n, L, not bool(self._slots.valid[:n, :L].all()))
 
     # ------------------------------------------------------------------ denoising

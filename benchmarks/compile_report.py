@@ -1,0 +1,211 @@
+"""Compile every Triton kernel of blockpress for a CUDA GPU, on a machine without one, and report what came out.
+
+The CPU agreement tests run the kernels in Triton's interpreter, which never builds GPU code (and takes
+fp32 dots where a GPU takes bf16 / fp8 tensor-core ones). This script compiles the variants a GPU run of a
+config would compile (`blockpress.kernels.aot`: the launchers run unchanged on CPU tensors of the real
+shapes, Triton compiles for `--arch` with its own ptxas and launches nothing), then prints, per variant:
+registers, spills, shared memory, resident blocks per SM, the widths of its global loads, which MMA its dots
+became, and its instruction count; and whether it would launch (shared memory and registers within the
+architecture's limits). Exits 1 if a variant fails to compile or would not launch where it should
+(fp8 before sm_89 has no conversion instructions: reported, not a failure; the engine falls back to torch).
+
+    python benchmarks/compile_report.py                                   # real-26b, sm_90 (H100/H200)
+    python benchmarks/compile_report.py --arch 90,89,86 --grid "bm=auto,32;bn=64,128;bk=64,128;warps=4,8"
+
+What it cannot tell: time. It is the static half of a GPU measurement (benchmarks/gpu_session.sh is the
+other). Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ["TRITON_INTERPRET"] = "0"  # before any triton.jit: compiled kernels, not interpreted ones
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what a GPU run gets today (Triton 3.9 warns if unset)
+
+import torch  # noqa: E402
+
+
+def canvas_batches(batches: list[int], canvas: int, prefill_chunk: int) -> list[tuple[str, int]]:
+    """(what, tokens) of the passes a generation runs: canvases of each batch size, a prefill chunk, an AR token."""
+    return [(f"canvas x{b}", b * canvas) for b in batches] + [(f"prefill {prefill_chunk}", prefill_chunk),
+                                                             ("AR token", 1)]
+
+
+def expert_variants(text, dtype, passes, tiles: list[str], precisions: list[str]):
+    """(label, thunk) per expert kernel launch: every precision x pass x tile setting (+ the atomic K-sum)."""
+    from blockpress.kernels import moe_grouped as mg
+    from blockpress.kernels.quant import QuantizedExperts
+
+    E, H, Im, K = text.num_experts, text.hidden_size, text.moe_intermediate_size, text.top_k_experts
+    for precision in precisions:
+        if precision == "native":
+            gate_up, down = torch.empty(E, 2 * Im, H, dtype=dtype), torch.empty(E, H, Im, dtype=dtype)
+            kw = {}
+        else:
+            q = QuantizedExperts(E, H, Im, precision, dtype=dtype)
+            gate_up, down = q.gate_up_q, q.down_q
+            kw = dict(fmt=mg.FMT_FP8 if precision == "fp8" else mg.FMT_INT4, gate_up_scale=q.gate_up_scale,
+                      down_scale=q.down_scale, groups=q.groups, inter=Im)
+        for what, N in passes:
+            g = torch.Generator().manual_seed(N)
+            idx = torch.rand(N, E, generator=g).topk(K, dim=-1).indices
+            x, w = torch.empty(N, H, dtype=dtype), torch.full((N, K), 1.0 / K)
+            for spec in tiles:
+                for moe_sum in ("kernel", "atomic") if spec == tiles[0] else ("kernel",):
+                    def run(spec=spec, moe_sum=moe_sum, x=x, w=w, idx=idx, gate_up=gate_up, down=down, kw=kw):
+                        prev_tiles, prev_sum = mg.set_moe_tiles(spec or None), mg.set_moe_sum(moe_sum)
+                        try:
+                            mg.experts_triton(x, w, idx, gate_up, down, **kw)
+                        finally:
+                            mg.set_moe_tiles(prev_tiles)
+                            mg.set_moe_sum(prev_sum)
+                    label = f"experts {precision}, {what}, tiles {spec or mg.TILES.spec()}" + \
+                        (", atomic sum" if moe_sum == "atomic" else "")
+                    yield label, run
+
+
+def linear_variants(module, dtype, passes, formats: list[str]):
+    """(label, thunk) per 8-bit projection launch: every format x distinct weight shape x pass."""
+    from blockpress.kernels.linear_q import QUANTIZED_LINEARS, linear_q_triton
+
+    shapes = sorted({tuple(getattr(getattr(layer, part), name).weight.shape)
+                     for layer in module.layers for part, names in QUANTIZED_LINEARS.items()
+                     for name in names if isinstance(getattr(getattr(layer, part), name, None), torch.nn.Linear)})
+    for fmt in formats:
+        for O, I in shapes:
+            q = torch.empty(O, I, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
+            s = torch.empty(O, dtype=torch.float32)
+            for what, M in passes:
+                x = torch.empty(M, I, dtype=dtype)
+                yield f"linear {fmt} [{O}x{I}], {what}", (lambda x=x, q=q, s=s: linear_q_triton(x, q, s))
+
+
+def head_variants(vocab: int, canvas: int, dtype, batches: list[int], cap: float | None):
+    """(label, thunk) for the soft cap and the fused sampler over each batch's [B, C, V] logits."""
+    from blockpress.kernels.sampler_fused import fused_sample_triton
+    from blockpress.kernels.softcap import softcap_triton
+
+    for b in batches:
+        if cap:
+            yield f"soft cap, canvas x{b}", (lambda b=b: softcap_triton(torch.empty(b, canvas, vocab, dtype=dtype),
+                                                                        cap))
+        raw = torch.empty(b, canvas, vocab, dtype=torch.float32)
+        for tau in (torch.tensor(0.7), None):
+            yield (f"fused sampler, canvas x{b}" + ("" if tau is not None else ", no temperature"),
+                   lambda raw=raw, tau=tau: fused_sample_triton(raw, tau, torch.zeros(1, dtype=torch.int64),
+                                                                out_dtype=dtype))
+
+
+def fp8_unsupported(c, arch: int) -> bool:
+    return arch < 89 and ("fp8" in c.label) and bool(c.error)
+
+
+def main(argv=None) -> int:
+    from blockpress.cli.bench import DTYPES, preset_config
+    from blockpress.config import ModelConfig
+    from blockpress.kernels._triton import triton
+    from blockpress.kernels.aot import ARCHS, compile_only, read_back
+    from blockpress.model.diffusion_gemma import PREFILL_CHUNK, DiffusionGemmaModel
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="real-26b", choices=["tiny", "small", "real-26b"])
+    p.add_argument("--config", help="a config.json (diffusion_gemma) instead of a preset")
+    p.add_argument("--arch", default="90", help=f"comma-separated compute capabilities ({', '.join(map(str, ARCHS))})")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="activation dtype (the GPU runs bf16)")
+    p.add_argument("--batch", default="1,2,4,8", help="canvas batch sizes")
+    p.add_argument("--precision", default="native,fp8,int4", help="expert formats")
+    p.add_argument("--linears", default="int8,fp8", help="8-bit projection formats ('' for none)")
+    p.add_argument("--grid", default="", help="extra MoE tile settings, e.g. 'bm=auto,32;bn=64,128' "
+                                              "(benchmarks/sweep_moe_tiles.py's grid syntax)")
+    p.add_argument("--out", help="also write the JSON result here")
+    args = p.parse_args(argv)
+
+    if triton is None:
+        raise SystemExit("compile_report needs triton (pip install triton): nothing to compile without it")
+    try:
+        archs = [int(a) for a in args.arch.split(",") if a.strip()]
+        batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    except ValueError:
+        raise SystemExit(f"--arch and --batch take comma-separated integers, got {args.arch!r}, {args.batch!r}")
+    unknown = [a for a in archs if a not in ARCHS]
+    if unknown or not archs or not batches or min(batches) < 1:
+        raise SystemExit(f"--arch takes {sorted(ARCHS)} (got {args.arch!r}); --batch positive integers")
+    precisions = [x for x in args.precision.split(",") if x]
+    linears = [x for x in args.linears.split(",") if x]
+    if set(precisions) - {"native", "fp8", "int4"} or set(linears) - {"int8", "fp8"}:
+        raise SystemExit("--precision takes native, fp8, int4; --linears takes int8, fp8")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sweep_moe_tiles import parse_grid
+
+    dtype = DTYPES[args.dtype]
+    config = json.load(open(args.config)) if args.config else preset_config(args.preset)[0]
+    cfg = ModelConfig.from_dict(config)
+    text, C = cfg.text, cfg.canvas_length
+    with torch.device("meta"):
+        module = DiffusionGemmaModel(cfg)
+    passes = canvas_batches(batches, C, PREFILL_CHUNK)
+    tiles = [""] + (parse_grid(args.grid) if args.grid else [])
+    todo = list(expert_variants(text, dtype, passes, tiles, precisions)) + \
+        list(linear_variants(module, dtype, passes, linears)) + \
+        list(head_variants(text.vocab_size, C, dtype, batches, text.final_logit_softcapping))
+    print(f"compile_report: triton {triton.__version__}, torch {torch.__version__}, {args.config or args.preset}, "
+          f"{args.dtype} activations, {len(todo)} launches x sm_{', sm_'.join(map(str, archs))}", flush=True)
+
+    result = {"bench": "compile_report", "triton": triton.__version__, "torch": torch.__version__,
+              "config": args.config or args.preset, "dtype": args.dtype, "archs": {}}
+    failed = 0
+    for arch in archs:
+        t0 = time.perf_counter()
+        seen: dict = {}  # one row per distinct compiled kernel (Triton's hash), the launches that share it listed
+        with compile_only(arch) as got:
+            for i, (label, run) in enumerate(todo, 1):
+                n = len(got)
+                run()
+                for name, kernel in got[n:]:
+                    key = getattr(kernel, "hash", None) or f"{name} {label}"
+                    if key in seen:
+                        seen[key]["also"] += 1
+                        continue
+                    seen[key] = dict(read_back(name, kernel, label, arch).row(), also=0)
+                if i % 20 == 0 or i == len(todo):
+                    print(f"  sm_{arch}: {i}/{len(todo)} launches, {len(seen)} kernels, "
+                          f"{time.perf_counter() - t0:.0f} s", flush=True)
+        rows = list(seen.values())
+        print_table(rows, arch)
+        bad = [r for r in rows if r["problems"] and not (arch < 89 and "fp8" in r["label"] and r["error"])]
+        failed += len(bad)
+        result["archs"][str(arch)] = {"card": ARCHS[arch][0], "kernels": rows, "failed": len(bad),
+                                      "seconds": round(time.perf_counter() - t0, 1)}
+    result["failed"] = failed
+    line = json.dumps(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+    return 1 if failed else 0
+
+
+def print_table(rows: list[dict], arch: int) -> None:
+    from blockpress.kernels.aot import ARCHS
+
+    print(f"\nsm_{arch} ({ARCHS[arch][0]}): {len(rows)} distinct kernels")
+    head = f"{'kernel':<22} {'launch (first of its kind)':<58} {'warps':>5} {'regs':>4} {'spill':>5} " \
+           f"{'smem KB':>7} {'blk/SM':>6} {'mma':<8} {'SASS':>5}  loads B:count"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        loads = " ".join(f"{w}:{n}" for w, n in r["loads"].items())
+        label = r["label"] + (f" (+{r['also']})" if r["also"] else "")
+        print(f"{r['kernel']:<22} {label[:58]:<58} {r['num_warps']:>5} {r['regs']:>4} {r['spill']:>5} "
+              f"{r['shared'] / 1024:>7.1f} {r['blocks_per_sm']:>6} {r['mma']:<8} {r['sass']:>5}  {loads}")
+        for problem in r["problems"]:
+            print(f"{'':<22} !! {problem}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -34,3 +34,11 @@ def usable_on(device: torch.device) -> bool:
     if device.type == "cuda":
         return not interpreted()
     return device.type == "cpu" and interpreted()
+
+
+def fp8_usable_on(device: torch.device) -> bool:
+    """Can a Triton kernel take float8_e4m3fn there? Not before sm_89: Triton refuses to compile e4m3 for Ampere
+    (`benchmarks/compile_report.py --arch 86` shows it), so fp8 weights take the torch paths on those cards."""
+    if not usable_on(device):
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)

@@ -99,10 +99,10 @@ class _StandInDriver:
 
     def __init__(self, arch: int):
         from triton.backends.compiler import GPUTarget
-        self.target = GPUTarget("cuda", arch, 32)
+        self.arch, self.target = arch, GPUTarget("cuda", arch, 32)
 
-    def get_current_device(self):
-        return 0
+    def get_current_device(self):  # a JITFunction keeps its compiled kernels (and target) per device: one per arch
+        return -self.arch
 
     def get_current_stream(self, device=None):
         return 0

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._triton import interpreted, tl, triton, usable_on
+from ._triton import fp8_usable_on, interpreted, tl, triton, usable_on
 from .moe_grouped import checked_on_first_use
 from .quant import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
 
@@ -96,7 +96,7 @@ class QuantizedLinear(nn.Module):
         if self.backend == "scaled_mm" and self.fmt == "fp8":
             return "scaled_mm"
         if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
-            if usable_on(x.device):
+            if (fp8_usable_on if self.fmt == "fp8" else usable_on)(x.device):
                 return "triton"
         return "torch"
 

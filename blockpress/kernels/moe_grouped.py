@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.layers import gelu_tanh
-from ._triton import interpreted, tl, triton, usable_on
+from ._triton import fp8_usable_on, interpreted, tl, triton, usable_on
 
 # ------------------------------------------------------------------------------------ routing
 
@@ -114,23 +114,34 @@ def align_blocks(idx_NK: torch.Tensor, n_experts: int, block_m: int):
 if triton is not None:
 
     @triton.jit
-    def _load_w_tile(w_ptr, n, k, nmask, kmask, s_ptr, k0, stride_n, stride_k, stride_sn, stride_sg,
-                     FMT: tl.constexpr, GROUP: tl.constexpr):
-        """Tile [BK, BN] of W^T (W is [O, I]); int4: packed along I, group scale per (n, k // GROUP)."""
-        m = kmask[:, None] & nmask[None, :]
+    def _load_w_tile(w_ptr, n, nmask, k0, KD, s_ptr, stride_n, stride_k, stride_sn, stride_sg,
+                     FMT: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+        """Tile [BK, BN] of W^T (W is [O, KD]) for the K tile starting at k0, dequantised to fp32.
+        int4: the tile's BK/2 packed bytes per row are loaded as one contiguous run (vector loads, each byte
+        once) and split into nibbles in registers (column 2j: low nibble of byte j, 2j+1: high). A K tile
+        sits inside one scale group, and groups divide KD (the launcher sees to both), so one scale per row
+        and no K mask. EVEN_K (BK divides KD): no K mask for the other formats either; a mask on K limits the
+        vector loads to what Triton knows of KD's alignment (16 elements)."""
         if FMT == 2:
-            b = tl.load(w_ptr + n[None, :] * stride_n + (k[:, None] // 2) * stride_k, mask=m, other=0).to(tl.int32)
-            q = ((b >> ((k[:, None] % 2) * 4)) & 0xF) - 8
-            s = tl.load(s_ptr + n * stride_sn + (k0 // GROUP) * stride_sg, mask=nmask, other=0.0).to(tl.float32)
-            return q.to(tl.float32) * s[None, :]
+            j = tl.multiple_of(k0 // 2, BK // 2) + tl.arange(0, BK // 2)
+            b = tl.load(w_ptr + n[:, None] * stride_n + j[None, :] * stride_k, mask=nmask[:, None],
+                        other=0)  # [BN, BK/2] uint8
+            q = tl.interleave((b & 0xF).to(tl.int32) - 8, (b >> 4).to(tl.int32) - 8)  # [BN, BK]
+            s = tl.load(s_ptr + n * stride_sn + (k0 // GROUP) * stride_sg, mask=nmask, other=0).to(tl.float32)
+            return tl.trans(q.to(tl.float32) * s[:, None])
         else:
+            k = k0 + tl.arange(0, BK)
+            if EVEN_K:
+                m = nmask[None, :]
+            else:
+                m = (k < KD)[:, None] & nmask[None, :]
             return tl.load(w_ptr + n[None, :] * stride_n + k[:, None] * stride_k, mask=m, other=0.0).to(tl.float32)
 
     @triton.jit
     def _moe_up_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, act_ptr, A, H, Im, TOPK,
                        stride_xn, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_am,
                        FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
         """act[row] = gelu_tanh(x W_gate^T) * (x W_up^T) for the BM assignments of one expert block."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
@@ -148,11 +159,12 @@ if triton is not None:
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, H, BK):
             k = k0 + tl.arange(0, BK)
-            kmask = k < H
-            xa = tl.load(x_ptr + tok[:, None] * stride_xn + k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-            wg = _load_w_tile(w_e, n, k, nmask, kmask, s_e, k0, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP)
-            wu = _load_w_tile(w_e, n + Im, k, nmask, kmask, s_e, k0, stride_wn, stride_wk, stride_sn, stride_sg,
-                              FMT, GROUP)
+            xmask = valid[:, None] if EVEN_K else valid[:, None] & (k < H)[None, :]
+            xa = tl.load(x_ptr + tok[:, None] * stride_xn + k[None, :], mask=xmask, other=0.0)
+            wg = _load_w_tile(w_e, n, nmask, k0, H, s_e, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP, BK,
+                              EVEN_K)
+            wu = _load_w_tile(w_e, n + Im, nmask, k0, H, s_e, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP,
+                              BK, EVEN_K)
             wg, wu = wg.to(xa.dtype), wu.to(xa.dtype)  # dequantised weights rounded like the torch reference
             if F32:
                 acc_g += tl.dot(xa.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
@@ -172,7 +184,8 @@ if triton is not None:
     def _moe_down_kernel(act_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, out_ptr, rw_ptr, A, H, Im, TOPK,
                          stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_on,
                          FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ATOMIC: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                         ATOMIC: tl.constexpr,
                          ROUND: tl.constexpr):
         """out[assignment] = act W_down^T in the activation dtype (rounded there, as the torch paths round each
         expert's output), one row per assignment; the router weights are applied by _moe_sum_kernel. ATOMIC: the
@@ -193,10 +206,10 @@ if triton is not None:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, Im, BK):
             k = k0 + tl.arange(0, BK)
-            kmask = k < Im
-            a = tl.load(act_ptr + rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & kmask[None, :],
-                        other=0.0)
-            w = _load_w_tile(w_e, n, k, nmask, kmask, s_e, k0, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP)
+            amask = valid[:, None] if EVEN_K else valid[:, None] & (k < Im)[None, :]
+            a = tl.load(act_ptr + rows[:, None] * stride_am + k[None, :], mask=amask, other=0.0)
+            w = _load_w_tile(w_e, n, nmask, k0, Im, s_e, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP, BK,
+                             EVEN_K)
             w = w.to(a.dtype)
             if F32:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -240,7 +253,9 @@ def _scale_strides(scale: torch.Tensor | None):
 
 
 def triton_supported(x: torch.Tensor, fmt: int = FMT_PLAIN, groups: tuple[int, int] = (0, 0)) -> bool:
-    """tl.dot needs K tiles of >= 16, and an int4 K tile must not straddle two scale groups."""
+    """tl.dot needs K tiles of >= 16, an int4 K tile must not straddle two scale groups, fp8 needs sm_89+."""
+    if fmt == FMT_FP8:
+        return fp8_usable_on(x.device)
     return usable_on(x.device) and (fmt != FMT_INT4 or all(g % 16 == 0 for g in groups))
 
 
@@ -362,6 +377,8 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
         while block_k > 16 and any(g % block_k for g in groups):
             block_k //= 2
         assert all(g % block_k == 0 for g in groups), "int4 groups must be multiples of 16"
+        # the kernels load int4 K tiles unmasked: a tile never runs past a row (groups divide H and Im)
+        assert H % block_k == 0 and Im % block_k == 0, f"int4 groups {groups} must divide H={H} and Im={Im}"
     x = x_NH.contiguous()
     sorted_ids, block_expert = align_blocks(idx_NK, E, block_m)
     L = sorted_ids.numel()
@@ -375,10 +392,10 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     _moe_up_kernel[grid](x, gate_up_EFH, gs, sorted_ids, block_expert, act, A, H, Im, K,
                          x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
                          act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
-                         **launch)
+                         EVEN_K=H % block_k == 0, **launch)
     rw = w_NK.reshape(-1).float().contiguous()
     grid = (L // block_m, triton.cdiv(H, block_n))
-    down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
+    down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k, EVEN_K=Im % block_k == 0,
                 ROUND={torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0), **launch)
     if MOE_SUM == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
         acc = torch.zeros(N, H, dtype=torch.float32, device=x.device)

@@ -257,3 +257,47 @@ def test_scaled_mm_backend_is_refused_where_it_cannot_run():
         configure(module, experts="scaled_mm")
     with pytest.raises(ValueError, match="needs a CUDA GPU with fp8 matmuls"):
         configure(module, experts="scaled_mm", precision="fp8")
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): result byte i = byte sel.nibble[i] of the 8 bytes b:a (a is bytes 0-3)."""
+    src = a | (b << 32)
+    return sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """PTX lop3.b32: bit i of the result = bit (a_i b_i c_i) of the truth table, a = 0xF0, b = 0xCC, c = 0xAA."""
+    return sum(((lut >> ((((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1))) & 1) << i for i in range(32))
+
+
+def test_int4_nibble_asm_gives_128_plus_nibble_in_bf16():
+    """The GPU's int4 experts turn 4 packed bytes into 8 bf16 values with the instructions of
+    moe_grouped._nibbles_bf16 (inline PTX: not run by the interpreter). Emulated here with PTX's definitions of
+    prmt / lop3 / shr: every byte value gives bf16(128 + low nibble) and bf16(128 + high nibble) in element order,
+    and subtracting 136 gives the format's n - 8 (the torch reference's value)."""
+    import inspect
+
+    from blockpress.kernels import moe_grouped
+
+    src = inspect.getsource(moe_grouped._nibbles_bf16.fn if hasattr(moe_grouped._nibbles_bf16, "fn")
+                            else moe_grouped._nibbles_bf16)
+    import re
+
+    sel = dict(re.findall(r"prmt\.b32 (t[01]), \$4, z, (0x[0-9a-fA-F]+);", src))  # the asm's own constants
+    lops = re.findall(r"lop3\.b32 \$(\d), (t[01]), (0x[0-9a-fA-F]+), (0x[0-9a-fA-F]+), (0x[0-9a-fA-F]+);", src)
+    assert set(sel) == {"t0", "t1"} and len(lops) == 4 and src.count("shr.u32") == 2
+    g = torch.Generator().manual_seed(0)
+    words = [int(w) for w in torch.randint(0, 2**32, (64,), generator=g, dtype=torch.int64)] + [0, 0xFFFFFFFF]
+    for w in words:
+        t = {name: _prmt(w, 0, int(c, 16)) for name, c in sel.items()}
+        regs = {}
+        for i, (reg, tname, b, c, lut) in enumerate(lops):  # the last two lop3s read t0, t1 after `shr 4`
+            regs[int(reg)] = _lop3(t[tname] >> (4 if i >= 2 else 0), int(b, 16), int(c, 16), int(lut, 16))
+        out = [regs[i] for i in range(4)]
+        halves = torch.tensor([(r >> s) & 0xFFFF for r in out for s in (0, 16)], dtype=torch.int32)
+        vals = halves.to(torch.int16).view(torch.bfloat16).float().tolist()
+        lo, hi = vals[:4], vals[4:]  # outputs 0, 1: low nibbles of bytes 0..3; outputs 2, 3: high nibbles
+        for i in range(4):
+            byte = (w >> (8 * i)) & 0xFF
+            assert lo[i] == 128 + (byte & 0xF) and hi[i] == 128 + (byte >> 4)
+            assert lo[i] - 136 == unpack_int4(torch.tensor([[byte]], dtype=torch.uint8))[0, 0].item()

@@ -114,9 +114,33 @@ def align_blocks(idx_NK: torch.Tensor, n_experts: int, block_m: int):
 if triton is not None:
 
     @triton.jit
+    def _nibbles_bf16(b):
+        """uint8 [..] -> (low nibble, high nibble) as bf16 128 + n, four bytes per asm block: the bytes spread to
+        16-bit lanes (prmt), each lane's nibble masked and given bf16 exponent 2^7 in one lop3."""
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1, z;
+            mov.b32 z, 0;
+            prmt.b32 t0, $4, z, 0x5140;
+            prmt.b32 t1, $4, z, 0x5342;
+            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+            shr.u32 t0, t0, 4;
+            shr.u32 t1, t1, 4;
+            lop3.b32 $2, t0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $3, t1, 0x000F000F, 0x43004300, 0xEA;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+    @triton.jit
     def _load_w_tile(w_ptr, n, nmask, k0, KD, s_ptr, stride_n, stride_k, stride_sn, stride_sg,
-                     FMT: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-        """Tile [BK, BN] of W^T (W is [O, KD]) for the K tile starting at k0, dequantised to fp32.
+                     FMT: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                     ROUND: tl.constexpr, F32: tl.constexpr):
+        """Tile [BK, BN] of W^T (W is [O, KD]) for the K tile starting at k0, dequantised (fp32; int4 with 16-bit
+        activations, ROUND 1: bf16, 2: fp16, in that dtype: the reference's rounding of q * scale, made with
+        fewer instructions: a nibble n becomes the 16-bit float 128 + n (bf16) or 1024 + n (fp16) by setting
+        its exponent bits, and one subtraction gives n - 8 exactly; F32 (the interpreter, whose 16-bit float
+        arithmetic is wrong in triton 3.9): the same values, the arithmetic in fp32).
         int4: the tile's BK/2 packed bytes per row are loaded as one contiguous run (vector loads, each byte
         once) and split into nibbles in registers (column 2j: low nibble of byte j, 2j+1: high). A K tile
         sits inside one scale group, and groups divide KD (the launcher sees to both), so one scale per row
@@ -126,9 +150,26 @@ if triton is not None:
             j = tl.multiple_of(k0 // 2, BK // 2) + tl.arange(0, BK // 2)
             b = tl.load(w_ptr + n[:, None] * stride_n + j[None, :] * stride_k, mask=nmask[:, None],
                         other=0)  # [BN, BK/2] uint8
-            q = tl.interleave((b & 0xF).to(tl.int32) - 8, (b >> 4).to(tl.int32) - 8)  # [BN, BK]
-            s = tl.load(s_ptr + n * stride_sn + (k0 // GROUP) * stride_sg, mask=nmask, other=0).to(tl.float32)
-            return tl.trans(q.to(tl.float32) * s[:, None])
+            s = tl.load(s_ptr + n * stride_sn + (k0 // GROUP) * stride_sg, mask=nmask, other=0)
+            if ROUND == 1:
+                if F32:
+                    lo = ((b & 0xF).to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)  # 128 + n
+                    hi = ((b >> 4).to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
+                    q = tl.interleave(lo, hi)  # [BN, BK]
+                    return tl.trans((q.to(tl.float32) - 136.0) * s.to(tl.float32)[:, None])
+                lo, hi = _nibbles_bf16(b)
+                q = tl.interleave(lo, hi)
+                return tl.trans((q - 136.0) * s.to(tl.bfloat16)[:, None])  # n - 8 exact, one rounding of n * s
+            elif ROUND == 2:
+                lo = ((b & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)  # 1024 + n
+                hi = ((b >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+                q = tl.interleave(lo, hi)
+                if F32:
+                    return tl.trans((q.to(tl.float32) - 1032.0) * s.to(tl.float32)[:, None])
+                return tl.trans((q - 1032.0) * s.to(tl.float16)[:, None])
+            else:
+                q = tl.interleave((b & 0xF).to(tl.int32) - 8, (b >> 4).to(tl.int32) - 8)  # [BN, BK]
+                return tl.trans(q.to(tl.float32) * s.to(tl.float32)[:, None])
         else:
             k = k0 + tl.arange(0, BK)
             if EVEN_K:
@@ -141,7 +182,8 @@ if triton is not None:
     def _moe_up_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, act_ptr, A, H, Im, TOPK,
                        stride_xn, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_am,
                        FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                       ROUND: tl.constexpr):
         """act[row] = gelu_tanh(x W_gate^T) * (x W_up^T) for the BM assignments of one expert block."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
@@ -162,9 +204,9 @@ if triton is not None:
             xmask = valid[:, None] if EVEN_K else valid[:, None] & (k < H)[None, :]
             xa = tl.load(x_ptr + tok[:, None] * stride_xn + k[None, :], mask=xmask, other=0.0)
             wg = _load_w_tile(w_e, n, nmask, k0, H, s_e, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP, BK,
-                              EVEN_K)
+                              EVEN_K, ROUND, F32)
             wu = _load_w_tile(w_e, n + Im, nmask, k0, H, s_e, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP,
-                              BK, EVEN_K)
+                              BK, EVEN_K, ROUND, F32)
             wg, wu = wg.to(xa.dtype), wu.to(xa.dtype)  # dequantised weights rounded like the torch reference
             if F32:
                 acc_g += tl.dot(xa.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
@@ -209,7 +251,7 @@ if triton is not None:
             amask = valid[:, None] if EVEN_K else valid[:, None] & (k < Im)[None, :]
             a = tl.load(act_ptr + rows[:, None] * stride_am + k[None, :], mask=amask, other=0.0)
             w = _load_w_tile(w_e, n, nmask, k0, Im, s_e, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP, BK,
-                             EVEN_K)
+                             EVEN_K, ROUND, F32)
             w = w.to(a.dtype)
             if F32:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -389,14 +431,15 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     gs, ds = gate_up_scale if gate_up_scale is not None else dummy, down_scale if down_scale is not None else dummy
     g_st, d_st = _scale_strides(gate_up_scale), _scale_strides(down_scale)
     grid = (L // block_m, triton.cdiv(Im, block_n))
+    rnd = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)  # 16-bit activations: int4 dequant in that dtype
     _moe_up_kernel[grid](x, gate_up_EFH, gs, sorted_ids, block_expert, act, A, H, Im, K,
                          x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
                          act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
-                         EVEN_K=H % block_k == 0, **launch)
+                         EVEN_K=H % block_k == 0, ROUND=rnd, **launch)
     rw = w_NK.reshape(-1).float().contiguous()
     grid = (L // block_m, triton.cdiv(H, block_n))
     down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k, EVEN_K=Im % block_k == 0,
-                ROUND={torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0), **launch)
+                ROUND=rnd, **launch)
     if MOE_SUM == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
         acc = torch.zeros(N, H, dtype=torch.float32, device=x.device)
         _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, acc, rw, A, H, Im, K,

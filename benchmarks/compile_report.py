@@ -5,7 +5,8 @@ fp32 dots where a GPU takes bf16 / fp8 tensor-core ones). This script compiles t
 config would compile (`blockpress.kernels.aot`: the launchers run unchanged on CPU tensors of the real
 shapes, Triton compiles for `--arch` with its own ptxas and launches nothing), then prints, per variant:
 registers, spills, shared memory, resident blocks per SM, the widths of its global loads, which MMA its dots
-became, and its instruction count; and whether it would launch (shared memory and registers within the
+became, its instruction count and that of its largest loop (a matmul kernel's K-tile iteration: the number to
+watch for dequantisation work); and whether it would launch (shared memory and registers within the
 architecture's limits). Exits 1 if a variant fails to compile or would not launch. fp8 variants are skipped
 before sm_89 (Triton has no e4m3 there; the engine runs fp8 weights through torch on those cards).
 
@@ -196,14 +197,14 @@ def print_table(rows: list[dict], arch: int) -> None:
 
     print(f"\nsm_{arch} ({ARCHS[arch][0]}): {len(rows)} distinct kernels")
     head = f"{'kernel':<22} {'launch (first of its kind)':<58} {'warps':>5} {'regs':>4} {'spill':>5} " \
-           f"{'smem KB':>7} {'blk/SM':>6} {'mma':<8} {'SASS':>5}  loads B:count"
+           f"{'smem KB':>7} {'blk/SM':>6} {'mma':<8} {'SASS':>5} {'loop':>4}  loads B:count"
     print(head)
     print("-" * len(head))
     for r in rows:
         loads = " ".join(f"{w}:{n}" for w, n in r["loads"].items())
         label = r["label"] + (f" (+{r['also']})" if r["also"] else "")
         print(f"{r['kernel']:<22} {label[:58]:<58} {r['num_warps']:>5} {r['regs']:>4} {r['spill']:>5} "
-              f"{r['shared'] / 1024:>7.1f} {r['blocks_per_sm']:>6} {r['mma']:<8} {r['sass']:>5}  {loads}")
+              f"{r['shared'] / 1024:>7.1f} {r['blocks_per_sm']:>6} {r['mma']:<8} {r['sass']:>5} {r['loop']:>4}  {loads}")
         for problem in r["problems"]:
             print(f"{'':<22} !! {problem}")
 

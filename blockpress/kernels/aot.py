@@ -55,6 +55,7 @@ class Compiled:
     loads: dict = field(default_factory=dict)  # global load width in bytes -> count (ld.global and cp.async)
     mma: str = "none"  # wgmma (Hopper warpgroup MMA), mma.sync (Ampere-style) or none
     sass: int = 0  # static instruction count
+    loop: int = 0  # instructions in its largest loop body (a K-tile iteration of the matmul kernels), 0 if none
     error: str = ""  # compile error's first line ("" when it compiled)
 
     @property
@@ -178,6 +179,19 @@ def read_back(name: str, kernel, label: str, arch: int) -> Compiled:
         widths[str(int(size, 0))] += 1
     c.loads = dict(sorted(widths.items(), key=lambda kv: int(kv[0])))
     c.mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
-    sass = _cuobjdump(kernel.asm["cubin"], "-sass")
-    c.sass = sum(1 for ln in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", ln))
+    c.sass, c.loop = sass_counts(_cuobjdump(kernel.asm["cubin"], "-sass"))
     return c
+
+
+_SASS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+
+
+def sass_counts(sass: str) -> tuple[int, int]:
+    """(instructions, instructions of the largest loop body: from a backward branch's target to the branch)."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS.match, sass.splitlines()) if m]
+    loop = 0
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b[^0-9]*0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loop = max(loop, sum(1 for a, _ in ins if int(m.group(1), 16) <= a <= addr))
+    return len(ins), loop

@@ -270,20 +270,20 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
     return sum(((lut >> ((((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1))) & 1) << i for i in range(32))
 
 
-def test_int4_nibble_asm_gives_128_plus_nibble_in_bf16():
-    """The GPU's int4 experts turn 4 packed bytes into 8 bf16 values with the instructions of
-    moe_grouped._nibbles_bf16 (inline PTX: not run by the interpreter). Emulated here with PTX's definitions of
-    prmt / lop3 / shr: every byte value gives bf16(128 + low nibble) and bf16(128 + high nibble) in element order,
-    and subtracting 136 gives the format's n - 8 (the torch reference's value)."""
-    import inspect
+@pytest.mark.parametrize("magic,dtype,base", [("0x43004300", torch.bfloat16, 128), ("0x64006400", torch.float16, 1024)])
+def test_int4_nibble_asm_gives_magic_plus_nibble(magic, dtype, base):
+    """The GPU's int4 experts turn 4 packed bytes into 8 16-bit floats with moe_grouped.NIBBLE_ASM (inline PTX: the
+    interpreter does not run it). Emulated here with PTX's definitions of prmt / lop3 / shr on the asm's own
+    constants: every byte gives base + low nibble and base + high nibble in element order, and subtracting
+    base + 8 gives the format's n - 8 (the torch reference's value)."""
+    import re
 
     from blockpress.kernels import moe_grouped
 
-    src = inspect.getsource(moe_grouped._nibbles_bf16.fn if hasattr(moe_grouped._nibbles_bf16, "fn")
-                            else moe_grouped._nibbles_bf16)
-    import re
-
-    sel = dict(re.findall(r"prmt\.b32 (t[01]), \$4, z, (0x[0-9a-fA-F]+);", src))  # the asm's own constants
+    src = moe_grouped.NIBBLE_ASM.format(magic=magic)
+    if triton is not None:  # the kernels' asm is this template
+        assert (moe_grouped.NIBBLE_ASM_BF16 if dtype == torch.bfloat16 else moe_grouped.NIBBLE_ASM_F16).value == src
+    sel = dict(re.findall(r"prmt\.b32 (t[01]), \$4, z, (0x[0-9a-fA-F]+);", src))
     lops = re.findall(r"lop3\.b32 \$(\d), (t[01]), (0x[0-9a-fA-F]+), (0x[0-9a-fA-F]+), (0x[0-9a-fA-F]+);", src)
     assert set(sel) == {"t0", "t1"} and len(lops) == 4 and src.count("shr.u32") == 2
     g = torch.Generator().manual_seed(0)
@@ -293,11 +293,10 @@ def test_int4_nibble_asm_gives_128_plus_nibble_in_bf16():
         regs = {}
         for i, (reg, tname, b, c, lut) in enumerate(lops):  # the last two lop3s read t0, t1 after `shr 4`
             regs[int(reg)] = _lop3(t[tname] >> (4 if i >= 2 else 0), int(b, 16), int(c, 16), int(lut, 16))
-        out = [regs[i] for i in range(4)]
-        halves = torch.tensor([(r >> s) & 0xFFFF for r in out for s in (0, 16)], dtype=torch.int32)
-        vals = halves.to(torch.int16).view(torch.bfloat16).float().tolist()
+        halves = torch.tensor([(regs[r] >> sh) & 0xFFFF for r in range(4) for sh in (0, 16)], dtype=torch.int32)
+        vals = halves.to(torch.int16).view(dtype).float().tolist()
         lo, hi = vals[:4], vals[4:]  # outputs 0, 1: low nibbles of bytes 0..3; outputs 2, 3: high nibbles
         for i in range(4):
             byte = (w >> (8 * i)) & 0xFF
-            assert lo[i] == 128 + (byte & 0xF) and hi[i] == 128 + (byte >> 4)
-            assert lo[i] - 136 == unpack_int4(torch.tensor([[byte]], dtype=torch.uint8))[0, 0].item()
+            assert lo[i] == base + (byte & 0xF) and hi[i] == base + (byte >> 4)
+            assert lo[i] - base - 8 == unpack_int4(torch.tensor([[byte]], dtype=torch.uint8))[0, 0].item()

@@ -163,7 +163,9 @@ def read_back(name: str, kernel, label: str, arch: int) -> Compiled:
     """A compiled Triton kernel -> Compiled (resource usage from its cubin, loads and MMA from its PTX)."""
     c = Compiled(kernel=name, label=label, arch=arch)
     if isinstance(kernel, Exception):
-        lines = [ln for ln in str(kernel).strip().splitlines() if ln.strip()]
+        while kernel.__cause__ is not None:  # Triton chains a CompilationError per call level: the root says why
+            kernel = kernel.__cause__
+        lines = [ln for ln in str(kernel).strip().splitlines() if ln.strip() and ln.strip() != "^"]
         c.error = f"{type(kernel).__name__}: {lines[-1] if lines else ''}"[:300]
         return c
     md = kernel.metadata

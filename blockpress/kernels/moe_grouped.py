@@ -111,26 +111,36 @@ def align_blocks(idx_NK: torch.Tensor, n_experts: int, block_m: int):
     return sorted_ids, block_expert
 
 
-if triton is not None:
-
-    @triton.jit
-    def _nibbles_bf16(b):
-        """uint8 [..] -> (low nibble, high nibble) as bf16 128 + n, four bytes per asm block: the bytes spread to
-        16-bit lanes (prmt), each lane's nibble masked and given bf16 exponent 2^7 in one lop3."""
-        return tl.inline_asm_elementwise(
-            asm="""{
+# int4 nibbles -> 16-bit floats MAGIC + n on the GPU, 4 packed bytes in $4 -> low nibbles in $0 (bytes 0, 1) and $1
+# (bytes 2, 3), high nibbles in $2, $3: prmt spreads two bytes to two 16-bit lanes (z: zero bytes), lop3 0xEA is
+# (lane & 0xF) | MAGIC, the exponent of 128 (bf16) or 1024 (fp16), whose mantissa step is 1
+NIBBLE_ASM = """{{
             .reg .b32 t0, t1, z;
             mov.b32 z, 0;
             prmt.b32 t0, $4, z, 0x5140;
             prmt.b32 t1, $4, z, 0x5342;
-            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $0, t0, 0x000F000F, {magic}, 0xEA;
+            lop3.b32 $1, t1, 0x000F000F, {magic}, 0xEA;
             shr.u32 t0, t0, 4;
             shr.u32 t1, t1, 4;
-            lop3.b32 $2, t0, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 $3, t1, 0x000F000F, 0x43004300, 0xEA;
-            }""",
-            constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            lop3.b32 $2, t0, 0x000F000F, {magic}, 0xEA;
+            lop3.b32 $3, t1, 0x000F000F, {magic}, 0xEA;
+            }}"""
+
+if triton is not None:
+    NIBBLE_ASM_BF16 = tl.constexpr(NIBBLE_ASM.format(magic="0x43004300"))
+    NIBBLE_ASM_F16 = tl.constexpr(NIBBLE_ASM.format(magic="0x64006400"))
+
+    @triton.jit
+    def _nibbles_16(b, ROUND: tl.constexpr):
+        """uint8 [..] -> (low nibble, high nibble) as 16-bit floats MAGIC + n (NIBBLE_ASM; ROUND 1: bf16, 2:
+        fp16), four bytes per asm block."""
+        if ROUND == 1:
+            return tl.inline_asm_elementwise(asm=NIBBLE_ASM_BF16, constraints="=r,=r,=r,=r,r", args=[b],
+                                             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(asm=NIBBLE_ASM_F16, constraints="=r,=r,=r,=r,r", args=[b],
+                                             dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
     @triton.jit
     def _load_w_tile(w_ptr, n, nmask, k0, KD, s_ptr, stride_n, stride_k, stride_sn, stride_sg,
@@ -151,25 +161,21 @@ if triton is not None:
             b = tl.load(w_ptr + n[:, None] * stride_n + j[None, :] * stride_k, mask=nmask[:, None],
                         other=0)  # [BN, BK/2] uint8
             s = tl.load(s_ptr + n * stride_sn + (k0 // GROUP) * stride_sg, mask=nmask, other=0)
-            if ROUND == 1:
-                if F32:
-                    lo = ((b & 0xF).to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)  # 128 + n
-                    hi = ((b >> 4).to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
-                    q = tl.interleave(lo, hi)  # [BN, BK]
-                    return tl.trans((q.to(tl.float32) - 136.0) * s.to(tl.float32)[:, None])
-                lo, hi = _nibbles_bf16(b)
-                q = tl.interleave(lo, hi)
-                return tl.trans((q - 136.0) * s.to(tl.bfloat16)[:, None])  # n - 8 exact, one rounding of n * s
-            elif ROUND == 2:
-                lo = ((b & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)  # 1024 + n
-                hi = ((b >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-                q = tl.interleave(lo, hi)
-                if F32:
-                    return tl.trans((q.to(tl.float32) - 1032.0) * s.to(tl.float32)[:, None])
-                return tl.trans((q - 1032.0) * s.to(tl.float16)[:, None])
-            else:
+            DT: tl.constexpr = tl.bfloat16 if ROUND == 1 else tl.float16
+            MAGIC: tl.constexpr = 0x4300 if ROUND == 1 else 0x6400  # bf16 128 / fp16 1024: MAGIC + n, mantissa step 1
+            BIAS: tl.constexpr = 136.0 if ROUND == 1 else 1032.0  # MAGIC's value + 8
+            if ROUND == 0:
                 q = tl.interleave((b & 0xF).to(tl.int32) - 8, (b >> 4).to(tl.int32) - 8)  # [BN, BK]
                 return tl.trans(q.to(tl.float32) * s.to(tl.float32)[:, None])
+            elif F32:  # the interpreter: the same bit trick in Triton, the arithmetic in fp32
+                lo = ((b & 0xF).to(tl.uint16) | MAGIC).to(DT, bitcast=True)
+                hi = ((b >> 4).to(tl.uint16) | MAGIC).to(DT, bitcast=True)
+                q = tl.interleave(lo, hi)  # [BN, BK]
+                return tl.trans((q.to(tl.float32) - BIAS) * s.to(tl.float32)[:, None])
+            else:
+                lo, hi = _nibbles_16(b, ROUND)
+                q = tl.interleave(lo, hi)
+                return tl.trans((q - BIAS) * s.to(DT)[:, None])  # n - 8 exact, one rounding of n * s
         else:
             k = k0 + tl.arange(0, BK)
             if EVEN_K:

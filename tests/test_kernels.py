@@ -139,19 +139,22 @@ def test_fused_sampler_torch_exact_parts():
 
 @needs_triton
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_fused_sampler_triton_exact_parts():
+@pytest.mark.parametrize("rows,block_v", [(4, 16), (2, 8)])  # tiles with masked edges; every tile full (EVEN)
+def test_fused_sampler_triton_exact_parts(rows, block_v):
     raw = torch.randn(2, 7, 40) * 6
     raw[0, 0, 3] = raw[0, 0, 30] = 50.0  # a tie across V chunks: the first index wins, like torch
+    raw[1, 2, 17] = raw[1, 2, 18] = 60.0  # a tie inside a chunk
     tau = torch.tensor(0.6)
-    y, a, h, z = fused_sample_triton(raw, tau, torch.tensor([3]), rows_per_program=4, block_v=16)
+    y, a, h, z = fused_sample_triton(raw, tau, torch.tensor([3]), rows_per_program=rows, block_v=block_v)
     ref_z = raw / tau
-    assert torch.equal(a, ref_z.argmax(-1)) and a[0, 0] == 3
+    assert torch.equal(a, ref_z.argmax(-1)) and a[0, 0] == 3 and a[1, 2] == 17
     assert (h - token_entropy(ref_z)).abs().max() < 1e-5
     assert torch.equal(z, ref_z)
-    _, a0, h0, _ = fused_sample_triton(raw, None, torch.tensor([3]), rows_per_program=4, block_v=16)
+    _, a0, h0, _ = fused_sample_triton(raw, None, torch.tensor([3]), rows_per_program=rows, block_v=block_v)
     assert torch.equal(a0, raw.argmax(-1)) and (h0 - token_entropy(raw)).abs().max() < 1e-5
     into = torch.full((2, 7, 40), float("nan"))  # out= (a graph's self-conditioning input)
-    y2, _, _, z2 = fused_sample_triton(raw, tau, torch.tensor([3]), rows_per_program=4, block_v=16, out=into)
+    y2, _, _, z2 = fused_sample_triton(raw, tau, torch.tensor([3]), rows_per_program=rows, block_v=block_v,
+                                       out=into)
     assert z2.data_ptr() == into.data_ptr() and torch.equal(into, ref_z) and torch.equal(y2, y)
     with pytest.raises(ValueError, match="contiguous"):
         fused_sample_triton(raw, tau, torch.tensor([3]), out=torch.empty(2, 40, 7).transpose(1, 2))

@@ -22,14 +22,18 @@ import torch
 from ..engine.generate import clamp
 from ..engine.generate import denoise_step as _exact_step
 from ..sampling import entropy_bound_accept, temperature, uniform_tokens
-from ._triton import tl, triton, usable_on
+from ._triton import interpreted, tl, triton, usable_on
 
 if triton is not None:
+    from triton.language.extra import libdevice
 
     @triton.jit
-    def _fused_sampler_kernel(raw_ptr, tau_ptr, seed_ptr, y_ptr, a_ptr, h_ptr, z_ptr, R, V, stride_r, stride_zr,
+    def _fused_sampler_kernel(raw_ptr, tau_ptr, seed_ptr, y_ptr, a_ptr, h_ptr, z_ptr, R, V, VQ, stride_r, stride_zr,
                               HAS_TAU: tl.constexpr, WRITE_Z: tl.constexpr, ROWS: tl.constexpr,
-                              BLOCK_V: tl.constexpr):
+                              BLOCK_V: tl.constexpr, EVEN: tl.constexpr, FAST_LOG: tl.constexpr):
+        """EVEN: every tile full (R % ROWS == 0, V % BLOCK_V == 0), no masks. FAST_LOG: the Gumbel noise's two logs
+        by the hardware's lg2.approx (compiled only; the interpreter has no libdevice), not libdevice's ~12-FMA
+        logf: noise for a draw, where 2^-22 of relative error is far below what a sample can show."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rmask = rows < R
         tau = 1.0
@@ -45,27 +49,37 @@ if triton is not None:
         gbest_i = tl.zeros((ROWS,), tl.int64)
         for v0 in range(0, V, BLOCK_V):
             v = v0 + tl.arange(0, BLOCK_V)
-            mask = rmask[:, None] & (v < V)[None, :]
-            z = tl.load(raw_ptr + rows[:, None].to(tl.int64) * stride_r + v[None, :], mask=mask,
-                        other=float("-inf")).to(tl.float32) / tau
+            if EVEN:
+                mask = None
+                z = tl.load(raw_ptr + rows[:, None].to(tl.int64) * stride_r + v[None, :]).to(tl.float32) / tau
+            else:
+                mask = rmask[:, None] & (v < V)[None, :]
+                z = tl.load(raw_ptr + rows[:, None].to(tl.int64) * stride_r + v[None, :], mask=mask,
+                            other=float("-inf")).to(tl.float32) / tau
             if WRITE_Z:
                 tl.store(z_ptr + rows[:, None].to(tl.int64) * stride_zr + v[None, :],
                          z.to(z_ptr.dtype.element_ty), mask=mask)
-            cmax = tl.max(z, axis=1)
-            carg = tl.argmax(z, axis=1)
+            cmax, carg = tl.max(z, axis=1, return_indices=True, return_indices_tie_break_left=True)
             best_i = tl.where(cmax > best, v0 + carg, best_i)  # strict: first maximum wins, like torch
             best = tl.maximum(best, cmax)
             m_new = tl.maximum(m, cmax)
             alpha = tl.exp(m - m_new)
             d = z - m_new[:, None]
             p = tl.exp(d)
-            t = alpha * (t + (m - m_new) * s) + tl.sum(tl.where(mask, p * d, 0.0), axis=1)
+            pd = p * d if EVEN else tl.where(mask, p * d, 0.0)  # a masked element: p = 0, d = -inf
+            t = alpha * (t + (m - m_new) * s) + tl.sum(pd, axis=1)
             s = alpha * s + tl.sum(p, axis=1)
             m = m_new
-            u = tl.rand(seed, rows[:, None] * V + v[None, :])
-            zg = tl.where(mask, z - tl.log(-tl.log(u)), float("-inf"))
-            gmax = tl.max(zg, axis=1)
-            garg = tl.argmax(zg, axis=1)
+            # Gumbel noise: one Philox call gives 4 uniforms (for v = 4i .. 4i + 3), not 1 of 4 kept
+            iq = rows[:, None] * VQ + (v0 // 4 + tl.arange(0, BLOCK_V // 4))[None, :]
+            u0, u1, u2, u3 = tl.rand4x(seed, iq)
+            u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), (ROWS, BLOCK_V))
+            if FAST_LOG:
+                g = -libdevice.fast_logf(-libdevice.fast_logf(u))
+            else:
+                g = -tl.log(-tl.log(u))
+            zg = z + g if EVEN else tl.where(mask, z + g, float("-inf"))
+            gmax, garg = tl.max(zg, axis=1, return_indices=True, return_indices_tie_break_left=True)
             gbest_i = tl.where(gmax > gbest, v0 + garg, gbest_i)
             gbest = tl.maximum(gbest, gmax)
         tl.store(y_ptr + rows, gbest_i, mask=rmask)
@@ -102,7 +116,7 @@ def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_progr
     if seed is None:
         seed = torch.randint(0, 2**31 - 1, (1,), device=dev)
     rows = rows_per_program or (1 if V >= 4096 else 16)
-    bv = block_v or min(4096, triton.next_power_of_2(V))
+    bv = max(4, block_v or min(4096, triton.next_power_of_2(V)))  # >= 4: the noise comes 4 uniforms per call
     y = torch.empty(R, dtype=torch.int64, device=dev)
     a = torch.empty(R, dtype=torch.int64, device=dev)
     h = torch.empty(R, dtype=torch.float32, device=dev)
@@ -113,8 +127,10 @@ def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_progr
     else:
         z = out.view(R, V)
     tau_t = tau if tau is not None else h  # unused pointer when HAS_TAU is False
-    _fused_sampler_kernel[(triton.cdiv(R, rows),)](x, tau_t, seed, y, a, h, z, R, V, x.stride(0), z.stride(0),
-                                                   HAS_TAU=tau is not None, WRITE_Z=True, ROWS=rows, BLOCK_V=bv)
+    _fused_sampler_kernel[(triton.cdiv(R, rows),)](x, tau_t, seed, y, a, h, z, R, V, triton.cdiv(V, 4), x.stride(0),
+                                                   z.stride(0), HAS_TAU=tau is not None, WRITE_Z=True, ROWS=rows,
+                                                   BLOCK_V=bv, EVEN=R % rows == 0 and V % bv == 0,
+                                                   FAST_LOG=not interpreted())
     return y.view(B, C), a.view(B, C), h.view(B, C), z.view(B, C, V)
 
 

@@ -5,6 +5,7 @@ which never builds GPU code; these tests are what catches a kernel that only the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,11 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _ptxas() -> bool:
-    try:
-        import triton
-    except Exception:
+    """Is Triton's bundled ptxas there? Found without importing triton: an import before blockpress's own (which
+    sets TRITON_INTERPRET=1 on a machine without CUDA) would leave this process's kernels uninterpretable."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.submodule_search_locations:
         return False
-    return os.access(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"), os.X_OK)
+    root = list(spec.submodule_search_locations)[0]
+    return os.access(os.path.join(root, "backends", "nvidia", "bin", "ptxas"), os.X_OK)
 
 
 needs_ptxas = pytest.mark.skipif(not _ptxas(), reason="needs triton with its bundled ptxas (pip install triton)")
@@ -34,7 +37,7 @@ def report(tmp_path_factory):
     out = tmp / "report.json"
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp / "cache"))  # compile for real, not from an old cache
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--arch", "90,89",
-                           "--batch", "1,4", "--linears", "int8,fp8", "--out", str(out)],
+                           "--batch", "1,4", "--linears", "int8,fp8", "--grid", "bn=128;bk=128", "--out", str(out)],
                           capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.returncode, json.loads(out.read_text()), proc.stdout
@@ -52,6 +55,22 @@ def test_every_kernel_compiles_and_would_launch(report):
             assert not r["problems"] and r["blocks_per_sm"] >= 1 and r["regs"] > 0, r
     labels = [r["label"] for r in result["archs"]["90"]["kernels"]]
     assert any("int4" in x for x in labels) and any("fp8" in x for x in labels) and any("atomic" in x for x in labels)
+    # bn=128, bk=128 at a prefill's bm 64 in bf16: 3 pipeline stages would need 240 KB; the launcher fits them
+    big = [r for r in result["archs"]["90"]["kernels"] if "bn=128,bk=128" in r["label"] and "native" in r["label"]
+           and ("prefill" in r["label"] or "canvas x4" in r["label"]) and r["kernel"] == "_moe_up_kernel"]
+    assert big and all(r["num_stages"] < 3 for r in big)
+
+
+def test_pipeline_stages_fit_the_shared_memory(monkeypatch):
+    from blockpress.kernels import moe_grouped as mg
+
+    assert mg._stages(4, 10**6) == {"num_stages": 4}  # the tiles' own setting wins
+    monkeypatch.setattr(mg, "_smem_limit", lambda: None)  # no GPU: Triton's default
+    assert mg._stages(None, 10**6) == {}
+    monkeypatch.setattr(mg, "_smem_limit", lambda: 232448)  # H100
+    assert mg._stages(None, 20480) == {}  # 3 x 20 KB fit
+    assert mg._stages(None, 81920) == {"num_stages": 2}  # 3 x 80 KB do not
+    assert mg._stages(None, 300000) == {"num_stages": 1}
 
 
 @needs_ptxas

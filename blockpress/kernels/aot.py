@@ -111,6 +111,11 @@ class _StandInDriver:
     def get_current_target(self):
         return self.target
 
+    @property
+    def utils(self):  # what launchers ask of the device (moe_grouped._smem_limit)
+        smem = ARCHS.get(self.arch, ARCHS[90])[1]
+        return type("Utils", (), {"get_device_properties": staticmethod(lambda device: {"max_shared_mem": smem})})
+
 
 @contextmanager
 def compile_only(arch: int):

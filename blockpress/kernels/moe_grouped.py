@@ -400,6 +400,35 @@ def set_moe_sum(mode: str) -> str:
     return prev
 
 
+SMEM_LIMIT: dict = {}  # Triton device -> max shared memory per block (bytes), asked once
+
+
+def _smem_limit() -> int | None:
+    if interpreted():
+        return None
+    try:
+        from triton.runtime.driver import driver
+        dev = driver.active.get_current_device()
+        if dev not in SMEM_LIMIT:
+            SMEM_LIMIT[dev] = int(driver.active.utils.get_device_properties(dev)["max_shared_mem"])
+        return SMEM_LIMIT[dev]
+    except Exception:  # no driver: nothing to fit
+        return None
+
+
+def _stages(stages: int | None, per_stage: int) -> dict:
+    """Launch settings for the pipeline depth: the tiles' own setting if given, else Triton's default (3 stages)
+    unless 3 stages of `per_stage` shared-memory bytes would exceed the GPU's limit, then as many as fit: the
+    sweep's bn=128,bk=128 tiles need 240 KB at bm 64 in bf16 (a prefill), over an H100's 227 KB
+    (benchmarks/compile_report.py --grid), and would fail to launch."""
+    if stages is not None:
+        return {"num_stages": stages}
+    limit = _smem_limit()
+    if limit is None or 3 * per_stage <= limit:
+        return {}
+    return {"num_stages": max(1, limit // per_stage)}
+
+
 def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_PLAIN,
                    gate_up_scale=None, down_scale=None, groups: tuple[int, int] = (0, 0), inter: int | None = None,
                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
@@ -413,7 +442,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     block_m = block_m if block_m is not None else t.block_m
     block_n = block_n if block_n is not None else t.block_n
     block_k = block_k if block_k is not None else t.block_k
-    launch = {k: v for k, v in (("num_warps", t.num_warps), ("num_stages", t.num_stages)) if v is not None}
+    warps = {"num_warps": t.num_warps} if t.num_warps else {}
     N, H = x_NH.shape
     K = idx_NK.shape[1]
     E = gate_up_EFH.shape[0]
@@ -441,11 +470,14 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     _moe_up_kernel[grid](x, gate_up_EFH, gs, sorted_ids, block_expert, act, A, H, Im, K,
                          x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
                          act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
-                         EVEN_K=H % block_k == 0, ROUND=rnd, **launch)
+                         EVEN_K=H % block_k == 0, ROUND=rnd, **warps,
+                         **_stages(t.num_stages, (block_m * x.element_size() + 2 * block_n * gate_up_EFH.element_size())
+                                   * block_k))
     rw = w_NK.reshape(-1).float().contiguous()
     grid = (L // block_m, triton.cdiv(H, block_n))
     down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k, EVEN_K=Im % block_k == 0,
-                ROUND=rnd, **launch)
+                ROUND=rnd, **warps,
+                **_stages(t.num_stages, (block_m * x.element_size() + block_n * down_EHI.element_size()) * block_k))
     if MOE_SUM == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
         acc = torch.zeros(N, H, dtype=torch.float32, device=x.device)
         _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, acc, rw, A, H, Im, K,

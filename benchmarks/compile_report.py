@@ -13,6 +13,10 @@ before sm_89 (Triton has no e4m3 there; the engine runs fp8 weights through torc
     python benchmarks/compile_report.py                                   # real-26b, sm_90 (H100/H200)
     python benchmarks/compile_report.py --arch 90,89,86 --grid "bm=auto,32;bn=64,128;bk=64,128;warps=4,8"
 
+Per architecture it ends with an issue model of a denoising step's expert kernels: instructions per weight
+(the compiled K-tile loop over the weights it covers) x the step's weights / the card's issue rate, against
+the experts' bytes / its bandwidth: which side bounds them (`--tiles` to try other default tiles).
+
 What it cannot tell: time. It is the static half of a GPU measurement (benchmarks/gpu_session.sh is the
 other). Ends with one JSON line.
 """
@@ -59,7 +63,7 @@ def expert_variants(text, dtype, passes, tiles: list[str], precisions: list[str]
             for spec in tiles:
                 for moe_sum in ("kernel", "atomic") if spec == tiles[0] else ("kernel",):
                     def run(spec=spec, moe_sum=moe_sum, x=x, w=w, idx=idx, gate_up=gate_up, down=down, kw=kw):
-                        prev_tiles, prev_sum = mg.set_moe_tiles(spec or None), mg.set_moe_sum(moe_sum)
+                        prev_tiles, prev_sum = mg.set_moe_tiles(spec or mg.TILES), mg.set_moe_sum(moe_sum)
                         try:
                             mg.experts_triton(x, w, idx, gate_up, down, **kw)
                         finally:
@@ -119,8 +123,16 @@ def main(argv=None) -> int:
     p.add_argument("--linears", default="int8,fp8", help="8-bit projection formats ('' for none)")
     p.add_argument("--grid", default="", help="extra MoE tile settings, e.g. 'bm=auto,32;bn=64,128' "
                                               "(benchmarks/sweep_moe_tiles.py's grid syntax)")
+    p.add_argument("--tiles", default=None, help="the MoE tiles to take as the defaults (set_moe_tiles spec, e.g. "
+                                                 "'bk=64'; the issue model reads these)")
     p.add_argument("--out", help="also write the JSON result here")
     args = p.parse_args(argv)
+    if args.tiles:
+        from blockpress.kernels.moe_grouped import set_moe_tiles
+        try:
+            set_moe_tiles(args.tiles)
+        except ValueError as e:
+            raise SystemExit(f"--tiles: {e}") from None
 
     if triton is None:
         raise SystemExit("compile_report needs triton (pip install triton): nothing to compile without it")
@@ -181,8 +193,9 @@ def main(argv=None) -> int:
         print_table(rows, arch)
         bad = [r for r in rows if r["problems"]]
         failed += len(bad)
+        model = issue_model(rows, arch, text, [p for p in precisions if arch >= 89 or p != "fp8"], batches[0])
         result["archs"][str(arch)] = {"card": ARCHS[arch][0], "kernels": rows, "failed": len(bad),
-                                      "seconds": round(time.perf_counter() - t0, 1)}
+                                      "issue_model": model, "seconds": round(time.perf_counter() - t0, 1)}
     result["failed"] = failed
     line = json.dumps(result)
     if args.out:
@@ -190,6 +203,53 @@ def main(argv=None) -> int:
             f.write(line + "\n")
     print(line)
     return 1 if failed else 0
+
+
+# one card per architecture for the issue model: (name, SMs, boost clock Hz, memory bandwidth B/s)
+ISSUE_CARDS = {90: ("H100 SXM", 132, 1.98e9, 3.35e12), 89: ("RTX 4090", 128, 2.52e9, 1.008e12),
+               86: ("RTX 3090", 82, 1.695e9, 0.936e12), 80: ("A100 SXM", 108, 1.41e9, 2.039e12),
+               120: ("RTX 5090", 170, 2.41e9, 1.792e12)}
+BYTES_PER_WEIGHT = {"native": 2.0, "fp8": 1.0 + 4 / 2816, "int4": 0.5 + 2 / 64}  # with their scales
+
+
+def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch: int) -> list[dict]:
+    """Instruction issue vs bytes for the expert kernels of one denoising step, from the compiled K-tile loops at
+    the default tiles: issue ms = weights x loop instructions per weight / 32 lanes / (SMs x 4 schedulers x clock),
+    bytes ms = expert bytes / bandwidth. A static model (perfect overlap, boost clock, no stalls): it says which
+    side bounds a kernel, not its time."""
+    from blockpress.kernels.moe_grouped import TILES
+
+    name, sms, clock, bandwidth = ISSUE_CARDS[arch]
+    E, H, Im, L = text.num_experts, text.hidden_size, text.moe_intermediate_size, text.num_hidden_layers
+    issue_rate = sms * 4 * clock
+    out = []
+    print(f"\nissue model, {name} (sm_{arch}: {sms} SMs x 4 schedulers x {clock / 1e9:.2f} GHz, "
+          f"{bandwidth / 1e12:.2f} TB/s), expert kernels of a step at canvas x{batch}, default tiles:")
+    print(f"{'experts':<8} {'instr/weight up':>15} {'down':>6} {'issue ms':>9} {'bytes ms':>9}  bound")
+    for precision in precisions:
+        bk = TILES.block_k
+        while precision == "int4" and bk > 16 and 64 % bk:
+            bk //= 2
+        per = {}
+        for kernel, weights_per_tile in (("_moe_up_kernel", 2 * TILES.block_n * bk), ("_moe_down_kernel",
+                                                                                     TILES.block_n * bk)):
+            want = f"experts {precision}, canvas x{batch}, tiles {TILES.spec()}"
+            r = next((r for r in rows if r["kernel"] == kernel and r["label"] == want and r["loop"]), None)
+            if r is None:
+                break
+            per[kernel] = r["loop"] / (weights_per_tile / (32 * r["num_warps"]))
+        if len(per) < 2:
+            continue
+        up_w, down_w = L * E * 2 * Im * H, L * E * H * Im
+        issue = (up_w * per["_moe_up_kernel"] + down_w * per["_moe_down_kernel"]) / 32 / issue_rate * 1e3
+        mem = (up_w + down_w) * BYTES_PER_WEIGHT[precision] / bandwidth * 1e3
+        row = {"experts": precision, "card": name, "up_instr_per_weight": round(per["_moe_up_kernel"], 2),
+               "down_instr_per_weight": round(per["_moe_down_kernel"], 2), "issue_ms": round(issue, 2),
+               "bytes_ms": round(mem, 2), "bound": "instructions" if issue > mem else "memory"}
+        out.append(row)
+        print(f"{precision:<8} {row['up_instr_per_weight']:>15.2f} {row['down_instr_per_weight']:>6.2f} "
+              f"{issue:>9.2f} {mem:>9.2f}  {row['bound']}")
+    return out
 
 
 def print_table(rows: list[dict], arch: int) -> None:

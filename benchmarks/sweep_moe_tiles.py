@@ -2,7 +2,7 @@
 
 A denoising step of the 26B-A4B model is ~95 % expert weights, so the two expert kernels decide how close
 a step gets to the bandwidth floor. Their default tiles (block_m = next power of two >= the mean
-assignments per expert, BN 64, BK 32, Triton's default warps/stages) are untuned. This script builds one
+assignments per expert, BN 64, BK 64, Triton's default warps/stages) are untimed. This script builds one
 layer's experts (random weights on the device: bf16, fp8 or int4) and a canvas's routing (B x C tokens,
 top-K of a random router), then times every tile setting of a grid (`triton.testing.do_bench` on CUDA,
 the best of `--repeats` on a CPU) and reports ms, achieved GB/s (the layer's hit expert bytes / time) and

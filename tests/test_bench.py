@@ -288,7 +288,7 @@ def test_moe_tile_sweep_on_cpu_checks_every_setting_against_torch(capsys, monkey
     assert all(v < 1e-4 for v in result["rel_err_vs_torch"].values())
     rows = result["results"]
     assert [r["spec"] for r in rows if r["precision"] == "native"] == \
-        ["bm=auto,bn=64,bk=32", "bm=16,bn=16,bk=16", "bm=16,bn=32,bk=16"]
+        ["bm=auto,bn=64,bk=64", "bm=16,bn=16,bk=16", "bm=16,bn=32,bk=16"]
     assert all(r["ok"] and r["ms"] > 0 for r in rows)
     assert all(v["speedup_vs_default"] > 0 for v in result["best"].values())
 

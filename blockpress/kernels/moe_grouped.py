@@ -312,13 +312,15 @@ class Tiles:
     """Tile sizes and launch settings of the two Triton expert kernels (the same for both).
 
     block_m None: the next power of two >= the mean assignments per expert (16..64), one block per expert
-    when the load is balanced. The defaults are untuned; `benchmarks/sweep_moe_tiles.py` times a grid of
+    when the load is balanced. The defaults are untimed: BK 64 (not 32) from the compiled code's instruction
+    count per weight (benchmarks/compile_report.py's issue model: int4 experts 5.5-6.9 -> 4.3-5.0 instructions
+    per weight on sm_90, instruction-bound -> memory-bound). `benchmarks/sweep_moe_tiles.py` times a grid of
     them on one layer of a real config, and `set_moe_tiles("bm=32,bn=128,bk=64,warps=8,stages=4")` (or
     `blockpress bench --moe-tiles ...`) applies the winner."""
 
     block_m: int | None = None
     block_n: int = 64
-    block_k: int = 32
+    block_k: int = 64
     num_warps: int | None = None  # None: Triton's default
     num_stages: int | None = None
 

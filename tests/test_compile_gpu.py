@@ -93,6 +93,17 @@ def test_expert_weights_are_loaded_in_vectors(report):
                 assert max(int(w) for w in r["loads"]) >= 8, (r["label"], r["loads"])
 
 
+@needs_ptxas
+def test_int4_dequantisation_stays_cheap(report):
+    """The issue model of a step's expert kernels (instructions per weight from the compiled K-tile loop): the int4
+    experts were 16-20 instructions per weight (instruction-bound 3.3x over their bytes on an H100); now ~4-5."""
+    _, result, _ = report
+    model = {r["experts"]: r for r in result["archs"]["90"]["issue_model"]}
+    assert set(model) == {"native", "fp8", "int4"}
+    assert model["int4"]["up_instr_per_weight"] < 6 and model["int4"]["down_instr_per_weight"] < 7
+    assert model["int4"]["bound"] == "memory" and model["native"]["bound"] == "memory"
+
+
 def test_compile_only_refuses_interpreted_kernels():
     from blockpress.kernels import _triton
 

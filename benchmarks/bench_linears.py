@@ -58,7 +58,9 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # fp8 x fp8 needs fp8 tensor cores on a GPU (Ada, Hopper); torch._scaled_mm also runs on a CPU
     w8a8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-    variants = ["int8", "fp8"] + (["fp8-a8"] if w8a8 else [])
+    # int8-bm128: 128 rows per program, so a canvas's weights are converted twice, not 4 times (half the
+    # instructions, half the programs: compile_report.py cannot say which wins)
+    variants = ["int8", "int8-bm128", "fp8"] + (["fp8-a8"] if w8a8 else [])
     text = ModelConfig.from_dict(preset_config(args.preset)[0]).text
     rows = [int(r) for r in args.rows.split(",") if r]
     shapes = projection_shapes(text)
@@ -77,6 +79,8 @@ def main(argv=None) -> int:
         for M in rows:
             x = torch.randn(M, I, generator=g, device=device, dtype=torch.float32).to(dtype)
             calls = {"int8": (lambda: linear_q_triton(x, q["int8"].weight_q, q["int8"].weight_scale), q["int8"]),
+                     "int8-bm128": (lambda: linear_q_triton(x, q["int8"].weight_q, q["int8"].weight_scale,
+                                                            block_m=128), q["int8"]),
                      "fp8": (lambda: linear_q_triton(x, q["fp8"].weight_q, q["fp8"].weight_scale), q["fp8"]),
                      "fp8-a8": (lambda: linear_fp8_scaled_mm(x, q["fp8"].weight_q, q["fp8"].weight_scale), None)}
             r = {"in": I, "out": O, "count": count, "rows": M, "native_gbs": 0.0, "rel_err": {}}

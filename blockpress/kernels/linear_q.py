@@ -178,8 +178,13 @@ if triton is not None:
                  mask=mmask[:, None] & nmask[None, :])
 
 
-def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
-    """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel (q int8 or float8_e4m3fn)."""
+def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
+                    block_m: int | None = None) -> torch.Tensor:
+    """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel (q int8 or float8_e4m3fn).
+    block_m: rows per program (default `block_m_for`). Each program converts its weight tile to the activation
+    dtype, so M / block_m programs convert every weight: at a canvas (256 rows, BM 64) 4 times, ~22 instructions
+    per weight on sm_90, twice the int8 bytes' time (benchmarks/compile_report.py); BM 128 halves that and the
+    programs (`bench_linears.py` times both)."""
     if triton is None:
         raise RuntimeError("linear_q_triton needs triton (pip install triton)")
     lead, I = x.shape[:-1], x.shape[-1]
@@ -192,7 +197,7 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor) 
     out = torch.empty(M, O, dtype=x.dtype, device=x.device)
     if M == 0:
         return out.view(*lead, O)
-    bm = block_m_for(M)
+    bm = block_m or block_m_for(M)
     # fp32 operands: exact ieee dots; the interpreter needs them too (its bf16 tl.dot is wrong in triton 3.9)
     f32 = x.dtype == torch.float32 or interpreted()
     grid = (triton.cdiv(M, bm), triton.cdiv(O, BLOCK_N))

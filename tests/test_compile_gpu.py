@@ -125,3 +125,17 @@ def test_fp8_kernels_need_ada_or_later(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
         assert _triton.fp8_usable_on(torch.device("cuda")) is ok
     assert _triton.fp8_usable_on(torch.device("cpu"))  # the interpreter: no such limit
+
+
+def test_sass_loop_counting_reads_every_branch_form():
+    """The largest loop body is found from a backward branch in Hopper's and Blackwell's SASS spellings."""
+    from blockpress.kernels.aot import sass_counts
+
+    def sass(branch):
+        lines = [f"        /*{a:04x}*/                   IADD3 R1, R1, 0x1, RZ ;" for a in range(0, 0x80, 0x10)]
+        lines.append(f"        /*0080*/              {branch} ;")
+        return "\n".join(lines)
+
+    for branch in ("BRA 0x20", "@P0 BRA 0x20", "BRA.U !UP0, 0x20", "@!P1 BRA `(.L_x_3) 0x20"):
+        assert sass_counts(sass(branch)) == (9, 7), branch  # 0x20..0x80: 7 instructions
+    assert sass_counts(sass("BRA 0x90")) == (9, 0)  # a forward branch is no loop

@@ -198,7 +198,9 @@ def sass_counts(sass: str) -> tuple[int, int]:
     ins = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS.match, sass.splitlines()) if m]
     loop = 0
     for addr, text in ins:
-        m = re.search(r"\bBRA\b[^0-9]*0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            loop = max(loop, sum(1 for a, _ in ins if int(m.group(1), 16) <= a <= addr))
+        if not re.search(r"\bBRA\b", text):  # `BRA 0x..`, `@P0 BRA 0x..`, Blackwell's `BRA.U !UP0, 0x..`
+            continue
+        target = int(re.findall(r"0x([0-9a-f]+)", text)[-1], 16)
+        if target < addr:
+            loop = max(loop, sum(1 for a, _ in ins if target <= a <= addr))
     return len(ins), loop

@@ -264,7 +264,8 @@ def print_table(rows: list[dict], arch: int) -> None:
         loads = " ".join(f"{w}:{n}" for w, n in r["loads"].items())
         label = r["label"] + (f" (+{r['also']})" if r["also"] else "")
         print(f"{r['kernel']:<22} {label[:58]:<58} {r['num_warps']:>5} {r['regs']:>4} {r['spill']:>5} "
-              f"{r['shared'] / 1024:>7.1f} {r['blocks_per_sm']:>6} {r['mma']:<8} {r['sass']:>5} {r['loop']:>4}  {loads}")
+              f"{r['shared'] / 1024:>7.1f} {r['blocks_per_sm']:>6} {r['mma']:<8} {r['sass']:>5} {r['loop']:>4}  "
+              f"{loads}")
         for problem in r["problems"]:
             print(f"{'':<22} !! {problem}")
 

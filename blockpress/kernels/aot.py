@@ -29,7 +29,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 REGS_PER_SM = 65536
-MAX_REGS_PER_THREAD = 255
 # (cards, max dynamic shared memory per block, shared memory per SM, resident warps per SM) by compute capability
 ARCHS = {
     80: ("A100", 166912, 167936, 64),
@@ -56,11 +55,7 @@ class Compiled:
     mma: str = "none"  # wgmma (Hopper warpgroup MMA), mma.sync (Ampere-style) or none
     sass: int = 0  # static instruction count
     loop: int = 0  # instructions in its largest loop body (a K-tile iteration of the matmul kernels), 0 if none
-    error: str = ""  # compile error's first line ("" when it compiled)
-
-    @property
-    def ok(self) -> bool:
-        return not self.error
+    error: str = ""  # why it did not compile: the root cause's message ("" when it compiled)
 
     def problems(self) -> list[str]:
         """Why this variant would not launch on the architecture (empty when it would)."""
@@ -84,9 +79,6 @@ class Compiled:
         by_smem = smem_sm // self.shared if self.shared else 1 << 30
         by_warps = warps_sm // self.num_warps
         return 0 if self.problems() else min(by_regs, by_smem, by_warps)
-
-    def narrowest_load(self) -> int:
-        return min((int(w) for w in self.loads), default=0)
 
     def row(self) -> dict:
         d = asdict(self)

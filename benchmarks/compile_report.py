@@ -11,7 +11,7 @@ architecture's limits). Exits 1 if a variant fails to compile or would not launc
 before sm_89 (Triton has no e4m3 there; the engine runs fp8 weights through torch on those cards).
 
     python benchmarks/compile_report.py                                   # real-26b, sm_90 (H100/H200)
-    python benchmarks/compile_report.py --arch 90,89,86 --grid "bm=auto,32;bn=64,128;bk=64,128;warps=4,8"
+    python benchmarks/compile_report.py --arch 90,89,86 --grid "bm=auto;bn=64,128;bk=32,64,128;warps=4,8"
 
 Per architecture it ends with an issue model of a denoising step's expert kernels: instructions per weight
 (the compiled K-tile loop over the weights it covers) x the step's weights / the card's issue rate, against

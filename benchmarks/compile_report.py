@@ -74,16 +74,16 @@ def expert_variants(text, dtype, passes, tiles: list[str], precisions: list[str]
                     yield label, run
 
 
-def linear_variants(module, dtype, passes, formats: list[str]):
+def linear_variants(text, dtype, passes, formats: list[str]):
     """(label, thunk) per 8-bit projection launch: every format x distinct weight shape x pass."""
-    from blockpress.kernels.linear_q import QUANTIZED_LINEARS, linear_q_triton
+    from bench_linears import projection_shapes
 
-    shapes = sorted({tuple(getattr(getattr(layer, part), name).weight.shape)
-                     for layer in module.layers for part, names in QUANTIZED_LINEARS.items()
-                     for name in names if isinstance(getattr(getattr(layer, part), name, None), torch.nn.Linear)})
+    from blockpress.kernels.linear_q import linear_q_triton
+    from blockpress.kernels.quant import FP8
+
     for fmt in formats:
-        for O, I in shapes:
-            q = torch.empty(O, I, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
+        for I, O in sorted(projection_shapes(text)):
+            q = torch.empty(O, I, dtype=torch.int8 if fmt == "int8" else FP8)
             s = torch.empty(O, dtype=torch.float32)
             for what, M in passes:
                 x = torch.empty(M, I, dtype=dtype)
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     from blockpress.config import ModelConfig
     from blockpress.kernels._triton import triton
     from blockpress.kernels.aot import ARCHS, compile_only, read_back
-    from blockpress.model.diffusion_gemma import PREFILL_CHUNK, DiffusionGemmaModel
+    from blockpress.model.diffusion_gemma import PREFILL_CHUNK
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="real-26b", choices=["tiny", "small", "real-26b"])
@@ -148,19 +148,17 @@ def main(argv=None) -> int:
     linears = [x for x in args.linears.split(",") if x]
     if set(precisions) - {"native", "fp8", "int4"} or set(linears) - {"int8", "fp8"}:
         raise SystemExit("--precision takes native, fp8, int4; --linears takes int8, fp8")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sweep_moe_tiles, bench_linears
     from sweep_moe_tiles import parse_grid
 
     dtype = DTYPES[args.dtype]
     config = json.load(open(args.config)) if args.config else preset_config(args.preset)[0]
     cfg = ModelConfig.from_dict(config)
     text, C = cfg.text, cfg.canvas_length
-    with torch.device("meta"):
-        module = DiffusionGemmaModel(cfg)
     passes = canvas_batches(batches, C, PREFILL_CHUNK)
     tiles = [""] + (parse_grid(args.grid) if args.grid else [])
     todo = list(expert_variants(text, dtype, passes, tiles, precisions)) + \
-        list(linear_variants(module, dtype, passes, linears)) + \
+        list(linear_variants(text, dtype, passes, linears)) + \
         list(head_variants(text.vocab_size, C, dtype, batches, text.final_logit_softcapping))
     print(f"compile_report: triton {triton.__version__}, torch {torch.__version__}, {args.config or args.preset}, "
           f"{args.dtype} activations, {len(todo)} launches x sm_{', sm_'.join(map(str, archs))}", flush=True)
@@ -217,7 +215,8 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
     the default tiles: issue ms = weights x loop instructions per weight / 32 lanes / (SMs x 4 schedulers x clock),
     bytes ms = expert bytes / bandwidth. A static model (perfect overlap, boost clock, no stalls): it says which
     side bounds a kernel, not its time."""
-    from blockpress.kernels.moe_grouped import TILES
+    from blockpress.kernels.moe_grouped import TILES, int4_block_k
+    from blockpress.kernels.quant import group_for
 
     name, sms, clock, bandwidth = ISSUE_CARDS[arch]
     E, H, Im, L = text.num_experts, text.hidden_size, text.moe_intermediate_size, text.num_hidden_layers
@@ -228,8 +227,8 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
     print(f"{'experts':<8} {'instr/weight up':>15} {'down':>6} {'issue ms':>9} {'bytes ms':>9}  bound")
     for precision in precisions:
         bk = TILES.block_k
-        while precision == "int4" and bk > 16 and 64 % bk:
-            bk //= 2
+        if precision == "int4":  # the K tile the launcher runs (QuantizedExperts' default groups of 64)
+            bk = int4_block_k(bk, (group_for(H, 64), group_for(Im, 64)))
         per = {}
         for kernel, weights_per_tile in (("_moe_up_kernel", 2 * TILES.block_n * bk), ("_moe_down_kernel",
                                                                                      TILES.block_n * bk)):

@@ -105,9 +105,11 @@ def test_torch_path_equals_dequantised_reference(fmt, dtype):
 def test_triton_path_equals_torch_path(fmt, dtype, tol, moe_sum):
     from blockpress.kernels import moe_grouped
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter; a GPU: the compiled kernels
     q, _, _ = _quantized(fmt, dtype)
-    x = torch.randn(21, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
-    w, idx = _routing(21, 8, 3, 7)
+    q = q.to(dev)
+    x = torch.randn(21, 64, generator=torch.Generator().manual_seed(6)).to(dev, dtype)
+    w, idx = (t.to(dev) for t in _routing(21, 8, 3, 7))
     q.backend = "torch"
     ref = q(x, w, idx)
     q.backend = "triton"

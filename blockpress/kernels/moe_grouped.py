@@ -431,6 +431,13 @@ def _stages(stages: int | None, per_stage: int) -> dict:
     return {"num_stages": max(1, limit // per_stage)}
 
 
+def int4_block_k(block_k: int, groups: tuple[int, int]) -> int:
+    """The K tile the int4 kernels run for a requested one: halved until it sits inside one scale group."""
+    while block_k > 16 and any(g % block_k for g in groups):
+        block_k //= 2
+    return block_k
+
+
 def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_PLAIN,
                    gate_up_scale=None, down_scale=None, groups: tuple[int, int] = (0, 0), inter: int | None = None,
                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
@@ -452,9 +459,8 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     A = N * K
     if block_m is None:
         block_m = auto_block_m(A, E)
-    if fmt == FMT_INT4:  # a K tile must sit inside one scale group
-        while block_k > 16 and any(g % block_k for g in groups):
-            block_k //= 2
+    if fmt == FMT_INT4:
+        block_k = int4_block_k(block_k, groups)
         assert all(g % block_k == 0 for g in groups), "int4 groups must be multiples of 16"
         # the kernels load int4 K tiles unmasked: a tile never runs past a row (groups divide H and Im)
         assert H % block_k == 0 and Im % block_k == 0, f"int4 groups {groups} must divide H={H} and Im={Im}"

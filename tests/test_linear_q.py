@@ -1,22 +1,17 @@
 """8-bit linears (kernels/linear_q.py): the format's error bound, the Triton kernel (interpreter on CPU) vs the
 torch reference, the module swap, streaming while loading, the memory estimate, graphs, LoRA and save."""
 
-import os
-
 import pytest
 import torch
 
 import blockpress
 from blockpress.kernels import configure
-from blockpress.kernels._triton import triton
+from blockpress.kernels._triton import fp8_usable_on, triton
 from blockpress.kernels.linear_q import (QUANTIZED_LINEARS, QuantizedLinear, dequantize_int8_rows,
                                          linear_fp8_scaled_mm, linear_fp8_w8a8_reference, linear_q_triton,
                                          quantize_int8_rows, quantize_linears_)
 from blockpress.kernels.random_weights import build_model
-
-needs_triton = pytest.mark.skipif(triton is None or (not torch.cuda.is_available()
-                                                     and os.environ.get("TRITON_INTERPRET") != "1"),
-                                  reason="triton not installed (pip install triton)")
+from kernel_device import COMPILED, DEV, needs_triton
 
 
 @pytest.fixture(autouse=True)
@@ -54,17 +49,20 @@ def test_int8_rows_error_within_half_step_and_full_range():
 @pytest.mark.parametrize("M,I,O", [(1, 64, 80), (17, 96, 130), (100, 128, 64), (256, 72, 200)])
 def test_triton_kernel_equals_the_torch_reference(fmt, dtype, tol, M, I, O):
     """Odd sizes on purpose: partial M, N and K tiles, a one-token row (the AR step)."""
+    if fmt == "fp8" and not fp8_usable_on(DEV):
+        pytest.skip("fp8 Triton kernels need sm_89+; fp8 linears take the torch path here")
     g = torch.Generator().manual_seed(M + I + O)
     lin = torch.nn.Linear(I, O, bias=False)
     lin.weight.copy_(torch.randn(O, I, generator=g) / I ** 0.5)
-    m = QuantizedLinear.from_linear(lin.to(dtype), fmt, backend="torch")
-    x = torch.randn(M, I, generator=g).to(dtype)
+    lin = lin.to(DEV, dtype)
+    m = QuantizedLinear.from_linear(lin, fmt, backend="torch")
+    x = torch.randn(M, I, generator=g).to(DEV, dtype)
     ref = m(x)
     torch.testing.assert_close(ref, torch.nn.functional.linear(x, m.dequantize(dtype)))
     assert _rel(linear_q_triton(x, m.weight_q, m.weight_scale), ref) < tol
     m.backend = "triton"
     assert m.resolved_backend(x) == "triton"
-    x3 = torch.randn(2, 5, 2 * I, generator=g).to(dtype)[..., ::2]  # 3-d, non-contiguous rows
+    x3 = torch.randn(2, 5, 2 * I, generator=g).to(DEV, dtype)[..., ::2]  # 3-d, non-contiguous rows
     m.backend = "torch"
     ref3 = m(x3)
     m.backend = "triton"
@@ -151,15 +149,15 @@ def test_estimate_of_the_real_model():
 @needs_triton
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_generation_with_the_kernel_equals_the_reference_and_graph_plumbing():
-    """fp32, seeded: the Triton int8 linears (interpreter) give the reference's tokens, also through the static
-    passes GraphedPasses routes to (capture off on CPU)."""
+    """fp32, seeded: the Triton int8 linears (the interpreter on CPU, compiled on a GPU) give the reference's tokens,
+    also through the static passes GraphedPasses routes to (no capture)."""
     from blockpress.config import GenerationConfig
     from blockpress.engine.generate import generate
     from blockpress.kernels.graphs import GraphedPasses
 
-    m = _tiny(seed=3)
+    m = _tiny(seed=3).to(DEV)
     configure(m, experts="grouped", linears="int8")
-    ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEV)
     cfg = GenerationConfig.resolve(max_new_tokens=32, max_denoising_steps=3, stability_threshold=None,
                                    confidence_threshold=None)
 
@@ -174,10 +172,15 @@ def test_generation_with_the_kernel_equals_the_reference_and_graph_plumbing():
     for mod in m.modules():
         if isinstance(mod, QuantizedLinear):
             mod.backend = "triton"
-    assert torch.equal(tokens(), ref)
+            assert mod.resolved_backend(ids) == "triton"
+
+    def same(seq):  # a GPU's fp32 kernel may sum in another order than cuBLAS: a near-tie may go the other way
+        return torch.equal(seq, ref) if not COMPILED else float((seq == ref).float().mean()) >= 0.95
+
+    assert same(tokens())
     g = GraphedPasses(m, capture=False).install()
     try:
-        assert torch.equal(tokens(), ref)
+        assert same(tokens())
     finally:
         g.uninstall()
 

@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from blockpress.cli.bench import preset_config
+from blockpress.cli.bench import _group_size, preset_config
 from blockpress.config import GenerationConfig
 from blockpress.engine.generate import generate
 from blockpress.kernels.linear_q import QUANTIZED_LINEARS, QuantizedLinear
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--model", help="checkpoint folder of a trained model (e.g. blockpress/assets/sudoku)")
     p.add_argument("--formats", default=f"bf16,fp8,int4,{','.join(LINEAR_PARTS)},fp8+{LINEARS},int4+{LINEARS}")
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--group-size", type=_group_size, default=64)
     p.add_argument("--init-std", type=float, default=0.05, help="random weights: larger = peakier logits")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, help="default: two canvases")

@@ -28,6 +28,7 @@ import sys
 
 import torch
 
+from blockpress.cli.bench import _group_size
 from blockpress.kernels.profile import time_ms
 
 # 12 settings (+ the defaults, which are among them); ~1.5 min on an H100, estimated, not yet run. BK 32 stays in:
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1, help="rows of the canvas batch (tokens = batch x canvas)")
     p.add_argument("--grid", default=None, help=f"tile grid (default on CUDA: {DEFAULT_GRID!r}; on a CPU: "
                                                 "the default tiles only)")
-    p.add_argument("--group-size", type=int, default=64, help="int4 scale group")
+    p.add_argument("--group-size", type=_group_size, default=64, help="int4 scale group")
     p.add_argument("--device", help="cuda (default when available) or cpu (Triton interpreter)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="activation dtype (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--repeats", type=int, default=3, help="CPU: best of this many runs")

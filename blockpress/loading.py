@@ -194,9 +194,12 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     same function up to fp32 summation order).
     """
     from .kernels import PRECISIONS, check_names, configure
+    from .kernels.quant import check_group_size
 
     if precision not in PRECISIONS:
         raise InputError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if precision == "int4":
+        check_group_size(group_size)
     try:
         check_names(experts, attention, linears)
     except ValueError as e:

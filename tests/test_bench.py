@@ -98,10 +98,14 @@ def test_presets_are_valid_configs():
         assert cfg.text.layer_types[-1] == "full_attention" and prompt > 0 and new > 0
 
 
+def _strict(constant):
+    raise ValueError(f"{constant} is not JSON")
+
+
 def test_cli_bench_tiny_with_reference_and_ar(capsys):
     assert cli_main(["bench", *FAST, "--modes", "fixed,adaptive", "--repeats", "1"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    result = json.loads(out[-1])  # ends with ONE JSON line
+    result = json.loads(out[-1], parse_constant=_strict)  # ends with ONE JSON line, strict JSON (no NaN)
     assert not any(line.startswith("{") for line in out[:-1])
     engines = {(r["engine"], r["mode"]) for r in result["runs"]}
     assert engines == {("blockpress", "fixed"), ("blockpress", "adaptive"), ("blockpress-ar", "greedy"),
@@ -115,6 +119,34 @@ def test_cli_bench_tiny_with_reference_and_ar(capsys):
     assert ours["steps_per_canvas"] == 3 and ours["first_commit_ms"] < ours["total_ms"]
     assert ours["tok_s_excl_prompt"] >= ours["tok_s"]
     assert set(result["ratios"]) == {"vs_transformers_fixed", "vs_transformers_adaptive", "vs_ar"}
+    ref = next(r for r in result["runs"] if r["engine"] == "transformers")
+    assert ref["first_commit_ms"] is None  # not observable from outside transformers' generate
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--group-size", "7"], "--group-size: expected a power of two >= 16"),  # was gcd(H, 7) = 1: a scale per weight
+    (["--group-size", "8"], "--group-size: expected a power of two >= 16"),
+    (["--modes", "fixed,greedy"], "--modes: expected fixed and/or adaptive"),  # was run as if it were a mode
+    (["--bandwidth-gbs", "-1"], "--bandwidth-gbs: expected a positive number"),  # was a ZeroDivisionError
+    (["--peak-tflops", "0"], "--peak-tflops: expected a positive number"),
+])
+def test_bench_refuses_bad_flags_with_the_rule(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", *FAST, *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_int4_group_size_is_checked_where_it_enters():
+    from blockpress.kernels.quant import QuantizedExperts, group_for, quantize_int4
+
+    assert group_for(2816, 64) == 64 and group_for(704, 128) == 64 and group_for(24, 16) == 8
+    for bad in (7, 8, 0, -16, 48, 64.0, True):
+        with pytest.raises(blockpress.InputError, match="power of two >= 16"):
+            quantize_int4(torch.randn(2, 4, 64), group_size=bad)
+    with pytest.raises(blockpress.InputError, match="power of two >= 16"):
+        QuantizedExperts(4, 64, 32, "int4", group_size=12)
+    with pytest.raises(blockpress.InputError, match="got 7"):  # before any file is touched
+        blockpress.load("/nonexistent", precision="int4", group_size=7)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

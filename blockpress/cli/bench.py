@@ -36,6 +36,36 @@ def _tiles(spec: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
     return spec
 
+def _modes(spec: str) -> str:
+    """argparse type of --modes: a comma-separated subset of fixed, adaptive."""
+    modes = [m for m in spec.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"expected fixed and/or adaptive (comma-separated), got {spec!r}")
+    return spec
+
+
+def _positive_float(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        x = float("nan")
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {v!r}")
+    return x
+
+
+def _group_size(v: str) -> int:
+    from ..errors import InputError
+    from ..kernels.quant import check_group_size
+
+    try:
+        return check_group_size(int(v))
+    except (ValueError, InputError):
+        raise argparse.ArgumentTypeError(f"expected a power of two >= 16 (16, 32, 64, 128), got {v!r}") from None
+
+
+MODES = ("fixed", "adaptive")
 PRESETS = {
     # the spec 6.1 tiny model: CI-sized, runs in seconds on a CPU
     "tiny": (dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
@@ -141,7 +171,7 @@ def _summary(engine, mode, batch, total_s, prefill_s, first_commit_s, steps_ms, 
     gen = batch * new_tokens
     out = {"engine": engine, "mode": mode, "batch": batch, "tok_s": gen / total_s,
            "tok_s_excl_prompt": gen / max(total_s - prefill_s, 1e-9), "total_ms": total_s * 1e3,
-           "prefill_ms": prefill_s * 1e3, "first_commit_ms": first_commit_s * 1e3,
+           "prefill_ms": prefill_s * 1e3, "first_commit_ms": None if first_commit_s is None else first_commit_s * 1e3,
            "ms_per_step": _median(steps_ms), "ms_per_commit": _median(commit_ms),
            "steps_per_canvas": steps_per_canvas, "peak_mem_bytes": peak}
     if fused_ms:  # --fuse-commit: a commit and the next canvas's first step in one pass
@@ -213,7 +243,7 @@ def run_reference(hf, ids, mode, args):
     total, enc, dec, out = sorted(runs, key=lambda x: x[0])[len(runs) // 2]
     n_canvases = -(-args.new_tokens // hf.config.canvas_length)
     # prefill = first encoder call; first commit is not observable from outside generate
-    s = _summary("transformers", mode, ids.shape[0], total, enc[0] / 1e3, float("nan"), dec, enc[1:],
+    s = _summary("transformers", mode, ids.shape[0], total, enc[0] / 1e3, None, dec, enc[1:],
                  len(dec) / n_canvases, args.new_tokens, _peak_bytes(device))
     return s, out.sequences.cpu()
 
@@ -506,7 +536,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native", help="expert weights")
-    p.add_argument("--group-size", type=_positive_int, default=64, help="int4 scale group along the input dim")
+    p.add_argument("--group-size", type=_group_size, default=64, help="int4 scale group along the input dim")
     p.add_argument("--linears", choices=["native", "int8", "fp8"], default="native",
                    help="attention and dense-MLP projections: native, or int8 / fp8 (a scale per row; weight-only, "
                         "or fp8 x fp8 with --experts scaled_mm)")
@@ -539,7 +569,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=_positive_int, help="new tokens N (default per preset)")
     p.add_argument("--steps", type=_positive_int, default=16, help="denoising steps per canvas (max, in adaptive mode)")
     p.add_argument("--batch", type=_positive_int_list, default="1", help="comma-separated batch sizes, e.g. 1,2,4,8")
-    p.add_argument("--modes", default="fixed,adaptive", help="fixed (no early stop) and/or adaptive")
+    p.add_argument("--modes", type=_modes, default="fixed,adaptive", help="fixed (no early stop) and/or adaptive")
     p.add_argument("--no-reference", dest="reference", action="store_false", help="skip transformers")
     p.add_argument("--reference-batch", type=_positive_int_list, default="1",
                    help="batch sizes for the transformers runs")
@@ -552,8 +582,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (1 is steadier on a shared machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-std", type=float, default=0.02, help="std of the random weights")
-    p.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth for the floor (default: measured copy)")
-    p.add_argument("--peak-tflops", type=float,
+    p.add_argument("--bandwidth-gbs", type=_positive_float,
+                   help="memory bandwidth for the floor (default: measured copy)")
+    p.add_argument("--peak-tflops", type=_positive_float,
                    help="dense bf16 peak for the roofline floors that count math too (default: known GPUs, e.g. "
                         "H100 SXM 989; none on a CPU: bytes-only floors)")
     p.add_argument("--out", help="also write the JSON result to this file")

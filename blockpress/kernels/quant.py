@@ -28,13 +28,13 @@ fails or disagrees on an untried GPU is replaced by torch with a warning), else 
 
 from __future__ import annotations
 
-import re
-
 import math
+import re
 
 import torch
 from torch import nn
 
+from ..errors import InputError
 from ..model.layers import gelu_tanh
 from .moe_grouped import (FMT_FP8, FMT_INT4, checked_on_first_use, combine, compiled_variant, experts_triton,
                           route_by_expert, triton_supported)
@@ -61,8 +61,21 @@ def dequantize_fp8(q_EOI: torch.Tensor, scale_EO: torch.Tensor, dtype: torch.dty
 
 # ------------------------------------------------------------------------------------ int4
 
+def check_group_size(group_size) -> int:
+    """The int4 scale group asked for: a power of two >= 16 (below 16 the bf16 scales cost over a quarter of the
+    weights' bytes, and the Triton kernel needs whole 16-wide groups). An odd request like 7 would otherwise become
+    gcd(I, 7) = 1: a scale per weight, silently."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 16 \
+            or group_size & (group_size - 1):
+        raise InputError(f"int4 group size must be a power of two >= 16 (a scale per 16, 32, 64 or 128 weights; "
+                         f"default 64), got {group_size!r}")
+    return group_size
+
+
 def group_for(in_features: int, group_size: int) -> int:
-    return math.gcd(in_features, group_size)
+    """The group a weight with `in_features` inputs uses: the largest power of two dividing both (64 for the
+    released model's 2816 and 704 at the default)."""
+    return math.gcd(in_features, check_group_size(group_size))
 
 
 def pack_int4(q_EOI: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import sys
 
 import torch
 
+from blockpress.cli.run import _positive_int, _positive_int_list
 from blockpress.kernels.profile import time_ms
 
 
@@ -50,9 +51,10 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="real-26b")
-    p.add_argument("--rows", default="1,256,512,1024", help="activation rows: 1 = AR step, 256 = a canvas")
+    p.add_argument("--rows", type=_positive_int_list, default="1,256,512,1024",
+                   help="activation rows: 1 = AR step, 256 = a canvas")
     p.add_argument("--device", default=None)
-    p.add_argument("--repeats", type=int, default=3, help="CPU: timed calls per setting (best taken)")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="CPU: timed calls per setting (best taken)")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

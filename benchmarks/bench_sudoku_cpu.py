@@ -27,6 +27,7 @@ import torch
 
 import blockpress
 from blockpress.cli.eval import puzzle_seed
+from blockpress.cli.run import _int_in, _positive_int
 from blockpress.tasks import sudoku as sd
 
 
@@ -42,11 +43,11 @@ def _timed(fn, repeats: int):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(sd.DEFAULT_MODEL_PATH))
-    p.add_argument("--blanks", type=int, nargs="+", default=[35, 45, 55])
-    p.add_argument("--n", type=int, default=50, help="puzzles per level (one batch)")
+    p.add_argument("--blanks", type=_int_in(0, 64), nargs="+", default=[35, 45, 55])
+    p.add_argument("--n", type=_positive_int, default=50, help="puzzles per level (one batch)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per engine (median)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per engine (median)")
+    p.add_argument("--threads", type=_positive_int, default=None)
     p.add_argument("--no-reference", dest="reference", action="store_false", help="skip transformers")
     args = p.parse_args(argv)
     if args.threads:

@@ -33,7 +33,8 @@ import math
 
 import torch
 
-from blockpress.cli.bench import preset_config
+from blockpress.cli.bench import _positive_float, preset_config
+from blockpress.cli.run import _nonneg_int, _positive_int
 from blockpress.config import GenerationConfig, ModelConfig
 from blockpress.engine.generate import denoise_step
 from blockpress.kernels import sampler_fused
@@ -61,12 +62,13 @@ def main(argv=None) -> dict:
                    help="attention / dense-MLP projections (8 bits: only the weights change; the Triton kernel "
                         "allocates what F.linear does, its output)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--prompt-tokens", type=int, default=None)
-    p.add_argument("--new-tokens", type=int, default=None)
-    p.add_argument("--prefill-chunk", type=int, default=None,
+    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--prompt-tokens", type=_positive_int, default=None)
+    p.add_argument("--new-tokens", type=_positive_int, default=None)
+    p.add_argument("--prefill-chunk", type=_nonneg_int, default=None,
                    help="tokens a long prompt is encoded at a time (default: the model's, 2048; 0: the whole prompt)")
-    p.add_argument("--budget-gb", type=float, default=18.0, help="the target to compare with (issue 4: int4 18 GB)")
+    p.add_argument("--budget-gb", type=_positive_float, default=18.0,
+                   help="the target to compare with (issue 4: int4 18 GB)")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
     config, prompt, new = preset_config(args.preset)

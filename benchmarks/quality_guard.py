@@ -33,6 +33,7 @@ import sys
 import torch
 
 from blockpress.cli.bench import _group_size, preset_config
+from blockpress.cli.run import _positive_int
 from blockpress.config import GenerationConfig
 from blockpress.engine.generate import generate
 from blockpress.kernels.linear_q import QUANTIZED_LINEARS, QuantizedLinear
@@ -165,16 +166,16 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default=f"bf16,fp8,int4,{','.join(LINEAR_PARTS)},fp8+{LINEARS},int4+{LINEARS}")
     p.add_argument("--group-size", type=_group_size, default=64)
     p.add_argument("--init-std", type=float, default=0.05, help="random weights: larger = peakier logits")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, help="default: two canvases")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=_positive_int, default=32)
+    p.add_argument("--new-tokens", type=_positive_int, help="default: two canvases")
+    p.add_argument("--steps", type=_positive_int, default=8)
+    p.add_argument("--batch", type=_positive_int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-err", default="", help="expert error budgets, e.g. fp8=0.08,int4=0.25")
     p.add_argument("--kl-vs-bf16", default="", help="KL budgets relative to bf16, e.g. fp8=2,int4=8")
     p.add_argument("--kl-floor", type=float, default=1e-3,
                    help="a mean KL (nats) at or under this passes whatever bf16's is")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=_positive_int, default=1)
     p.add_argument("--device", default="cpu", help="cuda for the released checkpoint (reference in bf16)")
     p.add_argument("--ref-dtype", choices=["fp32", "bf16"], default="fp32")
     args = p.parse_args(argv)

@@ -20,6 +20,7 @@ import torch
 
 import blockpress
 from blockpress.cli.eval import run_eval
+from blockpress.cli.run import _int_in, _nonneg_int, _positive_int
 from blockpress.tasks import sudoku as sd
 
 
@@ -30,16 +31,16 @@ def main(argv=None) -> int:
     p.add_argument("--ar-results", default=None, metavar="JSON",
                    help="instead of --ar: the AR baseline's saved `blockpress eval sudoku --ar --json` file (its "
                         "predictions are re-scored here; it must cover --n and --blanks)")
-    p.add_argument("--n", type=int, default=20, help="puzzles per blanks level")
-    p.add_argument("--blanks", type=int, nargs="+", default=[35, 45, 55])
-    p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    p.add_argument("--samples", type=int, default=None, metavar="K",
+    p.add_argument("--n", type=_positive_int, default=20, help="puzzles per blanks level")
+    p.add_argument("--blanks", type=_int_in(0, 64), nargs="+", default=[35, 45, 55])
+    p.add_argument("--steps", type=_positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--samples", type=_positive_int, default=None, metavar="K",
                    help="also evaluate the default sampler with up to K candidates per puzzle, the one that breaks "
                         "no rule kept (default: the model's own, blockpress_task.json; the other diffusion rows "
                         "draw one candidate, as the greedy AR model gives one answer)")
-    p.add_argument("--repair", type=int, default=0, metavar="R",
+    p.add_argument("--repair", type=_nonneg_int, default=0, metavar="R",
                    help="also evaluate the default sampler with up to R repair rounds (editing in place)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=_positive_int, default=None)
     p.add_argument("--png", default="benchmarks/results/sudoku_ar_vs_diffusion.png")
     args = p.parse_args(argv)
     if args.threads:

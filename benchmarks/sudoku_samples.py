@@ -24,6 +24,7 @@ import torch
 
 import blockpress
 from blockpress.cli.eval import puzzle_seed
+from blockpress.cli.run import _int_in, _positive_int
 from blockpress.tasks import sudoku as sd
 
 
@@ -54,11 +55,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(sd.DEFAULT_MODEL_PATH))
     p.add_argument("--split", choices=sorted(sd.SPLITS), default="val")
-    p.add_argument("--n", type=int, default=40, help="puzzles per blanks level")
-    p.add_argument("--blanks", type=int, nargs="+", default=list(sd.EVAL_BLANKS))
-    p.add_argument("--samples", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="candidate counts K to score")
+    p.add_argument("--n", type=_positive_int, default=40, help="puzzles per blanks level")
+    p.add_argument("--blanks", type=_int_in(0, 64), nargs="+", default=list(sd.EVAL_BLANKS))
+    p.add_argument("--samples", type=_positive_int, nargs="+", default=[1, 2, 4, 8, 16],
+                   help="candidate counts K to score")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=_positive_int, default=None)
     p.add_argument("--json", default=None, help="also write the per-level results here")
     args = p.parse_args(argv)
     if min(args.samples) < 1 or args.n < 1:

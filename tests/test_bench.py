@@ -451,3 +451,21 @@ def test_serving_bench_counts_every_request_and_reports_graph_captures(capsys):
     assert graphed["levels"][0]["graph_captures_timed"] == 0  # one row, one shape: the warm-up captured it all
     assert mod["main"](["--preset", "tiny", "--device", "cpu", "--cuda-graphs"]) == 2
     assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script,flags,message", [
+    ("peak_memory.py", ["--batch", "0"], "--batch: expected a positive integer"),
+    ("peak_memory.py", ["--budget-gb", "-3"], "--budget-gb: expected a positive number"),
+    ("bench_linears.py", ["--rows", "1,x"], "--rows: expected a positive integer"),
+    ("quality_guard.py", ["--steps", "0"], "--steps: expected a positive integer"),  # was a SamplingError traceback
+    ("quality_guard.py", ["--group-size", "7"], "--group-size: expected a power of two >= 16"),
+    ("sweep_moe_tiles.py", ["--group-size", "24"], "--group-size: expected a power of two >= 16"),
+    ("bench_sudoku_cpu.py", ["--blanks", "99"], "--blanks: expected an integer in 0..64"),  # was a ValueError
+    ("sudoku_samples.py", ["--samples", "0"], "--samples: expected a positive integer"),
+    ("sudoku_ar_vs_diffusion.py", ["--repair", "-1"], "--repair: expected an integer >= 0"),
+])
+def test_benchmark_scripts_refuse_bad_flags_before_any_work(script, flags, message, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "benchmarks" / script), run_name="__main__")
+    assert e.value.code == 2 and message in capsys.readouterr().err

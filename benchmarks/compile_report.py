@@ -256,11 +256,15 @@ def print_table(rows: list[dict], arch: int) -> None:
 
     print(f"\nsm_{arch} ({ARCHS[arch][0]}): {len(rows)} distinct kernels")
     head = f"{'kernel':<22} {'launch (first of its kind)':<58} {'warps':>5} {'regs':>4} {'spill':>5} " \
-           f"{'smem KB':>7} {'blk/SM':>6} {'mma':<8} {'SASS':>5} {'loop':>4}  loads B:count"
+           f"{'smem KB':>7} {'blk/SM':>6} {'mma':<8} {'SASS':>5} {'loop':>4}  global loads B:count: ld / cp.async / " \
+           f"ld in the loop"
     print(head)
     print("-" * len(head))
     for r in rows:
-        loads = " ".join(f"{w}:{n}" for w, n in r["loads"].items())
+        asy = r.get("async_loads", {})
+        plain = {w: n - asy.get(w, 0) for w, n in r["loads"].items() if n > asy.get(w, 0)}
+        loads = " / ".join(" ".join(f"{w}:{n}" for w, n in d.items()) or "-"
+                           for d in (plain, asy, r.get("loop_plain_loads", {})))
         label = r["label"] + (f" (+{r['also']})" if r["also"] else "")
         print(f"{r['kernel']:<22} {label[:58]:<58} {r['num_warps']:>5} {r['regs']:>4} {r['spill']:>5} "
               f"{r['shared'] / 1024:>7.1f} {r['blocks_per_sm']:>6} {r['mma']:<8} {r['sass']:>5} {r['loop']:>4}  "

@@ -84,13 +84,19 @@ def test_no_kernel_spills_registers(report):
 @needs_ptxas
 def test_expert_weights_are_loaded_in_vectors(report):
     """No expert kernel loads global memory a byte at a time. The int4 kernels did (each packed byte loaded
-    twice, once per nibble, by a per-element gather): 32 one-byte loads per K tile of the up kernel."""
+    twice, once per nibble, by a per-element gather): 32 one-byte loads per K tile of the up kernel. And the weight
+    tiles (every format) reach shared memory by 16-byte cp.async, which Triton's pipeliner issues stages ahead of
+    their use: a change that made a weight load an ld.global would wait out its latency in every K tile."""
     _, result, _ = report
     for arch in result["archs"].values():
         for r in arch["kernels"]:
-            if r["kernel"] in ("_moe_up_kernel", "_moe_down_kernel"):
+            if r["kernel"] in ("_moe_up_kernel", "_moe_down_kernel", "_linear_q_kernel"):
                 assert "1" not in r["loads"], (r["label"], r["loads"])
                 assert max(int(w) for w in r["loads"]) >= 8, (r["label"], r["loads"])
+                if r["num_stages"] >= 2:  # one stage: nothing to pipeline
+                    assert "16" in r["async_loads"], (r["label"], r["async_loads"])
+                    # waited for in every K tile: only the int4 scales (2 bytes), never a weight or activation tile
+                    assert all(int(w) <= 2 for w in r["loop_plain_loads"]), (r["label"], r["loop_plain_loads"])
 
 
 @needs_ptxas
@@ -139,3 +145,28 @@ def test_sass_loop_counting_reads_every_branch_form():
     for branch in ("BRA 0x20", "@P0 BRA 0x20", "BRA.U !UP0, 0x20", "@!P1 BRA `(.L_x_3) 0x20"):
         assert sass_counts(sass(branch)) == (9, 7), branch  # 0x20..0x80: 7 instructions
     assert sass_counts(sass("BRA 0x90")) == (9, 0)  # a forward branch is no loop
+
+
+def test_ptx_loop_loads_counts_the_plain_loads_of_the_largest_loop():
+    """ld.global inside the loop (from LLVM's loop-header label to the last branch back) are counted by width;
+    those before it, after it and the cp.async copies are not."""
+    from blockpress.kernels.aot import ptx_loop_loads
+
+    ptx = """
+    ld.global.b64 { %rd1 }, [ %rd2 + 0 ];
+$L__BB0_3:                              // =>This Inner Loop Header: Depth=1
+    @%p1 ld.global.b16 { %rs1 }, [ %rd3 + 0 ];
+    @%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd4 + 0 ];
+    cp.async.cg.shared.global [ %r5 + 0 ], [ %rd5 + 0 ], 0x10, %r6;
+    @%p2 bra $L__BB0_3;
+    bra.uni $L__BB0_4;
+$L__BB0_4:
+    ld.global.v2.b32 { %r7, %r8 }, [ %rd6 + 0 ];
+"""
+    assert ptx_loop_loads(ptx) == {"2": 1, "16": 1}
+    assert ptx_loop_loads(ptx.replace("Loop Header", "")) == {}
+    # LLVM puts the header comment on a line of its own when the label has another comment
+    split = ptx.replace("$L__BB0_3:                              // =>This Inner Loop Header: Depth=1",
+                        "$L__BB0_3:                              // %__nv_fast_logf.exit\n"
+                        "                                        // =>This Inner Loop Header: Depth=1")
+    assert split != ptx and ptx_loop_loads(split) == {"2": 1, "16": 1}

@@ -52,6 +52,9 @@ class Compiled:
     regs: int = 0
     spill: int = 0  # bytes of local memory per thread (register spills)
     loads: dict = field(default_factory=dict)  # global load width in bytes -> count (ld.global and cp.async)
+    async_loads: dict = field(default_factory=dict)  # the cp.async part of `loads`: copies into shared memory that
+    # Triton's pipeliner issues stages ahead; an ld.global is waited for in the iteration that issues it
+    loop_plain_loads: dict = field(default_factory=dict)  # ld.global widths inside the largest PTX loop (per iteration)
     mma: str = "none"  # wgmma (Hopper warpgroup MMA), mma.sync (Ampere-style) or none
     sass: int = 0  # static instruction count
     loop: int = 0  # instructions in its largest loop body (a K-tile iteration of the matmul kernels), 0 if none
@@ -172,14 +175,41 @@ def read_back(name: str, kernel, label: str, arch: int) -> Compiled:
         c.regs, c.spill = int(m.group(1)), int(m.group(2))
     ptx = kernel.asm["ptx"]
     widths: collections.Counter = collections.Counter()
+    async_widths: collections.Counter = collections.Counter()
     for vec, bits in _LD.findall(ptx):
         widths[str(int(vec or 1) * int(bits) // 8)] += 1
     for size in _CP.findall(ptx):
         widths[str(int(size, 0))] += 1
+        async_widths[str(int(size, 0))] += 1
     c.loads = dict(sorted(widths.items(), key=lambda kv: int(kv[0])))
+    c.async_loads = dict(sorted(async_widths.items(), key=lambda kv: int(kv[0])))
+    c.loop_plain_loads = ptx_loop_loads(ptx)
     c.mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
     c.sass, c.loop = sass_counts(_cuobjdump(kernel.asm["cubin"], "-sass"))
     return c
+
+
+def ptx_loop_loads(ptx: str) -> dict:
+    """Widths (bytes -> count) of the ld.global instructions inside the PTX's largest loop: from a label LLVM marks
+    as a loop header to the last branch back to it. These loads are not pipelined: each iteration issues them and
+    waits for them (a matmul's K-tile loop should have only small ones, like the int4 scales)."""
+    lines = ptx.splitlines()
+    best: list[str] = []
+    for i, line in enumerate(lines):
+        if "Loop Header" not in line:
+            continue
+        # the label is on the header's line, or on the line before when it carries a comment of its own
+        m = re.match(r"\s*(\$L\w+):", line) or (re.match(r"\s*(\$L\w+):", lines[i - 1]) if i else None)
+        if not m:
+            continue
+        back = [j for j in range(i + 1, len(lines)) if re.search(r"\bbra(?:\.uni)?\s+" + re.escape(m.group(1)) + ";",
+                                                                  lines[j])]
+        if back and back[-1] - i > len(best):
+            best = lines[i:back[-1] + 1]
+    widths: collections.Counter = collections.Counter()
+    for vec, bits in _LD.findall("\n".join(best)):
+        widths[str(int(vec or 1) * int(bits) // 8)] += 1
+    return dict(sorted(widths.items(), key=lambda kv: int(kv[0])))
 
 
 _SASS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);")

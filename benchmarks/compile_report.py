@@ -191,7 +191,8 @@ def main(argv=None) -> int:
         print_table(rows, arch)
         bad = [r for r in rows if r["problems"]]
         failed += len(bad)
-        model = issue_model(rows, arch, text, [p for p in precisions if arch >= 89 or p != "fp8"], batches[0])
+        model = issue_model(rows, arch, text, [p for p in precisions if arch >= 89 or p != "fp8"], batches[0], C,
+                            dtype.itemsize)
         result["archs"][str(arch)] = {"card": ARCHS[arch][0], "kernels": rows, "failed": len(bad),
                                       "issue_model": model, "seconds": round(time.perf_counter() - t0, 1)}
     result["failed"] = failed
@@ -208,14 +209,26 @@ ISSUE_CARDS = {90: ("H100 SXM", 132, 1.98e9, 3.35e12), 89: ("RTX 4090", 128, 2.5
                86: ("RTX 3090", 82, 1.695e9, 0.936e12), 80: ("A100 SXM", 108, 1.41e9, 2.039e12),
                120: ("RTX 5090", 170, 2.41e9, 1.792e12)}
 BYTES_PER_WEIGHT = {"native": 2.0, "fp8": 1.0 + 4 / 2816, "int4": 0.5 + 2 / 64}  # with their scales
+LOADED_LATENCY_S = 1e-6  # device-memory latency under full load, assumed (idle: ~0.5-0.8 us): Little's law below
 
 
-def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch: int) -> list[dict]:
+def in_flight_per_sm(row: dict, block_m: int, block_n: int, block_k: int, act_bytes: int, weight_bytes: float,
+                     matrices: int) -> float:
+    """Bytes a kernel keeps in flight per SM by its cp.async pipeline: resident blocks x (stages - 1) tiles
+    issued ahead x one stage's bytes (the activation tile and `matrices` weight tiles)."""
+    stage = block_m * block_k * act_bytes + matrices * block_n * block_k * weight_bytes
+    return row["blocks_per_sm"] * max(row["num_stages"] - 1, 0) * stage
+
+
+def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch: int, canvas: int,
+                act_bytes: int = 2) -> list[dict]:
     """Instruction issue vs bytes for the expert kernels of one denoising step, from the compiled K-tile loops at
     the default tiles: issue ms = weights x loop instructions per weight / 32 lanes / (SMs x 4 schedulers x clock),
     bytes ms = expert bytes / bandwidth. A static model (perfect overlap, boost clock, no stalls): it says which
-    side bounds a kernel, not its time."""
-    from blockpress.kernels.moe_grouped import TILES, int4_block_k
+    side bounds a kernel, not its time. Also the bytes each kernel keeps in flight per SM (in_flight_per_sm)
+    against Little's law, bandwidth x loaded latency / SMs: fewer, and no kernel reaches the bandwidth whatever
+    its instructions."""
+    from blockpress.kernels.moe_grouped import TILES, auto_block_m, int4_block_k
     from blockpress.kernels.quant import group_for
 
     name, sms, clock, bandwidth = ISSUE_CARDS[arch]
@@ -224,19 +237,23 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
     out = []
     print(f"\nissue model, {name} (sm_{arch}: {sms} SMs x 4 schedulers x {clock / 1e9:.2f} GHz, "
           f"{bandwidth / 1e12:.2f} TB/s), expert kernels of a step at canvas x{batch}, default tiles:")
-    print(f"{'experts':<8} {'instr/weight up':>15} {'down':>6} {'issue ms':>9} {'bytes ms':>9}  bound")
+    need = bandwidth * LOADED_LATENCY_S / sms
+    print(f"{'experts':<8} {'instr/weight up':>15} {'down':>6} {'issue ms':>9} {'bytes ms':>9}  {'bound':<12} "
+          f"KB in flight per SM, up / down (Little's law: {need / 1024:.0f} KB at {LOADED_LATENCY_S * 1e9:.0f} ns)")
     for precision in precisions:
         bk = TILES.block_k
         if precision == "int4":  # the K tile the launcher runs (QuantizedExperts' default groups of 64)
             bk = int4_block_k(bk, (group_for(H, 64), group_for(Im, 64)))
-        per = {}
-        for kernel, weights_per_tile in (("_moe_up_kernel", 2 * TILES.block_n * bk), ("_moe_down_kernel",
-                                                                                     TILES.block_n * bk)):
+        per, flight = {}, {}
+        bm = TILES.block_m or auto_block_m(batch * canvas * text.top_k_experts, E)
+        for kernel, matrices in (("_moe_up_kernel", 2), ("_moe_down_kernel", 1)):
             want = f"experts {precision}, canvas x{batch}, tiles {TILES.spec()}"
             r = next((r for r in rows if r["kernel"] == kernel and r["label"] == want and r["loop"]), None)
             if r is None:
                 break
-            per[kernel] = r["loop"] / (weights_per_tile / (32 * r["num_warps"]))
+            per[kernel] = r["loop"] / (matrices * TILES.block_n * bk / (32 * r["num_warps"]))
+            flight[kernel] = in_flight_per_sm(r, bm, TILES.block_n, bk, act_bytes, BYTES_PER_WEIGHT[precision],
+                                              matrices)
         if len(per) < 2:
             continue
         up_w, down_w = L * E * 2 * Im * H, L * E * H * Im
@@ -244,10 +261,13 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
         mem = (up_w + down_w) * BYTES_PER_WEIGHT[precision] / bandwidth * 1e3
         row = {"experts": precision, "card": name, "up_instr_per_weight": round(per["_moe_up_kernel"], 2),
                "down_instr_per_weight": round(per["_moe_down_kernel"], 2), "issue_ms": round(issue, 2),
-               "bytes_ms": round(mem, 2), "bound": "instructions" if issue > mem else "memory"}
+               "bytes_ms": round(mem, 2), "bound": "instructions" if issue > mem else "memory",
+               "in_flight_kb_per_sm": {k.split("_")[2]: round(v / 1024, 1) for k, v in flight.items()},
+               "in_flight_kb_needed": round(need / 1024, 1)}
         out.append(row)
         print(f"{precision:<8} {row['up_instr_per_weight']:>15.2f} {row['down_instr_per_weight']:>6.2f} "
-              f"{issue:>9.2f} {mem:>9.2f}  {row['bound']}")
+              f"{issue:>9.2f} {mem:>9.2f}  {row['bound']:<12} {flight['_moe_up_kernel'] / 1024:.0f} / "
+              f"{flight['_moe_down_kernel'] / 1024:.0f}")
     return out
 
 

@@ -108,6 +108,10 @@ def test_int4_dequantisation_stays_cheap(report):
     assert set(model) == {"native", "fp8", "int4"}
     assert model["int4"]["up_instr_per_weight"] < 6 and model["int4"]["down_instr_per_weight"] < 7
     assert model["int4"]["bound"] == "memory" and model["native"]["bound"] == "memory"
+    # Little's law: each expert kernel keeps more bytes in flight per SM (resident blocks x stages issued ahead)
+    # than an H100's bandwidth x loaded latency needs; short of it, no kernel could reach the bandwidth
+    for row in model.values():
+        assert min(row["in_flight_kb_per_sm"].values()) > row["in_flight_kb_needed"] > 20, row
 
 
 def test_compile_only_refuses_interpreted_kernels():

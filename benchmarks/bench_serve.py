@@ -26,7 +26,7 @@ import time
 import torch
 
 from blockpress.cli.bench import DTYPES, PRESETS, _free, _gen_config, _peak_bytes, _reset_peak, _sync, _tiles, \
-    hardware, preset_config, print_json
+    check_build_memory, hardware, preset_config, print_json
 from blockpress.cli.run import _nonneg_int, _positive_int, _positive_int_list
 
 
@@ -105,6 +105,7 @@ def build(args):
     from blockpress.kernels.random_weights import build_model
 
     config, _, _ = preset_config(args.preset)
+    check_build_memory(config, device, dtype, args.precision)  # InputError naming what fits, before allocating
     module = build_model(config, device, dtype, args.precision, args.seed)
     kernels.configure(module, precision=args.precision, linears=args.linears)
     return module

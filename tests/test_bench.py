@@ -469,3 +469,15 @@ def test_benchmark_scripts_refuse_bad_flags_before_any_work(script, flags, messa
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(ROOT / "benchmarks" / script), run_name="__main__")
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_refuses_random_weights_that_cannot_fit_before_allocating(monkeypatch, capsys):
+    """The real 26B preset in fp32 on a CPU is ~94 GiB: refused with what would fit, before any weight exists
+    (was an allocation that the OOM killer ends, or a CUDA out-of-memory traceback on a small card)."""
+    import blockpress.loading as loading
+
+    monkeypatch.setattr(loading, "_free_bytes", lambda device: 20 * 2 ** 30)
+    monkeypatch.setattr(torch.nn.Module, "to_empty", lambda *a, **k: pytest.fail("allocated before the check"))
+    assert cli_main(["bench", "--preset", "real-26b", "--device", "cpu", "--dtype", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "the weights need ~94.1 GiB (float32" in err and "precision int4 with int8 linears needs" in err

@@ -403,6 +403,7 @@ def run(args) -> dict:
         if args.precision != "native":
             kernels.quantize_experts_(module, args.precision, args.group_size)
     else:
+        check_build_memory(config, device, dtype, args.precision, args.group_size)
         module = build_model(config, device, dtype, args.precision, args.seed, args.init_std, args.group_size)
     build_s = time.perf_counter() - t0
     try:
@@ -509,6 +510,20 @@ def run(args) -> dict:
     result["ratios"] = _ratios(result["runs"])
     return result
 
+
+
+def check_build_memory(config: dict, device: torch.device, dtype: torch.dtype, precision: str = "native",
+                       group_size: int = 64) -> None:
+    """Refuse, before allocating anything, random weights that cannot fit on the device (the real 26B model in
+    fp32 on a CPU is ~100 GB; in bf16 on a 24 GB card, 50 GB): `loading.check_memory`'s message names what would
+    fit. --linears are quantised after the build, so the build's peak holds them in `dtype`."""
+    from ..config import ModelConfig
+    from ..loading import check_memory
+    from ..model.diffusion_gemma import DiffusionGemmaModel
+
+    with torch.device("meta"):
+        meta = DiffusionGemmaModel(ModelConfig.from_dict(config))
+    check_memory(meta, device, dtype, precision, group_size)
 
 
 def _ratios(runs: list[dict]) -> dict:

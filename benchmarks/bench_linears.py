@@ -60,9 +60,10 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # fp8 x fp8 needs fp8 tensor cores on a GPU (Ada, Hopper); torch._scaled_mm also runs on a CPU
     w8a8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-    # int8-bm128: 128 rows per program, so a canvas's weights are converted twice, not 4 times (half the
-    # instructions, half the programs: compile_report.py cannot say which wins)
-    variants = ["int8", "int8-bm128", "fp8"] + (["fp8-a8"] if w8a8 else [])
+    # int8-bm128 / -bm256: 128 / 256 rows per program, so a canvas's weights are converted twice / once, not 4
+    # times (sm_90 loop: 22.4 -> 12.4 -> 9.1 instructions per weight, but 1/2 and 1/4 of the programs, 33 for a
+    # 2112-wide output at bm 256 on 132 SMs: compile_report.py cannot say which wins)
+    variants = ["int8", "int8-bm128", "int8-bm256", "fp8"] + (["fp8-a8"] if w8a8 else [])
     text = ModelConfig.from_dict(preset_config(args.preset)[0]).text
     rows = [int(r) for r in args.rows.split(",") if r]
     shapes = projection_shapes(text)
@@ -83,6 +84,8 @@ def main(argv=None) -> int:
             calls = {"int8": (lambda: linear_q_triton(x, q["int8"].weight_q, q["int8"].weight_scale), q["int8"]),
                      "int8-bm128": (lambda: linear_q_triton(x, q["int8"].weight_q, q["int8"].weight_scale,
                                                             block_m=128), q["int8"]),
+                     "int8-bm256": (lambda: linear_q_triton(x, q["int8"].weight_q, q["int8"].weight_scale,
+                                                            block_m=256), q["int8"]),
                      "fp8": (lambda: linear_q_triton(x, q["fp8"].weight_q, q["fp8"].weight_scale), q["fp8"]),
                      "fp8-a8": (lambda: linear_fp8_scaled_mm(x, q["fp8"].weight_q, q["fp8"].weight_scale), None)}
             r = {"in": I, "out": O, "count": count, "rows": M, "native_gbs": 0.0, "rel_err": {}}

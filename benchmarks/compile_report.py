@@ -88,6 +88,10 @@ def linear_variants(text, dtype, passes, formats: list[str]):
             for what, M in passes:
                 x = torch.empty(M, I, dtype=dtype)
                 yield f"linear {fmt} [{O}x{I}], {what}", (lambda x=x, q=q, s=s: linear_q_triton(x, q, s))
+                if fmt == "int8" and what.startswith("canvas"):  # bench_linears.py's int8-bm128 / -bm256
+                    for bm in (128, 256):
+                        yield (f"linear {fmt} [{O}x{I}], {what}, bm {bm}",
+                               lambda x=x, q=q, s=s, bm=bm: linear_q_triton(x, q, s, block_m=bm))
 
 
 def head_variants(vocab: int, canvas: int, dtype, batches: list[int], cap: float | None):

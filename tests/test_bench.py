@@ -414,7 +414,7 @@ def test_linear_kernel_bench_checks_every_projection_shape(capsys):
     assert mod["main"](["--preset", "tiny", "--rows", "1,5", "--repeats", "1", "--device", "cpu"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["ok"] and {r["rows"] for r in line["results"]} == {1, 5}
-    assert line["variants"] == ["int8", "int8-bm128", "fp8", "fp8-a8"]
+    assert line["variants"] == ["int8", "int8-bm128", "int8-bm256", "fp8", "fp8-a8"]
     assert max(max(r["rel_err"].values()) for r in line["results"]) < 1e-5
 
 

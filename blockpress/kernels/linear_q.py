@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._triton import fp8_usable_on, interpreted, tl, triton, usable_on
-from .moe_grouped import checked_on_first_use
+from .moe_grouped import _stages, checked_on_first_use
 from .quant import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
 
 INT8_MAX = 127.0
@@ -202,7 +202,8 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     f32 = x.dtype == torch.float32 or interpreted()
     grid = (triton.cdiv(M, bm), triton.cdiv(O, BLOCK_N))
     _linear_q_kernel[grid](x2, q_OI, scale_O, out, M, O, I, x2.stride(0), q_OI.stride(0), out.stride(0),
-                           F32=f32, BM=bm, BN=BLOCK_N, BK=BLOCK_K)
+                           F32=f32, BM=bm, BN=BLOCK_N, BK=BLOCK_K,
+                           **_stages(None, (bm * x2.element_size() + BLOCK_N * q_OI.element_size()) * BLOCK_K))
     return out.view(*lead, O)
 
 

@@ -243,7 +243,8 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
           f"{bandwidth / 1e12:.2f} TB/s), expert kernels of a step at canvas x{batch}, default tiles:")
     need = bandwidth * LOADED_LATENCY_S / sms
     print(f"{'experts':<8} {'instr/weight up':>15} {'down':>6} {'issue ms':>9} {'bytes ms':>9}  {'bound':<12} "
-          f"KB in flight per SM, up / down (Little's law: {need / 1024:.0f} KB at {LOADED_LATENCY_S * 1e9:.0f} ns)")
+          f"{'L2->SM GB':>9} {'x HBM':>6}  KB in flight per SM, up / down (Little's law: {need / 1024:.0f} KB at "
+          f"{LOADED_LATENCY_S * 1e9:.0f} ns)")
     for precision in precisions:
         bk = TILES.block_k
         if precision == "int4":  # the K tile the launcher runs (QuantizedExperts' default groups of 64)
@@ -261,18 +262,42 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
         if len(per) < 2:
             continue
         up_w, down_w = L * E * 2 * Im * H, L * E * H * Im
-        issue = (up_w * per["_moe_up_kernel"] + down_w * per["_moe_down_kernel"]) / 32 / issue_rate * 1e3
+        # each expert's weights are dequantised once per M block of its tokens (balanced routing), and a partial
+        # last N tile issues a full tile's instructions (704 = 5.5 x 128)
+        m_blocks = -(-batch * canvas * text.top_k_experts // E // bm)
+        waste = {"_moe_up_kernel": -(-Im // TILES.block_n) * TILES.block_n / Im,
+                 "_moe_down_kernel": -(-H // TILES.block_n) * TILES.block_n / H}
+        issue = m_blocks * (up_w * per["_moe_up_kernel"] * waste["_moe_up_kernel"]
+                            + down_w * per["_moe_down_kernel"] * waste["_moe_down_kernel"]) / 32 / issue_rate * 1e3
         mem = (up_w + down_w) * BYTES_PER_WEIGHT[precision] / bandwidth * 1e3
+        l2 = l2_to_sm_bytes(text, batch * canvas, bm, TILES.block_n, BYTES_PER_WEIGHT[precision], act_bytes)
         row = {"experts": precision, "card": name, "up_instr_per_weight": round(per["_moe_up_kernel"], 2),
-               "down_instr_per_weight": round(per["_moe_down_kernel"], 2), "issue_ms": round(issue, 2),
-               "bytes_ms": round(mem, 2), "bound": "instructions" if issue > mem else "memory",
+               "down_instr_per_weight": round(per["_moe_down_kernel"], 2), "m_blocks_per_expert": m_blocks,
+               "issue_ms": round(issue, 2), "bytes_ms": round(mem, 2),
+               "bound": "instructions" if issue > mem else "memory", "l2_to_sm_gb": round(l2 / 1e9, 2),
+               "l2_to_sm_over_hbm": round(l2 / (mem / 1e3 * bandwidth), 2),
                "in_flight_kb_per_sm": {k.split("_")[2]: round(v / 1024, 1) for k, v in flight.items()},
                "in_flight_kb_needed": round(need / 1024, 1)}
         out.append(row)
         print(f"{precision:<8} {row['up_instr_per_weight']:>15.2f} {row['down_instr_per_weight']:>6.2f} "
-              f"{issue:>9.2f} {mem:>9.2f}  {row['bound']:<12} {flight['_moe_up_kernel'] / 1024:.0f} / "
+              f"{issue:>9.2f} {mem:>9.2f}  {row['bound']:<12} {row['l2_to_sm_gb']:>9.2f} "
+              f"{row['l2_to_sm_over_hbm']:>6.2f}  {flight['_moe_up_kernel'] / 1024:.0f} / "
               f"{flight['_moe_down_kernel'] / 1024:.0f}")
     return out
+
+
+def l2_to_sm_bytes(text, tokens: int, bm: int, bn: int, weight_bytes: float, act_bytes: int) -> float:
+    """Bytes the expert kernels of one step read from L2 into the SMs (balanced routing): every program reads its
+    weight slice (each expert's weights once per M block) and its M block's activation rows over the whole K
+    (the up kernel: x [bm, H]; the down kernel: act [bm, Im]), so the activations are read once per N tile:
+    Im / bn times by the up kernel, H / bn by the down kernel. Weights come from HBM once; the activations, small,
+    from L2 after the first read. Against HBM bytes this says how much L2 bandwidth a step needs on top."""
+    E, H, Im, K, L = (text.num_experts, text.hidden_size, text.moe_intermediate_size, text.top_k_experts,
+                      text.num_hidden_layers)
+    m_blocks = E * -(-tokens * K // E // bm)  # total M blocks, balanced
+    up = m_blocks * (2 * Im * H * weight_bytes + bm * H * act_bytes * -(-Im // bn))
+    down = m_blocks * (H * Im * weight_bytes + bm * Im * act_bytes * -(-H // bn))
+    return L * (up + down)
 
 
 def print_table(rows: list[dict], arch: int) -> None:

@@ -31,8 +31,9 @@ import torch
 from blockpress.cli.bench import _group_size
 from blockpress.kernels.profile import time_ms
 
-# 12 settings (+ the defaults, which are among them); ~1.5 min on an H100, estimated, not yet run. BK 32 stays in:
-# the default moved to 64 on instruction counts (compile_report.py's issue model), a timing has to confirm it
+# 12 settings (+ the defaults, which are among them); ~1.5 min on an H100, estimated, not yet run. BK 32 and BN 64
+# stay in: the defaults moved to BK 64 and BN 128 on compile_report.py's static model (instructions, L2 traffic),
+# a timing has to confirm them
 DEFAULT_GRID = "bm=auto;bn=64,128;bk=32,64,128;warps=4,8"
 
 

@@ -322,7 +322,7 @@ def test_moe_tile_sweep_on_cpu_checks_every_setting_against_torch(capsys, monkey
     assert all(v < 1e-4 for v in result["rel_err_vs_torch"].values())
     rows = result["results"]
     assert [r["spec"] for r in rows if r["precision"] == "native"] == \
-        ["bm=auto,bn=64,bk=64", "bm=16,bn=16,bk=16", "bm=16,bn=32,bk=16"]
+        ["bm=auto,bn=128,bk=64", "bm=16,bn=16,bk=16", "bm=16,bn=32,bk=16"]
     assert all(r["ok"] and r["ms"] > 0 for r in rows)
     assert all(v["speedup_vs_default"] > 0 for v in result["best"].values())
 
@@ -351,15 +351,18 @@ def test_moe_tiles_setting_reaches_the_kernel_launch(monkeypatch):
     monkeypatch.setattr(moe_grouped, "_moe_down_kernel", Launch("down"), raising=False)
     monkeypatch.setattr(moe_grouped, "triton", moe_grouped.triton or __import__("types").SimpleNamespace(
         next_power_of_2=lambda n: 1 << (n - 1).bit_length(), cdiv=lambda a, b: -(-a // b)))
-    x, idx = torch.randn(8, 32), torch.randint(0, 4, (8, 2))
-    w, gu, dn = torch.rand(8, 2), torch.randn(4, 32, 32), torch.randn(4, 32, 16)
+    x, idx = torch.randn(8, 256), torch.randint(0, 4, (8, 2))  # H 256, Im 128
+    w, gu, dn = torch.rand(8, 2), torch.randn(4, 256, 256), torch.randn(4, 256, 128)
+    xs, gus, dns = torch.randn(8, 64), torch.randn(4, 64, 64), torch.randn(4, 64, 32)  # H 64, Im 32
     prev = moe_grouped.set_moe_tiles("bm=32,bn=128,bk=64,warps=8")
     try:
         moe_grouped.experts_triton(x, w, idx, gu, dn)
         moe_grouped.experts_triton(x, w, idx, gu, dn, block_n=16)
+        moe_grouped.experts_triton(xs, w, idx, gus, dns)  # BN capped at each output's width (Im 32, H 64)
     finally:
         moe_grouped.set_moe_tiles(prev)
-    assert seen == [("up", 32, 128, 64, 8), ("down", 32, 128, 64, 8), ("up", 32, 16, 64, 8), ("down", 32, 16, 64, 8)]
+    assert seen == [("up", 32, 128, 64, 8), ("down", 32, 128, 64, 8), ("up", 32, 16, 64, 8), ("down", 32, 16, 64, 8),
+                    ("up", 32, 32, 64, 8), ("down", 32, 64, 64, 8)]
     assert moe_grouped.TILES == prev
 
 

@@ -561,7 +561,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action="store_true", help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC",
                    help="Triton expert kernels' tiles, e.g. bm=32,bn=128,bk=64,warps=8,stages=4 (the winner of "
-                        "benchmarks/sweep_moe_tiles.py; default: bm=auto,bn=64,bk=64)")
+                        "benchmarks/sweep_moe_tiles.py; default: bm=auto,bn=128,bk=64)")
     p.add_argument("--moe-sum", choices=["kernel", "atomic"], default="kernel",
                    help="how the Triton experts sum a token's K expert outputs: kernel (a third kernel, deterministic; "
                         "default) or atomic (fp32 atomic adds in the down kernel: no [A, H] buffer, run-to-run "

@@ -312,14 +312,18 @@ class Tiles:
     """Tile sizes and launch settings of the two Triton expert kernels (the same for both).
 
     block_m None: the next power of two >= the mean assignments per expert (16..64), one block per expert
-    when the load is balanced. The defaults are untimed: BK 64 (not 32) from the compiled code's instruction
-    count per weight (benchmarks/compile_report.py's issue model: int4 experts 5.5-6.9 -> 4.3-5.0 instructions
-    per weight on sm_90, instruction-bound -> memory-bound). `benchmarks/sweep_moe_tiles.py` times a grid of
+    when the load is balanced. block_n is capped per kernel at the next power of two >= its output width (a
+    small model's tiles). The defaults are untimed, chosen on benchmarks/compile_report.py's static model of
+    the 26B shapes on sm_90: BK 64 (not 32) halved the int4 instructions per weight (5.5-6.9 -> 4.3-5.0:
+    instruction-bound -> memory-bound); BN 128 (not 64) cuts them further at batch 4 (int4 issue 3.29 -> 2.82 ms a
+    step, bf16 1.49 -> 1.00), matches BN 64 at batch 1 (704 = 5.5 x 128 wastes a half tile), and halves the
+    activation re-reads from L2 (every N tile re-reads its M block's rows: int4 at batch 1 19.8 -> 16.1 GB of
+    L2 -> SM traffic a step against 12.1 GB from HBM; at batch 4 42.6 -> 28.1). `benchmarks/sweep_moe_tiles.py` times a grid of
     them on one layer of a real config, and `set_moe_tiles("bm=32,bn=128,bk=64,warps=8,stages=4")` (or
     `blockpress bench --moe-tiles ...`) applies the winner."""
 
     block_m: int | None = None
-    block_n: int = 64
+    block_n: int = 128
     block_k: int = 64
     num_warps: int | None = None  # None: Triton's default
     num_stages: int | None = None
@@ -473,19 +477,21 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     dummy = x.new_empty(1, 1, 1, dtype=torch.float32)
     gs, ds = gate_up_scale if gate_up_scale is not None else dummy, down_scale if down_scale is not None else dummy
     g_st, d_st = _scale_strides(gate_up_scale), _scale_strides(down_scale)
-    grid = (L // block_m, triton.cdiv(Im, block_n))
+    bn_up = min(block_n, max(16, triton.next_power_of_2(Im)))  # no wider than the output: a small model's tiles
+    bn_dn = min(block_n, max(16, triton.next_power_of_2(H)))
+    grid = (L // block_m, triton.cdiv(Im, bn_up))
     rnd = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)  # 16-bit activations: int4 dequant in that dtype
     _moe_up_kernel[grid](x, gate_up_EFH, gs, sorted_ids, block_expert, act, A, H, Im, K,
                          x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
-                         act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k,
+                         act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=bn_up, BK=block_k,
                          EVEN_K=H % block_k == 0, ROUND=rnd, **warps,
-                         **_stages(t.num_stages, (block_m * x.element_size() + 2 * block_n * gate_up_EFH.element_size())
+                         **_stages(t.num_stages, (block_m * x.element_size() + 2 * bn_up * gate_up_EFH.element_size())
                                    * block_k))
     rw = w_NK.reshape(-1).float().contiguous()
-    grid = (L // block_m, triton.cdiv(H, block_n))
-    down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=block_n, BK=block_k, EVEN_K=Im % block_k == 0,
+    grid = (L // block_m, triton.cdiv(H, bn_dn))
+    down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=bn_dn, BK=block_k, EVEN_K=Im % block_k == 0,
                 ROUND=rnd, **warps,
-                **_stages(t.num_stages, (block_m * x.element_size() + block_n * down_EHI.element_size()) * block_k))
+                **_stages(t.num_stages, (block_m * x.element_size() + bn_dn * down_EHI.element_size()) * block_k))
     if MOE_SUM == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
         acc = torch.zeros(N, H, dtype=torch.float32, device=x.device)
         _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, acc, rw, A, H, Im, K,

@@ -250,7 +250,7 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
         if precision == "int4":  # the K tile the launcher runs (QuantizedExperts' default groups of 64)
             bk = int4_block_k(bk, (group_for(H, 64), group_for(Im, 64)))
         per, flight = {}, {}
-        bm = TILES.block_m or auto_block_m(batch * canvas * text.top_k_experts, E)
+        bm = TILES.block_m or auto_block_m(batch * canvas * text.top_k_experts, E, arch >= 90)
         for kernel, matrices in (("_moe_up_kernel", 2), ("_moe_down_kernel", 1)):
             want = f"experts {precision}, canvas x{batch}, tiles {TILES.spec()}"
             r = next((r for r in rows if r["kernel"] == kernel and r["label"] == want and r["loop"]), None)

@@ -366,6 +366,41 @@ def test_moe_tiles_setting_reaches_the_kernel_launch(monkeypatch):
     assert moe_grouped.TILES == prev
 
 
+def test_auto_m_tile_grows_to_128_with_8_warps_on_hopper_only(monkeypatch):
+    """bm=auto: one M block per expert when balanced, 16..64, and up to 128 where tl.dot is Hopper's warpgroup MMA
+    (batch >= 8, a prefill: each expert's weights dequantised once, not twice), launched with 8 warps unless the
+    tiles name a count; before sm_90 (mma.sync) it stays at 64."""
+    from blockpress.kernels import moe_grouped
+
+    assert not moe_grouped._wgmma_target() or torch.cuda.is_available()  # the interpreter: never
+    E = 128
+    for tokens, want, want_hopper in ((256, 16, 16), (1024, 64, 64), (2048, 64, 128), (16384, 64, 128)):
+        assert moe_grouped.auto_block_m(tokens * 8, E) == want
+        assert moe_grouped.auto_block_m(tokens * 8, E, wgmma=True) == want_hopper
+    seen = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((kw["BM"], kw.get("num_warps")))
+
+    monkeypatch.setattr(moe_grouped, "_moe_up_kernel", Launch(), raising=False)
+    monkeypatch.setattr(moe_grouped, "_moe_down_kernel", Launch(), raising=False)
+    monkeypatch.setattr(moe_grouped, "triton", moe_grouped.triton or __import__("types").SimpleNamespace(
+        next_power_of_2=lambda n: 1 << (n - 1).bit_length(), cdiv=lambda a, b: -(-a // b)))
+    x, idx = torch.randn(512, 64), torch.randint(0, 4, (512, 2))  # 256 assignments per expert
+    w, gu, dn = torch.rand(512, 2), torch.randn(4, 64, 64), torch.randn(4, 64, 32)
+    for hopper, tiles, want in ((False, None, (64, None)), (True, None, (128, 8)),
+                                (True, "bm=auto,warps=4", (128, 4)), (True, "bm=32", (32, None))):
+        monkeypatch.setattr(moe_grouped, "_wgmma_target", lambda hopper=hopper: hopper)
+        seen.clear()
+        prev = moe_grouped.set_moe_tiles(tiles)
+        try:
+            moe_grouped.experts_triton(x, w, idx, gu, dn)
+        finally:
+            moe_grouped.set_moe_tiles(prev)
+        assert seen == [want, want], (hopper, tiles)
+
+
 @pytest.mark.parametrize("fuse", [False, True])
 def test_bench_runs_replay_graphed_passes_after_the_warmup(fuse):
     """The bench's --cuda-graphs bookkeeping, with the graph wrapper's plumbing run without capture (CPU): the

@@ -311,8 +311,8 @@ def triton_supported(x: torch.Tensor, fmt: int = FMT_PLAIN, groups: tuple[int, i
 class Tiles:
     """Tile sizes and launch settings of the two Triton expert kernels (the same for both).
 
-    block_m None: the next power of two >= the mean assignments per expert (16..64), one block per expert
-    when the load is balanced. block_n is capped per kernel at the next power of two >= its output width (a
+    block_m None: the next power of two >= the mean assignments per expert (16..64; 16..128 on sm_90+, with 8
+    warps at 128 unless num_warps is set), one block per expert when the load is balanced. block_n is capped per kernel at the next power of two >= its output width (a
     small model's tiles). The defaults are untimed, chosen on benchmarks/compile_report.py's static model of
     the 26B shapes on sm_90: BK 64 (not 32) halved the int4 instructions per weight (5.5-6.9 -> 4.3-5.0:
     instruction-bound -> memory-bound); BN 128 (not 64) cuts them further at batch 4 (int4 issue 3.29 -> 2.82 ms a
@@ -374,9 +374,30 @@ def set_moe_tiles(tiles: "Tiles | str | None") -> Tiles:
     return prev
 
 
-def auto_block_m(assignments: int, n_experts: int) -> int:
-    """One M block per expert when the load is balanced (16..64)."""
-    return min(64, max(16, triton.next_power_of_2(-(-assignments // n_experts))))
+WGMMA_TARGET: dict = {}  # Triton device -> does it compile tl.dot to Hopper's warpgroup MMA (sm_90+)
+
+
+def _wgmma_target() -> bool:
+    """Is the device Triton compiles for now sm_90 or later (asked once per device; False in the interpreter)?"""
+    if interpreted() or triton is None:
+        return False
+    try:
+        from triton.runtime.driver import driver
+        dev = driver.active.get_current_device()
+        if dev not in WGMMA_TARGET:
+            target = driver.active.get_current_target()
+            WGMMA_TARGET[dev] = target.backend == "cuda" and int(target.arch) >= 90
+        return WGMMA_TARGET[dev]
+    except Exception:  # no driver
+        return False
+
+
+def auto_block_m(assignments: int, n_experts: int, wgmma: bool = False) -> int:
+    """One M block per expert when the load is balanced: 16..64, and up to 128 on sm_90+ (batch >= 8 or a
+    prefill: each expert's weights are then dequantised once, not twice; compile_report.py: int4 at batch 8 on
+    an H100 3.56 ms of issue a step instead of 5.63, instruction-bound -> memory-bound). Not before sm_90: with
+    mma.sync a 128-row tile takes twice the instructions per weight (sm_89 int4 9.7 -> 16.5 ms)."""
+    return min(128 if wgmma else 64, max(16, triton.next_power_of_2(-(-assignments // n_experts))))
 
 
 def compiled_variant(idx_NK: torch.Tensor, n_experts: int) -> tuple:
@@ -384,7 +405,8 @@ def compiled_variant(idx_NK: torch.Tensor, n_experts: int) -> tuple:
     M tile as resolved here), and Triton's specialisation of integer arguments (== 1, divisible by 16) for
     the assignment count."""
     A = idx_NK.numel()
-    return (TILES.spec(), TILES.block_m or auto_block_m(A, n_experts), A == 1, A % 16 == 0, MOE_SUM)
+    return (TILES.spec(), TILES.block_m or auto_block_m(A, n_experts, _wgmma_target()), A == 1, A % 16 == 0,
+            MOE_SUM)
 
 
 UNWRITTEN_FILL: float | None = None  # tests set NaN: the value an output buffer starts with before its kernel
@@ -462,7 +484,9 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     Im = inter if inter is not None else down_EHI.shape[-1] * (2 if fmt == FMT_INT4 else 1)
     A = N * K
     if block_m is None:
-        block_m = auto_block_m(A, E)
+        block_m = auto_block_m(A, E, _wgmma_target())
+        if block_m == 128 and not t.num_warps:  # two warpgroups: 4 warps would hold 2 x 128 x BN fp32 accumulators
+            warps = {"num_warps": 8}
     if fmt == FMT_INT4:
         block_k = int4_block_k(block_k, groups)
         assert all(g % block_k == 0 for g in groups), "int4 groups must be multiples of 16"

@@ -391,7 +391,7 @@ def test_auto_m_tile_grows_to_128_with_8_warps_on_hopper_only(monkeypatch):
     w, gu, dn = torch.rand(512, 2), torch.randn(4, 64, 64), torch.randn(4, 64, 32)
     for hopper, tiles, want in ((False, None, (64, None)), (True, None, (128, 8)),
                                 (True, "bm=auto,warps=4", (128, 4)), (True, "bm=32", (32, None))):
-        monkeypatch.setattr(moe_grouped, "_wgmma_target", lambda hopper=hopper: hopper)
+        monkeypatch.setattr(moe_grouped, "_wgmma_target", lambda device=None, hopper=hopper: hopper)
         seen.clear()
         prev = moe_grouped.set_moe_tiles(tiles)
         try:

@@ -377,10 +377,13 @@ def set_moe_tiles(tiles: "Tiles | str | None") -> Tiles:
 WGMMA_TARGET: dict = {}  # Triton device -> does it compile tl.dot to Hopper's warpgroup MMA (sm_90+)
 
 
-def _wgmma_target() -> bool:
-    """Is the device Triton compiles for now sm_90 or later (asked once per device; False in the interpreter)?"""
+def _wgmma_target(device: torch.device | None = None) -> bool:
+    """Does Triton compile tl.dot for this device as sm_90+ code (False in the interpreter)? A CUDA tensor's device
+    is asked directly; otherwise Triton's current target (benchmarks/compile_report.py's stand-in driver)."""
     if interpreted() or triton is None:
         return False
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9
     try:
         from triton.runtime.driver import driver
         dev = driver.active.get_current_device()
@@ -405,8 +408,8 @@ def compiled_variant(idx_NK: torch.Tensor, n_experts: int) -> tuple:
     M tile as resolved here), and Triton's specialisation of integer arguments (== 1, divisible by 16) for
     the assignment count."""
     A = idx_NK.numel()
-    return (TILES.spec(), TILES.block_m or auto_block_m(A, n_experts, _wgmma_target()), A == 1, A % 16 == 0,
-            MOE_SUM)
+    return (TILES.spec(), TILES.block_m or auto_block_m(A, n_experts, _wgmma_target(idx_NK.device)), A == 1,
+            A % 16 == 0, MOE_SUM)
 
 
 UNWRITTEN_FILL: float | None = None  # tests set NaN: the value an output buffer starts with before its kernel
@@ -484,7 +487,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     Im = inter if inter is not None else down_EHI.shape[-1] * (2 if fmt == FMT_INT4 else 1)
     A = N * K
     if block_m is None:
-        block_m = auto_block_m(A, E, _wgmma_target())
+        block_m = auto_block_m(A, E, _wgmma_target(x_NH.device))
         if block_m == 128 and not t.num_warps:  # two warpgroups: 4 warps would hold 2 x 128 x BN fp32 accumulators
             warps = {"num_warps": 8}
     if fmt == FMT_INT4:

@@ -53,10 +53,10 @@ case "$PART" in
 "transformers", transformers.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'
     } 2>&1 | tee -a "$OUT/log.txt"
     # compiled Triton kernels (not the interpreter), the CUDA graph and fp8 grouped-GEMM tests
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_quant.py tests/test_linear_q.py \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=10 tests/test_kernels.py tests/test_quant.py tests/test_linear_q.py \
       tests/test_bench.py \
       "tests/test_generate.py::test_fixed_steps_do_not_synchronise_on_cuda" \
-      2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
+      2>&1 | tee "$OUT/gpu-tests-full.txt" | tail -40 | tee "$OUT/gpu-tests.txt"
     bench tiny-all --batch 1,2 --modes fixed,adaptive --new-tokens 64 --experts auto $GPU_FLAGS
     # the expert kernels' tiles on one layer of the real shapes, bf16/fp8/int4 (the defaults are untuned); the
     # winner goes to the next parts as MOE_TILES="<best spec>" (bench --moe-tiles)

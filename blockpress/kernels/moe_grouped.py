@@ -312,15 +312,16 @@ class Tiles:
     """Tile sizes and launch settings of the two Triton expert kernels (the same for both).
 
     block_m None: the next power of two >= the mean assignments per expert (16..64; 16..128 on sm_90+, with 8
-    warps at 128 unless num_warps is set), one block per expert when the load is balanced. block_n is capped per kernel at the next power of two >= its output width (a
-    small model's tiles). The defaults are untimed, chosen on benchmarks/compile_report.py's static model of
-    the 26B shapes on sm_90: BK 64 (not 32) halved the int4 instructions per weight (5.5-6.9 -> 4.3-5.0:
-    instruction-bound -> memory-bound); BN 128 (not 64) cuts them further at batch 4 (int4 issue 3.29 -> 2.82 ms a
-    step, bf16 1.49 -> 1.00), matches BN 64 at batch 1 (704 = 5.5 x 128 wastes a half tile), and halves the
-    activation re-reads from L2 (every N tile re-reads its M block's rows: int4 at batch 1 19.8 -> 16.1 GB of
-    L2 -> SM traffic a step against 12.1 GB from HBM; at batch 4 42.6 -> 28.1). `benchmarks/sweep_moe_tiles.py` times a grid of
-    them on one layer of a real config, and `set_moe_tiles("bm=32,bn=128,bk=64,warps=8,stages=4")` (or
-    `blockpress bench --moe-tiles ...`) applies the winner."""
+    warps at 128 unless num_warps is set), one block per expert when the load is balanced. block_n is capped
+    per kernel at the next power of two >= its output width (a small model's tiles). The defaults are untimed,
+    chosen on benchmarks/compile_report.py's static model of the 26B shapes on sm_90: BK 64 (not 32) halved the
+    int4 instructions per weight (5.5-6.9 -> 4.3-5.0: instruction-bound -> memory-bound); BN 128 (not 64) cuts
+    them further at batch 4 (int4 issue 3.29 -> 2.82 ms a step, bf16 1.49 -> 1.00), matches BN 64 at batch 1
+    (704 = 5.5 x 128 wastes a half tile), and halves the activation re-reads from L2 (every N tile re-reads its
+    M block's rows: int4 at batch 1 19.8 -> 16.1 GB of L2 -> SM traffic a step against 12.1 GB from HBM; at
+    batch 4 42.6 -> 28.1). `benchmarks/sweep_moe_tiles.py` times a grid of them on one layer of a real config,
+    and `set_moe_tiles("bm=32,bn=128,bk=64,warps=8,stages=4")` (or `blockpress bench --moe-tiles ...`) applies
+    the winner."""
 
     block_m: int | None = None
     block_n: int = 128

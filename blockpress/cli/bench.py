@@ -36,6 +36,7 @@ def _tiles(spec: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
     return spec
 
+
 def _modes(spec: str) -> str:
     """argparse type of --modes: a comma-separated subset of fixed, adaptive."""
     modes = [m for m in spec.split(",") if m]

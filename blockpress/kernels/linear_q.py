@@ -154,9 +154,11 @@ if triton is not None:
 
     @triton.jit
     def _linear_q_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om,
-                         F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         EVEN_K: tl.constexpr):
         """out[m, n] = scale[n] * sum_k x[m, k] q[n, k]. Programs that share an N block run side by side
-        (axis 0 is M), so the weight tile they all read comes from L2 after the first."""
+        (axis 0 is M), so the weight tile they all read comes from L2 after the first. EVEN_K (BK divides K,
+        every projection of the 26B model): no K mask."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         m = pid_m * BM + tl.arange(0, BM)
         n = pid_n * BN + tl.arange(0, BN)
@@ -164,11 +166,14 @@ if triton is not None:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
-            kmask = k < K
-            xa = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :],
-                         mask=mmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(q_ptr + n[None, :].to(tl.int64) * stride_qn + k[:, None],
-                        mask=kmask[:, None] & nmask[None, :], other=0.0)  # [BK, BN] of q^T
+            if EVEN_K:
+                xmask, wmask = mmask[:, None], nmask[None, :]
+            else:
+                kmask = k < K
+                xmask, wmask = mmask[:, None] & kmask[None, :], kmask[:, None] & nmask[None, :]
+            xa = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :], mask=xmask, other=0.0)
+            w = tl.load(q_ptr + n[None, :].to(tl.int64) * stride_qn + k[:, None], mask=wmask,
+                        other=0.0)  # [BK, BN] of q^T
             if F32:
                 acc += tl.dot(xa.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
@@ -202,7 +207,7 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     f32 = x.dtype == torch.float32 or interpreted()
     grid = (triton.cdiv(M, bm), triton.cdiv(O, BLOCK_N))
     _linear_q_kernel[grid](x2, q_OI, scale_O, out, M, O, I, x2.stride(0), q_OI.stride(0), out.stride(0),
-                           F32=f32, BM=bm, BN=BLOCK_N, BK=BLOCK_K,
+                           F32=f32, BM=bm, BN=BLOCK_N, BK=BLOCK_K, EVEN_K=I % BLOCK_K == 0,
                            **_stages(None, (bm * x2.element_size() + BLOCK_N * q_OI.element_size()) * BLOCK_K))
     return out.view(*lead, O)
 

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     # fp8 x fp8 needs fp8 tensor cores on a GPU (Ada, Hopper); torch._scaled_mm also runs on a CPU
     w8a8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
     # int8-bm128 / -bm256: 128 / 256 rows per program, so a canvas's weights are converted twice / once, not 4
-    # times (sm_90 loop: 22.4 -> 12.4 -> 9.1 instructions per weight, but 1/2 and 1/4 of the programs, 33 for a
+    # times (sm_90 loop: 20.5 -> 11.5 -> 7.9 instructions per weight, but 1/2 and 1/4 of the programs, 33 for a
     # 2112-wide output at bm 256 on 132 SMs: compile_report.py cannot say which wins)
     variants = ["int8", "int8-bm128", "int8-bm256", "fp8"] + (["fp8-a8"] if w8a8 else [])
     text = ModelConfig.from_dict(preset_config(args.preset)[0]).text

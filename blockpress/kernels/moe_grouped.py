@@ -384,7 +384,10 @@ def _wgmma_target(device: torch.device | None = None) -> bool:
     if interpreted() or triton is None:
         return False
     if device is not None and device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 9
+        key = ("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        if key not in WGMMA_TARGET:  # asked once, outside any graph capture (the first call is a warm-up)
+            WGMMA_TARGET[key] = torch.cuda.get_device_capability(key[1])[0] >= 9
+        return WGMMA_TARGET[key]
     try:
         from triton.runtime.driver import driver
         dev = driver.active.get_current_device()

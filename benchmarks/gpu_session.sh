@@ -7,7 +7,8 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.23.0
 # Then, through the device tool (carry [".whl"]):
-#   bash benchmarks/gpu_session.sh check   # versions, compiled-kernel and CUDA-only tests, expert tile sweep (~7 min, estimated)
+#   bash benchmarks/gpu_session.sh check   # versions, compiled-kernel and CUDA-only tests, expert tile sweep, linears,
+#                                          # L2 rate (~7 min, estimated)
 #   bash benchmarks/gpu_session.sh bf16    # real 26B-A4B, bf16: vs transformers and AR, fast paths, batch 1-8
 #   bash benchmarks/gpu_session.sh quant   # fp8 and int4 experts (int4 also with int8 linears), peak memory
 #   bash benchmarks/gpu_session.sh serve   # the server's scheduler under load, int4 + int8 linears, graphs off / on
@@ -68,6 +69,10 @@ case "$PART" in
       echo "=== linears: benchmarks/bench_linears.py --preset $PRESET" | tee -a "$OUT/log.txt"
       timeout 120 python3 benchmarks/bench_linears.py --preset "$PRESET" 2>&1 | tee "$OUT/linears.txt" \
         | tee -a "$OUT/log.txt" | grep -v '^{' | tail -20 || echo "!!! linears failed or timed out" | tee -a "$OUT/log.txt"
+      # L2 vs device-memory read rate: what compile_report.py's L2 -> SM traffic is to be read against (~10 s)
+      echo "=== l2: benchmarks/l2_bandwidth.py" | tee -a "$OUT/log.txt"
+      timeout 60 python3 benchmarks/l2_bandwidth.py 2>&1 | tee "$OUT/l2.txt" | tee -a "$OUT/log.txt" | grep -v '^{' | tail -8 \
+        || echo "!!! l2 failed or timed out" | tee -a "$OUT/log.txt"
     fi
     ;;
   bf16)

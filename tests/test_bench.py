@@ -519,3 +519,21 @@ def test_bench_refuses_random_weights_that_cannot_fit_before_allocating(monkeypa
     assert cli_main(["bench", "--preset", "real-26b", "--device", "cpu", "--dtype", "fp32"]) == 2
     err = capsys.readouterr().err
     assert "the weights need ~94.1 GiB (float32" in err and "precision int4 with int8 linears needs" in err
+
+
+def test_l2_bandwidth_kernel_reads_what_it_counts(capsys):
+    """benchmarks/l2_bandwidth.py (the L2 rate the compile report's L2 traffic is to be read against): in the
+    interpreter its re-read sums equal torch's, so the bytes it counts were read; a JSON line ends it."""
+    from blockpress.kernels._triton import triton, usable_on
+
+    if triton is None or not usable_on(torch.device("cpu")):
+        pytest.skip("triton not installed (pip install triton), or TRITON_INTERPRET is off")
+    mod = runpy.run_path(str(ROOT / "benchmarks" / "l2_bandwidth.py"))
+    x = torch.randn(8 * mod["CHUNK"])
+    got, want = mod["reread"](x, 5, 3), mod["reread_reference"](x, 5, 3)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got, mod["reread_reference"](x, 5, 2))  # a missed read would show
+    assert mod["main"](["--device", "cpu", "--l2-mb", "1", "--dram-mb", "2", "--reps", "3", "--programs", "4",
+                        "--repeats", "1"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["ok"] and line["l2"]["bytes_read"] == 4 * 3 * mod["CHUNK"] * 4 and line["dram"]["buffer_mb"] == 2

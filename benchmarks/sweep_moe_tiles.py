@@ -29,12 +29,14 @@ import sys
 import torch
 
 from blockpress.cli.bench import _group_size
+from blockpress.cli.run import _positive_int
 from blockpress.kernels.profile import time_ms
 
-# 12 settings (+ the defaults, which are among them); ~1.5 min on an H100, estimated, not yet run. BK 32 and BN 64
+# 18 settings (+ the defaults, which are among them); ~2.5 min on an H100, estimated, not yet run. BK 32 and BN 64
 # stay in: the defaults moved to BK 64 and BN 128 on compile_report.py's static model (instructions, L2 traffic),
-# a timing has to confirm them
-DEFAULT_GRID = "bm=auto;bn=64,128;bk=32,64,128;warps=4,8"
+# a timing has to confirm them; BN 256 reads the activations from L2 half as often again (int4 at batch 1: 14.1 GB
+# a step against 16.1 at BN 128) for as many instructions, but 255 registers from bm 64 on
+DEFAULT_GRID = "bm=auto;bn=64,128,256;bk=32,64,128;warps=4,8"
 
 
 def parse_grid(text: str) -> list[str]:
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=_group_size, default=64, help="int4 scale group")
     p.add_argument("--device", help="cuda (default when available) or cpu (Triton interpreter)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="activation dtype (default bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--repeats", type=int, default=3, help="CPU: best of this many runs")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="CPU: best of this many runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="also write the JSON result here")
     args = p.parse_args(argv)

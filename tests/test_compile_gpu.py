@@ -37,7 +37,8 @@ def report(tmp_path_factory):
     out = tmp / "report.json"
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp / "cache"))  # compile for real, not from an old cache
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--arch", "90,89",
-                           "--batch", "1,4", "--linears", "int8,fp8", "--grid", "bn=128;bk=128", "--out", str(out)],
+                           "--batch", "1,4", "--linears", "int8,fp8", "--grid", "bn=128,256;bk=128", "--out",
+                           str(out)],
                           capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.returncode, json.loads(out.read_text()), proc.stdout
@@ -68,9 +69,19 @@ def test_pipeline_stages_fit_the_shared_memory(monkeypatch):
     monkeypatch.setattr(mg, "_smem_limit", lambda: None)  # no GPU: Triton's default
     assert mg._stages(None, 10**6) == {}
     monkeypatch.setattr(mg, "_smem_limit", lambda: 232448)  # H100
-    assert mg._stages(None, 20480) == {}  # 3 x 20 KB fit
-    assert mg._stages(None, 81920) == {"num_stages": 2}  # 3 x 80 KB do not
+    assert mg._stages(None, 20480) == {}  # 3 stages of 20 KB fit
+    assert mg._stages(None, 81920, wgmma=True) == {"num_stages": 2}  # wgmma: 3 buffers of 80 KB do not
+    assert mg._stages(None, 81920) == {}  # mma.sync: 2 buffers do
+    assert mg._stages(None, 135168) == {"num_stages": 2}  # mma.sync, bf16 bm 16 bn 256 bk 128: 2 x 132 KB > 227
+    assert mg._stages(None, 98304, fixed=65536, wgmma=True) == {"num_stages": 1}  # fp8 bm 128 bn 256 bk 128
     assert mg._stages(None, 300000) == {"num_stages": 1}
+    # a K tile whose single stage does not fit is halved: bf16 bn=256,bk=128 at bm 16 on an RTX 40xx (99 KB)
+    monkeypatch.setattr(mg, "_smem_limit", lambda: 101376)
+    per_k = 16 * 2 + 2 * 256 * 2
+    assert mg._fit_k(None, per_k, 0, False, 128) == ({"num_stages": 2}, 64)  # 2 x 68 KB do not fit, 1 buffer does
+    assert mg._fit_k(4, per_k, 0, False, 128) == ({"num_stages": 4}, 128)  # the tiles' own stages: as asked
+    monkeypatch.setattr(mg, "_smem_limit", lambda: None)
+    assert mg._fit_k(None, per_k, 0, False, 128) == ({}, 128)  # no GPU: nothing to fit
 
 
 @needs_ptxas

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._triton import fp8_usable_on, interpreted, tl, triton, usable_on
-from .moe_grouped import _stages, checked_on_first_use
+from .moe_grouped import _stages, _wgmma_target, checked_on_first_use
 from .quant import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
 
 INT8_MAX = 127.0
@@ -206,9 +206,11 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     # fp32 operands: exact ieee dots; the interpreter needs them too (its bf16 tl.dot is wrong in triton 3.9)
     f32 = x.dtype == torch.float32 or interpreted()
     grid = (triton.cdiv(M, bm), triton.cdiv(O, BLOCK_N))
+    wgmma = bm >= 64 and _wgmma_target(x.device)  # Hopper's wgmma also keeps the converted weight tile in shared memory
     _linear_q_kernel[grid](x2, q_OI, scale_O, out, M, O, I, x2.stride(0), q_OI.stride(0), out.stride(0),
                            F32=f32, BM=bm, BN=BLOCK_N, BK=BLOCK_K, EVEN_K=I % BLOCK_K == 0,
-                           **_stages(None, (bm * x2.element_size() + BLOCK_N * q_OI.element_size()) * BLOCK_K))
+                           **_stages(None, (bm * x2.element_size() + BLOCK_N * q_OI.element_size()) * BLOCK_K,
+                                     BLOCK_N * BLOCK_K * x2.element_size() if wgmma else 0, wgmma))
     return out.view(*lead, O)
 
 

@@ -451,17 +451,37 @@ def _smem_limit() -> int | None:
         return None
 
 
-def _stages(stages: int | None, per_stage: int) -> dict:
+def _stages(stages: int | None, per_stage: int, fixed: int = 0, wgmma: bool = False) -> dict:
     """Launch settings for the pipeline depth: the tiles' own setting if given, else Triton's default (3 stages)
-    unless 3 stages of `per_stage` shared-memory bytes would exceed the GPU's limit, then as many as fit: the
-    sweep's bn=128,bk=128 tiles need 240 KB at bm 64 in bf16 (a prefill), over an H100's 227 KB
-    (benchmarks/compile_report.py --grid), and would fail to launch."""
+    unless its shared memory would exceed the GPU's limit, then the most stages that fit. What Triton 3.9 asks
+    for (read back from compiles of the expert kernels, benchmarks/compile_report.py): stages - 1 buffers of
+    `per_stage` bytes with mma.sync, `stages` buffers with Hopper's wgmma (bm >= 64 on sm_90), plus `fixed`
+    bytes outside the pipeline (fp8 / int4 weights: the converted operand tile). Unfitted, the sweep's
+    bn=128,bk=128 needed 240 KB at bm 64 in bf16, and bn=256,bk=128 256 KB for fp8 at bm 128 (a prefill on an
+    H100), over its 227 KB: they would not launch."""
     if stages is not None:
         return {"num_stages": stages}
     limit = _smem_limit()
-    if limit is None or 3 * per_stage <= limit:
+    if limit is None:
         return {}
-    return {"num_stages": max(1, limit // per_stage)}
+
+    def need(s: int) -> int:
+        return fixed + (s if wgmma else max(s - 1, 1)) * per_stage
+
+    if need(3) <= limit:
+        return {}
+    return {"num_stages": next((s for s in (2, 1) if need(s) <= limit), 1)}
+
+
+def _fit_k(stages: int | None, per_k: int, fixed_per_k: int, wgmma: bool, block_k: int) -> tuple[dict, int]:
+    """(_stages' launch settings, the K tile) for a kernel whose pipeline stage takes per_k bytes of shared memory
+    per unit of K (and fixed_per_k outside it): the K tile is halved (down to 16) while even one stage would not
+    fit the device, e.g. bf16 bn=256,bk=128 on an RTX 40xx (132 KB a stage, 99 KB allowed). Halving keeps a K
+    tile dividing what it divided (the int4 scale groups, H, Im)."""
+    limit = _smem_limit()
+    while stages is None and limit is not None and block_k > 16 and (per_k + fixed_per_k) * block_k > limit:
+        block_k //= 2
+    return _stages(stages, per_k * block_k, fixed_per_k * block_k, wgmma), block_k
 
 
 def int4_block_k(block_k: int, groups: tuple[int, int]) -> int:
@@ -508,21 +528,26 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     dummy = x.new_empty(1, 1, 1, dtype=torch.float32)
     gs, ds = gate_up_scale if gate_up_scale is not None else dummy, down_scale if down_scale is not None else dummy
     g_st, d_st = _scale_strides(gate_up_scale), _scale_strides(down_scale)
+    # shared memory outside the pipeline (what _stages fits): with wgmma (bm >= 64 on sm_90) the converted tile of
+    # fp8 / int4 weights, in the activation dtype (int4: a byte more per weight; read back from compiles)
+    wgmma = block_m >= 64 and _wgmma_target(x.device)
+    converted = 0 if fmt == FMT_PLAIN or not wgmma else x.element_size() + (1 if fmt == FMT_INT4 else 0)
     bn_up = min(block_n, max(16, triton.next_power_of_2(Im)))  # no wider than the output: a small model's tiles
     bn_dn = min(block_n, max(16, triton.next_power_of_2(H)))
     grid = (L // block_m, triton.cdiv(Im, bn_up))
     rnd = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)  # 16-bit activations: int4 dequant in that dtype
+    stages_up, bk_up = _fit_k(t.num_stages, block_m * x.element_size() + 2 * bn_up * gate_up_EFH.element_size(),
+                              converted * bn_up, wgmma, block_k)
     _moe_up_kernel[grid](x, gate_up_EFH, gs, sorted_ids, block_expert, act, A, H, Im, K,
                          x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
-                         act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=bn_up, BK=block_k,
-                         EVEN_K=H % block_k == 0, ROUND=rnd, **warps,
-                         **_stages(t.num_stages, (block_m * x.element_size() + 2 * bn_up * gate_up_EFH.element_size())
-                                   * block_k))
+                         act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=bn_up, BK=bk_up,
+                         EVEN_K=H % bk_up == 0, ROUND=rnd, **warps, **stages_up)
     rw = w_NK.reshape(-1).float().contiguous()
     grid = (L // block_m, triton.cdiv(H, bn_dn))
-    down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=bn_dn, BK=block_k, EVEN_K=Im % block_k == 0,
-                ROUND=rnd, **warps,
-                **_stages(t.num_stages, (block_m * x.element_size() + bn_dn * down_EHI.element_size()) * block_k))
+    stages_dn, bk_dn = _fit_k(t.num_stages, block_m * x.element_size() + bn_dn * down_EHI.element_size(),
+                              converted * bn_dn, wgmma, block_k)
+    down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=bn_dn, BK=bk_dn, EVEN_K=Im % bk_dn == 0,
+                ROUND=rnd, **warps, **stages_dn)
     if MOE_SUM == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
         acc = torch.zeros(N, H, dtype=torch.float32, device=x.device)
         _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, acc, rw, A, H, Im, K,

@@ -231,7 +231,8 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
     bytes ms = expert bytes / bandwidth. A static model (perfect overlap, boost clock, no stalls): it says which
     side bounds a kernel, not its time. Also the bytes each kernel keeps in flight per SM (in_flight_per_sm)
     against Little's law, bandwidth x loaded latency / SMs: fewer, and no kernel reaches the bandwidth whatever
-    its instructions."""
+    its instructions; and the bytes a step reads from L2 (l2_to_sm_bytes), to set against the card's L2 rate
+    (benchmarks/l2_bandwidth.py)."""
     from blockpress.kernels.moe_grouped import TILES, auto_block_m, int4_block_k
     from blockpress.kernels.quant import group_for
 

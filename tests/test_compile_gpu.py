@@ -113,11 +113,13 @@ def test_expert_weights_are_loaded_in_vectors(report):
 @needs_ptxas
 def test_int4_dequantisation_stays_cheap(report):
     """The issue model of a step's expert kernels (instructions per weight from the compiled K-tile loop): the int4
-    experts were 16-20 instructions per weight (instruction-bound 3.3x over their bytes on an H100); now ~4-5."""
+    experts were 16-20 instructions per weight (instruction-bound 3.3x over their bytes on an H100), then 4.2-4.5
+    with the nibbles interleaved into K order; now ~3-3.5 (even and odd K columns dotted apart)."""
     _, result, _ = report
     model = {r["experts"]: r for r in result["archs"]["90"]["issue_model"]}
     assert set(model) == {"native", "fp8", "int4"}
-    assert model["int4"]["up_instr_per_weight"] < 6 and model["int4"]["down_instr_per_weight"] < 7
+    assert model["int4"]["up_instr_per_weight"] < 3.6 and model["int4"]["down_instr_per_weight"] < 4.0
+    assert model["int4"]["issue_ms"] < 0.75 * model["int4"]["bytes_ms"]  # margin under the bytes
     assert model["int4"]["bound"] == "memory" and model["native"]["bound"] == "memory"
     # Little's law: each expert kernel keeps more bytes in flight per SM (resident blocks x stages issued ahead)
     # than an H100's bandwidth x loaded latency needs; short of it, no kernel could reach the bandwidth

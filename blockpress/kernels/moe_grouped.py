@@ -143,46 +143,45 @@ if triton is not None:
                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
     @triton.jit
-    def _load_w_tile(w_ptr, n, nmask, k0, KD, s_ptr, stride_n, stride_k, stride_sn, stride_sg,
-                     FMT: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                     ROUND: tl.constexpr, F32: tl.constexpr):
-        """Tile [BK, BN] of W^T (W is [O, KD]) for the K tile starting at k0, dequantised (fp32; int4 with 16-bit
-        activations, ROUND 1: bf16, 2: fp16, in that dtype: the reference's rounding of q * scale, made with
-        fewer instructions: a nibble n becomes the 16-bit float 128 + n (bf16) or 1024 + n (fp16) by setting
-        its exponent bits, and one subtraction gives n - 8 exactly; F32 (the interpreter, whose 16-bit float
-        arithmetic is wrong in triton 3.9): the same values, the arithmetic in fp32).
-        int4: the tile's BK/2 packed bytes per row are loaded as one contiguous run (vector loads, each byte
-        once) and split into nibbles in registers (column 2j: low nibble of byte j, 2j+1: high). A K tile
-        sits inside one scale group, and groups divide KD (the launcher sees to both), so one scale per row
-        and no K mask. EVEN_K (BK divides KD): no K mask for the other formats either; a mask on K limits the
-        vector loads to what Triton knows of KD's alignment (16 elements)."""
-        if FMT == 2:
-            j = tl.multiple_of(k0 // 2, BK // 2) + tl.arange(0, BK // 2)
-            b = tl.load(w_ptr + n[:, None] * stride_n + j[None, :] * stride_k, mask=nmask[:, None],
-                        other=0)  # [BN, BK/2] uint8
-            s = tl.load(s_ptr + n * stride_sn + (k0 // GROUP) * stride_sg, mask=nmask, other=0)
-            DT: tl.constexpr = tl.bfloat16 if ROUND == 1 else tl.float16
-            MAGIC: tl.constexpr = 0x4300 if ROUND == 1 else 0x6400  # bf16 128 / fp16 1024: MAGIC + n, mantissa step 1
-            BIAS: tl.constexpr = 136.0 if ROUND == 1 else 1032.0  # MAGIC's value + 8
-            if ROUND == 0:
-                q = tl.interleave((b & 0xF).to(tl.int32) - 8, (b >> 4).to(tl.int32) - 8)  # [BN, BK]
-                return tl.trans(q.to(tl.float32) * s.to(tl.float32)[:, None])
-            elif F32:  # the interpreter: the same bit trick in Triton, the arithmetic in fp32
-                lo = ((b & 0xF).to(tl.uint16) | MAGIC).to(DT, bitcast=True)
-                hi = ((b >> 4).to(tl.uint16) | MAGIC).to(DT, bitcast=True)
-                q = tl.interleave(lo, hi)  # [BN, BK]
-                return tl.trans((q.to(tl.float32) - BIAS) * s.to(tl.float32)[:, None])
-            else:
-                lo, hi = _nibbles_16(b, ROUND)
-                q = tl.interleave(lo, hi)
-                return tl.trans((q - BIAS) * s.to(DT)[:, None])  # n - 8 exact, one rounding of n * s
+    def _load_w_tile(w_ptr, n, nmask, k0, KD, stride_n, stride_k, BK: tl.constexpr, EVEN_K: tl.constexpr):
+        """Tile [BK, BN] of W^T (W is [O, KD], plain or fp8) for the K tile starting at k0, in fp32 (fp8's
+        per-channel scale factors out of the dot product: the kernels apply it at the end). EVEN_K (BK divides
+        KD): no K mask; a mask on K limits the vector loads to what Triton knows of KD's alignment (16
+        elements). int4 tiles: _int4_halves."""
+        k = k0 + tl.arange(0, BK)
+        if EVEN_K:
+            m = nmask[None, :]
         else:
-            k = k0 + tl.arange(0, BK)
-            if EVEN_K:
-                m = nmask[None, :]
-            else:
-                m = (k < KD)[:, None] & nmask[None, :]
-            return tl.load(w_ptr + n[None, :] * stride_n + k[:, None] * stride_k, mask=m, other=0.0).to(tl.float32)
+            m = (k < KD)[:, None] & nmask[None, :]
+        return tl.load(w_ptr + n[None, :] * stride_n + k[:, None] * stride_k, mask=m, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _int4_halves(w_ptr, n, nmask, k0, s_ptr, stride_n, stride_k, stride_sn, stride_sg,
+                     GROUP: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr, F32: tl.constexpr):
+        """The int4 K tile at k0 as two dequantised halves [BK/2, BN] of W^T: the even K columns (low nibbles) and
+        the odd ones (high nibbles), each value the reference's (n - 8) * scale rounded once. The kernels take
+        their dots with the even and odd columns of the activation tile, so the nibbles never need interleaving
+        into K order (register shuffles on every weight); the activations, a few per thread, are split instead."""
+        j = tl.multiple_of(k0 // 2, BK // 2) + tl.arange(0, BK // 2)
+        b = tl.load(w_ptr + n[:, None] * stride_n + j[None, :] * stride_k, mask=nmask[:, None],
+                    other=0)  # [BN, BK/2] uint8
+        s = tl.load(s_ptr + n * stride_sn + (k0 // GROUP) * stride_sg, mask=nmask, other=0)
+        DT: tl.constexpr = tl.bfloat16 if ROUND == 1 else tl.float16
+        MAGIC: tl.constexpr = 0x4300 if ROUND == 1 else 0x6400  # bf16 128 / fp16 1024: MAGIC + n, mantissa step 1
+        BIAS: tl.constexpr = 136.0 if ROUND == 1 else 1032.0  # MAGIC's value + 8
+        if ROUND == 0:
+            sf = s.to(tl.float32)[:, None]
+            lo = ((b & 0xF).to(tl.int32) - 8).to(tl.float32) * sf
+            hi = ((b >> 4).to(tl.int32) - 8).to(tl.float32) * sf
+        elif F32:  # the interpreter: the same bit trick in Triton, the arithmetic in fp32
+            sf = s.to(tl.float32)[:, None]
+            lo = (((b & 0xF).to(tl.uint16) | MAGIC).to(DT, bitcast=True).to(tl.float32) - BIAS) * sf
+            hi = (((b >> 4).to(tl.uint16) | MAGIC).to(DT, bitcast=True).to(tl.float32) - BIAS) * sf
+        else:
+            lo, hi = _nibbles_16(b, ROUND)
+            sd = s.to(DT)[:, None]
+            lo, hi = (lo - BIAS) * sd, (hi - BIAS) * sd  # n - 8 exact, one rounding of n * s
+        return tl.trans(lo), tl.trans(hi)
 
     @triton.jit
     def _moe_up_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, act_ptr, A, H, Im, TOPK,
@@ -209,17 +208,29 @@ if triton is not None:
             k = k0 + tl.arange(0, BK)
             xmask = valid[:, None] if EVEN_K else valid[:, None] & (k < H)[None, :]
             xa = tl.load(x_ptr + tok[:, None] * stride_xn + k[None, :], mask=xmask, other=0.0)
-            wg = _load_w_tile(w_e, n, nmask, k0, H, s_e, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP, BK,
-                              EVEN_K, ROUND, F32)
-            wu = _load_w_tile(w_e, n + Im, nmask, k0, H, s_e, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP,
-                              BK, EVEN_K, ROUND, F32)
-            wg, wu = wg.to(xa.dtype), wu.to(xa.dtype)  # dequantised weights rounded like the torch reference
-            if F32:
-                acc_g += tl.dot(xa.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
-                acc_u += tl.dot(xa.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
+            if FMT == 2:  # int4: even and odd K columns apart (see _int4_halves)
+                xe, xo = tl.split(tl.reshape(xa, (BM, BK // 2, 2)))
+                glo, ghi = _int4_halves(w_e, n, nmask, k0, s_e, stride_wn, stride_wk, stride_sn, stride_sg, GROUP,
+                                        BK, ROUND, F32)
+                ulo, uhi = _int4_halves(w_e, n + Im, nmask, k0, s_e, stride_wn, stride_wk, stride_sn, stride_sg,
+                                        GROUP, BK, ROUND, F32)
+                if F32:
+                    xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+                    acc_g = tl.dot(xo, ghi, tl.dot(xe, glo, acc_g, input_precision="ieee"), input_precision="ieee")
+                    acc_u = tl.dot(xo, uhi, tl.dot(xe, ulo, acc_u, input_precision="ieee"), input_precision="ieee")
+                else:
+                    acc_g = tl.dot(xo, ghi, tl.dot(xe, glo, acc_g))
+                    acc_u = tl.dot(xo, uhi, tl.dot(xe, ulo, acc_u))
             else:
-                acc_g += tl.dot(xa, wg)
-                acc_u += tl.dot(xa, wu)
+                wg = _load_w_tile(w_e, n, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K)
+                wu = _load_w_tile(w_e, n + Im, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K)
+                wg, wu = wg.to(xa.dtype), wu.to(xa.dtype)  # bf16 / e4m3 values: exact in the activation dtype
+                if F32:
+                    acc_g += tl.dot(xa.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
+                    acc_u += tl.dot(xa.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
+                else:
+                    acc_g += tl.dot(xa, wg)
+                    acc_u += tl.dot(xa, wu)
         if FMT == 1:  # fp8: the per-output-channel scale factors out of the dot product
             acc_g *= tl.load(s_e + n * stride_sn, mask=nmask, other=0.0)[None, :]
             acc_u *= tl.load(s_e + (n + Im) * stride_sn, mask=nmask, other=0.0)[None, :]
@@ -256,13 +267,22 @@ if triton is not None:
             k = k0 + tl.arange(0, BK)
             amask = valid[:, None] if EVEN_K else valid[:, None] & (k < Im)[None, :]
             a = tl.load(act_ptr + rows[:, None] * stride_am + k[None, :], mask=amask, other=0.0)
-            w = _load_w_tile(w_e, n, nmask, k0, Im, s_e, stride_wn, stride_wk, stride_sn, stride_sg, FMT, GROUP, BK,
-                             EVEN_K, ROUND, F32)
-            w = w.to(a.dtype)
-            if F32:
-                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            if FMT == 2:
+                ae, ao = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
+                wlo, whi = _int4_halves(w_e, n, nmask, k0, s_e, stride_wn, stride_wk, stride_sn, stride_sg, GROUP,
+                                        BK, ROUND, F32)
+                if F32:
+                    ae, ao = ae.to(tl.float32), ao.to(tl.float32)
+                    acc = tl.dot(ao, whi, tl.dot(ae, wlo, acc, input_precision="ieee"), input_precision="ieee")
+                else:
+                    acc = tl.dot(ao, whi, tl.dot(ae, wlo, acc))
             else:
-                acc += tl.dot(a, w)
+                w = _load_w_tile(w_e, n, nmask, k0, Im, stride_wn, stride_wk, BK, EVEN_K)
+                w = w.to(a.dtype)
+                if F32:
+                    acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(a, w)
         if FMT == 1:
             acc *= tl.load(s_e + n * stride_sn, mask=nmask, other=0.0)[None, :]
         if ATOMIC:

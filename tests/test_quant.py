@@ -73,7 +73,7 @@ def _routing(N, E, K, seed):
     return w / w.sum(-1, keepdim=True), idx
 
 
-def _quantized(fmt, dtype, E=8, H=64, Im=32, group=16, seed=3):
+def _quantized(fmt, dtype, E=8, H=64, Im=32, group=32, seed=3):
     g = torch.Generator().manual_seed(seed)
     gu, dn = torch.randn(E, 2 * Im, H, generator=g) / 8, torch.randn(E, H, Im, generator=g) / 6
     q = QuantizedExperts(E, H, Im, fmt, group, dtype=dtype).load_float_(gu.to(dtype), dn.to(dtype), chunk=3)
@@ -300,3 +300,19 @@ def test_int4_nibble_asm_gives_magic_plus_nibble(magic, dtype, base):
             byte = (w >> (8 * i)) & 0xFF
             assert lo[i] == base + (byte & 0xF) and hi[i] == base + (byte >> 4)
             assert lo[i] - base - 8 == unpack_int4(torch.tensor([[byte]], dtype=torch.uint8))[0, 0].item()
+
+
+def test_int4_kernel_k_tiles_hold_two_dots_of_16():
+    """The int4 kernels dot a K tile's even and odd columns apart, each at least tl.dot's 16: K tiles of >= 32 in
+    one scale group; group 16 (allowed, for accuracy) takes the torch path instead of a kernel that would not
+    compile on a GPU."""
+    from blockpress.kernels import moe_grouped as mg
+
+    assert mg.int4_block_k(64, (64, 64)) == 64 and mg.int4_block_k(128, (64, 64)) == 64
+    assert mg.int4_block_k(16, (64, 64)) == 32 and mg.int4_block_k(64, (32, 32)) == 32
+    x = torch.empty(2, 64)
+    assert mg.triton_supported(x, mg.FMT_INT4, (32, 32)) == (triton is not None and mg.usable_on(x.device))
+    assert not mg.triton_supported(x, mg.FMT_INT4, (16, 32))
+    q = QuantizedExperts(4, 64, 32, "int4", 16, dtype=torch.float32)
+    q.backend = "triton"
+    assert q.groups == (16, 16) and q.resolved_backend(x) == "torch"

@@ -86,6 +86,7 @@ def experts_grouped(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
 # ------------------------------------------------------------------------------------ Triton
 
 FMT_PLAIN, FMT_FP8, FMT_INT4 = 0, 1, 2
+INT4_MIN_K = 32  # an int4 K tile is two dots over its even and odd columns, each >= 16 (tl.dot's smallest K)
 
 
 def align_blocks(idx_NK: torch.Tensor, n_experts: int, block_m: int):
@@ -321,10 +322,12 @@ def _scale_strides(scale: torch.Tensor | None):
 
 
 def triton_supported(x: torch.Tensor, fmt: int = FMT_PLAIN, groups: tuple[int, int] = (0, 0)) -> bool:
-    """tl.dot needs K tiles of >= 16, an int4 K tile must not straddle two scale groups, fp8 needs sm_89+."""
+    """tl.dot needs K tiles of >= 16; an int4 K tile must not straddle two scale groups and is dotted as two halves
+    (even and odd K columns, _int4_halves), so its groups must hold 32 (group 16 runs the torch path); fp8 needs
+    sm_89+."""
     if fmt == FMT_FP8:
         return fp8_usable_on(x.device)
-    return usable_on(x.device) and (fmt != FMT_INT4 or all(g % 16 == 0 for g in groups))
+    return usable_on(x.device) and (fmt != FMT_INT4 or all(g % INT4_MIN_K == 0 for g in groups))
 
 
 @dataclass(frozen=True)
@@ -493,20 +496,23 @@ def _stages(stages: int | None, per_stage: int, fixed: int = 0, wgmma: bool = Fa
     return {"num_stages": next((s for s in (2, 1) if need(s) <= limit), 1)}
 
 
-def _fit_k(stages: int | None, per_k: int, fixed_per_k: int, wgmma: bool, block_k: int) -> tuple[dict, int]:
+def _fit_k(stages: int | None, per_k: int, fixed_per_k: int, wgmma: bool, block_k: int,
+           min_k: int = 16) -> tuple[dict, int]:
     """(_stages' launch settings, the K tile) for a kernel whose pipeline stage takes per_k bytes of shared memory
-    per unit of K (and fixed_per_k outside it): the K tile is halved (down to 16) while even one stage would not
-    fit the device, e.g. bf16 bn=256,bk=128 on an RTX 40xx (132 KB a stage, 99 KB allowed). Halving keeps a K
-    tile dividing what it divided (the int4 scale groups, H, Im)."""
+    per unit of K (and fixed_per_k outside it): the K tile is halved (down to min_k) while even one stage would
+    not fit the device, e.g. bf16 bn=256,bk=128 on an RTX 40xx (132 KB a stage, 99 KB allowed). Halving keeps a
+    K tile dividing what it divided (the int4 scale groups, H, Im)."""
     limit = _smem_limit()
-    while stages is None and limit is not None and block_k > 16 and (per_k + fixed_per_k) * block_k > limit:
+    while stages is None and limit is not None and block_k > min_k and (per_k + fixed_per_k) * block_k > limit:
         block_k //= 2
     return _stages(stages, per_k * block_k, fixed_per_k * block_k, wgmma), block_k
 
 
 def int4_block_k(block_k: int, groups: tuple[int, int]) -> int:
-    """The K tile the int4 kernels run for a requested one: halved until it sits inside one scale group."""
-    while block_k > 16 and any(g % block_k for g in groups):
+    """The K tile the int4 kernels run for a requested one: at least INT4_MIN_K, halved until it sits inside one
+    scale group."""
+    block_k = max(block_k, INT4_MIN_K)
+    while block_k > INT4_MIN_K and any(g % block_k for g in groups):
         block_k //= 2
     return block_k
 
@@ -536,7 +542,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
             warps = {"num_warps": 8}
     if fmt == FMT_INT4:
         block_k = int4_block_k(block_k, groups)
-        assert all(g % block_k == 0 for g in groups), "int4 groups must be multiples of 16"
+        assert all(g % block_k == 0 for g in groups), f"int4 groups must be multiples of {INT4_MIN_K}"
         # the kernels load int4 K tiles unmasked: a tile never runs past a row (groups divide H and Im)
         assert H % block_k == 0 and Im % block_k == 0, f"int4 groups {groups} must divide H={H} and Im={Im}"
     x = x_NH.contiguous()
@@ -556,8 +562,9 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     bn_dn = min(block_n, max(16, triton.next_power_of_2(H)))
     grid = (L // block_m, triton.cdiv(Im, bn_up))
     rnd = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)  # 16-bit activations: int4 dequant in that dtype
+    min_k = INT4_MIN_K if fmt == FMT_INT4 else 16
     stages_up, bk_up = _fit_k(t.num_stages, block_m * x.element_size() + 2 * bn_up * gate_up_EFH.element_size(),
-                              converted * bn_up, wgmma, block_k)
+                              converted * bn_up, wgmma, block_k, min_k)
     _moe_up_kernel[grid](x, gate_up_EFH, gs, sorted_ids, block_expert, act, A, H, Im, K,
                          x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
                          act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=bn_up, BK=bk_up,
@@ -565,7 +572,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     rw = w_NK.reshape(-1).float().contiguous()
     grid = (L // block_m, triton.cdiv(H, bn_dn))
     stages_dn, bk_dn = _fit_k(t.num_stages, block_m * x.element_size() + bn_dn * down_EHI.element_size(),
-                              converted * bn_dn, wgmma, block_k)
+                              converted * bn_dn, wgmma, block_k, min_k)
     down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=bn_dn, BK=bk_dn, EVEN_K=Im % bk_dn == 0,
                 ROUND=rnd, **warps, **stages_dn)
     if MOE_SUM == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself

@@ -63,8 +63,8 @@ def dequantize_fp8(q_EOI: torch.Tensor, scale_EO: torch.Tensor, dtype: torch.dty
 
 def check_group_size(group_size) -> int:
     """The int4 scale group asked for: a power of two >= 16 (below 16 the bf16 scales cost over a quarter of the
-    weights' bytes, and the Triton kernel needs whole 16-wide groups). An odd request like 7 would otherwise become
-    gcd(I, 7) = 1: a scale per weight, silently."""
+    weights' bytes). The Triton kernel needs groups of >= 32 (moe_grouped.INT4_MIN_K); 16 runs the torch path. An
+    odd request like 7 would otherwise become gcd(I, 7) = 1: a scale per weight, silently."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 16 \
             or group_size & (group_size - 1):
         raise InputError(f"int4 group size must be a power of two >= 16 (a scale per 16, 32, 64 or 128 weights; "

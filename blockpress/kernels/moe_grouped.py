@@ -174,10 +174,11 @@ if triton is not None:
             sf = s.to(tl.float32)[:, None]
             lo = ((b & 0xF).to(tl.int32) - 8).to(tl.float32) * sf
             hi = ((b >> 4).to(tl.int32) - 8).to(tl.float32) * sf
-        elif F32:  # the interpreter: the same bit trick in Triton, the arithmetic in fp32
+        elif F32:  # the interpreter: the same bit trick in Triton, the arithmetic in fp32, rounded to DT once
             sf = s.to(tl.float32)[:, None]
             lo = (((b & 0xF).to(tl.uint16) | MAGIC).to(DT, bitcast=True).to(tl.float32) - BIAS) * sf
             hi = (((b >> 4).to(tl.uint16) | MAGIC).to(DT, bitcast=True).to(tl.float32) - BIAS) * sf
+            lo, hi = lo.to(DT).to(tl.float32), hi.to(DT).to(tl.float32)
         else:
             lo, hi = _nibbles_16(b, ROUND)
             sd = s.to(DT)[:, None]

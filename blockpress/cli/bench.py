@@ -57,12 +57,11 @@ def _positive_float(v: str) -> float:
 
 
 def _group_size(v: str) -> int:
-    from ..errors import InputError
     from ..kernels.quant import check_group_size
 
     try:
         return check_group_size(int(v))
-    except (ValueError, InputError):
+    except ValueError:  # not an integer, or InputError (a ValueError): not a power of two >= 16
         raise argparse.ArgumentTypeError(f"expected a power of two >= 16 (16, 32, 64, 128), got {v!r}") from None
 
 
@@ -559,7 +558,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", default="auto", help="experts backend: auto, loop, dense, grouped, triton, scaled_mm")
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
-    p.add_argument("--cuda-graphs", action="store_true", help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC",
                    help="Triton expert kernels' tiles, e.g. bm=32,bn=128,bk=64,warps=8,stages=4 (the winner of "
                         "benchmarks/sweep_moe_tiles.py; default: bm=auto,bn=128,bk=64)")

@@ -187,9 +187,9 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
                     block_m: int | None = None) -> torch.Tensor:
     """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel (q int8 or float8_e4m3fn).
     block_m: rows per program (default `block_m_for`). Each program converts its weight tile to the activation
-    dtype, so M / block_m programs convert every weight: at a canvas (256 rows, BM 64) 4 times, ~22 instructions
-    per weight on sm_90, twice the int8 bytes' time (benchmarks/compile_report.py); BM 128 halves that and the
-    programs (`bench_linears.py` times both)."""
+    dtype, so M / block_m programs convert every weight: at a canvas (256 rows, BM 64) 4 times, ~20 instructions
+    per weight on sm_90 (benchmarks/compile_report.py); BM 128 ~11.5 and BM 256 ~7.9, with a half and a quarter
+    of the programs (`bench_linears.py` times all three)."""
     if triton is None:
         raise RuntimeError("linear_q_triton needs triton (pip install triton)")
     lead, I = x.shape[:-1], x.shape[-1]

@@ -257,8 +257,9 @@ class DiffusionGemmaModel(nn.Module):
         time, each chunk attending to the cache the chunks before it wrote (what a commit does). The same function
         up to fp32 summation order; what changes is the memory and the work of a long prompt's attention: masks
         of [chunk, T] instead of [S, S] (at a 32K-token prompt on the 26B model, ~8.9 GB on top of the weights and
-        cache become ~0.65 GB, counted by benchmarks/peak_memory.py), and sliding layers that look at [chunk, window + chunk] keys instead of all S. A
-        bidirectional encoder (every prompt token sees every other) is encoded whole."""
+        cache become ~0.65 GB, counted by benchmarks/peak_memory.py), and sliding layers that look at
+        [chunk, window + chunk] keys instead of all S. A bidirectional encoder (every prompt token sees every
+        other) is encoded whole."""
         B, S = ids.shape
         T0 = cache.length
         k = self.prefill_chunk

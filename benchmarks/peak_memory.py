@@ -67,6 +67,8 @@ def main(argv=None) -> dict:
     p.add_argument("--new-tokens", type=_positive_int, default=None)
     p.add_argument("--prefill-chunk", type=_nonneg_int, default=None,
                    help="tokens a long prompt is encoded at a time (default: the model's, 2048; 0: the whole prompt)")
+    p.add_argument("--no-ring", action="store_true",
+                   help="the sliding layers keep every position (the default keeps a ring of the last window + 2048)")
     p.add_argument("--budget-gb", type=_positive_float, default=18.0,
                    help="the target to compare with (issue 4: int4 18 GB)")
     args = p.parse_args(argv)
@@ -79,6 +81,7 @@ def main(argv=None) -> dict:
     m.materialize_buffers("meta")
     if args.prefill_chunk is not None:
         m.prefill_chunk = args.prefill_chunk or None
+    m.ring_cache = not args.no_ring
     weights = estimated_weight_bytes(m, dtype, args.precision, linears=args.linears)
     meta_backends(m)
     C, V = m.config.canvas_length, m.text.vocab_size
@@ -157,7 +160,9 @@ def main(argv=None) -> dict:
                         "cuda_graphs": weights + kv_graphs + held + logits + pool + max(rows["prefill"]["peak_bytes"],
                                                                                          sampler)}
     print(f"{args.preset}, {args.dtype}, experts {args.precision}, linears {args.linears}, B={B}, P={P}, N={N} (cache {capacity} positions)")
-    print(f"  weights {weights / GB:.3f} GB, KV cache {kv / GB:.3f} GB, self-conditioning logits held {held / GB:.3f} GB")
+    ring = f"a ring of {cache.ring} positions in the sliding layers" if cache.ring else "every position in every layer"
+    print(f"  weights {weights / GB:.3f} GB, KV cache {kv / GB:.3f} GB ({ring}), self-conditioning logits held "
+          f"{held / GB:.3f} GB")
     print(f"  {'pass':32s} {'peak on top (GB)':>16s}   largest allocations (MB, op)")
     for name, r in rows.items():
         big = ", ".join(f"{b / 1e6:.0f} {op}" for b, op in r["largest"])
@@ -166,7 +171,7 @@ def main(argv=None) -> dict:
     for s_, v in predicted.items():
         print(f"    {s_ + ' sampler':28s} {v['eager'] / GB:7.2f} {v['cuda_graphs'] / GB:13.2f}")
     result = {"bench": "peak_memory", "preset": args.preset, "precision": args.precision, "linears": args.linears,
-              "dtype": args.dtype,
+              "dtype": args.dtype, "ring": cache.ring,
               "batch": B, "prompt_tokens": P, "new_tokens": N, "weights_bytes": weights, "kv_bytes": kv,
               "held_bytes": held, "passes": {k: v["peak_bytes"] for k, v in rows.items()},
               "predicted_peak_bytes": predicted,

@@ -104,6 +104,37 @@ def test_multi_turn_cache_reuse_matches_transformers(hf_tiny_dir, bp):
     assert r2.cache.length == 20 + 21  # the second turn encoded only the new tokens
 
 
+def test_sliding_ring_cache_matches_transformers(hf_tiny_dir, bp, monkeypatch):
+    """The sliding layers' ring (a 45-token prompt encoded 8 at a time, 3 canvases: 93 positions through 8 + 32 ring
+    slots), a left-padded batch, then a second turn on the returned cache: transformers' tokens, whose sliding
+    layers keep their last W - 1 tokens."""
+    _, hf = hf_tiny_dir
+    monkeypatch.setattr(bp.module, "prefill_chunk", 8)
+    x = ids(2, 45, 21)
+    mask = torch.ones(2, 45, dtype=torch.long)
+    mask[1, :6] = 0
+    kw = dict(KW, max_new_tokens=48, eos_token_id=None)  # no row ends: the second turn goes on from each
+    gk = dict(t_min=0.4, t_max=0.8, sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1))
+    hf.set_attn_implementation("sdpa")  # the eager path's padding-mask bug (test_left_padded_batch_...)
+    try:
+        torch.manual_seed(4)
+        o1 = hf.generate(x, attention_mask=mask, **gk, **kw)
+        torch.manual_seed(4)
+        r1 = bp.generate(x, attention_mask=mask, **kw)
+        assert r1.cache.ring == 8 + 32 and r1.cache.keys[0].shape[2] == 40 < r1.cache.length
+        assert torch.equal(o1.sequences, r1.sequences)
+        assert torch.equal(o1.tokens_per_forward, r1.tokens_per_forward)
+        turn2 = torch.cat([r1.sequences[:, -16:], ids(2, 5, 22)], dim=1)
+        mask2 = torch.cat([mask, torch.ones(2, r1.sequences.shape[1] - 45 + 5, dtype=torch.long)], dim=1)
+        torch.manual_seed(5)
+        o2 = hf.generate(turn2, attention_mask=mask2, past_key_values=o1.past_key_values, **gk, **dict(kw, max_new_tokens=16))
+        torch.manual_seed(5)
+        r2 = bp.generate(turn2, cache=r1.cache, **dict(kw, max_new_tokens=16))
+        assert torch.equal(o2.sequences, r2.sequences)
+    finally:
+        hf.set_attn_implementation("eager")
+
+
 def test_sdpa_and_dense_experts_agree_with_references(bp):
     x, canvas = ids(), ids(2, 16, 9)
     cache = bp.module.new_cache(2, 20)

@@ -688,6 +688,33 @@ def test_scheduler_slots_under_random_traffic(lm, seed):
         g.uninstall()
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("seed", [3, 6])
+def test_scheduler_with_a_sliding_ring(lm, seed, graphs, monkeypatch):
+    """Prompts encoded 8 tokens at a time, so the sliding layers keep a ring of 8 + 32 slots in the group's cache
+    (rows appended across layouts) and in the CUDA-graph slots (regrown, the running rows copied into the new ring):
+    under joins, out-of-order finishes and cancellations every request gets the commits of caches that keep every
+    position."""
+    from blockpress.kernels.graphs import GraphedPasses
+
+    m = lm.module
+    monkeypatch.setattr(m, "prefill_chunk", 8)
+    plan = _random_traffic(seed, m.text.vocab_size, lm.canvas_length)
+    monkeypatch.setattr(m, "ring_cache", False)
+    want = _drive_traffic(Scheduler(m, lm.canvas_length, max_batch=3), plan)
+    monkeypatch.setattr(m, "ring_cache", True)
+    made = []
+    new_cache = type(m).new_cache
+    monkeypatch.setattr(type(m), "new_cache", lambda self, *a, **k: made.append(new_cache(self, *a, **k)) or made[-1])
+    g = GraphedPasses(m, capture=False, copy_outputs=False).install() if graphs else None
+    try:
+        assert _drive_traffic(Scheduler(m, lm.canvas_length, max_batch=3), plan) == want
+    finally:
+        if g is not None:
+            g.uninstall()
+    assert any(c.ring == 8 + 2 * lm.canvas_length for c in made)
+
+
 def test_scheduler_reads_the_device_once_per_step_for_all_rows(lm, monkeypatch):
     """Three adaptive rows streaming drafts: every row's stop flag comes to the host in one read per step, every
     row's draft in one more (a GPU's host waits for the device at each read: one per row would stall its queue B

@@ -67,17 +67,21 @@ WINDOW_READS = 3
 class _Window:
     """The positions [T0 - W, T0 + S) of a cache, gathered for the sliding layers: all they can see from rows at
     [T0, T0+S) whose K/V are written there first (an encoder chunk; a canvas, S = C; or both). `idx` [n]
-    (clamped to 0), `kpos` [n] the true positions (negative before the start), `valid` [B, n]."""
+    the sliding layers' slots holding them (positions clamped to 0; modulo the ring where the cache keeps one),
+    `kpos` [n] the true positions (negative before the start), `valid` [B, n]."""
 
     def __init__(self, module, cache, T0, S: int):
         self.kpos = T0 - module.window + torch.arange(module.window + S, device=cache.valid.device)
-        self.idx = self.kpos.clamp(min=0)  # <= T0 + S - 1 < capacity
-        self.valid = cache.valid.index_select(1, self.idx) & (self.kpos >= 0)[None]
+        pos = self.kpos.clamp(min=0)  # <= T0 + S - 1 < capacity
+        self.idx = pos if cache.ring is None else pos % cache.ring
+        self.valid = cache.valid.index_select(1, pos) & (self.kpos >= 0)[None]
 
     @staticmethod
     def of(module, cache, T0, S: int) -> "_Window | None":
-        """The window, or None where reading the whole cache is cheaper (a short cache)."""
-        return _Window(module, cache, T0, S) if WINDOW_READS * (module.window + S) < cache.capacity else None
+        """The window, or None where reading the whole cache is cheaper (a short cache without a ring)."""
+        if cache.ring is not None or WINDOW_READS * (module.window + S) < cache.capacity:
+            return _Window(module, cache, T0, S)
+        return None
 
 
 def _positions(cache, window):
@@ -120,6 +124,13 @@ def _cache_seen_by_chunk(module, cache, T0, S: int, window=None) -> dict:
                 seen = seen & (kpos > qpos - module.window)
         out[t] = seen[None] & valid[:, None, :]
     return out
+
+
+def _write(cache, i: int, pos, k, v) -> None:
+    """Layer i's K/V of positions `pos` (a device tensor) written into its slots (a sliding layer's ring: modulo)."""
+    slots = cache.slot_index(i, pos)
+    cache.keys[i].index_copy_(2, slots, k)
+    cache.values[i].index_copy_(2, slots, v)
 
 
 def _cached(cache, i: int, full: bool, window):
@@ -170,8 +181,7 @@ def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None, out=
              for t, seen in _seen_by_canvas(module, cache, T, C, window).items()}
 
     def keys_values(i, k, v):  # the canvas's K/V written at [T, T+C); the cache (a sliding layer: its window)
-        cache.keys[i].index_copy_(2, pos, k)
-        cache.values[i].index_copy_(2, pos, v)
+        _write(cache, i, pos, k, v)
         return _cached(cache, i, module.layers[i].full, window)
 
     x = _layers(module, x, rope, masks, keys_values, lambda layer: layer.layer_scalar)
@@ -191,8 +201,7 @@ def static_encode(module, ids, cache, T0, scale=None):
              for t, seen in _cache_seen_by_chunk(module, cache, T0, S, window).items()}
 
     def keys_values(i, k, v):  # the chunk's K/V written first; the mask bounds what each row sees
-        cache.keys[i].index_copy_(2, pos, k)
-        cache.values[i].index_copy_(2, pos, v)
+        _write(cache, i, pos, k, v)
         return _cached(cache, i, module.layers[i].full, window)
 
     return module.norm(_layers(module, x, rope, masks, keys_values, lambda layer: layer.encoder_layer_scalar))
@@ -218,8 +227,7 @@ def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, sca
              for t in (SLIDING, FULL)}  # rows: chunk then canvas
 
     def keys_values(i, k, v):  # k, v [B, kv, S+C, D]: both segments written, then the cache read in place
-        cache.keys[i].index_copy_(2, pos, k)
-        cache.values[i].index_copy_(2, pos, v)
+        _write(cache, i, pos, k, v)
         return _cached(cache, i, module.layers[i].full, window)
 
     def scalar(layer):  # the encoder's scale on the chunk's rows, the decoder's on the canvas's
@@ -237,7 +245,7 @@ def _buffers(cache) -> tuple:
 def _on_buffers(cache) -> KVCache:
     """A new, empty KVCache object on `cache`'s buffers (views of all its rows, length 0)."""
     view = cache.view_rows(0, cache.batch)
-    view.length, view.has_padding = 0, False
+    view.length, view.has_padding, view._high = 0, False, [0]
     return view
 
 
@@ -428,11 +436,14 @@ class GraphedPasses:
     def decode(self, canvas, cache, sc_logits=None, sc_mask=None, **kwargs):
         if kwargs:  # hidden states etc.: not captured, use the eager pass
             return self._eager["decode"](canvas, cache, sc_logits, sc_mask, **kwargs)
-        cache.ensure_capacity(cache.length + canvas.shape[1])  # the canvas's K/V go to [T, T+C) (new_cache: room)
-        inputs = {"canvas": (canvas, canvas.shape, torch.long), "T": (cache.length, (), torch.long),
+        T, C = cache.length, canvas.shape[1]
+        cache.ensure_capacity(T + C, write=C)  # the canvas's K/V go to [T, T+C) (new_cache: room)
+        inputs = {"canvas": (canvas, canvas.shape, torch.long), "T": (T, (), torch.long),
                   **self._sc(canvas, sc_logits, sc_mask)}
-        return self._run("decode", tuple(canvas.shape), cache, static_decode, inputs, self.copy_outputs,
-                         self._logits_io(canvas))
+        out = self._run("decode", tuple(canvas.shape), cache, static_decode, inputs, self.copy_outputs,
+                        self._logits_io(canvas))
+        cache.note_write(T, C)  # scratch past the length: a ring's oldest positions give way to it
+        return out
 
     def encode(self, ids, cache, pad_mask=None, hidden_states=None, inputs_embeds=None):
         B, S = ids.shape
@@ -440,37 +451,40 @@ class GraphedPasses:
             return self._eager["encode"](ids, cache, pad_mask=pad_mask, hidden_states=hidden_states,
                                          inputs_embeds=inputs_embeds)
         T0 = cache.length
-        cache.ensure_capacity(T0 + S)
+        cache.ensure_capacity(T0 + S, write=S)
         inputs = {"ids": (ids, ids.shape, torch.long), "T0": (T0, (), torch.long)}
         out = self._run("encode", (B, S), cache, static_encode, inputs)
+        cache.note_write(T0, S)
         cache.length = T0 + S
         return out
 
     def encode_decode(self, ids, canvas, cache, pad_mask=None, sc_logits=None, sc_mask=None):
         if pad_mask is not None:
             return self._eager["encode_decode"](ids, canvas, cache, pad_mask, sc_logits, sc_mask)
-        T0, S = cache.length, ids.shape[1]
-        cache.ensure_capacity(T0 + S + canvas.shape[1])
+        T0, S, C = cache.length, ids.shape[1], canvas.shape[1]
+        cache.ensure_capacity(T0 + S + C, write=S + C)
         inputs = {"ids": (ids, ids.shape, torch.long), "canvas": (canvas, canvas.shape, torch.long),
                   "T0": (T0, (), torch.long), **self._sc(canvas, sc_logits, sc_mask)}
         out = self._run("encode_decode", (tuple(ids.shape), tuple(canvas.shape)), cache, static_encode_decode, inputs,
                         self.copy_outputs, self._logits_io(canvas))
+        cache.note_write(T0, S + C)
         cache.length = T0 + S
         return out
 
     # cache pool -----------------------------------------------------------------------------------------
-    def new_cache(self, batch: int, capacity: int) -> KVCache:
+    def new_cache(self, batch: int, capacity: int, ring: bool = True) -> KVCache:
         """An empty cache on the pooled buffers of (batch, capacity) when the cache last handed out on them is
         gone (stale keys past `length` are never visible), else on new buffers, which join the pool. It holds one
         canvas more than asked: the static passes write a canvas's K/V past the cache's length, and the engine's
         last canvas is never committed, so the engine asks for no room for it."""
-        entry = self._pool.get((batch, capacity))
+        entry = self._pool.get((batch, capacity, ring))
         if entry is not None and entry[1]() is None:
             cache = _on_buffers(entry[0])
+            cache.view = False  # handed out as a cache of its own (its layout may change: new buffers then)
             cache.valid.fill_(True)
         else:
-            cache = self._eager["new_cache"](batch, capacity + self.module.config.canvas_length)
-        self._pool[(batch, capacity)] = (_on_buffers(cache), weakref.ref(cache))
+            cache = self._eager["new_cache"](batch, capacity + self.module.config.canvas_length, ring)
+        self._pool[(batch, capacity, ring)] = (_on_buffers(cache), weakref.ref(cache))
         return cache
 
     def eager(self, name: str):

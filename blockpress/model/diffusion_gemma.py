@@ -94,6 +94,9 @@ class DiffusionGemmaModel(nn.Module):
         self.bidirectional_encoder = cfg.use_bidirectional_attention == "all"
         # a causal encoder's long prompt is encoded this many tokens at a time (without autograd): see `encode`
         self.prefill_chunk: int | None = PREFILL_CHUNK
+        # inference caches keep a ring of the last window + `cache_reserve()` positions for the sliding layers once
+        # that is smaller than the capacity (engine/cache.py); False: every position in every layer (the same numbers)
+        self.ring_cache = True
         # training (blockpress.train): recompute decoder layers in backward. Encoder layers are never
         # checkpointed: they write the KV cache (spec training.md §4.3).
         self.gradient_checkpointing = False
@@ -143,9 +146,30 @@ class DiffusionGemmaModel(nn.Module):
         for layer in self.layers:
             layer.experts.backend = name
 
-    def new_cache(self, batch: int, capacity: int) -> KVCache:
+    def new_cache(self, batch: int, capacity: int, ring: bool = True) -> KVCache:
+        """An empty cache for `capacity` positions. ring: the sliding layers keep only a ring of the last
+        window + `cache_reserve()` positions once that is smaller than the capacity (engine/cache.py); False keeps
+        every position in every layer (training: a cache cropped back to its context)."""
         shapes = [(self.text.layer_kv_heads(i), self.text.layer_head_dim(i)) for i in range(len(self.layers))]
-        return KVCache(shapes, batch, capacity, self.dtype, self.device)
+        return KVCache(shapes, batch, capacity, self.dtype, self.device, sliding=[not layer.full for layer in self.layers],
+                       window=self.window, reserve=self.cache_reserve() if ring else None)
+
+    def cache_reserve(self) -> int | None:
+        """The most positions one inference pass writes into the cache: a prompt chunk, or a canvas and the commit
+        fused with it (`encode_decode`). None where a prompt is encoded whole (a bidirectional encoder, or
+        `prefill_chunk` None): its length is unknown, so the sliding layers keep every position (also with
+        `ring_cache` False)."""
+        if self.bidirectional_encoder or not self.prefill_chunk or not self.ring_cache:
+            return None
+        return max(self.prefill_chunk, 2 * self.config.canvas_length)
+
+    def cache_bytes(self, batch: int, capacity: int) -> int:
+        """Bytes a `new_cache(batch, capacity)` holds (K/V of every layer and the padding mask), counted on the meta
+        device."""
+        shapes = [(self.text.layer_kv_heads(i), self.text.layer_head_dim(i)) for i in range(len(self.layers))]
+        meta = KVCache(shapes, batch, capacity, self.dtype, "meta", sliding=[not layer.full for layer in self.layers],
+                       window=self.window, reserve=self.cache_reserve())
+        return meta.nbytes() + meta.valid.numel()
 
     def embed_scale(self, dtype: torch.dtype, device) -> torch.Tensor:
         """sqrt(H) in `dtype` on `device`, made once: a host-to-device copy in every pass would make the
@@ -265,10 +289,10 @@ class DiffusionGemmaModel(nn.Module):
         k = self.prefill_chunk
         if k and S > k and not self.bidirectional_encoder and hidden_states is None and inputs_embeds is None \
                 and not torch.is_grad_enabled():
-            cache.ensure_capacity(T0 + S)  # once, not chunk by chunk
+            cache.ensure_capacity(T0 + S, write=k)  # once, not chunk by chunk
             return torch.cat([self.encode(ids[:, i:i + k], cache, None if pad_mask is None else pad_mask[:, i:i + k])
                               for i in range(0, S, k)], dim=1)
-        cache.ensure_capacity(T0 + S)
+        cache.ensure_capacity(T0 + S, write=S)
         if pad_mask is not None:
             cache.set_padding(T0, pad_mask.to(torch.bool))
         x = self.embed(ids) if inputs_embeds is None else inputs_embeds
@@ -315,7 +339,7 @@ class DiffusionGemmaModel(nn.Module):
         C = canvas.shape[1]
         T0 = cache.length
         T = T0 + S
-        cache.ensure_capacity(T)
+        cache.ensure_capacity(T, write=S)
         if pad_mask is not None:
             cache.set_padding(T0, pad_mask.to(torch.bool))
         x = torch.cat([self.embed(ids), self.decoder_input(canvas, sc_logits, sc_mask)], dim=1)  # [B, S+C, H]

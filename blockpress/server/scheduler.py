@@ -195,33 +195,6 @@ def _spare_bytes(device) -> int | None:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def _select_rows(cache: KVCache, keep: list[int]) -> None:
-    """Keep only the given batch rows of a cache (in place)."""
-    idx = torch.tensor(keep, dtype=torch.long, device=cache.valid.device)
-    cache.keys = [k.index_select(0, idx) for k in cache.keys]
-    cache.values = [v.index_select(0, idx) for v in cache.values]
-    cache.valid = cache.valid.index_select(0, idx)
-    cache.batch = len(keep)
-    cache.has_padding = not bool(cache.valid[:, :cache.length].all())
-
-
-def _append_rows(cache: KVCache, other: KVCache) -> None:
-    """Concatenate `other`'s rows to `cache` (both of the same length), in place."""
-    cap = max(cache.capacity, other.capacity)
-    for c in (cache, other):  # grow to exactly `cap` (ensure_capacity may overshoot)
-        if c.capacity < cap:
-            grow = cap - c.capacity
-            c.keys = [torch.nn.functional.pad(k, (0, 0, 0, grow)) for k in c.keys]
-            c.values = [torch.nn.functional.pad(v, (0, 0, 0, grow)) for v in c.values]
-            c.valid = torch.nn.functional.pad(c.valid, (0, grow), value=True)
-            c.capacity = cap
-    cache.keys = [torch.cat([a, b]) for a, b in zip(cache.keys, other.keys)]
-    cache.values = [torch.cat([a, b]) for a, b in zip(cache.values, other.values)]
-    cache.valid = torch.cat([cache.valid, other.valid])
-    cache.batch += other.batch
-    cache.has_padding = cache.has_padding or other.has_padding
-
-
 class Scheduler:
     """Owns `module` on a background thread; `submit(job)` returns a `Handle` streaming row events."""
 
@@ -395,7 +368,7 @@ class Scheduler:
             if self.graphs is not None:
                 self._keep_slots(keep)
             else:
-                _select_rows(self.cache, keep)
+                self.cache.select_rows(keep)
             self._committed = self._committed[keep]
             self.rows = [self.rows[i] for i in keep]
         self._gauge()
@@ -482,7 +455,7 @@ class Scheduler:
             self.cache = self._group(len(self.rows) + B, E, self.cache.has_padding or new.has_padding)
             self.rows = self.rows + rows
         else:
-            _append_rows(self.cache, new)
+            self.cache.append_rows(new)
             self.rows = self.rows + rows
         self._admitting = []
         self._gauge()
@@ -508,11 +481,8 @@ class Scheduler:
                 rows, cap = least
             new = self.graphs.eager("new_cache")(rows, cap)
             self.graphs.reserve(rows)  # the graphs' shared logits buffers grow to the slots' rows at once
-            if have:  # the group's rows move with their K/V (positions [0, length))
-                L = self.cache.length
-                for dst, src in zip(new.keys + new.values, self.cache.keys + self.cache.values):
-                    dst[:have, :, :L] = src[:, :, :L]
-                new.valid[:have, :L] = self.cache.valid[:, :L]
+            if have:  # the group's rows move with their K/V (positions [0, length)) and padding
+                new.put_rows(0, self.cache)
             self._slots = new
             if have:
                 self.cache = self._group(have, self.cache.length, self.cache.has_padding)
@@ -524,9 +494,7 @@ class Scheduler:
     def _slot_bytes(self, rows: int, capacity: int) -> int:
         """Bytes of slots for rows x capacity positions (K and V of every layer, and the padding mask), and of the
         graphs' shared buffers for as many rows (fp32 logits and self-conditioning logits)."""
-        t, size = self.module.text, self.module.dtype.itemsize
-        per = sum(2 * t.layer_kv_heads(i) * t.layer_head_dim(i) for i in range(t.num_hidden_layers))
-        return rows * (capacity * (per * size + 1) + self.C * self.V * (4 + size))
+        return self.module.cache_bytes(rows, capacity) + rows * self.C * self.V * (4 + self.module.dtype.itemsize)
 
     def _to_front(self, active: list[int], x, a, sc, fixed, watch):
         """Swap rows so that the `active` ones hold slots [0, n): each frozen row inside that range trades places

@@ -245,7 +245,7 @@ def encoder_pass(module, batch: TrainBatch, context_only: bool = False):
     if context_only:
         ids, valid = ids[:, :batch.ctx_len], valid[:, :batch.ctx_len]
     B, S = ids.shape
-    cache = module.new_cache(B, S)
+    cache = module.new_cache(B, S, ring=False)  # cropped back to the context below: keep every position
     pad = None if bool(valid.all()) else valid
     h = module.encode(ids, cache, pad_mask=pad)
     return (None if context_only else module.lm_logits(h)), cache

@@ -1,0 +1,281 @@
+"""The sliding layers' ring (engine/cache.py): a cache that keeps only the last window + reserve positions of its
+sliding layers gives the same keys, values, logits and tokens as one that keeps every position, in the eager
+passes, the static (CUDA-graph) passes, the engine, the server's scheduler, and against transformers."""
+
+import pytest
+import torch
+
+torch.set_grad_enabled(False)
+
+import blockpress
+from blockpress.engine.cache import KVCache, ring_slots
+from blockpress.kernels.graphs import GraphedPasses, static_decode, static_encode, static_encode_decode
+
+SHAPES = [(2, 4), (1, 8), (2, 4)]  # (kv heads, head dim): sliding, full, sliding
+SLIDING = [True, False, True]
+W = 4
+
+
+def _pair(capacity=16, reserve=8, batch=2):
+    """(every position, ring) caches of the same shapes."""
+    return [KVCache(SHAPES, batch, capacity, torch.float32, "cpu", SLIDING, window=W, reserve=r) for r in (None, reserve)]
+
+
+def _write(caches, S, seed):
+    """The same random K/V for S positions written at the caches' length, as a pass would."""
+    g = torch.Generator().manual_seed(seed)
+    T0 = caches[0].length
+    kv = [(torch.randn(caches[0].batch, h, S, d, generator=g), torch.randn(caches[0].batch, h, S, d, generator=g))
+          for h, d in SHAPES]
+    for c in caches:
+        assert c.length == T0
+        c.ensure_capacity(T0 + S, write=S)
+        for i, (k, v) in enumerate(kv):
+            c.write(i, k, v, T0)
+        c.length = T0 + S
+
+
+def _same_reads(a, b, extra=0):
+    """Every read a pass can make after writing `extra` positions past the length: sliding layers the window
+    before them (and what was written), full layers everything."""
+    L = a.length
+    assert b.length == L
+    for i, sliding in enumerate(SLIDING):
+        lo = max(0, L - W) if sliding else 0
+        for x, y in zip(a.span(i, lo, L + extra), b.span(i, lo, L + extra)):
+            assert torch.equal(x, y), (i, lo, L)
+
+
+@pytest.mark.parametrize("chunks,slots", [([5, 3, 8, 1, 1, 7, 8, 8, 2], W + 8), ([11, 8, 8, 1], W + 11)])
+def test_ring_reads_equal_every_position_reads(chunks, slots):
+    """Chunks written one after another (some wrap around the ring's end): every read equals the flat cache's. A
+    first write larger than the reserve (11 > 8) makes the ring that much wider."""
+    flat, ring = _pair()
+    for n, S in enumerate(chunks):
+        _write([flat, ring], S, n)
+        _same_reads(flat, ring)
+    assert ring.ring == slots and flat.ring is None and flat.capacity == ring.capacity
+    assert [t.shape[2] for t in ring.keys] == [slots, ring.capacity, slots]
+    assert ring.nbytes() < flat.nbytes()
+
+
+def test_ring_starts_once_it_is_smaller_and_widens_for_a_larger_write():
+    flat, ring = _pair(capacity=8)
+    _write([flat, ring], 6, 0)
+    assert ring.ring is None  # W + 8 = 12 slots would be no smaller than 8 positions
+    _write([flat, ring], 6, 1)  # grown to 16 positions: now the ring is smaller
+    assert ring.capacity == 16 and ring.ring == 12
+    _same_reads(flat, ring)
+    for n in range(2, 5):  # past the ring's size: early positions are overwritten
+        _write([flat, ring], 7, n)
+    assert ring.high - ring.ring > 0
+    _write([flat, ring], 10, 5)  # more than the 8 it was made for: widened (W + 10), keeping what it holds
+    assert ring.ring == W + 10
+    _same_reads(flat, ring)
+    _write([flat, ring], 3, 6)
+    _same_reads(flat, ring)
+    fresh_flat, fresh = _pair(capacity=64)
+    _write([fresh_flat, fresh], 3, 7)
+    _write([fresh_flat, fresh], 60, 8)  # a ring as large as the cache, and nothing lost yet: every position again
+    assert fresh.ring is None and fresh.capacity == 64
+    _same_reads(fresh_flat, fresh)
+
+
+def test_crop_refuses_positions_the_ring_dropped():
+    flat, ring = _pair(capacity=40)
+    for n in range(5):
+        _write([flat, ring], 7, n)  # 35 positions through a ring of 12
+    ring.crop(33)  # the window before 33 is still held
+    flat.crop(33)
+    _same_reads(flat, ring)
+    with pytest.raises(ValueError, match="sliding layers keep the last 12 positions"):
+        ring.crop(20)
+    flat.crop(20)  # the flat cache holds everything
+
+
+def test_row_operations_on_rings():
+    """rows / view_rows / move_rows / select_rows / put_rows / append_rows keep every row's reads those of the flat
+    cache, across layouts (a ring into a wider one, a flat cache into a ring)."""
+    flat, ring = _pair(batch=3)
+    for n, S in enumerate([7, 8, 6, 5]):
+        _write([flat, ring], S, n)
+    idx = torch.tensor([2, 0])
+    _same_reads(flat.rows(idx), ring.rows(idx))
+    _same_reads(flat.view_rows(1, 3), ring.view_rows(1, 3))
+    for c in (flat, ring):
+        c.move_rows([0, 2], [2, 0])
+    _same_reads(flat, ring)
+    # copy into slots of a different layout (a wider ring, more rows; a flat cache cannot take a ring's rows)
+    wide = KVCache(SHAPES, 4, 64, torch.float32, "cpu", SLIDING, window=W, reserve=20)
+    wide.put_rows(1, ring)
+    wide.length = ring.length
+    _same_reads(flat, wide.view_rows(1, 4))
+    with pytest.raises(RuntimeError, match="gone"):
+        KVCache(SHAPES, 3, 64, torch.float32, "cpu", SLIDING, window=W).put_rows(0, ring)
+    # appending a flat cache's rows to a ring (and a ring to a flat cache): both become the ring
+    other_flat, other = _pair(capacity=26, batch=1, reserve=None)  # both flat; `other` joins the ring
+    _write([other_flat, other], 26, 9)
+    assert other.ring is None
+    for c, o in ((flat, other_flat), (ring, other)):
+        c.append_rows(o)
+    assert ring.ring == W + 8 and ring.batch == 4
+    _same_reads(flat, ring)
+    for c in (flat, ring):
+        c.select_rows([3, 1])
+    _same_reads(flat, ring)
+
+
+def test_views_cannot_change_the_layout():
+    _, ring = _pair(capacity=32)
+    _write([ring], 20, 0)
+    view = ring.view_rows(0, 1)
+    view.ensure_capacity(30, write=8)  # fits: nothing to do
+    with pytest.raises(RuntimeError, match="view"):
+        view.ensure_capacity(40, write=8)
+    with pytest.raises(RuntimeError, match="view"):
+        view.ensure_capacity(30, write=24)  # its ring (W + 20) is too narrow
+
+
+def test_ring_slots_rule():
+    assert ring_slots(1024, 2048, 40_000) == 3072  # the 26B model at a 40K-token context
+    assert ring_slots(1024, 2048, 3072) is None  # no smaller than keeping every position
+    assert ring_slots(1024, 2048, 40_000, write=4096) == 5120
+    assert ring_slots(None, 2048, 40_000) is None and ring_slots(1024, None, 40_000) is None
+
+
+# ------------------------------------------------------------------------------------------------- model level
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                         "sliding_attention", "full_attention"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+            num_global_key_value_heads=1, num_experts=8, top_k_experts=3, moe_intermediate_size=24,
+            sliding_window=8, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    m = blockpress.from_config({"model_type": "diffusion_gemma", "text_config": TINY, "canvas_length": 8}, seed=0)
+    for p in m.module.parameters():
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    m.module.prefill_chunk = 8  # ring: W 8 + max(8, 2 canvases) = 24 slots
+    m.module.attention_backend = "eager"
+    return m
+
+
+def _twins(m, B=2, S=30, capacity=64, seed=3):
+    """A flat and a ring cache holding the same left-padded prompt, encoded in chunks of 8."""
+    ids = torch.randint(5, 512, (B, S), generator=torch.Generator().manual_seed(seed))
+    pad = torch.ones(B, S, dtype=torch.bool)
+    pad[-1, :5] = False
+    caches = [m.new_cache(B, capacity, ring=r) for r in (False, True)]
+    outs = [m.encode(ids, c, pad_mask=pad) for c in caches]
+    assert caches[0].ring is None and caches[1].ring == 24
+    assert torch.equal(outs[0], outs[1])
+    return caches
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
+def test_eager_passes_on_a_ring_are_bit_identical(tiny, attention):
+    m = tiny.module
+    m.attention_backend = attention
+    try:
+        flat, ring = _twins(m)
+        canvas = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(4))
+        sc = torch.randn(2, 8, 512, generator=torch.Generator().manual_seed(5))
+        for _ in range(4):  # commits past the ring's end (30 + 32 positions through 24 slots)
+            assert torch.equal(m.decode(canvas, flat, sc), m.decode(canvas, ring, sc))
+            assert torch.equal(m.encode(canvas, flat), m.encode(canvas, ring))
+        assert torch.equal(m.encode_decode(canvas, canvas, flat, None, sc), m.encode_decode(canvas, canvas, ring, None, sc))
+        assert ring.high - ring.ring > 40 and flat.length == ring.length == 70
+        assert ring.capacity == flat.capacity == 128  # grown for the full layers; the ring is still 24 slots
+    finally:
+        m.attention_backend = "eager"
+
+
+def test_static_passes_on_a_ring_match_the_eager_passes(tiny):
+    """The CUDA-graph passes (run without capture) on a ring cache: the canvas's K/V written as scratch past the
+    length (wrapping), the window gathered modulo the ring; the same logits and hidden states as the eager passes
+    on a flat cache, and the same cache."""
+    m = tiny.module
+    flat, ring = _twins(m)
+    canvas = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(4))
+    sc = torch.randn(2, 8, 512, generator=torch.Generator().manual_seed(5))
+    on = torch.ones(2, dtype=torch.bool)
+    for step in range(3):
+        T = flat.length
+        ring.ensure_capacity(T + 16, write=16)
+        got = static_decode(m, canvas, ring, torch.tensor(T), sc, on)
+        ring.note_write(T, 8)
+        assert (got - m.decode(canvas, flat, sc)).abs().max() < 2e-5
+        if step == 1:  # a fused commit + first step, then a plain commit
+            got = static_encode_decode(m, canvas, canvas, ring, torch.tensor(T), sc, on)
+            ring.note_write(T, 16)
+            want = m.encode_decode(canvas, canvas, flat, None, sc)
+        else:
+            got = static_encode(m, canvas, ring, torch.tensor(T))
+            ring.note_write(T, 8)
+            want = m.encode(canvas, flat)
+        ring.length = flat.length
+        assert (got - want).abs().max() < 2e-5
+    L = flat.length
+    for i, layer in enumerate(m.layers):
+        lo = 0 if layer.full else L - 8
+        for x, y in zip(flat.span(i, lo, L), ring.span(i, lo, L)):
+            assert (x - y).abs().max() < 2e-5
+
+
+def _gen(lm, ids, ring, **kw):
+    lm.module.ring_cache = ring
+    try:
+        torch.manual_seed(0)
+        return lm.generate(ids, **kw)
+    finally:
+        lm.module.ring_cache = True
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_engine_tokens_with_a_ring(tiny, fuse):
+    """A 30-token padded prompt and 5 canvases (70 positions through 24 ring slots), adaptive stopping, batch 2:
+    the same tokens and forward passes as with every position kept, eagerly and through the CUDA-graph plumbing;
+    then a second turn on the returned cache."""
+    ids = torch.randint(5, 512, (2, 30), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[0, :4] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=40, max_denoising_steps=5, stability_threshold=1,
+              confidence_threshold=0.5, fuse_commit=fuse, eos_token_id=None)
+    want = _gen(tiny, ids, False, **kw)
+    got = _gen(tiny, ids, True, **kw)
+    assert got.cache.ring == 24 and want.cache.ring is None
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(got.forward_passes, want.forward_passes)
+    turn = torch.randint(5, 512, (2, 11), generator=torch.Generator().manual_seed(7))
+    more = dict(kw, attention_mask=None, max_new_tokens=16)
+    nxt = []
+    for r in (want, got):
+        torch.manual_seed(1)
+        nxt.append(tiny.generate(torch.cat([r.sequences[:, -8:], turn], 1), cache=r.cache, **more).sequences)
+    assert torch.equal(nxt[0], nxt[1])
+    g = GraphedPasses(tiny.module, capture=False, copy_outputs=False).install()
+    try:
+        graphed = _gen(tiny, ids, True, **kw)
+    finally:
+        g.uninstall()
+    assert graphed.cache.ring == 24 and torch.equal(graphed.sequences, want.sequences)
+
+
+def test_cache_bytes_of_the_26b_model_at_a_long_context():
+    """What a 32K-token cache of the 26B model holds: 25 sliding layers x 8 KV heads x 256 dims in a ring of
+    1024 + 2048 slots, 5 full layers x 2 KV heads x 512 dims at every position (K and V, bf16)."""
+    from blockpress.cli.bench import preset_config
+    from blockpress.config import ModelConfig
+    from blockpress.model.diffusion_gemma import DiffusionGemmaModel
+
+    config, _, _ = preset_config("real-26b")
+    with torch.device("meta"):
+        m = DiffusionGemmaModel(ModelConfig.from_dict(config)).to(torch.bfloat16)
+    P = 32768
+    sliding, full = 25 * 2 * 8 * 256 * 2, 5 * 2 * 2 * 512 * 2  # bytes per position, all layers of a kind
+    assert m.cache_bytes(1, P) == sliding * 3072 + full * P + P
+    m.ring_cache = False
+    assert m.cache_bytes(1, P) == (sliding + full + 1) * P

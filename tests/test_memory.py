@@ -88,3 +88,18 @@ def test_peak_memory_script_on_the_tiny_preset(capsys, monkeypatch):
         p = result["predicted_peak_bytes"][sampler]
         assert p["cuda_graphs"] >= p["eager"] > result["weights_bytes"] + result["kv_bytes"]
     assert any("predicted peak" in line for line in out)
+
+
+def test_peak_memory_script_counts_the_sliding_ring(capsys, monkeypatch):
+    """A prompt longer than the ring (tiny: window + 2,048 slots): the cache, and the predicted peak, are smaller with
+    the ring than with every position kept (`--no-ring`), by the sliding layers' bytes past the ring."""
+    runs = {}
+    for flag in ([], ["--no-ring"]):
+        monkeypatch.setattr(sys, "argv", ["peak_memory.py", "--preset", "tiny", "--prompt-tokens", "4096",
+                                          "--new-tokens", "32", *flag])
+        runpy.run_path(str(ROOT / "benchmarks" / "peak_memory.py"), run_name="__main__")
+        runs[bool(flag)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ring, flat = runs[False], runs[True]
+    assert flat["ring"] is None and ring["ring"] is not None
+    assert ring["kv_bytes"] < flat["kv_bytes"]
+    assert ring["predicted_peak_bytes"]["fast"]["eager"] < flat["predicted_peak_bytes"]["fast"]["eager"]

@@ -5,7 +5,8 @@ tokens (cache.length) before / after the chunk.
 
 Each static pass computes the same function as its `DiffusionGemmaModel` method with shapes that never
 change inside a generation: attention spans the whole cache capacity P (a sliding layer: a gathered window
-[T0 - W, T0 + S) where 3 x that is less than P, `WINDOW_READS`), and which keys are visible is decided by
+[T0 - W, T0 + S) where 3 x that is less than P, `WINDOW_READS`, or where its cache keeps a ring: K/V are written and
+gathered at their slots, position modulo the ring, `KVCache.slot_index`), and which keys are visible is decided by
 masks built from a *device* tensor T0, never by host slicing. A canvas's K/V are written into the cache
 past its length (scratch that the commit overwrites: the capacity must hold the canvas), so attention reads
 the cache in place rather than a copy with the canvas appended.

@@ -279,3 +279,28 @@ def test_cache_bytes_of_the_26b_model_at_a_long_context():
     assert m.cache_bytes(1, P) == sliding * 3072 + full * P + P
     m.ring_cache = False
     assert m.cache_bytes(1, P) == (sliding + full + 1) * P
+
+
+def test_a_conversation_grows_into_a_ring(tiny):
+    """Multi-turn (`cache=` the previous result's): a short first turn leaves a cache that keeps every position; a
+    long second turn grows it past the ring's size, so its sliding layers become a ring mid-conversation, and the
+    third turn wraps it. The tokens of every turn equal those of a conversation that keeps every position."""
+    kw = dict(max_new_tokens=8, max_denoising_steps=4, stability_threshold=None, confidence_threshold=None,
+              eos_token_id=None)
+    turns = [torch.randint(5, 512, (1, n), generator=torch.Generator().manual_seed(10 + n)) for n in (6, 40, 12)]
+    runs = {}
+    for ring in (False, True):
+        tiny.module.ring_cache = ring
+        try:
+            out, cache, rings = [], None, []
+            for i, t in enumerate(turns):
+                ids = t if cache is None else torch.cat([out[-1][:, -8:], t], 1)  # last canvas + the new turn
+                r = tiny.generate(ids, cache=cache, generator=torch.Generator().manual_seed(i), **kw)
+                out.append(r.sequences)
+                cache = r.cache
+                rings.append(cache.ring)
+            runs[ring] = (out, rings)
+        finally:
+            tiny.module.ring_cache = True
+    assert runs[True][1][0] is None and runs[True][1][1] == runs[True][1][2] == 24 and runs[False][1] == [None] * 3
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][0], runs[True][0]))

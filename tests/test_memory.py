@@ -103,3 +103,30 @@ def test_peak_memory_script_counts_the_sliding_ring(capsys, monkeypatch):
     assert flat["ring"] is None and ring["ring"] is not None
     assert ring["kv_bytes"] < flat["kv_bytes"]
     assert ring["predicted_peak_bytes"]["fast"]["eager"] < flat["predicted_peak_bytes"]["fast"]["eager"]
+
+
+def test_a_long_prompts_prefill_holds_its_output_and_one_mask():
+    """A long prompt on a small model with a tiny prefill chunk, so that the hidden states it returns and the full
+    layers' [chunk, prompt] mask are what counts: the prefill peaks at about the output plus one bf16 mask and its
+    boolean (the chunks are written into the output; the mask is filled in place). Before, the chunks' list and
+    their concatenation were both alive (twice the output), and the mask had a copy and a negated boolean."""
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "canvas_length": 16,
+                                 "text_config": dict(TINY_TEXT, hidden_size=256, max_position_embeddings=1 << 16),
+                                 "vision_config": TINY_VISION})
+    with torch.device("meta"):
+        m = DiffusionGemmaModel(cfg).to(torch.bfloat16)
+    m.materialize_buffers("meta")
+    meta_backends(m)
+    m.prefill_chunk = 256
+    S = 8192
+    torch.set_grad_enabled(False)
+    try:
+        cache = m.new_cache(1, S)
+        ids = torch.zeros(1, S, dtype=torch.long, device="meta")
+        with LiveBytes() as lb:
+            out = m.encode(ids, cache)
+        out_bytes, mask_bytes = S * 256 * 2, 256 * S * 2
+        assert out.shape == (1, S, 256)
+        assert lb.peak <= out_bytes + 1.5 * mask_bytes + 0.2 * out_bytes, lb.top()
+    finally:
+        torch.set_grad_enabled(True)

@@ -99,6 +99,8 @@ class KVCache:
                 if ringed and self._ringed(i) and ring == self.ring:
                     continue  # the same ring
                 if not ringed and not self._ringed(i):  # every position, before and after: grow in place
+                    if capacity == self.capacity:
+                        continue
                     out = t.new_zeros(*t.shape[:2], capacity, t.shape[-1])
                     out[:, :, :min(self.capacity, capacity)] = t[:, :, :capacity]
                     store[i] = out

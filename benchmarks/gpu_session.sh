@@ -117,7 +117,8 @@ case "$PART" in
     ;;
   long)
     # prefill of an 8K-token prompt (int4 experts + int8 linears): 2,048 tokens a chunk (the default) against the
-    # whole prompt in one pass; prefill_ms and peak_mem_bytes are the numbers to compare
+    # whole prompt in one pass; prefill_ms and peak_mem_bytes are the numbers to compare (with 2048 the sliding layers
+    # also keep a ring of 1,024 + 2,048 positions: peak_memory.py predicts 16.66 GB; with 0 every position)
     LONG=8192; [ "$PRESET" = real-26b ] || LONG=3000  # a dry run's preset holds 4,096 positions
     for chunk in 2048 0; do
       bench long-prefill-$chunk --batch 1 --precision int4 --linears int8 --modes fixed --experts $FAST --sampler fast \

@@ -18,7 +18,8 @@ W = 4
 
 def _pair(capacity=16, reserve=8, batch=2):
     """(every position, ring) caches of the same shapes."""
-    return [KVCache(SHAPES, batch, capacity, torch.float32, "cpu", SLIDING, window=W, reserve=r) for r in (None, reserve)]
+    return [KVCache(SHAPES, batch, capacity, torch.float32, "cpu", SLIDING, window=W, reserve=r)
+            for r in (None, reserve)]
 
 
 def _write(caches, S, seed):
@@ -187,7 +188,8 @@ def test_eager_passes_on_a_ring_are_bit_identical(tiny, attention):
         for _ in range(4):  # commits past the ring's end (30 + 32 positions through 24 slots)
             assert torch.equal(m.decode(canvas, flat, sc), m.decode(canvas, ring, sc))
             assert torch.equal(m.encode(canvas, flat), m.encode(canvas, ring))
-        assert torch.equal(m.encode_decode(canvas, canvas, flat, None, sc), m.encode_decode(canvas, canvas, ring, None, sc))
+        assert torch.equal(m.encode_decode(canvas, canvas, flat, None, sc),
+                           m.encode_decode(canvas, canvas, ring, None, sc))
         assert ring.high - ring.ring > 40 and flat.length == ring.length == 70
         assert ring.capacity == flat.capacity == 128  # grown for the full layers; the ring is still 24 slots
     finally:

@@ -42,7 +42,7 @@ import torch
 
 from ..config import FULL, SLIDING
 from ..engine.cache import KVCache
-from ..model.layers import ATTENTION_BACKENDS, rms_norm, rope_cos_sin
+from ..model.layers import ATTENTION_BACKENDS, additive_mask, rms_norm, rope_cos_sin
 
 SYNC_FREE_EXPERTS = ("grouped", "triton", "triton_checked", "auto")  # "auto": QuantizedExperts picking triton
 
@@ -54,10 +54,6 @@ def decoder_input(module, canvas, sc_logits, sc_mask, scale):
     e = torch.nn.functional.embedding(canvas, w) * scale
     soft = module.soft_embedding(sc_logits) * scale * sc_mask.to(w.dtype)[:, None, None]  # rows without logits: 0
     return rms_norm(e + module.self_conditioning(soft), None, module.text.rms_norm_eps)
-
-
-def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 # A sliding layer reads a gathered window of the cache instead of all P positions when that moves fewer bytes: the
@@ -178,7 +174,7 @@ def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None, out=
     rope = _rope(module, T, C, dtype)
     pos = T + torch.arange(C, device=x.device)
     window = _Window.of(module, cache, T, C)
-    masks = {t: _additive(seen[:, None, None], dtype)  # [B,1,1,P]
+    masks = {t: additive_mask(seen[:, None, None], dtype)  # [B,1,1,P]
              for t, seen in _seen_by_canvas(module, cache, T, C, window).items()}
 
     def keys_values(i, k, v):  # the canvas's K/V written at [T, T+C); the cache (a sliding layer: its window)
@@ -198,7 +194,7 @@ def static_encode(module, ids, cache, T0, scale=None):
     rope = _rope(module, T0, S, x.dtype)
     pos = T0 + torch.arange(S, device=ids.device)
     window = _Window.of(module, cache, T0, S)
-    masks = {t: _additive(seen[:, None], x.dtype)
+    masks = {t: additive_mask(seen[:, None], x.dtype)
              for t, seen in _cache_seen_by_chunk(module, cache, T0, S, window).items()}
 
     def keys_values(i, k, v):  # the chunk's K/V written first; the mask bounds what each row sees
@@ -224,7 +220,7 @@ def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, sca
     window = _Window.of(module, cache, T0, S + C)  # [T0 - W, T0 + S + C): every sliding key either row kind sees
     by_chunk = _cache_seen_by_chunk(module, cache, T0, S, window)  # [B, S, P] (sliding: [B, S, n]); no canvas
     by_canvas = _seen_by_canvas(module, cache, T0 + S, C, window)  # [B, P] (sliding: [B, n])
-    masks = {t: _additive(torch.cat([by_chunk[t], by_canvas[t][:, None].expand(B, C, -1)], dim=1)[:, None], dtype)
+    masks = {t: additive_mask(torch.cat([by_chunk[t], by_canvas[t][:, None].expand(B, C, -1)], dim=1)[:, None], dtype)
              for t in (SLIDING, FULL)}  # rows: chunk then canvas
 
     def keys_values(i, k, v):  # k, v [B, kv, S+C, D]: both segments written, then the cache read in place

@@ -22,8 +22,8 @@ from torch import nn
 
 from ..config import FULL, SLIDING, ModelConfig
 from ..engine.cache import KVCache
-from .layers import (ATTENTION_BACKENDS, MLP, SOFTCAP_BACKENDS, Attention, RMSNorm, embed_scale, rms_norm, rope_cos_sin,
-                     rope_inv_freq, softmax_rows)
+from .layers import (ATTENTION_BACKENDS, MLP, SOFTCAP_BACKENDS, Attention, RMSNorm, additive_mask, embed_scale,
+                     rms_norm, rope_cos_sin, rope_inv_freq, softmax_rows)
 from .moe import Experts, Router
 
 PREFILL_CHUNK = 2048  # tokens a long prompt is encoded at a time (DiffusionGemmaModel.prefill_chunk; None: whole)
@@ -150,9 +150,12 @@ class DiffusionGemmaModel(nn.Module):
         """An empty cache for `capacity` positions. ring: the sliding layers keep only a ring of the last
         window + `cache_reserve()` positions once that is smaller than the capacity (engine/cache.py); False keeps
         every position in every layer (training: a cache cropped back to its context)."""
+        return self._cache(batch, capacity, self.device, self.cache_reserve() if ring else None)
+
+    def _cache(self, batch: int, capacity: int, device, reserve: int | None) -> KVCache:
         shapes = [(self.text.layer_kv_heads(i), self.text.layer_head_dim(i)) for i in range(len(self.layers))]
-        return KVCache(shapes, batch, capacity, self.dtype, self.device, sliding=[not layer.full for layer in self.layers],
-                       window=self.window, reserve=self.cache_reserve() if ring else None)
+        return KVCache(shapes, batch, capacity, self.dtype, device, sliding=[not layer.full for layer in self.layers],
+                       window=self.window, reserve=reserve)
 
     def cache_reserve(self) -> int | None:
         """The most positions one inference pass writes into the cache: a prompt chunk, or a canvas and the commit
@@ -166,9 +169,7 @@ class DiffusionGemmaModel(nn.Module):
     def cache_bytes(self, batch: int, capacity: int) -> int:
         """Bytes a `new_cache(batch, capacity)` holds (K/V of every layer and the padding mask), counted on the meta
         device."""
-        shapes = [(self.text.layer_kv_heads(i), self.text.layer_head_dim(i)) for i in range(len(self.layers))]
-        meta = KVCache(shapes, batch, capacity, self.dtype, "meta", sliding=[not layer.full for layer in self.layers],
-                       window=self.window, reserve=self.cache_reserve())
+        meta = self._cache(batch, capacity, "meta", self.cache_reserve())
         return meta.nbytes() + meta.valid.numel()
 
     def embed_scale(self, dtype: torch.dtype, device) -> torch.Tensor:
@@ -228,9 +229,6 @@ class DiffusionGemmaModel(nn.Module):
             self._rope_memo[key] = tables
         return tables
 
-    def _neg(self, dtype):
-        return torch.finfo(dtype).min
-
     def _encoder_masks(self, T0: int, S: int, cache: KVCache, dtype, dev) -> dict:
         """Per layer type: (first visible cache position lo, additive mask [B|1,1,S,T0+S-lo]) for an
         encoder chunk at positions [T0, T0+S) (spec 3.2: causal, sliding layers q - W < k <= q)."""
@@ -254,15 +252,8 @@ class DiffusionGemmaModel(nn.Module):
             allowed = allowed[None, None]  # [1,1,S,L]
             if cache.has_padding:
                 allowed = allowed & cache.valid[:, None, None, lo:T0 + S]
-            masks[t] = (lo, self._additive(allowed, dtype))
+            masks[t] = (lo, additive_mask(allowed, dtype))
         return masks
-
-    def _additive(self, allowed: torch.Tensor, dtype) -> torch.Tensor:
-        """An additive mask: 0 where `allowed`, the dtype's minimum elsewhere. Consumes `allowed` (negated in place),
-        so that the one mask-sized float tensor is the only allocation: at a 128K-token prompt the full layers'
-        mask of a 2,048-token chunk is 0.54 GB in bf16, and a copy of it, or of its boolean negation, counts."""
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        return mask.masked_fill_(allowed.logical_not_(), self._neg(dtype))
 
     def _decoder_masks(self, T: int, B: int, C: int, cache: KVCache, dtype, dev) -> dict:
         """Per layer type: (first visible cache position lo, additive padding mask or None) for a canvas at
@@ -273,7 +264,7 @@ class DiffusionGemmaModel(nn.Module):
             if cache.has_padding:
                 allowed = torch.cat([cache.valid[:, lo:T],
                                      torch.ones(B, C, dtype=torch.bool, device=dev)], dim=1)[:, None, None]
-                mask = self._additive(allowed, dtype)
+                mask = additive_mask(allowed, dtype)
             masks[t] = (lo, mask)
         return masks
 

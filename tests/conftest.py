@@ -22,6 +22,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _restore_grad_mode():
+    """Every test starts with autograd on and leaves it as it found it: scripts run in-process (runpy) turn it off
+    for their whole run, which would otherwise change what later tests see (tests that need it off say so)."""
+    torch.set_grad_enabled(True)
+    yield
+    torch.set_grad_enabled(True)
+
+
 @pytest.fixture(scope="session")
 def hf_tiny_dir(tmp_path_factory):
     """The spec 6.1 tiny model, saved by transformers (save_pretrained)."""

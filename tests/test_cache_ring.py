@@ -154,6 +154,13 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_lay
             sliding_window=8, max_position_embeddings=4096)
 
 
+@pytest.fixture(autouse=True)
+def _inference():
+    """The passes run as the engine runs them, without autograd (a prompt is chunked, the ring kept, only then)."""
+    with torch.no_grad():
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny():
     m = blockpress.from_config({"model_type": "diffusion_gemma", "text_config": TINY, "canvas_length": 8}, seed=0)

@@ -921,7 +921,10 @@ def test_softcap_in_one_pass_equals_the_reference(dtype):
     lm.module.softcap_backend = "triton"
     torch.testing.assert_close(lm.module.lm_logits(h), want, rtol=1e-5, atol=1e-5)
     into = torch.full_like(want, float("nan"))  # out= (the graphs' shared logits buffer): written, not replaced
-    assert lm.module.lm_logits(h, out=into) is into
+    with pytest.raises(ValueError, match="torch.no_grad"):  # the weights require grad: out= would drop it
+        lm.module.lm_logits(h, out=into)
+    with torch.no_grad():  # as the graphs call it
+        assert lm.module.lm_logits(h, out=into) is into
     torch.testing.assert_close(into, want, rtol=1e-5, atol=1e-5)
     buf = torch.empty(3, 7, 1001, device=DEV)
     assert softcap_triton(x, 30.0, out=buf) is buf and torch.equal(buf, out)

@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
     weights = estimated_weight_bytes(m, dtype, args.precision, linears=args.linears)
     meta_backends(m)
     C, V = m.config.canvas_length, m.text.vocab_size
-    capacity = P + (math.ceil(N / C) - 1) * C
+    capacity = P + math.ceil(N / C) * C  # generate's cache: the commits and one canvas of room (its scratch K/V)
     cache = m.new_cache(B, capacity)
     kv = cache.nbytes() + cache.valid.numel()
     dev = torch.device("meta")
@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
         cache.length = length
         return cache
 
-    gcache = m.new_cache(B, capacity + C)  # GraphedPasses.new_cache: one canvas of room past the last commit
+    gcache = m.new_cache(B, capacity)  # GraphedPasses.new_cache: the same room
     kv_graphs = gcache.nbytes() + gcache.valid.numel()
     on = torch.ones(B, dtype=torch.bool, device=dev)
     shared_out = torch.zeros(B, C, V, dtype=torch.float32, device=dev)  # GraphedPasses' shared buffers: the logits

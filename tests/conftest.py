@@ -23,12 +23,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _restore_grad_mode():
-    """Every test starts with autograd on and leaves it as it found it: scripts run in-process (runpy) turn it off
-    for their whole run, which would otherwise change what later tests see (tests that need it off say so)."""
-    torch.set_grad_enabled(True)
-    yield
-    torch.set_grad_enabled(True)
+def _grad_mode(request):
+    """Every test runs with autograd on, or off where its module says `pytestmark = pytest.mark.no_grad` (inference
+    tests), and leaves the mode as it found it: a mode set at a module's import, or by a script run in-process
+    (runpy), would otherwise hold for every test after it."""
+    with torch.set_grad_enabled(request.node.get_closest_marker("no_grad") is None):
+        yield
 
 
 @pytest.fixture(scope="session")

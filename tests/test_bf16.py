@@ -8,7 +8,7 @@ import blockpress
 from blockpress.model.layers import embed_scale
 
 transformers = pytest.importorskip("transformers")
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without autograd
 
 
 def test_embedding_scale_is_cast_to_weight_dtype():

@@ -5,7 +5,7 @@ passes, the static (CUDA-graph) passes, the engine, the server's scheduler, and 
 import pytest
 import torch
 
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without autograd
 
 import blockpress
 from blockpress.engine.cache import KVCache, ring_slots
@@ -154,13 +154,6 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_lay
             sliding_window=8, max_position_embeddings=4096)
 
 
-@pytest.fixture(autouse=True)
-def _inference():
-    """The passes run as the engine runs them, without autograd (a prompt is chunked, the ring kept, only then)."""
-    with torch.no_grad():
-        yield
-
-
 @pytest.fixture(scope="module")
 def tiny():
     m = blockpress.from_config({"model_type": "diffusion_gemma", "text_config": TINY, "canvas_length": 8}, seed=0)
@@ -201,6 +194,80 @@ def test_eager_passes_on_a_ring_are_bit_identical(tiny, attention):
         assert ring.capacity == flat.capacity == 128  # grown for the full layers; the ring is still 24 slots
     finally:
         m.attention_backend = "eager"
+
+
+def _held(cache, C=8):
+    """Every layer's K/V below the length, in position order: all of them, or those a ring still holds after a
+    canvas of C more is written."""
+    L = cache.length
+    return [t.clone() for i in range(len(cache.keys))
+            for t in cache.span(i, max(0, L - cache.ring + C) if cache._ringed(i) else 0, L)]
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
+@pytest.mark.parametrize("ring", [False, True])
+def test_the_eager_decoder_writes_its_canvas_in_place_bit_identically(tiny, monkeypatch, attention, ring):
+    """Without autograd and with room, the eager decoder (and the fused commit + first step) write the canvas's K/V
+    past the cache's length and attend over one span of the cache; with the room taken away they concatenate the
+    cached keys and the canvas's. The logits are the same bit for bit, through the ring's wrap; positions below
+    the length are never touched, the canvas's K/V are where they belong, and the commits leave the same cache."""
+    from blockpress.engine.cache import KVCache
+
+    m = tiny.module
+    m.attention_backend = attention
+    try:
+        room = _twins(m)[ring]
+        cat = _twins(m)[ring]
+        canvas = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(4))
+        sc = torch.randn(2, 8, 512, generator=torch.Generator().manual_seed(5))
+        scratch = KVCache.scratch_room
+
+        def concatenated(fn, *args):  # the same pass with the room taken away
+            monkeypatch.setattr(KVCache, "scratch_room", lambda *a: False)
+            try:
+                return fn(*args)
+            finally:
+                monkeypatch.setattr(KVCache, "scratch_room", scratch)
+
+        for step in range(4):  # 30 + 32 positions: the ring (24 slots) wraps
+            T = room.length
+            assert room.scratch_room(T, 8)
+            below = _held(room)
+            want = concatenated(m.decode, canvas, cat, sc)
+            assert torch.equal(m.decode(canvas, room, sc), want)
+            assert all(torch.equal(a, b) for a, b in zip(_held(room), below))  # read only below the length
+            full = next(i for i, layer in enumerate(m.layers) if layer.full)
+            assert room.span(full, T, T + 8)[0].abs().sum() > 0  # the canvas's keys are past the length
+            assert cat.span(full, T, T + 8)[0].abs().sum() == 0  # (concatenating leaves the slots as they were)
+            if step == 2:
+                got = m.encode_decode(canvas, canvas, room, None, sc)
+                assert torch.equal(got, concatenated(m.encode_decode, canvas, canvas, cat, None, sc))
+            else:
+                assert torch.equal(m.encode(canvas, room), m.encode(canvas, cat))
+            assert all(torch.equal(a, b) for a, b in zip(_held(room), _held(cat)))
+        assert room.length == 62 and (room.ring is not None) == ring
+    finally:
+        m.attention_backend = "eager"
+
+
+def test_the_decoder_does_not_write_a_cache_it_has_no_room_in_or_under_autograd(tiny):
+    """A cache exactly as long as its positions (`rows`, for a pass over part of a batch) or a pass under autograd
+    (training): the decoder concatenates instead, and the cache's buffers stay as they were."""
+    m = tiny.module
+    cache = _twins(m)[0]
+    canvas = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(4))
+    before = [t.clone() for t in cache.keys + cache.values]
+    with torch.enable_grad():  # first: a pass without autograd would write its canvas there
+        assert cache.scratch_room(cache.length, 8)
+        got = m.decode(canvas, cache)
+    assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, before))
+    sub = cache.rows(torch.arange(2))
+    assert sub.capacity == sub.length and not sub.scratch_room(sub.length, 8)
+    before = [t.clone() for t in sub.keys + sub.values]
+    want = m.decode(canvas, cache)
+    assert got.requires_grad and torch.equal(got.detach(), want)
+    assert torch.equal(m.decode(canvas, sub), want)
+    assert all(torch.equal(a, b) for a, b in zip(sub.keys + sub.values, before))
 
 
 def test_static_passes_on_a_ring_match_the_eager_passes(tiny):

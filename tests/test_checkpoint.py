@@ -14,7 +14,7 @@ from blockpress.errors import CheckpointError, ConfigError, InputError
 from hf_oracle import build_hf_model, hf_config
 
 transformers = pytest.importorskip("transformers")
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without autograd
 
 
 def _logits_hf(hf, ids, canvas):

@@ -12,7 +12,7 @@ from blockpress.testing import count_host_reads
 transformers = pytest.importorskip("transformers")
 from transformers import EntropyBoundSamplerConfig  # noqa: E402
 
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without autograd
 KW = dict(max_new_tokens=32, max_denoising_steps=6, eos_token_id=[1], pad_token_id=0)
 
 

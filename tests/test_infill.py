@@ -10,7 +10,7 @@ from blockpress.cli import main as cli_main
 from blockpress.errors import InputError
 from blockpress.infill import parse_template
 
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without autograd
 KW = dict(max_new_tokens=32, max_denoising_steps=6, eos_token_id=[1], pad_token_id=0)  # 2 canvases of 16
 
 

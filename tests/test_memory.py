@@ -124,3 +124,31 @@ def test_a_long_prompts_prefill_holds_its_output_and_one_mask():
     out_bytes, mask_bytes = S * 256 * 2, 256 * S * 2
     assert out.shape == (1, S, 256)
     assert lb.peak <= out_bytes + 1.5 * mask_bytes + 0.2 * out_bytes, lb.top()
+
+
+def test_a_decoder_pass_at_a_long_context_copies_no_layers_cache():
+    """With room in the cache (generate's: one canvas past the last commit), the eager decoder writes the canvas's
+    K/V there and attends over one span of the cache: a pass at a 32K-token context allocates a few activations, not
+    a copy of a full layer's keys and values, which concatenating them with the canvas's made (the same pass on a
+    cache without the room still does: on the 26B model 0.5 GB a layer at 128K)."""
+    C, T = 16, 1 << 15
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "canvas_length": C,
+                                 "text_config": dict(TINY_TEXT, max_position_embeddings=1 << 16),
+                                 "vision_config": TINY_VISION})
+    with torch.device("meta"):
+        m = DiffusionGemmaModel(cfg).to(torch.bfloat16)
+    m.materialize_buffers("meta")
+    meta_backends(m)
+    peaks = {}
+    with torch.no_grad():
+        for room in (True, False):
+            cache = m.new_cache(1, T + C if room else T)
+            cache.length = T
+            canvas = torch.zeros(1, C, dtype=torch.long, device="meta")
+            with LiveBytes() as lb:
+                m.decode(canvas, cache)
+            peaks[room] = lb
+    full = next(i for i, layer in enumerate(m.layers) if layer.full)
+    layer_kv = 2 * cache.keys[full].numel() * 2  # K and V of a full layer at T positions, bf16
+    assert peaks[False].peak >= layer_kv, peaks[False].top()
+    assert peaks[True].peak < 0.05 * layer_kv, peaks[True].top()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without autograd
 
 import blockpress
 from hf_oracle import build_hf_model, hf_config

@@ -14,7 +14,7 @@ from blockpress.kernels.random_weights import build_model
 from blockpress.model.moe import experts_loop
 from kernel_device import DEV, needs_triton
 
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without autograd
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -15,9 +15,10 @@ Layout per layer: keys/values [B, kv, slots, D], post-k_norm+RoPE keys and post-
 
 Invariants:
 - `length` is the number of encoded tokens (= the absolute position of the next chunk).
-- The encoder writes [length, length + S) and advances `length`. The eager decoder never writes; the static
-  (CUDA-graph) passes write a canvas's K/V past `length` as scratch, which no pass sees as cached (keys at or
-  past `length` are masked) and the commit overwrites (`note_write` records it for the ring's bookkeeping).
+- The encoder writes [length, length + S) and advances `length`. The decoder passes write a canvas's K/V past
+  `length` as scratch (`scratch_room`; the eager passes only without autograd, else they concatenate), which no pass
+  sees as cached (the next decoder pass writes its own canvas there first, the static passes mask keys at or past
+  `length`) and the commit overwrites (`note_write` records it for the ring's bookkeeping).
 - `valid` [B, capacity] bool marks key positions that are real tokens (False = left padding); it is indexed by
   position for every layer, ring or not.
 - With a ring, positions before `high - ring` are gone (`high`: one past the highest position ever written);
@@ -165,6 +166,14 @@ class KVCache:
             store[layer][:, :, a:a + n] = x[:, :, :n]
             if n < S:
                 store[layer][:, :, :S - n] = x[:, :, n:]
+
+    def scratch_room(self, start: int, n: int) -> bool:
+        """Whether a pass may write positions [start, start + n) in place as scratch (a canvas's K/V): they fit
+        without growing the cache (the layers keeping every position have the slots, a ring holds the `window`
+        positions before them too), and no gradient flows through the buffers (a training cache, encoded under
+        autograd, must not change in place)."""
+        return (start + n <= self.capacity and (self.ring is None or n + self.window <= self.ring)
+                and not any(t.requires_grad for t in self.keys + self.values))
 
     def span(self, layer: int, lo: int, hi: int):
         """Keys and values of positions [lo, hi), in position order (a view where they are contiguous)."""

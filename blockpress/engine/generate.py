@@ -224,7 +224,8 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
         raise InputError(f"prompt ({cur_len} tokens) + {n_canvases} canvas(es) of {C} exceeds "
                          f"max_position_embeddings={limit}; shorten the prompt or lower max_new_tokens")
     if cache is None:
-        cache = module.new_cache(B, cur_len + (n_canvases - 1) * C)
+        # every commit, and one canvas of room past the last: the decoder writes each canvas's K/V there (scratch)
+        cache = module.new_cache(B, cur_len + n_canvases * C)
     elif cache.batch != B:
         raise InputError(f"cache was built for batch {cache.batch}, got input batch {B}")
     if attention_mask is not None:

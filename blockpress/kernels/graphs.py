@@ -471,16 +471,16 @@ class GraphedPasses:
     # cache pool -----------------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int, ring: bool = True) -> KVCache:
         """An empty cache on the pooled buffers of (batch, capacity) when the cache last handed out on them is
-        gone (stale keys past `length` are never visible), else on new buffers, which join the pool. It holds one
-        canvas more than asked: the static passes write a canvas's K/V past the cache's length, and the engine's
-        last canvas is never committed, so the engine asks for no room for it."""
+        gone (stale keys past `length` are never visible), else on new buffers, which join the pool. The static
+        passes write a canvas's K/V past the cache's length: `generate` asks for that room after its last commit
+        (as the eager passes use it too), and a decoder pass on a cache without it grows the cache first."""
         entry = self._pool.get((batch, capacity, ring))
         if entry is not None and entry[1]() is None:
             cache = _on_buffers(entry[0])
             cache.view = False  # handed out as a cache of its own (its layout may change: new buffers then)
             cache.valid.fill_(True)
         else:
-            cache = self._eager["new_cache"](batch, capacity + self.module.config.canvas_length, ring)
+            cache = self._eager["new_cache"](batch, capacity, ring)
         self._pool[(batch, capacity, ring)] = (_on_buffers(cache), weakref.ref(cache))
         return cache
 

@@ -268,6 +268,9 @@ def test_the_decoder_does_not_write_a_cache_it_has_no_room_in_or_under_autograd(
     assert got.requires_grad and torch.equal(got.detach(), want)
     assert torch.equal(m.decode(canvas, sub), want)
     assert all(torch.equal(a, b) for a, b in zip(sub.keys + sub.values, before))
+    roomy = cache.rows(torch.tensor([1]), room=8)  # what row compaction takes: room for its canvas
+    assert roomy.capacity == roomy.length + 8 and roomy.scratch_room(roomy.length, 8) and roomy.has_padding
+    assert torch.equal(m.decode(canvas[1:], roomy), m.decode(canvas[1:], cache.rows(torch.tensor([1]))))
 
 
 def test_static_passes_on_a_ring_match_the_eager_passes(tiny):

@@ -215,13 +215,19 @@ class KVCache:
         `length`."""
         return t if self._ringed(i) else t[:, :, :self.length]
 
-    def rows(self, index: torch.Tensor) -> "KVCache":
-        """A read-only copy of the rows `index` [b] (positions [0, length) only), for a decoder pass over
-        part of the batch (row compaction); the encoder must not write to it."""
-        sub = self._like([self._held(i, t)[index] for i, t in enumerate(self.keys)],
-                         [self._held(i, t)[index] for i, t in enumerate(self.values)],
-                         self.valid[index, :self.length], int(index.numel()), self.length, self.length, False)
-        sub.has_padding = self.has_padding and not bool(sub.valid.all())
+    def rows(self, index: torch.Tensor, room: int = 0) -> "KVCache":
+        """A copy of the rows `index` [b] (positions [0, length), and up to `room` slots past them where this cache
+        has them: a decoder pass's scratch canvas, see `scratch_room`), for decoder passes over part of the batch
+        (row compaction); the encoder must not write to it."""
+        n = min(self.length + room, self.capacity)
+
+        def held(i, t):
+            return t if self._ringed(i) else t[:, :, :n]
+
+        sub = self._like([held(i, t)[index] for i, t in enumerate(self.keys)],
+                         [held(i, t)[index] for i, t in enumerate(self.values)],
+                         self.valid[index, :n], int(index.numel()), n, self.length, False)
+        sub.has_padding = self.has_padding and not bool(sub.valid[:, :self.length].all())
         return sub
 
     def view_rows(self, lo: int, hi: int) -> "KVCache":

@@ -127,7 +127,7 @@ def _compact_step(step_fn, module, x, a, sc, done, n, cfg, cache, tracker, gener
     set of active rows is the same (the cache rows are gathered only when a row stops)."""
     rows = (~done).nonzero().squeeze(1)
     if sub is None or not torch.equal(sub[0], rows):
-        sub = (rows, cache.rows(rows))
+        sub = (rows, cache.rows(rows, room=x.shape[1]))  # room: the decoder writes its canvas there
     hist = tracker.history if tracker is not None else None
     if hist is not None:
         tracker.history = hist[:, rows]
@@ -152,7 +152,7 @@ def _compact_pass(step_fn, module, x, a, sc, done, n, cfg, cache, tracker, gener
     `_compact_step`."""
     rows = (~done).nonzero().squeeze(1)
     if sub is None or not torch.equal(sub[0], rows):
-        sub = (rows, cache.rows(rows))
+        sub = (rows, cache.rows(rows, room=x.shape[1]))  # room: the decoder writes its canvas there
     part = module.decode(x[rows], sub[1], sc[rows])  # [k, C, V] fp32
     raw = part.new_zeros(x.shape[0], *part.shape[1:])
     raw[rows] = part

@@ -550,7 +550,7 @@ class Scheduler:
                 raw = m.decode(x[:n], sub[1], sc[:n])
             elif self.compact_rows and sc is not None and len(active) < B:  # frozen rows: no pass
                 if sub is None or sub[0] != active:
-                    sub = (active, self.cache.rows(torch.tensor(active, device=dev)))
+                    sub = (active, self.cache.rows(torch.tensor(active, device=dev), room=C))
                 raw = m.decode(x[active], sub[1], sc[active])  # [len(active), C, V] fp32
                 at = dict(zip(active, range(len(active))))
             else:

@@ -38,7 +38,7 @@ from blockpress.cli.run import _nonneg_int, _positive_int
 from blockpress.config import GenerationConfig, ModelConfig
 from blockpress.engine.generate import denoise_step
 from blockpress.kernels import sampler_fused
-from blockpress.kernels.graphs import static_decode, static_encode, static_encode_decode
+from blockpress.kernels.graphs import static_commit, static_decode, static_encode_decode
 from blockpress.kernels.memory import LiveBytes, fused_sample_meta, meta_backends
 from blockpress.kernels.sampler_fused import denoise_step_fast as fast_step
 from blockpress.loading import estimated_weight_bytes
@@ -115,17 +115,17 @@ def main(argv=None) -> dict:
             return torch.tensor(n, device=dev)
 
     passes = {
-        "prefill": lambda: m.encode(torch.zeros(B, P, dtype=torch.long, device=dev), at(0)),
+        "prefill": lambda: m.encode(torch.zeros(B, P, dtype=torch.long, device=dev), at(0), output=False),
         "decode": lambda: m.decode(canvas, at(T), sc),
         "step (decode + exact sampler)": lambda: denoise_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None),
         "sampler (exact, logits given)": lambda: denoise_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None,
                                                               raw=raw_logits()),
         "sampler (fast, logits given)": lambda: fast_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None,
                                                           raw=raw_logits()),
-        "commit": lambda: m.encode(canvas, at(T - C)),
+        "commit": lambda: m.encode(canvas, at(T - C), output=False),
         "fused commit + first step": lambda: m.encode_decode(canvas, canvas, at(T - C), None, sc),
         "graphs: decode": lambda: static_decode(m, canvas, gcache, pos(T), sc, on, out=shared_out),
-        "graphs: commit": lambda: static_encode(m, canvas, gcache, pos(T - C)),
+        "graphs: commit": lambda: static_commit(m, canvas, gcache, pos(T - C)),
         "graphs: fused commit + first step": lambda: static_encode_decode(m, canvas, canvas, gcache, pos(T - C), sc,
                                                                           on, out=shared_out),
         # the engine under graphs: the sampler writes the next pass's self-conditioning logits into its input buffer

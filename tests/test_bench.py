@@ -431,7 +431,7 @@ def test_bench_runs_replay_graphed_passes_after_the_warmup(fuse):
     assert torch.equal(seqs, eager_seqs)
     assert s["graph_captures_timed"] == 0 and ar["graph_captures_timed"] == 0
     assert "graph_captures_timed" not in eager and "graph_captures_timed" not in eager_ar
-    commit = ("encode_decode", ((1, 16), (1, 16))) if fuse else ("encode", (1, 16))
+    commit = ("encode_decode", ((1, 16), (1, 16))) if fuse else ("commit", (1, 16))  # commit: encode without output
     assert passes == {("decode", (1, 16)), commit, ("encode", (1, 1))} and graphs.captures == 3  # AR: (1, 1)
 
 

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without a
 
 import blockpress
 from blockpress.engine.cache import KVCache, ring_slots
-from blockpress.kernels.graphs import GraphedPasses, static_decode, static_encode, static_encode_decode
+from blockpress.kernels.graphs import GraphedPasses, static_commit, static_decode, static_encode, static_encode_decode
 
 SHAPES = [(2, 4), (1, 8), (2, 4)]  # (kv heads, head dim): sliding, full, sliding
 SLIDING = [True, False, True]
@@ -271,6 +271,36 @@ def test_the_decoder_does_not_write_a_cache_it_has_no_room_in_or_under_autograd(
     roomy = cache.rows(torch.tensor([1]), room=8)  # what row compaction takes: room for its canvas
     assert roomy.capacity == roomy.length + 8 and roomy.scratch_room(roomy.length, 8) and roomy.has_padding
     assert torch.equal(m.decode(canvas[1:], roomy), m.decode(canvas[1:], cache.rows(torch.tensor([1]))))
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_an_encoder_pass_for_the_cache_alone_writes_the_same_cache(tiny, ring):
+    """`encode(..., output=False)` (a prompt's prefill, a commit): the same cache bit for bit as a full encoder pass,
+    chunked with padding and as one commit, eagerly and as the static (CUDA-graph) pass; nothing is returned, and
+    the last layer's feed-forward half never runs (only its K/V are written)."""
+    m = tiny.module
+    ids = torch.randint(5, 512, (2, 30), generator=torch.Generator().manual_seed(3))
+    pad = torch.ones(2, 30, dtype=torch.bool)
+    pad[-1, :5] = False
+    canvas = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(4))
+    last = m.layers[-1]
+    runs = []
+    handles = [mod.register_forward_hook(lambda *a: runs.append(1)) for mod in (last.mlp, last.experts, m.norm)]
+    try:
+        full, kv = (m.new_cache(2, 64, ring=ring) for _ in range(2))
+        assert m.encode(ids, full, pad_mask=pad) is not None and runs
+        runs.clear()
+        assert m.encode(ids, kv, pad_mask=pad, output=False) is None and not runs  # chunked: 4 chunks of 8
+        assert m.encode(canvas, kv, output=False) is None and not runs
+        assert static_commit(m, canvas, kv, torch.tensor(kv.length)) is None and not runs
+    finally:
+        for h in handles:
+            h.remove()
+    m.encode(canvas, full)
+    static_encode(m, canvas, full, torch.tensor(full.length))
+    kv.length = full.length = full.length + 8
+    assert full.length == kv.length == 46 and (kv.ring is not None) == ring
+    assert all(torch.equal(a, b) for a, b in zip(_held(full, 0), _held(kv, 0)))
 
 
 def test_static_passes_on_a_ring_match_the_eager_passes(tiny):

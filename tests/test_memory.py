@@ -124,6 +124,11 @@ def test_a_long_prompts_prefill_holds_its_output_and_one_mask():
     out_bytes, mask_bytes = S * 256 * 2, 256 * S * 2
     assert out.shape == (1, S, 256)
     assert lb.peak <= out_bytes + 1.5 * mask_bytes + 0.2 * out_bytes, lb.top()
+    with torch.no_grad():  # what generate asks for: the cache alone, so no output is held
+        cache = m.new_cache(1, S)
+        with LiveBytes() as kv:
+            assert m.encode(ids, cache, output=False) is None
+    assert kv.peak <= 1.5 * mask_bytes + 0.2 * out_bytes < lb.peak - 0.7 * out_bytes, kv.top()
 
 
 def test_a_decoder_pass_at_a_long_context_copies_no_layers_cache():

@@ -595,7 +595,7 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
         slots, captures = s._slots, g.captures
         assert slots.batch == 4 and slots.capacity >= len(plan[2][0].prompt_ids) + 160
         names = {k[0] for k in g.captured}
-        assert "decode" in names and ("encode_decode" in names) == fuse_commit and names <= {"decode", "encode",
+        assert "decode" in names and ("encode_decode" in names) == fuse_commit and names <= {"decode", "commit",
                                                                                              "encode_decode"}
         assert all(c.buffers == tuple(t.data_ptr() for t in (*slots.keys, *slots.values, slots.valid))
                    for c in g.captured.values())  # the graphs on the first, smaller slots were released
@@ -756,7 +756,7 @@ def test_scheduler_warm_up_leaves_it_ready(lm, monkeypatch):
         s = Scheduler(lm.module, lm.canvas_length, fuse_commit=True, max_batch=3)
         assert s.warm_up() > 0 and not s.rows and not s._waiting and s.cache is None
         C = lm.canvas_length
-        assert set(g.captured) == {("decode", (b, C)) for b in (1, 2, 3)} | {("encode", (b, C)) for b in (1, 2, 3)} \
+        assert set(g.captured) == {("decode", (b, C)) for b in (1, 2, 3)} | {("commit", (b, C)) for b in (1, 2, 3)} \
             | {("encode_decode", ((b, C), (b, C))) for b in (1, 2, 3)}
         captures = g.captures
         assert drive_scheduler(s, {0: [job]}) == want

@@ -298,7 +298,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
                 t_canvas = time.perf_counter()
                 fused = fuse_commit and c > 0  # the commit runs inside this canvas's first step
                 if not fused:
-                    module.encode(chunk, cache, pad_mask=chunk_mask)
+                    module.encode(chunk, cache, pad_mask=chunk_mask, output=False)  # only the cache is needed
                 if c == 0:
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)

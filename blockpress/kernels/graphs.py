@@ -146,11 +146,12 @@ def _scale(module, device, scale):
     return module.embed_scale(module.dtype, device) if scale is None else scale
 
 
-def _layers(module, x, rope, masks, keys_values, scalar):
-    """The layer loop of the static passes. keys_values(i, k, v) -> the keys and values layer i attends to
-    (writing the cache first where the pass does); scalar(layer) -> the residual scale of its rows."""
+def _layers(module, x, rope, masks, keys_values, scalar, upto: int | None = None):
+    """The layer loop of the static passes (layers [0, upto), default all). keys_values(i, k, v) -> the keys and
+    values layer i attends to (writing the cache first where the pass does); scalar(layer) -> the residual scale of
+    its rows."""
     attn_fn = ATTENTION_BACKENDS[module.attention_backend]
-    for i, layer in enumerate(module.layers):
+    for i, layer in enumerate(module.layers[:upto]):
         t = FULL if layer.full else SLIDING
         cos, sin = rope[t]
 
@@ -185,10 +186,11 @@ def static_decode(module, canvas, cache, T, sc_logits, sc_mask, scale=None, out=
     return module.lm_logits(module.norm(x), out=out)
 
 
-def static_encode(module, ids, cache, T0, scale=None):
-    """`module.encode(ids, cache)` for a chunk without padding, with T0 (= cache.length, 0-dim int64) on
-    the device: writes K/V at [T0, T0+S) and returns the final-normed hidden states [B,S,H]. The caller
-    advances `cache.length` (a host value) and makes sure the capacity holds T0 + S."""
+def static_encode(module, ids, cache, T0, scale=None, output: bool = True):
+    """`module.encode(ids, cache, output=output)` for a chunk without padding, with T0 (= cache.length, 0-dim
+    int64) on the device: writes K/V at [T0, T0+S) and returns the final-normed hidden states [B,S,H] (output=False:
+    the last layer writes its K/V and stops, and None is returned). The caller advances `cache.length` (a host
+    value) and makes sure the capacity holds T0 + S."""
     B, S = ids.shape
     x = torch.nn.functional.embedding(ids, module.embed_tokens.weight) * _scale(module, ids.device, scale)
     rope = _rope(module, T0, S, x.dtype)
@@ -201,7 +203,20 @@ def static_encode(module, ids, cache, T0, scale=None):
         _write(cache, i, pos, k, v)
         return _cached(cache, i, module.layers[i].full, window)
 
-    return module.norm(_layers(module, x, rope, masks, keys_values, lambda layer: layer.encoder_layer_scalar))
+    last = len(module.layers) - 1
+    x = _layers(module, x, rope, masks, keys_values, lambda layer: layer.encoder_layer_scalar,
+                upto=None if output else last)
+    if output:
+        return module.norm(x)
+    layer = module.layers[last]  # the cache needs only its K/V
+    cos, sin = rope[FULL if layer.full else SLIDING]
+    _write(cache, last, pos, *layer.self_attn.project_kv(layer.input_layernorm(x), cos, sin))
+    return None
+
+
+def static_commit(module, ids, cache, T0, scale=None):
+    """`static_encode(..., output=False)`: a commit, which only the cache needs."""
+    return static_encode(module, ids, cache, T0, scale, output=False)
 
 
 def static_encode_decode(module, ids, canvas, cache, T0, sc_logits, sc_mask, scale=None, out=None):
@@ -316,12 +331,16 @@ class _Captured:
                 _set(self.inputs[name], value)
         if self.graph is None:
             out = self.fn()
+            if out is None:  # a pass that only writes the cache (a commit)
+                return None
             if self.out is None:
                 self.out = out
             elif out.data_ptr() != self.out.data_ptr():
                 self.out.copy_(out)
         else:
             self.graph.replay()
+            if self.out is None:
+                return None
         return self.out.clone() if copy else self.out
 
 
@@ -442,15 +461,17 @@ class GraphedPasses:
         cache.note_write(T, C)  # scratch past the length: a ring's oldest positions give way to it
         return out
 
-    def encode(self, ids, cache, pad_mask=None, hidden_states=None, inputs_embeds=None):
+    def encode(self, ids, cache, pad_mask=None, hidden_states=None, inputs_embeds=None, output=True):
         B, S = ids.shape
         if pad_mask is not None or hidden_states is not None or inputs_embeds is not None or S not in self.encode_sizes:
             return self._eager["encode"](ids, cache, pad_mask=pad_mask, hidden_states=hidden_states,
-                                         inputs_embeds=inputs_embeds)
+                                         inputs_embeds=inputs_embeds, output=output)
         T0 = cache.length
         cache.ensure_capacity(T0 + S, write=S)
         inputs = {"ids": (ids, ids.shape, torch.long), "T0": (T0, (), torch.long)}
-        out = self._run("encode", (B, S), cache, static_encode, inputs)
+        # a commit (output=False) is a pass of its own: the last layer writes its K/V and stops
+        out = self._run("encode" if output else "commit", (B, S), cache, static_encode if output else static_commit,
+                        inputs)
         cache.note_write(T0, S)
         cache.length = T0 + S
         return out

@@ -148,13 +148,17 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B,S,H] -> q [B,nh,S,D], k [B,kv,S,D], v [B,kv,S,D] (post-norm, post-RoPE)."""
         B, S, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, S, self.n_heads, self.head_dim))
+        q = self.q_norm(self.q_proj(x).view(B, S, self.n_heads, self.head_dim)).transpose(1, 2)  # [B, heads, S, D]
+        return (apply_rope(q, cos, sin), *self.project_kv(x, cos, sin))
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B,S,H] -> k, v [B,kv,S,D] (post-norm, post-RoPE): what the KV cache keeps of a layer."""
+        B, S, _ = x.shape
         k_raw = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
         v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
-        k = self.k_norm(k_raw)
-        v = rms_norm(v_raw, None, self.eps)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        k = self.k_norm(k_raw).transpose(1, 2)
+        v = rms_norm(v_raw, None, self.eps).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         B, _, S, _ = o.shape

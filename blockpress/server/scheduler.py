@@ -346,7 +346,7 @@ class Scheduler:
             if fuse:  # nobody to admit: no prompt has to be encoded between the commit and the step
                 pending = self._committed
             else:
-                self.module.encode(self._committed, self.cache)
+                self.module.encode(self._committed, self.cache, output=False)
                 self._admit()
         else:
             self._admit()
@@ -428,7 +428,7 @@ class Scheduler:
         new.length = E - S  # positions [E - S, E); everything before is padding for these rows
         new.valid[:, :E - S] = False
         new.has_padding = E > S
-        encode(ids, new, pad_mask=None if bool(mask.all()) else mask)
+        encode(ids, new, pad_mask=None if bool(mask.all()) else mask, output=False)
         rows = []
         for h in admitted:
             cfg = h.job.cfg
@@ -599,7 +599,7 @@ class Scheduler:
                 self.metrics.step_seconds.observe(time.perf_counter() - t0)
                 self.metrics.batch_rows.observe(raw.shape[0])
         if pending is not None:  # every row was cancelled before the first step: the cache still needs it
-            m.encode(pending, self.cache)
+            m.encode(pending, self.cache, output=False)
         self._commit(a, time.perf_counter() - t_canvas)
 
     def _commit(self, a: torch.Tensor, seconds: float) -> None:

@@ -943,3 +943,78 @@ def test_softcap_kernel_on_cuda_matches_torch():
     out, ref = softcap_triton(x, 30.0), softcap_logits(x, 30.0)
     torch.testing.assert_close(out, ref, rtol=3e-7, atol=1e-6)  # libdevice tanhf, as torch: an ulp or two at most
     print("softcap: bit-identical" if torch.equal(out, ref) else f"softcap: {(out != ref).float().mean():.2e} differ")
+
+
+def _attention_masks(B, S, L, dtype, device="cpu"):
+    """The mask shapes the passes give attention: none; a decoder's padding [B,1,1,L]; an encoder chunk's causal
+    lower-right [1,1,S,L]; and causal with padding [B,1,S,L] (additive, the dtype's minimum where not allowed)."""
+    from blockpress.model.layers import additive_mask
+
+    pos = torch.arange(L - S, L, device=device)
+    causal = torch.arange(L, device=device)[None, :] <= pos[:, None]  # [S, L]
+    pad = torch.ones(B, L, dtype=torch.bool, device=device)
+    pad[-1, :3] = False
+    return {"none": None, "padding": additive_mask(pad[:, None, None].clone(), dtype),
+            "causal": additive_mask(causal[None, None].clone(), dtype),
+            "causal+padding": additive_mask(causal[None, None] & pad[:, None, None], dtype)}
+
+
+@pytest.mark.parametrize("groups,head_dim", [(1, 16), (2, 16), (4, 300), (8, 40)])
+def test_sdpa_gqa_folds_grouped_heads_into_the_query_length(monkeypatch, groups, head_dim):
+    """`attention_sdpa_gqa` = the reference attention (fp32) for every mask the passes give it, by each route: GQA
+    inside SDPA where FlashAttention can take it (no mask, head dim <= 256), else the query heads of each KV head
+    folded into the query length (no K/V copy; a per-query mask repeated per group), or one call per group where that
+    repeated mask would be too large."""
+    from blockpress.kernels import attention as att
+    from blockpress.model.layers import attention_eager
+
+    B, kv, S, L = 2, 2, 12, 20
+    g = torch.Generator().manual_seed(groups)
+    q = torch.randn(B, S, kv * groups, head_dim, generator=g).transpose(1, 2)  # as project() returns it
+    k, v = (torch.randn(B, kv, L, head_dim, generator=g) for _ in range(2))
+    calls = []
+
+    def sdpa(*a, **kw):  # the real kernel, its calls recorded
+        calls.append((tuple(a[0].shape), kw.get("enable_gqa", False)))
+        return torch.nn.functional.scaled_dot_product_attention(*a, **kw)
+
+    for name, mask in _attention_masks(B, S, L, torch.float32).items():
+        want = attention_eager(q, k, v, mask)
+        for budget in (1 << 28, 0):  # the mask repeated per group, or a call per group
+            monkeypatch.setattr(att, "MASK_REPEAT_BYTES", budget)
+            calls.clear()
+            got = att.attention_sdpa_gqa(q, k, v, mask, sdpa=sdpa)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{name}, budget {budget}")
+            if groups == 1:
+                assert calls == [(tuple(q.shape), False)]
+            elif mask is None and head_dim <= att.FLASH_MAX_HEAD_DIM:
+                assert calls == [(tuple(q.shape), True)]  # flash's own GQA
+            elif mask is None or mask.shape[-2] == 1 or budget:
+                assert calls == [((B, kv, groups * S, head_dim), False)]  # folded, one call
+            else:
+                assert calls == [((B, kv, S, head_dim), False)] * groups  # a query head per KV head a call
+
+
+@pytest.mark.gpu
+def test_sdpa_gqa_runs_a_fused_kernel_on_the_26b_shapes():
+    """With SDPA's math kernel switched off, every attention call of the 26B model's passes still runs (SDPA
+    raises "No available kernel" where only math would do), bf16 on the GPU, and equals the reference: full
+    layers (8 query heads per KV head, head dim 512) and sliding ones (2 per KV head, 256), a denoising step's
+    canvas and a prefill chunk, with each mask the passes give."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from blockpress.kernels.attention import attention_sdpa_gqa
+    from blockpress.model.layers import attention_eager
+
+    dev, dt = "cuda", torch.bfloat16
+    for kv, groups, D in ((2, 8, 512), (8, 2, 256)):
+        for S, L in ((256, 2304), (2048, 4096)):
+            q = torch.randn(1, S, kv * groups, D, device=dev, dtype=dt).transpose(1, 2)
+            k, v = (torch.randn(1, kv, L, D, device=dev, dtype=dt) for _ in range(2))
+            for name, mask in _attention_masks(1, S, L, dt, dev).items():
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                  SDPBackend.CUDNN_ATTENTION]):
+                    got = attention_sdpa_gqa(q, k, v, mask)
+                want = attention_eager(q.float(), k.float(), v.float(), None if mask is None else mask.float())
+                err = (got.float() - want).abs().max().item()
+                assert err < 3e-2, (kv, groups, D, S, L, name, err)

@@ -7,9 +7,10 @@ caching allocator's rounding and fragmentation. In-place ops and views allocate 
 
 On the meta device the kernels that a GPU runs fused are replaced by stand-ins that allocate what the
 GPU path allocates (`meta_backends`): the Triton experts (the padded assignment list, the [L, Im]
-activations, the [A, H] per-assignment outputs and their weighted sum [N, H]) and a fused attention
-kernel (its output only: flash / memory-efficient SDPA keep no score matrix). Everything else is the
-engine's own code.
+activations, the [A, H] per-assignment outputs and their weighted sum [N, H]) and the SDPA kernel inside
+`attention_sdpa_gqa` (its output only: flash / memory-efficient SDPA keep no score matrix; the GPU test
+`test_sdpa_gqa_runs_a_fused_kernel_on_the_26b_shapes` checks that no pass needs the math kernel). Everything
+else is the engine's own code, the attention's folded queries and repeated masks included.
 """
 
 from __future__ import annotations
@@ -85,9 +86,17 @@ def _experts_meta(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, block_m: int = 16):
     return x_NH.new_empty(N, H)
 
 
-def _attention_meta(q, k, v, mask):
-    """A fused attention kernel's allocation: its output."""
+def _fused_sdpa_meta(q, k, v, attn_mask=None, scale=None, enable_gqa=False):
+    """A fused SDPA kernel's allocation: its output (flash and memory-efficient keep no score matrix)."""
     return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+def _attention_meta(q, k, v, mask):
+    """The GPU's attention (`attention_sdpa_gqa`: folded queries, a mask repeated per group, or a call per group)
+    around a fused kernel's allocation."""
+    from .attention import attention_sdpa_gqa
+
+    return attention_sdpa_gqa(q, k, v, mask, sdpa=_fused_sdpa_meta)
 
 
 def meta_backends(module) -> None:

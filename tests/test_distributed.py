@@ -14,13 +14,6 @@ from blockpress.train.trainer import TrainConfig, Trainer
 
 STEPS = 2
 
-@pytest.fixture(autouse=True)
-def _grad_enabled():
-    """test_parity.py turns autograd off globally at import; training tests need it on."""
-    with torch.enable_grad():
-        yield
-
-
 
 def _examples():
     g = torch.Generator().manual_seed(0)

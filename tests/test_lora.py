@@ -10,12 +10,6 @@ from blockpress.train import lora as L
 
 pytest.importorskip("peft")
 
-@pytest.fixture(autouse=True)
-def _grad_enabled():
-    """test_parity.py turns autograd off globally at import; training tests need it on."""
-    with torch.enable_grad():
-        yield
-
 
 
 def _randomise_adapters(module, seed=0):

@@ -9,12 +9,6 @@ from blockpress.train.sizes import model_config
 
 V, C = 16, 8
 
-@pytest.fixture(autouse=True)
-def _grad_enabled():
-    """test_parity.py turns autograd off globally at import; training tests need it on."""
-    with torch.enable_grad():
-        yield
-
 
 
 def tiny(seed=0):

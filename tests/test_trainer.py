@@ -11,12 +11,6 @@ from blockpress.cli import main as cli_main
 TINY = ["--size", "nano", "--batch-size", "4", "--lr", "3e-3", "--warmup", "2", "--log-every", "1",
         "--eval-every", "0", "--threads", "1", "--no-progress", "--blanks", "40", "44"]
 
-@pytest.fixture(autouse=True)
-def _grad_enabled():
-    """test_parity.py turns autograd off globally at import; training tests need it on."""
-    with torch.enable_grad():
-        yield
-
 
 
 def _losses(out):

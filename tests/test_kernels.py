@@ -996,16 +996,18 @@ def test_sdpa_gqa_folds_grouped_heads_into_the_query_length(monkeypatch, groups,
 
 
 @pytest.mark.gpu
-def test_sdpa_gqa_runs_a_fused_kernel_on_the_26b_shapes():
+@pytest.mark.parametrize("repeat_budget", [1 << 28, 0])  # a mask repeated per group, or a call per group
+def test_sdpa_gqa_runs_a_fused_kernel_on_the_26b_shapes(monkeypatch, repeat_budget):
     """With SDPA's math kernel switched off, every attention call of the 26B model's passes still runs (SDPA
     raises "No available kernel" where only math would do), bf16 on the GPU, and equals the reference: full
     layers (8 query heads per KV head, head dim 512) and sliding ones (2 per KV head, 256), a denoising step's
     canvas and a prefill chunk, with each mask the passes give."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from blockpress.kernels.attention import attention_sdpa_gqa
+    from blockpress.kernels import attention as att
     from blockpress.model.layers import attention_eager
 
+    monkeypatch.setattr(att, "MASK_REPEAT_BYTES", repeat_budget)
     dev, dt = "cuda", torch.bfloat16
     for kv, groups, D in ((2, 8, 512), (8, 2, 256)):
         for S, L in ((256, 2304), (2048, 4096)):
@@ -1014,7 +1016,7 @@ def test_sdpa_gqa_runs_a_fused_kernel_on_the_26b_shapes():
             for name, mask in _attention_masks(1, S, L, dt, dev).items():
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                   SDPBackend.CUDNN_ATTENTION]):
-                    got = attention_sdpa_gqa(q, k, v, mask)
+                    got = att.attention_sdpa_gqa(q, k, v, mask)
                 want = attention_eager(q.float(), k.float(), v.float(), None if mask is None else mask.float())
                 err = (got.float() - want).abs().max().item()
                 assert err < 3e-2, (kv, groups, D, S, L, name, err)

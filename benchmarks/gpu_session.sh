@@ -14,6 +14,8 @@
 #   bash benchmarks/gpu_session.sh serve   # the server's scheduler under load, int4 + int8 linears, graphs off / on
 #   bash benchmarks/gpu_session.sh long    # an 8K-token prompt: chunked prefill (2,048) against one pass; and the
 #                                          # experts' K-sum by atomics against the third kernel (int4, batch 1)
+#   bash benchmarks/gpu_session.sh ctx     # a 32K-token prompt, int4 + int8 linears, eagerly and with CUDA graphs:
+#                                          # peak memory against peak_memory.py's 17.23 / 17.68 GB, prefill time
 # A session's 30 minutes of device time (machine start included) hold three parts: check, quant, bf16 first (the
 # issue's targets); serve in the next session, or when a part finished early.
 # MOE_TILES="bm=..,bn=..,bk=.." (the check part's best bf16 spec, tiles.json "best") makes the fast runs use those
@@ -22,9 +24,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh check|bf16|quant|serve|long}
+PART=${1:?usage: gpu_session.sh check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
-case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
+case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -132,7 +134,18 @@ case "$PART" in
         --moe-sum $sum --no-reference --no-ar ${MOE_TILES_INT4:+--moe-tiles $MOE_TILES_INT4}
     done
     ;;
-  *) echo "unknown part $PART (check, bf16, quant, serve or long)"; exit 2 ;;
+  ctx)
+    # a 32K-token context (int4 experts + int8 linears, 256 new tokens, fast sampler): the sliding layers' ring, the
+    # eager decoder's in-place canvas, prefill and commits for the cache alone, and attention on SDPA's fused kernels
+    # (benchmarks/README.md items 26-29). peak_mem_bytes against benchmarks/peak_memory.py's prediction (eager
+    # 17.23 GB, CUDA graphs 17.68 GB; plus the CUDA context and the allocator's rounding); prefill_ms and ms/step
+    CTX=32768; [ "$PRESET" = real-26b ] || CTX=3000  # a dry run's preset holds 4,096 positions
+    bench ctx-eager --batch 1 --precision int4 --linears int8 --modes fixed --experts $FAST --sampler fast \
+      --prompt-tokens $CTX --new-tokens 256 --no-reference --no-ar
+    bench ctx-graphs --batch 1 --precision int4 --linears int8 --modes fixed --experts $FAST --sampler fast \
+      $GPU_FLAGS --prompt-tokens $CTX --new-tokens 256 --no-reference --no-ar
+    ;;
+  *) echo "unknown part $PART (check, bf16, quant, serve, long or ctx)"; exit 2 ;;
 esac
 
 python3 - "$OUT" <<'EOF'

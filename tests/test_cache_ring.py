@@ -10,6 +10,7 @@ pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without a
 import blockpress
 from blockpress.engine.cache import KVCache, ring_slots
 from blockpress.kernels.graphs import GraphedPasses, static_commit, static_decode, static_encode, static_encode_decode
+from hf_oracle import TINY_TEXT
 
 SHAPES = [(2, 4), (1, 8), (2, 4)]  # (kv heads, head dim): sliding, full, sliding
 SLIDING = [True, False, True]
@@ -146,12 +147,7 @@ def test_ring_slots_rule():
 
 # ------------------------------------------------------------------------------------------------- model level
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
-                         "sliding_attention", "full_attention"],
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-            num_global_key_value_heads=1, num_experts=8, top_k_experts=3, moe_intermediate_size=24,
-            sliding_window=8, max_position_embeddings=4096)
+TINY = TINY_TEXT  # spec 6.1's tiny config: 2 full layers of 6, a window of 8
 
 
 @pytest.fixture(scope="module")

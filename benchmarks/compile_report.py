@@ -186,8 +186,9 @@ def main(argv=None) -> int:
                     key = getattr(kernel, "hash", None) or f"{name} {label}"
                     if key in seen:
                         seen[key]["also"] += 1
+                        seen[key]["also_for"].append(label)
                         continue
-                    seen[key] = dict(read_back(name, kernel, label, arch).row(), also=0)
+                    seen[key] = dict(read_back(name, kernel, label, arch).row(), also=0, also_for=[])
                 if i % 20 == 0 or i == len(here):
                     print(f"  sm_{arch}: {i}/{len(here)} launches, {len(seen)} kernels, "
                           f"{time.perf_counter() - t0:.0f} s", flush=True)
@@ -195,8 +196,9 @@ def main(argv=None) -> int:
         print_table(rows, arch)
         bad = [r for r in rows if r["problems"]]
         failed += len(bad)
-        model = issue_model(rows, arch, text, [p for p in precisions if arch >= 89 or p != "fp8"], batches[0], C,
-                            dtype.itemsize)
+        model = [row for b in batches for row in issue_model(rows, arch, text, [p for p in precisions
+                                                                             if arch >= 89 or p != "fp8"], b, C,
+                                                             dtype.itemsize)]
         result["archs"][str(arch)] = {"card": ARCHS[arch][0], "kernels": rows, "failed": len(bad),
                                       "issue_model": model, "seconds": round(time.perf_counter() - t0, 1)}
     result["failed"] = failed
@@ -233,7 +235,7 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
     against Little's law, bandwidth x loaded latency / SMs: fewer, and no kernel reaches the bandwidth whatever
     its instructions; and the bytes a step reads from L2 (l2_to_sm_bytes), to set against the card's L2 rate
     (benchmarks/l2_bandwidth.py)."""
-    from blockpress.kernels.moe_grouped import TILES, auto_block_m, int4_block_k
+    from blockpress.kernels.moe_grouped import TILES, auto_block_m, expected_m_blocks, int4_block_k
     from blockpress.kernels.quant import group_for
 
     name, sms, clock, bandwidth = ISSUE_CARDS[arch]
@@ -243,7 +245,7 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
     print(f"\nissue model, {name} (sm_{arch}: {sms} SMs x 4 schedulers x {clock / 1e9:.2f} GHz, "
           f"{bandwidth / 1e12:.2f} TB/s), expert kernels of a step at canvas x{batch}, default tiles:")
     need = bandwidth * LOADED_LATENCY_S / sms
-    print(f"{'experts':<8} {'instr/weight up':>15} {'down':>6} {'issue ms':>9} {'bytes ms':>9}  {'bound':<12} "
+    print(f"{'experts':<8} {'BM':>3} {'blocks/expert':>13} {'instr/weight up':>15} {'down':>6} {'issue ms':>9} {'bytes ms':>9}  {'bound':<12} "
           f"{'L2->SM GB':>9} {'x HBM':>6}  KB in flight per SM, up / down (Little's law: {need / 1024:.0f} KB at "
           f"{LOADED_LATENCY_S * 1e9:.0f} ns)")
     for precision in precisions:
@@ -251,10 +253,11 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
         if precision == "int4":  # the K tile the launcher runs (QuantizedExperts' default groups of 64)
             bk = int4_block_k(bk, (group_for(H, 64), group_for(Im, 64)))
         per, flight = {}, {}
-        bm = TILES.block_m or auto_block_m(batch * canvas * text.top_k_experts, E, arch >= 90)
+        bm = TILES.block_m or auto_block_m(batch * canvas, text.top_k_experts, E, arch >= 90)
         for kernel, matrices in (("_moe_up_kernel", 2), ("_moe_down_kernel", 1)):
             want = f"experts {precision}, canvas x{batch}, tiles {TILES.spec()}"
-            r = next((r for r in rows if r["kernel"] == kernel and r["label"] == want and r["loop"]), None)
+            r = next((r for r in rows if r["kernel"] == kernel and want in (r["label"], *r["also_for"]) and r["loop"]),
+                     None)
             if r is None:
                 break
             per[kernel] = r["loop"] / (matrices * TILES.block_n * bk / (32 * r["num_warps"]))
@@ -263,24 +266,25 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
         if len(per) < 2:
             continue
         up_w, down_w = L * E * 2 * Im * H, L * E * H * Im
-        # each expert's weights are dequantised once per M block of its tokens (balanced routing), and a partial
-        # last N tile issues a full tile's instructions (704 = 5.5 x 128)
-        m_blocks = -(-batch * canvas * text.top_k_experts // E // bm)
+        # each expert's weights are dequantised once per M block of its tokens (expected under uniform random
+        # routing: Binomial(tokens, K / E) assignments an expert, not the mean), and a partial last N tile issues a
+        # full tile's instructions (704 = 5.5 x 128)
+        m_blocks = expected_m_blocks(batch * canvas, text.top_k_experts, E, bm)
         waste = {"_moe_up_kernel": -(-Im // TILES.block_n) * TILES.block_n / Im,
                  "_moe_down_kernel": -(-H // TILES.block_n) * TILES.block_n / H}
         issue = m_blocks * (up_w * per["_moe_up_kernel"] * waste["_moe_up_kernel"]
                             + down_w * per["_moe_down_kernel"] * waste["_moe_down_kernel"]) / 32 / issue_rate * 1e3
         mem = (up_w + down_w) * BYTES_PER_WEIGHT[precision] / bandwidth * 1e3
         l2 = l2_to_sm_bytes(text, batch * canvas, bm, TILES.block_n, BYTES_PER_WEIGHT[precision], act_bytes)
-        row = {"experts": precision, "card": name, "up_instr_per_weight": round(per["_moe_up_kernel"], 2),
-               "down_instr_per_weight": round(per["_moe_down_kernel"], 2), "m_blocks_per_expert": m_blocks,
+        row = {"experts": precision, "card": name, "batch": batch, "up_instr_per_weight": round(per["_moe_up_kernel"], 2),
+               "down_instr_per_weight": round(per["_moe_down_kernel"], 2), "m_blocks_per_expert": round(m_blocks, 3), "block_m": bm,
                "issue_ms": round(issue, 2), "bytes_ms": round(mem, 2),
                "bound": "instructions" if issue > mem else "memory", "l2_to_sm_gb": round(l2 / 1e9, 2),
                "l2_to_sm_over_hbm": round(l2 / (mem / 1e3 * bandwidth), 2),
                "in_flight_kb_per_sm": {k.split("_")[2]: round(v / 1024, 1) for k, v in flight.items()},
                "in_flight_kb_needed": round(need / 1024, 1)}
         out.append(row)
-        print(f"{precision:<8} {row['up_instr_per_weight']:>15.2f} {row['down_instr_per_weight']:>6.2f} "
+        print(f"{precision:<8} {bm:>3} {m_blocks:>13.3f} {row['up_instr_per_weight']:>15.2f} {row['down_instr_per_weight']:>6.2f} "
               f"{issue:>9.2f} {mem:>9.2f}  {row['bound']:<12} {row['l2_to_sm_gb']:>9.2f} "
               f"{row['l2_to_sm_over_hbm']:>6.2f}  {flight['_moe_up_kernel'] / 1024:.0f} / "
               f"{flight['_moe_down_kernel'] / 1024:.0f}")
@@ -288,14 +292,16 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
 
 
 def l2_to_sm_bytes(text, tokens: int, bm: int, bn: int, weight_bytes: float, act_bytes: int) -> float:
-    """Bytes the expert kernels of one step read from L2 into the SMs (balanced routing): every program reads its
+    """Bytes the expert kernels of one step read from L2 into the SMs (uniform random routing): every program reads its
     weight slice (each expert's weights once per M block) and its M block's activation rows over the whole K
     (the up kernel: x [bm, H]; the down kernel: act [bm, Im]), so the activations are read once per N tile:
     Im / bn times by the up kernel, H / bn by the down kernel. Weights come from HBM once; the activations, small,
     from L2 after the first read. Against HBM bytes this says how much L2 bandwidth a step needs on top."""
+    from blockpress.kernels.moe_grouped import expected_m_blocks
+
     E, H, Im, K, L = (text.num_experts, text.hidden_size, text.moe_intermediate_size, text.top_k_experts,
                       text.num_hidden_layers)
-    m_blocks = E * -(-tokens * K // E // bm)  # total M blocks, balanced
+    m_blocks = E * expected_m_blocks(tokens, K, E, bm)  # total M blocks, uniform random routing
     up = m_blocks * (2 * Im * H * weight_bytes + bm * H * act_bytes * -(-Im // bn))
     down = m_blocks * (H * Im * weight_bytes + bm * Im * act_bytes * -(-H // bn))
     return L * (up + down)

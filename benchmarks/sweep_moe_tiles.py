@@ -1,8 +1,8 @@
 """Tile sweep of the Triton expert kernels on ONE layer of a real config, against that layer's byte floor.
 
 A denoising step of the 26B-A4B model is ~95 % expert weights, so the two expert kernels decide how close
-a step gets to the bandwidth floor. Their default tiles (block_m = next power of two >= the mean
-assignments per expert, BN 64, BK 64, Triton's default warps/stages) are untimed. This script builds one
+a step gets to the bandwidth floor. Their default tiles (block_m sized for the spread of the routing:
+`moe_grouped.auto_block_m`; BN 128, BK 64, Triton's default warps, stages fitted to the device) are untimed. This script builds one
 layer's experts (random weights on the device: bf16, fp8 or int4) and a canvas's routing (B x C tokens,
 top-K of a random router), then times every tile setting of a grid (`triton.testing.do_bench` on CUDA,
 the best of `--repeats` on a CPU) and reports ms, achieved GB/s (the layer's hit expert bytes / time) and
@@ -32,24 +32,29 @@ from blockpress.cli.bench import _group_size
 from blockpress.cli.run import _positive_int
 from blockpress.kernels.profile import time_ms
 
-# 18 settings (+ the defaults, which are among them); ~2.5 min on an H100, estimated, not yet run. BK 32 and BN 64
+# 18 settings (+ the defaults, which are among them), then the M tile alone at the default N and K tiles (bm=auto
+# sizes it for the spread of the routing, from compile_report.py's issue model: a timing has to confirm it); ~2.5 min on an H100, estimated, not yet run. BK 32 and BN 64
 # stay in: the defaults moved to BK 64 and BN 128 on compile_report.py's static model (instructions, L2 traffic),
 # a timing has to confirm them; BN 256 reads the activations from L2 half as often again (int4 at batch 1: 14.1 GB
 # a step against 16.1 at BN 128) for as many instructions, but 255 registers from bm 64 on
-DEFAULT_GRID = "bm=auto;bn=64,128,256;bk=32,64,128;warps=4,8"
+DEFAULT_GRID = "bm=auto;bn=64,128,256;bk=32,64,128;warps=4,8|bm=16,32,64"
 
 
 def parse_grid(text: str) -> list[str]:
-    """'bm=16,32;bn=64' -> ['bm=16,bn=64', 'bm=32,bn=64'] (every combination, each checked by parse_tiles)."""
+    """'bm=16,32;bn=64' -> ['bm=16,bn=64', 'bm=32,bn=64'] (every combination, each checked by parse_tiles); grids
+    joined by '|' are taken one after the other ('bm=auto;bn=64,128|bm=16,32': four settings)."""
     from blockpress.kernels.moe_grouped import parse_tiles
 
-    axes = []
-    for part in filter(None, (p.strip() for p in text.split(";"))):
-        key, _, vals = part.partition("=")
-        if not vals:
-            raise SystemExit(f"bad --grid part {part!r}: use key=v1,v2 parts separated by ';'")
-        axes.append([f"{key.strip()}={v.strip()}" for v in vals.split(",") if v.strip()])
-    specs = [",".join(combo) for combo in itertools.product(*axes)] or [""]
+    specs = []
+    for grid in text.split("|"):
+        axes = []
+        for part in filter(None, (p.strip() for p in grid.split(";"))):
+            key, _, vals = part.partition("=")
+            if not vals:
+                raise SystemExit(f"bad --grid part {part!r}: use key=v1,v2 parts separated by ';'")
+            axes.append([f"{key.strip()}={v.strip()}" for v in vals.split(",") if v.strip()])
+        specs += [s for s in (",".join(combo) for combo in itertools.product(*axes)) if s not in specs]
+    specs = specs or [""]
     for spec in specs:
         try:
             parse_tiles(spec)

@@ -366,17 +366,19 @@ def test_moe_tiles_setting_reaches_the_kernel_launch(monkeypatch):
     assert moe_grouped.TILES == prev
 
 
-def test_auto_m_tile_grows_to_128_with_8_warps_on_hopper_only(monkeypatch):
-    """bm=auto: one M block per expert when balanced, 16..64, and up to 128 where tl.dot is Hopper's warpgroup MMA
-    (batch >= 8, a prefill: each expert's weights dequantised once, not twice), launched with 8 warps unless the
-    tiles name a count; before sm_90 (mma.sync) it stays at 64."""
+def test_auto_m_tile_is_sized_for_the_spread_of_the_routing_and_grows_to_128_on_hopper_only(monkeypatch):
+    """bm=auto: the smallest M tile (16..64, up to 128 where tl.dot is Hopper's warpgroup MMA) that holds a busy
+    expert's assignments in one block but for ~10 % extra blocks in expectation, launched with 8 warps at 128 unless
+    the tiles name a count; before sm_90 (mma.sync) it stays at 64. A canvas of 256 tokens with top-8 of 128
+    averages 16 assignments an expert, yet BM 16 would split nearly half the experts in two."""
     from blockpress.kernels import moe_grouped
 
     assert not moe_grouped._wgmma_target() or torch.cuda.is_available()  # the interpreter: never
     E = 128
-    for tokens, want, want_hopper in ((256, 16, 16), (1024, 64, 64), (2048, 64, 128), (16384, 64, 128)):
-        assert moe_grouped.auto_block_m(tokens * 8, E) == want
-        assert moe_grouped.auto_block_m(tokens * 8, E, wgmma=True) == want_hopper
+    for tokens, want, want_hopper in ((1, 16, 16), (256, 32, 32), (512, 64, 64), (1024, 64, 128), (2048, 64, 128),
+                                      (16384, 64, 128)):
+        assert moe_grouped.auto_block_m(tokens, 8, E) == want, tokens
+        assert moe_grouped.auto_block_m(tokens, 8, E, wgmma=True) == want_hopper, tokens
     seen = []
 
     class Launch:
@@ -399,6 +401,25 @@ def test_auto_m_tile_grows_to_128_with_8_warps_on_hopper_only(monkeypatch):
         finally:
             moe_grouped.set_moe_tiles(prev)
         assert seen == [want, want], (hopper, tiles)
+
+
+def test_expected_m_blocks_matches_the_blocks_align_blocks_makes_for_random_routing():
+    """expected_m_blocks (the binomial sum bm=auto and compile_report.py's issue model use) against the M blocks
+    `align_blocks` actually allots (blocks with an expert) for random top-K routing, averaged over draws."""
+    from blockpress.kernels import moe_grouped
+
+    g = torch.Generator().manual_seed(0)
+    for tokens, K, E, bm in ((256, 8, 128, 16), (256, 8, 128, 32), (64, 2, 8, 16), (1000, 4, 16, 64)):
+        used = []
+        for _ in range(40):
+            idx = torch.rand(tokens, E, generator=g).topk(K, dim=-1).indices
+            _, block_expert = moe_grouped.align_blocks(idx, E, bm)
+            used.append(int((block_expert >= 0).sum()))
+        measured = sum(used) / len(used) / E
+        want = moe_grouped.expected_m_blocks(tokens, K, E, bm)
+        assert abs(measured - want) < 0.03 * want + 0.01, (tokens, K, E, bm, measured, want)
+    assert moe_grouped.expected_m_blocks(256, 8, 128, 16) > 1.4  # the split the old mean-sized tile paid
+    assert moe_grouped.expected_m_blocks(256, 8, 128, 32) < 1.001
 
 
 @pytest.mark.parametrize("fuse", [False, True])

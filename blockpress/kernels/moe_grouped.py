@@ -19,6 +19,8 @@ Two fast paths, both free of host synchronisation (fixed shapes, so a CUDA graph
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -335,8 +337,8 @@ def triton_supported(x: torch.Tensor, fmt: int = FMT_PLAIN, groups: tuple[int, i
 class Tiles:
     """Tile sizes and launch settings of the two Triton expert kernels (the same for both).
 
-    block_m None: the next power of two >= the mean assignments per expert (16..64; 16..128 on sm_90+, with 8
-    warps at 128 unless num_warps is set), one block per expert when the load is balanced. block_n is capped
+    block_m None: `auto_block_m`, the smallest of 16..64 (16..128 on sm_90+, with 8 warps at 128 unless num_warps
+    is set) that holds a busy expert's assignments in one block but for ~10 % in expectation. block_n is capped
     per kernel at the next power of two >= its output width (a small model's tiles). The defaults are untimed,
     chosen on benchmarks/compile_report.py's static model of the 26B shapes on sm_90: BK 64 (not 32) halved the
     int4 instructions per weight (5.5-6.9 -> 4.3-5.0: instruction-bound -> memory-bound); BN 128 (not 64) cuts
@@ -423,12 +425,42 @@ def _wgmma_target(device: torch.device | None = None) -> bool:
         return False
 
 
-def auto_block_m(assignments: int, n_experts: int, wgmma: bool = False) -> int:
-    """One M block per expert when the load is balanced: 16..64, and up to 128 on sm_90+ (batch >= 8 or a
-    prefill: each expert's weights are then dequantised once, not twice; compile_report.py: int4 at batch 8 on
-    an H100 3.56 ms of issue a step instead of 5.63, instruction-bound -> memory-bound). Not before sm_90: with
-    mma.sync a 128-row tile takes twice the instructions per weight (sm_89 int4 9.7 -> 16.5 ms)."""
-    return min(128 if wgmma else 64, max(16, triton.next_power_of_2(-(-assignments // n_experts))))
+@functools.lru_cache(maxsize=256)
+def expected_m_blocks(tokens: int, top_k: int, n_experts: int, block_m: int) -> float:
+    """E[ceil(X / BM)]: the M blocks one expert's assignments take (`align_blocks` pads each expert's list to a
+    multiple of BM; an expert with none takes none), X ~ Binomial(tokens, K / E), the count of an expert under
+    uniform random top-K routing (random weights, as the benchmarks build; a trained router is less balanced,
+    which only adds blocks). Each block dequantises and streams its expert's weights again."""
+    p = min(1.0, top_k / n_experts)
+    if p >= 1.0 or tokens <= 0:
+        return float(-(-max(tokens, 0) // block_m))
+    mean, sd = tokens * p, math.sqrt(tokens * p * (1 - p))
+    hi = min(tokens, int(mean + 12 * sd) + 1)  # the mass beyond is < 1e-30
+    lp, lq, lg = math.log(p), math.log1p(-p), math.lgamma(tokens + 1)
+    return sum(math.exp(lg - math.lgamma(x + 1) - math.lgamma(tokens - x + 1) + x * lp + (tokens - x) * lq)
+               * -(-x // block_m) for x in range(1, hi + 1))
+
+
+M_TILES = (16, 32, 64, 128)  # the M tiles bm=auto picks from
+SPLIT_BUDGET = 1.1  # bm=auto: the smallest M tile whose expected blocks per busy expert stay within this
+
+
+@functools.lru_cache(maxsize=256)  # per layer and pass in eager mode: a sum over the binomial once per shape
+def auto_block_m(tokens: int, top_k: int, n_experts: int, wgmma: bool = False) -> int:
+    """The M tile for `tokens` routed to top-`top_k` of `n_experts`: the smallest of 16..64 (and 128 on sm_90+, where
+    tl.dot is Hopper's warpgroup MMA) whose expected M blocks per busy expert (`expected_m_blocks`) stay within
+    `SPLIT_BUDGET`, else the largest. Each M block of an expert dequantises its weights again: at a canvas of 256
+    tokens with top-8 of 128 an expert gets 16 assignments on average, but more than 16 nearly half the time
+    (Binomial(256, 1/16): 1.43 blocks of 16 per expert, 1.00 of 32), so the M tile is sized for the spread, not
+    the mean. A wider tile costs more instructions per weight per block (compile_report.py, int4 on sm_90: 2.95 / 3.44
+    up / down at BM 16, 3.38 / 4.03 at BM 32), far less than a second block. Before sm_90 the tile stops at 64: with
+    mma.sync a 128-row tile takes twice the instructions per weight (sm_89 int4 9.7 -> 16.5 ms a step)."""
+    tiles = [m for m in M_TILES if m <= (128 if wgmma else 64)]
+    busy = 1.0 - (1.0 - min(1.0, top_k / n_experts)) ** max(tokens, 0)  # P(an expert gets an assignment)
+    for m in tiles:
+        if expected_m_blocks(tokens, top_k, n_experts, m) <= SPLIT_BUDGET * max(busy, 1e-12):
+            return m
+    return tiles[-1]
 
 
 def compiled_variant(idx_NK: torch.Tensor, n_experts: int) -> tuple:
@@ -436,7 +468,8 @@ def compiled_variant(idx_NK: torch.Tensor, n_experts: int) -> tuple:
     M tile as resolved here), and Triton's specialisation of integer arguments (== 1, divisible by 16) for
     the assignment count."""
     A = idx_NK.numel()
-    return (TILES.spec(), TILES.block_m or auto_block_m(A, n_experts, _wgmma_target(idx_NK.device)), A == 1,
+    bm = TILES.block_m or auto_block_m(idx_NK.shape[0], idx_NK.shape[1], n_experts, _wgmma_target(idx_NK.device))
+    return (TILES.spec(), bm, A == 1,
             A % 16 == 0, MOE_SUM)
 
 
@@ -538,7 +571,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     Im = inter if inter is not None else down_EHI.shape[-1] * (2 if fmt == FMT_INT4 else 1)
     A = N * K
     if block_m is None:
-        block_m = auto_block_m(A, E, _wgmma_target(x_NH.device))
+        block_m = auto_block_m(N, K, E, _wgmma_target(x_NH.device))
         if block_m == 128 and not t.num_warps:  # two warpgroups: 4 warps would hold 2 x 128 x BN fp32 accumulators
             warps = {"num_warps": 8}
     if fmt == FMT_INT4:

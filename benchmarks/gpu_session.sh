@@ -15,7 +15,7 @@
 #   bash benchmarks/gpu_session.sh long    # an 8K-token prompt: chunked prefill (2,048) against one pass; and the
 #                                          # experts' K-sum by atomics against the third kernel (int4, batch 1)
 #   bash benchmarks/gpu_session.sh ctx     # a 32K-token prompt, int4 + int8 linears, eagerly and with CUDA graphs:
-#                                          # peak memory against peak_memory.py's 17.23 / 17.68 GB, prefill time
+#                                          # peak memory against peak_memory.py's 17.29 / 17.75 GB, prefill time
 # A session's 30 minutes of device time (machine start included) hold three parts: check, quant, bf16 first (the
 # issue's targets); serve in the next session, or when a part finished early.
 # MOE_TILES="bm=..,bn=..,bk=.." (the check part's best bf16 spec, tiles.json "best") makes the fast runs use those
@@ -138,7 +138,7 @@ case "$PART" in
     # a 32K-token context (int4 experts + int8 linears, 256 new tokens, fast sampler): the sliding layers' ring, the
     # eager decoder's in-place canvas, prefill and commits for the cache alone, and attention on SDPA's fused kernels
     # (benchmarks/README.md items 26-29). peak_mem_bytes against benchmarks/peak_memory.py's prediction (eager
-    # 17.23 GB, CUDA graphs 17.68 GB; plus the CUDA context and the allocator's rounding); prefill_ms and ms/step
+    # 17.29 GB, CUDA graphs 17.75 GB; plus the CUDA context and the allocator's rounding); prefill_ms and ms/step
     CTX=32768; [ "$PRESET" = real-26b ] || CTX=3000  # a dry run's preset holds 4,096 positions
     bench ctx-eager --batch 1 --precision int4 --linears int8 --modes fixed --experts $FAST --sampler fast \
       --prompt-tokens $CTX --new-tokens 256 --no-reference --no-ar

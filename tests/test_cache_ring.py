@@ -369,6 +369,41 @@ def test_engine_tokens_with_a_ring(tiny, fuse):
     assert graphed.cache.ring == 24 and torch.equal(graphed.sequences, want.sequences)
 
 
+@pytest.mark.parametrize("second", [10, 70])
+def test_scheduler_slots_start_their_ring_afresh_for_a_new_group(tiny, second):
+    """Server slots under the CUDA-graph plumbing: a first request runs alone to position 100 through the 24-slot
+    ring and finishes; a fresh group then starts at position 0 on the same slots, and a request joining it regrows
+    them (1 -> 2 rows), which copies the running row's K/V. The slots' ring bookkeeping (the highest position
+    written) survived the drained group, so that copy skipped positions the new group still reads: a crash when
+    the new group was shorter than the old one's high minus the ring (second=10), wrong tokens otherwise (70).
+    Tokens as a scheduler without graphs that keeps every position."""
+    from blockpress.server.scheduler import Job, Scheduler
+    from blockpress.testing import drive_scheduler
+
+    m = tiny.module
+
+    def job(n_prompt, n_new, seed):
+        g = torch.Generator().manual_seed(seed)
+        cfg = tiny.generation_config(max_new_tokens=n_new, max_denoising_steps=3, eos_token_id=None,
+                                     stability_threshold=None, confidence_threshold=None)
+        return Job(torch.randint(5, 512, (n_prompt,), generator=g).tolist(), cfg, seed=seed)
+
+    plan = {0: [job(60, 40, 1)], 7: [job(second, 32, 2)], 8: [job(second - 20 if second > 20 else 10, 16, 3)]}
+    m.ring_cache = False
+    try:
+        want = drive_scheduler(Scheduler(m, 8, max_batch=3), plan)
+    finally:
+        m.ring_cache = True
+    g = GraphedPasses(m, capture=False, copy_outputs=False).install()
+    try:
+        s = Scheduler(m, 8, max_batch=3)
+        got = drive_scheduler(s, plan)
+    finally:
+        g.uninstall()
+    assert s._slots.ring == 24 and s._slots.batch >= 2  # the ring was in use and the slots regrew
+    assert got == want
+
+
 def test_cache_bytes_of_the_26b_model_at_a_long_context():
     """What a 32K-token cache of the 26B model holds: 25 sliding layers x 8 KV heads x 256 dims in a ring of
     1024 + 2048 slots, 5 full layers x 2 KV heads x 512 dims at every position (K and V, bf16)."""

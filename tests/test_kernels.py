@@ -3,6 +3,8 @@ the fused sampler (exact argmax/entropy, chi-square on the samples), the static-
 (denoising step, commit, fused commit, AR step) and the graph wrapper's plumbing without capture;
 the CUDA-graph capture itself runs only with a GPU."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -964,7 +966,8 @@ def test_sdpa_gqa_folds_grouped_heads_into_the_query_length(monkeypatch, groups,
     """`attention_sdpa_gqa` = the reference attention (fp32) for every mask the passes give it, by each route: GQA
     inside SDPA where FlashAttention can take it (no mask, head dim <= 256), else the query heads of each KV head
     folded into the query length (no K/V copy; a per-query mask repeated per group), or one call per group where that
-    repeated mask would be too large."""
+    repeated mask would be too large. Each output layout: CPU's contiguous one, and CUDA's (flash and memory-efficient
+    SDPA return [B, heads, S, D] as a transposed view of a [B, S, heads, D] buffer, which `.view` cannot unfold)."""
     from blockpress.kernels import attention as att
     from blockpress.model.layers import attention_eager
 
@@ -973,18 +976,21 @@ def test_sdpa_gqa_folds_grouped_heads_into_the_query_length(monkeypatch, groups,
     q = torch.randn(B, S, kv * groups, head_dim, generator=g).transpose(1, 2)  # as project() returns it
     k, v = (torch.randn(B, kv, L, head_dim, generator=g) for _ in range(2))
     calls = []
+    cuda_layout = [False]
 
     def sdpa(*a, **kw):  # the real kernel, its calls recorded
         calls.append((tuple(a[0].shape), kw.get("enable_gqa", False)))
-        return torch.nn.functional.scaled_dot_product_attention(*a, **kw)
+        out = torch.nn.functional.scaled_dot_product_attention(*a, **kw)
+        return out.transpose(1, 2).contiguous().transpose(1, 2) if cuda_layout[0] else out
 
     for name, mask in _attention_masks(B, S, L, torch.float32).items():
         want = attention_eager(q, k, v, mask)
-        for budget in (1 << 28, 0):  # the mask repeated per group, or a call per group
+        for budget, layout in itertools.product((1 << 28, 0), (False, True)):  # mask repeated per group, or a call per group
             monkeypatch.setattr(att, "MASK_REPEAT_BYTES", budget)
+            cuda_layout[0] = layout
             calls.clear()
             got = att.attention_sdpa_gqa(q, k, v, mask, sdpa=sdpa)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{name}, budget {budget}")
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{name}, budget {budget}, cuda {layout}")
             if groups == 1:
                 assert calls == [(tuple(q.shape), False)]
             elif mask is None and head_dim <= att.FLASH_MAX_HEAD_DIM:

@@ -71,6 +71,13 @@ class KVCache:
     def high(self) -> int:
         return self._high[0]
 
+    def forget_writes(self) -> None:
+        """Nothing written so far is anyone's any more (a server's slots taken by a fresh group, which starts again
+        at position 0): the ring's bookkeeping restarts, for this cache and every view on its buffers. Left as it
+        was, the old `high` would mark the new group's positions as gone, and a copy of its rows (`put_rows`, when
+        the slots grow) would skip them."""
+        self._high[0] = 0
+
     def note_write(self, start: int, n: int) -> None:
         """Positions [start, start + n) were written (by `write`, or by a static pass on the device)."""
         self._high[0] = max(self._high[0], start + n)

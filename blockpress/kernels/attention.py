@@ -13,7 +13,10 @@ Two ways to give SDPA grouped heads:
   Rows are independent, so it is the same function. A mask with a row per query (an encoder pass's) must then be
   repeated per group; where that copy would pass `MASK_REPEAT_BYTES` (long contexts), the groups go one call each
   instead (query heads j, g + j, ...: one per KV head), with the mask as it is.
-`attention_sdpa_gqa` takes flash's GQA where flash can run (no mask, head dim <= 256), folds elsewhere.
+`attention_sdpa_gqa` takes flash's GQA where flash can run (no mask, head dim <= 256), folds elsewhere. A folded
+call's output is unfolded by `reshape`, not `view`: CUDA's flash and memory-efficient kernels return [B, kv, g x S,
+Dv] as a transposed view of a [B, g x S, kv, Dv] buffer (CPU's are contiguous), which no view can split back into
+[B, H, S, Dv]; the copy is the output's size, which the output projection's transpose copies anyway.
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ def attention_sdpa_gqa(q, k, v, mask, sdpa=F.scaled_dot_product_attention):
     Dv = v.shape[-1]
     # query head i * g + j reads KV head i: once folded, rows [j * S, (j + 1) * S) of KV head i
     if mask is None or mask.shape[-2] == 1:  # no mask, or one row for every query (a decoder pass's padding)
-        return sdpa(q.reshape(B, kv, g * S, D), k, v, attn_mask=mask, scale=1.0).view(B, H, S, Dv)
+        return sdpa(q.reshape(B, kv, g * S, D), k, v, attn_mask=mask, scale=1.0).reshape(B, H, S, Dv)
     if g * mask.numel() * mask.element_size() <= MASK_REPEAT_BYTES:
         out = sdpa(q.reshape(B, kv, g * S, D), k, v, attn_mask=mask.repeat(1, 1, g, 1), scale=1.0)
-        return out.view(B, H, S, Dv)
+        return out.reshape(B, H, S, Dv)
     out = q.new_empty(B, kv, g, S, Dv)
     for j in range(g):  # one query head per KV head a call: the mask as it is
         out[:, :, j] = sdpa(q[:, j::g], k, v, attn_mask=mask, scale=1.0)

@@ -8,7 +8,8 @@ caching allocator's rounding and fragmentation. In-place ops and views allocate 
 On the meta device the kernels that a GPU runs fused are replaced by stand-ins that allocate what the
 GPU path allocates (`meta_backends`): the Triton experts (the padded assignment list, the [L, Im]
 activations, the [A, H] per-assignment outputs and their weighted sum [N, H]) and the SDPA kernel inside
-`attention_sdpa_gqa` (its output only: flash / memory-efficient SDPA keep no score matrix; the GPU test
+`attention_sdpa_gqa` (its output in CUDA's layout, the padded mask copy and fp32 accumulator of the
+memory-efficient kernel; flash / memory-efficient SDPA keep no score matrix; the GPU test
 `test_sdpa_gqa_runs_a_fused_kernel_on_the_26b_shapes` checks that no pass needs the math kernel). Everything
 else is the engine's own code, the attention's folded queries and repeated masks included.
 """
@@ -69,12 +70,14 @@ def _shares_storage(t: torch.Tensor, args) -> bool:
     return any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == mine for a in args)
 
 
-def _experts_meta(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, block_m: int = 16):
-    """The Triton experts path's allocations (moe_grouped.experts_triton), shapes only."""
+def _experts_meta(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, block_m: int | None = None):
+    """The Triton experts path's allocations (moe_grouped.experts_triton), shapes only; block_m None: `bm=auto` as
+    on sm_90 (its M tiles are the widest, so its padded assignment list the longest)."""
     from . import moe_grouped
 
     N, H = x_NH.shape
     K, E, Im = idx_NK.shape[1], gate_up_EFH.shape[0], down_EHI.shape[-1]
+    block_m = block_m or moe_grouped.TILES.block_m or moe_grouped.auto_block_m(N, K, E, wgmma=True)
     A = N * K
     L = -(-(A + E * (block_m - 1)) // block_m) * block_m
     sorted_ids = torch.empty(L, dtype=torch.long, device=x_NH.device)  # noqa: F841 - alive like the kernel's
@@ -86,9 +89,24 @@ def _experts_meta(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, block_m: int = 16):
     return x_NH.new_empty(N, H)
 
 
+MASK_ALIGN = 16  # bytes: the memory-efficient kernel's mask rows are padded to this (PyTorch's `pad_bias`)
+
+
 def _fused_sdpa_meta(q, k, v, attn_mask=None, scale=None, enable_gqa=False):
-    """A fused SDPA kernel's allocation: its output (flash and memory-efficient keep no score matrix)."""
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
+    """What a fused CUDA SDPA kernel allocates (flash and memory-efficient keep no score matrix): its output, laid
+    out as CUDA lays it, [B, S, heads, Dv] returned as the transposed view [B, heads, S, Dv]; with a mask (the
+    memory-efficient kernel) a copy of the mask padded to 16-byte rows where its rows are not (`pad_bias`); and for
+    16-bit outputs with head dims over 128, the kernel's fp32 output accumulator."""
+    B, H, S, _ = q.shape
+    Dv = v.shape[-1]
+    if attn_mask is not None:
+        row = attn_mask.shape[-1] * attn_mask.element_size()
+        if row % MASK_ALIGN:
+            padded = attn_mask.new_empty(*attn_mask.shape[:-1], -(-row // MASK_ALIGN) * MASK_ALIGN  # noqa: F841
+                                         // attn_mask.element_size())
+    if q.element_size() < 4 and Dv > 128:
+        accumulator = q.new_empty(B, S, H, Dv, dtype=torch.float32)  # noqa: F841 - alive while the kernel runs
+    return q.new_empty(B, S, H, Dv).transpose(1, 2)
 
 
 def _attention_meta(q, k, v, mask):

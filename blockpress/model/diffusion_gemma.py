@@ -296,9 +296,9 @@ class DiffusionGemmaModel(nn.Module):
                 and not torch.is_grad_enabled():
             cache.ensure_capacity(T0 + S, write=k)  # once, not chunk by chunk
             out = None  # [B, S, H], filled chunk by chunk (a list of chunks and their concatenation: twice that)
-            for i in range(0, S, k):
-                h = self.encode(ids[:, i:i + k], cache, None if pad_mask is None else pad_mask[:, i:i + k],
-                                output=output)
+            for i in range(0, S, k):  # this method, not an installed graph's pass: a prefill asked for eagerly stays so
+                h = DiffusionGemmaModel.encode(self, ids[:, i:i + k], cache,
+                                               None if pad_mask is None else pad_mask[:, i:i + k], output=output)
                 if h is None:
                     continue
                 if out is None:

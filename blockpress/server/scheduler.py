@@ -471,6 +471,8 @@ class Scheduler:
         the group's rows copied, when they lack either): an empty cache on them, every position valid."""
         have = len(self.rows)
         slots = self._slots
+        if not have and slots is not None:  # a fresh group: what earlier groups wrote on the slots is no one's
+            slots.forget_writes()
         if slots is None or slots.batch < have + n or slots.capacity < needed:
             least = (max(have + n, slots.batch if slots is not None else 0),
                      max(needed, slots.capacity if slots is not None else 0))

@@ -15,7 +15,8 @@ Two ways to give SDPA grouped heads:
   instead (query heads j, g + j, ...: one per KV head), with the mask as it is.
 `attention_sdpa_gqa` takes flash's GQA where flash can run (no mask, head dim <= 256), folds elsewhere. A folded
 call's output is unfolded by `reshape`, not `view`: CUDA's flash and memory-efficient kernels return [B, kv, g x S,
-Dv] as a transposed view of a [B, g x S, kv, Dv] buffer (CPU's are contiguous), which no view can split back into
+Dv] as a transposed view of a [B, g x S, kv, Dv] buffer (CPU's are contiguous; read from PyTorch's source, not yet
+seen on a GPU), which no view can split back into
 [B, H, S, Dv]; the copy is the output's size, which the output projection's transpose copies anyway.
 """
 

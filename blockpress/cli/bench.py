@@ -469,8 +469,10 @@ def run(args) -> dict:
                     module, B, args.prompt_tokens, args.new_tokens, C, args.steps, bandwidth, hit,
                     fuse_commit=args.fuse_commit, peak_flops=peak)
             result["runs"].append(s)
+            _save_partial(result, args.out)
         if args.ar and B in [int(b) for b in args.ar_batch.split(",")]:
             result["runs"].append(run_ar(module, ids, args, graphs))
+            _save_partial(result, args.out)
     if graphs is not None:
         graphs.uninstall()
         graphs = None
@@ -500,6 +502,7 @@ def run(args) -> dict:
                 s, ref_seq = run_reference(hf, ids.to(device), mode, args)
                 add_roofline(s, ref_bytes[B], bandwidth)
                 result["runs"].append(s)
+                _save_partial(result, args.out)
                 ours = seqs.get((B, mode))
                 if ours is not None and ours.shape == ref_seq.shape:
                     new = slice(args.prompt_tokens, None)
@@ -614,6 +617,14 @@ def main(args) -> int:
     print_table(result["runs"], title)
     print_json(result, args.out)
     return 0
+
+
+def _save_partial(result: dict, out: str | None) -> None:
+    """Writes the runs done so far to `out` (marked partial), so that a run killed later (a timeout on a lent GPU,
+    the transformers reference running long) keeps what it measured; the final print_json overwrites it."""
+    if out:
+        with open(out, "w") as f:
+            f.write(json.dumps({**result, "partial": True}, default=str) + "\n")
 
 
 def print_json(result: dict, out: str | None = None) -> None:

@@ -63,7 +63,10 @@ def main(argv=None) -> int:
     # int8-bm128 / -bm256: 128 / 256 rows per program, so a canvas's weights are converted twice / once, not 4
     # times (sm_90 loop: 20.5 -> 11.5 -> 7.9 instructions per weight, but 1/2 and 1/4 of the programs, 33 for a
     # 2112-wide output at bm 256 on 132 SMs: compile_report.py cannot say which wins)
-    variants = ["int8", "int8-bm128", "int8-bm256", "fp8"] + (["fp8-a8"] if w8a8 else [])
+    # int8-bm*n128w8: wider N tiles and 8 warps (more bytes in flight a program); int8-deq: the weight dequantised
+    # to bf16 by torch, then cuBLAS (three passes over the weight's bytes, no custom kernel)
+    variants = ["int8", "int8-bm128", "int8-bm256", "int8-bm64n128w8", "int8-bm128n128w8", "int8-bm256n128w8",
+                "int8-deq", "fp8"] + (["fp8-a8"] if w8a8 else [])
     text = ModelConfig.from_dict(preset_config(args.preset)[0]).text
     rows = [int(r) for r in args.rows.split(",") if r]
     shapes = projection_shapes(text)
@@ -86,6 +89,10 @@ def main(argv=None) -> int:
                                                             block_m=128), q["int8"]),
                      "int8-bm256": (lambda: linear_q_triton(x, q["int8"].weight_q, q["int8"].weight_scale,
                                                             block_m=256), q["int8"]),
+                     **{f"int8-bm{bm}n128w8": ((lambda bm=bm: linear_q_triton(
+                         x, q["int8"].weight_q, q["int8"].weight_scale, block_m=bm, block_n=128, num_warps=8)),
+                         q["int8"]) for bm in (64, 128, 256)},
+                     "int8-deq": (lambda: torch.nn.functional.linear(x, q["int8"].dequantize(x.dtype)), q["int8"]),
                      "fp8": (lambda: linear_q_triton(x, q["fp8"].weight_q, q["fp8"].weight_scale), q["fp8"]),
                      "fp8-a8": (lambda: linear_fp8_scaled_mm(x, q["fp8"].weight_q, q["fp8"].weight_scale), None)}
             r = {"in": I, "out": O, "count": count, "rows": M, "native_gbs": 0.0, "rel_err": {}}

@@ -24,7 +24,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh oneshot|check|bf16|quant|serve|long|ctx}
+PART=${1:?usage: gpu_session.sh oneshot|tune|check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -92,6 +92,31 @@ case "$PART" in
     # transformers 5.23 on the same weights (bf16, batch 1, one timed run): the ratio the issue asks for
     STEP_LIMIT=400 bench bf16-vs-transformers --batch 1 --modes fixed --experts grouped --attention sdpa_gqa \
       --repeats 1 --no-ar
+    ;;
+  tune)
+    # The second call of a 15-minute lease, after oneshot's profile: where the host waits for the GPU (sync_sites.py),
+    # the int8 projection kernel's tiles against cuBLAS (bench_linears.py), and the expert kernels' tiles for int4 and
+    # fp8 at batch 1 (sweep_moe_tiles.py), each winner then timed end to end (bench --moe-tiles <best>).
+    DEADLINE=$((SECONDS + ${BUDGET:-500}))
+    lim=$(limit 40); [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/sync_sites.py 2>&1 | grep -v '^{' \
+      | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
+    lim=$(limit 80); [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/bench_linears.py --preset "$PRESET" --rows 1,256 \
+      2>&1 | tee "$OUT/linears.txt" | grep -v '^{' | tail -20 | tee -a "$OUT/summary.txt"
+    GRID="bm=32,64;bn=64,128,256;bk=64,128;warps=4,8"
+    for prec in ${PRECS:-int4 fp8}; do
+      lim=$(limit ${SWEEP_LIMIT:-150}); [ "$lim" = 0 ] && break
+      echo "=== tiles $prec (limit $lim s)" | tee -a "$OUT/log.txt"
+      timeout "$lim" python3 benchmarks/sweep_moe_tiles.py --preset "$PRESET" --precision $prec --batch 1 --grid "$GRID" \
+        --out "$OUT/tiles-$prec.json" 2>&1 | grep -v '^{' >>"$OUT/log.txt"
+      best=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['best']['$prec']['spec'])" \
+        "$OUT/tiles-$prec.json" 2>/dev/null)
+      grep -A12 "| $prec: tiles" "$OUT/log.txt" | tee -a "$OUT/summary.txt"
+      lin=""; [ "$prec" = int4 ] && lin="--linears int8"
+      [ -n "$best" ] && STEP_LIMIT=80 bench $prec-tuned --batch 1 --precision $prec $lin --modes fixed --experts $FAST \
+        --sampler fast --no-reference --repeats 3 $GPU_FLAGS --no-ar --moe-tiles "$best"
+    done
+    lim=$(limit 40); [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/sync_sites.py --sampler fast 2>&1 \
+      | grep -v '^{' | tee -a "$OUT/summary.txt"
     ;;
   check)
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
@@ -188,7 +213,7 @@ case "$PART" in
     bench ctx-graphs --batch 1 --precision int4 --linears int8 --modes fixed --experts $FAST --sampler fast \
       $GPU_FLAGS --prompt-tokens $CTX --new-tokens 256 --no-reference --no-ar
     ;;
-  *) echo "unknown part $PART (oneshot, check, bf16, quant, serve, long or ctx)"; exit 2 ;;
+  *) echo "unknown part $PART (oneshot, tune, check, bf16, quant, serve, long or ctx)"; exit 2 ;;
 esac
 [ -s "$OUT/summary.txt" ] && { echo; echo "=== failures and tests"; cat "$OUT/summary.txt"; }
 

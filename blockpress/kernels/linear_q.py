@@ -184,12 +184,14 @@ if triton is not None:
 
 
 def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
-                    block_m: int | None = None) -> torch.Tensor:
+                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                    num_warps: int | None = None) -> torch.Tensor:
     """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel (q int8 or float8_e4m3fn).
     block_m: rows per program (default `block_m_for`). Each program converts its weight tile to the activation
     dtype, so M / block_m programs convert every weight: at a canvas (256 rows, BM 64) 4 times, ~20 instructions
     per weight on sm_90 (benchmarks/compile_report.py); BM 128 ~11.5 and BM 256 ~7.9, with a half and a quarter
-    of the programs (`bench_linears.py` times all three)."""
+    of the programs (`bench_linears.py` times all three). block_n / block_k / num_warps: the other tiles
+    (defaults BLOCK_N, BLOCK_K, Triton's 4 warps), for `bench_linears.py`'s variants."""
     if triton is None:
         raise RuntimeError("linear_q_triton needs triton (pip install triton)")
     lead, I = x.shape[:-1], x.shape[-1]
@@ -203,14 +205,17 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     if M == 0:
         return out.view(*lead, O)
     bm = block_m or block_m_for(M)
+    bn, bk = block_n or BLOCK_N, block_k or BLOCK_K
     # fp32 operands: exact ieee dots; the interpreter needs them too (its bf16 tl.dot is wrong in triton 3.9)
     f32 = x.dtype == torch.float32 or interpreted()
-    grid = (triton.cdiv(M, bm), triton.cdiv(O, BLOCK_N))
+    grid = (triton.cdiv(M, bm), triton.cdiv(O, bn))
     wgmma = bm >= 64 and _wgmma_target(x.device)  # Hopper's wgmma also keeps the converted weight tile in shared memory
+    launch = _stages(None, (bm * x2.element_size() + bn * q_OI.element_size()) * bk,
+                     bn * bk * x2.element_size() if wgmma else 0, wgmma)
+    if num_warps:
+        launch["num_warps"] = num_warps
     _linear_q_kernel[grid](x2, q_OI, scale_O, out, M, O, I, x2.stride(0), q_OI.stride(0), out.stride(0),
-                           F32=f32, BM=bm, BN=BLOCK_N, BK=BLOCK_K, EVEN_K=I % BLOCK_K == 0,
-                           **_stages(None, (bm * x2.element_size() + BLOCK_N * q_OI.element_size()) * BLOCK_K,
-                                     BLOCK_N * BLOCK_K * x2.element_size() if wgmma else 0, wgmma))
+                           F32=f32, BM=bm, BN=bn, BK=bk, EVEN_K=I % bk == 0, **launch)
     return out.view(*lead, O)
 
 

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     from blockpress.cli.bench import PRESETS, preset_config
     from blockpress.config import ModelConfig
     from blockpress.kernels.linear_q import (QuantizedLinear, linear_fp8_scaled_mm, linear_fp8_w8a8_reference,
-                                             linear_q_triton)
+                                             linear_q_triton, parse_linear_tiles)
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="real-26b")
@@ -60,13 +60,15 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # fp8 x fp8 needs fp8 tensor cores on a GPU (Ada, Hopper); torch._scaled_mm also runs on a CPU
     w8a8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-    # int8-bm128 / -bm256: 128 / 256 rows per program, so a canvas's weights are converted twice / once, not 4
-    # times (sm_90 loop: 20.5 -> 11.5 -> 7.9 instructions per weight, but 1/2 and 1/4 of the programs, 33 for a
-    # 2112-wide output at bm 256 on 132 SMs: compile_report.py cannot say which wins)
-    # int8-bm*n128w8: wider N tiles and 8 warps (more bytes in flight a program); int8-deq: the weight dequantised
-    # to bf16 by torch, then cuBLAS (three passes over the weight's bytes, no custom kernel)
-    variants = ["int8", "int8-bm128", "int8-bm256", "int8-bm64n128w8", "int8-bm128n128w8", "int8-bm256n128w8",
-                "int8-deq", "fp8"] + (["fp8-a8"] if w8a8 else [])
+    # int8 kernel variants, by their `set_linear_tiles` spec (what `blockpress bench --linear-tiles` takes). On an
+    # H200 (2026-11-25) the default tiles ran 2.2x slower than cuBLAS bf16 at 256 rows and 2x at one row although
+    # they move half the bytes: a 2112-wide projection has 33 N tiles of 64, a quarter of the 132 SMs at one row.
+    # Narrower N tiles and K split over several programs (fp32 atomic adds) give the GPU more programs; bm=128 and
+    # wider tiles with 8 warps (fewer programs) were slower there.
+    int8_specs = ["bm=auto,bn=64,bk=64", "bm=auto,bn=32,bk=64", "bm=auto,bn=64,bk=64,split=2",
+                  "bm=auto,bn=64,bk=64,split=4", "bm=auto,bn=64,bk=64,split=8", "bm=auto,bn=32,bk=64,split=4",
+                  "bm=auto,bn=32,bk=128,split=4", "bm=128,bn=64,bk=64"]
+    variants = [f"int8 {sp}" for sp in int8_specs] + ["fp8"] + (["fp8-a8"] if w8a8 else [])
     text = ModelConfig.from_dict(preset_config(args.preset)[0]).text
     rows = [int(r) for r in args.rows.split(",") if r]
     shapes = projection_shapes(text)
@@ -74,7 +76,9 @@ def main(argv=None) -> int:
     results, ok = [], True
     print(f"{args.preset} projections on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
           f"{str(dtype).removeprefix('torch.')} activations; ms per call (speedup over native), max rel. error")
-    print(f"{'in x out':>12} {'count':>5} {'rows':>5} {'native':>9} " + " ".join(f"{v:>16}" for v in variants)
+    print("variants: " + ", ".join(f"v{i} = {v}" for i, v in enumerate(variants)))
+    print(f"{'in x out':>12} {'count':>5} {'rows':>5} {'native':>9} " + " ".join(f"{'v' + str(i):>16}"
+                                                                               for i in range(len(variants)))
           + f" {'native GB/s':>12} {'max err':>8}")
     for (I, O), count in sorted(shapes.items()):
         w = torch.randn(O, I, generator=g, device=device, dtype=torch.float32).div_(I ** 0.5).to(dtype)
@@ -84,17 +88,12 @@ def main(argv=None) -> int:
         q = {fmt: QuantizedLinear.from_linear(lin, fmt, backend="torch") for fmt in ("int8", "fp8")}
         for M in rows:
             x = torch.randn(M, I, generator=g, device=device, dtype=torch.float32).to(dtype)
-            calls = {"int8": (lambda: linear_q_triton(x, q["int8"].weight_q, q["int8"].weight_scale), q["int8"]),
-                     "int8-bm128": (lambda: linear_q_triton(x, q["int8"].weight_q, q["int8"].weight_scale,
-                                                            block_m=128), q["int8"]),
-                     "int8-bm256": (lambda: linear_q_triton(x, q["int8"].weight_q, q["int8"].weight_scale,
-                                                            block_m=256), q["int8"]),
-                     **{f"int8-bm{bm}n128w8": ((lambda bm=bm: linear_q_triton(
-                         x, q["int8"].weight_q, q["int8"].weight_scale, block_m=bm, block_n=128, num_warps=8)),
-                         q["int8"]) for bm in (64, 128, 256)},
-                     "int8-deq": (lambda: torch.nn.functional.linear(x, q["int8"].dequantize(x.dtype)), q["int8"]),
-                     "fp8": (lambda: linear_q_triton(x, q["fp8"].weight_q, q["fp8"].weight_scale), q["fp8"]),
-                     "fp8-a8": (lambda: linear_fp8_scaled_mm(x, q["fp8"].weight_q, q["fp8"].weight_scale), None)}
+            calls = {f"int8 {sp}": ((lambda t=parse_linear_tiles(sp): linear_q_triton(
+                x, q["int8"].weight_q, q["int8"].weight_scale, block_m=t["block_m"], block_n=t["block_n"],
+                block_k=t["block_k"], num_warps=t["num_warps"], split_k=t["split_k"])), q["int8"]) for sp in int8_specs}
+            calls.update({
+                "fp8": (lambda: linear_q_triton(x, q["fp8"].weight_q, q["fp8"].weight_scale), q["fp8"]),
+                "fp8-a8": (lambda: linear_fp8_scaled_mm(x, q["fp8"].weight_q, q["fp8"].weight_scale), None)})
             r = {"in": I, "out": O, "count": count, "rows": M, "native_gbs": 0.0, "rel_err": {}}
             with torch.no_grad():
                 r["native_ms"] = time_ms(lambda: torch.nn.functional.linear(x, w), device, args.repeats)
@@ -110,14 +109,16 @@ def main(argv=None) -> int:
             cells = " ".join(f"{r[f'{v}_ms']:8.4f} ({r['native_ms'] / r[f'{v}_ms']:4.2f}x)" for v in variants)
             print(f"{f'{I}x{O}':>12} {count:5d} {M:5d} {r['native_ms']:9.4f} {cells} {r['native_gbs']:12.0f} "
                   f"{max(r['rel_err'].values()):8.1e}")
-    totals = {}
+    totals, best = {}, {}
     for M in rows:
         mine = [r for r in results if r["rows"] == M]
         totals[M] = {v: sum(r[f"{v}_ms"] * r["count"] for r in mine) for v in ["native"] + variants}
-        print(f"  one pass, {M:5d} rows: " + ", ".join(f"{v} {ms:8.3f} ms" for v, ms in totals[M].items()))
+        print(f"  one pass, {M:5d} rows: " + ", ".join(f"{v} {ms:.3f} ms" for v, ms in totals[M].items()))
+        int8 = {v: ms for v, ms in totals[M].items() if v.startswith("int8 ")}
+        best[M] = min(int8, key=int8.get).removeprefix("int8 ")  # the spec for --linear-tiles
     print(json.dumps({"bench": "linears", "preset": args.preset, "device": str(device),
                       "dtype": str(dtype).removeprefix("torch."), "variants": variants, "ok": ok,
-                      "totals_ms_per_pass": totals, "results": results}))
+                      "totals_ms_per_pass": totals, "best_int8_spec": best, "results": results}))
     return 0 if ok else 1
 
 

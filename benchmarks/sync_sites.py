@@ -58,12 +58,23 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact")
     p.add_argument("--steps", default="4,8", help="comma-separated step counts to compare")
+    p.add_argument("--hf-tiny", action="store_true", help="the spec's tiny transformers model (needs transformers)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("sync_sites.py needs a CUDA GPU (the sync debug mode only watches CUDA calls)", file=sys.stderr)
         return 2
-    lm = blockpress.from_config(sizes.model_config("nano", vocab_size=512, canvas_length=16, context=256),
-                                device="cuda", dtype=torch.bfloat16, seed=0)
+    if args.hf_tiny:  # the spec's tiny transformers model (sliding and full layers), as the CUDA test loads it
+        import tempfile
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+        from hf_oracle import build_hf_model
+
+        folder = tempfile.mkdtemp(prefix="sync_sites_")
+        build_hf_model().save_pretrained(folder)
+        lm = blockpress.load(folder, device="cuda", dtype="bfloat16", progress=False)
+    else:
+        lm = blockpress.from_config(sizes.model_config("nano", vocab_size=512, canvas_length=16, context=256),
+                                    device="cuda", dtype=torch.bfloat16, seed=0)
     configure(lm.module)
     x = torch.randint(5, 512, (1, 20), generator=torch.Generator().manual_seed(5)).cuda()
     kw = dict(max_new_tokens=32, eos_token_id=[1], pad_token_id=0, stability_threshold=None,

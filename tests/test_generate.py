@@ -308,6 +308,16 @@ def test_fixed_steps_read_nothing_back_per_step(bp, sampler, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_a_generator_on_another_device_than_the_model_is_a_clear_error(hf_tiny_dir):
+    path, _ = hf_tiny_dir
+    m = blockpress.load(path, device="cuda", dtype="bfloat16", progress=False)
+    with pytest.raises(blockpress.InputError, match=r"torch.Generator\(device='cuda'\)"):
+        m.generate(ids(1, 20, 5), generator=torch.Generator().manual_seed(0), **KW)
+    out = m.generate(ids(1, 20, 5), generator=torch.Generator("cuda").manual_seed(0), **KW)  # CPU ids are moved
+    assert out.sequences.shape == (1, 20 + KW["max_new_tokens"])
+
+
+@pytest.mark.gpu
 def test_fixed_steps_do_not_synchronise_on_cuda(hf_tiny_dir):
     """On a GPU, PyTorch's sync debug mode counts the synchronising calls: no more with twice the steps."""
     import warnings

@@ -774,9 +774,9 @@ def test_sc_topk_decoder_on_a_confident_trained_model(hf_tiny_dir):
         kernels.configure(m)  # the same backends for every pass below; only sc_topk changes
         with torch.no_grad():
             cache = m.new_cache(ids.shape[0], ids.shape[1])
-            m.encode(ids, cache)
+            m.encode(ids.to(lm.device), cache)  # load's default device: a GPU where there is one
             x = torch.randint(0, V, (ids.shape[0], lm.canvas_length), generator=torch.Generator().manual_seed(2))
-            z1 = m.decode(x, cache)
+            z1 = m.decode(x.to(lm.device), cache)
             x2 = z1.argmax(-1)
             sc = m.decode(x2, cache, z1)  # a mid-denoising self-conditioning input
             ref = m.decode(x2, cache, sc)
@@ -990,7 +990,9 @@ def test_sdpa_gqa_folds_grouped_heads_into_the_query_length(monkeypatch, groups,
             cuda_layout[0] = layout
             calls.clear()
             got = att.attention_sdpa_gqa(q, k, v, mask, sdpa=sdpa)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{name}, budget {budget}, cuda {layout}")
+            # 1e-4: torch 2.11's CPU SDPA (seen on an H200 machine) missed 1e-5 at head dim 300; a wrong unfold
+            # or mask is off by O(1)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{name}, budget {budget}, cuda {layout}")
             if groups == 1:
                 assert calls == [(tuple(q.shape), False)]
             elif mask is None and head_dim <= att.FLASH_MAX_HEAD_DIM:

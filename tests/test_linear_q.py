@@ -44,6 +44,42 @@ def test_int8_rows_error_within_half_step_and_full_range():
 
 
 @needs_triton
+@pytest.mark.parametrize("spec", ["bm=16,bn=32,bk=16,split=3", "bn=16,bk=32,split=2,warps=2", "bm=32,split=64"])
+@pytest.mark.parametrize("M,I,O", [(1, 64, 80), (40, 112, 48)])
+def test_triton_kernel_with_other_tiles_and_a_split_k_equals_the_torch_reference(spec, M, I, O):
+    """set_linear_tiles: narrower N tiles and K summed by several programs (atomic fp32 adds, then a cast) compute
+    the same function; a split larger than K's tiles is clipped (no empty split adds zeros twice or reads past K).
+    I = 112 with bk 32: a K tail (not EVEN_K) inside the last split."""
+    from blockpress.kernels import linear_q
+
+    g = torch.Generator().manual_seed(M + I)
+    lin = torch.nn.Linear(I, O, bias=False)
+    lin.weight.copy_(torch.randn(O, I, generator=g) / I ** 0.5)
+    m = QuantizedLinear.from_linear(lin.to(DEV), "int8", backend="torch")
+    x = torch.randn(M, I, generator=g).to(DEV)
+    ref = m(x)
+    prev = linear_q.set_linear_tiles(spec)
+    try:
+        assert linear_q.linear_tiles_spec() != linear_q.linear_tiles_spec(prev)
+        out = linear_q_triton(x, m.weight_q, m.weight_scale)
+    finally:
+        linear_q.set_linear_tiles(prev)
+    assert out.dtype == x.dtype and out.shape == (M, O)
+    assert _rel(out, ref) < 1e-5
+
+
+def test_linear_tile_specs_are_checked():
+    from blockpress.kernels.linear_q import parse_linear_tiles
+
+    assert parse_linear_tiles("bm=auto,bn=32,split=4") == {"block_m": None, "block_n": 32, "block_k": 64,
+                                                            "num_warps": None, "split_k": 4}
+    for bad, words in [("split=0", "split=0"), ("split=x", "not an integer"), ("bn=48", "powers of two"),
+                       ("stages=3", "stages"), ("bx=4", "bad tile setting")]:
+        with pytest.raises(ValueError, match=words):
+            parse_linear_tiles(bad)
+
+
+@needs_triton
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("M,I,O", [(1, 64, 80), (17, 96, 130), (100, 128, 64), (256, 72, 200)])
@@ -198,8 +234,8 @@ def test_load_quantises_while_loading_and_refuses_what_it_cannot_do(tmp_path):
     assert any(k.endswith("q_proj.weight_q") for k in sa)
     ids = torch.randint(5, 256, (1, 6), generator=torch.Generator().manual_seed(0))
     kw = dict(max_new_tokens=8, max_denoising_steps=3)
-    assert torch.equal(streamed.generate(ids, generator=torch.Generator().manual_seed(1), **kw).sequences,
-                       after.generate(ids, generator=torch.Generator().manual_seed(1), **kw).sequences)
+    assert torch.equal(streamed.generate(ids, generator=torch.Generator(streamed.device).manual_seed(1), **kw).sequences,
+                       after.generate(ids, generator=torch.Generator(after.device).manual_seed(1), **kw).sequences)
     with pytest.raises(blockpress.InputError, match="unknown linears format 'int4'"):
         blockpress.load(folder, progress=False, linears="int4")
     with pytest.raises(blockpress.InputError, match="holds quantised weights .*QuantizedLinear"):
@@ -234,10 +270,10 @@ def test_lora_adapter_runs_beside_int8_linears_and_merge_is_refused(tmp_path):
     ids = torch.randint(5, 256, (1, 6), generator=torch.Generator().manual_seed(0))
     canvas = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(3))
 
-    def logits(model):
+    def logits(model):  # on the model's device (load's default: a GPU where there is one)
         cache = model.module.new_cache(1, 6)
-        model.module.encode(ids, cache)
-        return model.module.decode(canvas, cache)
+        model.module.encode(ids.to(model.device), cache)
+        return model.module.decode(canvas.to(model.device), cache).cpu()
 
     base = blockpress.load(folder, progress=False, linears="int8")
     plain = logits(base)

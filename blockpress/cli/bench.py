@@ -37,6 +37,17 @@ def _tiles(spec: str) -> str:
     return spec
 
 
+def _linear_tiles(spec: str) -> str:
+    """argparse type of --linear-tiles: the spec string, checked."""
+    from ..kernels.linear_q import parse_linear_tiles
+
+    try:
+        parse_linear_tiles(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def _modes(spec: str) -> str:
     """argparse type of --modes: a comma-separated subset of fixed, adaptive."""
     modes = [m for m in spec.split(",") if m]
@@ -415,6 +426,11 @@ def run(args) -> dict:
 
     moe_grouped.set_moe_tiles(args.moe_tiles)  # checked by argparse; None: the defaults
     choice["moe_tiles"] = moe_grouped.TILES.spec()
+    from ..kernels import linear_q
+
+    linear_q.set_linear_tiles(args.linear_tiles)  # checked by argparse; None: the defaults
+    if args.linears != "native":
+        choice["linear_tiles"] = linear_q.linear_tiles_spec()
     moe_grouped.set_moe_sum(args.moe_sum)
     choice["moe_sum"] = args.moe_sum
     if args.prefill_chunk is not None:  # 0: the whole prompt in one pass
@@ -566,6 +582,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC",
                    help="Triton expert kernels' tiles, e.g. bm=32,bn=128,bk=64,warps=8,stages=4 (the winner of "
                         "benchmarks/sweep_moe_tiles.py; default: bm=auto,bn=128,bk=64)")
+    p.add_argument("--linear-tiles", type=_linear_tiles, metavar="SPEC",
+                   help="the Triton 8-bit linear kernel's tiles with --linears int8/fp8, e.g. bm=auto,bn=32,split=4 "
+                        "(benchmarks/bench_linears.py's best_int8_spec; default: bm=auto,bn=64,bk=64)")
     p.add_argument("--moe-sum", choices=["kernel", "atomic"], default="kernel",
                    help="how the Triton experts sum a token's K expert outputs: kernel (a third kernel, deterministic; "
                         "default) or atomic (fp32 atomic adds in the down kernel: no [A, H] buffer, run-to-run "

@@ -215,6 +215,10 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     input_ids = input_ids.to(dev)
     if isinstance(generator, (list, tuple)) and len(generator) != B:
         raise InputError(f"got {len(generator)} generators for a batch of {B}; give one per row")
+    for g in (generator if isinstance(generator, (list, tuple)) else [generator]):
+        if g is not None and g.device.type != dev.type:
+            raise InputError(f"the generator is on {g.device.type} but the model is on {dev}: the noise is drawn "
+                             f"where the model runs; make it with torch.Generator(device={dev.type!r}).manual_seed(...)")
     T_start = cache.length if cache is not None else 0
     cur_len = T_start + S
     n_canvases = math.ceil(cfg.max_new_tokens / C)

@@ -110,7 +110,8 @@ class QuantizedLinear(nn.Module):
             return linear_q_triton(x, self.weight_q, self.weight_scale)
         M = x.numel() // x.shape[-1]
         key = (str(x.device), str(x.dtype).removeprefix("torch."), f"triton {self.fmt} linear",
-               (block_m_for(M), M == 1, M % 16 == 0, self.out_features % 16 == 0, self.in_features % 16 == 0))
+               (block_m_for(M), M == 1, M % 16 == 0, self.out_features % 16 == 0, self.in_features % 16 == 0,
+                linear_tiles_spec()))
         return checked_on_first_use(key, lambda: linear_q_triton(x, self.weight_q, self.weight_scale),
                                     lambda: F.linear(x, self.dequantize(x.dtype)),
                                     f"the Triton {self.fmt} linear kernel")
@@ -128,7 +129,13 @@ def linear_fp8_scaled_mm(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Ten
     accumulator by `torch._scaled_mm` (Hopper / Ada fp8 tensor cores; also runs on a CPU)."""
     lead, I = x.shape[:-1], x.shape[-1]
     xq, sa = quantize_rows_fp8(x.reshape(-1, I))
-    out = torch._scaled_mm(xq, q_OI.t(), scale_a=sa[:, None], scale_b=scale_O[None, :], out_dtype=x.dtype)
+    try:
+        out = torch._scaled_mm(xq, q_OI.t(), scale_a=sa[:, None], scale_b=scale_O[None, :], out_dtype=x.dtype)
+    except RuntimeError:
+        if x.is_cuda:
+            raise
+        # before torch 2.13 the CPU _scaled_mm takes per-tensor scales only (seen with 2.11): the same arithmetic
+        return linear_fp8_w8a8_reference(x, q_OI, scale_O)
     return out.view(*lead, q_OI.shape[0])
 
 
@@ -150,26 +157,81 @@ def block_m_for(M: int) -> int:
     return 16 if M <= 16 else 32 if M <= 32 else 64
 
 
+# The Triton kernel's tiles for this process: block_m None = block_m_for(M); split_k: K split over that many
+# programs whose fp32 partial sums meet by atomic adds (more programs for the GPU's SMs: at 256 rows a 2112-wide
+# projection has 4 x 33 output tiles for 132 SMs, at one row 33), then one cast to the activation dtype.
+# Set by `set_linear_tiles` / `blockpress bench --linear-tiles`; benchmarks/bench_linears.py times the variants.
+LINEAR_TILES = {"block_m": None, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": None, "split_k": 1}
+
+
+def parse_linear_tiles(spec: str) -> dict:
+    """'bm=64,bn=32,bk=64,warps=4,split=4' (any subset; bm=auto) -> LINEAR_TILES' keys; ValueError naming the
+    problem."""
+    from .moe_grouped import parse_tiles
+
+    split, rest = 1, []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, val = part.partition("=")
+        if key.strip().lower() == "split":
+            try:
+                split = int(val)
+            except ValueError:
+                raise ValueError(f"linear tile setting split={val!r} is not an integer") from None
+            if not 1 <= split <= 64:
+                raise ValueError(f"split={split}: use 1 (no split) to 64")
+        else:
+            rest.append(part)
+    t = parse_tiles(",".join(rest))
+    if t.num_stages:
+        raise ValueError("the linear kernel's stages are fitted to the device; drop 'stages=' from the spec")
+    return {"block_m": t.block_m, "block_n": t.block_n if "bn=" in spec else BLOCK_N,
+            "block_k": t.block_k if "bk=" in spec else BLOCK_K, "num_warps": t.num_warps, "split_k": split}
+
+
+def set_linear_tiles(spec: "str | dict | None") -> dict:
+    """Sets the Triton 8-bit linear kernel's tiles for this process (a spec string, a dict, or None for the
+    defaults); returns the previous setting."""
+    global LINEAR_TILES
+    prev = LINEAR_TILES
+    default = {"block_m": None, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": None, "split_k": 1}
+    LINEAR_TILES = default if spec is None else parse_linear_tiles(spec) if isinstance(spec, str) else {**default, **spec}
+    return prev
+
+
+def linear_tiles_spec(t: dict | None = None) -> str:
+    t = t or LINEAR_TILES
+    parts = [f"bm={t['block_m'] or 'auto'}", f"bn={t['block_n']}", f"bk={t['block_k']}"]
+    parts += [f"warps={t['num_warps']}"] if t["num_warps"] else []
+    parts += [f"split={t['split_k']}"] if t["split_k"] > 1 else []
+    return ",".join(parts)
+
+
 if triton is not None:
 
     @triton.jit
-    def _linear_q_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om,
+    def _linear_q_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_qn, stride_om,
                          F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         EVEN_K: tl.constexpr):
+                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr):
         """out[m, n] = scale[n] * sum_k x[m, k] q[n, k]. Programs that share an N block run side by side
         (axis 0 is M), so the weight tile they all read comes from L2 after the first. EVEN_K (BK divides K,
-        every projection of the 26B model): no K mask."""
+        every projection of the 26B model): no K mask. SPLIT > 1: program_id(2) sums K_SPLIT of K (a multiple
+        of BK) and adds its scaled partial to out (fp32, zeroed) atomically."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         m = pid_m * BM + tl.arange(0, BM)
         n = pid_n * BN + tl.arange(0, BN)
         mmask, nmask = m < M, n < N
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        k_lo = 0
+        k_hi = K
+        if SPLIT > 1:
+            k_lo = tl.program_id(2) * K_SPLIT
+            k_hi = tl.minimum(k_lo + K_SPLIT, K)
+        for k0 in range(k_lo, k_hi, BK):
             k = k0 + tl.arange(0, BK)
             if EVEN_K:
                 xmask, wmask = mmask[:, None], nmask[None, :]
             else:
-                kmask = k < K
+                kmask = k < k_hi
                 xmask, wmask = mmask[:, None] & kmask[None, :], kmask[:, None] & nmask[None, :]
             xa = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :], mask=xmask, other=0.0)
             w = tl.load(q_ptr + n[None, :].to(tl.int64) * stride_qn + k[:, None], mask=wmask,
@@ -179,19 +241,23 @@ if triton is not None:
             else:
                 acc += tl.dot(xa, w.to(tl.float32).to(xa.dtype))  # int8 and e4m3 values are exact in bf16 / fp16
         acc *= tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]
-        tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        ptrs = out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :]
+        if SPLIT > 1:
+            tl.atomic_add(ptrs, acc, mask=mmask[:, None] & nmask[None, :])
+        else:
+            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
 def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
                     block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                    num_warps: int | None = None) -> torch.Tensor:
+                    num_warps: int | None = None, split_k: int | None = None) -> torch.Tensor:
     """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel (q int8 or float8_e4m3fn).
     block_m: rows per program (default `block_m_for`). Each program converts its weight tile to the activation
     dtype, so M / block_m programs convert every weight: at a canvas (256 rows, BM 64) 4 times, ~20 instructions
     per weight on sm_90 (benchmarks/compile_report.py); BM 128 ~11.5 and BM 256 ~7.9, with a half and a quarter
-    of the programs (`bench_linears.py` times all three). block_n / block_k / num_warps: the other tiles
-    (defaults BLOCK_N, BLOCK_K, Triton's 4 warps), for `bench_linears.py`'s variants."""
+    of the programs. block_n / block_k / num_warps / split_k: the other tiles (None: `LINEAR_TILES`, set by
+    `set_linear_tiles`). split_k > 1 sums K in that many programs per output tile into an fp32 buffer (atomic
+    adds: run-to-run last-bit differences), then casts: two more small kernels, for a grid that fills the GPU."""
     if triton is None:
         raise RuntimeError("linear_q_triton needs triton (pip install triton)")
     lead, I = x.shape[:-1], x.shape[-1]
@@ -201,21 +267,30 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    out = torch.empty(M, O, dtype=x.dtype, device=x.device)
+    t = LINEAR_TILES
+    bm = block_m or t["block_m"] or block_m_for(M)
+    bn, bk = block_n or t["block_n"], block_k or t["block_k"]
+    warps, split = num_warps or t["num_warps"], split_k or t["split_k"]
+    blocks_k = triton.cdiv(I, bk)
+    split = max(1, min(split, blocks_k))
+    k_split = triton.cdiv(blocks_k, split) * bk
+    split = triton.cdiv(I, k_split)  # no empty split
     if M == 0:
-        return out.view(*lead, O)
-    bm = block_m or block_m_for(M)
-    bn, bk = block_n or BLOCK_N, block_k or BLOCK_K
+        return torch.empty(*lead, O, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, O, dtype=x.dtype, device=x.device) if split == 1 else \
+        torch.zeros(M, O, dtype=torch.float32, device=x.device)
     # fp32 operands: exact ieee dots; the interpreter needs them too (its bf16 tl.dot is wrong in triton 3.9)
     f32 = x.dtype == torch.float32 or interpreted()
-    grid = (triton.cdiv(M, bm), triton.cdiv(O, bn))
+    grid = (triton.cdiv(M, bm), triton.cdiv(O, bn), split)
     wgmma = bm >= 64 and _wgmma_target(x.device)  # Hopper's wgmma also keeps the converted weight tile in shared memory
     launch = _stages(None, (bm * x2.element_size() + bn * q_OI.element_size()) * bk,
                      bn * bk * x2.element_size() if wgmma else 0, wgmma)
-    if num_warps:
-        launch["num_warps"] = num_warps
-    _linear_q_kernel[grid](x2, q_OI, scale_O, out, M, O, I, x2.stride(0), q_OI.stride(0), out.stride(0),
-                           F32=f32, BM=bm, BN=bn, BK=bk, EVEN_K=I % bk == 0, **launch)
+    if warps:
+        launch["num_warps"] = warps
+    _linear_q_kernel[grid](x2, q_OI, scale_O, out, M, O, I, k_split, x2.stride(0), q_OI.stride(0), out.stride(0),
+                           F32=f32, BM=bm, BN=bn, BK=bk, EVEN_K=I % bk == 0, SPLIT=split, **launch)
+    if split > 1:
+        out = out.to(x.dtype)
     return out.view(*lead, O)
 
 

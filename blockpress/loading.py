@@ -63,16 +63,21 @@ def resolve_path(model: str | Path, progress: bool = True) -> Path:
 
 
 def parse_device(device: str | torch.device | None) -> torch.device:
-    """None -> cuda when available, else cpu; a device torch cannot use here is an InputError naming why."""
+    """None -> $BLOCKPRESS_DEVICE when set, else cuda when available, else cpu; a device torch cannot use here is
+    an InputError naming why."""
+    source = ""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = os.environ.get("BLOCKPRESS_DEVICE") or None
+        if device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        source = " (from $BLOCKPRESS_DEVICE)"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise InputError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'") from None
+        raise InputError(f"unknown device {device!r}{source}; use 'cpu', 'cuda' or 'cuda:N'") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise InputError(f"device {str(device)!r} asked for, but torch sees no CUDA GPU here "
+            raise InputError(f"device {str(device)!r}{source} asked for, but torch sees no CUDA GPU here "
                              f"(torch {torch.__version__}, torch.cuda.is_available() is False); use device 'cpu', "
                              "or install a CUDA build of torch on a machine with a GPU")
         if dev.index is not None and dev.index >= torch.cuda.device_count():

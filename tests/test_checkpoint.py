@@ -176,6 +176,18 @@ def test_clear_errors_for_bad_checkpoints(hf_tiny_dir, tmp_path, capsys):
             blockpress.load(path, device="cuda", progress=False)
         with pytest.raises(InputError, match="torch sees no CUDA GPU here"):
             blockpress.from_config(json.loads((Path(path) / "config.json").read_text()), device="cuda:1")
+    # the default device can be chosen by $BLOCKPRESS_DEVICE (named in its errors)
+    from blockpress.loading import parse_device
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("BLOCKPRESS_DEVICE", raising=False)
+        assert parse_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+        mp.setenv("BLOCKPRESS_DEVICE", "cpu")
+        assert parse_device(None) == torch.device("cpu") and blockpress.load(path, progress=False).device.type == "cpu"
+        mp.setenv("BLOCKPRESS_DEVICE", "gpu0")
+        with pytest.raises(InputError, match=r"unknown device 'gpu0' \(from \$BLOCKPRESS_DEVICE\)"):
+            blockpress.load(path, progress=False)
+        assert parse_device("cpu") == torch.device("cpu")  # an explicit device wins
     # a bad generation_config.json is named at load, not blamed on a later generate()
     for i, (text, needle) in enumerate((('{"entropy_bound": -1}', "entropy_bound=-1"),
                                         ('{"eos_token_id": [1, 512]}', r"eos_token_id=512: .*\[0, 512\)"),

@@ -19,7 +19,7 @@ KW = dict(max_new_tokens=32, max_denoising_steps=6, eos_token_id=[1], pad_token_
 @pytest.fixture(scope="module")
 def bp(hf_tiny_dir):
     path, _ = hf_tiny_dir
-    m = blockpress.load(path, dtype="float32", progress=False)
+    m = blockpress.load(path, device="cpu", dtype="float32", progress=False)  # the oracle's fp32 CPU, also on a GPU machine
     m.module.attention_backend = "eager"
     return m
 
@@ -203,7 +203,7 @@ def test_generate_text_with_tokenizer(hf_tiny_dir, tmp_path):
 
     shutil.copytree(path, tmp_path / "m")
     build_tiny_gemma_tokenizer(tmp_path / "m")
-    m = blockpress.load(tmp_path / "m", progress=False)
+    m = blockpress.load(tmp_path / "m", device="cpu", progress=False)
     text = m.generate_text([{"role": "user", "content": "Hello there"}], seed=0, max_new_tokens=16,
                            max_denoising_steps=4, eos_token_id=[1, 106], pad_token_id=0)
     assert isinstance(text, str)
@@ -329,9 +329,11 @@ def test_fixed_steps_do_not_synchronise_on_cuda(hf_tiny_dir):
     configure(m.module)  # the sync-free experts backend for this GPU (triton, else grouped)
     x = ids(1, 20, 5).cuda()
     kw = {k: v for k, v in KW.items() if k != "max_denoising_steps"}
-    kw.update(stability_threshold=None, confidence_threshold=None)
+    # no EOS: with one, 4 steps can end the generation a canvas earlier than 8 (seen on an H200), and each canvas
+    # has its own (batched) stop checks
+    kw.update(stability_threshold=None, confidence_threshold=None, eos_token_id=None)
     counts = []
-    for steps in (4, 8):
+    for steps in (4, 4, 8):  # the first count is a warm-up: a one-off sync inside torch.cuda under the debug mode
         m.generate(x, generator=torch.Generator("cuda").manual_seed(0), max_denoising_steps=steps, **kw)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -341,7 +343,7 @@ def test_fixed_steps_do_not_synchronise_on_cuda(hf_tiny_dir):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts.append(sum("synchroniz" in str(w.message) for w in caught))
-    assert counts[0] == counts[1], counts
+    assert counts[1] == counts[2], counts
 
 
 def test_chunked_prefill_equals_the_whole_prompt_at_once(bp, monkeypatch):

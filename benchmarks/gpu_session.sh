@@ -24,7 +24,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh oneshot|tune|final|check|bf16|quant|serve|long|ctx}
+PART=${1:?usage: gpu_session.sh next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -142,6 +142,19 @@ case "$PART" in
     STEP_LIMIT=70 bench fp8-profile --batch 1 --precision fp8 $FAST_ARGS $GPU_FLAGS --no-ar --profile
     STEP_LIMIT=60 bench bf16-profile --batch 1 $FAST_ARGS $GPU_FLAGS --no-ar --profile
     ;;
+  next)
+    # For the next lease, after 2026-11-25's H200 measurements (benchmarks/results/2026-11-25-h200.md): what the step
+    # spends outside the experts (~12 of ~24 ms of kernels) against torch.compile'd blocks, each beside its baseline
+    # in the same call; and vLLM's fp8 recipe (fp8 x fp8 experts and projections, scaled_mm), not yet timed.
+    DEADLINE=$((SECONDS + ${BUDGET:-500}))
+    FAST_ARGS="--modes fixed --experts $FAST --sampler fast --no-reference --no-ar --repeats 3"
+    STEP_LIMIT=60 bench fp8-base --batch 1 --precision fp8 $FAST_ARGS $GPU_FLAGS
+    STEP_LIMIT=120 bench fp8-compiled --batch 1 --precision fp8 $FAST_ARGS $GPU_FLAGS --compile --profile
+    [ "$CUDA" = 1 ] && STEP_LIMIT=60 bench fp8-w8a8 --batch 1 --precision fp8 --linears fp8 --modes fixed \
+      --experts scaled_mm --sampler fast --no-reference --no-ar --repeats 3 $GPU_FLAGS
+    STEP_LIMIT=120 bench int4-lin8-compiled --batch 1,4 --precision int4 --linears int8 $FAST_ARGS $GPU_FLAGS --compile
+    STEP_LIMIT=120 bench bf16-compiled --batch 1 $FAST_ARGS $GPU_FLAGS --compile
+    ;;
   check)
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
       python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
@@ -237,7 +250,7 @@ case "$PART" in
     bench ctx-graphs --batch 1 --precision int4 --linears int8 --modes fixed --experts $FAST --sampler fast \
       $GPU_FLAGS --prompt-tokens $CTX --new-tokens 256 --no-reference --no-ar
     ;;
-  *) echo "unknown part $PART (oneshot, tune, final, check, bf16, quant, serve, long or ctx)"; exit 2 ;;
+  *) echo "unknown part $PART (next, oneshot, tune, final, check, bf16, quant, serve, long or ctx)"; exit 2 ;;
 esac
 [ -s "$OUT/summary.txt" ] && { echo; echo "=== failures and tests"; cat "$OUT/summary.txt"; }
 

@@ -566,3 +566,20 @@ def test_l2_bandwidth_kernel_reads_what_it_counts(capsys):
                         "--repeats", "1"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["ok"] and line["l2"]["bytes_read"] == 4 * 3 * mod["CHUNK"] * 4 and line["dram"]["buffer_mb"] == 2
+
+
+def test_profile_parts_follow_the_gpu_timeline_so_triton_kernels_count_where_they_ran():
+    """parts_by_gpu_spans: a kernel belongs to the innermost span (experts / attention inside a decoder pass) that
+    holds it on the GPU's timeline, whatever launched it; kernels outside every decoder pass are the sampler's.
+    (On an H200 with torch 2.11, the CPU ranges' device time missed the Triton experts kernels entirely.)"""
+    from blockpress.kernels.profile import parts_by_gpu_spans
+
+    spans = {"decode": [(0, 100), (200, 300)], "experts": [(10, 40), (210, 240)], "attention": [(50, 60)]}
+    kernels = [(12, 20, 8.0), (21, 39, 18.0),  # two expert kernels of pass 1 (a Triton launch and a sort, say)
+               (212, 238, 26.0),  # pass 2's
+               (51, 59, 8.0),  # attention
+               (70, 80, 10.0), (250, 260, 10.0),  # the rest of each pass
+               (120, 150, 30.0), (99, 102, 3.0)]  # the sampler between passes; a kernel straddling a pass's end
+    got = parts_by_gpu_spans(kernels, spans)
+    assert got == {"experts": 52.0, "attention": 8.0, "decode": 20.0, "outside": 33.0}
+    assert sum(got.values()) == sum(k[2] for k in kernels)

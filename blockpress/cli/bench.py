@@ -419,7 +419,7 @@ def run(args) -> dict:
     build_s = time.perf_counter() - t0
     try:
         choice = kernels.configure(module, experts=args.experts, attention=args.attention, precision=args.precision,
-                                   sc_topk=args.sc_topk, linears=args.linears)
+                                   sc_topk=args.sc_topk, linears=args.linears, compile_blocks=args.compile or None)
     except ValueError as e:
         raise InputError(str(e)) from None
     from ..kernels import moe_grouped
@@ -585,6 +585,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear-tiles", type=_linear_tiles, metavar="SPEC",
                    help="the Triton 8-bit linear kernel's tiles with --linears int8/fp8, e.g. bm=auto,bn=32,split=4 "
                         "(benchmarks/bench_linears.py's best_int8_spec; default: bm=auto,bn=64,bk=64)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder block (norms, residuals, RoPE fused; the experts stay eager): "
+                        "fewer kernels a step; the first pass of each shape compiles (blockpress/kernels/compiled.py)")
     p.add_argument("--moe-sum", choices=["kernel", "atomic"], default="kernel",
                    help="how the Triton experts sum a token's K expert outputs: kernel (a third kernel, deterministic; "
                         "default) or atomic (fp32 atomic adds in the down kernel: no [A, H] buffer, run-to-run "

@@ -26,6 +26,7 @@ from ..model.layers import ATTENTION_BACKENDS
 from ..model.moe import EXPERT_BACKENDS
 from ._triton import triton, usable_on
 from .attention import attention_sdpa_gqa
+from .compiled import blocks_compiled, compile_blocks_
 from .moe_grouped import _grouped_mm_ok, experts_grouped, experts_triton, experts_triton_checked
 from .linear_q import LINEAR_FORMATS, QuantizedLinear, quantize_linears_, quantized_linears
 from .quant import QuantizedExperts, quantize_experts_
@@ -59,13 +60,16 @@ def check_names(experts: str = "auto", attention: str = "auto", linears: str = "
 
 
 def configure(module, experts: str = "auto", attention: str = "auto", precision: str = "native",
-              group_size: int = 64, sc_topk: int | None = None, linears: str = "native") -> dict:
+              group_size: int = 64, sc_topk: int | None = None, linears: str = "native",
+              compile_blocks: bool | None = None) -> dict:
     """Apply backend / precision choices to a DiffusionGemmaModel in place; return the choices.
     sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py).
     linears: "native", or "int8" / "fp8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py);
     a module that already holds 8-bit linears keeps them. Their kernel follows `experts`: "loop" / "torch" (the
     references) -> the torch reference, "triton" -> the kernel unchecked, "scaled_mm" -> fp8 linears with fp8
-    activations too (w8a8, like the experts), else "auto" (checked on first use)."""
+    activations too (w8a8, like the experts), else "auto" (checked on first use).
+    compile_blocks: True / False wraps / unwraps each decoder block in torch.compile (kernels/compiled.py; opt-in,
+    inference); None leaves it as it is."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
     check_names(experts, attention, linears)
@@ -108,13 +112,15 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     if sc_topk is not None and int(sc_topk) < 1:
         raise ValueError(f"sc_topk must be a positive number of tokens or None, got {sc_topk}")
     module.sc_topk = None if sc_topk is None else int(sc_topk)
+    if compile_blocks is not None:
+        compile_blocks_(module, compile_blocks)
     q = (quantized_linears(module) or [None])[0]
-    return {"experts": resolved, "attention": attention, "precision": precision, "sc_topk": module.sc_topk,
+    return {"compiled_blocks": blocks_compiled(module), "experts": resolved, "attention": attention, "precision": precision, "sc_topk": module.sc_topk,
             "linears": "native" if q is None else
             f"{q.fmt} {q.resolved_backend(torch.empty(0, device=dev, dtype=dtype))}",
             "softcap": module.softcap_backend,
             "triton": None if triton is None else triton.__version__}
 
 
-__all__ = ["configure", "check_names", "auto_experts_backend", "PRECISIONS", "LINEAR_FORMATS", "QuantizedExperts",
+__all__ = ["configure", "compile_blocks_", "check_names", "auto_experts_backend", "PRECISIONS", "LINEAR_FORMATS", "QuantizedExperts",
            "quantize_experts_", "QuantizedLinear", "quantize_linears_"]

@@ -7,7 +7,8 @@ the first (no prompt encoding, no commit). It reports, per step:
   them (host-side launch/dispatch time a CUDA graph removes);
 - the time by part of the step, from named code ranges set only while profiling: the experts, the
   attention kernel, the rest of the decoder pass, and the sampler (everything outside the decoder pass).
-  On CUDA the parts are kernel time and add up to the busy time; on a CPU they are wall time;
+  On CUDA the parts are kernel time, each kernel placed by the GPU-side span that holds it
+  (`parts_by_gpu_spans`), and add up to the busy time; on a CPU they are wall time;
 - the busy time by kernel class, from kernel / op names (first match wins; a name the patterns do not
   know counts as "other", so the classes add up to the busy time): experts, attention, sampler, dense
   GEMM, norm, other;
@@ -90,6 +91,42 @@ def _range_us(prof, name: str, cuda: bool) -> float:
     return total
 
 
+def parts_by_gpu_spans(kernels: list[tuple[float, float, float]], spans: dict[str, list[tuple[float, float]]]
+                       ) -> dict[str, float]:
+    """Kernel time (us) by the innermost named span holding each kernel on the GPU's own timeline.
+
+    kernels: (start, end, us) of every kernel; spans: "experts" / "attention" / "decode" -> the [start, end] of
+    that code range's GPU-side span (the profiler records one per record_function on CUDA). A kernel goes to
+    experts or attention if a span of theirs holds its midpoint, else to decode if a decode span does, else to
+    "outside" (the sampler and the engine's own work). Unlike the CPU-side range's device time, this counts
+    kernels launched without an aten op (Triton's), which torch 2.11's profiler left out of the experts' range
+    on an H200 (the Triton experts showed up under "sampler")."""
+    def inside(t: float, name: str) -> bool:
+        return any(a <= t <= b for a, b in spans.get(name, ()))
+
+    out = {"experts": 0.0, "attention": 0.0, "decode": 0.0, "outside": 0.0}
+    for start, end, us in kernels:
+        mid = (start + end) / 2
+        part = next((n for n in ("experts", "attention", "decode") if inside(mid, n)), "outside")
+        out[part] += us
+    return out
+
+
+def _gpu_spans(prof) -> tuple[list[tuple[float, float, float]], dict[str, list[tuple[float, float]]]]:
+    """(kernels, spans) for parts_by_gpu_spans from a CUDA profile's device-side events."""
+    kernels, spans = [], {}
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        if e.name.startswith("bp::"):
+            spans.setdefault(e.name[4:], []).append((start, end))
+        else:
+            us = getattr(e, "self_device_time_total", None)
+            kernels.append((start, end, float(us if us is not None else end - start)))
+    return kernels, spans
+
+
 @contextlib.contextmanager
 def _ranges(module):
     """Name the experts, attention and decoder-pass code ranges while profiling (the wrappers are removed after,
@@ -109,6 +146,7 @@ def _ranges(module):
     own_decode = vars(module).get("decode")
     ATTENTION_BACKENDS[attn_key] = named(attn_fn, "bp::attention")
     module.decode = named(module.decode, "bp::decode")
+    own_experts = [vars(layer.experts).get("forward") for layer in module.layers]  # compile_blocks_' eager wrapper
     for layer in module.layers:
         layer.experts.forward = named(layer.experts.forward, "bp::experts")
     try:
@@ -119,8 +157,11 @@ def _ranges(module):
             del module.decode
         else:
             module.decode = own_decode
-        for layer in module.layers:
-            del layer.experts.forward
+        for layer, own in zip(module.layers, own_experts):
+            if own is None:
+                del layer.experts.forward
+            else:
+                layer.experts.forward = own
 
 
 def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: str = "exact",
@@ -168,10 +209,18 @@ def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: s
     by_class["other"] = 0.0
     for name, _, us in rows:
         by_class[kernel_class(name)] += us / per_step
-    experts, attention, decode = (_range_us(prof, f"bp::{n}", cuda) / per_step for n in ("experts", "attention", "decode"))
     total = busy_ms if cuda else wall_ms  # what the parts add up to: kernel time (CUDA), wall time (CPU)
-    by_part = {"experts": experts, "attention": attention, "decoder, rest": max(decode - experts - attention, 0.0),
-               "sampler": max(total - decode, 0.0)}
+    kernels_gpu, spans = _gpu_spans(prof) if cuda else ([], {})
+    if spans.get("decode"):  # CUDA: each kernel by the GPU-side span that holds it
+        us = parts_by_gpu_spans(kernels_gpu, spans)
+        experts, attention = us["experts"] / per_step, us["attention"] / per_step
+        by_part = {"experts": experts, "attention": attention, "decoder, rest": us["decode"] / per_step,
+                   "sampler": max(total - (us["experts"] + us["attention"] + us["decode"]) / per_step, 0.0)}
+    else:  # CPU (or no GPU-side spans): the ranges' own times
+        experts, attention, decode = (_range_us(prof, f"bp::{n}", cuda) / per_step
+                                      for n in ("experts", "attention", "decode"))
+        by_part = {"experts": experts, "attention": attention, "decoder, rest": max(decode - experts - attention, 0.0),
+                   "sampler": max(total - decode, 0.0)}
     kernels = [{"name": name, "class": kernel_class(name), "calls_per_step": calls / steps,
                 "ms_per_step": us / per_step} for name, calls, us in sorted(rows, key=lambda r: -r[2])[:top]]
     B, T = ids.shape[0], ids.shape[1]

@@ -1,0 +1,52 @@
+"""Opt-in `torch.compile` of each decoder block's own arithmetic (inference).
+
+Why: on an H200 (benchmarks/results/2026-11-25-h200.md) a batch-1 denoising step of the 26B-A4B model spent
+~12 of its ~24 ms of kernel time outside the experts: ~330 norm kernels, ~400 small elementwise kernels (residual
+adds, scalings, RoPE's roll, copies) and ~200 projections a step, each a few microseconds however few bytes it
+moves. CUDA graphs remove the launch gaps, not the kernels. Inductor fuses a block's norms, residual adds, RoPE
+and activation into a handful of kernels.
+
+What is compiled: `Block.forward` of every layer, with the attention closure it is given (SDPA and the cache
+writes are traced). The experts are left out (`torch.compiler.disable`): their Triton kernels check themselves on
+first use (a host sync) and `torch._grouped_mm` has no fp32 meta kernel. One compiled graph serves every layer of
+a kind (sliding / full), since parameters are graph inputs. The first pass of each shape compiles (seconds to a
+minute); CUDA graphs (`kernels.graphs`) capture after their warm-up runs, so they replay the compiled kernels.
+
+`compile_blocks_(module, False)` puts the eager forwards back. Same function as eager up to fp32 reassociation (the
+test compares logits at 1e-5 on a tiny model); not yet timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RECOMPILE_LIMIT = 64  # per code object: (sliding, full) x (encode, decode, fused commit) x batch sizes x chunk lengths
+
+
+def blocks_compiled(module) -> bool:
+    return any("forward" in vars(layer) and hasattr(vars(layer)["forward"], "_torchdynamo_orig_callable")
+               for layer in module.layers)
+
+
+def compile_blocks_(module, enabled: bool = True) -> bool:
+    """Wrap (or unwrap) each decoder block's forward in torch.compile; returns whether they are compiled now."""
+    if not enabled:
+        for layer in module.layers:
+            if "forward" in vars(layer):
+                del layer.forward
+            if getattr(vars(layer.experts).get("forward"), "_blockpress_uncompiled", False):
+                del layer.experts.forward
+        return False
+    if blocks_compiled(module):
+        return True
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.6; raise whichever this torch has
+        if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < RECOMPILE_LIMIT:
+            setattr(torch._dynamo.config, name, RECOMPILE_LIMIT)
+    for layer in module.layers:
+        eager_experts = torch.compiler.disable(layer.experts.forward)
+        eager_experts._blockpress_uncompiled = True
+        layer.experts.forward = eager_experts
+        layer.forward = torch.compile(layer.forward)
+    return True

@@ -78,3 +78,23 @@ def test_compiled_blocks_through_a_generation_the_fused_commit_and_the_profiler(
     assert res.sequences.shape == (2, ids.shape[1] + 2 * m.config.canvas_length)
     p = profile_steps(m, ids, cfg, m.config.canvas_length)
     assert p["steps_profiled"] == 2 and all("forward" in vars(layer.experts) for layer in m.layers)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_the_graphs_static_passes_give_the_eager_tokens():
+    """The static passes CUDA graphs capture (run here without capture) on compiled blocks: a seeded generation
+    gives the tokens of the eager model (fp32 differences of ~1e-6 leave the draws alone on this model)."""
+    from blockpress.kernels.graphs import GraphedPasses
+
+    m = _model()
+    ids, _ = _inputs(m)
+    cfg = GenerationConfig(max_new_tokens=2 * m.config.canvas_length, max_denoising_steps=3,
+                           stability_threshold=None, confidence_threshold=None)
+    want = engine.generate(m, ids, cfg, m.config.canvas_length, generator=torch.Generator().manual_seed(1))
+    kernels.configure(m, compile_blocks=True)
+    graphs = GraphedPasses(m, capture=False, copy_outputs=False).install()
+    try:
+        got = engine.generate(m, ids, cfg, m.config.canvas_length, generator=torch.Generator().manual_seed(1))
+    finally:
+        graphs.uninstall()
+    assert torch.equal(got.sequences, want.sequences)

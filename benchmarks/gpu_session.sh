@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Issue 4's GPU measurements in three device calls of under 10 minutes each (a session has 30 minutes of
-# device time). Each call writes JSON and logs under $OUT and ends with a summary table.
+# Issue 4's GPU measurements as device calls of under 10 minutes each, JSON and logs under $OUT, a summary table at
+# the end. A lease is now 15 minutes of device time, machine start (~35 s) included: `oneshot` (the three precisions,
+# the GPU tests, transformers; ~4 min on an H200) or `next` (what 2026-11-25's measurements left: the compiled
+# blocks and fp8 x fp8 against the baseline) fit one lease with room for a second, short call; set BUDGET (seconds)
+# to fit what is left. `tune` and `final` are the second and third calls of 2026-11-25
+# (benchmarks/results/2026-11-25-h200.md); the parts below them were planned for 30-minute leases.
 #
 # Once, on the development machine (the device image has transformers 5.17, the oracle is 5.23; its other
 # needs, tokenizers 0.23 / huggingface_hub 1.3x / safetensors 0.8, are already there):

@@ -26,26 +26,29 @@ import torch
 from .run import _nonneg_int, _positive_int, _positive_int_list
 
 
+def _spec_type(parse):
+    """argparse type of a tile spec: the string, checked by `parse` (its ValueError becomes argparse's message)."""
+    def check(spec: str) -> str:
+        try:
+            parse(spec)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return spec
+    return check
+
+
 def _tiles(spec: str) -> str:
-    """argparse type of --moe-tiles: the spec string, checked."""
+    """argparse type of --moe-tiles."""
     from ..kernels.moe_grouped import parse_tiles
 
-    try:
-        parse_tiles(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return spec
+    return _spec_type(parse_tiles)(spec)
 
 
 def _linear_tiles(spec: str) -> str:
-    """argparse type of --linear-tiles: the spec string, checked."""
+    """argparse type of --linear-tiles."""
     from ..kernels.linear_q import parse_linear_tiles
 
-    try:
-        parse_linear_tiles(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return spec
+    return _spec_type(parse_linear_tiles)(spec)
 
 
 def _modes(spec: str) -> str:

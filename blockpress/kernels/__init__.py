@@ -115,12 +115,13 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     if compile_blocks is not None:
         compile_blocks_(module, compile_blocks)
     q = (quantized_linears(module) or [None])[0]
-    return {"compiled_blocks": blocks_compiled(module), "experts": resolved, "attention": attention, "precision": precision, "sc_topk": module.sc_topk,
+    return {"compiled_blocks": blocks_compiled(module), "experts": resolved, "attention": attention,
+            "precision": precision, "sc_topk": module.sc_topk,
             "linears": "native" if q is None else
             f"{q.fmt} {q.resolved_backend(torch.empty(0, device=dev, dtype=dtype))}",
             "softcap": module.softcap_backend,
             "triton": None if triton is None else triton.__version__}
 
 
-__all__ = ["configure", "compile_blocks_", "check_names", "auto_experts_backend", "PRECISIONS", "LINEAR_FORMATS", "QuantizedExperts",
-           "quantize_experts_", "QuantizedLinear", "quantize_linears_"]
+__all__ = ["configure", "compile_blocks_", "check_names", "auto_experts_backend", "PRECISIONS", "LINEAR_FORMATS",
+           "QuantizedExperts", "quantize_experts_", "QuantizedLinear", "quantize_linears_"]

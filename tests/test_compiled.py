@@ -15,11 +15,11 @@ from blockpress.kernels.random_weights import build_model
 pytestmark = pytest.mark.no_grad
 
 
-def _model():
+def _model(linears="native"):
     cfg = copy.deepcopy(preset_config("tiny")[0])
     cfg["text_config"].update(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
     m = build_model(cfg, torch.device("cpu"), torch.float32, "native", 0, 0.02, 64)
-    kernels.configure(m, experts="grouped", attention="sdpa_gqa")
+    kernels.configure(m, experts="grouped", attention="sdpa_gqa", linears=linears)
     return m
 
 
@@ -57,7 +57,7 @@ def test_compiled_blocks_equal_the_eager_blocks_and_unwrap_bit_for_bit():
     assert blocks_compiled(m)
     kernels.configure(m, compile_blocks=False)
     assert not blocks_compiled(m)
-    assert not any("forward" in vars(layer) or "forward" in vars(layer.experts) for layer in m.layers)
+    assert not any("forward" in vars(mod) for layer in m.layers for mod in layer.modules())
     assert all(torch.equal(a, b) for a, b in zip(_steps(m, ids, x), want))  # eager again
 
 
@@ -67,10 +67,12 @@ def test_compiled_blocks_through_a_generation_the_fused_commit_and_the_profiler(
     commit pass, and the profiler's ranges, which must leave the experts outside the compiled graph."""
     from blockpress.kernels.profile import profile_steps
 
-    m = _model()
+    m = _model(linears="int8")  # 8-bit projections stay outside the graph, like the experts
     ids, x = _inputs(m)
     want = _steps(m, ids, x, fused=True)
     kernels.configure(m, compile_blocks=True)
+    assert all("forward" in vars(mod) for layer in m.layers for mod in layer.modules()
+               if isinstance(mod, kernels.QuantizedLinear))
     _close(_steps(m, ids, x, fused=True), want)
     cfg = GenerationConfig(max_new_tokens=2 * m.config.canvas_length, max_denoising_steps=3,
                            stability_threshold=None, confidence_threshold=None)

@@ -7,8 +7,8 @@ moves. CUDA graphs remove the launch gaps, not the kernels. Inductor fuses a blo
 and activation into a handful of kernels.
 
 What is compiled: `Block.forward` of every layer, with the attention closure it is given (SDPA and the cache
-writes are traced). The experts are left out (`torch.compiler.disable`): their Triton kernels check themselves on
-first use (a host sync) and `torch._grouped_mm` has no fp32 meta kernel. One compiled graph serves every layer of
+writes are traced). The experts and the 8-bit projections are left out (`torch.compiler.disable`): their Triton
+kernels check themselves on first use (a host sync), and `torch._grouped_mm` has no fp32 meta kernel. One compiled graph serves every layer of
 a kind (sliding / full), since parameters are graph inputs. The first pass of each shape compiles (seconds to a
 minute); CUDA graphs (`kernels.graphs`) capture after their warm-up runs, so they replay the compiled kernels.
 
@@ -28,14 +28,22 @@ def blocks_compiled(module) -> bool:
                for layer in module.layers)
 
 
+def _eager_parts(layer) -> list:
+    """The modules of a block that stay outside the compiled graph: its experts and its 8-bit projections."""
+    from .linear_q import QuantizedLinear
+
+    return [layer.experts] + [m for m in layer.modules() if isinstance(m, QuantizedLinear)]
+
+
 def compile_blocks_(module, enabled: bool = True) -> bool:
     """Wrap (or unwrap) each decoder block's forward in torch.compile; returns whether they are compiled now."""
     if not enabled:
         for layer in module.layers:
             if "forward" in vars(layer):
                 del layer.forward
-            if getattr(vars(layer.experts).get("forward"), "_blockpress_uncompiled", False):
-                del layer.experts.forward
+            for part in _eager_parts(layer):
+                if getattr(vars(part).get("forward"), "_blockpress_uncompiled", False):
+                    del part.forward
         return False
     if blocks_compiled(module):
         return True
@@ -45,8 +53,9 @@ def compile_blocks_(module, enabled: bool = True) -> bool:
         if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < RECOMPILE_LIMIT:
             setattr(torch._dynamo.config, name, RECOMPILE_LIMIT)
     for layer in module.layers:
-        eager_experts = torch.compiler.disable(layer.experts.forward)
-        eager_experts._blockpress_uncompiled = True
-        layer.experts.forward = eager_experts
+        for part in _eager_parts(layer):
+            eager = torch.compiler.disable(part.forward)
+            eager._blockpress_uncompiled = True
+            part.forward = eager
         layer.forward = torch.compile(layer.forward)
     return True

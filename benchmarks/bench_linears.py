@@ -28,16 +28,17 @@ from blockpress.cli.run import _positive_int, _positive_int_list
 from blockpress.kernels.profile import time_ms
 
 
-def projection_shapes(text) -> dict[tuple[int, int], int]:
-    """(in, out) -> how many projections of one pass have that shape (all layers)."""
+def projection_shapes(text, fused: bool = False) -> dict[tuple[int, int], int]:
+    """(in, out) -> how many projections of one pass have that shape (all layers). fused: q, k and v as one
+    projection, and gate and up as one (what a horizontal fusion would run: fewer, wider GEMMs)."""
     shapes: dict[tuple[int, int], int] = {}
     H = text.hidden_size
     for i in range(text.num_hidden_layers):
         heads, kv, D = text.num_attention_heads, text.layer_kv_heads(i), text.layer_head_dim(i)
-        layer = [(H, heads * D), (H, kv * D), (heads * D, H)]  # q, k, o
-        if not text.is_full(i):
-            layer.append((H, kv * D))  # v (full layers: k = v)
-        layer += [(H, text.intermediate_size)] * 2 + [(text.intermediate_size, H)]  # gate, up, down
+        qkv = [heads * D, kv * D] + ([] if text.is_full(i) else [kv * D])  # q, k, v (full layers: k = v)
+        layer = ([(H, sum(qkv))] if fused else [(H, o) for o in qkv]) + [(heads * D, H)]  # ..., o
+        inter = text.intermediate_size
+        layer += ([(H, 2 * inter)] if fused else [(H, inter)] * 2) + [(inter, H)]  # gate, up, down
         for s in layer:
             shapes[s] = shapes.get(s, 0) + 1
     return shapes
@@ -55,6 +56,9 @@ def main(argv=None) -> int:
                    help="activation rows: 1 = AR step, 256 = a canvas")
     p.add_argument("--device", default=None)
     p.add_argument("--repeats", type=_positive_int, default=3, help="CPU: timed calls per setting (best taken)")
+    p.add_argument("--fused", action="store_true",
+                   help="the shapes of a pass with q/k/v and gate/up fused into one projection each (205 -> 115 "
+                        "GEMMs on the 26B model): is a horizontal fusion worth building?")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -71,7 +75,7 @@ def main(argv=None) -> int:
     variants = [f"int8 {sp}" for sp in int8_specs] + ["fp8"] + (["fp8-a8"] if w8a8 else [])
     text = ModelConfig.from_dict(preset_config(args.preset)[0]).text
     rows = [int(r) for r in args.rows.split(",") if r]
-    shapes = projection_shapes(text)
+    shapes = projection_shapes(text, fused=args.fused)
     g = torch.Generator(device=device).manual_seed(0)
     results, ok = [], True
     print(f"{args.preset} projections on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
@@ -116,7 +120,7 @@ def main(argv=None) -> int:
         print(f"  one pass, {M:5d} rows: " + ", ".join(f"{v} {ms:.3f} ms" for v, ms in totals[M].items()))
         int8 = {v: ms for v, ms in totals[M].items() if v.startswith("int8 ")}
         best[M] = min(int8, key=int8.get).removeprefix("int8 ")  # the spec for --linear-tiles
-    print(json.dumps({"bench": "linears", "preset": args.preset, "device": str(device),
+    print(json.dumps({"bench": "linears", "preset": args.preset, "device": str(device), "fused": args.fused,
                       "dtype": str(dtype).removeprefix("torch."), "variants": variants, "ok": ok,
                       "totals_ms_per_pass": totals, "best_int8_spec": best, "results": results}))
     return 0 if ok else 1

@@ -158,6 +158,12 @@ case "$PART" in
       --experts scaled_mm --sampler fast --no-reference --no-ar --repeats 3 $GPU_FLAGS
     STEP_LIMIT=120 bench int4-lin8-compiled --batch 1,4 --precision int4 --linears int8 $FAST_ARGS $GPU_FLAGS --compile
     STEP_LIMIT=120 bench bf16-compiled --batch 1 $FAST_ARGS $GPU_FLAGS --compile
+    # would fusing q/k/v and gate/up into one projection each pay? (a pass's GEMMs, separate vs fused shapes)
+    for fused in "" --fused; do
+      lim=$(limit 90); [ "$lim" != 0 ] && echo "=== linears $fused" | tee -a "$OUT/summary.txt" && timeout "$lim" \
+        python3 benchmarks/bench_linears.py --preset "$PRESET" --rows 1,256 $fused 2>&1 | grep -E "one pass" \
+        | tee -a "$OUT/summary.txt"
+    done
     ;;
   check)
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"

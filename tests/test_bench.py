@@ -471,6 +471,9 @@ def test_linear_kernel_bench_checks_every_projection_shape(capsys):
         g = weight_groups(DiffusionGemmaModel(ModelConfig.from_dict(preset_config("real-26b")[0])).to(torch.bfloat16))
     assert 2 * sum(i * o * n for (i, o), n in shapes.items()) == g["attention"] + g["dense_mlp"]
     assert sum(shapes.values()) == 7 * 30 - 5  # q k v o gate up down per layer; the 5 full layers have no v
+    fused = mod["projection_shapes"](text, fused=True)
+    assert sum(fused.values()) == 4 * 30  # qkv, o, gate|up, down
+    assert sum(i * o * n for (i, o), n in fused.items()) == sum(i * o * n for (i, o), n in shapes.items())
     from kernel_device import COMPILED, DEV
 
     # where the Triton kernel runs: the interpreter on CPU (fp32), compiled on a GPU (bf16 activations there)

@@ -94,6 +94,23 @@ def test_reference_kernels_flag_gives_the_same_tokens(model_dir, capsys, monkeyp
     assert loaded == [("grouped", "sdpa_gqa"), ("loop", "sdpa")]
 
 
+def test_compile_flag_compiles_the_loaded_blocks_and_refuses_the_references(model_dir):
+    """--compile (run, chat, infill, serve) wraps each block in torch.compile after load (its tokens: test_compiled);
+    with --reference-kernels it is refused in one line."""
+    import argparse
+
+    from blockpress.cli.run import add_model_args, load_model
+    from blockpress.kernels.compiled import blocks_compiled
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    lm = load_model(p.parse_args([str(model_dir), "--compile"]))
+    assert blocks_compiled(lm.module)
+    assert not blocks_compiled(load_model(p.parse_args([str(model_dir)])).module)
+    with pytest.raises(blockpress.InputError, match="--compile and --reference-kernels"):
+        load_model(p.parse_args([str(model_dir), "--compile", "--reference-kernels"]))
+
+
 def test_steps_fixes_steps_per_canvas(model_dir, capsys):
     fixed = run_json(capsys, str(model_dir), "hello", "--max-new-tokens", "48", "--steps", "4")
     assert fixed["stats"]["steps_per_canvas"] == [4, 4, 4]

@@ -24,8 +24,9 @@ def pytest_collection_modifyitems(config, items):
 
 # Models load on the CPU by default, as on CI, also on a machine with a GPU (load's default there is CUDA, where
 # the fp32 oracle comparisons and CPU generators of these tests do not hold); set at import, so module- and
-# session-scoped fixtures see it too. Tests marked gpu get CUDA as their default.
-os.environ.setdefault("BLOCKPRESS_DEVICE", "cpu")
+# session-scoped fixtures see it too (a value from the shell is overridden: these tests assume it). Tests marked gpu
+# get CUDA as their default.
+os.environ["BLOCKPRESS_DEVICE"] = "cpu"
 
 
 @pytest.fixture(autouse=True)

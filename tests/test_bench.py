@@ -482,7 +482,8 @@ def test_linear_kernel_bench_checks_every_projection_shape(capsys):
     assert line["ok"] and {r["rows"] for r in line["results"]} == {1, 5}
     int8 = [v for v in line["variants"] if v.startswith("int8 ")]
     assert len(int8) >= 2 and any("split=" in v for v in int8)  # the kernel's tile variants, each a valid spec
-    assert set(line["best_int8_spec"]) == {"1", "5"} and all(f"int8 {sp}" in int8 for sp in line["best_int8_spec"].values())
+    best = line["best_int8_spec"]
+    assert set(best) == {"1", "5"} and all(f"int8 {sp}" in int8 for sp in best.values())
     assert line["variants"][len(int8):] == ["fp8"] + (
         ["fp8-a8"] if not COMPILED or torch.cuda.get_device_capability() >= (8, 9) else [])
     assert max(max(r["rel_err"].values()) for r in line["results"]) < (2e-2 if COMPILED else 1e-5)

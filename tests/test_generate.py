@@ -19,7 +19,8 @@ KW = dict(max_new_tokens=32, max_denoising_steps=6, eos_token_id=[1], pad_token_
 @pytest.fixture(scope="module")
 def bp(hf_tiny_dir):
     path, _ = hf_tiny_dir
-    m = blockpress.load(path, device="cpu", dtype="float32", progress=False)  # the oracle's fp32 CPU, also on a GPU machine
+    # the oracle's fp32 on the CPU, also on a machine with a GPU
+    m = blockpress.load(path, device="cpu", dtype="float32", progress=False)
     m.module.attention_backend = "eager"
     return m
 

@@ -234,8 +234,9 @@ def test_load_quantises_while_loading_and_refuses_what_it_cannot_do(tmp_path):
     assert any(k.endswith("q_proj.weight_q") for k in sa)
     ids = torch.randint(5, 256, (1, 6), generator=torch.Generator().manual_seed(0))
     kw = dict(max_new_tokens=8, max_denoising_steps=3)
-    assert torch.equal(streamed.generate(ids, generator=torch.Generator(streamed.device).manual_seed(1), **kw).sequences,
-                       after.generate(ids, generator=torch.Generator(after.device).manual_seed(1), **kw).sequences)
+    gen = torch.Generator(streamed.device)
+    assert torch.equal(streamed.generate(ids, generator=gen.manual_seed(1), **kw).sequences,
+                       after.generate(ids, generator=gen.manual_seed(1), **kw).sequences)
     with pytest.raises(blockpress.InputError, match="unknown linears format 'int4'"):
         blockpress.load(folder, progress=False, linears="int4")
     with pytest.raises(blockpress.InputError, match="holds quantised weights .*QuantizedLinear"):

@@ -228,8 +228,9 @@ def test_load_quantises_layer_by_layer_while_loading(tmp_path, fmt):
         assert a[0] == b[0] and torch.equal(a[1], b[1]), a[0]
     ids = torch.randint(5, 256, (1, 6), generator=torch.Generator().manual_seed(0))
     kw = dict(max_new_tokens=8, max_denoising_steps=3)
-    assert torch.equal(streamed.generate(ids, generator=torch.Generator(streamed.device).manual_seed(1), **kw).sequences,
-                       after.generate(ids, generator=torch.Generator(after.device).manual_seed(1), **kw).sequences)
+    gen = torch.Generator(streamed.device)
+    assert torch.equal(streamed.generate(ids, generator=gen.manual_seed(1), **kw).sequences,
+                       after.generate(ids, generator=gen.manual_seed(1), **kw).sequences)
     with pytest.raises(blockpress.InputError, match="unknown precision"):
         blockpress.load(folder, progress=False, precision="int3")
 

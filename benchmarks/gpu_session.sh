@@ -52,6 +52,13 @@ limit() {  # limit SECONDS: that, or what is left before DEADLINE (0: no time le
   echo "$l"
 }
 
+env_info() {  # the card, its clocks and the versions, into the log
+  { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null || echo "no nvidia-smi"
+    python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
+"transformers", transformers.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'
+  } 2>&1 | tee -a "$OUT/log.txt"
+}
+
 bench() {  # bench NAME ARGS...: one `blockpress bench` run, JSON in $OUT/NAME.json, log in $OUT/log.txt
   local name=$1; shift
   local lim; lim=$(limit "$STEP_LIMIT")
@@ -74,10 +81,7 @@ case "$PART" in
     # kernels' and CUDA-only tests, then the transformers reference in what time is left. Every bench run writes its
     # JSON after each measured run (partial), so a step cut off by the deadline keeps what it measured.
     DEADLINE=$((SECONDS + ${BUDGET:-500}))
-    { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null || echo "no nvidia-smi"
-      python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
-"transformers", transformers.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'
-    } 2>&1 | tee -a "$OUT/log.txt"
+    env_info
     FAST_ARGS="--modes fixed --experts $FAST --sampler fast --no-reference --repeats 3"
     STEP_LIMIT=140 bench int4-lin8 --batch 1,4 --precision int4 --linears int8 $FAST_ARGS $GPU_FLAGS --ar-tokens 256 \
       --profile || [ -s "$OUT/int4-lin8.json" ] || STEP_LIMIT=90 bench int4-lin8-eager --batch 1 --precision int4 --linears int8 $FAST_ARGS --no-ar
@@ -166,10 +170,7 @@ case "$PART" in
     done
     ;;
   check)
-    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
-      python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
-"transformers", transformers.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'
-    } 2>&1 | tee -a "$OUT/log.txt"
+    env_info
     # compiled Triton kernels (not the interpreter), the CUDA graph and fp8 grouped-GEMM tests
     timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=10 tests/test_kernels.py tests/test_quant.py tests/test_linear_q.py \
       tests/test_bench.py \

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .run import _nonneg_int, _positive_int, _positive_int_list
+from .run import COMPILE_HELP, _nonneg_int, _positive_int, _positive_int_list
 
 
 def _spec_type(parse):
@@ -588,9 +588,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear-tiles", type=_linear_tiles, metavar="SPEC",
                    help="the Triton 8-bit linear kernel's tiles with --linears int8/fp8, e.g. bm=auto,bn=32,split=4 "
                         "(benchmarks/bench_linears.py's best_int8_spec; default: bm=auto,bn=64,bk=64)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile each decoder block (norms, residuals, RoPE fused; the experts stay eager): "
-                        "fewer kernels a step; the first pass of each shape compiles (blockpress/kernels/compiled.py)")
+    p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--moe-sum", choices=["kernel", "atomic"], default="kernel",
                    help="how the Triton experts sum a token's K expert outputs: kernel (a third kernel, deterministic; "
                         "default) or atomic (fp32 atomic adds in the down kernel: no [A, H] buffer, run-to-run "
@@ -648,17 +646,19 @@ def _save_partial(result: dict, out: str | None) -> None:
     """Writes the runs done so far to `out` (marked partial), so that a run killed later (a timeout on a lent GPU,
     the transformers reference running long) keeps what it measured; the final print_json overwrites it."""
     if out:
-        with open(out, "w") as f:
-            f.write(json.dumps({**result, "partial": True}, default=str) + "\n")
+        _write_json({**result, "partial": True}, out)
+
+
+def _write_json(result: dict, out: str) -> str:
+    line = json.dumps(result, default=str)
+    with open(out, "w") as f:
+        f.write(line + "\n")
+    return line
 
 
 def print_json(result: dict, out: str | None = None) -> None:
     """A benchmark's final JSON line, also written to `out` when given."""
-    line = json.dumps(result, default=str)
-    if out:
-        with open(out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    print(_write_json(result, out) if out else json.dumps(result, default=str))
 
 
 def main_argv(argv=None) -> int:

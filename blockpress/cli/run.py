@@ -77,6 +77,12 @@ def _float_in(lo: float, strict: bool, allow_none: bool = False):
 
 
 # ----------------------------------------------------------------------------- shared flags
+COMPILE_HELP = ("torch.compile each decoder block (norms, residual adds and RoPE fused into fewer kernels; the experts "
+                "and 8-bit projections stay as they are): the same function up to rounding (the shipped KJV model on "
+                "a CPU: the same tokens, 5.9 -> 5.3 ms a step); the first pass of each shape compiles, for seconds "
+                "to a minute (blockpress/kernels/compiled.py)")
+
+
 def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True) -> None:
     p.add_argument("model", nargs="?", metavar="MODEL",
                    help="checkpoint folder, Hub id, or a shipped model's name: sudoku, kjv "
@@ -101,10 +107,7 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True) -> None
     p.add_argument("--reference-kernels", action="store_true",
                    help="run the plain PyTorch references (experts one by one, attention with expanded KV heads) "
                         "instead of the fast kernels: the same function up to rounding, for checking a fast path")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile each decoder block (norms, residual adds and RoPE fused into fewer kernels; "
-                        "experts stay as they are): the first pass of each shape compiles, for seconds to a minute; "
-                        "same tokens (the shipped KJV model on a CPU: 5.9 -> 5.3 ms a step)")
+    p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     if cuda_graphs:
         p.add_argument("--cuda-graphs", action="store_true",
                        help="CUDA GPU: replay every denoising step and commit from a CUDA graph captured on first "

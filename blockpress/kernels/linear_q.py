@@ -161,7 +161,8 @@ def block_m_for(M: int) -> int:
 # programs whose fp32 partial sums meet by atomic adds (more programs for the GPU's SMs: at 256 rows a 2112-wide
 # projection has 4 x 33 output tiles for 132 SMs, at one row 33), then one cast to the activation dtype.
 # Set by `set_linear_tiles` / `blockpress bench --linear-tiles`; benchmarks/bench_linears.py times the variants.
-LINEAR_TILES = {"block_m": None, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": None, "split_k": 1}
+DEFAULT_LINEAR_TILES = {"block_m": None, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": None, "split_k": 1}
+LINEAR_TILES = dict(DEFAULT_LINEAR_TILES)
 
 
 def parse_linear_tiles(spec: str) -> dict:
@@ -191,19 +192,24 @@ def parse_linear_tiles(spec: str) -> dict:
 def set_linear_tiles(spec: "str | dict | None") -> dict:
     """Sets the Triton 8-bit linear kernel's tiles for this process (a spec string, a dict, or None for the
     defaults); returns the previous setting."""
-    global LINEAR_TILES
+    global LINEAR_TILES, _LINEAR_TILES_SPEC
     prev = LINEAR_TILES
-    default = {"block_m": None, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": None, "split_k": 1}
-    LINEAR_TILES = default if spec is None else parse_linear_tiles(spec) if isinstance(spec, str) else {**default, **spec}
+    LINEAR_TILES = dict(DEFAULT_LINEAR_TILES) if spec is None else parse_linear_tiles(spec) if isinstance(spec, str) \
+        else {**DEFAULT_LINEAR_TILES, **spec}
+    _LINEAR_TILES_SPEC = linear_tiles_spec(LINEAR_TILES)
     return prev
 
 
 def linear_tiles_spec(t: dict | None = None) -> str:
-    t = t or LINEAR_TILES
+    if t is None:
+        return _LINEAR_TILES_SPEC
     parts = [f"bm={t['block_m'] or 'auto'}", f"bn={t['block_n']}", f"bk={t['block_k']}"]
     parts += [f"warps={t['num_warps']}"] if t["num_warps"] else []
     parts += [f"split={t['split_k']}"] if t["split_k"] > 1 else []
     return ",".join(parts)
+
+
+_LINEAR_TILES_SPEC = linear_tiles_spec(LINEAR_TILES)  # the current setting's spec, kept by set_linear_tiles
 
 
 if triton is not None:

@@ -101,8 +101,14 @@ def parts_by_gpu_spans(kernels: list[tuple[float, float, float]], spans: dict[st
     "outside" (the sampler and the engine's own work). Unlike the CPU-side range's device time, this counts
     kernels launched without an aten op (Triton's), which torch 2.11's profiler left out of the experts' range
     on an H200 (the Triton experts showed up under "sampler")."""
-    def inside(t: float, name: str) -> bool:
-        return any(a <= t <= b for a, b in spans.get(name, ()))
+    import bisect
+
+    ordered = {n: sorted(spans.get(n, ())) for n in ("experts", "attention", "decode")}  # one name's spans: disjoint
+    starts = {n: [a for a, _ in sp] for n, sp in ordered.items()}
+
+    def inside(t: float, name: str) -> bool:  # the last span starting at or before t holds t, or none does
+        i = bisect.bisect_right(starts[name], t) - 1
+        return i >= 0 and t <= ordered[name][i][1]
 
     out = {"experts": 0.0, "attention": 0.0, "decode": 0.0, "outside": 0.0}
     for start, end, us in kernels:

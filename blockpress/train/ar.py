@@ -25,6 +25,23 @@ def greedy_generate(module, prompt_ids: torch.Tensor, max_new_tokens: int) -> to
     return torch.stack(out, 1)
 
 
+@torch.no_grad()
+def greedy_until(module, prompt_ids: list[int], max_new_tokens: int, stop_ids, device=None) -> list[int]:
+    """One prompt -> greedy new tokens, up to and including the first stop id (at most max_new_tokens)."""
+    stops = set(stop_ids or ())
+    ids = torch.tensor([prompt_ids], device=device)
+    cache = module.new_cache(1, len(prompt_ids) + max_new_tokens)
+    h = module.encode(ids, cache)
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        nxt = module.lm_logits(h[:, -1]).argmax(-1)  # [1]
+        out.append(int(nxt))
+        if out[-1] in stops:
+            break
+        h = module.encode(nxt[:, None], cache)
+    return out
+
+
 def sudoku_solver(lm):
     """puzzles -> 81-digit predictions with greedy AR decoding (for sudoku.evaluate)."""
     from ..tasks import sudoku as sd

@@ -8,7 +8,10 @@ canvas split, EOS fill and corruption.
 - `ChatJsonlSource`: rows `{"messages": [...]}`; everything before the final assistant turn is the
   prompt, rendered with the model's chat template (`add_generation_prompt=True`, so the
   `<|turn>model\\n` header is prompt, never supervised, spec §3); the response is the final assistant
-  content + the turn-close token (`<turn|>` when the tokenizer has it, else EOS). Rows may instead give
+  turn as the model writes it: the content + the turn-close token (`<turn|>` when the tokenizer has it,
+  else EOS). A row may declare `tools` and `enable_thinking` (rendered by the template as at inference); the
+  final message may carry `reasoning_content` (a thought channel before the content) and `tool_calls`
+  (then the turn ends `<|tool_response>`, where the model stops for the tool). Rows may instead give
   `{"prompt": str, "completion": str}`.
 - `TextSource`: plain text (a .txt file: one document per blank-line-separated paragraph, or .jsonl
   with a "text" field); prompt = BOS + the first `prompt_tokens` tokens, response = the rest.
@@ -91,15 +94,20 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
 
 
 def _message(m, where: str) -> dict:
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-            or not isinstance(m.get("content"), (str, list, type(None))):
+    content_types = (str, list, type(None), dict) if isinstance(m, dict) and m.get("role") == "tool" \
+        else (str, list, type(None))  # a tool's response may be a JSON object, as the template renders it
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), content_types):
         raise InputError(f"{where}: each message must be an object with a string 'role' and a 'content' (a string "
                          f"or a list of parts), got {json.dumps(m)[:80]}")
     return m
 
 
 def chat_example(tokenizer, row: dict, where: str = "a chat row") -> Example:
-    """One chat row -> (prompt ids via the chat template, final assistant turn ids + turn close)."""
+    """One chat row -> (prompt ids via the chat template, final assistant turn ids as the model writes it).
+
+    The row may declare `tools` (OpenAI function declarations, rendered in the system turn) and
+    `enable_thinking`; the final assistant message may carry `reasoning_content` (thinking rows only) and
+    `tool_calls`. See `assistant_turn_text` for the supervised text."""
     if "messages" in row:
         msgs = row["messages"]
         if not isinstance(msgs, list):
@@ -107,21 +115,60 @@ def chat_example(tokenizer, row: dict, where: str = "a chat row") -> Example:
         msgs = [_message(m, where) for m in msgs]
         if not msgs or msgs[-1].get("role") != "assistant":
             raise InputError(f"{where}: a chat row must end with an assistant message (the supervised turn)")
-        history, answer = msgs[:-1], msgs[-1].get("content") or ""
-        if isinstance(answer, list):  # content parts: the text ones, in order
-            answer = "".join(p.get("text", "") for p in answer if isinstance(p, dict) and p.get("type") == "text")
-        prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
-    elif "prompt" in row and "completion" in row:
+        tools, thinking = row.get("tools"), bool(row.get("enable_thinking", False))
+        prompt = tokenizer.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True,
+                                               enable_thinking=thinking, tools=tools)
+        final = msgs[-1]
+        if tokenizer.token_to_id("<turn|>") is None:  # not the Gemma 4 turn format: the content + EOS
+            if final.get("tool_calls") or final.get("reasoning_content"):
+                raise InputError(f"{where}: tool calls and reasoning need a Gemma 4 tokenizer (<turn|>, <|tool_call>)")
+            return list(prompt), tokenizer.encode(_text(final.get("content"))) + _close(tokenizer)
+        return list(prompt), tokenizer.encode(assistant_turn_text(tokenizer.chat_template, final, thinking, where))
+    if "prompt" in row and "completion" in row:
         answer = row["completion"]
         if not isinstance(answer, str) or not isinstance(row["prompt"], str):
             raise InputError(f"{where}: 'prompt' and 'completion' must be strings")
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
                                                add_generation_prompt=True, tokenize=True)
-    else:
-        raise InputError(f"{where}: a JSONL row needs 'messages' (chat) or 'prompt' + 'completion'")
+        return list(prompt), tokenizer.encode(answer) + _close(tokenizer)
+    raise InputError(f"{where}: a JSONL row needs 'messages' (chat) or 'prompt' + 'completion'")
+
+
+def _text(content) -> str:
+    """Message content as text: a string, or the text parts of a list, in order."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content or ""
+
+
+def _close(tokenizer) -> list[int]:
     close = tokenizer.token_to_id("<turn|>")
     close = close if close is not None else tokenizer.eos_token_id
-    return list(prompt), tokenizer.encode(answer) + ([close] if close is not None else [])
+    return [close] if close is not None else []
+
+
+def assistant_turn_text(chat_template: str, message: dict, thinking: bool = False, where: str = "a chat row") -> str:
+    """The final assistant turn as the model writes it after the generation prompt, special tokens as text:
+    `[<|channel>thought\\nREASONING<channel|>]CONTENT[TOOL CALLS]` + `<turn|>`, or + `<|tool_response>` when
+    the turn ends in tool calls (the model stops there; the tool's answer is appended to the open turn).
+    Content and calls are rendered by the model's chat template (the message alone, its
+    `<|turn>model\\n` header and closing `<turn|>\\n` cut off), so calls use the template's argument notation."""
+    from ..chat import render_chat_template
+
+    content = _text(message.get("content"))
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning and not thinking:
+        raise InputError(f"{where}: the final assistant message has reasoning_content but the row does not set "
+                         "\"enable_thinking\": true; set it (or drop the reasoning)")
+    head, tail = "<|turn>model\n", "<turn|>\n"
+    body = render_chat_template(chat_template, [{**message, "content": content}],
+                                add_generation_prompt=False, bos_token="")
+    if not (body.startswith(head) and body.endswith(tail)):
+        raise InputError(f"{where}: the chat template does not render an assistant turn as {head!r} ... {tail!r}; "
+                         "tool calls and reasoning need the Gemma 4 turn format")
+    body = body[len(head):-len(tail)]
+    thought = f"<|channel>thought\n{reasoning.strip()}<channel|>" if reasoning else ""
+    return thought + body + ("<|tool_response>" if message.get("tool_calls") else "<turn|>")
 
 
 class ChatJsonlSource(ListSource):

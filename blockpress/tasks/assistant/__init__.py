@@ -1,0 +1,73 @@
+"""The shipped chat model's closed world: a tiny assistant that speaks the Gemma 4 chat format.
+
+- `skills`: single questions with one canonical answer and a short working (arithmetic, unit
+  conversions, dates, letters, rewrites);
+- `dialogs`: whole conversations around them (system turn, thinking, tool declarations, tool calls and
+  tool responses, JSON answers, follow-ups), as OpenAI-style chat rows with what a right reply does;
+- `tokenizer`: the model's own byte-level BPE holding every Gemma 4 special token;
+- `evaluate`: score replies (per-skill exact answers, tool use, thinking well-formed) and print the table.
+
+Splits: the held-out set (`heldout(n)`, seed "assistant/heldout") is drawn first, stratified by table
+row; the training stream (`train_dialogs`) redraws every conversation that uses a question (operands, word,
+date; `skills.Item.key`) of the held-out set, so eval questions are never trained on.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from . import dialogs, skills
+
+DEFAULT_MODEL_PATH = Path(__file__).resolve().parent.parent.parent / "assets" / "assistant"
+HELDOUT_SEED = "assistant/heldout"
+
+# held-out strata: (row name, kind, item generator or None)
+_ARITH = [("add", (1, 1)), ("add", (2, 2)), ("add", (3, 3)), ("sub", (2, 2)), ("sub", (3, 3)), ("mul", (1, 1)),
+          ("mul", (2, 1)), ("mul", (2, 2))]
+
+
+def strata():
+    """[(kind, item factory or None)]: one entry per stratum of the held-out set."""
+    out = [("skill", lambda r, op=op, d=d: skills.arithmetic(r, op, d)) for op, d in _ARITH]
+    out += [("skill", skills.conversion), ("skill", skills.date), ("skill", skills.letters), ("skill", skills.rewrite)]
+    out += [("json", None), ("call", None), ("tool_answer", None), ("no_call", None), ("followup", None)]
+    return out
+
+
+def heldout(n: int = 40, seed: str = HELDOUT_SEED) -> list[dialogs.Dialog]:
+    """n conversations per stratum, thinking on for every other one; a prefix of heldout(m) for n < m."""
+    out = []
+    for s, (kind, make) in enumerate(strata()):
+        for i in range(n):
+            rng = random.Random(f"{seed}/{s}/{i}")
+            d = dialogs.conversation(rng, kind, make(rng) if make else None)
+            out.append(_set_thinking(d, i % 2 == 1, rng, kind, make))
+    return out
+
+
+def _set_thinking(d: dialogs.Dialog, thinking: bool, rng, kind, make) -> dialogs.Dialog:
+    if d.thinking == thinking:
+        return d
+    for _ in range(100):  # redraw from the same stream until the coin agrees (deterministic)
+        d = dialogs.conversation(rng, kind, make(rng) if make else None)
+        if d.thinking == thinking:
+            return d
+    raise RuntimeError("could not draw a conversation with the requested thinking mode")
+
+
+def heldout_keys(n: int = 200) -> frozenset:
+    return frozenset(k for d in heldout(n) for k in d.keys)
+
+
+def train_dialogs(count: int, seed: int = 0, exclude: frozenset | None = None):
+    """`count` training conversations; conversation i comes from its own seeded RNG, and one that uses a
+    held-out question is redrawn from the same RNG."""
+    exclude = heldout_keys() if exclude is None else exclude
+    for i in range(count):
+        rng = random.Random(f"assistant/train/{seed}/{i}")
+        while True:
+            d = dialogs.conversation(rng)
+            if not any(k in exclude for k in d.keys):
+                yield d
+                break

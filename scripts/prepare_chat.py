@@ -1,0 +1,72 @@
+"""Data and tokenizer for the shipped chat model (blockpress/assets/assistant): generated conversations.
+
+    python scripts/prepare_chat.py --out runs/chat
+
+Writes, under --out:
+  train.jsonl      --n generated conversations (`blockpress train` chat rows: messages, tools,
+                   enable_thinking; the final assistant turn is supervised), none using a held-out question
+  heldout.jsonl    the eval set (`blockpress.tasks.assistant.heldout`, --heldout per table row), each row
+                   with its `expect` (what a right reply does); the trainer reads it for the eval loss
+  tokenizer/       tokenizer.json (byte-level BPE, --vocab ids, every Gemma 4 special token, digits one per
+                   token; learned on train.jsonl only), tokenizer_config.json, chat_template.jinja (the
+                   repository's Gemma 4 template)
+
+Then train: scripts/train_chat.py (the recipe of the shipped model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/chat")
+    ap.add_argument("--n", type=int, default=120_000, help="training conversations")
+    ap.add_argument("--heldout", type=int, default=40, help="held-out conversations per table row")
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from blockpress.chat import DEFAULT_GEMMA4_TEMPLATE, render_chat_template
+    from blockpress.tasks import assistant
+    from blockpress.tasks.assistant.tokenizer import train_tokenizer
+    from blockpress.tokenizer import Tokenizer
+    from blockpress.train.data import assistant_turn_text, chat_example
+
+    t0 = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    held = assistant.heldout(args.heldout)
+    rows = [d.row() for d in assistant.train_dialogs(args.n, args.seed)]
+    with open(out / "train.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    with open(out / "heldout.jsonl", "w") as f:
+        for d in held:
+            f.write(json.dumps({**d.row(), "expect": d.expect}, ensure_ascii=False) + "\n")
+
+    def texts():  # what the model reads: the prompt as rendered at inference + the supervised turn
+        for r in rows:
+            yield render_chat_template(DEFAULT_GEMMA4_TEMPLATE, r["messages"][:-1], add_generation_prompt=True,
+                                       enable_thinking=r.get("enable_thinking", False), tools=r.get("tools"))
+            yield assistant_turn_text(DEFAULT_GEMMA4_TEMPLATE, r["messages"][-1], r.get("enable_thinking", False))
+
+    train_tokenizer(texts(), args.vocab, out / "tokenizer")
+    tok = Tokenizer.from_dir(out / "tokenizer")
+    lens = [(len(p), len(r)) for p, r in (chat_example(tok, r) for r in rows[:2000])]
+    prompt, resp = sorted(p for p, _ in lens), sorted(r for _, r in lens)
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    print(f"{len(rows)} training conversations + {len(held)} held out; vocab {tok.vocab_size}; "
+          f"prompt tokens median {pct(prompt, .5)} / p99 {pct(prompt, .99)} / max {prompt[-1]}, "
+          f"response tokens median {pct(resp, .5)} / p99 {pct(resp, .99)} / max {resp[-1]} (first 2000); "
+          f"written to {out} in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,12 +24,14 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-SHIPPED_MODELS = {"sudoku": ASSETS / "sudoku", "kjv": ASSETS / "kjv"}  # name -> folder inside the package
+SHIPPED_MODELS = {"sudoku": ASSETS / "sudoku", "kjv": ASSETS / "kjv",  # name -> folder inside the package
+                  "assistant": ASSETS / "assistant"}
+DEFAULT_CHAT_MODEL = "assistant"  # `blockpress serve` / `blockpress chat` without a model: the shipped chat model
 
 
 def resolve_path(model: str | Path, progress: bool = True) -> Path:
     """A folder as is (a training run's folder: the checkpoint its `latest` file names); a shipped
-    model's name ('sudoku', 'kjv') when no such folder exists; otherwise a Hub id (owner/name)
+    model's name ('sudoku', 'kjv', 'assistant') when no such folder exists; otherwise a Hub id (owner/name)
     downloaded or found in the local HF cache."""
     p = Path(model).expanduser()
     run_dir = p if p.is_dir() else p.parent

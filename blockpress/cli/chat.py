@@ -129,7 +129,9 @@ def main(args) -> int:
     from rich.console import Console
 
     from .view import CanvasView, TextRenderer
+    from ..loading import DEFAULT_CHAT_MODEL
 
+    args.model = args.model or DEFAULT_CHAT_MODEL  # chat is what these commands are for: the shipped chat model
     lm = load_model(args)
     refuse_task_model(lm, "chat")
     session = ChatSession(lm, thinking=args.thinking, sampling=sampling_kwargs(args), seed=args.seed)

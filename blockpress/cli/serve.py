@@ -76,7 +76,9 @@ def main(args) -> int:
     from ..server.protocol import Limits
     from ..server.scheduler import Scheduler
     from ..server.serving import OpenAIServing
+    from ..loading import DEFAULT_CHAT_MODEL
 
+    args.model = args.model or DEFAULT_CHAT_MODEL  # chat is what these commands are for: the shipped chat model
     lm = load_model(args)
     refuse_task_model(lm, "serve")
     name = args.served_model_name or (args.model.rstrip("/") if args.model and "/" in args.model.strip("/")

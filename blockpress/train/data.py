@@ -42,18 +42,35 @@ class Source:
 
 
 class ListSource(Source):
-    """A finite list of examples, visited in a seeded permutation per epoch (batch_size fixes the order)."""
+    """A finite list of examples, visited in a seeded permutation per epoch (batch_size fixes the order).
 
-    def __init__(self, examples: list[Example], batch_size: int, seed: int = 0):
+    bucket K > 0: batches of similar lengths. The epoch's permutation is cut into windows of K batches;
+    each window is sorted by example length, cut into batches, and the batches are shuffled (seeded).
+    A batch is padded to its longest example, so with lengths as varied as chat prompts (one-line
+    questions beside tool declarations and earlier turns) this roughly halves the work per step, while
+    every example is still seen once per epoch in a seeded random batch order."""
+
+    def __init__(self, examples: list[Example], batch_size: int, seed: int = 0, bucket: int = 0):
         if not examples:
             raise InputError("the training data is empty; give at least one example")
-        self.examples, self.batch_size, self.seed = examples, batch_size, seed
+        self.examples, self.batch_size, self.seed, self.bucket = examples, batch_size, seed, bucket
         self._perms: dict[int, list[int]] = {}
 
     def _perm(self, epoch: int) -> list[int]:
         if epoch not in self._perms:
             p = list(range(len(self.examples)))
-            random.Random(f"{self.seed}/{epoch}").shuffle(p)
+            rng = random.Random(f"{self.seed}/{epoch}")
+            rng.shuffle(p)
+            if self.bucket:
+                B, w = self.batch_size, self.bucket * self.batch_size
+                size = lambda i: len(self.examples[i][0]) + len(self.examples[i][1])  # noqa: E731
+                out = []
+                for s in range(0, len(p), w):
+                    window = sorted(p[s:s + w], key=size)
+                    batches = [window[j:j + B] for j in range(0, len(window), B)]
+                    rng.shuffle(batches)
+                    out += [i for b in batches for i in b]
+                p = out
             self._perms = {epoch: p}
         return self._perms[epoch]
 
@@ -172,13 +189,16 @@ def assistant_turn_text(chat_template: str, message: dict, thinking: bool = Fals
 
 
 class ChatJsonlSource(ListSource):
-    def __init__(self, path: str | Path, tokenizer, batch_size: int, seed: int = 0, max_prompt: int | None = None):
+    """Chat rows (`chat_example`), batched by length (`ListSource` bucket, 16 batches a window by default)."""
+
+    def __init__(self, path: str | Path, tokenizer, batch_size: int, seed: int = 0, max_prompt: int | None = None,
+                 bucket: int = 16):
         if tokenizer is None:
             raise InputError("chat JSONL training needs a tokenizer (tokenizer.json in the model folder)")
         exs = [chat_example(tokenizer, r, where) for where, r in _read_jsonl(Path(path))]
         if max_prompt:
             exs = [(p[-max_prompt:], r) for p, r in exs]
-        super().__init__(exs, batch_size, seed)
+        super().__init__(exs, batch_size, seed, bucket)
 
 
 class TextSource(ListSource):

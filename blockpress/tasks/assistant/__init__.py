@@ -36,7 +36,8 @@ def strata():
 
 
 def heldout(n: int = 40, seed: str = HELDOUT_SEED) -> list[dialogs.Dialog]:
-    """n conversations per stratum, thinking on for every other one; a prefix of heldout(m) for n < m."""
+    """n conversations per stratum, thinking on for every other one; each stratum's are the first n of
+    heldout(m)'s for m > n."""
     out = []
     for s, (kind, make) in enumerate(strata()):
         for i in range(n):

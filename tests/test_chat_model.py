@@ -1,0 +1,167 @@
+"""The shipped chat model (blockpress/assets/assistant) and its closed world: the generated conversations are
+exactly what the repository's Gemma 4 chat template renders, the tokenizer holds every Gemma 4 special token and
+round-trips, the eval scores replies as documented, the held-out questions never occur in training, and the
+shipped model loads by name, answers held-out arithmetic and comes back with a parsed tool call."""
+
+import json
+import random
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.chat import DEFAULT_GEMMA4_TEMPLATE, render_chat_template
+from blockpress.loading import DEFAULT_CHAT_MODEL, SHIPPED_MODELS
+from blockpress.parsing import parse_output
+from blockpress.tasks import assistant
+from blockpress.tasks.assistant import dialogs, evaluate, skills
+from blockpress.tokenizer import GEMMA4_CONTROL_TOKENS, GEMMA4_SPECIAL_TOKENS
+from blockpress.train.data import chat_example
+
+pytestmark = pytest.mark.no_grad
+ASSET = SHIPPED_MODELS["assistant"]
+KINDS = list(dialogs.KINDS)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return blockpress.load("assistant", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tok(lm):
+    return lm.tokenizer
+
+
+def _render(d, messages, gen):
+    return render_chat_template(DEFAULT_GEMMA4_TEMPLATE, messages, add_generation_prompt=gen,
+                                enable_thinking=d.thinking, tools=d.tools)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_rows_are_what_the_gemma4_template_renders(tok, kind):
+    """prompt = the template's generation prompt for the history; prompt minus its generation suffix, then the
+    supervised turn without its thought block and stop token, then `<turn|>\\n` = the template's rendering of
+    the whole conversation; and the parser reads the supervised turn back into the final message."""
+    assert tok.chat_template == DEFAULT_GEMMA4_TEMPLATE
+    for i in range(12):
+        d = dialogs.conversation(random.Random(f"test/{kind}/{i}"), kind)
+        prompt, response = chat_example(tok, d.row())
+        gen = _render(d, d.messages[:-1], True)
+        assert tok.decode(prompt) == gen
+        text = tok.decode(response)
+        final = d.messages[-1]
+        thought = f"<|channel>thought\n{final['reasoning_content']}<channel|>" if "reasoning_content" in final else ""
+        stop = "<|tool_response>" if final.get("tool_calls") else "<turn|>"
+        assert text.startswith(thought) and text.endswith(stop)
+        body = text[len(thought):-len(stop)]
+        fresh = gen.endswith("<|turn>model\n") or gen.endswith("<|turn>model\n<|channel>thought\n<channel|>")
+        head = gen[:gen.rindex("<|turn>model\n")] + "<|turn>model\n" if fresh else gen
+        assert head + body + "<turn|>\n" == _render(d, d.messages, False)
+        p = parse_output(text)
+        assert p.content == final["content"] and p.reasoning == final.get("reasoning_content")
+        assert [(c.name, c.arguments) for c in p.tool_calls] == \
+            [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in final.get("tool_calls", [])]
+
+
+def test_tokenizer_holds_every_gemma4_special_token_and_round_trips(tok, lm):
+    assert tok.vocab_size == lm.config.text.vocab_size <= 4096
+    for t in GEMMA4_CONTROL_TOKENS:
+        i = tok.token_to_id(t)
+        assert i is not None and tok.is_special(i) and tok.decode([i]) == t
+        if GEMMA4_SPECIAL_TOKENS.get(t, 1 << 30) < tok.vocab_size:
+            assert i == GEMMA4_SPECIAL_TOKENS[t]  # the real Gemma 4 id where it fits
+    for d in assistant.heldout(1):
+        text = _render(d, d.messages, False)
+        assert tok.decode(tok.encode(text)) == text
+    assert [tok.decode([i]) for i in tok.encode("4821")] == list("4821")  # digits one per token
+    assert tok.decode(tok.encode("naïve café, 18°C × 3")) == "naïve café, 18°C × 3"
+
+
+def test_heldout_questions_never_occur_in_training():
+    held, more = assistant.heldout(3), assistant.heldout(5)
+    assert held == assistant.heldout(3) and held[:3] == more[:3]  # deterministic; each stratum's first n
+    keys = assistant.heldout_keys(5)
+    assert {k for d in held for k in d.keys} <= keys
+    train = list(assistant.train_dialogs(300, exclude=keys))
+    assert not any(k in keys for d in train for k in d.keys)
+    assert {d.expect["row"] for d in train} >= {"conversion", "follow-up", "tool call", "no tool fits", "json"}
+
+
+def test_working_matches_the_answer():
+    rng = random.Random(0)
+    for _ in range(300):
+        it = skills.arithmetic(rng)
+        assert it.working.endswith(it.answer)
+    assert skills.add_working(47, 38) == "7 + 8 = 15, carry 1. 4 + 3 + 1 = 8. So 47 + 38 = 85."
+    assert skills.sub_working(47, 38) == "17 - 8 = 9, borrow 1. 4 - 1 - 3 = 0. So 47 - 38 = 9."
+    assert skills.mul_working(47, 38) == "47 × 30 = 1410. 47 × 8 = 376. 1410 + 376 = 1786. So 47 × 38 = 1786."
+
+
+def test_score_reads_replies_as_the_server_does():
+    rng = random.Random(1)
+    ans = dialogs.conversation(rng, "skill", skills.arithmetic_item("add", 47, 38, rng))
+    r = evaluate.score(ans, "47 + 38 = 85.<turn|>")
+    assert r["exact"] and r["no call when no tool fits"] and r["thinking off: well-formed"] != ans.thinking
+    assert not evaluate.score(ans, "47 + 38 = 86.<turn|>")["exact"]
+    call = next(d for i in range(50) if (d := dialogs.conversation(random.Random(i), "call")).expect["calls"][0][0]
+                == "set_timer" and not d.thinking and len(d.expect["calls"]) == 1)
+    m = call.expect["calls"][0][1]["minutes"]
+    ok = evaluate.score(call, f"<|tool_call>call:set_timer{{minutes:{m}}}<tool_call|><|tool_response>")
+    assert ok["tool call, valid args"] and ok["tool call, right args"] and ok["thinking off: well-formed"]
+    bad = evaluate.score(call, "<|tool_call>call:set_timer{minutes:<|\"|>five<|\"|>}<tool_call|><|tool_response>")
+    assert not bad["tool call, valid args"] and not bad["tool call, right args"]
+    think = dialogs.conversation(random.Random(3), "skill", skills.arithmetic_item("add", 2, 3, rng))
+    think.expect["thought"] = True
+    assert evaluate.score(think, "<|channel>thought\n2 + 3 = 5.<channel|>2 + 3 = 5.<turn|>")["thinking on: well-formed"]
+    assert not evaluate.score(think, "<|channel>thought\n2 + 3 = 5.<turn|>")["thinking on: well-formed"]
+
+
+def test_asset_files_size_and_default_for_chat_commands(lm):
+    for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "chat_template.jinja", "README.md"):
+        assert (ASSET / f).is_file(), f"missing {f} in {ASSET}"
+    assert sum(p.stat().st_size for p in ASSET.rglob("*") if p.is_file()) <= 20 * 2**20
+    assert DEFAULT_CHAT_MODEL == "assistant" and lm.tokenizer.is_chat
+    stops = lm.generation_config().eos_token_id
+    assert {lm.tokenizer.token_to_id(t) for t in evaluate.STOP_TOKENS} <= set(stops)
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_serve_and_chat_without_a_model_load_the_chat_model(command, monkeypatch):
+    import importlib
+
+    from blockpress.cli import main as cli_main
+    from blockpress.errors import InputError
+
+    mod = importlib.import_module(f"blockpress.cli.{command}")
+    seen = []
+
+    def fake_load(args):
+        seen.append(args.model)
+        raise InputError("stop here")
+    monkeypatch.setattr(mod, "load_model", fake_load)
+    assert cli_main([command] + (["--port", "0"] if command == "serve" else [])) == 2
+    assert seen == ["assistant"]
+
+
+HELD_ARITHMETIC = 6
+
+
+def test_answers_heldout_two_digit_arithmetic(lm):
+    """The first held-out 2-digit additions and subtractions, thinking off, through generate_text."""
+    cases = [d for d in assistant.heldout(HELD_ARITHMETIC)
+             if d.expect["row"] in ("add 2-digit", "sub 2-digit") and not d.thinking]
+    assert len(cases) == HELD_ARITHMETIC
+    got = [lm.generate_text(d.messages[:-1], tools=d.tools, seed=0) for d in cases]
+    assert got == [d.expect["answer"] for d in cases]
+
+
+def test_tool_call_comes_back_parsed(lm):
+    msgs = [{"role": "user", "content": "What's the weather in Paris?"}]
+    tools = [dialogs.TOOLS["get_weather"], dialogs.TOOLS["get_time"]]
+    ids = lm.encode_chat(msgs, tools=tools)
+    res = lm.generate([ids], generator=torch.Generator().manual_seed(0))
+    p = parse_output(lm.decode_new(res, skip_special_tokens=False))
+    assert [(c.name, c.arguments) for c in p.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert p.finish_reason == "tool_calls"

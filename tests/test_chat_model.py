@@ -165,3 +165,57 @@ def test_tool_call_comes_back_parsed(lm):
     p = parse_output(lm.decode_new(res, skip_special_tokens=False))
     assert [(c.name, c.arguments) for c in p.tool_calls] == [("get_weather", {"city": "Paris"})]
     assert p.finish_reason == "tool_calls"
+
+
+def test_openai_client_against_blockpress_serve_without_a_model(tmp_path):
+    """`blockpress serve` with no model serves the chat model: chat, streaming (= non-streaming), thinking into
+    reasoning_content, a tool call (tool_choice auto and named) and the answer from the tool's response."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    from test_server import free_port
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "blockpress", "serve", "--port", str(port), "--threads", "1",
+                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["assistant"]
+        ask = [{"role": "user", "content": "What is 23 + 45?"}]
+        r = client.chat.completions.create(model="assistant", messages=ask, seed=0)
+        assert r.choices[0].message.content == "23 + 45 = 68."
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="assistant", messages=ask, seed=0, stream=True) if c.choices)
+        assert streamed == r.choices[0].message.content
+        t = client.chat.completions.create(model="assistant", messages=ask, seed=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        assert "68" in (t.choices[0].message.reasoning_content or "") and t.choices[0].message.content == "23 + 45 = 68."
+        tools = [dialogs.TOOLS["get_weather"], dialogs.TOOLS["get_time"]]
+        ask = [{"role": "user", "content": "What's the weather in Paris?"}]
+        for choice in ("auto", {"type": "function", "function": {"name": "get_weather"}}):
+            c = client.chat.completions.create(model="assistant", messages=ask, tools=tools, tool_choice=choice, seed=0)
+            call = c.choices[0].message.tool_calls[0]
+            assert c.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+            assert json.loads(call.function.arguments) == {"city": "Paris"}
+        follow = ask + [c.choices[0].message.model_dump(exclude_none=True),
+                        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "condition": "sunny"}'}]
+        a = client.chat.completions.create(model="assistant", messages=follow, tools=tools, seed=0)
+        assert a.choices[0].message.content == "It is 21°C and sunny in Paris."
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()

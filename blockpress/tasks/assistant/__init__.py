@@ -21,6 +21,7 @@ from . import dialogs, skills
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent.parent.parent / "assets" / "assistant"
 HELDOUT_SEED = "assistant/heldout"
+VAL_SEED = "assistant/val"  # the same strata drawn again: for choosing sampler settings (not kept out of training)
 
 # held-out strata: (row name, kind, item generator or None)
 _ARITH = [("add", (1, 1)), ("add", (2, 2)), ("add", (3, 3)), ("sub", (2, 2)), ("sub", (3, 3)), ("mul", (1, 1)),

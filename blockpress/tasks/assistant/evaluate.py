@@ -62,7 +62,7 @@ def _cut(tok, ids: list[int], stops: set[int], pad: int | None) -> str:
 
 
 def replies(lm, dialogs, steps: int | None = None, seed: int = 0, batch_size: int = 32, ar: bool = False,
-            max_new_tokens: int = 128) -> list[str]:
+            max_new_tokens: int = 128, **sampling) -> list[str]:
     tok = lm.tokenizer
     stops = set(stop_ids(tok))
     prompts = [prompt_ids(tok, d) for d in dialogs]
@@ -73,7 +73,7 @@ def replies(lm, dialogs, steps: int | None = None, seed: int = 0, batch_size: in
         for i, p in enumerate(prompts):
             out[i] = tok.decode(greedy_until(lm.module, p, max_new_tokens, stops, lm.device))
         return out
-    kw = {"max_new_tokens": max_new_tokens, "eos_token_id": sorted(stops)}
+    kw = {"max_new_tokens": max_new_tokens, "eos_token_id": sorted(stops), **sampling}
     if steps is not None:
         kw.update(max_denoising_steps=steps, stability_threshold=None)
     pad = lm.generation_config().pad_token_id
@@ -151,9 +151,9 @@ def summarize(dialogs, texts: list[str]) -> dict:
     return {"rows": rows, "cases": cases}
 
 
-def evaluate(lm, dialogs, steps=None, seed: int = 0, batch_size: int = 32, ar: bool = False) -> dict:
+def evaluate(lm, dialogs, steps=None, seed: int = 0, batch_size: int = 32, ar: bool = False, **sampling) -> dict:
     t0 = time.perf_counter()
-    texts = replies(lm, dialogs, steps, seed, batch_size, ar)
+    texts = replies(lm, dialogs, steps, seed, batch_size, ar, **sampling)
     res = summarize(dialogs, texts)
     res["seconds"] = time.perf_counter() - t0
     return res

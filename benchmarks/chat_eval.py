@@ -59,8 +59,8 @@ def main(argv=None) -> int:
         am = blockpress.load(args.ar, progress=False)
         models["ar"] = str(am.path)
         results["autoregressive (greedy)"] = ev.evaluate(am, dialogs, ar=True)
-    print(f"\n{len(dialogs)} {args.split} conversations ({args.n} per stratum), {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)\n")
+    print(f"\n{len(dialogs)} {args.split} conversations ({args.n} per stratum), "
+          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)\n")
     print(ev.format_table(results))
     summary = {name: {row: round(100 * h[0] / h[1], 1) for row, h in r["rows"].items()} for name, r in results.items()}
     if args.json:

@@ -207,12 +207,14 @@ def test_openai_client_against_blockpress_serve_without_a_model(tmp_path):
         tools = [dialogs.TOOLS["get_weather"], dialogs.TOOLS["get_time"]]
         ask = [{"role": "user", "content": "What's the weather in Paris?"}]
         for choice in ("auto", {"type": "function", "function": {"name": "get_weather"}}):
-            c = client.chat.completions.create(model="assistant", messages=ask, tools=tools, tool_choice=choice, seed=0)
+            c = client.chat.completions.create(model="assistant", messages=ask, tools=tools, tool_choice=choice,
+                                               seed=0)
             call = c.choices[0].message.tool_calls[0]
             assert c.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
             assert json.loads(call.function.arguments) == {"city": "Paris"}
         follow = ask + [c.choices[0].message.model_dump(exclude_none=True),
-                        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "condition": "sunny"}'}]
+                        {"role": "tool", "tool_call_id": call.id,
+                         "content": '{"temperature_c": 21, "condition": "sunny"}'}]
         a = client.chat.completions.create(model="assistant", messages=follow, tools=tools, seed=0)
         assert a.choices[0].message.content == "It is 21°C and sunny in Paris."
     finally:

@@ -122,27 +122,33 @@ def request(rng: random.Random, tool: str | None = None, city: str | None = None
         temp, cond = rng.randint(-10, 35), rng.choice(CONDITIONS)
         q = sk._pick(rng, ["What's the weather in {c}?", "What is the weather like in {c} right now?",
                            "How warm is it in {c} today?", "Is it raining in {c}?", "Weather in {c}?"], c=city)
-        return Request(tool, q, {"city": city}, f"The user wants the current weather in {city}, which needs live data", f"I can't check the weather in {city}: I have no weather tool here.",
+        return Request(tool, q, {"city": city}, f"The user wants the current weather in {city}, which needs live "
+                       "data",
+                       f"I can't check the weather in {city}: I have no weather tool here.",
                        {"temperature_c": temp, "condition": cond}, f"It is {temp}°C and {cond} in {city}.",
                        [str(temp), cond], {"city": city, "temperature_c": temp, "condition": cond})
     if tool == "get_time":
         t = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
         q = sk._pick(rng, ["What time is it in {c}?", "What's the local time in {c}?", "Tell me the time in {c}.",
                            "Current time in {c}?"], c=city)
-        return Request(tool, q, {"city": city}, f"The user wants the current time in {city}, and I have no clock", f"I can't tell the time in {city}: I have no clock tool here.", {"time": t},
+        return Request(tool, q, {"city": city}, f"The user wants the current time in {city}, and I have no clock",
+                       f"I can't tell the time in {city}: I have no clock tool here.", {"time": t},
                        f"It is {t} in {city}.", [t], {"city": city, "time": t})
     if tool == "calculate":
         op, a, b, c = _big_calc(rng)
         sym, asc = sk.SYMBOL[op], {"add": "+", "sub": "-", "mul": "*"}[op]
         q = sk._pick(rng, {"add": sk.ADD_Q, "sub": sk.SUB_Q, "mul": sk.MUL_Q}[op], a=a, b=b)
-        return Request(tool, q, {"expression": f"{a} {asc} {b}"}, f"{a} {sym} {b} is too big to do reliably in my head", f"{a} {sym} {b} is too big for me to work out reliably without a "
-                       "calculator tool.", {"result": c}, f"{a} {sym} {b} = {c}.", [str(c)], {"result": c})
+        return Request(tool, q, {"expression": f"{a} {asc} {b}"},
+                       f"{a} {sym} {b} is too big to do reliably in my head",
+                       f"{a} {sym} {b} is too big for me to work out reliably without a calculator tool.",
+                       {"result": c}, f"{a} {sym} {b} = {c}.", [str(c)], {"result": c})
     m = rng.choice([1, 2, 3, 5, 10, 15, 20, 25, 30, 45, 60, 90]) if rng.random() < 0.7 else rng.randint(1, 120)
     q = sk._pick(rng, ["Set a timer for {m} minutes.", "Start a {m} minute timer.", "Can you set a {m}-minute timer?",
                        "Remind me in {m} minutes."], m=m)
-    return Request(tool, q.replace(" 1 minutes", " 1 minute"), {"minutes": m}, f"The user wants a {m}-minute timer, which I cannot run myself", "I can't set timers: I have no timer tool here.",
-                   {"status": "running", "minutes": m}, f"Your {m}-minute timer is running.", [str(m)],
-                   {"minutes": m, "status": "running"})
+    return Request(tool, q.replace(" 1 minutes", " 1 minute"), {"minutes": m},
+                   f"The user wants a {m}-minute timer, which I cannot run myself",
+                   "I can't set timers: I have no timer tool here.", {"status": "running", "minutes": m},
+                   f"Your {m}-minute timer is running.", [str(m)], {"minutes": m, "status": "running"})
 
 
 def _tool_messages(rng: random.Random, reqs: list[Request]) -> list[dict]:

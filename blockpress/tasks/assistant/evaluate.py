@@ -62,7 +62,7 @@ def _cut(tok, ids: list[int], stops: set[int], pad: int | None) -> str:
 
 
 def replies(lm, dialogs, steps: int | None = None, seed: int = 0, batch_size: int = 32, ar: bool = False,
-            max_new_tokens: int = 128, **sampling) -> list[str]:
+            max_new_tokens: int = 96, **sampling) -> list[str]:
     tok = lm.tokenizer
     stops = set(stop_ids(tok))
     prompts = [prompt_ids(tok, d) for d in dialogs]

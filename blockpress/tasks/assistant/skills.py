@@ -128,7 +128,10 @@ def arithmetic_item(op: str, a: int, b: int, rng: random.Random) -> Item:
     c = {"add": a + b, "sub": a - b, "mul": a * b}[op]
     q = _pick(rng, {"add": ADD_Q, "sub": SUB_Q, "mul": MUL_Q}[op], a=a, b=b)
     work = {"add": add_working, "sub": sub_working, "mul": mul_working}[op]
-    work_text = work(a, b) if op != "mul" or b < 10 or a >= 10 else work(b, a).replace(f"So {b} × {a}", f"So {a} × {b}")
+    if op == "mul" and a < 10 <= b:  # split the two-digit factor, name the product as asked
+        work_text = work(b, a).replace(f"So {b} × {a}", f"So {a} × {b}")
+    else:
+        work_text = work(a, b)
     return Item(skill_name(op, a, b), ("arith", op, a, b), q, f"{a} {SYMBOL[op]} {b} = {c}.", work_text,
                 {"result": c}, {"result": c})
 
@@ -250,7 +253,8 @@ def letters(rng: random.Random, word: str | None = None, kind: str | None = None
         return Item("letters", (kind, word), q, f"{word} has {len(word)} letters.", f"{spelled}: {len(word)} letters.",
                     {"word": word, "letters": len(word)}, {"word": word})
     q = _pick(rng, ["What is the first letter of {w}?", "Which letter does {w} start with?"], w=word)
-    return Item("letters", (kind, word), q, f"The first letter of {word} is {word[0]}.", f"{word} starts with {word[0]}.",
+    return Item("letters", (kind, word), q, f"The first letter of {word} is {word[0]}.",
+                f"{word} starts with {word[0]}.",
                 {"letter": word[0]}, {"word": word})
 
 
@@ -260,8 +264,8 @@ def rewrite(rng: random.Random) -> Item:
     if kind == "upper":
         words = rng.sample(WORDS, rng.randint(1, 3))
         text = " ".join(words)
-        q = _pick(rng, ["Write \"{t}\" in capital letters.", "Make this uppercase: {t}", "Capitalize every letter: {t}"],
-                  t=text)
+        q = _pick(rng, ["Write \"{t}\" in capital letters.", "Make this uppercase: {t}",
+                        "Capitalize every letter: {t}"], t=text)
         return Item("rewrite", (kind, text), q, text.upper(), f"Each letter in capitals: {text.upper()}.",
                     {"text": text.upper()})
     if kind == "reverse":

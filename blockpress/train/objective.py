@@ -149,6 +149,7 @@ class TrainBatch:
     sc_mask: torch.Tensor  # [B] bool, self-conditioning on
     scored: torch.Tensor | None = None  # [B,C] bool, positions with diffusion loss (None: all)
     rollout: RolloutDraws | None = None  # cfg.rollout > 0 only
+    fill: torch.Tensor | None = None  # [B,C] bool, the EOS fill after the response (None: not known)
 
     def to(self, device) -> "TrainBatch":
         return TrainBatch(**{k: (v.to(device) if isinstance(v, (torch.Tensor, RolloutDraws)) else v)
@@ -167,7 +168,7 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
     An example may be a triple (prompt, response, held): held is one bool per response token (True: the
     token is given context on the canvas, never corrupted and never scored; infill training). Tokens
     of the EOS fill are free."""
-    rows, sel, ts, xt, rep, clean, sc, scored, roll = [], [], [], [], [], [], [], [], []
+    rows, sel, ts, xt, rep, clean, sc, scored, roll, fill = [], [], [], [], [], [], [], [], [], []
     any_held = False
     for k, ex in enumerate(examples):
         prompt, response = ex[0], ex[1]
@@ -191,6 +192,7 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
         if cfg.rollout > 0:  # drawn last: the draws above are the same with or without rollout
             roll.append(_rollout_draws(g, cfg.rollout, C, vocab_size))
         rows.append((list(prompt), [tok for c in canv for tok in c]))
+        fill.append(torch.arange(b * C, (b + 1) * C) >= len(response))
         sel.append(b)
         ts.append(t)
         xt.append(x)
@@ -214,7 +216,7 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
     rollout = RolloutDraws(*(torch.stack(parts) for parts in zip(*roll))) if roll else None
     return TrainBatch(ids, valid, target, T, torch.stack(clean), torch.stack(xt), torch.stack(rep),
                       torch.stack(ts).float(), torch.tensor(sc, dtype=torch.bool),
-                      torch.stack(scored) if any_held else None, rollout)
+                      torch.stack(scored) if any_held else None, rollout, torch.stack(fill))
 
 
 def _rollout_draws(g: torch.Generator, rate: float, C: int, vocab_size: int) -> tuple[torch.Tensor, ...]:
@@ -320,8 +322,12 @@ def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig) -> tuple[torch
         wrong = batch.replaced if canvas is batch.canvas_noisy else canvas != batch.canvas_clean
         acc_noisy = correct[wrong].float().mean() if bool(wrong.any()) else torch.tensor(1.0)
         acc = correct[batch.scored] if batch.scored is not None else correct  # held positions are given
+        # acc and acc_replaced count the EOS fill after a short response, which is trivially right (a 12-token
+        # answer on a 32-token canvas is 20 fill positions): acc_text is acc_replaced on the response's own tokens
+        text = wrong if batch.fill is None else wrong & ~batch.fill
+        acc_text = correct[text].float().mean() if bool(text.any()) else torch.tensor(1.0)
     return loss, {"loss": float(loss.detach()), "diff": float(l_diff.detach()), "ar": float(l_ar.detach()),
-                  "acc": float(acc.float().mean()), "acc_replaced": float(acc_noisy)}
+                  "acc": float(acc.float().mean()), "acc_replaced": float(acc_noisy), "acc_text": float(acc_text)}
 
 
 class ObjectiveModule(nn.Module):

@@ -221,3 +221,27 @@ def test_openai_client_against_blockpress_serve_without_a_model(tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def test_eval_scores_the_supervised_turns_full_marks():
+    """The eval against its own labels: every held-out conversation's supervised turn, as the model would write
+    it (thought channel, content or calls, stop token), scores 100 % on every row; and the arithmetic rows hold
+    the operand sizes they are named for, with the right result. (Without a model: a 0 % row is the model's.)"""
+    import re
+
+    from blockpress.train.data import assistant_turn_text
+
+    held = assistant.heldout(6)
+    texts = [assistant_turn_text(DEFAULT_GEMMA4_TEMPLATE, d.messages[-1], d.thinking) for d in held]
+    rows = evaluate.summarize(held, texts)["rows"]
+    assert set(evaluate.SKILL_ROWS) <= set(rows) and set(evaluate.TOOL_ROWS) <= set(rows)
+    assert {r: h for r, h in rows.items() if h[0] != h[1]} == {}
+    sizes = {"1-digit": [1, 1], "2-digit": [2, 2], "3-digit": [3, 3], "1x1-digit": [1, 1], "2x1-digit": [2, 1],
+             "2x2-digit": [2, 2]}
+    for d in held:
+        op, _, size = d.expect["row"].partition(" ")
+        if op in ("add", "sub", "mul"):
+            a, b = map(int, re.findall(r"\d+", d.messages[-1]["content"])[:2])
+            assert sorted([len(str(a)), len(str(b))], reverse=True) == sizes[size], d.messages[-2]
+            c = {"add": a + b, "sub": a - b, "mul": a * b}[op]
+            assert d.expect["answer"] == f"{a} {skills.SYMBOL[op]} {b} = {c}."

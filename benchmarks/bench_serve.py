@@ -1,4 +1,4 @@
-"""Serving benchmark: the server's scheduler under closed-loop load, in process (no HTTP, no tokenizer).
+"""Serving benchmark: the server's worker under closed-loop load, in process (no HTTP, no tokenizer).
 
 For each concurrency c, c requests are kept in flight (a finished one is replaced at once) until `--requests`
 have finished, after an untimed warm-up of c requests (on a GPU also `serve`'s own warm-up, which captures the
@@ -35,13 +35,13 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
-def closed_loop(scheduler, make_job, concurrency: int, requests: int) -> dict:
+def closed_loop(worker, make_job, concurrency: int, requests: int) -> dict:
     """Keep `concurrency` requests in flight until `requests` have finished; per-request timings and the level's
     totals. make_job(i) -> the i-th Job. A request that fails raises (a benchmark of errors is no benchmark). The
-    scheduler must have been made with `metrics=` (rows per step come from them)."""
-    if scheduler.metrics is None:
-        raise ValueError("closed_loop needs a Scheduler made with metrics=Metrics()")
-    from blockpress.server.scheduler import RowCommit, RowDone, RowError
+    worker must have been made with `metrics=` (rows per step come from them)."""
+    if worker.metrics is None:
+        raise ValueError("closed_loop needs a Worker made with metrics=Metrics()")
+    from blockpress.server.worker import RowCommit, RowDone, RowError
 
     finished: queue.Queue = queue.Queue()
 
@@ -57,14 +57,14 @@ def closed_loop(scheduler, make_job, concurrency: int, requests: int) -> dict:
                 finished.put(rec)
                 return
 
-    m = scheduler.metrics
+    m = worker.metrics
     steps0, rows0 = m.batch_rows.count, m.batch_rows.total
     t0, recs, submitted = time.perf_counter(), [], 0
 
     def submit():
         nonlocal submitted
         rec = {"submitted": time.perf_counter(), "first": None, "tokens": 0}
-        h = scheduler.submit(make_job(submitted))
+        h = worker.submit(make_job(submitted))
         submitted += 1
         threading.Thread(target=follow, args=(h, rec), daemon=True).start()
 
@@ -117,7 +117,7 @@ def run(args, module=None) -> dict:
     from blockpress.kernels.graphs import GraphedPasses, installed
     from blockpress.loading import parse_device
     from blockpress.server.metrics import Metrics
-    from blockpress.server.scheduler import Job, Scheduler
+    from blockpress.server.worker import Job, Worker
 
     on = module.device if module is not None else parse_device(args.device)
     if args.cuda_graphs and on.type != "cuda":  # before a build that can take minutes
@@ -146,8 +146,8 @@ def run(args, module=None) -> dict:
     try:
         for c in (int(c) for c in str(args.concurrency).split(",")):
             metrics = Metrics()
-            s = Scheduler(module, C, max_batch=max(c, 1), queue_size=max(c, 1) * 2, metrics=metrics,
-                          fuse_commit=args.fuse_commit, sampler=args.sampler)
+            s = Worker(module, max_batch=max(c, 1), queue_size=max(c, 1) * 2, metrics=metrics,
+                       fuse_commit=args.fuse_commit, sampler=args.sampler, passes=graphs)
             if device.type == "cuda":  # as `serve` does before it listens: compiles, checks, every batch size's graphs
                 warm_s = s.warm_up()
             s.start()

@@ -1,8 +1,9 @@
-"""`BlockDiffusionLM`: what `blockpress.load()` returns — the module, its tokenizer and defaults.
+"""`BlockDiffusionLM`: what `blockpress.load()` returns — the module, its tokenizer, defaults and options.
 
 It owns no math: generation is `engine.generate.stream` over `self.module`; generation
 parameters resolve as keyword arguments > the checkpoint's generation_config.json > the
-reference defaults (spec 4.1), validated once into a `GenerationConfig`.
+reference defaults (spec 4.1), validated once into a `GenerationConfig`. How it runs (sampler, fused
+commits, row compaction, CUDA graphs, compile, kernels) is `self.options`, set at load or by `configure`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from .config import GenerationConfig, ModelConfig
 from .engine import generate as engine
 from .errors import InputError
+from .options import Options
 
 # files of a checkpoint folder that belong to its tokenizer (copied along by save())
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -24,12 +26,36 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 class BlockDiffusionLM:
     def __init__(self, module, config: ModelConfig, generation_defaults: dict[str, Any] | None = None,
-                 tokenizer=None, path: Path | None = None):
+                 tokenizer=None, path: Path | None = None, options: Options | None = None):
         self.module = module
         self.config = config
         self.generation_defaults = dict(generation_defaults or {})
         self.tokenizer = tokenizer
         self.path = path
+        self.options = Options()
+        self.passes = module  # what the engine runs: the module's passes, or their CUDA graphs (`configure`)
+        self._apply(None, (options or Options()).validate())
+
+    def configure(self, **changes) -> Options:
+        """Change how this model runs: the engine's options (sampler, fuse_commit, compact_rows, cuda_graphs,
+        compile) and the kernels' (experts, attention, sc_topk, moe_tiles, moe_sum, linear_tiles); see
+        `blockpress.options`. Validated once, here. The storage precision (precision, group_size, linears) is
+        chosen at load. Returns the new options."""
+        new = self.options.replace(**changes)
+        self._apply(self.options, new)
+        return new
+
+    def _apply(self, old: Options | None, new: Options) -> None:
+        from .engine.graphs import passes_for
+        from .kernels.select import apply
+
+        changed = apply(self.module, old, new)
+        try:
+            self.passes = passes_for(self.module, self.passes, new.cuda_graphs, new.compile, changed)
+        except ValueError as e:  # experts that read the host cannot be captured
+            raise InputError(f"cuda_graphs: {e}. With the default kernels this means Triton is missing (pip "
+                             "install triton), or the reference kernels were asked for: drop one of them") from None
+        self.options = new
 
     # ------------------------------------------------------------------------------- properties
     @property
@@ -81,24 +107,25 @@ class BlockDiffusionLM:
 
     def stream(self, input_ids, attention_mask=None, generator=None,
                cache=None, decoder_input_ids=None, self_conditioning_logits=None, drafts: bool = True,
-               sampler: str = "exact", fixed_tokens=None, fuse_commit: bool = False, compact_rows: bool | None = None,
-               **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
+               sampler: str | None = None, fixed_tokens=None, fuse_commit: bool | None = None,
+               compact_rows: bool | None = None, **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
         """Yield a Draft after every denoising step, a Commit per canvas and a final Finished.
         fixed_tokens [B, L]: new-token positions held at given ids (-1 = free), see engine.stream.
-        fuse_commit: encode each committed canvas in the next canvas's first denoising pass (one read of
-        the weights instead of two; equal up to fp32 summation order), see engine.stream.
-        compact_rows: denoise only the rows still denoising (default: on with per-row generators), see
-        engine.stream."""
+        sampler / fuse_commit / compact_rows: this call's engine options (None: `self.options`'), see
+        `blockpress.options` and engine.stream."""
         cfg = self.generation_config(**sampling)
         ids, mask = self._prepare(input_ids, attention_mask)
+        call = {k: v for k, v in (("sampler", sampler), ("fuse_commit", fuse_commit),
+                                  ("compact_rows", compact_rows)) if v is not None}
+        options = self.options.replace(**call) if call else self.options
         return engine.stream(self.module, ids, cfg, self.canvas_length, attention_mask=mask, generator=generator,
                              cache=cache, decoder_input_ids=decoder_input_ids,
-                             self_conditioning_logits=self_conditioning_logits, drafts=drafts, sampler=sampler,
-                             fixed_tokens=fixed_tokens, fuse_commit=fuse_commit, compact_rows=compact_rows)
+                             self_conditioning_logits=self_conditioning_logits, drafts=drafts,
+                             fixed_tokens=fixed_tokens, options=options, passes=self.passes)
 
     def generate(self, input_ids, attention_mask=None, generator=None, cache=None,
-                 decoder_input_ids=None, self_conditioning_logits=None, sampler: str = "exact",
-                 fixed_tokens=None, fuse_commit: bool = False, compact_rows: bool | None = None,
+                 decoder_input_ids=None, self_conditioning_logits=None, sampler: str | None = None,
+                 fixed_tokens=None, fuse_commit: bool | None = None, compact_rows: bool | None = None,
                  **sampling) -> engine.GenerationResult:
         """Generate canvases after `input_ids`. Keyword names and defaults follow the reference:
         max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max, stability_threshold,

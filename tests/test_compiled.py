@@ -83,10 +83,10 @@ def test_compiled_blocks_through_a_generation_the_fused_commit_and_the_profiler(
 
 
 @pytest.mark.slow
-def test_compiled_blocks_under_the_graphs_static_passes_give_the_eager_tokens():
-    """The static passes CUDA graphs capture (run here without capture) on compiled blocks: a seeded generation
+def test_compiled_blocks_under_the_graphs_fixed_shape_passes_give_the_eager_tokens():
+    """The fixed-shape passes CUDA graphs capture (run here without capture) on compiled blocks: a seeded generation
     gives the tokens of the eager model (fp32 differences of ~1e-6 leave the draws alone on this model)."""
-    from blockpress.kernels.graphs import GraphedPasses
+    from blockpress.engine.graphs import GraphedPasses
 
     m = _model()
     ids, _ = _inputs(m)
@@ -94,9 +94,7 @@ def test_compiled_blocks_under_the_graphs_static_passes_give_the_eager_tokens():
                            stability_threshold=None, confidence_threshold=None)
     want = engine.generate(m, ids, cfg, m.config.canvas_length, generator=torch.Generator().manual_seed(1))
     kernels.configure(m, compile_blocks=True)
-    graphs = GraphedPasses(m, capture=False, copy_outputs=False).install()
-    try:
-        got = engine.generate(m, ids, cfg, m.config.canvas_length, generator=torch.Generator().manual_seed(1))
-    finally:
-        graphs.uninstall()
+    graphs = GraphedPasses(m, capture=False, copy_outputs=False)
+    got = engine.generate(m, ids, cfg, m.config.canvas_length, generator=torch.Generator().manual_seed(1),
+                          passes=graphs)
     assert torch.equal(got.sequences, want.sequences)

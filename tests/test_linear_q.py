@@ -186,10 +186,10 @@ def test_estimate_of_the_real_model():
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_generation_with_the_kernel_equals_the_reference_and_graph_plumbing():
     """fp32, seeded: the Triton int8 linears (the interpreter on CPU, compiled on a GPU) give the reference's tokens,
-    also through the static passes GraphedPasses routes to (no capture)."""
+    also through the fixed-shape passes CUDA graphs capture (no capture here)."""
     from blockpress.config import GenerationConfig
     from blockpress.engine.generate import generate
-    from blockpress.kernels.graphs import GraphedPasses
+    from blockpress.engine.graphs import GraphedPasses
 
     m = _tiny(seed=3).to(DEV)
     configure(m, experts="grouped", linears="int8")
@@ -197,9 +197,9 @@ def test_generation_with_the_kernel_equals_the_reference_and_graph_plumbing():
     cfg = GenerationConfig.resolve(max_new_tokens=32, max_denoising_steps=3, stability_threshold=None,
                                    confidence_threshold=None)
 
-    def tokens():
+    def tokens(passes=None):
         torch.manual_seed(0)
-        return generate(m, ids, cfg, m.config.canvas_length).sequences
+        return generate(m, ids, cfg, m.config.canvas_length, passes=passes).sequences
 
     for mod in m.modules():
         if isinstance(mod, QuantizedLinear):
@@ -214,11 +214,7 @@ def test_generation_with_the_kernel_equals_the_reference_and_graph_plumbing():
         return torch.equal(seq, ref) if not COMPILED else float((seq == ref).float().mean()) >= 0.95
 
     assert same(tokens())
-    g = GraphedPasses(m, capture=False).install()
-    try:
-        assert same(tokens())
-    finally:
-        g.uninstall()
+    assert same(tokens(GraphedPasses(m, capture=False)))
 
 
 def test_load_quantises_while_loading_and_refuses_what_it_cannot_do(tmp_path):

@@ -1,10 +1,11 @@
 """OpenAI-compatible server: a real `blockpress serve` process on loopback, driven by the official
-`openai` client, plus serving-logic tests without HTTP (scheduler vs the reference canvas loop,
+`openai` client, plus serving-logic tests without HTTP (the worker vs the Python canvas loop,
 response assembly from real token ids, queue limits, API key)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import blockpress
-from blockpress.testing import build_tiny_gemma_tokenizer, drive_scheduler
+from blockpress.testing import build_tiny_gemma_tokenizer, cuda_graphs, drive_worker
 from blockpress.tokenizer import GEMMA4_CONTROL_TOKENS
 from hf_oracle import TINY_TEXT
 
@@ -28,8 +29,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from blockpress.server.protocol import APIError, ChatCompletionRequest, Limits  # noqa: E402
-from blockpress.server import scheduler as scheduler_mod  # noqa: E402
-from blockpress.server.scheduler import Handle, Job, RowCommit, RowDone, RowDraft, Scheduler, run_job  # noqa: E402
+from blockpress.engine import runner as runner_mod  # noqa: E402
+from blockpress.server.worker import Handle, Job, RowCommit, RowDone, RowDraft, Worker, run_job  # noqa: E402
 from blockpress.server.serving import OpenAIServing, OutputAssembler, _Run  # noqa: E402
 
 SPECIAL = re.compile("|".join(re.escape(t) for t in GEMMA4_CONTROL_TOKENS))  # control-token text
@@ -431,19 +432,19 @@ def test_disconnect_frees_the_slot(server, n):
 
 
 # ----------------------------------------------------------------------------- without HTTP
-def test_scheduler_equals_reference_loop(lm):
+def test_worker_equals_reference_loop(lm):
     """A request served alone gives exactly the tokens of BlockDiffusionLM.generate with its seed."""
     ids = lm.encode_chat("Hello there")
     for kw in (dict(max_new_tokens=40, max_denoising_steps=5, eos_token_id=[1, 106], pad_token_id=0),
                dict(max_new_tokens=20, max_denoising_steps=40, entropy_bound=3.0, confidence_threshold=6.0)):
         ref = lm.generate([ids], generator=torch.Generator().manual_seed(7), **kw)
-        events = run_job(lm.module, lm.canvas_length, Job(ids, lm.generation_config(**kw), seed=7))
+        events = run_job(lm, Job(ids, lm.generation_config(**kw), seed=7))
         tokens = [t for e in events if isinstance(e, RowCommit) for t in e.tokens]
         assert tokens == ref.new_tokens[0].tolist()
         assert events[-1].steps_per_canvas == ref.steps_per_canvas
 
 
-def test_scheduler_fast_sampler_equals_the_engines(lm):
+def test_worker_fast_sampler_equals_the_engines(lm):
     """sampler="fast" (serve --sampler fast): a request served alone gets generate(sampler="fast")'s tokens with its
     seed (the fused pass's draws from the row's generator, in the engine's order), with fixed steps and with
     adaptive stopping (which reads the fused pass's entropy); other tokens than the exact sampler's."""
@@ -451,22 +452,22 @@ def test_scheduler_fast_sampler_equals_the_engines(lm):
     for kw in (dict(max_new_tokens=40, max_denoising_steps=5, eos_token_id=None),
                dict(max_new_tokens=20, max_denoising_steps=40, entropy_bound=3.0, confidence_threshold=6.0)):
         ref = lm.generate([ids], generator=torch.Generator().manual_seed(7), sampler="fast", **kw)
-        events = run_job(lm.module, lm.canvas_length, Job(ids, lm.generation_config(**kw), seed=7), sampler="fast")
+        events = run_job(lm, Job(ids, lm.generation_config(**kw), seed=7), sampler="fast")
         tokens = [t for e in events if isinstance(e, RowCommit) for t in e.tokens]
         assert tokens == ref.new_tokens[0].tolist()
         assert events[-1].steps_per_canvas == ref.steps_per_canvas
         exact = lm.generate([ids], generator=torch.Generator().manual_seed(7), **kw)
         assert tokens != exact.new_tokens[0].tolist()
     with pytest.raises(blockpress.errors.InputError, match="unknown sampler"):
-        Scheduler(lm.module, lm.canvas_length, sampler="gumbel")
+        Worker(lm, sampler="gumbel")
 
 
-def test_scheduler_huge_stability_threshold(lm):
+def test_worker_huge_stability_threshold(lm):
     """A request may send any stability_threshold >= 0: one beyond its step budget means "never stop early"
     (same tokens as fixed steps), not an argmax history sized by the threshold (10**9: hundreds of GB)."""
     ids = lm.encode_chat("Hello there")
     kw = dict(max_new_tokens=20, max_denoising_steps=4, confidence_threshold=1e9)
-    events = run_job(lm.module, lm.canvas_length,
+    events = run_job(lm,
                      Job(ids, lm.generation_config(**kw, stability_threshold=10**9), seed=3))
     ref = lm.generate([ids], generator=torch.Generator().manual_seed(3),
                       **dict(kw, stability_threshold=None, confidence_threshold=None))
@@ -474,7 +475,7 @@ def test_scheduler_huge_stability_threshold(lm):
     assert events[-1].steps_per_canvas == ref.steps_per_canvas and set(ref.steps_per_canvas) == {4}
 
 
-def test_scheduler_fused_commit_equals_reference_loop(lm, monkeypatch):
+def test_worker_fused_commit_equals_reference_loop(lm, monkeypatch):
     """fuse_commit=True: the prompt is encoded alone, every later commit inside the next canvas's first
     denoising pass (one `encode_decode` per boundary, no separate `encode`), with the reference's tokens."""
     ids = lm.encode_chat("Hello there")
@@ -486,7 +487,7 @@ def test_scheduler_fused_commit_equals_reference_loop(lm, monkeypatch):
             calls[_n] += 1
             return _f(*a, **k)
         monkeypatch.setattr(lm.module, name, counted)
-    events = run_job(lm.module, lm.canvas_length, Job(ids, lm.generation_config(**kw), seed=7), fuse_commit=True)
+    events = run_job(lm, Job(ids, lm.generation_config(**kw), seed=7), fuse_commit=True)
     monkeypatch.undo()
     assert calls == {"encode": 1, "encode_decode": 2}  # 3 canvases: prompt, then 2 fused commits
     assert [t for e in events if isinstance(e, RowCommit) for t in e.tokens] == ref.new_tokens[0].tolist()
@@ -494,10 +495,10 @@ def test_scheduler_fused_commit_equals_reference_loop(lm, monkeypatch):
 
 
 @pytest.mark.parametrize("fuse_commit", [False, True])
-def test_scheduler_rows_join_at_canvas_boundaries(lm, fuse_commit):
+def test_worker_rows_join_at_canvas_boundaries(lm, fuse_commit):
     """Rows joining a running batch (left-padded to its cache end) give their solo tokens; with a fused
     commit, a boundary where requests wait encodes the commit on its own so that they can join."""
-    s = Scheduler(lm.module, lm.canvas_length, max_batch=4, fuse_commit=fuse_commit).start()
+    s = Worker(lm, max_batch=4, fuse_commit=fuse_commit).start()
     try:
         jobs = [Job(lm.encode_chat("prompt %d " % i * (i + 1)), lm.generation_config(max_new_tokens=48,
                     max_denoising_steps=4), seed=i) for i in range(3)]
@@ -518,7 +519,7 @@ def test_scheduler_rows_join_at_canvas_boundaries(lm, fuse_commit):
         s.stop()
 
 
-def test_scheduler_row_compaction_gives_the_same_tokens(lm, monkeypatch):
+def test_worker_row_compaction_gives_the_same_tokens(lm, monkeypatch):
     """Rows with different step budgets in one batch: once a row stops, the decoder pass leaves it out
     (compact_rows, the default), and every row gets the tokens and step counts of the full-batch loop."""
     ids = lm.encode_chat("Hello there")
@@ -529,7 +530,7 @@ def test_scheduler_row_compaction_gives_the_same_tokens(lm, monkeypatch):
         seen = []
         decode = lm.module.decode
         monkeypatch.setattr(lm.module, "decode", lambda x, *a, **k: seen.append(x.shape[0]) or decode(x, *a, **k))
-        s = Scheduler(lm.module, lm.canvas_length, max_batch=3, compact_rows=compact)
+        s = Worker(lm, max_batch=3, compact_rows=compact)
         handles = [s.submit(j) for j in jobs]  # queued before the thread starts: admitted together
         s.start()
         try:
@@ -550,16 +551,15 @@ def test_scheduler_row_compaction_gives_the_same_tokens(lm, monkeypatch):
 
 
 @pytest.mark.parametrize("fuse_commit", [False, True])
-def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
-    """With GraphedPasses installed (`serve --cuda-graphs`; capture off on CPU runs the same static passes and
-    plumbing), the group's cache lives in slots shared by the graphs of every batch size. Requests joining at
+def test_worker_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
+    """With CUDA graphs (`serve --cuda-graphs`, `lm.configure(cuda_graphs=True)`; on a CPU the same passes and
+    plumbing run without capture), the batch's cache lives in slots shared by the graphs of every batch size. Requests joining at
     different boundaries (left-padded), finishing out of order (the kept rows move down), with fixed and adaptive
     steps, and one that needs more positions than the slots hold (regrown, the running rows copied): every row
     gets the tokens of the scheduler without graphs, with its row-passes (compaction: the rows still denoising are
     swapped into the lowest slots). Once every batch size has run on the grown slots, the same traffic replays
     only: no new captures, the same buffers. The self-conditioning logits are kept in the graphs' own input buffer
     (rows swapped there too): no pass copies them in."""
-    from blockpress.kernels.graphs import GraphedPasses
     from blockpress.server.metrics import Metrics
     from blockpress.testing import count_logits_copies
 
@@ -577,48 +577,49 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
     short = {0: [job("hi", 32, 10 + i, eos_token_id=None, **fixed) for i in range(4)]}
 
     def scheduler(**kw):
-        return Scheduler(lm.module, lm.canvas_length, max_batch=4, fuse_commit=fuse_commit, metrics=Metrics(), **kw)
+        return Worker(lm, max_batch=4, fuse_commit=fuse_commit, metrics=Metrics(), **kw)
 
     ref, full = scheduler(), scheduler(compact_rows=False)
-    want, want_short = drive_scheduler(ref, plan), drive_scheduler(scheduler(), short)
-    assert drive_scheduler(full, plan) == want
-    g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
+    want, want_short = drive_worker(ref, plan), drive_worker(scheduler(), short)
+    assert drive_worker(full, plan) == want
+    lm.configure(cuda_graphs=True)
+    g = lm.passes
     try:
         s = scheduler()
-        assert s.graphs is g
-        got = drive_scheduler(s, plan)
+        assert s.runner.graphs is g
+        got = drive_worker(s, plan)
         assert got == want and copies == []
         # row compaction under graphs (the rows still denoising swapped into the lowest slots): the row-passes of
         # the scheduler without graphs, fewer than with every row in every pass
         rows = [x.metrics.batch_rows for x in (s, ref, full)]
         assert rows[0].count == rows[1].count and rows[0].total == rows[1].total < rows[2].total
-        slots, captures = s._slots, g.captures
+        slots, captures = s.runner._slots, g.captures
         assert slots.batch == 4 and slots.capacity >= len(plan[2][0].prompt_ids) + 160
         names = {k[0] for k in g.captured}
         assert "decode" in names and ("encode_decode" in names) == fuse_commit and names <= {"decode", "commit",
                                                                                              "encode_decode"}
         assert all(c.buffers == tuple(t.data_ptr() for t in (*slots.keys, *slots.values, slots.valid))
                    for c in g.captured.values())  # the graphs on the first, smaller slots were released
-        assert drive_scheduler(s, plan) == want  # batch sizes last seen on the first slots are captured on these
+        assert drive_worker(s, plan) == want  # batch sizes last seen on the first slots are captured on these
         captures = g.captures
-        assert drive_scheduler(s, plan) == want
-        assert g.captures == captures and s._slots is slots
+        assert drive_worker(s, plan) == want
+        assert g.captures == captures and s.runner._slots is slots
         # four short prompts: slot 3's previous occupant (padded to join late) had padding past their end
-        assert drive_scheduler(s, short) == want_short
+        assert drive_worker(s, short) == want_short
         # the graphs' shared logits buffers have the slots' rows (reserved when the slots grew, not at every size)
         assert {t.shape[0] for t in g._shared.values()} == {slots.batch} and len(g._shared) == 2
         shared = sum(t.nbytes for t in g._shared.values())
-        assert s._slot_bytes(slots.batch, slots.capacity) == slots.nbytes() + slots.valid.numel() + shared
+        assert s.runner.slot_bytes(slots.batch, slots.capacity) == slots.nbytes() + slots.valid.numel() + shared
         # where doubling would not fit in the GPU's spare memory, the slots grow to just what is needed
-        monkeypatch.setattr(scheduler_mod, "_spare_bytes", lambda device: 1)
+        monkeypatch.setattr(runner_mod, "spare_bytes", lambda device: 1)
         tight = scheduler()
-        assert drive_scheduler(tight, plan) == want
+        assert drive_worker(tight, plan) == want
         joined_at = max(len(j.prompt_ids) for j in plan[0]) + 2 * lm.canvas_length  # the group's end at boundary 2
-        assert tight._slots.capacity == joined_at + 160  # the late request's end, not a power of two
-        assert tight._slots.capacity < slots.capacity and tight._slots.batch <= slots.batch
+        assert tight.runner._slots.capacity == joined_at + 160  # the late request's end, not a power of two
+        assert tight.runner._slots.capacity < slots.capacity and tight.runner._slots.batch <= slots.batch
     finally:
-        g.uninstall()
-    assert Scheduler(lm.module, lm.canvas_length).graphs is None
+        lm.configure(cuda_graphs=False)
+    assert Worker(lm).runner.graphs is None
 
 
 def _random_traffic(seed: int, V: int, C: int):
@@ -640,12 +641,12 @@ def _random_traffic(seed: int, V: int, C: int):
     return plan
 
 
-def _drive_traffic(s: Scheduler, plan: dict) -> list:
+def _drive_traffic(s: Worker, plan: dict) -> list:
     """Run `plan` through the scheduler's loop by hand; a ("step", n) request cancels itself when its n-th draft
     arrives (inside a canvas), a ("boundary", k) one before boundary k. Each request's commits and whether it
     finished."""
     runs, k = [], 0
-    while k <= max(plan) + 4 or s.rows or s._waiting:
+    while k <= max(plan) + 4 or s.busy:
         for job, cancel in plan.get(k, []):
             h = s.submit(job)
             if cancel is not None and cancel[0] == "step":
@@ -660,7 +661,7 @@ def _drive_traffic(s: Scheduler, plan: dict) -> list:
             if cancel == ("boundary", k):
                 h.cancel()
         with torch.no_grad():
-            s._canvas()
+            s.canvas()
         k += 1
     out = []
     for h, _ in runs:
@@ -671,51 +672,40 @@ def _drive_traffic(s: Scheduler, plan: dict) -> list:
 
 
 @pytest.mark.parametrize("seed", [0, 3, 6, 7])  # schedules with both kinds of cancellation
-def test_scheduler_slots_under_random_traffic(lm, seed):
+def test_worker_slots_under_random_traffic(lm, seed):
     """Seeded schedules of joins, out-of-order finishes, batches capped at 3 (others queue) and cancellations at
     a boundary or mid-canvas (a cancelled row leaves the pass: under graphs it is swapped out of the lowest
     slots): with the CUDA-graph plumbing every request gets the commits of the scheduler without graphs."""
-    from blockpress.kernels.graphs import GraphedPasses
-
     plan = _random_traffic(seed, lm.module.text.vocab_size, lm.canvas_length)
     assert {c[0] for jobs in plan.values() for _, c in jobs if c} == {"boundary", "step"}
-    want = _drive_traffic(Scheduler(lm.module, lm.canvas_length, max_batch=3), plan)
+    want = _drive_traffic(Worker(lm, max_batch=3), plan)
     assert any(done for _, done in want) and not all(done for _, done in want)  # some finished, some cancelled
-    g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
-    try:
-        assert _drive_traffic(Scheduler(lm.module, lm.canvas_length, max_batch=3), plan) == want
-    finally:
-        g.uninstall()
+    with cuda_graphs(lm):
+        assert _drive_traffic(Worker(lm, max_batch=3), plan) == want
 
 
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("seed", [3, 6])
-def test_scheduler_with_a_sliding_ring(lm, seed, graphs, monkeypatch):
+def test_worker_with_a_sliding_ring(lm, seed, graphs, monkeypatch):
     """Prompts encoded 8 tokens at a time, so the sliding layers keep a ring of 8 + 32 slots in the group's cache
     (rows appended across layouts) and in the CUDA-graph slots (regrown, the running rows copied into the new ring):
     under joins, out-of-order finishes and cancellations every request gets the commits of caches that keep every
     position."""
-    from blockpress.kernels.graphs import GraphedPasses
-
     m = lm.module
     monkeypatch.setattr(m, "prefill_chunk", 8)
     plan = _random_traffic(seed, m.text.vocab_size, lm.canvas_length)
     monkeypatch.setattr(m, "ring_cache", False)
-    want = _drive_traffic(Scheduler(m, lm.canvas_length, max_batch=3), plan)
+    want = _drive_traffic(Worker(lm, max_batch=3), plan)
     monkeypatch.setattr(m, "ring_cache", True)
     made = []
     new_cache = type(m).new_cache
     monkeypatch.setattr(type(m), "new_cache", lambda self, *a, **k: made.append(new_cache(self, *a, **k)) or made[-1])
-    g = GraphedPasses(m, capture=False, copy_outputs=False).install() if graphs else None
-    try:
-        assert _drive_traffic(Scheduler(m, lm.canvas_length, max_batch=3), plan) == want
-    finally:
-        if g is not None:
-            g.uninstall()
+    with cuda_graphs(lm) if graphs else contextlib.nullcontext():
+        assert _drive_traffic(Worker(lm, max_batch=3), plan) == want
     assert any(c.ring == 8 + 2 * lm.canvas_length for c in made)
 
 
-def test_scheduler_reads_the_device_once_per_step_for_all_rows(lm, monkeypatch):
+def test_worker_reads_the_device_once_per_step_for_all_rows(lm, monkeypatch):
     """Three adaptive rows streaming drafts: every row's stop flag comes to the host in one read per step, every
     row's draft in one more (a GPU's host waits for the device at each read: one per row would stall its queue B
     times a step). Counted as the reads that 4 more steps per canvas add."""
@@ -726,9 +716,9 @@ def test_scheduler_reads_the_device_once_per_step_for_all_rows(lm, monkeypatch):
                   confidence_threshold=1e-9, eos_token_id=None)  # never stops early: every row runs every step
         jobs = [Job(lm.encode_chat(t), lm.generation_config(**kw), seed=i, drafts=True)
                 for i, t in enumerate(["one", "two two", "three three three"])]
-        s = Scheduler(lm.module, lm.canvas_length, max_batch=3)
+        s = Worker(lm, max_batch=3)
         handles = [s.submit(j) for j in jobs]
-        n = count_host_reads(monkeypatch, lambda: s._canvas())
+        n = count_host_reads(monkeypatch, lambda: s.canvas())
         drafts = [[e for e in h.drain() if isinstance(e, RowDraft)] for h in handles]
         assert [len(d) for d in drafts] == [steps] * 3 and all(d[-1].step == steps for d in drafts)
         return n
@@ -738,39 +728,34 @@ def test_scheduler_reads_the_device_once_per_step_for_all_rows(lm, monkeypatch):
     assert reads(8) - reads(4) == 4 * 2  # 4 more steps x (the stop flags + the drafts), whatever the rows
 
 
-def test_scheduler_warm_up_leaves_it_ready(lm, monkeypatch):
+def test_worker_warm_up_leaves_it_ready(lm, monkeypatch):
     """serve's warm-up on a GPU (short requests through the loop before start(), so that kernel compiles and
     graph captures do not land in the first clients' requests): afterwards nothing is queued or running, a
-    request gets the tokens a fresh scheduler gives it, and under the graph plumbing the warm-up has captured, for
+    request gets the tokens a fresh worker gives it, and under the graph plumbing the warm-up has captured, for
     every batch size up to max_batch, the denoising step, the commit and the fused commit: traffic of mixed batch
     sizes (joins, a queue, early stops, rows leaving) then captures nothing more. After start() it is refused."""
-    from blockpress.kernels.graphs import GraphedPasses
-
     job = Job(lm.encode_chat("Hello there"), lm.generation_config(max_new_tokens=32, max_denoising_steps=3), seed=5)
-    want = drive_scheduler(Scheduler(lm.module, lm.canvas_length, fuse_commit=True), {0: [job]})
+    want = drive_worker(Worker(lm, fuse_commit=True), {0: [job]})
     plan = _random_traffic(3, lm.module.text.vocab_size, lm.canvas_length)
     jobs = {k: [j for j, _ in v if len(j.prompt_ids) <= 8 + lm.canvas_length] for k, v in plan.items()}
-    want_mixed = drive_scheduler(Scheduler(lm.module, lm.canvas_length, max_batch=3, fuse_commit=True), jobs)
-    g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
-    try:
-        s = Scheduler(lm.module, lm.canvas_length, fuse_commit=True, max_batch=3)
-        assert s.warm_up() > 0 and not s.rows and not s._waiting and s.cache is None
+    want_mixed = drive_worker(Worker(lm, max_batch=3, fuse_commit=True), jobs)
+    with cuda_graphs(lm) as g:
+        s = Worker(lm, fuse_commit=True, max_batch=3)
+        assert s.warm_up() > 0 and not s.busy and s.runner.cache is None
         C = lm.canvas_length
         assert set(g.captured) == {("decode", (b, C)) for b in (1, 2, 3)} | {("commit", (b, C)) for b in (1, 2, 3)} \
             | {("encode_decode", ((b, C), (b, C))) for b in (1, 2, 3)}
         captures = g.captures
-        assert drive_scheduler(s, {0: [job]}) == want
-        assert drive_scheduler(s, jobs) == want_mixed and sum(map(len, jobs.values())) >= 4
+        assert drive_worker(s, {0: [job]}) == want
+        assert drive_worker(s, jobs) == want_mixed and sum(map(len, jobs.values())) >= 4
         assert g.captures == captures  # every pass the traffic ran was captured by the warm-up
         # where slots for max_batch rows would not fit in half the spare GPU memory: batch 1 only
-        monkeypatch.setattr(scheduler_mod, "_spare_bytes", lambda device: 1)
+        monkeypatch.setattr(runner_mod, "spare_bytes", lambda device: 1)
         g.captured.clear()
-        s = Scheduler(lm.module, lm.canvas_length, fuse_commit=True, max_batch=3)
+        s = Worker(lm, fuse_commit=True, max_batch=3)
         s.warm_up()
         assert set(g.captured) == {("decode", (1, C)), ("encode_decode", ((1, C), (1, C)))}
-    finally:
-        g.uninstall()
-    s = Scheduler(lm.module, lm.canvas_length).start()
+    s = Worker(lm).start()
     try:
         with pytest.raises(RuntimeError, match="before start"):
             s.warm_up()
@@ -783,7 +768,7 @@ THOUGHT_AND_CALL = ('<|channel>thought\nhmm<channel|>Hello<|tool_call>call:get_w
 
 
 def _serving(lm):
-    return OpenAIServing(lm, Scheduler(lm.module, lm.canvas_length), "tiny", Limits(max_tokens=64))
+    return OpenAIServing(lm, Worker(lm), "tiny", Limits(max_tokens=64))
 
 
 def _run_with(serving, ids, canvas):
@@ -848,7 +833,7 @@ def test_queue_full_is_429_and_api_key(lm):
     from blockpress.server.app import create_app
     from blockpress.server.metrics import Metrics
 
-    serving = OpenAIServing(lm, Scheduler(lm.module, lm.canvas_length, queue_size=1), "tiny")  # never started
+    serving = OpenAIServing(lm, Worker(lm, queue_size=1), "tiny")  # never started
     req = ChatCompletionRequest(messages=MSG, stream=True)
 
     async def twice():
@@ -862,11 +847,11 @@ def test_queue_full_is_429_and_api_key(lm):
     assert err.status == 429 and err.type == "rate_limit_error"
 
     # n choices are admitted all or none: a queue with room for 2 refuses n=3 and frees the 2 it took
-    serving3 = OpenAIServing(lm, Scheduler(lm.module, lm.canvas_length, queue_size=2), "tiny")
+    serving3 = OpenAIServing(lm, Worker(lm, queue_size=2), "tiny")
     with pytest.raises(APIError) as e3:
         asyncio.run(serving3.chat(ChatCompletionRequest(messages=MSG, n=3)))
     assert e3.value.status == 429
-    waiting = serving3.scheduler._waiting
+    waiting = serving3.worker.scheduler.queue
     assert len(waiting) == 2 and all(h.cancelled for h in waiting)
 
     app = create_app(serving, Metrics(), api_key="sekret")

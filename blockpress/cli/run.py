@@ -78,9 +78,8 @@ def _float_in(lo: float, strict: bool, allow_none: bool = False):
 
 # ----------------------------------------------------------------------------- shared flags
 COMPILE_HELP = ("torch.compile each decoder block (norms, residual adds and RoPE fused into fewer kernels; the experts "
-                "and 8-bit projections stay as they are): the same function up to rounding (the shipped KJV model on "
-                "a CPU: the same tokens, 5.9 -> 5.3 ms a step); the first pass of each shape compiles, for seconds "
-                "to a minute (blockpress/kernels/compiled.py)")
+                "and 8-bit projections stay as they are): the same function up to rounding; the first pass of each "
+                "shape compiles, for seconds to a minute")
 
 
 def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True) -> None:
@@ -175,6 +174,17 @@ def refuse_task_model(lm, command: str) -> None:
                          "`blockpress.tasks.sudoku.solve(puzzle)`")
 
 
+def model_options(args) -> dict[str, Any]:
+    """The model flags -> `blockpress.load` options (blockpress/options.py)."""
+    reference = getattr(args, "reference_kernels", False)
+    opts = {"precision": getattr(args, "precision", "native"), "linears": getattr(args, "linears", "native"),
+            "experts": "loop" if reference else "auto", "attention": "sdpa" if reference else "auto"}
+    for name in ("sampler", "fuse_commit"):  # serve's
+        if getattr(args, name, None) is not None:
+            opts[name] = getattr(args, name)
+    return opts
+
+
 def load_model(args):
     import blockpress
 
@@ -194,33 +204,19 @@ def load_model(args):
         if parse_device(args.device).type != "cuda":
             raise InputError(f"--cuda-graphs needs a CUDA GPU and the model would run on {parse_device(args.device)}; "
                              "drop the flag (or pass --device cuda on a machine with one)")
-    reference = getattr(args, "reference_kernels", False)
-    if reference and getattr(args, "compile", False):
-        from ..errors import InputError
+    opts = model_options(args)
+    compile_ = getattr(args, "compile", False)
+    from ..options import Options
 
-        raise InputError("--compile and --reference-kernels: the references are for checking the fast paths as "
-                         "written; drop one of the flags")
+    Options().replace(**opts, compile=compile_, cuda_graphs=graphs)  # every flag checked before the weights load
     lm = blockpress.load(resolve_model(args.model), device=args.device, dtype=args.dtype,
-                         progress=sys.stderr.isatty(), precision=getattr(args, "precision", "native"),
-                         linears=getattr(args, "linears", "native"),
-                         experts="loop" if reference else "auto", attention="sdpa" if reference else "auto")
+                         progress=sys.stderr.isatty(), **opts)
     if getattr(args, "adapter", None):
         from ..train.lora import apply_adapter
 
         apply_adapter(lm, args.adapter, merge=args.merge_adapter)
-    if getattr(args, "compile", False):  # before the graphs: they capture the compiled blocks after warming up
-        from ..kernels import compile_blocks_
-
-        compile_blocks_(lm.module)
-    if graphs:
-        from ..errors import InputError
-        from ..kernels.graphs import GraphedPasses
-
-        try:
-            GraphedPasses(lm.module, copy_outputs=False).install()  # only the engine loop reads its outputs
-        except ValueError as e:
-            raise InputError(f"--cuda-graphs: {e}. With the default kernels this means Triton is missing "
-                             "(pip install triton), or --reference-kernels was given: drop one of the flags") from None
+    if compile_ or graphs:  # after the adapter: the graphs capture (and compile traces) the model as it will run
+        lm.configure(compile=compile_, cuda_graphs=graphs)
     return lm
 
 
@@ -372,10 +368,8 @@ def _generate(lm, ids, kw, gen, view, decode: bool, rows: int = 1):
     the rows still denoising only (`compact_rows`: the same random stream; not under CUDA graphs)."""
     import blockpress
 
-    from ..kernels.graphs import installed
-
     decoder = lm.tokenizer.stream_decoder(skip_special_tokens=True) if decode and lm.tokenizer else None
-    compact = True if rows > 1 and installed(lm.module) is None else None
+    compact = True if rows > 1 and not lm.options.cuda_graphs else None
     with view:
         for ev in lm.stream([ids] * rows, generator=gen, drafts=view.live_on, compact_rows=compact, **kw):
             if isinstance(ev, blockpress.Draft):

@@ -15,7 +15,7 @@ from .run import (_int_in, _positive_int, add_model_args, add_sampling_args, loa
 
 
 def add_parser(p) -> None:
-    add_model_args(p)  # --cuda-graphs: the scheduler keeps its cache in slots that the graphs of every batch size share
+    add_model_args(p)  # --cuda-graphs: the worker keeps its cache in slots that the graphs of every batch size share
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("BLOCKPRESS_API_KEY"),
@@ -74,7 +74,7 @@ def main(args) -> int:
     from ..server.app import create_app
     from ..server.metrics import Metrics
     from ..server.protocol import Limits
-    from ..server.scheduler import Scheduler
+    from ..server.worker import Worker
     from ..server.serving import OpenAIServing
 
     lm = load_model(args)
@@ -85,27 +85,26 @@ def main(args) -> int:
                     max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
                     max_steps=args.max_steps_limit, max_choices=args.max_choices)
     metrics = Metrics()
-    scheduler = Scheduler(lm.module, lm.canvas_length, max_batch=args.max_batch, queue_size=args.queue_size,
-                          metrics=metrics, fuse_commit=args.fuse_commit, sampler=args.sampler)
+    worker = Worker(lm, max_batch=args.max_batch, queue_size=args.queue_size, metrics=metrics)
     defaults = sampling_kwargs(args)
     defaults.pop("max_new_tokens", None)  # per request: max_tokens
-    serving = OpenAIServing(lm, scheduler, name, limits, defaults=defaults, metrics=metrics)
+    serving = OpenAIServing(lm, worker, name, limits, defaults=defaults, metrics=metrics)
     app = create_app(serving, metrics, api_key=args.api_key)
     if lm.module.device.type == "cuda":  # kernel compiles and graph captures before the first client, not in it
         from ..errors import BlockpressError
 
         print("blockpress: warming up (Triton compiles, first-use checks, CUDA graphs)...", end=" ", flush=True)
         try:
-            print(f"{scheduler.warm_up():.1f} s", flush=True)
+            print(f"{worker.warm_up():.1f} s", flush=True)
         except Exception as e:  # noqa: BLE001 - one line for the user, not a traceback from inside a kernel
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise BlockpressError(f"a first short generation failed on {lm.module.device} ({type(e).__name__}: {why}); "
                                   "with less GPU memory than the model needs, try --precision int4 --linears int8; "
                                   "with --cuda-graphs, try without") from None
-    scheduler.start()
+    worker.start()
     print(f"blockpress: serving '{name}' on http://{args.host}:{args.port} (web page at /, API at /v1)", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:
-        scheduler.stop()
+        worker.stop()
     return 0

@@ -175,6 +175,7 @@ def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: s
     from torch.profiler import ProfilerActivity, profile
 
     from ..engine import generate as engine
+    from ..options import Options
     from .roofline import step_bytes
 
     dev = module.device
@@ -186,7 +187,7 @@ def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: s
     torch.manual_seed(0)
     started = False
     with _ranges(module):
-        events = engine.stream(module, ids, cfg, canvas_length, sampler=sampler)
+        events = engine.stream(module, ids, cfg, canvas_length, options=Options(sampler=sampler))
         try:
             for ev in events:
                 if isinstance(ev, engine.Draft):

@@ -191,7 +191,7 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
 
     @app.get("/health")
     async def health() -> dict:
-        s = serving.scheduler
+        s = serving.worker
         return {"status": "ok", "model": serving.model_name, "active": s.active, "queue_depth": s.queue_depth}
 
     @app.get("/metrics", response_class=Response)

@@ -1,4 +1,4 @@
-"""Serving logic without HTTP: requests -> prompt ids -> scheduler -> OpenAI responses / SSE chunks.
+"""Serving logic without HTTP: requests -> prompt ids -> the worker's engine -> OpenAI responses / SSE chunks.
 
 Invariants:
 - Streaming and non-streaming responses are assembled by the same `OutputAssembler` from the same
@@ -9,7 +9,7 @@ Invariants:
 - A completion ends at the first stop id (counted in completion_tokens, never shown), at
   `max_tokens` tokens (canvases are cut there: finish_reason "length"), or at a stop string
   (excluded from the text). When the client goes away or a stop string ends it early, the
-  request's handle is cancelled and the scheduler frees its slot at the next canvas boundary.
+  request's handle is cancelled and the engine frees its row at the next canvas boundary.
 - Usage: prompt/completion/total tokens plus `denoising_steps` (decoder passes for this request)
   and `tokens_per_forward` (completion tokens per pass).
 """
@@ -31,7 +31,7 @@ from ..parsing import StreamingParser, ToolCall
 from .protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                        CompletionRequest, CompletionResponse, FunctionCall, Limits, ModelCard, ModelList,
                        ResponseMessage, ResponseToolCall, Sampling, Usage)
-from .scheduler import Handle, Job, QueueFull, RowCommit, RowDraft, RowError, Scheduler
+from .worker import Handle, Job, QueueFull, RowCommit, RowDraft, RowError, Worker
 
 Disconnected = Callable[[], Awaitable[bool]]
 
@@ -162,19 +162,19 @@ class _Run:
     handle: Handle
     prompt_tokens: int
     passes: int = 0
-    complete: bool = False  # the scheduler finished the row (no cancel needed)
+    complete: bool = False  # the engine finished the row (no cancel needed)
 
 
 class OpenAIServing:
     """Turns validated requests into engine jobs and engine events into OpenAI responses."""
 
-    def __init__(self, lm, scheduler: Scheduler, model_name: str, limits: Limits | None = None,
+    def __init__(self, lm, worker: Worker, model_name: str, limits: Limits | None = None,
                  defaults: dict[str, Any] | None = None, metrics=None):
         """defaults: server-wide sampling overrides (reference names) over the checkpoint's; stop and
         pad ids default to the checkpoint's, else the tokenizer's <eos>/<turn|> and <pad>."""
         if lm.tokenizer is None:
             raise BlockpressError("this model has no tokenizer.json; the server needs one to read and write text")
-        self.lm, self.tok, self.scheduler = lm, lm.tokenizer, scheduler
+        self.lm, self.tok, self.worker = lm, lm.tokenizer, worker
         self.model_name = model_name
         self.limits = limits or Limits()
         self.metrics = metrics
@@ -223,7 +223,7 @@ class OpenAIServing:
                            f"{self.limits.max_prompt_tokens}", param=prompt_field, code="context_length_exceeded")
         job = Job(ids, sampling.cfg, seed=sampling.seed, drafts=sampling.include_drafts, fixed_tokens=fixed_tokens)
         try:
-            handle = self.scheduler.submit(job, loop=asyncio.get_running_loop())
+            handle = self.worker.submit(job, loop=asyncio.get_running_loop())
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error",
                            code="queue_full") from None
@@ -258,7 +258,7 @@ class OpenAIServing:
 
     @staticmethod
     def _release(run: _Run) -> None:
-        """Free the scheduler slot of a request that ended early (stop string, disconnect)."""
+        """Free the batch row of a request that ended early (stop string, disconnect)."""
         if not run.complete:
             run.handle.cancel()
 

@@ -25,7 +25,7 @@ import sys
 import torch
 
 from blockpress.cli.run import _positive_int, _positive_int_list
-from blockpress.kernels.profile import time_ms
+from blockpress.lab.profile import time_ms
 
 
 def projection_shapes(text, fused: bool = False) -> dict[tuple[int, int], int]:
@@ -45,7 +45,7 @@ def projection_shapes(text, fused: bool = False) -> dict[tuple[int, int], int]:
 
 
 def main(argv=None) -> int:
-    from blockpress.cli.bench import PRESETS, preset_config
+    from blockpress.lab.presets import PRESETS, preset_config
     from blockpress.config import ModelConfig
     from blockpress.kernels.linear_q import (QuantizedLinear, linear_fp8_scaled_mm, linear_fp8_w8a8_reference,
                                              linear_q_triton, parse_linear_tiles)
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # fp8 x fp8 needs fp8 tensor cores on a GPU (Ada, Hopper); torch._scaled_mm also runs on a CPU
     w8a8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-    # int8 kernel variants, by their `set_linear_tiles` spec (what `blockpress bench --linear-tiles` takes). On an
+    # int8 kernel variants, by their tiles spec (what `blockpress bench --linear-tiles` takes). On an
     # H200 (2026-11-25) the default tiles ran 2.2x slower than cuBLAS bf16 at 256 rows and 2x at one row although
     # they move half the bytes: a 2112-wide projection has 33 N tiles of 64, a quarter of the 132 SMs at one row.
     # Narrower N tiles and K split over several programs (fp32 atomic adds) give the GPU more programs; bm=128 and

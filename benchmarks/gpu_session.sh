@@ -28,7 +28,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
+PART=${1:?usage: gpu_session.sh engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -75,6 +75,42 @@ bench() {  # bench NAME ARGS...: one `blockpress bench` run, JSON in $OUT/NAME.j
 }
 
 case "$PART" in
+  engine)
+    # The one-engine redesign on a GPU, in one call: the same bench row before (the code of 9d31c23, copied into
+    # gpu_baseline/, which the call carries) and after, on this card; the GPU tests; then what had never been timed:
+    # the fused commit, fp8 x fp8 experts (scaled_mm) and compiled blocks, each against the same row. At most 8
+    # files come back: 5 JSONs, log, summary, test output.
+    DEADLINE=$((SECONDS + ${BUDGET:-420}))
+    env_info
+    ROW="--batch 1 --precision fp8 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar"
+    ROW="$ROW $GPU_FLAGS"
+    if [ -d gpu_baseline/blockpress ]; then
+      PYTHONPATH="$PWD/gpu_baseline:$PYTHONPATH" STEP_LIMIT=75 bench before-fp8 $ROW
+    fi
+    STEP_LIMIT=75 bench after-fp8 $ROW
+    lim=$(limit 150)
+    if [ "$lim" != 0 ] && [ "$CUDA" = 1 ]; then
+      echo "=== gpu tests (limit $lim s)" | tee -a "$OUT/log.txt"
+      timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 -m "gpu or not slow" tests/test_kernels.py \
+        tests/test_quant.py tests/test_linear_q.py tests/test_generate.py tests/test_cache_ring.py 2>&1 \
+        | tee "$OUT/gpu-tests.txt" | tail -25 | tee -a "$OUT/summary.txt"
+    fi
+    STEP_LIMIT=60 bench after-fp8-fuse $ROW --fuse-commit
+    STEP_LIMIT=60 bench after-fp8-w8a8 ${ROW/--experts $FAST/--experts scaled_mm}
+    STEP_LIMIT=150 bench after-fp8-compile $ROW --compile
+    python3 - "$OUT" <<'EOF' | tee -a "$OUT/summary.txt"
+import json, os, sys
+for name in ("before-fp8", "after-fp8", "after-fp8-fuse", "after-fp8-w8a8", "after-fp8-compile"):
+    try:
+        r = json.load(open(os.path.join(sys.argv[1], name + ".json")))
+    except (OSError, ValueError):
+        print(f"{name}: no result"); continue
+    for run in r["runs"]:
+        print(f"{name}: B={run['batch']} {run['mode']} {run['tok_s']:.1f} tok/s, {run.get('ms_per_step') or 0:.2f} ms/step,"
+              f" peak {run['peak_mem_bytes'] / 1e9:.2f} GB, captures timed {run.get('graph_captures_timed')}"
+              + (" (partial)" if r.get("partial") else ""))
+EOF
+    ;;
   oneshot)
     # One device call for a lease of 15 minutes (machine start included): the issue's three precisions at batch 1
     # and 4 with every fast path, each with a fallback that drops CUDA graphs if the first try measured nothing, the compiled

@@ -33,12 +33,13 @@ import math
 
 import torch
 
-from blockpress.cli.bench import _positive_float, preset_config
+from blockpress.cli.bench import _positive_float
+from blockpress.lab.presets import preset_config
 from blockpress.cli.run import _nonneg_int, _positive_int
 from blockpress.config import GenerationConfig, ModelConfig
 from blockpress.engine import step as engine_step
 from blockpress.engine.step import single_step
-from blockpress.kernels.memory import LiveBytes, fused_sample_meta, meta_backends
+from blockpress.lab.memory import LiveBytes, fused_sample_meta, meta_backends
 from blockpress.loading import estimated_weight_bytes
 from blockpress.model.diffusion_gemma import DiffusionGemmaModel
 

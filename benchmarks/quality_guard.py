@@ -32,13 +32,14 @@ import sys
 
 import torch
 
-from blockpress.cli.bench import _group_size, preset_config
+from blockpress.cli.bench import _group_size
+from blockpress.lab.presets import preset_config
 from blockpress.cli.run import _positive_int
 from blockpress.config import GenerationConfig
 from blockpress.engine.generate import generate
 from blockpress.kernels.linear_q import QUANTIZED_LINEARS, QuantizedLinear
 from blockpress.kernels.quant import QuantizedExperts, compare_logits
-from blockpress.kernels.random_weights import build_model
+from blockpress.lab.random_weights import build_model
 
 # attention and dense-MLP projections in 8 bits (kernels/linear_q.py): weight-only int8 / fp8, or fp8 weights and
 # fp8 activations ("-a8": the scaled_mm backend, w8a8, which runs on a CPU too)

@@ -30,7 +30,7 @@ import torch
 
 from blockpress.cli.bench import _group_size
 from blockpress.cli.run import _positive_int
-from blockpress.kernels.profile import time_ms
+from blockpress.lab.profile import time_ms
 
 # 18 settings (+ the defaults, which are among them), then the M tile alone at the default N and K tiles (bm=auto
 # sizes it for the spread of the routing, from compile_report.py's issue model: a timing has to confirm it); ~2.5 min on an H100, estimated, not yet run. BK 32 and BN 64
@@ -91,11 +91,12 @@ def build_layer(text, precision: str, device, dtype, group_size: int, seed: int)
 
 
 def main(argv=None) -> int:
-    from blockpress.cli.bench import DTYPES, preset_config
+    from blockpress.lab.bench import DTYPES
+    from blockpress.lab.presets import preset_config
     from blockpress.config import ModelConfig
     from blockpress.kernels._triton import triton, usable_on
-    from blockpress.kernels.moe_grouped import TILES, parse_tiles
-    from blockpress.kernels.roofline import expected_hit_fraction, measure_bandwidth
+    from blockpress.kernels.moe_grouped import DEFAULT_TILES as TILES, parse_tiles
+    from blockpress.lab.roofline import expected_hit_fraction, measure_bandwidth
     from blockpress.loading import parse_device
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -77,6 +77,25 @@ class BlockDiffusionLM:
     def generation_config(self, **overrides) -> GenerationConfig:
         return GenerationConfig.resolve(self.generation_defaults, **overrides)
 
+    def stop_ids(self) -> list[int]:
+        """The checkpoint's eos ids, else the tokenizer's <eos> and end-of-turn <turn|>."""
+        eos = self.generation_defaults.get("eos_token_id") or self.config.eos_token_id
+        if eos:
+            return [eos] if isinstance(eos, int) else list(eos)
+        tok = self.tokenizer
+        ids = [tok.eos_token_id, tok.token_to_id("<turn|>")] if tok is not None else []
+        return [i for i in ids if i is not None]
+
+    def text_defaults(self) -> dict[str, Any]:
+        """Stop and pad ids for text generation (the CLI, the server) where the checkpoint does not set them."""
+        out: dict[str, Any] = {}
+        if not self.generation_defaults.get("eos_token_id"):
+            out["eos_token_id"] = self.stop_ids() or None
+        if self.generation_defaults.get("pad_token_id") is None:
+            pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
+            out["pad_token_id"] = pad if pad is not None else 0
+        return out
+
     # ------------------------------------------------------------------------------- token API
     def _prepare(self, input_ids, attention_mask):
         if isinstance(input_ids, torch.Tensor):

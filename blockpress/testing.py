@@ -188,11 +188,13 @@ def decoder_logits_gap_vs_transformers(folder, ids, canvas) -> float:
 
     import blockpress
 
+    from .kernels import use
+
     hf = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(str(folder)).eval()
     hf.set_attn_implementation("eager")
     hf.set_experts_implementation("eager")
     bp = blockpress.load(folder, progress=False)
-    bp.module.attention_backend = "eager"
+    use(bp.module, attention="eager")
     with torch.no_grad():
         cache = transformers.DynamicCache(config=hf.config.text_config)
         hf.model.encoder(input_ids=ids, past_key_values=cache)

@@ -1,4 +1,4 @@
-"""The sliding layers' ring (engine/cache.py): a cache that keeps only the last window + reserve positions of its
+"""The sliding layers' ring (model/cache.py): a cache that keeps only the last window + reserve positions of its
 sliding layers gives the same keys, values, logits and tokens as one that keeps every position, in the eager
 passes, the fixed-shape (CUDA-graph) passes, the engine, the server's worker, and against transformers."""
 
@@ -8,8 +8,9 @@ import torch
 pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without autograd
 
 import blockpress
-from blockpress.engine.cache import KVCache, ring_slots
+from blockpress.model.cache import KVCache, ring_slots
 from blockpress.engine.graphs import GraphedPasses
+from blockpress.kernels import use
 from blockpress.testing import cuda_graphs
 from hf_oracle import TINY_TEXT
 
@@ -158,7 +159,7 @@ def tiny():
         if p.dim() == 1:
             p.data.uniform_(0.5, 1.5)
     m.module.prefill_chunk = 8  # ring: W 8 + max(8, 2 canvases) = 24 slots
-    m.module.attention_backend = "eager"
+    use(m.module, attention="eager")
     return m
 
 
@@ -177,7 +178,7 @@ def _twins(m, B=2, S=30, capacity=64, seed=3):
 @pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
 def test_eager_passes_on_a_ring_are_bit_identical(tiny, attention):
     m = tiny.module
-    m.attention_backend = attention
+    use(m, attention=attention)
     try:
         flat, ring = _twins(m)
         canvas = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(4))
@@ -190,7 +191,7 @@ def test_eager_passes_on_a_ring_are_bit_identical(tiny, attention):
         assert ring.high - ring.ring > 40 and flat.length == ring.length == 70
         assert ring.capacity == flat.capacity == 128  # grown for the full layers; the ring is still 24 slots
     finally:
-        m.attention_backend = "eager"
+        use(m, attention="eager")
 
 
 def _held(cache, C=8):
@@ -208,10 +209,10 @@ def test_the_eager_decoder_writes_its_canvas_in_place_bit_identically(tiny, monk
     past the cache's length and attend over one span of the cache; with the room taken away they concatenate the
     cached keys and the canvas's. The logits are the same bit for bit, through the ring's wrap; positions below
     the length are never touched, the canvas's K/V are where they belong, and the commits leave the same cache."""
-    from blockpress.engine.cache import KVCache
+    from blockpress.model.cache import KVCache
 
     m = tiny.module
-    m.attention_backend = attention
+    use(m, attention=attention)
     try:
         room = _twins(m)[ring]
         cat = _twins(m)[ring]
@@ -244,7 +245,7 @@ def test_the_eager_decoder_writes_its_canvas_in_place_bit_identically(tiny, monk
             assert all(torch.equal(a, b) for a, b in zip(_held(room), _held(cat)))
         assert room.length == 62 and (room.ring is not None) == ring
     finally:
-        m.attention_backend = "eager"
+        use(m, attention="eager")
 
 
 def test_the_decoder_does_not_write_a_cache_it_has_no_room_in_or_under_autograd(tiny):
@@ -402,7 +403,7 @@ def test_worker_slots_start_their_ring_afresh_for_a_new_group(tiny, second):
 def test_cache_bytes_of_the_26b_model_at_a_long_context():
     """What a 32K-token cache of the 26B model holds: 25 sliding layers x 8 KV heads x 256 dims in a ring of
     1024 + 2048 slots, 5 full layers x 2 KV heads x 512 dims at every position (K and V, bf16)."""
-    from blockpress.cli.bench import preset_config
+    from blockpress.lab.presets import preset_config
     from blockpress.config import ModelConfig
     from blockpress.model.diffusion_gemma import DiffusionGemmaModel
 
@@ -449,7 +450,7 @@ def test_captured_graphs_on_a_ring_match_the_eager_passes():
     triton = pytest.importorskip("triton")  # noqa: F841  (the capture needs experts without host syncs in fp32)
     m = blockpress.from_config({"model_type": "diffusion_gemma", "text_config": TINY, "canvas_length": 8},
                                seed=0).module.cuda()
-    m.set_experts_backend("triton")
+    use(m, experts="triton")
     m.prefill_chunk = 8
     ids = torch.randint(5, 512, (2, 30), device="cuda")
     flat, ring = m.new_cache(2, 128, ring=False), m.new_cache(2, 128)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import blockpress
 from blockpress.errors import CheckpointError, ConfigError, InputError
+from blockpress.kernels import kernel_names, use
 from hf_oracle import build_hf_model, hf_config
 
 transformers = pytest.importorskip("transformers")
@@ -48,11 +49,11 @@ def test_blockpress_saved_checkpoint_loads_in_transformers(hf_tiny_dir, tmp_path
     re_hf.set_attn_implementation("eager")
     re_hf.set_experts_implementation("eager")
     re_hf.eval()
-    bp.module.attention_backend = "eager"
+    use(bp.module, attention="eager")
     assert (_logits_hf(re_hf, IDS, CANVAS) - _logits_bp(bp, IDS, CANVAS)).abs().max() < 2e-5
     # and it loads back into blockpress identically
     again = blockpress.load(out, dtype="float32", progress=False)
-    again.module.attention_backend = "eager"
+    use(again.module, attention="eager")
     assert torch.equal(_logits_bp(again, IDS, CANVAS), _logits_bp(bp, IDS, CANVAS))
 
 
@@ -274,9 +275,10 @@ def test_load_picks_the_fast_kernels_and_keeps_the_references_one_flag_away(hf_t
     path, _ = hf_tiny_dir
     fast = blockpress.load(path, progress=False, dtype="float32")
     ref = blockpress.load(path, progress=False, dtype="float32", experts="loop", attention="sdpa")
-    assert {layer.experts.backend for layer in fast.module.layers} == {"grouped"}  # CPU: grouped GEMMs
-    assert fast.module.attention_backend == "sdpa_gqa"
-    assert {layer.experts.backend for layer in ref.module.layers} == {"loop"} and ref.module.attention_backend == "sdpa"
+    names = kernel_names(fast.module), kernel_names(ref.module)
+    assert names[0]["experts"] == "grouped" and names[0]["attention"] == "sdpa_gqa"  # CPU: grouped GEMMs
+    assert names[1]["experts"] == "loop" and names[1]["attention"] == "sdpa"
+    assert {layer.experts.kernel for layer in fast.module.layers} == {fast.module.layers[0].experts.kernel}
     kw = dict(max_new_tokens=32, max_denoising_steps=4, stability_threshold=None, confidence_threshold=None)
     ids = [[2, 17, 99, 5, 64, 8]]
     a = fast.generate(ids, generator=torch.Generator().manual_seed(0), **kw)
@@ -291,3 +293,4 @@ def test_load_picks_the_fast_kernels_and_keeps_the_references_one_flag_away(hf_t
     assert not read
     q = blockpress.load(hf_tiny_dir[0], progress=False, dtype="float32", precision="int4", experts="loop")
     assert {layer.experts.backend for layer in q.module.layers} == {"torch"}  # the quantised experts' reference
+    assert kernel_names(q.module)["experts"] == "torch"

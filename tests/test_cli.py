@@ -81,11 +81,14 @@ def test_run_json_matches_reference_generate(model_dir, capsys):
 
 def test_reference_kernels_flag_gives_the_same_tokens(model_dir, capsys, monkeypatch):
     """--reference-kernels loads the plain PyTorch references; the tokens are those of the fast kernels."""
+    from blockpress.kernels import kernel_names
+
     loaded, real_load = [], blockpress.load
 
     def spy(*a, **k):
         lm = real_load(*a, **k)
-        loaded.append((lm.module.layers[0].experts.backend, lm.module.attention_backend))
+        names = kernel_names(lm.module)
+        loaded.append((names["experts"], names["attention"]))
         return lm
 
     monkeypatch.setattr(blockpress, "load", spy)
@@ -95,19 +98,18 @@ def test_reference_kernels_flag_gives_the_same_tokens(model_dir, capsys, monkeyp
 
 
 def test_compile_flag_compiles_the_loaded_blocks_and_refuses_the_references(model_dir):
-    """--compile (run, chat, infill, serve) wraps each block in torch.compile after load (its tokens: test_compiled);
-    with --reference-kernels it is refused in one line."""
+    """--compile (run, chat, infill, serve) runs compiled blocks after load (their tokens: test_compiled); with
+    --reference-kernels it is refused in one line."""
     import argparse
 
     from blockpress.cli.run import add_model_args, load_model
-    from blockpress.kernels.compiled import blocks_compiled
 
     p = argparse.ArgumentParser()
     add_model_args(p)
     lm = load_model(p.parse_args([str(model_dir), "--compile"]))
-    assert blocks_compiled(lm.module)
-    assert not blocks_compiled(load_model(p.parse_args([str(model_dir)])).module)
-    with pytest.raises(blockpress.InputError, match="--compile and --reference-kernels"):
+    assert lm.options.compile and lm.module.ops.block is not None
+    assert load_model(p.parse_args([str(model_dir)])).module.ops.block is None
+    with pytest.raises(blockpress.InputError, match="compile and the reference kernels"):
         load_model(p.parse_args([str(model_dir), "--compile", "--reference-kernels"]))
 
 

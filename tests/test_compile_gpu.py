@@ -1,6 +1,6 @@
 """The Triton kernels compile for real GPUs (H100 sm_90, RTX 40xx sm_89) and would launch there, checked on a
 machine without one: `benchmarks/compile_report.py` runs every launcher on the 26B shapes with Triton's own
-ptxas and no driver (blockpress.kernels.aot). The agreement tests run the same kernels in the interpreter,
+ptxas and no driver (blockpress.lab.aot). The agreement tests run the same kernels in the interpreter,
 which never builds GPU code; these tests are what catches a kernel that only the GPU compiler rejects."""
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_compile_only_refuses_interpreted_kernels():
 
     if _triton.triton is None or not _triton.interpreted():
         pytest.skip("this process's kernels are compiled ones (CUDA or TRITON_INTERPRET=0)")
-    from blockpress.kernels.aot import compile_only
+    from blockpress.lab.aot import compile_only
 
     with pytest.raises(RuntimeError, match="process of its own"):
         with compile_only(90):
@@ -158,7 +158,7 @@ def test_fp8_kernels_need_ada_or_later(monkeypatch):
 
 def test_sass_loop_counting_reads_every_branch_form():
     """The largest loop body is found from a backward branch in Hopper's and Blackwell's SASS spellings."""
-    from blockpress.kernels.aot import sass_counts
+    from blockpress.lab.aot import sass_counts
 
     def sass(branch):
         lines = [f"        /*{a:04x}*/                   IADD3 R1, R1, 0x1, RZ ;" for a in range(0, 0x80, 0x10)]
@@ -173,7 +173,7 @@ def test_sass_loop_counting_reads_every_branch_form():
 def test_ptx_loop_loads_counts_the_plain_loads_of_the_largest_loop():
     """ld.global inside the loop (from LLVM's loop-header label to the last branch back) are counted by width;
     those before it, after it and the cp.async copies are not."""
-    from blockpress.kernels.aot import ptx_loop_loads
+    from blockpress.lab.aot import ptx_loop_loads
 
     ptx = """
     ld.global.b64 { %rd1 }, [ %rd2 + 0 ];

@@ -1,4 +1,4 @@
-"""kernels/compiled.py: the opt-in torch.compile of each decoder block computes what the eager blocks compute."""
+"""kernels/compiled.py: the opt-in torch.compile of the decoder blocks computes what the eager blocks compute."""
 
 import copy
 
@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from blockpress import kernels
-from blockpress.cli.bench import preset_config
+from blockpress.lab.presets import preset_config
 from blockpress.config import GenerationConfig
 from blockpress.engine import generate as engine
-from blockpress.kernels.compiled import blocks_compiled
-from blockpress.kernels.random_weights import build_model
+from blockpress.lab.random_weights import build_model
 
 pytestmark = pytest.mark.no_grad
 
@@ -51,13 +50,12 @@ def test_compiled_blocks_equal_the_eager_blocks_and_unwrap_bit_for_bit():
     m = _model()
     ids, x = _inputs(m)
     want = _steps(m, ids, x)
-    assert kernels.configure(m, compile_blocks=True)["compiled_blocks"] and blocks_compiled(m)
+    assert kernels.configure(m, experts="grouped", attention="sdpa_gqa", compile=True)["compiled_blocks"]
+    assert m.ops.block is not None
     _close(_steps(m, ids, x), want)
-    kernels.configure(m, experts="grouped")  # None: left as it is
-    assert blocks_compiled(m)
-    kernels.configure(m, compile_blocks=False)
-    assert not blocks_compiled(m)
-    assert not any("forward" in vars(mod) for layer in m.layers for mod in layer.modules())
+    kernels.configure(m, experts="grouped", attention="sdpa_gqa")
+    assert m.ops.block is None
+    assert not any("forward" in vars(mod) for layer in m.layers for mod in layer.modules())  # nothing replaced
     assert all(torch.equal(a, b) for a, b in zip(_steps(m, ids, x), want))  # eager again
 
 
@@ -65,21 +63,19 @@ def test_compiled_blocks_equal_the_eager_blocks_and_unwrap_bit_for_bit():
 def test_compiled_blocks_through_a_generation_the_fused_commit_and_the_profiler():
     """Prefill, steps and commits of a generation (more shapes: more compiles, ~1-2 min on 2 cores), the fused
     commit pass, and the profiler's ranges, which must leave the experts outside the compiled graph."""
-    from blockpress.kernels.profile import profile_steps
+    from blockpress.lab.profile import profile_steps
 
     m = _model(linears="int8")  # 8-bit projections stay outside the graph, like the experts
     ids, x = _inputs(m)
     want = _steps(m, ids, x, fused=True)
-    kernels.configure(m, compile_blocks=True)
-    assert all("forward" in vars(mod) for layer in m.layers for mod in layer.modules()
-               if isinstance(mod, kernels.QuantizedLinear))
+    kernels.configure(m, experts="grouped", attention="sdpa_gqa", linears="int8", compile=True)
     _close(_steps(m, ids, x, fused=True), want)
     cfg = GenerationConfig(max_new_tokens=2 * m.config.canvas_length, max_denoising_steps=3,
                            stability_threshold=None, confidence_threshold=None)
     res = engine.generate(m, ids, cfg, m.config.canvas_length, generator=torch.Generator().manual_seed(1))
     assert res.sequences.shape == (2, ids.shape[1] + 2 * m.config.canvas_length)
     p = profile_steps(m, ids, cfg, m.config.canvas_length)
-    assert p["steps_profiled"] == 2 and all("forward" in vars(layer.experts) for layer in m.layers)
+    assert p["steps_profiled"] == 2 and not any("forward" in vars(layer.experts) for layer in m.layers)
 
 
 @pytest.mark.slow
@@ -93,7 +89,7 @@ def test_compiled_blocks_under_the_graphs_fixed_shape_passes_give_the_eager_toke
     cfg = GenerationConfig(max_new_tokens=2 * m.config.canvas_length, max_denoising_steps=3,
                            stability_threshold=None, confidence_threshold=None)
     want = engine.generate(m, ids, cfg, m.config.canvas_length, generator=torch.Generator().manual_seed(1))
-    kernels.configure(m, compile_blocks=True)
+    kernels.configure(m, experts="grouped", attention="sdpa_gqa", compile=True)
     graphs = GraphedPasses(m, capture=False, copy_outputs=False)
     got = engine.generate(m, ids, cfg, m.config.canvas_length, generator=torch.Generator().manual_seed(1),
                           passes=graphs)

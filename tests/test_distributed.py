@@ -8,6 +8,7 @@ import torch
 import torch.multiprocessing as mp
 
 import blockpress
+from blockpress.kernels import use
 from blockpress.train.data import ListSource
 from blockpress.train.sizes import model_config
 from blockpress.train.trainer import TrainConfig, Trainer
@@ -25,7 +26,7 @@ def _examples():
 def _run(rank, world, out):
     torch.set_num_threads(1)
     lm = blockpress.from_config(model_config("nano", vocab_size=16, canvas_length=8, context=16), seed=0)
-    lm.module.attention_backend = "eager"
+    use(lm.module, attention="eager")
     ddp = None
     if world > 1:
         from blockpress.train import distributed as dist

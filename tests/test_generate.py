@@ -6,6 +6,7 @@ import torch
 
 import blockpress
 from blockpress.errors import InputError, SamplingError
+from blockpress.kernels import kernel_names, use
 from blockpress.model.moe import experts_dense, experts_loop
 from blockpress.testing import count_host_reads
 
@@ -21,7 +22,7 @@ def bp(hf_tiny_dir):
     path, _ = hf_tiny_dir
     # the oracle's fp32 on the CPU, also on a machine with a GPU
     m = blockpress.load(path, device="cpu", dtype="float32", progress=False)
-    m.module.attention_backend = "eager"
+    use(m.module, attention="eager")
     return m
 
 
@@ -46,6 +47,21 @@ def test_stream_equals_generate_and_seed_repeats(bp):
     assert torch.equal(bp.generate(x, **KW).sequences, r.sequences)
     torch.manual_seed(4)
     assert not torch.equal(bp.generate(x, **KW).sequences, r.sequences)
+
+
+def test_generation_builds_no_autograd_graph_and_leaves_the_callers_mode(bp):
+    """Every pass of the canvas loop runs without autograd (a graph would hold every activation of every step:
+    gigabytes, and 3x the time on a CPU), while the caller's code between events keeps its own grad mode."""
+    seen = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: seen.append(torch.is_grad_enabled()))
+    try:
+        with torch.enable_grad():
+            for _ in bp.stream(ids(), **KW):
+                assert torch.is_grad_enabled()
+            bp.generate(ids(), **KW)
+    finally:
+        hook.remove()
+    assert seen and not any(seen)
 
 
 def test_private_generator_leaves_global_rng_alone(bp):
@@ -142,12 +158,12 @@ def test_sdpa_and_dense_experts_agree_with_references(bp):
     bp.module.encode(x, cache)
     ref = bp.module.decode(canvas, cache)
     try:
-        bp.module.attention_backend = "sdpa"
-        bp.module.set_experts_backend("dense")
+        use(bp.module, attention="sdpa")
+        use(bp.module, experts="dense")
         fast = bp.module.decode(canvas, cache)
     finally:
-        bp.module.attention_backend = "eager"
-        bp.module.set_experts_backend("loop")
+        use(bp.module, attention="eager")
+        use(bp.module, experts="loop")
     assert (fast - ref).abs().max() < 2e-5
     g = torch.Generator().manual_seed(0)
     xs, gu, dn = torch.randn(50, 64, generator=g), torch.randn(8, 48, 64, generator=g), torch.randn(8, 64, 24, generator=g)
@@ -287,8 +303,8 @@ def test_fixed_steps_read_nothing_back_per_step(bp, sampler, monkeypatch):
     host reads and host-to-device tensors (they come per generation and per canvas, not per step); adaptive
     stopping at batch 1 reads one flag per step."""
     x = ids(1, 20, 5)
-    backends = [layer.experts.backend for layer in bp.module.layers]
-    bp.module.set_experts_backend("grouped")  # sync-free (the GPU paths); "loop", the reference, reads counts
+    before = kernel_names(bp.module)["experts"]
+    use(bp.module, experts="grouped")  # sync-free (the GPU paths); "loop", the reference, reads counts
     try:
         fixed = {**KW, "stability_threshold": None, "confidence_threshold": None, "sampler": sampler}
         del fixed["max_denoising_steps"]
@@ -302,8 +318,7 @@ def test_fixed_steps_read_nothing_back_per_step(bp, sampler, monkeypatch):
                     monkeypatch, lambda: r.append(bp.generate(x, generator=gen, max_denoising_steps=steps, **kw)))
                 assert r[0].steps_per_canvas == [steps, steps]  # never stops early (entropy never under 1e-9)
     finally:
-        for layer, name in zip(bp.module.layers, backends):
-            layer.experts.backend = name
+        use(bp.module, experts=before)
     assert counts["fixed", 8] == counts["fixed", 4]
     assert counts["adaptive", 8] - counts["adaptive", 4] == 2 * 4  # 2 canvases x 4 more steps x 1 flag
 

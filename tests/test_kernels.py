@@ -11,11 +11,12 @@ import torch
 import blockpress
 from blockpress import kernels
 from blockpress.kernels import moe_grouped
+from blockpress.kernels import use
 from blockpress.kernels._triton import triton, usable_on
 from blockpress.engine.graphs import GraphedPasses
 from blockpress.kernels.moe_grouped import align_blocks, experts_grouped, experts_triton
 from blockpress.kernels.sampler_fused import fused_sample_torch, fused_sample_triton
-from blockpress.model.moe import EXPERT_BACKENDS, experts_loop
+from blockpress.model.moe import experts_loop
 from blockpress.sampling import token_entropy
 from blockpress.testing import cuda_graphs
 from kernel_device import COMPILED, DEV, needs_triton
@@ -108,12 +109,8 @@ def test_triton_experts_match_loop(dtype, tol, moe_sum, monkeypatch):
 
     monkeypatch.setattr(moe_grouped, "UNWRITTEN_FILL", float("nan"))  # the output buffer is not zero-filled:
     kernel = experts_triton(x, w, idx, gu, dn)  # an element the down kernel missed would be NaN here
-    prev = moe_grouped.set_moe_sum(moe_sum)
-    try:
-        out = experts_triton(x, w, idx, gu, dn)
-        assert moe_grouped.compiled_variant(idx, E)[-1] == moe_sum  # a first-use check of its own
-    finally:
-        moe_grouped.set_moe_sum(prev)
+    out = experts_triton(x, w, idx, gu, dn, moe_sum=moe_sum)
+    assert moe_grouped.compiled_variant(idx, E, moe_sum=moe_sum)[-1] == moe_sum  # a first-use check of its own
     assert not out.isnan().any() and _rel(out, experts_loop(x, w, idx, gu, dn)) < tol
     if dtype == torch.float32:
         assert _rel(out, kernel) < 1e-6
@@ -121,9 +118,8 @@ def test_triton_experts_match_loop(dtype, tol, moe_sum, monkeypatch):
         # final cast's ulp (the interpreter casts by truncation, torch to nearest); unrounded sums miss by up to ~100
         ulps = (out.float() - kernel.float()).abs() / (kernel.float().abs() * 2 ** -7).clamp_min(1e-30)
         assert float(ulps.max()) <= 1.0001
-    assert "triton" in EXPERT_BACKENDS and "grouped" in EXPERT_BACKENDS
     with pytest.raises(ValueError, match="unknown MoE sum"):
-        moe_grouped.set_moe_sum("fast")
+        kernels.configure(_tiny_model().module, moe_sum="fast")
 
 
 def test_fused_sampler_torch_exact_parts():
@@ -232,7 +228,7 @@ def sliding_reads(request, monkeypatch):
 @pytest.mark.parametrize("prompt", [20, 5])  # more cached tokens than the sliding window (W = 8), and fewer
 def test_fixed_shape_decode_matches_decode(attention, sliding_reads, prompt):
     m = _tiny_model().module
-    m.attention_backend = attention
+    use(m, attention=attention)
     ids = torch.randint(5, 512, (2, prompt), generator=torch.Generator().manual_seed(2))
     pad = torch.ones(2, prompt, dtype=torch.bool)
     pad[1, :prompt // 3] = False  # left padding: cache.valid is honoured
@@ -250,7 +246,7 @@ def test_fixed_shape_decode_matches_decode(attention, sliding_reads, prompt):
                for a, b in zip(before, cache.keys + cache.values))
     out0 = m.decode(canvas, cache, sc, torch.zeros(2, dtype=torch.bool), start=T)
     assert (out0 - m.decode(canvas, cache, None)).abs().max() < 2e-5
-    m.sc_topk = 3  # top-K self-conditioning reaches the fixed-shape pass too
+    use(m, sc_topk=3)  # top-K self-conditioning reaches the fixed-shape pass too
     out3 = m.decode(canvas, cache, sc, torch.ones(2, dtype=torch.bool), start=T)
     assert (out3 - m.decode(canvas, cache, sc)).abs().max() < 2e-5 and (out3 - out).abs().max() > 1e-3
 
@@ -259,14 +255,14 @@ def test_configure_fast_backends_keep_tokens():
     m = _tiny_model()
     ids = torch.randint(5, 512, (1, 10), generator=torch.Generator().manual_seed(4))
     kw = dict(max_new_tokens=16, max_denoising_steps=3, stability_threshold=None, confidence_threshold=None)
-    m.module.attention_backend = "eager"
+    use(m.module, attention="eager")
     torch.manual_seed(0)
     ref = m.generate(ids, **kw).sequences
     choice = kernels.configure(m.module, experts="grouped", attention="sdpa_gqa")
-    assert choice["experts"] == "grouped" and m.module.attention_backend == "sdpa_gqa"
+    assert choice["experts"] == "grouped" and kernels.kernel_names(m.module)["attention"] == "sdpa_gqa"
     torch.manual_seed(0)
     assert torch.equal(m.generate(ids, **kw).sequences, ref)
-    assert kernels.configure(m.module)["experts"] in EXPERT_BACKENDS
+    assert kernels.configure(m.module)["experts"] in ("grouped", "dense", "triton_checked")
 
 
 def _prefilled_twins(m, capacity=48):
@@ -290,7 +286,7 @@ def test_fixed_shape_encode_matches_encode(attention, bidirectional, sliding_rea
     """Commit chunk (S = 8) then an AR step (S = 1) past the sliding window (W = 8 < 20 cached tokens), with
     padding in the cache and unwritten capacity behind: the same hidden states and the same K/V written."""
     m = _tiny_model(use_bidirectional_attention="all" if bidirectional else None).module
-    m.attention_backend = attention
+    use(m, attention=attention)
     assert m.bidirectional_encoder is bidirectional
     eager, static = _prefilled_twins(m)
     for S in (8, 1):
@@ -307,7 +303,7 @@ def test_fixed_shape_encode_matches_encode(attention, bidirectional, sliding_rea
 @pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
 def test_fixed_shape_encode_decode_matches_encode_decode(attention, sliding_reads, bidirectional):
     m = _tiny_model(use_bidirectional_attention="all" if bidirectional else None).module
-    m.attention_backend = attention
+    use(m, attention=attention)
     eager, static = _prefilled_twins(m)
     ids = torch.randint(5, 512, (2, 8), generator=torch.Generator().manual_seed(5))
     canvas = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(6))
@@ -481,11 +477,9 @@ def test_gpu_fast_path_combination_gives_the_reference_tokens():
         kernels.configure(m, experts="torch", precision="int4", linears="int8", group_size=32)  # the references
         g = None
         if fast:
-            for layer in m.layers:
-                layer.experts.backend = "triton"
-            for q in quantized_linears(m):
-                q.backend = "triton"
-            m.softcap_backend = "triton_checked"
+            kernels.configure(m, experts="triton", precision="int4", linears="int8", group_size=32)  # unchecked
+            assert {q.backend for q in quantized_linears(m)} == {"triton"}
+            use(m, softcap="triton_checked")
             g = lm.passes = GraphedPasses(m, capture=dev == "cuda", copy_outputs=False)
         torch.manual_seed(0)
         seqs.append(lm.generate(ids, **kw).sequences)
@@ -654,7 +648,7 @@ def test_graphed_passes_match_eager_passes():
     if triton is None:
         pytest.skip("needs triton: the capture needs experts without host syncs in fp32")
     m = _tiny_model().module.cuda()
-    m.set_experts_backend("triton")
+    use(m, experts="triton")
     eager, graphed = _two_prefilled_caches(m)
     g = GraphedPasses(m)
     for _ in range(2):  # second call replays the captured graphs
@@ -856,7 +850,7 @@ def test_graphs_run_eagerly_when_the_experts_kernel_is_switched_off(monkeypatch)
 
     monkeypatch.setattr(moe_grouped, "FIRST_USE", {})
     m = _tiny_model().module.cuda()
-    m.set_experts_backend("triton_checked")
+    use(m, experts="triton_checked")
     monkeypatch.setattr(moe_grouped, "experts_triton", lambda x, *a, **k: torch.zeros_like(x))  # a "broken kernel"
     eager, graphed = _two_prefilled_caches(m)
     g = GraphedPasses(m)
@@ -887,7 +881,7 @@ def test_softcap_in_one_pass_equals_the_reference(dtype):
     lm.module.to(DEV)
     h = torch.randn(2, 5, lm.module.text.hidden_size, generator=g).to(DEV)
     want = lm.module.lm_logits(h)
-    lm.module.softcap_backend = "triton"
+    use(lm.module, softcap="triton")
     torch.testing.assert_close(lm.module.lm_logits(h), want, rtol=1e-5, atol=1e-5)
     into = torch.full_like(want, float("nan"))  # out= (the graphs' shared logits buffer): written, not replaced
     with torch.enable_grad(), pytest.raises(ValueError, match="torch.no_grad"):  # out= would drop the weights' grad

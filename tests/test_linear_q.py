@@ -10,7 +10,7 @@ from blockpress.kernels._triton import fp8_usable_on, triton
 from blockpress.kernels.linear_q import (QUANTIZED_LINEARS, QuantizedLinear, dequantize_int8_rows,
                                          linear_fp8_scaled_mm, linear_fp8_w8a8_reference, linear_q_triton,
                                          quantize_int8_rows, quantize_linears_)
-from blockpress.kernels.random_weights import build_model
+from blockpress.lab.random_weights import build_model
 from kernel_device import COMPILED, DEV, needs_triton
 
 
@@ -25,7 +25,7 @@ def _rel(a, b):
 
 
 def _tiny(seed=0):
-    from blockpress.cli.bench import preset_config
+    from blockpress.lab.presets import preset_config
 
     config, _, _ = preset_config("tiny")
     return build_model(config, torch.device("cpu"), torch.float32, seed=seed, std=0.05)
@@ -47,7 +47,7 @@ def test_int8_rows_error_within_half_step_and_full_range():
 @pytest.mark.parametrize("spec", ["bm=16,bn=32,bk=16,split=3", "bn=16,bk=32,split=2,warps=2", "bm=32,split=64"])
 @pytest.mark.parametrize("M,I,O", [(1, 64, 80), (40, 112, 48)])
 def test_triton_kernel_with_other_tiles_and_a_split_k_equals_the_torch_reference(spec, M, I, O):
-    """set_linear_tiles: narrower N tiles and K summed by several programs (atomic fp32 adds, then a cast) compute
+    """Other tiles (the `linear_tiles` option): narrower N tiles and K summed by several programs (atomic fp32 adds, then a cast) compute
     the same function; a split larger than K's tiles is clipped (no empty split adds zeros twice or reads past K).
     I = 112 with bk 32: a K tail (not EVEN_K) inside the last split."""
     from blockpress.kernels import linear_q
@@ -58,14 +58,13 @@ def test_triton_kernel_with_other_tiles_and_a_split_k_equals_the_torch_reference
     m = QuantizedLinear.from_linear(lin.to(DEV), "int8", backend="torch")
     x = torch.randn(M, I, generator=g).to(DEV)
     ref = m(x)
-    prev = linear_q.set_linear_tiles(spec)
-    try:
-        assert linear_q.linear_tiles_spec() != linear_q.linear_tiles_spec(prev)
-        out = linear_q_triton(x, m.weight_q, m.weight_scale)
-    finally:
-        linear_q.set_linear_tiles(prev)
+    tiles = linear_q.as_linear_tiles(spec)
+    assert linear_q.linear_tiles_spec(tiles) != linear_q.DEFAULT_LINEAR_SPEC
+    out = linear_q_triton(x, m.weight_q, m.weight_scale, **tiles)
     assert out.dtype == x.dtype and out.shape == (M, O)
     assert _rel(out, ref) < 1e-5
+    m.backend, m.tiles = "triton", tiles  # what kernels.select sets from the option: the module runs them
+    assert torch.equal(m(x), out)
 
 
 def test_linear_tile_specs_are_checked():
@@ -143,7 +142,7 @@ def test_module_swap_touches_only_the_projections_and_counts_bytes():
         assert torch.equal(p, before[n]), n
     assert set(before) - set(after) == {f"{n}.weight" for n in want}
     assert all(mod.backend == "torch" for mod in m.modules() if isinstance(mod, QuantizedLinear))  # "loop": references
-    from blockpress.kernels.roofline import weight_groups
+    from blockpress.lab.roofline import weight_groups
     from blockpress.loading import estimated_weight_bytes
 
     g = weight_groups(m)
@@ -169,7 +168,7 @@ def test_fp8_linears_through_configure_and_the_reference_flag():
 
 
 def test_estimate_of_the_real_model():
-    from blockpress.cli.bench import preset_config
+    from blockpress.lab.presets import preset_config
     from blockpress.config import ModelConfig
     from blockpress.loading import estimated_weight_bytes
     from blockpress.model.diffusion_gemma import DiffusionGemmaModel

@@ -1,4 +1,4 @@
-"""Peak memory accounting on the meta device (blockpress/kernels/memory.py, benchmarks/peak_memory.py): the
+"""Peak memory accounting on the meta device (blockpress/lab/memory.py, benchmarks/peak_memory.py): the
 tracker counts what is alive at once, and a decoder step holds at most the logits' fp32 buffers it must."""
 
 import json
@@ -10,7 +10,7 @@ import torch
 
 from blockpress.config import GenerationConfig, ModelConfig
 from blockpress.engine.step import single_step
-from blockpress.kernels.memory import LiveBytes, meta_backends
+from blockpress.lab.memory import LiveBytes, meta_backends
 from blockpress.model.diffusion_gemma import DiffusionGemmaModel
 from hf_oracle import TINY_TEXT, TINY_VISION
 

@@ -5,12 +5,13 @@ and the quality numbers the guard reports."""
 import pytest
 import torch
 
-from blockpress.cli.bench import preset_config
+from blockpress.kernels import use
+from blockpress.lab.presets import preset_config
 from blockpress.kernels._triton import fp8_usable_on, triton
 from blockpress.kernels.quant import (QuantizedExperts, compare_logits, dequantize_fp8, dequantize_int4,
                                       experts_weight_bytes, group_for, pack_int4, quantize_experts_, quantize_fp8,
                                       quantize_int4, unpack_int4)
-from blockpress.kernels.random_weights import build_model
+from blockpress.lab.random_weights import build_model
 from blockpress.model.moe import experts_loop
 from kernel_device import DEV, needs_triton
 
@@ -112,11 +113,8 @@ def test_triton_path_equals_torch_path(fmt, dtype, tol, moe_sum):
     ref = q(x, w, idx)
     q.backend = "triton"
     assert q.resolved_backend(x) == "triton"
-    prev = moe_grouped.set_moe_sum(moe_sum)  # the K-sum by a third kernel, or by the down kernel's atomics
-    try:
-        assert _rel(q(x, w, idx), ref) < tol
-    finally:
-        moe_grouped.set_moe_sum(prev)
+    q.moe_sum = moe_sum  # the K-sum by a third kernel, or by the down kernel's atomics
+    assert _rel(q(x, w, idx), ref) < tol
 
 
 def test_weight_bytes_of_the_real_model_on_meta():
@@ -140,7 +138,7 @@ def test_module_swap_keeps_everything_else_and_generates():
     assert all(torch.equal(before[n], after[n]) and after[n].dtype == torch.float32 for n in before)
     assert all(isinstance(layer.experts, QuantizedExperts) for layer in m.layers)
     assert experts_weight_bytes(m) < native_bytes / 5  # fp32 -> 4 bits + an fp32 scale per 16
-    m.set_experts_backend("grouped")  # the engine's switch must not break swapped experts
+    use(m, experts="grouped")  # the engine's switch must not break swapped experts
     from blockpress.config import GenerationConfig
     from blockpress.engine.generate import generate
 

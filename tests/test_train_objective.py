@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import blockpress
+from blockpress.kernels import use
 from blockpress.train import objective as obj
 from blockpress.train.sizes import model_config
 
@@ -13,7 +14,7 @@ V, C = 16, 8
 
 def tiny(seed=0):
     lm = blockpress.from_config(model_config("nano", vocab_size=V, canvas_length=C, context=16), seed=seed)
-    lm.module.attention_backend = "eager"
+    use(lm.module, attention="eager")
     return lm
 
 

@@ -7,6 +7,7 @@ import torch
 
 import blockpress
 from blockpress.cli import main as cli_main
+from blockpress.kernels import use
 
 TINY = ["--size", "nano", "--batch-size", "4", "--lr", "3e-3", "--warmup", "2", "--log-every", "1",
         "--eval-every", "0", "--threads", "1", "--no-progress", "--blanks", "40", "44"]
@@ -81,7 +82,7 @@ def test_trained_checkpoint_loads_in_transformers_with_identical_logits(tmp_path
     hf.set_attn_implementation("eager")
     hf.set_experts_implementation("eager")
     bp = blockpress.load(tmp_path / "m", progress=False)
-    bp.module.attention_backend = "eager"
+    use(bp.module, attention="eager")
     ids = torch.tensor([e[0] for e in exs])
     canvas = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .run import (add_model_args, add_sampling_args, load_model, refuse_task_model, returned_tokens, sampling_kwargs,
-                  stats_line, stats_of, text_defaults)
+                  stats_line, stats_of)
 
 END_OF_TURN = "<turn|>\n"
 
@@ -50,7 +50,7 @@ class ChatSession:
         if lm.tokenizer is None:
             raise InputError(f"{lm.path} has no tokenizer.json; chat needs one")
         self.lm, self.tok = lm, lm.tokenizer
-        self.sampling = {**text_defaults(lm), **(sampling or {})}
+        self.sampling = {**lm.text_defaults(), **(sampling or {})}
         self.cfg = lm.generation_config(**self.sampling)  # validated once
         self.thinking = thinking
         self.generator = torch.Generator(device=lm.device).manual_seed(seed) if seed is not None else None

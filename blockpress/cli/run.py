@@ -227,27 +227,6 @@ def task_of(lm) -> str | None:
     return task_info(lm).get("task")
 
 
-def chat_stop_ids(lm) -> list[int]:
-    """The checkpoint's eos ids, else the tokenizer's <eos> and end-of-turn <turn|>."""
-    eos = lm.generation_defaults.get("eos_token_id") or lm.config.eos_token_id
-    if eos:
-        return [eos] if isinstance(eos, int) else list(eos)
-    tok = lm.tokenizer
-    ids = [tok.eos_token_id, tok.token_to_id("<turn|>")] if tok is not None else []
-    return [i for i in ids if i is not None]
-
-
-def text_defaults(lm) -> dict[str, Any]:
-    """Stop and pad ids for text generation when the checkpoint does not set them."""
-    out: dict[str, Any] = {}
-    if not lm.generation_defaults.get("eos_token_id"):
-        out["eos_token_id"] = chat_stop_ids(lm) or None
-    if lm.generation_defaults.get("pad_token_id") is None:
-        pad = lm.tokenizer.pad_token_id if lm.tokenizer is not None else None
-        out["pad_token_id"] = pad if pad is not None else 0
-    return out
-
-
 def returned_tokens(new_tokens: list[int], stop_ids, limit: int) -> tuple[list[int], str]:
     """Tokens up to (excluding) the first stop id, at most `limit`; and the finish reason."""
     stops = set(stop_ids or ())
@@ -332,7 +311,7 @@ def main(args) -> int:
         from ..errors import InputError
 
         raise InputError("no PROMPT given; pass it as an argument, or '-' to read it from stdin")
-    kw = {**text_defaults(lm), **sampling_kwargs(args)}
+    kw = {**lm.text_defaults(), **sampling_kwargs(args)}
     cfg = lm.generation_config(**kw)  # validates: SamplingError -> one-line error, exit 2
     ids = lm.encode_chat(prompt, enable_thinking=args.thinking, chat=False if args.raw else None)
     result = _generate(lm, ids, kw, gen, _text_view(lm, console, live), decode=True)

@@ -106,6 +106,7 @@ def build(args):
 
     import blockpress
     from blockpress.errors import InputError
+    from blockpress.kernels import use
     from blockpress.train import objective as obj
     from blockpress.train import sizes
     from blockpress.train.data import SudokuSource, build_source
@@ -177,7 +178,7 @@ def build(args):
         ends = [i for i in (tok.eos_token_id, tok.token_to_id("<turn|>")) if i is not None]  # <turn|>: chat turns
         stop = {"eos_token_id": ends or None, "pad_token_id": tok.pad_token_id}
         lm.generation_defaults = {**{k: v for k, v in stop.items() if v is not None}, **lm.generation_defaults}
-    lm.module.set_experts_backend(args.experts_backend)
+    use(lm.module, experts=args.experts_backend)  # autograd runs through the reference kernels
     if lora is not None:
         from blockpress.train.lora import add_lora, load_adapter_weights
 
@@ -232,7 +233,7 @@ def build(args):
 def _is_chat(path: str) -> bool:
     """Whether a .jsonl file holds chat rows (its first row has 'messages' or 'prompt'); a broken file is
     left to the data reader, which names the line."""
-    from blockpress.train.data import read_data_file
+    from blockpress.tasks import read_data_file
 
     for line in read_data_file(Path(path)).splitlines():
         if line.strip():

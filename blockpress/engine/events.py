@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import KVCache
+from ..model.cache import KVCache
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch
 from ..config import GenerationConfig
 from ..errors import InputError
 from ..options import Options
-from .cache import KVCache
+from ..model.cache import KVCache
 from .events import Admitted, Commit, Committed, Draft, Finished, GenerationResult, Stepped
 from .loop import Engine
 from .rows import Row
@@ -139,7 +139,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
                                                           generator, cache, fixed_tokens)
     B, S = ids.shape
     per_row = isinstance(generator, (list, tuple))
-    graphed = passes is not None and passes is not module
+    graphed = hasattr(passes, "sc_buffer")  # CUDA graphs (or a wrapper of them): fixed buffers
     if compact_rows and graphed and not per_row:
         raise InputError("compact_rows=True with one generator cannot run on CUDA-graphed passes; give one "
                          "generator per row (generator=[...]), or generate without CUDA graphs")

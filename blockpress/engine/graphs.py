@@ -26,10 +26,8 @@ import weakref
 
 import torch
 
-from .cache import KVCache
-
-SYNC_FREE_EXPERTS = ("grouped", "triton", "triton_checked", "auto")  # "auto": QuantizedExperts picking triton
-
+from ..kernels.select import host_syncs
+from ..model.cache import KVCache
 
 # the passes as graphs call them: the model's own methods, with the position on the device
 def _decode(module, cache, canvas, T, sc_logits, sc_mask, out=None):
@@ -177,10 +175,10 @@ class GraphedPasses:
         if capture and not on_cuda:
             raise RuntimeError("CUDA graphs need the model on a CUDA device (capture=False runs the same passes "
                                "without graphs)")
-        busy = {getattr(layer.experts, "backend", "?") for layer in module.layers} - set(SYNC_FREE_EXPERTS)
+        busy = host_syncs(module)
         if capture and busy:
-            raise ValueError(f"experts backend(s) {sorted(busy)} synchronise with the host and cannot be captured; "
-                             "call module.set_experts_backend('grouped') or 'triton' first")
+            raise ValueError(f"experts kernel(s) {busy} synchronise with the host and cannot be captured; choose "
+                             "experts='grouped' or 'triton' (the default on a GPU)")
         self.module, self.warmup, self.capture = module, warmup, capture
         self.copy_outputs = copy_outputs or module.dtype == torch.float32
         self.encode_sizes = set(encode_sizes or (1, module.config.canvas_length))

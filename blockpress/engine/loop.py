@@ -24,44 +24,11 @@ import time
 
 import torch
 
-from ..sampling import StabilityTracker, uniform_tokens
+from ..sampling import uniform_tokens
+from .canvas import Canvas, clamp, entropy_bound, held_tokens, stopping_rule
 from .commit import commit
 from .events import Admitted, Committed, Stepped
-from .step import Canvas, clamp, denoise_step
-
-
-def _same(values: list) -> bool:
-    return all(v == values[0] for v in values)
-
-
-def stopping_rule(rows) -> StabilityTracker | None:
-    """The rows' stopping rule: one for the batch where they agree, else one per row (None: no row stops early)."""
-    cfgs = [r.cfg for r in rows]
-    if not any(c.adaptive for c in cfgs):
-        return None
-    keys = [(c.stability_threshold, c.confidence_threshold, c.max_denoising_steps) if c.adaptive else None
-            for c in cfgs]
-    if _same(keys):
-        return StabilityTracker(*keys[0])
-    return StabilityTracker([k and k[0] for k in keys], [k and k[1] for k in keys], [k and k[2] for k in keys])
-
-
-def entropy_bound(rows, device):
-    """The entropy bound: a float where the rows agree, else [B, 1] fp32 (the dtype a float is compared in)."""
-    bounds = [r.cfg.entropy_bound for r in rows]
-    return bounds[0] if _same(bounds) else torch.tensor(bounds, dtype=torch.float32, device=device)[:, None]
-
-
-def held_tokens(rows, C: int, device):
-    """The tokens each row holds on its current canvas: (fixed (mask, ids) [B, C] or None, watch [B, C] or None:
-    the positions stopping looks at, where some are free but discarded)."""
-    if all(r.fixed is None for r in rows):
-        return None, None
-    free = torch.full((C,), -1, dtype=torch.long, device=device)
-    cols = torch.stack([free if r.fixed is None else r.fixed[r.canvas * C:(r.canvas + 1) * C] for r in rows])
-    fixed = (cols >= 0, cols.clamp(min=0)) if bool((cols >= 0).any()) else None
-    watch = cols == -1 if bool((cols != -1).any()) else None  # stopping looks at what the model decides and keeps
-    return fixed, watch
+from .step import denoise_step
 
 
 class Engine:
@@ -81,6 +48,7 @@ class Engine:
         self.rows, self.admitting = [], []
         self.runner.cache = self.runner.committed = None
 
+    @torch.no_grad()  # wraps each resumption of the generator: the caller's code between events keeps its own mode
     def canvas(self):
         """One canvas boundary and one denoised canvas for every row: yields Admitted, Stepped and Committed."""
         t0 = time.perf_counter()

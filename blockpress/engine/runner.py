@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import KVCache, front_order
+from ..model.cache import KVCache, front_order
 
 
 def spare_bytes(device) -> int | None:
@@ -37,7 +37,8 @@ class Runner:
     def __init__(self, module, passes=None, slots: bool = False, compact: bool = True, max_rows: int = 8):
         self.module = module
         self.passes = passes if passes is not None else module
-        self.graphs = passes if passes is not None and passes is not module else None
+        # passes on fixed buffers (CUDA graphs, or a wrapper of them) hand out their self-conditioning input buffer
+        self.graphs = self.passes if hasattr(self.passes, "sc_buffer") else None
         self.slots_mode, self.compact, self.max_rows = slots, compact, max_rows
         self.C = module.config.canvas_length
         self.V = module.text.vocab_size

@@ -22,66 +22,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels.sampler_fused import fused_sample
-from ..sampling import entropy_bound_accept, sample_tokens, temperature, token_entropy, uniform_tokens
-
-
-def clamp(tokens: torch.Tensor, fixed) -> torch.Tensor:
-    """tokens [B,C] with the held positions (mask, ids) written in."""
-    return tokens if fixed is None else torch.where(fixed[0], fixed[1], tokens)
-
-
-class Canvas:
-    """The canvas being denoised, for every row of the batch (batch order): argmax `a` and input `x` [B, C],
-    self-conditioning logits `sc` [B, C, V] (None before the first step), `done` [B] on the device and
-    `done_host` on the host, held tokens `fixed` (mask, ids) and stopping's `watch` [B, C] (or None), the rows'
-    stopping rule `tracker`, entropy `bound` (a float, or [B, 1] per row) and the batch's random stream
-    `shared` (None: per-row generators)."""
-
-    def __init__(self, rows, x, sc, fixed, watch, tracker, bound, shared, per_row: bool):
-        self.rows, self.x, self.a, self.sc = rows, x, x, sc
-        self.done = torch.zeros(len(rows), dtype=torch.bool, device=x.device)
-        self.done_host = [False] * len(rows)
-        self.fixed, self.watch, self.tracker, self.bound = fixed, watch, tracker, bound
-        self.shared, self.per_row = shared, per_row
-        self.steps = 0
-
-    def generators(self, idx=None):
-        """The random stream of these rows: the shared generator (or None: torch's global one), or their own."""
-        if not self.per_row:
-            return self.shared
-        rows = self.rows if idx is None else [self.rows[i] for i in idx]
-        return [r.generator for r in rows]
-
-    def taus(self, idx) -> list | None:
-        """Each row's temperature at this step as a 0-dim fp32 device tensor (None: no schedule), or None when no
-        row has a schedule; rows with the same schedule and step share one tensor. A tau is a view into its
-        schedule, made on the device once (no host-to-device copy per step)."""
-        keys = []
-        for i in idx:
-            cfg = self.rows[i].cfg
-            keys.append(None if cfg.t_min is None or cfg.t_max is None else
-                        (self.rows[i].left, cfg.max_denoising_steps, cfg.t_min, cfg.t_max))
-        if all(k is None for k in keys):
-            return None
-        made: dict = {}
-        for k in keys:
-            if k is not None and k not in made:
-                made[k] = temperature(*k, self.x.device)
-        return [None if k is None else made[k] for k in keys]
-
-    def permute(self, order: list[int]) -> torch.Tensor:
-        """Rows reordered: row s takes row order[s] (their tensors, host state and Row objects). Returns the index."""
-        idx = torch.tensor(order, device=self.x.device)
-        self.rows[:] = [self.rows[o] for o in order]
-        self.x, self.a, self.done = self.x[idx], self.a[idx], self.done[idx]
-        self.done_host = [self.done_host[o] for o in order]
-        self.fixed = None if self.fixed is None else (self.fixed[0][idx], self.fixed[1][idx])
-        self.watch = None if self.watch is None else self.watch[idx]
-        if isinstance(self.bound, torch.Tensor):
-            self.bound = self.bound[idx]
-        if self.tracker is not None:
-            self.tracker.permute(idx, order)
-        return idx
+from ..sampling import entropy_bound_accept, sample_tokens, token_entropy, uniform_tokens
+from .canvas import Canvas, clamp, entropy_bound, stopping_rule
 
 
 def _batched(taus: list | None, ones):
@@ -175,7 +117,6 @@ def single_step(module, canvas: torch.Tensor, sc: torch.Tensor | None, cfg, cach
     """One denoising step of a canvas [B, C] outside a generation (memory accounting, tests): the decoder pass
     (`passes`, default the module's own; or the logits `raw` given) and the step, as the loop runs them, with n
     steps left (default: the first step). Returns the Canvas after the step and its accepted positions."""
-    from .loop import entropy_bound, stopping_rule
     from .rows import Row
 
     rows = [Row(cfg, 1) for _ in range(canvas.shape[0])]

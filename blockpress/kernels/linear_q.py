@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..options import LINEAR_FORMATS
 from ._triton import fp8_usable_on, interpreted, tl, triton, usable_on
 from .moe_grouped import _stages, _wgmma_target, checked_on_first_use
 from .quant import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
 
 INT8_MAX = 127.0
-LINEAR_FORMATS = ("native", "int8", "fp8")
 # the projections made 8-bit, by the module that holds them (router, embeddings, self-conditioning stay)
 QUANTIZED_LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
                      "mlp": ("gate_proj", "up_proj", "down_proj")}
@@ -66,7 +66,9 @@ class QuantizedLinear(nn.Module):
         if fmt not in LINEAR_FORMATS[1:]:
             raise ValueError(f"unknown linear weight format {fmt!r}; use one of {LINEAR_FORMATS[1:]}")
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
-        self.backend = "auto"
+        # the kernel: "auto" (Triton where it runs, checked on first use), "triton" (unchecked), "scaled_mm" (fp8
+        # weights and activations), "torch"; with the Triton kernel's tiles. Chosen by kernels.select.
+        self.backend, self.tiles, self.tiles_spec = "auto", DEFAULT_LINEAR_TILES, DEFAULT_LINEAR_SPEC
         dtype = torch.int8 if fmt == "int8" else FP8
         self.register_buffer("weight_q", torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
@@ -100,6 +102,7 @@ class QuantizedLinear(nn.Module):
                 return "triton"
         return "torch"
 
+    @torch.compiler.disable  # a compiled block leaves the 8-bit kernels as they are (their first-use check reads the host)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = self.resolved_backend(x)
         if backend == "torch":
@@ -107,12 +110,12 @@ class QuantizedLinear(nn.Module):
         if backend == "scaled_mm":
             return linear_fp8_scaled_mm(x, self.weight_q, self.weight_scale)
         if self.backend == "triton":  # asked for by name: the kernel, unchecked
-            return linear_q_triton(x, self.weight_q, self.weight_scale)
+            return linear_q_triton(x, self.weight_q, self.weight_scale, **self.tiles)
         M = x.numel() // x.shape[-1]
         key = (str(x.device), str(x.dtype).removeprefix("torch."), f"triton {self.fmt} linear",
                (block_m_for(M), M == 1, M % 16 == 0, self.out_features % 16 == 0, self.in_features % 16 == 0,
-                linear_tiles_spec()))
-        return checked_on_first_use(key, lambda: linear_q_triton(x, self.weight_q, self.weight_scale),
+                self.tiles_spec))
+        return checked_on_first_use(key, lambda: linear_q_triton(x, self.weight_q, self.weight_scale, **self.tiles),
                                     lambda: F.linear(x, self.dequantize(x.dtype)),
                                     f"the Triton {self.fmt} linear kernel")
 
@@ -157,17 +160,16 @@ def block_m_for(M: int) -> int:
     return 16 if M <= 16 else 32 if M <= 32 else 64
 
 
-# The Triton kernel's tiles for this process: block_m None = block_m_for(M); split_k: K split over that many
-# programs whose fp32 partial sums meet by atomic adds (more programs for the GPU's SMs: at 256 rows a 2112-wide
-# projection has 4 x 33 output tiles for 132 SMs, at one row 33), then one cast to the activation dtype.
-# Set by `set_linear_tiles` / `blockpress bench --linear-tiles`; benchmarks/bench_linears.py times the variants.
+# The Triton kernel's tiles: block_m None = block_m_for(M); split_k: K split over that many programs whose fp32
+# partial sums meet by atomic adds (more programs for the GPU's SMs: at 256 rows a 2112-wide projection has 4 x 33
+# output tiles for 132 SMs, at one row 33), then one cast to the activation dtype. Another setting: the
+# `linear_tiles` option (`blockpress bench --linear-tiles`); benchmarks/bench_linears.py times the variants.
 DEFAULT_LINEAR_TILES = {"block_m": None, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": None, "split_k": 1}
-LINEAR_TILES = dict(DEFAULT_LINEAR_TILES)
 
 
 def parse_linear_tiles(spec: str) -> dict:
-    """'bm=64,bn=32,bk=64,warps=4,split=4' (any subset; bm=auto) -> LINEAR_TILES' keys; ValueError naming the
-    problem."""
+    """'bm=64,bn=32,bk=64,warps=4,split=4' (any subset; bm=auto) -> DEFAULT_LINEAR_TILES' keys; ValueError naming
+    the problem."""
     from .moe_grouped import parse_tiles
 
     split, rest = 1, []
@@ -189,27 +191,21 @@ def parse_linear_tiles(spec: str) -> dict:
             "block_k": t.block_k if "bk=" in spec else BLOCK_K, "num_warps": t.num_warps, "split_k": split}
 
 
-def set_linear_tiles(spec: "str | dict | None") -> dict:
-    """Sets the Triton 8-bit linear kernel's tiles for this process (a spec string, a dict, or None for the
-    defaults); returns the previous setting."""
-    global LINEAR_TILES, _LINEAR_TILES_SPEC
-    prev = LINEAR_TILES
-    LINEAR_TILES = dict(DEFAULT_LINEAR_TILES) if spec is None else parse_linear_tiles(spec) if isinstance(spec, str) \
+def as_linear_tiles(spec: "str | dict | None") -> dict:
+    """A spec string, a dict (any subset of the keys), or None (the defaults) -> the kernel's tiles."""
+    return DEFAULT_LINEAR_TILES if spec is None else parse_linear_tiles(spec) if isinstance(spec, str) \
         else {**DEFAULT_LINEAR_TILES, **spec}
-    _LINEAR_TILES_SPEC = linear_tiles_spec(LINEAR_TILES)
-    return prev
 
 
-def linear_tiles_spec(t: dict | None = None) -> str:
-    if t is None:
-        return _LINEAR_TILES_SPEC
+def linear_tiles_spec(t: dict) -> str:
+    """The spec string of tiles (kept on each QuantizedLinear: its first-use key builds no string per call)."""
     parts = [f"bm={t['block_m'] or 'auto'}", f"bn={t['block_n']}", f"bk={t['block_k']}"]
     parts += [f"warps={t['num_warps']}"] if t["num_warps"] else []
     parts += [f"split={t['split_k']}"] if t["split_k"] > 1 else []
     return ",".join(parts)
 
 
-_LINEAR_TILES_SPEC = linear_tiles_spec(LINEAR_TILES)  # the current setting's spec, kept by set_linear_tiles
+DEFAULT_LINEAR_SPEC = linear_tiles_spec(DEFAULT_LINEAR_TILES)
 
 
 if triton is not None:
@@ -261,8 +257,8 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     block_m: rows per program (default `block_m_for`). Each program converts its weight tile to the activation
     dtype, so M / block_m programs convert every weight: at a canvas (256 rows, BM 64) 4 times, ~20 instructions
     per weight on sm_90 (benchmarks/compile_report.py); BM 128 ~11.5 and BM 256 ~7.9, with a half and a quarter
-    of the programs. block_n / block_k / num_warps / split_k: the other tiles (None: `LINEAR_TILES`, set by
-    `set_linear_tiles`). split_k > 1 sums K in that many programs per output tile into an fp32 buffer (atomic
+    of the programs. block_n / block_k / num_warps / split_k: the other tiles (None: `DEFAULT_LINEAR_TILES`).
+    split_k > 1 sums K in that many programs per output tile into an fp32 buffer (atomic
     adds: run-to-run last-bit differences), then casts: two more small kernels, for a grid that fills the GPU."""
     if triton is None:
         raise RuntimeError("linear_q_triton needs triton (pip install triton)")
@@ -273,7 +269,7 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    t = LINEAR_TILES
+    t = DEFAULT_LINEAR_TILES
     bm = block_m or t["block_m"] or block_m_for(M)
     bn, bk = block_n or t["block_n"], block_k or t["block_k"]
     warps, split = num_warps or t["num_warps"], split_k or t["split_k"]

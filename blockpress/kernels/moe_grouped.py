@@ -346,8 +346,8 @@ class Tiles:
     (704 = 5.5 x 128 wastes a half tile), and halves the activation re-reads from L2 (every N tile re-reads its
     M block's rows: int4 at batch 1 19.8 -> 16.1 GB of L2 -> SM traffic a step against 12.1 GB from HBM; at
     batch 4 42.6 -> 28.1). `benchmarks/sweep_moe_tiles.py` times a grid of them on one layer of a real config,
-    and `set_moe_tiles("bm=32,bn=128,bk=64,warps=8,stages=4")` (or `blockpress bench --moe-tiles ...`) applies
-    the winner."""
+    and the `moe_tiles` option (`load(..., moe_tiles="bm=32,bn=128,bk=64,warps=8,stages=4")`, `blockpress bench
+    --moe-tiles ...`) applies the winner."""
 
     block_m: int | None = None
     block_n: int = 128
@@ -363,7 +363,7 @@ class Tiles:
 
 
 _TILE_KEYS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "warps": "num_warps", "stages": "num_stages"}
-TILES = Tiles()
+DEFAULT_TILES = Tiles()
 
 
 def parse_tiles(spec: str) -> Tiles:
@@ -392,13 +392,9 @@ def parse_tiles(spec: str) -> Tiles:
     return Tiles(**values)
 
 
-def set_moe_tiles(tiles: "Tiles | str | None") -> Tiles:
-    """Set the Triton expert kernels' tiles for this process (a spec string, a Tiles, or None for the
-    defaults); returns the previous setting."""
-    global TILES
-    prev = TILES
-    TILES = Tiles() if tiles is None else parse_tiles(tiles) if isinstance(tiles, str) else tiles
-    return prev
+def as_tiles(tiles: "Tiles | str | None") -> Tiles:
+    """A spec string, a Tiles, or None (the defaults) -> Tiles."""
+    return DEFAULT_TILES if tiles is None else parse_tiles(tiles) if isinstance(tiles, str) else tiles
 
 
 WGMMA_TARGET: dict = {}  # Triton device -> does it compile tl.dot to Hopper's warpgroup MMA (sm_90+)
@@ -463,33 +459,24 @@ def auto_block_m(tokens: int, top_k: int, n_experts: int, wgmma: bool = False) -
     return tiles[-1]
 
 
-def compiled_variant(idx_NK: torch.Tensor, n_experts: int) -> tuple:
+def compiled_variant(idx_NK: torch.Tensor, n_experts: int, tiles: Tiles = DEFAULT_TILES,
+                     moe_sum: str = "kernel") -> tuple:
     """What picks a separately compiled Triton kernel for these shapes beyond dtype and format: the tiles (the
-    M tile as resolved here), and Triton's specialisation of integer arguments (== 1, divisible by 16) for
-    the assignment count."""
+    M tile as resolved here), Triton's specialisation of integer arguments (== 1, divisible by 16) for
+    the assignment count, and how the K outputs are summed."""
     A = idx_NK.numel()
-    bm = TILES.block_m or auto_block_m(idx_NK.shape[0], idx_NK.shape[1], n_experts, _wgmma_target(idx_NK.device))
-    return (TILES.spec(), bm, A == 1,
-            A % 16 == 0, MOE_SUM)
+    bm = tiles.block_m or auto_block_m(idx_NK.shape[0], idx_NK.shape[1], n_experts, _wgmma_target(idx_NK.device))
+    return (tiles.spec(), bm, A == 1, A % 16 == 0, moe_sum)
 
 
 UNWRITTEN_FILL: float | None = None  # tests set NaN: the value an output buffer starts with before its kernel
 SUM_BLOCK = 1024  # hidden columns per program of the weighted sum over a token's K expert outputs
-# How the Triton experts sum a token's K expert outputs: "kernel" (default: the down kernel writes each assignment's
-# output, [A, H] in the activation dtype, and a third kernel weights and sums them in a fixed order, deterministic)
-# or "atomic" (opt-in, `set_moe_sum`, `bench --moe-sum atomic`: the down kernel adds each weighted output into an fp32
-# [N, H] with atomics; the [A, H] buffer, 0.69 GB written and read a step on the 26B model, is gone, but the order of
-# the K additions is the GPU's: the last bit of a sum, and so rarely a token, may differ between runs)
-MOE_SUM = "kernel"
-
-
-def set_moe_sum(mode: str) -> str:
-    """Set how the Triton experts sum over K ("kernel" or "atomic", see MOE_SUM); returns the previous setting."""
-    global MOE_SUM
-    if mode not in ("kernel", "atomic"):
-        raise ValueError(f"unknown MoE sum {mode!r}; use 'kernel' (deterministic, default) or 'atomic'")
-    prev, MOE_SUM = MOE_SUM, mode
-    return prev
+# How the Triton experts sum a token's K expert outputs (`moe_sum`): "kernel" (default: the down kernel writes each
+# assignment's output, [A, H] in the activation dtype, and a third kernel weights and sums them in a fixed order,
+# deterministic) or "atomic" (opt-in, the `moe_sum` option, `bench --moe-sum atomic`: the down kernel adds each
+# weighted output into an fp32 [N, H] with atomics; the [A, H] buffer, 0.69 GB written and read a step on the 26B
+# model, is gone, but the order of the K additions is the GPU's: the last bit of a sum, and so rarely a token, may
+# differ between runs)
 
 
 SMEM_LIMIT: dict = {}  # Triton device -> max shared memory per block (bytes), asked once
@@ -554,13 +541,13 @@ def int4_block_k(block_k: int, groups: tuple[int, int]) -> int:
 def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_PLAIN,
                    gate_up_scale=None, down_scale=None, groups: tuple[int, int] = (0, 0), inter: int | None = None,
                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                   tiles: Tiles | None = None):
+                   tiles: Tiles | None = None, moe_sum: str = "kernel"):
     """Fused Triton experts. Plain weights: gate_up [E, 2Im, H], down [E, H, Im]. fp8: same shapes
     (float8_e4m3fn) with scales [E, O]. int4: packed uint8 [E, O, I/2] with scales [E, O, I/G].
-    Tiles: explicit block_* arguments, else `tiles`, else the process-wide `TILES` (set_moe_tiles)."""
+    Tiles: explicit block_* arguments, else `tiles`, else the defaults. moe_sum: "kernel" or "atomic" (above)."""
     if triton is None:
         raise RuntimeError("experts_triton needs triton (pip install triton)")
-    t = tiles or TILES
+    t = tiles or DEFAULT_TILES
     block_m = block_m if block_m is not None else t.block_m
     block_n = block_n if block_n is not None else t.block_n
     block_k = block_k if block_k is not None else t.block_k
@@ -609,7 +596,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
                               converted * bn_dn, wgmma, block_k, min_k)
     down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=bn_dn, BK=bk_dn, EVEN_K=Im % bk_dn == 0,
                 ROUND=rnd, **warps, **stages_dn)
-    if MOE_SUM == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
+    if moe_sum == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
         acc = torch.zeros(N, H, dtype=torch.float32, device=x.device)
         _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, acc, rw, A, H, Im, K,
                                act.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
@@ -666,7 +653,8 @@ def checked_on_first_use(key: tuple, fast, reference, what: str) -> torch.Tensor
     return ref
 
 
-def experts_triton_checked(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
+def experts_triton_checked(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, tiles: Tiles = DEFAULT_TILES,
+                           moe_sum: str = "kernel"):
     """`experts_triton`, checked against `experts_grouped` (or the padded batched path where grouped GEMMs do
     not run) on its first call per device, dtype and compiled variant: what "auto" picks on a CUDA GPU."""
     from ..model.moe import experts_dense
@@ -674,5 +662,6 @@ def experts_triton_checked(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
     ref = experts_grouped if _grouped_mm_ok(x_NH.device, x_NH.dtype) else experts_dense
     args = (x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI)
     key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), "triton experts",
-           compiled_variant(idx_NK, gate_up_EFH.shape[0]))
-    return checked_on_first_use(key, lambda: experts_triton(*args), lambda: ref(*args), "the Triton experts kernel")
+           compiled_variant(idx_NK, gate_up_EFH.shape[0], tiles, moe_sum))
+    return checked_on_first_use(key, lambda: experts_triton(*args, tiles=tiles, moe_sum=moe_sum), lambda: ref(*args),
+                                "the Triton experts kernel")

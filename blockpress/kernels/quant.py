@@ -36,8 +36,8 @@ from torch import nn
 
 from ..errors import InputError
 from ..model.layers import gelu_tanh
-from .moe_grouped import (FMT_FP8, FMT_INT4, checked_on_first_use, combine, compiled_variant, experts_triton,
-                          route_by_expert, triton_supported)
+from .moe_grouped import (DEFAULT_TILES, FMT_FP8, FMT_INT4, checked_on_first_use, combine, compiled_variant,
+                          experts_triton, route_by_expert, triton_supported)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -131,7 +131,9 @@ class QuantizedExperts(nn.Module):
         if fmt not in FORMATS:
             raise ValueError(f"unknown expert weight format {fmt!r}; use one of {FORMATS}")
         self.fmt, self.dtype, self.inter, self.hidden = fmt, dtype, inter, hidden
-        self.backend = "auto"
+        # the kernel: "auto" (Triton where it runs, checked on first use), "triton" (unchecked), "scaled_mm", "torch";
+        # with the Triton kernel's tiles and K sum. Chosen by kernels.select.
+        self.backend, self.tiles, self.moe_sum = "auto", DEFAULT_TILES, "kernel"
         E, H, Im = n_experts, hidden, inter
         kw = dict(device=device)
         if fmt == "fp8":
@@ -184,6 +186,7 @@ class QuantizedExperts(nn.Module):
             return b
         return "torch"
 
+    @torch.compiler.disable  # a compiled block leaves the experts' kernels as they are
     def forward(self, x_NH, w_NK, idx_NK):
         backend = self.resolved_backend(x_NH)
         if backend == "triton":
@@ -192,12 +195,12 @@ class QuantizedExperts(nn.Module):
             def fast():
                 return experts_triton(x_NH, w_NK, idx_NK, self.gate_up_q, self.down_q, fmt=fmt,
                                       gate_up_scale=self.gate_up_scale, down_scale=self.down_scale,
-                                      groups=self.groups, inter=self.inter)
+                                      groups=self.groups, inter=self.inter, tiles=self.tiles, moe_sum=self.moe_sum)
 
             if self.backend == "triton":  # asked for by name: the kernel, unchecked
                 return fast()
             key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), f"triton {self.fmt} experts",
-                   compiled_variant(idx_NK, self.gate_up_q.shape[0]))
+                   compiled_variant(idx_NK, self.gate_up_q.shape[0], self.tiles, self.moe_sum))
             return checked_on_first_use(key, fast, lambda: self._forward_torch(x_NH, w_NK, idx_NK),
                                         f"the Triton {self.fmt} experts kernel")
         if backend == "scaled_mm":

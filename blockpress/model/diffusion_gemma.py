@@ -21,11 +21,11 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ..config import FULL, SLIDING, ModelConfig
-from ..engine.cache import KVCache
+from .cache import KVCache
 from .keys import Fixed, Spans
-from .layers import (ATTENTION_BACKENDS, MLP, SOFTCAP_BACKENDS, Attention, RMSNorm, embed_scale, rms_norm, rope_cos_sin,
-                     rope_inv_freq, softmax_rows)
+from .layers import MLP, Attention, RMSNorm, embed_scale, rms_norm, rope_cos_sin, rope_inv_freq, softmax_rows
 from .moe import Experts, Router
+from .ops import Ops
 
 PREFILL_CHUNK = 2048  # tokens a long prompt is encoded at a time (DiffusionGemmaModel.prefill_chunk; None: whole)
 
@@ -86,17 +86,13 @@ class DiffusionGemmaModel(nn.Module):
         for t in (SLIDING, FULL):
             inv = rope_inv_freq(cfg.type_head_dim(t), cfg.rope_parameters[t])
             self.register_buffer(f"inv_freq_{t}", inv, persistent=False)
-        self.attention_backend = "sdpa"
-        self.softcap_backend = "torch"  # final-logit soft cap: layers.SOFTCAP_BACKENDS
-        # None: the exact soft embedding softmax(z) @ E over the whole vocabulary (the reference). K: only
-        # the K most likely tokens' rows of E (kernels/sc_topk.py; an approximation, opt-in)
-        self.sc_topk: int | None = None
+        self.ops = Ops()  # attention, soft cap, self-conditioning embedding, block: the references (model/ops.py)
         self.window = cfg.sliding_window
         self.bidirectional_encoder = cfg.use_bidirectional_attention == "all"
         # a causal encoder's long prompt is encoded this many tokens at a time (without autograd): see `encode`
         self.prefill_chunk: int | None = PREFILL_CHUNK
         # inference caches keep a ring of the last window + `cache_reserve()` positions for the sliding layers once
-        # that is smaller than the capacity (engine/cache.py); False: every position in every layer (the same numbers)
+        # that is smaller than the capacity (model/cache.py); False: every position in every layer (the same numbers)
         self.ring_cache = True
         # training (blockpress.train): recompute decoder layers in backward. Encoder layers are never
         # checkpointed: they write the KV cache (spec training.md §4.3).
@@ -137,19 +133,9 @@ class DiffusionGemmaModel(nn.Module):
                 b.fill_(1.0)
         self.materialize_buffers(self.embed_tokens.weight.device)
 
-    def set_experts_backend(self, name: str) -> None:
-        from .moe import EXPERT_BACKENDS
-
-        if name not in EXPERT_BACKENDS:  # fast paths register themselves on import
-            import blockpress.kernels  # noqa: F401
-        if name not in EXPERT_BACKENDS:
-            raise ValueError(f"unknown experts backend {name!r}; available: {sorted(EXPERT_BACKENDS)}")
-        for layer in self.layers:
-            layer.experts.backend = name
-
     def new_cache(self, batch: int, capacity: int, ring: bool = True) -> KVCache:
         """An empty cache for `capacity` positions. ring: the sliding layers keep only a ring of the last
-        window + `cache_reserve()` positions once that is smaller than the capacity (engine/cache.py); False keeps
+        window + `cache_reserve()` positions once that is smaller than the capacity (model/cache.py); False keeps
         every position in every layer (training: a cache cropped back to its context)."""
         return self._cache(batch, capacity, self.device, self.cache_reserve() if ring else None)
 
@@ -198,22 +184,20 @@ class DiffusionGemmaModel(nn.Module):
             raise ValueError("lm_logits(out=...) writes in place and records no gradient: call it under "
                              "torch.no_grad(), or without out=")
         logits = h @ w.t()
-        if out is not None:  # every soft-cap backend writes into `out` (a checked kernel's fallback too)
-            return out.copy_(logits) if not cap else SOFTCAP_BACKENDS[self.softcap_backend](logits, cap, out=out)
+        if out is not None:  # every soft-cap kernel writes into `out` (a checked kernel's fallback too)
+            return out.copy_(logits) if not cap else self.ops.softcap(logits, cap, out=out)
         if not cap:
             return logits.float()
         if logits.requires_grad:
             return torch.tanh(logits.float() / cap) * cap
-        return SOFTCAP_BACKENDS[self.softcap_backend](logits, cap)
+        return self.ops.softcap(logits, cap)
 
     def soft_embedding(self, sc_logits: torch.Tensor) -> torch.Tensor:
-        """softmax(sc_logits) @ E [B, C, H] in the weight dtype (spec 2.10's soft embedding), or its top-K
-        approximation (`sc_topk`): what the eager and the static (CUDA-graph) decoder passes both call."""
+        """softmax(sc_logits) @ E [B, C, H] in the weight dtype (spec 2.10's soft embedding), or what `ops` puts
+        in its place (the top-K approximation, `sc_topk`)."""
         w = self.embed_tokens.weight
-        if self.sc_topk is not None:
-            from ..kernels.sc_topk import soft_embedding_topk
-
-            return soft_embedding_topk(sc_logits, w, self.sc_topk)
+        if self.ops.soft_embedding is not None:
+            return self.ops.soft_embedding(sc_logits, w)
         return softmax_rows(sc_logits, w.dtype) @ w  # softmax(z.float()).to(w.dtype), in 64 MB chunks
 
     def _rope(self, start, length: int, dtype, device) -> dict:
@@ -238,7 +222,7 @@ class DiffusionGemmaModel(nn.Module):
                 checkpoint: bool = False):
         """The decoder layers [0, upto) (default all) over x [B, n, H]. keys: the pass's `KeyAccess` (where it
         writes K/V, what each query sees); scalar(layer) -> the residual scale of its rows."""
-        attn_fn = ATTENTION_BACKENDS[self.attention_backend]
+        attn_fn, block = self.ops.attention, self.ops.block
         for i, layer in enumerate(self.layers[:upto]):
             t = FULL if layer.full else SLIDING
             cos, sin = rope[t]
@@ -249,6 +233,8 @@ class DiffusionGemmaModel(nn.Module):
 
             if checkpoint:  # training only; the cache is read-only here
                 x = torch.utils.checkpoint.checkpoint(layer, x, attend, scalar(layer), use_reentrant=False)
+            elif block is not None:  # a compiled block (the same function)
+                x = block(layer, x, attend, scalar(layer))
             else:
                 x = layer(x, attend, scalar(layer))
             if hidden_states is not None and i < len(self.layers) - 1:

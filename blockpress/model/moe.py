@@ -8,9 +8,9 @@ H^-1/2, softmax in fp32 before top-k, renormalises to sum 1, then multiplies by
 Expert contributions are weighted in fp32 and summed in fp32, cast once to the model dtype
 (the reference's default grouped_mm accumulation).
 
-Two expert implementations compute the same function:
+Two expert implementations compute the same function (kernels/ has faster ones):
 - `experts_loop` (reference): per expert, gather its tokens, two matmuls, scatter-add.
-- `experts_dense` (fast path when every expert is busy, e.g. a 256-token canvas with top-8):
+- `experts_dense` (when every expert is busy, e.g. a 256-token canvas with top-8):
   batched matmuls over all experts on the tokens routed to each, padded to equal counts.
 """
 
@@ -88,15 +88,16 @@ def experts_dense(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
     return out.to(x_NH.dtype)
 
 
-EXPERT_BACKENDS = {"loop": experts_loop, "dense": experts_dense}
-
-
 class Experts(nn.Module):
+    """The experts' weights. `kernel(x, w, idx, gate_up, down)` computes them: `experts_loop` (the reference) unless
+    `kernels.select` chose another (the same function up to fp32 summation order)."""
+
     def __init__(self, hidden: int, n_experts: int, inter: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, inter))
-        self.backend = "loop"
+        self.kernel = experts_loop
 
+    @torch.compiler.disable  # a compiled block leaves the experts' kernels (Triton, grouped GEMMs) as they are
     def forward(self, x_NH, w_NK, idx_NK):
-        return EXPERT_BACKENDS[self.backend](x_NH, w_NK, idx_NK, self.gate_up_proj, self.down_proj)
+        return self.kernel(x_NH, w_NK, idx_NK, self.gate_up_proj, self.down_proj)

@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from ..cli.run import text_defaults
 from ..errors import BlockpressError
 from ..infill import whole_canvases
 from ..parsing import StreamingParser, ToolCall
@@ -178,7 +177,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.limits = limits or Limits()
         self.metrics = metrics
-        self.defaults = {**lm.generation_defaults, **text_defaults(lm), **(defaults or {})}
+        self.defaults = {**lm.generation_defaults, **lm.text_defaults(), **(defaults or {})}
         lm.generation_config(**self.defaults)  # validate the server-wide defaults once, at startup
         self._pieces: dict[int, str] = {}
 

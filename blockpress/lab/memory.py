@@ -70,19 +70,21 @@ def _shares_storage(t: torch.Tensor, args) -> bool:
     return any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == mine for a in args)
 
 
-def _experts_meta(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, block_m: int | None = None):
-    """The Triton experts path's allocations (moe_grouped.experts_triton), shapes only; block_m None: `bm=auto` as
-    on sm_90 (its M tiles are the widest, so its padded assignment list the longest)."""
-    from . import moe_grouped
+def _experts_meta(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, block_m: int | None = None, tiles=None,
+                  moe_sum: str = "kernel"):
+    """The Triton experts path's allocations (moe_grouped.experts_triton), shapes only; block_m None: the tiles',
+    else `bm=auto` as on sm_90 (its M tiles are the widest, so its padded assignment list the longest)."""
+    from ..kernels import moe_grouped
 
     N, H = x_NH.shape
     K, E, Im = idx_NK.shape[1], gate_up_EFH.shape[0], down_EHI.shape[-1]
-    block_m = block_m or moe_grouped.TILES.block_m or moe_grouped.auto_block_m(N, K, E, wgmma=True)
+    tiles = tiles or moe_grouped.DEFAULT_TILES
+    block_m = block_m or tiles.block_m or moe_grouped.auto_block_m(N, K, E, wgmma=True)
     A = N * K
     L = -(-(A + E * (block_m - 1)) // block_m) * block_m
     sorted_ids = torch.empty(L, dtype=torch.long, device=x_NH.device)  # noqa: F841 - alive like the kernel's
     act = x_NH.new_empty(L, Im)  # noqa: F841
-    if moe_grouped.MOE_SUM == "atomic":  # the weighted sum added into fp32 by the down kernel, then cast
+    if moe_sum == "atomic":  # the weighted sum added into fp32 by the down kernel, then cast
         acc = x_NH.new_empty(N, H, dtype=torch.float32)  # noqa: F841
     else:
         y = x_NH.new_empty(A, H)  # noqa: F841 - per-assignment outputs, alive until the weighted sum is written
@@ -112,21 +114,20 @@ def _fused_sdpa_meta(q, k, v, attn_mask=None, scale=None, enable_gqa=False):
 def _attention_meta(q, k, v, mask):
     """The GPU's attention (`attention_sdpa_gqa`: folded queries, a mask repeated per group, or a call per group)
     around a fused kernel's allocation."""
-    from .attention import attention_sdpa_gqa
+    from ..kernels.attention import attention_sdpa_gqa
 
     return attention_sdpa_gqa(q, k, v, mask, sdpa=_fused_sdpa_meta)
 
 
-def meta_backends(module) -> None:
-    """Route `module` (on the meta device) through the stand-ins above."""
-    from ..model.layers import ATTENTION_BACKENDS
-    from ..model.moe import EXPERT_BACKENDS
+def meta_backends(module, moe_sum: str = "kernel") -> None:
+    """Run `module` (on the meta device, float experts) through the stand-ins above (its `ops` and experts' kernel,
+    what kernels.select sets on a GPU)."""
+    import dataclasses
+    import functools
 
-    EXPERT_BACKENDS.setdefault("meta", _experts_meta)
-    ATTENTION_BACKENDS.setdefault("meta", _attention_meta)
     for layer in module.layers:
-        layer.experts.backend = "meta"
-    module.attention_backend = "meta"
+        layer.experts.kernel = functools.partial(_experts_meta, moe_sum=moe_sum)
+    module.ops = dataclasses.replace(module.ops, attention=_attention_meta)
 
 
 def fused_sample_meta(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto", out=None):

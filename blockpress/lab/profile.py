@@ -132,13 +132,29 @@ def _gpu_spans(prof) -> tuple[list[tuple[float, float, float]], dict[str, list[t
     return kernels, spans
 
 
+class _NamedPasses:
+    """The module's passes, each decoder pass inside a profiler range (the engine takes passes as an argument:
+    nothing of the module's is replaced)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def decode(self, *args, **kwargs):
+        from torch.profiler import record_function
+
+        with record_function("bp::decode"):
+            return self.module.decode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
 @contextlib.contextmanager
 def _ranges(module):
-    """Name the experts, attention and decoder-pass code ranges while profiling (the wrappers are removed after,
-    so the timed runs never carry them)."""
+    """Name the experts, attention and decoder-pass code ranges while profiling: the attention through the module's
+    `ops`, the experts through forward hooks, the decoder pass by the passes `profile_steps` hands the engine;
+    all undone after, so the timed runs never carry them."""
     from torch.profiler import record_function
-
-    from ..model.layers import ATTENTION_BACKENDS
 
     def named(fn, name):
         def wrapper(*args, **kwargs):
@@ -146,27 +162,26 @@ def _ranges(module):
                 return fn(*args, **kwargs)
         return wrapper
 
-    attn_key = module.attention_backend
-    attn_fn = ATTENTION_BACKENDS[attn_key]
-    own_decode = vars(module).get("decode")
-    ATTENTION_BACKENDS[attn_key] = named(attn_fn, "bp::attention")
-    module.decode = named(module.decode, "bp::decode")
-    own_experts = [vars(layer.experts).get("forward") for layer in module.layers]  # compile_blocks_' eager wrapper
-    for layer in module.layers:
-        layer.experts.forward = named(layer.experts.forward, "bp::experts")
+    ops = module.ops
+    module.ops = dataclasses.replace(ops, attention=named(ops.attention, "bp::attention"))
+    open_ranges = []
+
+    def enter(mod, args):
+        rf = record_function("bp::experts")
+        rf.__enter__()
+        open_ranges.append(rf)
+
+    def leave(mod, args, out):
+        open_ranges.pop().__exit__(None, None, None)
+
+    hooks = [h for layer in module.layers for h in (layer.experts.register_forward_pre_hook(enter),
+                                                    layer.experts.register_forward_hook(leave))]
     try:
         yield
     finally:
-        ATTENTION_BACKENDS[attn_key] = attn_fn
-        if own_decode is None:
-            del module.decode
-        else:
-            module.decode = own_decode
-        for layer, own in zip(module.layers, own_experts):
-            if own is None:
-                del layer.experts.forward
-            else:
-                layer.experts.forward = own
+        module.ops = ops
+        for h in hooks:
+            h.remove()
 
 
 def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: str = "exact",
@@ -187,7 +202,8 @@ def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: s
     torch.manual_seed(0)
     started = False
     with _ranges(module):
-        events = engine.stream(module, ids, cfg, canvas_length, options=Options(sampler=sampler))
+        events = engine.stream(module, ids, cfg, canvas_length, options=Options(sampler=sampler),
+                               passes=_NamedPasses(module))
         try:
             for ev in events:
                 if isinstance(ev, engine.Draft):

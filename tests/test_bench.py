@@ -362,8 +362,12 @@ def test_moe_tiles_setting_reaches_the_kernel_launch(monkeypatch):
 
     m = build_model(preset_config("tiny")[0], torch.device("cpu"), torch.float32)
     configure(m, experts="triton", moe_tiles="bm=32,bn=128,bk=64,warps=8")
-    m.layers[0].experts(xs, w, idx % 4)
-    assert seen[0][1:] == (32, 64, 64, 8)  # BN capped at the tiny model's widths
+    ex = m.layers[0].experts
+    ex(xs, w, idx % 4)
+    through_model = list(seen)
+    seen.clear()
+    moe_grouped.experts_triton(xs, w, idx % 4, ex.gate_up_proj, ex.down_proj, tiles=tiles)
+    assert through_model == seen and seen[0][1] == 32 and seen[0][3:] == (64, 8)
 
 
 def test_auto_m_tile_is_sized_for_the_spread_of_the_routing_and_grows_to_128_on_hopper_only(monkeypatch):
@@ -427,7 +431,7 @@ def test_bench_runs_replay_graphed_passes_after_the_warmup(fuse):
 
     from blockpress.cli.bench import add_parser
     from blockpress.lab.bench import run_ar, run_blockpress
-    from blockpress.kernels.graphs import GraphedPasses
+    from blockpress.engine.graphs import GraphedPasses
     from blockpress.lab.random_weights import build_model
 
     p = argparse.ArgumentParser()
@@ -439,13 +443,10 @@ def test_bench_runs_replay_graphed_passes_after_the_warmup(fuse):
     ids = torch.randint(5, module.text.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     eager, eager_seqs = run_blockpress(module, ids, "fixed", args)
     eager_ar = run_ar(module, ids, args)
-    graphs = GraphedPasses(module, capture=False).install()
-    try:
-        s, seqs = run_blockpress(module, ids, "fixed", args, graphs=graphs)
-        ar = run_ar(module, ids, args, graphs)
-        passes = set(graphs.captured)
-    finally:
-        graphs.uninstall()
+    graphs = GraphedPasses(module, capture=False, copy_outputs=False)  # what load(cuda_graphs=True) runs
+    s, seqs = run_blockpress(module, ids, "fixed", args, passes=graphs)
+    ar = run_ar(module, ids, args, graphs)
+    passes = set(graphs.captured)
     assert torch.equal(seqs, eager_seqs)
     assert s["graph_captures_timed"] == 0 and ar["graph_captures_timed"] == 0
     assert "graph_captures_timed" not in eager and "graph_captures_timed" not in eager_ar
@@ -493,8 +494,9 @@ def test_serving_bench_counts_every_request_and_reports_graph_captures(capsys):
     without it, none. A bad flag combination is refused with exit code 2."""
     import argparse
 
-    from blockpress.kernels.graphs import GraphedPasses
     from blockpress.lab.random_weights import build_model
+    from blockpress.lm import BlockDiffusionLM
+    from blockpress.options import Options
 
     mod = runpy.run_path(str(ROOT / "benchmarks" / "bench_serve.py"))
     p = argparse.ArgumentParser()
@@ -502,12 +504,9 @@ def test_serving_bench_counts_every_request_and_reports_graph_captures(capsys):
     args = p.parse_args(["--preset", "tiny", "--concurrency", "1,3", "--requests", "4", "--prompt-tokens", "8",
                          "--new-tokens", "32", "--steps", "2", "--mode", "adaptive", "--device", "cpu"])
     module = build_model(preset_config("tiny")[0], torch.device("cpu"), torch.float32)
-    plain = mod["run"](args, module)
-    g = GraphedPasses(module, capture=False).install()
-    try:
-        graphed = mod["run"](args, module)
-    finally:
-        g.uninstall()
+    plain = mod["run"](args, BlockDiffusionLM(module, module.config, {}))
+    # the graphs' plumbing on fixed buffers, as load(cuda_graphs=True) gives (a CPU: no capture)
+    graphed = mod["run"](args, BlockDiffusionLM(module, module.config, {}, options=Options(cuda_graphs=True)))
     for result, graphs in ((plain, False), (graphed, True)):
         assert result["cuda_graphs"] is graphs and [lv["concurrency"] for lv in result["levels"]] == [1, 3]
         for lv in result["levels"]:

@@ -65,8 +65,9 @@ bench() {  # bench NAME ARGS...: one `blockpress bench` run, JSON in $OUT/NAME.j
   [ "$lim" = 0 ] && { echo "!!! $name skipped: no time left" | tee -a "$OUT/log.txt"; return 1; }
   echo "=== $name (limit ${lim} s): blockpress bench --preset $PRESET $*" | tee -a "$OUT/log.txt"
   local t0=$SECONDS
-  timeout "$lim" python3 -m blockpress bench --preset "$PRESET" --out "$OUT/$name.json" "$@" \
-    >>"$OUT/log.txt" 2>&1
+  # BENCH_CWD: the folder whose blockpress runs (`python3 -m` puts the working folder first on the path)
+  (cd "${BENCH_CWD:-.}" && python3 -c 'import blockpress; print("blockpress from", blockpress.__file__)' \
+    && timeout "$lim" python3 -m blockpress bench --preset "$PRESET" --out "$OUT/$name.json" "$@") >>"$OUT/log.txt" 2>&1
   local rc=$?
   [ "$rc" = 0 ] || { echo "!!! $name failed or timed out (rc $rc); its log's end:"; grep -v '^{' "$OUT/log.txt" | tail -12; } \
     | tee -a "$OUT/summary.txt"
@@ -85,7 +86,7 @@ case "$PART" in
     ROW="--batch 1 --precision fp8 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar"
     ROW="$ROW $GPU_FLAGS"
     if [ -d gpu_baseline/blockpress ]; then
-      PYTHONPATH="$PWD/gpu_baseline:$PYTHONPATH" STEP_LIMIT=75 bench before-fp8 $ROW
+      BENCH_CWD=gpu_baseline STEP_LIMIT=75 bench before-fp8 $ROW
     fi
     STEP_LIMIT=75 bench after-fp8 $ROW
     lim=$(limit 150)

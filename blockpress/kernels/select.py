@@ -74,13 +74,14 @@ def _store(module, precision: str, group_size: int, linears: str) -> None:
 def _experts(module, asked: str, name: str, tiles, moe_sum: str) -> str:
     """Set every layer's experts kernel; returns what runs (for reports)."""
     dev, dtype = module.device, module.dtype
-    if isinstance(module.layers[0].experts, QuantizedExperts):
-        if name == "scaled_mm":  # torch._scaled_grouped_mm: fp8 x fp8 on Hopper-class GPUs only
-            if module.layers[0].experts.fmt != "fp8":
-                raise ValueError("the scaled_mm experts backend needs fp8 experts; add --precision fp8")
-            if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
-                raise ValueError("the scaled_mm experts backend needs a CUDA GPU with fp8 matmuls (compute capability "
-                                 ">= 8.9: Ada, Hopper); use the default experts backend here")
+    quantized = isinstance(module.layers[0].experts, QuantizedExperts)
+    if name == "scaled_mm":  # torch._scaled_grouped_mm: fp8 x fp8 on Hopper-class GPUs only
+        if not quantized or module.layers[0].experts.fmt != "fp8":
+            raise ValueError("the scaled_mm experts backend needs fp8 experts; add --precision fp8")
+        if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
+            raise ValueError("the scaled_mm experts backend needs a CUDA GPU with fp8 matmuls (compute capability "
+                             ">= 8.9: Ada, Hopper); use the default experts backend here")
+    if quantized:
         backend = "torch" if asked == "loop" else name if name in ("triton", "scaled_mm", "torch") else "auto"
         for layer in module.layers:  # "triton" where it runs, else the torch reference
             layer.experts.backend, layer.experts.tiles, layer.experts.moe_sum = backend, tiles, moe_sum

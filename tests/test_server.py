@@ -684,6 +684,33 @@ def test_worker_slots_under_random_traffic(lm, seed):
         assert _drive_traffic(Worker(lm, max_batch=3), plan) == want
 
 
+def test_worker_request_cancelled_while_another_joins(lm):
+    """A client that disconnects while another request's prompt is being admitted (after the boundary's eviction)
+    leaves its row frozen in a canvas that has no self-conditioning logits yet: the joining request still gets the
+    commits it gets alone, the cancelled one gets no more."""
+    def job(seed, canvases):
+        cfg = blockpress.config.GenerationConfig.resolve(
+            max_new_tokens=lm.canvas_length * canvases, eos_token_id=None, pad_token_id=None, max_denoising_steps=3,
+            stability_threshold=None, confidence_threshold=None)
+        return Job([7, 8, 9, 10 + seed], cfg, seed=seed)
+
+    alone = _drive_traffic(Worker(lm, max_batch=3), {0: [(job(1, 1), None)]})
+    s = Worker(lm, max_batch=3)
+    first = s.submit(job(0, 3))
+    with torch.no_grad():
+        s.canvas()
+    admit = s.scheduler.admit
+
+    def admit_and_disconnect(*args):  # the disconnect lands during the joining prompt's admission
+        first.cancel()
+        return admit(*args)
+
+    s.scheduler.admit = admit_and_disconnect
+    both = _drive_traffic(s, {0: [(job(1, 1), None)]})
+    assert both[0] == alone[0] and alone[0][1]
+    assert len([e for e in first.drain() if isinstance(e, RowCommit)]) == 1
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("seed", [3, 6])
 def test_worker_with_a_sliding_ring(lm, seed, graphs, monkeypatch):

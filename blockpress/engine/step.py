@@ -70,7 +70,8 @@ def _compose(cv: Canvas, idx: list[int], raw, x, a_prev, sc_prev, done, fixed, w
     if frozen:  # stopped rows keep their canvas, argmax and self-conditioning logits; they accept nothing
         a = torch.where(done[:, None], a_prev, a)
         x_new = torch.where(done[:, None], x, x_new)
-        z = torch.where(done[:, None, None], sc_prev, z)
+        if sc_prev is not None:  # (a row stopped before the first step, e.g. cancelled on admission, has none)
+            z = torch.where(done[:, None, None], sc_prev, z)
         accepted = accepted & ~done[:, None]
     if tracker is not None:
         done = done | tracker(a, z, entropy=h, watch=watch)

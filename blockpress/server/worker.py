@@ -16,6 +16,7 @@ own events.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -31,6 +32,8 @@ from ..engine.rows import Job, Row, canvases_for
 from ..engine.runner import Runner
 from ..engine.scheduler import QueueFull, Scheduler
 from ..errors import InputError
+
+log = logging.getLogger("blockpress.server")
 
 __all__ = ["Worker", "Job", "Handle", "QueueFull", "RowDraft", "RowCommit", "RowDone", "RowError", "run_job"]
 
@@ -258,6 +261,7 @@ class Worker:
                 with torch.no_grad():
                     self.canvas()
             except Exception as e:  # never let one bad batch kill the server: fail its rows
+                log.exception("generation failed")
                 for row in self.engine.rows + self.engine.admitting:
                     row.sink.put(RowError(f"generation failed ({type(e).__name__}: {e})"))
                 self.engine.reset()

@@ -230,7 +230,7 @@ def test_reasoning_and_tool_call_fields_never_leak_control_tokens(server):
     for seed in range(4):
         r = httpx.post(server.url + "/v1/chat/completions", json={**body, "seed": seed}, timeout=60).json()
         msg = r["choices"][0]["message"]
-        assert {"content", "reasoning_content", "tool_calls"} <= set(msg)
+        assert {"content", "reasoning_content"} <= set(msg) and msg.get("tool_calls", [None]) != []
         for text in (msg["content"] or "", msg["reasoning_content"] or ""):
             assert not SPECIAL.search(text), text
     with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
@@ -376,7 +376,10 @@ BAD = [
     ("completion best_of", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("completion echo", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("completion logprobs", {"prompt": "hi", "logprobs": 0}, 400, "logprobs"),
-    ("completion batch of prompts", {"prompt": [[1, 2], [3, 4]]}, 400, "prompt"),
+    ("completion batch too big", {"prompt": ["a"] * 33}, 400, "prompt"),
+    ("completion batch entry", {"prompt": ["a", ""]}, 400, "prompt.1"),
+    ("completion batch mixed", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("completion batch ids", {"prompt": [[1, 2], [3, 999999]]}, 400, "prompt.1"),
     ("completion stops", {"prompt": "hi", "stop": ["x"] * 5}, 400, "stop"),
     ("completion long stop", {"prompt": "hi", "stop": ["ok", "x" * 300]}, 400, "stop.1"),
     ("completion prompt too long", {"prompt": list(range(5, 30)) * 2000}, 400, "prompt"),
@@ -386,7 +389,9 @@ BAD = [
 BAD_MESSAGES = {
     "chat logprobs": "logprobs are not supported", "json mode": "response_format 'json_object' is not supported",
     "image part": "only text content parts are supported", "n over limit": "n=9 exceeds this server's limit of 8",
-    "completion batch of prompts": "prompt: expected a non-empty string or a non-empty list of token ids",
+    "completion batch too big": "33 prompts exceed this server's limit of 32",
+    "completion batch entry": "prompt.1: String should have at least 1 character",
+    "completion batch mixed": "prompt: expected a non-empty string, a non-empty list of token ids, or a non-empty list",
     "completion stops": "stop: List should have at most 4 items", "completion long stop": "at most 256 characters",
     "too many stops": "stop: List should have at most 4 items", "completion echo": "echo is not supported",
 }
@@ -879,3 +884,209 @@ def test_queue_full_is_429_and_api_key(lm):
                 [(await c.get("/health")).status_code]
 
     assert asyncio.run(calls()) == [401, 401, 200, 200]
+
+
+# ----------------------------------------------------------------------------- issue 31: conformance and robustness
+@pytest.fixture(scope="module")
+def server2(model_dir):
+    """A second server: --max-new-tokens -1 (the limit) with a limit of 20, CORS for one origin, a tight body
+    timeout."""
+    s = ServerProcess(model_dir, "--max-new-tokens", "-1", "--max-tokens-limit", "20",
+                      "--allowed-origins", "http://app.example", "--steps", "2", "--body-timeout", "1")
+    yield s
+    assert s.proc.poll() is None, "server crashed: " + s.read_log()
+    s.stop()
+
+
+def test_serve_max_new_tokens_is_the_default_max_tokens(server2):
+    """--max-new-tokens N (here -1: the --max-tokens-limit of 20) is max_tokens for a request without one,
+    in chat and completions (it was accepted and ignored: chat got the checkpoint's 256, completions 16)."""
+    c = openai.OpenAI(base_url=server2.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    chat = c.chat.completions.create(model="blockpress", messages=MSG, seed=1)
+    assert chat.usage.completion_tokens == 20 and chat.choices[0].finish_reason == "length"
+    comp = c.completions.create(model="blockpress", prompt="The sky", seed=1)
+    assert comp.usage.completion_tokens == 20
+    assert c.completions.create(model="blockpress", prompt="The sky", seed=1, max_tokens=5).usage.completion_tokens == 5
+
+
+def test_serve_max_new_tokens_over_the_limit_is_refused_at_start(capsys, monkeypatch):
+    import blockpress.cli.serve as serve_mod
+    from blockpress.cli import main as cli
+
+    monkeypatch.setattr(serve_mod, "load_model", lambda args: pytest.fail("the model loaded first"))
+    assert cli(["serve", "kjv", "--port", str(free_port()), "--max-new-tokens", "5000"]) == 2
+    assert "--max-new-tokens 5000 exceeds --max-tokens-limit 4096" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli(["serve", "kjv", "--max-new-tokens", "0"])
+    assert "expected a positive integer or -1 (the limit), got 0" in capsys.readouterr().err
+
+
+def test_message_without_tool_calls_has_no_tool_calls_field(server):
+    """OpenAI omits `tool_calls` when the model called no tool (it was `[]`)."""
+    body = {"messages": MSG, "max_tokens": 16, "seed": 3, **FAST}
+    msg = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    assert "tool_calls" not in msg and msg["content"] is not None
+
+
+def test_models_retrieve_and_the_blockpress_alias(client):
+    """GET /v1/models/{id} (client.models.retrieve) answers for the served id and the alias `blockpress`, which
+    every route accepts as `model` (README's example); another id is a 404."""
+    card = client.models.retrieve(client.model_id)
+    assert card.id == client.model_id and card.object == "model"
+    assert client.models.retrieve("blockpress").id == client.model_id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    r = client.chat.completions.create(model="blockpress", messages=MSG, max_tokens=16, seed=5, extra_body=FAST)
+    assert r.model == client.model_id and r.choices[0].message.content == chat_text(client, 5, max_tokens=16)[0]
+
+
+def test_multi_prompt_completion_is_one_choice_per_prompt(client):
+    """A list of prompts is served as a batch: prompt p's choice i is index p * n + i and is the single answer
+    for that prompt with seed + i; usage counts each prompt once. Streamed, the same texts by index."""
+    kw = dict(model=client.model_id, max_tokens=16, extra_body=FAST)
+    prompts = ["The sky is", "Water in the sea"]
+    many = client.completions.create(prompt=prompts, n=2, seed=7, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    singles = [client.completions.create(prompt=p, seed=7 + i, **kw) for p in prompts for i in range(2)]
+    assert [c.text for c in many.choices] == [s.choices[0].text for s in singles]
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens + singles[2].usage.prompt_tokens
+    assert many.usage.completion_tokens == 4 * 16
+    texts = [""] * 4
+    for ch in client.completions.create(prompt=prompts, n=2, seed=7, stream=True, **kw):
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in many.choices]
+    ids = client.completions.create(prompt=[[2, 10, 11], [2, 12]], seed=1, **kw)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
+def test_cors_preflight_and_host_check(server, server2):
+    """CORS is opt-in (--allowed-origins) and answers a browser's preflight before the API key check; bound to
+    loopback, a Host header that is not a loopback name (a DNS-rebinding page) is refused."""
+    pre = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(server2.url + "/v1/chat/completions", headers=pre)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    r = httpx.get(server2.url + "/v1/models", headers={"Origin": "http://app.example"})
+    assert r.headers["access-control-allow-origin"] == "http://app.example"
+    assert httpx.options(server2.url + "/v1/models", headers={**pre, "Origin": "http://evil.example"}).status_code == 400
+    r = httpx.get(server.url + "/v1/models", headers={"Origin": "http://app.example"})  # no --allowed-origins
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.get(server.url + "/v1/models", headers={"Host": f"evil.example:{server.port}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    assert "--allowed-hosts" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health", headers={"Host": f"localhost:{server.port}"}).status_code == 200
+
+
+def _app(lm, **kw):
+    from blockpress.server.app import create_app
+    from blockpress.server.metrics import Metrics
+
+    metrics = Metrics()
+    serving = OpenAIServing(lm, Scheduler(lm.module, lm.canvas_length), "tiny", Limits(**kw.pop("limits", {})),
+                            metrics=metrics)
+    return create_app(serving, metrics, **kw), serving, metrics
+
+
+async def _asgi(app, method, path, **kw):
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+        return await c.request(method, path, **kw)
+
+
+def test_non_ascii_api_keys_and_every_5xx_counted(lm, capsys, monkeypatch):
+    """A non-ASCII key in the header is a 401 (it was a 500 with a traceback, missing from /metrics); a non-ASCII
+    --api-key is refused at start (clients cannot send it); any 5xx is counted."""
+    app, serving, metrics = _app(lm, api_key="sekret")
+    r = asyncio.run(_asgi(app, "GET", "/v1/models", headers={"Authorization": "Bearer clé".encode()}))
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert metrics.requests.value("/v1/models", "401") == 1
+    monkeypatch.setattr(serving, "models", lambda: 1 / 0)  # a bug behind a route
+    r = asyncio.run(_asgi(app, "GET", "/v1/models", headers={"Authorization": "Bearer sekret"}))
+    assert r.status_code == 500 and r.json()["error"]["message"] == "internal server error"
+    assert metrics.requests.value("/v1/models", "500") == 1
+
+    import blockpress.cli.serve as serve_mod
+    from blockpress.cli import main as cli
+
+    monkeypatch.setattr(serve_mod, "load_model", lambda args: pytest.fail("the model loaded first"))
+    assert cli(["serve", "kjv", "--port", str(free_port()), "--api-key", "clé"]) == 2
+    assert "--api-key (or $BLOCKPRESS_API_KEY) must be printable ASCII" in capsys.readouterr().err
+
+
+def test_chunked_body_over_the_limit_is_413_and_a_slow_body_408(lm):
+    app, _, metrics = _app(lm, limits={"max_body_bytes": 1000, "body_timeout": 0.3})
+
+    async def chunks():
+        for _ in range(4):
+            yield b" " * 400  # no Content-Length: chunked
+
+    r = asyncio.run(_asgi(app, "POST", "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    async def slow():
+        messages = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}]
+        sent = []
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await asyncio.sleep(3600)  # the client stalls mid-body
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [
+            (b"host", b"127.0.0.1"), (b"content-type", b"application/json"), (b"content-length", b"100")],
+            "query_string": b"", "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 80),
+            "client": ("127.0.0.1", 5), "root_path": ""}
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        return sent
+
+    t = time.time()
+    sent = asyncio.run(slow())
+    assert sent[0]["status"] == 408 and time.time() - t < 3
+    assert json.loads(sent[1]["body"])["error"]["code"] == "request_timeout"
+    assert metrics.requests.value("/v1/completions", "408") == 1
+
+
+def test_a_huge_tool_schema_is_refused_at_a_bounded_cost(lm):
+    """A 0.8 MB tool schema (under the body limit, ~10x the prompt-token limit) is refused after counting
+    about the limit's worth of tokens, not after tokenising all of it."""
+    props = {f"field_{i}": {"type": "string", "description": "x" * 40 + str(i)} for i in range(9000)}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": props}}}]
+    serving = OpenAIServing(lm, Scheduler(lm.module, lm.canvas_length), "tiny", Limits(max_prompt_tokens=32768))
+    req = ChatCompletionRequest.model_validate({"messages": MSG, "tools": tools})
+    t = time.process_time()
+    with pytest.raises(APIError) as e:
+        serving.chat_prompt(req)
+    bounded = time.process_time() - t
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+    t = time.process_time()
+    full = len(lm.tokenizer.apply_chat_template(MSG, tools=tools))  # what the refusal used to cost
+    assert full > 5 * 32768 and bounded < 0.5 * (time.process_time() - t)
+
+
+def test_health_reports_a_failing_engine(lm):
+    """Weights that turn NaN make every generation fail: the request gets a 500 and /health says so (503,
+    with the reason) until a generation succeeds again."""
+    app, serving, _ = _app(lm)
+    serving.scheduler.start()
+    w = lm.module.layers[0].self_attn.q_proj.weight
+    saved = w.detach().clone()
+    body = {"prompt": "The sky", "max_tokens": 8, **FAST}
+    try:
+        with torch.no_grad():
+            w.fill_(float("nan"))
+        r = asyncio.run(_asgi(app, "POST", "/v1/completions", json=body))
+        assert r.status_code == 500
+        h = asyncio.run(_asgi(app, "GET", "/health"))
+        assert h.status_code == 503 and h.json()["status"] == "error" and "generation failed" in h.json()["error"]
+        with torch.no_grad():
+            w.copy_(saved)
+        assert asyncio.run(_asgi(app, "POST", "/v1/completions", json=body)).status_code == 200
+        assert asyncio.run(_asgi(app, "GET", "/health")).json()["status"] == "ok"
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+        serving.scheduler.stop()

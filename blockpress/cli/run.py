@@ -58,6 +58,18 @@ def _int_in(lo: int, hi: int):
     return _int_flag(f"an integer in {lo}..{hi}", lo, hi)
 
 
+MAX_STEPS = 1024  # denoising steps per canvas: the CLI's bound and the server's default limit (--max-steps-limit)
+_steps = _int_in(1, MAX_STEPS)
+
+
+def _tokens_or_limit(s: str) -> int:
+    """serve --max-new-tokens: a positive integer, or -1 for the server's limit (--max-tokens-limit)."""
+    v = _int_flag("a positive integer or -1 (the limit)", -1)(s)
+    if v == 0:
+        raise argparse.ArgumentTypeError("expected a positive integer or -1 (the limit), got 0")
+    return v
+
+
 def _positive_int_list(s: str) -> str:
     """A comma-separated list of positive integers ("1,2,4,8"), checked and returned as given."""
     for part in s.split(","):
@@ -114,13 +126,19 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True) -> None
                             "use (takes the ~1,800 kernel launches of each 26B pass off the host's path)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True, server: bool = False) -> None:
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, then the reference)")
-    g.add_argument("--max-new-tokens", type=_positive_int, help="tokens to generate (rounded up to whole canvases)")
+    if server:
+        g.add_argument("--max-new-tokens", type=_tokens_or_limit, metavar="N",
+                       help="max_tokens of a request that gives none (-1: --max-tokens-limit; default: the "
+                            "checkpoint's for chat, 16 for completions as OpenAI)")
+    else:
+        g.add_argument("--max-new-tokens", type=_positive_int, help="tokens to generate (rounded up to whole canvases)")
     steps = g.add_mutually_exclusive_group()
-    steps.add_argument("--steps", type=_positive_int, metavar="N",
-                       help="speed/quality dial: exactly N denoising steps per canvas (early stopping off)")
-    steps.add_argument("--max-denoising-steps", type=_positive_int, help="step budget per canvas")
+    steps.add_argument("--steps", type=_steps, metavar="N",
+                       help="speed/quality dial: exactly N denoising steps per canvas (early stopping off; at most "
+                            f"{MAX_STEPS})")
+    steps.add_argument("--max-denoising-steps", type=_steps, help=f"step budget per canvas (at most {MAX_STEPS})")
     g.add_argument("--entropy-bound", type=_float_in(0, strict=True), help="entropy budget of accepted tokens per step")
     # these accept "none"; SUPPRESS tells "not given" (attribute absent) from "given as none"
     g.add_argument("--t-min", type=_float_in(0, strict=False, allow_none=True), default=argparse.SUPPRESS,

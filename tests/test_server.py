@@ -1090,3 +1090,106 @@ def test_health_reports_a_failing_engine(lm):
         with torch.no_grad():
             w.copy_(saved)
         serving.scheduler.stop()
+
+
+def test_responses_api_through_the_openai_client(client):
+    """/v1/responses (OpenAI's Responses API) runs the chat path: the same text as chat for the same
+    conversation and seed (instructions = a system message), streamed or not; the stream follows OpenAI's event
+    names and its deltas add up to the final output."""
+    kw = dict(model="blockpress", max_output_tokens=24, extra_body={**FAST, "seed": 3})
+    r = client.responses.create(input="Why is the sky blue?", instructions="Be brief.", **kw)
+    chat = client.chat.completions.create(model=client.model_id, max_tokens=24, seed=3, extra_body=FAST, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}])
+    assert r.object == "response" and r.model == client.model_id
+    assert r.output_text == chat.choices[0].message.content and r.output_text
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # random model: no stop
+    assert r.usage.output_tokens == 24 and r.usage.input_tokens == chat.usage.prompt_tokens
+    events = list(client.responses.create(input="Why is the sky blue?", instructions="Be brief.", stream=True, **kw))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+    assert {"response.output_item.added", "response.content_part.added", "response.output_text.done",
+            "response.content_part.done", "response.output_item.done"} <= set(types)
+    # items in: a function call and its output join the conversation as the chat path's tool turn
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]
+    r2 = client.responses.create(input=items, tools=tools, **kw)
+    c2 = client.chat.completions.create(model=client.model_id, max_tokens=24, seed=3, extra_body=FAST, tools=[WEATHER],
+                                        messages=[{"role": "user", "content": "Weather in Paris?"},
+                                                  {"role": "assistant", "content": None, "tool_calls": [
+                                                      {"id": "call_1", "type": "function", "function": {
+                                                          "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                                                  {"role": "tool", "tool_call_id": "call_1", "name": "get_weather",
+                                                   "content": "sunny"}])
+    assert r2.output_text == (c2.choices[0].message.content or "")
+
+
+def test_responses_tool_choice_and_refusals(server):
+    """A forced function holds the call opening on the canvas (as on chat); what the server cannot do is a 400
+    naming the Responses field."""
+    body = {"input": "Weather?", "max_output_tokens": 32, "seed": 4, **FAST,
+            "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}],
+            "tool_choice": {"type": "function", "name": "get_weather"}}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    text = "".join(p["text"] for it in r["output"] if it["type"] == "message" for p in it["content"])
+    calls = [it for it in r["output"] if it["type"] == "function_call"]
+    assert (calls and calls[0]["name"] == "get_weather") or text.startswith("call:get_weather{")
+    bad = [({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+           ({"max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens=100000 exceeds"),
+           ({"tools": [{"type": "web_search"}]}, "tools.0.type", "blockpress runs no built-in tools"),
+           ({"text": {"format": {"type": "json_object"}}}, "text", "is not supported"),
+           ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0", "not supported"),
+           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0.type", "send text as input_text parts"),
+           ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
+           ({"model": "gpt-9"}, "model", "does not exist")]
+    for extra, param, needle in bad:
+        r = httpx.post(server.url + "/v1/responses", json={"input": "hi", **extra}, timeout=30)
+        assert r.status_code in (400, 404), (extra, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and needle in err["message"], (extra, err)
+
+
+def test_responses_items_and_events_from_real_token_ids(lm):
+    """Thinking, text and a tool call become a reasoning item, a message and a function_call item, the same
+    streamed (rebuilt from the events) as not; the events follow OpenAI's order for each item."""
+    from blockpress.server.responses import ResponsesServing
+    from blockpress.server.responses_protocol import ResponsesRequest
+
+    ids = lm.tokenizer.encode(THOUGHT_AND_CALL)
+    serving = _serving(lm)
+    responses = ResponsesServing(serving)
+    req = ResponsesRequest.model_validate({"input": "hi", "max_output_tokens": 64})
+    sampling = req.to_chat().to_sampling(serving.limits, serving.defaults)
+
+    async def both():
+        full = await responses.respond(_run_with(serving, ids, 16), sampling, req)
+        sse = await responses.respond(_run_with(serving, ids, 16), sampling, req.model_copy(update={"stream": True}))
+        return full, [line async for line in sse]
+
+    full, lines = asyncio.run(both())
+    out = [(it.type, getattr(it, "name", None)) for it in full.output]
+    assert out == [("reasoning", None), ("message", None), ("function_call", "get_weather")]
+    assert full.output[0].content[0].text == "hmm" and full.output[1].content[0].text == "Hello"
+    assert json.loads(full.output[2].arguments) == {"city": "Paris"} and full.status == "completed"
+    events = [json.loads(x.split("\ndata: ", 1)[1]) for x in lines]
+    assert all(x.startswith(f"event: {e['type']}\n") for x, e in zip(lines, events))
+    assert events[-1]["type"] == "response.completed"
+
+    def no_ids(items):
+        return [{k: v for k, v in it.items() if k not in ("id", "call_id")} for it in items]
+
+    assert no_ids(events[-1]["response"]["output"]) == no_ids(full.model_dump()["output"])
+    by_item = {}
+    for e in events[2:-1]:
+        by_item.setdefault(e["output_index"], []).append(e["type"])
+    assert by_item[0] == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                          "response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+    assert by_item[1][:2] == ["response.output_item.added", "response.content_part.added"]
+    assert by_item[1][-3:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert by_item[2] == ["response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done"]

@@ -37,6 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, ModelCard, ModelList, error_body)
+from .responses import ResponsesServing
+from .responses_protocol import ResponseObject, ResponsesRequest
 from .serving import OpenAIServing
 
 log = logging.getLogger("blockpress.server")
@@ -202,7 +204,9 @@ UNION_FIELDS = {
 
 
 def _is_branch(part: Any) -> bool:
-    return isinstance(part, str) and ("[" in part or "-" in part or part in _BRANCH_NAMES)
+    # a union's branches are named by type ("list[...]", "constrained-str") or by model class ("InputMessage")
+    return isinstance(part, str) and ("[" in part or "-" in part or part in _BRANCH_NAMES
+                                      or (part[:1].isupper() and part.isidentifier()))
 
 
 def validation_message(errs: list[dict]) -> tuple[str, str | None]:
@@ -304,6 +308,15 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
     @app.post("/v1/completions", response_model=CompletionResponse, responses=streamed("text_completion"))
     async def completions(req: CompletionRequest, request: Request):
         return _respond(await serving.completion(req, request.is_disconnected))
+
+    responses = ResponsesServing(serving)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses={**ERRORS, 200: {
+        "description": "the response; with `stream: true` server-sent events instead: `event: TYPE` + `data: JSON` "
+                       "(response.created ... response.output_text.delta ... response.completed)",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
+    async def create_response(req: ResponsesRequest, request: Request):
+        return _respond(await responses.create(req, request.is_disconnected))
 
     def openapi() -> dict:
         """FastAPI's schema plus this server's limits, so the schema says what the server accepts, without

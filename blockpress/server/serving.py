@@ -325,11 +325,15 @@ class OpenAIServing:
         return runs
 
     async def _collect(self, run: _Run, asm: OutputAssembler, disconnected: Disconnected | None,
-                       tokens_of: Callable[[RowCommit], list[int]]) -> Final:
+                       tokens_of: Callable[[RowCommit], list[int]],
+                       on_delta: Callable[[Delta], None] | None = None) -> Final:
+        """Run to the end; `on_delta` sees each canvas's text as a stream would (the Responses builder)."""
         try:
             async for ev in self._events(run, asm, disconnected):
                 if isinstance(ev, RowCommit):
-                    asm.feed(tokens_of(ev))
+                    d = asm.feed(tokens_of(ev))
+                    if on_delta is not None:
+                        on_delta(d)
         finally:
             self._release(run)
         return asm.finish()

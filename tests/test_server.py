@@ -1193,3 +1193,28 @@ def test_responses_items_and_events_from_real_token_ids(lm):
     assert by_item[1][-3:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
     assert by_item[2] == ["response.output_item.added", "response.function_call_arguments.delta",
                           "response.function_call_arguments.done", "response.output_item.done"]
+
+
+def test_openapi_schema_is_true_json_schema(server):
+    """Bounds are JSON Schema keywords (`minimum`; `"ge"` is not one, so `steps: 0` was schema-valid and got a
+    400), every generation route documents its event stream, and no route documents FastAPI's 422."""
+    schema = httpx.get(server.url + "/openapi.json").json()
+    pydantic_only = []
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            pydantic_only.extend(f"{path}/{k}" for k in ("ge", "gt", "le", "lt") if k in node)
+            for k, v in node.items():
+                walk(v, f"{path}/{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}/{i}")
+
+    walk(schema, "")
+    assert not pydantic_only, pydantic_only[:5]
+    steps = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["steps"]["anyOf"][0]
+    assert steps == {"type": "integer", "minimum": 1, "maximum": 1024}
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "text/event-stream" in responses["200"]["content"] and "422" not in responses
+    assert "/v1/models/{model}" in schema["paths"]

@@ -35,10 +35,10 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       ErrorResponse, ModelCard, ModelList, error_body)
+from .protocol import (APIError, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
+                       CompletionRequest, CompletionResponse, ErrorResponse, ModelCard, ModelList, error_body)
 from .responses import ResponsesServing
-from .responses_protocol import ResponseObject, ResponsesRequest
+from .responses_protocol import ResponseObject, ResponsesRequest, ResponseStreamEvent
 from .serving import OpenAIServing
 
 log = logging.getLogger("blockpress.server")
@@ -301,20 +301,17 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
     async def model(model: str):
         return serving.model(model)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=streamed("chat.completion.chunk"))
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=streamed(ChatCompletionChunk))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return _respond(await serving.chat(req, request.is_disconnected))
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=streamed("text_completion"))
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=streamed(CompletionChunk))
     async def completions(req: CompletionRequest, request: Request):
         return _respond(await serving.completion(req, request.is_disconnected))
 
     responses = ResponsesServing(serving)
 
-    @app.post("/v1/responses", response_model=ResponseObject, responses={**ERRORS, 200: {
-        "description": "the response; with `stream: true` server-sent events instead: `event: TYPE` + `data: JSON` "
-                       "(response.created ... response.output_text.delta ... response.completed)",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
+    @app.post("/v1/responses", response_model=ResponseObject, responses=streamed(ResponseStreamEvent))
     async def create_response(req: ResponsesRequest, request: Request):
         return _respond(await responses.create(req, request.is_disconnected))
 
@@ -331,6 +328,10 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
                     op.get("responses", {}).pop("422", None)
             for unused in ("HTTPValidationError", "ValidationError"):
                 schema["components"]["schemas"].pop(unused, None)
+            for model in STREAMED:  # the events' schemas, which the streamed responses refer to
+                event = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+                for name, sub in {**event.pop("$defs", {}), model.__name__: event}.items():
+                    schema["components"]["schemas"].setdefault(name, sub)
             lim = serving.limits
             caps = {"max_tokens": lim.max_tokens, "max_completion_tokens": lim.max_tokens,
                     "steps": lim.max_steps, "max_denoising_steps": lim.max_steps}
@@ -359,9 +360,18 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
     return app
 
 
-def streamed(obj: str) -> dict:
-    """The responses of a generation route: its JSON body, or with `stream: true` server-sent events."""
-    return {**ERRORS, 200: {"description": f"the result; with `stream: true` server-sent events instead: "
-                                           f"`data: <{obj} JSON>` lines, then `data: [DONE]`",
-                            "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+STREAMED = (ChatCompletionChunk, CompletionChunk, ResponseStreamEvent)
+
+
+def streamed(event) -> dict:
+    """The responses of a generation route: its JSON body, or with `stream: true` server-sent events, each
+    described by `schema` (OpenAPI 3.1's reading of an event stream): `data` is an `event` model as JSON, an
+    error body, or `[DONE]` (chat and completions end with it; /v1/responses names each event's type in `event`)."""
+    ref = {"$ref": f"#/components/schemas/{event.__name__}"}
+    data = {"type": "string", "anyOf": [{"const": "[DONE]"}, {
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [ref, {"$ref": "#/components/schemas/ErrorResponse"}]}}]}
+    sse = {"type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}}}
+    return {**ERRORS, 200: {"description": f"the result; with `stream: true` server-sent events of {event.__name__}",
+                            "content": {"text/event-stream": {"schema": sse}}}}
 

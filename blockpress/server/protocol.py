@@ -417,6 +417,39 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ChunkToolCall(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ChunkToolCall] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (`data: <chunk>`)."""
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = Field(None, description="the last chunk, with stream_options.include_usage")
+    blockpress: dict[str, Any] | None = Field(None, description="blockpress: a draft or commit frame, with "
+                                              "stream_options.include_drafts (choices is empty then)")
+
+
 # ----------------------------------------------------------------------------- completions
 
 
@@ -476,6 +509,25 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: Literal["stop", "length"]
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion (`data: <chunk>`)."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = Field(None, description="the last chunk, with stream_options.include_usage")
+    blockpress: dict[str, Any] | None = Field(None, description="blockpress: a draft or commit frame, with "
+                                              "stream_options.include_drafts (choices is empty then)")
 
 
 class CompletionResponse(BaseModel):

@@ -328,3 +328,26 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+
+
+STREAM_EVENTS = ("response.created", "response.in_progress", "response.output_item.added",
+                 "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                 "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+                 "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                 "response.output_item.done", "response.completed", "response.incomplete", "response.failed")
+
+
+class ResponseStreamEvent(BaseModel):
+    """One server-sent event of a streamed response (`event: TYPE`, `data: <event>`): the fields its type has."""
+    type: Literal[STREAM_EVENTS]
+    sequence_number: int
+    response: ResponseObject | None = None
+    output_index: int | None = None
+    item: OutputItem | None = None
+    item_id: str | None = None
+    content_index: int | None = None
+    part: Union[OutputText, ReasoningText, None] = None
+    delta: str | None = None
+    text: str | None = None
+    arguments: str | None = None
+    logprobs: list[Any] | None = None

@@ -242,7 +242,8 @@ def state_dict_for_checkpoint(module: torch.nn.Module) -> dict[str, torch.Tensor
 
 
 def write_atomic(folder: Path, files: dict) -> None:
-    """Write files into `folder` via a temp dir + rename, so a failure never leaves a half checkpoint."""
+    """Write files into `folder` via a temp dir (`.NAME.*` beside it) + rename, so a failure never leaves a half
+    checkpoint: the temp dir is removed whatever the failure."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -263,10 +264,12 @@ def write_atomic(folder: Path, files: dict) -> None:
             _rmtree(old)
         else:
             os.replace(tmp, folder)
-    except OSError as e:
+    except BaseException as e:  # any writer's failure (torch: RuntimeError, safetensors: SafetensorError), Ctrl-C
         _rmtree(tmp)
-        raise CheckpointError(f"could not write checkpoint to {folder} ({e.strerror or e}); free disk space or "
-                              "choose another path; nothing was overwritten") from e
+        if isinstance(e, OSError):
+            raise CheckpointError(f"could not write checkpoint to {folder} ({e.strerror or e}); free disk space or "
+                                  "choose another path; nothing was overwritten") from e
+        raise
 
 
 def _rmtree(p: Path) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,10 +96,10 @@ COMPILE_HELP = ("torch.compile each decoder block (norms, residual adds and RoPE
                 "to a minute (blockpress/kernels/compiled.py)")
 
 
-def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
+                   default: str = f"the shipped Sudoku model, {DEFAULT_MODEL}") -> None:
     p.add_argument("model", nargs="?", metavar="MODEL",
-                   help="checkpoint folder, Hub id, or a shipped model's name: sudoku, kjv "
-                        f"(default: the shipped Sudoku model, {DEFAULT_MODEL})")
+                   help=f"checkpoint folder, Hub id, or a shipped model's name: sudoku, kjv (default: {default})")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
@@ -200,10 +201,15 @@ def load_model(args):
         from ..errors import InputError
 
         raise InputError("--merge-adapter needs --adapter DIR")
+    watch = None
     if getattr(args, "threads", None):
         import torch
 
         torch.set_num_threads(args.threads)
+    elif "OMP_NUM_THREADS" not in os.environ:  # measure the other processes' load while the model loads
+        from .threads import CpuWatch
+
+        watch = CpuWatch()
     graphs = getattr(args, "cuda_graphs", False)
     if graphs:
         from ..errors import InputError
@@ -222,6 +228,14 @@ def load_model(args):
                          progress=sys.stderr.isatty(), precision=getattr(args, "precision", "native"),
                          linears=getattr(args, "linears", "native"),
                          experts="loop" if reference else "auto", attention="sdpa" if reference else "auto")
+    if watch is not None and lm.device.type == "cpu":  # one thread per free core (cli/threads.py)
+        from .threads import default_threads
+
+        n = default_threads(watch.load())
+        if n is not None:
+            import torch
+
+            torch.set_num_threads(n)
     if getattr(args, "adapter", None):
         from ..train.lora import apply_adapter
 
@@ -297,12 +311,32 @@ def stats_of(result, n_tokens: int) -> dict[str, Any]:
 def stats_line(s: dict[str, Any]) -> str:
     return (f"{s['tokens']} tokens in {s['seconds']:.2f}s · {s['tokens_per_second'] or 0:.1f} tokens/s · "
             f"{s['tokens_per_forward']:.2f} tokens/forward · {s['mean_steps_per_canvas']:.1f} steps/canvas "
-            f"({len(s['steps_per_canvas'])} canvases) · first commit {1000 * s['time_to_first_commit']:.0f} ms")
+            f"({len(s['steps_per_canvas'])} canvases) · first commit {1000 * s['time_to_first_commit']:.0f} ms"
+            + (f" · {s['cpu_note']}" if s.get("cpu_note") else ""))
+
+
+def cpu_stats(stats: dict[str, Any], watch, device) -> dict[str, Any]:
+    """Add what the CPU did during the run (threads, cores, other processes' load) to `stats`; on a CPU shared
+    with busy processes `cpu_note` says so (the stats line shows it)."""
+    if watch is None or device.type != "cpu":
+        return stats
+    import torch
+
+    from .threads import threads_note
+
+    load, n = watch.load(min_seconds=0), torch.get_num_threads()
+    if load is not None:
+        stats["cpu"] = {"threads": n, "cores": load.cores, "others_busy": load.others}
+        stats["cpu_note"] = threads_note(load, n) or None
+    return stats
 
 
 def read_prompt(prompt: str | None) -> str | None:
+    """The prompt argument, or stdin ('-' or a pipe) without the newline `echo` and editors end it with, so
+    `echo TEXT | blockpress run` is the same prompt (and the same text for a seed) as `blockpress run TEXT`."""
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        return sys.stdin.read()
+        text = sys.stdin.read()
+        return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
     return prompt
 
 
@@ -330,7 +364,7 @@ def main(args) -> int:
 
     lm = load_model(args)
     prompt = read_prompt(args.prompt)
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # text is never hard-wrapped (a pipe or a file gets it whole)
     gen = torch.Generator(device=lm.device).manual_seed(args.seed) if args.seed is not None else None
     live = not (args.no_live or args.json)
     if task_of(lm) == "sudoku":
@@ -357,12 +391,15 @@ def main(args) -> int:
     kw = {**text_defaults(lm), **sampling_kwargs(args)}
     cfg = lm.generation_config(**kw)  # validates: SamplingError -> one-line error, exit 2
     ids = lm.encode_chat(prompt, enable_thinking=args.thinking, chat=False if args.raw else None)
+    from .threads import CpuWatch
+
+    watch = CpuWatch()
     result = _generate(lm, ids, kw, gen, _text_view(lm, console, live), decode=True)
     tokens, reason = returned_tokens(result.new_tokens[0].tolist(), cfg.eos_token_id, cfg.max_new_tokens)
     from ..parsing import parse_output
 
     parsed = parse_output(lm.tokenizer.decode(tokens), reason, control_tokens=lm.tokenizer.special_tokens)
-    stats = stats_of(result, len(tokens))
+    stats = cpu_stats(stats_of(result, len(tokens)), watch, lm.device)
     if args.json:
         print(json.dumps({"text": parsed.content, "reasoning": parsed.reasoning,
                           "tool_calls": [c.to_openai() for c in parsed.tool_calls],

@@ -413,6 +413,10 @@ def test_run_works_with_only_the_core_dependencies(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "answer (red: wrong or blank):" in r.stdout
+    serve = code.replace("['run', '--no-live', '--steps', '2', '--seed', '0']", "['serve', 'kjv']")
+    r = subprocess.run([sys.executable, "-c", serve], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().endswith("pip install 'blockpress[server]'"), r.stderr[-2000:]
+    assert "\n" not in r.stderr.strip()
 
 
 def test_run_output_is_not_hard_wrapped(model_dir, capsys):
@@ -433,6 +437,7 @@ def test_piped_prompt_drops_its_trailing_newline(model_dir, capsys, monkeypatch)
     assert piped["prompt_ids"] == direct["prompt_ids"] and piped["token_ids"] == direct["token_ids"]
 
 
+@pytest.mark.timeout(60)  # unbounded, the run would denoise 100000 steps per canvas
 @pytest.mark.parametrize("flag", ["--steps", "--max-denoising-steps"])
 def test_steps_are_bounded_as_the_server_bounds_them(model_dir, capsys, flag):
     """--steps 100000 was accepted silently (hours of denoising); the server's limit is 1024 per canvas."""
@@ -441,6 +446,7 @@ def test_steps_are_bounded_as_the_server_bounds_them(model_dir, capsys, flag):
     assert e.value.code == 2 and f"{flag}: expected an integer in 1..1024, got 100000" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(120)
 def test_chat_refuses_a_model_without_a_chat_template(capsys, monkeypatch):
     """`blockpress chat kjv` wrapped the turns in a built-in template the model never saw; serve refuses it."""
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))

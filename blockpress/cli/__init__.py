@@ -25,6 +25,9 @@ COMMANDS = {
 }
 
 
+# optional packages -> the extra (pyproject.toml) that installs them
+EXTRAS = {"fastapi": "server", "uvicorn": "server", "pydantic": "server", "starlette": "server",
+          "matplotlib": "train", "peft": "train", "triton": "gpu"}
 ALL = object()  # build_parser(ALL): every command's flags
 
 
@@ -63,6 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._module.main(args) or 0)
     except BlockpressError as e:
         print(f"blockpress {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"blockpress {args.command}: error: this command needs the '{extra}' extra ({e.name} is not "
+              f"installed); pip install 'blockpress[{extra}]'", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

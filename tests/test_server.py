@@ -969,7 +969,8 @@ def test_cors_preflight_and_host_check(server, server2):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
     r = httpx.get(server2.url + "/v1/models", headers={"Origin": "http://app.example"})
     assert r.headers["access-control-allow-origin"] == "http://app.example"
-    assert httpx.options(server2.url + "/v1/models", headers={**pre, "Origin": "http://evil.example"}).status_code == 400
+    evil = {**pre, "Origin": "http://evil.example"}
+    assert httpx.options(server2.url + "/v1/models", headers=evil).status_code == 400
     r = httpx.get(server.url + "/v1/models", headers={"Origin": "http://app.example"})  # no --allowed-origins
     assert "access-control-allow-origin" not in r.headers
     r = httpx.get(server.url + "/v1/models", headers={"Host": f"evil.example:{server.port}"})
@@ -1021,7 +1022,8 @@ def test_chunked_body_over_the_limit_is_413_and_a_slow_body_408(lm):
         for _ in range(4):
             yield b" " * 400  # no Content-Length: chunked
 
-    r = asyncio.run(_asgi(app, "POST", "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}))
+    json_type = {"Content-Type": "application/json"}
+    r = asyncio.run(_asgi(app, "POST", "/v1/completions", content=chunks(), headers=json_type))
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
     async def slow():

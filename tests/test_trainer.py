@@ -371,9 +371,11 @@ def _full_disk_cases():
     """(what raises, how): the exception types a full disk really produces in each writer."""
     from safetensors import SafetensorError
 
-    enospc = "Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })"
+    enospc = ("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on "
+              "device\" })")
     return {
-        "torch.save": (RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 320 vs 0"), "RuntimeError"),
+        "torch.save": (RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 320 vs 0"),
+                       "RuntimeError"),
         "safetensors": (SafetensorError(enospc), "SafetensorError"),
         "oserror": (OSError(28, "No space left on device"), "No space left on device"),
     }
@@ -423,7 +425,8 @@ def test_resume_cleans_what_an_interrupted_save_left(tmp_path, capsys):
     assert cli_main([*args, "--resume"]) == 0
     assert "removed what an interrupted save left: .checkpoint-0000004.x1y2, checkpoint-0000006, latest.tmp" in \
         capsys.readouterr().out
-    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-0000002", "checkpoint-0000004"]
+    left = sorted(p.name for p in out.iterdir() if "checkpoint" in p.name)
+    assert left == ["checkpoint-0000002", "checkpoint-0000004"]
     assert [json.loads(r)["step"] for r in open(out / "metrics.jsonl")] == [1, 2, 3, 4]  # row 3 once, not twice
     assert cli_main(["train", "sudoku", "--out", str(tmp_path / "fresh"), "--steps", "1", *TINY, "--resume"]) == 0
     assert "nothing to resume in" in capsys.readouterr().err

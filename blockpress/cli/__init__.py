@@ -2,7 +2,8 @@
 
 Each command module exposes `add_parser(subparsers)` (registers its flags) and `main(args) -> int`.
 Only the module of the command being run is imported (`blockpress --help` imports none, and no
-torch: it answers at once), and a missing optional extra (server, train) only affects its own command. A `BlockpressError` is
+torch: it answers at once), and a missing optional extra (server, train) only affects its own command,
+which names the extra to install. A `BlockpressError` is
 printed as one line (no traceback) and exits with status 2.
 """
 

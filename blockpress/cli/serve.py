@@ -132,8 +132,8 @@ def main(args) -> int:
     defaults.pop("max_new_tokens", None)  # per request: max_tokens (the flag is Limits.default_max_tokens)
     serving = OpenAIServing(lm, scheduler, name, limits, defaults=defaults, metrics=metrics)
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
-    app = create_app(serving, metrics, api_key=args.api_key, allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
-                     allowed_origins=origins)
+    app = create_app(serving, metrics, api_key=args.api_key, allowed_origins=origins,
+                     allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host))
     if lm.module.device.type == "cuda":  # kernel compiles and graph captures before the first client, not in it
         from ..errors import BlockpressError
 

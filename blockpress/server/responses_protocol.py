@@ -197,12 +197,13 @@ class ResponsesRequest(_DiffusionKnobs, _ResponsesFields):
         self._refuse()
         choice = self.tool_choice
         knobs = self.model_dump(include=set(_DiffusionKnobs.model_fields), exclude_none=True)
+        tools = [{"type": "function", "function": t.model_dump(include={"name", "description", "parameters"},
+                                                               exclude_none=True)} for t in self.tools or []]
         body = {
             "messages": self.messages(), "model": self.model, "max_completion_tokens": self.max_output_tokens,
             "seed": self.seed, "stream": self.stream, "user": self.user,
             "reasoning_effort": self.reasoning.effort if self.reasoning else None,
-            "tools": [{"type": "function", "function": t.model_dump(include={"name", "description", "parameters"},
-                                                                    exclude_none=True)} for t in self.tools or []] or None,
+            "tools": tools or None,
             "tool_choice": {"type": "function", "function": {"name": choice.name}}
             if isinstance(choice, ToolChoiceFunction) else choice,
             "chat_template_kwargs": self.chat_template_kwargs.model_dump() if self.chat_template_kwargs else None,

@@ -92,7 +92,7 @@ def _check_api_key(key: str | None) -> None:
 def _allowed_hosts(arg: str | None, host: str) -> list[str] | None:
     """--allowed-hosts, else the loopback names when bound to loopback (a DNS-rebinding page then cannot
     reach the server through a name of its own), else None (any)."""
-    from ..server.app import LOOPBACK_HOSTS
+    from ..server.middleware import LOOPBACK_HOSTS
 
     if arg:
         return [h.strip() for h in arg.split(",") if h.strip()]

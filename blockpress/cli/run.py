@@ -115,8 +115,8 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
     p.add_argument("--merge-adapter", action="store_true",
                    help="fold the adapter into the weights once at load (faster steps; default: kept separate)")
     p.add_argument("--threads", type=_positive_int, metavar="N",
-                   help="torch CPU threads (default: one per core; on a CPU shared with another busy process, "
-                        "the number of free cores is much faster)")
+                   help="torch CPU threads (default: one per core left free by other processes, measured while "
+                        "the model loads; OMP_NUM_THREADS also sets it)")
     p.add_argument("--reference-kernels", action="store_true",
                    help="run the plain PyTorch references (experts one by one, attention with expanded KV heads) "
                         "instead of the fast kernels: the same function up to rounding, for checking a fast path")

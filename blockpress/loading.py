@@ -211,6 +211,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     except ValueError as e:
         raise InputError(str(e)) from None
     folder = resolve_path(model, progress)
+    _refuse_adapter_folder(folder, model)
     config = ModelConfig.from_file(folder / "config.json")
     gen_path = folder / "generation_config.json"
     gen_defaults = _checkpoint_generation_defaults(gen_path, config.text.vocab_size) if gen_path.is_file() else {}
@@ -239,6 +240,20 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
 
         tok = Tokenizer.from_dir(folder)
     return BlockDiffusionLM(module, config, gen_defaults, tok, folder, options=opts)
+
+
+def _refuse_adapter_folder(folder: Path, model) -> None:
+    """A LoRA adapter (or a LoRA run's checkpoint) holds no model: say which flag takes it."""
+    if (folder / "config.json").is_file() or not (folder / "adapter_config.json").is_file():
+        return
+    try:
+        cfg = _read_json(folder / "adapter_config.json", "adapter_config.json")
+    except ConfigError:
+        cfg = {}
+    base = (cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None) or "BASE_MODEL"
+    raise CheckpointError(f"{model} holds a LoRA adapter (adapter_config.json), not a model; load its base model "
+                          f"with the adapter: blockpress run {base} --adapter {model} (Python: "
+                          "blockpress.train.lora.apply_adapter(lm, folder))")
 
 
 def from_config(config: ModelConfig | dict, device="cpu", dtype=torch.float32, seed: int | None = None,

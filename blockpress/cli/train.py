@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from .run import _float_in, _nonneg_int, _positive_int
@@ -105,7 +106,7 @@ def build(args):
     import torch
 
     import blockpress
-    from blockpress.errors import InputError
+    from blockpress.errors import CheckpointError, InputError
     from blockpress.kernels import use
     from blockpress.train import objective as obj
     from blockpress.train import sizes
@@ -127,6 +128,9 @@ def build(args):
         field = str(e).split(" ", 1)[0]
         raise InputError(f"--{field.replace('_', '-')} {str(e).split(' ', 1)[1]}") from None
     resume_ck = latest_checkpoint(out) if args.resume else None
+    if args.resume and resume_ck is None:
+        print(f"blockpress train: nothing to resume in {out} (no complete checkpoint there): starting from step 0",
+              file=sys.stderr)
     extra = {}
     lora = None
     if args.lora:
@@ -216,7 +220,11 @@ def build(args):
         from blockpress.tasks import sudoku as sd
 
         tokdir.mkdir(parents=True, exist_ok=True)
-        sd.build_tokenizer().save(str(tokdir / "tokenizer.json"))
+        try:
+            sd.build_tokenizer().save(str(tokdir / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception (a full disk, a read-only folder)
+            raise CheckpointError(f"could not write {tokdir / 'tokenizer.json'} ({e}); free disk space or choose "
+                                  "another --out") from None
         lm.path = tokdir
     elif lm.path is not None and Path(lm.path).resolve() != tokdir.resolve():
         from blockpress.lm import TOKENIZER_FILES
@@ -245,20 +253,36 @@ def _is_chat(path: str) -> bool:
     return False
 
 
+def resume_command(args) -> str:
+    """The command line that continues this run: as typed, with --resume."""
+    import shlex
+
+    argv = getattr(args, "_argv", None) or ["train", args.data, "--out", args.out or f"runs/{Path(args.data).stem}"]
+    return shlex.join(["blockpress", *argv, *([] if "--resume" in argv else ["--resume"])])
+
+
 def main(args) -> int:
     import torch
 
     from blockpress.train import distributed as dist
-    from blockpress.train.trainer import Trainer
+    from blockpress.train.trainer import Trainer, clean_stale
 
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world = dist.setup()
     lm, source, eval_source, tcfg, lora, extra, resume_ck = build(args)
+    if args.warmup > args.steps and rank == 0:  # after build: a bad flag or file stays a one-line error
+        print(f"blockpress train: warning: --warmup {args.warmup} is longer than --steps {args.steps}: the learning "
+              f"rate never reaches --lr (it peaks at {100 * args.steps / args.warmup:.0f} % of it); lower --warmup",
+              file=sys.stderr)
     ddp = dist.wrap(lm.module) if world > 1 else None
     trainer = Trainer(lm, source, tcfg, eval_source, lora=lora, rank=rank, world=world, ddp_module=ddp,
-                      extra_files=extra)
+                      extra_files=extra, resume_command=resume_command(args))
     if resume_ck is not None:
+        if rank == 0:
+            removed = clean_stale(tcfg.out_dir)
+            if removed:
+                print(f"removed what an interrupted save left: {', '.join(removed)}")
         trainer.load_state(resume_ck)
         if rank == 0:
             print(f"resumed from {resume_ck} at step {trainer.step}")

@@ -27,12 +27,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from ..errors import BlockpressError
 from ..infill import whole_canvases
 from ..parsing import StreamingParser, ToolCall
+from .budget import encode_within
 from .protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                        CompletionRequest, CompletionResponse, FunctionCall, Limits, ModelCard, ModelList,
                        ResponseMessage, ResponseToolCall, Sampling, Usage)
 from .worker import Handle, Job, QueueFull, RowCommit, RowDraft, RowError, Worker
 
 Disconnected = Callable[[], Awaitable[bool]]
+MODEL_ALIAS = "blockpress"  # a request's `model` may always say this: client code need not know the folder name
 
 
 # ----------------------------------------------------------------------------- text assembly
@@ -180,16 +182,24 @@ class OpenAIServing:
         self.defaults = {**lm.generation_defaults, **lm.text_defaults(), **(defaults or {})}
         lm.generation_config(**self.defaults)  # validate the server-wide defaults once, at startup
         self._pieces: dict[int, str] = {}
+        self.engine_error: str | None = None  # why the last generation failed (/health); None after a success
 
     # ---------------------------------------------------------------- requests -> jobs
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, canvas_length=self.lm.canvas_length,
-                                         chat=self.tok.is_chat)])
+        return ModelList(data=[self._card()])
+
+    def model(self, name: str) -> ModelCard:
+        """GET /v1/models/{name}: the served model's card (by its id or the alias), else 404."""
+        self._check_model(name)
+        return self._card()
+
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, canvas_length=self.lm.canvas_length, chat=self.tok.is_chat)
 
     def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+        if name is not None and name not in (self.model_name, MODEL_ALIAS):
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}' "
+                           f"(also answering to '{MODEL_ALIAS}')", param="model", code="model_not_found")
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not self.tok.is_chat:
@@ -200,20 +210,35 @@ class OpenAIServing:
         if req.tools and req.tool_choice != "none":
             tools = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
-            return self.tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                enable_thinking=req.enable_thinking, tools=tools, tokenize=True)
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                enable_thinking=req.enable_thinking, tools=tools, tokenize=False)
         except BlockpressError as e:
             raise APIError(400, str(e), param="messages") from None
+        return self._encode_within_limit(text, "messages")
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, list):
-            V = self.lm.config.text.vocab_size
-            if max(req.prompt) >= V:
-                raise APIError(400, f"prompt token id {max(req.prompt)} is outside the vocabulary [0, {V})",
-                               param="prompt", code="invalid_value")
-            return list(req.prompt)
-        bos = self.tok.bos_token_id
-        return ([bos] if bos is not None else []) + self.tok.encode(req.prompt)
+    def _encode_within_limit(self, text: str, param: str) -> list[int]:
+        """The prompt's ids; a prompt surely over the limit is refused after counting about `limit` tokens."""
+        ids = encode_within(self.tok.encode, text, self.limits.max_prompt_tokens)
+        if ids is None:
+            raise APIError(400, f"the prompt has more than {self.limits.max_prompt_tokens} tokens, this server's "
+                           "limit; shorten the messages or the tool schemas", param=param,
+                           code="context_length_exceeded")
+        return ids
+
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """The ids of each prompt of the request (token ids as given; text after <bos>)."""
+        V, bos = self.lm.config.text.vocab_size, self.tok.bos_token_id
+        out = []
+        for k, prompt in enumerate(req.prompts):
+            where = "prompt" if len(req.prompts) == 1 else f"prompt.{k}"
+            if isinstance(prompt, list):
+                if max(prompt) >= V:
+                    raise APIError(400, f"{where}: token id {max(prompt)} is outside the vocabulary [0, {V})",
+                                   param=where, code="invalid_value")
+                out.append(list(prompt))
+            else:
+                out.append(([bos] if bos is not None else []) + self._encode_within_limit(prompt, where))
+        return out
 
     def _submit(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None,
                 prompt_field: str = "messages") -> _Run:
@@ -247,6 +272,7 @@ class OpenAIServing:
                     continue
             if isinstance(ev, RowError):
                 run.complete = True
+                self.engine_error = ev.message
                 raise APIError(500, ev.message, type="server_error")
             if isinstance(ev, RowCommit):
                 run.passes += ev.steps
@@ -263,6 +289,7 @@ class OpenAIServing:
 
     def _usage(self, run: _Run, final: Final) -> Usage:
         n, passes = final.completion_tokens, max(run.passes, 1)
+        self.engine_error = None
         if self.metrics is not None:
             self.metrics.generated_tokens.inc(n)
             self.metrics.forward_passes.inc(run.passes)
@@ -297,11 +324,15 @@ class OpenAIServing:
         return runs
 
     async def _collect(self, run: _Run, asm: OutputAssembler, disconnected: Disconnected | None,
-                       tokens_of: Callable[[RowCommit], list[int]]) -> Final:
+                       tokens_of: Callable[[RowCommit], list[int]],
+                       on_delta: Callable[[Delta], None] | None = None) -> Final:
+        """Run to the end; `on_delta` sees each canvas's text as a stream would (the Responses builder)."""
         try:
             async for ev in self._events(run, asm, disconnected):
                 if isinstance(ev, RowCommit):
-                    asm.feed(tokens_of(ev))
+                    d = asm.feed(tokens_of(ev))
+                    if on_delta is not None:
+                        on_delta(d)
         finally:
             self._release(run)
         return asm.finish()
@@ -316,13 +347,15 @@ class OpenAIServing:
             for t in tasks:  # one choice failed or the request was cancelled: stop the others too
                 t.cancel()
 
-    def _usage_all(self, runs: list[_Run], finals: list[Final]) -> Usage:
-        """Usage of all choices: the prompt once, completion tokens and decoder passes summed."""
+    def _usage_all(self, runs: list[_Run], finals: list[Final], per_prompt: int | None = None) -> Usage:
+        """Usage of all choices: each prompt once (runs come in groups of `per_prompt` choices of one prompt;
+        default: all of one prompt), completion tokens and decoder passes summed."""
         us = [self._usage(r, f) for r, f in zip(runs, finals)]
         if len(us) == 1:
             return us[0]
+        prompt = sum(u.prompt_tokens for u in us[::per_prompt or len(us)])
         n, passes = sum(u.completion_tokens for u in us), sum(u.denoising_steps for u in us)
-        return Usage(prompt_tokens=us[0].prompt_tokens, completion_tokens=n, total_tokens=us[0].prompt_tokens + n,
+        return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n,
                      denoising_steps=passes, tokens_per_forward=round(n / max(passes, 1), 4))
 
     def _frame(self, frame: dict[str, Any], index: int, n: int) -> dict[str, Any]:
@@ -363,7 +396,7 @@ class OpenAIServing:
             msg = ResponseMessage(content=None if final.tool_calls and not final.content else final.content,
                                   reasoning_content=final.reasoning,
                                   tool_calls=[ResponseToolCall(id=c.id, function=FunctionCall(
-                                      name=c.name, arguments=c.arguments_json)) for c in final.tool_calls])
+                                      name=c.name, arguments=c.arguments_json)) for c in final.tool_calls] or None)
             choices.append(ChatChoice(index=i, message=msg, finish_reason=final.finish_reason))
         return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
                                       usage=self._usage_all(runs, finals))
@@ -422,7 +455,7 @@ class OpenAIServing:
             await merged.aclose()  # the client went away: free every choice's run now
         yield "data: [DONE]\n\n"
 
-    # ---------------------------------------------------------------- completions
+    # ---------------------------------------------------------------- completions (the same, per prompt)
     def _hole_tokens(self, ev: RowCommit, holes: list[int] | None) -> list[int]:
         """A committed canvas's tokens that belong to the completion (insert mode: the hole's only)."""
         if holes is None:
@@ -433,7 +466,7 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, disconnected: Disconnected | None = None):
         self._check_model(req.model)
         sampling = req.to_sampling(self.limits, self.defaults)
-        ids = await asyncio.to_thread(self.completion_prompt, req)
+        prompts = await asyncio.to_thread(self.completion_prompts, req)
         holes = None
         if req.suffix:  # insert mode: the hole (max_tokens) then the suffix, held fixed on the canvas
             region = [-1] * sampling.max_tokens + await asyncio.to_thread(self.tok.encode, req.suffix)
@@ -443,7 +476,7 @@ class OpenAIServing:
                                param="suffix", code="context_length_exceeded")
             n_new, holes = whole_canvases(region, self.lm.canvas_length)  # past the suffix: -2, discarded
             sampling.cfg = dataclasses.replace(sampling.cfg, max_new_tokens=n_new)
-        runs = self._submit_choices(ids, sampling, fixed_tokens=holes, prompt_field="prompt")
+        runs = self._submit_batch(prompts, sampling, fixed_tokens=holes)
         asms = [self._new_assembler(sampling, chat=False) for _ in runs]
         rid = "cmpl-" + secrets.token_hex(12)
         if req.stream:
@@ -452,7 +485,21 @@ class OpenAIServing:
         return CompletionResponse(id=rid, model=self.model_name,
                                   choices=[CompletionChoice(index=i, text=f.content, finish_reason=f.finish_reason)
                                            for i, f in enumerate(finals)],
-                                  usage=self._usage_all(runs, finals))
+                                  usage=self._usage_all(runs, finals, sampling.n))
+
+    def _submit_batch(self, prompts: list[list[int]], sampling: Sampling,
+                      fixed_tokens: list[int] | None = None) -> list[_Run]:
+        """n runs per prompt, in order (prompt p's choice i is run p * n + i); all or none are admitted."""
+        runs: list[_Run] = []
+        try:
+            for k, ids in enumerate(prompts):
+                runs += self._submit_choices(ids, sampling, fixed_tokens, "prompt" if len(prompts) == 1
+                                             else f"prompt.{k}")
+        except APIError:
+            for r in runs:
+                self._release(r)
+            raise
+        return runs
 
     async def _completion_stream(self, rid: str, runs: list[_Run], asms: list[OutputAssembler], sampling: Sampling,
                                  disconnected: Disconnected | None,
@@ -490,7 +537,7 @@ class OpenAIServing:
         try:
             async for c in merged:
                 yield c
-            usage = self._usage_all(runs, finals)
+            usage = self._usage_all(runs, finals, sampling.n)
             if sampling.include_usage:
                 yield chunk(0, None, usage=usage.model_dump())
         except APIError as e:

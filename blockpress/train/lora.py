@@ -123,9 +123,21 @@ def save_adapter(module: nn.Module, path: str | Path, spec: LoraSpec | None = No
     return Path(path)
 
 
+def adapter_folder(path: str | Path) -> Path:
+    """An adapter folder as given, or a LoRA training run's folder: the checkpoint its `latest` file names."""
+    path = Path(path)
+    latest = path / "latest"
+    if not (path / "adapter_config.json").is_file() and latest.is_file():
+        ck = path / latest.read_text().strip()
+        if (ck / "adapter_config.json").is_file():
+            return ck
+    return path
+
+
 def _read_adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
+    path = adapter_folder(path)
     cfg_p, w_p = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not cfg_p.is_file() or not w_p.is_file():
         raise CheckpointError(f"{path} is not a LoRA adapter folder (needs adapter_config.json and "

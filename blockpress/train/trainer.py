@@ -10,6 +10,10 @@ Invariants:
 - Checkpoints: `out_dir/checkpoint-<step>/` in the Hugging Face layout (model.save, atomic) plus
   `trainer_state.pt` (optimizer, scheduler, step, history, RNG), or the PEFT adapter files for LoRA runs;
   `out_dir/latest` names the newest complete checkpoint and is replaced atomically after it is written.
+- A save that fails, whatever raised (OSError, torch's RuntimeError, safetensors' SafetensorError, ...),
+  removes what it wrote, leaves `latest` where it was and raises one CheckpointError line with the cause and
+  the command that resumes. A resumed run first removes what an interrupted save left (`clean_stale`), and
+  `metrics.jsonl` restarts at the checkpoint's step.
 - Logs: `out_dir/metrics.jsonl` (one JSON object per logged step / eval) and `out_dir/loss.png`.
 """
 
@@ -71,12 +75,30 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return ck if (ck / "trainer_state.pt").is_file() else None
 
 
+def clean_stale(out_dir: str | Path) -> list[str]:
+    """Remove what interrupted saves left in a run folder: temp folders of atomic writes (`.checkpoint-*`),
+    temp files, and checkpoint folders without a trainer state (other than the one `latest` names).
+    Returns the names removed."""
+    out = Path(out_dir)
+    keep = latest_checkpoint(out)
+    stale = [p for p in out.glob(".checkpoint-*")] + [p for p in (out / "latest.tmp", out / "metrics.jsonl.tmp")
+                                                       if p.exists()]
+    stale += [p for p in out.glob("checkpoint-*") if p.is_dir() and not (p / "trainer_state.pt").is_file()
+              and (keep is None or p.resolve() != keep.resolve())]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return sorted(p.name for p in stale)
+
+
 class Trainer:
     def __init__(self, lm, source: Source, cfg: TrainConfig, eval_source: Source | None = None,
-                 lora=None, rank: int = 0, world: int = 1, ddp_module=None, extra_files: dict | None = None):
+                 lora=None, rank: int = 0, world: int = 1, ddp_module=None, extra_files: dict | None = None,
+                 resume_command: str | None = None):
         """lm: BlockDiffusionLM being trained (lm.module). lora: a lora.LoraSpec when training adapters
-        (the module must already carry them). ddp_module: DDP wrapper of lm.module (distributed.py)."""
+        (the module must already carry them). ddp_module: DDP wrapper of lm.module (distributed.py).
+        resume_command: what a failed save tells the user to run (default: "--resume")."""
         self.lm, self.source, self.cfg, self.eval_source = lm, source, cfg, eval_source
+        self.resume_command = resume_command or "the same command with --resume"
         self.lora, self.rank, self.world = lora, rank, world
         self.model = ddp_module if ddp_module is not None else lm.module
         self.extra_files = extra_files or {}
@@ -167,16 +189,15 @@ class Trainer:
         if self.rank == 0:
             try:
                 self._write_checkpoint(path)
-            except (OSError, CheckpointError) as e:
+            except Exception as e:  # a full disk raises OSError, RuntimeError (torch), SafetensorError, Exception
                 last = latest_checkpoint(self.out)
                 if last is None or last.resolve() != path.resolve():
                     shutil.rmtree(path, ignore_errors=True)
-                cause = e if isinstance(e, OSError) else e.__cause__
-                why = getattr(cause, "strerror", None) or str(cause or e)
+                clean_stale(self.out)
                 raise CheckpointError(
-                    f"could not write {path} ({why}); free disk space, then continue with --resume "
+                    f"could not write {path} ({_cause(e)}); free disk space, then continue "
                     + (f"from {last.name}" if last is not None else "(no complete checkpoint yet: it starts over)")
-                ) from None
+                    + f": {self.resume_command}") from None
             self._prune()
             self.plot()
         if self.world > 1:
@@ -264,6 +285,14 @@ class Trainer:
                 if cfg.stop_after is not None and done_here >= cfg.stop_after:
                     break
         return self.history
+
+
+def _cause(e: BaseException) -> str:
+    """The first line of what went wrong, under the wrappers (CheckpointError over OSError)."""
+    inner = e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ is not None else e
+    lines = str(inner).strip().splitlines()
+    text = getattr(inner, "strerror", None) or (lines[0] if lines else "")
+    return f"{type(inner).__name__}: {text[:200]}" if text else type(inner).__name__
 
 
 def _jsonable(x):

@@ -310,12 +310,13 @@ def test_fixed_shape_passes_on_a_ring_match_the_eager_passes(tiny):
     canvas = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(4))
     sc = torch.randn(2, 8, 512, generator=torch.Generator().manual_seed(5))
     on = torch.ones(2, dtype=torch.bool)
+    tol = 5e-5  # fp32, values of order 1: the ring's gathered window sums in another order than the flat cache
     for step in range(3):
         T = flat.length
         ring.ensure_capacity(T + 16, write=16)
         got = m.decode(canvas, ring, sc, on, start=torch.tensor(T))
         ring.note_write(T, 8)
-        assert (got - m.decode(canvas, flat, sc)).abs().max() < 2e-5
+        assert (got - m.decode(canvas, flat, sc)).abs().max() < tol
         if step == 1:  # a fused commit + first step, then a plain commit
             got = m.encode_decode(canvas, canvas, ring, None, sc, on, start=torch.tensor(T))
             ring.note_write(T, 16)
@@ -325,12 +326,12 @@ def test_fixed_shape_passes_on_a_ring_match_the_eager_passes(tiny):
             ring.note_write(T, 8)
             want = m.encode(canvas, flat)
         ring.length = flat.length
-        assert (got - want).abs().max() < 2e-5
+        assert (got - want).abs().max() < tol
     L = flat.length
     for i, layer in enumerate(m.layers):
         lo = 0 if layer.full else L - 8
         for x, y in zip(flat.span(i, lo, L), ring.span(i, lo, L)):
-            assert (x - y).abs().max() < 2e-5
+            assert (x - y).abs().max() < tol
 
 
 def _gen(lm, ids, ring, **kw):

@@ -32,13 +32,15 @@ needs_ptxas = pytest.mark.skipif(not _ptxas(), reason="needs triton with its bun
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def report(tmp_path_factory, request):
+    """The H100's kernels at batch 1 (~80 s on 2 cores); with --runslow also the RTX 40xx's and batch 4 (~4 min)."""
     tmp = tmp_path_factory.mktemp("compile")
     out = tmp / "report.json"
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp / "cache"))  # compile for real, not from an old cache
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--arch", "90,89",
-                           "--batch", "1,4", "--linears", "int8,fp8", "--grid", "bn=128,256;bk=128", "--out",
-                           str(out)],
+    full = request.config.getoption("--runslow")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--arch",
+                           "90,89" if full else "90", "--batch", "1,4" if full else "1", "--linears", "int8,fp8",
+                           "--grid", "bn=128,256;bk=128", "--out", str(out)],
                           capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.returncode, json.loads(out.read_text()), proc.stdout
@@ -48,7 +50,8 @@ def report(tmp_path_factory):
 def test_every_kernel_compiles_and_would_launch(report):
     rc, result, stdout = report
     assert rc == 0 and result["failed"] == 0, stdout[-4000:]
-    for arch in ("90", "89"):
+    assert "90" in result["archs"]
+    for arch in result["archs"]:
         rows = result["archs"][arch]["kernels"]
         assert {r["kernel"] for r in rows} == {"_moe_up_kernel", "_moe_down_kernel", "_moe_sum_kernel",
                                                "_linear_q_kernel", "_softcap_kernel", "_fused_sampler_kernel"}
@@ -120,12 +123,15 @@ def test_int4_dequantisation_stays_cheap(report):
     3.6 ms of bytes and 3.75 ms at batch 4 (instruction-bound); bm=auto now sizes it for the routing's spread."""
     _, result, _ = report
     model = {(r["experts"], r["batch"]): r for r in result["archs"]["90"]["issue_model"]}
-    assert set(model) == {(e, b) for e in ("native", "fp8", "int4") for b in (1, 4)}
-    one, four = model["int4", 1], model["int4", 4]
+    batches = {b for _, b in model} | {1}  # batch 4 with --runslow
+    assert set(model) == {(e, b) for e in ("native", "fp8", "int4") for b in batches}
+    one = model["int4", 1]
     assert one["up_instr_per_weight"] < 3.6 and one["down_instr_per_weight"] < 4.2
-    assert one["m_blocks_per_expert"] < 1.01 and four["m_blocks_per_expert"] < 1.01
+    assert one["m_blocks_per_expert"] < 1.01
     assert one["issue_ms"] < 0.75 * one["bytes_ms"]  # margin under the bytes
-    assert four["issue_ms"] < four["bytes_ms"]
+    if 4 in batches:
+        four = model["int4", 4]
+        assert four["m_blocks_per_expert"] < 1.01 and four["issue_ms"] < four["bytes_ms"]
     assert all(row["bound"] == "memory" for row in model.values())
     # Little's law: each expert kernel keeps more bytes in flight per SM (resident blocks x stages issued ahead)
     # than an H100's bandwidth x loaded latency needs; short of it, no kernel could reach the bandwidth

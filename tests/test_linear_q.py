@@ -64,7 +64,8 @@ def test_triton_kernel_with_other_tiles_and_a_split_k_equals_the_torch_reference
     assert out.dtype == x.dtype and out.shape == (M, O)
     assert _rel(out, ref) < 1e-5
     m.backend, m.tiles = "triton", tiles  # what kernels.select sets from the option: the module runs them
-    assert torch.equal(m(x), out)
+    again = m(x)  # a split K adds its parts atomically, in whatever order they finish: equal up to that order
+    assert torch.equal(again, out) if tiles["split_k"] == 1 else _rel(again, out) < 1e-6
 
 
 def test_linear_tile_specs_are_checked():

@@ -133,22 +133,12 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     generators).
     passes: the passes to run (`GraphedPasses` under CUDA graphs); None: the module's own.
     """
-    options = options or Options()
-    sampler, compact_rows = options.sampler, options.compact_rows
     ids, mask, fixed_tokens, n_canvases, T_start = _check(module, input_ids, cfg, canvas_length, attention_mask,
                                                           generator, cache, fixed_tokens)
-    B, S = ids.shape
-    per_row = isinstance(generator, (list, tuple))
-    graphed = hasattr(passes, "sc_buffer")  # CUDA graphs (or a wrapper of them): fixed buffers
-    if compact_rows and graphed and not per_row:
-        raise InputError("compact_rows=True with one generator cannot run on CUDA-graphed passes; give one "
-                         "generator per row (generator=[...]), or generate without CUDA graphs")
-    compact = per_row and B > 1 if compact_rows is None else bool(compact_rows)
-    rows = [Row(cfg, n_canvases, index=i, prompt_length=S, generator=generator[i] if per_row else None,
-                fixed=None if fixed_tokens is None else fixed_tokens[i]) for i in range(B)]
-    runner = Runner(module, passes, compact=compact)
-    engine = Engine(runner, _Batch(Admission(rows, T_start + S, ids, mask, cache)), sampler, options.fuse_commit,
-                    per_row, None if per_row else generator)
+    S = ids.shape[1]
+    engine, rows = _engine(module, ids, mask, cfg, n_canvases, T_start, generator, cache, fixed_tokens,
+                           options or Options(), passes)
+    runner = engine.runner
     if decoder_input_ids is not None or self_conditioning_logits is not None:
         engine.first = (decoder_input_ids, self_conditioning_logits)
     seq, steps_per_canvas, canvas_seconds = ids, [], []
@@ -185,12 +175,28 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     pad = cfg.pad_token_id
     valid = (new_tokens != pad).sum(dim=-1) if pad is not None else new_tokens.shape[1]
     passes_t = torch.tensor([r.passes for r in rows], dtype=torch.int32, device=ids.device)
-    result = GenerationResult(
+    yield Finished(GenerationResult(
         sequences=seq, tokens_per_forward=valid / passes_t, steps_per_canvas=steps_per_canvas,
         canvas_seconds=canvas_seconds, prompt_length=S, prefill_seconds=prefill_seconds,
         first_commit_seconds=first_commit, total_seconds=time.perf_counter() - t_start,
-        forward_passes=passes_t, cache=runner.cache)
-    yield Finished(result)
+        forward_passes=passes_t, cache=runner.cache))
+
+
+def _engine(module, ids, mask, cfg, n_canvases: int, T_start: int, generator, cache, fixed_tokens,
+            options: Options, passes):
+    """The engine for one Python batch (every row admitted at once) and its rows."""
+    B, S = ids.shape
+    per_row = isinstance(generator, (list, tuple))
+    graphed = hasattr(passes, "sc_buffer")  # CUDA graphs (or a wrapper of them): fixed buffers
+    if options.compact_rows and graphed and not per_row:
+        raise InputError("compact_rows=True with one generator cannot run on CUDA-graphed passes; give one "
+                         "generator per row (generator=[...]), or generate without CUDA graphs")
+    compact = per_row and B > 1 if options.compact_rows is None else bool(options.compact_rows)
+    rows = [Row(cfg, n_canvases, index=i, prompt_length=S, generator=generator[i] if per_row else None,
+                fixed=None if fixed_tokens is None else fixed_tokens[i]) for i in range(B)]
+    engine = Engine(Runner(module, passes, compact=compact), _Batch(Admission(rows, T_start + S, ids, mask, cache)),
+                    options.sampler, options.fuse_commit, per_row, None if per_row else generator)
+    return engine, rows
 
 
 def generate(module, input_ids, cfg, canvas_length, **kwargs) -> GenerationResult:

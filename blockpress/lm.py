@@ -2,7 +2,7 @@
 
 It owns no math: generation is `engine.generate.stream` over `self.module`; generation
 parameters resolve as keyword arguments > the checkpoint's generation_config.json > the
-reference defaults (spec 4.1), validated once into a `GenerationConfig`. How it runs (sampler, fused
+reference defaults, validated once into a `GenerationConfig`. How it runs (sampler, fused
 commits, row compaction, CUDA graphs, compile, kernels) is `self.options`, set at load or by `configure`.
 """
 

@@ -4,7 +4,7 @@ Job: the engine decodes the generated ids WITHOUT skipping special tokens; this 
 that text into `reasoning` (thought channel), `content` and `tool_calls`, either at once
 (`parse_output`) or incrementally while streaming (`StreamingParser`).
 
-Grammar handled (Gemma 4 output format, spec/inference.md 1.5):
+Grammar handled (Gemma 4 output format):
 - `<|channel>NAME\\n ... <channel|>`: a channel block. NAME `thought` (or any name other than
   final/answer/response/content) goes to `reasoning`; the header line is dropped. An unclosed
   block (generation cut by length) is reasoning to the end.

@@ -15,7 +15,7 @@ Invariants:
 - `StreamDecoder` emits text deltas whose concatenation equals `decode(all ids)` (given the same
   `skip_special_tokens`); it never emits a partial multi-byte character: text whose tail decodes
   to U+FFFD is held back until the following ids complete it or `flush()` is called.
-- Gemma 4 special-token ids are listed in `GEMMA4_SPECIAL_TOKENS` (spec/inference.md 1.5).
+- Gemma 4 special-token ids are listed in `GEMMA4_SPECIAL_TOKENS`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ __all__ = [
     "Tokenizer",
 ]
 
-# Gemma 4 special tokens and their ids in the released vocabulary (spec 1.5).
+# Gemma 4 special tokens and their ids in the released vocabulary.
 GEMMA4_SPECIAL_TOKENS: dict[str, int] = {
     "<pad>": 0,
     "<eos>": 1,

@@ -4,7 +4,7 @@ them in its help)."""
 from __future__ import annotations
 
 PRESETS = {
-    # the spec 6.1 tiny model: CI-sized, runs in seconds on a CPU
+    # the reference's tiny test model: CI-sized, runs in seconds on a CPU
     "tiny": (dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, num_experts=8,
                   top_k_experts=3, moe_intermediate_size=32, sliding_window=8, max_position_embeddings=4096,
@@ -15,7 +15,7 @@ PRESETS = {
                    num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
                    num_experts=32, top_k_experts=4, moe_intermediate_size=128, sliding_window=128,
                    max_position_embeddings=8192), 64, 128, 128),
-    # google/diffusiongemma-26B-A4B-it text stack (spec 1.5)
+    # google/diffusiongemma-26B-A4B-it text stack
     "real-26b": (dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
                       num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256,
                       global_head_dim=512, num_experts=128, top_k_experts=8, moe_intermediate_size=704,

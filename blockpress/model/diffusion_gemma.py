@@ -95,7 +95,7 @@ class DiffusionGemmaModel(nn.Module):
         # that is smaller than the capacity (model/cache.py); False: every position in every layer (the same numbers)
         self.ring_cache = True
         # training (blockpress.train): recompute decoder layers in backward. Encoder layers are never
-        # checkpointed: they write the KV cache (spec training.md §4.3).
+        # checkpointed: they write the KV cache.
         self.gradient_checkpointing = False
         self._scales: dict = {}  # (dtype, device) -> sqrt(H) on that device: made once, not copied per pass
         self._rope_memo: dict = {}  # (start, length, dtype, device) -> rotary tables (see `_rope`)
@@ -193,7 +193,7 @@ class DiffusionGemmaModel(nn.Module):
         return self.ops.softcap(logits, cap)
 
     def soft_embedding(self, sc_logits: torch.Tensor) -> torch.Tensor:
-        """softmax(sc_logits) @ E [B, C, H] in the weight dtype (spec 2.10's soft embedding), or what `ops` puts
+        """softmax(sc_logits) @ E [B, C, H] in the weight dtype (the soft embedding), or what `ops` puts
         in its place (the top-K approximation, `sc_topk`)."""
         w = self.embed_tokens.weight
         if self.ops.soft_embedding is not None:

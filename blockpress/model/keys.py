@@ -2,7 +2,7 @@
 
 Shape legend: B batch, S encoder chunk, C canvas length, L keys read, P cache capacity, W sliding window.
 
-The rules (spec 3.2 / 3.4), written once (`encoder_sees`, `decoder_sees`) and applied to a set of key positions:
+The rules, written once (`encoder_sees`, `decoder_sees`) and applied to a set of key positions:
 - encoder (commit / prompt) query at q: causal, keys k <= q; sliding layers also k > q - W. A bidirectional
   encoder: every k of the prompt, sliding layers |k - q| <= W. Left padding (`cache.valid`) is never seen.
 - decoder (canvas at [T, T+C)): the cached keys k < T (sliding layers k >= T - (W-1)) that are not padding, and

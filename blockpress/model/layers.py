@@ -52,7 +52,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
-    """fp32 inverse frequencies [D/2] for 'default' or 'proportional' RoPE (spec 2.3)."""
+    """fp32 inverse frequencies [D/2] for 'default' or 'proportional' RoPE."""
     theta = float(params.get("rope_theta", 10000.0))
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv = 1.0 / (theta ** exponents)

@@ -1,4 +1,4 @@
-"""Mixture of experts: router and experts (spec 2.6-2.7).
+"""Mixture of experts: router and experts.
 
 Shape legend: N tokens (flattened B*S), H hidden, E experts, K top-k, Im expert intermediate size.
 

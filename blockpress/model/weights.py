@@ -1,4 +1,4 @@
-"""Checkpoint tensors <-> module parameters (spec 3.5): one declarative name map, safetensors only.
+"""Checkpoint tensors <-> module parameters: one declarative name map, safetensors only.
 
 Checkpoint layout (released and transformers-saved alike):
 - `model.decoder.<name>`                               -> `<name>` (embeddings, norms, layers, self-conditioning)

@@ -1,4 +1,4 @@
-"""Pure sampler arithmetic of one denoising step (spec 4.5-4.7).
+"""Pure sampler arithmetic of one denoising step.
 
 Shape legend: B batch, C canvas length, V vocab.
 
@@ -96,7 +96,7 @@ def sample_tokens(z: torch.Tensor, generator=None, active=None) -> torch.Tensor:
 
 
 class StabilityTracker:
-    """Stable-and-confident stopping (spec 4.7-a); history reset for every canvas.
+    """Stable-and-confident stopping; history reset for every canvas.
 
     stability_threshold / confidence_threshold: one rule for every row, or a list with one per row (None there: the
     row never stops early, as a row without adaptive stopping). A row is done when its argmax canvas equals each of

@@ -1,4 +1,4 @@
-"""Training and fine-tuning with the DiffusionGemma objective (spec shared/spec/training.md).
+"""Training and fine-tuning with the DiffusionGemma objective.
 
 - `objective`: uniform-state corruption, batch layout (one sampled canvas per example, cropped
   encoder cache so the decoder never sees its clean canvas), diffusion + encoder AR loss, self-conditioning.

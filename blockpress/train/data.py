@@ -7,7 +7,7 @@ canvas split, EOS fill and corruption.
 
 - `ChatJsonlSource`: rows `{"messages": [...]}`; everything before the final assistant turn is the
   prompt, rendered with the model's chat template (`add_generation_prompt=True`, so the
-  `<|turn>model\\n` header is prompt, never supervised, spec §3); the response is the final assistant
+  `<|turn>model\\n` header is prompt, never supervised); the response is the final assistant
   content + the turn-close token (`<turn|>` when the tokenizer has it, else EOS). Rows may instead give
   `{"prompt": str, "completion": str}`.
 - `TextSource`: plain text (a .txt file: one document per blank-line-separated paragraph, or .jsonl

@@ -4,7 +4,7 @@ Adapters live *inside* the adapted `nn.Linear` as two child linears `lora_A` [r,
 [out, r] plus a forward hook adding `scale * B(A(x))` (scale = alpha / r), so parameter names stay
 the checkpoint names (`layers.N.self_attn.q_proj.weight`) and the adapter names are PEFT's
 (`layers.N.self_attn.q_proj.lora_A.weight`). Targets: the attention projections and the dense MLP of
-every layer (spec training.md §4.2: expert tensors and the router are not `nn.Linear`-adapted; the
+every layer (expert tensors and the router are not `nn.Linear`-adapted; the
 self-conditioning MLP and the tied embedding stay frozen).
 
 File format (`save_adapter`): `adapter_config.json` (peft_type LORA, r, lora_alpha, a regex

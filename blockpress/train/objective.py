@@ -1,21 +1,21 @@
-"""The DiffusionGemma training objective (shared/spec/training.md §1-2): corruption, batch layout, loss.
+"""The DiffusionGemma training objective: corruption, batch layout, loss.
 
 Shape legend: B batch, S clean sequence length, C canvas length, V vocab, T decoder context length.
 
 Per example (one (prompt, response) pair), with its own RNG derived from (seed, step, example index)
 so that data-parallel ranks and resumed runs draw exactly the same noise:
 - the response is cut into canvases of C tokens measured from its first token; the last one is
-  EOS-filled (§2.1, §2.4); one canvas `b` is selected uniformly (§2.2 (A), Google's way);
+  EOS-filled; one canvas `b` is selected uniformly (Google's way);
 - t ~ U[eps, 1); each canvas position keeps its clean token with prob 1 - t, otherwise takes a token
-  drawn uniformly from the whole vocabulary [0, V) (no mask token, §1.1-1.2);
+  drawn uniformly from the whole vocabulary [0, V) (no mask token);
 - optionally (`swap_rate` > 0, off by default: an addition to the spec) each position that kept its clean
   token is, with prob `swap_rate`, overwritten by the clean token of a random position of the same canvas.
   With a large vocabulary, uniform noise almost never looks like data (a Sudoku canvas has 9 digits among
   826 ids), so a decoder trained on it alone learns that a plausible token is always right and copies it
   with probability ~1; swapped tokens are plausible but wrong, which teaches it to revise them;
-- a self-conditioning coin with probability `sc_prob` (§1.6).
+- a self-conditioning coin with probability `sc_prob`.
 
-Batch layout (the leakage rule, §1.3): every row is left-padded so that the selected canvas's
+Batch layout (the leakage rule): every row is left-padded so that the selected canvas's
 context (prompt + clean canvases < b) ends at the same position T for all rows:
 `[pad .. pad | prompt | canvas 0 .. canvas b-1 | canvas b (clean) | later canvases | pad ..]`.
 One causal encoder pass over the clean rows gives the AR logits and the K/V cache; the cache is then
@@ -23,7 +23,7 @@ cropped to T, so the decoder (queries at positions T + j) sees the prompt and ea
 never the clean copy of the canvas it denoises, nor any later canvas. RoPE is relative, so the per-row
 left-padding offset does not change any attention score.
 
-Loss (§1.4-1.6): L = w_diff * mean_b[ mean_j CE(decoder logits, clean canvas) over every canvas
+Loss: L = w_diff * mean_b[ mean_j CE(decoder logits, clean canvas) over every canvas
 position, corrupted or not, EOS fill included ] + w_ar * mean_b[ mean CE of the encoder's next-token
 prediction over scored targets ] where the AR targets are the response tokens (`ar_scope="response"`,
 [RH]/[MB]) or every valid token after the first (`"all"`, [G-SFT]). Decoder pass 1 runs without
@@ -33,7 +33,7 @@ coin is on, a zero *embedding* (sc_mask False) for the others. Prompt positions 
 Rollout rows (`rollout_step`): pass 1's logits z, at a temperature tau ~ U[0.4, 0.8] (the release's
 schedule range), give what one inference step would: a sample y ~ softmax(z / tau) at the positions the
 entropy bound accepts (a per-row bound, log-uniform in [1e-2, 1e2], from a few tokens to the whole canvas),
-fresh uniform noise elsewhere (spec 4.5-4.6). Pass 2 reads that canvas with z / tau as its
+fresh uniform noise elsewhere. Pass 2 reads that canvas with z / tau as its
 self-conditioning input (what the next inference step gets) and is scored against the clean canvas as
 usual. Its errors are the model's own plausible mistakes, accepted as confidently as the sampler would
 accept them, which is what the decoder must take back at inference. Held positions stay clean. The draws
@@ -109,7 +109,7 @@ def corrupt(x0: torch.Tensor, t: torch.Tensor, vocab_size: int, generator: torch
 
 
 def split_canvases(response: list[int], C: int, eos_id: int, max_canvases: int | None = None) -> list[list[int]]:
-    """Response-relative chunks of C tokens; the last one EOS-filled (§2.1)."""
+    """Response-relative chunks of C tokens; the last one EOS-filled."""
     if not response:
         raise ValueError("empty response: nothing to supervise")
     n = -(-len(response) // C)
@@ -260,7 +260,7 @@ def ar_loss(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
 
 
 def rollout_step(z_raw: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One step of the inference sampler (spec 4.5-4.6) from pass 1's raw logits, for the rollout rows.
+    """One step of the inference sampler from pass 1's raw logits, for the rollout rows.
 
     z_raw [B,C,V] -> (decoder input canvas [B,C], self-conditioning logits [B,C,V], sc_mask [B]); rows
     whose coin is off get x_t, z_raw and their own SC coin back unchanged. Rollout rows always get

@@ -1,30 +1,46 @@
 #!/usr/bin/env bash
-# Issue 4's GPU measurements as device calls of under 10 minutes each, JSON and logs under $OUT, a summary table at
-# the end. A lease is now 15 minutes of device time, machine start (~35 s) included: `oneshot` (the three precisions,
-# the GPU tests, transformers; ~4 min on an H200) or `next` (what 2026-11-25's measurements left: the compiled
-# blocks and fp8 x fp8 against the baseline) fit one lease with room for a second, short call; set BUDGET (seconds)
-# to fit what is left. `tune` and `final` are the second and third calls of 2026-11-25
-# (benchmarks/results/2026-11-25-h200.md); the parts below them were planned for 30-minute leases.
+# GPU measurements in named parts:  bash benchmarks/gpu_session.sh PART
 #
-# Once, on the development machine (the device image has transformers 5.17, the oracle is 5.23; its other
-# needs, tokenizers 0.23 / huggingface_hub 1.3x / safetensors 0.8, are already there):
+# Each part runs a group of `blockpress bench` and benchmarks/*.py commands (benchmarks/README.md describes them),
+# every bench run under a time limit, with its JSON, log.txt and summary.txt (failures, test output) under $OUT, and
+# ends with summary tables: the bench runs, bench_serve.py's levels, and the --profile splits of a step.
+#
+# Parts (PRESET=real-26b: the 26B-A4B shapes, random weights built on the GPU; 1,024 prompt + 1,024 new tokens):
+#   check    versions; the compiled-kernel and CUDA-only tests; a tiny bench of every engine; on CUDA also the
+#            expert tile sweep (sweep_moe_tiles.py), the 8-bit linears vs cuBLAS (bench_linears.py) and the L2 rate
+#            (l2_bandwidth.py)
+#   bf16     bf16: eager baseline vs transformers and AR; Triton experts + fast sampler + CUDA graphs at batch 1-8 with
+#            --profile; the same with --fuse-commit
+#   quant    peak_memory.py's int4 predictions; fp8 and int4 experts at batch 1 and 4 with --profile; fp8 x fp8
+#            (scaled_mm); int4 experts + int8 linears; int4 with --sc-topk 64 --fuse-commit
+#   serve    bench_serve.py, int4 + int8 linears, 1 and 4 requests in flight: eager, then CUDA graphs + fused commit +
+#            fast sampler
+#   long     an 8K-token prompt with --prefill-chunk 2048 vs 0; int4 with --moe-sum kernel vs atomic
+#   ctx      a 32K-token prompt, int4 + int8 linears, eager and graphed: peak_mem_bytes vs peak_memory.py's prediction
+#   oneshot  int4 + int8 linears, fp8 and bf16 with every fast path (each retried without graphs if it measured
+#            nothing), the GPU tests, then bf16 vs transformers
+#   tune     sync_sites.py; bench_linears.py; sweep_moe_tiles.py for each precision in PRECS (default "int4 fp8"),
+#            each winner then timed end to end
+#   final    selected GPU tests; sync_sites.py --hf-tiny; the best int8 linear tiles end to end; fp8 and bf16 profiles
+#   next     --compile on fp8, int4 + int8 linears and bf16, beside an uncompiled fp8 row; fp8 x fp8 experts and
+#            linears; bench_linears.py with and without --fused
+#   engine   one fp8 batch-1 row run from gpu_baseline/ (another commit's tree, if present, e.g.
+#            `mkdir gpu_baseline && git archive COMMIT blockpress | tar -x -C gpu_baseline`) and from this tree; the
+#            GPU tests; the same row with --fuse-commit, with --experts scaled_mm and with --compile
+#
+# Environment:
+#   OUT            where results go (default /tmp/blockpress-gpu)
+#   PRESET         model size (default real-26b); PRESET=tiny runs the same steps on any machine (a dry run; on a
+#                  CPU the CUDA-only flags are dropped)
+#   STEP_LIMIT     seconds per bench run (default set per part)
+#   BUDGET         seconds by which oneshot, tune, final, next or engine must finish (each run's limit shrinks to fit)
+#   MOE_TILES      a --moe-tiles spec for the fast runs (e.g. the check part's tiles.json "best");
+#                  MOE_TILES_FP8 / MOE_TILES_INT4 override it for the fp8 / int4 runs
+#   PRECS, SWEEP_LIMIT   the tune part's precisions and seconds per tile sweep
+# The transformers reference is pinned at 5.23: wheels in .whl/ are installed (to /tmp/site) before anything runs.
+# To make them, once, on a machine with network access:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.23.0
-# Then, through the device tool (carry [".whl"]):
-#   bash benchmarks/gpu_session.sh check   # versions, compiled-kernel and CUDA-only tests, expert tile sweep, linears,
-#                                          # L2 rate (~7 min, estimated)
-#   bash benchmarks/gpu_session.sh bf16    # real 26B-A4B, bf16: vs transformers and AR, fast paths, batch 1-8
-#   bash benchmarks/gpu_session.sh quant   # fp8 and int4 experts (int4 also with int8 linears), peak memory
-#   bash benchmarks/gpu_session.sh serve   # the server's scheduler under load, int4 + int8 linears, graphs off / on
-#   bash benchmarks/gpu_session.sh long    # an 8K-token prompt: chunked prefill (2,048) against one pass; and the
-#                                          # experts' K-sum by atomics against the third kernel (int4, batch 1)
-#   bash benchmarks/gpu_session.sh ctx     # a 32K-token prompt, int4 + int8 linears, eagerly and with CUDA graphs:
-#                                          # peak memory against peak_memory.py's 17.29 / 17.75 GB, prefill time
-# A session's 30 minutes of device time (machine start included) hold three parts: check, quant, bf16 first (the
-# issue's targets); serve in the next session, or when a part finished early.
-# MOE_TILES="bm=..,bn=..,bk=.." (the check part's best bf16 spec, tiles.json "best") makes the fast runs use those
-# Triton tiles; MOE_TILES_FP8 / MOE_TILES_INT4 override it for the fp8 / int4 runs.
-# PRESET=tiny runs the same steps on a tiny model (a dry run; on a CPU the CUDA-only flags are dropped).
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}

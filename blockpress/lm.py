@@ -127,12 +127,23 @@ class BlockDiffusionLM:
     def stream(self, input_ids, attention_mask=None, generator=None,
                cache=None, decoder_input_ids=None, self_conditioning_logits=None, drafts: bool = True,
                sampler: str | None = None, fixed_tokens=None, fuse_commit: bool | None = None,
-               compact_rows: bool | None = None, **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
+               compact_rows: bool | None = None, json_schema=None, json_object: bool = False,
+               regex: str | None = None, grammar: str | None = None,
+               **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
         """Yield a Draft after every denoising step, a Commit per canvas and a final Finished.
         fixed_tokens [B, L]: new-token positions held at given ids (-1 = free), see engine.stream.
+        json_schema (a dict or JSON text) / json_object / regex / grammar (Lark): every row's new tokens form one
+        valid output that ends with a stop id within max_new_tokens (engine/constraint.py; needs the
+        `structured` extra).
         sampler / fuse_commit / compact_rows: this call's engine options (None: `self.options`'), see
         `blockpress.options` and engine.stream."""
         cfg = self.generation_config(**sampling)
+        grammar = dict(json_schema=json_schema, json_object=json_object, regex=regex, grammar=grammar)
+        if any(grammar.values()) and not cfg.eos_token_id:  # a grammar's output ends with a stop id
+            eos = self._need_tokenizer().eos_token_id
+            if eos is None:
+                raise InputError("structured output needs a stop id: give eos_token_id=")
+            cfg = self.generation_config(**{**sampling, "eos_token_id": [eos]})
         ids, mask = self._prepare(input_ids, attention_mask)
         call = {k: v for k, v in (("sampler", sampler), ("fuse_commit", fuse_commit),
                                   ("compact_rows", compact_rows)) if v is not None}
@@ -140,11 +151,25 @@ class BlockDiffusionLM:
         return engine.stream(self.module, ids, cfg, self.canvas_length, attention_mask=mask, generator=generator,
                              cache=cache, decoder_input_ids=decoder_input_ids,
                              self_conditioning_logits=self_conditioning_logits, drafts=drafts,
-                             fixed_tokens=fixed_tokens, options=options, passes=self.passes)
+                             fixed_tokens=fixed_tokens, options=options, passes=self.passes,
+                             constraints=self.constraints(cfg, ids.shape[0], **grammar))
+
+    def constraints(self, cfg, rows: int, **grammar) -> list | None:
+        """One fresh grammar state per row for `grammar` (json_schema / json_object / regex / grammar, see
+        `stream`), or None when none is given."""
+        from .engine.constraint import Constraint, grammar_for
+
+        spec = grammar_for(**grammar)
+        if spec is None:
+            return None
+        tok = self._need_tokenizer()
+        return [Constraint(spec, tok, cfg.eos_token_id, self.module.text.vocab_size, cfg.max_new_tokens)
+                for _ in range(rows)]
 
     def generate(self, input_ids, attention_mask=None, generator=None, cache=None,
                  decoder_input_ids=None, self_conditioning_logits=None, sampler: str | None = None,
                  fixed_tokens=None, fuse_commit: bool | None = None, compact_rows: bool | None = None,
+                 json_schema=None, json_object: bool = False, regex: str | None = None, grammar: str | None = None,
                  **sampling) -> engine.GenerationResult:
         """Generate canvases after `input_ids`. Keyword names and defaults follow the reference:
         max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max, stability_threshold,
@@ -152,7 +177,8 @@ class BlockDiffusionLM:
         reference's draw order), a torch.Generator, or a list with one generator per row."""
         for ev in self.stream(input_ids, attention_mask, generator, cache, decoder_input_ids,
                               self_conditioning_logits, drafts=False, sampler=sampler, fixed_tokens=fixed_tokens,
-                              fuse_commit=fuse_commit, compact_rows=compact_rows, **sampling):
+                              fuse_commit=fuse_commit, compact_rows=compact_rows, json_schema=json_schema,
+                              json_object=json_object, regex=regex, grammar=grammar, **sampling):
             if isinstance(ev, engine.Finished):
                 return ev.result
         raise RuntimeError("generation ended without a result")  # unreachable

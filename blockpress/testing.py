@@ -281,3 +281,31 @@ def cuda_graphs(lm):
         yield lm.passes
     finally:
         lm.configure(cuda_graphs=before)
+
+
+def random_schema(rng, depth: int = 0) -> dict:
+    """A random JSON Schema of the kinds structured output must handle: objects with required and optional
+    properties (nested), arrays with length bounds, enums, integers and numbers with bounds, booleans, nulls,
+    strings with length bounds, anyOf. `rng` is a `random.Random`; the same seed gives the same schema."""
+    kinds = ["string", "integer", "number", "boolean", "enum"] + (["object", "array", "anyOf"] if depth < 2 else [])
+    kind = rng.choice(kinds) if depth else "object"
+    if kind == "string":
+        lo = rng.randint(0, 3)
+        return {"type": "string", "minLength": lo, "maxLength": lo + rng.randint(0, 8)}
+    if kind in ("integer", "number"):
+        lo = rng.randint(-50, 50)
+        return {"type": kind, "minimum": lo, "maximum": lo + rng.randint(0, 1000)}
+    if kind == "boolean":
+        return {"type": rng.choice(["boolean", "null"])}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", 1, 2.5, True, None, "a b"], rng.randint(1, 4))}
+    if kind == "array":
+        lo = rng.randint(0, 2)
+        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": lo,
+                "maxItems": lo + rng.randint(0, 3)}
+    if kind == "anyOf":
+        return {"anyOf": [random_schema(rng, depth + 1) for _ in range(rng.randint(2, 3))]}
+    names = rng.sample(["id", "name", "age", "tags", "score", "ok", "kind", "items", "meta", "note"], rng.randint(1, 4))
+    props = {n: random_schema(rng, depth + 1) for n in names}
+    required = [n for n in names if rng.random() < 0.6]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}

@@ -111,7 +111,8 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
            attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
            cache: KVCache | None = None, decoder_input_ids: torch.Tensor | None = None,
            self_conditioning_logits: torch.Tensor | None = None, drafts: bool = True,
-           fixed_tokens: torch.Tensor | None = None, options: Options | None = None, passes=None):
+           fixed_tokens: torch.Tensor | None = None, options: Options | None = None, passes=None,
+           constraints: list | None = None):
     """Yield Draft / Commit events and a final Finished(result).
 
     input_ids [B, S]: the tokens not yet in `cache` (the whole prompt when cache is None).
@@ -132,12 +133,17 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     off with one generator, the reference's arithmetic batch for batch; under CUDA graphs it needs per-row
     generators).
     passes: the passes to run (`GraphedPasses` under CUDA graphs); None: the module's own.
+    constraints: one `engine.constraint.Constraint` (or None) per row: the grammar the row's canvases obey.
     """
     ids, mask, fixed_tokens, n_canvases, T_start = _check(module, input_ids, cfg, canvas_length, attention_mask,
                                                           generator, cache, fixed_tokens)
     S = ids.shape[1]
+    if constraints is not None and (len(constraints) != ids.shape[0] or fixed_tokens is not None):
+        raise InputError("constraints: one per row, and not together with fixed_tokens (infilling)")
     engine, rows = _engine(module, ids, mask, cfg, n_canvases, T_start, generator, cache, fixed_tokens,
                            options or Options(), passes)
+    for r, c in zip(rows, constraints or ()):
+        r.constraint = c
     runner = engine.runner
     if decoder_input_ids is not None or self_conditioning_logits is not None:
         engine.first = (decoder_input_ids, self_conditioning_logits)

@@ -140,6 +140,10 @@ class Engine:
             run.committed = pending
             run.commit()
         tokens, finished = commit(cv.a, cv.rows)
+        if any(r.constraint is not None for r in cv.rows):  # the grammars continue from the committed tokens
+            for r, t in zip(cv.rows, tokens.tolist()):
+                if r.constraint is not None:
+                    r.constraint.advance(t)
         now = time.perf_counter()
         for r, f in zip(cv.rows, finished):
             r.steps_per_canvas.append(r.steps)

@@ -39,6 +39,7 @@ class Row:
     prompt_length: int = 0
     generator: Any = None  # torch.Generator of this row, or None: the batch's shared stream
     fixed: Any = None  # [n_canvases * C] device ids held per canvas (-1 free, -2 free and discarded), or None
+    constraint: Any = None  # engine.constraint.Constraint: the grammar its canvases obey, or None
     job: Job | None = None
     sink: Any = None  # who hears this row's events (the server's Handle)
     cancelled: bool = False

@@ -5,8 +5,9 @@ Shape legend: B rows, C canvas length, V vocab.
 From the decoder's fp32 logits of the rows that ran, a step: divides by the row's temperature (spec 4.4), draws
 a token per position and takes the argmax and the entropy (the sampler: `sampling`'s reference arithmetic, or
 the fused one-pass kernel of `kernels.sampler_fused`), accepts the lowest-entropy positions within the entropy
-bound (4.5), renoises the rest (4.6), holds the given tokens of an infilling canvas, keeps the rows that stopped
-as they were (frozen), and asks the stopping rule which rows are done (4.7).
+bound (4.5), renoises the rest (4.6), holds the given tokens of an infilling canvas, walks the canvas of a row with a grammar through it
+(`constraint`), keeps the rows that stopped as they were (frozen), and asks the stopping rule which rows are
+done (4.7).
 
 Invariants:
 - Random draws follow the reference's order: with one stream for the batch, `multinomial` over [B*C, V] then
@@ -24,6 +25,7 @@ import torch
 from ..kernels.sampler_fused import fused_sample
 from ..sampling import entropy_bound_accept, sample_tokens, token_entropy, uniform_tokens
 from .canvas import Canvas, clamp, entropy_bound, stopping_rule
+from .constraint import constrain
 
 
 def _batched(taus: list | None, ones):
@@ -63,6 +65,7 @@ def _compose(cv: Canvas, idx: list[int], raw, x, a_prev, sc_prev, done, fixed, w
     frozen = any(cv.done_host[i] for i in idx)
     active = [not (cv.done_host[i] or cv.rows[i].finished) for i in idx]  # rows that draw (a stream per row)
     y, a, h, z = _sample(raw, cv.taus(idx), cv.generators(idx), active, fast, dtype, None if frozen else sc_out)
+    a, y = constrain(cv, idx, a, y, z)
     accepted = entropy_bound_accept(h if fixed is None else h.masked_fill(fixed[0], 0.0), bound)
     noise = uniform_tokens(x.shape[0], x.shape[1], raw.shape[-1], x.device, cv.generators(idx), active)
     x_new = clamp(torch.where(accepted, y, noise), fixed)

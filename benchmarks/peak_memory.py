@@ -2,7 +2,7 @@
 
 The issue's int4 target is a peak of 18 GB on the bench workload (batch 1, 1024-token prompt, 1024 new
 tokens): the weights alone are ~17 GB there, so what a pass allocates on top decides it. This script
-builds the model on the meta device, runs each pass of a generation under `kernels.memory.LiveBytes`
+builds the model on the meta device, runs each pass of a generation under `lab.memory.LiveBytes`
 (every tensor allocated and freed as the engine's code does; the Triton experts and a fused attention
 kernel replaced by stand-ins that allocate what they allocate on a GPU) and prints, per pass, the most
 bytes alive at once on top of the weights and the cache, then the predicted peak:

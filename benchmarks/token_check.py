@@ -3,7 +3,7 @@
 Run it on two checkouts and compare the files: a refactor that claims bit-identical tokens must give the same JSON
 (the script prints the cases that differ when given `--against FILE`).
 
-    python benchmarks/token_check.py --out /tmp/after.json --against benchmarks/results/2026-11-26-token-check.json
+    python benchmarks/token_check.py --out /tmp/after.json --against benchmarks/results/2026-11-26-token-check-after.json
 
 What it covers (CPU, fp32, 1 thread): tiny random models (the reference's draw order under torch's global RNG, one
 private generator, per-row generators, row compaction on and off, the fused sampler, fused commits, fixed tokens,

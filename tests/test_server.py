@@ -1236,3 +1236,48 @@ def test_openapi_schema_is_true_json_schema(server):
         responses = schema["paths"][path]["post"]["responses"]
         assert "text/event-stream" in responses["200"]["content"] and "422" not in responses
     assert "/v1/models/{model}" in schema["paths"]
+
+
+# ----------------------------------------------------------------------------- logprobs
+def test_worker_logprobs_are_the_last_steps_log_softmax(lm, monkeypatch):
+    """Job(logprobs=k): each committed token's log-probability and the k most likely tokens' under the
+    distribution of the step that produced the committed canvas (log_softmax of its logits z, the canvas's
+    self-conditioning logits after its last step), recomputed here from z captured after every step; the
+    committed canvas is z's argmax. The tokens are the same bits as without logprobs."""
+    from blockpress.engine import loop as loop_mod
+
+    ids = lm.encode_chat("Hello there")
+    for kw in (dict(max_new_tokens=40, max_denoising_steps=3, eos_token_id=None, t_min=0.5, t_max=2.0),
+               dict(max_new_tokens=20, max_denoising_steps=40, entropy_bound=3.0, confidence_threshold=6.0)):
+        plain = run_job(lm, Job(ids, lm.generation_config(**kw), seed=7))
+        seen = []  # z of every row after each step, per canvas: the last one is the commit's
+        step = loop_mod.denoise_step
+
+        def spy(cv, *a, **k):
+            out = step(cv, *a, **k)
+            if cv.steps == 0:
+                seen.append([])
+            seen[-1].append(cv.sc[0].clone())
+            return out
+        monkeypatch.setattr(loop_mod, "denoise_step", spy)
+        events = run_job(lm, Job(ids, lm.generation_config(**kw), seed=7, logprobs=3))
+        monkeypatch.undo()
+        commits = [e for e in events if isinstance(e, RowCommit)]
+        assert [e.tokens for e in commits] == [e.tokens for e in plain if isinstance(e, RowCommit)]
+        assert all(e.logprobs is None for e in plain if isinstance(e, RowCommit))
+        assert len(commits) == len(seen)
+        for e, steps in zip(commits, seen):
+            z = steps[-1]
+            ref = torch.log_softmax(z.float(), dim=-1)
+            assert e.tokens == z.argmax(-1).tolist()
+            assert len(e.logprobs) == len(e.tokens)
+            top = ref.topk(3, dim=-1)
+            for c, (t, (lp, alts)) in enumerate(zip(e.tokens, e.logprobs)):
+                assert lp == ref[c, t].item() and lp <= 0
+                assert [a[0] for a in alts] == top.indices[c].tolist()
+                assert [a[1] for a in alts] == top.values[c].tolist()
+                assert lp >= alts[0][1]
+    events = run_job(lm, Job(ids, lm.generation_config(max_new_tokens=16, max_denoising_steps=2), seed=1,
+                             logprobs=0))
+    c = next(e for e in events if isinstance(e, RowCommit))
+    assert len(c.logprobs) == 16 and all(alts == [] for _, alts in c.logprobs)

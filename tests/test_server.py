@@ -1281,3 +1281,53 @@ def test_worker_logprobs_are_the_last_steps_log_softmax(lm, monkeypatch):
                              logprobs=0))
     c = next(e for e in events if isinstance(e, RowCommit))
     assert len(c.logprobs) == 16 and all(alts == [] for _, alts in c.logprobs)
+
+
+def _fake_logprobs(ids):
+    """Per position (logprob, alternatives) that name the position: logprob -k at position k."""
+    return [(-float(k), [(t, -float(k))]) for k, t in enumerate(ids)]
+
+
+@pytest.mark.parametrize("text,chat,stop,content", [
+    (THOUGHT_AND_CALL, True, [], "Hello"),
+    ("<|channel>thought\nhmm<channel|>The sky é is blue. The sea<turn|>", True, ["sea"], "The sky é is blue. The "),
+    ("Caf\u00e9 na\u00efve <b>x</b> r\u00e9sum\u00e9", False, [], None),
+    ("The sky is blue. The sea is blue too.", False, ["e se"], "The sky is blue. Th"),
+])
+def test_logprob_entries_align_with_the_returned_text(lm, text, chat, stop, content):
+    """The assembler's logprob entries: one per returned token, in order, their texts joined are the returned
+    content (chat: reasoning, markup and tool calls left out; a stop string cuts the list at the token it cuts),
+    and the streamed deltas' entries, for any canvas split, are the non-streamed list."""
+    tok = lm.tokenizer
+    ids = tok.encode(text)
+    if "é" in text:  # a character split over byte tokens: é as its two UTF-8 bytes
+        b = [tok.token_to_id(f"<0x{x:02X}>") for x in "é".encode()]
+        ids = [t for i in ids for t in (b if tok.decode([i]) == "é" else [i])]
+    lps = _fake_logprobs(ids)
+    results = []
+    for split in (1, 3, 16, len(ids)):
+        asm = OutputAssembler(tok, [1, 106], 100, stop=stop, chat=chat, logprobs=True)
+        streamed, text_out = [], ""
+        for i in range(0, len(ids), split):
+            d = asm.feed(ids[i:i + split], lps[i:i + split])
+            streamed += d.logprobs
+            text_out += d.content
+            if asm.done:
+                break
+        final = asm.finish()
+        streamed += final.last.logprobs
+        text_out += final.last.content
+        assert streamed == final.logprobs and text_out == final.content
+        assert "".join(e.text for e in final.logprobs) == final.content
+        if content is not None:
+            assert final.content == content
+        positions = [-int(e.logprob) for e in final.logprobs]
+        assert positions == sorted(set(positions)) and all(ids[p] == e.id for p, e in zip(positions, final.logprobs))
+        assert all(final.content.startswith(e.text, e.offset) for e in final.logprobs)
+        results.append(final.logprobs)
+    assert all(r == results[0] for r in results)
+    if not chat and not stop:  # a completion returns every token
+        assert [e.id for e in results[0]] == ids
+    if chat and stop:  # the split é: its first byte's entry is empty, the second carries the character
+        texts = [e.text for e in results[0]]
+        assert "é" in texts and texts[texts.index("é") - 1] == ""

@@ -368,15 +368,18 @@ BAD = [
     ("huge body", {"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, None),
     ("too many stops", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
     ("bad prompt ids", {"prompt": [1, 2, 999999]}, 400, "prompt"),
-    ("chat logprobs", {"messages": MSG, "logprobs": True}, 400, "logprobs"),
+    ("chat logprobs not a bool", {"messages": MSG, "logprobs": 1}, 400, "logprobs"),
     ("json mode", {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("image part", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content.0.type"),
-    ("chat top_logprobs", {"messages": MSG, "top_logprobs": 3}, 400, "logprobs"),
+    ("chat top_logprobs alone", {"messages": MSG, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("chat top_logprobs over 20", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat top_logprobs negative", {"messages": MSG, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     ("completion n=0", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completion best_of", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("completion echo", {"prompt": "hi", "echo": True}, 400, "echo"),
-    ("completion logprobs", {"prompt": "hi", "logprobs": 0}, 400, "logprobs"),
+    ("completion logprobs over 5", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("completion logprobs bool", {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ("completion batch too big", {"prompt": ["a"] * 33}, 400, "prompt"),
     ("completion batch entry", {"prompt": ["a", ""]}, 400, "prompt.1"),
     ("completion batch mixed", {"prompt": [1, "a"]}, 400, "prompt"),
@@ -388,7 +391,7 @@ BAD = [
 
 # what each refusal must say (a client reads the message, not the code)
 BAD_MESSAGES = {
-    "chat logprobs": "logprobs are not supported", "json mode": "response_format 'json_object' is not supported",
+    "chat top_logprobs alone": "top_logprobs needs logprobs: true", "json mode": "response_format 'json_object' is not supported",
     "image part": "only text content parts are supported", "n over limit": "n=9 exceeds this server's limit of 8",
     "completion batch too big": "33 prompts exceed this server's limit of 32",
     "completion batch entry": "prompt.1: String should have at least 1 character",
@@ -1331,3 +1334,64 @@ def test_logprob_entries_align_with_the_returned_text(lm, text, chat, stop, cont
     if chat and stop:  # the split é: its first byte's entry is empty, the second carries the character
         texts = [e.text for e in results[0]]
         assert "é" in texts and texts[texts.index("é") - 1] == ""
+
+
+def _check_entries(tokens, logprobs, tops, k, exact=True):
+    """Each returned token's logprob is <= 0 and >= every alternative's (it is the argmax of its step's
+    distribution); k alternatives (a completion's dict: fewer where two have the same text), sorted."""
+    assert len(tokens) == len(logprobs) == len(tops)
+    for lp, top in zip(logprobs, tops):
+        assert (len(top) == k if exact else 1 <= len(top) <= k) and top == sorted(top, reverse=True)
+        assert top[0] == lp
+        assert lp <= 0 and all(lp >= v for v in top)
+
+
+def test_chat_logprobs_through_the_openai_client(client):
+    """logprobs=True, top_logprobs=3: one entry per token of the content (joined: the content), streamed and not
+    (the same entries), and the same text as without logprobs."""
+    kw = dict(model=client.model_id, messages=MSG, max_tokens=40, seed=5, extra_body=FAST)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    r = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    content = r.choices[0].message.content
+    entries = r.choices[0].logprobs.content
+    assert content == plain and entries
+    assert "".join(e.token for e in entries) == content
+    _check_entries([e.token for e in entries], [e.logprob for e in entries],
+                   [[t.logprob for t in e.top_logprobs] for e in entries], 3)
+    assert all(e.bytes for e in entries) and all(t.bytes is not None for e in entries for t in e.top_logprobs)
+    assert len(entries) <= r.usage.completion_tokens
+    chunks = list(client.chat.completions.create(stream=True, logprobs=True, top_logprobs=3, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert text == content and [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]
+    r0 = client.chat.completions.create(logprobs=True, **kw)  # no alternatives: the token's own only
+    assert [e.logprob for e in r0.choices[0].logprobs.content] == [e.logprob for e in entries]
+    assert all(e.top_logprobs == [] for e in r0.choices[0].logprobs.content)
+    assert client.chat.completions.create(**kw).choices[0].logprobs is None
+
+
+def test_completion_logprobs_through_the_openai_client(client):
+    """logprobs=2 on /v1/completions: tokens, token_logprobs, top_logprobs and text_offset, one per returned
+    token (every generated token but a stop id), streamed and not; a stop string cuts the list with the text."""
+    kw = dict(model=client.model_id, prompt="The sky is", max_tokens=24, seed=2, extra_body=FAST)
+    plain = client.completions.create(**kw).choices[0].text
+    r = client.completions.create(logprobs=2, **kw)
+    ch = r.choices[0]
+    lp = ch.logprobs
+    assert ch.text == plain and "".join(lp.tokens) == ch.text
+    assert len(lp.tokens) == r.usage.completion_tokens - (ch.finish_reason == "stop")
+    _check_entries(lp.tokens, lp.token_logprobs, [sorted(t.values(), reverse=True) for t in lp.top_logprobs], 2,
+                   exact=False)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = [c for c in client.completions.create(stream=True, logprobs=2, **kw) if c.choices]
+    got = {k: [v for c in chunks if c.choices[0].logprobs for v in getattr(c.choices[0].logprobs, k)]
+           for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert "".join(c.choices[0].text for c in chunks) == ch.text
+    assert got == {k: getattr(lp, k) for k in got}
+    # a stop string inside the text: the entries stop with it
+    stop = ch.text[len(ch.text) // 2:][:3]
+    cut = client.completions.create(logprobs=2, stop=[stop], **kw).choices[0]
+    assert cut.text == ch.text[:ch.text.index(stop)]
+    assert "".join(cut.logprobs.tokens) == cut.text
+    n = len(cut.logprobs.tokens)
+    assert cut.logprobs.token_logprobs == lp.token_logprobs[:n]

@@ -97,9 +97,8 @@ class TokenLogprob:
 class LogprobAligner:
     """Aligns committed tokens (with their log-probabilities) with the returned text.
 
-    The assembler decodes a row that asked one token at a time, so each token owns a span [off, off + len) of the
-    decoded text (an incomplete UTF-8 character: an empty span, the character going to the token that completes
-    it). The returned text (content) is made of that text: in completions character for character, in chat what
+    Each token owns a span [off, off + len) of the decoded text (`StreamDecoder.feed_ends`; an incomplete UTF-8
+    character: an empty span, the character going to the token that completes it). The returned text (content) is made of that text: in completions character for character, in chat what
     the parser keeps as content (`StreamingParser.content_sources` gives each content character's offset), both
     cut by a stop string. A token is returned when some of its characters are content before the cut (its text:
     those characters); tokens of an empty span go with the next token that has text (completions: also the
@@ -118,14 +117,15 @@ class LogprobAligner:
         self.next = 0  # the first token not yet decided
         self.entries: list[TokenLogprob] = []
 
-    def token(self, t: int, value, text: str) -> None:
+    def token(self, t: int, value, end: int) -> None:
+        """The next token: its (logprob, alternatives) and where its span of the decoded text ends."""
         self.ids.append(t)
         self.values.append(value if value is not None else (float("nan"), []))
         self.offs.append(self.decoded)
-        self.lens.append(len(text))
+        self.lens.append(end - self.decoded)
         self.c0.append(None)
         self.c1.append(None)
-        self.decoded += len(text)
+        self.decoded = end
 
     def tail(self, text: str) -> None:
         """Text the decoder emits at the end (held bytes): the last token's."""
@@ -231,11 +231,10 @@ class OutputAssembler:
                 self.done = True
         if self.aligner is None:
             return self._text(self.decoder.feed(take))
-        pieces = []  # one token at a time: each token's span of the decoded text
-        for k, t in enumerate(take):
-            pieces.append(self.decoder.feed([t]))
-            self.aligner.token(t, logprobs[k] if logprobs is not None else None, pieces[-1])
-        return self._text("".join(pieces))
+        text, ends = self.decoder.feed_ends(take)  # the same text, and each token's span of it
+        for k, (t, end) in enumerate(zip(take, ends)):
+            self.aligner.token(t, logprobs[k] if logprobs is not None else None, end)
+        return self._text(text)
 
     def _text(self, text: str, final: bool = False) -> Delta:
         if self.parser is None:

@@ -1395,3 +1395,36 @@ def test_completion_logprobs_through_the_openai_client(client):
     assert "".join(cut.logprobs.tokens) == cut.text
     n = len(cut.logprobs.tokens)
     assert cut.logprobs.token_logprobs == lp.token_logprobs[:n]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_worker_logprobs_in_a_batch_follow_their_rows(lm, graphs):
+    """Rows with different step budgets in one batch (row compaction swaps the rows still at work; under CUDA
+    graphs, on a CPU the same plumbing, the self-conditioning logits live in the graphs' buffer): the rows that
+    asked get the logprobs they get served alone, the others none, and every row's tokens are those of the batch
+    without logprobs."""
+    def jobs(asks):
+        return [Job(lm.encode_chat("prompt %d" % k), lm.generation_config(max_new_tokens=32, max_denoising_steps=k,
+                    stability_threshold=None, confidence_threshold=None, eos_token_id=None), seed=k, logprobs=a)
+                for k, a in zip((2, 5, 3), asks)]
+
+    def run(js):
+        w = Worker(lm, max_batch=3)
+        hs = [w.submit(j) for j in js]
+        with torch.no_grad():
+            while w.busy:
+                w.canvas()
+        return [[e for e in h.drain() if isinstance(e, RowCommit)] for h in hs]
+
+    with (cuda_graphs(lm) if graphs else contextlib.nullcontext()):
+        plain = run(jobs([None] * 3))
+        asked = run(jobs([2, None, 0]))
+    alone = [run([j])[0] for j in jobs([2, None, 0])]
+    assert [[e.tokens for e in r] for r in asked] == [[e.tokens for e in r] for r in plain]
+    assert all(e.logprobs is None for e in asked[1] + plain[0])
+    for i in (0, 2):
+        got, ref = ([(v, a) for e in r[i] for v, a in e.logprobs] for r in (asked, alone))
+        assert [[t for t, _ in a] for _, a in got] == [[t for t, _ in a] for _, a in ref]
+        flat = [torch.tensor([[v] + [x for _, x in a] for v, a in g]) for g in (got, ref)]
+        assert torch.allclose(*flat, atol=1e-5)  # a batch's matmuls may round otherwise than one row's
+        assert all(len(a) == (2 if i == 0 else 0) for _, a in got)

@@ -53,7 +53,8 @@ Logprobs (chat `logprobs: true` + `top_logprobs` 0..20; completions `logprobs` 0
   token a completion does not show). `bytes` is the token's own UTF-8 bytes (a byte token's one byte), so a
   character split over tokens can be rebuilt. Not returned: the stop id, padding after it, tokens past
   `max_tokens`, tokens after a stop string (a token the stop string cuts is returned with the text before the
-  cut), held tokens (insert mode's suffix, a forced tool call's opening).
+  cut), insert mode's held suffix. (A forced tool call's held opening is a call's markup; should the call not
+  parse, it is kept as content, and its held tokens come with their log-probability, not the likeliest.)
 - Chat: `choices[i].logprobs.content` covers the tokens of `content` only. Tokens of `reasoning_content`, of
   tool calls and of the output's markup (channel and turn headers, control tokens) are left out; a token that is
   part markup, part content has its content part as `token`.

@@ -368,15 +368,18 @@ BAD = [
     ("huge body", {"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, None),
     ("too many stops", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
     ("bad prompt ids", {"prompt": [1, 2, 999999]}, 400, "prompt"),
-    ("chat logprobs", {"messages": MSG, "logprobs": True}, 400, "logprobs"),
+    ("chat logprobs not a bool", {"messages": MSG, "logprobs": 1}, 400, "logprobs"),
     ("json mode", {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("image part", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content.0.type"),
-    ("chat top_logprobs", {"messages": MSG, "top_logprobs": 3}, 400, "logprobs"),
+    ("chat top_logprobs alone", {"messages": MSG, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("chat top_logprobs over 20", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat top_logprobs negative", {"messages": MSG, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     ("completion n=0", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completion best_of", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("completion echo", {"prompt": "hi", "echo": True}, 400, "echo"),
-    ("completion logprobs", {"prompt": "hi", "logprobs": 0}, 400, "logprobs"),
+    ("completion logprobs over 5", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("completion logprobs bool", {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ("completion batch too big", {"prompt": ["a"] * 33}, 400, "prompt"),
     ("completion batch entry", {"prompt": ["a", ""]}, 400, "prompt.1"),
     ("completion batch mixed", {"prompt": [1, "a"]}, 400, "prompt"),
@@ -388,7 +391,7 @@ BAD = [
 
 # what each refusal must say (a client reads the message, not the code)
 BAD_MESSAGES = {
-    "chat logprobs": "logprobs are not supported", "json mode": "response_format 'json_object' is not supported",
+    "chat top_logprobs alone": "top_logprobs needs logprobs: true", "json mode": "response_format 'json_object' is not supported",
     "image part": "only text content parts are supported", "n over limit": "n=9 exceeds this server's limit of 8",
     "completion batch too big": "33 prompts exceed this server's limit of 32",
     "completion batch entry": "prompt.1: String should have at least 1 character",
@@ -1236,3 +1239,192 @@ def test_openapi_schema_is_true_json_schema(server):
         responses = schema["paths"][path]["post"]["responses"]
         assert "text/event-stream" in responses["200"]["content"] and "422" not in responses
     assert "/v1/models/{model}" in schema["paths"]
+
+
+# ----------------------------------------------------------------------------- logprobs
+def test_worker_logprobs_are_the_last_steps_log_softmax(lm, monkeypatch):
+    """Job(logprobs=k): each committed token's log-probability and the k most likely tokens' under the
+    distribution of the step that produced the committed canvas (log_softmax of its logits z, the canvas's
+    self-conditioning logits after its last step), recomputed here from z captured after every step; the
+    committed canvas is z's argmax. The tokens are the same bits as without logprobs."""
+    from blockpress.engine import loop as loop_mod
+
+    ids = lm.encode_chat("Hello there")
+    for kw in (dict(max_new_tokens=40, max_denoising_steps=3, eos_token_id=None, t_min=0.5, t_max=2.0),
+               dict(max_new_tokens=20, max_denoising_steps=40, entropy_bound=3.0, confidence_threshold=6.0)):
+        plain = run_job(lm, Job(ids, lm.generation_config(**kw), seed=7))
+        seen = []  # z of every row after each step, per canvas: the last one is the commit's
+        step = loop_mod.denoise_step
+
+        def spy(cv, *a, **k):
+            out = step(cv, *a, **k)
+            if cv.steps == 0:
+                seen.append([])
+            seen[-1].append(cv.sc[0].clone())
+            return out
+        monkeypatch.setattr(loop_mod, "denoise_step", spy)
+        events = run_job(lm, Job(ids, lm.generation_config(**kw), seed=7, logprobs=3))
+        monkeypatch.undo()
+        commits = [e for e in events if isinstance(e, RowCommit)]
+        assert [e.tokens for e in commits] == [e.tokens for e in plain if isinstance(e, RowCommit)]
+        assert all(e.logprobs is None for e in plain if isinstance(e, RowCommit))
+        assert len(commits) == len(seen)
+        for e, steps in zip(commits, seen):
+            z = steps[-1]
+            ref = torch.log_softmax(z.float(), dim=-1)
+            assert e.tokens == z.argmax(-1).tolist()
+            assert len(e.logprobs) == len(e.tokens)
+            top = ref.topk(3, dim=-1)
+            for c, (t, (lp, alts)) in enumerate(zip(e.tokens, e.logprobs)):
+                assert lp == ref[c, t].item() and lp <= 0
+                assert [a[0] for a in alts] == top.indices[c].tolist()
+                assert [a[1] for a in alts] == top.values[c].tolist()
+                assert lp >= alts[0][1]
+    events = run_job(lm, Job(ids, lm.generation_config(max_new_tokens=16, max_denoising_steps=2), seed=1,
+                             logprobs=0))
+    c = next(e for e in events if isinstance(e, RowCommit))
+    assert len(c.logprobs) == 16 and all(alts == [] for _, alts in c.logprobs)
+
+
+def _fake_logprobs(ids):
+    """Per position (logprob, alternatives) that name the position: logprob -k at position k."""
+    return [(-float(k), [(t, -float(k))]) for k, t in enumerate(ids)]
+
+
+@pytest.mark.parametrize("text,chat,stop,content", [
+    (THOUGHT_AND_CALL, True, [], "Hello"),
+    ("<|channel>thought\nhmm<channel|>The sky é is blue. The sea<turn|>", True, ["sea"], "The sky é is blue. The "),
+    ("Caf\u00e9 na\u00efve <b>x</b> r\u00e9sum\u00e9", False, [], None),
+    ("The sky is blue. The sea is blue too.", False, ["e se"], "The sky is blue. Th"),
+])
+def test_logprob_entries_align_with_the_returned_text(lm, text, chat, stop, content):
+    """The assembler's logprob entries: one per returned token, in order, their texts joined are the returned
+    content (chat: reasoning, markup and tool calls left out; a stop string cuts the list at the token it cuts),
+    and the streamed deltas' entries, for any canvas split, are the non-streamed list."""
+    tok = lm.tokenizer
+    ids = tok.encode(text)
+    if "é" in text:  # a character split over byte tokens: é as its two UTF-8 bytes
+        b = [tok.token_to_id(f"<0x{x:02X}>") for x in "é".encode()]
+        ids = [t for i in ids for t in (b if tok.decode([i]) == "é" else [i])]
+    lps = _fake_logprobs(ids)
+    results = []
+    for split in (1, 3, 16, len(ids)):
+        asm = OutputAssembler(tok, [1, 106], 100, stop=stop, chat=chat, logprobs=True)
+        streamed, text_out = [], ""
+        for i in range(0, len(ids), split):
+            d = asm.feed(ids[i:i + split], lps[i:i + split])
+            streamed += d.logprobs
+            text_out += d.content
+            if asm.done:
+                break
+        final = asm.finish()
+        streamed += final.last.logprobs
+        text_out += final.last.content
+        assert streamed == final.logprobs and text_out == final.content
+        assert "".join(e.text for e in final.logprobs) == final.content
+        if content is not None:
+            assert final.content == content
+        positions = [-int(e.logprob) for e in final.logprobs]
+        assert positions == sorted(set(positions)) and all(ids[p] == e.id for p, e in zip(positions, final.logprobs))
+        assert all(final.content.startswith(e.text, e.offset) for e in final.logprobs)
+        results.append(final.logprobs)
+    assert all(r == results[0] for r in results)
+    if not chat and not stop:  # a completion returns every token
+        assert [e.id for e in results[0]] == ids
+    if chat and stop:  # the split é: its first byte's entry is empty, the second carries the character
+        texts = [e.text for e in results[0]]
+        assert "é" in texts and texts[texts.index("é") - 1] == ""
+
+
+def _check_entries(tokens, logprobs, tops, k, exact=True):
+    """Each returned token's logprob is <= 0 and >= every alternative's (it is the argmax of its step's
+    distribution); k alternatives (a completion's dict: fewer where two have the same text), sorted."""
+    assert len(tokens) == len(logprobs) == len(tops)
+    for lp, top in zip(logprobs, tops):
+        assert (len(top) == k if exact else 1 <= len(top) <= k) and top == sorted(top, reverse=True)
+        assert top[0] == lp
+        assert lp <= 0 and all(lp >= v for v in top)
+
+
+def test_chat_logprobs_through_the_openai_client(client):
+    """logprobs=True, top_logprobs=3: one entry per token of the content (joined: the content), streamed and not
+    (the same entries), and the same text as without logprobs."""
+    kw = dict(model=client.model_id, messages=MSG, max_tokens=40, seed=5, extra_body=FAST)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    r = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    content = r.choices[0].message.content
+    entries = r.choices[0].logprobs.content
+    assert content == plain and entries
+    assert "".join(e.token for e in entries) == content
+    _check_entries([e.token for e in entries], [e.logprob for e in entries],
+                   [[t.logprob for t in e.top_logprobs] for e in entries], 3)
+    assert all(e.bytes for e in entries) and all(t.bytes is not None for e in entries for t in e.top_logprobs)
+    assert len(entries) <= r.usage.completion_tokens
+    chunks = list(client.chat.completions.create(stream=True, logprobs=True, top_logprobs=3, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert text == content and [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]
+    r0 = client.chat.completions.create(logprobs=True, **kw)  # no alternatives: the token's own only
+    assert [e.logprob for e in r0.choices[0].logprobs.content] == [e.logprob for e in entries]
+    assert all(e.top_logprobs == [] for e in r0.choices[0].logprobs.content)
+    assert client.chat.completions.create(**kw).choices[0].logprobs is None
+
+
+def test_completion_logprobs_through_the_openai_client(client):
+    """logprobs=2 on /v1/completions: tokens, token_logprobs, top_logprobs and text_offset, one per returned
+    token (every generated token but a stop id), streamed and not; a stop string cuts the list with the text."""
+    kw = dict(model=client.model_id, prompt="The sky is", max_tokens=24, seed=2, extra_body=FAST)
+    plain = client.completions.create(**kw).choices[0].text
+    r = client.completions.create(logprobs=2, **kw)
+    ch = r.choices[0]
+    lp = ch.logprobs
+    assert ch.text == plain and "".join(lp.tokens) == ch.text
+    assert len(lp.tokens) == r.usage.completion_tokens - (ch.finish_reason == "stop")
+    _check_entries(lp.tokens, lp.token_logprobs, [sorted(t.values(), reverse=True) for t in lp.top_logprobs], 2,
+                   exact=False)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = [c for c in client.completions.create(stream=True, logprobs=2, **kw) if c.choices]
+    got = {k: [v for c in chunks if c.choices[0].logprobs for v in getattr(c.choices[0].logprobs, k)]
+           for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert "".join(c.choices[0].text for c in chunks) == ch.text
+    assert got == {k: getattr(lp, k) for k in got}
+    # a stop string inside the text: the entries stop with it
+    stop = ch.text[len(ch.text) // 2:][:3]
+    cut = client.completions.create(logprobs=2, stop=[stop], **kw).choices[0]
+    assert cut.text == ch.text[:ch.text.index(stop)]
+    assert "".join(cut.logprobs.tokens) == cut.text
+    n = len(cut.logprobs.tokens)
+    assert cut.logprobs.token_logprobs == lp.token_logprobs[:n]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_worker_logprobs_in_a_batch_follow_their_rows(lm, graphs):
+    """Rows with different step budgets in one batch (row compaction swaps the rows still at work; under CUDA
+    graphs, on a CPU the same plumbing, the self-conditioning logits live in the graphs' buffer): the rows that
+    asked get the logprobs they get served alone, the others none, and every row's tokens are those of the batch
+    without logprobs."""
+    def jobs(asks):
+        return [Job(lm.encode_chat("prompt %d" % k), lm.generation_config(max_new_tokens=32, max_denoising_steps=k,
+                    stability_threshold=None, confidence_threshold=None, eos_token_id=None), seed=k, logprobs=a)
+                for k, a in zip((2, 5, 3), asks)]
+
+    def run(js):
+        w = Worker(lm, max_batch=3)
+        hs = [w.submit(j) for j in js]
+        with torch.no_grad():
+            while w.busy:
+                w.canvas()
+        return [[e for e in h.drain() if isinstance(e, RowCommit)] for h in hs]
+
+    with (cuda_graphs(lm) if graphs else contextlib.nullcontext()):
+        plain = run(jobs([None] * 3))
+        asked = run(jobs([2, None, 0]))
+    alone = [run([j])[0] for j in jobs([2, None, 0])]
+    assert [[e.tokens for e in r] for r in asked] == [[e.tokens for e in r] for r in plain]
+    assert all(e.logprobs is None for e in asked[1] + plain[0])
+    for i in (0, 2):
+        got, ref = ([(v, a) for e in r[i] for v, a in e.logprobs] for r in (asked, alone))
+        assert [[t for t, _ in a] for _, a in got] == [[t for t, _ in a] for _, a in ref]
+        flat = [torch.tensor([[v] + [x for _, x in a] for v, a in g]) for g in (got, ref)]
+        assert torch.allclose(*flat, atol=1e-5)  # a batch's matmuls may round otherwise than one row's
+        assert all(len(a) == (2 if i == 0 else 0) for _, a in got)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .events import TokenLogprobs
+
 
 def _stop_test(rows, device):
     """tokens [B, C] -> [B, C] bool, the token is one of its row's stop ids (`eos_token_id`); None where no row has
@@ -50,3 +52,28 @@ def commit(tokens: torch.Tensor, rows) -> tuple[torch.Tensor, list[bool]]:
             after = (seen > 0) & ~((seen == 1) & is_stop)  # every position after the first stop id
             new = torch.where(after & has_pad[:, None], pad[:, None], new)
     return new, [b or e for b, e in zip(before, ended)]
+
+
+def token_logprobs(sc: torch.Tensor | None, tokens: torch.Tensor, rows) -> TokenLogprobs | None:
+    """The committed tokens' log-probabilities for the rows whose job asked (`Job.logprobs` = k alternatives, 0:
+    the chosen token's only; None: not asked), or None when no row asked. sc [B, C, V]: the canvas's
+    self-conditioning logits after its last step (each row's last executed step's z = logits / tau, whose
+    argmax is the committed canvas); tokens [B, C] the committed canvas. log_softmax(z.float()), one row at a
+    time (a [C, V] fp32 buffer, not [B, C, V]); nothing is read back here, and rows that did not ask cost
+    nothing."""
+    want = [i for i, r in enumerate(rows)
+            if getattr(r.job, "logprobs", None) is not None and not r.cancelled and not r.finished]
+    if not want or sc is None:
+        return None
+    k = min(max(rows[i].job.logprobs for i in want), sc.shape[-1])
+    values, ids = [], []
+    for i in want:
+        lp = torch.log_softmax(sc[i].float(), dim=-1)  # [C, V]
+        chosen = lp.gather(-1, tokens[i][:, None].long())
+        if k:
+            top = lp.topk(k, dim=-1)
+            values.append(torch.cat([chosen, top.values], dim=-1))
+            ids.append(top.indices)
+        else:
+            values.append(chosen)
+    return TokenLogprobs(want, torch.stack(values), torch.stack(ids) if k else None)

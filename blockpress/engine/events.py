@@ -85,11 +85,28 @@ class Stepped:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities of a canvas's committed tokens, for the rows that asked (`Job.logprobs`), under the
+    distribution of the denoising step that produced the committed canvas: log_softmax of that step's
+    (temperature-scaled) logits, the self-conditioning logits `Canvas.sc` (in the model's dtype).
+
+    rows: batch indices of the rows that asked; values [n, C, 1 + K] fp32 (device): the committed token's
+    log-probability, then the K most likely tokens' in descending order (K the largest any of them asked for; a
+    row reads its own first k); ids [n, C, K] (device) the ids of those K, or None when K is 0."""
+
+    rows: list[int]
+    values: torch.Tensor
+    ids: torch.Tensor | None
+
+
+@dataclass
 class Committed:
-    """After a canvas, in batch order: the committed tokens (EOS/pad rule applied) and which rows ended."""
+    """After a canvas, in batch order: the committed tokens (EOS/pad rule applied) and which rows ended; the
+    committed tokens' log-probabilities where a row asked for them (None: nobody did)."""
 
     rows: list
     tokens: torch.Tensor  # [B, C] (device)
     finished: list[bool]
     steps: int  # steps the batch executed in this canvas
     seconds: float
+    logprobs: TokenLogprobs | None = None

@@ -9,7 +9,8 @@ Shape legend: B rows, S prompt length, C canvas length, V vocab.
 3. rows join (`Admitted`): their prompts are prefilled, ending where the batch's cache ends;
 4. every row draws a canvas of noise and denoises it, a `Stepped` event per step, until each row has stopped
    (its stopping rule, its step budget, or a cancel);
-5. the commit rule turns the last argmax canvas into committed tokens (`Committed`).
+5. the commit rule turns the last argmax canvas into committed tokens (`Committed`), with their
+   log-probabilities under the last step's distribution for the rows that asked (`Job.logprobs`).
 
 A *source* decides who joins and leaves: `Scheduler` (a server: a queue, the padding rule, eviction) or a
 Python batch submitted at once. The device work is the `Runner`'s, the step's arithmetic `step.denoise_step`'s.
@@ -26,7 +27,7 @@ import torch
 
 from ..sampling import uniform_tokens
 from .canvas import Canvas, clamp, entropy_bound, held_tokens, stopping_rule
-from .commit import commit
+from .commit import commit, token_logprobs
 from .events import Admitted, Committed, Stepped
 from .step import denoise_step
 
@@ -140,6 +141,7 @@ class Engine:
             run.committed = pending
             run.commit()
         tokens, finished = commit(cv.a, cv.rows)
+        logprobs = token_logprobs(cv.sc, tokens, cv.rows)  # before the rows' `finished` moves on
         if any(r.constraint is not None for r in cv.rows):  # the grammars continue from the committed tokens
             for r, t in zip(cv.rows, tokens.tolist()):
                 if r.constraint is not None:
@@ -152,4 +154,4 @@ class Engine:
             if r.canvas == 1:
                 r.first_commit = now - r.started
         run.end_canvas(tokens)
-        yield Committed(cv.rows, tokens, finished, cv.steps, now - t0)
+        yield Committed(cv.rows, tokens, finished, cv.steps, now - t0, logprobs)

@@ -29,6 +29,7 @@ class Job:
     seed: int | None = None
     drafts: bool = False
     fixed_tokens: list[int] | None = None  # new tokens held at these ids (-1 free, -2 free+discarded)
+    logprobs: int | None = None  # committed tokens' log-probabilities with this many alternatives (None: not asked)
 
 
 @dataclass

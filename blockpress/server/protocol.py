@@ -37,9 +37,34 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
 - Ignored OpenAI fields: temperature, top_p, penalties, logit_bias (no meaning for the
   entropy-bounded denoising sampler). Refused with a 400 naming the field rather than silently
   dropped, because a client would read a wrong answer: `best_of` > 1, `echo`,
-  `response_format` other than text, image/audio content parts, and
-  `logprobs` / `top_logprobs` (a denoised token is not drawn once from a left-to-right distribution,
-  so it has no autoregressive log-probability to report).
+  `response_format` other than text, image/audio content parts, and `top_logprobs` > 0 without
+  `logprobs: true` (chat).
+
+Logprobs (chat `logprobs: true` + `top_logprobs` 0..20; completions `logprobs` 0..5):
+- Meaning: a denoised token is not drawn once from a left-to-right distribution. The committed canvas is the
+  argmax of the canvas's last executed denoising step, so a token's logprob is log_softmax of that step's
+  (temperature-scaled) logits at its position, and the alternatives are that distribution's most likely tokens
+  (the first is the token itself, which is the argmax; with a bf16 model the logits are the bf16 ones the step
+  keeps). The engine computes them once per canvas, only for the requests that asked; the tokens are the same
+  bits with or without them.
+- Alignment: one entry per token of the returned text, in order. `token` (chat) / `tokens[i]` (completions) is
+  the text that token contributes, so the entries' tokens joined are the returned text; an entry may be "" (a
+  token holding part of a multi-byte character, whose text goes to the token completing it, or a special
+  token a completion does not show). `bytes` is the token's own UTF-8 bytes (a byte token's one byte), so a
+  character split over tokens can be rebuilt. Not returned: the stop id, padding after it, tokens past
+  `max_tokens`, tokens after a stop string (a token the stop string cuts is returned with the text before the
+  cut), insert mode's held suffix. (A forced tool call's held opening is a call's markup; should the call not
+  parse, it is kept as content, and its held tokens come with their log-probability, not the likeliest.)
+- Chat: `choices[i].logprobs.content` covers the tokens of `content` only. Tokens of `reasoning_content`, of
+  tool calls and of the output's markup (channel and turn headers, control tokens) are left out; a token that is
+  part markup, part content has its content part as `token`.
+- Completions: `{tokens, token_logprobs, top_logprobs, text_offset}`, `top_logprobs` a {token: logprob} dict per
+  token (tokens with the same text keep the likelier), `text_offset` each token's start in the choice's text.
+- Streaming: a chunk carries the entries of the tokens whose text ended in it (a token decided later, e.g. one
+  the stop-string check holds back, comes in a later chunk, possibly one with empty text); over the stream they
+  are the non-streamed list.
+- Values are finite: a log-probability below -9999 is reported as -9999.0.
+- /v1/responses still refuses logprobs (`top_logprobs`, the logprobs `include`).
 """
 
 from __future__ import annotations
@@ -115,6 +140,7 @@ class Sampling:
     include_usage: bool = False
     include_drafts: bool = False
     n: int = 1  # choices: choice i samples with seed + i (choice 0 is the n=1 answer)
+    logprobs: int | None = None  # alternatives per token with logprobs (0: the token's only); None: not asked
 
     def choice_seed(self, i: int) -> int | None:
         if self.seed is None:
@@ -272,15 +298,10 @@ class _DiffusionKnobs(_Request):
                         include_drafts=bool(stream_options and stream_options.include_drafts), n=self.n)
 
 
-def _refuse_unsupported(req, limits: Limits, logprobs: bool) -> None:
+def _refuse_unsupported(req, limits: Limits) -> None:
     if req.n > limits.max_choices:
         raise APIError(400, f"n={req.n} exceeds this server's limit of {limits.max_choices} choices per request",
                        param="n", code="invalid_value")
-    if logprobs:
-        raise APIError(400, "logprobs are not supported: a denoised token is accepted after several parallel "
-                       "refinement steps, not drawn once from a left-to-right distribution, so it has no "
-                       "autoregressive log-probability to report; leave logprobs unset", param="logprobs",
-                       code="unsupported_value")
 
 
 _StopStr = Annotated[str, Field(min_length=1, max_length=256)]
@@ -359,7 +380,10 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
         if len(self.messages) > limits.max_messages:
             raise APIError(400, f"{len(self.messages)} messages exceed this server's limit of {limits.max_messages}; "
                            "drop older turns", param="messages", code="too_many_messages")
-        _refuse_unsupported(self, limits, logprobs=bool(self.logprobs) or bool(self.top_logprobs))
+        _refuse_unsupported(self, limits)
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true (the alternatives come with each token's own "
+                           "log-probability)", param="top_logprobs", code="invalid_value")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise APIError(400, f"response_format {kind!r} is not supported: no constrained decoding yet, so the "
@@ -370,7 +394,9 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
         n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         default = limits.default_max_tokens or min(limits.max_tokens, defaults.get("max_new_tokens")
                                                    or REFERENCE_DEFAULTS["max_new_tokens"])
-        return self._resolve(limits, defaults, n, field_name, default, self.seed, self.stop, self.stream_options)
+        sampling = self._resolve(limits, defaults, n, field_name, default, self.seed, self.stop, self.stream_options)
+        sampling.logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return sampling
 
 
 class ResponseToolCall(BaseModel):
@@ -393,10 +419,29 @@ class ResponseMessage(BaseModel):
         return out
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str = Field(description="the text this token contributes to `content` (joined: the content)")
+    logprob: float
+    bytes: list[int] | None = Field(None, description="the token's own UTF-8 bytes")
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """With `logprobs: true`: one entry per token of `content` (see the module docstring for what they mean)."""
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"]
 
 
@@ -434,7 +479,7 @@ class ChunkDelta(BaseModel):
 class ChunkChoice(BaseModel):
     index: int
     delta: ChunkDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
@@ -489,7 +534,7 @@ class CompletionRequest(_DiffusionKnobs, _CompletionFields):
         return p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
     def to_sampling(self, limits: Limits, defaults: dict[str, Any]) -> Sampling:
-        _refuse_unsupported(self, limits, logprobs=self.logprobs is not None)
+        _refuse_unsupported(self, limits)
         if len(self.prompts) > limits.max_prompts:
             raise APIError(400, f"{len(self.prompts)} prompts exceed this server's limit of {limits.max_prompts} per "
                            "request; split the batch", param="prompt", code="invalid_value")
@@ -500,21 +545,31 @@ class CompletionRequest(_DiffusionKnobs, _CompletionFields):
             raise APIError(400, "echo is not supported: the prompt is not repeated in the completion; prepend it "
                            "yourself", param="echo", code="unsupported_value")
         default = limits.default_max_tokens or 16  # OpenAI's default for completions
-        return self._resolve(limits, defaults, self.max_tokens, "max_tokens", default, self.seed, self.stop,
-                             self.stream_options)
+        sampling = self._resolve(limits, defaults, self.max_tokens, "max_tokens", default, self.seed, self.stop,
+                                 self.stream_options)
+        sampling.logprobs = self.logprobs
+        return sampling
+
+
+class CompletionLogprobs(BaseModel):
+    """With `logprobs: k`: one entry per token of `text` (see the module docstring for what they mean)."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
 class CompletionChunkChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 

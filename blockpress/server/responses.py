@@ -174,7 +174,7 @@ class ResponsesServing:
         builder = ResponseBuilder(req, self.s.model_name)
         if req.stream:
             return self._stream(run, asm, builder, disconnected)
-        final = await self.s._collect(run, asm, disconnected, lambda ev: ev.tokens, on_delta=builder.delta)
+        final = await self.s._collect(run, asm, disconnected, lambda ev: (ev.tokens, None), on_delta=builder.delta)
         builder.finish(final, self._usage(run, final))
         return builder.final
 

@@ -5,7 +5,8 @@ own events.
   with the engine's `Scheduler` (bounded: `QueueFull`, a 429); the loop admits it at the next canvas boundary
   (see engine/scheduler.py for who joins when, engine/loop.py for the loop).
 - A request's events go to its `Handle`: `RowDraft` after each denoising step it took (when it asked for
-  drafts), `RowCommit` per canvas, `RowDone` at the end, or `RowError`. Reproducible: a request's tokens depend
+  drafts), `RowCommit` per canvas (with its tokens' log-probabilities when the job asked: `Job.logprobs`),
+  `RowDone` at the end, or `RowError`. Reproducible: a request's tokens depend
   on its seed, not on its neighbours (for a request served alone they equal
   `generate(generator=torch.Generator().manual_seed(seed))`; in a batch they differ only if float rounding of the
   batched matmuls flips a near-tie).
@@ -53,6 +54,9 @@ class RowCommit:
     tokens: list[int]  # committed canvas, pad after the first stop id where a pad id is set
     finished: bool
     steps: int
+    # per position of `tokens` (asked with Job.logprobs = k): (the token's log-probability, [(id, log-probability)
+    # of the k most likely tokens, descending]); None when the job did not ask
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -305,15 +309,32 @@ class Worker:
 
     def _commits(self, ev: Committed, now: float) -> None:
         tokens = ev.tokens.tolist()
-        for r, canvas, finished in zip(ev.rows, tokens, ev.finished):
+        logprobs = self._logprobs(ev)
+        for b, (r, canvas, finished) in enumerate(zip(ev.rows, tokens, ev.finished)):
             if r.cancelled:
                 continue
-            r.sink.put(RowCommit(r.canvas - 1, canvas, finished, r.steps))
+            r.sink.put(RowCommit(r.canvas - 1, canvas, finished, r.steps, logprobs.get(b)))
             if finished:
                 r.sink.put(RowDone(r.prompt_length, r.steps_per_canvas, r.passes, r.started - r.sink.submitted,
                                    r.first_commit, now - r.started))
         if self.metrics is not None:
             self.metrics.canvas_seconds.observe(ev.seconds)
+
+    @staticmethod
+    def _logprobs(ev: Committed) -> dict[int, list]:
+        """Batch index -> per position (log-probability, [(id, log-probability)] alternatives) for the rows that
+        asked: one read for all of them (two with alternatives)."""
+        lp = ev.logprobs
+        if lp is None:
+            return {}
+        values = lp.values.tolist()
+        ids = lp.ids.tolist() if lp.ids is not None else None
+        out = {}
+        for n, b in enumerate(lp.rows):
+            k = ev.rows[b].job.logprobs
+            out[b] = [(v[0], list(zip(ids[n][c][:k], v[1:1 + k])) if ids is not None else [])
+                      for c, v in enumerate(values[n])]
+        return out
 
 
 def run_job(lm, job: Job, **overrides) -> list[Any]:

@@ -193,6 +193,58 @@ def test_completion_insert_mode_equals_infill(client, lm):
     assert ref.region_ids[:6] != alone.new_tokens[0, :6].tolist()  # the suffix changed what the model wrote
 
 
+def test_structured_output_through_the_openai_client(client):
+    """response_format through the official client on a model that writes noise: chat.completions.parse() with a
+    pydantic model, json_schema and json_object on chat (streamed equals not), json_schema and the regex extension
+    on completions; every answer parses and validates."""
+    pydantic = pytest.importorskip("pydantic")
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=130)
+        tags: list[str] = pydantic.Field(max_length=3)
+
+    model, kw = client.model_id, dict(seed=3, max_tokens=128, extra_body=FAST)
+    parsed = client.chat.completions.parse(model=model, messages=MSG, response_format=Person, **kw)
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 130
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "check", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=model, messages=MSG, response_format=fmt, **kw)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    s = client.chat.completions.create(model=model, messages=MSG, response_format=fmt, stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == r.choices[0].message.content
+    r = client.chat.completions.create(model=model, messages=MSG, response_format={"type": "json_object"}, **kw)
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    c = client.completions.create(model=model, prompt="Record:", max_tokens=128, seed=4,
+                                  extra_body={**FAST, "response_format": fmt})
+    jsonschema.validate(json.loads(c.choices[0].text), schema)
+    c = client.completions.create(model=model, prompt="Code:", max_tokens=16, seed=4,
+                                  extra_body={**FAST, "regex": "[A-Z]{2}-[0-9]{3}"})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", c.choices[0].text), c.choices[0].text
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"response_format": {"type": "xml"}}, "not one of text, json_object, json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "format": "no-such-format"}}}}, "Unknown format"),
+    ({"regex": "(?<=a)b"}, "look-around"),
+    ({"regex": "a", "response_format": {"type": "json_object"}}, "give one of"),
+    ({"response_format": {"type": "json_object"}, "max_tokens": 1}, "too small"),
+    ({"response_format": {"type": "json_object"}, "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "cannot be"),
+])
+def test_structured_output_errors_name_the_problem(server, body, needle):
+    pytest.importorskip("llguidance")
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 32, **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert needle in r.json()["error"]["message"], r.text
+
+
 def test_completion_insert_mode_errors(server):
     body = {"prompt": "Hi", "suffix": "x " * 600, "max_tokens": 8}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
@@ -369,7 +421,7 @@ BAD = [
     ("too many stops", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
     ("bad prompt ids", {"prompt": [1, 2, 999999]}, 400, "prompt"),
     ("chat logprobs not a bool", {"messages": MSG, "logprobs": 1}, 400, "logprobs"),
-    ("json mode", {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("unknown response_format", {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("image part", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content.0.type"),
     ("chat top_logprobs alone", {"messages": MSG, "top_logprobs": 3}, 400, "top_logprobs"),
@@ -391,7 +443,7 @@ BAD = [
 
 # what each refusal must say (a client reads the message, not the code)
 BAD_MESSAGES = {
-    "chat top_logprobs alone": "top_logprobs needs logprobs: true", "json mode": "response_format 'json_object' is not supported",
+    "chat top_logprobs alone": "top_logprobs needs logprobs: true", "unknown response_format": "is not one of text, json_object, json_schema",
     "image part": "only text content parts are supported", "n over limit": "n=9 exceeds this server's limit of 8",
     "completion batch too big": "33 prompts exceed this server's limit of 32",
     "completion batch entry": "prompt.1: String should have at least 1 character",

@@ -29,6 +29,7 @@ class Job:
     seed: int | None = None
     drafts: bool = False
     fixed_tokens: list[int] | None = None  # new tokens held at these ids (-1 free, -2 free+discarded)
+    constraint: Any = None  # engine.constraint.Constraint: the grammar its output obeys (one per job), or None
     logprobs: int | None = None  # committed tokens' log-probabilities with this many alternatives (None: not asked)
 
 

@@ -36,9 +36,14 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
   prompt once.
 - Ignored OpenAI fields: temperature, top_p, penalties, logit_bias (no meaning for the
   entropy-bounded denoising sampler). Refused with a 400 naming the field rather than silently
-  dropped, because a client would read a wrong answer: `best_of` > 1, `echo`,
-  `response_format` other than text, image/audio content parts, and `top_logprobs` > 0 without
-  `logprobs: true` (chat).
+  dropped, because a client would read a wrong answer: `best_of` > 1, `echo`, image/audio content parts, and
+  `top_logprobs` > 0 without `logprobs: true` (chat).
+
+Structured output: `response_format` `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
+{"name", "schema", "strict"}}` (chat and completions), or the extensions `regex` / `grammar` (Lark): the output
+is constrained during denoising (engine/constraint.py) to parse and validate and to end within `max_tokens`. A
+schema or grammar the engine cannot compile is a 400 naming the problem; so is a `max_tokens` too small for the
+shortest valid output. In chat the constrained output is the message's `content` (no thinking, no tool call).
 
 Logprobs (chat `logprobs: true` + `top_logprobs` 0..20; completions `logprobs` 0..5):
 - Meaning: a denoised token is not drawn once from a left-to-right distribution. The committed canvas is the
@@ -78,7 +83,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serial
 from typing_extensions import Annotated
 
 from ..config import REFERENCE_DEFAULTS, GenerationConfig
-from ..errors import SamplingError
+from ..errors import InputError, SamplingError
 
 # ----------------------------------------------------------------------------- errors
 
@@ -141,6 +146,7 @@ class Sampling:
     include_drafts: bool = False
     n: int = 1  # choices: choice i samples with seed + i (choice 0 is the n=1 answer)
     logprobs: int | None = None  # alternatives per token with logprobs (0: the token's only); None: not asked
+    grammar: str | None = None  # the compiled grammar the output obeys (response_format, regex, grammar); None: free
 
     def choice_seed(self, i: int) -> int | None:
         if self.seed is None:
@@ -263,6 +269,36 @@ class _DiffusionKnobs(_Request):
     t_max: NonNegFloat | None = None
     stability_threshold: NonNegInt | None = None
     confidence_threshold: PosFloat | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", '
+        '"schema", "strict"}}: the output is constrained during denoising to parse (and validate)')
+    regex: str | None = Field(None, max_length=4096, description="blockpress: the output matches this regular "
+                              "expression (constrained during denoising)")
+    grammar: str | None = Field(None, max_length=65536, description="blockpress: the output follows this Lark "
+                                "grammar (constrained during denoising)")
+
+    def output_grammar(self) -> str | None:
+        """The compiled grammar of response_format / regex / grammar (at most one), or None for free text."""
+        from ..engine.constraint import grammar_for
+
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        schema, json_object = None, False
+        if kind == "json_object":
+            json_object = True
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(400, 'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                               param="response_format", code="invalid_value")
+        elif kind != "text":
+            raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
+                           param="response_format", code="invalid_value")
+        try:
+            return grammar_for(json_schema=schema, json_object=json_object, regex=self.regex, grammar=self.grammar)
+        except InputError as e:
+            raise APIError(400, str(e), param="response_format", code="invalid_value") from None
 
     def _resolve(self, limits: Limits, defaults: dict[str, Any], max_tokens: int | None, max_tokens_field: str,
                  default_max_tokens: int, seed: int | None, stop, stream_options) -> Sampling:
@@ -331,7 +367,6 @@ class _ChatFields(_Request):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    response_format: dict[str, Any] | None = None
     seed: SeedInt | None = None
     stop: _Stop = _stop_field()
     stream: bool = False
@@ -384,18 +419,16 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true (the alternatives come with each token's own "
                            "log-probability)", param="top_logprobs", code="invalid_value")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise APIError(400, f"response_format {kind!r} is not supported: no constrained decoding yet, so the "
-                           "output would not be guaranteed to parse; ask for JSON in the prompt and validate it, "
-                           "or use tools with tool_choice (which is enforced)", param="response_format",
-                           code="unsupported_value")
         field_name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         default = limits.default_max_tokens or min(limits.max_tokens, defaults.get("max_new_tokens")
                                                    or REFERENCE_DEFAULTS["max_new_tokens"])
         sampling = self._resolve(limits, defaults, n, field_name, default, self.seed, self.stop, self.stream_options)
         sampling.logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        sampling.grammar = self.output_grammar()
+        if sampling.grammar is not None and self.forced_tool is not None:
+            raise APIError(400, "response_format (or regex / grammar) and a forced tool call (tool_choice) cannot be "
+                           "combined; drop one", param="response_format", code="invalid_value")
         return sampling
 
 
@@ -548,6 +581,10 @@ class CompletionRequest(_DiffusionKnobs, _CompletionFields):
         sampling = self._resolve(limits, defaults, self.max_tokens, "max_tokens", default, self.seed, self.stop,
                                  self.stream_options)
         sampling.logprobs = self.logprobs
+        sampling.grammar = self.output_grammar()
+        if sampling.grammar is not None and self.suffix:
+            raise APIError(400, "response_format (or regex / grammar) and suffix (insert mode) cannot be combined",
+                           param="response_format", code="invalid_value")
         return sampling
 
 

@@ -393,7 +393,7 @@ class OpenAIServing:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this server's limit is "
                            f"{self.limits.max_prompt_tokens}", param=prompt_field, code="context_length_exceeded")
         job = Job(ids, sampling.cfg, seed=sampling.seed, drafts=sampling.include_drafts, fixed_tokens=fixed_tokens,
-                  logprobs=sampling.logprobs)
+                  logprobs=sampling.logprobs, constraint=self._constraint(sampling))
         try:
             handle = self.worker.submit(job, loop=asyncio.get_running_loop())
         except QueueFull as e:
@@ -404,6 +404,18 @@ class OpenAIServing:
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(ids))
         return _Run(handle, len(ids))
+
+    def _constraint(self, sampling: Sampling):
+        """A fresh grammar state for one row of a request with structured output, or None."""
+        if sampling.grammar is None:
+            return None
+        from ..engine.constraint import Constraint
+
+        try:
+            return Constraint(sampling.grammar, self.tok, sampling.cfg.eos_token_id, self.lm.config.text.vocab_size,
+                              sampling.cfg.max_new_tokens)
+        except BlockpressError as e:
+            raise APIError(400, str(e), param="response_format", code="invalid_value") from None
 
     async def _events(self, run: _Run, asm: OutputAssembler, disconnected: Disconnected | None):
         """Engine events for one request until it is complete or the text is done (stop string,

@@ -171,7 +171,7 @@ class Worker:
         g = torch.Generator(device=self.module.device)
         g.manual_seed(job.seed) if job.seed is not None else g.seed()
         row = Row(job.cfg, canvases_for(job.cfg.max_new_tokens, self.C), prompt_length=len(job.prompt_ids),
-                  generator=g, fixed=self._held(job), job=job, sink=handle)
+                  generator=g, fixed=self._held(job), constraint=job.constraint, job=job, sink=handle)
         handle.row = row
         with self._cond:
             self.scheduler.submit(row)

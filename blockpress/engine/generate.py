@@ -138,12 +138,8 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     ids, mask, fixed_tokens, n_canvases, T_start = _check(module, input_ids, cfg, canvas_length, attention_mask,
                                                           generator, cache, fixed_tokens)
     S = ids.shape[1]
-    if constraints is not None and (len(constraints) != ids.shape[0] or fixed_tokens is not None):
-        raise InputError("constraints: one per row, and not together with fixed_tokens (infilling)")
     engine, rows = _engine(module, ids, mask, cfg, n_canvases, T_start, generator, cache, fixed_tokens,
-                           options or Options(), passes)
-    for r, c in zip(rows, constraints or ()):
-        r.constraint = c
+                           options or Options(), passes, constraints)
     runner = engine.runner
     if decoder_input_ids is not None or self_conditioning_logits is not None:
         engine.first = (decoder_input_ids, self_conditioning_logits)
@@ -189,9 +185,11 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
 
 
 def _engine(module, ids, mask, cfg, n_canvases: int, T_start: int, generator, cache, fixed_tokens,
-            options: Options, passes):
+            options: Options, passes, constraints):
     """The engine for one Python batch (every row admitted at once) and its rows."""
     B, S = ids.shape
+    if constraints is not None and (len(constraints) != B or fixed_tokens is not None):
+        raise InputError("constraints: one per row, and not together with fixed_tokens (infilling)")
     per_row = isinstance(generator, (list, tuple))
     graphed = hasattr(passes, "sc_buffer")  # CUDA graphs (or a wrapper of them): fixed buffers
     if options.compact_rows and graphed and not per_row:
@@ -199,7 +197,8 @@ def _engine(module, ids, mask, cfg, n_canvases: int, T_start: int, generator, ca
                          "generator per row (generator=[...]), or generate without CUDA graphs")
     compact = per_row and B > 1 if options.compact_rows is None else bool(options.compact_rows)
     rows = [Row(cfg, n_canvases, index=i, prompt_length=S, generator=generator[i] if per_row else None,
-                fixed=None if fixed_tokens is None else fixed_tokens[i]) for i in range(B)]
+                fixed=None if fixed_tokens is None else fixed_tokens[i],
+                constraint=None if constraints is None else constraints[i]) for i in range(B)]
     engine = Engine(Runner(module, passes, compact=compact), _Batch(Admission(rows, T_start + S, ids, mask, cache)),
                     options.sampler, options.fuse_commit, per_row, None if per_row else generator)
     return engine, rows

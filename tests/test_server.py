@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -334,26 +335,47 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
-@pytest.mark.parametrize("tools,choice,opening", [
-    ([WEATHER, CLOCK], {"type": "function", "function": {"name": "get_time"}}, "call:get_time{"),
-    ([WEATHER], "required", "call:get_weather{"),  # the only tool: named
-    ([WEATHER, CLOCK], "required", "call:"),
-])
-def test_tool_choice_holds_the_call_opening_on_the_canvas(server, tools, choice, opening):
-    """A forced tool choice pins `<|tool_call>call:[NAME{]` at the start of the first canvas; the random
-    model writes the rest (its call does not close, so the parser keeps it as text, control tokens
-    dropped). Same text streamed."""
-    body = {"messages": MSG, "max_tokens": 32, "seed": 4, "tools": tools, "tool_choice": choice, **FAST}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    msg = r.json()["choices"][0]["message"]
-    text = msg["content"] or "call:" + msg["tool_calls"][0]["function"]["name"] + "{"
-    assert text.startswith(opening), text
-    free = httpx.post(server.url + "/v1/chat/completions", json={**body, "tool_choice": "auto"}, timeout=60)
-    assert not (free.json()["choices"][0]["message"]["content"] or "").startswith("call:")  # pinned, not chance
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
-        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == msg["content"]
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "minLength": 2, "maxLength": 12},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls_are_always_well_formed(client, choice):
+    """tool_choice "required" or named on a model that writes noise: every answer, streamed or not, is one call
+    in `tool_calls` of an offered tool (the named one), with arguments valid against its parameters schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY, CLOCK)}
+    for seed in range(6):
+        kw = dict(model=client.model_id, messages=MSG, tools=[CITY, CLOCK], tool_choice=choice, seed=seed,
+                  max_tokens=64, extra_body=FAST)
+        r = client.chat.completions.create(**kw)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1, r
+        if isinstance(choice, dict):
+            assert calls[0].function.name == "get_time"
+        jsonschema.validate(json.loads(calls[0].function.arguments), schemas[calls[0].function.name])
+        streamed = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+        deltas = [t for c in streamed for t in c.choices[0].delta.tool_calls or []]
+        assert [(d.function.name, d.function.arguments) for d in deltas] == \
+            [(calls[0].function.name, calls[0].function.arguments)]
+
+
+def test_forced_tool_call_without_the_grammar_engine_holds_the_opening(lm, monkeypatch):
+    """Without llguidance a forced call is the call's opening, `<|tool_call>call:[NAME{]`, held on the first canvas
+    (the model writes the rest); with it, a grammar on the whole answer and nothing held."""
+    serving = _serving(lm)
+    req = ChatCompletionRequest(messages=MSG, max_tokens=32, tools=[WEATHER, CLOCK],
+                                tool_choice={"type": "function", "function": {"name": "get_time"}})
+    sampling = req.to_sampling(serving.limits, serving.defaults)
+    if importlib.util.find_spec("llguidance") is not None:
+        constrained, held = serving.forced_call(req, sampling)
+        assert constrained.grammar is not None and held is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    free, held = serving.forced_call(req, sampling)
+    assert free.grammar is None and held == lm.tokenizer.encode("<|tool_call>call:get_time{")
 
 
 @pytest.mark.parametrize("tools,choice,needle", [

@@ -72,6 +72,18 @@ def grammar_for(json_schema=None, json_object: bool = False, regex: str | None =
     return llg.LLMatcher.grammar_from_lark(grammar)
 
 
+def call_grammar(open_id: int, close_id: int, tools: dict[str, dict]) -> str:
+    """The grammar of exactly one tool call in Gemma's format, `<|tool_call>call:NAME{...}<tool_call|>` (the
+    markers are token ids), NAME one of `tools` and its arguments JSON valid against that tool's parameters
+    schema (an object)."""
+    llg = _llguidance()
+    alts = []
+    for name, params in tools.items():
+        schema = {**(params or {"type": "object"}), "x-guidance": JSON_LAYOUT}
+        alts.append(f"{json.dumps(name)} %json {json.dumps(schema)}")
+    return llg.LLMatcher.grammar_from_lark(f'start: <[{open_id}]> "call:" ({" | ".join(alts)}) <[{close_id}]>\n')
+
+
 class Vocabulary:
     """The grammar engine's view of one tokenizer with one set of stop ids, and each token's closing rank.
     Built once per (tokenizer, stop ids, vocab size) and cached."""

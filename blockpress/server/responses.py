@@ -3,7 +3,7 @@ items and streaming events.
 
 Invariants:
 - The request becomes a chat request (`ResponsesRequest.to_chat`) and runs through the chat path's
-  machinery: `OpenAIServing.chat_prompt`, `tool_call_prefix`, `_submit_choices`, `_events` and the
+  machinery: `OpenAIServing.chat_prompt`, `forced_call`, `_submit_choices`, `_events` and the
   `OutputAssembler`; so the same conversation and seed give the same text on both endpoints.
 - One `ResponseBuilder` turns the assembler's text deltas into output items and events, streamed
   or not: the non-streaming response is the builder fed the same deltas with the events dropped,
@@ -162,7 +162,8 @@ class ResponsesServing:
             chat = req.to_chat()
             sampling = chat.to_sampling(s.limits, s.defaults)
             ids = await asyncio.to_thread(s.chat_prompt, chat)
-            run = s._submit_choices(ids, sampling, fixed_tokens=s.tool_call_prefix(chat.forced_tool))[0]
+            sampling, fixed = s.forced_call(chat, sampling)
+            run = s._submit_choices(ids, sampling, fixed_tokens=fixed)[0]
         except APIError as e:
             raise responses_error(e) from None
         return await self.respond(run, sampling, req, disconnected)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
+import importlib.util
 import json
 import math
 import re
@@ -553,14 +554,41 @@ class OpenAIServing:
         self._check_model(req.model)
         sampling = req.to_sampling(self.limits, self.defaults)
         ids = await asyncio.to_thread(self.chat_prompt, req)  # templating + BPE off the event loop
-        runs = self._submit_choices(ids, sampling, fixed_tokens=self.tool_call_prefix(req.forced_tool))
+        sampling, fixed = self.forced_call(req, sampling)
+        runs = self._submit_choices(ids, sampling, fixed_tokens=fixed)
         return await self.chat_response(runs, sampling, req.stream, disconnected)
 
+    def forced_call(self, req: ChatCompletionRequest, sampling: Sampling) -> tuple[Sampling, list[int] | None]:
+        """How a forced tool call (tool_choice "required" or named) is made: a grammar on the whole answer when
+        the structured extra is installed, else the call's opening held on the canvas. Returns the sampling and
+        the held tokens (or None)."""
+        grammar = self.tool_call_grammar(req)
+        if grammar is not None:
+            return dataclasses.replace(sampling, grammar=grammar), None
+        return sampling, self.tool_call_prefix(req.forced_tool)
+
+    def tool_call_grammar(self, req: ChatCompletionRequest) -> str | None:
+        """tool_choice "required" / named with the structured extra installed: the answer is exactly one call of
+        an offered tool (the named one) whose arguments are valid against its parameters schema, constrained
+        while it is denoised (engine/constraint.py). None without a forced call or without llguidance."""
+        tool = req.forced_tool
+        if tool is None or importlib.util.find_spec("llguidance") is None:
+            return None
+        from ..engine.constraint import Constraint, call_grammar
+
+        tools = {t.function.name: t.function.parameters for t in req.tools or [] if not tool or t.function.name == tool}
+        try:
+            grammar = call_grammar(self.tok.token_to_id("<|tool_call>"), self.tok.token_to_id("<tool_call|>"), tools)
+            Constraint(grammar, self.tok, [self.tok.token_to_id("<turn|>")], self.lm.config.text.vocab_size, 10**6)
+        except (ValueError, BlockpressError) as e:  # checked here, so the 400 names `tools`
+            raise APIError(400, f"a tool's parameters schema cannot be used: {e}", param="tools") from None
+        return grammar
+
     def tool_call_prefix(self, tool: str | None) -> list[int] | None:
-        """tool_choice "required" / named, done the diffusion way: the opening of a call,
-        `<|tool_call>call:` (+ `NAME{` for a named tool), is held on the first canvas (as insert mode
-        holds a suffix) and the model denoises the rest around it, arguments included. The call then
-        starts the answer, so a thinking turn is skipped."""
+        """tool_choice "required" / named without the structured extra, done the diffusion way: the opening of a
+        call, `<|tool_call>call:` (+ `NAME{` for a named tool), is held on the first canvas (as insert mode holds a
+        suffix) and the model denoises the rest around it, arguments included. The call then starts the answer,
+        so a thinking turn is skipped."""
         if tool is None:
             return None
         return self.tok.encode("<|tool_call>call:" + (tool + "{" if tool else ""))

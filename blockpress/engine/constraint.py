@@ -141,8 +141,10 @@ class Constraint:
         self.budget, self.written, self.ended = max_new_tokens, 0, False
         need = self.shortest_close(self.matcher.deep_copy())
         if need > max_new_tokens:
+            size = f"{need} tokens" if need < 10**9 else f"more than {self.CLOSE_LIMIT} tokens"
             raise InputError(f"max_new_tokens={max_new_tokens} is too small for this grammar: its shortest output "
-                             f"and stop take {need} tokens; raise max_new_tokens")
+                             f"and stop take {size}; raise max_new_tokens" + ("" if need < 10**9 else
+                                                                               " or loosen the grammar"))
 
     def shortest_close(self, m) -> int:
         """Tokens (the stop included) the shortest-closing path from matcher `m` takes; consumes `m`."""

@@ -21,7 +21,8 @@ then digits, then commas, letters, and last anything that opens a new structure)
 token of the closing path instead. A budget too small for even the shortest valid output is refused up front.
 
 Cost: one mask per position walked (plus one per token of each closing check), on the host, with one host read
-of the step's top-k candidates; nothing for rows without a constraint. Across canvases the state continues
+of the step's top-k candidates (tested against the mask's bits in place; the whole mask is unpacked only when no
+candidate is allowed or a closing token is chosen); nothing for rows without a constraint. Across canvases the state continues
 from the committed tokens (`advance`).
 """
 
@@ -101,7 +102,11 @@ class Vocabulary:
 
     def allowed(self, matcher) -> torch.Tensor:
         """[V] bool: the tokens the matcher accepts next (the stop ids where the output may end)."""
-        raw = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
+        return self.unpack(matcher.compute_bitmask())
+
+    def unpack(self, bits: bytes) -> torch.Tensor:
+        """The matcher's bitmask (one bit per token, little-endian) as [V] bool."""
+        raw = torch.frombuffer(bytearray(bits), dtype=torch.uint8)
         return ((raw[:, None] >> self._shifts) & 1).flatten()[:self.V].bool()
 
     def closest(self, mask: torch.Tensor) -> int:
@@ -177,9 +182,12 @@ class Constraint:
                 out_a.append(stop)
                 out_y.append(stop)
                 continue
-            mask = self.vocab.allowed(m)
-            t = next((c for c in cand[j] if mask[c]), None)
+            bits = m.compute_bitmask()  # one bit per token: tested in place for the candidates
+            ok = lambda t, b=bits: (b[t >> 3] >> (t & 7)) & 1  # noqa: E731
+            t = next((c for c in cand[j] if ok(c)), None)
+            mask = None
             if t is None:
+                mask = self.vocab.unpack(bits)
                 t = int(torch.where(mask, z[j], float("-inf")).argmax())
             if t not in self.vocab.stop_ids:
                 after = m.deep_copy()
@@ -187,9 +195,9 @@ class Constraint:
                 if 1 + self.shortest_close(after) > left:  # no room to close after t: close now
                     forced = m.compute_ff_tokens()
                     t = forced[0] if forced else stop if (m.is_accepting() or m.is_stopped()) else \
-                        self.vocab.closest(mask)
+                        self.vocab.closest(self.vocab.unpack(bits) if mask is None else mask)
             out_a.append(t)
-            out_y.append(drawn[j] if mask[drawn[j]] else t)
+            out_y.append(drawn[j] if ok(drawn[j]) else t)
             if t in self.vocab.stop_ids:
                 ended = True
             else:

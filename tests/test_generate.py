@@ -483,3 +483,27 @@ def test_temperature_schedule_is_the_reference_formula_bit_for_bit():
         ref = 0.4 + (0.8 - 0.4) * (torch.tensor(n, dtype=torch.int32 if N < 2**31 else torch.int64) / N)
         assert torch.equal(temperature(n, N, 0.4, 0.8, "cpu"), ref), (N, n)
     assert temperature_schedule(10**12, 0.4, 0.8, torch.device("cpu"), 0).numel() == 4096
+
+
+def test_load_turns_on_cuda_graphs_and_compile_from_python(tmp_path):
+    """`blockpress.load(..., cuda_graphs=True)` runs the graphed fixed-shape passes (on a CPU: their plumbing,
+    without capture) with the tokens of a plain load; `compile=True` compiles the decoder blocks. Both are options
+    of the loaded model, validated at load."""
+    from blockpress.engine.graphs import GraphedPasses
+    from blockpress.kernels.select import kernel_names
+    from test_server import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "m")
+    plain = blockpress.load(folder, progress=False)
+    graphed = blockpress.load(folder, progress=False, cuda_graphs=True)
+    assert graphed.options.cuda_graphs and isinstance(graphed.passes, GraphedPasses)
+    assert not plain.options.cuda_graphs and plain.passes is plain.module
+    ids = plain.encode_chat("Hello", chat=False)
+    kw = dict(max_new_tokens=24, max_denoising_steps=3)
+    want = plain.generate([ids], generator=[torch.Generator().manual_seed(1)], **kw).sequences
+    assert torch.equal(graphed.generate([ids], generator=[torch.Generator().manual_seed(1)], **kw).sequences, want)
+    compiled = blockpress.load(folder, progress=False, compile=True)
+    assert compiled.options.compile and kernel_names(compiled.module)["compiled_blocks"]
+    assert not kernel_names(plain.module)["compiled_blocks"]
+    with pytest.raises(blockpress.BlockpressError, match="cuda_graphs"):
+        blockpress.load(folder, progress=False, cuda_graphs="yes")

@@ -166,8 +166,8 @@ class Constraint:
             n += 1
         return 10**9
 
-    def walk(self, z: torch.Tensor, a: torch.Tensor, y: torch.Tensor) -> tuple[list[int], list[int]]:
-        """z [C, V] the step's logits, a / y [C] its argmax and draws -> the walked argmax and draws (lists)."""
+    def walk(self, z: torch.Tensor, y: torch.Tensor) -> tuple[list[int], list[int]]:
+        """z [C, V] the step's logits, y [C] its draws -> the walked argmax and draws (lists)."""
         C = z.shape[0]
         stop = self.vocab.stop_ids[0]
         if self.ended:
@@ -225,7 +225,7 @@ def constrain(cv, idx: list[int], a: torch.Tensor, y: torch.Tensor, z: torch.Ten
         return a, y
     a, y = a.clone(), y.clone()
     for i, c in rows:
-        wa, wy = c.walk(z[i], a[i], y[i])
+        wa, wy = c.walk(z[i], y[i])
         a[i] = torch.tensor(wa, dtype=a.dtype, device=a.device)
         y[i] = torch.tensor(wy, dtype=y.dtype, device=y.device)
     return a, y

@@ -507,7 +507,9 @@ def test_disconnect_frees_the_slot(server, n):
     deadline = time.time() + 20  # the full request would take 32 canvases x 48 steps
     while time.time() < deadline:
         m = server.metrics()
-        if m["blockpress_active_requests"] == 0 and m["blockpress_requests_cancelled_total"] >= before + n:
+        # every slot freed; at least one row counted as cancelled (a choice whose random text already hit a stop
+        # id had finished, and is not a cancellation)
+        if m["blockpress_active_requests"] == 0 and m["blockpress_requests_cancelled_total"] >= before + 1:
             return
         time.sleep(0.2)
     pytest.fail(f"slot not freed after disconnect: {server.metrics()}")

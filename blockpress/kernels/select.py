@@ -152,13 +152,12 @@ def apply(module, old: Options | None, new: Options) -> bool:
 
 def host_syncs(module) -> list[str]:
     """The experts kernels of `module` that read values back on the host (counts of the routing): they cannot be
-    captured in a CUDA graph. The grouped GEMMs (bf16, and fp8 x fp8 `scaled_mm`, whose group offsets stay on the
-    device) and the Triton kernels do not."""
+    captured in a CUDA graph. The grouped GEMMs and the Triton kernels do not."""
     names = set()
     for layer in module.layers:
         ex = layer.experts
         if isinstance(ex, QuantizedExperts):
-            if ex.backend not in ("triton", "auto", "scaled_mm"):
+            if ex.backend not in ("triton", "auto"):
                 names.add(f"{ex.backend} ({ex.fmt})")
         else:
             fn = getattr(ex.kernel, "func", ex.kernel)

@@ -22,7 +22,8 @@ token of the closing path instead. A budget too small for even the shortest vali
 
 Cost: one mask per position walked (plus one per token of each closing check), on the host, with one host read
 of the step's top-k candidates (tested against the mask's bits in place; the whole mask is unpacked only when no
-candidate is allowed or a closing token is chosen); nothing for rows without a constraint. Across canvases the state continues
+candidate is allowed; a closing token is the first set bit in the tokens sorted by closing rank); nothing for
+rows without a constraint. Across canvases the state continues
 from the committed tokens (`advance`).
 """
 
@@ -98,20 +99,24 @@ class Vocabulary:
                                   for i in range(raw.get_vocab_size())] + [10**6] * (vocab_size - raw.get_vocab_size()),
                                  dtype=torch.long)[:vocab_size]
         self.rank[list(stop_ids)] = 10**6  # stopping is decided by the grammar's accepting state, not ranked
+        self.by_rank = torch.argsort(self.rank, stable=True)  # token ids, soonest-closing first (ties: lower id)
         self._shifts = torch.arange(8, dtype=torch.uint8)
-
-    def allowed(self, matcher) -> torch.Tensor:
-        """[V] bool: the tokens the matcher accepts next (the stop ids where the output may end)."""
-        return self.unpack(matcher.compute_bitmask())
 
     def unpack(self, bits: bytes) -> torch.Tensor:
         """The matcher's bitmask (one bit per token, little-endian) as [V] bool."""
         raw = torch.frombuffer(bytearray(bits), dtype=torch.uint8)
         return ((raw[:, None] >> self._shifts) & 1).flatten()[:self.V].bool()
 
-    def closest(self, mask: torch.Tensor) -> int:
-        """The allowed token that closes soonest (by rank)."""
-        return int(torch.where(mask, self.rank, 10**7).argmin())
+    def closest(self, bits: bytes, chunk: int = 512) -> int:
+        """The allowed token (by the matcher's bitmask) that closes soonest: the first of `by_rank` whose bit is
+        set, read a chunk at a time (the closing tokens come first, so the first chunk nearly always holds it)."""
+        raw = torch.frombuffer(bytearray(bits), dtype=torch.uint8)
+        for lo in range(0, self.V, chunk):
+            ids = self.by_rank[lo:lo + chunk]
+            hit = ((raw[ids >> 3] >> (ids & 7).to(torch.uint8)) & 1).nonzero()
+            if len(hit):
+                return int(ids[hit[0, 0]])
+        return self.stop_ids[0]  # nothing allowed: the grammar is finished
 
 
 def _rank(piece: str | None, text: str) -> int:
@@ -162,7 +167,7 @@ class Constraint:
                 m.consume_tokens(forced)
                 n += len(forced)
                 continue
-            m.consume_token(self.vocab.closest(self.vocab.allowed(m)))
+            m.consume_token(self.vocab.closest(m.compute_bitmask()))
             n += 1
         return 10**9
 
@@ -185,17 +190,15 @@ class Constraint:
             bits = m.compute_bitmask()  # one bit per token: tested in place for the candidates
             ok = lambda t, b=bits: (b[t >> 3] >> (t & 7)) & 1  # noqa: E731
             t = next((c for c in cand[j] if ok(c)), None)
-            mask = None
             if t is None:
-                mask = self.vocab.unpack(bits)
-                t = int(torch.where(mask, z[j], float("-inf")).argmax())
+                t = int(torch.where(self.vocab.unpack(bits), z[j], float("-inf")).argmax())
             if t not in self.vocab.stop_ids:
                 after = m.deep_copy()
                 after.consume_token(t)
                 if 1 + self.shortest_close(after) > left:  # no room to close after t: close now
                     forced = m.compute_ff_tokens()
                     t = forced[0] if forced else stop if (m.is_accepting() or m.is_stopped()) else \
-                        self.vocab.closest(self.vocab.unpack(bits) if mask is None else mask)
+                        self.vocab.closest(bits)
             out_a.append(t)
             out_y.append(drawn[j] if ok(drawn[j]) else t)
             if t in self.vocab.stop_ids:

@@ -4,6 +4,8 @@ DATA is `sudoku` (generated puzzles), a chat `.jsonl` file (`messages`, or `prom
 plain-text `.txt` / `.jsonl` (`text`) file. The model is `--model DIR` (a checkpoint to fine-tune),
 `--config config.json` or `--size {nano,micro,mini,small}` (from scratch). Checkpoints go to
 `--out DIR/checkpoint-<step>` (Hugging Face layout + trainer state); `--resume` continues the newest.
+QLoRA: `--model DIR --lora R --precision int4|fp8 [--linears int8|fp8]` loads the base quantised as inference
+does and trains adapters beside the frozen quantised weights (saved in PEFT format, for the unquantised base).
 Multi-process: `torchrun --nproc_per_node N -m blockpress train ...` (DDP; gloo on CPU, nccl on GPU).
 """
 
@@ -94,6 +96,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                     help="train LoRA adapters of this rank (0: full fine-tuning)")
     lo.add_argument("--lora-alpha", type=_float_in(0, strict=True), default=None, help="default 2*rank")
     lo.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    lo.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
+                    help="QLoRA: load --model's experts quantised (fp8 / int4, as `blockpress run --precision` does, "
+                         "layer by layer) and train --lora adapters over them; the adapters load on the unquantised "
+                         "base (default native)")
+    lo.add_argument("--linears", choices=["native", "int8", "fp8"], default="native",
+                    help="QLoRA: also load the attention / dense-MLP projections in 8 bits; the adapters run beside "
+                         "them (default native)")
 
 
 def _eos(lm) -> int:
@@ -131,6 +140,14 @@ def build(args):
     if args.resume and resume_ck is None:
         print(f"blockpress train: nothing to resume in {out} (no complete checkpoint there): starting from step 0",
               file=sys.stderr)
+    quantized = args.precision != "native" or args.linears != "native"
+    if quantized and not args.lora:
+        raise InputError("--precision / --linears train LoRA adapters over frozen quantised weights (QLoRA); full "
+                         "fine-tuning of quantised weights is not supported: add --lora RANK, or drop --precision / "
+                         "--linears")
+    if quantized and not args.model:
+        raise InputError("--precision / --linears quantise a base checkpoint for LoRA: give it with --model DIR (a model "
+                         "trained from scratch has nothing to quantise)")
     extra = {}
     lora = None
     if args.lora:
@@ -141,8 +158,9 @@ def build(args):
                         base_model=str(Path(args.model).resolve()) if args.model and Path(args.model).is_dir()
                         else args.model)
     if args.model:
+        q = dict(precision=args.precision, linears=args.linears) if quantized else {}
         lm = blockpress.load(resume_ck if (resume_ck and lora is None) else args.model, device=args.device,
-                             dtype="float32", progress=False)
+                             dtype="float32", progress=False, **q)
     elif resume_ck is not None:
         lm = blockpress.load(resume_ck, device=args.device, dtype="float32", progress=False)
     else:
@@ -183,6 +201,7 @@ def build(args):
         stop = {"eos_token_id": ends or None, "pad_token_id": tok.pad_token_id}
         lm.generation_defaults = {**{k: v for k, v in stop.items() if v is not None}, **lm.generation_defaults}
     use(lm.module, experts=args.experts_backend)  # autograd runs through the reference kernels
+    # (quantised experts / projections switch to their differentiable torch path whenever a gradient is needed)
     if lora is not None:
         from blockpress.train.lora import add_lora, load_adapter_weights
 

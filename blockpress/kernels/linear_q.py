@@ -104,6 +104,11 @@ class QuantizedLinear(nn.Module):
 
     @torch.compiler.disable  # a compiled block leaves the 8-bit kernels as they are (their first-use check reads the host)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:  # training beside frozen 8-bit weights (LoRA)
+            return _QuantLinearFn.apply(x, self)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = self.resolved_backend(x)
         if backend == "torch":
             return F.linear(x, self.dequantize(x.dtype))
@@ -118,6 +123,22 @@ class QuantizedLinear(nn.Module):
         return checked_on_first_use(key, lambda: linear_q_triton(x, self.weight_q, self.weight_scale, **self.tiles),
                                     lambda: F.linear(x, self.dequantize(x.dtype)),
                                     f"the Triton {self.fmt} linear kernel")
+
+
+class _QuantLinearFn(torch.autograd.Function):
+    """y = x W^T through the module's kernel, differentiable in x only: the backward dequantises W again
+    (grad_x = grad_y W) rather than keeping a float copy of it from the forward pass."""
+
+    @staticmethod
+    def forward(ctx, x, lin: QuantizedLinear):
+        ctx.lin = lin
+        return lin._forward(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        return grad @ ctx.lin.dequantize(grad.dtype), None
 
 
 def quantize_rows_fp8(x_MI: torch.Tensor):

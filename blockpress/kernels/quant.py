@@ -188,6 +188,10 @@ class QuantizedExperts(nn.Module):
 
     @torch.compiler.disable  # a compiled block leaves the experts' kernels as they are
     def forward(self, x_NH, w_NK, idx_NK):
+        if torch.is_grad_enabled() and (x_NH.requires_grad or w_NK.requires_grad):
+            # training through frozen quantised experts (QLoRA): the fused kernels have no backward; the torch
+            # path is differentiable in its input and keeps no dequantised weight for the backward pass
+            return self._forward_torch(x_NH, w_NK, idx_NK)
         backend = self.resolved_backend(x_NH)
         if backend == "triton":
             fmt = FMT_FP8 if self.fmt == "fp8" else FMT_INT4
@@ -219,9 +223,9 @@ class QuantizedExperts(nn.Module):
             if c == 0:
                 continue
             xs = x_NH[tok[start:start + c]]
-            u = xs @ self.dequantize("gate_up", e).t()  # [c, 2*Im]
+            u = DequantMatmul.apply(xs, self, "gate_up", e)  # [c, 2*Im] = xs @ W^T
             a = gelu_tanh(u[:, :Im]) * u[:, Im:]
-            y[start:start + c] = a @ self.dequantize("down", e).t()
+            y[start:start + c] = DequantMatmul.apply(a, self, "down", e)
             start += c
         return combine(y, order, w_NK, x_NH.dtype)
 
@@ -236,6 +240,24 @@ class QuantizedExperts(nn.Module):
         a = gelu_tanh(u[:, :Im]) * u[:, Im:]
         y = _fp8_grouped(a, self.down_q, self.down_scale, offs)
         return combine(y, order, w_NK, x_NH.dtype)
+
+
+class DequantMatmul(torch.autograd.Function):
+    """x [c, I] @ W_e^T for one expert's quantised weight, differentiable in x only (the weight is frozen).
+    Plain autograd would keep each dequantised weight alive until the backward pass (a float copy of every busy
+    expert of the model at once); this dequantises it again in the backward instead, so at most one expert's
+    float weight exists at a time."""
+
+    @staticmethod
+    def forward(ctx, x, experts: "QuantizedExperts", which: str, e: int):
+        ctx.experts, ctx.which, ctx.e = experts, which, e
+        return x @ experts.dequantize(which, e).to(x.dtype).t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        return grad @ ctx.experts.dequantize(ctx.which, ctx.e).to(grad.dtype), None, None, None
 
 
 def _fp8_grouped(x_AI, q_EOI, scale_EO, offs):

@@ -5,7 +5,10 @@ Adapters live *inside* the adapted `nn.Linear` as two child linears `lora_A` [r,
 the checkpoint names (`layers.N.self_attn.q_proj.weight`) and the adapter names are PEFT's
 (`layers.N.self_attn.q_proj.lora_A.weight`). Targets: the attention projections and the dense MLP of
 every layer (expert tensors and the router are not `nn.Linear`-adapted; the
-self-conditioning MLP and the tied embedding stay frozen).
+self-conditioning MLP and the tied embedding stay frozen). QLoRA: on a model loaded with quantised experts
+(`precision=`) and/or 8-bit projections (`linears=`, `QuantizedLinear`) the adapters train beside the frozen
+quantised weights (the same hook; their backward passes dequantise on the fly) and save in the same format,
+so they load on the unquantised base.
 
 File format (`save_adapter`): `adapter_config.json` (peft_type LORA, r, lora_alpha, a regex
 `target_modules` restricted to the text layers, base_model_name_or_path) and
@@ -59,12 +62,14 @@ def target_modules(module: nn.Module, targets) -> dict[str, nn.Linear]:
             if t not in PROJ:
                 raise ValueError(f"unknown LoRA target {t!r}; choose from {sorted(PROJ)}")
             lin = getattr(getattr(layer, PROJ[t]), t, None)
-            if type(lin).__name__ == "QuantizedLinear":
-                raise InputError(f"layers.{i}.{PROJ[t]}.{t} holds 8-bit weights; LoRA training needs the float "
-                                 "projections: load the model without --linears")
-            if isinstance(lin, nn.Linear):  # full-attention layers have no v_proj
+            if isinstance(lin, nn.Linear) or _quantized(lin):  # full-attention layers have no v_proj
                 out[f"layers.{i}.{PROJ[t]}.{t}"] = lin
     return out
+
+
+def _quantized(lin) -> bool:
+    """An 8-bit projection (kernels/linear_q.py): its adapter runs beside the frozen weight (QLoRA), never merged."""
+    return type(lin).__name__ == "QuantizedLinear"
 
 
 def _hook(lin, inputs, output):
@@ -81,9 +86,11 @@ def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True) -> lis
     for name, lin in target_modules(module, spec.targets).items():
         if hasattr(lin, "lora_A"):
             raise ValueError(f"{name} already has a LoRA adapter; merge or remove it first")
-        w = lin.weight
-        lin.lora_A = nn.Linear(lin.in_features, spec.rank, bias=False, device=w.device, dtype=w.dtype)
-        lin.lora_B = nn.Linear(spec.rank, lin.out_features, bias=False, device=w.device, dtype=w.dtype)
+        # beside an 8-bit weight the adapter takes the model's dtype (the activations'), on the weight's device
+        dev, dt = (lin.weight_scale.device, getattr(module, "dtype", torch.float32)) if _quantized(lin) else \
+            (lin.weight.device, lin.weight.dtype)
+        lin.lora_A = nn.Linear(lin.in_features, spec.rank, bias=False, device=dev, dtype=dt)
+        lin.lora_B = nn.Linear(spec.rank, lin.out_features, bias=False, device=dev, dtype=dt)
         nn.init.kaiming_uniform_(lin.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(lin.lora_B.weight)
         lin.lora_scale = spec.scale
@@ -231,7 +238,7 @@ def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
     checked = []  # every layer is checked before any is changed: a bad adapter leaves the model as it was
     for name, ab in ab_all.items():
         lin = mods.get(name)
-        eight_bit = type(lin).__name__ == "QuantizedLinear"  # kernels/linear_q.py: the adapter runs beside it
+        eight_bit = _quantized(lin)  # kernels/linear_q.py: the adapter runs beside it
         if not (eight_bit or isinstance(lin, nn.Linear)):
             raise CheckpointError(f"adapter targets {name}, which this model does not have; wrong base model?")
         if eight_bit and merge:

@@ -1,0 +1,312 @@
+"""Peak GPU memory of one training step, accounted on the meta device (no GPU, no weights in memory).
+
+Predicted, not measured. The model is built on the meta device (`--preset real-26b`: the 26B-A4B text stack) in the
+precision asked for (quantised experts / 8-bit linears are the real `QuantizedExperts` / `QuantizedLinear` modules,
+LoRA the real `train.lora.add_lora`), and one training step is *run* the way `Trainer.train_step` runs it, under
+`lab.memory.LiveBytes` (every tensor allocated and freed as the code does):
+
+    loss = objective.compute_loss(module, batch, cfg)   # encoder pass + AR loss, decoder pass 1 (no grad), pass 2
+    opt.zero_grad(set_to_none=True); loss.backward()
+    clip_grad_norm_(params, 1.0); opt.step()             # torch AdamW, the Trainer's two parameter groups
+
+twice (the first step creates the AdamW state; the second is the steady state the table reports). What is traced
+(real autograd on meta tensors): the attention, projections, LoRA hooks, norms, router, logits, both losses,
+gradient checkpointing's recomputation, the quantised experts' `DequantMatmul` / the 8-bit linears' backward,
+gradient accumulation, the clip and the AdamW step (`foreach=True`, what torch picks on CUDA; on the meta device
+it would otherwise take the per-tensor loop). What is assumed rather than traced:
+
+- routing: every expert gets the same number of assignments (A = tokens * top_k split evenly). The expert loop is
+  the code's own (`QuantizedExperts._forward_torch`, the training path of quantised experts; for float experts the
+  reference `moe.experts_loop`), only its host-side counts are made up (meta tensors have no values). What the
+  backward keeps summed over experts does not depend on the routing; the per-expert transients do, a little;
+- host syncs on meta tensors (`bool(valid.all())`, `float(loss)`, the stats' boolean masks) read as true / 1 / all
+  positions (`_MetaScalars`), which is what a batch without padding gives;
+- the fused attention kernel is the math path of `attention_sdpa_gqa` on meta as autograd sees it (the GPU's
+  memory-efficient SDPA saves its output and logsumexp, not a score matrix: see the `attention` row, which can
+  over-count for long contexts);
+- FSDP2 (`--procs N`, full SFT only; blockpress itself runs DDP today, not FSDP): computed, not traced. Parameters,
+  gradients and AdamW state are sharded 1/N; during forward and backward one unit's parameters are gathered
+  (the largest of: one decoder layer, the embedding) plus one unit's unsharded gradient before its reduce-scatter;
+  activations are per rank as traced for the per-rank batch. No prefetch of a second unit, no CPU offload.
+
+Left out: the caching allocator's rounding and fragmentation, the CUDA context, NCCL buffers, the data loader.
+The Trainer keeps bf16 parameters with no fp32 master copy (plain `torch.optim.AdamW` on the model's own
+parameters; autocast only when the model is fp32), so gradients and both AdamW moments are in the parameters'
+dtype. Note that `Trainer.train_step` calls `zero_grad` *after* the forward pass: the previous step's gradients
+are alive during the next forward, which the trace includes.
+
+    python benchmarks/train_memory.py --precision int4 --lora 16 --checkpointing
+    python benchmarks/train_memory.py --precision native --lora 16 --checkpointing
+    python benchmarks/train_memory.py --precision native --lora 0 --checkpointing --procs 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+
+import torch
+
+from blockpress.config import ModelConfig
+from blockpress.lab.memory import LiveBytes
+from blockpress.lab.presets import preset_config
+from blockpress.model import moe
+from blockpress.model.diffusion_gemma import DiffusionGemmaModel
+from blockpress.model.layers import gelu_tanh
+from blockpress.train import objective as obj
+
+GB = 1e9
+
+
+class _MetaScalars(LiveBytes):
+    """LiveBytes, where a host read of a meta tensor (`bool`, `float`, `.item()`) gives true / 1 instead of failing."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            t = args[0]
+            return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _uniform_counts(A: int, E: int) -> torch.Tensor:
+    c = torch.full((E,), A // E, dtype=torch.int64)
+    c[: A % E] += 1
+    return c
+
+
+def _route_uniform(idx_NK: torch.Tensor, n_experts: int):
+    """`route_by_expert` with host counts split evenly (meta tensors carry no routing)."""
+    order = torch.argsort(idx_NK.reshape(-1), stable=True)
+    return order, _uniform_counts(idx_NK.numel(), n_experts), None
+
+
+def _experts_loop_uniform(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
+    """`moe.experts_loop`, line for line, with evenly split counts."""
+    N, H = x_NH.shape
+    Im = down_EHI.shape[-1]
+    out = torch.zeros(N, H, dtype=torch.float32, device=x_NH.device)
+    flat_idx = idx_NK.reshape(-1)
+    order = torch.argsort(flat_idx, stable=True)
+    counts = _uniform_counts(flat_idx.numel(), gate_up_EFH.shape[0]).tolist()
+    tok = order // idx_NK.shape[1]
+    wts = w_NK.reshape(-1)[order]
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        t = tok[start:start + c]
+        u = x_NH[t] @ gate_up_EFH[e].t()
+        a = gelu_tanh(u[:, :Im]) * u[:, Im:]
+        y = a @ down_EHI[e].t()
+        out.index_add_(0, t, y.float() * wts[start:start + c, None])
+        start += c
+    return out.to(x_NH.dtype)
+
+
+def build(preset: str, precision: str, linears: str, lora_rank: int, dtype=torch.bfloat16, device="meta"):
+    """The model as `blockpress train` would hold it: quantised experts / linears, adapters attached (base
+    frozen) or every parameter trainable. -> (module, weight bytes without adapters)."""
+    from blockpress.kernels.linear_q import quantize_linears_
+    from blockpress.kernels.quant import QuantizedExperts
+
+    config, _, _ = preset_config(preset) if isinstance(preset, str) else (preset, None, None)
+    with torch.device(device):
+        m = DiffusionGemmaModel(ModelConfig.from_dict(config)).to(dtype)
+    m.materialize_buffers(device)
+    if device != "meta":
+        m.reset_parameters()
+    if precision != "native":
+        for layer in m.layers:
+            E, F2, H = layer.experts.gate_up_proj.shape
+            layer.experts = QuantizedExperts(E, H, F2 // 2, precision, 64, dtype=dtype, device=device)
+            layer.experts.backend = "torch"
+    if linears != "native":
+        quantize_linears_(m, linears, backend="torch")
+    weights = _bytes(m.parameters()) + _bytes(b for n, b in m.named_buffers() if not n.startswith("inv_freq"))
+    if lora_rank:
+        from blockpress.train.lora import LoraSpec, add_lora
+
+        add_lora(m, LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank))
+    return m, weights
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def meta_batch(B: int, P: int, C: int, canvases: int, V: int, device="meta") -> obj.TrainBatch:
+    """A batch of B rows of a P-token prompt and a `canvases`-canvas response, the last canvas selected (the longest
+    decoder context); no padding. Only shapes and dtypes matter on the meta device."""
+    S, T = P + canvases * C, P + (canvases - 1) * C
+    z = functools.partial(torch.zeros, device=device)
+    valid = torch.ones(B, S, dtype=torch.bool, device=device)
+    return obj.TrainBatch(z(B, S, dtype=torch.long), valid, valid.clone(), T, z(B, C, dtype=torch.long),
+                          z(B, C, dtype=torch.long), z(B, C, dtype=torch.bool), z(B), z(B, dtype=torch.bool))
+
+
+def make_optimizer(m, foreach: bool | None = True):
+    """The Trainer's AdamW (its parameter groups, lr, betas, eps)."""
+    params = [p for p in m.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=1e-3, betas=(0.9, 0.99), eps=1e-8, foreach=foreach), params
+
+
+@contextlib.contextmanager
+def _meta_patches(m):
+    """Uniform routing for the expert loops; nonzero() of meta masks as all-true."""
+    from blockpress.kernels import quant
+    import torch.fx.experimental._config as fx_config
+
+    old_route, old_nz = quant.route_by_expert, fx_config.meta_nonzero_assume_all_nonzero
+    quant.route_by_expert = _route_uniform
+    fx_config.meta_nonzero_assume_all_nonzero = True
+    olds = []
+    for layer in m.layers:
+        if isinstance(layer.experts, moe.Experts):
+            olds.append((layer.experts, layer.experts.kernel))
+            layer.experts.kernel = _experts_loop_uniform
+    try:
+        yield
+    finally:
+        quant.route_by_expert = old_route
+        fx_config.meta_nonzero_assume_all_nonzero = old_nz
+        for ex, k in olds:
+            ex.kernel = k
+
+
+def trace_step(m, batch, checkpointing: bool, steps: int = 2) -> dict:
+    """Run `steps` training steps as Trainer.train_step does under LiveBytes; report the last one's phases (bytes on
+    top of the weights and adapters)."""
+    m.train()
+    m.gradient_checkpointing = checkpointing
+    cfg = obj.ObjectiveConfig()
+    phases = {}
+    with _meta_patches(m), _MetaScalars() as lb, torch.enable_grad():
+        opt, params = make_optimizer(m)
+        for _ in range(steps):
+            start = lb.live
+            lb.peak = lb.live
+            loss, _stats = obj.compute_loss(m, batch, cfg)
+            fwd_peak, saved = lb.peak, lb.live
+            opt.zero_grad(set_to_none=True)
+            after_zero = lb.live
+            lb.peak = lb.live
+            loss.backward()
+            del loss
+            bwd_peak, after_bwd = lb.peak, lb.live
+            lb.peak = lb.live
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt_peak, end = lb.live, lb.live
+            opt_peak = lb.peak
+            phases = {"start": start, "forward_peak": fwd_peak, "saved_after_forward": saved - start,
+                      "after_zero_grad": after_zero, "backward_peak": bwd_peak, "after_backward": after_bwd,
+                      "optimizer_peak": opt_peak, "end": end}
+        grads = _bytes(p.grad for p in params if p.grad is not None)
+        state = _bytes(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
+        top = lb.top(5)
+    phases.update(grads=grads, optimizer_state=state, trainable=_bytes(params),
+                  peak=max(phases["forward_peak"], phases["backward_peak"], phases["optimizer_peak"]),
+                  largest=top)
+    return phases
+
+
+def fsdp(m, trace: dict, weights: int, N: int) -> dict:
+    """Per-rank bytes of full SFT under FSDP2 (computed, not traced; see the module docstring)."""
+    unit = max([_bytes(layer.parameters()) for layer in m.layers] + [_bytes(m.embed_tokens.parameters())])
+    sharded = (weights + trace["grads"] + trace["optimizer_state"]) / N
+    gathered = 2 * unit  # one unit's gathered parameters + its unsharded gradient before the reduce-scatter
+    act = max(trace["forward_peak"] - trace["start"], trace["backward_peak"] - trace["after_zero_grad"]
+              - trace["grads"])  # activations and transients, less the (unsharded) gradients the trace allocated
+    optimizer_transient = (trace["optimizer_peak"] - trace["end"]) / N
+    return {"procs": N, "unit_bytes": unit, "sharded_bytes": sharded, "gathered_bytes": gathered,
+            "activation_bytes": act, "optimizer_transient_bytes": optimizer_transient,
+            "peak": sharded + gathered + max(act, optimizer_transient)}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="real-26b", choices=["tiny", "small", "real-26b"])
+    p.add_argument("--precision", default="int4", choices=["native", "fp8", "int4"])
+    p.add_argument("--linears", default="native", choices=["native", "int8", "fp8"])
+    p.add_argument("--lora", type=int, default=16, metavar="RANK", help="LoRA rank (0: full fine-tuning)")
+    p.add_argument("--canvas", type=int, default=None, help="canvas length (default: the preset's, 256 on the 26B)")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--canvases", type=int, default=1, help="response canvases (the last one is denoised)")
+    p.add_argument("--batch", type=int, default=1, help="examples per process")
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--procs", type=int, default=1, help="full SFT under FSDP2 over this many processes (computed)")
+    p.add_argument("--budget-gb", type=float, default=None, help="the target to compare with (per process)")
+    args = p.parse_args(argv)
+    if args.procs > 1 and args.lora:
+        p.error("--procs models full SFT under FSDP2: use it with --lora 0")
+    if args.lora == 0 and (args.precision != "native" or args.linears != "native"):
+        p.error("full fine-tuning of quantised weights is not supported (blockpress train refuses it)")
+    return report(**{k: v for k, v in vars(args).items()})
+
+
+def predict(preset="real-26b", precision="int4", linears="native", lora=16, canvas=None, prompt_tokens=1024,
+            canvases=1, batch=1, checkpointing=True, procs=1, device="meta") -> dict:
+    m, weights = build(preset, precision, linears, lora)
+    if canvas:
+        m.config.canvas_length = canvas
+    C = canvas or m.config.canvas_length
+    b = meta_batch(batch, prompt_tokens, C, canvases, m.text.vocab_size)
+    tr = trace_step(m, b, checkpointing)
+    lora_params = _bytes(p for n, p in m.named_parameters() if ".lora_" in n)
+    total = weights + lora_params + tr["peak"]
+    out = {"bench": "train_memory", "preset": preset, "precision": precision, "linears": linears, "lora_rank": lora,
+           "canvas": C, "prompt_tokens": prompt_tokens, "canvases": canvases, "batch": batch,
+           "checkpointing": checkpointing, "procs": procs, "weights_bytes": weights, "lora_param_bytes": lora_params,
+           "trainable_bytes": tr["trainable"], "grad_bytes": tr["grads"], "optimizer_state_bytes": tr["optimizer_state"],
+           "saved_activation_bytes": tr["saved_after_forward"], "phases": {k: v for k, v in tr.items()
+                                                                           if k != "largest"},
+           "largest": tr["largest"], "predicted_peak_bytes": total}
+    if procs > 1:
+        out["fsdp"] = fsdp(m, tr, weights, procs)
+        out["predicted_peak_bytes"] = out["fsdp"]["peak"]
+    return out
+
+
+def report(budget_gb=None, **kw) -> dict:
+    r = predict(**kw)
+    g = lambda b: f"{b / GB:9.3f}"  # noqa: E731
+    ph = r["phases"]
+    print(f"{r['preset']}, experts {r['precision']}, linears {r['linears']}, LoRA rank {r['lora_rank']} "
+          f"({'full fine-tuning' if not r['lora_rank'] else 'adapters, base frozen'}), batch {r['batch']}, prompt "
+          f"{r['prompt_tokens']}, canvas {r['canvas']} x {r['canvases']}, checkpointing "
+          f"{'on' if r['checkpointing'] else 'off'}; predicted on the meta device, not measured")
+    print(f"  {'component':58s} {'GB':>9s}")
+    rows = [("weights (frozen base or full model, bf16 / quantised)", r["weights_bytes"]),
+            ("LoRA parameters (bf16)", r["lora_param_bytes"]),
+            ("gradients (params' dtype, bf16)", r["grad_bytes"]),
+            ("AdamW state (exp_avg + exp_avg_sq, params' dtype; no fp32 master)", r["optimizer_state_bytes"]),
+            ("activations saved for backward (live after the forward)", r["saved_activation_bytes"]),
+            ("forward peak on top of weights (incl. previous step's grads)", ph["forward_peak"]),
+            ("backward peak on top of weights", ph["backward_peak"]),
+            ("clip + AdamW step peak on top of weights", ph["optimizer_peak"])]
+    for name, b in rows:
+        print(f"  {name:58s} {g(b)}")
+    big = ", ".join(f"{b / 1e6:.0f} MB {op}" for b, op in r["largest"])
+    print(f"  largest single allocations: {big}")
+    if "fsdp" in r:
+        f = r["fsdp"]
+        print(f"  FSDP2 over {f['procs']} processes (computed: sharded 1/N, one unit gathered + its unsharded grad):")
+        for name, key in (("sharded params + grads + AdamW state", "sharded_bytes"),
+                          ("gathered unit + its gradient", "gathered_bytes"),
+                          ("activations and transients (per rank)", "activation_bytes")):
+            print(f"    {name:56s} {g(f[key])}")
+    print(f"  predicted peak per process: {r['predicted_peak_bytes'] / GB:.2f} GB"
+          + (f" (budget {budget_gb:.1f} GB: {'fits' if r['predicted_peak_bytes'] <= budget_gb * GB else 'does NOT fit'})"
+             if budget_gb else ""))
+    r["budget_bytes"] = budget_gb * GB if budget_gb else None
+    print(json.dumps(r))
+    return r
+
+
+if __name__ == "__main__":
+    main()

@@ -185,12 +185,36 @@ def trace_step(m, batch, checkpointing: bool, steps: int = 2) -> dict:
     m.gradient_checkpointing = checkpointing
     cfg = obj.ObjectiveConfig()
     phases = {}
+    kept: dict[str, int] = {}
+
+    def timed(name, fn):  # bytes still alive after `fn` returns, less before: what that part of the forward keeps
+        def run(*a, **k):
+            before = lb.live
+            out = fn(*a, **k)
+            kept[name] = kept.get(name, 0) + lb.live - before
+            return out
+        return run
+
     with _meta_patches(m), _MetaScalars() as lb, torch.enable_grad():
         opt, params = make_optimizer(m)
         for _ in range(steps):
             start = lb.live
             lb.peak = lb.live
-            loss, _stats = obj.compute_loss(m, batch, cfg)
+            kept.clear()
+            names = {"encoder_pass": "encoder pass (layers, K/V cache, AR logits)", "ar_loss": "AR loss",
+                     "decoder_inputs": "decoder pass 1 (no grad; its SC logits)", "diffusion_loss": "diffusion loss"}
+            saved_fns = {n: getattr(obj, n) for n in names}
+            m.decode = timed("decode", m.decode)  # pass 1 (inside decoder_inputs) + pass 2
+            for n, f in saved_fns.items():
+                setattr(obj, n, timed(names[n], f))
+            try:
+                loss, _stats = obj.compute_loss(m, batch, cfg)
+            finally:
+                for n, f in saved_fns.items():
+                    setattr(obj, n, f)
+                del m.decode
+            # what decode kept, less pass 1's share (decoder_inputs calls it under no_grad): pass 2's layers + logits
+            kept["decoder pass 2 (layers, logits)"] = kept.pop("decode") - max(0, kept[names["decoder_inputs"]])
             fwd_peak, saved = lb.peak, lb.live
             opt.zero_grad(set_to_none=True)
             after_zero = lb.live
@@ -211,7 +235,7 @@ def trace_step(m, batch, checkpointing: bool, steps: int = 2) -> dict:
         top = lb.top(5)
     phases.update(grads=grads, optimizer_state=state, trainable=_bytes(params),
                   peak=max(phases["forward_peak"], phases["backward_peak"], phases["optimizer_peak"]),
-                  largest=top)
+                  largest=top, kept=dict(kept))
     return phases
 
 
@@ -291,6 +315,8 @@ def report(budget_gb=None, **kw) -> dict:
             ("clip + AdamW step peak on top of weights", ph["optimizer_peak"])]
     for name, b in rows:
         print(f"  {name:58s} {g(b)}")
+    for name, b in ph["kept"].items():
+        print(f"    kept after the forward by {name:34s} {g(b)}")
     big = ", ".join(f"{b / 1e6:.0f} MB {op}" for b, op in r["largest"])
     print(f"  largest single allocations: {big}")
     if "fsdp" in r:

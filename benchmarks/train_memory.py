@@ -178,9 +178,11 @@ def _meta_patches(m):
             ex.kernel = k
 
 
-def trace_step(m, batch, checkpointing: bool, steps: int = 2) -> dict:
+def trace_step(m, batch, checkpointing: bool, steps: int = 2, drop_grads: bool = False) -> dict:
     """Run `steps` training steps as Trainer.train_step does under LiveBytes; report the last one's phases (bytes on
-    top of the weights and adapters)."""
+    top of the weights and adapters). drop_grads (the FSDP2 estimate): each gradient is dropped as soon as it is
+    accumulated (as a reduce-scatter frees the unsharded gradient; the sharded ones are added by `fsdp`), so the
+    backward peak is activations and transients only; one step, no optimizer step."""
     m.train()
     m.gradient_checkpointing = checkpointing
     cfg = obj.ObjectiveConfig()
@@ -197,6 +199,10 @@ def trace_step(m, batch, checkpointing: bool, steps: int = 2) -> dict:
 
     with _meta_patches(m), _MetaScalars() as lb, torch.enable_grad():
         opt, params = make_optimizer(m)
+        if drop_grads:
+            steps = 1
+            for p_ in params:
+                p_.register_post_accumulate_grad_hook(lambda t: setattr(t, "grad", None))
         for _ in range(steps):
             start = lb.live
             lb.peak = lb.live
@@ -223,8 +229,9 @@ def trace_step(m, batch, checkpointing: bool, steps: int = 2) -> dict:
             del loss
             bwd_peak, after_bwd = lb.peak, lb.live
             lb.peak = lb.live
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            if not drop_grads:
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
             opt_peak, end = lb.live, lb.live
             opt_peak = lb.peak
             phases = {"start": start, "forward_peak": fwd_peak, "saved_after_forward": saved - start,
@@ -242,11 +249,11 @@ def trace_step(m, batch, checkpointing: bool, steps: int = 2) -> dict:
 def fsdp(m, trace: dict, weights: int, N: int) -> dict:
     """Per-rank bytes of full SFT under FSDP2 (computed, not traced; see the module docstring)."""
     unit = max([_bytes(layer.parameters()) for layer in m.layers] + [_bytes(m.embed_tokens.parameters())])
-    sharded = (weights + trace["grads"] + trace["optimizer_state"]) / N
+    sharded = 4 * trace["trainable"] / N  # bf16 params + grads + two AdamW moments, all in the params' dtype
     gathered = 2 * unit  # one unit's gathered parameters + its unsharded gradient before the reduce-scatter
-    act = max(trace["forward_peak"] - trace["start"], trace["backward_peak"] - trace["after_zero_grad"]
-              - trace["grads"])  # activations and transients, less the (unsharded) gradients the trace allocated
-    optimizer_transient = (trace["optimizer_peak"] - trace["end"]) / N
+    # traced with every gradient dropped once accumulated (trace_step(drop_grads=True)): activations and transients
+    act = max(trace["forward_peak"], trace["backward_peak"]) - trace["start"]
+    optimizer_transient = trace["trainable"] / N  # foreach AdamW: one sqrt(exp_avg_sq) copy of the (sharded) state
     return {"procs": N, "unit_bytes": unit, "sharded_bytes": sharded, "gathered_bytes": gathered,
             "activation_bytes": act, "optimizer_transient_bytes": optimizer_transient,
             "peak": sharded + gathered + max(act, optimizer_transient)}
@@ -280,7 +287,9 @@ def predict(preset="real-26b", precision="int4", linears="native", lora=16, canv
         m.config.canvas_length = canvas
     C = canvas or m.config.canvas_length
     b = meta_batch(batch, prompt_tokens, C, canvases, m.text.vocab_size)
-    tr = trace_step(m, b, checkpointing)
+    tr = trace_step(m, b, checkpointing, drop_grads=procs > 1)
+    if procs > 1:  # no optimizer step was traced: the full model's gradient and AdamW bytes, computed
+        tr.update(grads=tr["trainable"], optimizer_state=2 * tr["trainable"])
     lora_params = _bytes(p for n, p in m.named_parameters() if ".lora_" in n)
     total = weights + lora_params + tr["peak"]
     out = {"bench": "train_memory", "preset": preset, "precision": precision, "linears": linears, "lora_rank": lora,

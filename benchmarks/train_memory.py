@@ -254,7 +254,12 @@ def fsdp(m, trace: dict, weights: int, N: int) -> dict:
     # traced with every gradient dropped once accumulated (trace_step(drop_grads=True)): activations and transients
     act = max(trace["forward_peak"], trace["backward_peak"]) - trace["start"]
     optimizer_transient = trace["trainable"] / N  # foreach AdamW: one sqrt(exp_avg_sq) copy of the (sharded) state
-    return {"procs": N, "unit_bytes": unit, "sharded_bytes": sharded, "gathered_bytes": gathered,
+    # autograd holds the decoder pass's weight gradients in its input buffers until the encoder's backward reaches the
+    # same (shared) layer, so the traced backward peak includes about one unsharded copy of the gradients; if FSDP2
+    # could reduce-scatter each pass's share separately (not verified), the backward would need only:
+    act_sharded = max(trace["forward_peak"], trace["backward_peak"] - trace["trainable"]) - trace["start"]
+    return {"procs": N, "unit_bytes": unit, "held_grads_peak_bytes": sharded + gathered + max(act_sharded,
+                                                                                          optimizer_transient), "sharded_bytes": sharded, "gathered_bytes": gathered,
             "activation_bytes": act, "optimizer_transient_bytes": optimizer_transient,
             "peak": sharded + gathered + max(act, optimizer_transient)}
 
@@ -333,8 +338,10 @@ def report(budget_gb=None, **kw) -> dict:
         print(f"  FSDP2 over {f['procs']} processes (computed: sharded 1/N, one unit gathered + its unsharded grad):")
         for name, key in (("sharded params + grads + AdamW state", "sharded_bytes"),
                           ("gathered unit + its gradient", "gathered_bytes"),
-                          ("activations and transients (per rank)", "activation_bytes")):
+                          ("activations and transients (per rank; backward holds unsharded grads)", "activation_bytes")):
             print(f"    {name:56s} {g(f[key])}")
+        print(f"    peak if the decoder pass's gradients were sharded before the encoder's backward (unverified) "
+              f"{f['held_grads_peak_bytes'] / GB:.2f} GB")
     print(f"  predicted peak per process: {r['predicted_peak_bytes'] / GB:.2f} GB"
           + (f" (budget {budget_gb:.1f} GB: {'fits' if r['predicted_peak_bytes'] <= budget_gb * GB else 'does NOT fit'})"
              if budget_gb else ""))

@@ -21,13 +21,15 @@ it would otherwise take the per-tensor loop). What is assumed rather than traced
   backward keeps summed over experts does not depend on the routing; the per-expert transients do, a little;
 - host syncs on meta tensors (`bool(valid.all())`, `float(loss)`, the stats' boolean masks) read as true / 1 / all
   positions (`_MetaScalars`), which is what a batch without padding gives;
-- the fused attention kernel is the math path of `attention_sdpa_gqa` on meta as autograd sees it (the GPU's
-  memory-efficient SDPA saves its output and logsumexp, not a score matrix: see the `attention` row, which can
-  over-count for long contexts);
+- attention: `attention_sdpa_gqa` as the meta device runs it under autograd (torch's SDPA dispatch on meta tensors), not
+  the GPU's fused kernel, whose saved tensors (output + logsumexp) can differ;
 - FSDP2 (`--procs N`, full SFT only; blockpress itself runs DDP today, not FSDP): computed, not traced. Parameters,
   gradients and AdamW state are sharded 1/N; during forward and backward one unit's parameters are gathered
   (the largest of: one decoder layer, the embedding) plus one unit's unsharded gradient before its reduce-scatter;
-  activations are per rank as traced for the per-rank batch. No prefetch of a second unit, no CPU offload.
+  activations are per rank, traced with each gradient dropped once accumulated (as a reduce-scatter frees it). No
+  prefetch of a second unit, no CPU offload. Encoder and decoder share the weights, so autograd holds the decoder
+  pass's weight gradients (about one unsharded copy) until the encoder's backward reaches the same layer: the
+  reported peak includes them; `held_grads_peak_bytes` is the peak if FSDP2 could shard them earlier (unverified).
 
 Left out: the caching allocator's rounding and fragmentation, the CUDA context, NCCL buffers, the data loader.
 The Trainer keeps bf16 parameters with no fp32 master copy (plain `torch.optim.AdamW` on the model's own
@@ -286,13 +288,15 @@ def main(argv=None) -> dict:
 
 
 def predict(preset="real-26b", precision="int4", linears="native", lora=16, canvas=None, prompt_tokens=1024,
-            canvases=1, batch=1, checkpointing=True, procs=1, device="meta") -> dict:
+            canvases=1, batch=1, checkpointing=True, procs=1, steps=2) -> dict:
+    """steps: training steps traced (the last is reported; 1 leaves out the previous step's gradients alive during
+    the forward, for quick checks)."""
     m, weights = build(preset, precision, linears, lora)
     if canvas:
         m.config.canvas_length = canvas
     C = canvas or m.config.canvas_length
     b = meta_batch(batch, prompt_tokens, C, canvases, m.text.vocab_size)
-    tr = trace_step(m, b, checkpointing, drop_grads=procs > 1)
+    tr = trace_step(m, b, checkpointing, steps=steps, drop_grads=procs > 1)
     if procs > 1:  # no optimizer step was traced: the full model's gradient and AdamW bytes, computed
         tr.update(grads=tr["trainable"], optimizer_state=2 * tr["trainable"])
     lora_params = _bytes(p for n, p in m.named_parameters() if ".lora_" in n)

@@ -13,7 +13,7 @@ _spec = importlib.util.spec_from_file_location("train_memory", Path(__file__).pa
 tm = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tm)
 
-KW = dict(preset="tiny", prompt_tokens=32, canvas=None)
+KW = dict(preset="tiny", prompt_tokens=32, canvas=None, steps=1)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_predicted_bytes_equal_a_real_cpu_step(predictions, lora):
         assert p["lora_param_bytes"] == trainable
 
 
-def test_quantised_weights_agree_with_the_loaders_estimate(predictions):
+def test_quantised_weights_agree_with_the_loaders_estimate():
     from blockpress.config import ModelConfig
     from blockpress.lab.presets import preset_config
     from blockpress.loading import estimated_weight_bytes
@@ -71,7 +71,7 @@ def test_quantised_weights_agree_with_the_loaders_estimate(predictions):
         m = DiffusionGemmaModel(ModelConfig.from_dict(preset_config("tiny")[0])).to(torch.bfloat16)
     scalars = sum(b.numel() * 2 for n, b in m.named_buffers() if "layer_scalar" in n)  # buffers, not in the estimate
     for prec in ("int4", "fp8"):
-        assert predictions(precision=prec, lora=4)["weights_bytes"] == \
+        assert tm.build("tiny", prec, "native", 4)[1] == \
             estimated_weight_bytes(m, torch.bfloat16, prec) + scalars
 
 
@@ -83,15 +83,19 @@ def test_lora_trains_fewer_bytes_than_full_fine_tuning(predictions):
 
 
 def test_checkpointing_lowers_the_saved_activations(predictions):
-    on = predictions(precision="int4", lora=4, checkpointing=True)
+    on = predictions(precision="int4", lora=4)
     off = predictions(precision="int4", lora=4, checkpointing=False)
     assert on["saved_activation_bytes"] < off["saved_activation_bytes"]
     assert on["grad_bytes"] == off["grad_bytes"]
 
 
 def test_fsdp_divides_the_sharded_parts(predictions):
-    two, four = (predictions(precision="native", lora=0, procs=n) for n in (2, 4))
+    two = predictions(precision="native", lora=0, procs=2)
+    m, weights = tm.build("tiny", "native", "native", 0)
+    four = {"fsdp": tm.fsdp(m, two["phases"], weights, 4)}
+    four["predicted_peak_bytes"] = four["fsdp"]["peak"]
     whole = 4 * two["trainable_bytes"]  # bf16 params + grads + two AdamW moments
+    assert two["trainable_bytes"] == tm._bytes(m.parameters())
     assert two["fsdp"]["sharded_bytes"] == whole / 2 and four["fsdp"]["sharded_bytes"] == whole / 4
     assert four["predicted_peak_bytes"] < two["predicted_peak_bytes"]
     assert two["fsdp"]["gathered_bytes"] == four["fsdp"]["gathered_bytes"]

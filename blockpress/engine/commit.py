@@ -1,4 +1,4 @@
-"""The commit rule: a denoised canvas becomes committed tokens, and rows end (spec 4.8).
+"""The commit rule: a denoised canvas becomes committed tokens, and rows end.
 
 Shape legend: B rows, C canvas length.
 

@@ -2,12 +2,12 @@
 
 Shape legend: B rows, C canvas length, V vocab.
 
-From the decoder's fp32 logits of the rows that ran, a step: divides by the row's temperature (spec 4.4), draws
-a token per position and takes the argmax and the entropy (the sampler: `sampling`'s reference arithmetic, or
-the fused one-pass kernel of `kernels.sampler_fused`), accepts the lowest-entropy positions within the entropy
-bound (4.5), renoises the rest (4.6), holds the given tokens of an infilling canvas, walks the canvas of a row with a grammar through it
-(`constraint`), keeps the rows that stopped as they were (frozen), and asks the stopping rule which rows are
-done (4.7).
+From the decoder's fp32 logits of the rows that ran, a step: divides by the row's temperature, draws a token
+per position and takes the argmax and the entropy (the sampler: `sampling`'s reference arithmetic, or the fused
+one-pass kernel of `kernels.sampler_fused`), walks the canvas of a row with a grammar through it (`constraint`),
+accepts the lowest-entropy positions within the entropy bound, renoises the rest, holds the given tokens of an
+infilling canvas, keeps the rows that stopped as they were (frozen), and asks the stopping rule which rows are
+done.
 
 Invariants:
 - Random draws follow the reference's order: with one stream for the batch, `multinomial` over [B*C, V] then

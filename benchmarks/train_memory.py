@@ -56,7 +56,6 @@ from blockpress.lab.memory import LiveBytes
 from blockpress.lab.presets import preset_config
 from blockpress.model import moe
 from blockpress.model.diffusion_gemma import DiffusionGemmaModel
-from blockpress.model.layers import gelu_tanh
 from blockpress.train import objective as obj
 
 GB = 1e9
@@ -85,26 +84,9 @@ def _route_uniform(idx_NK: torch.Tensor, n_experts: int):
 
 
 def _experts_loop_uniform(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
-    """`moe.experts_loop`, line for line, with evenly split counts."""
-    N, H = x_NH.shape
-    Im = down_EHI.shape[-1]
-    out = torch.zeros(N, H, dtype=torch.float32, device=x_NH.device)
-    flat_idx = idx_NK.reshape(-1)
-    order = torch.argsort(flat_idx, stable=True)
-    counts = _uniform_counts(flat_idx.numel(), gate_up_EFH.shape[0]).tolist()
-    tok = order // idx_NK.shape[1]
-    wts = w_NK.reshape(-1)[order]
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        t = tok[start:start + c]
-        u = x_NH[t] @ gate_up_EFH[e].t()
-        a = gelu_tanh(u[:, :Im]) * u[:, Im:]
-        y = a @ down_EHI[e].t()
-        out.index_add_(0, t, y.float() * wts[start:start + c, None])
-        start += c
-    return out.to(x_NH.dtype)
+    """`moe.experts_loop` with evenly split counts."""
+    counts = _uniform_counts(idx_NK.numel(), gate_up_EFH.shape[0]).tolist()
+    return moe.experts_loop(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, counts=counts)
 
 
 def build(preset: str, precision: str, linears: str, lora_rank: int, dtype=torch.bfloat16, device="meta"):

@@ -41,14 +41,16 @@ class Router(nn.Module):
         return w, idx
 
 
-def experts_loop(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
-    """Reference: loop over experts that received tokens."""
+def experts_loop(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, counts=None):
+    """Reference: loop over experts that received tokens. counts: tokens per expert (a list; None: counted from
+    the routing; the training-memory model passes its own, as meta tensors carry no routing)."""
     N, H = x_NH.shape
     Im = down_EHI.shape[-1]
     out = torch.zeros(N, H, dtype=torch.float32, device=x_NH.device)
     flat_idx = idx_NK.reshape(-1)  # [N*K]
     order = torch.argsort(flat_idx, stable=True)
-    counts = torch.bincount(flat_idx, minlength=gate_up_EFH.shape[0]).tolist()
+    if counts is None:
+        counts = torch.bincount(flat_idx, minlength=gate_up_EFH.shape[0]).tolist()
     tok = order // idx_NK.shape[1]  # token of each sorted assignment
     wts = w_NK.reshape(-1)[order]
     start = 0

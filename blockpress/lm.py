@@ -234,9 +234,10 @@ class BlockDiffusionLM:
         return self.tokenizer
 
     # ------------------------------------------------------------------------------- saving
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, tensors: dict | None = None) -> Path:
         """Write a checkpoint transformers can load: config.json, generation_config.json,
-        model.safetensors (checkpoint key names), and the tokenizer files if any. Atomic."""
+        model.safetensors (checkpoint key names), and the tokenizer files if any. Atomic.
+        tensors: the weights by module name when the module holds only a shard of them (a sharded training run)."""
         from safetensors.torch import save_file
 
         from .model.weights import state_dict_for_checkpoint, write_atomic
@@ -247,7 +248,7 @@ class BlockDiffusionLM:
             raise InputError(f"this model holds quantised weights ({', '.join(sorted(quantized))}: --precision / "
                              "--linears at load) and save writes float checkpoints that transformers loads; load "
                              "the model in its native precision to save it")
-        sd = state_dict_for_checkpoint(self.module)
+        sd = state_dict_for_checkpoint(self.module, tensors)
         gen = {"_from_model_config": False, **self.generation_defaults}
         if "entropy_bound" in gen:
             gen["sampler_config"] = {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": gen.pop("entropy_bound")}

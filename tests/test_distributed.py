@@ -36,7 +36,7 @@ def _run(rank, world, out, leave=None):
         ddp = dist.wrap(lm.module)
     cfg = TrainConfig(out_dir=str(out), steps=STEPS, batch_size=4, lr=1e-2, warmup=1, eval_every=0,
                       save_every=0, progress=False)
-    tr = Trainer(lm, ListSource(_examples(), batch_size=4), cfg, rank=rank, world=world, ddp_module=ddp)
+    tr = Trainer(lm, ListSource(_examples(), batch_size=4), cfg, rank=rank, world=world, wrapped=ddp)
     losses, grads = [], []
     for _ in range(STEPS):
         losses.append(tr.train_step()["loss"])
@@ -83,10 +83,11 @@ def test_two_process_ddp_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_cli_matches_one_process(tmp_path):
-    """The path users run: `torchrun --standalone --nproc-per-node 2 -m blockpress train ...` (dist.setup()
-    reads RANK/WORLD_SIZE/MASTER_ADDR/PORT from torchrun) logs the 1-process loss on the same global batch.
-    Slow (two interpreter start-ups) and it binds a local port, so it is opt-in (--runslow)."""
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_torchrun_cli_matches_one_process(tmp_path, wrapper):
+    """The path users run: `torchrun --standalone --nproc-per-node 2 -m blockpress train ... [--fsdp]`
+    (dist.setup() reads RANK/WORLD_SIZE/MASTER_ADDR/PORT from torchrun) logs the 1-process loss on the same global
+    batch. Slow (two interpreter start-ups) and it binds a local port, so it is opt-in (--runslow)."""
     import json
     import subprocess
     import sys
@@ -99,10 +100,11 @@ def test_torchrun_cli_matches_one_process(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "blockpress", *args, "--out", str(tmp_path / "two")],
+                          "-m", "blockpress", *args, "--out", str(tmp_path / "two"),
+                          *(["--fsdp"] if wrapper == "fsdp" else [])],
                          env=env, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-2000:]
-    assert "2 process(es)" in two.stdout + two.stderr
+    assert f"2 process(es), {'FSDP2-sharded' if wrapper == 'fsdp' else 'DDP'}" in two.stdout + two.stderr
 
     def losses(run):
         rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

@@ -6,7 +6,9 @@ plain-text `.txt` / `.jsonl` (`text`) file. The model is `--model DIR` (a checkp
 `--out DIR/checkpoint-<step>` (Hugging Face layout + trainer state); `--resume` continues the newest.
 QLoRA: `--model DIR --lora R --precision int4|fp8 [--linears int8|fp8]` loads the base quantised as inference
 does and trains adapters beside the frozen quantised weights (saved in PEFT format, for the unquantised base).
-Multi-process: `torchrun --nproc_per_node N -m blockpress train ...` (DDP; gloo on CPU, nccl on GPU).
+Multi-process: `torchrun --nproc_per_node N -m blockpress train ...` (DDP: each process holds the whole model;
+gloo on CPU, nccl on GPU); add `--fsdp` to shard weights, gradients and optimizer state across the processes
+(FSDP2), for a model that does not fit one device. A sharded run resumes with any number of processes.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     run.add_argument("--save-minutes", type=_float_in(0, strict=False), default=0.0)
     run.add_argument("--keep-last", type=_nonneg_int, default=2, help="checkpoints kept (0: all)")
     run.add_argument("--grad-checkpointing", action="store_true", help="recompute decoder layers in backward")
+    run.add_argument("--fsdp", action="store_true",
+                     help="under torchrun: shard parameters, gradients and optimizer state across the processes "
+                          "(FSDP2, one shard group per decoder layer) instead of copying the model to each (DDP)")
     run.add_argument("--max-canvases", type=_positive_int, default=None, help="truncate responses to N canvases")
     run.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
     run.add_argument("--no-progress", action="store_true")
@@ -294,8 +299,11 @@ def main(args) -> int:
         print(f"blockpress train: warning: --warmup {args.warmup} is longer than --steps {args.steps}: the learning "
               f"rate never reaches --lr (it peaks at {100 * args.steps / args.warmup:.0f} % of it); lower --warmup",
               file=sys.stderr)
-    ddp = dist.wrap(lm.module) if world > 1 else None
-    trainer = Trainer(lm, source, tcfg, eval_source, lora=lora, rank=rank, world=world, ddp_module=ddp,
+    if args.fsdp and world == 1 and rank == 0:
+        print("blockpress train: --fsdp with one process: nothing to shard, training the whole model here (start it "
+              "with torchrun --nproc_per_node N to shard it)", file=sys.stderr)
+    wrapped = dist.wrap(lm.module, fsdp=args.fsdp) if world > 1 else None
+    trainer = Trainer(lm, source, tcfg, eval_source, lora=lora, rank=rank, world=world, wrapped=wrapped,
                       extra_files=extra, resume_command=resume_command(args))
     if resume_ck is not None:
         if rank == 0:
@@ -306,8 +314,9 @@ def main(args) -> int:
         if rank == 0:
             print(f"resumed from {resume_ck} at step {trainer.step}")
     if rank == 0:
-        n = sum(p.numel() for p in lm.module.parameters() if p.requires_grad)
-        print(f"training {n / 1e6:.2f}M parameters on {lm.device} ({world} process(es)), out: {tcfg.out_dir}")
+        n = sum(p.numel() for p in lm.module.parameters() if p.requires_grad)  # whole, not this rank's shard
+        how = f", {'FSDP2-sharded' if trainer.sharded else 'DDP'}" if world > 1 else ""
+        print(f"training {n / 1e6:.2f}M parameters on {lm.device} ({world} process(es){how}), out: {tcfg.out_dir}")
     trainer.train()
     dist.cleanup()
     return 0

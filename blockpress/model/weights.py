@@ -232,11 +232,14 @@ def _assign(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
         owner._buffers[leaf] = tensor
 
 
-def state_dict_for_checkpoint(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def state_dict_for_checkpoint(module: torch.nn.Module, tensors: dict | None = None) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers under the checkpoint's names, on the CPU. tensors: the same names' values
+    gathered elsewhere (a sharded training run's, train/distributed.py `full_tensors`) instead of the module's."""
     out = {}
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         if name.split(".")[-1].startswith("inv_freq"):
             continue
+        t = tensors[name] if tensors is not None else t
         out[module_to_checkpoint_name(name)] = t.detach().contiguous().cpu()
     return out
 

@@ -105,8 +105,9 @@ def lora_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_adapter(module: nn.Module, path: str | Path, spec: LoraSpec | None = None,
-                 base_model: str | None = None) -> Path:
-    """Write a PEFT adapter folder (atomic): adapter_config.json + adapter_model.safetensors."""
+                 base_model: str | None = None, tensors: dict | None = None) -> Path:
+    """Write a PEFT adapter folder (atomic): adapter_config.json + adapter_model.safetensors. tensors: the
+    adapters' values by module name when the module holds only a shard of them (a sharded training run)."""
     from safetensors.torch import save_file
 
     from ..model.weights import write_atomic
@@ -114,7 +115,7 @@ def save_adapter(module: nn.Module, path: str | Path, spec: LoraSpec | None = No
     spec = spec or module.lora_spec
     sd = {}
     for n, p in lora_state(module).items():
-        t = p.detach().contiguous().cpu()
+        t = (tensors[n] if tensors is not None else p).detach().contiguous().cpu()
         sd[DEC + n] = t
         sd[ENC + n] = t.clone()
     layers = "|".join(sorted({PROJ[t] + r"\." + t for t in spec.targets}))

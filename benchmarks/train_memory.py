@@ -23,13 +23,14 @@ it would otherwise take the per-tensor loop). What is assumed rather than traced
   positions (`_MetaScalars`), which is what a batch without padding gives;
 - attention: `attention_sdpa_gqa` as the meta device runs it under autograd (torch's SDPA dispatch on meta tensors), not
   the GPU's fused kernel, whose saved tensors (output + logsumexp) can differ;
-- FSDP2 (`--procs N`, full SFT only; blockpress itself runs DDP today, not FSDP): computed, not traced. Parameters,
-  gradients and AdamW state are sharded 1/N; during forward and backward one unit's parameters are gathered
-  (the largest of: one decoder layer, the embedding) plus one unit's unsharded gradient before its reduce-scatter;
-  activations are per rank, traced with each gradient dropped once accumulated (as a reduce-scatter frees it). No
-  prefetch of a second unit, no CPU offload. Encoder and decoder share the weights, so autograd holds the decoder
-  pass's weight gradients (about one unsharded copy) until the encoder's backward reaches the same layer: the
-  reported peak includes them; `held_grads_peak_bytes` is the peak if FSDP2 could shard them earlier (unverified).
+- FSDP2 (`--procs N`, full SFT only, `blockpress train --fsdp`): the shards are computed, the rest traced.
+  Parameters, gradients and AdamW state are sharded 1/N; during forward and backward one unit's parameters are
+  gathered (the largest of: one decoder layer, the embedding) plus one unit's unsharded gradient before its
+  reduce-scatter; activations are per rank, traced with the backward FSDP2 runs (`objective.TwoBackwards`: the
+  decoder's, then the encoder's) and each gradient dropped once accumulated (as a reduce-scatter frees it). No
+  prefetch of a second unit, no CPU offload. With one backward instead, autograd would hold every layer's
+  decoder-pass gradient until the encoder's backward reached it (about one unsharded copy of all the gradients);
+  `one_backward_peak_bytes` is that peak, for comparison.
 
 Left out: the caching allocator's rounding and fragmentation, the CUDA context, NCCL buffers, the data loader.
 The Trainer keeps bf16 parameters with no fp32 master copy (plain `torch.optim.AdamW` on the model's own
@@ -162,11 +163,12 @@ def _meta_patches(m):
             ex.kernel = k
 
 
-def trace_step(m, batch, checkpointing: bool, steps: int = 2, drop_grads: bool = False) -> dict:
+def trace_step(m, batch, checkpointing: bool, steps: int = 2, drop_grads: bool = False, split: bool = False) -> dict:
     """Run `steps` training steps as Trainer.train_step does under LiveBytes; report the last one's phases (bytes on
     top of the weights and adapters). drop_grads (the FSDP2 estimate): each gradient is dropped as soon as it is
     accumulated (as a reduce-scatter frees the unsharded gradient; the sharded ones are added by `fsdp`), so the
-    backward peak is activations and transients only; one step, no optimizer step."""
+    backward peak is activations and transients only; one step, no optimizer step. split: the backward as FSDP2
+    runs it (`objective.TwoBackwards`), not loss.backward()."""
     m.train()
     m.gradient_checkpointing = checkpointing
     cfg = obj.ObjectiveConfig()
@@ -198,7 +200,7 @@ def trace_step(m, batch, checkpointing: bool, steps: int = 2, drop_grads: bool =
             for n, f in saved_fns.items():
                 setattr(obj, n, timed(names[n], f))
             try:
-                loss, _stats = obj.compute_loss(m, batch, cfg)
+                loss, _stats, *two = obj.compute_loss(m, batch, cfg, split=split)
             finally:
                 for n, f in saved_fns.items():
                     setattr(obj, n, f)
@@ -209,8 +211,12 @@ def trace_step(m, batch, checkpointing: bool, steps: int = 2, drop_grads: bool =
             opt.zero_grad(set_to_none=True)
             after_zero = lb.live
             lb.peak = lb.live
-            loss.backward()
-            del loss
+            if split:
+                two[0].decoder()
+                two[0].encoder()
+            else:
+                loss.backward()
+            del loss, two
             bwd_peak, after_bwd = lb.peak, lb.live
             lb.peak = lb.live
             if not drop_grads:
@@ -230,22 +236,24 @@ def trace_step(m, batch, checkpointing: bool, steps: int = 2, drop_grads: bool =
     return phases
 
 
-def fsdp(m, trace: dict, weights: int, N: int) -> dict:
-    """Per-rank bytes of full SFT under FSDP2 (computed, not traced; see the module docstring)."""
+def fsdp(m, trace: dict, weights: int, N: int, one_backward: dict | None = None) -> dict:
+    """Per-rank bytes of full SFT under FSDP2 (the shards computed, the step traced; see the module docstring).
+    one_backward: the trace with loss.backward() instead of the two backwards FSDP2 runs (for comparison)."""
     unit = max([_bytes(layer.parameters()) for layer in m.layers] + [_bytes(m.embed_tokens.parameters())])
     sharded = 4 * trace["trainable"] / N  # bf16 params + grads + two AdamW moments, all in the params' dtype
     gathered = 2 * unit  # one unit's gathered parameters + its unsharded gradient before the reduce-scatter
     # traced with every gradient dropped once accumulated (trace_step(drop_grads=True)): activations and transients
     act = max(trace["forward_peak"], trace["backward_peak"]) - trace["start"]
     optimizer_transient = trace["trainable"] / N  # foreach AdamW: one sqrt(exp_avg_sq) copy of the (sharded) state
-    # autograd holds the decoder pass's weight gradients in its input buffers until the encoder's backward reaches the
-    # same (shared) layer, so the traced backward peak includes about one unsharded copy of the gradients; if FSDP2
-    # could reduce-scatter each pass's share separately (not verified), the backward would need only:
-    act_sharded = max(trace["forward_peak"], trace["backward_peak"] - trace["trainable"]) - trace["start"]
-    return {"procs": N, "unit_bytes": unit, "held_grads_peak_bytes": sharded + gathered + max(act_sharded,
-                                                                                          optimizer_transient), "sharded_bytes": sharded, "gathered_bytes": gathered,
-            "activation_bytes": act, "optimizer_transient_bytes": optimizer_transient,
-            "peak": sharded + gathered + max(act, optimizer_transient)}
+    # in one backward autograd would hold the decoder pass's weight gradients in its input buffers until the
+    # encoder's backward reached the same (shared) layer: about one unsharded copy of the gradients
+    out = {"procs": N, "unit_bytes": unit, "sharded_bytes": sharded, "gathered_bytes": gathered,
+           "activation_bytes": act, "optimizer_transient_bytes": optimizer_transient,
+           "peak": sharded + gathered + max(act, optimizer_transient)}
+    if one_backward is not None:
+        act_one = max(one_backward["forward_peak"], one_backward["backward_peak"]) - one_backward["start"]
+        out["one_backward_peak_bytes"] = sharded + gathered + max(act_one, optimizer_transient)
+    return out
 
 
 def main(argv=None) -> dict:
@@ -278,7 +286,7 @@ def predict(preset="real-26b", precision="int4", linears="native", lora=16, canv
         m.config.canvas_length = canvas
     C = canvas or m.config.canvas_length
     b = meta_batch(batch, prompt_tokens, C, canvases, m.text.vocab_size)
-    tr = trace_step(m, b, checkpointing, steps=steps, drop_grads=procs > 1)
+    tr = trace_step(m, b, checkpointing, steps=steps, drop_grads=procs > 1, split=procs > 1)
     if procs > 1:  # no optimizer step was traced: the full model's gradient and AdamW bytes, computed
         tr.update(grads=tr["trainable"], optimizer_state=2 * tr["trainable"])
     lora_params = _bytes(p for n, p in m.named_parameters() if ".lora_" in n)
@@ -291,7 +299,8 @@ def predict(preset="real-26b", precision="int4", linears="native", lora=16, canv
                                                                            if k != "largest"},
            "largest": tr["largest"], "predicted_peak_bytes": total}
     if procs > 1:
-        out["fsdp"] = fsdp(m, tr, weights, procs)
+        one = trace_step(m, b, checkpointing, steps=steps, drop_grads=True)
+        out["fsdp"] = fsdp(m, tr, weights, procs, one)
         out["predicted_peak_bytes"] = out["fsdp"]["peak"]
     return out
 
@@ -324,10 +333,11 @@ def report(budget_gb=None, **kw) -> dict:
         print(f"  FSDP2 over {f['procs']} processes (computed: sharded 1/N, one unit gathered + its unsharded grad):")
         for name, key in (("sharded params + grads + AdamW state", "sharded_bytes"),
                           ("gathered unit + its gradient", "gathered_bytes"),
-                          ("activations and transients (per rank; backward holds unsharded grads)", "activation_bytes")):
+                          ("activations and transients (per rank; the decoder's backward, then the encoder's)",
+                           "activation_bytes")):
             print(f"    {name:56s} {g(f[key])}")
-        print(f"    peak if the decoder pass's gradients were sharded before the encoder's backward (unverified) "
-              f"{f['held_grads_peak_bytes'] / GB:.2f} GB")
+        print(f"    peak with one backward instead of two (every layer's decoder gradient held unsharded) "
+              f"{f['one_backward_peak_bytes'] / GB:.2f} GB")
     print(f"  predicted peak per process: {r['predicted_peak_bytes'] / GB:.2f} GB"
           + (f" (budget {budget_gb:.1f} GB: {'fits' if r['predicted_peak_bytes'] <= budget_gb * GB else 'does NOT fit'})"
              if budget_gb else ""))

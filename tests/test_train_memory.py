@@ -99,3 +99,5 @@ def test_fsdp_divides_the_sharded_parts(predictions):
     assert two["fsdp"]["sharded_bytes"] == whole / 2 and four["fsdp"]["sharded_bytes"] == whole / 4
     assert four["predicted_peak_bytes"] < two["predicted_peak_bytes"]
     assert two["fsdp"]["gathered_bytes"] == four["fsdp"]["gathered_bytes"]
+    # FSDP2's two backwards (decoder, then encoder) never hold every layer's decoder gradient at once; one would
+    assert two["fsdp"]["peak"] < two["fsdp"]["one_backward_peak_bytes"]

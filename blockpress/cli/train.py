@@ -58,7 +58,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     run.add_argument("--save-every", type=_nonneg_int, default=200, help="steps between checkpoints (0: only the last)")
     run.add_argument("--save-minutes", type=_float_in(0, strict=False), default=0.0)
     run.add_argument("--keep-last", type=_nonneg_int, default=2, help="checkpoints kept (0: all)")
-    run.add_argument("--grad-checkpointing", action="store_true", help="recompute decoder layers in backward")
+    run.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                     help="recompute the decoder layers and the encoder layers' feed-forward halves in backward "
+                          "(less memory, ~1/3 more compute; default: on for QLoRA (--precision / --linears), off "
+                          "otherwise)")
     run.add_argument("--fsdp", action="store_true",
                      help="under torchrun: shard parameters, gradients and optimizer state across the processes "
                           "(FSDP2, one shard group per decoder layer) instead of copying the model to each (DDP)")
@@ -217,7 +220,8 @@ def build(args):
                        min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay,
                        clip=args.clip, log_every=args.log_every, eval_every=args.eval_every,
                        eval_batches=args.eval_batches, save_every=args.save_every, save_minutes=args.save_minutes,
-                       keep_last=args.keep_last, grad_checkpointing=args.grad_checkpointing,
+                       keep_last=args.keep_last,
+                       grad_checkpointing=quantized if args.grad_checkpointing is None else args.grad_checkpointing,
                        max_canvases=args.max_canvases, stop_after=args.stop_after,
                        progress=not args.no_progress, objective=ocfg)
     if task:

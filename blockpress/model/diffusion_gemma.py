@@ -47,18 +47,25 @@ class Block(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))  # decoder pass
         self.register_buffer("encoder_layer_scalar", torch.ones(1))  # encoder pass
 
-    def forward(self, x, attend, scalar):
-        """x [B,S,H]; `attend(h) -> attention output [B,S,H]` closes over cache, mask, rope."""
+    def forward(self, x, attend, scalar, checkpoint_ffn: bool = False):
+        """x [B,S,H]; `attend(h) -> attention output [B,S,H]` closes over cache, mask, rope. checkpoint_ffn (training):
+        recompute the feed-forward half in backward instead of keeping its activations (the attention half writes
+        the K/V cache, so it is not recomputed)."""
         h = self.post_attention_layernorm(attend(self.input_layernorm(x)))
         x = x + h
+        if checkpoint_ffn:
+            return torch.utils.checkpoint.checkpoint(self.feed_forward, x, use_reentrant=False) * scalar
+        return self.feed_forward(x) * scalar
+
+    def feed_forward(self, x):
+        """The dense MLP and the experts side by side, on the residual after attention."""
         B, S, H = x.shape
         h1 = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         flat = x.reshape(B * S, H)  # [N, H]; the router reads the raw residual
         w, idx = self.router(flat)
         h2 = self.experts(self.pre_feedforward_layernorm_2(flat), w, idx).view(B, S, H)
         h2 = self.post_feedforward_layernorm_2(h2)
-        x = x + self.post_feedforward_layernorm(h1 + h2)
-        return x * scalar
+        return x + self.post_feedforward_layernorm(h1 + h2)
 
 
 class SelfConditioning(nn.Module):
@@ -94,8 +101,8 @@ class DiffusionGemmaModel(nn.Module):
         # inference caches keep a ring of the last window + `cache_reserve()` positions for the sliding layers once
         # that is smaller than the capacity (model/cache.py); False: every position in every layer (the same numbers)
         self.ring_cache = True
-        # training (blockpress.train): recompute decoder layers in backward. Encoder layers are never
-        # checkpointed: they write the KV cache.
+        # training (blockpress.train): recompute decoder layers in backward, and the encoder layers' feed-forward
+        # halves (their attention halves write the K/V cache, so they are kept).
         self.gradient_checkpointing = False
         self._scales: dict = {}  # (dtype, device) -> sqrt(H) on that device: made once, not copied per pass
         self._rope_memo: dict = {}  # (start, length, dtype, device) -> rotary tables (see `_rope`)
@@ -219,9 +226,10 @@ class DiffusionGemmaModel(nn.Module):
         return tables
 
     def _layers(self, x, rope: dict, keys, scalar, upto: int | None = None, hidden_states: list | None = None,
-                checkpoint: bool = False):
+                checkpoint: bool = False, checkpoint_ffn: bool = False):
         """The decoder layers [0, upto) (default all) over x [B, n, H]. keys: the pass's `KeyAccess` (where it
-        writes K/V, what each query sees); scalar(layer) -> the residual scale of its rows."""
+        writes K/V, what each query sees); scalar(layer) -> the residual scale of its rows. checkpoint: recompute
+        whole layers in backward (a pass that writes no cache); checkpoint_ffn: their feed-forward halves only."""
         attn_fn, block = self.ops.attention, self.ops.block
         for i, layer in enumerate(self.layers[:upto]):
             t = FULL if layer.full else SLIDING
@@ -233,6 +241,8 @@ class DiffusionGemmaModel(nn.Module):
 
             if checkpoint:  # training only; the cache is read-only here
                 x = torch.utils.checkpoint.checkpoint(layer, x, attend, scalar(layer), use_reentrant=False)
+            elif checkpoint_ffn:  # training only
+                x = layer(x, attend, scalar(layer), checkpoint_ffn=True)
             elif block is not None:  # a compiled block (the same function)
                 x = block(layer, x, attend, scalar(layer))
             else:
@@ -284,7 +294,8 @@ class DiffusionGemmaModel(nn.Module):
             hidden_states.append(x)
         last = len(self.layers) - 1
         x = self._layers(x, rope, keys, lambda layer: layer.encoder_layer_scalar, upto=None if output else last,
-                         hidden_states=hidden_states)
+                         hidden_states=hidden_states,
+                         checkpoint_ffn=self.gradient_checkpointing and torch.is_grad_enabled())
         if not output:  # the cache needs only the last layer's K/V
             layer = self.layers[last]
             t = FULL if layer.full else SLIDING

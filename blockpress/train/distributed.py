@@ -58,6 +58,19 @@ def wrap(module: torch.nn.Module, fsdp: bool = False):
     return DDP(ObjectiveModule(module), device_ids=dev, find_unused_parameters=True)
 
 
+def backward(wrapper, two) -> None:
+    """The step's backward under FSDP2, as `objective.TwoBackwards`: the decoder's backward reduce-scatters each
+    layer's gradient into its shard as it finishes it, then the encoder's adds its share. The root's parameters (the
+    embedding, tied to the LM head, the final norm) stay gathered between the two (the AR loss's backward reads
+    them), and the shards are finished only after the second."""
+    wrapper.set_is_last_backward(False)
+    wrapper.set_reshard_after_backward(False, recurse=False)
+    two.decoder()
+    wrapper.set_is_last_backward(True)
+    wrapper.set_reshard_after_backward(True, recurse=False)
+    two.encoder()
+
+
 def is_sharded(wrapper) -> bool:
     from torch.distributed.fsdp import FSDPModule
 

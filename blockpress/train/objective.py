@@ -149,6 +149,7 @@ class TrainBatch:
     sc_mask: torch.Tensor  # [B] bool, self-conditioning on
     scored: torch.Tensor | None = None  # [B,C] bool, positions with diffusion loss (None: all)
     rollout: RolloutDraws | None = None  # cfg.rollout > 0 only
+    ar_from: int = 0  # the first position any row's AR target sits at (the AR logits are made from the one before)
 
     def to(self, device) -> "TrainBatch":
         return TrainBatch(**{k: (v.to(device) if isinstance(v, (torch.Tensor, RolloutDraws)) else v)
@@ -212,9 +213,11 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
         lo = lft + (len(p) if cfg.ar_scope == "response" else 1)
         target[i, max(lo, lft + 1):lft + n] = True  # never the first token of a row (nothing predicts it)
     rollout = RolloutDraws(*(torch.stack(parts) for parts in zip(*roll))) if roll else None
+    cols = target.any(0)
     return TrainBatch(ids, valid, target, T, torch.stack(clean), torch.stack(xt), torch.stack(rep),
                       torch.stack(ts).float(), torch.tensor(sc, dtype=torch.bool),
-                      torch.stack(scored) if any_held else None, rollout)
+                      torch.stack(scored) if any_held else None, rollout,
+                      int(cols.long().argmax()) if bool(cols.any()) else S)
 
 
 def _rollout_draws(g: torch.Generator, rate: float, C: int, vocab_size: int) -> tuple[torch.Tensor, ...]:
@@ -236,7 +239,7 @@ def _per_example_mean(ce: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def encoder_pass(module, batch: TrainBatch, context_only: bool = False):
-    """Causal encoder over the clean rows. Returns (AR logits [B,S,V] fp32, cache filled to S).
+    """Causal encoder over the clean rows. Returns (final-normed hidden states [B,S,H], cache filled to S).
 
     context_only: encode only the decoder's context [0, T) and return (None, cache filled to T): the
     same cache the decoder reads after cropping (causal attention: positions < T never see later
@@ -247,16 +250,20 @@ def encoder_pass(module, batch: TrainBatch, context_only: bool = False):
     B, S = ids.shape
     cache = module.new_cache(B, S, ring=False)  # cropped back to the context below: keep every position
     pad = None if bool(valid.all()) else valid
-    h = module.encode(ids, cache, pad_mask=pad)
-    return (None if context_only else module.lm_logits(h)), cache
+    h = module.encode(ids, cache, pad_mask=pad, output=not context_only)
+    return h, cache
 
 
-def ar_loss(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
-    """Per-example mean next-token CE over `ar_target` positions (token j predicted from j-1)."""
-    B, S, V = logits.shape
-    ce = F.cross_entropy(logits[:, :-1].reshape(-1, V), batch.input_ids[:, 1:].reshape(-1),
-                         reduction="none").view(B, S - 1)
-    return _per_example_mean(ce, batch.ar_target[:, 1:])
+def ar_loss(module, h: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """Per-example mean next-token CE over `ar_target` positions (token j predicted from j-1), from the encoder's
+    hidden states h [B,S,H]. Logits are made only from position `batch.ar_from` - 1 on: with the default scope
+    (the response) that leaves out the prompt, whose [S, V] fp32 logits and soft-cap would be most of the AR loss's
+    memory (on the 26B model, 1.34 GB per copy at a 1,024-token prompt + one canvas) and work."""
+    lo = max(batch.ar_from - 1, 0)
+    logits = module.lm_logits(h[:, lo:-1])  # [B, S-1-lo, V] fp32
+    B, n, V = logits.shape
+    ce = F.cross_entropy(logits.reshape(-1, V), batch.input_ids[:, lo + 1:].reshape(-1), reduction="none").view(B, n)
+    return _per_example_mean(ce, batch.ar_target[:, lo + 1:])
 
 
 def rollout_step(z_raw: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -303,13 +310,55 @@ def diffusion_loss(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     return _per_example_mean(ce, scored)
 
 
-def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """The full objective on one (micro-)batch. Returns (loss, float stats for logging)."""
+class TwoBackwards:
+    """The step's backward as two: the decoder's, then the encoder's (`compute_loss(split=True)`).
+
+    The encoder and the decoder run the same layers, so in one backward autograd sums each weight's two gradients in
+    its input buffer before the weight's gradient is accumulated: every layer's decoder-pass gradient is held, whole,
+    until the encoder's backward reaches that layer (one unsharded copy of all the gradients at once). Split at the
+    K/V cache (the decoder reads the encoder's K/V as new leaf tensors), the decoder's backward finishes each layer's
+    gradient as it goes, and FSDP2 reduce-scatters it into the layer's shard at once; the encoder's backward then
+    carries the K/V gradients (and the AR loss) down through the encoder and adds its share. The same gradients up to
+    fp32 summation order."""
+
+    def __init__(self, decoder_loss: torch.Tensor, ar_loss: torch.Tensor | None, kv: list):
+        self.decoder_loss, self.ar_loss, self.kv = decoder_loss, ar_loss, kv
+
+    def decoder(self) -> None:
+        self.decoder_loss.backward()
+
+    def encoder(self) -> None:
+        outs = [orig for orig, leaf in self.kv if leaf.grad is not None]
+        grads = [leaf.grad for _, leaf in self.kv if leaf.grad is not None]
+        if self.ar_loss is not None:
+            outs.append(self.ar_loss)
+            grads.append(torch.ones_like(self.ar_loss))
+        if outs:
+            torch.autograd.backward(outs, grads)
+        self.kv = []
+
+
+def _cut(cache) -> list:
+    """Give the decoder the encoder's K/V as new leaves (sharing storage): [(encoder's tensor, decoder's leaf)]."""
+    pairs = []
+    for store in (cache.keys, cache.values):
+        for i, t in enumerate(store):
+            if t.requires_grad:
+                store[i] = t.detach().requires_grad_(True)
+                pairs.append((t, store[i]))
+    return pairs
+
+
+def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig, split: bool = False):
+    """The full objective on one (micro-)batch. Returns (loss, float stats for logging); with split, also the
+    `TwoBackwards` to run instead of loss.backward() (what FSDP2 needs to shard each gradient as it is made)."""
     skip_ar = not cfg.ar_only and not cfg.ar_weight
-    enc_logits, cache = encoder_pass(module, batch, context_only=skip_ar)
-    l_ar = torch.zeros(()) if skip_ar else ar_loss(enc_logits, batch)
+    h, cache = encoder_pass(module, batch, context_only=skip_ar)
+    l_ar = torch.zeros(()) if skip_ar else ar_loss(module, h, batch)
     if cfg.ar_only:
-        return l_ar, {"loss": float(l_ar.detach()), "ar": float(l_ar.detach())}
+        stats = {"loss": float(l_ar.detach()), "ar": float(l_ar.detach())}
+        return (l_ar, stats, TwoBackwards(l_ar, None, [])) if split else (l_ar, stats)
+    kv = _cut(cache) if split else []
     canvas, sc_logits, sc_mask = decoder_inputs(module, batch, cache)
     logits = module.decode(canvas, cache, sc_logits=sc_logits, sc_mask=sc_mask)
     l_diff = diffusion_loss(logits, batch)
@@ -320,16 +369,20 @@ def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig) -> tuple[torch
         wrong = batch.replaced if canvas is batch.canvas_noisy else canvas != batch.canvas_clean
         acc_noisy = correct[wrong].float().mean() if bool(wrong.any()) else torch.tensor(1.0)
         acc = correct[batch.scored] if batch.scored is not None else correct  # held positions are given
-    return loss, {"loss": float(loss.detach()), "diff": float(l_diff.detach()), "ar": float(l_ar.detach()),
-                  "acc": float(acc.float().mean()), "acc_replaced": float(acc_noisy)}
+    stats = {"loss": float(loss.detach()), "diff": float(l_diff.detach()), "ar": float(l_ar.detach()),
+             "acc": float(acc.float().mean()), "acc_replaced": float(acc_noisy)}
+    if not split:
+        return loss, stats
+    ar = cfg.ar_weight * l_ar if cfg.ar_weight and not skip_ar else None
+    return loss, stats, TwoBackwards(cfg.diffusion_weight * l_diff, ar, kv)
 
 
 class ObjectiveModule(nn.Module):
-    """`compute_loss` as a module forward, so DDP can wrap the whole step (distributed.wrap)."""
+    """`compute_loss` as a module forward, so DDP or FSDP2 can wrap the whole step (distributed.wrap)."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
 
-    def forward(self, batch: TrainBatch, cfg: ObjectiveConfig):
-        return compute_loss(self.module, batch, cfg)
+    def forward(self, batch: TrainBatch, cfg: ObjectiveConfig, split: bool = False):
+        return compute_loss(self.module, batch, cfg, split=split)

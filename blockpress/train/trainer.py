@@ -140,10 +140,11 @@ class Trainer:
         return obj.collate(exs, self.lm.canvas_length, V, self.cfg.objective, step, lo, eos_id=eos, pad_id=pad,
                            max_canvases=self.cfg.max_canvases, stream=stream).to(self.device)
 
-    def _loss(self, batch: obj.TrainBatch):
+    def _loss(self, batch: obj.TrainBatch, split: bool = False):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             if self.world > 1 and (self.lm.module.training or self.sharded):  # FSDP2 gathers weights in eval too
-                return self.model(batch, self.cfg.objective)  # DDP / FSDP2 (ObjectiveModule): gradients averaged
+                # DDP / FSDP2 (ObjectiveModule): gradients averaged
+                return self.model(batch, self.cfg.objective, **({"split": True} if split else {}))
             return obj.compute_loss(self.lm.module, batch, self.cfg.objective)
 
     @torch.enable_grad()
@@ -151,9 +152,14 @@ class Trainer:
         self.lm.module.train()
         batch = self._batch(self.step, self.source)
         t0 = time.perf_counter()
-        loss, stats = self._loss(batch)
+        loss, stats, *two = self._loss(batch, split=self.sharded)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if self.sharded:  # the decoder's backward, then the encoder's: each gradient sharded as soon as it is made
+            from .distributed import backward
+
+            backward(self.model, two[0])
+        else:
+            loss.backward()
         params = [p for p in self.lm.module.parameters() if p.requires_grad]
         gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip) if self.cfg.clip else torch.tensor(0.0)
         if hasattr(gnorm, "full_tensor"):  # FSDP2: the norm of the sharded gradients, a DTensor

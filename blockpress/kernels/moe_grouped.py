@@ -366,6 +366,7 @@ _TILE_KEYS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "warps": "num_w
 DEFAULT_TILES = Tiles()
 
 
+@functools.lru_cache(maxsize=64)  # the experts' custom op gets its tiles as a spec string on every call
 def parse_tiles(spec: str) -> Tiles:
     """'bm=32,bn=128,bk=64,warps=8,stages=4' (any subset; bm=auto) -> Tiles; ValueError naming the problem."""
     values: dict = {}

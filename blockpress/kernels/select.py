@@ -24,21 +24,18 @@ import torch
 
 from ..errors import InputError
 from ..model.layers import attention_eager, attention_sdpa, softcap_logits
-from ..model.moe import experts_dense, experts_loop
 from ..model.ops import Ops
 from ..options import LINEAR_FORMATS, PRECISIONS, Options
 from ._triton import triton, usable_on
 from .attention import attention_sdpa_gqa
 from .compiled import compiled_block
+from .library import FLOAT_EXPERTS, float_experts, float_experts_op, kernel_of
 from .linear_q import QuantizedLinear, as_linear_tiles, linear_tiles_spec, quantize_linears_, quantized_linears
-from .moe_grouped import _grouped_mm_ok, as_tiles, experts_grouped, experts_triton, experts_triton_checked
+from .moe_grouped import _grouped_mm_ok, as_tiles
 from .quant import QuantizedExperts, quantize_experts_
 from .sc_topk import soft_embedding_topk
 from .softcap import softcap_triton, softcap_triton_checked
 
-FLOAT_EXPERTS = {"loop": experts_loop, "dense": experts_dense, "grouped": experts_grouped, "triton": experts_triton,
-                 "triton_checked": experts_triton_checked}
-TILED = ("triton", "triton_checked")  # the float experts kernels that take tiles and a K sum
 ATTENTION = {"eager": attention_eager, "sdpa": attention_sdpa, "sdpa_gqa": attention_sdpa_gqa}
 SOFTCAP = {"torch": softcap_logits, "triton": softcap_triton, "triton_checked": softcap_triton_checked}
 EXPERT_NAMES = ("auto", "scaled_mm", "torch", *FLOAT_EXPERTS)
@@ -71,8 +68,9 @@ def _store(module, precision: str, group_size: int, linears: str) -> None:
         quantize_linears_(module, linears)
 
 
-def _experts(module, asked: str, name: str, tiles, moe_sum: str) -> str:
-    """Set every layer's experts kernel; returns what runs (for reports)."""
+def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool) -> str:
+    """Set every layer's experts kernel; returns what runs (for reports). compiled: the blocks are compiled, so float
+    experts go through their custom op (kernels/library.py; quantised experts choose theirs themselves)."""
     dev, dtype = module.device, module.dtype
     quantized = isinstance(module.layers[0].experts, QuantizedExperts)
     if name == "scaled_mm":  # torch._scaled_grouped_mm: fp8 x fp8 on Hopper-class GPUs only
@@ -88,9 +86,7 @@ def _experts(module, asked: str, name: str, tiles, moe_sum: str) -> str:
         return module.layers[0].experts.resolved_backend(torch.empty(0, device=dev, dtype=dtype))
     if name not in FLOAT_EXPERTS:
         raise ValueError(f"unknown experts backend {name!r}; use one of {sorted(FLOAT_EXPERTS)}")
-    kernel = FLOAT_EXPERTS[name]
-    if name in TILED:
-        kernel = functools.partial(kernel, tiles=tiles, moe_sum=moe_sum)
+    kernel = (float_experts_op if compiled else float_experts)(name, tiles, moe_sum)
     for layer in module.layers:
         layer.experts.kernel = kernel
     return name
@@ -115,7 +111,7 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     dev, dtype = module.device, module.dtype
     tiles, lin_tiles = as_tiles(moe_tiles), as_linear_tiles(linear_tiles)
     name = auto_experts_backend(dev, dtype) if experts == "auto" else experts
-    resolved = _experts(module, experts, name, tiles, moe_sum)
+    resolved = _experts(module, experts, name, tiles, moe_sum, compile)
     fast = dev.type == "cuda" and usable_on(dev)
     softcap = "torch" if experts in ("loop", "torch") or not fast else "triton" if experts == "triton" else \
         "triton_checked"
@@ -160,9 +156,9 @@ def host_syncs(module) -> list[str]:
             if ex.backend not in ("triton", "auto"):
                 names.add(f"{ex.backend} ({ex.fmt})")
         else:
-            fn = getattr(ex.kernel, "func", ex.kernel)
-            if fn not in (experts_grouped, experts_triton, experts_triton_checked):
-                names.add(fn.__name__)
+            name = kernel_of(ex.kernel)
+            if name not in ("grouped", "triton", "triton_checked"):
+                names.add(f"experts_{name}" if name else getattr(ex.kernel, "__name__", str(ex.kernel)))
     return sorted(names)
 
 
@@ -193,7 +189,7 @@ def use(module, *, attention: str | None = None, experts: str | None = None, sof
         tiles, moe_sum = (ex.tiles, ex.moe_sum) if isinstance(ex, QuantizedExperts) else \
             (getattr(ex.kernel, "keywords", {}).get("tiles", as_tiles(None)),
              getattr(ex.kernel, "keywords", {}).get("moe_sum", "kernel"))
-        _experts(module, experts, experts, tiles, moe_sum)
+        _experts(module, experts, experts, tiles, moe_sum, module.ops.block is not None)
 
 
 def _name(table: dict, fn) -> str:
@@ -205,7 +201,7 @@ def kernel_names(module) -> dict:
     """What a configured module runs, by the names `configure` takes."""
     ops, ex = module.ops, module.layers[0].experts
     return {"attention": _name(ATTENTION, ops.attention), "softcap": _name(SOFTCAP, ops.softcap),
-            "experts": ex.backend if isinstance(ex, QuantizedExperts) else _name(FLOAT_EXPERTS, ex.kernel),
+            "experts": ex.backend if isinstance(ex, QuantizedExperts) else kernel_of(ex.kernel) or str(ex.kernel),
             "compiled_blocks": ops.block is not None,
             "sc_topk": None if ops.soft_embedding is None else ops.soft_embedding.keywords["k"]}
 

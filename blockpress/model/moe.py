@@ -92,7 +92,8 @@ def experts_dense(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
 
 class Experts(nn.Module):
     """The experts' weights. `kernel(x, w, idx, gate_up, down)` computes them: `experts_loop` (the reference) unless
-    `kernels.select` chose another (the same function up to fp32 summation order)."""
+    `kernels.select` chose another (the same function up to fp32 summation order; for a compiled block, a custom op
+    that a traced graph holds as one call, kernels/library.py)."""
 
     def __init__(self, hidden: int, n_experts: int, inter: int):
         super().__init__()
@@ -100,6 +101,5 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, inter))
         self.kernel = experts_loop
 
-    @torch.compiler.disable  # a compiled block leaves the experts' kernels (Triton, grouped GEMMs) as they are
     def forward(self, x_NH, w_NK, idx_NK):
         return self.kernel(x_NH, w_NK, idx_NK, self.gate_up_proj, self.down_proj)

@@ -114,12 +114,16 @@ def test_a_compiled_block_is_one_graph_without_breaks_in_the_fixed_shape_pass(pr
     (sliding, full), no graph break (the experts and 8-bit projections are custom ops, not skipped frames), and the
     eager logits."""
     m = _model(linears, precision, experts)
+    routing = "triton" if experts == "triton" else "torch"  # the routing kernel (a GPU's choice) as well
+    kernels.use(m, routing=routing)
     ids, x = _inputs(m)
     cache = m.new_cache(ids.shape[0], ids.shape[1] + 2 * m.config.canvas_length)
     m.encode(ids, cache)  # eager: the span passes' host-position attention breaks graphs by design
     start = torch.tensor(cache.length)
     want = m.decode(x, cache, start=start)
     kernels.configure(m, experts=experts, attention="sdpa_gqa", linears=linears, precision=precision, compile=True)
+    kernels.use(m, routing=routing)
+    assert kernels.kernel_names(m)["routing"] == routing
     torch._dynamo.reset()
     counters.clear()
     got = m.decode(x, cache, start=start)

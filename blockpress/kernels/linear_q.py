@@ -23,7 +23,9 @@ Backends of `QuantizedLinear` (chosen by `kernels.configure(..., linears=)`):
   test (which checks it against the same w8a8 arithmetic in fp32);
 - "auto": triton on CUDA, checked against torch on its first call per device, dtype and compiled
   variant (`moe_grouped.checked_on_first_use`), else torch.
-The kernels are free of host synchronisation, so CUDA graphs hold them.
+The kernels are free of host synchronisation, so CUDA graphs hold them. The forward is `linear_q`, a function of
+the weight and settings; a compiled block calls it as the custom op `linear_q_op` (one graph node, the first-use
+check inside it; kernels/library.py says why).
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ QuantizedExperts backends: "torch" (reference: dequantise each busy expert, same
 (fp8 on Hopper: activations quantised per row, `torch._scaled_grouped_mm`; w8a8, so a slightly
 different function, covered by the quality guard not the agreement test). "auto" picks triton
 on CUDA, checked against torch on its first call (`moe_grouped.checked_on_first_use`: a kernel that
-fails or disagrees on an untried GPU is replaced by torch with a warning), else torch.
+fails or disagrees on an untried GPU is replaced by torch with a warning), else torch. The forward is
+`experts_quantized`, a function of the weights and settings; a compiled block calls it as the custom op
+`quantized_experts_op` (one graph node, kernels/library.py says why).
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ def quantized_experts_op(x_NH: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.T
 
 @quantized_experts_op.register_fake
 def _(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt, dtype, groups, backend, tiles, moe_sum):
-    return torch.empty_like(x_NH)
+    return x_NH.new_empty(x_NH.shape)  # the kernels return contiguous [N, H]
 
 
 def experts_quantized_torch(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt: str,

@@ -170,6 +170,8 @@ def host_syncs(module) -> list[str]:
 def _routing(module, name: str, compiled: bool) -> None:
     """Set every layer's routing kernel: the reference traces into a compiled block as it is, the kernels go through
     their custom op there."""
+    if name not in ROUTE:
+        raise ValueError(f"unknown routing kernel {name!r}; use one of {sorted(ROUTE)}")
     route = ROUTE[name] if name == "torch" or not compiled else functools.partial(route_op, kernel=name)
     for layer in module.layers:
         layer.router.kernel = route

@@ -8,10 +8,12 @@ activation into a handful of kernels.
 
 What is compiled: `Block.forward` (one compiled function for every layer: parameters are graph inputs, so one
 graph serves each kind of layer, sliding and full), with the fixed-shape passes' attention and cache writes traced
-in (model/keys.py `Fixed`; the span passes' host-position attention breaks the graph). The experts and the 8-bit
-projections stay outside (`torch.compiler.disable` on their forwards): their Triton kernels check themselves on
-first use (a host sync), and `torch._grouped_mm` has no fp32 meta kernel. The first pass of each shape compiles
-(seconds to a minute); CUDA graphs capture after their warm-up runs, so they replay the compiled kernels.
+in (model/keys.py `Fixed`; the span passes' host-position attention breaks the graph). The experts, the routing
+kernel and the 8-bit projections are torch custom ops (kernels/library.py, route.py, quant.py, linear_q.py): each
+is one opaque call in the graph, so a fixed-shape pass traces one graph per block with no break
+(tests/test_compiled.py counts them). Their kernels run as in eager mode, first-use checks included, inside the op
+(a host sync the tracer never sees; the first call is a CUDA graph's warm-up run). The first pass of each shape
+compiles (seconds to a minute); CUDA graphs capture after their warm-up runs, so they replay the compiled kernels.
 
 The same function as eager up to fp32 reassociation (tests/test_compiled.py compares logits at 1e-5).
 """

@@ -23,11 +23,14 @@ Backends of `QuantizedLinear` (chosen by `kernels.configure(..., linears=)`):
   test (which checks it against the same w8a8 arithmetic in fp32);
 - "auto": triton on CUDA, checked against torch on its first call per device, dtype and compiled
   variant (`moe_grouped.checked_on_first_use`), else torch.
-The kernels are free of host synchronisation, so CUDA graphs hold them.
+The kernels are free of host synchronisation, so CUDA graphs hold them. The forward is `linear_q`, a function of
+the weight and settings; a compiled block calls it as the custom op `linear_q_op` (one graph node, the first-use
+check inside it; kernels/library.py says why).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -87,42 +90,75 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}, backend={self.backend}"
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.fmt == "fp8":
-            return dequantize_fp8(self.weight_q, self.weight_scale, dtype)
-        return dequantize_int8_rows(self.weight_q, self.weight_scale, dtype)
+        return dequantize_rows(self.weight_q, self.weight_scale, self.fmt, dtype)
 
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def resolved_backend(self, x: torch.Tensor) -> str:
-        if self.backend == "scaled_mm" and self.fmt == "fp8":
-            return "scaled_mm"
-        if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
-            if (fp8_usable_on if self.fmt == "fp8" else usable_on)(x.device):
-                return "triton"
-        return "torch"
+        return linear_backend(self.backend, self.fmt, x)
 
-    @torch.compiler.disable  # a compiled block leaves the 8-bit kernels as they are (their first-use check reads the host)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:  # training beside frozen 8-bit weights (LoRA)
             return _QuantLinearFn.apply(x, self)
+        if torch.compiler.is_compiling():  # a compiled block: one call of the custom op (the same function)
+            return linear_q_op(x, self.weight_q, self.weight_scale, self.fmt, self.backend, self.tiles_spec)
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        backend = self.resolved_backend(x)
-        if backend == "torch":
-            return F.linear(x, self.dequantize(x.dtype))
-        if backend == "scaled_mm":
-            return linear_fp8_scaled_mm(x, self.weight_q, self.weight_scale)
-        if self.backend == "triton":  # asked for by name: the kernel, unchecked
-            return linear_q_triton(x, self.weight_q, self.weight_scale, **self.tiles)
-        M = x.numel() // x.shape[-1]
-        key = (str(x.device), str(x.dtype).removeprefix("torch."), f"triton {self.fmt} linear",
-               (block_m_for(M), M == 1, M % 16 == 0, self.out_features % 16 == 0, self.in_features % 16 == 0,
-                self.tiles_spec))
-        return checked_on_first_use(key, lambda: linear_q_triton(x, self.weight_q, self.weight_scale, **self.tiles),
-                                    lambda: F.linear(x, self.dequantize(x.dtype)),
-                                    f"the Triton {self.fmt} linear kernel")
+        return linear_q(x, self.weight_q, self.weight_scale, self.fmt, self.backend, self.tiles, self.tiles_spec)
+
+
+def dequantize_rows(q_OI: torch.Tensor, scale_O: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_fp8(q_OI, scale_O, dtype) if fmt == "fp8" else dequantize_int8_rows(q_OI, scale_O, dtype)
+
+
+def linear_backend(backend: str, fmt: str, x: torch.Tensor) -> str:
+    """What a `QuantizedLinear.backend` runs on x's device: "triton", "scaled_mm" or "torch"."""
+    if backend == "scaled_mm" and fmt == "fp8":
+        return "scaled_mm"
+    if backend == "triton" or (backend == "auto" and x.is_cuda):
+        if (fp8_usable_on if fmt == "fp8" else usable_on)(x.device):
+            return "triton"
+    return "torch"
+
+
+def linear_q(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor, fmt: str, backend: str, tiles: dict,
+             tiles_spec: str) -> torch.Tensor:
+    """`QuantizedLinear.forward` without autograd, as a function of its weight and settings (what its custom op
+    runs): the backend `linear_backend` resolves; "auto" on CUDA is the Triton kernel checked against the torch
+    path on its first call per device, dtype and compiled variant."""
+    which = linear_backend(backend, fmt, x)
+    if which == "torch":
+        return F.linear(x, dequantize_rows(q_OI, scale_O, fmt, x.dtype))
+    if which == "scaled_mm":
+        return linear_fp8_scaled_mm(x, q_OI, scale_O)
+    if backend == "triton":  # asked for by name: the kernel, unchecked
+        return linear_q_triton(x, q_OI, scale_O, **tiles)
+    M = x.numel() // x.shape[-1]
+    O, I = q_OI.shape
+    key = (str(x.device), str(x.dtype).removeprefix("torch."), f"triton {fmt} linear",
+           (block_m_for(M), M == 1, M % 16 == 0, O % 16 == 0, I % 16 == 0, tiles_spec))
+    return checked_on_first_use(key, lambda: linear_q_triton(x, q_OI, scale_O, **tiles),
+                                lambda: F.linear(x, dequantize_rows(q_OI, scale_O, fmt, x.dtype)),
+                                f"the Triton {fmt} linear kernel")
+
+
+@torch.library.custom_op("blockpress::linear_q", mutates_args=())
+def linear_q_op(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor, fmt: str, backend: str,
+                tiles_spec: str) -> torch.Tensor:
+    """`linear_q` as one opaque call in a compiled graph (kernels/library.py says why)."""
+    return linear_q(x, q_OI, scale_O, fmt, backend, _tiles_of(tiles_spec), tiles_spec)
+
+
+@linear_q_op.register_fake
+def _(x, q_OI, scale_O, fmt, backend, tiles_spec):
+    return x.new_empty(*x.shape[:-1], q_OI.shape[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _tiles_of(spec: str) -> dict:
+    return parse_linear_tiles(spec)
 
 
 class _QuantLinearFn(torch.autograd.Function):

@@ -366,6 +366,7 @@ _TILE_KEYS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "warps": "num_w
 DEFAULT_TILES = Tiles()
 
 
+@functools.lru_cache(maxsize=64)  # the experts' custom op gets its tiles as a spec string on every call
 def parse_tiles(spec: str) -> Tiles:
     """'bm=32,bn=128,bk=64,warps=8,stages=4' (any subset; bm=auto) -> Tiles; ValueError naming the problem."""
     values: dict = {}
@@ -624,9 +625,10 @@ FIRST_USE: dict = {}
 FIRST_USE_TOL = {torch.float32: 1e-4}  # relative error; 16-bit activations: 2e-2
 
 
-def checked_on_first_use(key: tuple, fast, reference, what: str) -> torch.Tensor:
+def checked_on_first_use(key: tuple, fast, reference, what: str, as_tensor=None) -> torch.Tensor:
     """fast() on this key's later calls if its first call agreed with reference() (relative Frobenius error
-    within FIRST_USE_TOL), else reference() from then on, with one warning that says why. A compiled kernel
+    within FIRST_USE_TOL; as_tensor: what of a result to compare, for results that are not one tensor), else
+    reference() from then on, with one warning that says why. A compiled kernel
     that fails on an untried GPU (a Triton compile error, a wrong result) thus costs one reference
     computation, not a crash or wrong text. The first call synchronises the host once (the comparison):
     it runs before any CUDA-graph capture, in the capture's warm-up."""
@@ -638,8 +640,9 @@ def checked_on_first_use(key: tuple, fast, reference, what: str) -> torch.Tensor
     ref = reference()
     try:
         out = fast()
-        err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
-        tol = FIRST_USE_TOL.get(ref.dtype, 2e-2)
+        a, b = (out, ref) if as_tensor is None else (as_tensor(out), as_tensor(ref))
+        err = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+        tol = FIRST_USE_TOL.get(b.dtype, 2e-2)
         ok = err <= tol  # NaN: False
         why = f"its result differs from the torch path by {err:.2e} (relative; allowed {tol:.0e})"
     except Exception as e:  # noqa: BLE001 - any compile or launch failure means: use the reference

@@ -23,7 +23,9 @@ QuantizedExperts backends: "torch" (reference: dequantise each busy expert, same
 (fp8 on Hopper: activations quantised per row, `torch._scaled_grouped_mm`; w8a8, so a slightly
 different function, covered by the quality guard not the agreement test). "auto" picks triton
 on CUDA, checked against torch on its first call (`moe_grouped.checked_on_first_use`: a kernel that
-fails or disagrees on an untried GPU is replaced by torch with a warning), else torch.
+fails or disagrees on an untried GPU is replaced by torch with a warning), else torch. The forward is
+`experts_quantized`, a function of the weights and settings; a compiled block calls it as the custom op
+`quantized_experts_op` (one graph node, kernels/library.py says why).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from torch import nn
 
 from ..errors import InputError
 from ..model.layers import gelu_tanh
-from .moe_grouped import (DEFAULT_TILES, FMT_FP8, FMT_INT4, checked_on_first_use, combine, compiled_variant,
-                          experts_triton, route_by_expert, triton_supported)
+from .moe_grouped import (DEFAULT_TILES, FMT_FP8, FMT_INT4, as_tiles, checked_on_first_use, combine,
+                          compiled_variant, experts_triton, route_by_expert, triton_supported)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -170,94 +172,144 @@ class QuantizedExperts(nn.Module):
     def dequantize(self, which: str, experts: slice | int = slice(None)) -> torch.Tensor:
         """Float weight `which` in {"gate_up", "down"} (rows `experts`) in the activation dtype."""
         q, s = getattr(self, f"{which}_q")[experts], getattr(self, f"{which}_scale")[experts]
-        return dequantize_fp8(q, s, self.dtype) if self.fmt == "fp8" else dequantize_int4(q, s, self.dtype)
+        return dequantize_weight(q, s, self.fmt, self.dtype)
 
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     # -------------------------------------------------------------------------- forward
     def resolved_backend(self, x: torch.Tensor) -> str:
-        b = self.backend
-        fmt = FMT_FP8 if self.fmt == "fp8" else FMT_INT4
-        # "auto" takes Triton on CUDA only (on a CPU it would be the interpreter); "triton" forces it
-        if (b == "triton" or (b == "auto" and x.is_cuda)) and triton_supported(x, fmt, self.groups):
-            return "triton"
-        if b == "scaled_mm":
-            return b
-        return "torch"
+        return quantized_backend(self.backend, self.fmt, self.groups, x)
 
-    @torch.compiler.disable  # a compiled block leaves the experts' kernels as they are
+    def _weights(self) -> tuple:
+        return self.gate_up_q, self.gate_up_scale, self.down_q, self.down_scale
+
     def forward(self, x_NH, w_NK, idx_NK):
         if torch.is_grad_enabled() and (x_NH.requires_grad or w_NK.requires_grad):
             # training through frozen quantised experts (QLoRA): the fused kernels have no backward; the torch
             # path is differentiable in its input and keeps no dequantised weight for the backward pass
             return self._forward_torch(x_NH, w_NK, idx_NK)
-        backend = self.resolved_backend(x_NH)
-        if backend == "triton":
-            fmt = FMT_FP8 if self.fmt == "fp8" else FMT_INT4
-
-            def fast():
-                return experts_triton(x_NH, w_NK, idx_NK, self.gate_up_q, self.down_q, fmt=fmt,
-                                      gate_up_scale=self.gate_up_scale, down_scale=self.down_scale,
-                                      groups=self.groups, inter=self.inter, tiles=self.tiles, moe_sum=self.moe_sum)
-
-            if self.backend == "triton":  # asked for by name: the kernel, unchecked
-                return fast()
-            key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), f"triton {self.fmt} experts",
-                   compiled_variant(idx_NK, self.gate_up_q.shape[0], self.tiles, self.moe_sum))
-            return checked_on_first_use(key, fast, lambda: self._forward_torch(x_NH, w_NK, idx_NK),
-                                        f"the Triton {self.fmt} experts kernel")
-        if backend == "scaled_mm":
-            return self._forward_scaled_mm(x_NH, w_NK, idx_NK)
-        return self._forward_torch(x_NH, w_NK, idx_NK)
+        if torch.compiler.is_compiling():  # a compiled block: one call of the custom op (the same function)
+            return quantized_experts_op(x_NH, w_NK, idx_NK, *self._weights(), self.fmt, self.dtype, list(self.groups),
+                                        self.backend, self.tiles.spec(), self.moe_sum)
+        return experts_quantized(x_NH, w_NK, idx_NK, *self._weights(), self.fmt, self.dtype, self.groups,
+                                 self.backend, self.tiles, self.moe_sum)
 
     def _forward_torch(self, x_NH, w_NK, idx_NK):
         """Reference: like experts_loop, dequantising each busy expert once."""
-        N, H = x_NH.shape
-        K, Im = idx_NK.shape[1], self.inter
-        order, counts, _ = route_by_expert(idx_NK, self.gate_up_q.shape[0])
-        tok = order // K
-        y = x_NH.new_empty(N * K, H)
-        start = 0
-        for e, c in enumerate(counts.tolist()):
-            if c == 0:
-                continue
-            xs = x_NH[tok[start:start + c]]
-            u = DequantMatmul.apply(xs, self, "gate_up", e)  # [c, 2*Im] = xs @ W^T
-            a = gelu_tanh(u[:, :Im]) * u[:, Im:]
-            y[start:start + c] = DequantMatmul.apply(a, self, "down", e)
-            start += c
-        return combine(y, order, w_NK, x_NH.dtype)
+        return experts_quantized_torch(x_NH, w_NK, idx_NK, *self._weights(), self.fmt, self.dtype)
 
-    def _forward_scaled_mm(self, x_NH, w_NK, idx_NK):
-        """Hopper fp8 x fp8 grouped GEMMs with per-row activation scales (w8a8)."""
-        if self.fmt != "fp8":
-            raise ValueError("the scaled_mm backend needs fp8 experts")
-        K, Im = idx_NK.shape[1], self.inter
-        order, _, offs = route_by_expert(idx_NK, self.gate_up_q.shape[0])
-        xs = x_NH[order // K]
-        u = _fp8_grouped(xs, self.gate_up_q, self.gate_up_scale, offs)
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """A quantised weight (fp8 or packed int4, any leading dims) in `dtype`."""
+    return dequantize_fp8(q, scale, dtype) if fmt == "fp8" else dequantize_int4(q, scale, dtype)
+
+
+def quantized_backend(backend: str, fmt: str, groups: tuple, x: torch.Tensor) -> str:
+    """What a `QuantizedExperts.backend` runs on x's device: "triton", "scaled_mm" or "torch"."""
+    code = FMT_FP8 if fmt == "fp8" else FMT_INT4
+    # "auto" takes Triton on CUDA only (on a CPU it would be the interpreter); "triton" forces it
+    if (backend == "triton" or (backend == "auto" and x.is_cuda)) and triton_supported(x, code, groups):
+        return "triton"
+    if backend == "scaled_mm":
+        return backend
+    return "torch"
+
+
+def _inter(down_q: torch.Tensor, fmt: str) -> int:
+    return down_q.shape[-1] * (1 if fmt == "fp8" else 2)  # int4 packs two columns a byte
+
+
+def experts_quantized(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt: str,
+                      dtype: torch.dtype, groups: tuple, backend: str, tiles, moe_sum: str) -> torch.Tensor:
+    """`QuantizedExperts.forward` without autograd, as a function of its weights and settings (what its custom op
+    runs): the backend `quantized_backend` resolves; "auto" on CUDA is the Triton kernel checked against the torch
+    path on its first call per device, dtype and compiled variant."""
+    which = quantized_backend(backend, fmt, groups, x_NH)
+    weights = (gate_up_q, gate_up_scale, down_q, down_scale)
+    if which == "triton":
+        def fast():
+            return experts_triton(x_NH, w_NK, idx_NK, gate_up_q, down_q, fmt=FMT_FP8 if fmt == "fp8" else FMT_INT4,
+                                  gate_up_scale=gate_up_scale, down_scale=down_scale, groups=tuple(groups),
+                                  inter=_inter(down_q, fmt), tiles=tiles, moe_sum=moe_sum)
+
+        if backend == "triton":  # asked for by name: the kernel, unchecked
+            return fast()
+        key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), f"triton {fmt} experts",
+               compiled_variant(idx_NK, gate_up_q.shape[0], tiles, moe_sum))
+        return checked_on_first_use(key, fast, lambda: experts_quantized_torch(x_NH, w_NK, idx_NK, *weights, fmt, dtype),
+                                    f"the Triton {fmt} experts kernel")
+    if which == "scaled_mm":
+        return experts_quantized_scaled_mm(x_NH, w_NK, idx_NK, *weights, fmt)
+    return experts_quantized_torch(x_NH, w_NK, idx_NK, *weights, fmt, dtype)
+
+
+@torch.library.custom_op("blockpress::quantized_experts", mutates_args=())
+def quantized_experts_op(x_NH: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, gate_up_q: torch.Tensor,
+                         gate_up_scale: torch.Tensor, down_q: torch.Tensor, down_scale: torch.Tensor, fmt: str,
+                         dtype: torch.dtype, groups: list[int], backend: str, tiles: str,
+                         moe_sum: str) -> torch.Tensor:
+    """`experts_quantized` as one opaque call in a compiled graph (tiles: a spec string); kernels/library.py says
+    why."""
+    return experts_quantized(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt, dtype,
+                             tuple(groups), backend, as_tiles(tiles), moe_sum)
+
+
+@quantized_experts_op.register_fake
+def _(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt, dtype, groups, backend, tiles, moe_sum):
+    return x_NH.new_empty(x_NH.shape)  # the kernels return contiguous [N, H]
+
+
+def experts_quantized_torch(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt: str,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """Reference: like experts_loop, dequantising each busy expert once (differentiable in x)."""
+    N, H = x_NH.shape
+    K, Im = idx_NK.shape[1], _inter(down_q, fmt)
+    order, counts, _ = route_by_expert(idx_NK, gate_up_q.shape[0])
+    tok = order // K
+    y = x_NH.new_empty(N * K, H)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c == 0:
+            continue
+        xs = x_NH[tok[start:start + c]]
+        u = DequantMatmul.apply(xs, gate_up_q[e], gate_up_scale[e], fmt, dtype)  # [c, 2*Im] = xs @ W^T
         a = gelu_tanh(u[:, :Im]) * u[:, Im:]
-        y = _fp8_grouped(a, self.down_q, self.down_scale, offs)
-        return combine(y, order, w_NK, x_NH.dtype)
+        y[start:start + c] = DequantMatmul.apply(a, down_q[e], down_scale[e], fmt, dtype)
+        start += c
+    return combine(y, order, w_NK, x_NH.dtype)
+
+
+def experts_quantized_scaled_mm(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale,
+                                fmt: str) -> torch.Tensor:
+    """Hopper fp8 x fp8 grouped GEMMs with per-row activation scales (w8a8)."""
+    if fmt != "fp8":
+        raise ValueError("the scaled_mm backend needs fp8 experts")
+    K, Im = idx_NK.shape[1], _inter(down_q, fmt)
+    order, _, offs = route_by_expert(idx_NK, gate_up_q.shape[0])
+    xs = x_NH[order // K]
+    u = _fp8_grouped(xs, gate_up_q, gate_up_scale, offs)
+    a = gelu_tanh(u[:, :Im]) * u[:, Im:]
+    y = _fp8_grouped(a, down_q, down_scale, offs)
+    return combine(y, order, w_NK, x_NH.dtype)
 
 
 class DequantMatmul(torch.autograd.Function):
-    """x [c, I] @ W_e^T for one expert's quantised weight, differentiable in x only (the weight is frozen).
-    Plain autograd would keep each dequantised weight alive until the backward pass (a float copy of every busy
-    expert of the model at once); this dequantises it again in the backward instead, so at most one expert's
-    float weight exists at a time."""
+    """x [c, I] @ W^T for one expert's quantised weight (q, scale: its rows of the module's buffers), differentiable
+    in x only (the weight is frozen). Plain autograd would keep each dequantised weight alive until the backward pass
+    (a float copy of every busy expert of the model at once); this dequantises it again in the backward instead, so
+    at most one expert's float weight exists at a time."""
 
     @staticmethod
-    def forward(ctx, x, experts: "QuantizedExperts", which: str, e: int):
-        ctx.experts, ctx.which, ctx.e = experts, which, e
-        return x @ experts.dequantize(which, e).to(x.dtype).t()
+    def forward(ctx, x, q, scale, fmt: str, dtype: torch.dtype):
+        ctx.q, ctx.scale, ctx.fmt, ctx.dtype = q, scale, fmt, dtype
+        return x @ dequantize_weight(q, scale, fmt, dtype).to(x.dtype).t()
 
     @staticmethod
     def backward(ctx, grad):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        return grad @ ctx.experts.dequantize(ctx.which, ctx.e).to(grad.dtype), None, None, None
+            return None, None, None, None, None
+        return grad @ dequantize_weight(ctx.q, ctx.scale, ctx.fmt, ctx.dtype).to(grad.dtype), None, None, None, None
 
 
 def _fp8_grouped(x_AI, q_EOI, scale_EO, offs):

@@ -4,15 +4,18 @@
 weights where the storage asks for it (one way: a quantised model stays quantised), then sets, on the module only:
 - `module.ops` (model/ops.py): attention, the final-logit soft cap, the self-conditioning embedding (exact or
   top-K) and the decoder block (eager or compiled);
+- each `Router.kernel` (softmax, top-k, renormalisation and scale of the router's logits: the torch reference or
+  one Triton kernel, kernels/route.py);
 - each float `Experts.kernel` (a function of the expert weights), or each `QuantizedExperts`' backend, tiles and
   K sum; each `QuantizedLinear`'s backend and tiles.
 Nothing else chooses a kernel: no registry, no module global, no method replaced.
 
 "auto" resolves per device: experts -> "triton_checked" on a CUDA GPU with Triton (the kernel, compared with the
 torch path on its first call per device, dtype and variant, and replaced by it with a warning if it fails or
-disagrees), grouped GEMMs on a CPU that has them, else "dense"; attention -> "sdpa_gqa"; the soft cap -> the
-checked Triton kernel on a GPU. Explicit "triton" skips the first-use check (benchmarks and tests want the
-kernel, not a fallback); "loop" / "torch" are the references.
+disagrees), grouped GEMMs on a CPU that has them, else "dense"; attention -> "sdpa_gqa"; the soft cap and the
+routing -> their checked Triton kernels on a GPU (the torch references elsewhere). Explicit "triton" skips the
+first-use check (benchmarks and tests want the kernel, not a fallback); "loop" / "torch" are the references. With
+compiled blocks the kernels a block calls are custom ops (kernels/library.py), so a block traces as one graph.
 """
 
 from __future__ import annotations
@@ -24,21 +27,19 @@ import torch
 
 from ..errors import InputError
 from ..model.layers import attention_eager, attention_sdpa, softcap_logits
-from ..model.moe import experts_dense, experts_loop
 from ..model.ops import Ops
 from ..options import LINEAR_FORMATS, PRECISIONS, Options
 from ._triton import triton, usable_on
 from .attention import attention_sdpa_gqa
 from .compiled import compiled_block
+from .library import FLOAT_EXPERTS, float_experts, float_experts_op, kernel_of
 from .linear_q import QuantizedLinear, as_linear_tiles, linear_tiles_spec, quantize_linears_, quantized_linears
-from .moe_grouped import _grouped_mm_ok, as_tiles, experts_grouped, experts_triton, experts_triton_checked
+from .moe_grouped import _grouped_mm_ok, as_tiles
 from .quant import QuantizedExperts, quantize_experts_
+from .route import ROUTE, route_op
 from .sc_topk import soft_embedding_topk
 from .softcap import softcap_triton, softcap_triton_checked
 
-FLOAT_EXPERTS = {"loop": experts_loop, "dense": experts_dense, "grouped": experts_grouped, "triton": experts_triton,
-                 "triton_checked": experts_triton_checked}
-TILED = ("triton", "triton_checked")  # the float experts kernels that take tiles and a K sum
 ATTENTION = {"eager": attention_eager, "sdpa": attention_sdpa, "sdpa_gqa": attention_sdpa_gqa}
 SOFTCAP = {"torch": softcap_logits, "triton": softcap_triton, "triton_checked": softcap_triton_checked}
 EXPERT_NAMES = ("auto", "scaled_mm", "torch", *FLOAT_EXPERTS)
@@ -71,8 +72,9 @@ def _store(module, precision: str, group_size: int, linears: str) -> None:
         quantize_linears_(module, linears)
 
 
-def _experts(module, asked: str, name: str, tiles, moe_sum: str) -> str:
-    """Set every layer's experts kernel; returns what runs (for reports)."""
+def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool) -> str:
+    """Set every layer's experts kernel; returns what runs (for reports). compiled: the blocks are compiled, so float
+    experts go through their custom op (kernels/library.py; quantised experts choose theirs themselves)."""
     dev, dtype = module.device, module.dtype
     quantized = isinstance(module.layers[0].experts, QuantizedExperts)
     if name == "scaled_mm":  # torch._scaled_grouped_mm: fp8 x fp8 on Hopper-class GPUs only
@@ -88,9 +90,7 @@ def _experts(module, asked: str, name: str, tiles, moe_sum: str) -> str:
         return module.layers[0].experts.resolved_backend(torch.empty(0, device=dev, dtype=dtype))
     if name not in FLOAT_EXPERTS:
         raise ValueError(f"unknown experts backend {name!r}; use one of {sorted(FLOAT_EXPERTS)}")
-    kernel = FLOAT_EXPERTS[name]
-    if name in TILED:
-        kernel = functools.partial(kernel, tiles=tiles, moe_sum=moe_sum)
+    kernel = (float_experts_op if compiled else float_experts)(name, tiles, moe_sum)
     for layer in module.layers:
         layer.experts.kernel = kernel
     return name
@@ -115,10 +115,11 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     dev, dtype = module.device, module.dtype
     tiles, lin_tiles = as_tiles(moe_tiles), as_linear_tiles(linear_tiles)
     name = auto_experts_backend(dev, dtype) if experts == "auto" else experts
-    resolved = _experts(module, experts, name, tiles, moe_sum)
+    resolved = _experts(module, experts, name, tiles, moe_sum, compile)
     fast = dev.type == "cuda" and usable_on(dev)
-    softcap = "torch" if experts in ("loop", "torch") or not fast else "triton" if experts == "triton" else \
-        "triton_checked"
+    softcap = routing = "torch" if experts in ("loop", "torch") or not fast else "triton" if experts == "triton" \
+        else "triton_checked"
+    _routing(module, routing, compile)
     for m in quantized_linears(module):  # QuantizedLinear: the experts' choice where it applies, else "auto"
         m.backend = "torch" if experts in ("loop", "torch") else "triton" if experts == "triton" else \
             "scaled_mm" if experts == "scaled_mm" and m.fmt == "fp8" else "auto"
@@ -128,7 +129,7 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
                      block=compiled_block() if compile else None)
     q = (quantized_linears(module) or [None])[0]
     return {"compiled_blocks": bool(compile), "experts": resolved, "attention": attention, "precision": precision,
-            "sc_topk": sc_topk, "softcap": softcap, "moe_tiles": tiles.spec(), "moe_sum": moe_sum,
+            "sc_topk": sc_topk, "softcap": softcap, "routing": routing, "moe_tiles": tiles.spec(), "moe_sum": moe_sum,
             "linears": "native" if q is None else f"{q.fmt} {q.resolved_backend(torch.empty(0, device=dev, dtype=dtype))}",
             **({"linear_tiles": q.tiles_spec} if q is not None else {}),
             "triton": None if triton is None else triton.__version__}
@@ -160,10 +161,20 @@ def host_syncs(module) -> list[str]:
             if ex.backend not in ("triton", "auto"):
                 names.add(f"{ex.backend} ({ex.fmt})")
         else:
-            fn = getattr(ex.kernel, "func", ex.kernel)
-            if fn not in (experts_grouped, experts_triton, experts_triton_checked):
-                names.add(fn.__name__)
+            name = kernel_of(ex.kernel)
+            if name not in ("grouped", "triton", "triton_checked"):
+                names.add(f"experts_{name}" if name else getattr(ex.kernel, "__name__", str(ex.kernel)))
     return sorted(names)
+
+
+def _routing(module, name: str, compiled: bool) -> None:
+    """Set every layer's routing kernel: the reference traces into a compiled block as it is, the kernels go through
+    their custom op there."""
+    if name not in ROUTE:
+        raise ValueError(f"unknown routing kernel {name!r}; use one of {sorted(ROUTE)}")
+    route = ROUTE[name] if name == "torch" or not compiled else functools.partial(route_op, kernel=name)
+    for layer in module.layers:
+        layer.router.kernel = route
 
 
 def _soft_embedding(sc_topk: int | None):
@@ -174,7 +185,7 @@ _UNSET = object()
 
 
 def use(module, *, attention: str | None = None, experts: str | None = None, softcap: str | None = None,
-        sc_topk=_UNSET) -> None:
+        sc_topk=_UNSET, routing: str | None = None) -> None:
     """Change some of a configured module's kernels by name and leave the others as they are (tests comparing a
     fast path with its reference, the trainer's experts)."""
     changes = {}
@@ -187,13 +198,15 @@ def use(module, *, attention: str | None = None, experts: str | None = None, sof
         changes["soft_embedding"] = _soft_embedding(sc_topk)
     if changes:
         module.ops = dataclasses.replace(module.ops, **changes)
+    if routing is not None:
+        _routing(module, routing, module.ops.block is not None)
     if experts is not None:
         check_names(experts=experts)
         ex = module.layers[0].experts
         tiles, moe_sum = (ex.tiles, ex.moe_sum) if isinstance(ex, QuantizedExperts) else \
             (getattr(ex.kernel, "keywords", {}).get("tiles", as_tiles(None)),
              getattr(ex.kernel, "keywords", {}).get("moe_sum", "kernel"))
-        _experts(module, experts, experts, tiles, moe_sum)
+        _experts(module, experts, experts, tiles, moe_sum, module.ops.block is not None)
 
 
 def _name(table: dict, fn) -> str:
@@ -203,9 +216,10 @@ def _name(table: dict, fn) -> str:
 
 def kernel_names(module) -> dict:
     """What a configured module runs, by the names `configure` takes."""
-    ops, ex = module.ops, module.layers[0].experts
+    ops, ex, route = module.ops, module.layers[0].experts, module.layers[0].router.kernel
     return {"attention": _name(ATTENTION, ops.attention), "softcap": _name(SOFTCAP, ops.softcap),
-            "experts": ex.backend if isinstance(ex, QuantizedExperts) else _name(FLOAT_EXPERTS, ex.kernel),
+            "routing": route.keywords["kernel"] if getattr(route, "func", None) is route_op else _name(ROUTE, route),
+            "experts": ex.backend if isinstance(ex, QuantizedExperts) else kernel_of(ex.kernel) or str(ex.kernel),
             "compiled_blocks": ops.block is not None,
             "sc_topk": None if ops.soft_embedding is None else ops.soft_embedding.keywords["k"]}
 

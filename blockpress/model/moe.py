@@ -3,8 +3,8 @@
 Shape legend: N tokens (flattened B*S), H hidden, E experts, K top-k, Im expert intermediate size.
 
 Router: consumes the raw residual, RMS-normalises it without weight, multiplies by `scale` and
-H^-1/2, softmax in fp32 before top-k, renormalises to sum 1, then multiplies by
-`per_expert_scale`. Experts: `gate_up_proj` [E, 2*Im, H] (gate first), `down_proj` [E, H, Im].
+H^-1/2, projects to E logits; then (`route_topk`, the reference; kernels/route.py fuses it) softmax in
+fp32 before top-k, renormalises to sum 1, then multiplies by `per_expert_scale`. Experts: `gate_up_proj` [E, 2*Im, H] (gate first), `down_proj` [E, H, Im].
 Expert contributions are weighted in fp32 and summed in fp32, cast once to the model dtype
 (the reference's default grouped_mm accumulation).
 
@@ -23,22 +23,33 @@ from .layers import gelu_tanh, rms_norm
 
 
 class Router(nn.Module):
+    """The router's weights. `kernel(logits, per_expert_scale, top_k)` turns the projection's logits into the
+    routing: `route_topk` (the reference) unless `kernels.select` chose another (kernels/route.py: one Triton kernel,
+    the same function up to fp32 rounding)."""
+
     def __init__(self, hidden: int, n_experts: int, top_k: int, eps: float):
         super().__init__()
         self.proj = nn.Linear(hidden, n_experts, bias=False)
         self.scale = nn.Parameter(torch.ones(hidden))
         self.per_expert_scale = nn.Parameter(torch.ones(n_experts))
         self.top_k, self.eps, self.hidden = top_k, eps, hidden
+        self.kernel = route_topk
 
     def forward(self, r_NH: torch.Tensor):
         """r [N, H] raw residual -> weights [N, K] fp32, indices [N, K]."""
         n = rms_norm(r_NH, None, self.eps)
         n = n * self.scale * (self.hidden ** -0.5)
-        probs = torch.softmax(self.proj(n).float(), dim=-1)  # [N, E] fp32
-        w, idx = torch.topk(probs, self.top_k, dim=-1)
-        w = w / w.sum(dim=-1, keepdim=True)
-        w = w * self.per_expert_scale[idx].float()
-        return w, idx
+        return self.kernel(self.proj(n), self.per_expert_scale, self.top_k)
+
+
+def route_topk(logits_NE: torch.Tensor, per_expert_scale_E: torch.Tensor, top_k: int):
+    """Reference routing: softmax of the logits [N, E] in fp32, the top-k, renormalised to sum 1, times the chosen
+    experts' `per_expert_scale` -> weights [N, K] fp32, indices [N, K] int64."""
+    probs = torch.softmax(logits_NE.float(), dim=-1)  # [N, E] fp32
+    w, idx = torch.topk(probs, top_k, dim=-1)
+    w = w / w.sum(dim=-1, keepdim=True)
+    w = w * per_expert_scale_E[idx].float()
+    return w, idx
 
 
 def experts_loop(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, counts=None):
@@ -92,7 +103,8 @@ def experts_dense(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
 
 class Experts(nn.Module):
     """The experts' weights. `kernel(x, w, idx, gate_up, down)` computes them: `experts_loop` (the reference) unless
-    `kernels.select` chose another (the same function up to fp32 summation order)."""
+    `kernels.select` chose another (the same function up to fp32 summation order; for a compiled block, a custom op
+    that a traced graph holds as one call, kernels/library.py)."""
 
     def __init__(self, hidden: int, n_experts: int, inter: int):
         super().__init__()
@@ -100,6 +112,5 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, inter))
         self.kernel = experts_loop
 
-    @torch.compiler.disable  # a compiled block leaves the experts' kernels (Triton, grouped GEMMs) as they are
     def forward(self, x_NH, w_NK, idx_NK):
         return self.kernel(x_NH, w_NK, idx_NK, self.gate_up_proj, self.down_proj)

@@ -8,7 +8,8 @@ model's `Options`) gives the model another `Ops` with the fast paths. The model 
 - soft_embedding(sc_logits [B,C,V], E [V,H]) -> softmax(sc_logits) @ E [B,C,H] in E's dtype; None: the exact one
 - block(layer, x, attend, scalar) -> a decoder block's output; None: the block's own forward (torch.compile gives
   a compiled one)
-The experts' kernel is each `Experts` module's own (`Experts.kernel`; quantised experts choose theirs).
+The experts' kernel is each `Experts` module's own (`Experts.kernel`; quantised experts choose theirs), and the
+routing's each `Router`'s (`Router.kernel`).
 """
 
 from __future__ import annotations

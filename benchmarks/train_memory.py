@@ -21,8 +21,10 @@ it would otherwise take the per-tensor loop). What is assumed rather than traced
   backward keeps summed over experts does not depend on the routing; the per-expert transients do, a little;
 - host syncs on meta tensors (`bool(valid.all())`, `float(loss)`, the stats' boolean masks) read as true / 1 / all
   positions (`_MetaScalars`), which is what a batch without padding gives;
-- attention: `attention_sdpa_gqa` as the meta device runs it under autograd (torch's SDPA dispatch on meta tensors), not
-  the GPU's fused kernel, whose saved tensors (output + logsumexp) can differ;
+- attention: `attention_sdpa_gqa` (what a GPU run selects) around a stand-in for the fused CUDA kernel
+  (`lab.memory.attention_meta_training`): it keeps q, k, v, the mask, the output and the log-sum-exp rows for the
+  backward, as the flash / memory-efficient kernels do, and no score matrix; `--attention math` traces torch's SDPA
+  as the meta device dispatches it instead (its math fallback keeps the [S, L] probabilities of every layer);
 - FSDP2 (`--procs N`, full SFT only, `blockpress train --fsdp`): the shards are computed, the rest traced.
   Parameters, gradients and AdamW state are sharded 1/N; during forward and backward one unit's parameters are
   gathered (the largest of: one decoder layer, the embedding) plus one unit's unsharded gradient before its
@@ -123,12 +125,13 @@ def _bytes(tensors) -> int:
 
 def meta_batch(B: int, P: int, C: int, canvases: int, V: int, device="meta") -> obj.TrainBatch:
     """A batch of B rows of a P-token prompt and a `canvases`-canvas response, the last canvas selected (the longest
-    decoder context); no padding. Only shapes and dtypes matter on the meta device."""
+    decoder context); no padding; the AR loss on the response (the default scope: from position P). Only shapes
+    and dtypes matter on the meta device."""
     S, T = P + canvases * C, P + (canvases - 1) * C
     z = functools.partial(torch.zeros, device=device)
     valid = torch.ones(B, S, dtype=torch.bool, device=device)
     return obj.TrainBatch(z(B, S, dtype=torch.long), valid, valid.clone(), T, z(B, C, dtype=torch.long),
-                          z(B, C, dtype=torch.long), z(B, C, dtype=torch.bool), z(B), z(B, dtype=torch.bool))
+                          z(B, C, dtype=torch.long), z(B, C, dtype=torch.bool), z(B), z(B, dtype=torch.bool), ar_from=P)
 
 
 def make_optimizer(m, foreach: bool | None = True):
@@ -141,11 +144,19 @@ def make_optimizer(m, foreach: bool | None = True):
 
 
 @contextlib.contextmanager
-def _meta_patches(m):
-    """Uniform routing for the expert loops; nonzero() of meta masks as all-true."""
-    from blockpress.kernels import quant
+def _meta_patches(m, attention: str = "fused"):
+    """Uniform routing for the expert loops; nonzero() of meta masks as all-true; attention as the fused GPU kernel
+    keeps it for backward ("fused") or as the meta device's SDPA dispatch traces it ("math")."""
+    import dataclasses
+
     import torch.fx.experimental._config as fx_config
 
+    from blockpress.kernels import quant
+    from blockpress.kernels.attention import attention_sdpa_gqa
+    from blockpress.lab.memory import attention_meta_training
+
+    old_ops = m.ops
+    m.ops = dataclasses.replace(m.ops, attention=attention_meta_training if attention == "fused" else attention_sdpa_gqa)
     old_route, old_nz = quant.route_by_expert, fx_config.meta_nonzero_assume_all_nonzero
     quant.route_by_expert = _route_uniform
     fx_config.meta_nonzero_assume_all_nonzero = True
@@ -161,9 +172,11 @@ def _meta_patches(m):
         fx_config.meta_nonzero_assume_all_nonzero = old_nz
         for ex, k in olds:
             ex.kernel = k
+        m.ops = old_ops
 
 
-def trace_step(m, batch, checkpointing: bool, steps: int = 2, drop_grads: bool = False, split: bool = False) -> dict:
+def trace_step(m, batch, checkpointing: bool, steps: int = 2, drop_grads: bool = False, split: bool = False,
+               attention: str = "fused") -> dict:
     """Run `steps` training steps as Trainer.train_step does under LiveBytes; report the last one's phases (bytes on
     top of the weights and adapters). drop_grads (the FSDP2 estimate): each gradient is dropped as soon as it is
     accumulated (as a reduce-scatter frees the unsharded gradient; the sharded ones are added by `fsdp`), so the
@@ -183,7 +196,7 @@ def trace_step(m, batch, checkpointing: bool, steps: int = 2, drop_grads: bool =
             return out
         return run
 
-    with _meta_patches(m), _MetaScalars() as lb, torch.enable_grad():
+    with _meta_patches(m, attention), _MetaScalars() as lb, torch.enable_grad():
         opt, params = make_optimizer(m)
         if drop_grads:
             steps = 1
@@ -193,7 +206,7 @@ def trace_step(m, batch, checkpointing: bool, steps: int = 2, drop_grads: bool =
             start = lb.live
             lb.peak = lb.live
             kept.clear()
-            names = {"encoder_pass": "encoder pass (layers, K/V cache, AR logits)", "ar_loss": "AR loss",
+            names = {"encoder_pass": "encoder pass (layers, K/V cache)", "ar_loss": "AR loss (its logits)",
                      "decoder_inputs": "decoder pass 1 (no grad; its SC logits)", "diffusion_loss": "diffusion loss"}
             saved_fns = {n: getattr(obj, n) for n in names}
             m.decode = timed("decode", m.decode)  # pass 1 (inside decoder_inputs) + pass 2
@@ -269,6 +282,9 @@ def main(argv=None) -> dict:
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--procs", type=int, default=1, help="full SFT under FSDP2 over this many processes (computed)")
     p.add_argument("--budget-gb", type=float, default=None, help="the target to compare with (per process)")
+    p.add_argument("--attention", default="fused", choices=["fused", "math"],
+                   help="fused: what the GPU's flash / memory-efficient kernel keeps for backward (default); math: "
+                        "torch's SDPA as the meta device traces it (keeps every layer's [S, L] probabilities)")
     args = p.parse_args(argv)
     if args.procs > 1 and args.lora:
         p.error("--procs models full SFT under FSDP2: use it with --lora 0")
@@ -278,7 +294,7 @@ def main(argv=None) -> dict:
 
 
 def predict(preset="real-26b", precision="int4", linears="native", lora=16, canvas=None, prompt_tokens=1024,
-            canvases=1, batch=1, checkpointing=True, procs=1, steps=2) -> dict:
+            canvases=1, batch=1, checkpointing=True, procs=1, steps=2, attention="fused") -> dict:
     """steps: training steps traced (the last is reported; 1 leaves out the previous step's gradients alive during
     the forward, for quick checks)."""
     m, weights = build(preset, precision, linears, lora)
@@ -286,20 +302,20 @@ def predict(preset="real-26b", precision="int4", linears="native", lora=16, canv
         m.config.canvas_length = canvas
     C = canvas or m.config.canvas_length
     b = meta_batch(batch, prompt_tokens, C, canvases, m.text.vocab_size)
-    tr = trace_step(m, b, checkpointing, steps=steps, drop_grads=procs > 1, split=procs > 1)
+    tr = trace_step(m, b, checkpointing, steps=steps, drop_grads=procs > 1, split=procs > 1, attention=attention)
     if procs > 1:  # no optimizer step was traced: the full model's gradient and AdamW bytes, computed
         tr.update(grads=tr["trainable"], optimizer_state=2 * tr["trainable"])
     lora_params = _bytes(p for n, p in m.named_parameters() if ".lora_" in n)
     total = weights + lora_params + tr["peak"]
     out = {"bench": "train_memory", "preset": preset, "precision": precision, "linears": linears, "lora_rank": lora,
            "canvas": C, "prompt_tokens": prompt_tokens, "canvases": canvases, "batch": batch,
-           "checkpointing": checkpointing, "procs": procs, "weights_bytes": weights, "lora_param_bytes": lora_params,
+           "checkpointing": checkpointing, "procs": procs, "attention": attention, "weights_bytes": weights, "lora_param_bytes": lora_params,
            "trainable_bytes": tr["trainable"], "grad_bytes": tr["grads"], "optimizer_state_bytes": tr["optimizer_state"],
            "saved_activation_bytes": tr["saved_after_forward"], "phases": {k: v for k, v in tr.items()
                                                                            if k != "largest"},
            "largest": tr["largest"], "predicted_peak_bytes": total}
     if procs > 1:
-        one = trace_step(m, b, checkpointing, steps=steps, drop_grads=True)
+        one = trace_step(m, b, checkpointing, steps=steps, drop_grads=True, attention=attention)
         out["fsdp"] = fsdp(m, tr, weights, procs, one)
         out["predicted_peak_bytes"] = out["fsdp"]["peak"]
     return out

@@ -111,6 +111,38 @@ def _fused_sdpa_meta(q, k, v, attn_mask=None, scale=None, enable_gqa=False):
     return q.new_empty(B, S, H, Dv).transpose(1, 2)
 
 
+class _FusedSdpaTraining(torch.autograd.Function):
+    """A fused CUDA SDPA kernel under autograd (training): the forward allocates as `_fused_sdpa_meta` and keeps
+    what the flash / memory-efficient kernels keep for their backward (q, k, v, the mask, the output and its fp32
+    log-sum-exp rows [B, heads, S]; no score matrix); the backward allocates dq, dk, dv and the kernel's fp32
+    row sums (`delta`, [B, heads, S])."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, scale):
+        out = _fused_sdpa_meta(q, k, v, attn_mask=attn_mask, scale=scale)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, attn_mask, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _mask, _out, lse = ctx.saved_tensors
+        delta = torch.empty_like(lse)  # noqa: F841 - alive while the backward kernel runs
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None
+
+
+def _fused_sdpa_training(q, k, v, attn_mask=None, scale=None, enable_gqa=False):
+    return _FusedSdpaTraining.apply(q, k, v, attn_mask, scale)  # with enable_gqa the kernel reads k, v as they are
+
+
+def attention_meta_training(q, k, v, mask):
+    """The GPU's attention under autograd on the meta device (`attention_sdpa_gqa` around `_FusedSdpaTraining`):
+    what a training step keeps for the attention's backward, as the fused kernels keep it."""
+    from ..kernels.attention import attention_sdpa_gqa
+
+    return attention_sdpa_gqa(q, k, v, mask, sdpa=_fused_sdpa_training)
+
+
 def _attention_meta(q, k, v, mask):
     """The GPU's attention (`attention_sdpa_gqa`: folded queries, a mask repeated per group, or a call per group)
     around a fused kernel's allocation."""

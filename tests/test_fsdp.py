@@ -126,8 +126,9 @@ def test_fsdp_two_processes_equal_one_and_resume_across_counts(tmp_path):
     for src in ("w1", "w2"):
         ck = _resumable(f"{tmp}/{src}/checkpoint-0000002", f"{tmp}/w1-from-{src}")
         one[f"from-{src}"] = _run(_trainer(f"{tmp}/w1-from-{src}", 0, 1, resume=ck))
-    ck = _resumable(f"{tmp}/w2-lora/checkpoint-0000002", f"{tmp}/w1-lora-from-w2")
-    one["lora-from-w2"] = _run(_trainer(f"{tmp}/w1-lora-from-w2", 0, 1, lora=True, resume=ck))
+    for src in ("w1", "w2"):
+        ck = _resumable(f"{tmp}/{src}-lora/checkpoint-0000002", f"{tmp}/w1-lora-from-{src}")
+        one[f"lora-from-{src}"] = _run(_trainer(f"{tmp}/w1-lora-from-{src}", 0, 1, lora=True, resume=ck))
 
     for kind in ("full", "lora"):
         a, b = one[kind], two[kind]
@@ -143,6 +144,7 @@ def test_fsdp_two_processes_equal_one_and_resume_across_counts(tmp_path):
     assert one["from-w1"]["losses"] == one["full"]["losses"][2:]
     assert two["from-w2"]["losses"] == two["full"]["losses"][2:]
     assert two["lora-from-w2"]["losses"] == two["lora"]["losses"][2:]
+    assert one["lora-from-w1"]["losses"] == one["lora"]["losses"][2:]
     # another number of processes re-splits the optimizer state: the same run up to reduction order
     assert _close(one["from-w2"]["losses"], two["full"]["losses"][2:], 1e-3)
     assert _close(two["from-w1"]["losses"], one["full"]["losses"][2:], 1e-3)

@@ -140,6 +140,11 @@ def test_cli_lora_run_saves_peft_adapters_and_resumes(tmp_path):
     assert cli_main(lora + ["--resume"]) == 0
     rows = [json.loads(l) for l in open(tmp_path / "lora" / "metrics.jsonl")]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    # the adapters' initial draw is seeded (not torch's global RNG): an uninterrupted run gives the same losses
+    whole = [a if a != str(tmp_path / "lora") else str(tmp_path / "whole") for a in lora]
+    assert cli_main(whole) == 0
+    again = [json.loads(l) for l in open(tmp_path / "whole" / "metrics.jsonl")]
+    assert [r["loss"] for r in rows if "loss" in r] == [r["loss"] for r in again if "loss" in r]
     lm = blockpress.load(base, progress=False)
     assert len(L.apply_adapter(lm, tmp_path / "lora" / "checkpoint-0000003")) > 0
 

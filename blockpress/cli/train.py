@@ -213,7 +213,7 @@ def build(args):
     if lora is not None:
         from blockpress.train.lora import add_lora, load_adapter_weights
 
-        add_lora(lm.module, lora)
+        add_lora(lm.module, lora, seed=args.seed)
         if resume_ck is not None:
             load_adapter_weights(lm.module, resume_ck)
     tcfg = TrainConfig(out_dir=str(out), steps=args.steps, batch_size=args.batch_size, lr=args.lr,

@@ -77,8 +77,13 @@ def _hook(lin, inputs, output):
     return output + lin.lora_B(lin.lora_A(x.to(lin.lora_A.weight.dtype))).to(output.dtype) * lin.lora_scale
 
 
-def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True) -> list[str]:
-    """Attach zero-initialised adapters (PEFT init: A kaiming-uniform, B zeros). Returns adapted names."""
+def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True, seed: int = 0) -> list[str]:
+    """Attach zero-initialised adapters (PEFT init: A kaiming-uniform, B zeros). Returns adapted names.
+
+    A is drawn from its own generator (`seed`, on the CPU, in the order of the adapted names), not torch's global
+    one: the same adapters in every process of a run (FSDP2 shards each process's copy and broadcasts nothing) and
+    in a run started again, whatever drew random numbers before."""
+    g = torch.Generator().manual_seed(seed)
     if freeze_base:
         for p in module.parameters():
             p.requires_grad_(False)
@@ -91,7 +96,10 @@ def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True) -> lis
             (lin.weight.device, lin.weight.dtype)
         lin.lora_A = nn.Linear(lin.in_features, spec.rank, bias=False, device=dev, dtype=dt)
         lin.lora_B = nn.Linear(spec.rank, lin.out_features, bias=False, device=dev, dtype=dt)
-        nn.init.kaiming_uniform_(lin.lora_A.weight, a=math.sqrt(5))
+        a = torch.empty(lin.lora_A.weight.shape)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=g)
+        with torch.no_grad():
+            lin.lora_A.weight.copy_(a)
         nn.init.zeros_(lin.lora_B.weight)
         lin.lora_scale = spec.scale
         lin._lora_handle = lin.register_forward_hook(_hook)

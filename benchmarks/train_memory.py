@@ -35,10 +35,13 @@ it would otherwise take the per-tensor loop). What is assumed rather than traced
   `one_backward_peak_bytes` is that peak, for comparison.
 
 Left out: the caching allocator's rounding and fragmentation, the CUDA context, NCCL buffers, the data loader.
-The Trainer keeps bf16 parameters with no fp32 master copy (plain `torch.optim.AdamW` on the model's own
-parameters; autocast only when the model is fp32), so gradients and both AdamW moments are in the parameters'
-dtype. Note that `Trainer.train_step` calls `zero_grad` *after* the forward pass: the previous step's gradients
-are alive during the next forward, which the trace includes.
+Precision, as `blockpress train` holds the model on a GPU: a LoRA run's frozen base in bf16 (quantised where asked),
+its adapters in fp32 (so their gradients and AdamW moments are fp32, traced); full fine-tuning in fp32 parameters,
+gradients and AdamW moments (16 bytes a parameter; under FSDP2 computed, sharded 1/N, with the layers gathered
+in bf16 and the gradients reduce-scattered in fp32). The trace runs the model in bf16, the compute dtype under
+autocast. A single-process full fine-tuning trace (`--lora 0 --procs 1`) therefore reports bf16 weights and state,
+half of what the trainer would hold. Note that `Trainer.train_step` calls `zero_grad` *after* the forward pass: the
+previous step's gradients are alive during the next forward, which the trace includes.
 
     python benchmarks/train_memory.py --precision int4 --lora 16 --checkpointing
     python benchmarks/train_memory.py --precision native --lora 16 --checkpointing
@@ -115,7 +118,7 @@ def build(preset: str, precision: str, linears: str, lora_rank: int, dtype=torch
     if lora_rank:
         from blockpress.train.lora import LoraSpec, add_lora
 
-        add_lora(m, LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank))
+        add_lora(m, LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank), dtype=torch.float32)  # as the trainer does
     return m, weights
 
 
@@ -252,12 +255,13 @@ def trace_step(m, batch, checkpointing: bool, steps: int = 2, drop_grads: bool =
 def fsdp(m, trace: dict, weights: int, N: int, one_backward: dict | None = None) -> dict:
     """Per-rank bytes of full SFT under FSDP2 (the shards computed, the step traced; see the module docstring).
     one_backward: the trace with loss.backward() instead of the two backwards FSDP2 runs (for comparison)."""
-    unit = max([_bytes(layer.parameters()) for layer in m.layers] + [_bytes(m.embed_tokens.parameters())])
-    sharded = 4 * trace["trainable"] / N  # bf16 params + grads + two AdamW moments, all in the params' dtype
-    gathered = 2 * unit  # one unit's gathered parameters + its unsharded gradient before the reduce-scatter
+    unit = max([_bytes(layer.parameters()) for layer in m.layers] + [_bytes(m.embed_tokens.parameters())])  # bf16
+    params = trace["trainable"] // 2  # the trace's parameters are bf16
+    sharded = 16 * params / N  # fp32 params + grads + two AdamW moments
+    gathered = 4 * unit  # one unit gathered in bf16, its unsharded bf16 gradient and that gradient's fp32 copy
     # traced with every gradient dropped once accumulated (trace_step(drop_grads=True)): activations and transients
     act = max(trace["forward_peak"], trace["backward_peak"]) - trace["start"]
-    optimizer_transient = trace["trainable"] / N  # foreach AdamW: one sqrt(exp_avg_sq) copy of the (sharded) state
+    optimizer_transient = 4 * params / N  # foreach AdamW: one fp32 sqrt(exp_avg_sq) copy of the (sharded) state
     # in one backward autograd would hold the decoder pass's weight gradients in its input buffers until the
     # encoder's backward reached the same (shared) layer: about one unsharded copy of the gradients
     out = {"procs": N, "unit_bytes": unit, "sharded_bytes": sharded, "gathered_bytes": gathered,
@@ -303,8 +307,8 @@ def predict(preset="real-26b", precision="int4", linears="native", lora=16, canv
     C = canvas or m.config.canvas_length
     b = meta_batch(batch, prompt_tokens, C, canvases, m.text.vocab_size)
     tr = trace_step(m, b, checkpointing, steps=steps, drop_grads=procs > 1, split=procs > 1, attention=attention)
-    if procs > 1:  # no optimizer step was traced: the full model's gradient and AdamW bytes, computed
-        tr.update(grads=tr["trainable"], optimizer_state=2 * tr["trainable"])
+    if procs > 1:  # no optimizer step was traced: the full model's fp32 gradient and AdamW bytes, computed
+        tr.update(grads=2 * tr["trainable"], optimizer_state=4 * tr["trainable"])
     lora_params = _bytes(p for n, p in m.named_parameters() if ".lora_" in n)
     total = weights + lora_params + tr["peak"]
     out = {"bench": "train_memory", "preset": preset, "precision": precision, "linears": linears, "lora_rank": lora,
@@ -331,9 +335,9 @@ def report(budget_gb=None, **kw) -> dict:
           f"{'on' if r['checkpointing'] else 'off'}; predicted on the meta device, not measured")
     print(f"  {'component':58s} {'GB':>9s}")
     rows = [("weights (frozen base or full model, bf16 / quantised)", r["weights_bytes"]),
-            ("LoRA parameters (bf16)", r["lora_param_bytes"]),
-            ("gradients (params' dtype, bf16)", r["grad_bytes"]),
-            ("AdamW state (exp_avg + exp_avg_sq, params' dtype; no fp32 master)", r["optimizer_state_bytes"]),
+            ("LoRA parameters (fp32)", r["lora_param_bytes"]),
+            ("gradients (the trained parameters' dtype)", r["grad_bytes"]),
+            ("AdamW state (exp_avg + exp_avg_sq, the trained parameters' dtype)", r["optimizer_state_bytes"]),
             ("activations saved for backward (live after the forward)", r["saved_activation_bytes"]),
             ("forward peak on top of weights (incl. previous step's grads)", ph["forward_peak"]),
             ("backward peak on top of weights", ph["backward_peak"]),
@@ -346,9 +350,9 @@ def report(budget_gb=None, **kw) -> dict:
     print(f"  largest single allocations: {big}")
     if "fsdp" in r:
         f = r["fsdp"]
-        print(f"  FSDP2 over {f['procs']} processes (computed: sharded 1/N, one unit gathered + its unsharded grad):")
-        for name, key in (("sharded params + grads + AdamW state", "sharded_bytes"),
-                          ("gathered unit + its gradient", "gathered_bytes"),
+        print(f"  FSDP2 over {f['procs']} processes (computed: fp32 state sharded 1/N, one unit gathered in bf16):")
+        for name, key in (("sharded fp32 params + grads + AdamW state", "sharded_bytes"),
+                          ("gathered unit + its bf16 and fp32 gradient", "gathered_bytes"),
                           ("activations and transients (per rank; the decoder's backward, then the encoder's)",
                            "activation_bytes")):
             print(f"    {name:56s} {g(f[key])}")

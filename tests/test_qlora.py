@@ -230,3 +230,15 @@ def test_quantised_training_without_lora_is_refused(base, tmp_path, capsys):
     assert cli_main([*args, "--size", "nano", "--lora", "4", "--precision", "fp8"]) == 2  # nothing to quantise
     assert "--model" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_lora_runs_base_is_bf16_on_a_gpu_and_fp32_elsewhere():
+    """`blockpress train --lora` holds the frozen base as inference does on a GPU (bf16: the 26B model's weights in
+    fp32 would not fit the card QLoRA is for) and in fp32 on a CPU; full fine-tuning trains fp32 weights."""
+    from argparse import Namespace
+
+    from blockpress.cli.train import _base_dtype
+
+    assert _base_dtype(Namespace(device="cuda"), lora=True) == "bfloat16"
+    assert _base_dtype(Namespace(device="cuda:1"), lora=False) == "float32"
+    assert _base_dtype(Namespace(device="cpu"), lora=True) == "float32"

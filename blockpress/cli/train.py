@@ -113,6 +113,16 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                          "them (default native)")
 
 
+def _base_dtype(args, lora: bool) -> str:
+    """What the loaded model is held in: fp32 where its weights train (full fine-tuning: fp32 parameters, gradients
+    and AdamW state; bf16 autocast on a GPU); a LoRA run's frozen base in bf16 on a GPU, as inference holds it (the
+    26B model's weights would take twice the memory in fp32), in fp32 on a CPU. Adapters are fp32 either way."""
+    import torch
+
+    gpu = torch.device(args.device).type == "cuda" if args.device else torch.cuda.is_available()
+    return "bfloat16" if lora and gpu else "float32"
+
+
 def _eos(lm) -> int:
     e = lm.config.text.eos_token_id
     return e if isinstance(e, int) else (e or [1])[0]
@@ -168,7 +178,7 @@ def build(args):
     if args.model:
         q = dict(precision=args.precision, linears=args.linears) if quantized else {}
         lm = blockpress.load(resume_ck if (resume_ck and lora is None) else args.model, device=args.device,
-                             dtype="float32", progress=False, **q)
+                             dtype=_base_dtype(args, lora is not None), progress=False, **q)
     elif resume_ck is not None:
         lm = blockpress.load(resume_ck, device=args.device, dtype="float32", progress=False)
     else:
@@ -213,7 +223,7 @@ def build(args):
     if lora is not None:
         from blockpress.train.lora import add_lora, load_adapter_weights
 
-        add_lora(lm.module, lora, seed=args.seed)
+        add_lora(lm.module, lora, seed=args.seed, dtype=torch.float32)  # trained weights in fp32, whatever the base
         if resume_ck is not None:
             load_adapter_weights(lm.module, resume_ck)
     tcfg = TrainConfig(out_dir=str(out), steps=args.steps, batch_size=args.batch_size, lr=args.lr,

@@ -47,11 +47,16 @@ def wrap(module: torch.nn.Module, fsdp: bool = False):
     from .objective import ObjectiveModule
 
     if fsdp:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # on a GPU the fp32 shards are gathered in bf16 (what autocast would compute in; half the all-gather) and
+        # the gradients reduce-scattered in fp32
+        cuda = next(module.parameters()).is_cuda
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else \
+            MixedPrecisionPolicy()
         for layer in module.layers:
-            fully_shard(layer)
-        return fully_shard(ObjectiveModule(module))
+            fully_shard(layer, mp_policy=mp)
+        return fully_shard(ObjectiveModule(module), mp_policy=mp)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = [torch.cuda.current_device()] if next(module.parameters()).is_cuda else None

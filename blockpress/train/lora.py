@@ -77,8 +77,10 @@ def _hook(lin, inputs, output):
     return output + lin.lora_B(lin.lora_A(x.to(lin.lora_A.weight.dtype))).to(output.dtype) * lin.lora_scale
 
 
-def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True, seed: int = 0) -> list[str]:
-    """Attach zero-initialised adapters (PEFT init: A kaiming-uniform, B zeros). Returns adapted names.
+def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True, seed: int = 0,
+             dtype: torch.dtype | None = None) -> list[str]:
+    """Attach zero-initialised adapters (PEFT init: A kaiming-uniform, B zeros). Returns adapted names. dtype: the
+    adapters' (default: the adapted weight's; training keeps them in fp32 over a bf16 base).
 
     A is drawn from its own generator (`seed`, on the CPU, in the order of the adapted names), not torch's global
     one: the same adapters in every process of a run (FSDP2 shards each process's copy and broadcasts nothing) and
@@ -94,6 +96,7 @@ def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True, seed: 
         # beside an 8-bit weight the adapter takes the model's dtype (the activations'), on the weight's device
         dev, dt = (lin.weight_scale.device, getattr(module, "dtype", torch.float32)) if _quantized(lin) else \
             (lin.weight.device, lin.weight.dtype)
+        dt = dtype or dt
         lin.lora_A = nn.Linear(lin.in_features, spec.rank, bias=False, device=dev, dtype=dt)
         lin.lora_B = nn.Linear(spec.rank, lin.out_features, bias=False, device=dev, dtype=dt)
         a = torch.empty(lin.lora_A.weight.shape)

@@ -32,6 +32,7 @@ from typing import Any
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError, InputError
@@ -73,8 +74,12 @@ def _quantized(lin) -> bool:
 
 
 def _hook(lin, inputs, output):
+    """output + B(A(x)) * scale, in the activations' dtype: fp32 adapters over a bf16 base (training) are cast to bf16
+    for the product (a [rank, in] copy) rather than the input to fp32 (an fp32 copy of every adapted projection's
+    input kept for the backward: 1.5 GB on the 26B model at 1,280 tokens)."""
     x = inputs[0]
-    return output + lin.lora_B(lin.lora_A(x.to(lin.lora_A.weight.dtype))).to(output.dtype) * lin.lora_scale
+    a, b = lin.lora_A.weight, lin.lora_B.weight
+    return output + (F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * lin.lora_scale).to(output.dtype)
 
 
 def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True, seed: int = 0,

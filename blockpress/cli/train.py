@@ -128,8 +128,10 @@ def _eos(lm) -> int:
     return e if isinstance(e, int) else (e or [1])[0]
 
 
-def build(args):
-    """-> (lm, source, eval_source, TrainConfig, lora spec, extra files)."""
+def build(args, world: int = 1):
+    """-> (lm, source, eval_source, TrainConfig, lora spec, extra files). world: the number of processes (a sharded
+    run's processes load the model into host memory; FSDP2 moves each layer to its GPU as it shards it, so no GPU
+    ever holds the whole model)."""
     import torch
 
     import blockpress
@@ -175,12 +177,13 @@ def build(args):
                         targets=tuple(args.lora_targets.split(",")),
                         base_model=str(Path(args.model).resolve()) if args.model and Path(args.model).is_dir()
                         else args.model)
+    device = "cpu" if args.fsdp and world > 1 else args.device
     if args.model:
         q = dict(precision=args.precision, linears=args.linears) if quantized else {}
-        lm = blockpress.load(resume_ck if (resume_ck and lora is None) else args.model, device=args.device,
+        lm = blockpress.load(resume_ck if (resume_ck and lora is None) else args.model, device=device,
                              dtype=_base_dtype(args, lora is not None), progress=False, **q)
     elif resume_ck is not None:
-        lm = blockpress.load(resume_ck, device=args.device, dtype="float32", progress=False)
+        lm = blockpress.load(resume_ck, device=device, dtype="float32", progress=False)
     else:
         if task:
             from blockpress.tasks import sudoku as sd
@@ -197,7 +200,6 @@ def build(args):
             cfg = _read_json(Path(args.config), "--config") if args.config else \
                 sizes.model_config(args.size, vocab_size=tok.vocab_size, canvas_length=args.canvas_length,
                                    context=args.context)
-        device = args.device
         lm = blockpress.from_config(cfg, device=device, seed=args.seed)
         if not task and args.tokenizer:
             lm.path = Path(args.tokenizer)
@@ -308,7 +310,7 @@ def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world = dist.setup()
-    lm, source, eval_source, tcfg, lora, extra, resume_ck = build(args)
+    lm, source, eval_source, tcfg, lora, extra, resume_ck = build(args, world)
     if args.warmup > args.steps and rank == 0:  # after build: a bad flag or file stays a one-line error
         print(f"blockpress train: warning: --warmup {args.warmup} is longer than --steps {args.steps}: the learning "
               f"rate never reaches --lr (it peaks at {100 * args.steps / args.warmup:.0f} % of it); lower --warmup",

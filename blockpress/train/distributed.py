@@ -49,10 +49,11 @@ def wrap(module: torch.nn.Module, fsdp: bool = False):
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        # on a GPU the fp32 shards are gathered in bf16 (what autocast would compute in; half the all-gather) and
-        # the gradients reduce-scattered in fp32
-        cuda = next(module.parameters()).is_cuda
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else \
+        # on GPUs (NCCL) the fp32 shards are gathered in bf16 (what autocast would compute in; half the all-gather)
+        # and the gradients reduce-scattered in fp32. The module may still be in host memory (`blockpress train`
+        # loads it there): fully_shard moves each layer to this process's GPU as it shards it.
+        gpu = tdist.is_initialized() and tdist.get_backend() == "nccl"
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if gpu else \
             MixedPrecisionPolicy()
         for layer in module.layers:
             fully_shard(layer, mp_policy=mp)

@@ -24,6 +24,8 @@
 #   final    selected GPU tests; sync_sites.py --hf-tiny; the best int8 linear tiles end to end; fp8 and bf16 profiles
 #   next     --compile on fp8, int4 + int8 linears and bf16, beside an uncompiled fp8 row; fp8 x fp8 experts and
 #            linears; bench_linears.py with and without --fused
+#   train    benchmarks/train_step.py: QLoRA steps (int4 experts + int8 linears, then int4 alone) with peak memory
+#            beside train_memory.py's prediction; full fine-tuning steps of the tiny preset
 #   engine   one fp8 batch-1 row run from gpu_baseline/ (another commit's tree, if present, e.g.
 #            `mkdir gpu_baseline && git archive COMMIT blockpress | tar -x -C gpu_baseline`) and from this tree; the
 #            GPU tests; the same row with --fuse-commit, with --experts scaled_mm and with --compile
@@ -314,7 +316,25 @@ EOF
     bench ctx-graphs --batch 1 --precision int4 --linears int8 --modes fixed --experts $FAST --sampler fast \
       $GPU_FLAGS --prompt-tokens $CTX --new-tokens 256 --no-reference --no-ar
     ;;
-  *) echo "unknown part $PART (next, oneshot, tune, final, check, bf16, quant, serve, long or ctx)"; exit 2 ;;
+  train)
+    # training on one GPU (benchmarks/train_step.py): QLoRA steps of the preset with random weights (int4 experts +
+    # int8 projections, rank 16; then int4 alone), tokens/s and torch's peak allocation beside train_memory.py's
+    # prediction (21.61 / 23.25 GB on the 26B, benchmarks/results/2026-11-26-train-memory-fsdp.md), then the same
+    # steps on the tiny preset with every weight trained (full SFT tokens/s)
+    env_info
+    for row in "int4-int8 --precision int4 --linears int8 --lora 16" "int4 --precision int4 --lora 16" \
+               "tiny-full --preset tiny --precision native --lora 0"; do
+      set -- $row; name=$1; shift
+      lim=$(limit "${STEP_LIMIT:-240}")
+      [ "$lim" = 0 ] && { echo "!!! train-$name skipped: no time left" | tee -a "$OUT/log.txt"; continue; }
+      echo "=== train-$name (limit $lim s): benchmarks/train_step.py $*" | tee -a "$OUT/log.txt"
+      PRESET_ARG="--preset $PRESET"; case "$*" in *--preset*) PRESET_ARG="";; esac
+      timeout "$lim" python3 benchmarks/train_step.py $PRESET_ARG "$@" --steps 3 > "$OUT/train-$name.txt" 2>&1 \
+        || { echo "!!! train-$name failed or timed out"; tail -5 "$OUT/train-$name.txt"; } | tee -a "$OUT/summary.txt"
+      grep -v '^{' "$OUT/train-$name.txt" | tail -6 | tee -a "$OUT/log.txt"
+    done
+    ;;
+  *) echo "unknown part $PART (next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
 esac
 [ -s "$OUT/summary.txt" ] && { echo; echo "=== failures and tests"; cat "$OUT/summary.txt"; }
 

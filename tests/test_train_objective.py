@@ -443,3 +443,23 @@ def test_rollout_samples_follow_the_model_distribution():
     canvas, _, _ = obj.rollout_step(z_raw, b)
     freq = canvas.flatten().bincount(minlength=V).float() / canvas.numel()
     assert torch.allclose(freq[:4], probs[:4], atol=0.01), (freq[:4], probs[:4])
+
+
+def test_acc_text_leaves_out_the_eos_fill():
+    """acc and acc_replaced count the EOS fill after a short response, which a decoder that only ever writes EOS
+    gets right; acc_text scores the re-drawn positions of the response itself (the chat model's logs read
+    0.85 acc_replaced while its answers were all wrong)."""
+    lm = tiny()
+    exs = examples(n=8, resp=(3, 2))  # 2-3 response tokens (ids >= 5) on an 8-token canvas: the rest is fill
+    cfg = obj.ObjectiveConfig(ar_weight=0, eps=0.999)  # t ~ U[0.999, 1): every position re-drawn
+    b = obj.collate(exs, C, V, cfg, step=0, eos_id=1)
+    n = torch.tensor([len(r) for _, r in exs])
+    assert torch.equal(b.fill, torch.arange(C)[None, :] >= n[:, None])
+    for target, text in ((torch.full_like(b.canvas_clean, 1), 0.0), (b.canvas_clean, 1.0)):
+        logits = torch.nn.functional.one_hot(target, V).float() * 10
+        lm.module.decode = lambda *a, logits=logits, **k: logits
+        _, stats = obj.compute_loss(lm.module, b, cfg)
+        assert stats["acc_text"] == text
+    assert stats["acc_replaced"] == 1.0
+    lm.module.decode = lambda *a, **k: torch.nn.functional.one_hot(torch.full_like(b.canvas_clean, 1), V).float()
+    assert obj.compute_loss(lm.module, b, cfg)[1]["acc_replaced"] > 0.5  # the fill alone

@@ -150,6 +150,7 @@ class TrainBatch:
     scored: torch.Tensor | None = None  # [B,C] bool, positions with diffusion loss (None: all)
     rollout: RolloutDraws | None = None  # cfg.rollout > 0 only
     ar_from: int = 0  # the first position any row's AR target sits at (the AR logits are made from the one before)
+    fill: torch.Tensor | None = None  # [B,C] bool, the EOS fill after the response (None: not known)
 
     def to(self, device) -> "TrainBatch":
         return TrainBatch(**{k: (v.to(device) if isinstance(v, (torch.Tensor, RolloutDraws)) else v)
@@ -168,7 +169,7 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
     An example may be a triple (prompt, response, held): held is one bool per response token (True: the
     token is given context on the canvas, never corrupted and never scored; infill training). Tokens
     of the EOS fill are free."""
-    rows, sel, ts, xt, rep, clean, sc, scored, roll = [], [], [], [], [], [], [], [], []
+    rows, sel, ts, xt, rep, clean, sc, scored, roll, fill = [], [], [], [], [], [], [], [], [], []
     any_held = False
     for k, ex in enumerate(examples):
         prompt, response = ex[0], ex[1]
@@ -192,6 +193,7 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
         if cfg.rollout > 0:  # drawn last: the draws above are the same with or without rollout
             roll.append(_rollout_draws(g, cfg.rollout, C, vocab_size))
         rows.append((list(prompt), [tok for c in canv for tok in c]))
+        fill.append(torch.arange(b * C, (b + 1) * C) >= len(response))
         sel.append(b)
         ts.append(t)
         xt.append(x)
@@ -217,7 +219,7 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
     return TrainBatch(ids, valid, target, T, torch.stack(clean), torch.stack(xt), torch.stack(rep),
                       torch.stack(ts).float(), torch.tensor(sc, dtype=torch.bool),
                       torch.stack(scored) if any_held else None, rollout,
-                      int(cols.long().argmax()) if bool(cols.any()) else S)
+                      ar_from=int(cols.long().argmax()) if bool(cols.any()) else S, fill=torch.stack(fill))
 
 
 def _rollout_draws(g: torch.Generator, rate: float, C: int, vocab_size: int) -> tuple[torch.Tensor, ...]:
@@ -369,8 +371,12 @@ def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig, split: bool = 
         wrong = batch.replaced if canvas is batch.canvas_noisy else canvas != batch.canvas_clean
         acc_noisy = correct[wrong].float().mean() if bool(wrong.any()) else torch.tensor(1.0)
         acc = correct[batch.scored] if batch.scored is not None else correct  # held positions are given
+        # acc and acc_replaced count the EOS fill after a short response, which is trivially right (a 12-token
+        # answer on a 32-token canvas is 20 fill positions): acc_text is acc_replaced on the response's own tokens
+        text = wrong if batch.fill is None else wrong & ~batch.fill
+        acc_text = correct[text].float().mean() if bool(text.any()) else torch.tensor(1.0)
     stats = {"loss": float(loss.detach()), "diff": float(l_diff.detach()), "ar": float(l_ar.detach()),
-             "acc": float(acc.float().mean()), "acc_replaced": float(acc_noisy)}
+             "acc": float(acc.float().mean()), "acc_replaced": float(acc_noisy), "acc_text": float(acc_text)}
     if not split:
         return loss, stats
     ar = cfg.ar_weight * l_ar if cfg.ar_weight and not skip_ar else None

@@ -118,7 +118,7 @@ def build(preset: str, precision: str, linears: str, lora_rank: int, dtype=torch
     if lora_rank:
         from blockpress.train.lora import LoraSpec, add_lora
 
-        add_lora(m, LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank), dtype=torch.float32)  # as the trainer does
+        add_lora(m, LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank))  # fp32 adapters, as the trainer's
     return m, weights
 
 
@@ -273,17 +273,27 @@ def fsdp(m, trace: dict, weights: int, N: int, one_backward: dict | None = None)
     return out
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def setup_arguments(p: argparse.ArgumentParser) -> None:
+    """The training setup's flags (model, precision, adapters, workload), shared with benchmarks/train_step.py."""
     p.add_argument("--preset", default="real-26b", choices=["tiny", "small", "real-26b"])
     p.add_argument("--precision", default="int4", choices=["native", "fp8", "int4"])
     p.add_argument("--linears", default="native", choices=["native", "int8", "fp8"])
     p.add_argument("--lora", type=int, default=16, metavar="RANK", help="LoRA rank (0: full fine-tuning)")
-    p.add_argument("--canvas", type=int, default=None, help="canvas length (default: the preset's, 256 on the 26B)")
     p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--canvases", type=int, default=1, help="response canvases (the last one is denoised)")
     p.add_argument("--batch", type=int, default=1, help="examples per process")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
+
+
+def check_setup(p: argparse.ArgumentParser, args) -> None:
+    if args.lora == 0 and (args.precision != "native" or args.linears != "native"):
+        p.error("full fine-tuning of quantised weights is not supported (blockpress train refuses it): add --lora")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    setup_arguments(p)
+    p.add_argument("--canvas", type=int, default=None, help="canvas length (default: the preset's, 256 on the 26B)")
+    p.add_argument("--canvases", type=int, default=1, help="response canvases (the last one is denoised)")
     p.add_argument("--procs", type=int, default=1, help="full SFT under FSDP2 over this many processes (computed)")
     p.add_argument("--budget-gb", type=float, default=None, help="the target to compare with (per process)")
     p.add_argument("--attention", default="fused", choices=["fused", "math"],
@@ -292,8 +302,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.procs > 1 and args.lora:
         p.error("--procs models full SFT under FSDP2: use it with --lora 0")
-    if args.lora == 0 and (args.precision != "native" or args.linears != "native"):
-        p.error("full fine-tuning of quantised weights is not supported (blockpress train refuses it)")
+    check_setup(p, args)
     return report(**{k: v for k, v in vars(args).items()})
 
 

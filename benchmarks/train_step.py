@@ -8,7 +8,7 @@ The preset's model is built with seeded random weights directly on the device (`
 quantised experts are made quantised, never as a float copy); `--linears` quantises the projections as
 `blockpress run --linears` does; `--lora R` attaches fp32 adapters over the frozen base, as `blockpress train` does
 (`--lora 0`: every weight trains, in fp32). The model is held in the dtype `blockpress train` holds it in (its
-`_base_dtype`), and gradient checkpointing is on (the default for QLoRA; `--no-checkpointing` turns it off).
+`base_dtype`), and gradient checkpointing is on (the default for QLoRA; `--no-checkpointing` turns it off).
 Then `Trainer.train_step` runs on batches of random rows: a `--prompt-tokens` prompt and a response that fills
 one canvas. Printed: seconds and tokens/s per step, the peak memory the device allocated (CUDA:
 `torch.cuda.max_memory_allocated()`, weights included; elsewhere not measured), train_memory.py's prediction for
@@ -39,7 +39,7 @@ def _train_memory():
 
 def build(preset: str, precision: str, linears: str, lora: int, device: str, seed: int = 0):
     """-> (BlockDiffusionLM, LoraSpec or None): the model as `blockpress train` would hold it."""
-    from blockpress.cli.train import _base_dtype
+    from blockpress.cli.train import base_dtype
     from blockpress.kernels import use
     from blockpress.kernels.linear_q import quantize_linears_
     from blockpress.lab.presets import preset_config
@@ -48,7 +48,7 @@ def build(preset: str, precision: str, linears: str, lora: int, device: str, see
     from blockpress.config import ModelConfig
 
     config, _, _ = preset_config(preset)
-    dtype = getattr(torch, _base_dtype(Namespace(device=device), lora > 0))
+    dtype = getattr(torch, base_dtype(Namespace(device=device), lora > 0))
     module = build_model(config, device, dtype, precision, seed=seed)
     if linears != "native":
         quantize_linears_(module, linears, backend="torch")
@@ -59,7 +59,7 @@ def build(preset: str, precision: str, linears: str, lora: int, device: str, see
         from blockpress.train.lora import LoraSpec, add_lora
 
         spec = LoraSpec(rank=lora, alpha=2.0 * lora)
-        add_lora(lm.module, spec, seed=seed, dtype=torch.float32)
+        add_lora(lm.module, spec, seed=seed)
     else:
         for p in lm.module.parameters():
             p.requires_grad_(True)
@@ -106,20 +106,14 @@ def run(preset="real-26b", precision="int4", linears="native", lora=16, prompt_t
 
 
 def main(argv=None) -> dict:
+    tm = _train_memory()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="real-26b", choices=["tiny", "small", "real-26b"])
-    p.add_argument("--precision", default="int4", choices=["native", "fp8", "int4"])
-    p.add_argument("--linears", default="native", choices=["native", "int8", "fp8"])
-    p.add_argument("--lora", type=int, default=16, metavar="RANK", help="LoRA rank (0: every weight trains)")
-    p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=1)
+    tm.setup_arguments(p)  # the same setup flags as the prediction's
     p.add_argument("--steps", type=int, default=3, help="steps timed (the first includes AdamW's state)")
-    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--predict", action=argparse.BooleanOptionalAction, default=True)
     a = p.parse_args(argv)
-    if a.lora == 0 and (a.precision != "native" or a.linears != "native"):
-        p.error("full fine-tuning of quantised weights is not supported (blockpress train refuses it): add --lora")
+    tm.check_setup(p, a)
     r = run(a.preset, a.precision, a.linears, a.lora, a.prompt_tokens, a.batch, a.steps, a.checkpointing, a.device,
             a.predict)
     print(f"{r['preset']}, experts {r['precision']}, linears {r['linears']}, LoRA rank {r['lora_rank']}, batch "

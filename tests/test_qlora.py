@@ -237,8 +237,8 @@ def test_a_lora_runs_base_is_bf16_on_a_gpu_and_fp32_elsewhere():
     fp32 would not fit the card QLoRA is for) and in fp32 on a CPU; full fine-tuning trains fp32 weights."""
     from argparse import Namespace
 
-    from blockpress.cli.train import _base_dtype
+    from blockpress.cli.train import base_dtype
 
-    assert _base_dtype(Namespace(device="cuda"), lora=True) == "bfloat16"
-    assert _base_dtype(Namespace(device="cuda:1"), lora=False) == "float32"
-    assert _base_dtype(Namespace(device="cpu"), lora=True) == "float32"
+    assert base_dtype(Namespace(device="cuda"), lora=True) == "bfloat16"
+    assert base_dtype(Namespace(device="cuda:1"), lora=False) == "float32"
+    assert base_dtype(Namespace(device="cpu"), lora=True) == "float32"

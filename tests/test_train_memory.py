@@ -36,7 +36,7 @@ def _real_step(lora: int):
     if lora:
         from blockpress.train.lora import LoraSpec, add_lora
 
-        add_lora(m, LoraSpec(rank=lora, alpha=2.0 * lora), dtype=torch.float32)  # fp32 adapters, as the trainer
+        add_lora(m, LoraSpec(rank=lora, alpha=2.0 * lora))  # fp32 adapters, as the trainer's
     m.train()
     batch = obj.collate([(list(range(2, 34)), list(range(40, 56)))], m.config.canvas_length, m.text.vocab_size,
                         obj.ObjectiveConfig(), step=0)

@@ -113,7 +113,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                          "them (default native)")
 
 
-def _base_dtype(args, lora: bool) -> str:
+def base_dtype(args, lora: bool) -> str:
     """What the loaded model is held in: fp32 where its weights train (full fine-tuning: fp32 parameters, gradients
     and AdamW state; bf16 autocast on a GPU); a LoRA run's frozen base in bf16 on a GPU, as inference holds it (the
     26B model's weights would take twice the memory in fp32), in fp32 on a CPU. Adapters are fp32 either way."""
@@ -181,7 +181,7 @@ def build(args, world: int = 1):
     if args.model:
         q = dict(precision=args.precision, linears=args.linears) if quantized else {}
         lm = blockpress.load(resume_ck if (resume_ck and lora is None) else args.model, device=device,
-                             dtype=_base_dtype(args, lora is not None), progress=False, **q)
+                             dtype=base_dtype(args, lora is not None), progress=False, **q)
     elif resume_ck is not None:
         lm = blockpress.load(resume_ck, device=device, dtype="float32", progress=False)
     else:
@@ -225,7 +225,7 @@ def build(args, world: int = 1):
     if lora is not None:
         from blockpress.train.lora import add_lora, load_adapter_weights
 
-        add_lora(lm.module, lora, seed=args.seed, dtype=torch.float32)  # trained weights in fp32, whatever the base
+        add_lora(lm.module, lora, seed=args.seed)
         if resume_ck is not None:
             load_adapter_weights(lm.module, resume_ck)
     tcfg = TrainConfig(out_dir=str(out), steps=args.steps, batch_size=args.batch_size, lr=args.lr,

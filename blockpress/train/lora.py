@@ -83,9 +83,10 @@ def _hook(lin, inputs, output):
 
 
 def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True, seed: int = 0,
-             dtype: torch.dtype | None = None) -> list[str]:
-    """Attach zero-initialised adapters (PEFT init: A kaiming-uniform, B zeros). Returns adapted names. dtype: the
-    adapters' (default: the adapted weight's; training keeps them in fp32 over a bf16 base).
+             dtype: torch.dtype = torch.float32) -> list[str]:
+    """Attach zero-initialised adapters (PEFT init: A kaiming-uniform, B zeros) to train. Returns adapted names.
+    dtype: the adapters' (fp32, whatever the base's: they are what trains; the hook computes in the activations'
+    dtype).
 
     A is drawn from its own generator (`seed`, on the CPU, in the order of the adapted names), not torch's global
     one: the same adapters in every process of a run (FSDP2 shards each process's copy and broadcasts nothing) and
@@ -98,12 +99,10 @@ def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True, seed: 
     for name, lin in target_modules(module, spec.targets).items():
         if hasattr(lin, "lora_A"):
             raise ValueError(f"{name} already has a LoRA adapter; merge or remove it first")
-        # beside an 8-bit weight the adapter takes the model's dtype (the activations'), on the weight's device
-        dev, dt = (lin.weight_scale.device, getattr(module, "dtype", torch.float32)) if _quantized(lin) else \
-            (lin.weight.device, lin.weight.dtype)
-        dt = dtype or dt
-        lin.lora_A = nn.Linear(lin.in_features, spec.rank, bias=False, device=dev, dtype=dt)
-        lin.lora_B = nn.Linear(spec.rank, lin.out_features, bias=False, device=dev, dtype=dt)
+        # on the adapted weight's device (an 8-bit projection keeps its scales there)
+        dev = lin.weight_scale.device if _quantized(lin) else lin.weight.device
+        lin.lora_A = nn.Linear(lin.in_features, spec.rank, bias=False, device=dev, dtype=dtype)
+        lin.lora_B = nn.Linear(spec.rank, lin.out_features, bias=False, device=dev, dtype=dtype)
         a = torch.empty(lin.lora_A.weight.shape)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=g)
         with torch.no_grad():

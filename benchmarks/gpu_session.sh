@@ -26,6 +26,8 @@
 #            linears; bench_linears.py with and without --fused
 #   train    benchmarks/train_step.py: QLoRA steps (int4 experts + int8 linears, then int4 alone) with peak memory
 #            beside train_memory.py's prediction; full fine-tuning steps of the tiny preset
+#   compiled the compiled step (one graph per kind of layer, custom ops, routing kernel) with fused commits: fp8
+#            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
 #   engine   one fp8 batch-1 row run from gpu_baseline/ (another commit's tree, if present, e.g.
 #            `mkdir gpu_baseline && git archive COMMIT blockpress | tar -x -C gpu_baseline`) and from this tree; the
 #            GPU tests; the same row with --fuse-commit, with --experts scaled_mm and with --compile
@@ -46,7 +48,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
+PART=${1:?usage: gpu_session.sh compiled|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -224,6 +226,26 @@ EOF
         | tee -a "$OUT/summary.txt"
     done
     ;;
+  compiled)
+    # issue 30's items 1-2 on a GPU (2026-11-26): compiled blocks as one graph per kind of layer with no break (the
+    # experts, 8-bit projections and routing are custom ops; the layer's K/V buffers are graph inputs, not a
+    # per-layer constant) and the one-kernel routing, against the default row in the same call. The GPU tests of
+    # both first; the fp8 rows with --profile (eager kernels: kernels per step, uncompiled then compiled).
+    DEADLINE=$((SECONDS + ${BUDGET:-420}))
+    env_info
+    ROW="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
+    lim=$(limit 75)
+    if [ "$lim" != 0 ] && [ "$CUDA" = 1 ]; then
+      echo "=== gpu tests (limit $lim s)" | tee -a "$OUT/log.txt"
+      timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_route.py tests/test_compiled.py 2>&1 \
+        | tee "$OUT/gpu-tests.txt" | grep -E "passed|failed|^FAILED|^E " | head -20 | tee -a "$OUT/summary.txt"
+    fi
+    STEP_LIMIT=70 bench fp8 $ROW --precision fp8 --profile
+    STEP_LIMIT=170 bench fp8-compiled $ROW --precision fp8 --compile --fuse-commit --profile
+    STEP_LIMIT=130 bench int4-lin8-compiled $ROW --precision int4 --linears int8 --compile --fuse-commit
+    STEP_LIMIT=130 bench int4-compiled $ROW --precision int4 --compile --fuse-commit
+    STEP_LIMIT=130 bench bf16-compiled $ROW --compile --fuse-commit
+    ;;
   check)
     env_info
     # compiled Triton kernels (not the interpreter), the CUDA graph and fp8 grouped-GEMM tests
@@ -334,7 +356,7 @@ EOF
       grep -v '^{' "$OUT/train-$name.txt" | tail -6 | tee -a "$OUT/log.txt"
     done
     ;;
-  *) echo "unknown part $PART (next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
+  *) echo "unknown part $PART (compiled, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
 esac
 [ -s "$OUT/summary.txt" ] && { echo; echo "=== failures and tests"; cat "$OUT/summary.txt"; }
 
@@ -371,11 +393,11 @@ profiles = [(n, p) for n, p in profiles if p]
 if profiles:  # where a step's time goes (eager kernels, --profile): the answer when a target is missed
     parts = ["experts", "attention", "decoder, rest", "sampler"]
     classes = ["dense GEMM", "norm", "other"]
-    print("\n| run (B, eager) | wall ms/step | busy | gap | " + " | ".join(parts) + " | experts GB/s | "
+    print("\n| run (B, eager) | kernels/step | wall ms/step | busy | gap | " + " | ".join(parts) + " | experts GB/s | "
           + " | ".join(f"kernels: {c}" for c in classes) + " |")
-    print("|---|" + "---:|" * (4 + len(parts) + len(classes)))
+    print("|---|" + "---:|" * (5 + len(parts) + len(classes)))
     for n, p in profiles:
-        print(f"| {n} (B={p.get('batch')}) | {p['wall_ms_per_step']:.2f} | {p['busy_ms_per_step']:.2f} | "
+        print(f"| {n} (B={p.get('batch')}) | {p.get('kernels_per_step', 0):.0f} | {p['wall_ms_per_step']:.2f} | {p['busy_ms_per_step']:.2f} | "
               f"{p['gap_ms_per_step']:.2f} | " + " | ".join(f"{p['by_part_ms'].get(c, 0):.2f}" for c in parts) +
               f" | {p.get('experts_achieved_gbs', 0):.0f} | " +
               " | ".join(f"{p['by_class_ms'].get(c, 0):.2f}" for c in classes) + " |")

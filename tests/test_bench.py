@@ -278,6 +278,7 @@ def test_bench_profile_splits_a_step_by_kernel_class(capsys):
     assert all(p["by_part_ms"][part] > 0 for part in ("experts", "attention", "decoder, rest", "sampler"))
     assert p["experts_achieved_gbs"] > 0
     assert p["wall_ms_per_step"] >= p["busy_ms_per_step"] * 0.5
+    assert p["kernels_per_step"] >= sum(k["calls_per_step"] for k in p["top"]) > len(p["top"])  # counts launches
     times = [k["ms_per_step"] for k in p["top"]]
     assert times == sorted(times, reverse=True) and len(times) <= 12
     assert cli_main(["bench", *FAST, "--steps", "1", "--no-reference", "--no-ar", "--profile"]) == 2

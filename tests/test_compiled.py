@@ -17,7 +17,7 @@ from blockpress.kernels.quant import dequantize_int4, quantize_int4, quantized_e
 from blockpress.lab.random_weights import build_model
 from blockpress.model.moe import experts_loop
 
-from kernel_device import needs_triton
+from kernel_device import DEV, needs_triton
 
 import torch._dynamo  # noqa: E402  (after blockpress: it sets Triton's mode before torch's compiler imports Triton)
 from torch._dynamo.utils import counters  # noqa: E402
@@ -25,10 +25,11 @@ from torch._dynamo.utils import counters  # noqa: E402
 pytestmark = pytest.mark.no_grad
 
 
-def _model(linears="native", precision="native", experts="grouped"):
+def _model(linears="native", precision="native", experts="grouped", layers=2, dev=torch.device("cpu")):
     cfg = copy.deepcopy(preset_config("tiny")[0])
-    cfg["text_config"].update(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
-    m = build_model(cfg, torch.device("cpu"), torch.float32, "native", 0, 0.02, 64)
+    cfg["text_config"].update(num_hidden_layers=layers,
+                              layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    m = build_model(cfg, dev, torch.float32, "native", 0, 0.02, 64)
     kernels.configure(m, experts=experts, attention="sdpa_gqa", linears=linears, precision=precision, group_size=32)
     return m
 
@@ -36,7 +37,8 @@ def _model(linears="native", precision="native", experts="grouped"):
 def _inputs(m):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, m.text.vocab_size, (2, 21), generator=g)  # a sliding window of 8: the ring wraps
-    return ids, torch.randint(0, m.text.vocab_size, (2, m.config.canvas_length), generator=g)
+    x = torch.randint(0, m.text.vocab_size, (2, m.config.canvas_length), generator=g)
+    return ids.to(m.device), x.to(m.device)
 
 
 def _steps(m, ids, x, fused=False):
@@ -111,15 +113,15 @@ def test_compiled_blocks_under_the_graphs_fixed_shape_passes_give_the_eager_toke
                                                        pytest.param("int4", "int8", "triton", marks=needs_triton)])
 def test_a_compiled_block_is_one_graph_without_breaks_in_the_fixed_shape_pass(precision, linears, experts):
     """The fixed-shape denoising pass (what CUDA graphs capture) on compiled blocks: one graph per kind of layer
-    (sliding, full), no graph break (the experts and 8-bit projections are custom ops, not skipped frames), and the
-    eager logits."""
-    m = _model(linears, precision, experts)
+    (sliding, full) however many layers there are (no recompile per layer: the 26B model has 30), no graph break
+    (the experts and 8-bit projections are custom ops, not skipped frames), and the eager logits."""
+    m = _model(linears, precision, experts, layers=4, dev=DEV if experts == "triton" else torch.device("cpu"))
     routing = "triton" if experts == "triton" else "torch"  # the routing kernel (a GPU's choice) as well
     kernels.use(m, routing=routing)
     ids, x = _inputs(m)
     cache = m.new_cache(ids.shape[0], ids.shape[1] + 2 * m.config.canvas_length)
     m.encode(ids, cache)  # eager: the span passes' host-position attention breaks graphs by design
-    start = torch.tensor(cache.length)
+    start = torch.tensor(cache.length, device=m.device)
     want = m.decode(x, cache, start=start)
     kernels.configure(m, experts=experts, attention="sdpa_gqa", linears=linears, precision=precision, compile=True)
     kernels.use(m, routing=routing)
@@ -128,24 +130,25 @@ def test_a_compiled_block_is_one_graph_without_breaks_in_the_fixed_shape_pass(pr
     counters.clear()
     got = m.decode(x, cache, start=start)
     assert dict(counters["graph_break"]) == {}
-    assert counters["stats"]["unique_graphs"] == 2  # Block.forward for a sliding and a full layer
+    assert counters["stats"]["unique_graphs"] == 2  # Block.forward for a sliding and a full layer, 4 layers
     _close([got], [want])
 
 
-def _routing(N=6, E=4, K=2, H=32, Im=16, seed=0):
+def _routing(N=6, E=4, K=2, H=32, Im=16, seed=0, dev=torch.device("cpu")):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, H, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
     w = torch.rand(N, K, generator=g)
-    return x, w / w.sum(-1, keepdim=True), idx, torch.randn(E, 2 * Im, H, generator=g) / 8, \
+    out = x, w / w.sum(-1, keepdim=True), idx, torch.randn(E, 2 * Im, H, generator=g) / 8, \
         torch.randn(E, H, Im, generator=g) / 8
+    return tuple(t.to(dev) for t in out)
 
 
 @pytest.mark.parametrize("kernel", ["grouped", pytest.param("triton", marks=needs_triton)])
 def test_the_experts_op_is_its_kernel_and_passes_opcheck(kernel):
     """The custom op a compiled block calls gives its kernel's numbers bit for bit, the reference's up to fp32
     summation order; opcheck: schema, fake tensor (shape, dtype) and the traced op agree with the real one."""
-    args = _routing()
+    args = _routing(dev=DEV if kernel == "triton" else torch.device("cpu"))  # compiled Triton: CUDA tensors
     got = experts_op(*args, kernel=kernel, tiles="bm=16", moe_sum="kernel")
     fn = float_experts(kernel, "bm=16")
     assert torch.equal(got, fn(*args))

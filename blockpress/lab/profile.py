@@ -3,6 +3,7 @@
 `profile_steps` runs one canvas of a generation under torch.profiler and keeps the denoising steps after
 the first (no prompt encoding, no commit). It reports, per step:
 - wall time (a host sync per step, from the draft events, so the profile does not hide launch gaps);
+- kernels launched per step (CUDA; on a CPU, aten ops with time of their own): what CUDA graphs replay one by one;
 - device busy time (sum of kernel times on CUDA; of the ops' own CPU time on a CPU) and the gap between
   them (host-side launch/dispatch time a CUDA graph removes);
 - the time by part of the step, from named code ranges set only while profiling: the experts, the
@@ -247,7 +248,8 @@ def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: s
                 "ms_per_step": us / per_step} for name, calls, us in sorted(rows, key=lambda r: -r[2])[:top]]
     B, T = ids.shape[0], ids.shape[1]
     expert_bytes = step_bytes(module, B, canvas_length, T)["experts"]
-    out = {"steps_profiled": steps, "wall_ms_per_step": wall_ms, "busy_ms_per_step": busy_ms,
+    out = {"steps_profiled": steps, "kernels_per_step": sum(calls for _, calls, _ in rows) / steps,
+           "wall_ms_per_step": wall_ms, "busy_ms_per_step": busy_ms,
            "gap_ms_per_step": max(wall_ms - busy_ms, 0.0), "timer": "CUDA kernels" if cuda else "CPU ops (self)",
            "parts_add_up_to": "busy" if cuda else "wall", "by_part_ms": by_part, "by_class_ms": by_class,
            "top": kernels, "expert_bytes_per_step": expert_bytes}
@@ -259,7 +261,8 @@ def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: s
 def print_profile(p: dict, title: str = "") -> None:
     """Three small tables: time per step by part, by kernel class, then the top kernels."""
     lines = [f"{title} step profile ({p['timer']}, {p['steps_profiled']} steps): wall {p['wall_ms_per_step']:.2f} ms, "
-             f"busy {p['busy_ms_per_step']:.2f} ms, gap {p['gap_ms_per_step']:.2f} ms per step"]
+             f"busy {p['busy_ms_per_step']:.2f} ms, gap {p['gap_ms_per_step']:.2f} ms per step, "
+             f"{p['kernels_per_step']:.0f} {'kernels' if p['timer'] == 'CUDA kernels' else 'ops'} per step"]
     total = (p["busy_ms_per_step"] if p["parts_add_up_to"] == "busy" else p["wall_ms_per_step"]) or 1.0
     lines.append(f"  {'part of the step':<16} {'ms/step':>9} {'share':>7}   ({p['parts_add_up_to']} time)")
     for part, ms in p["by_part_ms"].items():

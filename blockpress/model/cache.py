@@ -84,7 +84,12 @@ class KVCache:
 
     def slot_index(self, i: int, pos: torch.Tensor) -> torch.Tensor:
         """The slots of layer i holding positions `pos` (a device tensor: the static passes' writes and gathers)."""
-        return pos % self.ring if self._ringed(i) else pos
+        return self.kind_slots(self.sliding[i], pos)
+
+    def kind_slots(self, sliding: bool, pos: torch.Tensor) -> torch.Tensor:
+        """The slots holding positions `pos` in every sliding layer (sliding=True) or every other layer: each kind
+        of layer shares one layout."""
+        return pos % self.ring if self.ring is not None and sliding else pos
 
     def _present_from(self) -> int:
         """The first position every layer still holds."""

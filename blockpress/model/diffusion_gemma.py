@@ -235,9 +235,9 @@ class DiffusionGemmaModel(nn.Module):
             t = FULL if layer.full else SLIDING
             cos, sin = rope[t]
 
-            def attend(h, i=i, t=t, layer=layer, cos=cos, sin=sin):
+            def attend(h, kv=keys.layer(i), t=t, layer=layer, cos=cos, sin=sin):
                 q, k, v = layer.self_attn.project(h, cos, sin)
-                return layer.self_attn.output(keys.attend(i, t, q, k, v, attn_fn))
+                return layer.self_attn.output(keys.attend(kv, t, q, k, v, attn_fn))
 
             if checkpoint:  # training only; the cache is read-only here
                 x = torch.utils.checkpoint.checkpoint(layer, x, attend, scalar(layer), use_reentrant=False)
@@ -299,7 +299,7 @@ class DiffusionGemmaModel(nn.Module):
         if not output:  # the cache needs only the last layer's K/V
             layer = self.layers[last]
             t = FULL if layer.full else SLIDING
-            keys.write(last, t, *layer.self_attn.project_kv(layer.input_layernorm(x), *rope[t]))
+            keys.write(keys.layer(last), t, *layer.self_attn.project_kv(layer.input_layernorm(x), *rope[t]))
         if start is None:
             cache.length = T0 + S
         if not output:

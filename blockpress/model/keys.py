@@ -52,9 +52,13 @@ def decoder_sees(model, t: str, T, C: int, kpos: torch.Tensor, valid: torch.Tens
 
 
 class KeyAccess:
-    """Per pass: `attend(i, t, q, k, v, attn)` writes layer i's new K/V where the pass writes them, reads the keys
-    its queries may see and returns the attention output; `write(i, t, k, v)` only writes (the last layer of an
-    encoder pass that only the cache needs)."""
+    """Per pass: `attend(layer, t, q, k, v, attn)` writes a layer's new K/V where the pass writes them, reads the keys
+    its queries may see and returns the attention output; `write(layer, t, k, v)` only writes (the last layer of an
+    encoder pass that only the cache needs). `layer` is what `layer(i)` gives for layer i."""
+
+    def layer(self, i: int):
+        """How attend/write name layer i: its index here."""
+        return i
 
 
 class Spans(KeyAccess):
@@ -175,6 +179,12 @@ class Fixed(KeyAccess):
             allowed = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
             masks[t] = additive_mask(allowed[:, None], dtype)  # [B, 1, S+C | 1, P']
         self.masks = masks
+        self.slots = {t: cache.kind_slots(t == SLIDING, self.pos) for t in (SLIDING, FULL)}
+
+    def layer(self, i: int):
+        """Layer i's K/V buffers: tensors, where an index would be a constant a compiled block specialises on (one
+        graph per layer instead of one per kind of layer; the 26B model has 30 layers of two kinds)."""
+        return self.cache.keys[i], self.cache.values[i]
 
     def _positions(self, t: str):
         """(kpos [P'], valid [B, P']) of the keys a layer of type t reads: the whole cache, or the window."""
@@ -182,14 +192,14 @@ class Fixed(KeyAccess):
             return self.window.kpos, self.window.valid
         return torch.arange(self.cache.capacity, device=self.cache.valid.device), self.cache.valid
 
-    def write(self, i, t, k, v) -> None:
-        slots = self.cache.slot_index(i, self.pos)
-        self.cache.keys[i].index_copy_(2, slots, k)
-        self.cache.values[i].index_copy_(2, slots, v)
+    def write(self, layer, t, k, v) -> None:
+        keys, values = layer
+        keys.index_copy_(2, self.slots[t], k)
+        values.index_copy_(2, self.slots[t], v)
 
-    def attend(self, i, t, q, k, v, attn):
-        self.write(i, t, k, v)
-        keys, values = self.cache.keys[i], self.cache.values[i]
+    def attend(self, layer, t, q, k, v, attn):
+        self.write(layer, t, k, v)
+        keys, values = layer
         if t == SLIDING and self.window is not None:
             keys, values = keys.index_select(2, self.window.idx), values.index_select(2, self.window.idx)
         return attn(q, keys, values, self.masks[t])

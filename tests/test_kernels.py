@@ -14,7 +14,7 @@ from blockpress.kernels import moe_grouped
 from blockpress.kernels import use
 from blockpress.kernels._triton import triton, usable_on
 from blockpress.engine.graphs import GraphedPasses
-from blockpress.kernels.moe_grouped import align_blocks, experts_grouped, experts_triton
+from blockpress.kernels.moe_grouped import align_blocks, align_blocks_triton, experts_grouped, experts_triton
 from blockpress.kernels.sampler_fused import fused_sample_torch, fused_sample_triton
 from blockpress.model.moe import experts_loop
 from blockpress.sampling import token_entropy
@@ -91,6 +91,25 @@ def test_align_blocks_invariants():
             assert ids.numel() == 0
         else:  # one expert per block
             assert (flat[ids] == e).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("N,K,E,BM,spread", [(29, 3, 8, 16, "skew"), (256, 8, 128, 32, "random"),
+                                             (5, 4, 6, 32, "random"), (64, 4, 16, 16, "first")])
+def test_align_kernel_gives_align_blocks_exactly(N, K, E, BM, spread):
+    """The one-launch align (the Triton experts' default up to ALIGN_MAX assignments) writes what the torch
+    `align_blocks` writes, slot for slot: skewed, uniform (the 26B's 128 experts, top-8, a canvas of 256), an expert
+    count that is no power of two, and every token on the same K experts (runs of N, the longest there are)."""
+    if spread == "first":
+        idx = torch.arange(K).repeat(N, 1)
+    elif spread == "skew":
+        idx = _routing(N, E, K, 3, skew=True)[1]
+    else:
+        g = torch.Generator().manual_seed(N + E)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    want = align_blocks(idx, E, BM)
+    got = align_blocks_triton(idx.to(DEV), E, BM)
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got))
 
 
 @needs_triton

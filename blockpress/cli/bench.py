@@ -92,8 +92,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "default) or atomic (fp32 atomic adds in the down kernel: no [A, H] buffer, run-to-run "
                         "last-bit differences)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one canvas's denoising steps (first batch size, eager): time per step by "
-                        "kernel class, top kernels, experts' achieved GB/s (JSON key 'profile')")
+                   help="also profile one canvas's denoising steps (first batch size, not captured: the timed "
+                        "runs' passes, the fixed-shape ones with --cuda-graphs or --compile): kernels per step, time "
+                        "per step by kernel class, top kernels, experts' achieved GB/s (JSON key 'profile')")
     p.add_argument("--fuse-commit", action="store_true",
                    help="encode each committed canvas in the next canvas's first denoising pass (one weight read)")
     p.add_argument("--compact-rows", action="store_true",

@@ -6,9 +6,12 @@ scalings, RoPE's roll, copies) and ~200 projections a step, each a few microseco
 CUDA graphs remove the launch gaps, not the kernels. Inductor fuses a block's norms, residual adds, RoPE and
 activation into a handful of kernels.
 
-What is compiled: `Block.forward` (one compiled function for every layer: parameters are graph inputs, so one
-graph serves each kind of layer, sliding and full), with the fixed-shape passes' attention and cache writes traced
-in (model/keys.py `Fixed`; the span passes' host-position attention breaks the graph). The experts, the routing
+What is compiled: `Block.forward` in the fixed-shape passes (model/keys.py `Fixed`: the denoising steps and commits
+of the engine's fixed-shape passes, what CUDA graphs capture), one compiled function for every layer: parameters
+and the layer's K/V buffers are graph inputs, so one graph serves each kind of layer, sliding and full, and the
+attention and cache writes are traced in (written in place: no cache-sized copy in the generated code). The span
+passes (a prompt's prefill) stay eager: their host-position attention would break each block into pieces, which
+was slower than eager on an H100 (benchmarks/results/2026-11-26-h100-compiled.md). The experts, the routing
 kernel and the 8-bit projections are torch custom ops (kernels/library.py, route.py, quant.py, linear_q.py): each
 is one opaque call in the graph, so a fixed-shape pass traces one graph per block with no break
 (tests/test_compiled.py counts them). Their kernels run as in eager mode, first-use checks included, inside the op

@@ -114,6 +114,24 @@ def align_blocks(idx_NK: torch.Tensor, n_experts: int, block_m: int):
     return sorted_ids, block_expert
 
 
+ALIGN_MAX = 16384  # assignments `align_blocks_triton` takes in one program's registers (a batch of 8 canvases of 256)
+
+
+def align_blocks_triton(idx_NK: torch.Tensor, n_experts: int, block_m: int):
+    """`align_blocks` as one Triton launch (`_align_kernel`), for at most ALIGN_MAX assignments: the same outputs,
+    exactly (tests/test_kernels.py)."""
+    flat = idx_NK.reshape(-1)
+    A = flat.numel()
+    L = -(-(A + n_experts * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.empty(L, dtype=torch.int64, device=flat.device)
+    block_expert = torch.empty(L // block_m, dtype=torch.int32, device=flat.device)
+    a_pad = max(triton.next_power_of_2(A), block_m)
+    _align_kernel[(n_experts,)](flat, sorted_ids, block_expert, A, L, E=n_experts,
+                                E_PAD=triton.next_power_of_2(n_experts), A_PAD=a_pad, BM=block_m, NB=2 * a_pad // block_m,
+                                TAIL=1024)
+    return sorted_ids, block_expert
+
+
 # int4 nibbles -> 16-bit floats MAGIC + n on the GPU, 4 packed bytes in $4 -> low nibbles in $0 (bytes 0, 1) and $1
 # (bytes 2, 3), high nibbles in $2, $3: prmt spreads two bytes to two 16-bit lanes (z: zero bytes), lop3 0xEA is
 # (lane & 0xF) | MAGIC, the exponent of 128 (bf16) or 1024 (fp16), whose mantissa step is 1
@@ -301,6 +319,39 @@ if triton is not None:
         else:
             tl.store(out_ptr + ids[:, None] * stride_on + n[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=valid[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _align_kernel(idx_ptr, sorted_ptr, bexp_ptr, A, L, E: tl.constexpr, E_PAD: tl.constexpr,
+                      A_PAD: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, TAIL: tl.constexpr):
+        """`align_blocks` in one launch, one program per expert j: every program reads all A expert ids and counts
+        them per expert (histogram; the A_PAD - A padding lanes count as expert 0 and are taken off again), so it
+        knows where expert j's padded run starts; it writes j's assignment ids in increasing order (a running count
+        of its matches), A into the run's padding and j into block_expert for the run's blocks. Program 0 also
+        fills the slots and blocks past the last run (A, -1). Replaces ~12 launches a layer, a radix sort among
+        them (0.9 ms a step on an H100)."""
+        j = tl.program_id(0)
+        a = tl.arange(0, A_PAD)
+        e = tl.load(idx_ptr + a, mask=a < A, other=0).to(tl.int32)
+        bins = tl.arange(0, E_PAD)
+        counts = tl.histogram(e, E_PAD) - tl.where(bins == 0, A_PAD - A, 0)
+        padded = (counts + BM - 1) // BM * BM
+        ends = tl.cumsum(padded, 0)
+        start = tl.sum(tl.where(bins == j, ends - padded, 0))
+        count = tl.sum(tl.where(bins == j, counts, 0))
+        size = tl.sum(tl.where(bins == j, padded, 0))
+        mine = (e == j) & (a < A)
+        rank = tl.cumsum(mine.to(tl.int32), 0) - 1
+        tl.store(sorted_ptr + start + rank, a.to(tl.int64), mask=mine)
+        pad = tl.arange(0, BM)
+        tl.store(sorted_ptr + start + count + pad, tl.full((BM,), 0, tl.int64) + A, mask=count + pad < size)
+        blk = tl.arange(0, NB)  # a run holds at most A assignments: NB >= A / BM + 1 blocks
+        tl.store(bexp_ptr + start // BM + blk, tl.full((NB,), 0, tl.int32) + j, mask=blk * BM < size)
+        if j == 0:  # past the last run: padding slots and unused blocks
+            total = tl.sum(padded)
+            for t0 in range(0, L, TAIL):
+                t = t0 + tl.arange(0, TAIL)
+                tl.store(sorted_ptr + t, tl.full((TAIL,), 0, tl.int64) + A, mask=(t >= total) & (t < L))
+                tl.store(bexp_ptr + t // BM, tl.full((TAIL,), -1, tl.int32), mask=(t >= total) & (t < L) & (t % BM == 0))
 
     @triton.jit
     def _moe_sum_kernel(y_ptr, rw_ptr, out_ptr, H, K, BH: tl.constexpr):
@@ -568,7 +619,8 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
         # the kernels load int4 K tiles unmasked: a tile never runs past a row (groups divide H and Im)
         assert H % block_k == 0 and Im % block_k == 0, f"int4 groups {groups} must divide H={H} and Im={Im}"
     x = x_NH.contiguous()
-    sorted_ids, block_expert = align_blocks(idx_NK, E, block_m)
+    align = align_blocks_triton if A <= ALIGN_MAX else align_blocks
+    sorted_ids, block_expert = align(idx_NK, E, block_m)
     L = sorted_ids.numel()
     act = x.new_empty(L, Im)  # [L, Im] activations in padded expert order
     # fp32 operands: exact ieee dots; the interpreter also needs them (its bf16 tl.dot is wrong in triton 3.9)

@@ -441,12 +441,15 @@ def run(args) -> dict:
             _save_partial(result, args.out)
     passes = None  # its captures and buffers go
     if args.profile:  # eager kernels (a CUDA graph's replay hides them), first batch size, fixed steps
+        from ..engine.graphs import passes_for
         from .profile import print_profile, profile_steps
 
         B = batches[0]
+        fixed = args.cuda_graphs or args.compile  # the timed runs' fixed-shape passes, uncaptured: a graph's kernels
         result["profile"] = profile_steps(module, prompt_ids(B).to(device), _gen_config("fixed", args), C,
-                                          sampler=args.sampler)
+                                          sampler=args.sampler, passes=passes_for(module, None, False, fixed, True))
         result["profile"]["batch"] = B
+        result["profile"]["passes"] = "fixed-shape, uncaptured" if fixed else "span (eager)"
         print_profile(result["profile"], f"B={B}")
     ref_ok = args.reference and args.precision == "native" and args.linears == "native"
     if args.reference and not ref_ok:

@@ -134,20 +134,20 @@ def _gpu_spans(prof) -> tuple[list[tuple[float, float, float]], dict[str, list[t
 
 
 class _NamedPasses:
-    """The module's passes, each decoder pass inside a profiler range (the engine takes passes as an argument:
+    """The passes (the module's or its fixed-shape ones), each decoder pass inside a profiler range (the engine takes passes as an argument:
     nothing of the module's is replaced)."""
 
-    def __init__(self, module):
-        self.module = module
+    def __init__(self, passes):
+        self.passes = passes
 
     def decode(self, *args, **kwargs):
         from torch.profiler import record_function
 
         with record_function("bp::decode"):
-            return self.module.decode(*args, **kwargs)
+            return self.passes.decode(*args, **kwargs)
 
     def __getattr__(self, name):
-        return getattr(self.module, name)
+        return getattr(self.passes, name)
 
 
 @contextlib.contextmanager
@@ -186,8 +186,10 @@ def _ranges(module):
 
 
 def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: str = "exact",
-                  top: int = 12) -> dict:
-    """Profile the denoising steps 2..N of one canvas (fixed steps) on `ids`; see the module docstring."""
+                  top: int = 12, passes=None) -> dict:
+    """Profile the denoising steps 2..N of one canvas (fixed steps) on `ids`; see the module docstring. passes: the
+    passes to run (None: the module's span passes; the fixed-shape passes CUDA graphs replay, uncaptured, to see
+    the kernels a graph holds)."""
     from torch.profiler import ProfilerActivity, profile
 
     from ..engine import generate as engine
@@ -204,7 +206,7 @@ def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: s
     started = False
     with _ranges(module):
         events = engine.stream(module, ids, cfg, canvas_length, options=Options(sampler=sampler),
-                               passes=_NamedPasses(module))
+                               passes=_NamedPasses(passes if passes is not None else module))
         try:
             for ev in events:
                 if isinstance(ev, engine.Draft):

@@ -56,6 +56,8 @@ class KeyAccess:
     its queries may see and returns the attention output; `write(layer, t, k, v)` only writes (the last layer of an
     encoder pass that only the cache needs). `layer` is what `layer(i)` gives for layer i."""
 
+    fixed = False  # fixed shapes (device positions): what CUDA graphs capture and compiled blocks run
+
     def layer(self, i: int):
         """How attend/write name layer i: its index here."""
         return i
@@ -159,6 +161,8 @@ class _Window:
 class Fixed(KeyAccess):
     """Fixed shapes: rows at device positions [T0, T0 + S + C) (an encoder chunk of S, then a canvas of C) write
     their K/V there and attend over the whole cache (or a sliding layer's gathered window) with one mask per row."""
+
+    fixed = True
 
     def __init__(self, model, cache, T0: torch.Tensor, S: int, C: int, dtype):
         self.cache, self.model = cache, model

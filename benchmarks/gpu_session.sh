@@ -28,6 +28,8 @@
 #            beside train_memory.py's prediction; full fine-tuning steps of the tiny preset
 #   compiled the compiled step (one graph per kind of layer, custom ops, routing kernel) with fused commits: fp8
 #            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
+#   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
+#            passes' profile; int4; the align kernel's test
 #   engine   one fp8 batch-1 row run from gpu_baseline/ (another commit's tree, if present, e.g.
 #            `mkdir gpu_baseline && git archive COMMIT blockpress | tar -x -C gpu_baseline`) and from this tree; the
 #            GPU tests; the same row with --fuse-commit, with --experts scaled_mm and with --compile
@@ -48,7 +50,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh compiled|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
+PART=${1:?usage: gpu_session.sh compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -246,6 +248,21 @@ EOF
     STEP_LIMIT=130 bench int4-compiled $ROW --precision int4 --compile --fuse-commit
     STEP_LIMIT=130 bench bf16-compiled $ROW --compile --fuse-commit
     ;;
+  align)
+    # after part 'compiled': the one-launch align and eager prefill, the compiled fp8 row before (gpu_baseline/: the
+    # tree of 7486795, `git archive 7486795 blockpress | tar -x -C gpu_baseline`, carried) and after in one call,
+    # the after row with --profile of the fixed-shape passes (the kernels a graph replays); int4; the align test
+    DEADLINE=$((SECONDS + ${BUDGET:-300}))
+    env_info
+    ROW="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
+    ROW="$ROW --compile --fuse-commit"
+    lim=$(limit 40)
+    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+      -k align 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+    STEP_LIMIT=110 bench fp8-after $ROW --precision fp8 --profile
+    [ -d gpu_baseline/blockpress ] && BENCH_CWD=gpu_baseline STEP_LIMIT=90 bench fp8-before $ROW --precision fp8
+    STEP_LIMIT=80 bench int4-after $ROW --precision int4
+    ;;
   check)
     env_info
     # compiled Triton kernels (not the interpreter), the CUDA graph and fp8 grouped-GEMM tests
@@ -356,7 +373,7 @@ EOF
       grep -v '^{' "$OUT/train-$name.txt" | tail -6 | tee -a "$OUT/log.txt"
     done
     ;;
-  *) echo "unknown part $PART (compiled, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
+  *) echo "unknown part $PART (compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
 esac
 [ -s "$OUT/summary.txt" ] && { echo; echo "=== failures and tests"; cat "$OUT/summary.txt"; }
 

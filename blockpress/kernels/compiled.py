@@ -10,8 +10,9 @@ What is compiled: `Block.forward` in the fixed-shape passes (model/keys.py `Fixe
 of the engine's fixed-shape passes, what CUDA graphs capture), one compiled function for every layer: parameters
 and the layer's K/V buffers are graph inputs, so one graph serves each kind of layer, sliding and full, and the
 attention and cache writes are traced in (written in place: no cache-sized copy in the generated code). The span
-passes (a prompt's prefill) stay eager: their host-position attention would break each block into pieces, which
-was slower than eager on an H100 (benchmarks/results/2026-11-26-h100-compiled.md). The experts, the routing
+passes (a prompt's prefill) stay eager: their host-position attention breaks each block into pieces, every prompt
+length compiles again, and compiling them bought nothing on an H100 (68 ms compiled against 71 eager for a 1,024-token
+prefill; benchmarks/results/2026-11-26-h100-compiled.md). The experts, the routing
 kernel and the 8-bit projections are torch custom ops (kernels/library.py, route.py, quant.py, linear_q.py): each
 is one opaque call in the graph, so a fixed-shape pass traces one graph per block with no break
 (tests/test_compiled.py counts them). Their kernels run as in eager mode, first-use checks included, inside the op

@@ -230,8 +230,9 @@ class DiffusionGemmaModel(nn.Module):
         """The decoder layers [0, upto) (default all) over x [B, n, H]. keys: the pass's `KeyAccess` (where it
         writes K/V, what each query sees); scalar(layer) -> the residual scale of its rows. checkpoint: recompute
         whole layers in backward (a pass that writes no cache); checkpoint_ffn: their feed-forward halves only."""
-        # compiled blocks run the fixed-shape passes only: a span pass's host-position attention would break each
-        # block into pieces, slower than eager (a 1,024-token prompt: 93 against 62 ms on an H100)
+        # compiled blocks run the fixed-shape passes only: a span pass's host-position attention breaks each block
+        # into pieces, each shape (every prompt length) compiles again, and it bought nothing on an H100 (a 1,024-token
+        # prefill took 68 ms compiled, 71 eager; benchmarks/results/2026-11-26-h100-compiled.md)
         attn_fn, block = self.ops.attention, self.ops.block if keys.fixed else None
         for i, layer in enumerate(self.layers[:upto]):
             t = FULL if layer.full else SLIDING

@@ -26,6 +26,8 @@
 #            linears; bench_linears.py with and without --fused
 #   train    benchmarks/train_step.py: QLoRA steps (int4 experts + int8 linears, then int4 alone) with peak memory
 #            beside train_memory.py's prediction; full fine-tuning steps of the tiny preset
+#   swap     the expert kernels with the weight as the MMA's register operand (tiles swap=1): one layer's tile
+#            sweep with swap 0 and 1, then the compiled fp8 and int4 rows with the best swapped tiles vs the default
 #   compiled the compiled step (one graph per kind of layer, custom ops, routing kernel) with fused commits: fp8
 #            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
@@ -50,7 +52,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
+PART=${1:?usage: gpu_session.sh swap|compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -263,6 +265,33 @@ EOF
     [ -d gpu_baseline/blockpress ] && BENCH_CWD=gpu_baseline STEP_LIMIT=90 bench fp8-before $ROW --precision fp8
     STEP_LIMIT=80 bench int4-after $ROW --precision int4
     ;;
+  swap)
+    # For the next lease: the expert kernels with the weight tile as the MMA's first operand (tiles swap=1: Hopper's
+    # wgmma reads it from registers, so fp8 / int4 weights converted in registers skip shared memory, and a block of
+    # 16-32 assignments uses wgmma at all; compile_report.py shows HGMMA with a register A for it, mma.sync without).
+    # One real-shaped layer first (sweep_moe_tiles.py, swap 0 and 1), then the compiled rows end to end with the
+    # best swapped tiles beside the default tiles, in the same call.
+    DEADLINE=$((SECONDS + ${BUDGET:-480}))
+    env_info
+    GRID="bm=auto,16,32;bn=64,128;bk=64,128;swap=0,1"
+    ROW="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
+    ROW="$ROW --compile --fuse-commit"
+    for prec in fp8 int4; do
+      lim=$(limit ${SWEEP_LIMIT:-75}); [ "$lim" = 0 ] && break
+      echo "=== tiles $prec (limit $lim s)" | tee -a "$OUT/log.txt"
+      timeout "$lim" python3 benchmarks/sweep_moe_tiles.py --preset "$PRESET" --precision $prec --batch 1 --grid "$GRID" \
+        --out "$OUT/tiles-$prec.json" 2>&1 | grep -v '^{' >>"$OUT/log.txt"
+      grep -A20 "| $prec: tiles" "$OUT/log.txt" | tee -a "$OUT/summary.txt"
+    done
+    best() {  # the fastest swapped spec of a sweep, or plain swap=1
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); rows=[x for x in r['results'] if 'swap=1' in x['spec'] and x.get('ms') and x.get('ok')]
+print(min(rows, key=lambda x: x['ms'])['spec'])" "$OUT/tiles-$1.json" 2>/dev/null || echo "swap=1"
+    }
+    STEP_LIMIT=100 bench fp8-default $ROW --precision fp8
+    STEP_LIMIT=100 bench fp8-swap $ROW --precision fp8 --moe-tiles "$(best fp8)"
+    STEP_LIMIT=80 bench int4-default $ROW --precision int4
+    STEP_LIMIT=80 bench int4-swap $ROW --precision int4 --moe-tiles "$(best int4)"
+    ;;
   check)
     env_info
     # compiled Triton kernels (not the interpreter), the CUDA graph and fp8 grouped-GEMM tests
@@ -373,7 +402,7 @@ EOF
       grep -v '^{' "$OUT/train-$name.txt" | tail -6 | tee -a "$OUT/log.txt"
     done
     ;;
-  *) echo "unknown part $PART (compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
+  *) echo "unknown part $PART (swap, compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
 esac
 [ -s "$OUT/summary.txt" ] && { echo; echo "=== failures and tests"; cat "$OUT/summary.txt"; }
 

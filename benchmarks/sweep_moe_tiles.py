@@ -37,7 +37,7 @@ from blockpress.lab.profile import time_ms
 # stay in: the defaults moved to BK 64 and BN 128 on compile_report.py's static model (instructions, L2 traffic),
 # a timing has to confirm them; BN 256 reads the activations from L2 half as often again (int4 at batch 1: 14.1 GB
 # a step against 16.1 at BN 128) for as many instructions, but 255 registers from bm 64 on
-DEFAULT_GRID = "bm=auto;bn=64,128,256;bk=32,64,128;warps=4,8|bm=16,32,64"
+DEFAULT_GRID = "bm=auto;bn=64,128,256;bk=32,64,128;warps=4,8|bm=16,32,64|bm=auto,16,32;bn=64,128;bk=64,128;swap=1"
 
 
 def parse_grid(text: str) -> list[str]:

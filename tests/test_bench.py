@@ -333,8 +333,12 @@ def test_moe_tiles_setting_reaches_the_kernel_launch(monkeypatch):
         moe_grouped.parse_tiles("bn=48")
     with pytest.raises(ValueError, match="key=value"):
         moe_grouped.parse_tiles("tile=64")
+    with pytest.raises(ValueError, match="use 0 or 1"):
+        moe_grouped.parse_tiles("swap=2")
     assert moe_grouped.parse_tiles("bm=auto,bn=128,bk=64,warps=8,stages=4").spec() == \
         "bm=auto,bn=128,bk=64,warps=8,stages=4"
+    assert moe_grouped.parse_tiles("swap=1,bn=64").spec() == "bm=auto,bn=64,bk=64,swap=1"
+    assert moe_grouped.parse_tiles("swap=0").spec() == moe_grouped.DEFAULT_TILES.spec()
     seen = []
 
     class Launch:

@@ -40,7 +40,7 @@ def report(tmp_path_factory, request):
     full = request.config.getoption("--runslow")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--arch",
                            "90,89" if full else "90", "--batch", "1,4" if full else "1", "--linears", "int8,fp8",
-                           "--grid", "bn=128,256;bk=128", "--out", str(out)],
+                           "--grid", "bn=128,256;bk=128|swap=1", "--out", str(out)],
                           capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.returncode, json.loads(out.read_text()), proc.stdout
@@ -53,7 +53,7 @@ def test_every_kernel_compiles_and_would_launch(report):
     assert "90" in result["archs"]
     for arch in result["archs"]:
         rows = result["archs"][arch]["kernels"]
-        assert {r["kernel"] for r in rows} == {"_moe_up_kernel", "_moe_down_kernel", "_moe_sum_kernel",
+        assert {r["kernel"] for r in rows} == {"_moe_up_kernel", "_moe_down_kernel", "_moe_sum_kernel", "_align_kernel",
                                                "_linear_q_kernel", "_softcap_kernel", "_fused_sampler_kernel"}
         for r in rows:
             assert not r["problems"] and r["blocks_per_sm"] >= 1 and r["regs"] > 0, r
@@ -63,6 +63,11 @@ def test_every_kernel_compiles_and_would_launch(report):
     big = [r for r in result["archs"]["90"]["kernels"] if "bn=128,bk=128" in r["label"] and "native" in r["label"]
            and ("prefill" in r["label"] or "canvas x4" in r["label"]) and r["kernel"] == "_moe_up_kernel"]
     assert big and all(r["num_stages"] < 3 for r in big)
+    # the weight as the dot's first operand (swap=1): Hopper's wgmma even for a canvas's 32-assignment blocks, which
+    # the default tiles run on mma.sync
+    swapped = [r for r in result["archs"]["90"]["kernels"] if r["kernel"] in ("_moe_up_kernel", "_moe_down_kernel")
+               and "swap=1" in r["label"] and "canvas x1" in r["label"]]
+    assert swapped and all(r["mma"] == "wgmma" for r in swapped)
 
 
 def test_pipeline_stages_fit_the_shared_memory(monkeypatch):

@@ -116,10 +116,11 @@ def test_align_kernel_gives_align_blocks_exactly(N, K, E, BM, spread):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("moe_sum", ["kernel", "atomic"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_triton_experts_match_loop(dtype, tol, moe_sum, monkeypatch):
+@pytest.mark.parametrize("swap", [False, True])
+def test_triton_experts_match_loop(dtype, tol, moe_sum, swap, monkeypatch):
     """Both ways of summing a token's K expert outputs (a third kernel over the per-assignment outputs, or atomic
     adds into fp32 by the down kernel) match the loop reference; the atomic sum equals the kernel's up to the
-    order of the K fp32 additions."""
+    order of the K fp32 additions. swap: the weight tile as the dot's first operand (transposed accumulators)."""
     N, E, K, H, Im = 23, 8, 3, 64, 40  # Im not a multiple of the tile: masks are exercised
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
     w, idx = (t.to(DEV) for t in _routing(N, E, K, 6, skew=True))
@@ -127,8 +128,9 @@ def test_triton_experts_match_loop(dtype, tol, moe_sum, monkeypatch):
     from blockpress.kernels import moe_grouped
 
     monkeypatch.setattr(moe_grouped, "UNWRITTEN_FILL", float("nan"))  # the output buffer is not zero-filled:
-    kernel = experts_triton(x, w, idx, gu, dn)  # an element the down kernel missed would be NaN here
-    out = experts_triton(x, w, idx, gu, dn, moe_sum=moe_sum)
+    tiles = moe_grouped.parse_tiles("swap=1" if swap else "")
+    kernel = experts_triton(x, w, idx, gu, dn, tiles=tiles)  # an element the down kernel missed would be NaN here
+    out = experts_triton(x, w, idx, gu, dn, moe_sum=moe_sum, tiles=tiles)
     assert moe_grouped.compiled_variant(idx, E, moe_sum=moe_sum)[-1] == moe_sum  # a first-use check of its own
     assert not out.isnan().any() and _rel(out, experts_loop(x, w, idx, gu, dn)) < tol
     if dtype == torch.float32:

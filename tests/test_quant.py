@@ -96,10 +96,12 @@ def test_torch_path_equals_dequantised_reference(fmt, dtype):
 
 @needs_triton
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("moe_sum", ["kernel", "atomic"])
+@pytest.mark.parametrize("moe_sum,swap", [("kernel", False), ("atomic", False), ("kernel", True)])
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_triton_path_equals_torch_path(fmt, dtype, tol, moe_sum):
+def test_triton_path_equals_torch_path(fmt, dtype, tol, moe_sum, swap):
+    """The Triton kernels against the torch path; swap: the weight tile as the dot's first operand (tiles swap=1),
+    the transposed accumulators' epilogues included."""
     from blockpress.kernels import moe_grouped
 
     dev = DEV  # CPU: the interpreter; a GPU: the compiled kernels
@@ -114,6 +116,7 @@ def test_triton_path_equals_torch_path(fmt, dtype, tol, moe_sum):
     q.backend = "triton"
     assert q.resolved_backend(x) == "triton"
     q.moe_sum = moe_sum  # the K-sum by a third kernel, or by the down kernel's atomics
+    q.tiles = moe_grouped.parse_tiles("swap=1" if swap else "")
     assert _rel(q(x, w, idx), ref) < tol
 
 

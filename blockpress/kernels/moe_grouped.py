@@ -164,25 +164,30 @@ if triton is not None:
                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
     @triton.jit
-    def _load_w_tile(w_ptr, n, nmask, k0, KD, stride_n, stride_k, BK: tl.constexpr, EVEN_K: tl.constexpr):
-        """Tile [BK, BN] of W^T (W is [O, KD], plain or fp8) for the K tile starting at k0, in fp32 (fp8's
-        per-channel scale factors out of the dot product: the kernels apply it at the end). EVEN_K (BK divides
-        KD): no K mask; a mask on K limits the vector loads to what Triton knows of KD's alignment (16
-        elements). int4 tiles: _int4_halves."""
+    def _load_w_tile(w_ptr, n, nmask, k0, KD, stride_n, stride_k, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                     SWAP: tl.constexpr):
+        """Tile [BK, BN] of W^T (W is [O, KD], plain or fp8) for the K tile starting at k0, or [BN, BK] of W itself
+        with SWAP (the weight as the dot's first operand, see _dot), in fp32 (fp8's per-channel scale factors out of
+        the dot product: the kernels apply it at the end). EVEN_K (BK divides KD): no K mask; a mask on K limits the
+        vector loads to what Triton knows of KD's alignment (16 elements). int4 tiles: _int4_halves."""
         k = k0 + tl.arange(0, BK)
-        if EVEN_K:
-            m = nmask[None, :]
+        if SWAP:  # one return per function: Triton compiles both sides of a constexpr if that returns early
+            m = nmask[:, None] if EVEN_K else nmask[:, None] & (k < KD)[None, :]
+            w = tl.load(w_ptr + n[:, None] * stride_n + k[None, :] * stride_k, mask=m, other=0.0)
         else:
-            m = (k < KD)[:, None] & nmask[None, :]
-        return tl.load(w_ptr + n[None, :] * stride_n + k[:, None] * stride_k, mask=m, other=0.0).to(tl.float32)
+            m = nmask[None, :] if EVEN_K else (k < KD)[:, None] & nmask[None, :]
+            w = tl.load(w_ptr + n[None, :] * stride_n + k[:, None] * stride_k, mask=m, other=0.0)
+        return w.to(tl.float32)
 
     @triton.jit
     def _int4_halves(w_ptr, n, nmask, k0, s_ptr, stride_n, stride_k, stride_sn, stride_sg,
-                     GROUP: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr, F32: tl.constexpr):
-        """The int4 K tile at k0 as two dequantised halves [BK/2, BN] of W^T: the even K columns (low nibbles) and
-        the odd ones (high nibbles), each value the reference's (n - 8) * scale rounded once. The kernels take
-        their dots with the even and odd columns of the activation tile, so the nibbles never need interleaving
-        into K order (register shuffles on every weight); the activations, a few per thread, are split instead."""
+                     GROUP: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr, F32: tl.constexpr,
+                     SWAP: tl.constexpr):
+        """The int4 K tile at k0 as two dequantised halves [BK/2, BN] of W^T ([BN, BK/2] of W with SWAP): the even
+        K columns (low nibbles) and the odd ones (high nibbles), each value the reference's (n - 8) * scale rounded
+        once. The kernels take their dots with the even and odd columns of the activation tile, so the nibbles never
+        need interleaving into K order (register shuffles on every weight); the activations, a few per thread, are
+        split instead."""
         j = tl.multiple_of(k0 // 2, BK // 2) + tl.arange(0, BK // 2)
         b = tl.load(w_ptr + n[:, None] * stride_n + j[None, :] * stride_k, mask=nmask[:, None],
                     other=0)  # [BN, BK/2] uint8
@@ -203,15 +208,53 @@ if triton is not None:
             lo, hi = _nibbles_16(b, ROUND)
             sd = s.to(DT)[:, None]
             lo, hi = (lo - BIAS) * sd, (hi - BIAS) * sd  # n - 8 exact, one rounding of n * s
-        return tl.trans(lo), tl.trans(hi)
+        if not SWAP:
+            lo, hi = tl.trans(lo), tl.trans(hi)
+        return lo, hi
+
+    @triton.jit
+    def _dot(x, w, acc, F32: tl.constexpr, SWAP: tl.constexpr):
+        """acc + x [BM, BK] @ w [BK, BN] -> [BM, BN]; with SWAP, acc + w [BN, BK] @ x^T -> [BN, BM], the same numbers
+        transposed. SWAP makes the weight tile (converted from fp8 / int4 in registers) the MMA's first operand, which
+        Hopper's wgmma reads from registers (the second always comes from shared memory), and lets a block of 16-32
+        assignments (one expert's at batch 1) use wgmma at all: its M is the weight rows (>= 64), not the tokens."""
+        if F32:
+            if SWAP:
+                out = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                out = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        elif SWAP:
+            out = tl.dot(w, tl.trans(x), acc)
+        else:
+            out = tl.dot(x, w, acc)
+        return out
+
+    @triton.jit
+    def _cols(v, SWAP: tl.constexpr):
+        """A vector over the tile's output columns (BN), shaped to broadcast against the accumulator."""
+        if SWAP:
+            out = v[:, None]
+        else:
+            out = v[None, :]
+        return out
+
+    @triton.jit
+    def _rows(v, SWAP: tl.constexpr):
+        """A vector over the tile's assignments (BM), shaped to broadcast against the accumulator."""
+        if SWAP:
+            out = v[None, :]
+        else:
+            out = v[:, None]
+        return out
 
     @triton.jit
     def _moe_up_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, act_ptr, A, H, Im, TOPK,
                        stride_xn, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_am,
                        FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                       ROUND: tl.constexpr):
-        """act[row] = gelu_tanh(x W_gate^T) * (x W_up^T) for the BM assignments of one expert block."""
+                       ROUND: tl.constexpr, SWAP: tl.constexpr):
+        """act[row] = gelu_tanh(x W_gate^T) * (x W_up^T) for the BM assignments of one expert block (the
+        accumulators [BM, BN], or [BN, BM] with SWAP: _dot)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
         if e < 0:
@@ -224,8 +267,9 @@ if triton is not None:
         nmask = n < Im
         w_e = w_ptr + e.to(tl.int64) * stride_we
         s_e = s_ptr + e.to(tl.int64) * stride_se
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        ACC: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
+        acc_g = tl.zeros(ACC, dtype=tl.float32)
+        acc_u = tl.zeros(ACC, dtype=tl.float32)
         for k0 in range(0, H, BK):
             k = k0 + tl.arange(0, BK)
             xmask = valid[:, None] if EVEN_K else valid[:, None] & (k < H)[None, :]
@@ -233,33 +277,24 @@ if triton is not None:
             if FMT == 2:  # int4: even and odd K columns apart (see _int4_halves)
                 xe, xo = tl.split(tl.reshape(xa, (BM, BK // 2, 2)))
                 glo, ghi = _int4_halves(w_e, n, nmask, k0, s_e, stride_wn, stride_wk, stride_sn, stride_sg, GROUP,
-                                        BK, ROUND, F32)
+                                        BK, ROUND, F32, SWAP)
                 ulo, uhi = _int4_halves(w_e, n + Im, nmask, k0, s_e, stride_wn, stride_wk, stride_sn, stride_sg,
-                                        GROUP, BK, ROUND, F32)
-                if F32:
-                    xe, xo = xe.to(tl.float32), xo.to(tl.float32)
-                    acc_g = tl.dot(xo, ghi, tl.dot(xe, glo, acc_g, input_precision="ieee"), input_precision="ieee")
-                    acc_u = tl.dot(xo, uhi, tl.dot(xe, ulo, acc_u, input_precision="ieee"), input_precision="ieee")
-                else:
-                    acc_g = tl.dot(xo, ghi, tl.dot(xe, glo, acc_g))
-                    acc_u = tl.dot(xo, uhi, tl.dot(xe, ulo, acc_u))
+                                        GROUP, BK, ROUND, F32, SWAP)
+                acc_g = _dot(xo, ghi, _dot(xe, glo, acc_g, F32, SWAP), F32, SWAP)
+                acc_u = _dot(xo, uhi, _dot(xe, ulo, acc_u, F32, SWAP), F32, SWAP)
             else:
-                wg = _load_w_tile(w_e, n, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K)
-                wu = _load_w_tile(w_e, n + Im, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K)
+                wg = _load_w_tile(w_e, n, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K, SWAP)
+                wu = _load_w_tile(w_e, n + Im, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K, SWAP)
                 wg, wu = wg.to(xa.dtype), wu.to(xa.dtype)  # bf16 / e4m3 values: exact in the activation dtype
-                if F32:
-                    acc_g += tl.dot(xa.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
-                    acc_u += tl.dot(xa.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
-                else:
-                    acc_g += tl.dot(xa, wg)
-                    acc_u += tl.dot(xa, wu)
+                acc_g = _dot(xa, wg, acc_g, F32, SWAP)
+                acc_u = _dot(xa, wu, acc_u, F32, SWAP)
         if FMT == 1:  # fp8: the per-output-channel scale factors out of the dot product
-            acc_g *= tl.load(s_e + n * stride_sn, mask=nmask, other=0.0)[None, :]
-            acc_u *= tl.load(s_e + (n + Im) * stride_sn, mask=nmask, other=0.0)[None, :]
+            acc_g *= _cols(tl.load(s_e + n * stride_sn, mask=nmask, other=0.0), SWAP)
+            acc_u *= _cols(tl.load(s_e + (n + Im) * stride_sn, mask=nmask, other=0.0), SWAP)
         inner = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
         act = 0.5 * acc_g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0)) * acc_u
-        tl.store(act_ptr + rows[:, None] * stride_am + n[None, :], act.to(act_ptr.dtype.element_ty),
-                 mask=nmask[None, :])
+        tl.store(act_ptr + _rows(rows, SWAP) * stride_am + _cols(n, SWAP), act.to(act_ptr.dtype.element_ty),
+                 mask=_cols(nmask, SWAP))
 
     @triton.jit
     def _moe_down_kernel(act_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, out_ptr, rw_ptr, A, H, Im, TOPK,
@@ -267,12 +302,13 @@ if triton is not None:
                          FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                          ATOMIC: tl.constexpr,
-                         ROUND: tl.constexpr):
+                         ROUND: tl.constexpr, SWAP: tl.constexpr):
         """out[assignment] = act W_down^T in the activation dtype (rounded there, as the torch paths round each
         expert's output), one row per assignment; the router weights are applied by _moe_sum_kernel. ATOMIC: the
         weighted sum over the K assignments of a token is done here instead, added in fp32 into out[token] (each
         output rounded first to the activation dtype, ROUND 1: bf16, 2: fp16, as the torch paths round it; the
-        order of the K additions is the GPU's, so the last bit of the sum may differ from run to run)."""
+        order of the K additions is the GPU's, so the last bit of the sum may differ from run to run). SWAP: the
+        accumulator is [BN, BM] (_dot)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
         if e < 0:
@@ -284,7 +320,7 @@ if triton is not None:
         nmask = n < H
         w_e = w_ptr + e.to(tl.int64) * stride_we
         s_e = s_ptr + e.to(tl.int64) * stride_se
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
         for k0 in range(0, Im, BK):
             k = k0 + tl.arange(0, BK)
             amask = valid[:, None] if EVEN_K else valid[:, None] & (k < Im)[None, :]
@@ -292,21 +328,14 @@ if triton is not None:
             if FMT == 2:
                 ae, ao = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
                 wlo, whi = _int4_halves(w_e, n, nmask, k0, s_e, stride_wn, stride_wk, stride_sn, stride_sg, GROUP,
-                                        BK, ROUND, F32)
-                if F32:
-                    ae, ao = ae.to(tl.float32), ao.to(tl.float32)
-                    acc = tl.dot(ao, whi, tl.dot(ae, wlo, acc, input_precision="ieee"), input_precision="ieee")
-                else:
-                    acc = tl.dot(ao, whi, tl.dot(ae, wlo, acc))
+                                        BK, ROUND, F32, SWAP)
+                acc = _dot(ao, whi, _dot(ae, wlo, acc, F32, SWAP), F32, SWAP)
             else:
-                w = _load_w_tile(w_e, n, nmask, k0, Im, stride_wn, stride_wk, BK, EVEN_K)
-                w = w.to(a.dtype)
-                if F32:
-                    acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(a, w)
+                w = _load_w_tile(w_e, n, nmask, k0, Im, stride_wn, stride_wk, BK, EVEN_K, SWAP)
+                acc = _dot(a, w.to(a.dtype), acc, F32, SWAP)
         if FMT == 1:
-            acc *= tl.load(s_e + n * stride_sn, mask=nmask, other=0.0)[None, :]
+            acc *= _cols(tl.load(s_e + n * stride_sn, mask=nmask, other=0.0), SWAP)
+        mask = _rows(valid, SWAP) & _cols(nmask, SWAP)
         if ATOMIC:
             if ROUND == 1:
                 acc = acc.to(tl.bfloat16).to(tl.float32)
@@ -314,11 +343,10 @@ if triton is not None:
                 acc = acc.to(tl.float16).to(tl.float32)
             rw = tl.load(rw_ptr + ids, mask=valid, other=0.0)
             tok = ids // TOPK
-            tl.atomic_add(out_ptr + tok[:, None] * stride_on + n[None, :], acc * rw[:, None],
-                          mask=valid[:, None] & nmask[None, :])
+            tl.atomic_add(out_ptr + _rows(tok, SWAP) * stride_on + _cols(n, SWAP), acc * _rows(rw, SWAP), mask=mask)
         else:
-            tl.store(out_ptr + ids[:, None] * stride_on + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=valid[:, None] & nmask[None, :])
+            tl.store(out_ptr + _rows(ids, SWAP) * stride_on + _cols(n, SWAP), acc.to(out_ptr.dtype.element_ty),
+                     mask=mask)
 
     @triton.jit
     def _align_kernel(idx_ptr, sorted_ptr, bexp_ptr, A, L, E: tl.constexpr, E_PAD: tl.constexpr,
@@ -405,15 +433,18 @@ class Tiles:
     block_k: int = 64
     num_warps: int | None = None  # None: Triton's default
     num_stages: int | None = None
+    swap: bool = False  # the weight tile as the dot's first operand (`_dot`): untimed, so off by default
 
     def spec(self) -> str:
         parts = [f"bm={self.block_m or 'auto'}", f"bn={self.block_n}", f"bk={self.block_k}"]
         parts += [f"warps={self.num_warps}"] if self.num_warps else []
         parts += [f"stages={self.num_stages}"] if self.num_stages else []
+        parts += ["swap=1"] if self.swap else []
         return ",".join(parts)
 
 
-_TILE_KEYS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "warps": "num_warps", "stages": "num_stages"}
+_TILE_KEYS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "warps": "num_warps", "stages": "num_stages",
+              "swap": "swap"}
 DEFAULT_TILES = Tiles()
 
 
@@ -440,7 +471,9 @@ def parse_tiles(spec: str) -> Tiles:
             raise ValueError(f"warps={n}: use 1, 2, 4, 8, 16 or 32")
         if key == "stages" and not 1 <= n <= 8:
             raise ValueError(f"stages={n}: use 1..8")
-        values[_TILE_KEYS[key]] = n
+        if key == "swap" and n not in (0, 1):
+            raise ValueError(f"swap={n}: use 0 or 1")
+        values[_TILE_KEYS[key]] = bool(n) if key == "swap" else n
     return Tiles(**values)
 
 
@@ -630,7 +663,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     g_st, d_st = _scale_strides(gate_up_scale), _scale_strides(down_scale)
     # shared memory outside the pipeline (what _stages fits): with wgmma (bm >= 64 on sm_90) the converted tile of
     # fp8 / int4 weights, in the activation dtype (int4: a byte more per weight; read back from compiles)
-    wgmma = block_m >= 64 and _wgmma_target(x.device)
+    wgmma = (block_n if t.swap else block_m) >= 64 and _wgmma_target(x.device)  # the MMA's M: the first operand
     converted = 0 if fmt == FMT_PLAIN or not wgmma else x.element_size() + (1 if fmt == FMT_INT4 else 0)
     bn_up = min(block_n, max(16, triton.next_power_of_2(Im)))  # no wider than the output: a small model's tiles
     bn_dn = min(block_n, max(16, triton.next_power_of_2(H)))
@@ -642,13 +675,13 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     _moe_up_kernel[grid](x, gate_up_EFH, gs, sorted_ids, block_expert, act, A, H, Im, K,
                          x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
                          act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=bn_up, BK=bk_up,
-                         EVEN_K=H % bk_up == 0, ROUND=rnd, **warps, **stages_up)
+                         EVEN_K=H % bk_up == 0, ROUND=rnd, SWAP=t.swap, **warps, **stages_up)
     rw = w_NK.reshape(-1).float().contiguous()
     grid = (L // block_m, triton.cdiv(H, bn_dn))
     stages_dn, bk_dn = _fit_k(t.num_stages, block_m * x.element_size() + bn_dn * down_EHI.element_size(),
                               converted * bn_dn, wgmma, block_k, min_k)
     down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=bn_dn, BK=bk_dn, EVEN_K=Im % bk_dn == 0,
-                ROUND=rnd, **warps, **stages_dn)
+                ROUND=rnd, SWAP=t.swap, **warps, **stages_dn)
     if moe_sum == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
         acc = torch.zeros(N, H, dtype=torch.float32, device=x.device)
         _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, acc, rw, A, H, Im, K,

@@ -30,6 +30,7 @@ from blockpress.lab.bench import DTYPES, _free, _gen_config, _peak_bytes, _reset
     hardware, print_json
 from blockpress.lab.presets import PRESETS, preset_config
 from blockpress.cli.run import _nonneg_int, _positive_int, _positive_int_list
+from blockpress.options import LINEAR_FORMATS
 
 
 def _pct(xs, q):
@@ -204,7 +205,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native", help="expert weights")
-    p.add_argument("--linears", choices=["native", "int8", "fp8"], default="native",
+    p.add_argument("--linears", choices=LINEAR_FORMATS, default="native",
                    help="attention and dense-MLP projections")
     p.add_argument("--cuda-graphs", action="store_true", help="the server's CUDA graphs (serve --cuda-graphs)")
     p.add_argument("--fuse-commit", action="store_true", help="serve --fuse-commit")

@@ -36,6 +36,7 @@ import torch
 from blockpress.cli.bench import _positive_float
 from blockpress.lab.presets import preset_config
 from blockpress.cli.run import _nonneg_int, _positive_int
+from blockpress.options import LINEAR_FORMATS
 from blockpress.config import GenerationConfig, ModelConfig
 from blockpress.engine import step as engine_step
 from blockpress.engine.step import single_step
@@ -57,7 +58,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="real-26b", choices=["tiny", "small", "real-26b"])
     p.add_argument("--precision", default="int4", choices=["native", "fp8", "int4"])
-    p.add_argument("--linears", default="native", choices=["native", "int8", "fp8"],
+    p.add_argument("--linears", default="native", choices=LINEAR_FORMATS,
                    help="attention / dense-MLP projections (8 bits: only the weights change; the Triton kernel "
                         "allocates what F.linear does, its output)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -122,7 +122,8 @@ def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native"
     """Bytes the weights of a (meta-device) module will take once loaded: expert tensors in fp8 (1 byte
     per weight + an fp32 scale per output row) or int4 (half a byte + a `dtype` scale per group, as
     kernels/quant.py stores them), attention / dense-MLP projections in 8 bits with linears="int8" / "fp8"
-    (1 byte + an fp32 scale per row, kernels/linear_q.py), everything else in `dtype`."""
+    (1 byte + an fp32 scale per row, kernels/linear_q.py), the dense MLP in int4 with linears="int4-mlp" (as the
+    experts' int4), everything else in `dtype`."""
     from .kernels.linear_q import LINEAR_WEIGHT, QUANTIZED_LINEARS
     from .kernels.quant import group_for
 
@@ -134,7 +135,10 @@ def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native"
             E, O, I = p.shape
             total += p.numel() + E * O * 4 if precision == "fp8" else \
                 p.numel() // 2 + E * O * (I // group_for(I, group_size)) * item
-        elif linears != "native" and m is not None and m.group(3) in QUANTIZED_LINEARS[m.group(2)]:
+        elif linears == "int4-mlp" and m is not None and m.group(2) == "mlp":
+            O, I = p.shape
+            total += p.numel() // 2 + O * (I // group_for(I, group_size)) * item
+        elif linears not in ("native", "int4-mlp") and m is not None and m.group(3) in QUANTIZED_LINEARS[m.group(2)]:
             total += p.numel() + p.shape[0] * 4
         else:
             total += p.numel() * item
@@ -226,7 +230,11 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
         from .kernels.quant import streaming_quantizer
 
         hooks.append(streaming_quantizer(module, opts.precision, opts.group_size))
-    if opts.linears != "native":
+    if opts.linears == "int4-mlp":
+        from .kernels.quant import mlp_streaming_quantizer
+
+        hooks.append(mlp_streaming_quantizer(module, opts.group_size))
+    elif opts.linears != "native":
         from .kernels.linear_q import linear_streaming_quantizer
 
         hooks.append(linear_streaming_quantizer(module, opts.linears))

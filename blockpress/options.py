@@ -9,7 +9,8 @@
   `sc_topk` (self-conditioning over the top-K tokens, an approximation), and the Triton kernels' settings
   `moe_tiles`, `moe_sum`, `linear_tiles` (None: the defaults).
 - Storage, fixed at load: `precision` of the experts ("native", "fp8", "int4", with `group_size`) and of the
-  attention / dense-MLP projections (`linears`: "native", "int8", "fp8").
+  attention / dense-MLP projections (`linears`: "native", "int8", "fp8" for both; "int4-mlp": the dense MLP alone
+  in int4 through the expert kernels).
 
 Kernel names and tile specs are checked by `kernels.select` when they are applied (still once, at load or
 configure); everything else here. A bad value is an `InputError` naming the field and the choices.
@@ -24,7 +25,7 @@ from .errors import InputError
 
 SAMPLERS = ("exact", "fast")
 PRECISIONS = ("native", "fp8", "int4")
-LINEAR_FORMATS = ("native", "int8", "fp8")
+LINEAR_FORMATS = ("native", "int8", "fp8", "int4-mlp")
 MOE_SUMS = ("kernel", "atomic")
 ENGINE_FIELDS = ("sampler", "fuse_commit", "compact_rows", "cuda_graphs", "compile")
 STORAGE_FIELDS = ("precision", "group_size", "linears")

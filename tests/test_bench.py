@@ -182,12 +182,15 @@ def test_quality_guard_tiny(capsys, monkeypatch):
         runpy.run_path(str(ROOT / "benchmarks" / "quality_guard.py"), run_name="__main__")
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["format"]: r for r in result["results"]}
-    assert set(rows) == {"bf16", "fp8", "int4", "int8-linears", "fp8-linears", "fp8-linears-a8", "fp8+int8-linears",
-                         "int4+int8-linears"}
+    assert set(rows) == {"bf16", "fp8", "int4", "int8-linears", "fp8-linears", "fp8-linears-a8", "int4-mlp",
+                         "fp8+int8-linears", "int4+int8-linears", "int4+int4-mlp"}
     assert rows["bf16"]["experts_rel_err"] < rows["fp8"]["experts_rel_err"] < rows["int4"]["experts_rel_err"]
     assert rows["int8-linears"]["experts_rel_err"] == 0 == rows["int4"]["linears_rel_err"]  # each swaps only its part
     assert 0 < rows["int8-linears"]["linears_rel_err"] == rows["int4+int8-linears"]["linears_rel_err"] < 0.02
     assert rows["int4+int8-linears"]["experts_rel_err"] == rows["int4"]["experts_rel_err"]
+    # the dense MLP alone in int4: its own error (each MLP's output), about int4's on the experts; nothing else moves
+    assert rows["int4-mlp"]["experts_rel_err"] == 0 < rows["int4-mlp"]["linears_rel_err"] < 0.25
+    assert rows["int4+int4-mlp"]["linears_rel_err"] == rows["int4-mlp"]["linears_rel_err"]
     # int8 keeps ~7 bits of a row's bulk, fp8 3; fp8 activations add their own rounding
     assert rows["int8-linears"]["linears_rel_err"] < rows["fp8-linears"]["linears_rel_err"] \
         < rows["fp8-linears-a8"]["linears_rel_err"] < 0.1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..lab.presets import DTYPE_NAMES, PRESETS
+from ..options import LINEAR_FORMATS
 from .run import COMPILE_HELP, _nonneg_int, _positive_int, _positive_int_list
 
 MODES = ("fixed", "adaptive")
@@ -72,9 +73,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="model dtype (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native", help="expert weights")
     p.add_argument("--group-size", type=_group_size, default=64, help="int4 scale group along the input dim")
-    p.add_argument("--linears", choices=["native", "int8", "fp8"], default="native",
+    p.add_argument("--linears", choices=LINEAR_FORMATS, default="native",
                    help="attention and dense-MLP projections: native, or int8 / fp8 (a scale per row; weight-only, "
-                        "or fp8 x fp8 with --experts scaled_mm)")
+                        "or fp8 x fp8 with --experts scaled_mm); int4-mlp: the dense MLP alone in int4, on the "
+                        "experts' int4 kernels")
     p.add_argument("--experts", default="auto", help="experts backend: auto, loop, dense, grouped, triton, scaled_mm")
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")

@@ -342,6 +342,60 @@ def quantize_experts_(module: nn.Module, fmt: str, group_size: int = 64, backend
 _EXPERT_TENSOR = re.compile(r"layers\.(\d+)\.experts\.(gate_up_proj|down_proj)$")
 
 
+class QuantizedMLP(nn.Module):
+    """A layer's dense MLP, down(gelu_tanh(gate x) * up x), in int4 through the expert kernels (linears="int4-mlp"):
+    one expert that every token takes with weight 1, its gate and up rows stacked as the expert's gate_up, so the
+    MLP runs on the int4 experts' Triton kernels (and their torch reference) with nothing written twice. The same
+    function as the float MLP on the dequantised weights, up to where the expert path rounds (its gate and up
+    products stay fp32 until the activation is stored). On the 26B model: 1.07 GB of bf16 MLP weights become 0.30 GB."""
+
+    def __init__(self, hidden: int, inter: int, group_size: int = 64, dtype: torch.dtype = torch.bfloat16,
+                 device=None):
+        super().__init__()
+        self.experts = QuantizedExperts(1, hidden, inter, "int4", group_size, dtype=dtype, device=device)
+
+    @classmethod
+    @torch.no_grad()
+    def from_mlp(cls, mlp: nn.Module, group_size: int = 64) -> "QuantizedMLP":
+        gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        q = cls(gate.shape[1], gate.shape[0], group_size, dtype=gate.dtype, device=gate.device)
+        q.experts.load_float_(torch.cat([gate, up])[None], down[None])
+        return q
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        w = torch.ones(flat.shape[0], 1, dtype=torch.float32, device=x.device)
+        idx = torch.zeros(flat.shape[0], 1, dtype=torch.int64, device=x.device)
+        return self.experts(flat, w, idx).view(x.shape)
+
+
+_MLP_WEIGHT = re.compile(r"layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def quantize_mlp_(module: nn.Module, group_size: int = 64) -> nn.Module:
+    """Swap every layer's dense MLP for QuantizedMLP, in place, one layer at a time. Returns the module."""
+    for layer in module.layers:
+        if not isinstance(layer.mlp, QuantizedMLP):
+            layer.mlp = QuantizedMLP.from_mlp(layer.mlp, group_size)
+    return module
+
+
+def mlp_streaming_quantizer(module: nn.Module, group_size: int = 64):
+    """A `load_weights(on_loaded=...)` hook: a layer's MLP is quantised once its three weights are in."""
+    seen: dict[int, set[str]] = {}
+
+    def on_loaded(name: str) -> None:
+        m = _MLP_WEIGHT.search(name)
+        if m is None:
+            return
+        i = int(m.group(1))
+        seen.setdefault(i, set()).add(m.group(2))
+        if len(seen[i]) == 3:
+            module.layers[i].mlp = QuantizedMLP.from_mlp(module.layers[i].mlp, group_size)
+
+    return on_loaded
+
+
 def streaming_quantizer(module: nn.Module, fmt: str, group_size: int = 64):
     """A `load_weights(on_loaded=...)` hook: as soon as both float expert tensors of a layer are loaded,
     that layer's experts are quantised and the float copies dropped. The float experts of the whole

@@ -35,7 +35,7 @@ from .compiled import compiled_block
 from .library import FLOAT_EXPERTS, float_experts, float_experts_op, kernel_of
 from .linear_q import QuantizedLinear, as_linear_tiles, linear_tiles_spec, quantize_linears_, quantized_linears
 from .moe_grouped import _grouped_mm_ok, as_tiles
-from .quant import QuantizedExperts, quantize_experts_
+from .quant import QuantizedExperts, QuantizedMLP, quantize_experts_, quantize_mlp_
 from .route import ROUTE, route_op
 from .sc_topk import soft_embedding_topk
 from .softcap import softcap_triton, softcap_triton_checked
@@ -68,7 +68,9 @@ def _store(module, precision: str, group_size: int, linears: str) -> None:
         raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
     if precision != "native" and not any(isinstance(layer.experts, QuantizedExperts) for layer in module.layers):
         quantize_experts_(module, precision, group_size)
-    if linears != "native" and not quantized_linears(module):
+    if linears == "int4-mlp":
+        quantize_mlp_(module, group_size)  # (layers that hold a QuantizedMLP keep it)
+    elif linears != "native" and not quantized_linears(module):
         quantize_linears_(module, linears)
 
 
@@ -83,8 +85,12 @@ def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool)
         if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
             raise ValueError("the scaled_mm experts backend needs a CUDA GPU with fp8 matmuls (compute capability "
                              ">= 8.9: Ada, Hopper); use the default experts backend here")
+    backend = "torch" if asked == "loop" else name if name in ("triton", "scaled_mm", "torch") else "auto"
+    for layer in module.layers:  # int4 MLPs run on the quantised experts' kernels: "triton" where it runs, else torch
+        if isinstance(layer.mlp, QuantizedMLP):
+            mlp = layer.mlp.experts
+            mlp.backend, mlp.tiles, mlp.moe_sum = "torch" if backend == "torch" else "auto", tiles, moe_sum
     if quantized:
-        backend = "torch" if asked == "loop" else name if name in ("triton", "scaled_mm", "torch") else "auto"
         for layer in module.layers:  # "triton" where it runs, else the torch reference
             layer.experts.backend, layer.experts.tiles, layer.experts.moe_sum = backend, tiles, moe_sum
         return module.layers[0].experts.resolved_backend(torch.empty(0, device=dev, dtype=dtype))
@@ -128,9 +134,13 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     module.ops = Ops(attention=ATTENTION[attention], softcap=SOFTCAP[softcap], soft_embedding=_soft_embedding(sc_topk),
                      block=compiled_block() if compile else None)
     q = (quantized_linears(module) or [None])[0]
+    probe = torch.empty(0, device=dev, dtype=dtype)
+    mlp4 = module.layers[0].mlp.experts if isinstance(module.layers[0].mlp, QuantizedMLP) else None
+    lin = "native" if q is None and mlp4 is None else f"int4-mlp {mlp4.resolved_backend(probe)}" if q is None else \
+        f"{q.fmt} {q.resolved_backend(probe)}"
     return {"compiled_blocks": bool(compile), "experts": resolved, "attention": attention, "precision": precision,
             "sc_topk": sc_topk, "softcap": softcap, "routing": routing, "moe_tiles": tiles.spec(), "moe_sum": moe_sum,
-            "linears": "native" if q is None else f"{q.fmt} {q.resolved_backend(torch.empty(0, device=dev, dtype=dtype))}",
+            "linears": lin,
             **({"linear_tiles": q.tiles_spec} if q is not None else {}),
             "triton": None if triton is None else triton.__version__}
 

@@ -71,7 +71,9 @@ def main(argv=None) -> int:
     # wider tiles with 8 warps (fewer programs) were slower there.
     int8_specs = ["bm=auto,bn=64,bk=64", "bm=auto,bn=32,bk=64", "bm=auto,bn=64,bk=64,split=2",
                   "bm=auto,bn=64,bk=64,split=4", "bm=auto,bn=64,bk=64,split=8", "bm=auto,bn=32,bk=64,split=4",
-                  "bm=auto,bn=32,bk=128,split=4", "bm=128,bn=64,bk=64"]
+                  "bm=auto,bn=32,bk=128,split=4", "bm=128,bn=64,bk=64",
+                  # the weight as the MMA's register operand (wgmma on sm_90), a canvas's rows in one block
+                  "bm=auto,bn=64,bk=64,swap=1", "bm=auto,bn=128,bk=64,swap=1"]
     variants = [f"int8 {sp}" for sp in int8_specs] + ["fp8"] + (["fp8-a8"] if w8a8 else [])
     text = ModelConfig.from_dict(preset_config(args.preset)[0]).text
     rows = [int(r) for r in args.rows.split(",") if r]
@@ -93,8 +95,7 @@ def main(argv=None) -> int:
         for M in rows:
             x = torch.randn(M, I, generator=g, device=device, dtype=torch.float32).to(dtype)
             calls = {f"int8 {sp}": ((lambda t=parse_linear_tiles(sp): linear_q_triton(
-                x, q["int8"].weight_q, q["int8"].weight_scale, block_m=t["block_m"], block_n=t["block_n"],
-                block_k=t["block_k"], num_warps=t["num_warps"], split_k=t["split_k"])), q["int8"]) for sp in int8_specs}
+                x, q["int8"].weight_q, q["int8"].weight_scale, **t)), q["int8"]) for sp in int8_specs}
             calls.update({
                 "fp8": (lambda: linear_q_triton(x, q["fp8"].weight_q, q["fp8"].weight_scale), q["fp8"]),
                 "fp8-a8": (lambda: linear_fp8_scaled_mm(x, q["fp8"].weight_q, q["fp8"].weight_scale), None)})

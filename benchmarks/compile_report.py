@@ -90,6 +90,9 @@ def linear_variants(text, dtype, passes, formats: list[str]):
                     for bm in (128, 256):
                         yield (f"linear {fmt} [{O}x{I}], {what}, bm {bm}",
                                lambda x=x, q=q, s=s, bm=bm: linear_q_triton(x, q, s, block_m=bm))
+                if what.startswith("canvas"):  # the weight as wgmma's register operand, a canvas in one block
+                    yield (f"linear {fmt} [{O}x{I}], {what}, swap",
+                           lambda x=x, q=q, s=s: linear_q_triton(x, q, s, swap=True))
 
 
 def head_variants(vocab: int, canvas: int, dtype, batches: list[int], cap: float | None):

@@ -26,9 +26,9 @@
 #            linears; bench_linears.py with and without --fused
 #   train    benchmarks/train_step.py: QLoRA steps (int4 experts + int8 linears, then int4 alone) with peak memory
 #            beside train_memory.py's prediction; full fine-tuning steps of the tiny preset
-#   swap     the expert kernels with the weight as the MMA's register operand (tiles swap=1): one layer's tile
-#            sweep with swap 0 and 1, then the compiled fp8 and int4 rows with the best swapped tiles vs the default;
-#            int4 with the dense MLP in int4 too (--linears int4-mlp: peak memory)
+#   swap     the expert and 8-bit projection kernels with the weight as the MMA's register operand (tiles swap=1):
+#            compiled fp8 default vs swapped, int4 swapped, + int8 projections, + int4 MLP (--linears int4-mlp),
+#            int4 default; SWEEP=1 also sweeps one layer's tiles and the projections first
 #   compiled the compiled step (one graph per kind of layer, custom ops, routing kernel) with fused commits: fp8
 #            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
@@ -230,6 +230,74 @@ EOF
         python3 benchmarks/bench_linears.py --preset "$PRESET" --rows 1,256 $fused 2>&1 | grep -E "one pass" \
         | tee -a "$OUT/summary.txt"
     done
+    ;;
+  compiled)
+    # issue 30's items 1-2 on a GPU (2026-11-26): compiled blocks as one graph per kind of layer with no break (the
+    # experts, 8-bit projections and routing are custom ops; the layer's K/V buffers are graph inputs, not a
+    # per-layer constant) and the one-kernel routing, against the default row in the same call. The GPU tests of
+    # both first; the fp8 rows with --profile (eager kernels: kernels per step, uncompiled then compiled).
+    DEADLINE=$((SECONDS + ${BUDGET:-420}))
+    env_info
+    ROW="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
+    lim=$(limit 75)
+    if [ "$lim" != 0 ] && [ "$CUDA" = 1 ]; then
+      echo "=== gpu tests (limit $lim s)" | tee -a "$OUT/log.txt"
+      timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_route.py tests/test_compiled.py 2>&1 \
+        | tee "$OUT/gpu-tests.txt" | grep -E "passed|failed|^FAILED|^E " | head -20 | tee -a "$OUT/summary.txt"
+    fi
+    STEP_LIMIT=70 bench fp8 $ROW --precision fp8 --profile
+    STEP_LIMIT=170 bench fp8-compiled $ROW --precision fp8 --compile --fuse-commit --profile
+    STEP_LIMIT=130 bench int4-lin8-compiled $ROW --precision int4 --linears int8 --compile --fuse-commit
+    STEP_LIMIT=130 bench int4-compiled $ROW --precision int4 --compile --fuse-commit
+    STEP_LIMIT=130 bench bf16-compiled $ROW --compile --fuse-commit
+    ;;
+  align)
+    # after part 'compiled': the one-launch align and eager prefill, the compiled fp8 row before (gpu_baseline/: the
+    # tree of 7486795, `git archive 7486795 blockpress | tar -x -C gpu_baseline`, carried) and after in one call,
+    # the after row with --profile of the fixed-shape passes (the kernels a graph replays); int4; the align test
+    DEADLINE=$((SECONDS + ${BUDGET:-300}))
+    env_info
+    ROW="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
+    ROW="$ROW --compile --fuse-commit"
+    lim=$(limit 40)
+    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+      -k align 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+    STEP_LIMIT=110 bench fp8-after $ROW --precision fp8 --profile
+    [ -d gpu_baseline/blockpress ] && BENCH_CWD=gpu_baseline STEP_LIMIT=90 bench fp8-before $ROW --precision fp8
+    STEP_LIMIT=80 bench int4-after $ROW --precision int4
+    ;;
+  swap)
+    # For the next lease: the expert and 8-bit projection kernels with the weight tile as the MMA's first operand
+    # (tiles swap=1: Hopper's wgmma reads it from registers, so fp8 / int4 / int8 weights converted in registers skip
+    # shared memory; a block of 16-32 expert assignments uses wgmma at all, and a projection takes a whole canvas per
+    # block, converting each weight once; compile_report.py shows HGMMA with a register A for both, mma.sync or two
+    # shared-memory operands without). The compiled rows end to end, most important first (the deadline drops the
+    # tail): fp8 default vs swapped, int4 swapped, int4 + int8 projections swapped, int4 + int4 MLP, int4 default.
+    # SWEEP=1 first sweeps one layer's tiles (swap 0 and 1) and the projections (bench_linears.py).
+    DEADLINE=$((SECONDS + ${BUDGET:-480}))
+    env_info
+    ROW="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
+    ROW="$ROW --compile --fuse-commit"
+    SW="bm=auto,bn=128,bk=64,swap=1"
+    if [ -n "${SWEEP:-}" ]; then
+      for prec in fp8 int4; do
+        lim=$(limit ${SWEEP_LIMIT:-60}); [ "$lim" = 0 ] && break
+        echo "=== tiles $prec (limit $lim s)" | tee -a "$OUT/log.txt"
+        timeout "$lim" python3 benchmarks/sweep_moe_tiles.py --preset "$PRESET" --precision $prec --batch 1 \
+          --grid "bm=auto,16,32;bn=64,128;bk=64,128;swap=0,1" --out "$OUT/tiles-$prec.json" 2>&1 | grep -v '^{' >>"$OUT/log.txt"
+        grep -A12 "| $prec: tiles" "$OUT/log.txt" | tee -a "$OUT/summary.txt"
+      done
+      lim=$(limit 60); [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/bench_linears.py --preset "$PRESET" \
+        --rows 256 2>&1 | grep -E "variants:|one pass" | tee -a "$OUT/summary.txt"
+    fi
+    STEP_LIMIT=100 bench fp8-default $ROW --precision fp8
+    STEP_LIMIT=100 bench fp8-swap $ROW --precision fp8 --moe-tiles "$SW"
+    STEP_LIMIT=80 bench int4-swap $ROW --precision int4 --moe-tiles "$SW"
+    STEP_LIMIT=80 bench int4-lin8-swap $ROW --precision int4 --moe-tiles "$SW" --linears int8 --linear-tiles swap=1
+    # the dense MLP in int4 on the experts' kernels (--linears int4-mlp): peak_memory.py predicts 17.32 GB against
+    # int4's 18.11 (measured 18.25 on an H100), without the 8-bit projection kernel
+    STEP_LIMIT=80 bench int4-mlp4-swap $ROW --precision int4 --moe-tiles "$SW" --linears int4-mlp
+    STEP_LIMIT=80 bench int4-default $ROW --precision int4
     ;;
   compiled)
     # issue 30's items 1-2 on a GPU (2026-11-26): compiled blocks as one graph per kind of layer with no break (the

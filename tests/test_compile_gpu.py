@@ -63,11 +63,11 @@ def test_every_kernel_compiles_and_would_launch(report):
     big = [r for r in result["archs"]["90"]["kernels"] if "bn=128,bk=128" in r["label"] and "native" in r["label"]
            and ("prefill" in r["label"] or "canvas x4" in r["label"]) and r["kernel"] == "_moe_up_kernel"]
     assert big and all(r["num_stages"] < 3 for r in big)
-    # the weight as the dot's first operand (swap=1): Hopper's wgmma even for a canvas's 32-assignment blocks, which
-    # the default tiles run on mma.sync
-    swapped = [r for r in result["archs"]["90"]["kernels"] if r["kernel"] in ("_moe_up_kernel", "_moe_down_kernel")
-               and "swap=1" in r["label"] and "canvas x1" in r["label"]]
-    assert swapped and all(r["mma"] == "wgmma" for r in swapped)
+    # the weight as the dot's first operand (swap): Hopper's wgmma even for a canvas's 32-assignment expert blocks,
+    # which the default tiles run on mma.sync; the 8-bit projections take a whole canvas per block
+    swapped = [r for r in result["archs"]["90"]["kernels"] if "swap" in r["label"] and "canvas x1" in r["label"]]
+    assert {r["kernel"] for r in swapped} == {"_moe_up_kernel", "_moe_down_kernel", "_linear_q_kernel"}
+    assert all(r["mma"] == "wgmma" for r in swapped)
 
 
 def test_pipeline_stages_fit_the_shared_memory(monkeypatch):

@@ -44,12 +44,14 @@ def test_int8_rows_error_within_half_step_and_full_range():
 
 
 @needs_triton
-@pytest.mark.parametrize("spec", ["bm=16,bn=32,bk=16,split=3", "bn=16,bk=32,split=2,warps=2", "bm=32,split=64"])
+@pytest.mark.parametrize("spec", ["bm=16,bn=32,bk=16,split=3", "bn=16,bk=32,split=2,warps=2", "bm=32,split=64",
+                                  "bn=16,bk=16,swap=1", "bn=32,bk=16,split=3,swap=1"])
 @pytest.mark.parametrize("M,I,O", [(1, 64, 80), (40, 112, 48)])
 def test_triton_kernel_with_other_tiles_and_a_split_k_equals_the_torch_reference(spec, M, I, O):
     """Other tiles (the `linear_tiles` option): narrower N tiles and K summed by several programs (atomic fp32 adds, then a cast) compute
     the same function; a split larger than K's tiles is clipped (no empty split adds zeros twice or reads past K).
-    I = 112 with bk 32: a K tail (not EVEN_K) inside the last split."""
+    I = 112 with bk 32: a K tail (not EVEN_K) inside the last split. swap=1: the weight tile as the dot's first
+    operand, every row of the call in one block (transposed accumulator, masks and stores)."""
     from blockpress.kernels import linear_q
 
     g = torch.Generator().manual_seed(M + I)
@@ -72,7 +74,8 @@ def test_linear_tile_specs_are_checked():
     from blockpress.kernels.linear_q import parse_linear_tiles
 
     assert parse_linear_tiles("bm=auto,bn=32,split=4") == {"block_m": None, "block_n": 32, "block_k": 64,
-                                                            "num_warps": None, "split_k": 4}
+                                                            "num_warps": None, "split_k": 4, "swap": False}
+    assert parse_linear_tiles("swap=1")["swap"] is True
     for bad, words in [("split=0", "split=0"), ("split=x", "not an integer"), ("bn=48", "powers of two"),
                        ("stages=3", "stages"), ("bx=4", "bad tile setting")]:
         with pytest.raises(ValueError, match=words):

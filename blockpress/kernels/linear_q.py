@@ -40,6 +40,8 @@ from torch import nn
 from ..options import LINEAR_FORMATS
 from ._triton import fp8_usable_on, interpreted, tl, triton, usable_on
 from .moe_grouped import _stages, _wgmma_target, checked_on_first_use
+if triton is not None:
+    from .moe_grouped import _cols, _dot, _rows
 from .quant import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
 
 INT8_MAX = 127.0
@@ -138,7 +140,7 @@ def linear_q(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor, fmt: st
     M = x.numel() // x.shape[-1]
     O, I = q_OI.shape
     key = (str(x.device), str(x.dtype).removeprefix("torch."), f"triton {fmt} linear",
-           (block_m_for(M), M == 1, M % 16 == 0, O % 16 == 0, I % 16 == 0, tiles_spec))
+           (block_m_for(M, tiles.get("swap", False)), M == 1, M % 16 == 0, O % 16 == 0, I % 16 == 0, tiles_spec))
     return checked_on_first_use(key, lambda: linear_q_triton(x, q_OI, scale_O, **tiles),
                                 lambda: F.linear(x, dequantize_rows(q_OI, scale_O, fmt, x.dtype)),
                                 f"the Triton {fmt} linear kernel")
@@ -212,8 +214,11 @@ def linear_fp8_w8a8_reference(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torc
 BLOCK_N, BLOCK_K = 64, 64
 
 
-def block_m_for(M: int) -> int:
-    """16 for a one-token step, up to 64 for a canvas (256 rows) or a prompt."""
+def block_m_for(M: int, swap: bool = False) -> int:
+    """16 for a one-token step, up to 64 for a canvas (256 rows) or a prompt; with swap (the rows are the MMA's N,
+    up to 256) every row of a canvas in one block, so each weight is converted once."""
+    if swap:
+        return min(256, max(16, triton.next_power_of_2(M)))
     return 16 if M <= 16 else 32 if M <= 32 else 64
 
 
@@ -221,12 +226,14 @@ def block_m_for(M: int) -> int:
 # partial sums meet by atomic adds (more programs for the GPU's SMs: at 256 rows a 2112-wide projection has 4 x 33
 # output tiles for 132 SMs, at one row 33), then one cast to the activation dtype. Another setting: the
 # `linear_tiles` option (`blockpress bench --linear-tiles`); benchmarks/bench_linears.py times the variants.
-DEFAULT_LINEAR_TILES = {"block_m": None, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": None, "split_k": 1}
+DEFAULT_LINEAR_TILES = {"block_m": None, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": None, "split_k": 1,
+                        "swap": False}
 
 
 def parse_linear_tiles(spec: str) -> dict:
-    """'bm=64,bn=32,bk=64,warps=4,split=4' (any subset; bm=auto) -> DEFAULT_LINEAR_TILES' keys; ValueError naming
-    the problem."""
+    """'bm=64,bn=32,bk=64,warps=4,split=4,swap=1' (any subset; bm=auto) -> DEFAULT_LINEAR_TILES' keys; ValueError
+    naming the problem. swap=1: the weight tile as the dot's first operand (moe_grouped._dot), so a block of up to
+    256 rows (wgmma's N) converts each weight once."""
     from .moe_grouped import parse_tiles
 
     split, rest = 1, []
@@ -245,7 +252,8 @@ def parse_linear_tiles(spec: str) -> dict:
     if t.num_stages:
         raise ValueError("the linear kernel's stages are fitted to the device; drop 'stages=' from the spec")
     return {"block_m": t.block_m, "block_n": t.block_n if "bn=" in spec else BLOCK_N,
-            "block_k": t.block_k if "bk=" in spec else BLOCK_K, "num_warps": t.num_warps, "split_k": split}
+            "block_k": t.block_k if "bk=" in spec else BLOCK_K, "num_warps": t.num_warps, "split_k": split,
+            "swap": t.swap}
 
 
 def as_linear_tiles(spec: "str | dict | None") -> dict:
@@ -259,6 +267,7 @@ def linear_tiles_spec(t: dict) -> str:
     parts = [f"bm={t['block_m'] or 'auto'}", f"bn={t['block_n']}", f"bk={t['block_k']}"]
     parts += [f"warps={t['num_warps']}"] if t["num_warps"] else []
     parts += [f"split={t['split_k']}"] if t["split_k"] > 1 else []
+    parts += ["swap=1"] if t.get("swap") else []
     return ",".join(parts)
 
 
@@ -270,16 +279,17 @@ if triton is not None:
     @triton.jit
     def _linear_q_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_qn, stride_om,
                          F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr):
+                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr):
         """out[m, n] = scale[n] * sum_k x[m, k] q[n, k]. Programs that share an N block run side by side
         (axis 0 is M), so the weight tile they all read comes from L2 after the first. EVEN_K (BK divides K,
         every projection of the 26B model): no K mask. SPLIT > 1: program_id(2) sums K_SPLIT of K (a multiple
-        of BK) and adds its scaled partial to out (fp32, zeroed) atomically."""
+        of BK) and adds its scaled partial to out (fp32, zeroed) atomically. SWAP: the accumulator is [BN, BM],
+        the weight tile the dot's first operand (moe_grouped._dot)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         m = pid_m * BM + tl.arange(0, BM)
         n = pid_n * BN + tl.arange(0, BN)
         mmask, nmask = m < M, n < N
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
         k_lo = 0
         k_hi = K
         if SPLIT > 1:
@@ -293,30 +303,33 @@ if triton is not None:
                 kmask = k < k_hi
                 xmask, wmask = mmask[:, None] & kmask[None, :], kmask[:, None] & nmask[None, :]
             xa = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :], mask=xmask, other=0.0)
-            w = tl.load(q_ptr + n[None, :].to(tl.int64) * stride_qn + k[:, None], mask=wmask,
-                        other=0.0)  # [BK, BN] of q^T
-            if F32:
-                acc += tl.dot(xa.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(xa, w.to(tl.float32).to(xa.dtype))  # int8 and e4m3 values are exact in bf16 / fp16
-        acc *= tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]
-        ptrs = out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :]
+            if SWAP:  # [BN, BK] of q
+                w = tl.load(q_ptr + n[:, None].to(tl.int64) * stride_qn + k[None, :], mask=tl.trans(wmask), other=0.0)
+            else:  # [BK, BN] of q^T
+                w = tl.load(q_ptr + n[None, :].to(tl.int64) * stride_qn + k[:, None], mask=wmask, other=0.0)
+            # int8 and e4m3 values are exact in bf16 / fp16
+            acc = _dot(xa, w.to(tl.float32).to(xa.dtype), acc, F32, SWAP)
+        acc *= _cols(tl.load(s_ptr + n, mask=nmask, other=0.0), SWAP)
+        ptrs = out_ptr + _rows(m.to(tl.int64), SWAP) * stride_om + _cols(n, SWAP)
+        mask = _rows(mmask, SWAP) & _cols(nmask, SWAP)
         if SPLIT > 1:
-            tl.atomic_add(ptrs, acc, mask=mmask[:, None] & nmask[None, :])
+            tl.atomic_add(ptrs, acc, mask=mask)
         else:
-            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
                     block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                    num_warps: int | None = None, split_k: int | None = None) -> torch.Tensor:
+                    num_warps: int | None = None, split_k: int | None = None, swap: bool = False) -> torch.Tensor:
     """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel (q int8 or float8_e4m3fn).
     block_m: rows per program (default `block_m_for`). Each program converts its weight tile to the activation
     dtype, so M / block_m programs convert every weight: at a canvas (256 rows, BM 64) 4 times, ~20 instructions
     per weight on sm_90 (benchmarks/compile_report.py); BM 128 ~11.5 and BM 256 ~7.9, with a half and a quarter
     of the programs. block_n / block_k / num_warps / split_k: the other tiles (None: `DEFAULT_LINEAR_TILES`).
     split_k > 1 sums K in that many programs per output tile into an fp32 buffer (atomic
-    adds: run-to-run last-bit differences), then casts: two more small kernels, for a grid that fills the GPU."""
+    adds: run-to-run last-bit differences), then casts: two more small kernels, for a grid that fills the GPU.
+    swap: the weight tile as the dot's first operand (Hopper's wgmma reads it from registers; its M is block_n, so
+    block_m may be a whole canvas, up to wgmma's N of 256, and each weight is converted once)."""
     if triton is None:
         raise RuntimeError("linear_q_triton needs triton (pip install triton)")
     lead, I = x.shape[:-1], x.shape[-1]
@@ -327,7 +340,7 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
         x2 = x2.contiguous()
     M = x2.shape[0]
     t = DEFAULT_LINEAR_TILES
-    bm = block_m or t["block_m"] or block_m_for(M)
+    bm = block_m or t["block_m"] or block_m_for(M, swap)
     bn, bk = block_n or t["block_n"], block_k or t["block_k"]
     warps, split = num_warps or t["num_warps"], split_k or t["split_k"]
     blocks_k = triton.cdiv(I, bk)
@@ -341,13 +354,14 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     # fp32 operands: exact ieee dots; the interpreter needs them too (its bf16 tl.dot is wrong in triton 3.9)
     f32 = x.dtype == torch.float32 or interpreted()
     grid = (triton.cdiv(M, bm), triton.cdiv(O, bn), split)
-    wgmma = bm >= 64 and _wgmma_target(x.device)  # Hopper's wgmma also keeps the converted weight tile in shared memory
+    # Hopper's wgmma (the MMA's M: the first operand's rows) also keeps the converted weight tile in shared memory
+    wgmma = (bn if swap else bm) >= 64 and _wgmma_target(x.device)
     launch = _stages(None, (bm * x2.element_size() + bn * q_OI.element_size()) * bk,
                      bn * bk * x2.element_size() if wgmma else 0, wgmma)
     if warps:
         launch["num_warps"] = warps
     _linear_q_kernel[grid](x2, q_OI, scale_O, out, M, O, I, k_split, x2.stride(0), q_OI.stride(0), out.stride(0),
-                           F32=f32, BM=bm, BN=bn, BK=bk, EVEN_K=I % bk == 0, SPLIT=split, **launch)
+                           F32=f32, BM=bm, BN=bn, BK=bk, EVEN_K=I % bk == 0, SPLIT=split, SWAP=bool(swap), **launch)
     if split > 1:
         out = out.to(x.dtype)
     return out.view(*lead, O)

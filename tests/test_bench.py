@@ -116,6 +116,7 @@ def test_cli_bench_tiny_with_reference_and_ar(capsys):
     for key in ("tok_s", "tok_s_excl_prompt", "ms_per_step", "ms_per_commit", "first_commit_ms", "prefill_ms",
                 "peak_mem_bytes", "bytes_per_step", "floor_fraction", "gen_floor_tok_s"):
         assert ours[key] is not None and ours[key] > 0, key
+    assert result["fuse_commit"] is False  # a CPU's default: a pass of its own per commit (reference parity)
     assert ours["steps_per_canvas"] == 3 and ours["first_commit_ms"] < ours["total_ms"]
     assert ours["tok_s_excl_prompt"] >= ours["tok_s"]
     assert set(result["ratios"]) == {"vs_transformers_fixed", "vs_transformers_adaptive", "vs_ar"}
@@ -445,7 +446,7 @@ def test_bench_runs_replay_graphed_passes_after_the_warmup(fuse):
     p = argparse.ArgumentParser()
     add_parser(p)
     args = p.parse_args([*FAST[2:], "--warmup", "1", "--repeats", "2", "--ar-tokens", "6"]
-                        + (["--fuse-commit"] if fuse else []))
+                        + (["--fuse-commit"] if fuse else ["--no-fuse-commit"]))
     args.prompt_tokens = 8
     module = build_model(preset_config("tiny")[0], torch.device("cpu"), torch.float32)
     ids = torch.randint(5, module.text.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))

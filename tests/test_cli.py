@@ -223,13 +223,17 @@ def test_sudoku_model_renders_grids(sudoku_dir, capsys, monkeypatch):
 def test_chat_session_encodes_only_new_tokens(model_dir):
     lm = blockpress.load(model_dir, progress=False)
     encoded: list[int] = []
-    real_encode = lm.module.encode
+    real_encode, real_fused = lm.module.encode, lm.module.encode_decode
 
     def spy(ids, cache, *args, **kwargs):
         encoded.append(ids.shape[1])
         return real_encode(ids, cache, *args, **kwargs)
 
-    lm.module.encode = spy
+    def spy_fused(committed, canvas, cache, *args, **kwargs):  # a commit inside the next canvas's first step
+        encoded.append(committed.shape[1])
+        return real_fused(committed, canvas, cache, *args, **kwargs)
+
+    lm.module.encode, lm.module.encode_decode = spy, spy_fused
     C = lm.canvas_length
     s = ChatSession(lm, sampling={"max_new_tokens": 40, "max_denoising_steps": 3}, seed=0)
     first = s.send("Why is the sky blue?")
@@ -246,7 +250,7 @@ def test_chat_session_encodes_only_new_tokens(model_dir):
     assert encoded[0] == second.encoded == len(tail) + len(suffix)
     assert encoded[0] < len(prompt1) + len(first.tokens)  # far less than re-encoding the conversation
     # and the reply is what a from-scratch run over the same tokens gives
-    lm.module.encode = real_encode
+    lm.module.encode, lm.module.encode_decode = real_encode, real_fused
     history = prompt1 + first.tokens[:2 * C] + tail + suffix
     ref = lm.generate([history], generator=torch.Generator().set_state(state), max_new_tokens=40,
                       max_denoising_steps=3, eos_token_id=[1, 106], pad_token_id=0)

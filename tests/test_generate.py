@@ -466,6 +466,26 @@ def test_fuse_commit_gives_the_same_tokens(bp, sampler, per_row, monkeypatch):
     assert outs[0].steps_per_canvas == outs[1].steps_per_canvas and outs[1].cache.length == outs[0].cache.length
 
 
+def test_fused_commit_is_on_by_default_on_a_gpu_only(bp, monkeypatch):
+    """fuse_commit=None (the default) fuses commits where the model runs on a CUDA GPU and not on a CPU: there a
+    fused pass's GEMMs round differently (fp32, last bits), so the default keeps the reference's tokens. Explicit
+    values win; anything else is refused in one line."""
+    from blockpress.options import Options
+
+    assert Options().fuse_commit is None and bp.options.fuse_commit is None
+    assert Options().fused(torch.device("cuda")) is True and Options().fused(torch.device("cpu")) is False
+    assert Options(fuse_commit=False).fused(torch.device("cuda")) is False
+    assert Options(fuse_commit=True).fused(torch.device("cpu")) is True
+    with pytest.raises(blockpress.InputError, match="fuse_commit must be None"):
+        Options().replace(fuse_commit="yes")
+    counts = {}
+    for name in ("encode", "encode_decode"):
+        monkeypatch.setattr(bp.module, name, _counted(getattr(bp.module, name), counts, name))
+    bp.generate([ids(1, 9, 1)[0].tolist()], generator=torch.Generator().manual_seed(1),
+                **dict(KW, max_new_tokens=32, eos_token_id=None))
+    assert counts == {"encode": 2}  # the prompt, then a commit pass of its own (a CPU model)
+
+
 def test_temperature_schedule_is_the_reference_formula_bit_for_bit():
     """The device-resident schedule gives, entry by entry, the reference's scalar fp32 arithmetic
     tau = t_min + (t_max - t_min) * (n / N) with n an int32 tensor."""

@@ -611,9 +611,11 @@ def test_worker_row_compaction_gives_the_same_tokens(lm, monkeypatch):
             for k in (2, 5, 3)]
     outs, sizes = [], []
     for compact in (False, True):
-        seen = []
-        decode = lm.module.decode
+        seen = []  # rows of each decoder pass (a fused commit's too: it is a canvas's first step)
+        decode, fused = lm.module.decode, lm.module.encode_decode
         monkeypatch.setattr(lm.module, "decode", lambda x, *a, **k: seen.append(x.shape[0]) or decode(x, *a, **k))
+        monkeypatch.setattr(lm.module, "encode_decode",
+                            lambda c, x, *a, **k: seen.append(x.shape[0]) or fused(c, x, *a, **k))
         s = Worker(lm, max_batch=3, compact_rows=compact)
         handles = [s.submit(j) for j in jobs]  # queued before the thread starts: admitted together
         s.start()

@@ -97,8 +97,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="also profile one canvas's denoising steps (first batch size, not captured: the timed "
                         "runs' passes, the fixed-shape ones with --cuda-graphs or --compile): kernels per step, time "
                         "per step by kernel class, top kernels, experts' achieved GB/s (JSON key 'profile')")
-    p.add_argument("--fuse-commit", action="store_true",
-                   help="encode each committed canvas in the next canvas's first denoising pass (one weight read)")
+    p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
+                   help="encode each committed canvas in the next canvas's first denoising pass (one weight read; "
+                        "default: on a CUDA GPU, off on a CPU; --no-fuse-commit: a pass of its own per commit)")
     p.add_argument("--compact-rows", action="store_true",
                    help="adaptive mode, batch > 1: run each decoder pass on the rows still denoising only (the "
                         "sampler still draws for every row: the same random stream); not with --cuda-graphs")

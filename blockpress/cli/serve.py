@@ -10,6 +10,7 @@ requests may override them per call (`--max-new-tokens`: max_tokens of a request
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from .run import (MAX_STEPS, _float_in, _int_in, _positive_int, add_model_args, add_sampling_args, load_model,
@@ -47,10 +48,11 @@ def add_parser(p) -> None:
                    help="largest request body (default: 1 MiB)")
     p.add_argument("--body-timeout", type=_float_in(0, strict=True), default=30.0, metavar="SECONDS",
                    help="time a client has to send its request body; slower ones get 408 (default: 30)")
-    p.add_argument("--fuse-commit", action="store_true",
+    p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
                    help="encode each committed canvas in the same pass as the next canvas's first denoising step "
                         "when nobody waits to join (one read of the weights for both; same tokens up to fp32 "
-                        "rounding)")
+                        "rounding; default: on a CUDA GPU, off on a CPU; --no-fuse-commit: a pass of its own per "
+                        "commit)")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact",
                    help="exact: the reference's sampler arithmetic and random draws (default); fast: one fused pass "
                         "over each row's logits (Gumbel-max, seeded per request: reproducible, other tokens)")

@@ -200,7 +200,7 @@ def _engine(module, ids, mask, cfg, n_canvases: int, T_start: int, generator, ca
                 fixed=None if fixed_tokens is None else fixed_tokens[i],
                 constraint=None if constraints is None else constraints[i]) for i in range(B)]
     engine = Engine(Runner(module, passes, compact=compact), _Batch(Admission(rows, T_start + S, ids, mask, cache)),
-                    options.sampler, options.fuse_commit, per_row, None if per_row else generator)
+                    options.sampler, options.fused(module.device), per_row, None if per_row else generator)
     return engine, rows
 
 

@@ -164,7 +164,7 @@ def run_blockpress(module, ids, mode, args, label="blockpress", passes=None):
     C = module.config.canvas_length
     passes = passes if passes is not None else module
     timed = TimedPasses(passes, device)
-    options = Options(sampler=args.sampler, fuse_commit=bool(args.fuse_commit),
+    options = Options(sampler=args.sampler, fuse_commit=args.fuse_commit,
                       compact_rows=True if getattr(args, "compact_rows", False) else None)
     graphed = hasattr(passes, "captures")
     runs = []
@@ -396,11 +396,14 @@ def run(args) -> dict:
         peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
     _free(device)
     passes = passes_for(module, None, args.cuda_graphs, args.compile, True)  # the module's, or its fixed-shape ones
+    from ..options import Options
+
+    fused = Options(fuse_commit=args.fuse_commit).fused(device)  # None (no flag): on a CUDA GPU
     result = {"bench": "generate", "hardware": hardware(device), "device": str(device), "torch": torch.__version__,
               "preset": None if (args.config or args.model) else args.preset, "config_file": args.config,
               "model": args.model, "dtype": str(dtype).replace("torch.", ""), "precision": args.precision,
               "linears": args.linears, "backends": choice, "sampler": args.sampler,
-              "cuda_graphs": bool(args.cuda_graphs), "fuse_commit": bool(args.fuse_commit),
+              "cuda_graphs": bool(args.cuda_graphs), "fuse_commit": fused,
               "compact_rows": bool(args.compact_rows),
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "steps": args.steps,
               "canvas_length": C, "layers": text.num_hidden_layers, "hidden": text.hidden_size,
@@ -424,7 +427,7 @@ def run(args) -> dict:
             s, seqs[(B, mode)] = run_blockpress(module, ids, mode, args, passes=passes)
             add_roofline(s, mean_step_bytes(module, B, args, hit), bandwidth)
             floor = generation_floor_seconds(module, B, args.prompt_tokens, args.new_tokens, C, args.steps,
-                                             bandwidth, hit, fuse_commit=args.fuse_commit)
+                                             bandwidth, hit, fuse_commit=fused)
             s["gen_floor_tok_s"] = B * args.new_tokens / floor
             if peak:  # the same floors with each kernel group's math counted too (compute-bound from batch 2)
                 parts = pass_parts(module, B, C, mean_cached(module, args), hit)
@@ -433,7 +436,7 @@ def run(args) -> dict:
                     s["floor_fraction_roofline"] = s["step_floor_ms_roofline"] / s["ms_per_step"]
                 s["gen_floor_tok_s_roofline"] = B * args.new_tokens / generation_floor_seconds(
                     module, B, args.prompt_tokens, args.new_tokens, C, args.steps, bandwidth, hit,
-                    fuse_commit=args.fuse_commit, peak_flops=peak)
+                    fuse_commit=fused, peak_flops=peak)
             result["runs"].append(s)
             _save_partial(result, args.out)
         if args.ar and B in [int(b) for b in args.ar_batch.split(",")]:

@@ -147,7 +147,7 @@ class Worker:
         self.scheduler = Scheduler(self.C, module.text.max_position_embeddings, max_batch, queue_size, max_padding)
         compact = self.options.compact_rows is not False
         self.runner = Runner(module, lm.passes, slots=True, compact=compact, max_rows=max_batch)
-        self.engine = Engine(self.runner, self.scheduler, self.options.sampler, self.options.fuse_commit)
+        self.engine = Engine(self.runner, self.scheduler, self.options.sampler, self.options.fused(lm.device))
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None

@@ -68,6 +68,8 @@ CUDA=$(python3 -c 'import torch; print(int(torch.cuda.is_available()))')
 GPU_FLAGS="--cuda-graphs"; FAST=triton
 [ -n "${MOE_TILES:-}" ] && GPU_FLAGS="$GPU_FLAGS --moe-tiles $MOE_TILES"  # from the check part's tile sweep
 [ "$CUDA" = 1 ] || { GPU_FLAGS=""; FAST=grouped; }  # a CPU dry run: no graphs, no Triton interpreter (slow)
+# the row most parts time: batch 1, fixed steps, every fast path but compile, no transformers or AR runs
+ROW1="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
 
 DEADLINE=${DEADLINE:-}  # oneshot: SECONDS by which every step must be done (each step's limit shrinks to fit)
 limit() {  # limit SECONDS: that, or what is left before DEADLINE (0: no time left)
@@ -108,8 +110,7 @@ case "$PART" in
     # files come back: 5 JSONs, log, summary, test output.
     DEADLINE=$((SECONDS + ${BUDGET:-420}))
     env_info
-    ROW="--batch 1 --precision fp8 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar"
-    ROW="$ROW $GPU_FLAGS"
+    ROW="$ROW1 --precision fp8"
     if [ -d gpu_baseline/blockpress ]; then
       BENCH_CWD=gpu_baseline STEP_LIMIT=75 bench before-fp8 $ROW
     fi
@@ -238,7 +239,7 @@ EOF
     # both first; the fp8 rows with --profile (eager kernels: kernels per step, uncompiled then compiled).
     DEADLINE=$((SECONDS + ${BUDGET:-420}))
     env_info
-    ROW="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
+    ROW="$ROW1"
     lim=$(limit 75)
     if [ "$lim" != 0 ] && [ "$CUDA" = 1 ]; then
       echo "=== gpu tests (limit $lim s)" | tee -a "$OUT/log.txt"
@@ -257,8 +258,7 @@ EOF
     # the after row with --profile of the fixed-shape passes (the kernels a graph replays); int4; the align test
     DEADLINE=$((SECONDS + ${BUDGET:-300}))
     env_info
-    ROW="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
-    ROW="$ROW --compile --fuse-commit"
+    ROW="$ROW1 --compile --fuse-commit"
     lim=$(limit 40)
     [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
       -k align 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
@@ -276,8 +276,7 @@ EOF
     # SWEEP=1 first sweeps one layer's tiles (swap 0 and 1) and the projections (bench_linears.py).
     DEADLINE=$((SECONDS + ${BUDGET:-480}))
     env_info
-    ROW="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
-    ROW="$ROW --compile --fuse-commit"
+    ROW="$ROW1 --compile --fuse-commit"
     SW="bm=auto,bn=128,bk=64,swap=1"
     if [ -n "${SWEEP:-}" ]; then
       for prec in fp8 int4; do
@@ -298,71 +297,6 @@ EOF
     # int4's 18.11 (measured 18.25 on an H100), without the 8-bit projection kernel
     STEP_LIMIT=80 bench int4-mlp4-swap $ROW --precision int4 --moe-tiles "$SW" --linears int4-mlp
     STEP_LIMIT=80 bench int4-default $ROW --precision int4
-    ;;
-  compiled)
-    # issue 30's items 1-2 on a GPU (2026-11-26): compiled blocks as one graph per kind of layer with no break (the
-    # experts, 8-bit projections and routing are custom ops; the layer's K/V buffers are graph inputs, not a
-    # per-layer constant) and the one-kernel routing, against the default row in the same call. The GPU tests of
-    # both first; the fp8 rows with --profile (eager kernels: kernels per step, uncompiled then compiled).
-    DEADLINE=$((SECONDS + ${BUDGET:-420}))
-    env_info
-    ROW="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
-    lim=$(limit 75)
-    if [ "$lim" != 0 ] && [ "$CUDA" = 1 ]; then
-      echo "=== gpu tests (limit $lim s)" | tee -a "$OUT/log.txt"
-      timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_route.py tests/test_compiled.py 2>&1 \
-        | tee "$OUT/gpu-tests.txt" | grep -E "passed|failed|^FAILED|^E " | head -20 | tee -a "$OUT/summary.txt"
-    fi
-    STEP_LIMIT=70 bench fp8 $ROW --precision fp8 --profile
-    STEP_LIMIT=170 bench fp8-compiled $ROW --precision fp8 --compile --fuse-commit --profile
-    STEP_LIMIT=130 bench int4-lin8-compiled $ROW --precision int4 --linears int8 --compile --fuse-commit
-    STEP_LIMIT=130 bench int4-compiled $ROW --precision int4 --compile --fuse-commit
-    STEP_LIMIT=130 bench bf16-compiled $ROW --compile --fuse-commit
-    ;;
-  align)
-    # after part 'compiled': the one-launch align and eager prefill, the compiled fp8 row before (gpu_baseline/: the
-    # tree of 7486795, `git archive 7486795 blockpress | tar -x -C gpu_baseline`, carried) and after in one call,
-    # the after row with --profile of the fixed-shape passes (the kernels a graph replays); int4; the align test
-    DEADLINE=$((SECONDS + ${BUDGET:-300}))
-    env_info
-    ROW="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
-    ROW="$ROW --compile --fuse-commit"
-    lim=$(limit 40)
-    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-      -k align 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
-    STEP_LIMIT=110 bench fp8-after $ROW --precision fp8 --profile
-    [ -d gpu_baseline/blockpress ] && BENCH_CWD=gpu_baseline STEP_LIMIT=90 bench fp8-before $ROW --precision fp8
-    STEP_LIMIT=80 bench int4-after $ROW --precision int4
-    ;;
-  swap)
-    # For the next lease: the expert kernels with the weight tile as the MMA's first operand (tiles swap=1: Hopper's
-    # wgmma reads it from registers, so fp8 / int4 weights converted in registers skip shared memory, and a block of
-    # 16-32 assignments uses wgmma at all; compile_report.py shows HGMMA with a register A for it, mma.sync without).
-    # One real-shaped layer first (sweep_moe_tiles.py, swap 0 and 1), then the compiled rows end to end with the
-    # best swapped tiles beside the default tiles, in the same call.
-    DEADLINE=$((SECONDS + ${BUDGET:-480}))
-    env_info
-    GRID="bm=auto,16,32;bn=64,128;bk=64,128;swap=0,1"
-    ROW="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
-    ROW="$ROW --compile --fuse-commit"
-    for prec in fp8 int4; do
-      lim=$(limit ${SWEEP_LIMIT:-60}); [ "$lim" = 0 ] && break
-      echo "=== tiles $prec (limit $lim s)" | tee -a "$OUT/log.txt"
-      timeout "$lim" python3 benchmarks/sweep_moe_tiles.py --preset "$PRESET" --precision $prec --batch 1 --grid "$GRID" \
-        --out "$OUT/tiles-$prec.json" 2>&1 | grep -v '^{' >>"$OUT/log.txt"
-      grep -A20 "| $prec: tiles" "$OUT/log.txt" | tee -a "$OUT/summary.txt"
-    done
-    best() {  # the fastest swapped spec of a sweep, or plain swap=1
-      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); rows=[x for x in r['results'] if 'swap=1' in x['spec'] and x.get('ms') and x.get('ok')]
-print(min(rows, key=lambda x: x['ms'])['spec'])" "$OUT/tiles-$1.json" 2>/dev/null || echo "swap=1"
-    }
-    STEP_LIMIT=100 bench fp8-default $ROW --precision fp8
-    STEP_LIMIT=100 bench fp8-swap $ROW --precision fp8 --moe-tiles "$(best fp8)"
-    STEP_LIMIT=80 bench int4-default $ROW --precision int4
-    STEP_LIMIT=80 bench int4-swap $ROW --precision int4 --moe-tiles "$(best int4)"
-    # the dense MLP in int4 on the experts' kernels (--linears int4-mlp): peak_memory.py predicts 17.32 GB against
-    # int4's 18.11 (measured 18.25 on an H100), without the 8-bit projection kernel's 3.1 ms a step
-    STEP_LIMIT=80 bench int4-mlp4 $ROW --precision int4 --linears int4-mlp
     ;;
   check)
     env_info

@@ -380,20 +380,30 @@ def quantize_mlp_(module: nn.Module, group_size: int = 64) -> nn.Module:
     return module
 
 
-def mlp_streaming_quantizer(module: nn.Module, group_size: int = 64):
-    """A `load_weights(on_loaded=...)` hook: a layer's MLP is quantised once its three weights are in."""
+def when_layer_loaded(pattern: re.Pattern, parts: int, act):
+    """A `load_weights(on_loaded=...)` hook: act(i) once all `parts` tensors of layer i that `pattern` names are
+    loaded (the pattern's groups: the layer index, the part)."""
     seen: dict[int, set[str]] = {}
 
     def on_loaded(name: str) -> None:
-        m = _MLP_WEIGHT.search(name)
+        m = pattern.search(name)
         if m is None:
             return
         i = int(m.group(1))
         seen.setdefault(i, set()).add(m.group(2))
-        if len(seen[i]) == 3:
-            module.layers[i].mlp = QuantizedMLP.from_mlp(module.layers[i].mlp, group_size)
+        if len(seen[i]) == parts:
+            act(i)
 
     return on_loaded
+
+
+def mlp_streaming_quantizer(module: nn.Module, group_size: int = 64):
+    """A `load_weights(on_loaded=...)` hook: a layer's MLP is quantised once its three weights are in."""
+
+    def quantize(i: int) -> None:
+        module.layers[i].mlp = QuantizedMLP.from_mlp(module.layers[i].mlp, group_size)
+
+    return when_layer_loaded(_MLP_WEIGHT, 3, quantize)
 
 
 def streaming_quantizer(module: nn.Module, fmt: str, group_size: int = 64):
@@ -403,18 +413,7 @@ def streaming_quantizer(module: nn.Module, fmt: str, group_size: int = 64):
     too big for the device in bf16 loads straight into fp8 / int4."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown expert weight format {fmt!r}; use one of {FORMATS}")
-    seen: dict[int, set[str]] = {}
-
-    def on_loaded(name: str) -> None:
-        m = _EXPERT_TENSOR.match(name)
-        if m is None:
-            return
-        i = int(m.group(1))
-        seen.setdefault(i, set()).add(m.group(2))
-        if len(seen[i]) == 2:
-            _quantize_layer_(module.layers[i], fmt, group_size)
-
-    return on_loaded
+    return when_layer_loaded(_EXPERT_TENSOR, 2, lambda i: _quantize_layer_(module.layers[i], fmt, group_size))
 
 
 def experts_weight_bytes(module: nn.Module) -> int:

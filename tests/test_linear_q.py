@@ -288,6 +288,10 @@ def test_lora_adapter_runs_beside_int8_linears_and_merge_is_refused(tmp_path):
     with pytest.raises(blockpress.InputError, match="cannot be merged"):
         L.apply_adapter(again, tmp_path / "adapter", merge=True)
     assert not any(hasattr(mod, "lora_A") for mod in again.module.modules())  # refused before any change
+    mlp4 = blockpress.load(folder, progress=False, linears="int4-mlp", group_size=16)  # no MLP projections left
+    with pytest.raises(blockpress.InputError, match="dense MLP in int4 .* --linears native or int8"):
+        L.apply_adapter(mlp4, tmp_path / "adapter")
+    assert not any(hasattr(mod, "lora_A") for mod in mlp4.module.modules())
     # training adapters beside the 8-bit projections (QLoRA, tests/test_qlora.py) attaches them, unmerged
     added = L.add_lora(again.module, L.LoraSpec(rank=2, alpha=4))
     assert added and all(isinstance(again.module.get_submodule(n), QuantizedLinear) for n in added)

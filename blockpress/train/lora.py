@@ -255,6 +255,9 @@ def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
     for name, ab in ab_all.items():
         lin = mods.get(name)
         eight_bit = _quantized(lin)  # kernels/linear_q.py: the adapter runs beside it
+        if lin is None and type(mods.get(name.rpartition(".")[0])).__name__ == "QuantizedMLP":
+            raise InputError(f"adapter targets {name}, but this model holds its dense MLP in int4 (--linears "
+                             "int4-mlp), which adapters cannot attach to; load with --linears native or int8")
         if not (eight_bit or isinstance(lin, nn.Linear)):
             raise CheckpointError(f"adapter targets {name}, which this model does not have; wrong base model?")
         if eight_bit and merge:

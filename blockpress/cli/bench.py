@@ -84,10 +84,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC",
                    help="Triton expert kernels' tiles, e.g. bm=32,bn=128,bk=64,warps=8,stages=4 (the winner of "
-                        "benchmarks/sweep_moe_tiles.py; default: bm=auto,bn=128,bk=64)")
+                        "benchmarks/sweep_moe_tiles.py; default: bm=auto,bn=128,bk=64); swap=1: the weight tile as "
+                        "the MMA's first operand (Hopper's wgmma reads it from registers; untimed)")
     p.add_argument("--linear-tiles", type=_linear_tiles, metavar="SPEC",
                    help="the Triton 8-bit linear kernel's tiles with --linears int8/fp8, e.g. bm=auto,bn=32,split=4 "
-                        "(benchmarks/bench_linears.py's best_int8_spec; default: bm=auto,bn=64,bk=64)")
+                        "(benchmarks/bench_linears.py's best_int8_spec; default: bm=auto,bn=64,bk=64); swap=1: the "
+                        "weight tile as the MMA's first operand, a canvas's rows in one block (untimed)")
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--moe-sum", choices=["kernel", "atomic"], default="kernel",
                    help="how the Triton experts sum a token's K expert outputs: kernel (a third kernel, deterministic; "

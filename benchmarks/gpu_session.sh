@@ -278,6 +278,10 @@ EOF
     env_info
     ROW="$ROW1 --compile --fuse-commit"
     SW="bm=auto,bn=128,bk=64,swap=1"
+    lim=$(limit 60)  # the swapped kernels compiled for this GPU against the torch paths (bf16 and fp32) first
+    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 \
+      tests/test_kernels.py tests/test_quant.py tests/test_linear_q.py -k "match_loop or triton_path or other_tiles" \
+      2>&1 | tee "$OUT/gpu-tests.txt" | grep -E "passed|failed|^FAILED" | head -12 | tee -a "$OUT/summary.txt"
     if [ -n "${SWEEP:-}" ]; then
       for prec in fp8 int4; do
         lim=$(limit ${SWEEP_LIMIT:-60}); [ "$lim" = 0 ] && break

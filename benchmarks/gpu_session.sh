@@ -294,8 +294,8 @@ EOF
         --rows 256 2>&1 | grep -E "variants:|one pass" | tee -a "$OUT/summary.txt"
     fi
     STEP_LIMIT=100 bench fp8-default $ROW --precision fp8
-    STEP_LIMIT=100 bench fp8-swap $ROW --precision fp8 --moe-tiles "$SW"
-    STEP_LIMIT=80 bench int4-swap $ROW --precision int4 --moe-tiles "$SW"
+    STEP_LIMIT=100 bench fp8-swap $ROW --precision fp8 --moe-tiles "$SW" --profile  # the experts' kernel time
+    STEP_LIMIT=80 bench int4-swap $ROW --precision int4 --moe-tiles "$SW" --profile
     STEP_LIMIT=80 bench int4-lin8-swap $ROW --precision int4 --moe-tiles "$SW" --linears int8 --linear-tiles swap=1
     # the dense MLP in int4 on the experts' kernels (--linears int4-mlp): peak_memory.py predicts 17.32 GB against
     # int4's 18.11 (measured 18.25 on an H100), without the 8-bit projection kernel

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..options import LINEAR_FORMATS
 from ._triton import fp8_usable_on, interpreted, tl, triton, usable_on
-from .moe_grouped import _stages, _wgmma_target, checked_on_first_use
+from .moe_grouped import _stages, checked_on_first_use, runs_wgmma
 if triton is not None:
     from .moe_grouped import _cols, _dot, _rows
 from .quant import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
@@ -354,8 +354,7 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     # fp32 operands: exact ieee dots; the interpreter needs them too (its bf16 tl.dot is wrong in triton 3.9)
     f32 = x.dtype == torch.float32 or interpreted()
     grid = (triton.cdiv(M, bm), triton.cdiv(O, bn), split)
-    # Hopper's wgmma (the MMA's M: the first operand's rows) also keeps the converted weight tile in shared memory
-    wgmma = (bn if swap else bm) >= 64 and _wgmma_target(x.device)
+    wgmma = runs_wgmma(bm, bn, swap, x.device)  # Hopper's wgmma keeps the converted weight tile in shared memory
     launch = _stages(None, (bm * x2.element_size() + bn * q_OI.element_size()) * bk,
                      bn * bk * x2.element_size() if wgmma else 0, wgmma)
     if warps:

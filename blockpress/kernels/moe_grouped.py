@@ -506,6 +506,12 @@ def _wgmma_target(device: torch.device | None = None) -> bool:
         return False
 
 
+def runs_wgmma(block_m: int, block_n: int, swap: bool, device: torch.device | None) -> bool:
+    """Does a tile [block_m rows of activations, block_n of weights] take Hopper's wgmma on `device`? The MMA's M is
+    its first operand's rows, which must be >= 64: the activations' block_m, or with swap (`_dot`) the weights'."""
+    return (block_n if swap else block_m) >= 64 and _wgmma_target(device)
+
+
 @functools.lru_cache(maxsize=256)
 def expected_m_blocks(tokens: int, top_k: int, n_experts: int, block_m: int) -> float:
     """E[ceil(X / BM)]: the M blocks one expert's assignments take (`align_blocks` pads each expert's list to a
@@ -663,7 +669,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     g_st, d_st = _scale_strides(gate_up_scale), _scale_strides(down_scale)
     # shared memory outside the pipeline (what _stages fits): with wgmma (bm >= 64 on sm_90) the converted tile of
     # fp8 / int4 weights, in the activation dtype (int4: a byte more per weight; read back from compiles)
-    wgmma = (block_n if t.swap else block_m) >= 64 and _wgmma_target(x.device)  # the MMA's M: the first operand
+    wgmma = runs_wgmma(block_m, block_n, t.swap, x.device)
     converted = 0 if fmt == FMT_PLAIN or not wgmma else x.element_size() + (1 if fmt == FMT_INT4 else 0)
     bn_up = min(block_n, max(16, triton.next_power_of_2(Im)))  # no wider than the output: a small model's tiles
     bn_dn = min(block_n, max(16, triton.next_power_of_2(H)))

@@ -353,6 +353,7 @@ class QuantizedMLP(nn.Module):
                  device=None):
         super().__init__()
         self.experts = QuantizedExperts(1, hidden, inter, "int4", group_size, dtype=dtype, device=device)
+        self._routing: dict = {}  # (rows, device) -> (weights 1, expert 0): made once per shape, not per call
 
     @classmethod
     @torch.no_grad()
@@ -362,11 +363,23 @@ class QuantizedMLP(nn.Module):
         q.experts.load_float_(torch.cat([gate, up])[None], down[None])
         return q
 
+    def _route(self, n: int, device: torch.device):
+        """Every row to the one expert with weight 1 ([n, 1] each). Kept per shape outside a compiled graph (the
+        kernels only read them), so a step replays no fill kernels for them; made in place while compiling."""
+        if torch.compiler.is_compiling():
+            return (torch.ones(n, 1, dtype=torch.float32, device=device),
+                    torch.zeros(n, 1, dtype=torch.int64, device=device))
+        key = (n, device)
+        if key not in self._routing:
+            if len(self._routing) >= 8:  # prompts of many lengths: keep a few shapes (the canvas's stay hot)
+                self._routing.clear()
+            self._routing[key] = (torch.ones(n, 1, dtype=torch.float32, device=device),
+                                  torch.zeros(n, 1, dtype=torch.int64, device=device))
+        return self._routing[key]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        w = torch.ones(flat.shape[0], 1, dtype=torch.float32, device=x.device)
-        idx = torch.zeros(flat.shape[0], 1, dtype=torch.int64, device=x.device)
-        return self.experts(flat, w, idx).view(x.shape)
+        return self.experts(flat, *self._route(flat.shape[0], x.device)).view(x.shape)
 
 
 _MLP_WEIGHT = re.compile(r"layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")

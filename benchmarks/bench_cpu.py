@@ -14,7 +14,8 @@ import argparse
 import json
 import sys
 
-from blockpress.cli.bench import add_parser, print_table, run
+from blockpress.cli.bench import add_parser
+from blockpress.lab.bench import print_table, run
 
 CPU_DEFAULTS = dict(preset="small", device="cpu", dtype="fp32", threads=1, batch="1,2", modes="fixed", repeats=3,
                     reference_batch="1,2", ar_batch="1")

@@ -25,7 +25,7 @@ import sys
 import torch
 
 from blockpress.cli.run import _positive_int, _positive_int_list
-from blockpress.kernels.profile import time_ms
+from blockpress.lab.profile import time_ms
 
 
 def projection_shapes(text, fused: bool = False) -> dict[tuple[int, int], int]:
@@ -45,7 +45,7 @@ def projection_shapes(text, fused: bool = False) -> dict[tuple[int, int], int]:
 
 
 def main(argv=None) -> int:
-    from blockpress.cli.bench import PRESETS, preset_config
+    from blockpress.lab.presets import PRESETS, preset_config
     from blockpress.config import ModelConfig
     from blockpress.kernels.linear_q import (QuantizedLinear, linear_fp8_scaled_mm, linear_fp8_w8a8_reference,
                                              linear_q_triton, parse_linear_tiles)
@@ -64,14 +64,16 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # fp8 x fp8 needs fp8 tensor cores on a GPU (Ada, Hopper); torch._scaled_mm also runs on a CPU
     w8a8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-    # int8 kernel variants, by their `set_linear_tiles` spec (what `blockpress bench --linear-tiles` takes). On an
+    # int8 kernel variants, by their tiles spec (what `blockpress bench --linear-tiles` takes). On an
     # H200 (2026-11-25) the default tiles ran 2.2x slower than cuBLAS bf16 at 256 rows and 2x at one row although
     # they move half the bytes: a 2112-wide projection has 33 N tiles of 64, a quarter of the 132 SMs at one row.
     # Narrower N tiles and K split over several programs (fp32 atomic adds) give the GPU more programs; bm=128 and
     # wider tiles with 8 warps (fewer programs) were slower there.
     int8_specs = ["bm=auto,bn=64,bk=64", "bm=auto,bn=32,bk=64", "bm=auto,bn=64,bk=64,split=2",
                   "bm=auto,bn=64,bk=64,split=4", "bm=auto,bn=64,bk=64,split=8", "bm=auto,bn=32,bk=64,split=4",
-                  "bm=auto,bn=32,bk=128,split=4", "bm=128,bn=64,bk=64"]
+                  "bm=auto,bn=32,bk=128,split=4", "bm=128,bn=64,bk=64",
+                  # the weight as the MMA's register operand (wgmma on sm_90), a canvas's rows in one block
+                  "bm=auto,bn=64,bk=64,swap=1", "bm=auto,bn=128,bk=64,swap=1"]
     variants = [f"int8 {sp}" for sp in int8_specs] + ["fp8"] + (["fp8-a8"] if w8a8 else [])
     text = ModelConfig.from_dict(preset_config(args.preset)[0]).text
     rows = [int(r) for r in args.rows.split(",") if r]
@@ -93,8 +95,7 @@ def main(argv=None) -> int:
         for M in rows:
             x = torch.randn(M, I, generator=g, device=device, dtype=torch.float32).to(dtype)
             calls = {f"int8 {sp}": ((lambda t=parse_linear_tiles(sp): linear_q_triton(
-                x, q["int8"].weight_q, q["int8"].weight_scale, block_m=t["block_m"], block_n=t["block_n"],
-                block_k=t["block_k"], num_warps=t["num_warps"], split_k=t["split_k"])), q["int8"]) for sp in int8_specs}
+                x, q["int8"].weight_q, q["int8"].weight_scale, **t)), q["int8"]) for sp in int8_specs}
             calls.update({
                 "fp8": (lambda: linear_q_triton(x, q["fp8"].weight_q, q["fp8"].weight_scale), q["fp8"]),
                 "fp8-a8": (lambda: linear_fp8_scaled_mm(x, q["fp8"].weight_q, q["fp8"].weight_scale), None)})

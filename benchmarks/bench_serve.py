@@ -1,4 +1,4 @@
-"""Serving benchmark: the server's scheduler under closed-loop load, in process (no HTTP, no tokenizer).
+"""Serving benchmark: the server's worker under closed-loop load, in process (no HTTP, no tokenizer).
 
 For each concurrency c, c requests are kept in flight (a finished one is replaced at once) until `--requests`
 have finished, after an untimed warm-up of c requests (on a GPU also `serve`'s own warm-up, which captures the
@@ -25,9 +25,12 @@ import time
 
 import torch
 
-from blockpress.cli.bench import DTYPES, PRESETS, _free, _gen_config, _peak_bytes, _reset_peak, _sync, _tiles, \
-    check_build_memory, hardware, preset_config, print_json
+from blockpress.cli.bench import _tiles
+from blockpress.lab.bench import DTYPES, _free, _gen_config, _peak_bytes, _reset_peak, _sync, check_build_memory, \
+    hardware, print_json
+from blockpress.lab.presets import PRESETS, preset_config
 from blockpress.cli.run import _nonneg_int, _positive_int, _positive_int_list
+from blockpress.options import LINEAR_FORMATS
 
 
 def _pct(xs, q):
@@ -35,13 +38,13 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
-def closed_loop(scheduler, make_job, concurrency: int, requests: int) -> dict:
+def closed_loop(worker, make_job, concurrency: int, requests: int) -> dict:
     """Keep `concurrency` requests in flight until `requests` have finished; per-request timings and the level's
     totals. make_job(i) -> the i-th Job. A request that fails raises (a benchmark of errors is no benchmark). The
-    scheduler must have been made with `metrics=` (rows per step come from them)."""
-    if scheduler.metrics is None:
-        raise ValueError("closed_loop needs a Scheduler made with metrics=Metrics()")
-    from blockpress.server.scheduler import RowCommit, RowDone, RowError
+    worker must have been made with `metrics=` (rows per step come from them)."""
+    if worker.metrics is None:
+        raise ValueError("closed_loop needs a Worker made with metrics=Metrics()")
+    from blockpress.server.worker import RowCommit, RowDone, RowError
 
     finished: queue.Queue = queue.Queue()
 
@@ -57,14 +60,14 @@ def closed_loop(scheduler, make_job, concurrency: int, requests: int) -> dict:
                 finished.put(rec)
                 return
 
-    m = scheduler.metrics
+    m = worker.metrics
     steps0, rows0 = m.batch_rows.count, m.batch_rows.total
     t0, recs, submitted = time.perf_counter(), [], 0
 
     def submit():
         nonlocal submitted
         rec = {"submitted": time.perf_counter(), "first": None, "tokens": 0}
-        h = scheduler.submit(make_job(submitted))
+        h = worker.submit(make_job(submitted))
         submitted += 1
         threading.Thread(target=follow, args=(h, rec), daemon=True).start()
 
@@ -93,89 +96,80 @@ def closed_loop(scheduler, make_job, concurrency: int, requests: int) -> dict:
 def build(args):
     """The model for --model (loaded, quantised while loading) or the preset (random weights on the device), with
     the default fast kernels configured."""
-    from blockpress import kernels
+    from blockpress.lab.random_weights import build_model
+    from blockpress.lm import BlockDiffusionLM
     from blockpress.loading import load, parse_device
+    from blockpress.options import Options
 
     device = parse_device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    options = dict(precision=args.precision, linears=args.linears, moe_tiles=args.moe_tiles,
+                   sampler=args.sampler, fuse_commit=args.fuse_commit, cuda_graphs=bool(args.cuda_graphs))
     if args.model:
-        lm = load(args.model, device=str(device), dtype=dtype, progress=sys.stderr.isatty(), tokenizer=False,
-                  precision=args.precision, linears=args.linears)
-        return lm.module
-    from blockpress.kernels.random_weights import build_model
-
+        return load(args.model, device=str(device), dtype=dtype, progress=sys.stderr.isatty(), tokenizer=False,
+                    **options)
     config, _, _ = preset_config(args.preset)
     check_build_memory(config, device, dtype, args.precision)  # InputError naming what fits, before allocating
     module = build_model(config, device, dtype, args.precision, args.seed)
-    kernels.configure(module, precision=args.precision, linears=args.linears)
-    return module
+    return BlockDiffusionLM(module, module.config, {}, options=Options(**options))
 
 
-def run(args, module=None) -> dict:
+def run(args, lm=None) -> dict:
     from blockpress.errors import InputError
-    from blockpress.kernels import moe_grouped
-    from blockpress.kernels.graphs import GraphedPasses, installed
     from blockpress.loading import parse_device
     from blockpress.server.metrics import Metrics
-    from blockpress.server.scheduler import Job, Scheduler
+    from blockpress.server.worker import Job, Worker
 
-    on = module.device if module is not None else parse_device(args.device)
+    on = lm.device if lm is not None else parse_device(args.device)
     if args.cuda_graphs and on.type != "cuda":  # before a build that can take minutes
         raise InputError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
     if args.threads:
         torch.set_num_threads(args.threads)
-    moe_grouped.set_moe_tiles(args.moe_tiles)
     t0 = time.perf_counter()
-    module = module if module is not None else build(args)
+    lm = lm if lm is not None else build(args)
+    module = lm.module
     device, C, V = module.device, module.config.canvas_length, module.text.vocab_size
     _, prompt, new = preset_config(args.preset) if not args.model else (None, 128, 128)
     args.prompt_tokens, args.new_tokens = args.prompt_tokens or prompt, args.new_tokens or new
     cfg = _gen_config(args.mode, args)
-    graphs = installed(module)
-    ours = args.cuda_graphs and graphs is None
-    if ours:
-        graphs = GraphedPasses(module, copy_outputs=False).install()
+    graphs = lm.passes if lm.options.cuda_graphs else None
     result = {"bench": "serve", "hardware": hardware(device), "device": str(device), "torch": torch.__version__,
               "model": args.model, "preset": None if args.model else args.preset,
               "dtype": str(module.dtype).replace("torch.", ""), "precision": args.precision, "linears": args.linears,
-              "cuda_graphs": graphs is not None, "fuse_commit": bool(args.fuse_commit), "sampler": args.sampler,
+              "cuda_graphs": graphs is not None, "fuse_commit": lm.options.fused(lm.device), "sampler": lm.options.sampler,
               "mode": args.mode, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-              "steps": args.steps, "canvas_length": C, "moe_tiles": moe_grouped.TILES.spec(),
-              "build_seconds": time.perf_counter() - t0, "levels": []}
+              "steps": args.steps, "canvas_length": C,
+              "moe_tiles": module.layers[0].experts.tiles.spec() if hasattr(module.layers[0].experts, "tiles")
+              else lm.options.moe_tiles, "build_seconds": time.perf_counter() - t0, "levels": []}
     _free(device)
-    try:
-        for c in (int(c) for c in str(args.concurrency).split(",")):
-            metrics = Metrics()
-            s = Scheduler(module, C, max_batch=max(c, 1), queue_size=max(c, 1) * 2, metrics=metrics,
-                          fuse_commit=args.fuse_commit, sampler=args.sampler)
-            if device.type == "cuda":  # as `serve` does before it listens: compiles, checks, every batch size's graphs
-                warm_s = s.warm_up()
-            s.start()
+    for c in (int(c) for c in str(args.concurrency).split(",")):
+        metrics = Metrics()
+        s = Worker(lm, max_batch=max(c, 1), queue_size=max(c, 1) * 2, metrics=metrics)
+        if device.type == "cuda":  # as `serve` does before it listens: compiles, checks, every batch size's graphs
+            warm_s = s.warm_up()
+        s.start()
 
-            def make_job(i, c=c):
-                ids = torch.randint(5, V, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1000 * c + i))
-                return Job(ids.tolist(), cfg, seed=args.seed + i)
+        def make_job(i, c=c):
+            ids = torch.randint(5, V, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1000 * c + i))
+            return Job(ids.tolist(), cfg, seed=args.seed + i)
 
-            try:
-                if args.warmup:
-                    closed_loop(s, make_job, c, c * args.warmup)
-                _sync(device)
-                _reset_peak(device)
-                captures = graphs.captures if graphs is not None else 0
-                level = closed_loop(s, make_job, c, args.requests or 2 * c)
-                if device.type == "cuda":
-                    level["warm_up_seconds"] = warm_s
-                _sync(device)
-                level["peak_mem_bytes"] = _peak_bytes(device)
-                if graphs is not None:
-                    level["graph_captures_timed"] = graphs.captures - captures
-            finally:
-                s.stop()
-            result["levels"].append(level)
-            print(f"  concurrency {c}: {level['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    finally:
-        if ours:
-            graphs.uninstall()
+        try:
+            if args.warmup:
+                closed_loop(s, make_job, c, c * args.warmup)
+            _sync(device)
+            _reset_peak(device)
+            captures = graphs.captures if graphs is not None else 0
+            level = closed_loop(s, make_job, c, args.requests or 2 * c)
+            if device.type == "cuda":
+                level["warm_up_seconds"] = warm_s
+            _sync(device)
+            level["peak_mem_bytes"] = _peak_bytes(device)
+            if graphs is not None:
+                level["graph_captures_timed"] = graphs.captures - captures
+        finally:
+            s.stop()
+        result["levels"].append(level)
+        print(f"  concurrency {c}: {level['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     return result
 
 
@@ -211,10 +205,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native", help="expert weights")
-    p.add_argument("--linears", choices=["native", "int8", "fp8"], default="native",
+    p.add_argument("--linears", choices=LINEAR_FORMATS, default="native",
                    help="attention and dense-MLP projections")
     p.add_argument("--cuda-graphs", action="store_true", help="the server's CUDA graphs (serve --cuda-graphs)")
-    p.add_argument("--fuse-commit", action="store_true", help="serve --fuse-commit")
+    p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve --fuse-commit (default: on a CUDA GPU)")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="serve --sampler")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC", help="Triton expert kernels' tiles (as bench's)")
     p.add_argument("--mode", choices=["fixed", "adaptive"], default="fixed",

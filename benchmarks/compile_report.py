@@ -2,7 +2,7 @@
 
 The CPU agreement tests run the kernels in Triton's interpreter, which never builds GPU code (and takes
 fp32 dots where a GPU takes bf16 / fp8 tensor-core ones). This script compiles the variants a GPU run of a
-config would compile (`blockpress.kernels.aot`: the launchers run unchanged on CPU tensors of the real
+config would compile (`blockpress.lab.aot`: the launchers run unchanged on CPU tensors of the real
 shapes, Triton compiles for `--arch` with its own ptxas and launches nothing), then prints, per variant:
 registers, spills, shared memory, resident blocks per SM, the widths of its global loads, which MMA its dots
 became, its instruction count and that of its largest loop (a matmul kernel's K-tile iteration: the number to
@@ -41,8 +41,9 @@ def canvas_batches(batches: list[int], canvas: int, prefill_chunk: int) -> list[
                                                              ("AR token", 1)]
 
 
-def expert_variants(text, dtype, passes, tiles: list[str], precisions: list[str]):
-    """(label, thunk) per expert kernel launch: every precision x pass x tile setting (+ the atomic K-sum)."""
+def expert_variants(text, dtype, passes, tiles: list[str], precisions: list[str], base=None):
+    """(label, thunk) per expert kernel launch: every precision x pass x tile setting (+ the atomic K-sum); the
+    setting "" is `base` (default: the kernels' defaults)."""
     from blockpress.kernels import moe_grouped as mg
     from blockpress.kernels.quant import QuantizedExperts
 
@@ -62,14 +63,11 @@ def expert_variants(text, dtype, passes, tiles: list[str], precisions: list[str]
             x, w = torch.empty(N, H, dtype=dtype), torch.full((N, K), 1.0 / K)
             for spec in tiles:
                 for moe_sum in ("kernel", "atomic") if spec == tiles[0] else ("kernel",):
-                    def run(spec=spec, moe_sum=moe_sum, x=x, w=w, idx=idx, gate_up=gate_up, down=down, kw=kw):
-                        prev_tiles, prev_sum = mg.set_moe_tiles(spec or mg.TILES), mg.set_moe_sum(moe_sum)
-                        try:
-                            mg.experts_triton(x, w, idx, gate_up, down, **kw)
-                        finally:
-                            mg.set_moe_tiles(prev_tiles)
-                            mg.set_moe_sum(prev_sum)
-                    label = f"experts {precision}, {what}, tiles {spec or mg.TILES.spec()}" + \
+                    t = mg.as_tiles(spec) if spec else (base or mg.DEFAULT_TILES)
+
+                    def run(t=t, moe_sum=moe_sum, x=x, w=w, idx=idx, gate_up=gate_up, down=down, kw=kw):
+                        mg.experts_triton(x, w, idx, gate_up, down, tiles=t, moe_sum=moe_sum, **kw)
+                    label = f"experts {precision}, {what}, tiles {t.spec()}" + \
                         (", atomic sum" if moe_sum == "atomic" else "")
                     yield label, run
 
@@ -92,6 +90,9 @@ def linear_variants(text, dtype, passes, formats: list[str]):
                     for bm in (128, 256):
                         yield (f"linear {fmt} [{O}x{I}], {what}, bm {bm}",
                                lambda x=x, q=q, s=s, bm=bm: linear_q_triton(x, q, s, block_m=bm))
+                if what.startswith("canvas"):  # the weight as wgmma's register operand, a canvas in one block
+                    yield (f"linear {fmt} [{O}x{I}], {what}, swap",
+                           lambda x=x, q=q, s=s: linear_q_triton(x, q, s, swap=True))
 
 
 def head_variants(vocab: int, canvas: int, dtype, batches: list[int], cap: float | None):
@@ -111,10 +112,11 @@ def head_variants(vocab: int, canvas: int, dtype, batches: list[int], cap: float
 
 
 def main(argv=None) -> int:
-    from blockpress.cli.bench import DTYPES, preset_config
+    from blockpress.lab.bench import DTYPES
+    from blockpress.lab.presets import preset_config
     from blockpress.config import ModelConfig
     from blockpress.kernels._triton import triton
-    from blockpress.kernels.aot import ARCHS, compile_only, read_back
+    from blockpress.lab.aot import ARCHS, compile_only, read_back
     from blockpress.model.diffusion_gemma import PREFILL_CHUNK
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -127,16 +129,15 @@ def main(argv=None) -> int:
     p.add_argument("--linears", default="int8,fp8", help="8-bit projection formats ('' for none)")
     p.add_argument("--grid", default="", help="extra MoE tile settings, e.g. 'bm=auto,32;bn=64,128' "
                                               "(benchmarks/sweep_moe_tiles.py's grid syntax)")
-    p.add_argument("--tiles", default=None, help="the MoE tiles to take as the defaults (set_moe_tiles spec, e.g. "
+    p.add_argument("--tiles", default=None, help="the MoE tiles to take as the defaults (a moe_tiles spec, e.g. "
                                                  "'bk=64'; the issue model reads these)")
     p.add_argument("--out", help="also write the JSON result here")
     args = p.parse_args(argv)
-    if args.tiles:
-        from blockpress.kernels.moe_grouped import set_moe_tiles
-        try:
-            set_moe_tiles(args.tiles)
-        except ValueError as e:
-            raise SystemExit(f"--tiles: {e}") from None
+    from blockpress.kernels.moe_grouped import as_tiles
+    try:
+        base = as_tiles(args.tiles)
+    except ValueError as e:
+        raise SystemExit(f"--tiles: {e}") from None
 
     if triton is None:
         raise SystemExit("compile_report needs triton (pip install triton): nothing to compile without it")
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
     text, C = cfg.text, cfg.canvas_length
     passes = canvas_batches(batches, C, PREFILL_CHUNK)
     tiles = [""] + (parse_grid(args.grid) if args.grid else [])
-    todo = list(expert_variants(text, dtype, passes, tiles, precisions)) + \
+    todo = list(expert_variants(text, dtype, passes, tiles, precisions, base)) + \
         list(linear_variants(text, dtype, passes, linears)) + \
         list(head_variants(text.vocab_size, C, dtype, batches, text.final_logit_softcapping))
     print(f"compile_report: triton {triton.__version__}, torch {torch.__version__}, {args.config or args.preset}, "
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
         failed += len(bad)
         model = [row for b in batches for row in issue_model(rows, arch, text, [p for p in precisions
                                                                              if arch >= 89 or p != "fp8"], b, C,
-                                                             dtype.itemsize)]
+                                                             dtype.itemsize, base)]
         result["archs"][str(arch)] = {"card": ARCHS[arch][0], "kernels": rows, "failed": len(bad),
                                       "issue_model": model, "seconds": round(time.perf_counter() - t0, 1)}
     result["failed"] = failed
@@ -227,7 +228,7 @@ def in_flight_per_sm(row: dict, block_m: int, block_n: int, block_k: int, act_by
 
 
 def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch: int, canvas: int,
-                act_bytes: int = 2) -> list[dict]:
+                act_bytes: int = 2, tiles=None) -> list[dict]:
     """Instruction issue vs bytes for the expert kernels of one denoising step, from the compiled K-tile loops at
     the default tiles: issue ms = weights x loop instructions per weight / 32 lanes / (SMs x 4 schedulers x clock),
     bytes ms = expert bytes / bandwidth. A static model (perfect overlap, boost clock, no stalls): it says which
@@ -235,8 +236,10 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
     against Little's law, bandwidth x loaded latency / SMs: fewer, and no kernel reaches the bandwidth whatever
     its instructions; and the bytes a step reads from L2 (l2_to_sm_bytes), to set against the card's L2 rate
     (benchmarks/l2_bandwidth.py)."""
-    from blockpress.kernels.moe_grouped import TILES, auto_block_m, expected_m_blocks, int4_block_k
+    from blockpress.kernels.moe_grouped import DEFAULT_TILES, auto_block_m, expected_m_blocks, int4_block_k
     from blockpress.kernels.quant import group_for
+
+    TILES = tiles or DEFAULT_TILES  # noqa: N806 - the tiles the report reads
 
     name, sms, clock, bandwidth = ISSUE_CARDS[arch]
     E, H, Im, L = text.num_experts, text.hidden_size, text.moe_intermediate_size, text.num_hidden_layers
@@ -308,7 +311,7 @@ def l2_to_sm_bytes(text, tokens: int, bm: int, bn: int, weight_bytes: float, act
 
 
 def print_table(rows: list[dict], arch: int) -> None:
-    from blockpress.kernels.aot import ARCHS
+    from blockpress.lab.aot import ARCHS
 
     print(f"\nsm_{arch} ({ARCHS[arch][0]}): {len(rows)} distinct kernels")
     head = f"{'kernel':<22} {'launch (first of its kind)':<58} {'warps':>5} {'regs':>4} {'spill':>5} " \

@@ -1,34 +1,59 @@
 #!/usr/bin/env bash
-# Issue 4's GPU measurements as device calls of under 10 minutes each, JSON and logs under $OUT, a summary table at
-# the end. A lease is now 15 minutes of device time, machine start (~35 s) included: `oneshot` (the three precisions,
-# the GPU tests, transformers; ~4 min on an H200) or `next` (what 2026-11-25's measurements left: the compiled
-# blocks and fp8 x fp8 against the baseline) fit one lease with room for a second, short call; set BUDGET (seconds)
-# to fit what is left. `tune` and `final` are the second and third calls of 2026-11-25
-# (benchmarks/results/2026-11-25-h200.md); the parts below them were planned for 30-minute leases.
+# GPU measurements in named parts:  bash benchmarks/gpu_session.sh PART
 #
-# Once, on the development machine (the device image has transformers 5.17, the oracle is 5.23; its other
-# needs, tokenizers 0.23 / huggingface_hub 1.3x / safetensors 0.8, are already there):
+# Each part runs a group of `blockpress bench` and benchmarks/*.py commands (benchmarks/README.md describes them),
+# every bench run under a time limit, with its JSON, log.txt and summary.txt (failures, test output) under $OUT, and
+# ends with summary tables: the bench runs, bench_serve.py's levels, and the --profile splits of a step.
+#
+# Parts (PRESET=real-26b: the 26B-A4B shapes, random weights built on the GPU; 1,024 prompt + 1,024 new tokens):
+#   check    versions; the compiled-kernel and CUDA-only tests; a tiny bench of every engine; on CUDA also the
+#            expert tile sweep (sweep_moe_tiles.py), the 8-bit linears vs cuBLAS (bench_linears.py) and the L2 rate
+#            (l2_bandwidth.py)
+#   bf16     bf16: eager baseline vs transformers and AR; Triton experts + fast sampler + CUDA graphs at batch 1-8 with
+#            --profile; the same with --fuse-commit
+#   quant    peak_memory.py's int4 predictions; fp8 and int4 experts at batch 1 and 4 with --profile; fp8 x fp8
+#            (scaled_mm); int4 experts + int8 linears; int4 with --sc-topk 64 --fuse-commit
+#   serve    bench_serve.py, int4 + int8 linears, 1 and 4 requests in flight: eager, then CUDA graphs + fused commit +
+#            fast sampler
+#   long     an 8K-token prompt with --prefill-chunk 2048 vs 0; int4 with --moe-sum kernel vs atomic
+#   ctx      a 32K-token prompt, int4 + int8 linears, eager and graphed: peak_mem_bytes vs peak_memory.py's prediction
+#   oneshot  int4 + int8 linears, fp8 and bf16 with every fast path (each retried without graphs if it measured
+#            nothing), the GPU tests, then bf16 vs transformers
+#   tune     sync_sites.py; bench_linears.py; sweep_moe_tiles.py for each precision in PRECS (default "int4 fp8"),
+#            each winner then timed end to end
+#   final    selected GPU tests; sync_sites.py --hf-tiny; the best int8 linear tiles end to end; fp8 and bf16 profiles
+#   next     --compile on fp8, int4 + int8 linears and bf16, beside an uncompiled fp8 row; fp8 x fp8 experts and
+#            linears; bench_linears.py with and without --fused
+#   train    benchmarks/train_step.py: QLoRA steps (int4 experts + int8 linears, then int4 alone) with peak memory
+#            beside train_memory.py's prediction; full fine-tuning steps of the tiny preset
+#   swap     the expert and 8-bit projection kernels with the weight as the MMA's register operand (tiles swap=1):
+#            compiled fp8 default vs swapped, int4 swapped, + int8 projections, + int4 MLP (--linears int4-mlp),
+#            int4 default; SWEEP=1 also sweeps one layer's tiles and the projections first
+#   compiled the compiled step (one graph per kind of layer, custom ops, routing kernel) with fused commits: fp8
+#            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
+#   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
+#            passes' profile; int4; the align kernel's test
+#   engine   one fp8 batch-1 row run from gpu_baseline/ (another commit's tree, if present, e.g.
+#            `mkdir gpu_baseline && git archive COMMIT blockpress | tar -x -C gpu_baseline`) and from this tree; the
+#            GPU tests; the same row with --fuse-commit, with --experts scaled_mm and with --compile
+#
+# Environment:
+#   OUT            where results go (default /tmp/blockpress-gpu)
+#   PRESET         model size (default real-26b); PRESET=tiny runs the same steps on any machine (a dry run; on a
+#                  CPU the CUDA-only flags are dropped)
+#   STEP_LIMIT     seconds per bench run (default set per part)
+#   BUDGET         seconds by which oneshot, tune, final, next or engine must finish (each run's limit shrinks to fit)
+#   MOE_TILES      a --moe-tiles spec for the fast runs (e.g. the check part's tiles.json "best");
+#                  MOE_TILES_FP8 / MOE_TILES_INT4 override it for the fp8 / int4 runs
+#   PRECS, SWEEP_LIMIT   the tune part's precisions and seconds per tile sweep
+# The transformers reference is pinned at 5.23: wheels in .whl/ are installed (to /tmp/site) before anything runs.
+# To make them, once, on a machine with network access:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.23.0
-# Then, through the device tool (carry [".whl"]):
-#   bash benchmarks/gpu_session.sh check   # versions, compiled-kernel and CUDA-only tests, expert tile sweep, linears,
-#                                          # L2 rate (~7 min, estimated)
-#   bash benchmarks/gpu_session.sh bf16    # real 26B-A4B, bf16: vs transformers and AR, fast paths, batch 1-8
-#   bash benchmarks/gpu_session.sh quant   # fp8 and int4 experts (int4 also with int8 linears), peak memory
-#   bash benchmarks/gpu_session.sh serve   # the server's scheduler under load, int4 + int8 linears, graphs off / on
-#   bash benchmarks/gpu_session.sh long    # an 8K-token prompt: chunked prefill (2,048) against one pass; and the
-#                                          # experts' K-sum by atomics against the third kernel (int4, batch 1)
-#   bash benchmarks/gpu_session.sh ctx     # a 32K-token prompt, int4 + int8 linears, eagerly and with CUDA graphs:
-#                                          # peak memory against peak_memory.py's 17.29 / 17.75 GB, prefill time
-# A session's 30 minutes of device time (machine start included) hold three parts: check, quant, bf16 first (the
-# issue's targets); serve in the next session, or when a part finished early.
-# MOE_TILES="bm=..,bn=..,bk=.." (the check part's best bf16 spec, tiles.json "best") makes the fast runs use those
-# Triton tiles; MOE_TILES_FP8 / MOE_TILES_INT4 override it for the fp8 / int4 runs.
-# PRESET=tiny runs the same steps on a tiny model (a dry run; on a CPU the CUDA-only flags are dropped).
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
+PART=${1:?usage: gpu_session.sh swap|compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -43,6 +68,8 @@ CUDA=$(python3 -c 'import torch; print(int(torch.cuda.is_available()))')
 GPU_FLAGS="--cuda-graphs"; FAST=triton
 [ -n "${MOE_TILES:-}" ] && GPU_FLAGS="$GPU_FLAGS --moe-tiles $MOE_TILES"  # from the check part's tile sweep
 [ "$CUDA" = 1 ] || { GPU_FLAGS=""; FAST=grouped; }  # a CPU dry run: no graphs, no Triton interpreter (slow)
+# the row most parts time: batch 1, fixed steps, every fast path but compile, no transformers or AR runs
+ROW1="--batch 1 --modes fixed --experts $FAST --sampler fast --no-reference --repeats 3 --no-ar $GPU_FLAGS"
 
 DEADLINE=${DEADLINE:-}  # oneshot: SECONDS by which every step must be done (each step's limit shrinks to fit)
 limit() {  # limit SECONDS: that, or what is left before DEADLINE (0: no time left)
@@ -65,8 +92,9 @@ bench() {  # bench NAME ARGS...: one `blockpress bench` run, JSON in $OUT/NAME.j
   [ "$lim" = 0 ] && { echo "!!! $name skipped: no time left" | tee -a "$OUT/log.txt"; return 1; }
   echo "=== $name (limit ${lim} s): blockpress bench --preset $PRESET $*" | tee -a "$OUT/log.txt"
   local t0=$SECONDS
-  timeout "$lim" python3 -m blockpress bench --preset "$PRESET" --out "$OUT/$name.json" "$@" \
-    >>"$OUT/log.txt" 2>&1
+  # BENCH_CWD: the folder whose blockpress runs (`python3 -m` puts the working folder first on the path)
+  (cd "${BENCH_CWD:-.}" && python3 -c 'import blockpress; print("blockpress from", blockpress.__file__)' \
+    && timeout "$lim" python3 -m blockpress bench --preset "$PRESET" --out "$OUT/$name.json" "$@") >>"$OUT/log.txt" 2>&1
   local rc=$?
   [ "$rc" = 0 ] || { echo "!!! $name failed or timed out (rc $rc); its log's end:"; grep -v '^{' "$OUT/log.txt" | tail -12; } \
     | tee -a "$OUT/summary.txt"
@@ -75,6 +103,41 @@ bench() {  # bench NAME ARGS...: one `blockpress bench` run, JSON in $OUT/NAME.j
 }
 
 case "$PART" in
+  engine)
+    # The one-engine redesign on a GPU, in one call: the same bench row before (the code of 9d31c23, copied into
+    # gpu_baseline/, which the call carries) and after, on this card; the GPU tests; then what had never been timed:
+    # the fused commit, fp8 x fp8 experts (scaled_mm) and compiled blocks, each against the same row. At most 8
+    # files come back: 5 JSONs, log, summary, test output.
+    DEADLINE=$((SECONDS + ${BUDGET:-420}))
+    env_info
+    ROW="$ROW1 --precision fp8"
+    if [ -d gpu_baseline/blockpress ]; then
+      BENCH_CWD=gpu_baseline STEP_LIMIT=75 bench before-fp8 $ROW
+    fi
+    STEP_LIMIT=75 bench after-fp8 $ROW
+    lim=$(limit 150)
+    if [ "$lim" != 0 ] && [ "$CUDA" = 1 ]; then
+      echo "=== gpu tests (limit $lim s)" | tee -a "$OUT/log.txt"
+      timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 -m "gpu or not slow" tests/test_kernels.py \
+        tests/test_quant.py tests/test_linear_q.py tests/test_generate.py tests/test_cache_ring.py 2>&1 \
+        | tee "$OUT/gpu-tests.txt" | tail -25 | tee -a "$OUT/summary.txt"
+    fi
+    STEP_LIMIT=60 bench after-fp8-fuse $ROW --fuse-commit
+    STEP_LIMIT=60 bench after-fp8-w8a8 ${ROW/--experts $FAST/--experts scaled_mm}
+    STEP_LIMIT=150 bench after-fp8-compile $ROW --compile
+    python3 - "$OUT" <<'EOF' | tee -a "$OUT/summary.txt"
+import json, os, sys
+for name in ("before-fp8", "after-fp8", "after-fp8-fuse", "after-fp8-w8a8", "after-fp8-compile"):
+    try:
+        r = json.load(open(os.path.join(sys.argv[1], name + ".json")))
+    except (OSError, ValueError):
+        print(f"{name}: no result"); continue
+    for run in r["runs"]:
+        print(f"{name}: B={run['batch']} {run['mode']} {run['tok_s']:.1f} tok/s, {run.get('ms_per_step') or 0:.2f} ms/step,"
+              f" peak {run['peak_mem_bytes'] / 1e9:.2f} GB, captures timed {run.get('graph_captures_timed')}"
+              + (" (partial)" if r.get("partial") else ""))
+EOF
+    ;;
   oneshot)
     # One device call for a lease of 15 minutes (machine start included): the issue's three precisions at batch 1
     # and 4 with every fast path, each with a fallback that drops CUDA graphs if the first try measured nothing, the compiled
@@ -169,6 +232,76 @@ case "$PART" in
         | tee -a "$OUT/summary.txt"
     done
     ;;
+  compiled)
+    # issue 30's items 1-2 on a GPU (2026-11-26): compiled blocks as one graph per kind of layer with no break (the
+    # experts, 8-bit projections and routing are custom ops; the layer's K/V buffers are graph inputs, not a
+    # per-layer constant) and the one-kernel routing, against the default row in the same call. The GPU tests of
+    # both first; the fp8 rows with --profile (eager kernels: kernels per step, uncompiled then compiled).
+    DEADLINE=$((SECONDS + ${BUDGET:-420}))
+    env_info
+    ROW="$ROW1"
+    lim=$(limit 75)
+    if [ "$lim" != 0 ] && [ "$CUDA" = 1 ]; then
+      echo "=== gpu tests (limit $lim s)" | tee -a "$OUT/log.txt"
+      timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_route.py tests/test_compiled.py 2>&1 \
+        | tee "$OUT/gpu-tests.txt" | grep -E "passed|failed|^FAILED|^E " | head -20 | tee -a "$OUT/summary.txt"
+    fi
+    STEP_LIMIT=70 bench fp8 $ROW --precision fp8 --profile
+    STEP_LIMIT=170 bench fp8-compiled $ROW --precision fp8 --compile --fuse-commit --profile
+    STEP_LIMIT=130 bench int4-lin8-compiled $ROW --precision int4 --linears int8 --compile --fuse-commit
+    STEP_LIMIT=130 bench int4-compiled $ROW --precision int4 --compile --fuse-commit
+    STEP_LIMIT=130 bench bf16-compiled $ROW --compile --fuse-commit
+    ;;
+  align)
+    # after part 'compiled': the one-launch align and eager prefill, the compiled fp8 row before (gpu_baseline/: the
+    # tree of 7486795, `git archive 7486795 blockpress | tar -x -C gpu_baseline`, carried) and after in one call,
+    # the after row with --profile of the fixed-shape passes (the kernels a graph replays); int4; the align test
+    DEADLINE=$((SECONDS + ${BUDGET:-300}))
+    env_info
+    ROW="$ROW1 --compile --fuse-commit"
+    lim=$(limit 40)
+    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+      -k align 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+    STEP_LIMIT=110 bench fp8-after $ROW --precision fp8 --profile
+    [ -d gpu_baseline/blockpress ] && BENCH_CWD=gpu_baseline STEP_LIMIT=90 bench fp8-before $ROW --precision fp8
+    STEP_LIMIT=80 bench int4-after $ROW --precision int4
+    ;;
+  swap)
+    # For the next lease: the expert and 8-bit projection kernels with the weight tile as the MMA's first operand
+    # (tiles swap=1: Hopper's wgmma reads it from registers, so fp8 / int4 / int8 weights converted in registers skip
+    # shared memory; a block of 16-32 expert assignments uses wgmma at all, and a projection takes a whole canvas per
+    # block, converting each weight once; compile_report.py shows HGMMA with a register A for both, mma.sync or two
+    # shared-memory operands without). The compiled rows end to end, most important first (the deadline drops the
+    # tail): fp8 default vs swapped, int4 swapped, int4 + int8 projections swapped, int4 + int4 MLP, int4 default.
+    # SWEEP=1 first sweeps one layer's tiles (swap 0 and 1) and the projections (bench_linears.py).
+    DEADLINE=$((SECONDS + ${BUDGET:-480}))
+    env_info
+    ROW="$ROW1 --compile --fuse-commit"
+    SW="bm=auto,bn=128,bk=64,swap=1"
+    lim=$(limit 60)  # the swapped kernels compiled for this GPU against the torch paths (bf16 and fp32) first
+    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 \
+      tests/test_kernels.py tests/test_quant.py tests/test_linear_q.py -k "match_loop or triton_path or other_tiles" \
+      2>&1 | tee "$OUT/gpu-tests.txt" | grep -E "passed|failed|^FAILED" | head -12 | tee -a "$OUT/summary.txt"
+    if [ -n "${SWEEP:-}" ]; then
+      for prec in fp8 int4; do
+        lim=$(limit ${SWEEP_LIMIT:-60}); [ "$lim" = 0 ] && break
+        echo "=== tiles $prec (limit $lim s)" | tee -a "$OUT/log.txt"
+        timeout "$lim" python3 benchmarks/sweep_moe_tiles.py --preset "$PRESET" --precision $prec --batch 1 \
+          --grid "bm=auto,16,32;bn=64,128;bk=64,128;swap=0,1" --out "$OUT/tiles-$prec.json" 2>&1 | grep -v '^{' >>"$OUT/log.txt"
+        grep -A12 "| $prec: tiles" "$OUT/log.txt" | tee -a "$OUT/summary.txt"
+      done
+      lim=$(limit 60); [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/bench_linears.py --preset "$PRESET" \
+        --rows 256 2>&1 | grep -E "variants:|one pass" | tee -a "$OUT/summary.txt"
+    fi
+    STEP_LIMIT=100 bench fp8-default $ROW --precision fp8
+    STEP_LIMIT=100 bench fp8-swap $ROW --precision fp8 --moe-tiles "$SW" --profile  # the experts' kernel time
+    STEP_LIMIT=80 bench int4-swap $ROW --precision int4 --moe-tiles "$SW" --profile
+    STEP_LIMIT=80 bench int4-lin8-swap $ROW --precision int4 --moe-tiles "$SW" --linears int8 --linear-tiles swap=1
+    # the dense MLP in int4 on the experts' kernels (--linears int4-mlp): peak_memory.py predicts 17.32 GB against
+    # int4's 18.11 (measured 18.25 on an H100), without the 8-bit projection kernel
+    STEP_LIMIT=80 bench int4-mlp4-swap $ROW --precision int4 --moe-tiles "$SW" --linears int4-mlp
+    STEP_LIMIT=80 bench int4-default $ROW --precision int4
+    ;;
   check)
     env_info
     # compiled Triton kernels (not the interpreter), the CUDA graph and fp8 grouped-GEMM tests
@@ -261,7 +394,25 @@ case "$PART" in
     bench ctx-graphs --batch 1 --precision int4 --linears int8 --modes fixed --experts $FAST --sampler fast \
       $GPU_FLAGS --prompt-tokens $CTX --new-tokens 256 --no-reference --no-ar
     ;;
-  *) echo "unknown part $PART (next, oneshot, tune, final, check, bf16, quant, serve, long or ctx)"; exit 2 ;;
+  train)
+    # training on one GPU (benchmarks/train_step.py): QLoRA steps of the preset with random weights (int4 experts +
+    # int8 projections, rank 16; then int4 alone), tokens/s and torch's peak allocation beside train_memory.py's
+    # prediction (21.61 / 23.25 GB on the 26B, benchmarks/results/2026-11-26-train-memory-fsdp.md), then the same
+    # steps on the tiny preset with every weight trained (full SFT tokens/s)
+    env_info
+    for row in "int4-int8 --precision int4 --linears int8 --lora 16" "int4 --precision int4 --lora 16" \
+               "tiny-full --preset tiny --precision native --lora 0"; do
+      set -- $row; name=$1; shift
+      lim=$(limit "${STEP_LIMIT:-240}")
+      [ "$lim" = 0 ] && { echo "!!! train-$name skipped: no time left" | tee -a "$OUT/log.txt"; continue; }
+      echo "=== train-$name (limit $lim s): benchmarks/train_step.py $*" | tee -a "$OUT/log.txt"
+      PRESET_ARG="--preset $PRESET"; case "$*" in *--preset*) PRESET_ARG="";; esac
+      timeout "$lim" python3 benchmarks/train_step.py $PRESET_ARG "$@" --steps 3 > "$OUT/train-$name.txt" 2>&1 \
+        || { echo "!!! train-$name failed or timed out"; tail -5 "$OUT/train-$name.txt"; } | tee -a "$OUT/summary.txt"
+      grep -v '^{' "$OUT/train-$name.txt" | tail -6 | tee -a "$OUT/log.txt"
+    done
+    ;;
+  *) echo "unknown part $PART (swap, compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
 esac
 [ -s "$OUT/summary.txt" ] && { echo; echo "=== failures and tests"; cat "$OUT/summary.txt"; }
 
@@ -298,11 +449,11 @@ profiles = [(n, p) for n, p in profiles if p]
 if profiles:  # where a step's time goes (eager kernels, --profile): the answer when a target is missed
     parts = ["experts", "attention", "decoder, rest", "sampler"]
     classes = ["dense GEMM", "norm", "other"]
-    print("\n| run (B, eager) | wall ms/step | busy | gap | " + " | ".join(parts) + " | experts GB/s | "
+    print("\n| run (B, eager) | kernels/step | wall ms/step | busy | gap | " + " | ".join(parts) + " | experts GB/s | "
           + " | ".join(f"kernels: {c}" for c in classes) + " |")
-    print("|---|" + "---:|" * (4 + len(parts) + len(classes)))
+    print("|---|" + "---:|" * (5 + len(parts) + len(classes)))
     for n, p in profiles:
-        print(f"| {n} (B={p.get('batch')}) | {p['wall_ms_per_step']:.2f} | {p['busy_ms_per_step']:.2f} | "
+        print(f"| {n} (B={p.get('batch')}) | {p.get('kernels_per_step', 0):.0f} | {p['wall_ms_per_step']:.2f} | {p['busy_ms_per_step']:.2f} | "
               f"{p['gap_ms_per_step']:.2f} | " + " | ".join(f"{p['by_part_ms'].get(c, 0):.2f}" for c in parts) +
               f" | {p.get('experts_achieved_gbs', 0):.0f} | " +
               " | ".join(f"{p['by_class_ms'].get(c, 0):.2f}" for c in classes) + " |")

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from blockpress.cli.run import _positive_int  # noqa: E402
 from blockpress.kernels._triton import tl, triton, usable_on  # noqa: E402
-from blockpress.kernels.profile import time_ms  # noqa: E402
+from blockpress.lab.profile import time_ms  # noqa: E402
 
 CHUNK = 4096  # fp32 elements per load (16 KB): 32 per thread at 4 warps, 16-byte vector loads
 STRIDE = 7919  # a prime: consecutive reads of one program land on chunks far apart, on other SMs' recent reads

@@ -2,18 +2,18 @@
 
 The issue's int4 target is a peak of 18 GB on the bench workload (batch 1, 1024-token prompt, 1024 new
 tokens): the weights alone are ~17 GB there, so what a pass allocates on top decides it. This script
-builds the model on the meta device, runs each pass of a generation under `kernels.memory.LiveBytes`
+builds the model on the meta device, runs each pass of a generation under `lab.memory.LiveBytes`
 (every tensor allocated and freed as the engine's code does; the Triton experts and a fused attention
 kernel replaced by stand-ins that allocate what they allocate on a GPU) and prints, per pass, the most
 bytes alive at once on top of the weights and the cache, then the predicted peak:
 
 - eager: weights + cache + the held self-conditioning logits + the largest pass (the caching allocator
   reuses freed blocks from pass to pass); a step is the decoder pass and then the sampler on its logits;
-- with CUDA graphs (`--cuda-graphs`): weights + the graphs' cache (one canvas longer: the static passes write
-  a canvas's K/V past the cache's length) + the graphs' two shared buffers (the self-conditioning logits every
+- with CUDA graphs (`--cuda-graphs`): weights + the graphs' cache (one canvas longer: the fixed-shape passes
+  write a canvas's K/V past the cache's length) + the graphs' two shared buffers (the self-conditioning logits every
   pass reads, which the sampler writes in place, and the fp32 logits every pass writes) + the captured passes'
-  memory pool (the largest of the static passes' intermediates, measured the same way: `GraphedPasses` captures
-  all into one pool) + the larger of the eager prefill and the sampler, which run in the general pool; the
+  memory pool (the largest of the fixed-shape passes' intermediates, measured the same way: `GraphedPasses`
+  captures all into one pool) + the larger of the eager prefill and the sampler, which run in the general pool; the
   sampler reads the shared logits buffer (`GraphedPasses(copy_outputs=False)`, what the bench and
   `--cuda-graphs` use; a copy would add one [B, C, V] fp32 tensor).
 Both samplers: "exact" (the reference's draws) and "fast" (the fused Triton sampler's allocations).
@@ -33,14 +33,14 @@ import math
 
 import torch
 
-from blockpress.cli.bench import _positive_float, preset_config
+from blockpress.cli.bench import _positive_float
+from blockpress.lab.presets import preset_config
 from blockpress.cli.run import _nonneg_int, _positive_int
+from blockpress.options import LINEAR_FORMATS
 from blockpress.config import GenerationConfig, ModelConfig
-from blockpress.engine.generate import denoise_step
-from blockpress.kernels import sampler_fused
-from blockpress.kernels.graphs import static_commit, static_decode, static_encode_decode
-from blockpress.kernels.memory import LiveBytes, fused_sample_meta, meta_backends
-from blockpress.kernels.sampler_fused import denoise_step_fast as fast_step
+from blockpress.engine import step as engine_step
+from blockpress.engine.step import single_step
+from blockpress.lab.memory import LiveBytes, fused_sample_meta, meta_backends
 from blockpress.loading import estimated_weight_bytes
 from blockpress.model.diffusion_gemma import DiffusionGemmaModel
 
@@ -58,7 +58,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="real-26b", choices=["tiny", "small", "real-26b"])
     p.add_argument("--precision", default="int4", choices=["native", "fp8", "int4"])
-    p.add_argument("--linears", default="native", choices=["native", "int8", "fp8"],
+    p.add_argument("--linears", default="native", choices=LINEAR_FORMATS,
                    help="attention / dense-MLP projections (8 bits: only the weights change; the Triton kernel "
                         "allocates what F.linear does, its output)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -93,7 +93,6 @@ def main(argv=None) -> dict:
     sc = torch.zeros(B, C, V, dtype=dtype, device=dev)  # the previous step's logits, held between steps
     cfg = GenerationConfig.resolve({}, max_denoising_steps=16, t_min=0.4, t_max=0.8, stability_threshold=None,
                                    confidence_threshold=None)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
     T = capacity - C  # the last canvas: the longest cache
 
     def raw_logits():  # made outside the measurement: with graphs it is the replay's output copy
@@ -117,32 +116,30 @@ def main(argv=None) -> dict:
     passes = {
         "prefill": lambda: m.encode(torch.zeros(B, P, dtype=torch.long, device=dev), at(0), output=False),
         "decode": lambda: m.decode(canvas, at(T), sc),
-        "step (decode + exact sampler)": lambda: denoise_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None),
-        "sampler (exact, logits given)": lambda: denoise_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None,
-                                                              raw=raw_logits()),
-        "sampler (fast, logits given)": lambda: fast_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None,
-                                                          raw=raw_logits()),
+        "step (decode + exact sampler)": lambda: single_step(m, canvas, sc, cfg, at(T), n=16),
+        "sampler (exact, logits given)": lambda: single_step(m, canvas, sc, cfg, at(T), n=16, raw=raw_logits()),
+        "sampler (fast, logits given)": lambda: single_step(m, canvas, sc, cfg, at(T), n=16, fast=True,
+                                                            raw=raw_logits()),
         "commit": lambda: m.encode(canvas, at(T - C), output=False),
         "fused commit + first step": lambda: m.encode_decode(canvas, canvas, at(T - C), None, sc),
-        "graphs: decode": lambda: static_decode(m, canvas, gcache, pos(T), sc, on, out=shared_out),
-        "graphs: commit": lambda: static_commit(m, canvas, gcache, pos(T - C)),
-        "graphs: fused commit + first step": lambda: static_encode_decode(m, canvas, canvas, gcache, pos(T - C), sc,
-                                                                          on, out=shared_out),
+        "graphs: decode": lambda: m.decode(canvas, gcache, sc, on, start=pos(T), out=shared_out),
+        "graphs: commit": lambda: m.encode(canvas, gcache, output=False, start=pos(T - C)),
+        "graphs: fused commit + first step": lambda: m.encode_decode(canvas, canvas, gcache, None, sc, on,
+                                                                     start=pos(T - C), out=shared_out),
         # the engine under graphs: the sampler writes the next pass's self-conditioning logits into its input buffer
-        "graphs: sampler (exact)": lambda: denoise_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None,
-                                                        raw=raw_logits(), sc_out=sc),
-        "graphs: sampler (fast)": lambda: fast_step(m, canvas, canvas, sc, done, 16, cfg, at(T), None, None,
-                                                    raw=raw_logits(), sc_out=sc),
+        "graphs: sampler (exact)": lambda: single_step(m, canvas, sc, cfg, at(T), n=16, raw=raw_logits(), sc_out=sc),
+        "graphs: sampler (fast)": lambda: single_step(m, canvas, sc, cfg, at(T), n=16, fast=True, raw=raw_logits(),
+                                                      sc_out=sc),
     }
     rows = {}
-    real_fused_sample = sampler_fused.fused_sample
-    sampler_fused.fused_sample = fused_sample_meta  # the Triton kernel's allocations
+    real_fused_sample = engine_step.fused_sample
+    engine_step.fused_sample = fused_sample_meta  # the Triton kernel's allocations
     try:
         for name, fn in passes.items():
             peak, top = measure(fn)
             rows[name] = {"peak_bytes": peak, "largest": [(b, op) for b, op in top]}
     finally:
-        sampler_fused.fused_sample = real_fused_sample
+        engine_step.fused_sample = real_fused_sample
     held = sc.numel() * sc.element_size()  # the self-conditioning logits kept from the previous step
     logits = B * C * V * 4
     # a step: the decoder pass (its logits are its last allocation), then the sampler on those logits

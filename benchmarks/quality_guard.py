@@ -1,7 +1,8 @@
 """Quality guard for low-precision weights: fp8 / int4 experts, int8 linears (and bf16 for scale) vs fp32.
 
 For each format the same model is copied, its experts quantised (fp8, int4), or its attention and
-dense-MLP projections (int8-linears), or both (int4+int8-linears); embeddings, router and
+dense-MLP projections (int8-linears), or its dense MLP alone in int4 (int4-mlp), or one of each
+(int4+int8-linears, int4+int4-mlp); embeddings, router and
 self-conditioning stay fp32. Each is compared with the fp32 model on
   (a) the experts alone: relative error ||y_q - y|| / ||y|| of every layer's MoE output on the
       reference pass's own inputs and routing (the local quantisation error, nothing amplified);
@@ -32,24 +33,26 @@ import sys
 
 import torch
 
-from blockpress.cli.bench import _group_size, preset_config
+from blockpress.cli.bench import _group_size
+from blockpress.lab.presets import preset_config
 from blockpress.cli.run import _positive_int
 from blockpress.config import GenerationConfig
 from blockpress.engine.generate import generate
 from blockpress.kernels.linear_q import QUANTIZED_LINEARS, QuantizedLinear
-from blockpress.kernels.quant import QuantizedExperts, compare_logits
-from blockpress.kernels.random_weights import build_model
+from blockpress.kernels.quant import QuantizedExperts, QuantizedMLP, compare_logits
+from blockpress.lab.random_weights import build_model
 
 # attention and dense-MLP projections in 8 bits (kernels/linear_q.py): weight-only int8 / fp8, or fp8 weights and
 # fp8 activations ("-a8": the scaled_mm backend, w8a8, which runs on a CPU too)
 LINEAR_PARTS = {"int8-linears": ("int8", "torch"), "fp8-linears": ("fp8", "torch"),
-                "fp8-linears-a8": ("fp8", "scaled_mm")}
+                "fp8-linears-a8": ("fp8", "scaled_mm"), "int4-mlp": None}  # int4-mlp: the dense MLP alone, in int4
+MLP4 = "int4-mlp"  # (kernels/quant.py QuantizedMLP: one int4 expert every token takes)
 LINEARS = "int8-linears"
 # relative error of the experts' output (of each projection's output, for the linears)
 ERR_BUDGET = {"bf16": 0.01, "fp8": 0.08, "int4": 0.25, "int8-linears": 0.02, "fp8-linears": 0.08,
-              "fp8-linears-a8": 0.10}
+              "fp8-linears-a8": 0.10, MLP4: 0.25}
 # mean KL may be at most this multiple of bf16's (combined formats: the experts format's budget)
-KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, "int8-linears": 2.0, "fp8-linears": 4.0, "fp8-linears-a8": 8.0}
+KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, "int8-linears": 2.0, "fp8-linears": 4.0, "fp8-linears-a8": 8.0, MLP4: 8.0}
 
 
 def load_model(args):
@@ -90,6 +93,7 @@ def variant(ref, fmt: str, group_size: int):
         return
     experts, linears = _parts(fmt)
     saved = [layer.experts for layer in ref.layers]
+    saved_mlp = [layer.mlp for layer in ref.layers]
     saved_lin = [(getattr(layer, part), name, getattr(getattr(layer, part), name, None))
                  for layer in ref.layers for part, names in QUANTIZED_LINEARS.items() for name in names]
     try:
@@ -98,13 +102,16 @@ def variant(ref, fmt: str, group_size: int):
             q = QuantizedExperts(E, H, two_im // 2, experts, group_size, dtype=old.gate_up_proj.dtype,
                                  device=old.gate_up_proj.device)
             layer.experts = q.load_float_(old.gate_up_proj, old.down_proj)
-        for parent, name, lin in saved_lin if linears else ():
+        for layer, old in zip(ref.layers, saved_mlp) if linears == MLP4 else ():
+            layer.mlp = QuantizedMLP.from_mlp(old, group_size)
+            layer.mlp.experts.backend = "torch"
+        for parent, name, lin in saved_lin if linears and linears != MLP4 else ():
             if lin is not None:  # full-attention layers have no v_proj
                 setattr(parent, name, QuantizedLinear.from_linear(lin, *LINEAR_PARTS[linears]))
         yield ref
     finally:
-        for layer, old in zip(ref.layers, saved):
-            layer.experts = old
+        for layer, old, mlp in zip(ref.layers, saved, saved_mlp):
+            layer.experts, layer.mlp = old, mlp
         for parent, name, lin in saved_lin:
             if lin is not None:
                 setattr(parent, name, lin)
@@ -163,7 +170,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--model", help="checkpoint folder of a trained model (e.g. blockpress/assets/sudoku)")
-    p.add_argument("--formats", default=f"bf16,fp8,int4,{','.join(LINEAR_PARTS)},fp8+{LINEARS},int4+{LINEARS}")
+    p.add_argument("--formats", default=f"bf16,fp8,int4,{','.join(LINEAR_PARTS)},fp8+{LINEARS},int4+{LINEARS},"
+                                        f"int4+{MLP4}")
     p.add_argument("--group-size", type=_group_size, default=64)
     p.add_argument("--init-std", type=float, default=0.05, help="random weights: larger = peakier logits")
     p.add_argument("--prompt-tokens", type=_positive_int, default=32)
@@ -196,6 +204,7 @@ def main(argv=None) -> int:
     ref_logits, ref_tokens = one_step_logits(ref, ids, canvas), generation_tokens(ref, ids, args)
     captured = capture_first_calls(ref, ids, canvas, [f"layers.{i}.experts" for i in range(len(ref.layers))])
     captured_linears = capture_first_calls(ref, ids, canvas, projection_names(ref))
+    captured_mlps = capture_first_calls(ref, ids, canvas, [f"layers.{i}.mlp" for i in range(len(ref.layers))])
     if "bf16" in formats:  # the yardstick first
         formats = ["bf16"] + [f for f in formats if f != "bf16"]
     rows, bf16_kl = [], None
@@ -203,8 +212,9 @@ def main(argv=None) -> int:
         if fmt == "bf16" and ref.dtype == torch.bfloat16:
             continue  # the reference itself
         with variant(ref, fmt, args.group_size) as m:
+            mlp4 = fmt != "bf16" and _parts(fmt)[1] == MLP4  # its error: each whole MLP's output
             r = {"format": fmt, "experts_rel_err": rel_error(m, captured),
-                 "linears_rel_err": rel_error(m, captured_linears),
+                 "linears_rel_err": rel_error(m, captured_mlps if mlp4 else captured_linears),
                  **compare_logits(ref_logits, one_step_logits(m, ids, canvas))}
             r["token_agreement_generate"] = float((generation_tokens(m, ids, args) == ref_tokens).float().mean())
         bf16_kl = r["mean_kl"] if fmt == "bf16" else bf16_kl

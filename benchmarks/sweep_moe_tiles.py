@@ -30,14 +30,14 @@ import torch
 
 from blockpress.cli.bench import _group_size
 from blockpress.cli.run import _positive_int
-from blockpress.kernels.profile import time_ms
+from blockpress.lab.profile import time_ms
 
 # 18 settings (+ the defaults, which are among them), then the M tile alone at the default N and K tiles (bm=auto
 # sizes it for the spread of the routing, from compile_report.py's issue model: a timing has to confirm it); ~2.5 min on an H100, estimated, not yet run. BK 32 and BN 64
 # stay in: the defaults moved to BK 64 and BN 128 on compile_report.py's static model (instructions, L2 traffic),
 # a timing has to confirm them; BN 256 reads the activations from L2 half as often again (int4 at batch 1: 14.1 GB
 # a step against 16.1 at BN 128) for as many instructions, but 255 registers from bm 64 on
-DEFAULT_GRID = "bm=auto;bn=64,128,256;bk=32,64,128;warps=4,8|bm=16,32,64"
+DEFAULT_GRID = "bm=auto;bn=64,128,256;bk=32,64,128;warps=4,8|bm=16,32,64|bm=auto,16,32;bn=64,128;bk=64,128;swap=1"
 
 
 def parse_grid(text: str) -> list[str]:
@@ -91,11 +91,12 @@ def build_layer(text, precision: str, device, dtype, group_size: int, seed: int)
 
 
 def main(argv=None) -> int:
-    from blockpress.cli.bench import DTYPES, preset_config
+    from blockpress.lab.bench import DTYPES
+    from blockpress.lab.presets import preset_config
     from blockpress.config import ModelConfig
     from blockpress.kernels._triton import triton, usable_on
-    from blockpress.kernels.moe_grouped import TILES, parse_tiles
-    from blockpress.kernels.roofline import expected_hit_fraction, measure_bandwidth
+    from blockpress.kernels.moe_grouped import DEFAULT_TILES as TILES, parse_tiles
+    from blockpress.lab.roofline import expected_hit_fraction, measure_bandwidth
     from blockpress.loading import parse_device
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -3,7 +3,7 @@
 Run it on two checkouts and compare the files: a refactor that claims bit-identical tokens must give the same JSON
 (the script prints the cases that differ when given `--against FILE`).
 
-    python benchmarks/token_check.py --out /tmp/after.json --against benchmarks/results/2026-11-26-token-check.json
+    python benchmarks/token_check.py --out /tmp/after.json --against benchmarks/results/2026-11-26-token-check-after.json
 
 What it covers (CPU, fp32, 1 thread): tiny random models (the reference's draw order under torch's global RNG, one
 private generator, per-row generators, row compaction on and off, the fused sampler, fused commits, fixed tokens,
@@ -58,22 +58,19 @@ def seq(result):
 
 def with_graphs(lm, fn):
     """fn() with the CUDA-graph plumbing on the CPU (no capture), through whichever API this checkout has."""
-    try:
-        from blockpress.kernels.graphs import GraphedPasses  # before the one-engine redesign
-    except ImportError:
-        GraphedPasses = None
-    if GraphedPasses is not None:
+    if not hasattr(lm, "configure"):  # before the one-engine redesign
+        from blockpress.kernels.graphs import GraphedPasses
+
         g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
         try:
             return fn()
         finally:
             g.uninstall()
-    prev = lm.options
     lm.configure(cuda_graphs=True)
     try:
         return fn()
     finally:
-        lm.configure(**{"cuda_graphs": prev.cuda_graphs})
+        lm.configure(cuda_graphs=False)
 
 
 def python_cases(out):
@@ -146,12 +143,17 @@ def server_cases(out):
     lm = tiny_model(seed=3)
     try:
         from blockpress.server.scheduler import Job, RowCommit, RowDone, RowDraft, Scheduler
-    except ImportError:  # after the redesign
-        from blockpress.engine import Job, RowCommit, RowDone, RowDraft, Scheduler  # noqa: F401
+    except ImportError:  # after the one-engine redesign: the server's worker runs the engine's loop
+        from blockpress.server.worker import Job, RowCommit, RowDone, RowDraft, Worker
+
+        def Scheduler(module, C, **kw):  # noqa: N802
+            return Worker(lm, **kw)
 
     def drive(s, plan):
         runs, k = [], 0
-        while k <= max(plan) + 4 or s.rows or s._waiting:
+        step = getattr(s, "_canvas", None) or s.canvas
+        busy = (lambda: s.busy) if hasattr(s, "busy") else (lambda: s.rows or s._waiting)
+        while k <= max(plan) + 4 or busy():
             for job, cancel in plan.get(k, []):
                 h = s.submit(job)
                 if cancel is not None and cancel[0] == "step":
@@ -166,7 +168,7 @@ def server_cases(out):
                 if cancel == ("boundary", k):
                     h.cancel()
             with torch.no_grad():
-                s._canvas()
+                step()
             k += 1
         res = []
         for h, _ in runs:

@@ -17,7 +17,7 @@ Invariants:
   template that calls `raise_exception` raises `InputError` with the template's message.
 - `DEFAULT_GEMMA4_TEMPLATE` is our own template text. The exact Hub `chat_template.jinja` of
   google/diffusiongemma-26B-A4B-it was not available to us; this template reproduces the
-  documented Gemma 4 turn format (spec/inference.md section 1.5) and the publicly documented
+  documented Gemma 4 turn format and the publicly documented
   Gemma 4 tool notation. A checkpoint's own `chat_template.jinja` is always preferred over it.
 
 Default template output (`Q` = the quote token `<|"|>`):

@@ -292,7 +292,7 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
 
 @dataclass
 class GenerationConfig:
-    """Sampling parameters of the denoising loop, validated once (spec 4.1).
+    """Sampling parameters of the denoising loop, validated once.
 
     t_min/t_max None → no temperature scaling; stability_threshold or confidence_threshold None →
     no adaptive stopping (always max_denoising_steps steps).

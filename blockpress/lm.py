@@ -1,8 +1,9 @@
-"""`BlockDiffusionLM`: what `blockpress.load()` returns — the module, its tokenizer and defaults.
+"""`BlockDiffusionLM`: what `blockpress.load()` returns — the module, its tokenizer, defaults and options.
 
 It owns no math: generation is `engine.generate.stream` over `self.module`; generation
 parameters resolve as keyword arguments > the checkpoint's generation_config.json > the
-reference defaults (spec 4.1), validated once into a `GenerationConfig`.
+reference defaults, validated once into a `GenerationConfig`. How it runs (sampler, fused
+commits, row compaction, CUDA graphs, compile, kernels) is `self.options`, set at load or by `configure`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from .config import GenerationConfig, ModelConfig
 from .engine import generate as engine
 from .errors import InputError
+from .options import Options
 
 # files of a checkpoint folder that belong to its tokenizer (copied along by save())
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -24,12 +26,36 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 class BlockDiffusionLM:
     def __init__(self, module, config: ModelConfig, generation_defaults: dict[str, Any] | None = None,
-                 tokenizer=None, path: Path | None = None):
+                 tokenizer=None, path: Path | None = None, options: Options | None = None):
         self.module = module
         self.config = config
         self.generation_defaults = dict(generation_defaults or {})
         self.tokenizer = tokenizer
         self.path = path
+        self.options = Options()
+        self.passes = module  # what the engine runs: the module's passes, or their CUDA graphs (`configure`)
+        self._apply(None, (options or Options()).validate())
+
+    def configure(self, **changes) -> Options:
+        """Change how this model runs: the engine's options (sampler, fuse_commit, compact_rows, cuda_graphs,
+        compile) and the kernels' (experts, attention, sc_topk, moe_tiles, moe_sum, linear_tiles); see
+        `blockpress.options`. Validated once, here. The storage precision (precision, group_size, linears) is
+        chosen at load. Returns the new options."""
+        new = self.options.replace(**changes)
+        self._apply(self.options, new)
+        return new
+
+    def _apply(self, old: Options | None, new: Options) -> None:
+        from .engine.graphs import passes_for
+        from .kernels.select import apply
+
+        changed = apply(self.module, old, new)
+        try:
+            self.passes = passes_for(self.module, self.passes, new.cuda_graphs, new.compile, changed)
+        except ValueError as e:  # experts that read the host cannot be captured
+            raise InputError(f"cuda_graphs: {e}. With the default kernels this means Triton is missing (pip "
+                             "install triton), or the reference kernels were asked for: drop one of them") from None
+        self.options = new
 
     # ------------------------------------------------------------------------------- properties
     @property
@@ -50,6 +76,25 @@ class BlockDiffusionLM:
 
     def generation_config(self, **overrides) -> GenerationConfig:
         return GenerationConfig.resolve(self.generation_defaults, **overrides)
+
+    def stop_ids(self) -> list[int]:
+        """The checkpoint's eos ids, else the tokenizer's <eos> and end-of-turn <turn|>."""
+        eos = self.generation_defaults.get("eos_token_id") or self.config.eos_token_id
+        if eos:
+            return [eos] if isinstance(eos, int) else list(eos)
+        tok = self.tokenizer
+        ids = [tok.eos_token_id, tok.token_to_id("<turn|>")] if tok is not None else []
+        return [i for i in ids if i is not None]
+
+    def text_defaults(self) -> dict[str, Any]:
+        """Stop and pad ids for text generation (the CLI, the server) where the checkpoint does not set them."""
+        out: dict[str, Any] = {}
+        if not self.generation_defaults.get("eos_token_id"):
+            out["eos_token_id"] = self.stop_ids() or None
+        if self.generation_defaults.get("pad_token_id") is None:
+            pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
+            out["pad_token_id"] = pad if pad is not None else 0
+        return out
 
     # ------------------------------------------------------------------------------- token API
     def _prepare(self, input_ids, attention_mask):
@@ -81,24 +126,50 @@ class BlockDiffusionLM:
 
     def stream(self, input_ids, attention_mask=None, generator=None,
                cache=None, decoder_input_ids=None, self_conditioning_logits=None, drafts: bool = True,
-               sampler: str = "exact", fixed_tokens=None, fuse_commit: bool = False, compact_rows: bool | None = None,
+               sampler: str | None = None, fixed_tokens=None, fuse_commit: bool | None = None,
+               compact_rows: bool | None = None, json_schema=None, json_object: bool = False,
+               regex: str | None = None, grammar: str | None = None,
                **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
         """Yield a Draft after every denoising step, a Commit per canvas and a final Finished.
         fixed_tokens [B, L]: new-token positions held at given ids (-1 = free), see engine.stream.
-        fuse_commit: encode each committed canvas in the next canvas's first denoising pass (one read of
-        the weights instead of two; equal up to fp32 summation order), see engine.stream.
-        compact_rows: denoise only the rows still denoising (default: on with per-row generators), see
-        engine.stream."""
+        json_schema (a dict or JSON text) / json_object / regex / grammar (Lark): every row's new tokens form one
+        valid output that ends with a stop id within max_new_tokens (engine/constraint.py; needs the
+        `structured` extra).
+        sampler / fuse_commit / compact_rows: this call's engine options (None: `self.options`'), see
+        `blockpress.options` and engine.stream."""
         cfg = self.generation_config(**sampling)
+        grammar = dict(json_schema=json_schema, json_object=json_object, regex=regex, grammar=grammar)
+        if any(grammar.values()) and not cfg.eos_token_id:  # a grammar's output ends with a stop id
+            eos = self._need_tokenizer().eos_token_id
+            if eos is None:
+                raise InputError("structured output needs a stop id: give eos_token_id=")
+            cfg = self.generation_config(**{**sampling, "eos_token_id": [eos]})
         ids, mask = self._prepare(input_ids, attention_mask)
+        call = {k: v for k, v in (("sampler", sampler), ("fuse_commit", fuse_commit),
+                                  ("compact_rows", compact_rows)) if v is not None}
+        options = self.options.replace(**call) if call else self.options
         return engine.stream(self.module, ids, cfg, self.canvas_length, attention_mask=mask, generator=generator,
                              cache=cache, decoder_input_ids=decoder_input_ids,
-                             self_conditioning_logits=self_conditioning_logits, drafts=drafts, sampler=sampler,
-                             fixed_tokens=fixed_tokens, fuse_commit=fuse_commit, compact_rows=compact_rows)
+                             self_conditioning_logits=self_conditioning_logits, drafts=drafts,
+                             fixed_tokens=fixed_tokens, options=options, passes=self.passes,
+                             constraints=self.constraints(cfg, ids.shape[0], **grammar))
+
+    def constraints(self, cfg, rows: int, **grammar) -> list | None:
+        """One fresh grammar state per row for `grammar` (json_schema / json_object / regex / grammar, see
+        `stream`), or None when none is given."""
+        from .engine.constraint import Constraint, grammar_for
+
+        spec = grammar_for(**grammar)
+        if spec is None:
+            return None
+        tok = self._need_tokenizer()
+        return [Constraint(spec, tok, cfg.eos_token_id, self.module.text.vocab_size, cfg.max_new_tokens)
+                for _ in range(rows)]
 
     def generate(self, input_ids, attention_mask=None, generator=None, cache=None,
-                 decoder_input_ids=None, self_conditioning_logits=None, sampler: str = "exact",
-                 fixed_tokens=None, fuse_commit: bool = False, compact_rows: bool | None = None,
+                 decoder_input_ids=None, self_conditioning_logits=None, sampler: str | None = None,
+                 fixed_tokens=None, fuse_commit: bool | None = None, compact_rows: bool | None = None,
+                 json_schema=None, json_object: bool = False, regex: str | None = None, grammar: str | None = None,
                  **sampling) -> engine.GenerationResult:
         """Generate canvases after `input_ids`. Keyword names and defaults follow the reference:
         max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max, stability_threshold,
@@ -106,7 +177,8 @@ class BlockDiffusionLM:
         reference's draw order), a torch.Generator, or a list with one generator per row."""
         for ev in self.stream(input_ids, attention_mask, generator, cache, decoder_input_ids,
                               self_conditioning_logits, drafts=False, sampler=sampler, fixed_tokens=fixed_tokens,
-                              fuse_commit=fuse_commit, compact_rows=compact_rows, **sampling):
+                              fuse_commit=fuse_commit, compact_rows=compact_rows, json_schema=json_schema,
+                              json_object=json_object, regex=regex, grammar=grammar, **sampling):
             if isinstance(ev, engine.Finished):
                 return ev.result
         raise RuntimeError("generation ended without a result")  # unreachable
@@ -162,9 +234,10 @@ class BlockDiffusionLM:
         return self.tokenizer
 
     # ------------------------------------------------------------------------------- saving
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, tensors: dict | None = None) -> Path:
         """Write a checkpoint transformers can load: config.json, generation_config.json,
-        model.safetensors (checkpoint key names), and the tokenizer files if any. Atomic."""
+        model.safetensors (checkpoint key names), and the tokenizer files if any. Atomic.
+        tensors: the weights by module name when the module holds only a shard of them (a sharded training run)."""
         from safetensors.torch import save_file
 
         from .model.weights import state_dict_for_checkpoint, write_atomic
@@ -175,7 +248,7 @@ class BlockDiffusionLM:
             raise InputError(f"this model holds quantised weights ({', '.join(sorted(quantized))}: --precision / "
                              "--linears at load) and save writes float checkpoints that transformers loads; load "
                              "the model in its native precision to save it")
-        sd = state_dict_for_checkpoint(self.module)
+        sd = state_dict_for_checkpoint(self.module, tensors)
         gen = {"_from_model_config": False, **self.generation_defaults}
         if "entropy_bound" in gen:
             gen["sampler_config"] = {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": gen.pop("entropy_bound")}

@@ -16,6 +16,7 @@ from .config import GenerationConfig, ModelConfig, _read_json
 from .errors import CheckpointError, ConfigError, InputError, SamplingError
 from .lm import BlockDiffusionLM
 from .model.diffusion_gemma import DiffusionGemmaModel
+from .options import Options
 from .model.weights import find_weight_files, load_weights
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
@@ -123,7 +124,8 @@ def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native"
     """Bytes the weights of a (meta-device) module will take once loaded: expert tensors in fp8 (1 byte
     per weight + an fp32 scale per output row) or int4 (half a byte + a `dtype` scale per group, as
     kernels/quant.py stores them), attention / dense-MLP projections in 8 bits with linears="int8" / "fp8"
-    (1 byte + an fp32 scale per row, kernels/linear_q.py), everything else in `dtype`."""
+    (1 byte + an fp32 scale per row, kernels/linear_q.py), the dense MLP in int4 with linears="int4-mlp" (as the
+    experts' int4), everything else in `dtype`."""
     from .kernels.linear_q import LINEAR_WEIGHT, QUANTIZED_LINEARS
     from .kernels.quant import group_for
 
@@ -135,7 +137,10 @@ def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native"
             E, O, I = p.shape
             total += p.numel() + E * O * 4 if precision == "fp8" else \
                 p.numel() // 2 + E * O * (I // group_for(I, group_size)) * item
-        elif linears != "native" and m is not None and m.group(3) in QUANTIZED_LINEARS[m.group(2)]:
+        elif linears == "int4-mlp" and m is not None and m.group(2) == "mlp":
+            O, I = p.shape
+            total += p.numel() // 2 + O * (I // group_for(I, group_size)) * item
+        elif linears not in ("native", "int4-mlp") and m is not None and m.group(3) in QUANTIZED_LINEARS[m.group(2)]:
             total += p.numel() + p.shape[0] * 4
         else:
             total += p.numel() * item
@@ -183,35 +188,36 @@ def check_memory(module, device: torch.device, dtype: torch.dtype, precision: st
 
 
 def load(model: str | Path, device: str | torch.device | None = None, dtype=None, progress: bool = True,
-         tokenizer: bool = True, precision: str = "native", group_size: int = 64, experts: str = "auto",
-         attention: str = "auto", linears: str = "native") -> BlockDiffusionLM:
+         tokenizer: bool = True, **options) -> BlockDiffusionLM:
     """Load a DiffusionGemma checkpoint (folder or Hub id) for generation.
 
-    device: "cpu", "cuda", ... (default: cuda when available). dtype: "bfloat16", "float32", ...
-    (default: float32 on CPU, the checkpoint's dtype on GPU).
-    precision: "native", or "fp8" / "int4" expert weights (per-channel fp8; 4-bit with a scale per
-    `group_size` inputs), quantised layer by layer while loading, so the float experts never exist
-    all at once; attention, router, embeddings and norms stay in `dtype`.
-    linears: "native", or "int8" / "fp8": the attention and dense-MLP projections in 8 bits (a scale per
-    output row), quantised as each is read; with precision="int4" the 26B-A4B weights take ~15.3 GB, not ~17.
-    int8 is the more accurate; fp8 can also run with fp8 activations (experts="scaled_mm", Hopper / Ada).
-    experts / attention: the kernels (`blockpress.kernels.configure`). "auto" picks the fastest path that
-    runs here (experts: the Triton kernel on a CUDA GPU, grouped GEMMs on a CPU; attention: SDPA with
-    the KV heads grouped inside the kernel); "loop" / "sdpa" or "eager" are the plain references (the
-    same function up to fp32 summation order).
+    device: "cpu", "cuda", ... (default: $BLOCKPRESS_DEVICE, else cuda when available). dtype: "bfloat16",
+    "float32", ... (default: float32 on CPU, the checkpoint's dtype on GPU).
+    options (`blockpress.options.Options`, validated before any weight is read):
+    - precision: "native", or "fp8" / "int4" expert weights (per-channel fp8; 4-bit with a scale per `group_size`
+      inputs), quantised layer by layer while loading, so the float experts never exist all at once; attention,
+      router, embeddings and norms stay in `dtype`. linears: "native", or "int8" / "fp8": the attention and
+      dense-MLP projections in 8 bits (a scale per output row), quantised as each is read; with precision="int4"
+      the 26B-A4B weights take ~15.3 GB, not ~17. int8 is the more accurate; fp8 can also run with fp8
+      activations (experts="scaled_mm", Hopper / Ada).
+    - experts / attention: the kernels. "auto" picks the fastest path that runs here (experts: the Triton kernel
+      on a CUDA GPU, grouped GEMMs on a CPU; attention: SDPA with the KV heads grouped inside the kernel);
+      "loop" / "sdpa" or "eager" are the plain references (the same function up to fp32 summation order).
+    - cuda_graphs, compile, sampler, fuse_commit, compact_rows, sc_topk, moe_tiles, moe_sum, linear_tiles: how
+      generation runs (see blockpress/options.py); `lm.configure(...)` changes them later.
     """
-    from .kernels import PRECISIONS, check_names, configure
+    from .kernels import check_names
     from .kernels.quant import check_group_size
 
-    if precision not in PRECISIONS:
-        raise InputError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
-    if precision == "int4":
-        check_group_size(group_size)
+    opts = Options().replace(**options)
+    if opts.precision == "int4":
+        check_group_size(opts.group_size)
     try:
-        check_names(experts, attention, linears)
+        check_names(opts.experts, opts.attention, opts.linears)
     except ValueError as e:
         raise InputError(str(e)) from None
     folder = resolve_path(model, progress)
+    _refuse_adapter_folder(folder, model)
     config = ModelConfig.from_file(folder / "config.json")
     gen_path = folder / "generation_config.json"
     gen_defaults = _checkpoint_generation_defaults(gen_path, config.text.vocab_size) if gen_path.is_file() else {}
@@ -220,36 +226,50 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     files = find_weight_files(folder)
     with torch.device("meta"):
         module = DiffusionGemmaModel(config)
-    check_memory(module, dev, dt, precision, group_size, linears)
+    check_memory(module, dev, dt, opts.precision, opts.group_size, opts.linears)
     hooks = []
-    if precision != "native":
+    if opts.precision != "native":
         from .kernels.quant import streaming_quantizer
 
-        hooks.append(streaming_quantizer(module, precision, group_size))
-    if linears != "native":
+        hooks.append(streaming_quantizer(module, opts.precision, opts.group_size))
+    if opts.linears == "int4-mlp":
+        from .kernels.quant import mlp_streaming_quantizer
+
+        hooks.append(mlp_streaming_quantizer(module, opts.group_size))
+    elif opts.linears != "native":
         from .kernels.linear_q import linear_streaming_quantizer
 
-        hooks.append(linear_streaming_quantizer(module, linears))
+        hooks.append(linear_streaming_quantizer(module, opts.linears))
     on_loaded = None if not hooks else lambda name: [h(name) for h in hooks]
     load_weights(module, files, dev, dt, progress=progress, on_loaded=on_loaded)
     module.materialize_buffers(dev)
     module.eval()
-    try:
-        configure(module, experts=experts, attention=attention, precision=precision, group_size=group_size,
-                  linears=linears)
-    except ValueError as e:
-        raise InputError(str(e)) from None
     tok = None
     if tokenizer and (folder / "tokenizer.json").is_file():
         from .tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(folder)
-    return BlockDiffusionLM(module, config, gen_defaults, tok, folder)
+    return BlockDiffusionLM(module, config, gen_defaults, tok, folder, options=opts)
+
+
+def _refuse_adapter_folder(folder: Path, model) -> None:
+    """A LoRA adapter (or a LoRA run's checkpoint) holds no model: say which flag takes it."""
+    if (folder / "config.json").is_file() or not (folder / "adapter_config.json").is_file():
+        return
+    try:
+        cfg = _read_json(folder / "adapter_config.json", "adapter_config.json")
+    except ConfigError:
+        cfg = {}
+    base = (cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None) or "BASE_MODEL"
+    raise CheckpointError(f"{model} holds a LoRA adapter (adapter_config.json), not a model; load its base model "
+                          f"with the adapter: blockpress run {base} --adapter {model} (Python: "
+                          "blockpress.train.lora.apply_adapter(lm, folder))")
 
 
 def from_config(config: ModelConfig | dict, device="cpu", dtype=torch.float32, seed: int | None = None,
-                init_std: float | None = None) -> BlockDiffusionLM:
-    """A randomly initialised model of a given architecture (training from scratch, benchmarks)."""
+                init_std: float | None = None, **options) -> BlockDiffusionLM:
+    """A randomly initialised model of a given architecture (training from scratch, benchmarks). It runs the
+    reference kernels (experts "loop", attention "sdpa": autograd goes through them) unless options say otherwise."""
     if isinstance(config, dict):
         config = ModelConfig.from_dict(config)
     if seed is not None:
@@ -259,7 +279,7 @@ def from_config(config: ModelConfig | dict, device="cpu", dtype=torch.float32, s
         module = DiffusionGemmaModel(config).to(dtype)
     module.reset_parameters(init_std if init_std is not None else config.text.initializer_range)
     module.eval()
-    return BlockDiffusionLM(module, config, {})
+    return BlockDiffusionLM(module, config, {}, options=Options(experts="loop", attention="sdpa").replace(**options))
 
 
 __all__ = ["load", "from_config", "resolve_path"]

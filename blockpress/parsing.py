@@ -4,7 +4,7 @@ Job: the engine decodes the generated ids WITHOUT skipping special tokens; this 
 that text into `reasoning` (thought channel), `content` and `tool_calls`, either at once
 (`parse_output`) or incrementally while streaming (`StreamingParser`).
 
-Grammar handled (Gemma 4 output format, spec/inference.md 1.5):
+Grammar handled (Gemma 4 output format):
 - `<|channel>NAME\\n ... <channel|>`: a channel block. NAME `thought` (or any name other than
   final/answer/response/content) goes to `reasoning`; the header line is dropped. An unclosed
   block (generation cut by length) is reasoning to the end.
@@ -27,6 +27,9 @@ Invariants:
   `parse_output` is the streaming parser fed the whole text in one delta.
 - Tool calls are reported once, by `finish`; `finish_reason` is "tool_calls" when there is at
   least one call, else the reason passed in ("stop" / "length").
+- With `track_sources=True`, `content_sources[k]` is the offset in the fed text of the character that content
+  character k came from (a `<|"|>` turned into `"`: the token's start), nondecreasing; `resolved` is the offset
+  before which the fed text is decided (what is after it is held back). The server aligns logprobs with it.
 """
 
 from __future__ import annotations
@@ -289,8 +292,10 @@ class StreamingParser:
     def __init__(self, *, starts_in_reasoning: bool = False,
                  control_tokens: Iterable[str] | None = None,
                  stop_tokens: Iterable[str] = STOP_TOKENS,
-                 make_id: Callable[[int], str] | None = None) -> None:
+                 make_id: Callable[[int], str] | None = None, track_sources: bool = False) -> None:
         self._stops = frozenset(stop_tokens)
+        self._fed = 0  # characters fed so far (`_buf` is always a suffix of them)
+        self.content_sources: list[int] | None = [] if track_sources else None
         tokens = set(GEMMA4_CONTROL_TOKENS) | set(control_tokens or ()) | self._stops
         tokens |= {QUOTE, CHANNEL_OPEN, CHANNEL_CLOSE, CALL_OPEN, CALL_CLOSE}
         tokens.discard("")
@@ -314,6 +319,7 @@ class StreamingParser:
         if self._finished is not None:
             raise RuntimeError("StreamingParser.feed called after finish")
         self._buf += text
+        self._fed += len(text)
         return self._run(final=False)
 
     def finish(self, finish_reason: str = "stop") -> StreamEnd:
@@ -331,8 +337,16 @@ class StreamingParser:
         return ParsedOutput(content="".join(self._content), reasoning=reasoning or None,
                             tool_calls=list(self._calls), finish_reason=reason)
 
+    @property
+    def resolved(self) -> int:
+        """Offset in the fed text before which every character is decided (emitted, or dropped as markup)."""
+        return self._fed - len(self._buf) - len(self._header) - len(self._call)
+
     # ---------------------------------------------------------------- internals
-    def _emit(self, out: StreamDelta, text: str, state: str | None = None) -> None:
+    def _emit(self, out: StreamDelta, text: str, state: str | None = None, src: int = 0,
+              source: str | None = None) -> None:
+        """src: offset in the fed text where `text` starts (text copied 1:1), or where `source` starts (text is
+        `source` cleaned of control tokens)."""
         if not text:
             return
         if (state or self._state) == _REASONING:
@@ -341,6 +355,24 @@ class StreamingParser:
         else:
             out.content += text
             self._content.append(text)
+            if self.content_sources is not None:
+                pos = list(range(src, src + len(text))) if source is None else self._clean_sources(source, src)
+                pos = (pos + [pos[-1] if pos else src] * len(text))[:len(text)]
+                self.content_sources += pos
+
+    def _clean_sources(self, source: str, src: int) -> list[int]:
+        """The offset of each character of `_clean(source)` (source starting at offset src)."""
+        pos, j = [], 0
+        while j < len(source):
+            tok = self._match_at(source, j) if source[j] == "<" else None
+            if tok is not None:
+                if tok == QUOTE:
+                    pos.append(src + j)
+                j += len(tok)
+            else:
+                pos.append(src + j)
+                j += 1
+        return pos
 
     def _clean(self, text: str) -> str:
         """Text with control tokens removed (quote token -> '"'); used for malformed calls."""
@@ -373,20 +405,21 @@ class StreamingParser:
     def _step_text(self, out: StreamDelta, final: bool) -> bool:
         """Content/reasoning: emit text up to the next control token. False = need more input."""
         buf = self._buf
+        at = self._fed - len(buf)  # the offset of buf in the fed text
         p = buf.find("<")
         while p >= 0:
             if not final and len(buf) - p < self._max_len and buf[p:] in self._prefixes:
-                self._emit(out, buf[:p])  # hold back: may still grow into a (longer) token
+                self._emit(out, buf[:p], src=at)  # hold back: may still grow into a (longer) token
                 self._buf = buf[p:]
                 return False
             tok = self._match_at(buf, p)
             if tok is not None:
-                self._emit(out, buf[:p])
+                self._emit(out, buf[:p], src=at)
                 self._buf = buf[p + len(tok):]
                 self._on_token(out, tok)
                 return True
             p = buf.find("<", p + 1)
-        self._emit(out, buf)
+        self._emit(out, buf, src=at)
         self._buf = ""
         return False
 
@@ -403,7 +436,7 @@ class StreamingParser:
         elif tok == CALL_OPEN:
             self._return, self._state, self._call = self._state, _CALL, ""
         elif tok == QUOTE:
-            self._emit(out, '"')
+            self._emit(out, '"', src=self._fed - len(self._buf) - len(tok))
         # every other control token is dropped
 
     def _step_header(self, out: StreamDelta, final: bool) -> bool:
@@ -441,6 +474,7 @@ class StreamingParser:
         self._call += self._buf
         self._buf = ""
         call = self._call
+        at = self._fed - len(call)  # the offset of call in the fed text
         end = call.find(CALL_CLOSE, start)
         stop_at, stop_tok = -1, None
         for t in self._stops:
@@ -452,20 +486,20 @@ class StreamingParser:
             parsed = _parse_call_body(body)
             self._state = self._return
             if parsed is None:
-                self._emit(out, self._clean(body))
+                self._emit(out, self._clean(body), src=at, source=body)
             else:
                 self._calls.append(ToolCall(self._make_id(len(self._calls)), parsed[0], parsed[1]))
             self._call, self._buf = "", rest
             return True
         if stop_at >= 0:  # unterminated call followed by a stop token: keep it as text
             self._state = self._return
-            self._emit(out, self._clean(call[:stop_at]))
+            self._emit(out, self._clean(call[:stop_at]), src=at, source=call[:stop_at])
             self._call, self._buf = "", ""
             self._state = _DONE
             return True
         if final:  # unterminated at the end of generation
             self._state = self._return
-            self._emit(out, self._clean(call))
+            self._emit(out, self._clean(call), src=at, source=call)
             self._call = ""
             return False
         return False

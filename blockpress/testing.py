@@ -1,5 +1,5 @@
 """Test fixtures shared by the test suite: a tiny but real Gemma-4-like tokenizer, and a hand-driven server
-scheduler (`drive_scheduler`).
+worker (`drive_worker`).
 
 Job: `build_tiny_gemma_tokenizer(dir)` writes `tokenizer.json`, `tokenizer_config.json` and
 `chat_template.jinja` into a folder and returns the loaded `blockpress.tokenizer.Tokenizer`.
@@ -19,6 +19,7 @@ Invariants of the tiny tokenizer:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections import Counter
@@ -31,7 +32,8 @@ __all__ = [
     "TINY_SPECIAL_TOKENS",
     "TINY_VOCAB_SIZE",
     "build_tiny_gemma_tokenizer",
-    "drive_scheduler",
+    "cuda_graphs",
+    "drive_worker",
     "tiny_tokenizer_json",
 ]
 
@@ -186,11 +188,13 @@ def decoder_logits_gap_vs_transformers(folder, ids, canvas) -> float:
 
     import blockpress
 
+    from .kernels import use
+
     hf = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(str(folder)).eval()
     hf.set_attn_implementation("eager")
     hf.set_experts_implementation("eager")
     bp = blockpress.load(folder, progress=False)
-    bp.module.attention_backend = "eager"
+    use(bp.module, attention="eager")
     with torch.no_grad():
         cache = transformers.DynamicCache(config=hf.config.text_config)
         hf.model.encoder(input_ids=ids, past_key_values=cache)
@@ -202,19 +206,19 @@ def decoder_logits_gap_vs_transformers(folder, ids, canvas) -> float:
     return float((ref - got).abs().max())
 
 
-def drive_scheduler(s, plan: dict) -> list[list[int]]:
-    """Run a `blockpress.server.scheduler.Scheduler`'s loop by hand (no thread, so the schedule is deterministic):
+def drive_worker(w, plan: dict) -> list[list[int]]:
+    """Run a `blockpress.server.worker.Worker`'s loop by hand (no thread, so the schedule is deterministic):
     the jobs of plan[k] are submitted before canvas boundary k. Returns each job's generated tokens, in submission
     order; a job that does not end with RowDone fails the assertion with its last event."""
     import torch
 
-    from .server.scheduler import RowCommit, RowDone
+    from .server.worker import RowCommit, RowDone
 
     handles, k = [], 0
-    while k <= max(plan) or s.rows or s._waiting:
-        handles += [s.submit(j) for j in plan.get(k, [])]
+    while k <= max(plan) or w.busy:
+        handles += [w.submit(j) for j in plan.get(k, [])]
         with torch.no_grad():
-            s._canvas()
+            w.canvas()
         k += 1
     out = []
     for h in handles:
@@ -225,12 +229,12 @@ def drive_scheduler(s, plan: dict) -> list[list[int]]:
 
 
 def count_logits_copies(monkeypatch) -> list:
-    """Patch the CUDA-graph plumbing (`kernels.graphs._set`) to record the shape of every [B, C, V] tensor copied into
+    """Patch the CUDA-graph plumbing (`engine.graphs._set`) to record the shape of every [B, C, V] tensor copied into
     a captured pass's input buffer (the self-conditioning logits), leaving out a buffer handed back to itself (what
     `GraphedPasses.sc_buffer` is for). Returns the list it appends to."""
     import torch
 
-    from .kernels import graphs
+    from .engine import graphs
 
     copies, real_set = [], graphs._set
 
@@ -265,3 +269,43 @@ def count_host_reads(monkeypatch, fn) -> int:
         monkeypatch.undo()
     return count["n"]
 
+
+
+@contextlib.contextmanager
+def cuda_graphs(lm):
+    """`lm` with CUDA graphs on for the block (on a CPU: the same passes and plumbing, without capture), then as it
+    was; yields the graphed passes."""
+    before = lm.options.cuda_graphs
+    lm.configure(cuda_graphs=True)
+    try:
+        yield lm.passes
+    finally:
+        lm.configure(cuda_graphs=before)
+
+
+def random_schema(rng, depth: int = 0) -> dict:
+    """A random JSON Schema of the kinds structured output must handle: objects with required and optional
+    properties (nested), arrays with length bounds, enums, integers and numbers with bounds, booleans, nulls,
+    strings with length bounds, anyOf. `rng` is a `random.Random`; the same seed gives the same schema."""
+    kinds = ["string", "integer", "number", "boolean", "enum"] + (["object", "array", "anyOf"] if depth < 2 else [])
+    kind = rng.choice(kinds) if depth else "object"
+    if kind == "string":
+        lo = rng.randint(0, 3)
+        return {"type": "string", "minLength": lo, "maxLength": lo + rng.randint(0, 8)}
+    if kind in ("integer", "number"):
+        lo = rng.randint(-50, 50)
+        return {"type": kind, "minimum": lo, "maximum": lo + rng.randint(0, 1000)}
+    if kind == "boolean":
+        return {"type": rng.choice(["boolean", "null"])}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", 1, 2.5, True, None, "a b"], rng.randint(1, 4))}
+    if kind == "array":
+        lo = rng.randint(0, 2)
+        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": lo,
+                "maxItems": lo + rng.randint(0, 3)}
+    if kind == "anyOf":
+        return {"anyOf": [random_schema(rng, depth + 1) for _ in range(rng.randint(2, 3))]}
+    names = rng.sample(["id", "name", "age", "tags", "score", "ok", "kind", "items", "meta", "note"], rng.randint(1, 4))
+    props = {n: random_schema(rng, depth + 1) for n in names}
+    required = [n for n in names if rng.random() < 0.6]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}

@@ -15,7 +15,7 @@ Invariants:
 - `StreamDecoder` emits text deltas whose concatenation equals `decode(all ids)` (given the same
   `skip_special_tokens`); it never emits a partial multi-byte character: text whose tail decodes
   to U+FFFD is held back until the following ids complete it or `flush()` is called.
-- Gemma 4 special-token ids are listed in `GEMMA4_SPECIAL_TOKENS` (spec/inference.md 1.5).
+- Gemma 4 special-token ids are listed in `GEMMA4_SPECIAL_TOKENS`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ __all__ = [
     "Tokenizer",
 ]
 
-# Gemma 4 special tokens and their ids in the released vocabulary (spec 1.5).
+# Gemma 4 special tokens and their ids in the released vocabulary.
 GEMMA4_SPECIAL_TOKENS: dict[str, int] = {
     "<pad>": 0,
     "<eos>": 1,
@@ -293,6 +293,29 @@ class StreamDecoder:
             self._prefix, self._read, self._extra = self._read, len(self._ids), 0
         self.text += delta
         return delta
+
+    def feed_ends(self, new_ids: Iterable[int]) -> tuple[str, list[int]]:
+        """`feed`, and where each new id's text ends in `text` (its characters: from the previous id's end): an id
+        owns the characters that decoding it, after the ids before it, adds for good (a byte that only completes a
+        character with the next id owns none; the next one owns the character), clipped to what is emitted."""
+        new_ids = [int(i) for i in new_ids]
+        start, before = self._prefix, len(self.text)
+        done = len(self._decode(self._ids[start:self._read])) + self._extra  # window characters already emitted
+        delta = self.feed(new_ids)
+        full = self._decode(self._ids[start:])
+        base, n0, ends, last = before - done, len(self._ids) - len(new_ids), [], before
+        for m in range(1, len(new_ids) + 1):
+            part = self._decode(self._ids[start:n0 + m])
+            k = 0
+            for x, y in zip(part, full):
+                if x != y:
+                    break
+                k += 1
+            if m < len(new_ids) and part.endswith(_REPLACEMENT):  # an incomplete character: not owned yet
+                k = min(k, len(part.rstrip(_REPLACEMENT)))
+            last = min(max(last, base + k), len(self.text))
+            ends.append(last)
+        return delta, ends
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character decodes to U+FFFD)."""

@@ -13,10 +13,10 @@ import torch
 import blockpress
 
 from blockpress.cli import main as cli_main
-from blockpress.cli.bench import PRESETS, preset_config
+from blockpress.lab.presets import PRESETS, preset_config
 from blockpress.config import ModelConfig
 from blockpress.kernels.quant import QuantizedExperts
-from blockpress.kernels.roofline import (ar_token_bytes, expected_hit_fraction, generation_floor_seconds,
+from blockpress.lab.roofline import (ar_token_bytes, expected_hit_fraction, generation_floor_seconds,
                                          step_bytes, weight_groups)
 from blockpress.model.diffusion_gemma import DiffusionGemmaModel
 
@@ -65,7 +65,7 @@ def test_roofline_counting_math_too(real_meta):
     """pass_parts splits a pass into kernel groups whose bytes add up to step_bytes / encode_bytes and whose FLOPs
     add up to step_flops; with math counted the floor can only rise, stays the byte floor with an infinite peak,
     and at batch 4 the 26B step is compute-bound (its projections, experts and LM head at 1,024 rows)."""
-    from blockpress.kernels.roofline import (encode_bytes, floor_seconds, pass_parts, peak_bf16_flops, step_flops)
+    from blockpress.lab.roofline import (encode_bytes, floor_seconds, pass_parts, peak_bf16_flops, step_flops)
 
     m = _quantized_copy(real_meta, "int4")
     for B in (1, 4):
@@ -116,6 +116,7 @@ def test_cli_bench_tiny_with_reference_and_ar(capsys):
     for key in ("tok_s", "tok_s_excl_prompt", "ms_per_step", "ms_per_commit", "first_commit_ms", "prefill_ms",
                 "peak_mem_bytes", "bytes_per_step", "floor_fraction", "gen_floor_tok_s"):
         assert ours[key] is not None and ours[key] > 0, key
+    assert result["fuse_commit"] is False  # a CPU's default: a pass of its own per commit (reference parity)
     assert ours["steps_per_canvas"] == 3 and ours["first_commit_ms"] < ours["total_ms"]
     assert ours["tok_s_excl_prompt"] >= ours["tok_s"]
     assert set(result["ratios"]) == {"vs_transformers_fixed", "vs_transformers_adaptive", "vs_ar"}
@@ -182,12 +183,15 @@ def test_quality_guard_tiny(capsys, monkeypatch):
         runpy.run_path(str(ROOT / "benchmarks" / "quality_guard.py"), run_name="__main__")
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["format"]: r for r in result["results"]}
-    assert set(rows) == {"bf16", "fp8", "int4", "int8-linears", "fp8-linears", "fp8-linears-a8", "fp8+int8-linears",
-                         "int4+int8-linears"}
+    assert set(rows) == {"bf16", "fp8", "int4", "int8-linears", "fp8-linears", "fp8-linears-a8", "int4-mlp",
+                         "fp8+int8-linears", "int4+int8-linears", "int4+int4-mlp"}
     assert rows["bf16"]["experts_rel_err"] < rows["fp8"]["experts_rel_err"] < rows["int4"]["experts_rel_err"]
     assert rows["int8-linears"]["experts_rel_err"] == 0 == rows["int4"]["linears_rel_err"]  # each swaps only its part
     assert 0 < rows["int8-linears"]["linears_rel_err"] == rows["int4+int8-linears"]["linears_rel_err"] < 0.02
     assert rows["int4+int8-linears"]["experts_rel_err"] == rows["int4"]["experts_rel_err"]
+    # the dense MLP alone in int4: its own error (each MLP's output), about int4's on the experts; nothing else moves
+    assert rows["int4-mlp"]["experts_rel_err"] == 0 < rows["int4-mlp"]["linears_rel_err"] < 0.25
+    assert rows["int4+int4-mlp"]["linears_rel_err"] == rows["int4-mlp"]["linears_rel_err"]
     # int8 keeps ~7 bits of a row's bulk, fp8 3; fp8 activations add their own rounding
     assert rows["int8-linears"]["linears_rel_err"] < rows["fp8-linears"]["linears_rel_err"] \
         < rows["fp8-linears-a8"]["linears_rel_err"] < 0.1
@@ -239,17 +243,13 @@ def test_bench_prefill_chunk_keeps_the_references_tokens(capsys):
 
 def test_bench_moe_sum_atomic_keeps_the_references_tokens(capsys):
     """--moe-sum atomic (the Triton experts' K-sum by fp32 atomics in the down kernel; the interpreter on CPU): the
-    same tokens as transformers, recorded in the JSON (the process-wide setting is put back after)."""
+    same tokens as transformers, recorded in the JSON."""
     from blockpress.kernels import moe_grouped
 
     if moe_grouped.triton is None:
         pytest.skip("triton not installed")
-    try:
-        assert cli_main(["bench", *FAST, "--modes", "fixed", "--no-ar", "--experts", "triton",
-                         "--moe-sum", "atomic", "--new-tokens", "16"]) == 0
-        assert moe_grouped.MOE_SUM == "atomic"
-    finally:
-        moe_grouped.set_moe_sum("kernel")
+    assert cli_main(["bench", *FAST, "--modes", "fixed", "--no-ar", "--experts", "triton",
+                     "--moe-sum", "atomic", "--new-tokens", "16"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["backends"]["moe_sum"] == "atomic" and result["backends"]["experts"] == "triton"
     assert result["token_agreement_vs_transformers"] == {"B1-fixed": 1.0}
@@ -282,6 +282,7 @@ def test_bench_profile_splits_a_step_by_kernel_class(capsys):
     assert all(p["by_part_ms"][part] > 0 for part in ("experts", "attention", "decoder, rest", "sampler"))
     assert p["experts_achieved_gbs"] > 0
     assert p["wall_ms_per_step"] >= p["busy_ms_per_step"] * 0.5
+    assert p["kernels_per_step"] >= sum(k["calls_per_step"] for k in p["top"]) > len(p["top"])  # counts launches
     times = [k["ms_per_step"] for k in p["top"]]
     assert times == sorted(times, reverse=True) and len(times) <= 12
     assert cli_main(["bench", *FAST, "--steps", "1", "--no-reference", "--no-ar", "--profile"]) == 2
@@ -289,7 +290,7 @@ def test_bench_profile_splits_a_step_by_kernel_class(capsys):
 
 
 def test_kernel_classes_of_hopper_kernel_names():
-    from blockpress.kernels.profile import kernel_class
+    from blockpress.lab.profile import kernel_class
 
     assert kernel_class("_moe_up_kernel") == "experts"
     assert kernel_class("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::"
@@ -328,7 +329,7 @@ def test_moe_tile_sweep_on_cpu_checks_every_setting_against_torch(capsys, monkey
 
 
 def test_moe_tiles_setting_reaches_the_kernel_launch(monkeypatch):
-    """set_moe_tiles / --moe-tiles: the process-wide tiles are what experts_triton launches with (bad specs are
+    """The `moe_tiles` option / --moe-tiles: the configured tiles are what experts_triton launches with (bad specs are
     refused with the rule), and explicit block_* arguments still win."""
     from blockpress.kernels import moe_grouped
 
@@ -336,8 +337,12 @@ def test_moe_tiles_setting_reaches_the_kernel_launch(monkeypatch):
         moe_grouped.parse_tiles("bn=48")
     with pytest.raises(ValueError, match="key=value"):
         moe_grouped.parse_tiles("tile=64")
+    with pytest.raises(ValueError, match="use 0 or 1"):
+        moe_grouped.parse_tiles("swap=2")
     assert moe_grouped.parse_tiles("bm=auto,bn=128,bk=64,warps=8,stages=4").spec() == \
         "bm=auto,bn=128,bk=64,warps=8,stages=4"
+    assert moe_grouped.parse_tiles("swap=1,bn=64").spec() == "bm=auto,bn=64,bk=64,swap=1"
+    assert moe_grouped.parse_tiles("swap=0").spec() == moe_grouped.DEFAULT_TILES.spec()
     seen = []
 
     class Launch:
@@ -354,16 +359,24 @@ def test_moe_tiles_setting_reaches_the_kernel_launch(monkeypatch):
     x, idx = torch.randn(8, 256), torch.randint(0, 4, (8, 2))  # H 256, Im 128
     w, gu, dn = torch.rand(8, 2), torch.randn(4, 256, 256), torch.randn(4, 256, 128)
     xs, gus, dns = torch.randn(8, 64), torch.randn(4, 64, 64), torch.randn(4, 64, 32)  # H 64, Im 32
-    prev = moe_grouped.set_moe_tiles("bm=32,bn=128,bk=64,warps=8")
-    try:
-        moe_grouped.experts_triton(x, w, idx, gu, dn)
-        moe_grouped.experts_triton(x, w, idx, gu, dn, block_n=16)
-        moe_grouped.experts_triton(xs, w, idx, gus, dns)  # BN capped at each output's width (Im 32, H 64)
-    finally:
-        moe_grouped.set_moe_tiles(prev)
+    tiles = moe_grouped.as_tiles("bm=32,bn=128,bk=64,warps=8")
+    moe_grouped.experts_triton(x, w, idx, gu, dn, tiles=tiles)
+    moe_grouped.experts_triton(x, w, idx, gu, dn, block_n=16, tiles=tiles)
+    moe_grouped.experts_triton(xs, w, idx, gus, dns, tiles=tiles)  # BN capped at each output's width (Im 32, H 64)
     assert seen == [("up", 32, 128, 64, 8), ("down", 32, 128, 64, 8), ("up", 32, 16, 64, 8), ("down", 32, 16, 64, 8),
                     ("up", 32, 32, 64, 8), ("down", 32, 64, 64, 8)]
-    assert moe_grouped.TILES == prev
+    seen.clear()  # through the one place that sets them: a model's experts kernel, from its options
+    from blockpress.kernels import configure
+    from blockpress.lab.random_weights import build_model
+
+    m = build_model(preset_config("tiny")[0], torch.device("cpu"), torch.float32)
+    configure(m, experts="triton", moe_tiles="bm=32,bn=128,bk=64,warps=8")
+    ex = m.layers[0].experts
+    ex(xs, w, idx % 4)
+    through_model = list(seen)
+    seen.clear()
+    moe_grouped.experts_triton(xs, w, idx % 4, ex.gate_up_proj, ex.down_proj, tiles=tiles)
+    assert through_model == seen and seen[0][1] == 32 and seen[0][3:] == (64, 8)
 
 
 def test_auto_m_tile_is_sized_for_the_spread_of_the_routing_and_grows_to_128_on_hopper_only(monkeypatch):
@@ -395,11 +408,7 @@ def test_auto_m_tile_is_sized_for_the_spread_of_the_routing_and_grows_to_128_on_
                                 (True, "bm=auto,warps=4", (128, 4)), (True, "bm=32", (32, None))):
         monkeypatch.setattr(moe_grouped, "_wgmma_target", lambda device=None, hopper=hopper: hopper)
         seen.clear()
-        prev = moe_grouped.set_moe_tiles(tiles)
-        try:
-            moe_grouped.experts_triton(x, w, idx, gu, dn)
-        finally:
-            moe_grouped.set_moe_tiles(prev)
+        moe_grouped.experts_triton(x, w, idx, gu, dn, tiles=moe_grouped.as_tiles(tiles))
         assert seen == [want, want], (hopper, tiles)
 
 
@@ -429,26 +438,24 @@ def test_bench_runs_replay_graphed_passes_after_the_warmup(fuse):
     report 0 captures, and give the same tokens as the eager engine."""
     import argparse
 
-    from blockpress.cli.bench import add_parser, run_ar, run_blockpress
-    from blockpress.kernels.graphs import GraphedPasses
-    from blockpress.kernels.random_weights import build_model
+    from blockpress.cli.bench import add_parser
+    from blockpress.lab.bench import run_ar, run_blockpress
+    from blockpress.engine.graphs import GraphedPasses
+    from blockpress.lab.random_weights import build_model
 
     p = argparse.ArgumentParser()
     add_parser(p)
     args = p.parse_args([*FAST[2:], "--warmup", "1", "--repeats", "2", "--ar-tokens", "6"]
-                        + (["--fuse-commit"] if fuse else []))
+                        + (["--fuse-commit"] if fuse else ["--no-fuse-commit"]))
     args.prompt_tokens = 8
     module = build_model(preset_config("tiny")[0], torch.device("cpu"), torch.float32)
     ids = torch.randint(5, module.text.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     eager, eager_seqs = run_blockpress(module, ids, "fixed", args)
     eager_ar = run_ar(module, ids, args)
-    graphs = GraphedPasses(module, capture=False).install()
-    try:
-        s, seqs = run_blockpress(module, ids, "fixed", args, graphs=graphs)
-        ar = run_ar(module, ids, args, graphs)
-        passes = set(graphs.captured)
-    finally:
-        graphs.uninstall()
+    graphs = GraphedPasses(module, capture=False, copy_outputs=False)  # what load(cuda_graphs=True) runs
+    s, seqs = run_blockpress(module, ids, "fixed", args, passes=graphs)
+    ar = run_ar(module, ids, args, graphs)
+    passes = set(graphs.captured)
     assert torch.equal(seqs, eager_seqs)
     assert s["graph_captures_timed"] == 0 and ar["graph_captures_timed"] == 0
     assert "graph_captures_timed" not in eager and "graph_captures_timed" not in eager_ar
@@ -462,7 +469,7 @@ def test_linear_kernel_bench_checks_every_projection_shape(capsys):
     JSON line at the end."""
     mod = runpy.run_path(str(ROOT / "benchmarks" / "bench_linears.py"))
     from blockpress.config import ModelConfig
-    from blockpress.kernels.roofline import weight_groups
+    from blockpress.lab.roofline import weight_groups
     from blockpress.model.diffusion_gemma import DiffusionGemmaModel
 
     text = ModelConfig.from_dict(preset_config("real-26b")[0]).text
@@ -496,8 +503,9 @@ def test_serving_bench_counts_every_request_and_reports_graph_captures(capsys):
     without it, none. A bad flag combination is refused with exit code 2."""
     import argparse
 
-    from blockpress.kernels.graphs import GraphedPasses
-    from blockpress.kernels.random_weights import build_model
+    from blockpress.lab.random_weights import build_model
+    from blockpress.lm import BlockDiffusionLM
+    from blockpress.options import Options
 
     mod = runpy.run_path(str(ROOT / "benchmarks" / "bench_serve.py"))
     p = argparse.ArgumentParser()
@@ -505,12 +513,9 @@ def test_serving_bench_counts_every_request_and_reports_graph_captures(capsys):
     args = p.parse_args(["--preset", "tiny", "--concurrency", "1,3", "--requests", "4", "--prompt-tokens", "8",
                          "--new-tokens", "32", "--steps", "2", "--mode", "adaptive", "--device", "cpu"])
     module = build_model(preset_config("tiny")[0], torch.device("cpu"), torch.float32)
-    plain = mod["run"](args, module)
-    g = GraphedPasses(module, capture=False).install()
-    try:
-        graphed = mod["run"](args, module)
-    finally:
-        g.uninstall()
+    plain = mod["run"](args, BlockDiffusionLM(module, module.config, {}))
+    # the graphs' plumbing on fixed buffers, as load(cuda_graphs=True) gives (a CPU: no capture)
+    graphed = mod["run"](args, BlockDiffusionLM(module, module.config, {}, options=Options(cuda_graphs=True)))
     for result, graphs in ((plain, False), (graphed, True)):
         assert result["cuda_graphs"] is graphs and [lv["concurrency"] for lv in result["levels"]] == [1, 3]
         for lv in result["levels"]:
@@ -576,7 +581,7 @@ def test_profile_parts_follow_the_gpu_timeline_so_triton_kernels_count_where_the
     """parts_by_gpu_spans: a kernel belongs to the innermost span (experts / attention inside a decoder pass) that
     holds it on the GPU's timeline, whatever launched it; kernels outside every decoder pass are the sampler's.
     (On an H200 with torch 2.11, the CPU ranges' device time missed the Triton experts kernels entirely.)"""
-    from blockpress.kernels.profile import parts_by_gpu_spans
+    from blockpress.lab.profile import parts_by_gpu_spans
 
     spans = {"decode": [(0, 100), (200, 300)], "experts": [(10, 40), (210, 240)], "attention": [(50, 60)]}
     kernels = [(12, 20, 8.0), (21, 39, 18.0),  # two expert kernels of pass 1 (a Triton launch and a sort, say)

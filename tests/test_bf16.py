@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import blockpress
+from blockpress.kernels import use
 from blockpress.model.layers import embed_scale
 
 transformers = pytest.importorskip("transformers")
@@ -25,7 +26,7 @@ def test_bf16_decoder_input_and_encoder_cache_match_transformers(hf_tiny_dir):
     hf.set_attn_implementation("eager")
     hf.set_experts_implementation("eager")
     bp = blockpress.load(path, dtype="bfloat16", progress=False)
-    bp.module.attention_backend = "eager"
+    use(bp.module, attention="eager")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, 512, (2, 20), generator=g)
     canvas = torch.randint(0, 512, (2, 16), generator=g)

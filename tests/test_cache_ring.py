@@ -1,6 +1,6 @@
-"""The sliding layers' ring (engine/cache.py): a cache that keeps only the last window + reserve positions of its
+"""The sliding layers' ring (model/cache.py): a cache that keeps only the last window + reserve positions of its
 sliding layers gives the same keys, values, logits and tokens as one that keeps every position, in the eager
-passes, the static (CUDA-graph) passes, the engine, the server's scheduler, and against transformers."""
+passes, the fixed-shape (CUDA-graph) passes, the engine, the server's worker, and against transformers."""
 
 import pytest
 import torch
@@ -8,8 +8,10 @@ import torch
 pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without autograd
 
 import blockpress
-from blockpress.engine.cache import KVCache, ring_slots
-from blockpress.kernels.graphs import GraphedPasses, static_commit, static_decode, static_encode, static_encode_decode
+from blockpress.model.cache import KVCache, ring_slots
+from blockpress.engine.graphs import GraphedPasses
+from blockpress.kernels import use
+from blockpress.testing import cuda_graphs
 from hf_oracle import TINY_TEXT
 
 SHAPES = [(2, 4), (1, 8), (2, 4)]  # (kv heads, head dim): sliding, full, sliding
@@ -157,7 +159,7 @@ def tiny():
         if p.dim() == 1:
             p.data.uniform_(0.5, 1.5)
     m.module.prefill_chunk = 8  # ring: W 8 + max(8, 2 canvases) = 24 slots
-    m.module.attention_backend = "eager"
+    use(m.module, attention="eager")
     return m
 
 
@@ -176,7 +178,7 @@ def _twins(m, B=2, S=30, capacity=64, seed=3):
 @pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
 def test_eager_passes_on_a_ring_are_bit_identical(tiny, attention):
     m = tiny.module
-    m.attention_backend = attention
+    use(m, attention=attention)
     try:
         flat, ring = _twins(m)
         canvas = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(4))
@@ -189,7 +191,7 @@ def test_eager_passes_on_a_ring_are_bit_identical(tiny, attention):
         assert ring.high - ring.ring > 40 and flat.length == ring.length == 70
         assert ring.capacity == flat.capacity == 128  # grown for the full layers; the ring is still 24 slots
     finally:
-        m.attention_backend = "eager"
+        use(m, attention="eager")
 
 
 def _held(cache, C=8):
@@ -207,10 +209,10 @@ def test_the_eager_decoder_writes_its_canvas_in_place_bit_identically(tiny, monk
     past the cache's length and attend over one span of the cache; with the room taken away they concatenate the
     cached keys and the canvas's. The logits are the same bit for bit, through the ring's wrap; positions below
     the length are never touched, the canvas's K/V are where they belong, and the commits leave the same cache."""
-    from blockpress.engine.cache import KVCache
+    from blockpress.model.cache import KVCache
 
     m = tiny.module
-    m.attention_backend = attention
+    use(m, attention=attention)
     try:
         room = _twins(m)[ring]
         cat = _twins(m)[ring]
@@ -243,7 +245,7 @@ def test_the_eager_decoder_writes_its_canvas_in_place_bit_identically(tiny, monk
             assert all(torch.equal(a, b) for a, b in zip(_held(room), _held(cat)))
         assert room.length == 62 and (room.ring is not None) == ring
     finally:
-        m.attention_backend = "eager"
+        use(m, attention="eager")
 
 
 def test_the_decoder_does_not_write_a_cache_it_has_no_room_in_or_under_autograd(tiny):
@@ -272,7 +274,7 @@ def test_the_decoder_does_not_write_a_cache_it_has_no_room_in_or_under_autograd(
 @pytest.mark.parametrize("ring", [False, True])
 def test_an_encoder_pass_for_the_cache_alone_writes_the_same_cache(tiny, ring):
     """`encode(..., output=False)` (a prompt's prefill, a commit): the same cache bit for bit as a full encoder pass,
-    chunked with padding and as one commit, eagerly and as the static (CUDA-graph) pass; nothing is returned, and
+    chunked with padding and as one commit, eagerly and as the fixed-shape (CUDA-graph) pass; nothing is returned, and
     the last layer's feed-forward half never runs (only its K/V are written)."""
     m = tiny.module
     ids = torch.randint(5, 512, (2, 30), generator=torch.Generator().manual_seed(3))
@@ -288,19 +290,19 @@ def test_an_encoder_pass_for_the_cache_alone_writes_the_same_cache(tiny, ring):
         runs.clear()
         assert m.encode(ids, kv, pad_mask=pad, output=False) is None and not runs  # chunked: 4 chunks of 8
         assert m.encode(canvas, kv, output=False) is None and not runs
-        assert static_commit(m, canvas, kv, torch.tensor(kv.length)) is None and not runs
+        assert m.encode(canvas, kv, output=False, start=torch.tensor(kv.length)) is None and not runs
     finally:
         for h in handles:
             h.remove()
     m.encode(canvas, full)
-    static_encode(m, canvas, full, torch.tensor(full.length))
+    m.encode(canvas, full, start=torch.tensor(full.length))
     kv.length = full.length = full.length + 8
     assert full.length == kv.length == 46 and (kv.ring is not None) == ring
     assert all(torch.equal(a, b) for a, b in zip(_held(full, 0), _held(kv, 0)))
 
 
-def test_static_passes_on_a_ring_match_the_eager_passes(tiny):
-    """The CUDA-graph passes (run without capture) on a ring cache: the canvas's K/V written as scratch past the
+def test_fixed_shape_passes_on_a_ring_match_the_eager_passes(tiny):
+    """The fixed-shape passes (what CUDA graphs capture; run without capture) on a ring cache: the canvas's K/V written as scratch past the
     length (wrapping), the window gathered modulo the ring; the same logits and hidden states as the eager passes
     on a flat cache, and the same cache."""
     m = tiny.module
@@ -308,27 +310,28 @@ def test_static_passes_on_a_ring_match_the_eager_passes(tiny):
     canvas = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(4))
     sc = torch.randn(2, 8, 512, generator=torch.Generator().manual_seed(5))
     on = torch.ones(2, dtype=torch.bool)
+    tol = 5e-5  # fp32, values of order 1: the ring's gathered window sums in another order than the flat cache
     for step in range(3):
         T = flat.length
         ring.ensure_capacity(T + 16, write=16)
-        got = static_decode(m, canvas, ring, torch.tensor(T), sc, on)
+        got = m.decode(canvas, ring, sc, on, start=torch.tensor(T))
         ring.note_write(T, 8)
-        assert (got - m.decode(canvas, flat, sc)).abs().max() < 2e-5
+        assert (got - m.decode(canvas, flat, sc)).abs().max() < tol
         if step == 1:  # a fused commit + first step, then a plain commit
-            got = static_encode_decode(m, canvas, canvas, ring, torch.tensor(T), sc, on)
+            got = m.encode_decode(canvas, canvas, ring, None, sc, on, start=torch.tensor(T))
             ring.note_write(T, 16)
             want = m.encode_decode(canvas, canvas, flat, None, sc)
         else:
-            got = static_encode(m, canvas, ring, torch.tensor(T))
+            got = m.encode(canvas, ring, start=torch.tensor(T))
             ring.note_write(T, 8)
             want = m.encode(canvas, flat)
         ring.length = flat.length
-        assert (got - want).abs().max() < 2e-5
+        assert (got - want).abs().max() < tol
     L = flat.length
     for i, layer in enumerate(m.layers):
         lo = 0 if layer.full else L - 8
         for x, y in zip(flat.span(i, lo, L), ring.span(i, lo, L)):
-            assert (x - y).abs().max() < 2e-5
+            assert (x - y).abs().max() < tol
 
 
 def _gen(lm, ids, ring, **kw):
@@ -361,24 +364,21 @@ def test_engine_tokens_with_a_ring(tiny, fuse):
         torch.manual_seed(1)
         nxt.append(tiny.generate(torch.cat([r.sequences[:, -8:], turn], 1), cache=r.cache, **more).sequences)
     assert torch.equal(nxt[0], nxt[1])
-    g = GraphedPasses(tiny.module, capture=False, copy_outputs=False).install()
-    try:
+    with cuda_graphs(tiny):
         graphed = _gen(tiny, ids, True, **kw)
-    finally:
-        g.uninstall()
     assert graphed.cache.ring == 24 and torch.equal(graphed.sequences, want.sequences)
 
 
 @pytest.mark.parametrize("second", [10, 70])
-def test_scheduler_slots_start_their_ring_afresh_for_a_new_group(tiny, second):
+def test_worker_slots_start_their_ring_afresh_for_a_new_group(tiny, second):
     """Server slots under the CUDA-graph plumbing: a first request runs alone to position 100 through the 24-slot
     ring and finishes; a fresh group then starts at position 0 on the same slots, and a request joining it regrows
     them (1 -> 2 rows), which copies the running row's K/V. The slots' ring bookkeeping (the highest position
     written) survived the drained group, so that copy skipped positions the new group still reads: a crash when
     the new group was shorter than the old one's high minus the ring (second=10), wrong tokens otherwise (70).
-    Tokens as a scheduler without graphs that keeps every position."""
-    from blockpress.server.scheduler import Job, Scheduler
-    from blockpress.testing import drive_scheduler
+    Tokens as a worker without graphs that keeps every position."""
+    from blockpress.server.worker import Job, Worker
+    from blockpress.testing import drive_worker
 
     m = tiny.module
 
@@ -391,23 +391,20 @@ def test_scheduler_slots_start_their_ring_afresh_for_a_new_group(tiny, second):
     plan = {0: [job(60, 40, 1)], 7: [job(second, 32, 2)], 8: [job(second - 20 if second > 20 else 10, 16, 3)]}
     m.ring_cache = False
     try:
-        want = drive_scheduler(Scheduler(m, 8, max_batch=3), plan)
+        want = drive_worker(Worker(tiny, max_batch=3), plan)
     finally:
         m.ring_cache = True
-    g = GraphedPasses(m, capture=False, copy_outputs=False).install()
-    try:
-        s = Scheduler(m, 8, max_batch=3)
-        got = drive_scheduler(s, plan)
-    finally:
-        g.uninstall()
-    assert s._slots.ring == 24 and s._slots.batch >= 2  # the ring was in use and the slots regrew
+    with cuda_graphs(tiny):
+        s = Worker(tiny, max_batch=3)
+        got = drive_worker(s, plan)
+    assert s.runner._slots.ring == 24 and s.runner._slots.batch >= 2  # the ring was in use and the slots regrew
     assert got == want
 
 
 def test_cache_bytes_of_the_26b_model_at_a_long_context():
     """What a 32K-token cache of the 26B model holds: 25 sliding layers x 8 KV heads x 256 dims in a ring of
     1024 + 2048 slots, 5 full layers x 2 KV heads x 512 dims at every position (K and V, bf16)."""
-    from blockpress.cli.bench import preset_config
+    from blockpress.lab.presets import preset_config
     from blockpress.config import ModelConfig
     from blockpress.model.diffusion_gemma import DiffusionGemmaModel
 
@@ -454,25 +451,22 @@ def test_captured_graphs_on_a_ring_match_the_eager_passes():
     triton = pytest.importorskip("triton")  # noqa: F841  (the capture needs experts without host syncs in fp32)
     m = blockpress.from_config({"model_type": "diffusion_gemma", "text_config": TINY, "canvas_length": 8},
                                seed=0).module.cuda()
-    m.set_experts_backend("triton")
+    use(m, experts="triton")
     m.prefill_chunk = 8
     ids = torch.randint(5, 512, (2, 30), device="cuda")
     flat, ring = m.new_cache(2, 128, ring=False), m.new_cache(2, 128)
     for c in (flat, ring):
         m.encode(ids, c)
     assert ring.ring == 24 and flat.ring is None
-    g = GraphedPasses(m).install()
-    try:
-        for _ in range(6):  # 48 positions more: twice round the ring
-            canvas = torch.randint(0, 512, (2, 8), device="cuda")
-            sc = torch.randn(2, 8, 512, device="cuda")
-            assert (m.decode(canvas, ring, sc) - g._eager["decode"](canvas, flat, sc)).abs().max() < 1e-4
-            assert (m.encode(canvas, ring) - g._eager["encode"](canvas, flat)).abs().max() < 1e-4
+    g = GraphedPasses(m)
+    for _ in range(6):  # 48 positions more: twice round the ring
         canvas = torch.randint(0, 512, (2, 8), device="cuda")
-        out = m.encode_decode(canvas, canvas, ring)
-        assert (out - g._eager["encode_decode"](canvas, canvas, flat)).abs().max() < 1e-4
-        captures = g.captures
-        assert (m.decode(canvas, ring) - g._eager["decode"](canvas, flat)).abs().max() < 1e-4
-        assert g.captures == captures and all(c.graph is not None for c in g.captured.values())
-    finally:
-        g.uninstall()
+        sc = torch.randn(2, 8, 512, device="cuda")
+        assert (g.decode(canvas, ring, sc) - m.decode(canvas, flat, sc)).abs().max() < 1e-4
+        assert (g.encode(canvas, ring) - m.encode(canvas, flat)).abs().max() < 1e-4
+    canvas = torch.randint(0, 512, (2, 8), device="cuda")
+    out = g.encode_decode(canvas, canvas, ring)
+    assert (out - m.encode_decode(canvas, canvas, flat)).abs().max() < 1e-4
+    captures = g.captures
+    assert (g.decode(canvas, ring) - m.decode(canvas, flat)).abs().max() < 1e-4
+    assert g.captures == captures and all(c.graph is not None for c in g.captured.values())

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import blockpress
 from blockpress.errors import CheckpointError, ConfigError, InputError
+from blockpress.kernels import kernel_names, use
 from hf_oracle import build_hf_model, hf_config
 
 transformers = pytest.importorskip("transformers")
@@ -48,11 +49,11 @@ def test_blockpress_saved_checkpoint_loads_in_transformers(hf_tiny_dir, tmp_path
     re_hf.set_attn_implementation("eager")
     re_hf.set_experts_implementation("eager")
     re_hf.eval()
-    bp.module.attention_backend = "eager"
+    use(bp.module, attention="eager")
     assert (_logits_hf(re_hf, IDS, CANVAS) - _logits_bp(bp, IDS, CANVAS)).abs().max() < 2e-5
     # and it loads back into blockpress identically
     again = blockpress.load(out, dtype="float32", progress=False)
-    again.module.attention_backend = "eager"
+    use(again.module, attention="eager")
     assert torch.equal(_logits_bp(again, IDS, CANVAS), _logits_bp(bp, IDS, CANVAS))
 
 
@@ -274,9 +275,10 @@ def test_load_picks_the_fast_kernels_and_keeps_the_references_one_flag_away(hf_t
     path, _ = hf_tiny_dir
     fast = blockpress.load(path, progress=False, dtype="float32")
     ref = blockpress.load(path, progress=False, dtype="float32", experts="loop", attention="sdpa")
-    assert {layer.experts.backend for layer in fast.module.layers} == {"grouped"}  # CPU: grouped GEMMs
-    assert fast.module.attention_backend == "sdpa_gqa"
-    assert {layer.experts.backend for layer in ref.module.layers} == {"loop"} and ref.module.attention_backend == "sdpa"
+    names = kernel_names(fast.module), kernel_names(ref.module)
+    assert names[0]["experts"] == "grouped" and names[0]["attention"] == "sdpa_gqa"  # CPU: grouped GEMMs
+    assert names[1]["experts"] == "loop" and names[1]["attention"] == "sdpa"
+    assert {layer.experts.kernel for layer in fast.module.layers} == {fast.module.layers[0].experts.kernel}
     kw = dict(max_new_tokens=32, max_denoising_steps=4, stability_threshold=None, confidence_threshold=None)
     ids = [[2, 17, 99, 5, 64, 8]]
     a = fast.generate(ids, generator=torch.Generator().manual_seed(0), **kw)
@@ -291,3 +293,79 @@ def test_load_picks_the_fast_kernels_and_keeps_the_references_one_flag_away(hf_t
     assert not read
     q = blockpress.load(hf_tiny_dir[0], progress=False, dtype="float32", precision="int4", experts="loop")
     assert {layer.experts.backend for layer in q.module.layers} == {"torch"}  # the quantised experts' reference
+    assert kernel_names(q.module)["experts"] == "torch"
+
+
+def _set_header_dtype(file: Path, key: str, dtype: str) -> None:
+    """Flip one tensor's dtype in a safetensors header in place (same length: the data is read as another type)."""
+    raw = bytearray(file.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + n].decode()
+    old = json.loads(header)[key]["dtype"]
+    at = header.index(f'"{key}"')
+    at = header.index(f'"dtype":"{old}"', at)
+    new = header[:at] + f'"dtype":"{dtype}"' + header[at + len(f'"dtype":"{old}"'):]
+    assert len(new) == len(header)
+    raw[8:8 + n] = new.encode()
+    file.write_bytes(bytes(raw))
+
+
+def test_damaged_checkpoints_are_refused_naming_the_tensor(hf_tiny_dir, tmp_path):
+    """A weight stored as an integer or bool type (a flipped dtype byte in the header, an int32 or bool tensor)
+    was cast and used; a sharded index could name a file outside the folder; a symlink loop read as 'No such
+    file or directory'."""
+    path, _ = hf_tiny_dir
+    key = "model.decoder.layers.1.self_attn.q_proj.weight"
+    flipped = _copy(path, tmp_path / "flipped")
+    _set_header_dtype(flipped / "model.safetensors", key, "I32")
+    with pytest.raises(CheckpointError, match=rf"tensor {key} in model.safetensors is stored as I32, expected a "
+                                              "floating-point weight"):
+        blockpress.load(flipped, progress=False)
+    for dtype, name in ((torch.int32, "I32"), (torch.bool, "BOOL")):
+        d = _copy(path, tmp_path / f"as-{name}")
+        sd = load_file(d / "model.safetensors")
+        sd[key] = sd[key].to(dtype)
+        save_file(sd, d / "model.safetensors")
+        with pytest.raises(CheckpointError, match=f"stored as {name}"):
+            blockpress.load(d, progress=False)
+    sh = tmp_path / "shards"
+    build_hf_model(hf_config()).save_pretrained(sh, max_shard_size="200KB")
+    index = json.loads((sh / "model.safetensors.index.json").read_text())
+    for outside in ("../elsewhere.safetensors", "/etc/passwd"):
+        index["weight_map"][key] = outside
+        (sh / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(CheckpointError, match=f"names the shard '{outside}', outside"):
+            blockpress.load(sh, progress=False)
+    loop = _copy(path, tmp_path / "loop")
+    (loop / "model.safetensors").unlink()
+    (loop / "model.safetensors").symlink_to("model.safetensors")
+    with pytest.raises(CheckpointError, match="model.safetensors is a symlink loop"):
+        blockpress.load(loop, progress=False)
+
+
+def test_nan_or_inf_weights_are_refused_at_load(hf_tiny_dir, tmp_path, capsys):
+    """NaN weights loaded and every generation failed later (22-line traceback from `run`, 500s from `serve`
+    while /health said ok): refused at load in one line naming the tensor; an overflow of --dtype float16 names
+    the dtype."""
+    from blockpress.cli import main as cli
+
+    path, _ = hf_tiny_dir
+    key = "model.decoder.layers.2.mlp.down_proj.weight"
+    nan = _copy(path, tmp_path / "nan")
+    sd = load_file(nan / "model.safetensors")
+    sd[key][3, 5] = float("nan")
+    save_file(sd, nan / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"1 tensor\(s\) hold NaN or Inf values \(first: {key}\); the "
+                                              "checkpoint is damaged"):
+        blockpress.load(nan, progress=False)
+    assert cli(["run", str(nan), "hi", "--no-live"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "hold NaN or Inf values" in err and "\n" not in err and "Traceback" not in err
+    big = _copy(path, tmp_path / "big")
+    sd = load_file(big / "model.safetensors")
+    sd[key][0, 0] = 1e6  # fine in float32, inf in float16
+    save_file(sd, big / "model.safetensors")
+    blockpress.load(big, progress=False)
+    with pytest.raises(CheckpointError, match="once cast to float16: the values overflow it; load with dtype "
+                                              "bfloat16 or float32"):
+        blockpress.load(big, dtype="float16", progress=False)

@@ -1,4 +1,5 @@
-"""kernels/compiled.py: the opt-in torch.compile of each decoder block computes what the eager blocks compute."""
+"""kernels/compiled.py: the opt-in torch.compile of the decoder blocks computes what the eager blocks compute, as one
+graph per block (the kernels are custom ops: kernels/library.py, quant.py, linear_q.py)."""
 
 import copy
 
@@ -6,27 +7,38 @@ import pytest
 import torch
 
 from blockpress import kernels
-from blockpress.cli.bench import preset_config
+from blockpress.lab.presets import preset_config
 from blockpress.config import GenerationConfig
 from blockpress.engine import generate as engine
-from blockpress.kernels.compiled import blocks_compiled
-from blockpress.kernels.random_weights import build_model
+from blockpress.kernels.library import experts_op, float_experts
+from blockpress.kernels.linear_q import linear_q_op, quantize_int8_rows
+from blockpress.kernels.moe_grouped import experts_grouped
+from blockpress.kernels.quant import dequantize_int4, quantize_int4, quantized_experts_op
+from blockpress.lab.random_weights import build_model
+from blockpress.model.moe import experts_loop
+
+from kernel_device import DEV, needs_triton
+
+import torch._dynamo  # noqa: E402  (after blockpress: it sets Triton's mode before torch's compiler imports Triton)
+from torch._dynamo.utils import counters  # noqa: E402
 
 pytestmark = pytest.mark.no_grad
 
 
-def _model(linears="native"):
+def _model(linears="native", precision="native", experts="grouped", layers=2, dev=torch.device("cpu")):
     cfg = copy.deepcopy(preset_config("tiny")[0])
-    cfg["text_config"].update(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
-    m = build_model(cfg, torch.device("cpu"), torch.float32, "native", 0, 0.02, 64)
-    kernels.configure(m, experts="grouped", attention="sdpa_gqa", linears=linears)
+    cfg["text_config"].update(num_hidden_layers=layers,
+                              layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    m = build_model(cfg, dev, torch.float32, "native", 0, 0.02, 64)
+    kernels.configure(m, experts=experts, attention="sdpa_gqa", linears=linears, precision=precision, group_size=32)
     return m
 
 
 def _inputs(m):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, m.text.vocab_size, (2, 21), generator=g)  # a sliding window of 8: the ring wraps
-    return ids, torch.randint(0, m.text.vocab_size, (2, m.config.canvas_length), generator=g)
+    x = torch.randint(0, m.text.vocab_size, (2, m.config.canvas_length), generator=g)
+    return ids.to(m.device), x.to(m.device)
 
 
 def _steps(m, ids, x, fused=False):
@@ -51,13 +63,12 @@ def test_compiled_blocks_equal_the_eager_blocks_and_unwrap_bit_for_bit():
     m = _model()
     ids, x = _inputs(m)
     want = _steps(m, ids, x)
-    assert kernels.configure(m, compile_blocks=True)["compiled_blocks"] and blocks_compiled(m)
+    assert kernels.configure(m, experts="grouped", attention="sdpa_gqa", compile=True)["compiled_blocks"]
+    assert m.ops.block is not None
     _close(_steps(m, ids, x), want)
-    kernels.configure(m, experts="grouped")  # None: left as it is
-    assert blocks_compiled(m)
-    kernels.configure(m, compile_blocks=False)
-    assert not blocks_compiled(m)
-    assert not any("forward" in vars(mod) for layer in m.layers for mod in layer.modules())
+    kernels.configure(m, experts="grouped", attention="sdpa_gqa")
+    assert m.ops.block is None
+    assert not any("forward" in vars(mod) for layer in m.layers for mod in layer.modules())  # nothing replaced
     assert all(torch.equal(a, b) for a, b in zip(_steps(m, ids, x), want))  # eager again
 
 
@@ -65,38 +76,97 @@ def test_compiled_blocks_equal_the_eager_blocks_and_unwrap_bit_for_bit():
 def test_compiled_blocks_through_a_generation_the_fused_commit_and_the_profiler():
     """Prefill, steps and commits of a generation (more shapes: more compiles, ~1-2 min on 2 cores), the fused
     commit pass, and the profiler's ranges, which must leave the experts outside the compiled graph."""
-    from blockpress.kernels.profile import profile_steps
+    from blockpress.lab.profile import profile_steps
 
-    m = _model(linears="int8")  # 8-bit projections stay outside the graph, like the experts
+    m = _model(linears="int8")  # 8-bit projections: a custom op in the graph, like the experts
     ids, x = _inputs(m)
     want = _steps(m, ids, x, fused=True)
-    kernels.configure(m, compile_blocks=True)
-    assert all("forward" in vars(mod) for layer in m.layers for mod in layer.modules()
-               if isinstance(mod, kernels.QuantizedLinear))
+    kernels.configure(m, experts="grouped", attention="sdpa_gqa", linears="int8", compile=True)
     _close(_steps(m, ids, x, fused=True), want)
     cfg = GenerationConfig(max_new_tokens=2 * m.config.canvas_length, max_denoising_steps=3,
                            stability_threshold=None, confidence_threshold=None)
     res = engine.generate(m, ids, cfg, m.config.canvas_length, generator=torch.Generator().manual_seed(1))
     assert res.sequences.shape == (2, ids.shape[1] + 2 * m.config.canvas_length)
     p = profile_steps(m, ids, cfg, m.config.canvas_length)
-    assert p["steps_profiled"] == 2 and all("forward" in vars(layer.experts) for layer in m.layers)
+    assert p["steps_profiled"] == 2 and not any("forward" in vars(layer.experts) for layer in m.layers)
 
 
 @pytest.mark.slow
-def test_compiled_blocks_under_the_graphs_static_passes_give_the_eager_tokens():
-    """The static passes CUDA graphs capture (run here without capture) on compiled blocks: a seeded generation
+def test_compiled_blocks_under_the_graphs_fixed_shape_passes_give_the_eager_tokens():
+    """The fixed-shape passes CUDA graphs capture (run here without capture) on compiled blocks: a seeded generation
     gives the tokens of the eager model (fp32 differences of ~1e-6 leave the draws alone on this model)."""
-    from blockpress.kernels.graphs import GraphedPasses
+    from blockpress.engine.graphs import GraphedPasses
 
     m = _model()
     ids, _ = _inputs(m)
     cfg = GenerationConfig(max_new_tokens=2 * m.config.canvas_length, max_denoising_steps=3,
                            stability_threshold=None, confidence_threshold=None)
     want = engine.generate(m, ids, cfg, m.config.canvas_length, generator=torch.Generator().manual_seed(1))
-    kernels.configure(m, compile_blocks=True)
-    graphs = GraphedPasses(m, capture=False, copy_outputs=False).install()
-    try:
-        got = engine.generate(m, ids, cfg, m.config.canvas_length, generator=torch.Generator().manual_seed(1))
-    finally:
-        graphs.uninstall()
+    kernels.configure(m, experts="grouped", attention="sdpa_gqa", compile=True)
+    graphs = GraphedPasses(m, capture=False, copy_outputs=False)
+    got = engine.generate(m, ids, cfg, m.config.canvas_length, generator=torch.Generator().manual_seed(1),
+                          passes=graphs)
     assert torch.equal(got.sequences, want.sequences)
+
+
+@pytest.mark.parametrize("precision,linears,experts", [("native", "native", "grouped"),
+                                                       pytest.param("int4", "int8", "triton", marks=needs_triton)])
+def test_a_compiled_block_is_one_graph_without_breaks_in_the_fixed_shape_pass(precision, linears, experts):
+    """The fixed-shape denoising pass (what CUDA graphs capture) on compiled blocks: one graph per kind of layer
+    (sliding, full) however many layers there are (no recompile per layer: the 26B model has 30), no graph break
+    (the experts and 8-bit projections are custom ops, not skipped frames), and the eager logits."""
+    m = _model(linears, precision, experts, layers=4, dev=DEV if experts == "triton" else torch.device("cpu"))
+    routing = "triton" if experts == "triton" else "torch"  # the routing kernel (a GPU's choice) as well
+    kernels.use(m, routing=routing)
+    ids, x = _inputs(m)
+    cache = m.new_cache(ids.shape[0], ids.shape[1] + 2 * m.config.canvas_length)
+    m.encode(ids, cache)  # eager: the span passes' host-position attention breaks graphs by design
+    start = torch.tensor(cache.length, device=m.device)
+    want = m.decode(x, cache, start=start)
+    kernels.configure(m, experts=experts, attention="sdpa_gqa", linears=linears, precision=precision, compile=True)
+    kernels.use(m, routing=routing)
+    assert kernels.kernel_names(m)["routing"] == routing
+    torch._dynamo.reset()
+    counters.clear()
+    got = m.decode(x, cache, start=start)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 2  # Block.forward for a sliding and a full layer, 4 layers
+    _close([got], [want])
+
+
+def _routing(N=6, E=4, K=2, H=32, Im=16, seed=0, dev=torch.device("cpu")):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, H, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    w = torch.rand(N, K, generator=g)
+    out = x, w / w.sum(-1, keepdim=True), idx, torch.randn(E, 2 * Im, H, generator=g) / 8, \
+        torch.randn(E, H, Im, generator=g) / 8
+    return tuple(t.to(dev) for t in out)
+
+
+@pytest.mark.parametrize("kernel", ["grouped", pytest.param("triton", marks=needs_triton)])
+def test_the_experts_op_is_its_kernel_and_passes_opcheck(kernel):
+    """The custom op a compiled block calls gives its kernel's numbers bit for bit, the reference's up to fp32
+    summation order; opcheck: schema, fake tensor (shape, dtype) and the traced op agree with the real one."""
+    args = _routing(dev=DEV if kernel == "triton" else torch.device("cpu"))  # compiled Triton: CUDA tensors
+    got = experts_op(*args, kernel=kernel, tiles="bm=16", moe_sum="kernel")
+    fn = float_experts(kernel, "bm=16")
+    assert torch.equal(got, fn(*args))
+    torch.testing.assert_close(got, experts_loop(*args), rtol=1e-5, atol=1e-5)
+    assert torch.equal(experts_op(*args, kernel="grouped", tiles="", moe_sum="kernel"), experts_grouped(*args))
+    torch.library.opcheck(experts_op, (*args, kernel, "bm=16", "kernel"),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_the_quantized_ops_are_their_modules_and_pass_opcheck():
+    x, w, idx, gu, dn = _routing()
+    (gq, gs), (dq, ds) = quantize_int4(gu, 16), quantize_int4(dn, 16)  # (opcheck's schema check cannot read fp8)
+    qargs = (x, w, idx, gq, gs, dq, ds, "int4", torch.float32, [16, 16], "torch", "bm=auto", "kernel")
+    ref = experts_loop(x, w, idx, dequantize_int4(gq, gs, torch.float32), dequantize_int4(dq, ds, torch.float32))
+    torch.testing.assert_close(quantized_experts_op(*qargs), ref, rtol=1e-5, atol=1e-5)
+    q, s = quantize_int8_rows(gu[0])
+    largs = (x[None], q, s, "int8", "torch", "bm=auto,bn=64,bk=64")
+    assert torch.equal(linear_q_op(*largs), torch.nn.functional.linear(x[None], q.float() * s[:, None]))
+    tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(quantized_experts_op, qargs, test_utils=tests)
+    torch.library.opcheck(linear_q_op, largs, test_utils=tests)

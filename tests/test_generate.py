@@ -6,6 +6,7 @@ import torch
 
 import blockpress
 from blockpress.errors import InputError, SamplingError
+from blockpress.kernels import kernel_names, use
 from blockpress.model.moe import experts_dense, experts_loop
 from blockpress.testing import count_host_reads
 
@@ -21,7 +22,7 @@ def bp(hf_tiny_dir):
     path, _ = hf_tiny_dir
     # the oracle's fp32 on the CPU, also on a machine with a GPU
     m = blockpress.load(path, device="cpu", dtype="float32", progress=False)
-    m.module.attention_backend = "eager"
+    use(m.module, attention="eager")
     return m
 
 
@@ -46,6 +47,21 @@ def test_stream_equals_generate_and_seed_repeats(bp):
     assert torch.equal(bp.generate(x, **KW).sequences, r.sequences)
     torch.manual_seed(4)
     assert not torch.equal(bp.generate(x, **KW).sequences, r.sequences)
+
+
+def test_generation_builds_no_autograd_graph_and_leaves_the_callers_mode(bp):
+    """Every pass of the canvas loop runs without autograd (a graph would hold every activation of every step:
+    gigabytes, and 3x the time on a CPU), while the caller's code between events keeps its own grad mode."""
+    seen = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: seen.append(torch.is_grad_enabled()))
+    try:
+        with torch.enable_grad():
+            for _ in bp.stream(ids(), **KW):
+                assert torch.is_grad_enabled()
+            bp.generate(ids(), **KW)
+    finally:
+        hook.remove()
+    assert seen and not any(seen)
 
 
 def test_private_generator_leaves_global_rng_alone(bp):
@@ -142,12 +158,12 @@ def test_sdpa_and_dense_experts_agree_with_references(bp):
     bp.module.encode(x, cache)
     ref = bp.module.decode(canvas, cache)
     try:
-        bp.module.attention_backend = "sdpa"
-        bp.module.set_experts_backend("dense")
+        use(bp.module, attention="sdpa")
+        use(bp.module, experts="dense")
         fast = bp.module.decode(canvas, cache)
     finally:
-        bp.module.attention_backend = "eager"
-        bp.module.set_experts_backend("loop")
+        use(bp.module, attention="eager")
+        use(bp.module, experts="loop")
     assert (fast - ref).abs().max() < 2e-5
     g = torch.Generator().manual_seed(0)
     xs, gu, dn = torch.randn(50, 64, generator=g), torch.randn(8, 48, 64, generator=g), torch.randn(8, 64, 24, generator=g)
@@ -287,8 +303,8 @@ def test_fixed_steps_read_nothing_back_per_step(bp, sampler, monkeypatch):
     host reads and host-to-device tensors (they come per generation and per canvas, not per step); adaptive
     stopping at batch 1 reads one flag per step."""
     x = ids(1, 20, 5)
-    backends = [layer.experts.backend for layer in bp.module.layers]
-    bp.module.set_experts_backend("grouped")  # sync-free (the GPU paths); "loop", the reference, reads counts
+    before = kernel_names(bp.module)["experts"]
+    use(bp.module, experts="grouped")  # sync-free (the GPU paths); "loop", the reference, reads counts
     try:
         fixed = {**KW, "stability_threshold": None, "confidence_threshold": None, "sampler": sampler}
         del fixed["max_denoising_steps"]
@@ -302,8 +318,7 @@ def test_fixed_steps_read_nothing_back_per_step(bp, sampler, monkeypatch):
                     monkeypatch, lambda: r.append(bp.generate(x, generator=gen, max_denoising_steps=steps, **kw)))
                 assert r[0].steps_per_canvas == [steps, steps]  # never stops early (entropy never under 1e-9)
     finally:
-        for layer, name in zip(bp.module.layers, backends):
-            layer.experts.backend = name
+        use(bp.module, experts=before)
     assert counts["fixed", 8] == counts["fixed", 4]
     assert counts["adaptive", 8] - counts["adaptive", 4] == 2 * 4  # 2 canvases x 4 more steps x 1 flag
 
@@ -451,6 +466,26 @@ def test_fuse_commit_gives_the_same_tokens(bp, sampler, per_row, monkeypatch):
     assert outs[0].steps_per_canvas == outs[1].steps_per_canvas and outs[1].cache.length == outs[0].cache.length
 
 
+def test_fused_commit_is_on_by_default_on_a_gpu_only(bp, monkeypatch):
+    """fuse_commit=None (the default) fuses commits where the model runs on a CUDA GPU and not on a CPU: there a
+    fused pass's GEMMs round differently (fp32, last bits), so the default keeps the reference's tokens. Explicit
+    values win; anything else is refused in one line."""
+    from blockpress.options import Options
+
+    assert Options().fuse_commit is None and bp.options.fuse_commit is None
+    assert Options().fused(torch.device("cuda")) is True and Options().fused(torch.device("cpu")) is False
+    assert Options(fuse_commit=False).fused(torch.device("cuda")) is False
+    assert Options(fuse_commit=True).fused(torch.device("cpu")) is True
+    with pytest.raises(blockpress.InputError, match="fuse_commit must be None"):
+        Options().replace(fuse_commit="yes")
+    counts = {}
+    for name in ("encode", "encode_decode"):
+        monkeypatch.setattr(bp.module, name, _counted(getattr(bp.module, name), counts, name))
+    bp.generate([ids(1, 9, 1)[0].tolist()], generator=torch.Generator().manual_seed(1),
+                **dict(KW, max_new_tokens=32, eos_token_id=None))
+    assert counts == {"encode": 2}  # the prompt, then a commit pass of its own (a CPU model)
+
+
 def test_temperature_schedule_is_the_reference_formula_bit_for_bit():
     """The device-resident schedule gives, entry by entry, the reference's scalar fp32 arithmetic
     tau = t_min + (t_max - t_min) * (n / N) with n an int32 tensor."""
@@ -468,3 +503,27 @@ def test_temperature_schedule_is_the_reference_formula_bit_for_bit():
         ref = 0.4 + (0.8 - 0.4) * (torch.tensor(n, dtype=torch.int32 if N < 2**31 else torch.int64) / N)
         assert torch.equal(temperature(n, N, 0.4, 0.8, "cpu"), ref), (N, n)
     assert temperature_schedule(10**12, 0.4, 0.8, torch.device("cpu"), 0).numel() == 4096
+
+
+def test_load_turns_on_cuda_graphs_and_compile_from_python(tmp_path):
+    """`blockpress.load(..., cuda_graphs=True)` runs the graphed fixed-shape passes (on a CPU: their plumbing,
+    without capture) with the tokens of a plain load; `compile=True` compiles the decoder blocks. Both are options
+    of the loaded model, validated at load."""
+    from blockpress.engine.graphs import GraphedPasses
+    from blockpress.kernels.select import kernel_names
+    from test_server import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "m")
+    plain = blockpress.load(folder, progress=False)
+    graphed = blockpress.load(folder, progress=False, cuda_graphs=True)
+    assert graphed.options.cuda_graphs and isinstance(graphed.passes, GraphedPasses)
+    assert not plain.options.cuda_graphs and plain.passes is plain.module
+    ids = plain.encode_chat("Hello", chat=False)
+    kw = dict(max_new_tokens=24, max_denoising_steps=3)
+    want = plain.generate([ids], generator=[torch.Generator().manual_seed(1)], **kw).sequences
+    assert torch.equal(graphed.generate([ids], generator=[torch.Generator().manual_seed(1)], **kw).sequences, want)
+    compiled = blockpress.load(folder, progress=False, compile=True)
+    assert compiled.options.compile and kernel_names(compiled.module)["compiled_blocks"]
+    assert not kernel_names(plain.module)["compiled_blocks"]
+    with pytest.raises(blockpress.BlockpressError, match="cuda_graphs"):
+        blockpress.load(folder, progress=False, cuda_graphs="yes")

@@ -9,6 +9,7 @@ import blockpress
 from blockpress.cli import main as cli_main
 from blockpress.errors import InputError
 from blockpress.infill import parse_template
+from blockpress.kernels import use
 
 pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without autograd
 KW = dict(max_new_tokens=32, max_denoising_steps=6, eos_token_id=[1], pad_token_id=0)  # 2 canvases of 16
@@ -20,7 +21,7 @@ def bp(hf_tiny_dir, tmp_path_factory):
 
     path, _ = hf_tiny_dir
     m = blockpress.load(path, dtype="float32", progress=False)
-    m.module.attention_backend = "eager"
+    use(m.module, attention="eager")
     m.tokenizer = build_tiny_gemma_tokenizer(tmp_path_factory.mktemp("tok"))
     return m
 

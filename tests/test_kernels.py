@@ -1,7 +1,7 @@
 """Fast paths vs their torch references (CPU): grouped MoE, the Triton MoE kernel (interpreter),
-the fused sampler (exact argmax/entropy, chi-square on the samples), the static-shape passes
-(denoising step, commit, fused commit, AR step) and the graph wrapper's plumbing without capture;
-the CUDA-graph capture itself runs only with a GPU."""
+the fused sampler (exact argmax/entropy, chi-square on the samples), the model's fixed-shape passes
+(denoising step, commit, fused commit, AR step) against its span passes, and the CUDA-graph wrapper's plumbing
+without capture; the capture itself runs only with a GPU."""
 
 import itertools
 
@@ -11,12 +11,14 @@ import torch
 import blockpress
 from blockpress import kernels
 from blockpress.kernels import moe_grouped
+from blockpress.kernels import use
 from blockpress.kernels._triton import triton, usable_on
-from blockpress.kernels.graphs import GraphedPasses, static_decode, static_encode, static_encode_decode
-from blockpress.kernels.moe_grouped import align_blocks, experts_grouped, experts_triton
+from blockpress.engine.graphs import GraphedPasses
+from blockpress.kernels.moe_grouped import align_blocks, align_blocks_triton, experts_grouped, experts_triton
 from blockpress.kernels.sampler_fused import fused_sample_torch, fused_sample_triton
-from blockpress.model.moe import EXPERT_BACKENDS, experts_loop
+from blockpress.model.moe import experts_loop
 from blockpress.sampling import token_entropy
+from blockpress.testing import cuda_graphs
 from kernel_device import COMPILED, DEV, needs_triton
 
 pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without autograd
@@ -92,13 +94,33 @@ def test_align_blocks_invariants():
 
 
 @needs_triton
+@pytest.mark.parametrize("N,K,E,BM,spread", [(29, 3, 8, 16, "skew"), (256, 8, 128, 32, "random"),
+                                             (5, 4, 6, 32, "random"), (64, 4, 16, 16, "first")])
+def test_align_kernel_gives_align_blocks_exactly(N, K, E, BM, spread):
+    """The one-launch align (the Triton experts' default up to ALIGN_MAX assignments) writes what the torch
+    `align_blocks` writes, slot for slot: skewed, uniform (the 26B's 128 experts, top-8, a canvas of 256), an expert
+    count that is no power of two, and every token on the same K experts (runs of N, the longest there are)."""
+    if spread == "first":
+        idx = torch.arange(K).repeat(N, 1)
+    elif spread == "skew":
+        idx = _routing(N, E, K, 3, skew=True)[1]
+    else:
+        g = torch.Generator().manual_seed(N + E)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    want = align_blocks(idx, E, BM)
+    got = align_blocks_triton(idx.to(DEV), E, BM)
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got))
+
+
+@needs_triton
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("moe_sum", ["kernel", "atomic"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_triton_experts_match_loop(dtype, tol, moe_sum, monkeypatch):
+@pytest.mark.parametrize("swap", [False, True])
+def test_triton_experts_match_loop(dtype, tol, moe_sum, swap, monkeypatch):
     """Both ways of summing a token's K expert outputs (a third kernel over the per-assignment outputs, or atomic
     adds into fp32 by the down kernel) match the loop reference; the atomic sum equals the kernel's up to the
-    order of the K fp32 additions."""
+    order of the K fp32 additions. swap: the weight tile as the dot's first operand (transposed accumulators)."""
     N, E, K, H, Im = 23, 8, 3, 64, 40  # Im not a multiple of the tile: masks are exercised
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
     w, idx = (t.to(DEV) for t in _routing(N, E, K, 6, skew=True))
@@ -106,13 +128,10 @@ def test_triton_experts_match_loop(dtype, tol, moe_sum, monkeypatch):
     from blockpress.kernels import moe_grouped
 
     monkeypatch.setattr(moe_grouped, "UNWRITTEN_FILL", float("nan"))  # the output buffer is not zero-filled:
-    kernel = experts_triton(x, w, idx, gu, dn)  # an element the down kernel missed would be NaN here
-    prev = moe_grouped.set_moe_sum(moe_sum)
-    try:
-        out = experts_triton(x, w, idx, gu, dn)
-        assert moe_grouped.compiled_variant(idx, E)[-1] == moe_sum  # a first-use check of its own
-    finally:
-        moe_grouped.set_moe_sum(prev)
+    tiles = moe_grouped.parse_tiles("swap=1" if swap else "")
+    kernel = experts_triton(x, w, idx, gu, dn, tiles=tiles)  # an element the down kernel missed would be NaN here
+    out = experts_triton(x, w, idx, gu, dn, moe_sum=moe_sum, tiles=tiles)
+    assert moe_grouped.compiled_variant(idx, E, moe_sum=moe_sum)[-1] == moe_sum  # a first-use check of its own
     assert not out.isnan().any() and _rel(out, experts_loop(x, w, idx, gu, dn)) < tol
     if dtype == torch.float32:
         assert _rel(out, kernel) < 1e-6
@@ -120,9 +139,8 @@ def test_triton_experts_match_loop(dtype, tol, moe_sum, monkeypatch):
         # final cast's ulp (the interpreter casts by truncation, torch to nearest); unrounded sums miss by up to ~100
         ulps = (out.float() - kernel.float()).abs() / (kernel.float().abs() * 2 ** -7).clamp_min(1e-30)
         assert float(ulps.max()) <= 1.0001
-    assert "triton" in EXPERT_BACKENDS and "grouped" in EXPERT_BACKENDS
     with pytest.raises(ValueError, match="unknown MoE sum"):
-        moe_grouped.set_moe_sum("fast")
+        kernels.configure(_tiny_model().module, moe_sum="fast")
 
 
 def test_fused_sampler_torch_exact_parts():
@@ -219,19 +237,19 @@ def test_fast_sampler_option_generates_reproducibly():
 
 @pytest.fixture(params=["whole cache", "window"])
 def sliding_reads(request, monkeypatch):
-    """The static passes' sliding layers read the whole cache, or only a gathered window (what a cache several times
-    longer than the window gets: forced here at the tests' short caches)."""
-    from blockpress.kernels import graphs
+    """The fixed-shape passes' sliding layers read the whole cache, or only a gathered window (what a cache several
+    times longer than the window gets: forced here at the tests' short caches)."""
+    from blockpress.model import keys
 
-    monkeypatch.setattr(graphs, "WINDOW_READS", 10**9 if request.param == "whole cache" else 0)
+    monkeypatch.setattr(keys, "WINDOW_READS", 10**9 if request.param == "whole cache" else 0)
     return request.param
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
 @pytest.mark.parametrize("prompt", [20, 5])  # more cached tokens than the sliding window (W = 8), and fewer
-def test_static_decode_matches_decode(attention, sliding_reads, prompt):
+def test_fixed_shape_decode_matches_decode(attention, sliding_reads, prompt):
     m = _tiny_model().module
-    m.attention_backend = attention
+    use(m, attention=attention)
     ids = torch.randint(5, 512, (2, prompt), generator=torch.Generator().manual_seed(2))
     pad = torch.ones(2, prompt, dtype=torch.bool)
     pad[1, :prompt // 3] = False  # left padding: cache.valid is honoured
@@ -241,16 +259,16 @@ def test_static_decode_matches_decode(attention, sliding_reads, prompt):
     sc = torch.randn(2, 8, 512)
     T = torch.tensor(cache.length)
     before = [t.clone() for t in cache.keys + cache.values]
-    out = static_decode(m, canvas, cache, T, sc, torch.ones(2, dtype=torch.bool))
+    out = m.decode(canvas, cache, sc, torch.ones(2, dtype=torch.bool), start=T)
     assert (out - m.decode(canvas, cache, sc)).abs().max() < 2e-5
     # the canvas's K/V went to [T, T + 8), past the cache's length: what it holds is untouched
     assert all(torch.equal(a[:, :, :prompt], b[:, :, :prompt]) for a, b in zip(before, cache.keys + cache.values))
     assert any(not torch.equal(a[:, :, prompt:prompt + 8], b[:, :, prompt:prompt + 8])
                for a, b in zip(before, cache.keys + cache.values))
-    out0 = static_decode(m, canvas, cache, T, sc, torch.zeros(2, dtype=torch.bool))
+    out0 = m.decode(canvas, cache, sc, torch.zeros(2, dtype=torch.bool), start=T)
     assert (out0 - m.decode(canvas, cache, None)).abs().max() < 2e-5
-    m.sc_topk = 3  # top-K self-conditioning reaches the static pass too (it used the exact soft embedding)
-    out3 = static_decode(m, canvas, cache, T, sc, torch.ones(2, dtype=torch.bool))
+    use(m, sc_topk=3)  # top-K self-conditioning reaches the fixed-shape pass too
+    out3 = m.decode(canvas, cache, sc, torch.ones(2, dtype=torch.bool), start=T)
     assert (out3 - m.decode(canvas, cache, sc)).abs().max() < 2e-5 and (out3 - out).abs().max() > 1e-3
 
 
@@ -258,14 +276,14 @@ def test_configure_fast_backends_keep_tokens():
     m = _tiny_model()
     ids = torch.randint(5, 512, (1, 10), generator=torch.Generator().manual_seed(4))
     kw = dict(max_new_tokens=16, max_denoising_steps=3, stability_threshold=None, confidence_threshold=None)
-    m.module.attention_backend = "eager"
+    use(m.module, attention="eager")
     torch.manual_seed(0)
     ref = m.generate(ids, **kw).sequences
     choice = kernels.configure(m.module, experts="grouped", attention="sdpa_gqa")
-    assert choice["experts"] == "grouped" and m.module.attention_backend == "sdpa_gqa"
+    assert choice["experts"] == "grouped" and kernels.kernel_names(m.module)["attention"] == "sdpa_gqa"
     torch.manual_seed(0)
     assert torch.equal(m.generate(ids, **kw).sequences, ref)
-    assert kernels.configure(m.module)["experts"] in EXPERT_BACKENDS
+    assert kernels.configure(m.module)["experts"] in ("grouped", "dense", "triton_checked")
 
 
 def _prefilled_twins(m, capacity=48):
@@ -285,18 +303,18 @@ def _same_cache(a, b, upto):
 
 @pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
-def test_static_encode_matches_encode(attention, bidirectional, sliding_reads):
+def test_fixed_shape_encode_matches_encode(attention, bidirectional, sliding_reads):
     """Commit chunk (S = 8) then an AR step (S = 1) past the sliding window (W = 8 < 20 cached tokens), with
     padding in the cache and unwritten capacity behind: the same hidden states and the same K/V written."""
     m = _tiny_model(use_bidirectional_attention="all" if bidirectional else None).module
-    m.attention_backend = attention
+    use(m, attention=attention)
     assert m.bidirectional_encoder is bidirectional
     eager, static = _prefilled_twins(m)
     for S in (8, 1):
         chunk = torch.randint(5, 512, (2, S), generator=torch.Generator().manual_seed(S))
         T0 = eager.length
         want = m.encode(chunk, eager)
-        got = static_encode(m, chunk, static, torch.tensor(T0))
+        got = m.encode(chunk, static, start=torch.tensor(T0))
         static.length = T0 + S
         assert got.shape == want.shape and (got - want).abs().max() < 2e-5
         assert _same_cache(eager, static, T0 + S) < 2e-5
@@ -304,9 +322,9 @@ def test_static_encode_matches_encode(attention, bidirectional, sliding_reads):
 
 @pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("attention", ["eager", "sdpa_gqa"])
-def test_static_encode_decode_matches_encode_decode(attention, sliding_reads, bidirectional):
+def test_fixed_shape_encode_decode_matches_encode_decode(attention, sliding_reads, bidirectional):
     m = _tiny_model(use_bidirectional_attention="all" if bidirectional else None).module
-    m.attention_backend = attention
+    use(m, attention=attention)
     eager, static = _prefilled_twins(m)
     ids = torch.randint(5, 512, (2, 8), generator=torch.Generator().manual_seed(5))
     canvas = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(6))
@@ -314,7 +332,7 @@ def test_static_encode_decode_matches_encode_decode(attention, sliding_reads, bi
     for logits, mask in ((sc, True), (None, False)):  # with self-conditioning, then without (mask False)
         T0 = eager.length
         want = m.encode_decode(ids, canvas, eager, None, logits)
-        got = static_encode_decode(m, ids, canvas, static, torch.tensor(T0), sc, torch.full((2,), mask))
+        got = m.encode_decode(ids, canvas, static, None, sc, torch.full((2,), mask), start=torch.tensor(T0))
         static.length = T0 + 8
         assert (got - want).abs().max() < 2e-5
         assert _same_cache(eager, static, T0 + 8) < 2e-5
@@ -349,30 +367,25 @@ def test_graph_outputs_without_copies_give_the_engines_tokens(dtype):
             out.append(lm.generate(ids, **kw).sequences)
         return out
 
-    g = GraphedPasses(lm.module, capture=False).install()  # the static passes with copies: the same rounding
-    try:
-        want = run_all()
-    finally:
-        g.uninstall()
-    g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
-    try:
-        assert g.copy_outputs == (dtype == torch.float32)
-        got = run_all()
-        canvas = torch.randint(0, 512, (2, 8))
-        cache = lm.module.new_cache(2, 20)
-        lm.module.encode(ids, cache)
-        first, second = lm.module.decode(canvas, cache), lm.module.decode(canvas, cache)
-        assert (first.data_ptr() == second.data_ptr()) == (dtype != torch.float32)  # the contract, visible
-    finally:
-        g.uninstall()
+    lm.passes = GraphedPasses(lm.module, capture=False)  # the fixed-shape passes with copies: the same rounding
+    want = run_all()
+    g = lm.passes = GraphedPasses(lm.module, capture=False, copy_outputs=False)  # what cuda_graphs=True runs
+    assert g.copy_outputs == (dtype == torch.float32)
+    got = run_all()
+    canvas = torch.randint(0, 512, (2, 8))
+    cache = lm.module.new_cache(2, 20)
+    lm.module.encode(ids, cache)
+    first, second = g.decode(canvas, cache), g.decode(canvas, cache)
+    assert (first.data_ptr() == second.data_ptr()) == (dtype != torch.float32)  # the contract, visible
+    lm.passes = lm.module
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("fuse,sampler", [(False, "exact"), (True, "exact"), (True, "fast")])
 def test_graphed_passes_plumbing_generates_the_same_tokens(fuse, sampler):
-    """GraphedPasses without capture: the static passes on their own input buffers and pooled caches, routed in
-    for decode / commit / fused commit, the sampler writing the self-conditioning logits into the passes' input
+    """CUDA graphs without capture: the fixed-shape passes on their own input buffers and pooled caches, for
+    decode / commit / fused commit, the sampler writing the self-conditioning logits into the passes' input
     buffer. A padded batch of 2, 3 canvases, fixed steps and adaptive stopping: the tokens equal the eager
     engine's; a second generation reuses the pooled cache and every captured pass (no new captures), and one
     whose previous cache is still held gets new buffers (and new captures)."""
@@ -387,8 +400,7 @@ def test_graphed_passes_plumbing_generates_the_same_tokens(fuse, sampler):
     for mode in modes:
         torch.manual_seed(0)
         want.append(lm.generate(ids, **kw, **mode).sequences)
-    g = GraphedPasses(lm.module, capture=False).install()
-    try:
+    with cuda_graphs(lm) as g:
         passes = {"decode", "encode_decode"} if fuse else {"decode", "commit"}  # commit: the cache-only encoder pass
         for round_ in range(2):
             for mode, ref in zip(modes, want):
@@ -414,12 +426,9 @@ def test_graphed_passes_plumbing_generates_the_same_tokens(fuse, sampler):
         torch.manual_seed(0)
         out = lm.generate(unpadded, **kw)
         assert out.cache.keys[0].data_ptr() == g._pool[(2, 36, True)][0].keys[0].data_ptr()
-        g.uninstall()
-        torch.manual_seed(0)
-        assert torch.equal(out.sequences, lm.generate(unpadded, **kw).sequences)
-    finally:
-        g.uninstall()
-    assert "decode" not in vars(lm.module) and "new_cache" not in vars(lm.module)
+    torch.manual_seed(0)
+    assert torch.equal(out.sequences, lm.generate(unpadded, **kw).sequences)
+    assert lm.passes is lm.module and not lm.options.cuda_graphs
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -428,8 +437,8 @@ def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monke
     self-conditioning logits from rows [0, B) of another, whatever its batch size B (one [B, C, V] fp32 output for
     all, not one per graph). The engine writes each step's self-conditioning logits into that input buffer, so no
     pass copies them in (copies of [B, C, V] into a pass's buffers are counted). A larger batch than any before
-    moves both buffers and recaptures the passes on them. Tokens stay those of a GraphedPasses of each batch size
-    alone (bf16: the static passes round otherwise than the eager ones; the fp32 test above compares with those)."""
+    moves both buffers and recaptures the passes on them. Tokens stay those of graphs of each batch size alone
+    (bf16: the fixed-shape passes round otherwise than the span ones; the fp32 test above compares with those)."""
     from blockpress.testing import count_logits_copies
 
     lm = _tiny_model()
@@ -442,15 +451,11 @@ def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monke
               fuse_commit=True)
     want = {}
     for B, ids in prompts.items():
-        alone = GraphedPasses(m, capture=False, copy_outputs=False).install()
-        try:
+        with cuda_graphs(lm):  # graphs of their own for each batch size
             torch.manual_seed(B)
             want[B] = lm.generate(ids, **kw).sequences
-        finally:
-            alone.uninstall()
     copies.clear()
-    g = GraphedPasses(m, capture=False, copy_outputs=False).install()
-    try:
+    with cuda_graphs(lm) as g:
         for B in (2, 1):
             torch.manual_seed(B)
             assert torch.equal(lm.generate(prompts[B], **kw).sequences, want[B])
@@ -461,7 +466,7 @@ def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monke
         cache = m.new_cache(1, 32)
         m.encode(prompts[1], cache)
         canvas = torch.randint(0, 512, (1, C))
-        outputs = [m.encode_decode(canvas, canvas, cache), m.decode(canvas, cache, torch.randn(1, C, 512))]
+        outputs = [g.encode_decode(canvas, canvas, cache), g.decode(canvas, cache, torch.randn(1, C, 512))]
         assert {t.data_ptr() for t in outputs} == {out.data_ptr()} and copies  # logits from elsewhere: copied in
         del cache, outputs
         torch.manual_seed(3)
@@ -470,8 +475,6 @@ def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monke
         assert grown.shape[0] == 3 and grown.data_ptr() != out.data_ptr()
         assert {key[0] if name == "decode" else key[0][0] for name, key in g.captured} == {3}  # B 1, 2: gone
         assert all(out.data_ptr() not in c.shared for c in g.captured.values())
-    finally:
-        g.uninstall()
 
 
 @needs_triton
@@ -495,20 +498,14 @@ def test_gpu_fast_path_combination_gives_the_reference_tokens():
         kernels.configure(m, experts="torch", precision="int4", linears="int8", group_size=32)  # the references
         g = None
         if fast:
-            for layer in m.layers:
-                layer.experts.backend = "triton"
-            for q in quantized_linears(m):
-                q.backend = "triton"
-            m.softcap_backend = "triton_checked"
-            g = GraphedPasses(m, capture=dev == "cuda", copy_outputs=False).install()
-        try:
-            torch.manual_seed(0)
-            seqs.append(lm.generate(ids, **kw).sequences)
-            if g is not None:
-                assert {name for name, _ in g.captured} == {"decode", "encode_decode"} and len(g._shared) == 2
-        finally:
-            if g is not None:
-                g.uninstall()
+            kernels.configure(m, experts="triton", precision="int4", linears="int8", group_size=32)  # unchecked
+            assert {q.backend for q in quantized_linears(m)} == {"triton"}
+            use(m, softcap="triton_checked")
+            g = lm.passes = GraphedPasses(m, capture=dev == "cuda", copy_outputs=False)
+        torch.manual_seed(0)
+        seqs.append(lm.generate(ids, **kw).sequences)
+        if g is not None:
+            assert {name for name, _ in g.captured} == {"decode", "encode_decode"} and len(g._shared) == 2
     same = float((seqs[0] == seqs[1]).float().mean())
     assert same == 1.0 if dev == "cpu" else same >= 0.95  # a GPU's fp32 kernels may sum in another order
 
@@ -532,25 +529,24 @@ def test_row_compaction_on_graphed_passes_swaps_rows_into_a_prefix(case):
 
     def run(calls):
         """The events, the result, and for every decoder pass: canvas row -> the self-conditioning logits it got."""
-        decode = m.decode
+        passes = lm.passes  # the module, or its graphs
+        decode = passes.decode
 
         def recording(x, cache, sc=None, *args, **kwargs):
             calls.append({tuple(r.tolist()): None if sc is None else sc[i].clone() for i, r in enumerate(x)})
             return decode(x, cache, sc, *args, **kwargs)
 
-        m.decode = recording
+        passes.decode = recording
         try:
             events = list(lm.stream(rows, generator=[torch.Generator().manual_seed(s) for s in (4, 5, 6)], **kw))
         finally:
-            m.decode = decode  # eager: the bound method as an attribute (deleted below); graphs: theirs
+            del passes.decode  # the method again
         return events, events[-1].result
 
     want_calls = []
     want_events, want = run(want_calls)
-    del m.decode  # the eager method again
     assert len(set(want.forward_passes.tolist())) > 1  # the rows stopped at different steps
-    g = GraphedPasses(m, capture=False).install()
-    try:
+    with cuda_graphs(lm) as g:
         for round_ in range(2):
             calls = []
             events, got = run(calls)
@@ -580,8 +576,6 @@ def test_row_compaction_on_graphed_passes_swaps_rows_into_a_prefix(case):
         assert g.captures == captures
         with pytest.raises(blockpress.errors.InputError, match="one generator cannot run on CUDA-graphed"):
             lm.generate(rows, generator=torch.Generator().manual_seed(1), compact_rows=True, **kw)
-    finally:
-        g.uninstall()
 
 
 def test_row_compaction_on_graphed_passes_puts_the_cache_back_when_the_caller_stops_early():
@@ -593,7 +587,7 @@ def test_row_compaction_on_graphed_passes_puts_the_cache_back_when_the_caller_st
     rows = [torch.randint(5, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
     kw = dict(max_new_tokens=24, max_denoising_steps=6, stability_threshold=0, confidence_threshold=6.21)
     padding = torch.tensor([[p >= 20 - n for p in range(20)] for n in lengths])  # left padding per row
-    g = GraphedPasses(m, capture=False).install()
+    lm.configure(cuda_graphs=True)
     caches = []
     new_cache = m.new_cache
     m.new_cache = lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1]
@@ -608,8 +602,8 @@ def test_row_compaction_on_graphed_passes_puts_the_cache_back_when_the_caller_st
         it.close()
         assert torch.equal(caches[0].valid[:, :20], padding)
     finally:
-        m.new_cache = new_cache
-        g.uninstall()
+        del m.new_cache
+        lm.configure(cuda_graphs=False)
 
 
 @pytest.mark.parametrize("seed", [2, 3, 5, 6])  # settings whose rows stop at different steps
@@ -636,35 +630,29 @@ def test_row_compaction_on_graphed_passes_under_random_settings(seed):
 
     want = run()
     assert len(set(want.forward_passes.tolist())) > 1  # rows stopped at different steps: compaction ran
-    g = GraphedPasses(lm.module, capture=False).install()
-    try:
+    with cuda_graphs(lm):
         got = run()
-    finally:
-        g.uninstall()
     assert torch.equal(got.sequences, want.sequences) and torch.equal(got.forward_passes, want.forward_passes), kw
 
 
 def test_graphed_passes_autoregressive_steps():
-    """Greedy AR decoding (bench's baseline): prefill eager, one-token steps through the static encoder pass."""
+    """Greedy AR decoding (bench's baseline): prefill eager, one-token steps through the graphed encoder pass."""
     m = _tiny_model().module
     ids = torch.randint(5, 512, (1, 10), generator=torch.Generator().manual_seed(9))
 
-    def greedy():
-        cache = m.new_cache(1, 16)
-        tok = torch.argmax(m.lm_logits(m.encode(ids, cache)[:, -1:]), -1)
+    def greedy(passes):
+        cache = passes.new_cache(1, 16)
+        tok = torch.argmax(m.lm_logits(passes.encode(ids, cache)[:, -1:]), -1)
         out = [tok]
         for _ in range(5):
-            out.append(torch.argmax(m.lm_logits(m.encode(out[-1], cache)), -1))
+            out.append(torch.argmax(m.lm_logits(passes.encode(out[-1], cache)), -1))
         return torch.cat(out, 1), cache.length
 
-    want = greedy()
-    g = GraphedPasses(m, capture=False).install()
-    try:
-        got = greedy()
-        assert torch.equal(got[0], want[0]) and got[1] == want[1] == 15
-        assert set(g.captured) == {("encode", (1, 1))} and g.captures == 1
-    finally:
-        g.uninstall()
+    want = greedy(m)
+    g = GraphedPasses(m, capture=False)
+    got = greedy(g)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1] == 15
+    assert set(g.captured) == {("encode", (1, 1))} and g.captures == 1
 
 
 def _two_prefilled_caches(m):
@@ -681,44 +669,41 @@ def test_graphed_passes_match_eager_passes():
     if triton is None:
         pytest.skip("needs triton: the capture needs experts without host syncs in fp32")
     m = _tiny_model().module.cuda()
-    m.set_experts_backend("triton")
+    use(m, experts="triton")
     eager, graphed = _two_prefilled_caches(m)
-    g = GraphedPasses(m).install()
-    try:
-        for _ in range(2):  # second call replays the captured graphs
-            canvas = torch.randint(0, 512, (2, 8), device="cuda")
-            sc = torch.randn(2, 8, 512, device="cuda")
-            assert (m.decode(canvas, graphed, sc) - g._eager["decode"](canvas, eager, sc)).abs().max() < 1e-4
-            assert (m.decode(canvas, graphed) - g._eager["decode"](canvas, eager)).abs().max() < 1e-4
-        for S in (8, 1):  # commit, then an AR step: T moves, the decode graph stays
-            chunk = torch.randint(5, 512, (2, S), device="cuda")
-            assert (m.encode(chunk, graphed) - g._eager["encode"](chunk, eager)).abs().max() < 1e-4
-            assert graphed.length == eager.length and _same_cache(eager, graphed, eager.length) < 1e-4
-        chunk, canvas = torch.randint(5, 512, (2, 8), device="cuda"), torch.randint(0, 512, (2, 8), device="cuda")
-        out = m.encode_decode(chunk, canvas, graphed)
-        assert (out - g._eager["encode_decode"](chunk, canvas, eager)).abs().max() < 1e-4
-        assert _same_cache(eager, graphed, eager.length) < 1e-4
+    g = GraphedPasses(m)
+    for _ in range(2):  # second call replays the captured graphs
         canvas = torch.randint(0, 512, (2, 8), device="cuda")
-        assert (m.decode(canvas, graphed) - g._eager["decode"](canvas, eager)).abs().max() < 1e-4
-        assert g.captures == 4  # decode, encode S=8, encode S=1, encode_decode
-    finally:
-        g.uninstall()
+        sc = torch.randn(2, 8, 512, device="cuda")
+        assert (g.decode(canvas, graphed, sc) - m.decode(canvas, eager, sc)).abs().max() < 1e-4
+        assert (g.decode(canvas, graphed) - m.decode(canvas, eager)).abs().max() < 1e-4
+    for S in (8, 1):  # commit, then an AR step: T moves, the decode graph stays
+        chunk = torch.randint(5, 512, (2, S), device="cuda")
+        assert (g.encode(chunk, graphed) - m.encode(chunk, eager)).abs().max() < 1e-4
+        assert graphed.length == eager.length and _same_cache(eager, graphed, eager.length) < 1e-4
+    chunk, canvas = torch.randint(5, 512, (2, 8), device="cuda"), torch.randint(0, 512, (2, 8), device="cuda")
+    out = g.encode_decode(chunk, canvas, graphed)
+    assert (out - m.encode_decode(chunk, canvas, eager)).abs().max() < 1e-4
+    assert _same_cache(eager, graphed, eager.length) < 1e-4
+    canvas = torch.randint(0, 512, (2, 8), device="cuda")
+    assert (g.decode(canvas, graphed) - m.decode(canvas, eager)).abs().max() < 1e-4
+    assert g.captures == 4  # decode, encode S=8, encode S=1, encode_decode
 
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_server_scheduler_replays_captured_graphs():
+def test_server_worker_replays_captured_graphs():
     """`serve --cuda-graphs` under real capture: requests joining and finishing at different boundaries, one that
-    regrows the slots, a fused commit. Tokens as the scheduler's without graphs (fp32; a near-tie may flip: 99 % of
+    regrows the slots, a fused commit. Tokens as the worker's without graphs (fp32; a near-tie may flip: 99 % of
     tokens at least), and once every batch size has run on the grown slots, the same traffic only replays."""
     if triton is None:
         pytest.skip("needs triton: the capture needs experts without host syncs in fp32")
-    from blockpress.server.scheduler import Job, Scheduler
-    from blockpress.testing import drive_scheduler
+    from blockpress.server.worker import Job, Worker
+    from blockpress.testing import drive_worker
 
     lm = _tiny_model()
-    m = lm.module.cuda()
-    m.set_experts_backend("triton")
+    lm.module.cuda()
+    lm.configure(experts="triton")
     gen = torch.Generator().manual_seed(3)
 
     def job(S, new_tokens, seed, **kw):
@@ -729,19 +714,17 @@ def test_server_scheduler_replays_captured_graphs():
     adaptive = dict(max_denoising_steps=6, stability_threshold=1, confidence_threshold=0.5)
     plan = {0: [job(10, 24, 1, **fixed), job(17, 8, 2, **adaptive)], 1: [job(12, 16, 3, **adaptive)],
             2: [job(20, 96, 4, **fixed)]}
-    want = drive_scheduler(Scheduler(m, lm.canvas_length, max_batch=4, fuse_commit=True), plan)
-    g = GraphedPasses(m, copy_outputs=False).install()
-    try:
-        s = Scheduler(m, lm.canvas_length, max_batch=4, fuse_commit=True)
+    want = drive_worker(Worker(lm, max_batch=4, fuse_commit=True), plan)
+    with cuda_graphs(lm) as g:
+        s = Worker(lm, max_batch=4, fuse_commit=True)
         for round_ in range(3):
-            got = drive_scheduler(s, plan)
+            got = drive_worker(s, plan)
             same = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
             assert [len(x) for x in got] == [len(x) for x in want] and same >= 0.99 * sum(map(len, want))
             if round_ == 1:
-                captures, slots = g.captures, s._slots
-        assert g.captures == captures and s._slots is slots and all(c.graph is not None for c in g.captured.values())
-    finally:
-        g.uninstall()
+                captures, slots = g.captures, s.runner._slots
+        assert g.captures == captures and s.runner._slots is slots
+        assert all(c.graph is not None for c in g.captured.values())
 
 
 def test_sc_topk_soft_embedding_matches_the_exact_one_at_k_equal_v_and_bounds_the_error():
@@ -865,7 +848,7 @@ def test_capture_blocker_names_a_switched_off_experts_kernel(monkeypatch):
     device are then skipped (the pass runs eagerly) with the reason; a switched-off linear kernel (its fallback has
     no host reads) or another device does not block."""
     from blockpress.kernels import moe_grouped
-    from blockpress.kernels.graphs import capture_blocker
+    from blockpress.engine.graphs import capture_blocker
 
     monkeypatch.setattr(moe_grouped, "FIRST_USE", {})
     assert capture_blocker("cuda:0") is None
@@ -888,18 +871,15 @@ def test_graphs_run_eagerly_when_the_experts_kernel_is_switched_off(monkeypatch)
 
     monkeypatch.setattr(moe_grouped, "FIRST_USE", {})
     m = _tiny_model().module.cuda()
-    m.set_experts_backend("triton_checked")
+    use(m, experts="triton_checked")
     monkeypatch.setattr(moe_grouped, "experts_triton", lambda x, *a, **k: torch.zeros_like(x))  # a "broken kernel"
     eager, graphed = _two_prefilled_caches(m)
-    g = GraphedPasses(m).install()
-    try:
-        canvas = torch.randint(0, 512, (2, 8), device="cuda")
-        with pytest.warns(RuntimeWarning, match="CUDA graphs are off for this pass"):
-            out = m.decode(canvas, graphed)
-        assert (out - g._eager["decode"](canvas, eager)).abs().max() < 1e-4
-        assert all(c.graph is None for c in g.captured.values())
-    finally:
-        g.uninstall()
+    g = GraphedPasses(m)
+    canvas = torch.randint(0, 512, (2, 8), device="cuda")
+    with pytest.warns(RuntimeWarning, match="CUDA graphs are off for this pass"):
+        out = g.decode(canvas, graphed)
+    assert (out - m.decode(canvas, eager)).abs().max() < 1e-4
+    assert all(c.graph is None for c in g.captured.values())
 
 
 @needs_triton
@@ -922,7 +902,7 @@ def test_softcap_in_one_pass_equals_the_reference(dtype):
     lm.module.to(DEV)
     h = torch.randn(2, 5, lm.module.text.hidden_size, generator=g).to(DEV)
     want = lm.module.lm_logits(h)
-    lm.module.softcap_backend = "triton"
+    use(lm.module, softcap="triton")
     torch.testing.assert_close(lm.module.lm_logits(h), want, rtol=1e-5, atol=1e-5)
     into = torch.full_like(want, float("nan"))  # out= (the graphs' shared logits buffer): written, not replaced
     with torch.enable_grad(), pytest.raises(ValueError, match="torch.no_grad"):  # out= would drop the weights' grad

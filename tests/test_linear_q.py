@@ -10,7 +10,7 @@ from blockpress.kernels._triton import fp8_usable_on, triton
 from blockpress.kernels.linear_q import (QUANTIZED_LINEARS, QuantizedLinear, dequantize_int8_rows,
                                          linear_fp8_scaled_mm, linear_fp8_w8a8_reference, linear_q_triton,
                                          quantize_int8_rows, quantize_linears_)
-from blockpress.kernels.random_weights import build_model
+from blockpress.lab.random_weights import build_model
 from kernel_device import COMPILED, DEV, needs_triton
 
 
@@ -25,7 +25,7 @@ def _rel(a, b):
 
 
 def _tiny(seed=0):
-    from blockpress.cli.bench import preset_config
+    from blockpress.lab.presets import preset_config
 
     config, _, _ = preset_config("tiny")
     return build_model(config, torch.device("cpu"), torch.float32, seed=seed, std=0.05)
@@ -44,12 +44,14 @@ def test_int8_rows_error_within_half_step_and_full_range():
 
 
 @needs_triton
-@pytest.mark.parametrize("spec", ["bm=16,bn=32,bk=16,split=3", "bn=16,bk=32,split=2,warps=2", "bm=32,split=64"])
+@pytest.mark.parametrize("spec", ["bm=16,bn=32,bk=16,split=3", "bn=16,bk=32,split=2,warps=2", "bm=32,split=64",
+                                  "bn=16,bk=16,swap=1", "bn=32,bk=16,split=3,swap=1"])
 @pytest.mark.parametrize("M,I,O", [(1, 64, 80), (40, 112, 48)])
 def test_triton_kernel_with_other_tiles_and_a_split_k_equals_the_torch_reference(spec, M, I, O):
-    """set_linear_tiles: narrower N tiles and K summed by several programs (atomic fp32 adds, then a cast) compute
+    """Other tiles (the `linear_tiles` option): narrower N tiles and K summed by several programs (atomic fp32 adds, then a cast) compute
     the same function; a split larger than K's tiles is clipped (no empty split adds zeros twice or reads past K).
-    I = 112 with bk 32: a K tail (not EVEN_K) inside the last split."""
+    I = 112 with bk 32: a K tail (not EVEN_K) inside the last split. swap=1: the weight tile as the dot's first
+    operand, every row of the call in one block (transposed accumulator, masks and stores)."""
     from blockpress.kernels import linear_q
 
     g = torch.Generator().manual_seed(M + I)
@@ -58,21 +60,22 @@ def test_triton_kernel_with_other_tiles_and_a_split_k_equals_the_torch_reference
     m = QuantizedLinear.from_linear(lin.to(DEV), "int8", backend="torch")
     x = torch.randn(M, I, generator=g).to(DEV)
     ref = m(x)
-    prev = linear_q.set_linear_tiles(spec)
-    try:
-        assert linear_q.linear_tiles_spec() != linear_q.linear_tiles_spec(prev)
-        out = linear_q_triton(x, m.weight_q, m.weight_scale)
-    finally:
-        linear_q.set_linear_tiles(prev)
+    tiles = linear_q.as_linear_tiles(spec)
+    assert linear_q.linear_tiles_spec(tiles) != linear_q.DEFAULT_LINEAR_SPEC
+    out = linear_q_triton(x, m.weight_q, m.weight_scale, **tiles)
     assert out.dtype == x.dtype and out.shape == (M, O)
     assert _rel(out, ref) < 1e-5
+    m.backend, m.tiles = "triton", tiles  # what kernels.select sets from the option: the module runs them
+    again = m(x)  # a split K adds its parts atomically, in whatever order they finish: equal up to that order
+    assert torch.equal(again, out) if tiles["split_k"] == 1 else _rel(again, out) < 1e-6
 
 
 def test_linear_tile_specs_are_checked():
     from blockpress.kernels.linear_q import parse_linear_tiles
 
     assert parse_linear_tiles("bm=auto,bn=32,split=4") == {"block_m": None, "block_n": 32, "block_k": 64,
-                                                            "num_warps": None, "split_k": 4}
+                                                            "num_warps": None, "split_k": 4, "swap": False}
+    assert parse_linear_tiles("swap=1")["swap"] is True
     for bad, words in [("split=0", "split=0"), ("split=x", "not an integer"), ("bn=48", "powers of two"),
                        ("stages=3", "stages"), ("bx=4", "bad tile setting")]:
         with pytest.raises(ValueError, match=words):
@@ -143,7 +146,7 @@ def test_module_swap_touches_only_the_projections_and_counts_bytes():
         assert torch.equal(p, before[n]), n
     assert set(before) - set(after) == {f"{n}.weight" for n in want}
     assert all(mod.backend == "torch" for mod in m.modules() if isinstance(mod, QuantizedLinear))  # "loop": references
-    from blockpress.kernels.roofline import weight_groups
+    from blockpress.lab.roofline import weight_groups
     from blockpress.loading import estimated_weight_bytes
 
     g = weight_groups(m)
@@ -169,7 +172,7 @@ def test_fp8_linears_through_configure_and_the_reference_flag():
 
 
 def test_estimate_of_the_real_model():
-    from blockpress.cli.bench import preset_config
+    from blockpress.lab.presets import preset_config
     from blockpress.config import ModelConfig
     from blockpress.loading import estimated_weight_bytes
     from blockpress.model.diffusion_gemma import DiffusionGemmaModel
@@ -186,10 +189,10 @@ def test_estimate_of_the_real_model():
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_generation_with_the_kernel_equals_the_reference_and_graph_plumbing():
     """fp32, seeded: the Triton int8 linears (the interpreter on CPU, compiled on a GPU) give the reference's tokens,
-    also through the static passes GraphedPasses routes to (no capture)."""
+    also through the fixed-shape passes CUDA graphs capture (no capture here)."""
     from blockpress.config import GenerationConfig
     from blockpress.engine.generate import generate
-    from blockpress.kernels.graphs import GraphedPasses
+    from blockpress.engine.graphs import GraphedPasses
 
     m = _tiny(seed=3).to(DEV)
     configure(m, experts="grouped", linears="int8")
@@ -197,9 +200,9 @@ def test_generation_with_the_kernel_equals_the_reference_and_graph_plumbing():
     cfg = GenerationConfig.resolve(max_new_tokens=32, max_denoising_steps=3, stability_threshold=None,
                                    confidence_threshold=None)
 
-    def tokens():
+    def tokens(passes=None):
         torch.manual_seed(0)
-        return generate(m, ids, cfg, m.config.canvas_length).sequences
+        return generate(m, ids, cfg, m.config.canvas_length, passes=passes).sequences
 
     for mod in m.modules():
         if isinstance(mod, QuantizedLinear):
@@ -214,11 +217,7 @@ def test_generation_with_the_kernel_equals_the_reference_and_graph_plumbing():
         return torch.equal(seq, ref) if not COMPILED else float((seq == ref).float().mean()) >= 0.95
 
     assert same(tokens())
-    g = GraphedPasses(m, capture=False).install()
-    try:
-        assert same(tokens())
-    finally:
-        g.uninstall()
+    assert same(tokens(GraphedPasses(m, capture=False)))
 
 
 def test_load_quantises_while_loading_and_refuses_what_it_cannot_do(tmp_path):
@@ -289,8 +288,13 @@ def test_lora_adapter_runs_beside_int8_linears_and_merge_is_refused(tmp_path):
     with pytest.raises(blockpress.InputError, match="cannot be merged"):
         L.apply_adapter(again, tmp_path / "adapter", merge=True)
     assert not any(hasattr(mod, "lora_A") for mod in again.module.modules())  # refused before any change
-    with pytest.raises(blockpress.InputError, match="LoRA training needs the float projections"):
-        L.add_lora(again.module, L.LoraSpec(rank=2, alpha=4))
+    mlp4 = blockpress.load(folder, progress=False, linears="int4-mlp", group_size=16)  # no MLP projections left
+    with pytest.raises(blockpress.InputError, match="dense MLP in int4 .* --linears native or int8"):
+        L.apply_adapter(mlp4, tmp_path / "adapter")
+    assert not any(hasattr(mod, "lora_A") for mod in mlp4.module.modules())
+    # training adapters beside the 8-bit projections (QLoRA, tests/test_qlora.py) attaches them, unmerged
+    added = L.add_lora(again.module, L.LoraSpec(rank=2, alpha=4))
+    assert added and all(isinstance(again.module.get_submodule(n), QuantizedLinear) for n in added)
 
 
 def test_cli_run_with_int8_linears_and_int4_experts(capsys):

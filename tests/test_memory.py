@@ -1,4 +1,4 @@
-"""Peak memory accounting on the meta device (blockpress/kernels/memory.py, benchmarks/peak_memory.py): the
+"""Peak memory accounting on the meta device (blockpress/lab/memory.py, benchmarks/peak_memory.py): the
 tracker counts what is alive at once, and a decoder step holds at most the logits' fp32 buffers it must."""
 
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from blockpress.config import GenerationConfig, ModelConfig
-from blockpress.engine.generate import denoise_step
-from blockpress.kernels.memory import LiveBytes, meta_backends
+from blockpress.engine.step import single_step
+from blockpress.lab.memory import LiveBytes, meta_backends
 from blockpress.model.diffusion_gemma import DiffusionGemmaModel
 from hf_oracle import TINY_TEXT, TINY_VISION
 
@@ -68,9 +68,8 @@ def test_a_decoder_step_holds_few_vocabulary_sized_buffers(monkeypatch):
         assert logits <= dec.peak <= 1.6 * logits, dec.top()
         gcfg = GenerationConfig.resolve({}, max_denoising_steps=4, t_min=0.4, t_max=0.8, stability_threshold=None,
                                         confidence_threshold=None)
-        done = torch.zeros(1, dtype=torch.bool, device="meta")
         with LiveBytes() as step:
-            out = denoise_step(m, canvas, canvas, sc, done, 4, gcfg, cache, None, None)
+            out = single_step(m, canvas, sc, gcfg, cache, n=4)
         del out
         assert step.peak <= 3.2 * logits, step.top()
 

@@ -6,6 +6,7 @@ import torch
 pytestmark = pytest.mark.no_grad  # inference: conftest runs each test without autograd
 
 import blockpress
+from blockpress.kernels import use
 from hf_oracle import build_hf_model, hf_config
 
 transformers = pytest.importorskip("transformers")
@@ -32,7 +33,7 @@ def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     bp = blockpress.load(path, device="cpu", dtype="float32", progress=False)
-    bp.module.attention_backend = "eager"
+    use(bp.module, attention="eager")
     return request.param, hf, bp
 
 

@@ -5,12 +5,13 @@ and the quality numbers the guard reports."""
 import pytest
 import torch
 
-from blockpress.cli.bench import preset_config
+from blockpress.kernels import use
+from blockpress.lab.presets import preset_config
 from blockpress.kernels._triton import fp8_usable_on, triton
 from blockpress.kernels.quant import (QuantizedExperts, compare_logits, dequantize_fp8, dequantize_int4,
                                       experts_weight_bytes, group_for, pack_int4, quantize_experts_, quantize_fp8,
                                       quantize_int4, unpack_int4)
-from blockpress.kernels.random_weights import build_model
+from blockpress.lab.random_weights import build_model
 from blockpress.model.moe import experts_loop
 from kernel_device import DEV, needs_triton
 
@@ -95,10 +96,12 @@ def test_torch_path_equals_dequantised_reference(fmt, dtype):
 
 @needs_triton
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("moe_sum", ["kernel", "atomic"])
+@pytest.mark.parametrize("moe_sum,swap", [("kernel", False), ("atomic", False), ("kernel", True)])
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_triton_path_equals_torch_path(fmt, dtype, tol, moe_sum):
+def test_triton_path_equals_torch_path(fmt, dtype, tol, moe_sum, swap):
+    """The Triton kernels against the torch path; swap: the weight tile as the dot's first operand (tiles swap=1),
+    the transposed accumulators' epilogues included."""
     from blockpress.kernels import moe_grouped
 
     dev = DEV  # CPU: the interpreter; a GPU: the compiled kernels
@@ -112,11 +115,9 @@ def test_triton_path_equals_torch_path(fmt, dtype, tol, moe_sum):
     ref = q(x, w, idx)
     q.backend = "triton"
     assert q.resolved_backend(x) == "triton"
-    prev = moe_grouped.set_moe_sum(moe_sum)  # the K-sum by a third kernel, or by the down kernel's atomics
-    try:
-        assert _rel(q(x, w, idx), ref) < tol
-    finally:
-        moe_grouped.set_moe_sum(prev)
+    q.moe_sum = moe_sum  # the K-sum by a third kernel, or by the down kernel's atomics
+    q.tiles = moe_grouped.parse_tiles("swap=1" if swap else "")
+    assert _rel(q(x, w, idx), ref) < tol
 
 
 def test_weight_bytes_of_the_real_model_on_meta():
@@ -140,7 +141,7 @@ def test_module_swap_keeps_everything_else_and_generates():
     assert all(torch.equal(before[n], after[n]) and after[n].dtype == torch.float32 for n in before)
     assert all(isinstance(layer.experts, QuantizedExperts) for layer in m.layers)
     assert experts_weight_bytes(m) < native_bytes / 5  # fp32 -> 4 bits + an fp32 scale per 16
-    m.set_experts_backend("grouped")  # the engine's switch must not break swapped experts
+    use(m, experts="grouped")  # the engine's switch must not break swapped experts
     from blockpress.config import GenerationConfig
     from blockpress.engine.generate import generate
 
@@ -317,3 +318,62 @@ def test_int4_kernel_k_tiles_hold_two_dots_of_16():
     q = QuantizedExperts(4, 64, 32, "int4", 16, dtype=torch.float32)
     q.backend = "triton"
     assert q.groups == (16, 16) and q.resolved_backend(x) == "torch"
+
+
+def test_int4_mlp_is_the_float_mlp_on_its_dequantised_weights():
+    """linears="int4-mlp": the dense MLP as one int4 expert every token takes with weight 1: the float MLP's
+    arithmetic on the dequantised weights (fp32), through the torch reference and the Triton kernels (the
+    interpreter on a CPU), and within int4's own error of the float MLP."""
+    import torch.nn.functional as F
+
+    from blockpress.kernels.quant import QuantizedMLP
+    from blockpress.model.layers import gelu_tanh
+
+    config, _, _ = preset_config("tiny")
+    m = build_model(config, torch.device("cpu"), torch.float32, seed=1, std=0.05)
+    mlp = m.layers[0].mlp
+    inter = mlp.gate_proj.weight.shape[0]
+    q = QuantizedMLP.from_mlp(mlp, group_size=32)
+    x = torch.randn(2, 7, mlp.gate_proj.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    gu, dn = q.experts.dequantize("gate_up")[0], q.experts.dequantize("down")[0]
+    ref = F.linear(gelu_tanh(F.linear(x, gu[:inter])) * F.linear(x, gu[inter:]), dn)
+    q.experts.backend = "torch"
+    out = q(x)
+    assert out.shape == x.shape and _rel(out, ref) < 1e-6
+    assert 0 < _rel(out, mlp(x)) < 0.25  # the format's error, bounded
+    if triton is not None:
+        q.experts.backend = "triton"
+        q.experts.to(DEV)
+        assert _rel(q(x.to(DEV)).cpu(), ref) < 1e-5
+
+
+def test_int4_mlp_through_load_configure_and_the_byte_estimate(tmp_path):
+    """Loading with linears="int4-mlp" quantises each layer's MLP as its weights arrive, the same model as
+    quantising after; the weight-byte estimate (the memory check) counts it; saving is refused (quantised)."""
+    import blockpress
+    from blockpress import kernels
+    from blockpress.kernels.quant import QuantizedMLP, quantize_mlp_
+    from blockpress.loading import estimated_weight_bytes
+    from blockpress.train import sizes
+
+    folder = tmp_path / "m"
+    blockpress.from_config(sizes.model_config("nano", vocab_size=256, canvas_length=8, context=16), seed=0).save(folder)
+    streamed = blockpress.load(folder, progress=False, precision="int4", group_size=16, linears="int4-mlp")
+    after = blockpress.load(folder, progress=False, precision="int4", group_size=16)
+    quantize_mlp_(after.module, group_size=16)
+    assert all(isinstance(layer.mlp, QuantizedMLP) for layer in streamed.module.layers)
+    sa, sb = streamed.module.state_dict(), after.module.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    with torch.device("meta"):
+        meta = type(streamed.module)(streamed.module.config)
+    held = sum(t.numel() * t.element_size() for t in [*streamed.module.parameters(), *streamed.module.buffers()]
+               if t.device.type != "meta")
+    buffers = sum(b.numel() * b.element_size() for n, b in meta.named_buffers())
+    assert estimated_weight_bytes(meta, torch.float32, "int4", 16, linears="int4-mlp") + buffers == held
+    assert kernels.configure(streamed.module, precision="int4", group_size=16, linears="int4-mlp")["linears"] == \
+        "int4-mlp torch"  # a CPU: the torch reference (Triton only where it compiles)
+    ids = torch.randint(5, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    res = streamed.generate(ids, max_new_tokens=8, max_denoising_steps=3, generator=torch.Generator().manual_seed(1))
+    assert res.sequences.shape == (1, 14)
+    with pytest.raises(blockpress.InputError, match="holds quantised weights"):
+        streamed.save(tmp_path / "copy")

@@ -1,10 +1,12 @@
 """OpenAI-compatible server: a real `blockpress serve` process on loopback, driven by the official
-`openai` client, plus serving-logic tests without HTTP (scheduler vs the reference canvas loop,
+`openai` client, plus serving-logic tests without HTTP (the worker vs the Python canvas loop,
 response assembly from real token ids, queue limits, API key)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 import blockpress
-from blockpress.testing import build_tiny_gemma_tokenizer, drive_scheduler
+from blockpress.testing import build_tiny_gemma_tokenizer, cuda_graphs, drive_worker
 from blockpress.tokenizer import GEMMA4_CONTROL_TOKENS
 from hf_oracle import TINY_TEXT
 
@@ -28,8 +30,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from blockpress.server.protocol import APIError, ChatCompletionRequest, Limits  # noqa: E402
-from blockpress.server import scheduler as scheduler_mod  # noqa: E402
-from blockpress.server.scheduler import Handle, Job, RowCommit, RowDone, RowDraft, Scheduler, run_job  # noqa: E402
+from blockpress.engine import runner as runner_mod  # noqa: E402
+from blockpress.server.worker import Handle, Job, RowCommit, RowDone, RowDraft, Worker, run_job  # noqa: E402
 from blockpress.server.serving import OpenAIServing, OutputAssembler, _Run  # noqa: E402
 
 SPECIAL = re.compile("|".join(re.escape(t) for t in GEMMA4_CONTROL_TOKENS))  # control-token text
@@ -192,6 +194,58 @@ def test_completion_insert_mode_equals_infill(client, lm):
     assert ref.region_ids[:6] != alone.new_tokens[0, :6].tolist()  # the suffix changed what the model wrote
 
 
+def test_structured_output_through_the_openai_client(client):
+    """response_format through the official client on a model that writes noise: chat.completions.parse() with a
+    pydantic model, json_schema and json_object on chat (streamed equals not), json_schema and the regex extension
+    on completions; every answer parses and validates."""
+    pydantic = pytest.importorskip("pydantic")
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=130)
+        tags: list[str] = pydantic.Field(max_length=3)
+
+    model, kw = client.model_id, dict(seed=3, max_tokens=128, extra_body=FAST)
+    parsed = client.chat.completions.parse(model=model, messages=MSG, response_format=Person, **kw)
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 130
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "check", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=model, messages=MSG, response_format=fmt, **kw)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    s = client.chat.completions.create(model=model, messages=MSG, response_format=fmt, stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == r.choices[0].message.content
+    r = client.chat.completions.create(model=model, messages=MSG, response_format={"type": "json_object"}, **kw)
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    c = client.completions.create(model=model, prompt="Record:", max_tokens=128, seed=4,
+                                  extra_body={**FAST, "response_format": fmt})
+    jsonschema.validate(json.loads(c.choices[0].text), schema)
+    c = client.completions.create(model=model, prompt="Code:", max_tokens=16, seed=4,
+                                  extra_body={**FAST, "regex": "[A-Z]{2}-[0-9]{3}"})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", c.choices[0].text), c.choices[0].text
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"response_format": {"type": "xml"}}, "not one of text, json_object, json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "format": "no-such-format"}}}}, "Unknown format"),
+    ({"regex": "(?<=a)b"}, "look-around"),
+    ({"regex": "a", "response_format": {"type": "json_object"}}, "give one of"),
+    ({"response_format": {"type": "json_object"}, "max_tokens": 1}, "too small"),
+    ({"response_format": {"type": "json_object"}, "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "cannot be"),
+])
+def test_structured_output_errors_name_the_problem(server, body, needle):
+    pytest.importorskip("llguidance")
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 32, **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert needle in r.json()["error"]["message"], r.text
+
+
 def test_completion_insert_mode_errors(server):
     body = {"prompt": "Hi", "suffix": "x " * 600, "max_tokens": 8}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
@@ -230,7 +284,7 @@ def test_reasoning_and_tool_call_fields_never_leak_control_tokens(server):
     for seed in range(4):
         r = httpx.post(server.url + "/v1/chat/completions", json={**body, "seed": seed}, timeout=60).json()
         msg = r["choices"][0]["message"]
-        assert {"content", "reasoning_content", "tool_calls"} <= set(msg)
+        assert {"content", "reasoning_content"} <= set(msg) and msg.get("tool_calls", [None]) != []
         for text in (msg["content"] or "", msg["reasoning_content"] or ""):
             assert not SPECIAL.search(text), text
     with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
@@ -281,26 +335,47 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
-@pytest.mark.parametrize("tools,choice,opening", [
-    ([WEATHER, CLOCK], {"type": "function", "function": {"name": "get_time"}}, "call:get_time{"),
-    ([WEATHER], "required", "call:get_weather{"),  # the only tool: named
-    ([WEATHER, CLOCK], "required", "call:"),
-])
-def test_tool_choice_holds_the_call_opening_on_the_canvas(server, tools, choice, opening):
-    """A forced tool choice pins `<|tool_call>call:[NAME{]` at the start of the first canvas; the random
-    model writes the rest (its call does not close, so the parser keeps it as text, control tokens
-    dropped). Same text streamed."""
-    body = {"messages": MSG, "max_tokens": 32, "seed": 4, "tools": tools, "tool_choice": choice, **FAST}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    msg = r.json()["choices"][0]["message"]
-    text = msg["content"] or "call:" + msg["tool_calls"][0]["function"]["name"] + "{"
-    assert text.startswith(opening), text
-    free = httpx.post(server.url + "/v1/chat/completions", json={**body, "tool_choice": "auto"}, timeout=60)
-    assert not (free.json()["choices"][0]["message"]["content"] or "").startswith("call:")  # pinned, not chance
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
-        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == msg["content"]
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "minLength": 2, "maxLength": 12},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls_are_always_well_formed(client, choice):
+    """tool_choice "required" or named on a model that writes noise: every answer, streamed or not, is one call
+    in `tool_calls` of an offered tool (the named one), with arguments valid against its parameters schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY, CLOCK)}
+    for seed in range(6):
+        kw = dict(model=client.model_id, messages=MSG, tools=[CITY, CLOCK], tool_choice=choice, seed=seed,
+                  max_tokens=64, extra_body=FAST)
+        r = client.chat.completions.create(**kw)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1, r
+        if isinstance(choice, dict):
+            assert calls[0].function.name == "get_time"
+        jsonschema.validate(json.loads(calls[0].function.arguments), schemas[calls[0].function.name])
+        streamed = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+        deltas = [t for c in streamed for t in c.choices[0].delta.tool_calls or []]
+        assert [(d.function.name, d.function.arguments) for d in deltas] == \
+            [(calls[0].function.name, calls[0].function.arguments)]
+
+
+def test_forced_tool_call_without_the_grammar_engine_holds_the_opening(lm, monkeypatch):
+    """Without llguidance a forced call is the call's opening, `<|tool_call>call:[NAME{]`, held on the first canvas
+    (the model writes the rest); with it, a grammar on the whole answer and nothing held."""
+    serving = _serving(lm)
+    req = ChatCompletionRequest(messages=MSG, max_tokens=32, tools=[WEATHER, CLOCK],
+                                tool_choice={"type": "function", "function": {"name": "get_time"}})
+    sampling = req.to_sampling(serving.limits, serving.defaults)
+    if importlib.util.find_spec("llguidance") is not None:
+        constrained, held = serving.forced_call(req, sampling)
+        assert constrained.grammar is not None and held is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    free, held = serving.forced_call(req, sampling)
+    assert free.grammar is None and held == lm.tokenizer.encode("<|tool_call>call:get_time{")
 
 
 @pytest.mark.parametrize("tools,choice,needle", [
@@ -367,16 +442,22 @@ BAD = [
     ("huge body", {"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, None),
     ("too many stops", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
     ("bad prompt ids", {"prompt": [1, 2, 999999]}, 400, "prompt"),
-    ("chat logprobs", {"messages": MSG, "logprobs": True}, 400, "logprobs"),
-    ("json mode", {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat logprobs not a bool", {"messages": MSG, "logprobs": 1}, 400, "logprobs"),
+    ("unknown response_format", {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("image part", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content.0.type"),
-    ("chat top_logprobs", {"messages": MSG, "top_logprobs": 3}, 400, "logprobs"),
+    ("chat top_logprobs alone", {"messages": MSG, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("chat top_logprobs over 20", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat top_logprobs negative", {"messages": MSG, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     ("completion n=0", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completion best_of", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("completion echo", {"prompt": "hi", "echo": True}, 400, "echo"),
-    ("completion logprobs", {"prompt": "hi", "logprobs": 0}, 400, "logprobs"),
-    ("completion batch of prompts", {"prompt": [[1, 2], [3, 4]]}, 400, "prompt"),
+    ("completion logprobs over 5", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("completion logprobs bool", {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
+    ("completion batch too big", {"prompt": ["a"] * 33}, 400, "prompt"),
+    ("completion batch entry", {"prompt": ["a", ""]}, 400, "prompt.1"),
+    ("completion batch mixed", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("completion batch ids", {"prompt": [[1, 2], [3, 999999]]}, 400, "prompt.1"),
     ("completion stops", {"prompt": "hi", "stop": ["x"] * 5}, 400, "stop"),
     ("completion long stop", {"prompt": "hi", "stop": ["ok", "x" * 300]}, 400, "stop.1"),
     ("completion prompt too long", {"prompt": list(range(5, 30)) * 2000}, 400, "prompt"),
@@ -384,9 +465,11 @@ BAD = [
 
 # what each refusal must say (a client reads the message, not the code)
 BAD_MESSAGES = {
-    "chat logprobs": "logprobs are not supported", "json mode": "response_format 'json_object' is not supported",
+    "chat top_logprobs alone": "top_logprobs needs logprobs: true", "unknown response_format": "is not one of text, json_object, json_schema",
     "image part": "only text content parts are supported", "n over limit": "n=9 exceeds this server's limit of 8",
-    "completion batch of prompts": "prompt: expected a non-empty string or a non-empty list of token ids",
+    "completion batch too big": "33 prompts exceed this server's limit of 32",
+    "completion batch entry": "prompt.1: String should have at least 1 character",
+    "completion batch mixed": "prompt: expected a non-empty string, a non-empty list of token ids, or a non-empty list",
     "completion stops": "stop: List should have at most 4 items", "completion long stop": "at most 256 characters",
     "too many stops": "stop: List should have at most 4 items", "completion echo": "echo is not supported",
 }
@@ -424,26 +507,28 @@ def test_disconnect_frees_the_slot(server, n):
     deadline = time.time() + 20  # the full request would take 32 canvases x 48 steps
     while time.time() < deadline:
         m = server.metrics()
-        if m["blockpress_active_requests"] == 0 and m["blockpress_requests_cancelled_total"] >= before + n:
+        # every slot freed; at least one row counted as cancelled (a choice whose random text already hit a stop
+        # id had finished, and is not a cancellation)
+        if m["blockpress_active_requests"] == 0 and m["blockpress_requests_cancelled_total"] >= before + 1:
             return
         time.sleep(0.2)
     pytest.fail(f"slot not freed after disconnect: {server.metrics()}")
 
 
 # ----------------------------------------------------------------------------- without HTTP
-def test_scheduler_equals_reference_loop(lm):
+def test_worker_equals_reference_loop(lm):
     """A request served alone gives exactly the tokens of BlockDiffusionLM.generate with its seed."""
     ids = lm.encode_chat("Hello there")
     for kw in (dict(max_new_tokens=40, max_denoising_steps=5, eos_token_id=[1, 106], pad_token_id=0),
                dict(max_new_tokens=20, max_denoising_steps=40, entropy_bound=3.0, confidence_threshold=6.0)):
         ref = lm.generate([ids], generator=torch.Generator().manual_seed(7), **kw)
-        events = run_job(lm.module, lm.canvas_length, Job(ids, lm.generation_config(**kw), seed=7))
+        events = run_job(lm, Job(ids, lm.generation_config(**kw), seed=7))
         tokens = [t for e in events if isinstance(e, RowCommit) for t in e.tokens]
         assert tokens == ref.new_tokens[0].tolist()
         assert events[-1].steps_per_canvas == ref.steps_per_canvas
 
 
-def test_scheduler_fast_sampler_equals_the_engines(lm):
+def test_worker_fast_sampler_equals_the_engines(lm):
     """sampler="fast" (serve --sampler fast): a request served alone gets generate(sampler="fast")'s tokens with its
     seed (the fused pass's draws from the row's generator, in the engine's order), with fixed steps and with
     adaptive stopping (which reads the fused pass's entropy); other tokens than the exact sampler's."""
@@ -451,22 +536,22 @@ def test_scheduler_fast_sampler_equals_the_engines(lm):
     for kw in (dict(max_new_tokens=40, max_denoising_steps=5, eos_token_id=None),
                dict(max_new_tokens=20, max_denoising_steps=40, entropy_bound=3.0, confidence_threshold=6.0)):
         ref = lm.generate([ids], generator=torch.Generator().manual_seed(7), sampler="fast", **kw)
-        events = run_job(lm.module, lm.canvas_length, Job(ids, lm.generation_config(**kw), seed=7), sampler="fast")
+        events = run_job(lm, Job(ids, lm.generation_config(**kw), seed=7), sampler="fast")
         tokens = [t for e in events if isinstance(e, RowCommit) for t in e.tokens]
         assert tokens == ref.new_tokens[0].tolist()
         assert events[-1].steps_per_canvas == ref.steps_per_canvas
         exact = lm.generate([ids], generator=torch.Generator().manual_seed(7), **kw)
         assert tokens != exact.new_tokens[0].tolist()
     with pytest.raises(blockpress.errors.InputError, match="unknown sampler"):
-        Scheduler(lm.module, lm.canvas_length, sampler="gumbel")
+        Worker(lm, sampler="gumbel")
 
 
-def test_scheduler_huge_stability_threshold(lm):
+def test_worker_huge_stability_threshold(lm):
     """A request may send any stability_threshold >= 0: one beyond its step budget means "never stop early"
     (same tokens as fixed steps), not an argmax history sized by the threshold (10**9: hundreds of GB)."""
     ids = lm.encode_chat("Hello there")
     kw = dict(max_new_tokens=20, max_denoising_steps=4, confidence_threshold=1e9)
-    events = run_job(lm.module, lm.canvas_length,
+    events = run_job(lm,
                      Job(ids, lm.generation_config(**kw, stability_threshold=10**9), seed=3))
     ref = lm.generate([ids], generator=torch.Generator().manual_seed(3),
                       **dict(kw, stability_threshold=None, confidence_threshold=None))
@@ -474,7 +559,7 @@ def test_scheduler_huge_stability_threshold(lm):
     assert events[-1].steps_per_canvas == ref.steps_per_canvas and set(ref.steps_per_canvas) == {4}
 
 
-def test_scheduler_fused_commit_equals_reference_loop(lm, monkeypatch):
+def test_worker_fused_commit_equals_reference_loop(lm, monkeypatch):
     """fuse_commit=True: the prompt is encoded alone, every later commit inside the next canvas's first
     denoising pass (one `encode_decode` per boundary, no separate `encode`), with the reference's tokens."""
     ids = lm.encode_chat("Hello there")
@@ -486,7 +571,7 @@ def test_scheduler_fused_commit_equals_reference_loop(lm, monkeypatch):
             calls[_n] += 1
             return _f(*a, **k)
         monkeypatch.setattr(lm.module, name, counted)
-    events = run_job(lm.module, lm.canvas_length, Job(ids, lm.generation_config(**kw), seed=7), fuse_commit=True)
+    events = run_job(lm, Job(ids, lm.generation_config(**kw), seed=7), fuse_commit=True)
     monkeypatch.undo()
     assert calls == {"encode": 1, "encode_decode": 2}  # 3 canvases: prompt, then 2 fused commits
     assert [t for e in events if isinstance(e, RowCommit) for t in e.tokens] == ref.new_tokens[0].tolist()
@@ -494,10 +579,10 @@ def test_scheduler_fused_commit_equals_reference_loop(lm, monkeypatch):
 
 
 @pytest.mark.parametrize("fuse_commit", [False, True])
-def test_scheduler_rows_join_at_canvas_boundaries(lm, fuse_commit):
+def test_worker_rows_join_at_canvas_boundaries(lm, fuse_commit):
     """Rows joining a running batch (left-padded to its cache end) give their solo tokens; with a fused
     commit, a boundary where requests wait encodes the commit on its own so that they can join."""
-    s = Scheduler(lm.module, lm.canvas_length, max_batch=4, fuse_commit=fuse_commit).start()
+    s = Worker(lm, max_batch=4, fuse_commit=fuse_commit).start()
     try:
         jobs = [Job(lm.encode_chat("prompt %d " % i * (i + 1)), lm.generation_config(max_new_tokens=48,
                     max_denoising_steps=4), seed=i) for i in range(3)]
@@ -518,7 +603,7 @@ def test_scheduler_rows_join_at_canvas_boundaries(lm, fuse_commit):
         s.stop()
 
 
-def test_scheduler_row_compaction_gives_the_same_tokens(lm, monkeypatch):
+def test_worker_row_compaction_gives_the_same_tokens(lm, monkeypatch):
     """Rows with different step budgets in one batch: once a row stops, the decoder pass leaves it out
     (compact_rows, the default), and every row gets the tokens and step counts of the full-batch loop."""
     ids = lm.encode_chat("Hello there")
@@ -526,10 +611,12 @@ def test_scheduler_row_compaction_gives_the_same_tokens(lm, monkeypatch):
             for k in (2, 5, 3)]
     outs, sizes = [], []
     for compact in (False, True):
-        seen = []
-        decode = lm.module.decode
+        seen = []  # rows of each decoder pass (a fused commit's too: it is a canvas's first step)
+        decode, fused = lm.module.decode, lm.module.encode_decode
         monkeypatch.setattr(lm.module, "decode", lambda x, *a, **k: seen.append(x.shape[0]) or decode(x, *a, **k))
-        s = Scheduler(lm.module, lm.canvas_length, max_batch=3, compact_rows=compact)
+        monkeypatch.setattr(lm.module, "encode_decode",
+                            lambda c, x, *a, **k: seen.append(x.shape[0]) or fused(c, x, *a, **k))
+        s = Worker(lm, max_batch=3, compact_rows=compact)
         handles = [s.submit(j) for j in jobs]  # queued before the thread starts: admitted together
         s.start()
         try:
@@ -550,16 +637,15 @@ def test_scheduler_row_compaction_gives_the_same_tokens(lm, monkeypatch):
 
 
 @pytest.mark.parametrize("fuse_commit", [False, True])
-def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
-    """With GraphedPasses installed (`serve --cuda-graphs`; capture off on CPU runs the same static passes and
-    plumbing), the group's cache lives in slots shared by the graphs of every batch size. Requests joining at
+def test_worker_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
+    """With CUDA graphs (`serve --cuda-graphs`, `lm.configure(cuda_graphs=True)`; on a CPU the same passes and
+    plumbing run without capture), the batch's cache lives in slots shared by the graphs of every batch size. Requests joining at
     different boundaries (left-padded), finishing out of order (the kept rows move down), with fixed and adaptive
     steps, and one that needs more positions than the slots hold (regrown, the running rows copied): every row
     gets the tokens of the scheduler without graphs, with its row-passes (compaction: the rows still denoising are
     swapped into the lowest slots). Once every batch size has run on the grown slots, the same traffic replays
     only: no new captures, the same buffers. The self-conditioning logits are kept in the graphs' own input buffer
     (rows swapped there too): no pass copies them in."""
-    from blockpress.kernels.graphs import GraphedPasses
     from blockpress.server.metrics import Metrics
     from blockpress.testing import count_logits_copies
 
@@ -577,48 +663,49 @@ def test_scheduler_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
     short = {0: [job("hi", 32, 10 + i, eos_token_id=None, **fixed) for i in range(4)]}
 
     def scheduler(**kw):
-        return Scheduler(lm.module, lm.canvas_length, max_batch=4, fuse_commit=fuse_commit, metrics=Metrics(), **kw)
+        return Worker(lm, max_batch=4, fuse_commit=fuse_commit, metrics=Metrics(), **kw)
 
     ref, full = scheduler(), scheduler(compact_rows=False)
-    want, want_short = drive_scheduler(ref, plan), drive_scheduler(scheduler(), short)
-    assert drive_scheduler(full, plan) == want
-    g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
+    want, want_short = drive_worker(ref, plan), drive_worker(scheduler(), short)
+    assert drive_worker(full, plan) == want
+    lm.configure(cuda_graphs=True)
+    g = lm.passes
     try:
         s = scheduler()
-        assert s.graphs is g
-        got = drive_scheduler(s, plan)
+        assert s.runner.graphs is g
+        got = drive_worker(s, plan)
         assert got == want and copies == []
         # row compaction under graphs (the rows still denoising swapped into the lowest slots): the row-passes of
         # the scheduler without graphs, fewer than with every row in every pass
         rows = [x.metrics.batch_rows for x in (s, ref, full)]
         assert rows[0].count == rows[1].count and rows[0].total == rows[1].total < rows[2].total
-        slots, captures = s._slots, g.captures
+        slots, captures = s.runner._slots, g.captures
         assert slots.batch == 4 and slots.capacity >= len(plan[2][0].prompt_ids) + 160
         names = {k[0] for k in g.captured}
         assert "decode" in names and ("encode_decode" in names) == fuse_commit and names <= {"decode", "commit",
                                                                                              "encode_decode"}
         assert all(c.buffers == tuple(t.data_ptr() for t in (*slots.keys, *slots.values, slots.valid))
                    for c in g.captured.values())  # the graphs on the first, smaller slots were released
-        assert drive_scheduler(s, plan) == want  # batch sizes last seen on the first slots are captured on these
+        assert drive_worker(s, plan) == want  # batch sizes last seen on the first slots are captured on these
         captures = g.captures
-        assert drive_scheduler(s, plan) == want
-        assert g.captures == captures and s._slots is slots
+        assert drive_worker(s, plan) == want
+        assert g.captures == captures and s.runner._slots is slots
         # four short prompts: slot 3's previous occupant (padded to join late) had padding past their end
-        assert drive_scheduler(s, short) == want_short
+        assert drive_worker(s, short) == want_short
         # the graphs' shared logits buffers have the slots' rows (reserved when the slots grew, not at every size)
         assert {t.shape[0] for t in g._shared.values()} == {slots.batch} and len(g._shared) == 2
         shared = sum(t.nbytes for t in g._shared.values())
-        assert s._slot_bytes(slots.batch, slots.capacity) == slots.nbytes() + slots.valid.numel() + shared
+        assert s.runner.slot_bytes(slots.batch, slots.capacity) == slots.nbytes() + slots.valid.numel() + shared
         # where doubling would not fit in the GPU's spare memory, the slots grow to just what is needed
-        monkeypatch.setattr(scheduler_mod, "_spare_bytes", lambda device: 1)
+        monkeypatch.setattr(runner_mod, "spare_bytes", lambda device: 1)
         tight = scheduler()
-        assert drive_scheduler(tight, plan) == want
+        assert drive_worker(tight, plan) == want
         joined_at = max(len(j.prompt_ids) for j in plan[0]) + 2 * lm.canvas_length  # the group's end at boundary 2
-        assert tight._slots.capacity == joined_at + 160  # the late request's end, not a power of two
-        assert tight._slots.capacity < slots.capacity and tight._slots.batch <= slots.batch
+        assert tight.runner._slots.capacity == joined_at + 160  # the late request's end, not a power of two
+        assert tight.runner._slots.capacity < slots.capacity and tight.runner._slots.batch <= slots.batch
     finally:
-        g.uninstall()
-    assert Scheduler(lm.module, lm.canvas_length).graphs is None
+        lm.configure(cuda_graphs=False)
+    assert Worker(lm).runner.graphs is None
 
 
 def _random_traffic(seed: int, V: int, C: int):
@@ -640,12 +727,12 @@ def _random_traffic(seed: int, V: int, C: int):
     return plan
 
 
-def _drive_traffic(s: Scheduler, plan: dict) -> list:
+def _drive_traffic(s: Worker, plan: dict) -> list:
     """Run `plan` through the scheduler's loop by hand; a ("step", n) request cancels itself when its n-th draft
     arrives (inside a canvas), a ("boundary", k) one before boundary k. Each request's commits and whether it
     finished."""
     runs, k = [], 0
-    while k <= max(plan) + 4 or s.rows or s._waiting:
+    while k <= max(plan) + 4 or s.busy:
         for job, cancel in plan.get(k, []):
             h = s.submit(job)
             if cancel is not None and cancel[0] == "step":
@@ -660,7 +747,7 @@ def _drive_traffic(s: Scheduler, plan: dict) -> list:
             if cancel == ("boundary", k):
                 h.cancel()
         with torch.no_grad():
-            s._canvas()
+            s.canvas()
         k += 1
     out = []
     for h, _ in runs:
@@ -671,51 +758,67 @@ def _drive_traffic(s: Scheduler, plan: dict) -> list:
 
 
 @pytest.mark.parametrize("seed", [0, 3, 6, 7])  # schedules with both kinds of cancellation
-def test_scheduler_slots_under_random_traffic(lm, seed):
+def test_worker_slots_under_random_traffic(lm, seed):
     """Seeded schedules of joins, out-of-order finishes, batches capped at 3 (others queue) and cancellations at
     a boundary or mid-canvas (a cancelled row leaves the pass: under graphs it is swapped out of the lowest
     slots): with the CUDA-graph plumbing every request gets the commits of the scheduler without graphs."""
-    from blockpress.kernels.graphs import GraphedPasses
-
     plan = _random_traffic(seed, lm.module.text.vocab_size, lm.canvas_length)
     assert {c[0] for jobs in plan.values() for _, c in jobs if c} == {"boundary", "step"}
-    want = _drive_traffic(Scheduler(lm.module, lm.canvas_length, max_batch=3), plan)
+    want = _drive_traffic(Worker(lm, max_batch=3), plan)
     assert any(done for _, done in want) and not all(done for _, done in want)  # some finished, some cancelled
-    g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
-    try:
-        assert _drive_traffic(Scheduler(lm.module, lm.canvas_length, max_batch=3), plan) == want
-    finally:
-        g.uninstall()
+    with cuda_graphs(lm):
+        assert _drive_traffic(Worker(lm, max_batch=3), plan) == want
+
+
+def test_worker_request_cancelled_while_another_joins(lm):
+    """A client that disconnects while another request's prompt is being admitted (after the boundary's eviction)
+    leaves its row frozen in a canvas that has no self-conditioning logits yet: the joining request still gets the
+    commits it gets alone, the cancelled one gets no more."""
+    def job(seed, canvases):
+        cfg = blockpress.config.GenerationConfig.resolve(
+            max_new_tokens=lm.canvas_length * canvases, eos_token_id=None, pad_token_id=None, max_denoising_steps=3,
+            stability_threshold=None, confidence_threshold=None)
+        return Job([7, 8, 9, 10 + seed], cfg, seed=seed)
+
+    alone = _drive_traffic(Worker(lm, max_batch=3), {0: [(job(1, 1), None)]})
+    s = Worker(lm, max_batch=3)
+    first = s.submit(job(0, 3))
+    with torch.no_grad():
+        s.canvas()
+    admit = s.scheduler.admit
+
+    def admit_and_disconnect(*args):  # the disconnect lands during the joining prompt's admission
+        first.cancel()
+        return admit(*args)
+
+    s.scheduler.admit = admit_and_disconnect
+    both = _drive_traffic(s, {0: [(job(1, 1), None)]})
+    assert both[0] == alone[0] and alone[0][1]
+    assert len([e for e in first.drain() if isinstance(e, RowCommit)]) == 1
 
 
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("seed", [3, 6])
-def test_scheduler_with_a_sliding_ring(lm, seed, graphs, monkeypatch):
+def test_worker_with_a_sliding_ring(lm, seed, graphs, monkeypatch):
     """Prompts encoded 8 tokens at a time, so the sliding layers keep a ring of 8 + 32 slots in the group's cache
     (rows appended across layouts) and in the CUDA-graph slots (regrown, the running rows copied into the new ring):
     under joins, out-of-order finishes and cancellations every request gets the commits of caches that keep every
     position."""
-    from blockpress.kernels.graphs import GraphedPasses
-
     m = lm.module
     monkeypatch.setattr(m, "prefill_chunk", 8)
     plan = _random_traffic(seed, m.text.vocab_size, lm.canvas_length)
     monkeypatch.setattr(m, "ring_cache", False)
-    want = _drive_traffic(Scheduler(m, lm.canvas_length, max_batch=3), plan)
+    want = _drive_traffic(Worker(lm, max_batch=3), plan)
     monkeypatch.setattr(m, "ring_cache", True)
     made = []
     new_cache = type(m).new_cache
     monkeypatch.setattr(type(m), "new_cache", lambda self, *a, **k: made.append(new_cache(self, *a, **k)) or made[-1])
-    g = GraphedPasses(m, capture=False, copy_outputs=False).install() if graphs else None
-    try:
-        assert _drive_traffic(Scheduler(m, lm.canvas_length, max_batch=3), plan) == want
-    finally:
-        if g is not None:
-            g.uninstall()
+    with cuda_graphs(lm) if graphs else contextlib.nullcontext():
+        assert _drive_traffic(Worker(lm, max_batch=3), plan) == want
     assert any(c.ring == 8 + 2 * lm.canvas_length for c in made)
 
 
-def test_scheduler_reads_the_device_once_per_step_for_all_rows(lm, monkeypatch):
+def test_worker_reads_the_device_once_per_step_for_all_rows(lm, monkeypatch):
     """Three adaptive rows streaming drafts: every row's stop flag comes to the host in one read per step, every
     row's draft in one more (a GPU's host waits for the device at each read: one per row would stall its queue B
     times a step). Counted as the reads that 4 more steps per canvas add."""
@@ -726,9 +829,9 @@ def test_scheduler_reads_the_device_once_per_step_for_all_rows(lm, monkeypatch):
                   confidence_threshold=1e-9, eos_token_id=None)  # never stops early: every row runs every step
         jobs = [Job(lm.encode_chat(t), lm.generation_config(**kw), seed=i, drafts=True)
                 for i, t in enumerate(["one", "two two", "three three three"])]
-        s = Scheduler(lm.module, lm.canvas_length, max_batch=3)
+        s = Worker(lm, max_batch=3)
         handles = [s.submit(j) for j in jobs]
-        n = count_host_reads(monkeypatch, lambda: s._canvas())
+        n = count_host_reads(monkeypatch, lambda: s.canvas())
         drafts = [[e for e in h.drain() if isinstance(e, RowDraft)] for h in handles]
         assert [len(d) for d in drafts] == [steps] * 3 and all(d[-1].step == steps for d in drafts)
         return n
@@ -738,39 +841,34 @@ def test_scheduler_reads_the_device_once_per_step_for_all_rows(lm, monkeypatch):
     assert reads(8) - reads(4) == 4 * 2  # 4 more steps x (the stop flags + the drafts), whatever the rows
 
 
-def test_scheduler_warm_up_leaves_it_ready(lm, monkeypatch):
+def test_worker_warm_up_leaves_it_ready(lm, monkeypatch):
     """serve's warm-up on a GPU (short requests through the loop before start(), so that kernel compiles and
     graph captures do not land in the first clients' requests): afterwards nothing is queued or running, a
-    request gets the tokens a fresh scheduler gives it, and under the graph plumbing the warm-up has captured, for
+    request gets the tokens a fresh worker gives it, and under the graph plumbing the warm-up has captured, for
     every batch size up to max_batch, the denoising step, the commit and the fused commit: traffic of mixed batch
     sizes (joins, a queue, early stops, rows leaving) then captures nothing more. After start() it is refused."""
-    from blockpress.kernels.graphs import GraphedPasses
-
     job = Job(lm.encode_chat("Hello there"), lm.generation_config(max_new_tokens=32, max_denoising_steps=3), seed=5)
-    want = drive_scheduler(Scheduler(lm.module, lm.canvas_length, fuse_commit=True), {0: [job]})
+    want = drive_worker(Worker(lm, fuse_commit=True), {0: [job]})
     plan = _random_traffic(3, lm.module.text.vocab_size, lm.canvas_length)
     jobs = {k: [j for j, _ in v if len(j.prompt_ids) <= 8 + lm.canvas_length] for k, v in plan.items()}
-    want_mixed = drive_scheduler(Scheduler(lm.module, lm.canvas_length, max_batch=3, fuse_commit=True), jobs)
-    g = GraphedPasses(lm.module, capture=False, copy_outputs=False).install()
-    try:
-        s = Scheduler(lm.module, lm.canvas_length, fuse_commit=True, max_batch=3)
-        assert s.warm_up() > 0 and not s.rows and not s._waiting and s.cache is None
+    want_mixed = drive_worker(Worker(lm, max_batch=3, fuse_commit=True), jobs)
+    with cuda_graphs(lm) as g:
+        s = Worker(lm, fuse_commit=True, max_batch=3)
+        assert s.warm_up() > 0 and not s.busy and s.runner.cache is None
         C = lm.canvas_length
         assert set(g.captured) == {("decode", (b, C)) for b in (1, 2, 3)} | {("commit", (b, C)) for b in (1, 2, 3)} \
             | {("encode_decode", ((b, C), (b, C))) for b in (1, 2, 3)}
         captures = g.captures
-        assert drive_scheduler(s, {0: [job]}) == want
-        assert drive_scheduler(s, jobs) == want_mixed and sum(map(len, jobs.values())) >= 4
+        assert drive_worker(s, {0: [job]}) == want
+        assert drive_worker(s, jobs) == want_mixed and sum(map(len, jobs.values())) >= 4
         assert g.captures == captures  # every pass the traffic ran was captured by the warm-up
         # where slots for max_batch rows would not fit in half the spare GPU memory: batch 1 only
-        monkeypatch.setattr(scheduler_mod, "_spare_bytes", lambda device: 1)
+        monkeypatch.setattr(runner_mod, "spare_bytes", lambda device: 1)
         g.captured.clear()
-        s = Scheduler(lm.module, lm.canvas_length, fuse_commit=True, max_batch=3)
+        s = Worker(lm, fuse_commit=True, max_batch=3)
         s.warm_up()
         assert set(g.captured) == {("decode", (1, C)), ("encode_decode", ((1, C), (1, C)))}
-    finally:
-        g.uninstall()
-    s = Scheduler(lm.module, lm.canvas_length).start()
+    s = Worker(lm).start()
     try:
         with pytest.raises(RuntimeError, match="before start"):
             s.warm_up()
@@ -783,7 +881,7 @@ THOUGHT_AND_CALL = ('<|channel>thought\nhmm<channel|>Hello<|tool_call>call:get_w
 
 
 def _serving(lm):
-    return OpenAIServing(lm, Scheduler(lm.module, lm.canvas_length), "tiny", Limits(max_tokens=64))
+    return OpenAIServing(lm, Worker(lm), "tiny", Limits(max_tokens=64))
 
 
 def _run_with(serving, ids, canvas):
@@ -848,7 +946,7 @@ def test_queue_full_is_429_and_api_key(lm):
     from blockpress.server.app import create_app
     from blockpress.server.metrics import Metrics
 
-    serving = OpenAIServing(lm, Scheduler(lm.module, lm.canvas_length, queue_size=1), "tiny")  # never started
+    serving = OpenAIServing(lm, Worker(lm, queue_size=1), "tiny")  # never started
     req = ChatCompletionRequest(messages=MSG, stream=True)
 
     async def twice():
@@ -862,11 +960,11 @@ def test_queue_full_is_429_and_api_key(lm):
     assert err.status == 429 and err.type == "rate_limit_error"
 
     # n choices are admitted all or none: a queue with room for 2 refuses n=3 and frees the 2 it took
-    serving3 = OpenAIServing(lm, Scheduler(lm.module, lm.canvas_length, queue_size=2), "tiny")
+    serving3 = OpenAIServing(lm, Worker(lm, queue_size=2), "tiny")
     with pytest.raises(APIError) as e3:
         asyncio.run(serving3.chat(ChatCompletionRequest(messages=MSG, n=3)))
     assert e3.value.status == 429
-    waiting = serving3.scheduler._waiting
+    waiting = serving3.worker.scheduler.queue
     assert len(waiting) == 2 and all(h.cancelled for h in waiting)
 
     app = create_app(serving, Metrics(), api_key="sekret")
@@ -879,3 +977,532 @@ def test_queue_full_is_429_and_api_key(lm):
                 [(await c.get("/health")).status_code]
 
     assert asyncio.run(calls()) == [401, 401, 200, 200]
+
+
+# ----------------------------------------------------------------------------- issue 31: conformance and robustness
+@pytest.fixture(scope="module")
+def server2(model_dir):
+    """A second server: --max-new-tokens -1 (the limit) with a limit of 20, CORS for one origin, a tight body
+    timeout."""
+    s = ServerProcess(model_dir, "--max-new-tokens", "-1", "--max-tokens-limit", "20",
+                      "--allowed-origins", "http://app.example", "--steps", "2", "--body-timeout", "1")
+    yield s
+    assert s.proc.poll() is None, "server crashed: " + s.read_log()
+    s.stop()
+
+
+def test_serve_max_new_tokens_is_the_default_max_tokens(server2):
+    """--max-new-tokens N (here -1: the --max-tokens-limit of 20) is max_tokens for a request without one,
+    in chat and completions (it was accepted and ignored: chat got the checkpoint's 256, completions 16)."""
+    c = openai.OpenAI(base_url=server2.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    chat = c.chat.completions.create(model="blockpress", messages=MSG, seed=1)
+    assert chat.usage.completion_tokens == 20 and chat.choices[0].finish_reason == "length"
+    comp = c.completions.create(model="blockpress", prompt="The sky", seed=1)
+    assert comp.usage.completion_tokens == 20
+    assert c.completions.create(model="blockpress", prompt="The sky", seed=1, max_tokens=5).usage.completion_tokens == 5
+
+
+def test_serve_max_new_tokens_over_the_limit_is_refused_at_start(capsys, monkeypatch):
+    import blockpress.cli.serve as serve_mod
+    from blockpress.cli import main as cli
+
+    monkeypatch.setattr(serve_mod, "load_model", lambda args: pytest.fail("the model loaded first"))
+    assert cli(["serve", "kjv", "--port", str(free_port()), "--max-new-tokens", "5000"]) == 2
+    assert "--max-new-tokens 5000 exceeds --max-tokens-limit 4096" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli(["serve", "kjv", "--max-new-tokens", "0"])
+    assert "expected a positive integer or -1 (the limit), got 0" in capsys.readouterr().err
+
+
+def test_message_without_tool_calls_has_no_tool_calls_field(server):
+    """OpenAI omits `tool_calls` when the model called no tool (it was `[]`)."""
+    body = {"messages": MSG, "max_tokens": 16, "seed": 3, **FAST}
+    msg = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    assert "tool_calls" not in msg and msg["content"] is not None
+
+
+def test_models_retrieve_and_the_blockpress_alias(client):
+    """GET /v1/models/{id} (client.models.retrieve) answers for the served id and the alias `blockpress`, which
+    every route accepts as `model` (README's example); another id is a 404."""
+    card = client.models.retrieve(client.model_id)
+    assert card.id == client.model_id and card.object == "model"
+    assert client.models.retrieve("blockpress").id == client.model_id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    r = client.chat.completions.create(model="blockpress", messages=MSG, max_tokens=16, seed=5, extra_body=FAST)
+    assert r.model == client.model_id and r.choices[0].message.content == chat_text(client, 5, max_tokens=16)[0]
+
+
+def test_multi_prompt_completion_is_one_choice_per_prompt(client):
+    """A list of prompts is served as a batch: prompt p's choice i is index p * n + i and is the single answer
+    for that prompt with seed + i; usage counts each prompt once. Streamed, the same texts by index."""
+    kw = dict(model=client.model_id, max_tokens=16, extra_body=FAST)
+    prompts = ["The sky is", "Water in the sea"]
+    many = client.completions.create(prompt=prompts, n=2, seed=7, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    singles = [client.completions.create(prompt=p, seed=7 + i, **kw) for p in prompts for i in range(2)]
+    assert [c.text for c in many.choices] == [s.choices[0].text for s in singles]
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens + singles[2].usage.prompt_tokens
+    assert many.usage.completion_tokens == 4 * 16
+    texts = [""] * 4
+    for ch in client.completions.create(prompt=prompts, n=2, seed=7, stream=True, **kw):
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in many.choices]
+    ids = client.completions.create(prompt=[[2, 10, 11], [2, 12]], seed=1, **kw)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
+def test_cors_preflight_and_host_check(server, server2):
+    """CORS is opt-in (--allowed-origins) and answers a browser's preflight before the API key check; bound to
+    loopback, a Host header that is not a loopback name (a DNS-rebinding page) is refused."""
+    pre = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(server2.url + "/v1/chat/completions", headers=pre)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    r = httpx.get(server2.url + "/v1/models", headers={"Origin": "http://app.example"})
+    assert r.headers["access-control-allow-origin"] == "http://app.example"
+    evil = {**pre, "Origin": "http://evil.example"}
+    assert httpx.options(server2.url + "/v1/models", headers=evil).status_code == 400
+    r = httpx.get(server.url + "/v1/models", headers={"Origin": "http://app.example"})  # no --allowed-origins
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.get(server.url + "/v1/models", headers={"Host": f"evil.example:{server.port}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    assert "--allowed-hosts" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health", headers={"Host": f"localhost:{server.port}"}).status_code == 200
+
+
+def _app(lm, **kw):
+    from blockpress.server.app import create_app
+    from blockpress.server.metrics import Metrics
+
+    metrics = Metrics()
+    serving = OpenAIServing(lm, Worker(lm), "tiny", Limits(**kw.pop("limits", {})),
+                            metrics=metrics)
+    return create_app(serving, metrics, **kw), serving, metrics
+
+
+async def _asgi(app, method, path, **kw):
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+        return await c.request(method, path, **kw)
+
+
+def test_non_ascii_api_keys_and_every_5xx_counted(lm, capsys, monkeypatch):
+    """A non-ASCII key in the header is a 401 (it was a 500 with a traceback, missing from /metrics); a non-ASCII
+    --api-key is refused at start (clients cannot send it); any 5xx is counted."""
+    app, serving, metrics = _app(lm, api_key="sekret")
+    r = asyncio.run(_asgi(app, "GET", "/v1/models", headers={"Authorization": "Bearer clé".encode()}))
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert metrics.requests.value("/v1/models", "401") == 1
+    monkeypatch.setattr(serving, "models", lambda: 1 / 0)  # a bug behind a route
+    r = asyncio.run(_asgi(app, "GET", "/v1/models", headers={"Authorization": "Bearer sekret"}))
+    assert r.status_code == 500 and r.json()["error"]["message"] == "internal server error"
+    assert metrics.requests.value("/v1/models", "500") == 1
+
+    import blockpress.cli.serve as serve_mod
+    from blockpress.cli import main as cli
+
+    monkeypatch.setattr(serve_mod, "load_model", lambda args: pytest.fail("the model loaded first"))
+    assert cli(["serve", "kjv", "--port", str(free_port()), "--api-key", "clé"]) == 2
+    assert "--api-key (or $BLOCKPRESS_API_KEY) must be printable ASCII" in capsys.readouterr().err
+
+
+def test_chunked_body_over_the_limit_is_413_and_a_slow_body_408(lm):
+    app, _, metrics = _app(lm, limits={"max_body_bytes": 1000, "body_timeout": 0.3})
+
+    async def chunks():
+        for _ in range(4):
+            yield b" " * 400  # no Content-Length: chunked
+
+    json_type = {"Content-Type": "application/json"}
+    r = asyncio.run(_asgi(app, "POST", "/v1/completions", content=chunks(), headers=json_type))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    async def slow():
+        messages = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}]
+        sent = []
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await asyncio.sleep(3600)  # the client stalls mid-body
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [
+            (b"host", b"127.0.0.1"), (b"content-type", b"application/json"), (b"content-length", b"100")],
+            "query_string": b"", "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 80),
+            "client": ("127.0.0.1", 5), "root_path": ""}
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        return sent
+
+    sent = asyncio.run(slow())  # (within wait_for's 5 s: the stalled body did not hold the request)
+    assert sent[0]["status"] == 408
+    assert json.loads(sent[1]["body"])["error"]["code"] == "request_timeout"
+    assert metrics.requests.value("/v1/completions", "408") == 1
+
+
+def test_a_huge_tool_schema_is_refused_at_a_bounded_cost(lm, monkeypatch):
+    """A 0.8 MB tool schema (under the body limit, ~20x the prompt-token limit) is refused after tokenising about
+    the limit's worth of text, not all of it (seconds of CPU per request with a real vocabulary)."""
+    props = {f"field_{i}": {"type": "string", "description": "x" * 40 + str(i)} for i in range(9000)}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": props}}}]
+    serving = OpenAIServing(lm, Worker(lm), "tiny", Limits(max_prompt_tokens=32768))
+    req = ChatCompletionRequest.model_validate({"messages": MSG, "tools": tools})
+    prompt = lm.tokenizer.apply_chat_template(MSG, tools=tools, tokenize=False)
+    assert len(lm.tokenizer.encode(prompt)) > 20 * 32768
+    encoded, real_encode = [], lm.tokenizer.encode
+
+    def counting(text, *a, **k):  # the real tokenizer, counting the characters it is given
+        encoded.append(len(text))
+        return real_encode(text, *a, **k)
+
+    monkeypatch.setattr(lm.tokenizer, "encode", counting)
+    with pytest.raises(APIError) as e:
+        serving.chat_prompt(req)
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+    assert 0 < sum(encoded) < 0.25 * len(prompt), (sum(encoded), len(prompt))
+
+
+def test_health_reports_a_failing_engine(lm):
+    """Weights that turn NaN make every generation fail: the request gets a 500 and /health says so (503,
+    with the reason) until a generation succeeds again."""
+    app, serving, _ = _app(lm)
+    serving.worker.start()
+    w = lm.module.layers[0].self_attn.q_proj.weight
+    saved = w.detach().clone()
+    body = {"prompt": "The sky", "max_tokens": 8, **FAST}
+    try:
+        with torch.no_grad():
+            w.fill_(float("nan"))
+        r = asyncio.run(_asgi(app, "POST", "/v1/completions", json=body))
+        assert r.status_code == 500
+        h = asyncio.run(_asgi(app, "GET", "/health"))
+        assert h.status_code == 503 and h.json()["status"] == "error" and "generation failed" in h.json()["error"]
+        with torch.no_grad():
+            w.copy_(saved)
+        assert asyncio.run(_asgi(app, "POST", "/v1/completions", json=body)).status_code == 200
+        assert asyncio.run(_asgi(app, "GET", "/health")).json()["status"] == "ok"
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+        serving.worker.stop()
+
+
+def test_responses_api_through_the_openai_client(client):
+    """/v1/responses (OpenAI's Responses API) runs the chat path: the same text as chat for the same
+    conversation and seed (instructions = a system message), streamed or not; the stream follows OpenAI's event
+    names and its deltas add up to the final output."""
+    kw = dict(model="blockpress", max_output_tokens=24, extra_body={**FAST, "seed": 3})
+    r = client.responses.create(input="Why is the sky blue?", instructions="Be brief.", **kw)
+    chat = client.chat.completions.create(model=client.model_id, max_tokens=24, seed=3, extra_body=FAST, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}])
+    assert r.object == "response" and r.model == client.model_id
+    assert r.output_text == chat.choices[0].message.content and r.output_text
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # random model: no stop
+    assert r.usage.output_tokens == 24 and r.usage.input_tokens == chat.usage.prompt_tokens
+    events = list(client.responses.create(input="Why is the sky blue?", instructions="Be brief.", stream=True, **kw))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+    assert {"response.output_item.added", "response.content_part.added", "response.output_text.done",
+            "response.content_part.done", "response.output_item.done"} <= set(types)
+    # items in: a function call and its output join the conversation as the chat path's tool turn
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]
+    r2 = client.responses.create(input=items, tools=tools, **kw)
+    c2 = client.chat.completions.create(model=client.model_id, max_tokens=24, seed=3, extra_body=FAST, tools=[WEATHER],
+                                        messages=[{"role": "user", "content": "Weather in Paris?"},
+                                                  {"role": "assistant", "content": None, "tool_calls": [
+                                                      {"id": "call_1", "type": "function", "function": {
+                                                          "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                                                  {"role": "tool", "tool_call_id": "call_1", "name": "get_weather",
+                                                   "content": "sunny"}])
+    assert r2.output_text == (c2.choices[0].message.content or "")
+
+
+def test_responses_tool_choice_and_refusals(server):
+    """A forced function holds the call opening on the canvas (as on chat); what the server cannot do is a 400
+    naming the Responses field."""
+    body = {"input": "Weather?", "max_output_tokens": 32, "seed": 4, **FAST,
+            "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}],
+            "tool_choice": {"type": "function", "name": "get_weather"}}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    text = "".join(p["text"] for it in r["output"] if it["type"] == "message" for p in it["content"])
+    calls = [it for it in r["output"] if it["type"] == "function_call"]
+    assert (calls and calls[0]["name"] == "get_weather") or text.startswith("call:get_weather{")
+    bad = [({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+           ({"max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens=100000 exceeds"),
+           ({"tools": [{"type": "web_search"}]}, "tools.0.type", "blockpress runs no built-in tools"),
+           ({"text": {"format": {"type": "json_object"}}}, "text", "is not supported"),
+           ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0", "not supported"),
+           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0.type", "send text as input_text parts"),
+           ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
+           ({"model": "gpt-9"}, "model", "does not exist")]
+    for extra, param, needle in bad:
+        r = httpx.post(server.url + "/v1/responses", json={"input": "hi", **extra}, timeout=30)
+        assert r.status_code in (400, 404), (extra, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and needle in err["message"], (extra, err)
+
+
+def test_responses_items_and_events_from_real_token_ids(lm):
+    """Thinking, text and a tool call become a reasoning item, a message and a function_call item, the same
+    streamed (rebuilt from the events) as not; the events follow OpenAI's order for each item."""
+    from blockpress.server.responses import ResponsesServing
+    from blockpress.server.responses_protocol import ResponsesRequest
+
+    ids = lm.tokenizer.encode(THOUGHT_AND_CALL)
+    serving = _serving(lm)
+    responses = ResponsesServing(serving)
+    req = ResponsesRequest.model_validate({"input": "hi", "max_output_tokens": 64})
+    sampling = req.to_chat().to_sampling(serving.limits, serving.defaults)
+
+    async def both():
+        full = await responses.respond(_run_with(serving, ids, 16), sampling, req)
+        sse = await responses.respond(_run_with(serving, ids, 16), sampling, req.model_copy(update={"stream": True}))
+        return full, [line async for line in sse]
+
+    full, lines = asyncio.run(both())
+    out = [(it.type, getattr(it, "name", None)) for it in full.output]
+    assert out == [("reasoning", None), ("message", None), ("function_call", "get_weather")]
+    assert full.output[0].content[0].text == "hmm" and full.output[1].content[0].text == "Hello"
+    assert json.loads(full.output[2].arguments) == {"city": "Paris"} and full.status == "completed"
+    events = [json.loads(x.split("\ndata: ", 1)[1]) for x in lines]
+    assert all(x.startswith(f"event: {e['type']}\n") for x, e in zip(lines, events))
+    assert events[-1]["type"] == "response.completed"
+
+    def no_ids(items):
+        return [{k: v for k, v in it.items() if k not in ("id", "call_id")} for it in items]
+
+    assert no_ids(events[-1]["response"]["output"]) == no_ids(full.model_dump()["output"])
+    by_item = {}
+    for e in events[2:-1]:
+        by_item.setdefault(e["output_index"], []).append(e["type"])
+    assert by_item[0] == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                          "response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+    assert by_item[1][:2] == ["response.output_item.added", "response.content_part.added"]
+    assert by_item[1][-3:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert by_item[2] == ["response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done"]
+
+
+def test_openapi_schema_is_true_json_schema(server):
+    """Bounds are JSON Schema keywords (`minimum`; `"ge"` is not one, so `steps: 0` was schema-valid and got a
+    400), every generation route documents its event stream, and no route documents FastAPI's 422."""
+    schema = httpx.get(server.url + "/openapi.json").json()
+    pydantic_only = []
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            pydantic_only.extend(f"{path}/{k}" for k in ("ge", "gt", "le", "lt") if k in node)
+            for k, v in node.items():
+                walk(v, f"{path}/{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}/{i}")
+
+    walk(schema, "")
+    assert not pydantic_only, pydantic_only[:5]
+    steps = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["steps"]["anyOf"][0]
+    assert steps == {"type": "integer", "minimum": 1, "maximum": 1024}
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "text/event-stream" in responses["200"]["content"] and "422" not in responses
+    assert "/v1/models/{model}" in schema["paths"]
+
+
+# ----------------------------------------------------------------------------- logprobs
+def test_worker_logprobs_are_the_last_steps_log_softmax(lm, monkeypatch):
+    """Job(logprobs=k): each committed token's log-probability and the k most likely tokens' under the
+    distribution of the step that produced the committed canvas (log_softmax of its logits z, the canvas's
+    self-conditioning logits after its last step), recomputed here from z captured after every step; the
+    committed canvas is z's argmax. The tokens are the same bits as without logprobs."""
+    from blockpress.engine import loop as loop_mod
+
+    ids = lm.encode_chat("Hello there")
+    for kw in (dict(max_new_tokens=40, max_denoising_steps=3, eos_token_id=None, t_min=0.5, t_max=2.0),
+               dict(max_new_tokens=20, max_denoising_steps=40, entropy_bound=3.0, confidence_threshold=6.0)):
+        plain = run_job(lm, Job(ids, lm.generation_config(**kw), seed=7))
+        seen = []  # z of every row after each step, per canvas: the last one is the commit's
+        step = loop_mod.denoise_step
+
+        def spy(cv, *a, **k):
+            out = step(cv, *a, **k)
+            if cv.steps == 0:
+                seen.append([])
+            seen[-1].append(cv.sc[0].clone())
+            return out
+        monkeypatch.setattr(loop_mod, "denoise_step", spy)
+        events = run_job(lm, Job(ids, lm.generation_config(**kw), seed=7, logprobs=3))
+        monkeypatch.undo()
+        commits = [e for e in events if isinstance(e, RowCommit)]
+        assert [e.tokens for e in commits] == [e.tokens for e in plain if isinstance(e, RowCommit)]
+        assert all(e.logprobs is None for e in plain if isinstance(e, RowCommit))
+        assert len(commits) == len(seen)
+        for e, steps in zip(commits, seen):
+            z = steps[-1]
+            ref = torch.log_softmax(z.float(), dim=-1)
+            assert e.tokens == z.argmax(-1).tolist()
+            assert len(e.logprobs) == len(e.tokens)
+            top = ref.topk(3, dim=-1)
+            for c, (t, (lp, alts)) in enumerate(zip(e.tokens, e.logprobs)):
+                assert lp == ref[c, t].item() and lp <= 0
+                assert [a[0] for a in alts] == top.indices[c].tolist()
+                assert [a[1] for a in alts] == top.values[c].tolist()
+                assert lp >= alts[0][1]
+    events = run_job(lm, Job(ids, lm.generation_config(max_new_tokens=16, max_denoising_steps=2), seed=1,
+                             logprobs=0))
+    c = next(e for e in events if isinstance(e, RowCommit))
+    assert len(c.logprobs) == 16 and all(alts == [] for _, alts in c.logprobs)
+
+
+def _fake_logprobs(ids):
+    """Per position (logprob, alternatives) that name the position: logprob -k at position k."""
+    return [(-float(k), [(t, -float(k))]) for k, t in enumerate(ids)]
+
+
+@pytest.mark.parametrize("text,chat,stop,content", [
+    (THOUGHT_AND_CALL, True, [], "Hello"),
+    ("<|channel>thought\nhmm<channel|>The sky é is blue. The sea<turn|>", True, ["sea"], "The sky é is blue. The "),
+    ("Caf\u00e9 na\u00efve <b>x</b> r\u00e9sum\u00e9", False, [], None),
+    ("The sky is blue. The sea is blue too.", False, ["e se"], "The sky is blue. Th"),
+])
+def test_logprob_entries_align_with_the_returned_text(lm, text, chat, stop, content):
+    """The assembler's logprob entries: one per returned token, in order, their texts joined are the returned
+    content (chat: reasoning, markup and tool calls left out; a stop string cuts the list at the token it cuts),
+    and the streamed deltas' entries, for any canvas split, are the non-streamed list."""
+    tok = lm.tokenizer
+    ids = tok.encode(text)
+    if "é" in text:  # a character split over byte tokens: é as its two UTF-8 bytes
+        b = [tok.token_to_id(f"<0x{x:02X}>") for x in "é".encode()]
+        ids = [t for i in ids for t in (b if tok.decode([i]) == "é" else [i])]
+    lps = _fake_logprobs(ids)
+    results = []
+    for split in (1, 3, 16, len(ids)):
+        asm = OutputAssembler(tok, [1, 106], 100, stop=stop, chat=chat, logprobs=True)
+        streamed, text_out = [], ""
+        for i in range(0, len(ids), split):
+            d = asm.feed(ids[i:i + split], lps[i:i + split])
+            streamed += d.logprobs
+            text_out += d.content
+            if asm.done:
+                break
+        final = asm.finish()
+        streamed += final.last.logprobs
+        text_out += final.last.content
+        assert streamed == final.logprobs and text_out == final.content
+        assert "".join(e.text for e in final.logprobs) == final.content
+        if content is not None:
+            assert final.content == content
+        positions = [-int(e.logprob) for e in final.logprobs]
+        assert positions == sorted(set(positions)) and all(ids[p] == e.id for p, e in zip(positions, final.logprobs))
+        assert all(final.content.startswith(e.text, e.offset) for e in final.logprobs)
+        results.append(final.logprobs)
+    assert all(r == results[0] for r in results)
+    if not chat and not stop:  # a completion returns every token
+        assert [e.id for e in results[0]] == ids
+    if chat and stop:  # the split é: its first byte's entry is empty, the second carries the character
+        texts = [e.text for e in results[0]]
+        assert "é" in texts and texts[texts.index("é") - 1] == ""
+
+
+def _check_entries(tokens, logprobs, tops, k, exact=True):
+    """Each returned token's logprob is <= 0 and >= every alternative's (it is the argmax of its step's
+    distribution); k alternatives (a completion's dict: fewer where two have the same text), sorted."""
+    assert len(tokens) == len(logprobs) == len(tops)
+    for lp, top in zip(logprobs, tops):
+        assert (len(top) == k if exact else 1 <= len(top) <= k) and top == sorted(top, reverse=True)
+        assert top[0] == lp
+        assert lp <= 0 and all(lp >= v for v in top)
+
+
+def test_chat_logprobs_through_the_openai_client(client):
+    """logprobs=True, top_logprobs=3: one entry per token of the content (joined: the content), streamed and not
+    (the same entries), and the same text as without logprobs."""
+    kw = dict(model=client.model_id, messages=MSG, max_tokens=40, seed=5, extra_body=FAST)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    r = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    content = r.choices[0].message.content
+    entries = r.choices[0].logprobs.content
+    assert content == plain and entries
+    assert "".join(e.token for e in entries) == content
+    _check_entries([e.token for e in entries], [e.logprob for e in entries],
+                   [[t.logprob for t in e.top_logprobs] for e in entries], 3)
+    assert all(e.bytes for e in entries) and all(t.bytes is not None for e in entries for t in e.top_logprobs)
+    assert len(entries) <= r.usage.completion_tokens
+    chunks = list(client.chat.completions.create(stream=True, logprobs=True, top_logprobs=3, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert text == content and [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]
+    r0 = client.chat.completions.create(logprobs=True, **kw)  # no alternatives: the token's own only
+    assert [e.logprob for e in r0.choices[0].logprobs.content] == [e.logprob for e in entries]
+    assert all(e.top_logprobs == [] for e in r0.choices[0].logprobs.content)
+    assert client.chat.completions.create(**kw).choices[0].logprobs is None
+
+
+def test_completion_logprobs_through_the_openai_client(client):
+    """logprobs=2 on /v1/completions: tokens, token_logprobs, top_logprobs and text_offset, one per returned
+    token (every generated token but a stop id), streamed and not; a stop string cuts the list with the text."""
+    kw = dict(model=client.model_id, prompt="The sky is", max_tokens=24, seed=2, extra_body=FAST)
+    plain = client.completions.create(**kw).choices[0].text
+    r = client.completions.create(logprobs=2, **kw)
+    ch = r.choices[0]
+    lp = ch.logprobs
+    assert ch.text == plain and "".join(lp.tokens) == ch.text
+    assert len(lp.tokens) == r.usage.completion_tokens - (ch.finish_reason == "stop")
+    _check_entries(lp.tokens, lp.token_logprobs, [sorted(t.values(), reverse=True) for t in lp.top_logprobs], 2,
+                   exact=False)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = [c for c in client.completions.create(stream=True, logprobs=2, **kw) if c.choices]
+    got = {k: [v for c in chunks if c.choices[0].logprobs for v in getattr(c.choices[0].logprobs, k)]
+           for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert "".join(c.choices[0].text for c in chunks) == ch.text
+    assert got == {k: getattr(lp, k) for k in got}
+    # a stop string inside the text: the entries stop with it
+    stop = ch.text[len(ch.text) // 2:][:3]
+    cut = client.completions.create(logprobs=2, stop=[stop], **kw).choices[0]
+    assert cut.text == ch.text[:ch.text.index(stop)]
+    assert "".join(cut.logprobs.tokens) == cut.text
+    n = len(cut.logprobs.tokens)
+    assert cut.logprobs.token_logprobs == lp.token_logprobs[:n]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_worker_logprobs_in_a_batch_follow_their_rows(lm, graphs):
+    """Rows with different step budgets in one batch (row compaction swaps the rows still at work; under CUDA
+    graphs, on a CPU the same plumbing, the self-conditioning logits live in the graphs' buffer): the rows that
+    asked get the logprobs they get served alone, the others none, and every row's tokens are those of the batch
+    without logprobs."""
+    def jobs(asks):
+        return [Job(lm.encode_chat("prompt %d" % k), lm.generation_config(max_new_tokens=32, max_denoising_steps=k,
+                    stability_threshold=None, confidence_threshold=None, eos_token_id=None), seed=k, logprobs=a)
+                for k, a in zip((2, 5, 3), asks)]
+
+    def run(js):
+        w = Worker(lm, max_batch=3)
+        hs = [w.submit(j) for j in js]
+        with torch.no_grad():
+            while w.busy:
+                w.canvas()
+        return [[e for e in h.drain() if isinstance(e, RowCommit)] for h in hs]
+
+    with (cuda_graphs(lm) if graphs else contextlib.nullcontext()):
+        plain = run(jobs([None] * 3))
+        asked = run(jobs([2, None, 0]))
+    alone = [run([j])[0] for j in jobs([2, None, 0])]
+    assert [[e.tokens for e in r] for r in asked] == [[e.tokens for e in r] for r in plain]
+    assert all(e.logprobs is None for e in asked[1] + plain[0])
+    for i in (0, 2):
+        got, ref = ([(v, a) for e in r[i] for v, a in e.logprobs] for r in (asked, alone))
+        assert [[t for t, _ in a] for _, a in got] == [[t for t, _ in a] for _, a in ref]
+        flat = [torch.tensor([[v] + [x for _, x in a] for v, a in g]) for g in (got, ref)]
+        assert torch.allclose(*flat, atol=1e-5)  # a batch's matmuls may round otherwise than one row's
+        assert all(len(a) == (2 if i == 0 else 0) for _, a in got)

@@ -361,7 +361,7 @@ def test_plain_text_models_are_not_chat_models(tmp_path, tok):
     from blockpress.server.protocol import APIError, ChatCompletionRequest
     from blockpress.server.serving import OpenAIServing
 
-    serving = OpenAIServing(lm, scheduler=None, model_name="text-model")
+    serving = OpenAIServing(lm, worker=None, model_name="text-model")
     assert serving.models().data[0].chat is False
     with pytest.raises(APIError, match="use /v1/completions"):
         serving.chat_prompt(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import blockpress
+from blockpress.kernels import use
 from blockpress.train import objective as obj
 from blockpress.train.sizes import model_config
 
@@ -13,7 +14,7 @@ V, C = 16, 8
 
 def tiny(seed=0):
     lm = blockpress.from_config(model_config("nano", vocab_size=V, canvas_length=C, context=16), seed=seed)
-    lm.module.attention_backend = "eager"
+    use(lm.module, attention="eager")
     return lm
 
 
@@ -103,13 +104,44 @@ def test_layout_aligns_context_and_selects_one_canvas():
         assert not b.ar_target[i, :lft + len(p)].any() and b.ar_target[i, lft + len(p):lft + len(row)].all()
 
 
+def _ar_reference(logits, batch):
+    """The AR loss from every position's logits [B,S,V]: mean over rows of the mean CE at ar_target positions."""
+    B, S, V = logits.shape
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), batch.input_ids[:, 1:].reshape(-1),
+                                           reduction="none").view(B, S - 1)
+    m = batch.ar_target[:, 1:].float()
+    return ((ce * m).sum(1) / m.sum(1)).mean()
+
+
 def _loss_grads(lm, batch, cfg):
+    """The objective with the AR loss over every position's logits (the reference): -> (loss, their gradient)."""
     lm.module.zero_grad()
-    logits, cache = obj.encoder_pass(lm.module, batch)
+    h, cache = obj.encoder_pass(lm.module, batch)
+    logits = lm.module.lm_logits(h)
     logits.retain_grad()
-    loss = cfg.ar_weight * obj.ar_loss(logits, batch) + obj.diffusion_loss(obj.decoder_logits(lm.module, batch, cache), batch)
+    loss = cfg.ar_weight * _ar_reference(logits, batch) + \
+        obj.diffusion_loss(obj.decoder_logits(lm.module, batch, cache), batch)
     loss.backward()
     return loss, logits.grad
+
+
+@pytest.mark.parametrize("scope", ["response", "all"])
+def test_ar_loss_from_the_scored_positions_equals_all_positions(scope):
+    """ar_loss makes logits only from the first scored position on: the loss and the encoder's gradients are those
+    of the loss over every position's logits."""
+    lm = tiny()
+    cfg = obj.ObjectiveConfig(seed=0, ar_scope=scope)
+    exs = [(list(range(5, 15)), [7] * 8), (list(range(6, 12)), [9] * 12)]
+    b = obj.collate(exs, C, V, cfg, step=0)
+    assert (b.ar_from > 1) == (scope == "response") and b.ar_target[:, b.ar_from].any() and \
+        not b.ar_target[:, :b.ar_from].any()
+    out = []
+    for fn in (lambda h: obj.ar_loss(lm.module, h, b), lambda h: _ar_reference(lm.module.lm_logits(h), b)):
+        lm.module.zero_grad()
+        loss = fn(obj.encoder_pass(lm.module, b)[0])
+        loss.backward()
+        out.append((loss.detach(), torch.cat([p.grad.flatten() for p in lm.module.parameters() if p.grad is not None])))
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-6) and torch.allclose(out[0][1], out[1][1], atol=1e-6)
 
 
 def test_prompt_positions_get_no_loss():
@@ -126,10 +158,10 @@ def test_prompt_positions_get_no_loss():
     # position "should" predict (its label) without changing the model input -> same loss
     relabel = obj.TrainBatch(**vars(b))
     relabel.ar_target = b.ar_target.clone()
-    loss1 = obj.ar_loss(obj.encoder_pass(lm.module, b)[0], b)
+    loss1 = obj.ar_loss(lm.module, obj.encoder_pass(lm.module, b)[0], b)
     labels = b.input_ids.clone()
     labels[:, 1:P] = (labels[:, 1:P] + 3) % V
-    logits = obj.encoder_pass(lm.module, b)[0]
+    logits = lm.module.lm_logits(obj.encoder_pass(lm.module, b)[0])
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1),
                                            reduction="none").view(2, -1)
     m = b.ar_target[:, 1:].float()
@@ -240,6 +272,50 @@ def test_gradient_checkpointing_gives_same_gradients():
         grads.append(torch.cat([p.grad.flatten() for p in lm.module.parameters() if p.grad is not None]))
     lm.module.gradient_checkpointing = False
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_checkpointing_keeps_less_of_the_encoder_pass():
+    """The encoder's feed-forward halves are recomputed in backward: its pass saves fewer bytes for backward."""
+    lm = tiny()
+    cfg = obj.ObjectiveConfig(seed=0)
+    b = obj.collate(examples(4), C, V, cfg, step=0)
+    saved = []
+    for gc in (False, True):
+        lm.module.gradient_checkpointing = gc
+        n = [0]
+
+        def pack(t):
+            n[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            obj.encoder_pass(lm.module, b)
+        saved.append(n[0])
+    lm.module.gradient_checkpointing = False
+    assert saved[1] < 0.7 * saved[0], saved
+
+
+@pytest.mark.parametrize("ar_weight", [1.0, 0.0])
+def test_two_backwards_give_the_gradients_of_one(ar_weight):
+    """compute_loss(split=True): the decoder's backward, then the encoder's (what FSDP2 runs), sums to the
+    gradients of loss.backward() up to fp32 summation order, with the encoder's AR loss on or off."""
+    lm = tiny()
+    cfg = obj.ObjectiveConfig(seed=0, ar_weight=ar_weight)
+    b = obj.collate(examples(4), C, V, cfg, step=0)
+    grads = []
+    for split in (False, True):
+        lm.module.zero_grad()
+        loss, stats, *two = obj.compute_loss(lm.module, b, cfg, split=split)
+        if split:
+            two[0].decoder()
+            assert lm.module.layers[0].self_attn.q_proj.weight.grad is not None  # the decoder's share, made first
+            two[0].encoder()
+        else:
+            loss.backward()
+        grads.append({n: p.grad.clone() for n, p in lm.module.named_parameters() if p.grad is not None})
+    assert set(grads[0]) == set(grads[1])
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-5), n
 
 
 @pytest.mark.parametrize("bad", [dict(eps=1.0), dict(sc_prob=2.0), dict(ar_scope="prompt"), dict(swap_rate=-0.1),

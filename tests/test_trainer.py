@@ -1,12 +1,14 @@
 """Trainer: exact resume, checkpoints that transformers 5.23 loads with identical logits, the CLIs."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import blockpress
 from blockpress.cli import main as cli_main
+from blockpress.kernels import use
 
 TINY = ["--size", "nano", "--batch-size", "4", "--lr", "3e-3", "--warmup", "2", "--log-every", "1",
         "--eval-every", "0", "--threads", "1", "--no-progress", "--blanks", "40", "44"]
@@ -81,7 +83,7 @@ def test_trained_checkpoint_loads_in_transformers_with_identical_logits(tmp_path
     hf.set_attn_implementation("eager")
     hf.set_experts_implementation("eager")
     bp = blockpress.load(tmp_path / "m", progress=False)
-    bp.module.attention_backend = "eager"
+    use(bp.module, attention="eager")
     ids = torch.tensor([e[0] for e in exs])
     canvas = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -349,18 +351,102 @@ def test_full_disk_at_a_checkpoint_keeps_the_last_one_and_resumes(tmp_path, caps
     calls = []
 
     def flaky_save(obj, f, *a, **k):
-        calls.append(f)
-        if len(calls) == 2:  # the trainer state of checkpoint-0000004
+        if isinstance(f, (str, Path)) and "checkpoint-0000004" in str(f):  # its trainer state, written last
             raise OSError(28, "No space left on device")
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", flaky_save)
     assert cli_main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert "No space left on device" in err and "--resume from checkpoint-0000002" in err and "\n" not in err
+    assert "No space left on device" in err and "continue from checkpoint-0000002: blockpress train sudoku" in err
+    assert err.endswith("--resume") and "\n" not in err
     assert not (out / "checkpoint-0000004").exists()
     assert (out / "latest").read_text() == "checkpoint-0000002"
     monkeypatch.setattr(torch, "save", real_save)
     assert cli_main([*args, "--resume"]) == 0
     assert (out / "latest").read_text() == "checkpoint-0000004"
     assert (out / "checkpoint-0000004" / "trainer_state.pt").is_file()
+
+
+def _full_disk_cases():
+    """(what raises, how): the exception types a full disk really produces in each writer."""
+    from safetensors import SafetensorError
+
+    enospc = ("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on "
+              "device\" })")
+    return {
+        "torch.save": (RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 320 vs 0"),
+                       "RuntimeError"),
+        "safetensors": (SafetensorError(enospc), "SafetensorError"),
+        "oserror": (OSError(28, "No space left on device"), "No space left on device"),
+    }
+
+
+@pytest.mark.parametrize("case", ["torch.save", "safetensors", "oserror"])
+def test_every_save_failure_keeps_latest_and_says_how_to_resume(tmp_path, capsys, monkeypatch, case):
+    """A full disk at a checkpoint: whatever the writer raises, the half-written checkpoint (or the atomic
+    write's temp folder) is removed, `latest` still names the last complete checkpoint, and one line gives the
+    cause and the command that resumes (only OSError was caught: a traceback and a half folder stayed)."""
+    import safetensors.torch
+
+    out = tmp_path / "run"
+    args = ["train", "sudoku", "--out", str(out), "--steps", "4", "--save-every", "2", *TINY]
+    error, needle = _full_disk_cases()[case]
+    target, name = (torch, "save") if case in ("torch.save", "oserror") else (safetensors.torch, "save_file")
+    real = getattr(target, name)
+
+    def flaky(*a, **k):  # torch.save: the optimizer's shards (the first write of checkpoint-4 it makes)
+        if any(out.glob("*checkpoint-0000004*")):  # the second checkpoint (or its atomic write's temp folder)
+            raise error
+        return real(*a, **k)
+
+    monkeypatch.setattr(target, name, flaky)
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and "Traceback" not in err, err
+    assert f"continue from checkpoint-0000002: blockpress train sudoku --out {out}" in err and err.endswith(" --resume")
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-0000002"]
+    assert (out / "latest").read_text() == "checkpoint-0000002"
+
+
+def test_resume_cleans_what_an_interrupted_save_left(tmp_path, capsys):
+    """--resume removes temp folders of atomic writes and checkpoint folders without a trainer state (a kill
+    between the weights and the state), and metrics.jsonl restarts at the resumed step; --resume with nothing
+    to resume says so."""
+    out = tmp_path / "run"
+    args = ["train", "sudoku", "--out", str(out), "--steps", "4", "--save-every", "2", *TINY]
+    assert cli_main([*args, "--stop-after", "3"]) == 0  # killed after step 3: checkpoint-2 is the latest
+    (out / ".checkpoint-0000004.x1y2").mkdir()
+    (out / ".checkpoint-0000004.x1y2" / "model.safetensors").write_bytes(b"half")
+    (out / "checkpoint-0000006").mkdir()  # weights written, then killed before the trainer state
+    (out / "latest.tmp").write_text("checkpoint-0000006")
+    assert [json.loads(r)["step"] for r in open(out / "metrics.jsonl")] == [1, 2, 3]
+    capsys.readouterr()
+    assert cli_main([*args, "--resume"]) == 0
+    assert "removed what an interrupted save left: .checkpoint-0000004.x1y2, checkpoint-0000006, latest.tmp" in \
+        capsys.readouterr().out
+    left = sorted(p.name for p in out.iterdir() if "checkpoint" in p.name)
+    assert left == ["checkpoint-0000002", "checkpoint-0000004"]
+    assert [json.loads(r)["step"] for r in open(out / "metrics.jsonl")] == [1, 2, 3, 4]  # row 3 once, not twice
+    assert cli_main(["train", "sudoku", "--out", str(tmp_path / "fresh"), "--steps", "1", *TINY, "--resume"]) == 0
+    assert "nothing to resume in" in capsys.readouterr().err
+
+
+def test_tokenizer_save_failure_is_one_line(tmp_path, capsys, monkeypatch):
+    """tokenizers raises a bare Exception when it cannot write (a full disk): one line, not a traceback."""
+    from blockpress.tasks import sudoku as sd
+
+    class Full:
+        def save(self, path):
+            raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setattr(sd, "build_tokenizer", lambda: Full())
+    assert cli_main(["train", "sudoku", "--out", str(tmp_path / "run"), "--steps", "2", *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "could not write" in err and "No space left on device" in err and "\n" not in err
+
+
+def test_warmup_longer_than_steps_warns(tmp_path, capsys):
+    assert cli_main(["train", "sudoku", "--out", str(tmp_path / "run"), *TINY, "--steps", "1", "--warmup", "4"]) == 0
+    assert "--warmup 4 is longer than --steps 1: the learning rate never reaches --lr (it peaks at 25 % of it)" in \
+        capsys.readouterr().err

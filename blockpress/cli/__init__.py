@@ -1,8 +1,9 @@
 """`blockpress <command>`: one dispatcher, one module per command.
 
 Each command module exposes `add_parser(subparsers)` (registers its flags) and `main(args) -> int`.
-Modules are imported only when their command runs, so `blockpress --help` stays fast and a
-missing optional extra (server, train) only affects its own command. A `BlockpressError` is
+Only the module of the command being run is imported (`blockpress --help` imports none, and no
+torch: it answers at once), and a missing optional extra (server, train) only affects its own command,
+which names the extra to install. A `BlockpressError` is
 printed as one line (no traceback) and exits with status 2.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 COMMANDS = {
@@ -24,7 +26,14 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+# optional packages -> the extra (pyproject.toml) that installs them
+EXTRAS = {"fastapi": "server", "uvicorn": "server", "pydantic": "server", "starlette": "server",
+          "matplotlib": "train", "peft": "train", "triton": "gpu"}
+ALL = object()  # build_parser(ALL): every command's flags
+
+
+def build_parser(command: str | None | object = ALL) -> argparse.ArgumentParser:
+    """The parser with every command listed; the flags of `command` only (ALL: of every command)."""
     parser = argparse.ArgumentParser(
         prog="blockpress",
         description="Fast, local engine for block-diffusion language models (DiffusionGemma).",
@@ -34,23 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"blockpress {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
-        try:
-            mod = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name and e.name.startswith(f"{__name__}.{name}"):
-                continue  # command not built yet
-            raise
+        if importlib.util.find_spec(f"{__name__}.{name}") is None:
+            continue  # command not built yet
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod.add_parser(p)
-        p.set_defaults(_module=mod)
+        if command is ALL or command == name:
+            mod = importlib.import_module(f"{__name__}.{name}")
+            mod.add_parser(p)
+            p.set_defaults(_module=mod)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from ..errors import BlockpressError
 
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
+    args._argv = argv  # the command line as given (a training run's resume hint repeats it)
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
@@ -58,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._module.main(args) or 0)
     except BlockpressError as e:
         print(f"blockpress {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"blockpress {args.command}: error: this command needs the '{extra}' extra ({e.name} is not "
+              f"installed); pip install 'blockpress[{extra}]'", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -13,7 +13,9 @@
   `/thinking on|off` (which changes the system turn) the next turn re-encodes the whole
   conversation once (history holds the replies' content).
 
-REPL commands: /thinking on|off, /reset, /exit (also Ctrl-D).
+REPL commands: /thinking on|off, /reset, /exit (also Ctrl-D). Ctrl-C during a reply drops that turn
+(the next one re-encodes the conversation); at the prompt it ends the chat. A model without a chat
+template is refused, as `serve` refuses it chat requests.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .run import (add_model_args, add_sampling_args, load_model, refuse_task_model, returned_tokens, sampling_kwargs,
-                  stats_line, stats_of, text_defaults)
+                  stats_line, stats_of)
 
 END_OF_TURN = "<turn|>\n"
 
@@ -49,8 +51,12 @@ class ChatSession:
 
         if lm.tokenizer is None:
             raise InputError(f"{lm.path} has no tokenizer.json; chat needs one")
+        if not lm.tokenizer.is_chat:
+            raise InputError(f"{lm.path} is a plain text model (no chat template): chat turns would reach it in a "
+                             f"format it never saw; continue text with `blockpress run {lm.path} TEXT`, or add "
+                             "chat_template.jinja to its folder")
         self.lm, self.tok = lm, lm.tokenizer
-        self.sampling = {**text_defaults(lm), **(sampling or {})}
+        self.sampling = {**lm.text_defaults(), **(sampling or {})}
         self.cfg = lm.generation_config(**self.sampling)  # validated once
         self.thinking = thinking
         self.generator = torch.Generator(device=lm.device).manual_seed(seed) if seed is not None else None
@@ -61,6 +67,11 @@ class ChatSession:
         self.cache = None
         self.pending: list[int] = []  # committed tokens not yet in the cache
         self.last_reply: Reply | None = None
+
+    def abort_turn(self) -> None:
+        """A reply interrupted mid-way: the turn is dropped, and the cache (which the engine may have extended)
+        with it; the next turn re-encodes the conversation."""
+        self.cache, self.pending = None, []
 
     def set_thinking(self, on: bool) -> None:
         if on != self.thinking:
@@ -135,7 +146,7 @@ def main(args) -> int:
     lm = load_model(args)
     refuse_task_model(lm, "chat")
     session = ChatSession(lm, thinking=args.thinking, sampling=sampling_kwargs(args), seed=args.seed)
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # text is never hard-wrapped (a pipe or a file gets it whole)
     interactive = sys.stdin.isatty()
     if interactive:
         console.print(f"blockpress chat · {lm.path} · {HELP}", style="cyan", markup=False)
@@ -161,12 +172,18 @@ def main(args) -> int:
                 console.print(HELP, style="yellow", markup=False)
             continue
         decoder = session.tok.stream_decoder(skip_special_tokens=True)
-        with CanvasView(TextRenderer(session.tok), console, live=not args.no_live) as view:
-            for ev in session.stream(text, drafts=view.live_on):
-                if isinstance(ev, blockpress.Draft):
-                    view.draft(ev.canvas_index, ev.step, ev.max_steps, ev.tokens[0].tolist(), ev.accepted[0].tolist())
-                elif isinstance(ev, blockpress.Commit):
-                    view.commit(decoder.feed(ev.tokens[0].tolist()))
+        try:
+            with CanvasView(TextRenderer(session.tok), console, live=not args.no_live) as view:
+                for ev in session.stream(text, drafts=view.live_on):
+                    if isinstance(ev, blockpress.Draft):
+                        view.draft(ev.canvas_index, ev.step, ev.max_steps, ev.tokens[0].tolist(),
+                                   ev.accepted[0].tolist())
+                    elif isinstance(ev, blockpress.Commit):
+                        view.commit(decoder.feed(ev.tokens[0].tolist()))
+        except KeyboardInterrupt:  # ends this reply, not the chat
+            session.abort_turn()
+            console.print("(reply interrupted and dropped; /exit or Ctrl-D ends the chat)", style="yellow")
+            continue
         reply = session.last_reply
         if reply.reasoning:
             console.print(reply.reasoning.strip(), style="dim italic", markup=False)

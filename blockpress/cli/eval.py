@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..options import LINEAR_FORMATS
 from .run import _int_in, _nonneg_int, _positive_int
 
 
@@ -61,8 +62,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
                    help="expert weights: native, or fp8 / int4 quantised while loading (judge a format by the task)")
-    p.add_argument("--linears", choices=["native", "int8", "fp8"], default="native",
-                   help="attention and dense-MLP projections: native, or int8 / fp8 quantised while loading")
+    p.add_argument("--linears", choices=LINEAR_FORMATS, default="native",
+                   help="attention and dense-MLP projections: native, or int8 / fp8 quantised while loading; "
+                        "int4-mlp: the dense MLP alone in int4")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="torch CPU threads")
     p.add_argument("--json", default=None, help="write the results here")
 

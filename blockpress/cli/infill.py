@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 
-from .run import (add_model_args, add_sampling_args, load_model, read_prompt, refuse_task_model, sampling_kwargs,
-                  stats_line, stats_of)
+from .run import (DEFAULT_MODEL, add_model_args, add_sampling_args, load_model, read_prompt, refuse_task_model,
+                  sampling_kwargs, stats_line, stats_of)
 
 
 def add_parser(p) -> None:
-    add_model_args(p)
+    add_model_args(p, default=f"the shipped text model, kjv: {DEFAULT_MODEL.parent / 'kjv'}")
     p.add_argument("template", nargs="?", metavar="TEMPLATE",
                    help="text with [MASK] (one token) or [MASK:n] (n tokens) holes; '-' reads stdin")
     add_sampling_args(p)
@@ -73,7 +73,7 @@ def main(args) -> int:
     lm = load_model(args)
     refuse_task_model(lm, "infill")
     p = plan(lm, template, **sampling_kwargs(args))
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # text is never hard-wrapped (a pipe or a file gets it whole)
     gen = torch.Generator(device=lm.device).manual_seed(args.seed) if args.seed is not None else None
     renderer = _HoleRenderer(TextRenderer(lm._need_tokenizer()), p.region, lm.canvas_length)
     view = CanvasView(renderer, console, live=not (args.no_live or args.json), title="infill",

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from ..options import LINEAR_FORMATS
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
 EXAMPLE_SUDOKU = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
@@ -58,6 +61,18 @@ def _int_in(lo: int, hi: int):
     return _int_flag(f"an integer in {lo}..{hi}", lo, hi)
 
 
+MAX_STEPS = 1024  # denoising steps per canvas: the CLI's bound and the server's default limit (--max-steps-limit)
+_steps = _int_in(1, MAX_STEPS)
+
+
+def _tokens_or_limit(s: str) -> int:
+    """serve --max-new-tokens: a positive integer, or -1 for the server's limit (--max-tokens-limit)."""
+    v = _int_flag("a positive integer or -1 (the limit)", -1)(s)
+    if v == 0:
+        raise argparse.ArgumentTypeError("expected a positive integer or -1 (the limit), got 0")
+    return v
+
+
 def _positive_int_list(s: str) -> str:
     """A comma-separated list of positive integers ("1,2,4,8"), checked and returned as given."""
     for part in s.split(","):
@@ -78,32 +93,32 @@ def _float_in(lo: float, strict: bool, allow_none: bool = False):
 
 # ----------------------------------------------------------------------------- shared flags
 COMPILE_HELP = ("torch.compile each decoder block (norms, residual adds and RoPE fused into fewer kernels; the experts "
-                "and 8-bit projections stay as they are): the same function up to rounding (the shipped KJV model on "
-                "a CPU: the same tokens, 5.9 -> 5.3 ms a step); the first pass of each shape compiles, for seconds "
-                "to a minute (blockpress/kernels/compiled.py)")
+                "and 8-bit projections stay as they are): the same function up to rounding; the first pass of each "
+                "shape compiles, for seconds to a minute")
 
 
-def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
+                   default: str = f"the shipped Sudoku model, {DEFAULT_MODEL}") -> None:
     p.add_argument("model", nargs="?", metavar="MODEL",
-                   help="checkpoint folder, Hub id, or a shipped model's name: sudoku, kjv "
-                        f"(default: the shipped Sudoku model, {DEFAULT_MODEL})")
+                   help=f"checkpoint folder, Hub id, or a shipped model's name: sudoku, kjv (default: {default})")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
                    help="expert weights: native, or fp8 / int4 quantised layer by layer while loading (a model "
                         "too big for the GPU in bf16 loads straight into 4 bits); attention and embeddings keep --dtype")
-    p.add_argument("--linears", choices=["native", "int8", "fp8"], default="native",
+    p.add_argument("--linears", choices=LINEAR_FORMATS, default="native",
                    help="attention and dense-MLP projections: native (--dtype), or int8 / fp8 (8 bits with a scale per "
                         "row, quantised while loading; int8 is the more accurate; with --precision int4 the 26B-A4B "
-                        "weights take ~15.3 GB, not ~17)")
+                        "weights take ~15.3 GB, not ~17); int4-mlp: the dense MLP alone in int4 on the experts' int4 "
+                        "kernels (~16.2 GB with --precision int4, and faster than the 8-bit projection kernel)")
     p.add_argument("--adapter", metavar="DIR",
                    help="LoRA adapter folder (PEFT format: adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--merge-adapter", action="store_true",
                    help="fold the adapter into the weights once at load (faster steps; default: kept separate)")
     p.add_argument("--threads", type=_positive_int, metavar="N",
-                   help="torch CPU threads (default: one per core; on a CPU shared with another busy process, "
-                        "the number of free cores is much faster)")
+                   help="torch CPU threads (default: one per core left free by other processes, measured while "
+                        "the model loads; OMP_NUM_THREADS also sets it)")
     p.add_argument("--reference-kernels", action="store_true",
                    help="run the plain PyTorch references (experts one by one, attention with expanded KV heads) "
                         "instead of the fast kernels: the same function up to rounding, for checking a fast path")
@@ -114,13 +129,19 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True) -> None
                             "use (takes the ~1,800 kernel launches of each 26B pass off the host's path)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True, server: bool = False) -> None:
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, then the reference)")
-    g.add_argument("--max-new-tokens", type=_positive_int, help="tokens to generate (rounded up to whole canvases)")
+    if server:
+        g.add_argument("--max-new-tokens", type=_tokens_or_limit, metavar="N",
+                       help="max_tokens of a request that gives none (-1: --max-tokens-limit; default: the "
+                            "checkpoint's for chat, 16 for completions as OpenAI)")
+    else:
+        g.add_argument("--max-new-tokens", type=_positive_int, help="tokens to generate (rounded up to whole canvases)")
     steps = g.add_mutually_exclusive_group()
-    steps.add_argument("--steps", type=_positive_int, metavar="N",
-                       help="speed/quality dial: exactly N denoising steps per canvas (early stopping off)")
-    steps.add_argument("--max-denoising-steps", type=_positive_int, help="step budget per canvas")
+    steps.add_argument("--steps", type=_steps, metavar="N",
+                       help="speed/quality dial: exactly N denoising steps per canvas (early stopping off; at most "
+                            f"{MAX_STEPS})")
+    steps.add_argument("--max-denoising-steps", type=_steps, help=f"step budget per canvas (at most {MAX_STEPS})")
     g.add_argument("--entropy-bound", type=_float_in(0, strict=True), help="entropy budget of accepted tokens per step")
     # these accept "none"; SUPPRESS tells "not given" (attribute absent) from "given as none"
     g.add_argument("--t-min", type=_float_in(0, strict=False, allow_none=True), default=argparse.SUPPRESS,
@@ -175,6 +196,17 @@ def refuse_task_model(lm, command: str) -> None:
                          "`blockpress.tasks.sudoku.solve(puzzle)`")
 
 
+def model_options(args) -> dict[str, Any]:
+    """The model flags -> `blockpress.load` options (blockpress/options.py)."""
+    reference = getattr(args, "reference_kernels", False)
+    opts = {"precision": getattr(args, "precision", "native"), "linears": getattr(args, "linears", "native"),
+            "experts": "loop" if reference else "auto", "attention": "sdpa" if reference else "auto"}
+    for name in ("sampler", "fuse_commit"):  # serve's
+        if getattr(args, name, None) is not None:
+            opts[name] = getattr(args, name)
+    return opts
+
+
 def load_model(args):
     import blockpress
 
@@ -182,10 +214,15 @@ def load_model(args):
         from ..errors import InputError
 
         raise InputError("--merge-adapter needs --adapter DIR")
+    watch = None
     if getattr(args, "threads", None):
         import torch
 
         torch.set_num_threads(args.threads)
+    elif "OMP_NUM_THREADS" not in os.environ:  # measure the other processes' load while the model loads
+        from .threads import CpuWatch
+
+        watch = CpuWatch()
     graphs = getattr(args, "cuda_graphs", False)
     if graphs:
         from ..errors import InputError
@@ -194,33 +231,27 @@ def load_model(args):
         if parse_device(args.device).type != "cuda":
             raise InputError(f"--cuda-graphs needs a CUDA GPU and the model would run on {parse_device(args.device)}; "
                              "drop the flag (or pass --device cuda on a machine with one)")
-    reference = getattr(args, "reference_kernels", False)
-    if reference and getattr(args, "compile", False):
-        from ..errors import InputError
+    opts = model_options(args)
+    compile_ = getattr(args, "compile", False)
+    from ..options import Options
 
-        raise InputError("--compile and --reference-kernels: the references are for checking the fast paths as "
-                         "written; drop one of the flags")
+    Options().replace(**opts, compile=compile_, cuda_graphs=graphs)  # every flag checked before the weights load
     lm = blockpress.load(resolve_model(args.model), device=args.device, dtype=args.dtype,
-                         progress=sys.stderr.isatty(), precision=getattr(args, "precision", "native"),
-                         linears=getattr(args, "linears", "native"),
-                         experts="loop" if reference else "auto", attention="sdpa" if reference else "auto")
+                         progress=sys.stderr.isatty(), **opts)
+    if watch is not None and lm.device.type == "cpu":  # one thread per free core (cli/threads.py)
+        from .threads import default_threads
+
+        n = default_threads(watch.load())
+        if n is not None:
+            import torch
+
+            torch.set_num_threads(n)
     if getattr(args, "adapter", None):
         from ..train.lora import apply_adapter
 
         apply_adapter(lm, args.adapter, merge=args.merge_adapter)
-    if getattr(args, "compile", False):  # before the graphs: they capture the compiled blocks after warming up
-        from ..kernels import compile_blocks_
-
-        compile_blocks_(lm.module)
-    if graphs:
-        from ..errors import InputError
-        from ..kernels.graphs import GraphedPasses
-
-        try:
-            GraphedPasses(lm.module, copy_outputs=False).install()  # only the engine loop reads its outputs
-        except ValueError as e:
-            raise InputError(f"--cuda-graphs: {e}. With the default kernels this means Triton is missing "
-                             "(pip install triton), or --reference-kernels was given: drop one of the flags") from None
+    if compile_ or graphs:  # after the adapter: the graphs capture (and compile traces) the model as it will run
+        lm.configure(compile=compile_, cuda_graphs=graphs)
     return lm
 
 
@@ -229,27 +260,6 @@ def task_of(lm) -> str | None:
     from ..tasks import task_info
 
     return task_info(lm).get("task")
-
-
-def chat_stop_ids(lm) -> list[int]:
-    """The checkpoint's eos ids, else the tokenizer's <eos> and end-of-turn <turn|>."""
-    eos = lm.generation_defaults.get("eos_token_id") or lm.config.eos_token_id
-    if eos:
-        return [eos] if isinstance(eos, int) else list(eos)
-    tok = lm.tokenizer
-    ids = [tok.eos_token_id, tok.token_to_id("<turn|>")] if tok is not None else []
-    return [i for i in ids if i is not None]
-
-
-def text_defaults(lm) -> dict[str, Any]:
-    """Stop and pad ids for text generation when the checkpoint does not set them."""
-    out: dict[str, Any] = {}
-    if not lm.generation_defaults.get("eos_token_id"):
-        out["eos_token_id"] = chat_stop_ids(lm) or None
-    if lm.generation_defaults.get("pad_token_id") is None:
-        pad = lm.tokenizer.pad_token_id if lm.tokenizer is not None else None
-        out["pad_token_id"] = pad if pad is not None else 0
-    return out
 
 
 def returned_tokens(new_tokens: list[int], stop_ids, limit: int) -> tuple[list[int], str]:
@@ -279,12 +289,32 @@ def stats_of(result, n_tokens: int) -> dict[str, Any]:
 def stats_line(s: dict[str, Any]) -> str:
     return (f"{s['tokens']} tokens in {s['seconds']:.2f}s · {s['tokens_per_second'] or 0:.1f} tokens/s · "
             f"{s['tokens_per_forward']:.2f} tokens/forward · {s['mean_steps_per_canvas']:.1f} steps/canvas "
-            f"({len(s['steps_per_canvas'])} canvases) · first commit {1000 * s['time_to_first_commit']:.0f} ms")
+            f"({len(s['steps_per_canvas'])} canvases) · first commit {1000 * s['time_to_first_commit']:.0f} ms"
+            + (f" · {s['cpu_note']}" if s.get("cpu_note") else ""))
+
+
+def cpu_stats(stats: dict[str, Any], watch, device) -> dict[str, Any]:
+    """Add what the CPU did during the run (threads, cores, other processes' load) to `stats`; on a CPU shared
+    with busy processes `cpu_note` says so (the stats line shows it)."""
+    if watch is None or device.type != "cpu":
+        return stats
+    import torch
+
+    from .threads import threads_note
+
+    load, n = watch.load(min_seconds=0), torch.get_num_threads()
+    if load is not None:
+        stats["cpu"] = {"threads": n, "cores": load.cores, "others_busy": load.others}
+        stats["cpu_note"] = threads_note(load, n) or None
+    return stats
 
 
 def read_prompt(prompt: str | None) -> str | None:
+    """The prompt argument, or stdin ('-' or a pipe) without the newline `echo` and editors end it with, so
+    `echo TEXT | blockpress run` is the same prompt (and the same text for a seed) as `blockpress run TEXT`."""
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        return sys.stdin.read()
+        text = sys.stdin.read()
+        return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
     return prompt
 
 
@@ -312,7 +342,7 @@ def main(args) -> int:
 
     lm = load_model(args)
     prompt = read_prompt(args.prompt)
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # text is never hard-wrapped (a pipe or a file gets it whole)
     gen = torch.Generator(device=lm.device).manual_seed(args.seed) if args.seed is not None else None
     live = not (args.no_live or args.json)
     if task_of(lm) == "sudoku":
@@ -336,15 +366,18 @@ def main(args) -> int:
         from ..errors import InputError
 
         raise InputError("no PROMPT given; pass it as an argument, or '-' to read it from stdin")
-    kw = {**text_defaults(lm), **sampling_kwargs(args)}
+    kw = {**lm.text_defaults(), **sampling_kwargs(args)}
     cfg = lm.generation_config(**kw)  # validates: SamplingError -> one-line error, exit 2
     ids = lm.encode_chat(prompt, enable_thinking=args.thinking, chat=False if args.raw else None)
+    from .threads import CpuWatch
+
+    watch = CpuWatch()
     result = _generate(lm, ids, kw, gen, _text_view(lm, console, live), decode=True)
     tokens, reason = returned_tokens(result.new_tokens[0].tolist(), cfg.eos_token_id, cfg.max_new_tokens)
     from ..parsing import parse_output
 
     parsed = parse_output(lm.tokenizer.decode(tokens), reason, control_tokens=lm.tokenizer.special_tokens)
-    stats = stats_of(result, len(tokens))
+    stats = cpu_stats(stats_of(result, len(tokens)), watch, lm.device)
     if args.json:
         print(json.dumps({"text": parsed.content, "reasoning": parsed.reasoning,
                           "tool_calls": [c.to_openai() for c in parsed.tool_calls],
@@ -372,10 +405,8 @@ def _generate(lm, ids, kw, gen, view, decode: bool, rows: int = 1):
     the rows still denoising only (`compact_rows`: the same random stream; not under CUDA graphs)."""
     import blockpress
 
-    from ..kernels.graphs import installed
-
     decoder = lm.tokenizer.stream_decoder(skip_special_tokens=True) if decode and lm.tokenizer else None
-    compact = True if rows > 1 and installed(lm.module) is None else None
+    compact = True if rows > 1 and not lm.options.cuda_graphs else None
     with view:
         for ev in lm.stream([ids] * rows, generator=gen, drafts=view.live_on, compact_rows=compact, **kw):
             if isinstance(ev, blockpress.Draft):

@@ -1,26 +1,36 @@
 """`blockpress serve [MODEL]`: the OpenAI-compatible HTTP server with the live web page at `/`.
 
-Binds 127.0.0.1:8000 by default. Endpoints: GET /v1/models, POST /v1/chat/completions,
-POST /v1/completions, GET /health, GET /metrics, GET / (web page). `--api-key` (or the
-BLOCKPRESS_API_KEY environment variable) requires `Authorization: Bearer KEY` on /v1 routes.
-Sampling flags set server-wide defaults; requests may override them per call.
+Binds 127.0.0.1:8000 by default. Endpoints: GET /v1/models[/{id}], POST /v1/chat/completions,
+POST /v1/completions, POST /v1/responses, GET /health, GET /metrics, GET / (web page). `--api-key`
+(or the BLOCKPRESS_API_KEY environment variable; printable ASCII) requires `Authorization: Bearer KEY`
+on /v1 routes. Bound to loopback, only loopback Host names are answered (`--allowed-hosts`);
+browsers on other origins need `--allowed-origins`. Sampling flags set server-wide defaults;
+requests may override them per call (`--max-new-tokens`: max_tokens of a request that gives none).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
-from .run import (_int_in, _positive_int, add_model_args, add_sampling_args, load_model, refuse_task_model,
-                  sampling_kwargs)
+from .run import (MAX_STEPS, _float_in, _int_in, _positive_int, add_model_args, add_sampling_args, load_model,
+                  refuse_task_model, sampling_kwargs)
 
 
 def add_parser(p) -> None:
-    add_model_args(p)  # --cuda-graphs: the scheduler keeps its cache in slots that the graphs of every batch size share
+    add_model_args(p)  # --cuda-graphs: the worker keeps its cache in slots that the graphs of every batch size share
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("BLOCKPRESS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $BLOCKPRESS_API_KEY)")
-    p.add_argument("--served-model-name", help="model id clients use (default: the folder name or Hub id)")
+    p.add_argument("--served-model-name", help="model id clients use (default: the folder name or Hub id; "
+                   "'blockpress' always works too)")
+    p.add_argument("--allowed-hosts", metavar="H1,H2",
+                   help="Host header names answered, '*' for any (default: bound to loopback, the loopback names "
+                        "only, against DNS rebinding; else any)")
+    p.add_argument("--allowed-origins", metavar="URL1,URL2",
+                   help="browser origins allowed to call the API from another page (CORS), e.g. "
+                        "http://localhost:3000, or '*' (default: none)")
     p.add_argument("--max-batch", type=_positive_int, default=8, help="requests denoised together (default: 8)")
     p.add_argument("--queue-size", type=_positive_int, default=64,
                    help="requests allowed to wait; more get 429 (default: 64)")
@@ -30,19 +40,24 @@ def add_parser(p) -> None:
     p.add_argument("--max-messages", type=_positive_int, default=256, help="most messages per chat request")
     p.add_argument("--max-choices", type=_positive_int, default=8,
                    help="most choices (n) a request may ask for; each is a row of the batch (default: 8)")
-    p.add_argument("--max-steps-limit", type=_positive_int, default=1024,
-                   help="most denoising steps per canvas a request may ask for (default: 1024)")
+    p.add_argument("--max-steps-limit", type=_positive_int, default=MAX_STEPS,
+                   help=f"most denoising steps per canvas a request may ask for (default: {MAX_STEPS})")
+    p.add_argument("--max-prompts", type=_positive_int, default=32,
+                   help="most prompts in one /v1/completions batch (default: 32)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20,
                    help="largest request body (default: 1 MiB)")
-    p.add_argument("--fuse-commit", action="store_true",
+    p.add_argument("--body-timeout", type=_float_in(0, strict=True), default=30.0, metavar="SECONDS",
+                   help="time a client has to send its request body; slower ones get 408 (default: 30)")
+    p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
                    help="encode each committed canvas in the same pass as the next canvas's first denoising step "
                         "when nobody waits to join (one read of the weights for both; same tokens up to fp32 "
-                        "rounding)")
+                        "rounding; default: on a CUDA GPU, off on a CPU; --no-fuse-commit: a pass of its own per "
+                        "commit)")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact",
                    help="exact: the reference's sampler arithmetic and random draws (default); fast: one fused pass "
                         "over each row's logits (Gumbel-max, seeded per request: reproducible, other tokens)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    add_sampling_args(p, seed=False)
+    add_sampling_args(p, seed=False, server=True)
 
 
 def _check_address(host: str, port: int) -> None:
@@ -66,15 +81,41 @@ def _check_address(host: str, port: int) -> None:
                              "process using it") from None
 
 
+def _check_api_key(key: str | None) -> None:
+    """HTTP clients send header values in ASCII (httpx, and so the openai client, refuse anything else):
+    a key they cannot send is refused here, not met later as a 401 nobody can fix."""
+    if key is not None and not (key.isascii() and key.isprintable() and key.strip() == key and key):
+        from ..errors import InputError
+
+        raise InputError("--api-key (or $BLOCKPRESS_API_KEY) must be printable ASCII without surrounding spaces: "
+                         "HTTP clients cannot send other characters in a header; pick another key")
+
+
+def _allowed_hosts(arg: str | None, host: str) -> list[str] | None:
+    """--allowed-hosts, else the loopback names when bound to loopback (a DNS-rebinding page then cannot
+    reach the server through a name of its own), else None (any)."""
+    from ..server.middleware import LOOPBACK_HOSTS
+
+    if arg:
+        return [h.strip() for h in arg.split(",") if h.strip()]
+    return LOOPBACK_HOSTS if host in LOOPBACK_HOSTS or host.startswith("127.") else None
+
+
 def main(args) -> int:
     import uvicorn
 
+    _check_api_key(args.api_key)
     _check_address(args.host, args.port)
+    if args.max_new_tokens is not None and args.max_new_tokens > args.max_tokens_limit:
+        from ..errors import InputError
+
+        raise InputError(f"--max-new-tokens {args.max_new_tokens} exceeds --max-tokens-limit {args.max_tokens_limit}; "
+                         "lower it, raise the limit, or give -1 (the limit)")
 
     from ..server.app import create_app
     from ..server.metrics import Metrics
     from ..server.protocol import Limits
-    from ..server.scheduler import Scheduler
+    from ..server.worker import Worker
     from ..server.serving import OpenAIServing
     from ..loading import DEFAULT_CHAT_MODEL
 
@@ -85,29 +126,32 @@ def main(args) -> int:
                                       and not os.path.isdir(args.model) else os.path.basename(str(lm.path).rstrip("/")))
     limits = Limits(max_tokens=args.max_tokens_limit, max_messages=args.max_messages,
                     max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
-                    max_steps=args.max_steps_limit, max_choices=args.max_choices)
+                    max_steps=args.max_steps_limit, max_choices=args.max_choices, max_prompts=args.max_prompts,
+                    body_timeout=args.body_timeout,
+                    default_max_tokens=args.max_tokens_limit if args.max_new_tokens == -1 else args.max_new_tokens)
     metrics = Metrics()
-    scheduler = Scheduler(lm.module, lm.canvas_length, max_batch=args.max_batch, queue_size=args.queue_size,
-                          metrics=metrics, fuse_commit=args.fuse_commit, sampler=args.sampler)
+    worker = Worker(lm, max_batch=args.max_batch, queue_size=args.queue_size, metrics=metrics)
     defaults = sampling_kwargs(args)
-    defaults.pop("max_new_tokens", None)  # per request: max_tokens
-    serving = OpenAIServing(lm, scheduler, name, limits, defaults=defaults, metrics=metrics)
-    app = create_app(serving, metrics, api_key=args.api_key)
+    defaults.pop("max_new_tokens", None)  # per request: max_tokens (the flag is Limits.default_max_tokens)
+    serving = OpenAIServing(lm, worker, name, limits, defaults=defaults, metrics=metrics)
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
+    app = create_app(serving, metrics, api_key=args.api_key, allowed_origins=origins,
+                     allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host))
     if lm.module.device.type == "cuda":  # kernel compiles and graph captures before the first client, not in it
         from ..errors import BlockpressError
 
         print("blockpress: warming up (Triton compiles, first-use checks, CUDA graphs)...", end=" ", flush=True)
         try:
-            print(f"{scheduler.warm_up():.1f} s", flush=True)
+            print(f"{worker.warm_up():.1f} s", flush=True)
         except Exception as e:  # noqa: BLE001 - one line for the user, not a traceback from inside a kernel
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise BlockpressError(f"a first short generation failed on {lm.module.device} ({type(e).__name__}: {why}); "
                                   "with less GPU memory than the model needs, try --precision int4 --linears int8; "
                                   "with --cuda-graphs, try without") from None
-    scheduler.start()
+    worker.start()
     print(f"blockpress: serving '{name}' on http://{args.host}:{args.port} (web page at /, API at /v1)", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:
-        scheduler.stop()
+        worker.stop()
     return 0

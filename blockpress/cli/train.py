@@ -4,13 +4,18 @@ DATA is `sudoku` (generated puzzles), a chat `.jsonl` file (`messages`, or `prom
 plain-text `.txt` / `.jsonl` (`text`) file. The model is `--model DIR` (a checkpoint to fine-tune),
 `--config config.json` or `--size {nano,micro,mini,small}` (from scratch). Checkpoints go to
 `--out DIR/checkpoint-<step>` (Hugging Face layout + trainer state); `--resume` continues the newest.
-Multi-process: `torchrun --nproc_per_node N -m blockpress train ...` (DDP; gloo on CPU, nccl on GPU).
+QLoRA: `--model DIR --lora R --precision int4|fp8 [--linears int8|fp8]` loads the base quantised as inference
+does and trains adapters beside the frozen quantised weights (saved in PEFT format, for the unquantised base).
+Multi-process: `torchrun --nproc_per_node N -m blockpress train ...` (DDP: each process holds the whole model;
+gloo on CPU, nccl on GPU); add `--fsdp` to shard weights, gradients and optimizer state across the processes
+(FSDP2), for a model that does not fit one device. A sharded run resumes with any number of processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from .run import _float_in, _nonneg_int, _positive_int
@@ -53,7 +58,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     run.add_argument("--save-every", type=_nonneg_int, default=200, help="steps between checkpoints (0: only the last)")
     run.add_argument("--save-minutes", type=_float_in(0, strict=False), default=0.0)
     run.add_argument("--keep-last", type=_nonneg_int, default=2, help="checkpoints kept (0: all)")
-    run.add_argument("--grad-checkpointing", action="store_true", help="recompute decoder layers in backward")
+    run.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                     help="recompute the decoder layers and the encoder layers' feed-forward halves in backward "
+                          "(less memory, ~1/3 more compute; default: on for QLoRA (--precision / --linears), off "
+                          "otherwise)")
+    run.add_argument("--fsdp", action="store_true",
+                     help="under torchrun: shard parameters, gradients and optimizer state across the processes "
+                          "(FSDP2, one shard group per decoder layer) instead of copying the model to each (DDP)")
     run.add_argument("--max-canvases", type=_positive_int, default=None, help="truncate responses to N canvases")
     run.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
     run.add_argument("--no-progress", action="store_true")
@@ -93,6 +104,23 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                     help="train LoRA adapters of this rank (0: full fine-tuning)")
     lo.add_argument("--lora-alpha", type=_float_in(0, strict=True), default=None, help="default 2*rank")
     lo.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    lo.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
+                    help="QLoRA: load --model's experts quantised (fp8 / int4, as `blockpress run --precision` does, "
+                         "layer by layer) and train --lora adapters over them; the adapters load on the unquantised "
+                         "base (default native)")
+    lo.add_argument("--linears", choices=["native", "int8", "fp8"], default="native",
+                    help="QLoRA: also load the attention / dense-MLP projections in 8 bits; the adapters run beside "
+                         "them (default native)")
+
+
+def base_dtype(args, lora: bool) -> str:
+    """What the loaded model is held in: fp32 where its weights train (full fine-tuning: fp32 parameters, gradients
+    and AdamW state; bf16 autocast on a GPU); a LoRA run's frozen base in bf16 on a GPU, as inference holds it (the
+    26B model's weights would take twice the memory in fp32), in fp32 on a CPU. Adapters are fp32 either way."""
+    import torch
+
+    gpu = torch.device(args.device).type == "cuda" if args.device else torch.cuda.is_available()
+    return "bfloat16" if lora and gpu else "float32"
 
 
 def _eos(lm) -> int:
@@ -100,12 +128,15 @@ def _eos(lm) -> int:
     return e if isinstance(e, int) else (e or [1])[0]
 
 
-def build(args):
-    """-> (lm, source, eval_source, TrainConfig, lora spec, extra files)."""
+def build(args, world: int = 1):
+    """-> (lm, source, eval_source, TrainConfig, lora spec, extra files). world: the number of processes (a sharded
+    run's processes load the model into host memory; FSDP2 moves each layer to its GPU as it shards it, so no GPU
+    ever holds the whole model)."""
     import torch
 
     import blockpress
-    from blockpress.errors import InputError
+    from blockpress.errors import CheckpointError, InputError
+    from blockpress.kernels import use
     from blockpress.train import objective as obj
     from blockpress.train import sizes
     from blockpress.train.data import SudokuSource, build_source
@@ -126,6 +157,17 @@ def build(args):
         field = str(e).split(" ", 1)[0]
         raise InputError(f"--{field.replace('_', '-')} {str(e).split(' ', 1)[1]}") from None
     resume_ck = latest_checkpoint(out) if args.resume else None
+    if args.resume and resume_ck is None:
+        print(f"blockpress train: nothing to resume in {out} (no complete checkpoint there): starting from step 0",
+              file=sys.stderr)
+    quantized = args.precision != "native" or args.linears != "native"
+    if quantized and not args.lora:
+        raise InputError("--precision / --linears train LoRA adapters over frozen quantised weights (QLoRA); full "
+                         "fine-tuning of quantised weights is not supported: add --lora RANK, or drop --precision / "
+                         "--linears")
+    if quantized and not args.model:
+        raise InputError("--precision / --linears quantise a base checkpoint for LoRA: give it with --model DIR (a model "
+                         "trained from scratch has nothing to quantise)")
     extra = {}
     lora = None
     if args.lora:
@@ -135,11 +177,13 @@ def build(args):
                         targets=tuple(args.lora_targets.split(",")),
                         base_model=str(Path(args.model).resolve()) if args.model and Path(args.model).is_dir()
                         else args.model)
+    device = "cpu" if args.fsdp and world > 1 else args.device
     if args.model:
-        lm = blockpress.load(resume_ck if (resume_ck and lora is None) else args.model, device=args.device,
-                             dtype="float32", progress=False)
+        q = dict(precision=args.precision, linears=args.linears) if quantized else {}
+        lm = blockpress.load(resume_ck if (resume_ck and lora is None) else args.model, device=device,
+                             dtype=base_dtype(args, lora is not None), progress=False, **q)
     elif resume_ck is not None:
-        lm = blockpress.load(resume_ck, device=args.device, dtype="float32", progress=False)
+        lm = blockpress.load(resume_ck, device=device, dtype="float32", progress=False)
     else:
         if task:
             from blockpress.tasks import sudoku as sd
@@ -156,7 +200,6 @@ def build(args):
             cfg = _read_json(Path(args.config), "--config") if args.config else \
                 sizes.model_config(args.size, vocab_size=tok.vocab_size, canvas_length=args.canvas_length,
                                    context=args.context)
-        device = args.device
         lm = blockpress.from_config(cfg, device=device, seed=args.seed)
         if not task and args.tokenizer:
             lm.path = Path(args.tokenizer)
@@ -177,18 +220,20 @@ def build(args):
         ends = [i for i in (tok.eos_token_id, tok.token_to_id("<turn|>")) if i is not None]  # <turn|>: chat turns
         stop = {"eos_token_id": ends or None, "pad_token_id": tok.pad_token_id}
         lm.generation_defaults = {**{k: v for k, v in stop.items() if v is not None}, **lm.generation_defaults}
-    lm.module.set_experts_backend(args.experts_backend)
+    use(lm.module, experts=args.experts_backend)  # autograd runs through the reference kernels
+    # (quantised experts / projections switch to their differentiable torch path whenever a gradient is needed)
     if lora is not None:
         from blockpress.train.lora import add_lora, load_adapter_weights
 
-        add_lora(lm.module, lora)
+        add_lora(lm.module, lora, seed=args.seed)
         if resume_ck is not None:
             load_adapter_weights(lm.module, resume_ck)
     tcfg = TrainConfig(out_dir=str(out), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                        min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay,
                        clip=args.clip, log_every=args.log_every, eval_every=args.eval_every,
                        eval_batches=args.eval_batches, save_every=args.save_every, save_minutes=args.save_minutes,
-                       keep_last=args.keep_last, grad_checkpointing=args.grad_checkpointing,
+                       keep_last=args.keep_last,
+                       grad_checkpointing=quantized if args.grad_checkpointing is None else args.grad_checkpointing,
                        max_canvases=args.max_canvases, stop_after=args.stop_after,
                        progress=not args.no_progress, objective=ocfg)
     if task:
@@ -215,7 +260,11 @@ def build(args):
         from blockpress.tasks import sudoku as sd
 
         tokdir.mkdir(parents=True, exist_ok=True)
-        sd.build_tokenizer().save(str(tokdir / "tokenizer.json"))
+        try:
+            sd.build_tokenizer().save(str(tokdir / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception (a full disk, a read-only folder)
+            raise CheckpointError(f"could not write {tokdir / 'tokenizer.json'} ({e}); free disk space or choose "
+                                  "another --out") from None
         lm.path = tokdir
     elif lm.path is not None and Path(lm.path).resolve() != tokdir.resolve():
         from blockpress.lm import TOKENIZER_FILES
@@ -232,7 +281,7 @@ def build(args):
 def _is_chat(path: str) -> bool:
     """Whether a .jsonl file holds chat rows (its first row has 'messages' or 'prompt'); a broken file is
     left to the data reader, which names the line."""
-    from blockpress.train.data import read_data_file
+    from blockpress.tasks import read_data_file
 
     for line in read_data_file(Path(path)).splitlines():
         if line.strip():
@@ -244,26 +293,46 @@ def _is_chat(path: str) -> bool:
     return False
 
 
+def resume_command(args) -> str:
+    """The command line that continues this run: as typed, with --resume."""
+    import shlex
+
+    argv = getattr(args, "_argv", None) or ["train", args.data, "--out", args.out or f"runs/{Path(args.data).stem}"]
+    return shlex.join(["blockpress", *argv, *([] if "--resume" in argv else ["--resume"])])
+
+
 def main(args) -> int:
     import torch
 
     from blockpress.train import distributed as dist
-    from blockpress.train.trainer import Trainer
+    from blockpress.train.trainer import Trainer, clean_stale
 
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world = dist.setup()
-    lm, source, eval_source, tcfg, lora, extra, resume_ck = build(args)
-    ddp = dist.wrap(lm.module) if world > 1 else None
-    trainer = Trainer(lm, source, tcfg, eval_source, lora=lora, rank=rank, world=world, ddp_module=ddp,
-                      extra_files=extra)
+    lm, source, eval_source, tcfg, lora, extra, resume_ck = build(args, world)
+    if args.warmup > args.steps and rank == 0:  # after build: a bad flag or file stays a one-line error
+        print(f"blockpress train: warning: --warmup {args.warmup} is longer than --steps {args.steps}: the learning "
+              f"rate never reaches --lr (it peaks at {100 * args.steps / args.warmup:.0f} % of it); lower --warmup",
+              file=sys.stderr)
+    if args.fsdp and world == 1 and rank == 0:
+        print("blockpress train: --fsdp with one process: nothing to shard, training the whole model here (start it "
+              "with torchrun --nproc_per_node N to shard it)", file=sys.stderr)
+    wrapped = dist.wrap(lm.module, fsdp=args.fsdp) if world > 1 else None
+    trainer = Trainer(lm, source, tcfg, eval_source, lora=lora, rank=rank, world=world, wrapped=wrapped,
+                      extra_files=extra, resume_command=resume_command(args))
     if resume_ck is not None:
+        if rank == 0:
+            removed = clean_stale(tcfg.out_dir)
+            if removed:
+                print(f"removed what an interrupted save left: {', '.join(removed)}")
         trainer.load_state(resume_ck)
         if rank == 0:
             print(f"resumed from {resume_ck} at step {trainer.step}")
     if rank == 0:
-        n = sum(p.numel() for p in lm.module.parameters() if p.requires_grad)
-        print(f"training {n / 1e6:.2f}M parameters on {lm.device} ({world} process(es)), out: {tcfg.out_dir}")
+        n = sum(p.numel() for p in lm.module.parameters() if p.requires_grad)  # whole, not this rank's shard
+        how = f", {'FSDP2-sharded' if trainer.sharded else 'DDP'}" if world > 1 else ""
+        print(f"training {n / 1e6:.2f}M parameters on {lm.device} ({world} process(es){how}), out: {tcfg.out_dir}")
     trainer.train()
     dist.cleanup()
     return 0

@@ -1,9 +1,8 @@
 """Optional Triton import, done once for every kernel module.
 
 Job: give the kernel modules `triton` / `tl` (or None) without making Triton a dependency.
-Invariant: on a machine without CUDA, Triton can only run in its interpreter, so
-`TRITON_INTERPRET=1` is set (unless the user already chose) *before* the import: that is the
-mode our CPU agreement tests use. With CUDA present nothing is changed.
+Invariant: on a machine without CUDA, Triton runs in its interpreter (`TRITON_INTERPRET=1`, set by
+`blockpress._triton_env` before Triton is first imported): the mode our CPU agreement tests use.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .. import _triton_env  # noqa: F401  (before `import triton`)
 
 try:  # pragma: no cover - depends on the environment
     import triton

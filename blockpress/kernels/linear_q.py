@@ -23,23 +23,28 @@ Backends of `QuantizedLinear` (chosen by `kernels.configure(..., linears=)`):
   test (which checks it against the same w8a8 arithmetic in fp32);
 - "auto": triton on CUDA, checked against torch on its first call per device, dtype and compiled
   variant (`moe_grouped.checked_on_first_use`), else torch.
-The kernels are free of host synchronisation, so CUDA graphs hold them.
+The kernels are free of host synchronisation, so CUDA graphs hold them. The forward is `linear_q`, a function of
+the weight and settings; a compiled block calls it as the custom op `linear_q_op` (one graph node, the first-use
+check inside it; kernels/library.py says why).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..options import LINEAR_FORMATS
 from ._triton import fp8_usable_on, interpreted, tl, triton, usable_on
-from .moe_grouped import _stages, _wgmma_target, checked_on_first_use
+from .moe_grouped import _stages, checked_on_first_use, runs_wgmma
+if triton is not None:
+    from .moe_grouped import _cols, _dot, _rows
 from .quant import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
 
 INT8_MAX = 127.0
-LINEAR_FORMATS = ("native", "int8", "fp8")
 # the projections made 8-bit, by the module that holds them (router, embeddings, self-conditioning stay)
 QUANTIZED_LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
                      "mlp": ("gate_proj", "up_proj", "down_proj")}
@@ -66,7 +71,9 @@ class QuantizedLinear(nn.Module):
         if fmt not in LINEAR_FORMATS[1:]:
             raise ValueError(f"unknown linear weight format {fmt!r}; use one of {LINEAR_FORMATS[1:]}")
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
-        self.backend = "auto"
+        # the kernel: "auto" (Triton where it runs, checked on first use), "triton" (unchecked), "scaled_mm" (fp8
+        # weights and activations), "torch"; with the Triton kernel's tiles. Chosen by kernels.select.
+        self.backend, self.tiles, self.tiles_spec = "auto", DEFAULT_LINEAR_TILES, DEFAULT_LINEAR_SPEC
         dtype = torch.int8 if fmt == "int8" else FP8
         self.register_buffer("weight_q", torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
@@ -85,36 +92,91 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}, backend={self.backend}"
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.fmt == "fp8":
-            return dequantize_fp8(self.weight_q, self.weight_scale, dtype)
-        return dequantize_int8_rows(self.weight_q, self.weight_scale, dtype)
+        return dequantize_rows(self.weight_q, self.weight_scale, self.fmt, dtype)
 
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def resolved_backend(self, x: torch.Tensor) -> str:
-        if self.backend == "scaled_mm" and self.fmt == "fp8":
-            return "scaled_mm"
-        if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
-            if (fp8_usable_on if self.fmt == "fp8" else usable_on)(x.device):
-                return "triton"
-        return "torch"
+        return linear_backend(self.backend, self.fmt, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        backend = self.resolved_backend(x)
-        if backend == "torch":
-            return F.linear(x, self.dequantize(x.dtype))
-        if backend == "scaled_mm":
-            return linear_fp8_scaled_mm(x, self.weight_q, self.weight_scale)
-        if self.backend == "triton":  # asked for by name: the kernel, unchecked
-            return linear_q_triton(x, self.weight_q, self.weight_scale)
-        M = x.numel() // x.shape[-1]
-        key = (str(x.device), str(x.dtype).removeprefix("torch."), f"triton {self.fmt} linear",
-               (block_m_for(M), M == 1, M % 16 == 0, self.out_features % 16 == 0, self.in_features % 16 == 0,
-                linear_tiles_spec()))
-        return checked_on_first_use(key, lambda: linear_q_triton(x, self.weight_q, self.weight_scale),
-                                    lambda: F.linear(x, self.dequantize(x.dtype)),
-                                    f"the Triton {self.fmt} linear kernel")
+        if torch.is_grad_enabled() and x.requires_grad:  # training beside frozen 8-bit weights (LoRA)
+            return _QuantLinearFn.apply(x, self)
+        if torch.compiler.is_compiling():  # a compiled block: one call of the custom op (the same function)
+            return linear_q_op(x, self.weight_q, self.weight_scale, self.fmt, self.backend, self.tiles_spec)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_q(x, self.weight_q, self.weight_scale, self.fmt, self.backend, self.tiles, self.tiles_spec)
+
+
+def dequantize_rows(q_OI: torch.Tensor, scale_O: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_fp8(q_OI, scale_O, dtype) if fmt == "fp8" else dequantize_int8_rows(q_OI, scale_O, dtype)
+
+
+def linear_backend(backend: str, fmt: str, x: torch.Tensor) -> str:
+    """What a `QuantizedLinear.backend` runs on x's device: "triton", "scaled_mm" or "torch"."""
+    if backend == "scaled_mm" and fmt == "fp8":
+        return "scaled_mm"
+    if backend == "triton" or (backend == "auto" and x.is_cuda):
+        if (fp8_usable_on if fmt == "fp8" else usable_on)(x.device):
+            return "triton"
+    return "torch"
+
+
+def linear_q(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor, fmt: str, backend: str, tiles: dict,
+             tiles_spec: str) -> torch.Tensor:
+    """`QuantizedLinear.forward` without autograd, as a function of its weight and settings (what its custom op
+    runs): the backend `linear_backend` resolves; "auto" on CUDA is the Triton kernel checked against the torch
+    path on its first call per device, dtype and compiled variant."""
+    which = linear_backend(backend, fmt, x)
+    if which == "torch":
+        return F.linear(x, dequantize_rows(q_OI, scale_O, fmt, x.dtype))
+    if which == "scaled_mm":
+        return linear_fp8_scaled_mm(x, q_OI, scale_O)
+    if backend == "triton":  # asked for by name: the kernel, unchecked
+        return linear_q_triton(x, q_OI, scale_O, **tiles)
+    M = x.numel() // x.shape[-1]
+    O, I = q_OI.shape
+    key = (str(x.device), str(x.dtype).removeprefix("torch."), f"triton {fmt} linear",
+           (block_m_for(M, tiles.get("swap", False)), M == 1, M % 16 == 0, O % 16 == 0, I % 16 == 0, tiles_spec))
+    return checked_on_first_use(key, lambda: linear_q_triton(x, q_OI, scale_O, **tiles),
+                                lambda: F.linear(x, dequantize_rows(q_OI, scale_O, fmt, x.dtype)),
+                                f"the Triton {fmt} linear kernel")
+
+
+@torch.library.custom_op("blockpress::linear_q", mutates_args=())
+def linear_q_op(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor, fmt: str, backend: str,
+                tiles_spec: str) -> torch.Tensor:
+    """`linear_q` as one opaque call in a compiled graph (kernels/library.py says why)."""
+    return linear_q(x, q_OI, scale_O, fmt, backend, _tiles_of(tiles_spec), tiles_spec)
+
+
+@linear_q_op.register_fake
+def _(x, q_OI, scale_O, fmt, backend, tiles_spec):
+    return x.new_empty(*x.shape[:-1], q_OI.shape[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _tiles_of(spec: str) -> dict:
+    return parse_linear_tiles(spec)
+
+
+class _QuantLinearFn(torch.autograd.Function):
+    """y = x W^T through the module's kernel, differentiable in x only: the backward dequantises W again
+    (grad_x = grad_y W) rather than keeping a float copy of it from the forward pass."""
+
+    @staticmethod
+    def forward(ctx, x, lin: QuantizedLinear):
+        ctx.lin = lin
+        return lin._forward(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        return grad @ ctx.lin.dequantize(grad.dtype), None
 
 
 def quantize_rows_fp8(x_MI: torch.Tensor):
@@ -152,22 +214,26 @@ def linear_fp8_w8a8_reference(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torc
 BLOCK_N, BLOCK_K = 64, 64
 
 
-def block_m_for(M: int) -> int:
-    """16 for a one-token step, up to 64 for a canvas (256 rows) or a prompt."""
+def block_m_for(M: int, swap: bool = False) -> int:
+    """16 for a one-token step, up to 64 for a canvas (256 rows) or a prompt; with swap (the rows are the MMA's N,
+    up to 256) every row of a canvas in one block, so each weight is converted once."""
+    if swap:
+        return min(256, max(16, triton.next_power_of_2(M)))
     return 16 if M <= 16 else 32 if M <= 32 else 64
 
 
-# The Triton kernel's tiles for this process: block_m None = block_m_for(M); split_k: K split over that many
-# programs whose fp32 partial sums meet by atomic adds (more programs for the GPU's SMs: at 256 rows a 2112-wide
-# projection has 4 x 33 output tiles for 132 SMs, at one row 33), then one cast to the activation dtype.
-# Set by `set_linear_tiles` / `blockpress bench --linear-tiles`; benchmarks/bench_linears.py times the variants.
-DEFAULT_LINEAR_TILES = {"block_m": None, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": None, "split_k": 1}
-LINEAR_TILES = dict(DEFAULT_LINEAR_TILES)
+# The Triton kernel's tiles: block_m None = block_m_for(M); split_k: K split over that many programs whose fp32
+# partial sums meet by atomic adds (more programs for the GPU's SMs: at 256 rows a 2112-wide projection has 4 x 33
+# output tiles for 132 SMs, at one row 33), then one cast to the activation dtype. Another setting: the
+# `linear_tiles` option (`blockpress bench --linear-tiles`); benchmarks/bench_linears.py times the variants.
+DEFAULT_LINEAR_TILES = {"block_m": None, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": None, "split_k": 1,
+                        "swap": False}
 
 
 def parse_linear_tiles(spec: str) -> dict:
-    """'bm=64,bn=32,bk=64,warps=4,split=4' (any subset; bm=auto) -> LINEAR_TILES' keys; ValueError naming the
-    problem."""
+    """'bm=64,bn=32,bk=64,warps=4,split=4,swap=1' (any subset; bm=auto) -> DEFAULT_LINEAR_TILES' keys; ValueError
+    naming the problem. swap=1: the weight tile as the dot's first operand (moe_grouped._dot), so a block of up to
+    256 rows (wgmma's N) converts each weight once."""
     from .moe_grouped import parse_tiles
 
     split, rest = 1, []
@@ -186,30 +252,26 @@ def parse_linear_tiles(spec: str) -> dict:
     if t.num_stages:
         raise ValueError("the linear kernel's stages are fitted to the device; drop 'stages=' from the spec")
     return {"block_m": t.block_m, "block_n": t.block_n if "bn=" in spec else BLOCK_N,
-            "block_k": t.block_k if "bk=" in spec else BLOCK_K, "num_warps": t.num_warps, "split_k": split}
+            "block_k": t.block_k if "bk=" in spec else BLOCK_K, "num_warps": t.num_warps, "split_k": split,
+            "swap": t.swap}
 
 
-def set_linear_tiles(spec: "str | dict | None") -> dict:
-    """Sets the Triton 8-bit linear kernel's tiles for this process (a spec string, a dict, or None for the
-    defaults); returns the previous setting."""
-    global LINEAR_TILES, _LINEAR_TILES_SPEC
-    prev = LINEAR_TILES
-    LINEAR_TILES = dict(DEFAULT_LINEAR_TILES) if spec is None else parse_linear_tiles(spec) if isinstance(spec, str) \
+def as_linear_tiles(spec: "str | dict | None") -> dict:
+    """A spec string, a dict (any subset of the keys), or None (the defaults) -> the kernel's tiles."""
+    return DEFAULT_LINEAR_TILES if spec is None else parse_linear_tiles(spec) if isinstance(spec, str) \
         else {**DEFAULT_LINEAR_TILES, **spec}
-    _LINEAR_TILES_SPEC = linear_tiles_spec(LINEAR_TILES)
-    return prev
 
 
-def linear_tiles_spec(t: dict | None = None) -> str:
-    if t is None:
-        return _LINEAR_TILES_SPEC
+def linear_tiles_spec(t: dict) -> str:
+    """The spec string of tiles (kept on each QuantizedLinear: its first-use key builds no string per call)."""
     parts = [f"bm={t['block_m'] or 'auto'}", f"bn={t['block_n']}", f"bk={t['block_k']}"]
     parts += [f"warps={t['num_warps']}"] if t["num_warps"] else []
     parts += [f"split={t['split_k']}"] if t["split_k"] > 1 else []
+    parts += ["swap=1"] if t.get("swap") else []
     return ",".join(parts)
 
 
-_LINEAR_TILES_SPEC = linear_tiles_spec(LINEAR_TILES)  # the current setting's spec, kept by set_linear_tiles
+DEFAULT_LINEAR_SPEC = linear_tiles_spec(DEFAULT_LINEAR_TILES)
 
 
 if triton is not None:
@@ -217,16 +279,17 @@ if triton is not None:
     @triton.jit
     def _linear_q_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_qn, stride_om,
                          F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr):
+                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr):
         """out[m, n] = scale[n] * sum_k x[m, k] q[n, k]. Programs that share an N block run side by side
         (axis 0 is M), so the weight tile they all read comes from L2 after the first. EVEN_K (BK divides K,
         every projection of the 26B model): no K mask. SPLIT > 1: program_id(2) sums K_SPLIT of K (a multiple
-        of BK) and adds its scaled partial to out (fp32, zeroed) atomically."""
+        of BK) and adds its scaled partial to out (fp32, zeroed) atomically. SWAP: the accumulator is [BN, BM],
+        the weight tile the dot's first operand (moe_grouped._dot)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         m = pid_m * BM + tl.arange(0, BM)
         n = pid_n * BN + tl.arange(0, BN)
         mmask, nmask = m < M, n < N
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
         k_lo = 0
         k_hi = K
         if SPLIT > 1:
@@ -240,30 +303,33 @@ if triton is not None:
                 kmask = k < k_hi
                 xmask, wmask = mmask[:, None] & kmask[None, :], kmask[:, None] & nmask[None, :]
             xa = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :], mask=xmask, other=0.0)
-            w = tl.load(q_ptr + n[None, :].to(tl.int64) * stride_qn + k[:, None], mask=wmask,
-                        other=0.0)  # [BK, BN] of q^T
-            if F32:
-                acc += tl.dot(xa.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(xa, w.to(tl.float32).to(xa.dtype))  # int8 and e4m3 values are exact in bf16 / fp16
-        acc *= tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]
-        ptrs = out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :]
+            if SWAP:  # [BN, BK] of q
+                w = tl.load(q_ptr + n[:, None].to(tl.int64) * stride_qn + k[None, :], mask=tl.trans(wmask), other=0.0)
+            else:  # [BK, BN] of q^T
+                w = tl.load(q_ptr + n[None, :].to(tl.int64) * stride_qn + k[:, None], mask=wmask, other=0.0)
+            # int8 and e4m3 values are exact in bf16 / fp16
+            acc = _dot(xa, w.to(tl.float32).to(xa.dtype), acc, F32, SWAP)
+        acc *= _cols(tl.load(s_ptr + n, mask=nmask, other=0.0), SWAP)
+        ptrs = out_ptr + _rows(m.to(tl.int64), SWAP) * stride_om + _cols(n, SWAP)
+        mask = _rows(mmask, SWAP) & _cols(nmask, SWAP)
         if SPLIT > 1:
-            tl.atomic_add(ptrs, acc, mask=mmask[:, None] & nmask[None, :])
+            tl.atomic_add(ptrs, acc, mask=mask)
         else:
-            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
                     block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                    num_warps: int | None = None, split_k: int | None = None) -> torch.Tensor:
+                    num_warps: int | None = None, split_k: int | None = None, swap: bool = False) -> torch.Tensor:
     """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel (q int8 or float8_e4m3fn).
     block_m: rows per program (default `block_m_for`). Each program converts its weight tile to the activation
     dtype, so M / block_m programs convert every weight: at a canvas (256 rows, BM 64) 4 times, ~20 instructions
     per weight on sm_90 (benchmarks/compile_report.py); BM 128 ~11.5 and BM 256 ~7.9, with a half and a quarter
-    of the programs. block_n / block_k / num_warps / split_k: the other tiles (None: `LINEAR_TILES`, set by
-    `set_linear_tiles`). split_k > 1 sums K in that many programs per output tile into an fp32 buffer (atomic
-    adds: run-to-run last-bit differences), then casts: two more small kernels, for a grid that fills the GPU."""
+    of the programs. block_n / block_k / num_warps / split_k: the other tiles (None: `DEFAULT_LINEAR_TILES`).
+    split_k > 1 sums K in that many programs per output tile into an fp32 buffer (atomic
+    adds: run-to-run last-bit differences), then casts: two more small kernels, for a grid that fills the GPU.
+    swap: the weight tile as the dot's first operand (Hopper's wgmma reads it from registers; its M is block_n, so
+    block_m may be a whole canvas, up to wgmma's N of 256, and each weight is converted once)."""
     if triton is None:
         raise RuntimeError("linear_q_triton needs triton (pip install triton)")
     lead, I = x.shape[:-1], x.shape[-1]
@@ -273,8 +339,8 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    t = LINEAR_TILES
-    bm = block_m or t["block_m"] or block_m_for(M)
+    t = DEFAULT_LINEAR_TILES
+    bm = block_m or t["block_m"] or block_m_for(M, swap)
     bn, bk = block_n or t["block_n"], block_k or t["block_k"]
     warps, split = num_warps or t["num_warps"], split_k or t["split_k"]
     blocks_k = triton.cdiv(I, bk)
@@ -288,13 +354,13 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     # fp32 operands: exact ieee dots; the interpreter needs them too (its bf16 tl.dot is wrong in triton 3.9)
     f32 = x.dtype == torch.float32 or interpreted()
     grid = (triton.cdiv(M, bm), triton.cdiv(O, bn), split)
-    wgmma = bm >= 64 and _wgmma_target(x.device)  # Hopper's wgmma also keeps the converted weight tile in shared memory
+    wgmma = runs_wgmma(bm, bn, swap, x.device)  # Hopper's wgmma keeps the converted weight tile in shared memory
     launch = _stages(None, (bm * x2.element_size() + bn * q_OI.element_size()) * bk,
                      bn * bk * x2.element_size() if wgmma else 0, wgmma)
     if warps:
         launch["num_warps"] = warps
     _linear_q_kernel[grid](x2, q_OI, scale_O, out, M, O, I, k_split, x2.stride(0), q_OI.stride(0), out.stride(0),
-                           F32=f32, BM=bm, BN=bn, BK=bk, EVEN_K=I % bk == 0, SPLIT=split, **launch)
+                           F32=f32, BM=bm, BN=bn, BK=bk, EVEN_K=I % bk == 0, SPLIT=split, SWAP=bool(swap), **launch)
     if split > 1:
         out = out.to(x.dtype)
     return out.view(*lead, O)

@@ -114,6 +114,24 @@ def align_blocks(idx_NK: torch.Tensor, n_experts: int, block_m: int):
     return sorted_ids, block_expert
 
 
+ALIGN_MAX = 16384  # assignments `align_blocks_triton` takes in one program's registers (a batch of 8 canvases of 256)
+
+
+def align_blocks_triton(idx_NK: torch.Tensor, n_experts: int, block_m: int):
+    """`align_blocks` as one Triton launch (`_align_kernel`), for at most ALIGN_MAX assignments: the same outputs,
+    exactly (tests/test_kernels.py)."""
+    flat = idx_NK.reshape(-1)
+    A = flat.numel()
+    L = -(-(A + n_experts * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.empty(L, dtype=torch.int64, device=flat.device)
+    block_expert = torch.empty(L // block_m, dtype=torch.int32, device=flat.device)
+    a_pad = max(triton.next_power_of_2(A), block_m)
+    _align_kernel[(n_experts,)](flat, sorted_ids, block_expert, A, L, E=n_experts,
+                                E_PAD=triton.next_power_of_2(n_experts), A_PAD=a_pad, BM=block_m, NB=2 * a_pad // block_m,
+                                TAIL=1024)
+    return sorted_ids, block_expert
+
+
 # int4 nibbles -> 16-bit floats MAGIC + n on the GPU, 4 packed bytes in $4 -> low nibbles in $0 (bytes 0, 1) and $1
 # (bytes 2, 3), high nibbles in $2, $3: prmt spreads two bytes to two 16-bit lanes (z: zero bytes), lop3 0xEA is
 # (lane & 0xF) | MAGIC, the exponent of 128 (bf16) or 1024 (fp16), whose mantissa step is 1
@@ -146,25 +164,30 @@ if triton is not None:
                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
     @triton.jit
-    def _load_w_tile(w_ptr, n, nmask, k0, KD, stride_n, stride_k, BK: tl.constexpr, EVEN_K: tl.constexpr):
-        """Tile [BK, BN] of W^T (W is [O, KD], plain or fp8) for the K tile starting at k0, in fp32 (fp8's
-        per-channel scale factors out of the dot product: the kernels apply it at the end). EVEN_K (BK divides
-        KD): no K mask; a mask on K limits the vector loads to what Triton knows of KD's alignment (16
-        elements). int4 tiles: _int4_halves."""
+    def _load_w_tile(w_ptr, n, nmask, k0, KD, stride_n, stride_k, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                     SWAP: tl.constexpr):
+        """Tile [BK, BN] of W^T (W is [O, KD], plain or fp8) for the K tile starting at k0, or [BN, BK] of W itself
+        with SWAP (the weight as the dot's first operand, see _dot), in fp32 (fp8's per-channel scale factors out of
+        the dot product: the kernels apply it at the end). EVEN_K (BK divides KD): no K mask; a mask on K limits the
+        vector loads to what Triton knows of KD's alignment (16 elements). int4 tiles: _int4_halves."""
         k = k0 + tl.arange(0, BK)
-        if EVEN_K:
-            m = nmask[None, :]
+        if SWAP:  # one return per function: Triton compiles both sides of a constexpr if that returns early
+            m = nmask[:, None] if EVEN_K else nmask[:, None] & (k < KD)[None, :]
+            w = tl.load(w_ptr + n[:, None] * stride_n + k[None, :] * stride_k, mask=m, other=0.0)
         else:
-            m = (k < KD)[:, None] & nmask[None, :]
-        return tl.load(w_ptr + n[None, :] * stride_n + k[:, None] * stride_k, mask=m, other=0.0).to(tl.float32)
+            m = nmask[None, :] if EVEN_K else (k < KD)[:, None] & nmask[None, :]
+            w = tl.load(w_ptr + n[None, :] * stride_n + k[:, None] * stride_k, mask=m, other=0.0)
+        return w.to(tl.float32)
 
     @triton.jit
     def _int4_halves(w_ptr, n, nmask, k0, s_ptr, stride_n, stride_k, stride_sn, stride_sg,
-                     GROUP: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr, F32: tl.constexpr):
-        """The int4 K tile at k0 as two dequantised halves [BK/2, BN] of W^T: the even K columns (low nibbles) and
-        the odd ones (high nibbles), each value the reference's (n - 8) * scale rounded once. The kernels take
-        their dots with the even and odd columns of the activation tile, so the nibbles never need interleaving
-        into K order (register shuffles on every weight); the activations, a few per thread, are split instead."""
+                     GROUP: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr, F32: tl.constexpr,
+                     SWAP: tl.constexpr):
+        """The int4 K tile at k0 as two dequantised halves [BK/2, BN] of W^T ([BN, BK/2] of W with SWAP): the even
+        K columns (low nibbles) and the odd ones (high nibbles), each value the reference's (n - 8) * scale rounded
+        once. The kernels take their dots with the even and odd columns of the activation tile, so the nibbles never
+        need interleaving into K order (register shuffles on every weight); the activations, a few per thread, are
+        split instead."""
         j = tl.multiple_of(k0 // 2, BK // 2) + tl.arange(0, BK // 2)
         b = tl.load(w_ptr + n[:, None] * stride_n + j[None, :] * stride_k, mask=nmask[:, None],
                     other=0)  # [BN, BK/2] uint8
@@ -185,15 +208,53 @@ if triton is not None:
             lo, hi = _nibbles_16(b, ROUND)
             sd = s.to(DT)[:, None]
             lo, hi = (lo - BIAS) * sd, (hi - BIAS) * sd  # n - 8 exact, one rounding of n * s
-        return tl.trans(lo), tl.trans(hi)
+        if not SWAP:
+            lo, hi = tl.trans(lo), tl.trans(hi)
+        return lo, hi
+
+    @triton.jit
+    def _dot(x, w, acc, F32: tl.constexpr, SWAP: tl.constexpr):
+        """acc + x [BM, BK] @ w [BK, BN] -> [BM, BN]; with SWAP, acc + w [BN, BK] @ x^T -> [BN, BM], the same numbers
+        transposed. SWAP makes the weight tile (converted from fp8 / int4 in registers) the MMA's first operand, which
+        Hopper's wgmma reads from registers (the second always comes from shared memory), and lets a block of 16-32
+        assignments (one expert's at batch 1) use wgmma at all: its M is the weight rows (>= 64), not the tokens."""
+        if F32:
+            if SWAP:
+                out = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                out = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        elif SWAP:
+            out = tl.dot(w, tl.trans(x), acc)
+        else:
+            out = tl.dot(x, w, acc)
+        return out
+
+    @triton.jit
+    def _cols(v, SWAP: tl.constexpr):
+        """A vector over the tile's output columns (BN), shaped to broadcast against the accumulator."""
+        if SWAP:
+            out = v[:, None]
+        else:
+            out = v[None, :]
+        return out
+
+    @triton.jit
+    def _rows(v, SWAP: tl.constexpr):
+        """A vector over the tile's assignments (BM), shaped to broadcast against the accumulator."""
+        if SWAP:
+            out = v[None, :]
+        else:
+            out = v[:, None]
+        return out
 
     @triton.jit
     def _moe_up_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, act_ptr, A, H, Im, TOPK,
                        stride_xn, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_am,
                        FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                       ROUND: tl.constexpr):
-        """act[row] = gelu_tanh(x W_gate^T) * (x W_up^T) for the BM assignments of one expert block."""
+                       ROUND: tl.constexpr, SWAP: tl.constexpr):
+        """act[row] = gelu_tanh(x W_gate^T) * (x W_up^T) for the BM assignments of one expert block (the
+        accumulators [BM, BN], or [BN, BM] with SWAP: _dot)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
         if e < 0:
@@ -206,8 +267,9 @@ if triton is not None:
         nmask = n < Im
         w_e = w_ptr + e.to(tl.int64) * stride_we
         s_e = s_ptr + e.to(tl.int64) * stride_se
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        ACC: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
+        acc_g = tl.zeros(ACC, dtype=tl.float32)
+        acc_u = tl.zeros(ACC, dtype=tl.float32)
         for k0 in range(0, H, BK):
             k = k0 + tl.arange(0, BK)
             xmask = valid[:, None] if EVEN_K else valid[:, None] & (k < H)[None, :]
@@ -215,33 +277,24 @@ if triton is not None:
             if FMT == 2:  # int4: even and odd K columns apart (see _int4_halves)
                 xe, xo = tl.split(tl.reshape(xa, (BM, BK // 2, 2)))
                 glo, ghi = _int4_halves(w_e, n, nmask, k0, s_e, stride_wn, stride_wk, stride_sn, stride_sg, GROUP,
-                                        BK, ROUND, F32)
+                                        BK, ROUND, F32, SWAP)
                 ulo, uhi = _int4_halves(w_e, n + Im, nmask, k0, s_e, stride_wn, stride_wk, stride_sn, stride_sg,
-                                        GROUP, BK, ROUND, F32)
-                if F32:
-                    xe, xo = xe.to(tl.float32), xo.to(tl.float32)
-                    acc_g = tl.dot(xo, ghi, tl.dot(xe, glo, acc_g, input_precision="ieee"), input_precision="ieee")
-                    acc_u = tl.dot(xo, uhi, tl.dot(xe, ulo, acc_u, input_precision="ieee"), input_precision="ieee")
-                else:
-                    acc_g = tl.dot(xo, ghi, tl.dot(xe, glo, acc_g))
-                    acc_u = tl.dot(xo, uhi, tl.dot(xe, ulo, acc_u))
+                                        GROUP, BK, ROUND, F32, SWAP)
+                acc_g = _dot(xo, ghi, _dot(xe, glo, acc_g, F32, SWAP), F32, SWAP)
+                acc_u = _dot(xo, uhi, _dot(xe, ulo, acc_u, F32, SWAP), F32, SWAP)
             else:
-                wg = _load_w_tile(w_e, n, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K)
-                wu = _load_w_tile(w_e, n + Im, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K)
+                wg = _load_w_tile(w_e, n, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K, SWAP)
+                wu = _load_w_tile(w_e, n + Im, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K, SWAP)
                 wg, wu = wg.to(xa.dtype), wu.to(xa.dtype)  # bf16 / e4m3 values: exact in the activation dtype
-                if F32:
-                    acc_g += tl.dot(xa.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
-                    acc_u += tl.dot(xa.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
-                else:
-                    acc_g += tl.dot(xa, wg)
-                    acc_u += tl.dot(xa, wu)
+                acc_g = _dot(xa, wg, acc_g, F32, SWAP)
+                acc_u = _dot(xa, wu, acc_u, F32, SWAP)
         if FMT == 1:  # fp8: the per-output-channel scale factors out of the dot product
-            acc_g *= tl.load(s_e + n * stride_sn, mask=nmask, other=0.0)[None, :]
-            acc_u *= tl.load(s_e + (n + Im) * stride_sn, mask=nmask, other=0.0)[None, :]
+            acc_g *= _cols(tl.load(s_e + n * stride_sn, mask=nmask, other=0.0), SWAP)
+            acc_u *= _cols(tl.load(s_e + (n + Im) * stride_sn, mask=nmask, other=0.0), SWAP)
         inner = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
         act = 0.5 * acc_g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0)) * acc_u
-        tl.store(act_ptr + rows[:, None] * stride_am + n[None, :], act.to(act_ptr.dtype.element_ty),
-                 mask=nmask[None, :])
+        tl.store(act_ptr + _rows(rows, SWAP) * stride_am + _cols(n, SWAP), act.to(act_ptr.dtype.element_ty),
+                 mask=_cols(nmask, SWAP))
 
     @triton.jit
     def _moe_down_kernel(act_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, out_ptr, rw_ptr, A, H, Im, TOPK,
@@ -249,12 +302,13 @@ if triton is not None:
                          FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                          ATOMIC: tl.constexpr,
-                         ROUND: tl.constexpr):
+                         ROUND: tl.constexpr, SWAP: tl.constexpr):
         """out[assignment] = act W_down^T in the activation dtype (rounded there, as the torch paths round each
         expert's output), one row per assignment; the router weights are applied by _moe_sum_kernel. ATOMIC: the
         weighted sum over the K assignments of a token is done here instead, added in fp32 into out[token] (each
         output rounded first to the activation dtype, ROUND 1: bf16, 2: fp16, as the torch paths round it; the
-        order of the K additions is the GPU's, so the last bit of the sum may differ from run to run)."""
+        order of the K additions is the GPU's, so the last bit of the sum may differ from run to run). SWAP: the
+        accumulator is [BN, BM] (_dot)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
         if e < 0:
@@ -266,7 +320,7 @@ if triton is not None:
         nmask = n < H
         w_e = w_ptr + e.to(tl.int64) * stride_we
         s_e = s_ptr + e.to(tl.int64) * stride_se
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
         for k0 in range(0, Im, BK):
             k = k0 + tl.arange(0, BK)
             amask = valid[:, None] if EVEN_K else valid[:, None] & (k < Im)[None, :]
@@ -274,21 +328,14 @@ if triton is not None:
             if FMT == 2:
                 ae, ao = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
                 wlo, whi = _int4_halves(w_e, n, nmask, k0, s_e, stride_wn, stride_wk, stride_sn, stride_sg, GROUP,
-                                        BK, ROUND, F32)
-                if F32:
-                    ae, ao = ae.to(tl.float32), ao.to(tl.float32)
-                    acc = tl.dot(ao, whi, tl.dot(ae, wlo, acc, input_precision="ieee"), input_precision="ieee")
-                else:
-                    acc = tl.dot(ao, whi, tl.dot(ae, wlo, acc))
+                                        BK, ROUND, F32, SWAP)
+                acc = _dot(ao, whi, _dot(ae, wlo, acc, F32, SWAP), F32, SWAP)
             else:
-                w = _load_w_tile(w_e, n, nmask, k0, Im, stride_wn, stride_wk, BK, EVEN_K)
-                w = w.to(a.dtype)
-                if F32:
-                    acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(a, w)
+                w = _load_w_tile(w_e, n, nmask, k0, Im, stride_wn, stride_wk, BK, EVEN_K, SWAP)
+                acc = _dot(a, w.to(a.dtype), acc, F32, SWAP)
         if FMT == 1:
-            acc *= tl.load(s_e + n * stride_sn, mask=nmask, other=0.0)[None, :]
+            acc *= _cols(tl.load(s_e + n * stride_sn, mask=nmask, other=0.0), SWAP)
+        mask = _rows(valid, SWAP) & _cols(nmask, SWAP)
         if ATOMIC:
             if ROUND == 1:
                 acc = acc.to(tl.bfloat16).to(tl.float32)
@@ -296,11 +343,43 @@ if triton is not None:
                 acc = acc.to(tl.float16).to(tl.float32)
             rw = tl.load(rw_ptr + ids, mask=valid, other=0.0)
             tok = ids // TOPK
-            tl.atomic_add(out_ptr + tok[:, None] * stride_on + n[None, :], acc * rw[:, None],
-                          mask=valid[:, None] & nmask[None, :])
+            tl.atomic_add(out_ptr + _rows(tok, SWAP) * stride_on + _cols(n, SWAP), acc * _rows(rw, SWAP), mask=mask)
         else:
-            tl.store(out_ptr + ids[:, None] * stride_on + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=valid[:, None] & nmask[None, :])
+            tl.store(out_ptr + _rows(ids, SWAP) * stride_on + _cols(n, SWAP), acc.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+
+    @triton.jit
+    def _align_kernel(idx_ptr, sorted_ptr, bexp_ptr, A, L, E: tl.constexpr, E_PAD: tl.constexpr,
+                      A_PAD: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, TAIL: tl.constexpr):
+        """`align_blocks` in one launch, one program per expert j: every program reads all A expert ids and counts
+        them per expert (histogram; the A_PAD - A padding lanes count as expert 0 and are taken off again), so it
+        knows where expert j's padded run starts; it writes j's assignment ids in increasing order (a running count
+        of its matches), A into the run's padding and j into block_expert for the run's blocks. Program 0 also
+        fills the slots and blocks past the last run (A, -1). Replaces ~12 launches a layer, a radix sort among
+        them (0.9 ms a step on an H100)."""
+        j = tl.program_id(0)
+        a = tl.arange(0, A_PAD)
+        e = tl.load(idx_ptr + a, mask=a < A, other=0).to(tl.int32)
+        bins = tl.arange(0, E_PAD)
+        counts = tl.histogram(e, E_PAD) - tl.where(bins == 0, A_PAD - A, 0)
+        padded = (counts + BM - 1) // BM * BM
+        ends = tl.cumsum(padded, 0)
+        start = tl.sum(tl.where(bins == j, ends - padded, 0))
+        count = tl.sum(tl.where(bins == j, counts, 0))
+        size = tl.sum(tl.where(bins == j, padded, 0))
+        mine = (e == j) & (a < A)
+        rank = tl.cumsum(mine.to(tl.int32), 0) - 1
+        tl.store(sorted_ptr + start + rank, a.to(tl.int64), mask=mine)
+        pad = tl.arange(0, BM)
+        tl.store(sorted_ptr + start + count + pad, tl.full((BM,), 0, tl.int64) + A, mask=count + pad < size)
+        blk = tl.arange(0, NB)  # a run holds at most A assignments: NB >= A / BM + 1 blocks
+        tl.store(bexp_ptr + start // BM + blk, tl.full((NB,), 0, tl.int32) + j, mask=blk * BM < size)
+        if j == 0:  # past the last run: padding slots and unused blocks
+            total = tl.sum(padded)
+            for t0 in range(0, L, TAIL):
+                t = t0 + tl.arange(0, TAIL)
+                tl.store(sorted_ptr + t, tl.full((TAIL,), 0, tl.int64) + A, mask=(t >= total) & (t < L))
+                tl.store(bexp_ptr + t // BM, tl.full((TAIL,), -1, tl.int32), mask=(t >= total) & (t < L) & (t % BM == 0))
 
     @triton.jit
     def _moe_sum_kernel(y_ptr, rw_ptr, out_ptr, H, K, BH: tl.constexpr):
@@ -346,26 +425,30 @@ class Tiles:
     (704 = 5.5 x 128 wastes a half tile), and halves the activation re-reads from L2 (every N tile re-reads its
     M block's rows: int4 at batch 1 19.8 -> 16.1 GB of L2 -> SM traffic a step against 12.1 GB from HBM; at
     batch 4 42.6 -> 28.1). `benchmarks/sweep_moe_tiles.py` times a grid of them on one layer of a real config,
-    and `set_moe_tiles("bm=32,bn=128,bk=64,warps=8,stages=4")` (or `blockpress bench --moe-tiles ...`) applies
-    the winner."""
+    and the `moe_tiles` option (`load(..., moe_tiles="bm=32,bn=128,bk=64,warps=8,stages=4")`, `blockpress bench
+    --moe-tiles ...`) applies the winner."""
 
     block_m: int | None = None
     block_n: int = 128
     block_k: int = 64
     num_warps: int | None = None  # None: Triton's default
     num_stages: int | None = None
+    swap: bool = False  # the weight tile as the dot's first operand (`_dot`): untimed, so off by default
 
     def spec(self) -> str:
         parts = [f"bm={self.block_m or 'auto'}", f"bn={self.block_n}", f"bk={self.block_k}"]
         parts += [f"warps={self.num_warps}"] if self.num_warps else []
         parts += [f"stages={self.num_stages}"] if self.num_stages else []
+        parts += ["swap=1"] if self.swap else []
         return ",".join(parts)
 
 
-_TILE_KEYS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "warps": "num_warps", "stages": "num_stages"}
-TILES = Tiles()
+_TILE_KEYS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "warps": "num_warps", "stages": "num_stages",
+              "swap": "swap"}
+DEFAULT_TILES = Tiles()
 
 
+@functools.lru_cache(maxsize=64)  # the experts' custom op gets its tiles as a spec string on every call
 def parse_tiles(spec: str) -> Tiles:
     """'bm=32,bn=128,bk=64,warps=8,stages=4' (any subset; bm=auto) -> Tiles; ValueError naming the problem."""
     values: dict = {}
@@ -388,17 +471,15 @@ def parse_tiles(spec: str) -> Tiles:
             raise ValueError(f"warps={n}: use 1, 2, 4, 8, 16 or 32")
         if key == "stages" and not 1 <= n <= 8:
             raise ValueError(f"stages={n}: use 1..8")
-        values[_TILE_KEYS[key]] = n
+        if key == "swap" and n not in (0, 1):
+            raise ValueError(f"swap={n}: use 0 or 1")
+        values[_TILE_KEYS[key]] = bool(n) if key == "swap" else n
     return Tiles(**values)
 
 
-def set_moe_tiles(tiles: "Tiles | str | None") -> Tiles:
-    """Set the Triton expert kernels' tiles for this process (a spec string, a Tiles, or None for the
-    defaults); returns the previous setting."""
-    global TILES
-    prev = TILES
-    TILES = Tiles() if tiles is None else parse_tiles(tiles) if isinstance(tiles, str) else tiles
-    return prev
+def as_tiles(tiles: "Tiles | str | None") -> Tiles:
+    """A spec string, a Tiles, or None (the defaults) -> Tiles."""
+    return DEFAULT_TILES if tiles is None else parse_tiles(tiles) if isinstance(tiles, str) else tiles
 
 
 WGMMA_TARGET: dict = {}  # Triton device -> does it compile tl.dot to Hopper's warpgroup MMA (sm_90+)
@@ -423,6 +504,12 @@ def _wgmma_target(device: torch.device | None = None) -> bool:
         return WGMMA_TARGET[dev]
     except Exception:  # no driver
         return False
+
+
+def runs_wgmma(block_m: int, block_n: int, swap: bool, device: torch.device | None) -> bool:
+    """Does a tile [block_m rows of activations, block_n of weights] take Hopper's wgmma on `device`? The MMA's M is
+    its first operand's rows, which must be >= 64: the activations' block_m, or with swap (`_dot`) the weights'."""
+    return (block_n if swap else block_m) >= 64 and _wgmma_target(device)
 
 
 @functools.lru_cache(maxsize=256)
@@ -463,33 +550,24 @@ def auto_block_m(tokens: int, top_k: int, n_experts: int, wgmma: bool = False) -
     return tiles[-1]
 
 
-def compiled_variant(idx_NK: torch.Tensor, n_experts: int) -> tuple:
+def compiled_variant(idx_NK: torch.Tensor, n_experts: int, tiles: Tiles = DEFAULT_TILES,
+                     moe_sum: str = "kernel") -> tuple:
     """What picks a separately compiled Triton kernel for these shapes beyond dtype and format: the tiles (the
-    M tile as resolved here), and Triton's specialisation of integer arguments (== 1, divisible by 16) for
-    the assignment count."""
+    M tile as resolved here), Triton's specialisation of integer arguments (== 1, divisible by 16) for
+    the assignment count, and how the K outputs are summed."""
     A = idx_NK.numel()
-    bm = TILES.block_m or auto_block_m(idx_NK.shape[0], idx_NK.shape[1], n_experts, _wgmma_target(idx_NK.device))
-    return (TILES.spec(), bm, A == 1,
-            A % 16 == 0, MOE_SUM)
+    bm = tiles.block_m or auto_block_m(idx_NK.shape[0], idx_NK.shape[1], n_experts, _wgmma_target(idx_NK.device))
+    return (tiles.spec(), bm, A == 1, A % 16 == 0, moe_sum)
 
 
 UNWRITTEN_FILL: float | None = None  # tests set NaN: the value an output buffer starts with before its kernel
 SUM_BLOCK = 1024  # hidden columns per program of the weighted sum over a token's K expert outputs
-# How the Triton experts sum a token's K expert outputs: "kernel" (default: the down kernel writes each assignment's
-# output, [A, H] in the activation dtype, and a third kernel weights and sums them in a fixed order, deterministic)
-# or "atomic" (opt-in, `set_moe_sum`, `bench --moe-sum atomic`: the down kernel adds each weighted output into an fp32
-# [N, H] with atomics; the [A, H] buffer, 0.69 GB written and read a step on the 26B model, is gone, but the order of
-# the K additions is the GPU's: the last bit of a sum, and so rarely a token, may differ between runs)
-MOE_SUM = "kernel"
-
-
-def set_moe_sum(mode: str) -> str:
-    """Set how the Triton experts sum over K ("kernel" or "atomic", see MOE_SUM); returns the previous setting."""
-    global MOE_SUM
-    if mode not in ("kernel", "atomic"):
-        raise ValueError(f"unknown MoE sum {mode!r}; use 'kernel' (deterministic, default) or 'atomic'")
-    prev, MOE_SUM = MOE_SUM, mode
-    return prev
+# How the Triton experts sum a token's K expert outputs (`moe_sum`): "kernel" (default: the down kernel writes each
+# assignment's output, [A, H] in the activation dtype, and a third kernel weights and sums them in a fixed order,
+# deterministic) or "atomic" (opt-in, the `moe_sum` option, `bench --moe-sum atomic`: the down kernel adds each
+# weighted output into an fp32 [N, H] with atomics; the [A, H] buffer, 0.69 GB written and read a step on the 26B
+# model, is gone, but the order of the K additions is the GPU's: the last bit of a sum, and so rarely a token, may
+# differ between runs)
 
 
 SMEM_LIMIT: dict = {}  # Triton device -> max shared memory per block (bytes), asked once
@@ -554,13 +632,13 @@ def int4_block_k(block_k: int, groups: tuple[int, int]) -> int:
 def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_PLAIN,
                    gate_up_scale=None, down_scale=None, groups: tuple[int, int] = (0, 0), inter: int | None = None,
                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                   tiles: Tiles | None = None):
+                   tiles: Tiles | None = None, moe_sum: str = "kernel"):
     """Fused Triton experts. Plain weights: gate_up [E, 2Im, H], down [E, H, Im]. fp8: same shapes
     (float8_e4m3fn) with scales [E, O]. int4: packed uint8 [E, O, I/2] with scales [E, O, I/G].
-    Tiles: explicit block_* arguments, else `tiles`, else the process-wide `TILES` (set_moe_tiles)."""
+    Tiles: explicit block_* arguments, else `tiles`, else the defaults. moe_sum: "kernel" or "atomic" (above)."""
     if triton is None:
         raise RuntimeError("experts_triton needs triton (pip install triton)")
-    t = tiles or TILES
+    t = tiles or DEFAULT_TILES
     block_m = block_m if block_m is not None else t.block_m
     block_n = block_n if block_n is not None else t.block_n
     block_k = block_k if block_k is not None else t.block_k
@@ -580,7 +658,8 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
         # the kernels load int4 K tiles unmasked: a tile never runs past a row (groups divide H and Im)
         assert H % block_k == 0 and Im % block_k == 0, f"int4 groups {groups} must divide H={H} and Im={Im}"
     x = x_NH.contiguous()
-    sorted_ids, block_expert = align_blocks(idx_NK, E, block_m)
+    align = align_blocks_triton if A <= ALIGN_MAX else align_blocks
+    sorted_ids, block_expert = align(idx_NK, E, block_m)
     L = sorted_ids.numel()
     act = x.new_empty(L, Im)  # [L, Im] activations in padded expert order
     # fp32 operands: exact ieee dots; the interpreter also needs them (its bf16 tl.dot is wrong in triton 3.9)
@@ -590,7 +669,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     g_st, d_st = _scale_strides(gate_up_scale), _scale_strides(down_scale)
     # shared memory outside the pipeline (what _stages fits): with wgmma (bm >= 64 on sm_90) the converted tile of
     # fp8 / int4 weights, in the activation dtype (int4: a byte more per weight; read back from compiles)
-    wgmma = block_m >= 64 and _wgmma_target(x.device)
+    wgmma = runs_wgmma(block_m, block_n, t.swap, x.device)
     converted = 0 if fmt == FMT_PLAIN or not wgmma else x.element_size() + (1 if fmt == FMT_INT4 else 0)
     bn_up = min(block_n, max(16, triton.next_power_of_2(Im)))  # no wider than the output: a small model's tiles
     bn_dn = min(block_n, max(16, triton.next_power_of_2(H)))
@@ -602,14 +681,14 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     _moe_up_kernel[grid](x, gate_up_EFH, gs, sorted_ids, block_expert, act, A, H, Im, K,
                          x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
                          act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=bn_up, BK=bk_up,
-                         EVEN_K=H % bk_up == 0, ROUND=rnd, **warps, **stages_up)
+                         EVEN_K=H % bk_up == 0, ROUND=rnd, SWAP=t.swap, **warps, **stages_up)
     rw = w_NK.reshape(-1).float().contiguous()
     grid = (L // block_m, triton.cdiv(H, bn_dn))
     stages_dn, bk_dn = _fit_k(t.num_stages, block_m * x.element_size() + bn_dn * down_EHI.element_size(),
                               converted * bn_dn, wgmma, block_k, min_k)
     down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=bn_dn, BK=bk_dn, EVEN_K=Im % bk_dn == 0,
-                ROUND=rnd, **warps, **stages_dn)
-    if MOE_SUM == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
+                ROUND=rnd, SWAP=t.swap, **warps, **stages_dn)
+    if moe_sum == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
         acc = torch.zeros(N, H, dtype=torch.float32, device=x.device)
         _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, acc, rw, A, H, Im, K,
                                act.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
@@ -637,9 +716,10 @@ FIRST_USE: dict = {}
 FIRST_USE_TOL = {torch.float32: 1e-4}  # relative error; 16-bit activations: 2e-2
 
 
-def checked_on_first_use(key: tuple, fast, reference, what: str) -> torch.Tensor:
+def checked_on_first_use(key: tuple, fast, reference, what: str, as_tensor=None) -> torch.Tensor:
     """fast() on this key's later calls if its first call agreed with reference() (relative Frobenius error
-    within FIRST_USE_TOL), else reference() from then on, with one warning that says why. A compiled kernel
+    within FIRST_USE_TOL; as_tensor: what of a result to compare, for results that are not one tensor), else
+    reference() from then on, with one warning that says why. A compiled kernel
     that fails on an untried GPU (a Triton compile error, a wrong result) thus costs one reference
     computation, not a crash or wrong text. The first call synchronises the host once (the comparison):
     it runs before any CUDA-graph capture, in the capture's warm-up."""
@@ -651,8 +731,9 @@ def checked_on_first_use(key: tuple, fast, reference, what: str) -> torch.Tensor
     ref = reference()
     try:
         out = fast()
-        err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
-        tol = FIRST_USE_TOL.get(ref.dtype, 2e-2)
+        a, b = (out, ref) if as_tensor is None else (as_tensor(out), as_tensor(ref))
+        err = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+        tol = FIRST_USE_TOL.get(b.dtype, 2e-2)
         ok = err <= tol  # NaN: False
         why = f"its result differs from the torch path by {err:.2e} (relative; allowed {tol:.0e})"
     except Exception as e:  # noqa: BLE001 - any compile or launch failure means: use the reference
@@ -666,7 +747,8 @@ def checked_on_first_use(key: tuple, fast, reference, what: str) -> torch.Tensor
     return ref
 
 
-def experts_triton_checked(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
+def experts_triton_checked(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, tiles: Tiles = DEFAULT_TILES,
+                           moe_sum: str = "kernel"):
     """`experts_triton`, checked against `experts_grouped` (or the padded batched path where grouped GEMMs do
     not run) on its first call per device, dtype and compiled variant: what "auto" picks on a CUDA GPU."""
     from ..model.moe import experts_dense
@@ -674,5 +756,6 @@ def experts_triton_checked(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):
     ref = experts_grouped if _grouped_mm_ok(x_NH.device, x_NH.dtype) else experts_dense
     args = (x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI)
     key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), "triton experts",
-           compiled_variant(idx_NK, gate_up_EFH.shape[0]))
-    return checked_on_first_use(key, lambda: experts_triton(*args), lambda: ref(*args), "the Triton experts kernel")
+           compiled_variant(idx_NK, gate_up_EFH.shape[0], tiles, moe_sum))
+    return checked_on_first_use(key, lambda: experts_triton(*args, tiles=tiles, moe_sum=moe_sum), lambda: ref(*args),
+                                "the Triton experts kernel")

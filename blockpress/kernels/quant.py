@@ -23,7 +23,9 @@ QuantizedExperts backends: "torch" (reference: dequantise each busy expert, same
 (fp8 on Hopper: activations quantised per row, `torch._scaled_grouped_mm`; w8a8, so a slightly
 different function, covered by the quality guard not the agreement test). "auto" picks triton
 on CUDA, checked against torch on its first call (`moe_grouped.checked_on_first_use`: a kernel that
-fails or disagrees on an untried GPU is replaced by torch with a warning), else torch.
+fails or disagrees on an untried GPU is replaced by torch with a warning), else torch. The forward is
+`experts_quantized`, a function of the weights and settings; a compiled block calls it as the custom op
+`quantized_experts_op` (one graph node, kernels/library.py says why).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from torch import nn
 
 from ..errors import InputError
 from ..model.layers import gelu_tanh
-from .moe_grouped import (FMT_FP8, FMT_INT4, checked_on_first_use, combine, compiled_variant, experts_triton,
-                          route_by_expert, triton_supported)
+from .moe_grouped import (DEFAULT_TILES, FMT_FP8, FMT_INT4, as_tiles, checked_on_first_use, combine,
+                          compiled_variant, experts_triton, route_by_expert, triton_supported)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -131,7 +133,9 @@ class QuantizedExperts(nn.Module):
         if fmt not in FORMATS:
             raise ValueError(f"unknown expert weight format {fmt!r}; use one of {FORMATS}")
         self.fmt, self.dtype, self.inter, self.hidden = fmt, dtype, inter, hidden
-        self.backend = "auto"
+        # the kernel: "auto" (Triton where it runs, checked on first use), "triton" (unchecked), "scaled_mm", "torch";
+        # with the Triton kernel's tiles and K sum. Chosen by kernels.select.
+        self.backend, self.tiles, self.moe_sum = "auto", DEFAULT_TILES, "kernel"
         E, H, Im = n_experts, hidden, inter
         kw = dict(device=device)
         if fmt == "fp8":
@@ -168,71 +172,144 @@ class QuantizedExperts(nn.Module):
     def dequantize(self, which: str, experts: slice | int = slice(None)) -> torch.Tensor:
         """Float weight `which` in {"gate_up", "down"} (rows `experts`) in the activation dtype."""
         q, s = getattr(self, f"{which}_q")[experts], getattr(self, f"{which}_scale")[experts]
-        return dequantize_fp8(q, s, self.dtype) if self.fmt == "fp8" else dequantize_int4(q, s, self.dtype)
+        return dequantize_weight(q, s, self.fmt, self.dtype)
 
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     # -------------------------------------------------------------------------- forward
     def resolved_backend(self, x: torch.Tensor) -> str:
-        b = self.backend
-        fmt = FMT_FP8 if self.fmt == "fp8" else FMT_INT4
-        # "auto" takes Triton on CUDA only (on a CPU it would be the interpreter); "triton" forces it
-        if (b == "triton" or (b == "auto" and x.is_cuda)) and triton_supported(x, fmt, self.groups):
-            return "triton"
-        if b == "scaled_mm":
-            return b
-        return "torch"
+        return quantized_backend(self.backend, self.fmt, self.groups, x)
+
+    def _weights(self) -> tuple:
+        return self.gate_up_q, self.gate_up_scale, self.down_q, self.down_scale
 
     def forward(self, x_NH, w_NK, idx_NK):
-        backend = self.resolved_backend(x_NH)
-        if backend == "triton":
-            fmt = FMT_FP8 if self.fmt == "fp8" else FMT_INT4
-
-            def fast():
-                return experts_triton(x_NH, w_NK, idx_NK, self.gate_up_q, self.down_q, fmt=fmt,
-                                      gate_up_scale=self.gate_up_scale, down_scale=self.down_scale,
-                                      groups=self.groups, inter=self.inter)
-
-            if self.backend == "triton":  # asked for by name: the kernel, unchecked
-                return fast()
-            key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), f"triton {self.fmt} experts",
-                   compiled_variant(idx_NK, self.gate_up_q.shape[0]))
-            return checked_on_first_use(key, fast, lambda: self._forward_torch(x_NH, w_NK, idx_NK),
-                                        f"the Triton {self.fmt} experts kernel")
-        if backend == "scaled_mm":
-            return self._forward_scaled_mm(x_NH, w_NK, idx_NK)
-        return self._forward_torch(x_NH, w_NK, idx_NK)
+        if torch.is_grad_enabled() and (x_NH.requires_grad or w_NK.requires_grad):
+            # training through frozen quantised experts (QLoRA): the fused kernels have no backward; the torch
+            # path is differentiable in its input and keeps no dequantised weight for the backward pass
+            return self._forward_torch(x_NH, w_NK, idx_NK)
+        if torch.compiler.is_compiling():  # a compiled block: one call of the custom op (the same function)
+            return quantized_experts_op(x_NH, w_NK, idx_NK, *self._weights(), self.fmt, self.dtype, list(self.groups),
+                                        self.backend, self.tiles.spec(), self.moe_sum)
+        return experts_quantized(x_NH, w_NK, idx_NK, *self._weights(), self.fmt, self.dtype, self.groups,
+                                 self.backend, self.tiles, self.moe_sum)
 
     def _forward_torch(self, x_NH, w_NK, idx_NK):
         """Reference: like experts_loop, dequantising each busy expert once."""
-        N, H = x_NH.shape
-        K, Im = idx_NK.shape[1], self.inter
-        order, counts, _ = route_by_expert(idx_NK, self.gate_up_q.shape[0])
-        tok = order // K
-        y = x_NH.new_empty(N * K, H)
-        start = 0
-        for e, c in enumerate(counts.tolist()):
-            if c == 0:
-                continue
-            xs = x_NH[tok[start:start + c]]
-            u = xs @ self.dequantize("gate_up", e).t()  # [c, 2*Im]
-            a = gelu_tanh(u[:, :Im]) * u[:, Im:]
-            y[start:start + c] = a @ self.dequantize("down", e).t()
-            start += c
-        return combine(y, order, w_NK, x_NH.dtype)
+        return experts_quantized_torch(x_NH, w_NK, idx_NK, *self._weights(), self.fmt, self.dtype)
 
-    def _forward_scaled_mm(self, x_NH, w_NK, idx_NK):
-        """Hopper fp8 x fp8 grouped GEMMs with per-row activation scales (w8a8)."""
-        if self.fmt != "fp8":
-            raise ValueError("the scaled_mm backend needs fp8 experts")
-        K, Im = idx_NK.shape[1], self.inter
-        order, _, offs = route_by_expert(idx_NK, self.gate_up_q.shape[0])
-        xs = x_NH[order // K]
-        u = _fp8_grouped(xs, self.gate_up_q, self.gate_up_scale, offs)
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """A quantised weight (fp8 or packed int4, any leading dims) in `dtype`."""
+    return dequantize_fp8(q, scale, dtype) if fmt == "fp8" else dequantize_int4(q, scale, dtype)
+
+
+def quantized_backend(backend: str, fmt: str, groups: tuple, x: torch.Tensor) -> str:
+    """What a `QuantizedExperts.backend` runs on x's device: "triton", "scaled_mm" or "torch"."""
+    code = FMT_FP8 if fmt == "fp8" else FMT_INT4
+    # "auto" takes Triton on CUDA only (on a CPU it would be the interpreter); "triton" forces it
+    if (backend == "triton" or (backend == "auto" and x.is_cuda)) and triton_supported(x, code, groups):
+        return "triton"
+    if backend == "scaled_mm":
+        return backend
+    return "torch"
+
+
+def _inter(down_q: torch.Tensor, fmt: str) -> int:
+    return down_q.shape[-1] * (1 if fmt == "fp8" else 2)  # int4 packs two columns a byte
+
+
+def experts_quantized(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt: str,
+                      dtype: torch.dtype, groups: tuple, backend: str, tiles, moe_sum: str) -> torch.Tensor:
+    """`QuantizedExperts.forward` without autograd, as a function of its weights and settings (what its custom op
+    runs): the backend `quantized_backend` resolves; "auto" on CUDA is the Triton kernel checked against the torch
+    path on its first call per device, dtype and compiled variant."""
+    which = quantized_backend(backend, fmt, groups, x_NH)
+    weights = (gate_up_q, gate_up_scale, down_q, down_scale)
+    if which == "triton":
+        def fast():
+            return experts_triton(x_NH, w_NK, idx_NK, gate_up_q, down_q, fmt=FMT_FP8 if fmt == "fp8" else FMT_INT4,
+                                  gate_up_scale=gate_up_scale, down_scale=down_scale, groups=tuple(groups),
+                                  inter=_inter(down_q, fmt), tiles=tiles, moe_sum=moe_sum)
+
+        if backend == "triton":  # asked for by name: the kernel, unchecked
+            return fast()
+        key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), f"triton {fmt} experts",
+               compiled_variant(idx_NK, gate_up_q.shape[0], tiles, moe_sum))
+        return checked_on_first_use(key, fast, lambda: experts_quantized_torch(x_NH, w_NK, idx_NK, *weights, fmt, dtype),
+                                    f"the Triton {fmt} experts kernel")
+    if which == "scaled_mm":
+        return experts_quantized_scaled_mm(x_NH, w_NK, idx_NK, *weights, fmt)
+    return experts_quantized_torch(x_NH, w_NK, idx_NK, *weights, fmt, dtype)
+
+
+@torch.library.custom_op("blockpress::quantized_experts", mutates_args=())
+def quantized_experts_op(x_NH: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, gate_up_q: torch.Tensor,
+                         gate_up_scale: torch.Tensor, down_q: torch.Tensor, down_scale: torch.Tensor, fmt: str,
+                         dtype: torch.dtype, groups: list[int], backend: str, tiles: str,
+                         moe_sum: str) -> torch.Tensor:
+    """`experts_quantized` as one opaque call in a compiled graph (tiles: a spec string); kernels/library.py says
+    why."""
+    return experts_quantized(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt, dtype,
+                             tuple(groups), backend, as_tiles(tiles), moe_sum)
+
+
+@quantized_experts_op.register_fake
+def _(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt, dtype, groups, backend, tiles, moe_sum):
+    return x_NH.new_empty(x_NH.shape)  # the kernels return contiguous [N, H]
+
+
+def experts_quantized_torch(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt: str,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """Reference: like experts_loop, dequantising each busy expert once (differentiable in x)."""
+    N, H = x_NH.shape
+    K, Im = idx_NK.shape[1], _inter(down_q, fmt)
+    order, counts, _ = route_by_expert(idx_NK, gate_up_q.shape[0])
+    tok = order // K
+    y = x_NH.new_empty(N * K, H)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c == 0:
+            continue
+        xs = x_NH[tok[start:start + c]]
+        u = DequantMatmul.apply(xs, gate_up_q[e], gate_up_scale[e], fmt, dtype)  # [c, 2*Im] = xs @ W^T
         a = gelu_tanh(u[:, :Im]) * u[:, Im:]
-        y = _fp8_grouped(a, self.down_q, self.down_scale, offs)
-        return combine(y, order, w_NK, x_NH.dtype)
+        y[start:start + c] = DequantMatmul.apply(a, down_q[e], down_scale[e], fmt, dtype)
+        start += c
+    return combine(y, order, w_NK, x_NH.dtype)
+
+
+def experts_quantized_scaled_mm(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale,
+                                fmt: str) -> torch.Tensor:
+    """Hopper fp8 x fp8 grouped GEMMs with per-row activation scales (w8a8)."""
+    if fmt != "fp8":
+        raise ValueError("the scaled_mm backend needs fp8 experts")
+    K, Im = idx_NK.shape[1], _inter(down_q, fmt)
+    order, _, offs = route_by_expert(idx_NK, gate_up_q.shape[0])
+    xs = x_NH[order // K]
+    u = _fp8_grouped(xs, gate_up_q, gate_up_scale, offs)
+    a = gelu_tanh(u[:, :Im]) * u[:, Im:]
+    y = _fp8_grouped(a, down_q, down_scale, offs)
+    return combine(y, order, w_NK, x_NH.dtype)
+
+
+class DequantMatmul(torch.autograd.Function):
+    """x [c, I] @ W^T for one expert's quantised weight (q, scale: its rows of the module's buffers), differentiable
+    in x only (the weight is frozen). Plain autograd would keep each dequantised weight alive until the backward pass
+    (a float copy of every busy expert of the model at once); this dequantises it again in the backward instead, so
+    at most one expert's float weight exists at a time."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, fmt: str, dtype: torch.dtype):
+        ctx.q, ctx.scale, ctx.fmt, ctx.dtype = q, scale, fmt, dtype
+        return x @ dequantize_weight(q, scale, fmt, dtype).to(x.dtype).t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        return grad @ dequantize_weight(ctx.q, ctx.scale, ctx.fmt, ctx.dtype).to(grad.dtype), None, None, None, None
 
 
 def _fp8_grouped(x_AI, q_EOI, scale_EO, offs):
@@ -265,6 +342,83 @@ def quantize_experts_(module: nn.Module, fmt: str, group_size: int = 64, backend
 _EXPERT_TENSOR = re.compile(r"layers\.(\d+)\.experts\.(gate_up_proj|down_proj)$")
 
 
+class QuantizedMLP(nn.Module):
+    """A layer's dense MLP, down(gelu_tanh(gate x) * up x), in int4 through the expert kernels (linears="int4-mlp"):
+    one expert that every token takes with weight 1, its gate and up rows stacked as the expert's gate_up, so the
+    MLP runs on the int4 experts' Triton kernels (and their torch reference) with nothing written twice. The same
+    function as the float MLP on the dequantised weights, up to where the expert path rounds (its gate and up
+    products stay fp32 until the activation is stored). On the 26B model: 1.07 GB of bf16 MLP weights become 0.30 GB."""
+
+    def __init__(self, hidden: int, inter: int, group_size: int = 64, dtype: torch.dtype = torch.bfloat16,
+                 device=None):
+        super().__init__()
+        self.experts = QuantizedExperts(1, hidden, inter, "int4", group_size, dtype=dtype, device=device)
+        self._routing: dict = {}  # (rows, device) -> (weights 1, expert 0): made once per shape, not per call
+
+    @classmethod
+    @torch.no_grad()
+    def from_mlp(cls, mlp: nn.Module, group_size: int = 64) -> "QuantizedMLP":
+        gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        q = cls(gate.shape[1], gate.shape[0], group_size, dtype=gate.dtype, device=gate.device)
+        q.experts.load_float_(torch.cat([gate, up])[None], down[None])
+        return q
+
+    def _route(self, n: int, device: torch.device):
+        """Every row to the one expert with weight 1 ([n, 1] each). Kept per shape outside a compiled graph (the
+        kernels only read them), so a step replays no fill kernels for them; made in place while compiling."""
+        if torch.compiler.is_compiling():
+            return (torch.ones(n, 1, dtype=torch.float32, device=device),
+                    torch.zeros(n, 1, dtype=torch.int64, device=device))
+        key = (n, device)
+        if key not in self._routing:
+            if len(self._routing) >= 8:  # prompts of many lengths: keep a few shapes (the canvas's stay hot)
+                self._routing.clear()
+            self._routing[key] = (torch.ones(n, 1, dtype=torch.float32, device=device),
+                                  torch.zeros(n, 1, dtype=torch.int64, device=device))
+        return self._routing[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        return self.experts(flat, *self._route(flat.shape[0], x.device)).view(x.shape)
+
+
+_MLP_WEIGHT = re.compile(r"layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def quantize_mlp_(module: nn.Module, group_size: int = 64) -> nn.Module:
+    """Swap every layer's dense MLP for QuantizedMLP, in place, one layer at a time. Returns the module."""
+    for layer in module.layers:
+        if not isinstance(layer.mlp, QuantizedMLP):
+            layer.mlp = QuantizedMLP.from_mlp(layer.mlp, group_size)
+    return module
+
+
+def when_layer_loaded(pattern: re.Pattern, parts: int, act):
+    """A `load_weights(on_loaded=...)` hook: act(i) once all `parts` tensors of layer i that `pattern` names are
+    loaded (the pattern's groups: the layer index, the part)."""
+    seen: dict[int, set[str]] = {}
+
+    def on_loaded(name: str) -> None:
+        m = pattern.search(name)
+        if m is None:
+            return
+        i = int(m.group(1))
+        seen.setdefault(i, set()).add(m.group(2))
+        if len(seen[i]) == parts:
+            act(i)
+
+    return on_loaded
+
+
+def mlp_streaming_quantizer(module: nn.Module, group_size: int = 64):
+    """A `load_weights(on_loaded=...)` hook: a layer's MLP is quantised once its three weights are in."""
+
+    def quantize(i: int) -> None:
+        module.layers[i].mlp = QuantizedMLP.from_mlp(module.layers[i].mlp, group_size)
+
+    return when_layer_loaded(_MLP_WEIGHT, 3, quantize)
+
+
 def streaming_quantizer(module: nn.Module, fmt: str, group_size: int = 64):
     """A `load_weights(on_loaded=...)` hook: as soon as both float expert tensors of a layer are loaded,
     that layer's experts are quantised and the float copies dropped. The float experts of the whole
@@ -272,18 +426,7 @@ def streaming_quantizer(module: nn.Module, fmt: str, group_size: int = 64):
     too big for the device in bf16 loads straight into fp8 / int4."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown expert weight format {fmt!r}; use one of {FORMATS}")
-    seen: dict[int, set[str]] = {}
-
-    def on_loaded(name: str) -> None:
-        m = _EXPERT_TENSOR.match(name)
-        if m is None:
-            return
-        i = int(m.group(1))
-        seen.setdefault(i, set()).add(m.group(2))
-        if len(seen[i]) == 2:
-            _quantize_layer_(module.layers[i], fmt, group_size)
-
-    return on_loaded
+    return when_layer_loaded(_EXPERT_TENSOR, 2, lambda i: _quantize_layer_(module.layers[i], fmt, group_size))
 
 
 def experts_weight_bytes(module: nn.Module) -> int:

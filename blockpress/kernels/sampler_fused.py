@@ -8,9 +8,9 @@ of softmax(z) (online: running max m, S = sum e^(z-m), T = sum (z-m) e^(z-m), H 
 and a sample y ~ softmax(z) by Gumbel-max (argmax(z + g), g = -log(-log u)), which has the same
 distribution as `torch.multinomial` but not the same random stream.
 
-So this is the opt-in "fast" sampler: the default engine path (`blockpress.sampling`) stays exact
-(bit-identical to transformers under a seed); this one is tested statistically (chi-square) and
-for exact argmax / 1e-5 entropy agreement. `fused_sample` runs the Triton kernel where Triton runs
+So this is the opt-in "fast" sampler (`sampler="fast"`; the engine's step, `engine/step.py`, calls it): the
+default path (`blockpress.sampling`) stays exact (bit-identical to transformers under a seed); this one is tested
+statistically (chi-square) and for exact argmax / 1e-5 entropy agreement. `fused_sample` runs the Triton kernel where Triton runs
 (CUDA, or the interpreter on CPU when asked) and the same algorithm in torch otherwise.
 """
 
@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.generate import clamp
-from ..engine.generate import denoise_step as _exact_step
-from ..sampling import entropy_bound_accept, temperature, uniform_tokens
 from ._triton import interpreted, tl, triton, usable_on
 
 if triton is not None:
@@ -142,38 +139,3 @@ def fused_sample(raw, tau=None, generator=None, out_dtype=None, backend: str = "
         seed = torch.randint(0, 2**31 - 1, (1,), device=raw.device, generator=generator)
         return fused_sample_triton(raw, tau, seed, out_dtype, out=out)
     return fused_sample_torch(raw, tau, generator, out_dtype, out=out)
-
-
-# ------------------------------------------------------------------------------------ engine hook
-
-def denoise_step_fast(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished=None,
-                      fixed=None, watch=None, raw=None, sc_out=None):
-    """Drop-in for `engine.generate.denoise_step` using the fused sampler (same returns and arguments; with
-    `sc_out` the kernel writes z there directly). Per-row generator lists (the server's batch-invariant seeding)
-    take the exact path."""
-    if isinstance(generator, (list, tuple)):
-        return _exact_step(module, x, a_prev, sc_logits, done, n, cfg, cache, tracker, generator, finished, fixed,
-                           watch, raw, sc_out)
-    if raw is None:
-        raw = module.decode(x, cache, sc_logits)
-    tau = None
-    if cfg.t_min is not None and cfg.t_max is not None:
-        tau = temperature(n, cfg.max_denoising_steps, cfg.t_min, cfg.t_max, raw.device)
-    # frozen rows keep their self-conditioning logits (which sc_out may hold): z is then written there after
-    # them. A single row is never done at a step's start (the loop ends when it stops): no host sync for it
-    frozen = tracker is not None and x.shape[0] > 1 and bool(done.any())
-    y, a, h, z = fused_sample(raw, tau, generator, out_dtype=module.dtype, out=None if frozen else sc_out)
-    accepted = entropy_bound_accept(h if fixed is None else h.masked_fill(fixed[0], 0.0), cfg.entropy_bound)
-    noise = uniform_tokens(x.shape[0], x.shape[1], z.shape[-1], x.device, generator)
-    x_new = torch.where(accepted, y, noise)
-    if fixed is not None:
-        x_new, a = clamp(x_new, fixed), clamp(a, fixed)
-    if tracker is not None:
-        if frozen:  # frozen rows keep their state; their `done` stays True (monotone)
-            a = torch.where(done[:, None], a_prev, a)
-            x_new = torch.where(done[:, None], x, x_new)
-            z = torch.where(done[:, None, None], sc_logits, z)
-            if sc_out is not None:
-                z = sc_out.copy_(z)
-        done = done | tracker(a, z, entropy=h, watch=watch)
-    return x_new, a, z, done, accepted

@@ -10,15 +10,15 @@ elementwise kernel does reading 134 MB and writing 268 MB. `softcap_triton` is t
 division and, compiled for CUDA, libdevice's tanhf (what torch's CUDA tanh calls), so its result should
 match the reference to an ulp or two (the GPU test checks; not yet run). Triton's CPU interpreter has no
 libdevice, so there the kernel computes tanh as 2 sigmoid(2z) - 1 (a few ulp off; the CPU test allows it).
-"softcap_backend" on the module picks it (`kernels.configure`: "triton_checked" on a CUDA GPU, checked
-against the reference on its first call per device and dtype).
+`kernels.select` picks it for a model's `ops.softcap` ("triton_checked" on a CUDA GPU, checked against the
+reference on its first call per device and dtype).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..model.layers import SOFTCAP_BACKENDS, softcap_logits
+from ..model.layers import softcap_logits
 from ._triton import interpreted, tl, triton
 from .moe_grouped import FIRST_USE, checked_on_first_use
 
@@ -66,6 +66,3 @@ def softcap_triton_checked(logits: torch.Tensor, cap: float, out: torch.Tensor |
                                "the Triton soft-cap kernel")
     return res if out is None or res.data_ptr() == out.data_ptr() else out.copy_(res)
 
-
-SOFTCAP_BACKENDS.setdefault("triton", softcap_triton)
-SOFTCAP_BACKENDS.setdefault("triton_checked", softcap_triton_checked)

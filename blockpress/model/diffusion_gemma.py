@@ -21,10 +21,11 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ..config import FULL, SLIDING, ModelConfig
-from ..engine.cache import KVCache
-from .layers import (ATTENTION_BACKENDS, MLP, SOFTCAP_BACKENDS, Attention, RMSNorm, additive_mask, embed_scale,
-                     rms_norm, rope_cos_sin, rope_inv_freq, softmax_rows)
+from .cache import KVCache
+from .keys import Fixed, Spans
+from .layers import MLP, Attention, RMSNorm, embed_scale, rms_norm, rope_cos_sin, rope_inv_freq, softmax_rows
 from .moe import Experts, Router
+from .ops import Ops
 
 PREFILL_CHUNK = 2048  # tokens a long prompt is encoded at a time (DiffusionGemmaModel.prefill_chunk; None: whole)
 
@@ -46,18 +47,25 @@ class Block(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))  # decoder pass
         self.register_buffer("encoder_layer_scalar", torch.ones(1))  # encoder pass
 
-    def forward(self, x, attend, scalar):
-        """x [B,S,H]; `attend(h) -> attention output [B,S,H]` closes over cache, mask, rope."""
+    def forward(self, x, attend, scalar, checkpoint_ffn: bool = False):
+        """x [B,S,H]; `attend(h) -> attention output [B,S,H]` closes over cache, mask, rope. checkpoint_ffn (training):
+        recompute the feed-forward half in backward instead of keeping its activations (the attention half writes
+        the K/V cache, so it is not recomputed)."""
         h = self.post_attention_layernorm(attend(self.input_layernorm(x)))
         x = x + h
+        if checkpoint_ffn:
+            return torch.utils.checkpoint.checkpoint(self.feed_forward, x, use_reentrant=False) * scalar
+        return self.feed_forward(x) * scalar
+
+    def feed_forward(self, x):
+        """The dense MLP and the experts side by side, on the residual after attention."""
         B, S, H = x.shape
         h1 = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         flat = x.reshape(B * S, H)  # [N, H]; the router reads the raw residual
         w, idx = self.router(flat)
         h2 = self.experts(self.pre_feedforward_layernorm_2(flat), w, idx).view(B, S, H)
         h2 = self.post_feedforward_layernorm_2(h2)
-        x = x + self.post_feedforward_layernorm(h1 + h2)
-        return x * scalar
+        return x + self.post_feedforward_layernorm(h1 + h2)
 
 
 class SelfConditioning(nn.Module):
@@ -85,20 +93,16 @@ class DiffusionGemmaModel(nn.Module):
         for t in (SLIDING, FULL):
             inv = rope_inv_freq(cfg.type_head_dim(t), cfg.rope_parameters[t])
             self.register_buffer(f"inv_freq_{t}", inv, persistent=False)
-        self.attention_backend = "sdpa"
-        self.softcap_backend = "torch"  # final-logit soft cap: layers.SOFTCAP_BACKENDS
-        # None: the exact soft embedding softmax(z) @ E over the whole vocabulary (the reference). K: only
-        # the K most likely tokens' rows of E (kernels/sc_topk.py; an approximation, opt-in)
-        self.sc_topk: int | None = None
+        self.ops = Ops()  # attention, soft cap, self-conditioning embedding, block: the references (model/ops.py)
         self.window = cfg.sliding_window
         self.bidirectional_encoder = cfg.use_bidirectional_attention == "all"
         # a causal encoder's long prompt is encoded this many tokens at a time (without autograd): see `encode`
         self.prefill_chunk: int | None = PREFILL_CHUNK
         # inference caches keep a ring of the last window + `cache_reserve()` positions for the sliding layers once
-        # that is smaller than the capacity (engine/cache.py); False: every position in every layer (the same numbers)
+        # that is smaller than the capacity (model/cache.py); False: every position in every layer (the same numbers)
         self.ring_cache = True
-        # training (blockpress.train): recompute decoder layers in backward. Encoder layers are never
-        # checkpointed: they write the KV cache (spec training.md §4.3).
+        # training (blockpress.train): recompute decoder layers in backward, and the encoder layers' feed-forward
+        # halves (their attention halves write the K/V cache, so they are kept).
         self.gradient_checkpointing = False
         self._scales: dict = {}  # (dtype, device) -> sqrt(H) on that device: made once, not copied per pass
         self._rope_memo: dict = {}  # (start, length, dtype, device) -> rotary tables (see `_rope`)
@@ -136,19 +140,9 @@ class DiffusionGemmaModel(nn.Module):
                 b.fill_(1.0)
         self.materialize_buffers(self.embed_tokens.weight.device)
 
-    def set_experts_backend(self, name: str) -> None:
-        from .moe import EXPERT_BACKENDS
-
-        if name not in EXPERT_BACKENDS:  # fast paths register themselves on import
-            import blockpress.kernels  # noqa: F401
-        if name not in EXPERT_BACKENDS:
-            raise ValueError(f"unknown experts backend {name!r}; available: {sorted(EXPERT_BACKENDS)}")
-        for layer in self.layers:
-            layer.experts.backend = name
-
     def new_cache(self, batch: int, capacity: int, ring: bool = True) -> KVCache:
         """An empty cache for `capacity` positions. ring: the sliding layers keep only a ring of the last
-        window + `cache_reserve()` positions once that is smaller than the capacity (engine/cache.py); False keeps
+        window + `cache_reserve()` positions once that is smaller than the capacity (model/cache.py); False keeps
         every position in every layer (training: a cache cropped back to its context)."""
         return self._cache(batch, capacity, self.device, self.cache_reserve() if ring else None)
 
@@ -197,28 +191,30 @@ class DiffusionGemmaModel(nn.Module):
             raise ValueError("lm_logits(out=...) writes in place and records no gradient: call it under "
                              "torch.no_grad(), or without out=")
         logits = h @ w.t()
-        if out is not None:  # every soft-cap backend writes into `out` (a checked kernel's fallback too)
-            return out.copy_(logits) if not cap else SOFTCAP_BACKENDS[self.softcap_backend](logits, cap, out=out)
+        if out is not None:  # every soft-cap kernel writes into `out` (a checked kernel's fallback too)
+            return out.copy_(logits) if not cap else self.ops.softcap(logits, cap, out=out)
         if not cap:
             return logits.float()
         if logits.requires_grad:
             return torch.tanh(logits.float() / cap) * cap
-        return SOFTCAP_BACKENDS[self.softcap_backend](logits, cap)
+        return self.ops.softcap(logits, cap)
 
     def soft_embedding(self, sc_logits: torch.Tensor) -> torch.Tensor:
-        """softmax(sc_logits) @ E [B, C, H] in the weight dtype (spec 2.10's soft embedding), or its top-K
-        approximation (`sc_topk`): what the eager and the static (CUDA-graph) decoder passes both call."""
+        """softmax(sc_logits) @ E [B, C, H] in the weight dtype (the soft embedding), or what `ops` puts
+        in its place (the top-K approximation, `sc_topk`)."""
         w = self.embed_tokens.weight
-        if self.sc_topk is not None:
-            from ..kernels.sc_topk import soft_embedding_topk
-
-            return soft_embedding_topk(sc_logits, w, self.sc_topk)
+        if self.ops.soft_embedding is not None:
+            return self.ops.soft_embedding(sc_logits, w)
         return softmax_rows(sc_logits, w.dtype) @ w  # softmax(z.float()).to(w.dtype), in 64 MB chunks
 
-    def _rope(self, start: int, length: int, dtype, device) -> dict:
-        """Rotary tables for positions [start, start + length), per layer type. Every denoising step of a
-        canvas asks for the same span, so the last few spans are kept (a small host-side memo: the
-        tables are a function of the span, dtype and device only; nothing writes to them)."""
+    def _rope(self, start, length: int, dtype, device) -> dict:
+        """Rotary tables for positions [start, start + length), per layer type. `start` a host int: every denoising
+        step of a canvas asks for the same span, so the last few spans are kept (a small host-side memo: the tables
+        are a function of the span, dtype and device only; nothing writes to them). A device tensor (the
+        fixed-shape passes): computed from it, the same numbers."""
+        if isinstance(start, torch.Tensor):
+            pos = start + torch.arange(length, device=start.device)
+            return {t: rope_cos_sin(getattr(self, f"inv_freq_{t}"), pos, dtype) for t in (SLIDING, FULL)}
         key = (start, length, dtype, torch.device(device))
         tables = self._rope_memo.get(key)
         if tables is None:
@@ -229,57 +225,51 @@ class DiffusionGemmaModel(nn.Module):
             self._rope_memo[key] = tables
         return tables
 
-    def _encoder_masks(self, T0: int, S: int, cache: KVCache, dtype, dev) -> dict:
-        """Per layer type: (first visible cache position lo, additive mask [B|1,1,S,T0+S-lo]) for an
-        encoder chunk at positions [T0, T0+S) (spec 3.2: causal, sliding layers q - W < k <= q)."""
-        pos = torch.arange(T0, T0 + S, device=dev)
-        W = self.window
-        masks = {}
-        for t in (SLIDING, FULL):
-            if self.bidirectional_encoder:
-                lo = 0 if t == FULL else max(0, T0 - W)
-            else:
-                lo = 0 if t == FULL else max(0, T0 - W + 1)
-            kp = torch.arange(lo, T0 + S, device=dev)
-            if self.bidirectional_encoder:
-                allowed = torch.ones(S, kp.numel(), dtype=torch.bool, device=dev)
-                if t == SLIDING:
-                    allowed = (kp[None, :] - pos[:, None]).abs() <= W
-            else:
-                allowed = kp[None, :] <= pos[:, None]
-                if t == SLIDING:
-                    allowed = allowed & (kp[None, :] > pos[:, None] - W)
-            allowed = allowed[None, None]  # [1,1,S,L]
-            if cache.has_padding:
-                allowed = allowed & cache.valid[:, None, None, lo:T0 + S]
-            masks[t] = (lo, additive_mask(allowed, dtype))
-        return masks
+    def _layers(self, x, rope: dict, keys, scalar, upto: int | None = None, hidden_states: list | None = None,
+                checkpoint: bool = False, checkpoint_ffn: bool = False):
+        """The decoder layers [0, upto) (default all) over x [B, n, H]. keys: the pass's `KeyAccess` (where it
+        writes K/V, what each query sees); scalar(layer) -> the residual scale of its rows. checkpoint: recompute
+        whole layers in backward (a pass that writes no cache); checkpoint_ffn: their feed-forward halves only."""
+        # compiled blocks run the fixed-shape passes only: a span pass's host-position attention breaks each block
+        # into pieces, each shape (every prompt length) compiles again, and it bought nothing on an H100 (a 1,024-token
+        # prefill took 68 ms compiled, 71 eager; benchmarks/results/2026-11-26-h100-compiled.md)
+        attn_fn, block = self.ops.attention, self.ops.block if keys.fixed else None
+        for i, layer in enumerate(self.layers[:upto]):
+            t = FULL if layer.full else SLIDING
+            cos, sin = rope[t]
 
-    def _decoder_masks(self, T: int, B: int, C: int, cache: KVCache, dtype, dev) -> dict:
-        """Per layer type: (first visible cache position lo, additive padding mask or None) for a canvas at
-        [T, T+C) (spec 3.4: every canvas query sees cache [lo, T) and the whole canvas)."""
-        masks = {}
-        for t, lo in ((FULL, 0), (SLIDING, max(0, T - (self.window - 1)))):
-            mask = None
-            if cache.has_padding:
-                allowed = torch.cat([cache.valid[:, lo:T],
-                                     torch.ones(B, C, dtype=torch.bool, device=dev)], dim=1)[:, None, None]
-                mask = additive_mask(allowed, dtype)
-            masks[t] = (lo, mask)
-        return masks
+            def attend(h, kv=keys.layer(i), t=t, layer=layer, cos=cos, sin=sin):
+                q, k, v = layer.self_attn.project(h, cos, sin)
+                return layer.self_attn.output(keys.attend(kv, t, q, k, v, attn_fn))
+
+            if checkpoint:  # training only; the cache is read-only here
+                x = torch.utils.checkpoint.checkpoint(layer, x, attend, scalar(layer), use_reentrant=False)
+            elif checkpoint_ffn:  # training only
+                x = layer(x, attend, scalar(layer), checkpoint_ffn=True)
+            elif block is not None:  # a compiled block (the same function)
+                x = block(layer, x, attend, scalar(layer))
+            else:
+                x = layer(x, attend, scalar(layer))
+            if hidden_states is not None and i < len(self.layers) - 1:
+                hidden_states.append(x)
+        return x
 
     # encoder pass -------------------------------------------------------------------------------
     def encode(self, ids: torch.Tensor, cache: KVCache, pad_mask: torch.Tensor | None = None,
                hidden_states: list | None = None, inputs_embeds: torch.Tensor | None = None,
-               output: bool = True) -> torch.Tensor | None:
-        """ids [B,S] at positions [T0, T0+S). pad_mask [B,S] bool (True = real token). Returns the final-normed
-        hidden states [B,S,H].
+               output: bool = True, start: torch.Tensor | None = None) -> torch.Tensor | None:
+        """ids [B,S] at positions [T0, T0+S) (T0 = cache.length). pad_mask [B,S] bool (True = real token). Returns the
+        final-normed hidden states [B,S,H].
 
         output=False, where only the cache is wanted (a prompt's prefill, a commit): the last layer stops once its
         K/V are written, since its queries, attention, feed-forward half and the final norm only make the hidden
         states, and None is returned. The same cache, bit for bit; on the 26B model a 2,048-token chunk skips one of
         the five full-attention layers' attention and one layer's experts, and a long prompt's prefill holds no
         [S, H] output (0.74 GB at 128K).
+
+        start: T0 as a 0-dim int64 device tensor: the fixed-shape pass (model/keys.py `Fixed`; what CUDA graphs
+        capture). It reads and writes device buffers only: the caller keeps the cache's host bookkeeping (the
+        capacity for T0 + S, `note_write`, `length`). No padding, hidden states or embeddings there.
 
         Chunked prefill: without autograd, a causal encoder encodes more than `prefill_chunk` tokens a chunk at a
         time, each chunk attending to the cache the chunks before it wrote (what a commit does). The same function
@@ -289,51 +279,32 @@ class DiffusionGemmaModel(nn.Module):
         [chunk, window + chunk] keys instead of all S. A bidirectional encoder (every prompt token sees every
         other) is encoded whole."""
         B, S = ids.shape
-        T0 = cache.length
         output = output or hidden_states is not None
-        k = self.prefill_chunk
-        if k and S > k and not self.bidirectional_encoder and hidden_states is None and inputs_embeds is None \
-                and not torch.is_grad_enabled():
-            cache.ensure_capacity(T0 + S, write=k)  # once, not chunk by chunk
-            out = None  # [B, S, H], filled chunk by chunk (a list of chunks and their concatenation: twice that)
-            for i in range(0, S, k):  # this method, not an installed graph's pass: a prefill asked for eagerly stays so
-                h = DiffusionGemmaModel.encode(self, ids[:, i:i + k], cache,
-                                               None if pad_mask is None else pad_mask[:, i:i + k], output=output)
-                if h is None:
-                    continue
-                if out is None:
-                    out = h.new_empty(B, S, h.shape[-1])
-                out[:, i:i + k] = h
-                del h
-            return out
-        cache.ensure_capacity(T0 + S, write=S)
-        if pad_mask is not None:
-            cache.set_padding(T0, pad_mask.to(torch.bool))
+        if start is None:
+            T0 = cache.length
+            k = self.prefill_chunk
+            if k and S > k and not self.bidirectional_encoder and hidden_states is None and inputs_embeds is None \
+                    and not torch.is_grad_enabled():
+                return self._encode_chunks(ids, cache, pad_mask, output, k)
+            cache.ensure_capacity(T0 + S, write=S)
+            if pad_mask is not None:
+                cache.set_padding(T0, pad_mask.to(torch.bool))
         x = self.embed(ids) if inputs_embeds is None else inputs_embeds
-        dtype, dev = x.dtype, x.device
-        rope = self._rope(T0, S, dtype, dev)
-        attn_fn = ATTENTION_BACKENDS[self.attention_backend]
-        masks = self._encoder_masks(T0, S, cache, dtype, dev)
+        rope = self._rope(T0 if start is None else start, S, x.dtype, x.device)
+        keys = Spans(self, cache, T0, S, 0, False, x.dtype) if start is None else \
+            Fixed(self, cache, start, S, 0, x.dtype)
         if hidden_states is not None:
             hidden_states.append(x)
-        for i, layer in enumerate(self.layers):
+        last = len(self.layers) - 1
+        x = self._layers(x, rope, keys, lambda layer: layer.encoder_layer_scalar, upto=None if output else last,
+                         hidden_states=hidden_states,
+                         checkpoint_ffn=self.gradient_checkpointing and torch.is_grad_enabled())
+        if not output:  # the cache needs only the last layer's K/V
+            layer = self.layers[last]
             t = FULL if layer.full else SLIDING
-            lo, mask = masks[t]
-            cos, sin = rope[t]
-
-            def attend(h, i=i, layer=layer, lo=lo, mask=mask, cos=cos, sin=sin):
-                q, k, v = layer.self_attn.project(h, cos, sin)
-                cache.write(i, k, v, T0)
-                ck, cv = cache.span(i, lo, T0 + S)
-                return layer.self_attn.output(attn_fn(q, ck, cv, mask))
-
-            if not output and i == len(self.layers) - 1:  # the cache needs only this layer's K/V
-                cache.write(i, *layer.self_attn.project_kv(layer.input_layernorm(x), cos, sin), T0)
-                break
-            x = layer(x, attend, layer.encoder_layer_scalar)
-            if hidden_states is not None and i < len(self.layers) - 1:
-                hidden_states.append(x)
-        cache.length = T0 + S
+            keys.write(keys.layer(last), t, *layer.self_attn.project_kv(layer.input_layernorm(x), *rope[t]))
+        if start is None:
+            cache.length = T0 + S
         if not output:
             return None
         x = self.norm(x)
@@ -341,63 +312,62 @@ class DiffusionGemmaModel(nn.Module):
             hidden_states.append(x)
         return x
 
+    def _encode_chunks(self, ids, cache, pad_mask, output: bool, k: int):
+        """`encode` of a long prompt, `k` tokens at a time."""
+        B, S = ids.shape
+        cache.ensure_capacity(cache.length + S, write=k)  # once, not chunk by chunk
+        out = None  # [B, S, H], filled chunk by chunk (a list of chunks and their concatenation: twice that)
+        for i in range(0, S, k):
+            h = self.encode(ids[:, i:i + k], cache, None if pad_mask is None else pad_mask[:, i:i + k], output=output)
+            if h is None:
+                continue
+            if out is None:
+                out = h.new_empty(B, S, h.shape[-1])
+            out[:, i:i + k] = h
+            del h
+        return out
+
     # commit + first denoising step in one pass ----------------------------------------------------
     def encode_decode(self, ids: torch.Tensor, canvas: torch.Tensor, cache: KVCache,
                       pad_mask: torch.Tensor | None = None, sc_logits: torch.Tensor | None = None,
-                      sc_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      sc_mask: torch.Tensor | None = None, start: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         """`encode(ids, cache, pad_mask)` then `decode(canvas, cache, sc_logits, sc_mask)`, in one pass.
 
         ids [B,S] (a committed canvas) at positions [T0, T0+S), canvas [B,C] at [T0+S, T0+S+C). Rows of
         both run through every layer together, so each weight is read once for the two passes (a step
         of the 26B model is bound by reading its weights). Attention is split per segment: ids queries
-        see the cache causally and write their K/V first (encoder masks), canvas queries see the
-        updated cache [lo, T0+S) plus the whole canvas (decoder masks); the encoder and decoder
-        `layer_scalar`s scale their own rows. Same function as the two calls up to fp32 summation
-        order (the GEMMs see S+C rows instead of S and C). Returns decode's logits [B,C,V]."""
+        see the cache causally and write their K/V first (encoder rule), canvas queries see the
+        updated cache plus the whole canvas (decoder rule); the encoder and decoder `layer_scalar`s scale their own
+        rows. Same function as the two calls up to fp32 summation order (the GEMMs see S+C rows instead of S and C).
+        Returns decode's logits [B,C,V] (into `out`, an fp32 tensor of their shape, when given). start: T0 on the
+        device, the fixed-shape pass (see `encode`)."""
         B, S = ids.shape
         C = canvas.shape[1]
-        T0 = cache.length
-        T = T0 + S
-        cache.ensure_capacity(T, write=S)
-        scratch = not torch.is_grad_enabled() and cache.scratch_room(T0, S + C)  # the canvas's K/V too, as in decode
-        if pad_mask is not None:
-            cache.set_padding(T0, pad_mask.to(torch.bool))
+        if start is None:
+            T0 = cache.length
+            cache.ensure_capacity(T0 + S, write=S)
+            scratch = not torch.is_grad_enabled() and cache.scratch_room(T0, S + C)  # the canvas's K/V too
+            if pad_mask is not None:
+                cache.set_padding(T0, pad_mask.to(torch.bool))
         x = torch.cat([self.embed(ids), self.decoder_input(canvas, sc_logits, sc_mask)], dim=1)  # [B, S+C, H]
-        dtype, dev = x.dtype, x.device
-        rope = self._rope(T0, S + C, dtype, dev)
-        attn_fn = ATTENTION_BACKENDS[self.attention_backend]
-        enc_masks = self._encoder_masks(T0, S, cache, dtype, dev)
-        dec_masks = self._decoder_masks(T, B, C, cache, dtype, dev)
-        for i, layer in enumerate(self.layers):
-            t = FULL if layer.full else SLIDING
-            (lo_e, mask_e), (lo_d, mask_d) = enc_masks[t], dec_masks[t]
-            cos, sin = rope[t]
+        rope = self._rope(T0 if start is None else start, S + C, x.dtype, x.device)
+        keys = Spans(self, cache, T0, S, C, scratch, x.dtype) if start is None else \
+            Fixed(self, cache, start, S, C, x.dtype)
 
-            def attend(h, i=i, layer=layer, lo_e=lo_e, mask_e=mask_e, lo_d=lo_d, mask_d=mask_d, cos=cos, sin=sin):
-                q, k, v = layer.self_attn.project(h, cos, sin)  # [B, heads, S+C, D]
-                if scratch:
-                    cache.write(i, k, v, T0)
-                else:
-                    cache.write(i, k[:, :, :S], v[:, :, :S], T0)
-                ek, ev = cache.span(i, lo_e, T)
-                out_e = attn_fn(q[:, :, :S], ek, ev, mask_e)
-                if scratch:
-                    out_d = attn_fn(q[:, :, S:], *cache.span(i, lo_d, T + C), mask_d)
-                else:
-                    dk, dv = cache.span(i, lo_d, T)
-                    out_d = attn_fn(q[:, :, S:], torch.cat([dk, k[:, :, S:]], 2), torch.cat([dv, v[:, :, S:]], 2),
-                                    mask_d)
-                return layer.self_attn.output(torch.cat([out_e, out_d], 2))
+        def scalar(layer):  # the encoder's scale on the chunk's rows, the decoder's on the canvas's
+            return torch.cat([layer.encoder_layer_scalar.expand(S), layer.layer_scalar.expand(C)])[None, :, None]
 
-            scalar = torch.cat([layer.encoder_layer_scalar.expand(S), layer.layer_scalar.expand(C)])[None, :, None]
-            x = layer(x, attend, scalar)
-        cache.length = T
-        return self.lm_logits(self.norm(x[:, S:]))
+        x = self._layers(x, rope, keys, scalar)
+        if start is None:
+            cache.length = T0 + S
+        return self.lm_logits(self.norm(x[:, S:]), out=out)
 
     # decoder pass -------------------------------------------------------------------------------
     def decoder_input(self, canvas: torch.Tensor, sc_logits: torch.Tensor | None,
                       sc_mask: torch.Tensor | None) -> torch.Tensor:
-        """post_norm(embed(canvas) + SC-MLP(pre_norm(softmax(sc_logits) @ E * sqrt(H))))."""
+        """post_norm(embed(canvas) + SC-MLP(pre_norm(softmax(sc_logits) @ E * sqrt(H)))); sc_mask [B] bool: rows
+        without self-conditioning (a zero signal, as with no logits)."""
         e = self.embed(canvas)
         if sc_logits is not None:
             soft = self.soft_embedding(sc_logits) * self.embed_scale(e.dtype, e.device)
@@ -408,45 +378,31 @@ class DiffusionGemmaModel(nn.Module):
 
     def decode(self, canvas: torch.Tensor, cache: KVCache, sc_logits: torch.Tensor | None = None,
                sc_mask: torch.Tensor | None = None, hidden_states: list | None = None,
-               return_hidden: bool = False) -> torch.Tensor:
-        """canvas [B,C] -> fp32 soft-capped logits [B,C,V]. Cache positions [0, length) are read only.
+               return_hidden: bool = False, start: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """canvas [B,C] at positions [T, T+C) (T = cache.length) -> fp32 soft-capped logits [B,C,V] (into `out`, an
+        fp32 tensor of their shape, when given). Cache positions [0, T) are read only.
 
-        Without autograd, where the cache has room, each layer writes the canvas's K/V at [length, length + C) as
-        scratch (what the static passes do; the commit overwrites it) and attends over one span of the cache: the
-        same keys in the same order as concatenating the cached ones and the canvas's, which copied every layer's
-        visible cache once per step (at a 32K-token context on the 26B model, its full layers' 0.67 GB)."""
+        Without autograd, where the cache has room, each layer writes the canvas's K/V at [T, T + C) as scratch (the
+        commit overwrites it) and attends over one span of the cache: the same keys in the same order as
+        concatenating the cached ones and the canvas's, which copied every layer's visible cache once per step (at a
+        32K-token context on the 26B model, its full layers' 0.67 GB). start: T on the device, the fixed-shape
+        pass (see `encode`; the capacity must hold T + C)."""
         B, C = canvas.shape
-        T = cache.length
-        scratch = not torch.is_grad_enabled() and cache.scratch_room(T, C)
+        if start is None:
+            T = cache.length
+            scratch = not torch.is_grad_enabled() and cache.scratch_room(T, C)
         x = self.decoder_input(canvas, sc_logits, sc_mask)
-        dtype, dev = x.dtype, x.device
-        rope = self._rope(T, C, dtype, dev)
-        attn_fn = ATTENTION_BACKENDS[self.attention_backend]
-        masks = self._decoder_masks(T, B, C, cache, dtype, dev)
+        rope = self._rope(T if start is None else start, C, x.dtype, x.device)
+        keys = Spans(self, cache, T, 0, C, scratch, x.dtype) if start is None else \
+            Fixed(self, cache, start, 0, C, x.dtype)
         if hidden_states is not None:
             hidden_states.append(x)
-        for i, layer in enumerate(self.layers):
-            t = FULL if layer.full else SLIDING
-            lo, mask = masks[t]
-            cos, sin = rope[t]
-
-            def attend(h, i=i, layer=layer, lo=lo, mask=mask, cos=cos, sin=sin):
-                q, k, v = layer.self_attn.project(h, cos, sin)
-                if scratch:
-                    cache.write(i, k, v, T)
-                    return layer.self_attn.output(attn_fn(q, *cache.span(i, lo, T + C), mask))
-                ck, cv = cache.span(i, lo, T)
-                return layer.self_attn.output(attn_fn(q, torch.cat([ck, k], 2), torch.cat([cv, v], 2), mask))
-
-            if self.gradient_checkpointing and torch.is_grad_enabled():  # training only; the cache is read-only here
-                x = torch.utils.checkpoint.checkpoint(layer, x, attend, layer.layer_scalar, use_reentrant=False)
-            else:
-                x = layer(x, attend, layer.layer_scalar)
-            if hidden_states is not None and i < len(self.layers) - 1:
-                hidden_states.append(x)
+        x = self._layers(x, rope, keys, lambda layer: layer.layer_scalar, hidden_states=hidden_states,
+                         checkpoint=self.gradient_checkpointing and torch.is_grad_enabled())
         x = self.norm(x)
         if hidden_states is not None:
             hidden_states.append(x)
         if return_hidden:
             return x
-        return self.lm_logits(x)
+        return self.lm_logits(x, out=out)

@@ -52,7 +52,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
-    """fp32 inverse frequencies [D/2] for 'default' or 'proportional' RoPE (spec 2.3)."""
+    """fp32 inverse frequencies [D/2] for 'default' or 'proportional' RoPE."""
     theta = float(params.get("rope_theta", 10000.0))
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv = 1.0 / (theta ** exponents)
@@ -128,9 +128,6 @@ def attention_sdpa(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
 
 
-ATTENTION_BACKENDS = {"eager": attention_eager, "sdpa": attention_sdpa}
-
-
 class Attention(nn.Module):
     """Sliding or full attention. Full layers have no v_proj: V = v_norm(k_proj(x)) (k = v)."""
 
@@ -173,9 +170,6 @@ def softcap_logits(logits: torch.Tensor, cap: float, out: torch.Tensor | None = 
     return (logits.float() if out is None else out.copy_(logits)).div_(cap).tanh_().mul_(cap)
 
 
-SOFTCAP_BACKENDS = {"torch": softcap_logits}  # kernels/ registers "triton" and "triton_checked"
-
-
 SOFTMAX_CHUNK = 1 << 24  # elements per fp32 chunk of `softmax_rows` (64 MB)
 
 
@@ -196,7 +190,7 @@ def softmax_rows(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     The fp32 round trip costs ~1.3 GB of traffic a step on the 26B model (the cast, the fp32 softmax, the copy
     back), this ~0.4 GB. Not bit for bit: its sum runs in another order, so an element on a bf16 rounding
     boundary may round the other way (a GPU test bounds it, not yet run). The meta device (memory accounting,
-    kernels/memory.py) takes the GPU's path."""
+    lab/memory.py) takes the GPU's path."""
     V = z.shape[-1]
     if (z.is_cuda or z.is_meta) and z.dtype == dtype and not z.requires_grad and SOFTMAX_IN_DTYPE_ON_CUDA:
         return torch.softmax(z, dim=-1)

@@ -1,4 +1,4 @@
-"""Checkpoint tensors <-> module parameters (spec 3.5): one declarative name map, safetensors only.
+"""Checkpoint tensors <-> module parameters: one declarative name map, safetensors only.
 
 Checkpoint layout (released and transformers-saved alike):
 - `model.decoder.<name>`                               -> `<name>` (embeddings, norms, layers, self-conditioning)
@@ -9,16 +9,22 @@ Checkpoint layout (released and transformers-saved alike):
 Loading builds the module on the meta device and assigns each tensor once, read through
 safetensors' memory map and converted straight to the target device/dtype, so weights are never
 materialised twice. Pickle checkpoints are refused.
+
+Damaged checkpoints are refused with the tensor's name, never loaded silently wrong: a weight stored
+as an integer or bool type (a flipped dtype in the header), NaN or Inf values (one fp32 sum per
+tensor, checked with one device sync at the end), a sharded index naming a file outside the
+checkpoint folder, a symlink loop.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import sys
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -28,6 +34,7 @@ ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.la
 DECODER_PREFIX = "model.decoder."
 IGNORED_TIED = ("lm_head.weight", "model.encoder.language_model.")
 VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "model.vision", "model.encoder.multi_modal")
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}  # safetensors' names of the float types
 
 
 def checkpoint_to_module_name(key: str) -> str | None:
@@ -56,15 +63,24 @@ def find_weight_files(folder: Path) -> list[Path]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is malformed ({e!r}); re-download the checkpoint") from None
         files = sorted(set(weight_map.values()))
+        for f in files:
+            if not isinstance(f, str) or PurePosixPath(f).is_absolute() or ".." in PurePosixPath(f).parts:
+                raise CheckpointError(f"{index} names the shard {f!r}, outside {folder}; a checkpoint's shards sit in "
+                                      "its own folder: the index is damaged (re-download it)")
+        for f in files:
+            _check_link(folder / f)
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
             raise CheckpointError(f"{len(missing)} shard(s) listed in {index.name} are missing from {folder} "
                                   f"(first: {missing[0]}); finish the download")
         return [folder / f for f in files]
     single = folder / "model.safetensors"
+    _check_link(single)
     if single.is_file():
         return [single]
     others = sorted(folder.glob("*.safetensors"))
+    for p in others:
+        _check_link(p)
     if others:
         return others
     pickles = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
@@ -74,6 +90,21 @@ def find_weight_files(folder: Path) -> list[Path]:
                               "model.save_pretrained(dir, safe_serialization=True)")
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}; "
                           "point blockpress at a complete checkpoint folder")
+
+
+def _check_link(path: Path) -> None:
+    """A symlink that loops (a -> b -> a) would read as "No such file": say what it is."""
+    if not path.is_symlink():
+        return
+    try:
+        path.resolve(strict=True)
+    except FileNotFoundError:
+        return  # dangling: "missing" is the right word, said by the caller
+    except (RuntimeError, OSError) as e:  # RuntimeError: Python < 3.13's "Symlink loop"
+        if isinstance(e, RuntimeError) or getattr(e, "errno", None) == errno.ELOOP:
+            raise CheckpointError(f"{path} is a symlink loop ({path.name} -> {os.readlink(path)} -> ...); point it "
+                                  "at the real file, or re-download the checkpoint") from None
+        raise
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -97,6 +128,7 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
     skipped_vision = 0
     unexpected: list[str] = []
     keys_per_file = []
+    sums: list[tuple[str, torch.Tensor]] = []  # (key, fp32 sum): NaN or Inf when the tensor holds one
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as h:
@@ -127,7 +159,15 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
                         raise CheckpointError(f"tensor {key} in {f.name} has shape {list(shape)}, expected "
                                               f"{list(target.shape)} from config.json; the config and weights "
                                               "do not belong together")
+                    stored = h.get_slice(key).get_dtype()
+                    if target.dtype.is_floating_point and stored not in FLOAT_DTYPES:
+                        raise CheckpointError(f"tensor {key} in {f.name} is stored as {stored}, expected a "
+                                              f"floating-point weight ({', '.join(sorted(FLOAT_DTYPES))}); the "
+                                              "file is damaged (its header says an integer or bool type): "
+                                              "re-download it")
                     t = h.get_tensor(key).to(device=device, dtype=dtype)
+                    if t.is_floating_point():
+                        sums.append((key, t.sum(dtype=torch.float32)))
                     _assign(module, name, t)
                     loaded.add(name)
                     del t
@@ -137,6 +177,7 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
             raise CheckpointError(f"{f.name} could not be read ({e}); the file may be truncated: re-download it") from None
     if bar is not None:
         bar.close()
+    _check_finite(sums, files, dtype)
     missing = [n for n in expected if n not in loaded]
     # encoder layer scalars default to the decoder's copies (converters treat them as duplicates)
     fallback = [n for n in missing if n.endswith("encoder_layer_scalar") and n.replace("encoder_", "") in loaded]
@@ -156,6 +197,30 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
             "encoder_scalars_from_decoder": len(fallback)}
 
 
+def _check_finite(sums: list[tuple[str, torch.Tensor]], files: list[Path], dtype) -> None:
+    """Refuse weights with NaN or Inf values (a sum is finite only when every value is): they would make every
+    generation fail later, far from the cause. One device sync for all tensors."""
+    if not sums:
+        return
+    finite = torch.isfinite(torch.stack([s for _, s in sums])).tolist()
+    bad = [key for (key, _), ok in zip(sums, finite) if not ok]
+    if not bad:
+        return
+    from safetensors import safe_open
+
+    stored_finite = True  # the value in the file itself, to tell a damaged file from an overflow of --dtype
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            if bad[0] in h.keys():
+                stored_finite = bool(torch.isfinite(h.get_tensor(bad[0]).sum(dtype=torch.float32)))
+    what = f"{len(bad)} tensor(s) hold NaN or Inf values (first: {bad[0]})"
+    if stored_finite:
+        raise CheckpointError(f"{what} once cast to {str(dtype).removeprefix('torch.')}: the values overflow it; "
+                              "load with dtype bfloat16 or float32 (--dtype)")
+    raise CheckpointError(f"{what}; the checkpoint is damaged (a diverged training run, or a corrupt file): "
+                          "re-download it, or resume training from an earlier checkpoint")
+
+
 def _assign(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
     *path, leaf = name.split(".")
     owner = module
@@ -167,17 +232,21 @@ def _assign(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
         owner._buffers[leaf] = tensor
 
 
-def state_dict_for_checkpoint(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def state_dict_for_checkpoint(module: torch.nn.Module, tensors: dict | None = None) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers under the checkpoint's names, on the CPU. tensors: the same names' values
+    gathered elsewhere (a sharded training run's, train/distributed.py `full_tensors`) instead of the module's."""
     out = {}
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         if name.split(".")[-1].startswith("inv_freq"):
             continue
+        t = tensors[name] if tensors is not None else t
         out[module_to_checkpoint_name(name)] = t.detach().contiguous().cpu()
     return out
 
 
 def write_atomic(folder: Path, files: dict) -> None:
-    """Write files into `folder` via a temp dir + rename, so a failure never leaves a half checkpoint."""
+    """Write files into `folder` via a temp dir (`.NAME.*` beside it) + rename, so a failure never leaves a half
+    checkpoint: the temp dir is removed whatever the failure."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -198,10 +267,12 @@ def write_atomic(folder: Path, files: dict) -> None:
             _rmtree(old)
         else:
             os.replace(tmp, folder)
-    except OSError as e:
+    except BaseException as e:  # any writer's failure (torch: RuntimeError, safetensors: SafetensorError), Ctrl-C
         _rmtree(tmp)
-        raise CheckpointError(f"could not write checkpoint to {folder} ({e.strerror or e}); free disk space or "
-                              "choose another path; nothing was overwritten") from e
+        if isinstance(e, OSError):
+            raise CheckpointError(f"could not write checkpoint to {folder} ({e.strerror or e}); free disk space or "
+                                  "choose another path; nothing was overwritten") from e
+        raise
 
 
 def _rmtree(p: Path) -> None:

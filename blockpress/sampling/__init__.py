@@ -1,4 +1,4 @@
-"""Pure sampler arithmetic of one denoising step (spec 4.5-4.7).
+"""Pure sampler arithmetic of one denoising step.
 
 Shape legend: B batch, C canvas length, V vocab.
 
@@ -9,9 +9,12 @@ per canvas `randint[B,C]` (initial canvas), then per step `multinomial` over the
 
 `generator` may also be a list with one generator per row: each row then draws from its own
 stream (`randint[1,C]`, `multinomial` over its [C,V]), and only while the row is `active`
-(neither done denoising nor finished), which makes a row's tokens independent of what else is in
-the batch (the server batches requests with their own seeds). For B = 1 the two forms consume
-the stream identically, since an inactive single row ends the loop.
+(neither done denoising nor finished; a [B] bool tensor or a host list), which makes a row's tokens
+independent of what else is in the batch (the server batches requests with their own seeds). For B = 1
+the two forms consume the stream identically, since an inactive single row ends the loop.
+
+`StabilityTracker` takes one stopping rule for the batch or one per row (the server batches requests
+with their own settings); per-row rules compute, row for row, what one rule computes.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def temperature_schedule(n_steps: int, t_min: float, t_max: float, device: torch
 
 
 def _rows(generator, active):
-    flags = active.tolist() if active is not None else [True] * len(generator)
+    flags = [True] * len(generator) if active is None else active if isinstance(active, list) else active.tolist()
     return list(zip(generator, flags))
 
 
@@ -93,19 +96,45 @@ def sample_tokens(z: torch.Tensor, generator=None, active=None) -> torch.Tensor:
 
 
 class StabilityTracker:
-    """Stable-and-confident stopping (spec 4.7-a); history reset for every canvas."""
+    """Stable-and-confident stopping; history reset for every canvas.
 
-    def __init__(self, stability_threshold: int, confidence_threshold: float, max_steps: int | None = None):
+    stability_threshold / confidence_threshold: one rule for every row, or a list with one per row (None there: the
+    row never stops early, as a row without adaptive stopping). A row is done when its argmax canvas equals each of
+    its last S ones (S = 0: always) and its mean entropy is below kappa."""
+
+    def __init__(self, stability_threshold, confidence_threshold, max_steps=None):
         # A canvas takes at most `max_steps` steps, and a row needs S recorded steps before it can be
         # stable, so any S >= max_steps means "never stops early": clamping keeps the history (S canvases
         # of argmaxes) from growing with an arbitrarily large threshold.
-        if max_steps is not None:
-            stability_threshold = min(stability_threshold, max_steps)
-        self.S, self.kappa = stability_threshold, confidence_threshold
+        self.per_row = isinstance(stability_threshold, (list, tuple))
+        if not self.per_row:
+            if max_steps is not None:
+                stability_threshold = min(stability_threshold, max_steps)
+            self.S, self.kappa = stability_threshold, confidence_threshold
+            self._skip = self._enabled = None
+        else:
+            steps = max_steps if isinstance(max_steps, (list, tuple)) else [max_steps] * len(stability_threshold)
+            S = [0 if s is None else s if n is None else min(s, n) for s, n in zip(stability_threshold, steps)]
+            self.S = max(S, default=0)
+            self._row_S = S
+            self._enabled_list = [s is not None for s in stability_threshold]
+            self._kappa_list = [0.0 if k is None else float(k) for k in confidence_threshold]
+            self.kappa = self._skip = self._enabled = None  # device tensors, made on the first call
         self.history: torch.Tensor | None = None
 
     def reset(self) -> None:
         self.history = None
+
+    def _row_rules(self, device) -> None:
+        """Per-row rules as device tensors, once: kappa [B] fp32 (the dtype one float threshold is compared in),
+        which rows stop at all [B], and which history entries a row with a shorter S ignores [S, B]."""
+        if self._enabled is not None:
+            return
+        self.kappa = torch.tensor(self._kappa_list, dtype=torch.float32, device=device)
+        self._enabled = torch.tensor(self._enabled_list, dtype=torch.bool, device=device)
+        if any(s != self.S for s in self._row_S):
+            first = torch.tensor([self.S - s for s in self._row_S], device=device)  # [B]
+            self._skip = torch.arange(self.S, device=device)[:, None] < first[None, :]
 
     def stable(self, argmax: torch.Tensor, watch: torch.Tensor | None = None) -> torch.Tensor:
         """[B] True where the argmax equals each of the last S argmax canvases (at the `watch` positions
@@ -117,19 +146,54 @@ class StabilityTracker:
         same = self.history == argmax[None]
         if watch is not None:
             same = same | ~watch[None]
-        stable = same.all(dim=-1).all(dim=0)
+        same = same.all(dim=-1)  # [S, B]
+        if self._skip is not None:  # a row with a shorter S looks at its last S entries only
+            same = same | self._skip
+        stable = same.all(dim=0)
         self.history = torch.cat([self.history[1:], argmax[None]], dim=0)
         return stable
 
     def __call__(self, argmax: torch.Tensor, z: torch.Tensor, entropy: torch.Tensor | None = None,
                  watch: torch.Tensor | None = None) -> torch.Tensor:
         """argmax [B,C], z [B,C,V] (temperature-scaled, possibly frozen) -> done [B].
-        `entropy` [B,C] may be passed when already computed from z (fused sampler). `watch` [B,C] bool:
+        `entropy` [B,C] may be passed when already computed from z. `watch` [B,C] bool:
         only these positions count (infilling: the canvas past the template is free but discarded)."""
+        if self.per_row:
+            self._row_rules(argmax.device)
         h = token_entropy(z) if entropy is None else entropy
         if watch is None:
             mean = h.mean(dim=-1)
         else:
             w = watch.to(h.dtype)
             mean = (h * w).sum(-1) / w.sum(-1).clamp(min=1)
-        return self.stable(argmax, watch) & (mean < self.kappa)
+        done = self.stable(argmax, watch) & (mean < self.kappa)
+        return done if self._enabled is None else done & self._enabled
+
+    def rows(self, index, device) -> "StabilityTracker":
+        """The same rules for the rows `index` (an index tensor or a slice) only: a step over part of the batch
+        (row compaction) records into it, and `put_rows` writes its history back."""
+        sub = StabilityTracker.__new__(StabilityTracker)
+        sub.__dict__.update(self.__dict__)
+        sub.history = None if self.history is None else self.history[:, index]
+        if self.per_row:
+            self._row_rules(device)
+            sub.kappa, sub._enabled = self.kappa[index], self._enabled[index]
+            sub._skip = None if self._skip is None else self._skip[:, index]
+        return sub
+
+    def put_rows(self, index: torch.Tensor, sub: "StabilityTracker") -> None:
+        """Write the history of `rows(index)` back into these rows."""
+        if sub.history is not None:  # S = 0 keeps none; otherwise the full step before it made this one's
+            self.history[:, index] = sub.history
+
+    def permute(self, index: torch.Tensor, order: list[int]) -> None:
+        """Rows reordered: row s takes row order[s] (`index`: the same order on the device)."""
+        if self.history is not None:
+            self.history = self.history[:, index]
+        if self.per_row and self._enabled is not None:
+            self.kappa, self._enabled = self.kappa[index], self._enabled[index]
+            self._skip = None if self._skip is None else self._skip[:, index]
+        if self.per_row:
+            self._row_S = [self._row_S[i] for i in order]
+            self._enabled_list = [self._enabled_list[i] for i in order]
+            self._kappa_list = [self._kappa_list[i] for i in order]

@@ -2,105 +2,42 @@
 
 Invariants:
 - Every error leaves as an OpenAI-style body {"error": {"message", "type", "param", "code"}}:
-  validation problems and invalid JSON -> 400, unknown routes -> 404, wrong method -> 405,
-  bodies over the limit -> 413, full queue -> 429, anything unexpected -> 500 with a generic
+  validation problems and invalid JSON -> 400, a Host header not allowed -> 400, unknown routes ->
+  404, wrong method -> 405, a body not sent within `Limits.body_timeout` -> 408, bodies over the
+  limit (declared or chunked) -> 413, full queue -> 429, anything unexpected -> 500 with a generic
   message (the traceback goes to the server log, never to the client).
-- With an API key, every /v1 route needs `Authorization: Bearer KEY` (401 otherwise); `/`,
-  `/health` and `/metrics` stay open.
-- `blockpress_requests_total{endpoint,status}` counts every response (unknown paths -> "other").
+- With an API key, every /v1 route needs `Authorization: Bearer KEY` (401 otherwise, also for a key
+  that is not ASCII); `/`, `/health` and `/metrics` stay open.
+- Host check (against DNS rebinding): `allowed_hosts` (serve bound to loopback allows only loopback
+  names by default). CORS: opt-in `allowed_origins`. Every response is counted, 5xx included
+  (middleware.py: the order and what each layer does).
+- `/openapi.json` is the contract: true JSON Schema, streaming bodies documented as
+  `text/event-stream`, and only the status codes the server answers.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       ErrorResponse, ModelList, error_body)
+from .middleware import Counted, Guard, HostCheck, _error
+from .protocol import (APIError, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
+                       CompletionRequest, CompletionResponse, ErrorResponse, ModelCard, ModelList)
+from .responses import ResponsesServing
+from .responses_protocol import ResponseObject, ResponsesRequest, ResponseStreamEvent
 from .serving import OpenAIServing
 
 log = logging.getLogger("blockpress.server")
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429)}
-ENDPOINTS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/openapi.json",
-             "/docs"}
-
-
-def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-           code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
-
-
-class Guard:
-    """Pure ASGI middleware: body-size limit, API key, and the request counter."""
-
-    def __init__(self, app, metrics: Metrics, max_body_bytes: int, api_key: str | None):
-        self.app, self.metrics, self.max_body, self.api_key = app, metrics, max_body_bytes, api_key
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        endpoint = path if path in ENDPOINTS or path.startswith("/static/") else "other"
-        endpoint = "/static" if endpoint.startswith("/static/") else endpoint
-        status_seen = {}
-
-        async def send_counted(message):
-            if message["type"] == "http.response.start":
-                status_seen["status"] = message["status"]
-                self.metrics.requests.inc(1, endpoint, str(message["status"]))
-            await send(message)
-
-        async def reply(response: Response):
-            await response(scope, receive, send_counted)
-
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key and path.startswith("/v1/"):
-            auth = headers.get("authorization", "")
-            if not (auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].strip(), self.api_key)):
-                return await reply(_error(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
-        length = headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                return await reply(_error(400, "invalid Content-Length header"))
-            if int(length) > self.max_body:
-                return await reply(_error(413, f"request body is larger than {self.max_body} bytes",
-                                          code="request_too_large"))
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body:
-                    raise _BodyTooLarge()
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send_counted)
-        except _BodyTooLarge:
-            if "status" not in status_seen:
-                await reply(_error(413, f"request body is larger than {self.max_body} bytes",
-                                   code="request_too_large"))
-        except Exception:
-            log.exception("unexpected error on %s", path)
-            if "status" in status_seen:
-                raise
-            await reply(_error(500, "internal server error", type="server_error"))
-
-
-class _BodyTooLarge(Exception):
-    pass
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500)}
 
 
 # pydantic names the branch of a union field in the error's location ("stop.constrained-str",
@@ -109,15 +46,16 @@ _BRANCH_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "functio
 # what a union field takes, said once instead of one complaint per branch
 UNION_FIELDS = {
     "stop": "a string of 1-256 characters or a list of at most 4 such strings",
-    "prompt": "a non-empty string or a non-empty list of token ids (one prompt per request: send a batch as "
-              "separate requests, the server batches them)",
+    "prompt": "a non-empty string, a non-empty list of token ids, or a non-empty list of either (a batch)",
     "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
     "content": "a string or a list of content parts",
 }
 
 
 def _is_branch(part: Any) -> bool:
-    return isinstance(part, str) and ("[" in part or "-" in part or part in _BRANCH_NAMES)
+    # a union's branches are named by type ("list[...]", "constrained-str") or by model class ("InputMessage")
+    return isinstance(part, str) and ("[" in part or "-" in part or part in _BRANCH_NAMES
+                                      or (part[:1].isupper() and part.isidentifier()))
 
 
 def validation_message(errs: list[dict]) -> tuple[str, str | None]:
@@ -145,7 +83,10 @@ def validation_message(errs: list[dict]) -> tuple[str, str | None]:
     return (f"{where}: {msg}" if where else msg), where
 
 
-def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = None) -> FastAPI:
+def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = None,
+               allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
+    """allowed_hosts: Host header names served (None: any); allowed_origins: browser origins allowed by CORS
+    (None: none, same-origin only; ["*"]: any)."""
     app = FastAPI(title="blockpress", version="0.1.0",
                   description="OpenAI-compatible API for block-diffusion language models (DiffusionGemma).")
     static = resources.files("blockpress.server") / "static"
@@ -166,8 +107,8 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         message = e.detail if isinstance(e.detail, str) else "request failed"
-        return _error(e.status_code, message, code="not_found" if e.status_code == 404 else None,
-                      headers=getattr(e, "headers", None))
+        code = getattr(e, "code", None) or ("not_found" if e.status_code == 404 else None)
+        return _error(e.status_code, message, code=code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(RecursionError)
     async def _deep(request: Request, e: RecursionError):
@@ -189,10 +130,13 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
     async def index():
         return HTMLResponse((static / "index.html").read_text(encoding="utf-8"))
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the last generation failed (`error` says why)"}})
     async def health() -> dict:
-        s = serving.scheduler
-        return {"status": "ok", "model": serving.model_name, "active": s.active, "queue_depth": s.queue_depth}
+        s = serving.worker
+        body = {"status": "ok", "model": serving.model_name, "active": s.active, "queue_depth": s.queue_depth}
+        if serving.engine_error is not None:
+            return JSONResponse({**body, "status": "error", "error": serving.engine_error}, status_code=503)
+        return body
 
     @app.get("/metrics", response_class=Response)
     async def get_metrics():
@@ -202,21 +146,41 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
     async def models():
         return serving.models()
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+    @app.get("/v1/models/{model}", response_model=ModelCard, responses=ERRORS)
+    async def model(model: str):
+        return serving.model(model)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=streamed(ChatCompletionChunk))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return _respond(await serving.chat(req, request.is_disconnected))
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=streamed(CompletionChunk))
     async def completions(req: CompletionRequest, request: Request):
         return _respond(await serving.completion(req, request.is_disconnected))
 
+    responses = ResponsesServing(serving)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=streamed(ResponseStreamEvent))
+    async def create_response(req: ResponsesRequest, request: Request):
+        return _respond(await responses.create(req, request.is_disconnected))
+
     def openapi() -> dict:
-        """FastAPI's schema plus this server's limits, so the schema says what the server accepts."""
+        """FastAPI's schema plus this server's limits, so the schema says what the server accepts, without
+        the 422 FastAPI documents for every body (validation errors are 400s here)."""
         if app.openapi_schema is None:
             from fastapi.openapi.utils import get_openapi
 
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
+            for item in schema["paths"].values():
+                for op in item.values():
+                    op.get("responses", {}).pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema["components"]["schemas"].pop(unused, None)
+            for model in STREAMED:  # the events' schemas, which the streamed responses refer to
+                event = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+                for name, sub in {**event.pop("$defs", {}), model.__name__: event}.items():
+                    schema["components"]["schemas"].setdefault(name, sub)
             lim = serving.limits
             caps = {"max_tokens": lim.max_tokens, "max_completion_tokens": lim.max_tokens,
                     "steps": lim.max_steps, "max_denoising_steps": lim.max_steps}
@@ -233,6 +197,30 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
 
     app.openapi = openapi
     app.mount("/static", StaticFiles(directory=str(static)), name="static")
-    app.add_middleware(Guard, metrics=metrics, max_body_bytes=serving.limits.max_body_bytes, api_key=api_key)
+    # add_middleware wraps: the last added is the outermost
+    app.add_middleware(Guard, max_body_bytes=serving.limits.max_body_bytes, api_key=api_key,
+                       body_timeout=serving.limits.body_timeout)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["*"])
+    if allowed_hosts is not None and "*" not in allowed_hosts:
+        app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)
+    app.add_middleware(Counted, metrics=metrics)
     return app
+
+
+STREAMED = (ChatCompletionChunk, CompletionChunk, ResponseStreamEvent)
+
+
+def streamed(event) -> dict:
+    """The responses of a generation route: its JSON body, or with `stream: true` server-sent events, each
+    described by `schema` (OpenAPI 3.1's reading of an event stream): `data` is an `event` model as JSON, an
+    error body, or `[DONE]` (chat and completions end with it; /v1/responses names each event's type in `event`)."""
+    ref = {"$ref": f"#/components/schemas/{event.__name__}"}
+    data = {"type": "string", "anyOf": [{"const": "[DONE]"}, {
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [ref, {"$ref": "#/components/schemas/ErrorResponse"}]}}]}
+    sse = {"type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}}}
+    return {**ERRORS, 200: {"description": f"the result; with `stream: true` server-sent events of {event.__name__}",
+                            "content": {"text/event-stream": {"schema": sse}}}}
 

@@ -7,7 +7,13 @@ Invariants:
 - `to_sampling(limits, defaults)` is the one place request knobs become engine parameters: it
   applies the server limits and resolves a `GenerationConfig` (which validates the values); any
   problem raises `APIError` (400) naming the request field.
-- A missing `model` means the served model; another name is 404 `model_not_found`.
+- A missing `model` means the served model, and so does the stable alias `blockpress` (client code
+  need not know the folder's name); another name is 404 `model_not_found`.
+- A request without max_tokens gets the server's `--max-new-tokens` (`Limits.default_max_tokens`),
+  else the checkpoint's default (chat) or OpenAI's 16 (completions).
+- Every bound is declared in the field's JSON Schema (`minimum`, `maxItems`, ...), so `/openapi.json`
+  says what the server accepts: constraints on optional ints sit inside their `Annotated` type
+  (pydantic writes a constraint on a union as a non-standard `"ge"`).
 
 blockpress extensions (OpenAI clients pass them with `extra_body=`):
 - request knobs: `steps` (exactly N denoising steps per canvas, early stopping off: the
@@ -25,12 +31,45 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
 - `usage.denoising_steps` (decoder passes for this request) and `usage.tokens_per_forward`.
 - `n` choices (up to `Limits.max_choices`) run as n rows of the batch; with a seed, choice i samples
   with seed + i, so choice 0 is the n=1 answer. Usage counts the prompt once and sums the rest.
+- A list of prompts on /v1/completions (strings or token-id lists, up to `Limits.max_prompts`) runs
+  as one batch: prompt p's choice i has index p * n + i and the seed of choice i; usage counts each
+  prompt once.
 - Ignored OpenAI fields: temperature, top_p, penalties, logit_bias (no meaning for the
   entropy-bounded denoising sampler). Refused with a 400 naming the field rather than silently
-  dropped, because a client would read a wrong answer: `best_of` > 1, `echo`,
-  `response_format` other than text, image/audio content parts, and
-  `logprobs` / `top_logprobs` (a denoised token is not drawn once from a left-to-right distribution,
-  so it has no autoregressive log-probability to report).
+  dropped, because a client would read a wrong answer: `best_of` > 1, `echo`, image/audio content parts, and
+  `top_logprobs` > 0 without `logprobs: true` (chat).
+
+Structured output: `response_format` `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
+{"name", "schema", "strict"}}` (chat and completions), or the extensions `regex` / `grammar` (Lark): the output
+is constrained during denoising (engine/constraint.py) to parse and validate and to end within `max_tokens`. A
+schema or grammar the engine cannot compile is a 400 naming the problem; so is a `max_tokens` too small for the
+shortest valid output. In chat the constrained output is the message's `content` (no thinking, no tool call).
+
+Logprobs (chat `logprobs: true` + `top_logprobs` 0..20; completions `logprobs` 0..5):
+- Meaning: a denoised token is not drawn once from a left-to-right distribution. The committed canvas is the
+  argmax of the canvas's last executed denoising step, so a token's logprob is log_softmax of that step's
+  (temperature-scaled) logits at its position, and the alternatives are that distribution's most likely tokens
+  (the first is the token itself, which is the argmax; with a bf16 model the logits are the bf16 ones the step
+  keeps). The engine computes them once per canvas, only for the requests that asked; the tokens are the same
+  bits with or without them.
+- Alignment: one entry per token of the returned text, in order. `token` (chat) / `tokens[i]` (completions) is
+  the text that token contributes, so the entries' tokens joined are the returned text; an entry may be "" (a
+  token holding part of a multi-byte character, whose text goes to the token completing it, or a special
+  token a completion does not show). `bytes` is the token's own UTF-8 bytes (a byte token's one byte), so a
+  character split over tokens can be rebuilt. Not returned: the stop id, padding after it, tokens past
+  `max_tokens`, tokens after a stop string (a token the stop string cuts is returned with the text before the
+  cut), insert mode's held suffix. (A forced tool call's held opening is a call's markup; should the call not
+  parse, it is kept as content, and its held tokens come with their log-probability, not the likeliest.)
+- Chat: `choices[i].logprobs.content` covers the tokens of `content` only. Tokens of `reasoning_content`, of
+  tool calls and of the output's markup (channel and turn headers, control tokens) are left out; a token that is
+  part markup, part content has its content part as `token`.
+- Completions: `{tokens, token_logprobs, top_logprobs, text_offset}`, `top_logprobs` a {token: logprob} dict per
+  token (tokens with the same text keep the likelier), `text_offset` each token's start in the choice's text.
+- Streaming: a chunk carries the entries of the tokens whose text ended in it (a token decided later, e.g. one
+  the stop-string check holds back, comes in a later chunk, possibly one with empty text); over the stream they
+  are the non-streamed list.
+- Values are finite: a log-probability below -9999 is reported as -9999.0.
+- /v1/responses still refuses logprobs (`top_logprobs`, the logprobs `include`).
 """
 
 from __future__ import annotations
@@ -40,11 +79,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 from typing_extensions import Annotated
 
 from ..config import REFERENCE_DEFAULTS, GenerationConfig
-from ..errors import SamplingError
+from ..errors import InputError, SamplingError
 
 # ----------------------------------------------------------------------------- errors
 
@@ -90,6 +129,9 @@ class Limits:
     max_body_bytes: int = 1 << 20
     max_steps: int = 1024
     max_choices: int = 8  # cap on n
+    max_prompts: int = 32  # cap on the prompts of one /v1/completions request
+    default_max_tokens: int | None = None  # max_tokens of a request that gives none (serve --max-new-tokens)
+    body_timeout: float = 30.0  # seconds a client may take to send its request body (408 after)
 
 
 @dataclass
@@ -103,6 +145,8 @@ class Sampling:
     include_usage: bool = False
     include_drafts: bool = False
     n: int = 1  # choices: choice i samples with seed + i (choice 0 is the n=1 answer)
+    logprobs: int | None = None  # alternatives per token with logprobs (0: the token's only); None: not asked
+    grammar: str | None = None  # the compiled grammar the output obeys (response_format, regex, grammar); None: free
 
     def choice_seed(self, i: int) -> int | None:
         if self.seed is None:
@@ -113,7 +157,7 @@ class Sampling:
 # ----------------------------------------------------------------------------- shared pieces
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+_SEED_MAX = 2**64 - 1
 
 
 def _integral(v: Any) -> Any:
@@ -122,6 +166,13 @@ def _integral(v: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
+# bounded types: the bound inside the type, so an optional field's schema says `minimum`, not `"ge"`
+# (the bound before the validator: it constrains the int schema itself)
+PosInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+NonNegInt = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+SeedInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1), BeforeValidator(_integral)]
+PosFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
 
 
 def _check_unicode(value: Any, depth: int = 0) -> None:
@@ -210,14 +261,44 @@ class Tool(BaseModel):
 class _DiffusionKnobs(_Request):
     """blockpress sampling extensions shared by both endpoints."""
 
-    steps: Int | None = Field(None, ge=1, description="blockpress: exactly this many denoising steps per canvas "
-                              "(early stopping off); the speed/quality dial")
-    max_denoising_steps: Int | None = Field(None, ge=1)
-    entropy_bound: float | None = Field(None, gt=0)
-    t_min: float | None = Field(None, ge=0)
-    t_max: float | None = Field(None, ge=0)
-    stability_threshold: Int | None = Field(None, ge=0)
-    confidence_threshold: float | None = Field(None, gt=0)
+    steps: PosInt | None = Field(None, description="blockpress: exactly this many denoising steps per canvas "
+                                 "(early stopping off); the speed/quality dial")
+    max_denoising_steps: PosInt | None = None
+    entropy_bound: PosFloat | None = None
+    t_min: NonNegFloat | None = None
+    t_max: NonNegFloat | None = None
+    stability_threshold: NonNegInt | None = None
+    confidence_threshold: PosFloat | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", '
+        '"schema", "strict"}}: the output is constrained during denoising to parse (and validate)')
+    regex: str | None = Field(None, max_length=4096, description="blockpress: the output matches this regular "
+                              "expression (constrained during denoising)")
+    grammar: str | None = Field(None, max_length=65536, description="blockpress: the output follows this Lark "
+                                "grammar (constrained during denoising)")
+
+    def output_grammar(self) -> str | None:
+        """The compiled grammar of response_format / regex / grammar (at most one), or None for free text."""
+        from ..engine.constraint import grammar_for
+
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        schema, json_object = None, False
+        if kind == "json_object":
+            json_object = True
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(400, 'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                               param="response_format", code="invalid_value")
+        elif kind != "text":
+            raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
+                           param="response_format", code="invalid_value")
+        try:
+            return grammar_for(json_schema=schema, json_object=json_object, regex=self.regex, grammar=self.grammar)
+        except InputError as e:
+            raise APIError(400, str(e), param="response_format", code="invalid_value") from None
 
     def _resolve(self, limits: Limits, defaults: dict[str, Any], max_tokens: int | None, max_tokens_field: str,
                  default_max_tokens: int, seed: int | None, stop, stream_options) -> Sampling:
@@ -253,15 +334,10 @@ class _DiffusionKnobs(_Request):
                         include_drafts=bool(stream_options and stream_options.include_drafts), n=self.n)
 
 
-def _refuse_unsupported(req, limits: Limits, logprobs: bool) -> None:
+def _refuse_unsupported(req, limits: Limits) -> None:
     if req.n > limits.max_choices:
         raise APIError(400, f"n={req.n} exceeds this server's limit of {limits.max_choices} choices per request",
                        param="n", code="invalid_value")
-    if logprobs:
-        raise APIError(400, "logprobs are not supported: a denoised token is accepted after several parallel "
-                       "refinement steps, not drawn once from a left-to-right distribution, so it has no "
-                       "autoregressive log-probability to report; leave logprobs unset", param="logprobs",
-                       code="unsupported_value")
 
 
 _StopStr = Annotated[str, Field(min_length=1, max_length=256)]
@@ -285,14 +361,13 @@ class _ChatFields(_Request):
 
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = Field(None, description="the served model's id (default: the served model)")
-    max_completion_tokens: Int | None = Field(None, ge=1)
-    max_tokens: Int | None = Field(None, ge=1)
-    n: Int = Field(1, ge=1, description="choices; choice i samples with seed + i")
+    max_completion_tokens: PosInt | None = None
+    max_tokens: PosInt | None = None
+    n: PosInt = Field(1, description="choices; choice i samples with seed + i")
     logprobs: bool | None = None
-    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    top_logprobs: Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    response_format: dict[str, Any] | None = None
-    seed: Int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    seed: SeedInt | None = None
     stop: _Stop = _stop_field()
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -340,17 +415,21 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
         if len(self.messages) > limits.max_messages:
             raise APIError(400, f"{len(self.messages)} messages exceed this server's limit of {limits.max_messages}; "
                            "drop older turns", param="messages", code="too_many_messages")
-        _refuse_unsupported(self, limits, logprobs=bool(self.logprobs) or bool(self.top_logprobs))
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise APIError(400, f"response_format {kind!r} is not supported: no constrained decoding yet, so the "
-                           "output would not be guaranteed to parse; ask for JSON in the prompt and validate it, "
-                           "or use tools with tool_choice (which is enforced)", param="response_format",
-                           code="unsupported_value")
+        _refuse_unsupported(self, limits)
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true (the alternatives come with each token's own "
+                           "log-probability)", param="top_logprobs", code="invalid_value")
         field_name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        default = min(limits.max_tokens, defaults.get("max_new_tokens") or REFERENCE_DEFAULTS["max_new_tokens"])
-        return self._resolve(limits, defaults, n, field_name, default, self.seed, self.stop, self.stream_options)
+        default = limits.default_max_tokens or min(limits.max_tokens, defaults.get("max_new_tokens")
+                                                   or REFERENCE_DEFAULTS["max_new_tokens"])
+        sampling = self._resolve(limits, defaults, n, field_name, default, self.seed, self.stop, self.stream_options)
+        sampling.logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        sampling.grammar = self.output_grammar()
+        if sampling.grammar is not None and self.forced_tool is not None:
+            raise APIError(400, "response_format (or regex / grammar) and a forced tool call (tool_choice) cannot be "
+                           "combined; drop one", param="response_format", code="invalid_value")
+        return sampling
 
 
 class ResponseToolCall(BaseModel):
@@ -363,13 +442,39 @@ class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning_content: str | None = None
-    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+    tool_calls: list[ResponseToolCall] | None = Field(None, description="absent when the model called no tool")
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler):
+        out = handler(self)
+        if self.tool_calls is None:  # as OpenAI: no `tool_calls` key (clients branch on its presence)
+            out.pop("tool_calls", None)
+        return out
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str = Field(description="the text this token contributes to `content` (joined: the content)")
+    logprob: float
+    bytes: list[int] | None = Field(None, description="the token's own UTF-8 bytes")
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """With `logprobs: true`: one entry per token of `content` (see the module docstring for what they mean)."""
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"]
 
 
@@ -390,27 +495,62 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ChunkToolCall(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ChunkToolCall] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (`data: <chunk>`)."""
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = Field(None, description="the last chunk, with stream_options.include_usage")
+    blockpress: dict[str, Any] | None = Field(None, description="blockpress: a draft or commit frame, with "
+                                              "stream_options.include_drafts (choices is empty then)")
+
+
 # ----------------------------------------------------------------------------- completions
 
 
 _Text = Annotated[str, Field(min_length=1)]
-_TokenIds = Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1)]
+_TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
+_Prompt = Union[_Text, _TokenIds, Annotated[list[_Text], Field(min_length=1)],
+                Annotated[list[_TokenIds], Field(min_length=1)]]
 
 
 class _CompletionFields(_Request):
     """OpenAI's (legacy) completions fields that this server uses, in OpenAI's order."""
 
     model: str | None = Field(None, description="the served model's id (default: the served model)")
-    prompt: Union[_Text, _TokenIds] = Field(description="text, or token ids")
+    prompt: _Prompt = Field(description="text, token ids, or a list of either (a batch: one choice per prompt)")
     suffix: str | None = Field(None, max_length=65536,
                                description="insert mode: the text after the completion; the model fills the "
                                            "max_tokens-token hole between prompt and suffix, seeing both")
-    max_tokens: Int | None = Field(16, ge=1)
-    n: Int = Field(1, ge=1, description="choices; choice i samples with seed + i")
-    best_of: Int | None = Field(None, ge=1)
+    max_tokens: PosInt | None = Field(None, description="default: the server's --max-new-tokens, else 16")
+    n: PosInt = Field(1, description="choices per prompt; choice i samples with seed + i")
+    best_of: PosInt | None = None
     echo: bool = False
-    logprobs: Int | None = Field(None, ge=0, le=5)
-    seed: Int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    logprobs: Annotated[int, Field(ge=0, le=5), BeforeValidator(_integral)] | None = None
+    seed: SeedInt | None = None
     stop: _Stop = _stop_field()
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -420,23 +560,66 @@ class _CompletionFields(_Request):
 class CompletionRequest(_DiffusionKnobs, _CompletionFields):
     """POST /v1/completions: OpenAI's fields, then the blockpress extensions."""
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or the batch it lists."""
+        p = self.prompt
+        return p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+
     def to_sampling(self, limits: Limits, defaults: dict[str, Any]) -> Sampling:
-        _refuse_unsupported(self, limits, logprobs=self.logprobs is not None)
+        _refuse_unsupported(self, limits)
+        if len(self.prompts) > limits.max_prompts:
+            raise APIError(400, f"{len(self.prompts)} prompts exceed this server's limit of {limits.max_prompts} per "
+                           "request; split the batch", param="prompt", code="invalid_value")
         if self.best_of not in (None, 1):
             raise APIError(400, f"best_of={self.best_of} is not supported: one completion per request; send "
                            "several requests with different seeds", param="best_of", code="unsupported_value")
         if self.echo:
             raise APIError(400, "echo is not supported: the prompt is not repeated in the completion; prepend it "
                            "yourself", param="echo", code="unsupported_value")
-        n = self.max_tokens if self.max_tokens is not None else 16
-        return self._resolve(limits, defaults, n, "max_tokens", n, self.seed, self.stop, self.stream_options)
+        default = limits.default_max_tokens or 16  # OpenAI's default for completions
+        sampling = self._resolve(limits, defaults, self.max_tokens, "max_tokens", default, self.seed, self.stop,
+                                 self.stream_options)
+        sampling.logprobs = self.logprobs
+        sampling.grammar = self.output_grammar()
+        if sampling.grammar is not None and self.suffix:
+            raise APIError(400, "response_format (or regex / grammar) and suffix (insert mode) cannot be combined",
+                           param="response_format", code="invalid_value")
+        return sampling
+
+
+class CompletionLogprobs(BaseModel):
+    """With `logprobs: k`: one entry per token of `text` (see the module docstring for what they mean)."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"]
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion (`data: <chunk>`)."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = Field(None, description="the last chunk, with stream_options.include_usage")
+    blockpress: dict[str, Any] | None = Field(None, description="blockpress: a draft or commit frame, with "
+                                              "stream_options.include_drafts (choices is empty then)")
 
 
 class CompletionResponse(BaseModel):

@@ -1,4 +1,4 @@
-"""Serving logic without HTTP: requests -> prompt ids -> scheduler -> OpenAI responses / SSE chunks.
+"""Serving logic without HTTP: requests -> prompt ids -> the worker's engine -> OpenAI responses / SSE chunks.
 
 Invariants:
 - Streaming and non-streaming responses are assembled by the same `OutputAssembler` from the same
@@ -9,7 +9,7 @@ Invariants:
 - A completion ends at the first stop id (counted in completion_tokens, never shown), at
   `max_tokens` tokens (canvases are cut there: finish_reason "length"), or at a stop string
   (excluded from the text). When the client goes away or a stop string ends it early, the
-  request's handle is cancelled and the scheduler frees its slot at the next canvas boundary.
+  request's handle is cancelled and the engine frees its row at the next canvas boundary.
 - Usage: prompt/completion/total tokens plus `denoising_steps` (decoder passes for this request)
   and `tokens_per_forward` (completion tokens per pass).
 """
@@ -17,23 +17,34 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
+import importlib.util
 import json
+import math
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from ..cli.run import text_defaults
 from ..errors import BlockpressError
 from ..infill import whole_canvases
 from ..parsing import StreamingParser, ToolCall
-from .protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
-                       CompletionRequest, CompletionResponse, FunctionCall, Limits, ModelCard, ModelList,
-                       ResponseMessage, ResponseToolCall, Sampling, Usage)
-from .scheduler import Handle, Job, QueueFull, RowCommit, RowDraft, RowError, Scheduler
+from .budget import encode_within
+from .protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+                       CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, FunctionCall,
+                       Limits, ModelCard, ModelList, ResponseMessage, ResponseToolCall, Sampling, Usage)
+from .worker import Handle, Job, QueueFull, RowCommit, RowDraft, RowError, Worker
 
 Disconnected = Callable[[], Awaitable[bool]]
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+LOGPROB_FLOOR = -9999.0  # what a -inf (or a lower) log-probability is reported as: JSON has no infinities
+
+
+def _logprob(v: float) -> float:
+    return v if math.isfinite(v) and v > LOGPROB_FLOOR else LOGPROB_FLOOR
+MODEL_ALIAS = "blockpress"  # a request's `model` may always say this: client code need not know the folder name
 
 
 # ----------------------------------------------------------------------------- text assembly
@@ -69,6 +80,107 @@ class StopStrings:
 class Delta:
     reasoning: str = ""
     content: str = ""
+    logprobs: list["TokenLogprob"] = field(default_factory=list)  # entries of the tokens whose text ended here
+
+
+@dataclass
+class TokenLogprob:
+    """One returned token's log-probability: `text` is what it contributes to the returned text (content), so the
+    entries' texts joined are the text; `offset` where that starts in it."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    text: str
+    offset: int
+
+
+class LogprobAligner:
+    """Aligns committed tokens (with their log-probabilities) with the returned text.
+
+    Each token owns a span [off, off + len) of the decoded text (`StreamDecoder.feed_ends`; an incomplete UTF-8
+    character: an empty span, the character going to the token that completes it). The returned text (content) is made of that text: in completions character for character, in chat what
+    the parser keeps as content (`StreamingParser.content_sources` gives each content character's offset), both
+    cut by a stop string. A token is returned when some of its characters are content before the cut (its text:
+    those characters); tokens of an empty span go with the next token that has text (completions: also the
+    trailing ones, when no stop string cut the text). Reasoning, markup and tool-call tokens are not returned."""
+
+    def __init__(self, completion: bool):
+        self.completion = completion
+        self.ids: list[int] = []
+        self.values: list[tuple[float, list]] = []
+        self.offs: list[int] = []
+        self.lens: list[int] = []
+        self.c0: list[int | None] = []  # per token: its first and past-last content character (None: none)
+        self.c1: list[int | None] = []
+        self.decoded = 0  # characters decoded so far
+        self.content = ""  # the content stream before the stop-string cut
+        self.next = 0  # the first token not yet decided
+        self.entries: list[TokenLogprob] = []
+
+    def token(self, t: int, value, end: int) -> None:
+        """The next token: its (logprob, alternatives) and where its span of the decoded text ends."""
+        self.ids.append(t)
+        self.values.append(value if value is not None else (float("nan"), []))
+        self.offs.append(self.decoded)
+        self.lens.append(end - self.decoded)
+        self.c0.append(None)
+        self.c1.append(None)
+        self.decoded = end
+
+    def tail(self, text: str) -> None:
+        """Text the decoder emits at the end (held bytes): the last token's."""
+        self.decoded += len(text)
+        if self.ids:
+            self.lens[-1] = self.decoded - self.offs[-1]
+
+    def content_from(self, text: str, sources) -> None:
+        """New content characters (before the stop-string cut) and the decoded offset each came from."""
+        for ch, src in zip(text, sources):
+            i = bisect.bisect_right(self.offs, src) - 1
+            k = len(self.content)
+            self.content += ch
+            if i >= 0:
+                self.c0[i] = k if self.c0[i] is None else self.c0[i]
+                self.c1[i] = k + 1
+
+    def release(self, resolved: int, released: int, cut: int | None, final: bool) -> list[TokenLogprob]:
+        """Entries decided since the last call: `resolved` decoded characters are decided by the parser,
+        `released` content characters were sent, `cut` the content's length where a stop string ended it."""
+        final = final or cut is not None
+        out = []
+        n = len(self.ids)
+        while self.next < n:
+            j = self.next
+            while j < n and self.lens[j] == 0:
+                j += 1
+            group = range(self.next, min(j + 1, n))
+            if j == n:  # only empty spans left: returned with a completion's text when nothing cut it
+                if not final:
+                    break
+                if self.completion and (cut is None or self.decoded < cut):
+                    out += [self._entry(i, "", self.decoded) for i in group]
+                self.next = n
+                break
+            if not final and self.offs[j] + self.lens[j] > resolved:
+                break
+            c0, c1 = self.c0[j], self.c1[j]
+            if c0 is not None and cut is not None and c0 >= cut:
+                self.next = n  # everything after the cut is not returned
+                break
+            if c0 is not None and not final and c1 > released:
+                break  # the stop-string check still holds its text back
+            if c0 is not None:
+                end = c1 if cut is None else min(c1, cut)
+                out += [self._entry(i, "", c0) for i in group[:-1]]
+                out.append(self._entry(j, self.content[c0:end], c0))
+            self.next = j + 1
+        self.entries += out
+        return out
+
+    def _entry(self, i: int, text: str, offset: int) -> TokenLogprob:
+        lp, top = self.values[i]
+        return TokenLogprob(self.ids[i], lp, top, text, offset)
 
 
 @dataclass
@@ -79,17 +191,24 @@ class Final:
     finish_reason: str
     completion_tokens: int
     last: Delta = field(default_factory=Delta)
+    logprobs: list[TokenLogprob] | None = None  # every returned token's (None: not asked)
 
 
 class OutputAssembler:
     """Committed token canvases -> text deltas -> final OpenAI fields. `chat=False`: plain text."""
 
-    def __init__(self, tokenizer, stop_ids, max_tokens: int, stop: list[str] | None = None, chat: bool = True):
+    def __init__(self, tokenizer, stop_ids, max_tokens: int, stop: list[str] | None = None, chat: bool = True,
+                 logprobs: bool = False):
+        """logprobs: align the tokens' log-probabilities (`feed(canvas, logprobs)`) with the text: each Delta
+        carries the entries of the tokens whose text ended in it, `Final.logprobs` all of them."""
         self.stop_ids = set(stop_ids or ())
         self.max_tokens = max_tokens
         self.chat = chat
         self.decoder = tokenizer.stream_decoder(skip_special_tokens=not chat)
-        self.parser = StreamingParser(control_tokens=tokenizer.special_tokens) if chat else None
+        self.parser = StreamingParser(control_tokens=tokenizer.special_tokens, track_sources=logprobs) \
+            if chat else None
+        self.aligner = LogprobAligner(completion=not chat) if logprobs else None
+        self._released = 0  # content characters sent
         self.stopper = StopStrings(stop or [])
         self.tokens: list[int] = []
         self.done = False
@@ -97,8 +216,9 @@ class OutputAssembler:
         self.content: list[str] = []
         self._final: Final | None = None
 
-    def feed(self, canvas: list[int]) -> Delta:
-        """One committed canvas (in order). Returns the new text; sets `done` at a stop."""
+    def feed(self, canvas: list[int], logprobs: list | None = None) -> Delta:
+        """One committed canvas (in order), with its tokens' log-probabilities (per position, as
+        `RowCommit.logprobs`) when the assembler aligns them. Returns the new text; sets `done` at a stop."""
         take: list[int] = []
         for t in canvas:
             if self.done:
@@ -110,41 +230,70 @@ class OutputAssembler:
             take.append(t)
             if len(self.tokens) >= self.max_tokens:
                 self.done = True
-        return self._text(self.decoder.feed(take))
+        if self.aligner is None:
+            return self._text(self.decoder.feed(take))
+        text, ends = self.decoder.feed_ends(take)  # the same text, and each token's span of it
+        for k, (t, end) in enumerate(zip(take, ends)):
+            self.aligner.token(t, logprobs[k] if logprobs is not None else None, end)
+        return self._text(text)
 
-    def _text(self, text: str) -> Delta:
+    def _text(self, text: str, final: bool = False) -> Delta:
         if self.parser is None:
             d = Delta(content=text)
+            if self.aligner is not None:
+                self.aligner.content_from(text, range(len(self.aligner.content), len(self.aligner.content)
+                                                      + len(text)))
         else:
+            n = len(self.parser.content_sources or ())
             p = self.parser.feed(text)
             d = Delta(p.reasoning, p.content)
+            if self.aligner is not None:
+                self.aligner.content_from(p.content, self.parser.content_sources[n:])
         d.content = self.stopper.feed(d.content)
         if self.stopper.hit:
             self.done, self.finish_reason = True, "stop"
         self.content.append(d.content)
+        self._released += len(d.content)
+        self._release(d, final)
         return d
+
+    def _release(self, d: Delta, final: bool) -> None:
+        if self.aligner is not None:
+            resolved = self.aligner.decoded if self.parser is None else self.parser.resolved
+            d.logprobs += self.aligner.release(resolved, self._released,
+                                               self._released if self.stopper.hit else None, final)
 
     def finish(self) -> Final:
         """Flush held-back text and parse tool calls; idempotent."""
         if self._final is not None:
             return self._final
         self.done = True
-        last = self._text(self.decoder.flush())
+        flushed = self.decoder.flush()
+        if self.aligner is not None:
+            self.aligner.tail(flushed)
+        last = self._text(flushed)
         calls: list[ToolCall] = []
         reasoning = None
         if self.parser is not None:
+            n = len(self.parser.content_sources or ())
             end = self.parser.finish(self.finish_reason)
+            if self.aligner is not None:
+                self.aligner.content_from(end.content, self.parser.content_sources[n:])
             tail = self.stopper.feed(end.content)
             last.reasoning += end.reasoning
             last.content += tail
             self.content.append(tail)
+            self._released += len(tail)
             calls = [] if self.stopper.hit else end.tool_calls
             reasoning = self.parser.result.reasoning
         tail = self.stopper.flush()
         last.content += tail
         self.content.append(tail)
+        self._released += len(tail)
+        self._release(last, final=True)
         reason = "tool_calls" if calls else ("stop" if self.stopper.hit else self.finish_reason)
-        self._final = Final("".join(self.content), reasoning, calls, reason, len(self.tokens), last)
+        self._final = Final("".join(self.content), reasoning, calls, reason, len(self.tokens), last,
+                            None if self.aligner is None else self.aligner.entries)
         return self._final
 
 
@@ -162,35 +311,43 @@ class _Run:
     handle: Handle
     prompt_tokens: int
     passes: int = 0
-    complete: bool = False  # the scheduler finished the row (no cancel needed)
+    complete: bool = False  # the engine finished the row (no cancel needed)
 
 
 class OpenAIServing:
     """Turns validated requests into engine jobs and engine events into OpenAI responses."""
 
-    def __init__(self, lm, scheduler: Scheduler, model_name: str, limits: Limits | None = None,
+    def __init__(self, lm, worker: Worker, model_name: str, limits: Limits | None = None,
                  defaults: dict[str, Any] | None = None, metrics=None):
         """defaults: server-wide sampling overrides (reference names) over the checkpoint's; stop and
         pad ids default to the checkpoint's, else the tokenizer's <eos>/<turn|> and <pad>."""
         if lm.tokenizer is None:
             raise BlockpressError("this model has no tokenizer.json; the server needs one to read and write text")
-        self.lm, self.tok, self.scheduler = lm, lm.tokenizer, scheduler
+        self.lm, self.tok, self.worker = lm, lm.tokenizer, worker
         self.model_name = model_name
         self.limits = limits or Limits()
         self.metrics = metrics
-        self.defaults = {**lm.generation_defaults, **text_defaults(lm), **(defaults or {})}
+        self.defaults = {**lm.generation_defaults, **lm.text_defaults(), **(defaults or {})}
         lm.generation_config(**self.defaults)  # validate the server-wide defaults once, at startup
         self._pieces: dict[int, str] = {}
+        self.engine_error: str | None = None  # why the last generation failed (/health); None after a success
 
     # ---------------------------------------------------------------- requests -> jobs
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, canvas_length=self.lm.canvas_length,
-                                         chat=self.tok.is_chat)])
+        return ModelList(data=[self._card()])
+
+    def model(self, name: str) -> ModelCard:
+        """GET /v1/models/{name}: the served model's card (by its id or the alias), else 404."""
+        self._check_model(name)
+        return self._card()
+
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, canvas_length=self.lm.canvas_length, chat=self.tok.is_chat)
 
     def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+        if name is not None and name not in (self.model_name, MODEL_ALIAS):
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}' "
+                           f"(also answering to '{MODEL_ALIAS}')", param="model", code="model_not_found")
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not self.tok.is_chat:
@@ -201,29 +358,45 @@ class OpenAIServing:
         if req.tools and req.tool_choice != "none":
             tools = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
-            return self.tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                enable_thinking=req.enable_thinking, tools=tools, tokenize=True)
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                enable_thinking=req.enable_thinking, tools=tools, tokenize=False)
         except BlockpressError as e:
             raise APIError(400, str(e), param="messages") from None
+        return self._encode_within_limit(text, "messages")
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, list):
-            V = self.lm.config.text.vocab_size
-            if max(req.prompt) >= V:
-                raise APIError(400, f"prompt token id {max(req.prompt)} is outside the vocabulary [0, {V})",
-                               param="prompt", code="invalid_value")
-            return list(req.prompt)
-        bos = self.tok.bos_token_id
-        return ([bos] if bos is not None else []) + self.tok.encode(req.prompt)
+    def _encode_within_limit(self, text: str, param: str) -> list[int]:
+        """The prompt's ids; a prompt surely over the limit is refused after counting about `limit` tokens."""
+        ids = encode_within(self.tok.encode, text, self.limits.max_prompt_tokens)
+        if ids is None:
+            raise APIError(400, f"the prompt has more than {self.limits.max_prompt_tokens} tokens, this server's "
+                           "limit; shorten the messages or the tool schemas", param=param,
+                           code="context_length_exceeded")
+        return ids
+
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """The ids of each prompt of the request (token ids as given; text after <bos>)."""
+        V, bos = self.lm.config.text.vocab_size, self.tok.bos_token_id
+        out = []
+        for k, prompt in enumerate(req.prompts):
+            where = "prompt" if len(req.prompts) == 1 else f"prompt.{k}"
+            if isinstance(prompt, list):
+                if max(prompt) >= V:
+                    raise APIError(400, f"{where}: token id {max(prompt)} is outside the vocabulary [0, {V})",
+                                   param=where, code="invalid_value")
+                out.append(list(prompt))
+            else:
+                out.append(([bos] if bos is not None else []) + self._encode_within_limit(prompt, where))
+        return out
 
     def _submit(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None,
                 prompt_field: str = "messages") -> _Run:
         if len(ids) > self.limits.max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this server's limit is "
                            f"{self.limits.max_prompt_tokens}", param=prompt_field, code="context_length_exceeded")
-        job = Job(ids, sampling.cfg, seed=sampling.seed, drafts=sampling.include_drafts, fixed_tokens=fixed_tokens)
+        job = Job(ids, sampling.cfg, seed=sampling.seed, drafts=sampling.include_drafts, fixed_tokens=fixed_tokens,
+                  logprobs=sampling.logprobs, constraint=self._constraint(sampling))
         try:
-            handle = self.scheduler.submit(job, loop=asyncio.get_running_loop())
+            handle = self.worker.submit(job, loop=asyncio.get_running_loop())
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error",
                            code="queue_full") from None
@@ -232,6 +405,18 @@ class OpenAIServing:
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(ids))
         return _Run(handle, len(ids))
+
+    def _constraint(self, sampling: Sampling):
+        """A fresh grammar state for one row of a request with structured output, or None."""
+        if sampling.grammar is None:
+            return None
+        from ..engine.constraint import Constraint
+
+        try:
+            return Constraint(sampling.grammar, self.tok, sampling.cfg.eos_token_id, self.lm.config.text.vocab_size,
+                              sampling.cfg.max_new_tokens)
+        except BlockpressError as e:
+            raise APIError(400, str(e), param="response_format", code="invalid_value") from None
 
     async def _events(self, run: _Run, asm: OutputAssembler, disconnected: Disconnected | None):
         """Engine events for one request until it is complete or the text is done (stop string,
@@ -248,6 +433,7 @@ class OpenAIServing:
                     continue
             if isinstance(ev, RowError):
                 run.complete = True
+                self.engine_error = ev.message
                 raise APIError(500, ev.message, type="server_error")
             if isinstance(ev, RowCommit):
                 run.passes += ev.steps
@@ -258,12 +444,13 @@ class OpenAIServing:
 
     @staticmethod
     def _release(run: _Run) -> None:
-        """Free the scheduler slot of a request that ended early (stop string, disconnect)."""
+        """Free the batch row of a request that ended early (stop string, disconnect)."""
         if not run.complete:
             run.handle.cancel()
 
     def _usage(self, run: _Run, final: Final) -> Usage:
         n, passes = final.completion_tokens, max(run.passes, 1)
+        self.engine_error = None
         if self.metrics is not None:
             self.metrics.generated_tokens.inc(n)
             self.metrics.forward_passes.inc(run.passes)
@@ -276,6 +463,32 @@ class OpenAIServing:
         if p is None:
             p = self._pieces[t] = self.tok.decode([t])
         return p
+
+    def _bytes(self, t: int) -> list[int]:
+        """A token's own UTF-8 bytes (a byte-fallback token's one byte)."""
+        m = _BYTE_TOKEN.fullmatch(self.tok.id_to_token(t) or "")
+        return [int(m.group(1), 16)] if m else list(self._piece(t).encode("utf-8"))
+
+    def _chat_logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """Entries -> a chat choice's `logprobs` ({"content": [...]}); None when not asked."""
+        if entries is None:
+            return None
+        return {"content": [{"token": e.text, "logprob": _logprob(e.logprob), "bytes": self._bytes(e.id),
+                             "top_logprobs": [{"token": self._piece(t), "logprob": _logprob(v),
+                                               "bytes": self._bytes(t)} for t, v in e.top]} for e in entries]}
+
+    def _completion_logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """Entries -> a completion choice's `logprobs` (OpenAI's legacy lists); None when not asked."""
+        if entries is None:
+            return None
+        tops = []
+        for e in entries:
+            top: dict[str, float] = {}
+            for t, v in e.top:
+                top.setdefault(self._piece(t), _logprob(v))  # same text: the likelier one (listed first)
+            tops.append(top)
+        return {"tokens": [e.text for e in entries], "token_logprobs": [_logprob(e.logprob) for e in entries],
+                "top_logprobs": tops, "text_offset": [e.offset for e in entries]}
 
     def _draft_frame(self, ev: RowDraft) -> dict[str, Any]:
         pieces = [self._piece(t) for t in ev.tokens]
@@ -298,17 +511,21 @@ class OpenAIServing:
         return runs
 
     async def _collect(self, run: _Run, asm: OutputAssembler, disconnected: Disconnected | None,
-                       tokens_of: Callable[[RowCommit], list[int]]) -> Final:
+                       tokens_of: Callable[[RowCommit], tuple[list[int], list | None]],
+                       on_delta: Callable[[Delta], None] | None = None) -> Final:
+        """Run to the end; `on_delta` sees each canvas's text as a stream would (the Responses builder)."""
         try:
             async for ev in self._events(run, asm, disconnected):
                 if isinstance(ev, RowCommit):
-                    asm.feed(tokens_of(ev))
+                    d = asm.feed(*tokens_of(ev))
+                    if on_delta is not None:
+                        on_delta(d)
         finally:
             self._release(run)
         return asm.finish()
 
     async def _collect_all(self, runs: list[_Run], asms: list[OutputAssembler], disconnected: Disconnected | None,
-                           tokens_of: Callable[[RowCommit], list[int]]) -> list[Final]:
+                           tokens_of: Callable[[RowCommit], tuple[list[int], list | None]]) -> list[Final]:
         disconnected = _shared(disconnected, len(runs))
         tasks = [asyncio.ensure_future(self._collect(r, a, disconnected, tokens_of)) for r, a in zip(runs, asms)]
         try:
@@ -317,13 +534,15 @@ class OpenAIServing:
             for t in tasks:  # one choice failed or the request was cancelled: stop the others too
                 t.cancel()
 
-    def _usage_all(self, runs: list[_Run], finals: list[Final]) -> Usage:
-        """Usage of all choices: the prompt once, completion tokens and decoder passes summed."""
+    def _usage_all(self, runs: list[_Run], finals: list[Final], per_prompt: int | None = None) -> Usage:
+        """Usage of all choices: each prompt once (runs come in groups of `per_prompt` choices of one prompt;
+        default: all of one prompt), completion tokens and decoder passes summed."""
         us = [self._usage(r, f) for r, f in zip(runs, finals)]
         if len(us) == 1:
             return us[0]
+        prompt = sum(u.prompt_tokens for u in us[::per_prompt or len(us)])
         n, passes = sum(u.completion_tokens for u in us), sum(u.denoising_steps for u in us)
-        return Usage(prompt_tokens=us[0].prompt_tokens, completion_tokens=n, total_tokens=us[0].prompt_tokens + n,
+        return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n,
                      denoising_steps=passes, tokens_per_forward=round(n / max(passes, 1), 4))
 
     def _frame(self, frame: dict[str, Any], index: int, n: int) -> dict[str, Any]:
@@ -335,20 +554,48 @@ class OpenAIServing:
         self._check_model(req.model)
         sampling = req.to_sampling(self.limits, self.defaults)
         ids = await asyncio.to_thread(self.chat_prompt, req)  # templating + BPE off the event loop
-        runs = self._submit_choices(ids, sampling, fixed_tokens=self.tool_call_prefix(req.forced_tool))
+        sampling, fixed = self.forced_call(req, sampling)
+        runs = self._submit_choices(ids, sampling, fixed_tokens=fixed)
         return await self.chat_response(runs, sampling, req.stream, disconnected)
 
+    def forced_call(self, req: ChatCompletionRequest, sampling: Sampling) -> tuple[Sampling, list[int] | None]:
+        """How a forced tool call (tool_choice "required" or named) is made: a grammar on the whole answer when
+        the structured extra is installed, else the call's opening held on the canvas. Returns the sampling and
+        the held tokens (or None)."""
+        grammar = self.tool_call_grammar(req)
+        if grammar is not None:
+            return dataclasses.replace(sampling, grammar=grammar), None
+        return sampling, self.tool_call_prefix(req.forced_tool)
+
+    def tool_call_grammar(self, req: ChatCompletionRequest) -> str | None:
+        """tool_choice "required" / named with the structured extra installed: the answer is exactly one call of
+        an offered tool (the named one) whose arguments are valid against its parameters schema, constrained
+        while it is denoised (engine/constraint.py). None without a forced call or without llguidance."""
+        tool = req.forced_tool
+        if tool is None or importlib.util.find_spec("llguidance") is None:
+            return None
+        from ..engine.constraint import Constraint, call_grammar
+
+        tools = {t.function.name: t.function.parameters for t in req.tools or [] if not tool or t.function.name == tool}
+        try:
+            grammar = call_grammar(self.tok.token_to_id("<|tool_call>"), self.tok.token_to_id("<tool_call|>"), tools)
+            Constraint(grammar, self.tok, [self.tok.token_to_id("<turn|>")], self.lm.config.text.vocab_size, 10**6)
+        except (ValueError, BlockpressError) as e:  # checked here, so the 400 names `tools`
+            raise APIError(400, f"a tool's parameters schema cannot be used: {e}", param="tools") from None
+        return grammar
+
     def tool_call_prefix(self, tool: str | None) -> list[int] | None:
-        """tool_choice "required" / named, done the diffusion way: the opening of a call,
-        `<|tool_call>call:` (+ `NAME{` for a named tool), is held on the first canvas (as insert mode
-        holds a suffix) and the model denoises the rest around it, arguments included. The call then
-        starts the answer, so a thinking turn is skipped."""
+        """tool_choice "required" / named without the structured extra, done the diffusion way: the opening of a
+        call, `<|tool_call>call:` (+ `NAME{` for a named tool), is held on the first canvas (as insert mode holds a
+        suffix) and the model denoises the rest around it, arguments included. The call then starts the answer,
+        so a thinking turn is skipped."""
         if tool is None:
             return None
         return self.tok.encode("<|tool_call>call:" + (tool + "{" if tool else ""))
 
     def _new_assembler(self, sampling: Sampling, chat: bool) -> OutputAssembler:
-        return OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=chat)
+        return OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=chat,
+                               logprobs=sampling.logprobs is not None)
 
     async def chat_response(self, runs: _Run | list[_Run], sampling: Sampling, stream: bool,
                             disconnected: Disconnected | None = None):
@@ -358,14 +605,16 @@ class OpenAIServing:
         rid = "chatcmpl-" + secrets.token_hex(12)
         if stream:
             return self._chat_stream(rid, runs, asms, sampling, disconnected)
-        finals = await self._collect_all(runs, asms, disconnected, lambda ev: ev.tokens)
+        finals = await self._collect_all(runs, asms, disconnected, lambda ev: (ev.tokens, ev.logprobs))
         choices = []
         for i, final in enumerate(finals):
             msg = ResponseMessage(content=None if final.tool_calls and not final.content else final.content,
                                   reasoning_content=final.reasoning,
                                   tool_calls=[ResponseToolCall(id=c.id, function=FunctionCall(
-                                      name=c.name, arguments=c.arguments_json)) for c in final.tool_calls])
-            choices.append(ChatChoice(index=i, message=msg, finish_reason=final.finish_reason))
+                                      name=c.name, arguments=c.arguments_json)) for c in final.tool_calls] or None)
+            lp = self._chat_logprobs(final.logprobs)
+            choices.append(ChatChoice(index=i, message=msg, finish_reason=final.finish_reason,
+                                      logprobs=None if lp is None else ChatLogprobs(**lp)))
         return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
                                       usage=self._usage_all(runs, finals))
 
@@ -375,8 +624,8 @@ class OpenAIServing:
         finals: list[Final | None] = [None] * n
         disconnected = _shared(disconnected, n)
 
-        def chunk(i: int, delta: dict | None = None, finish: str | None = None, **extra) -> str:
-            choices = [] if delta is None else [{"index": i, "delta": delta, "logprobs": None,
+        def chunk(i: int, delta: dict | None = None, finish: str | None = None, logprobs=None, **extra) -> str:
+            choices = [] if delta is None else [{"index": i, "delta": delta, "logprobs": logprobs,
                                                  "finish_reason": finish}]
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                          "model": self.model_name, "choices": choices, **extra})
@@ -384,8 +633,9 @@ class OpenAIServing:
         def text_chunks(i: int, d: Delta):
             if d.reasoning:
                 yield chunk(i, {"reasoning_content": d.reasoning})
-            if d.content:
-                yield chunk(i, {"content": d.content})
+            if d.content or d.logprobs:
+                yield chunk(i, {"content": d.content}, logprobs=self._chat_logprobs(d.logprobs)
+                            if sampling.logprobs is not None else None)
 
         async def choice(i: int):
             run, asm = runs[i], asms[i]
@@ -395,7 +645,7 @@ class OpenAIServing:
                     if isinstance(ev, RowDraft):
                         yield chunk(i, None, blockpress=self._frame(self._draft_frame(ev), i, n))
                     elif isinstance(ev, RowCommit):
-                        for c in text_chunks(i, asm.feed(ev.tokens)):
+                        for c in text_chunks(i, asm.feed(ev.tokens, ev.logprobs)):
                             yield c
                         if sampling.include_drafts:
                             yield chunk(i, None, blockpress=self._frame(
@@ -423,18 +673,20 @@ class OpenAIServing:
             await merged.aclose()  # the client went away: free every choice's run now
         yield "data: [DONE]\n\n"
 
-    # ---------------------------------------------------------------- completions
-    def _hole_tokens(self, ev: RowCommit, holes: list[int] | None) -> list[int]:
-        """A committed canvas's tokens that belong to the completion (insert mode: the hole's only)."""
+    # ---------------------------------------------------------------- completions (the same, per prompt)
+    def _hole_tokens(self, ev: RowCommit, holes: list[int] | None) -> tuple[list[int], list | None]:
+        """A committed canvas's tokens that belong to the completion (insert mode: the hole's only), and their
+        log-probabilities (None: not asked)."""
         if holes is None:
-            return ev.tokens
+            return ev.tokens, ev.logprobs
         base = ev.canvas * self.lm.canvas_length
-        return [t for j, t in enumerate(ev.tokens) if base + j < len(holes) and holes[base + j] == -1]
+        keep = [j for j in range(len(ev.tokens)) if base + j < len(holes) and holes[base + j] == -1]
+        return [ev.tokens[j] for j in keep], None if ev.logprobs is None else [ev.logprobs[j] for j in keep]
 
     async def completion(self, req: CompletionRequest, disconnected: Disconnected | None = None):
         self._check_model(req.model)
         sampling = req.to_sampling(self.limits, self.defaults)
-        ids = await asyncio.to_thread(self.completion_prompt, req)
+        prompts = await asyncio.to_thread(self.completion_prompts, req)
         holes = None
         if req.suffix:  # insert mode: the hole (max_tokens) then the suffix, held fixed on the canvas
             region = [-1] * sampling.max_tokens + await asyncio.to_thread(self.tok.encode, req.suffix)
@@ -444,16 +696,31 @@ class OpenAIServing:
                                param="suffix", code="context_length_exceeded")
             n_new, holes = whole_canvases(region, self.lm.canvas_length)  # past the suffix: -2, discarded
             sampling.cfg = dataclasses.replace(sampling.cfg, max_new_tokens=n_new)
-        runs = self._submit_choices(ids, sampling, fixed_tokens=holes, prompt_field="prompt")
+        runs = self._submit_batch(prompts, sampling, fixed_tokens=holes)
         asms = [self._new_assembler(sampling, chat=False) for _ in runs]
         rid = "cmpl-" + secrets.token_hex(12)
         if req.stream:
             return self._completion_stream(rid, runs, asms, sampling, disconnected, holes)
         finals = await self._collect_all(runs, asms, disconnected, lambda ev: self._hole_tokens(ev, holes))
         return CompletionResponse(id=rid, model=self.model_name,
-                                  choices=[CompletionChoice(index=i, text=f.content, finish_reason=f.finish_reason)
+                                  choices=[CompletionChoice(index=i, text=f.content, finish_reason=f.finish_reason,
+                                                            logprobs=self._completion_logprobs(f.logprobs))
                                            for i, f in enumerate(finals)],
-                                  usage=self._usage_all(runs, finals))
+                                  usage=self._usage_all(runs, finals, sampling.n))
+
+    def _submit_batch(self, prompts: list[list[int]], sampling: Sampling,
+                      fixed_tokens: list[int] | None = None) -> list[_Run]:
+        """n runs per prompt, in order (prompt p's choice i is run p * n + i); all or none are admitted."""
+        runs: list[_Run] = []
+        try:
+            for k, ids in enumerate(prompts):
+                runs += self._submit_choices(ids, sampling, fixed_tokens, "prompt" if len(prompts) == 1
+                                             else f"prompt.{k}")
+        except APIError:
+            for r in runs:
+                self._release(r)
+            raise
+        return runs
 
     async def _completion_stream(self, rid: str, runs: list[_Run], asms: list[OutputAssembler], sampling: Sampling,
                                  disconnected: Disconnected | None,
@@ -462,10 +729,14 @@ class OpenAIServing:
         finals: list[Final | None] = [None] * n
         disconnected = _shared(disconnected, n)
 
-        def chunk(i: int, text: str | None, finish: str | None = None, **extra) -> str:
-            choices = [] if text is None else [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]
+        def chunk(i: int, text: str | None, finish: str | None = None, logprobs=None, **extra) -> str:
+            choices = [] if text is None else [{"index": i, "text": text, "logprobs": logprobs,
+                                                "finish_reason": finish}]
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                          "choices": choices, **extra})
+
+        def lps(d: Delta):
+            return self._completion_logprobs(d.logprobs) if sampling.logprobs is not None else None
 
         async def choice(i: int):
             run, asm = runs[i], asms[i]
@@ -474,15 +745,15 @@ class OpenAIServing:
                     if isinstance(ev, RowDraft):
                         yield chunk(i, None, blockpress=self._frame(self._draft_frame(ev), i, n))
                     elif isinstance(ev, RowCommit):
-                        d = asm.feed(self._hole_tokens(ev, holes))
-                        if d.content:
-                            yield chunk(i, d.content)
+                        d = asm.feed(*self._hole_tokens(ev, holes))
+                        if d.content or d.logprobs:
+                            yield chunk(i, d.content, logprobs=lps(d))
                         if sampling.include_drafts:
                             yield chunk(i, None, blockpress=self._frame(
                                 {"type": "commit", "canvas": ev.canvas, "steps": ev.steps}, i, n))
                 final = finals[i] = asm.finish()
-                if final.last.content:
-                    yield chunk(i, final.last.content)
+                if final.last.content or final.last.logprobs:
+                    yield chunk(i, final.last.content, logprobs=lps(final.last))
                 yield chunk(i, "", final.finish_reason)
             finally:
                 self._release(run)
@@ -491,7 +762,7 @@ class OpenAIServing:
         try:
             async for c in merged:
                 yield c
-            usage = self._usage_all(runs, finals)
+            usage = self._usage_all(runs, finals, sampling.n)
             if sampling.include_usage:
                 yield chunk(0, None, usage=usage.model_dump())
         except APIError as e:

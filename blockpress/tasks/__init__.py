@@ -6,6 +6,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..errors import InputError
+
+
+def read_data_file(path: Path) -> str:
+    """The text of a data file (training data, evaluation passages), or an InputError that names the problem."""
+    if not path.is_file():
+        raise InputError(f"data file {path} not found; give 'sudoku', a chat .jsonl file, or a plain-text "
+                         ".txt/.jsonl file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
+
 
 def task_info(lm: Any) -> dict[str, Any]:
     """What a model folder says it was trained for: its `blockpress_task.json` (e.g.

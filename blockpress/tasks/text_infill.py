@@ -29,7 +29,7 @@ class Example:
 
 
 def read_passages(path: str | Path) -> list[str]:
-    from ..train.data import read_data_file
+    from . import read_data_file
 
     text = read_data_file(Path(path))
     return [p.strip() for p in text.split("\n\n") if p.strip()]

@@ -27,6 +27,7 @@ import random
 from pathlib import Path
 
 from ..errors import InputError
+from ..tasks import read_data_file
 
 Example = tuple  # (prompt ids, response ids) or (prompt ids, response ids, held flags per response token)
 
@@ -81,17 +82,6 @@ class ListSource(Source):
 
     def __len__(self):
         return len(self.examples)
-
-
-def read_data_file(path: Path) -> str:
-    """The text of a training data file, or an InputError that names the problem."""
-    if not path.is_file():
-        raise InputError(f"data file {path} not found; give 'sudoku', a chat .jsonl file, or a plain-text "
-                         ".txt/.jsonl file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:

@@ -1,21 +1,21 @@
-"""The DiffusionGemma training objective (shared/spec/training.md §1-2): corruption, batch layout, loss.
+"""The DiffusionGemma training objective: corruption, batch layout, loss.
 
 Shape legend: B batch, S clean sequence length, C canvas length, V vocab, T decoder context length.
 
 Per example (one (prompt, response) pair), with its own RNG derived from (seed, step, example index)
 so that data-parallel ranks and resumed runs draw exactly the same noise:
 - the response is cut into canvases of C tokens measured from its first token; the last one is
-  EOS-filled (§2.1, §2.4); one canvas `b` is selected uniformly (§2.2 (A), Google's way);
+  EOS-filled; one canvas `b` is selected uniformly (Google's way);
 - t ~ U[eps, 1); each canvas position keeps its clean token with prob 1 - t, otherwise takes a token
-  drawn uniformly from the whole vocabulary [0, V) (no mask token, §1.1-1.2);
+  drawn uniformly from the whole vocabulary [0, V) (no mask token);
 - optionally (`swap_rate` > 0, off by default: an addition to the spec) each position that kept its clean
   token is, with prob `swap_rate`, overwritten by the clean token of a random position of the same canvas.
   With a large vocabulary, uniform noise almost never looks like data (a Sudoku canvas has 9 digits among
   826 ids), so a decoder trained on it alone learns that a plausible token is always right and copies it
   with probability ~1; swapped tokens are plausible but wrong, which teaches it to revise them;
-- a self-conditioning coin with probability `sc_prob` (§1.6).
+- a self-conditioning coin with probability `sc_prob`.
 
-Batch layout (the leakage rule, §1.3): every row is left-padded so that the selected canvas's
+Batch layout (the leakage rule): every row is left-padded so that the selected canvas's
 context (prompt + clean canvases < b) ends at the same position T for all rows:
 `[pad .. pad | prompt | canvas 0 .. canvas b-1 | canvas b (clean) | later canvases | pad ..]`.
 One causal encoder pass over the clean rows gives the AR logits and the K/V cache; the cache is then
@@ -23,7 +23,7 @@ cropped to T, so the decoder (queries at positions T + j) sees the prompt and ea
 never the clean copy of the canvas it denoises, nor any later canvas. RoPE is relative, so the per-row
 left-padding offset does not change any attention score.
 
-Loss (§1.4-1.6): L = w_diff * mean_b[ mean_j CE(decoder logits, clean canvas) over every canvas
+Loss: L = w_diff * mean_b[ mean_j CE(decoder logits, clean canvas) over every canvas
 position, corrupted or not, EOS fill included ] + w_ar * mean_b[ mean CE of the encoder's next-token
 prediction over scored targets ] where the AR targets are the response tokens (`ar_scope="response"`,
 [RH]/[MB]) or every valid token after the first (`"all"`, [G-SFT]). Decoder pass 1 runs without
@@ -33,7 +33,7 @@ coin is on, a zero *embedding* (sc_mask False) for the others. Prompt positions 
 Rollout rows (`rollout_step`): pass 1's logits z, at a temperature tau ~ U[0.4, 0.8] (the release's
 schedule range), give what one inference step would: a sample y ~ softmax(z / tau) at the positions the
 entropy bound accepts (a per-row bound, log-uniform in [1e-2, 1e2], from a few tokens to the whole canvas),
-fresh uniform noise elsewhere (spec 4.5-4.6). Pass 2 reads that canvas with z / tau as its
+fresh uniform noise elsewhere. Pass 2 reads that canvas with z / tau as its
 self-conditioning input (what the next inference step gets) and is scored against the clean canvas as
 usual. Its errors are the model's own plausible mistakes, accepted as confidently as the sampler would
 accept them, which is what the decoder must take back at inference. Held positions stay clean. The draws
@@ -109,7 +109,7 @@ def corrupt(x0: torch.Tensor, t: torch.Tensor, vocab_size: int, generator: torch
 
 
 def split_canvases(response: list[int], C: int, eos_id: int, max_canvases: int | None = None) -> list[list[int]]:
-    """Response-relative chunks of C tokens; the last one EOS-filled (§2.1)."""
+    """Response-relative chunks of C tokens; the last one EOS-filled."""
     if not response:
         raise ValueError("empty response: nothing to supervise")
     n = -(-len(response) // C)
@@ -149,6 +149,7 @@ class TrainBatch:
     sc_mask: torch.Tensor  # [B] bool, self-conditioning on
     scored: torch.Tensor | None = None  # [B,C] bool, positions with diffusion loss (None: all)
     rollout: RolloutDraws | None = None  # cfg.rollout > 0 only
+    ar_from: int = 0  # the first position any row's AR target sits at (the AR logits are made from the one before)
     fill: torch.Tensor | None = None  # [B,C] bool, the EOS fill after the response (None: not known)
 
     def to(self, device) -> "TrainBatch":
@@ -214,9 +215,11 @@ def collate(examples: list[tuple[list[int], list[int]]], C: int, vocab_size: int
         lo = lft + (len(p) if cfg.ar_scope == "response" else 1)
         target[i, max(lo, lft + 1):lft + n] = True  # never the first token of a row (nothing predicts it)
     rollout = RolloutDraws(*(torch.stack(parts) for parts in zip(*roll))) if roll else None
+    cols = target.any(0)
     return TrainBatch(ids, valid, target, T, torch.stack(clean), torch.stack(xt), torch.stack(rep),
                       torch.stack(ts).float(), torch.tensor(sc, dtype=torch.bool),
-                      torch.stack(scored) if any_held else None, rollout, torch.stack(fill))
+                      torch.stack(scored) if any_held else None, rollout,
+                      ar_from=int(cols.long().argmax()) if bool(cols.any()) else S, fill=torch.stack(fill))
 
 
 def _rollout_draws(g: torch.Generator, rate: float, C: int, vocab_size: int) -> tuple[torch.Tensor, ...]:
@@ -238,7 +241,7 @@ def _per_example_mean(ce: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def encoder_pass(module, batch: TrainBatch, context_only: bool = False):
-    """Causal encoder over the clean rows. Returns (AR logits [B,S,V] fp32, cache filled to S).
+    """Causal encoder over the clean rows. Returns (final-normed hidden states [B,S,H], cache filled to S).
 
     context_only: encode only the decoder's context [0, T) and return (None, cache filled to T): the
     same cache the decoder reads after cropping (causal attention: positions < T never see later
@@ -249,20 +252,24 @@ def encoder_pass(module, batch: TrainBatch, context_only: bool = False):
     B, S = ids.shape
     cache = module.new_cache(B, S, ring=False)  # cropped back to the context below: keep every position
     pad = None if bool(valid.all()) else valid
-    h = module.encode(ids, cache, pad_mask=pad)
-    return (None if context_only else module.lm_logits(h)), cache
+    h = module.encode(ids, cache, pad_mask=pad, output=not context_only)
+    return h, cache
 
 
-def ar_loss(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
-    """Per-example mean next-token CE over `ar_target` positions (token j predicted from j-1)."""
-    B, S, V = logits.shape
-    ce = F.cross_entropy(logits[:, :-1].reshape(-1, V), batch.input_ids[:, 1:].reshape(-1),
-                         reduction="none").view(B, S - 1)
-    return _per_example_mean(ce, batch.ar_target[:, 1:])
+def ar_loss(module, h: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """Per-example mean next-token CE over `ar_target` positions (token j predicted from j-1), from the encoder's
+    hidden states h [B,S,H]. Logits are made only from position `batch.ar_from` - 1 on: with the default scope
+    (the response) that leaves out the prompt, whose [S, V] fp32 logits and soft-cap would be most of the AR loss's
+    memory (on the 26B model, 1.34 GB per copy at a 1,024-token prompt + one canvas) and work."""
+    lo = max(batch.ar_from - 1, 0)
+    logits = module.lm_logits(h[:, lo:-1])  # [B, S-1-lo, V] fp32
+    B, n, V = logits.shape
+    ce = F.cross_entropy(logits.reshape(-1, V), batch.input_ids[:, lo + 1:].reshape(-1), reduction="none").view(B, n)
+    return _per_example_mean(ce, batch.ar_target[:, lo + 1:])
 
 
 def rollout_step(z_raw: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One step of the inference sampler (spec 4.5-4.6) from pass 1's raw logits, for the rollout rows.
+    """One step of the inference sampler from pass 1's raw logits, for the rollout rows.
 
     z_raw [B,C,V] -> (decoder input canvas [B,C], self-conditioning logits [B,C,V], sc_mask [B]); rows
     whose coin is off get x_t, z_raw and their own SC coin back unchanged. Rollout rows always get
@@ -305,13 +312,55 @@ def diffusion_loss(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     return _per_example_mean(ce, scored)
 
 
-def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """The full objective on one (micro-)batch. Returns (loss, float stats for logging)."""
+class TwoBackwards:
+    """The step's backward as two: the decoder's, then the encoder's (`compute_loss(split=True)`).
+
+    The encoder and the decoder run the same layers, so in one backward autograd sums each weight's two gradients in
+    its input buffer before the weight's gradient is accumulated: every layer's decoder-pass gradient is held, whole,
+    until the encoder's backward reaches that layer (one unsharded copy of all the gradients at once). Split at the
+    K/V cache (the decoder reads the encoder's K/V as new leaf tensors), the decoder's backward finishes each layer's
+    gradient as it goes, and FSDP2 reduce-scatters it into the layer's shard at once; the encoder's backward then
+    carries the K/V gradients (and the AR loss) down through the encoder and adds its share. The same gradients up to
+    fp32 summation order."""
+
+    def __init__(self, decoder_loss: torch.Tensor, ar_loss: torch.Tensor | None, kv: list):
+        self.decoder_loss, self.ar_loss, self.kv = decoder_loss, ar_loss, kv
+
+    def decoder(self) -> None:
+        self.decoder_loss.backward()
+
+    def encoder(self) -> None:
+        outs = [orig for orig, leaf in self.kv if leaf.grad is not None]
+        grads = [leaf.grad for _, leaf in self.kv if leaf.grad is not None]
+        if self.ar_loss is not None:
+            outs.append(self.ar_loss)
+            grads.append(torch.ones_like(self.ar_loss))
+        if outs:
+            torch.autograd.backward(outs, grads)
+        self.kv = []
+
+
+def _cut(cache) -> list:
+    """Give the decoder the encoder's K/V as new leaves (sharing storage): [(encoder's tensor, decoder's leaf)]."""
+    pairs = []
+    for store in (cache.keys, cache.values):
+        for i, t in enumerate(store):
+            if t.requires_grad:
+                store[i] = t.detach().requires_grad_(True)
+                pairs.append((t, store[i]))
+    return pairs
+
+
+def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig, split: bool = False):
+    """The full objective on one (micro-)batch. Returns (loss, float stats for logging); with split, also the
+    `TwoBackwards` to run instead of loss.backward() (what FSDP2 needs to shard each gradient as it is made)."""
     skip_ar = not cfg.ar_only and not cfg.ar_weight
-    enc_logits, cache = encoder_pass(module, batch, context_only=skip_ar)
-    l_ar = torch.zeros(()) if skip_ar else ar_loss(enc_logits, batch)
+    h, cache = encoder_pass(module, batch, context_only=skip_ar)
+    l_ar = torch.zeros(()) if skip_ar else ar_loss(module, h, batch)
     if cfg.ar_only:
-        return l_ar, {"loss": float(l_ar.detach()), "ar": float(l_ar.detach())}
+        stats = {"loss": float(l_ar.detach()), "ar": float(l_ar.detach())}
+        return (l_ar, stats, TwoBackwards(l_ar, None, [])) if split else (l_ar, stats)
+    kv = _cut(cache) if split else []
     canvas, sc_logits, sc_mask = decoder_inputs(module, batch, cache)
     logits = module.decode(canvas, cache, sc_logits=sc_logits, sc_mask=sc_mask)
     l_diff = diffusion_loss(logits, batch)
@@ -326,16 +375,20 @@ def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig) -> tuple[torch
         # answer on a 32-token canvas is 20 fill positions): acc_text is acc_replaced on the response's own tokens
         text = wrong if batch.fill is None else wrong & ~batch.fill
         acc_text = correct[text].float().mean() if bool(text.any()) else torch.tensor(1.0)
-    return loss, {"loss": float(loss.detach()), "diff": float(l_diff.detach()), "ar": float(l_ar.detach()),
-                  "acc": float(acc.float().mean()), "acc_replaced": float(acc_noisy), "acc_text": float(acc_text)}
+    stats = {"loss": float(loss.detach()), "diff": float(l_diff.detach()), "ar": float(l_ar.detach()),
+             "acc": float(acc.float().mean()), "acc_replaced": float(acc_noisy), "acc_text": float(acc_text)}
+    if not split:
+        return loss, stats
+    ar = cfg.ar_weight * l_ar if cfg.ar_weight and not skip_ar else None
+    return loss, stats, TwoBackwards(cfg.diffusion_weight * l_diff, ar, kv)
 
 
 class ObjectiveModule(nn.Module):
-    """`compute_loss` as a module forward, so DDP can wrap the whole step (distributed.wrap)."""
+    """`compute_loss` as a module forward, so DDP or FSDP2 can wrap the whole step (distributed.wrap)."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
 
-    def forward(self, batch: TrainBatch, cfg: ObjectiveConfig):
-        return compute_loss(self.module, batch, cfg)
+    def forward(self, batch: TrainBatch, cfg: ObjectiveConfig, split: bool = False):
+        return compute_loss(self.module, batch, cfg, split=split)

@@ -1,7 +1,7 @@
-"""Named small DiffusionGemma-architecture configs for training from scratch (spec training.md §7.2).
+"""Named small DiffusionGemma-architecture configs for training from scratch.
 
 `model_config(size, vocab_size, canvas_length, context)` returns a config.json dict (model_type
-diffusion_gemma) that blockpress and transformers 5.23 both load. Rules from §7.2: 4 heads, 2 KV
+diffusion_gemma) that blockpress and transformers 5.23 both load. Rules: 4 heads, 2 KV
 heads, head_dim = hidden/4, global_head_dim = 2*head_dim, 1 global KV head, 4 experts top-2,
 moe_intermediate = hidden, intermediate = 2*hidden, sliding_window >= context + canvas so sliding
 layers behave as full attention, softcap 30.

@@ -4,26 +4,36 @@ Invariants:
 - Step s consumes global examples [0, batch_size) of step s from the source and noise from
   (seed, s, example index) (objective.collate), so a run resumed from a checkpoint at step s gives
   exactly the losses an uninterrupted run would (same weights, optimizer, schedule, data, noise).
-- Data parallel: rank r of W takes examples [r*B/W, (r+1)*B/W) of each global batch; DDP averages the
-  gradients of the per-rank means, which equals the single-process mean over the global batch
+- Data parallel: rank r of W takes examples [r*B/W, (r+1)*B/W) of each global batch; DDP or FSDP2 averages
+  the gradients of the per-rank means, which equals the single-process mean over the global batch
   (all ranks hold the same number of examples).
-- Checkpoints: `out_dir/checkpoint-<step>/` in the Hugging Face layout (model.save, atomic) plus
-  `trainer_state.pt` (optimizer, scheduler, step, history, RNG), or the PEFT adapter files for LoRA runs;
-  `out_dir/latest` names the newest complete checkpoint and is replaced atomically after it is written.
+- Checkpoints: `out_dir/checkpoint-<step>/` in the Hugging Face layout (model.save, atomic; a sharded run's
+  weights are gathered onto rank 0 for it), or the PEFT adapter files for LoRA runs; `optimizer/`, the
+  optimizer state by parameter name in torch.distributed.checkpoint's format (each rank writes its own shard,
+  and a run with another number of processes, or one process, reads it back re-split); `trainer_state.pt`
+  (scheduler, step, history, RNG), written last. `out_dir/latest` names the newest complete checkpoint and is
+  replaced atomically after it is written.
+- A save that fails, whatever raised (OSError, torch's RuntimeError, safetensors' SafetensorError, ...),
+  removes what it wrote, leaves `latest` where it was and raises one CheckpointError line with the cause and
+  the command that resumes. A resumed run first removes what an interrupted save left (`clean_stale`), and
+  `metrics.jsonl` restarts at the checkpoint's step.
 - Logs: `out_dir/metrics.jsonl` (one JSON object per logged step / eval) and `out_dir/loss.png`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
 from . import objective as obj
@@ -71,14 +81,36 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return ck if (ck / "trainer_state.pt").is_file() else None
 
 
+def clean_stale(out_dir: str | Path) -> list[str]:
+    """Remove what interrupted saves left in a run folder: temp folders of atomic writes (`.checkpoint-*`),
+    temp files, and checkpoint folders without a trainer state (other than the one `latest` names).
+    Returns the names removed."""
+    out = Path(out_dir)
+    keep = latest_checkpoint(out)
+    stale = [p for p in out.glob(".checkpoint-*")] + [p for p in (out / "latest.tmp", out / "metrics.jsonl.tmp")
+                                                       if p.exists()]
+    stale += [p for p in out.glob("checkpoint-*") if p.is_dir() and not (p / "trainer_state.pt").is_file()
+              and (keep is None or p.resolve() != keep.resolve())]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return sorted(p.name for p in stale)
+
+
 class Trainer:
     def __init__(self, lm, source: Source, cfg: TrainConfig, eval_source: Source | None = None,
-                 lora=None, rank: int = 0, world: int = 1, ddp_module=None, extra_files: dict | None = None):
+                 lora=None, rank: int = 0, world: int = 1, wrapped=None, extra_files: dict | None = None,
+                 resume_command: str | None = None):
         """lm: BlockDiffusionLM being trained (lm.module). lora: a lora.LoraSpec when training adapters
-        (the module must already carry them). ddp_module: DDP wrapper of lm.module (distributed.py)."""
+        (the module must already carry them). wrapped: lm.module's objective wrapped by distributed.wrap (DDP or
+        FSDP2; made before this, as FSDP2 replaces the parameters the optimizer is given).
+        resume_command: what a failed save tells the user to run (default: "--resume")."""
+        from .distributed import is_sharded
+
         self.lm, self.source, self.cfg, self.eval_source = lm, source, cfg, eval_source
+        self.resume_command = resume_command or "the same command with --resume"
         self.lora, self.rank, self.world = lora, rank, world
-        self.model = ddp_module if ddp_module is not None else lm.module
+        self.model = wrapped if wrapped is not None else lm.module
+        self.sharded = wrapped is not None and is_sharded(wrapped)
         self.extra_files = extra_files or {}
         if cfg.batch_size % world:
             raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the number of ranks {world}")
@@ -108,10 +140,11 @@ class Trainer:
         return obj.collate(exs, self.lm.canvas_length, V, self.cfg.objective, step, lo, eos_id=eos, pad_id=pad,
                            max_canvases=self.cfg.max_canvases, stream=stream).to(self.device)
 
-    def _loss(self, batch: obj.TrainBatch):
+    def _loss(self, batch: obj.TrainBatch, split: bool = False):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            if self.world > 1 and self.lm.module.training:
-                return self.model(batch, self.cfg.objective)  # DDP(ObjectiveModule): gradients all-reduced
+            if self.world > 1 and (self.lm.module.training or self.sharded):  # FSDP2 gathers weights in eval too
+                # DDP / FSDP2 (ObjectiveModule): gradients averaged
+                return self.model(batch, self.cfg.objective, **({"split": True} if split else {}))
             return obj.compute_loss(self.lm.module, batch, self.cfg.objective)
 
     @torch.enable_grad()
@@ -119,11 +152,18 @@ class Trainer:
         self.lm.module.train()
         batch = self._batch(self.step, self.source)
         t0 = time.perf_counter()
-        loss, stats = self._loss(batch)
+        loss, stats, *two = self._loss(batch, split=self.sharded)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if self.sharded:  # the decoder's backward, then the encoder's: each gradient sharded as soon as it is made
+            from .distributed import backward
+
+            backward(self.model, two[0])
+        else:
+            loss.backward()
         params = [p for p in self.lm.module.parameters() if p.requires_grad]
         gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip) if self.cfg.clip else torch.tensor(0.0)
+        if hasattr(gnorm, "full_tensor"):  # FSDP2: the norm of the sharded gradients, a DTensor
+            gnorm = gnorm.full_tensor()
         self.opt.step()
         self.sched.step()
         dt = time.perf_counter() - t0
@@ -155,43 +195,61 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- checkpoints
     def state(self) -> dict:
-        return {"step": self.step, "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                "history": self.history, "config": _jsonable(asdict(self.cfg)),
-                "torch_rng": torch.get_rng_state()}
+        return {"step": self.step, "scheduler": self.sched.state_dict(), "history": self.history,
+                "config": _jsonable(asdict(self.cfg)), "torch_rng": torch.get_rng_state()}
 
     def save(self) -> Path:
-        """Write checkpoint-<step> (weights or adapter + trainer state), then point `latest` at it. A write
-        that fails (a full disk) removes the half-written checkpoint, leaves `latest` on the last complete
-        one, and says so."""
+        """Write checkpoint-<step> (weights or adapter, optimizer, trainer state), then point `latest` at it. A
+        write that fails on any rank (a full disk) removes the half-written checkpoint, leaves `latest` on the last
+        complete one, and says so on every rank."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        from .distributed import all_ok, full_tensors
+
         path = self.out / f"checkpoint-{self.step:07d}"
+        # collectives under FSDP2 (every rank takes part): the weights rank 0 writes, each rank's optimizer shard
+        tensors = full_tensors(self.lm.module, trainable_only=self.lora is not None) if self.sharded else None
+        optim = get_optimizer_state_dict(self.lm.module, self.opt)
+        phases = ((lambda: self._write_weights(path, tensors), False),
+                  (lambda: _save_sharded({"optimizer": optim}, path / "optimizer"), True),  # every rank its shard
+                  (lambda: self._write_state(path), False))
+        for write, every_rank in phases:
+            error = None
+            if every_rank or self.rank == 0:
+                try:
+                    write()
+                except (Exception, CheckpointException) as e:  # a full disk raises OSError, RuntimeError (torch),
+                    error = e  # SafetensorError, Exception (tokenizers); torch.distributed.checkpoint a BaseException
+            if not all_ok(error is None):
+                self._failed(path, error)
         if self.rank == 0:
-            try:
-                self._write_checkpoint(path)
-            except (OSError, CheckpointError) as e:
-                last = latest_checkpoint(self.out)
-                if last is None or last.resolve() != path.resolve():
-                    shutil.rmtree(path, ignore_errors=True)
-                cause = e if isinstance(e, OSError) else e.__cause__
-                why = getattr(cause, "strerror", None) or str(cause or e)
-                raise CheckpointError(
-                    f"could not write {path} ({why}); free disk space, then continue with --resume "
-                    + (f"from {last.name}" if last is not None else "(no complete checkpoint yet: it starts over)")
-                ) from None
             self._prune()
             self.plot()
-        if self.world > 1:
-            torch.distributed.barrier()
         return path
 
-    def _write_checkpoint(self, path: Path) -> None:
+    def _failed(self, path: Path, error: BaseException | None):
+        last = latest_checkpoint(self.out)
+        if self.rank == 0:
+            if last is None or last.resolve() != path.resolve():
+                shutil.rmtree(path, ignore_errors=True)
+            clean_stale(self.out)
+        cause = _cause(error) if error is not None else "another process could not write its part"
+        raise CheckpointError(
+            f"could not write {path} ({cause}); free disk space, then continue "
+            + (f"from {last.name}" if last is not None else "(no complete checkpoint yet: it starts over)")
+            + f": {self.resume_command}") from None
+
+    def _write_weights(self, path: Path, tensors: dict | None) -> None:
         if self.lora is not None:
             from .lora import save_adapter
 
-            save_adapter(self.lm.module, path, self.lora)
+            save_adapter(self.lm.module, path, self.lora, tensors=tensors)
         else:
-            self.lm.save(path)
+            self.lm.save(path, tensors)
         for rel, data in self.extra_files.items():
             (path / rel).write_bytes(data if isinstance(data, bytes) else data.encode())
+
+    def _write_state(self, path: Path) -> None:
         tmp = path / "trainer_state.pt.tmp"
         torch.save(self.state(), tmp)
         os.replace(tmp, path / "trainer_state.pt")
@@ -207,7 +265,14 @@ class Trainer:
     def load_state(self, ckpt: Path) -> None:
         """Restore optimizer, scheduler, step and history (weights are loaded by the caller)."""
         st = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
-        self.opt.load_state_dict(st["optimizer"])
+        if "optimizer" in st:  # a checkpoint written before the optimizer moved to optimizer/
+            self.opt.load_state_dict(st["optimizer"])
+        else:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+            optim = get_optimizer_state_dict(self.lm.module, self.opt)  # this run's layout: shapes and shards
+            _load_sharded({"optimizer": optim}, Path(ckpt) / "optimizer")
+            set_optimizer_state_dict(self.lm.module, self.opt, optim)
         self.sched.load_state_dict(st["scheduler"])
         self.step, self.history = st["step"], st["history"]
         torch.set_rng_state(st["torch_rng"])
@@ -264,6 +329,46 @@ class Trainer:
                 if cfg.stop_after is not None and done_here >= cfg.stop_after:
                     break
         return self.history
+
+
+def _save_sharded(state: dict, folder: Path) -> None:
+    """torch.distributed.checkpoint's save: each rank writes its shards, rank 0 the index; one process without a
+    process group writes it all."""
+    import torch.distributed.checkpoint as dcp
+
+    with _one_process_is_fine():
+        dcp.save(state, checkpoint_id=str(folder), no_dist=not torch.distributed.is_initialized())
+
+
+def _load_sharded(state: dict, folder: Path) -> None:
+    """Fill `state` (this run's tensors, sharded or whole) in place from a `_save_sharded` folder, whatever the
+    number of processes that wrote it."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (folder / ".metadata").is_file():
+        raise CheckpointError(f"{folder} has no optimizer state (.metadata missing): the checkpoint is incomplete; "
+                              "resume from an earlier one or start over without --resume")
+    with _one_process_is_fine():
+        dcp.load(state, checkpoint_id=str(folder), no_dist=not torch.distributed.is_initialized())
+
+
+@contextlib.contextmanager
+def _one_process_is_fine():
+    """Silence torch.distributed.checkpoint's warning that it assumes one process (it is what it was asked)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _cause(e: BaseException) -> str:
+    """The first line of what went wrong, under the wrappers (CheckpointError over OSError; the CheckpointException
+    of torch.distributed.checkpoint over each failed rank's exception)."""
+    inner = e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ is not None else e
+    if isinstance(inner, CheckpointException) and inner.failures:
+        inner = next(iter(inner.failures.values()))[0]  # (exception, traceback) of the first rank that failed
+    lines = str(inner).strip().splitlines()
+    text = getattr(inner, "strerror", None) or (lines[0] if lines else "")
+    return f"{type(inner).__name__}: {text[:200]}" if text else type(inner).__name__
 
 
 def _jsonable(x):

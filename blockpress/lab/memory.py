@@ -70,19 +70,21 @@ def _shares_storage(t: torch.Tensor, args) -> bool:
     return any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == mine for a in args)
 
 
-def _experts_meta(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, block_m: int | None = None):
-    """The Triton experts path's allocations (moe_grouped.experts_triton), shapes only; block_m None: `bm=auto` as
-    on sm_90 (its M tiles are the widest, so its padded assignment list the longest)."""
-    from . import moe_grouped
+def _experts_meta(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, block_m: int | None = None, tiles=None,
+                  moe_sum: str = "kernel"):
+    """The Triton experts path's allocations (moe_grouped.experts_triton), shapes only; block_m None: the tiles',
+    else `bm=auto` as on sm_90 (its M tiles are the widest, so its padded assignment list the longest)."""
+    from ..kernels import moe_grouped
 
     N, H = x_NH.shape
     K, E, Im = idx_NK.shape[1], gate_up_EFH.shape[0], down_EHI.shape[-1]
-    block_m = block_m or moe_grouped.TILES.block_m or moe_grouped.auto_block_m(N, K, E, wgmma=True)
+    tiles = tiles or moe_grouped.DEFAULT_TILES
+    block_m = block_m or tiles.block_m or moe_grouped.auto_block_m(N, K, E, wgmma=True)
     A = N * K
     L = -(-(A + E * (block_m - 1)) // block_m) * block_m
     sorted_ids = torch.empty(L, dtype=torch.long, device=x_NH.device)  # noqa: F841 - alive like the kernel's
     act = x_NH.new_empty(L, Im)  # noqa: F841
-    if moe_grouped.MOE_SUM == "atomic":  # the weighted sum added into fp32 by the down kernel, then cast
+    if moe_sum == "atomic":  # the weighted sum added into fp32 by the down kernel, then cast
         acc = x_NH.new_empty(N, H, dtype=torch.float32)  # noqa: F841
     else:
         y = x_NH.new_empty(A, H)  # noqa: F841 - per-assignment outputs, alive until the weighted sum is written
@@ -109,24 +111,55 @@ def _fused_sdpa_meta(q, k, v, attn_mask=None, scale=None, enable_gqa=False):
     return q.new_empty(B, S, H, Dv).transpose(1, 2)
 
 
+class _FusedSdpaTraining(torch.autograd.Function):
+    """A fused CUDA SDPA kernel under autograd (training): the forward allocates as `_fused_sdpa_meta` and keeps
+    what the flash / memory-efficient kernels keep for their backward (q, k, v, the mask, the output and its fp32
+    log-sum-exp rows [B, heads, S]; no score matrix); the backward allocates dq, dk, dv and the kernel's fp32
+    row sums (`delta`, [B, heads, S])."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, scale):
+        out = _fused_sdpa_meta(q, k, v, attn_mask=attn_mask, scale=scale)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, attn_mask, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _mask, _out, lse = ctx.saved_tensors
+        delta = torch.empty_like(lse)  # noqa: F841 - alive while the backward kernel runs
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None
+
+
+def _fused_sdpa_training(q, k, v, attn_mask=None, scale=None, enable_gqa=False):
+    return _FusedSdpaTraining.apply(q, k, v, attn_mask, scale)  # with enable_gqa the kernel reads k, v as they are
+
+
+def attention_meta_training(q, k, v, mask):
+    """The GPU's attention under autograd on the meta device (`attention_sdpa_gqa` around `_FusedSdpaTraining`):
+    what a training step keeps for the attention's backward, as the fused kernels keep it."""
+    from ..kernels.attention import attention_sdpa_gqa
+
+    return attention_sdpa_gqa(q, k, v, mask, sdpa=_fused_sdpa_training)
+
+
 def _attention_meta(q, k, v, mask):
     """The GPU's attention (`attention_sdpa_gqa`: folded queries, a mask repeated per group, or a call per group)
     around a fused kernel's allocation."""
-    from .attention import attention_sdpa_gqa
+    from ..kernels.attention import attention_sdpa_gqa
 
     return attention_sdpa_gqa(q, k, v, mask, sdpa=_fused_sdpa_meta)
 
 
-def meta_backends(module) -> None:
-    """Route `module` (on the meta device) through the stand-ins above."""
-    from ..model.layers import ATTENTION_BACKENDS
-    from ..model.moe import EXPERT_BACKENDS
+def meta_backends(module, moe_sum: str = "kernel") -> None:
+    """Run `module` (on the meta device, float experts) through the stand-ins above (its `ops` and experts' kernel,
+    what kernels.select sets on a GPU)."""
+    import dataclasses
+    import functools
 
-    EXPERT_BACKENDS.setdefault("meta", _experts_meta)
-    ATTENTION_BACKENDS.setdefault("meta", _attention_meta)
     for layer in module.layers:
-        layer.experts.backend = "meta"
-    module.attention_backend = "meta"
+        layer.experts.kernel = functools.partial(_experts_meta, moe_sum=moe_sum)
+    module.ops = dataclasses.replace(module.ops, attention=_attention_meta)
 
 
 def fused_sample_meta(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto", out=None):

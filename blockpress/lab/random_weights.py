@@ -23,7 +23,7 @@ import torch
 from ..config import ModelConfig
 from ..model.diffusion_gemma import DiffusionGemmaModel
 from ..model.weights import checkpoint_to_module_name
-from .quant import QuantizedExperts, quantize_fp8, quantize_int4
+from ..kernels.quant import QuantizedExperts, quantize_fp8, quantize_int4
 
 TINY_VISION = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=2, head_dim=16)

@@ -3,6 +3,7 @@
 `profile_steps` runs one canvas of a generation under torch.profiler and keeps the denoising steps after
 the first (no prompt encoding, no commit). It reports, per step:
 - wall time (a host sync per step, from the draft events, so the profile does not hide launch gaps);
+- kernels launched per step (CUDA; on a CPU, aten ops with time of their own): what CUDA graphs replay one by one;
 - device busy time (sum of kernel times on CUDA; of the ops' own CPU time on a CPU) and the gap between
   them (host-side launch/dispatch time a CUDA graph removes);
 - the time by part of the step, from named code ranges set only while profiling: the experts, the
@@ -132,13 +133,29 @@ def _gpu_spans(prof) -> tuple[list[tuple[float, float, float]], dict[str, list[t
     return kernels, spans
 
 
+class _NamedPasses:
+    """The passes (the module's or its fixed-shape ones), each decoder pass inside a profiler range (the engine takes passes as an argument:
+    nothing of the module's is replaced)."""
+
+    def __init__(self, passes):
+        self.passes = passes
+
+    def decode(self, *args, **kwargs):
+        from torch.profiler import record_function
+
+        with record_function("bp::decode"):
+            return self.passes.decode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.passes, name)
+
+
 @contextlib.contextmanager
 def _ranges(module):
-    """Name the experts, attention and decoder-pass code ranges while profiling (the wrappers are removed after,
-    so the timed runs never carry them)."""
+    """Name the experts, attention and decoder-pass code ranges while profiling: the attention through the module's
+    `ops`, the experts through forward hooks, the decoder pass by the passes `profile_steps` hands the engine;
+    all undone after, so the timed runs never carry them."""
     from torch.profiler import record_function
-
-    from ..model.layers import ATTENTION_BACKENDS
 
     def named(fn, name):
         def wrapper(*args, **kwargs):
@@ -146,35 +163,37 @@ def _ranges(module):
                 return fn(*args, **kwargs)
         return wrapper
 
-    attn_key = module.attention_backend
-    attn_fn = ATTENTION_BACKENDS[attn_key]
-    own_decode = vars(module).get("decode")
-    ATTENTION_BACKENDS[attn_key] = named(attn_fn, "bp::attention")
-    module.decode = named(module.decode, "bp::decode")
-    own_experts = [vars(layer.experts).get("forward") for layer in module.layers]  # compile_blocks_' eager wrapper
-    for layer in module.layers:
-        layer.experts.forward = named(layer.experts.forward, "bp::experts")
+    ops = module.ops
+    module.ops = dataclasses.replace(ops, attention=named(ops.attention, "bp::attention"))
+    open_ranges = []
+
+    def enter(mod, args):
+        rf = record_function("bp::experts")
+        rf.__enter__()
+        open_ranges.append(rf)
+
+    def leave(mod, args, out):
+        open_ranges.pop().__exit__(None, None, None)
+
+    hooks = [h for layer in module.layers for h in (layer.experts.register_forward_pre_hook(enter),
+                                                    layer.experts.register_forward_hook(leave))]
     try:
         yield
     finally:
-        ATTENTION_BACKENDS[attn_key] = attn_fn
-        if own_decode is None:
-            del module.decode
-        else:
-            module.decode = own_decode
-        for layer, own in zip(module.layers, own_experts):
-            if own is None:
-                del layer.experts.forward
-            else:
-                layer.experts.forward = own
+        module.ops = ops
+        for h in hooks:
+            h.remove()
 
 
 def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: str = "exact",
-                  top: int = 12) -> dict:
-    """Profile the denoising steps 2..N of one canvas (fixed steps) on `ids`; see the module docstring."""
+                  top: int = 12, passes=None) -> dict:
+    """Profile the denoising steps 2..N of one canvas (fixed steps) on `ids`; see the module docstring. passes: the
+    passes to run (None: the module's span passes; the fixed-shape passes CUDA graphs replay, uncaptured, to see
+    the kernels a graph holds)."""
     from torch.profiler import ProfilerActivity, profile
 
     from ..engine import generate as engine
+    from ..options import Options
     from .roofline import step_bytes
 
     dev = module.device
@@ -186,7 +205,8 @@ def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: s
     torch.manual_seed(0)
     started = False
     with _ranges(module):
-        events = engine.stream(module, ids, cfg, canvas_length, sampler=sampler)
+        events = engine.stream(module, ids, cfg, canvas_length, options=Options(sampler=sampler),
+                               passes=_NamedPasses(passes if passes is not None else module))
         try:
             for ev in events:
                 if isinstance(ev, engine.Draft):
@@ -230,7 +250,8 @@ def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: s
                 "ms_per_step": us / per_step} for name, calls, us in sorted(rows, key=lambda r: -r[2])[:top]]
     B, T = ids.shape[0], ids.shape[1]
     expert_bytes = step_bytes(module, B, canvas_length, T)["experts"]
-    out = {"steps_profiled": steps, "wall_ms_per_step": wall_ms, "busy_ms_per_step": busy_ms,
+    out = {"steps_profiled": steps, "kernels_per_step": sum(calls for _, calls, _ in rows) / steps,
+           "wall_ms_per_step": wall_ms, "busy_ms_per_step": busy_ms,
            "gap_ms_per_step": max(wall_ms - busy_ms, 0.0), "timer": "CUDA kernels" if cuda else "CPU ops (self)",
            "parts_add_up_to": "busy" if cuda else "wall", "by_part_ms": by_part, "by_class_ms": by_class,
            "top": kernels, "expert_bytes_per_step": expert_bytes}
@@ -242,7 +263,8 @@ def profile_steps(module, ids: torch.Tensor, cfg, canvas_length: int, sampler: s
 def print_profile(p: dict, title: str = "") -> None:
     """Three small tables: time per step by part, by kernel class, then the top kernels."""
     lines = [f"{title} step profile ({p['timer']}, {p['steps_profiled']} steps): wall {p['wall_ms_per_step']:.2f} ms, "
-             f"busy {p['busy_ms_per_step']:.2f} ms, gap {p['gap_ms_per_step']:.2f} ms per step"]
+             f"busy {p['busy_ms_per_step']:.2f} ms, gap {p['gap_ms_per_step']:.2f} ms per step, "
+             f"{p['kernels_per_step']:.0f} {'kernels' if p['timer'] == 'CUDA kernels' else 'ops'} per step"]
     total = (p["busy_ms_per_step"] if p["parts_add_up_to"] == "busy" else p["wall_ms_per_step"]) or 1.0
     lines.append(f"  {'part of the step':<16} {'ms/step':>9} {'share':>7}   ({p['parts_add_up_to']} time)")
     for part, ms in p["by_part_ms"].items():

@@ -3,7 +3,7 @@
 Layout per layer: keys/values [B, kv, slots, D], post-k_norm+RoPE keys and post-v_norm values.
 
 - Full-attention layers keep every position: slot p holds position p (slots = `capacity`).
-- Sliding layers read at most the `window` positions before the ones a pass writes (spec 3.2 / 3.4: the
+- Sliding layers read at most the `window` positions before the ones a pass writes (the
   reference keeps only the last W-1 tokens), so once the cache is longer than `window + reserve` they keep a
   *ring* of that many slots, position p in slot p % ring (`ring`; None: they keep every position, like the
   full layers). On the 26B model the 25 sliding layers hold 91 % of the K/V bytes per position, so at a 32K-token
@@ -84,7 +84,12 @@ class KVCache:
 
     def slot_index(self, i: int, pos: torch.Tensor) -> torch.Tensor:
         """The slots of layer i holding positions `pos` (a device tensor: the static passes' writes and gathers)."""
-        return pos % self.ring if self._ringed(i) else pos
+        return self.kind_slots(self.sliding[i], pos)
+
+    def kind_slots(self, sliding: bool, pos: torch.Tensor) -> torch.Tensor:
+        """The slots holding positions `pos` in every sliding layer (sliding=True) or every other layer: each kind
+        of layer shares one layout."""
+        return pos % self.ring if self.ring is not None and sliding else pos
 
     def _present_from(self) -> int:
         """The first position every layer still holds."""

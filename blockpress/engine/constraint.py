@@ -1,0 +1,234 @@
+"""Structured output: a grammar (JSON Schema, any JSON object, a regular expression or a Lark grammar) that every
+committed canvas obeys.
+
+Shape legend: C canvas length, V vocab, k candidates per position.
+
+The grammar engine is llguidance (`pip install blockpress[structured]`): it compiles the grammar for the model's
+tokenizer and, in any state, gives the set of tokens that keep the text a prefix of a valid output (the mask),
+with the stop ids allowed exactly where the output may end.
+
+How a denoising step obeys it (`Constraint.walk`, once per step for each constrained row): the row's canvas is
+read left to right from the grammar state after its committed tokens. At each position the step's argmax is
+replaced by the most likely allowed token (the first of the position's top-k candidates the mask allows, else
+the masked argmax over the whole vocabulary); then the state advances by that token. A drawn token the mask
+does not allow is replaced by the walked one. So the argmax canvas, which is what a commit writes, is always a
+valid prefix, and accepted tokens are consistent with it.
+
+The budget: the output has to close, and its stop id be written, within `max_new_tokens`. At each position the
+walk asks whether, after the chosen token, the shortest way to close still fits in the positions left
+(`shortest_close`: forced tokens first, else the allowed token that closes soonest: quotes and closing brackets,
+then digits, then commas, letters, and last anything that opens a new structure); if not, it writes the first
+token of the closing path instead. A budget too small for even the shortest valid output is refused up front.
+
+Cost: one mask per position walked (plus one per token of each closing check), on the host, with one host read
+of the step's top-k candidates (tested against the mask's bits in place; the whole mask is unpacked only when no
+candidate is allowed; a closing token is the first set bit in the tokens sorted by closing rank); nothing for
+rows without a constraint. Across canvases the state continues
+from the committed tokens (`advance`).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import torch
+
+from ..errors import InputError
+
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # one line, as json.dumps
+TOP_K = 16  # candidates per position read from the device each step; the masked argmax covers the rest
+_OPEN, _OTHER = 8, 9  # ranks of tokens that open a structure and of everything else (see _rank)
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise InputError("structured output needs llguidance: pip install 'blockpress[structured]'") from None
+    return llguidance
+
+
+def grammar_for(json_schema=None, json_object: bool = False, regex: str | None = None,
+                grammar: str | None = None) -> str | None:
+    """The llguidance grammar of one of: a JSON Schema (dict or JSON text), any JSON object, a regular expression,
+    a Lark grammar. None when none is given; InputError when more than one is."""
+    given = [n for n, v in (("json_schema", json_schema), ("json_object", json_object), ("regex", regex),
+                            ("grammar", grammar)) if v]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InputError(f"give one of json_schema, json_object, regex, grammar (got {', '.join(given)})")
+    llg = _llguidance()
+    if json_object:
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+    if json_schema is not None:
+        text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        try:
+            json.loads(text)
+        except ValueError as e:
+            raise InputError(f"json_schema is not valid JSON ({e}); give a JSON Schema object") from None
+        return llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
+    if regex is not None:
+        return llg.LLMatcher.grammar_from_regex(regex)
+    return llg.LLMatcher.grammar_from_lark(grammar)
+
+
+def call_grammar(open_id: int, close_id: int, tools: dict[str, dict]) -> str:
+    """The grammar of exactly one tool call in Gemma's format, `<|tool_call>call:NAME{...}<tool_call|>` (the
+    markers are token ids), NAME one of `tools` and its arguments JSON valid against that tool's parameters
+    schema (an object)."""
+    llg = _llguidance()
+    alts = []
+    for name, params in tools.items():
+        schema = {**(params or {"type": "object"}), "x-guidance": JSON_LAYOUT}
+        alts.append(f"{json.dumps(name)} %json {json.dumps(schema)}")
+    return llg.LLMatcher.grammar_from_lark(f'start: <[{open_id}]> "call:" ({" | ".join(alts)}) <[{close_id}]>\n')
+
+
+class Vocabulary:
+    """The grammar engine's view of one tokenizer with one set of stop ids, and each token's closing rank.
+    Built once per (tokenizer, stop ids, vocab size) and cached."""
+
+    def __init__(self, tokenizer, stop_ids: tuple[int, ...], vocab_size: int):
+        llg = _llguidance()
+        raw = tokenizer._tok if hasattr(tokenizer, "_tok") else tokenizer
+        self.llg = llg.LLTokenizer(raw.to_str(), n_vocab=vocab_size, eos_token=list(stop_ids))
+        self.stop_ids, self.V = stop_ids, vocab_size
+        self.rank = torch.tensor([_rank(raw.id_to_token(i), raw.decode([i], skip_special_tokens=False))
+                                  for i in range(raw.get_vocab_size())] + [10**6] * (vocab_size - raw.get_vocab_size()),
+                                 dtype=torch.long)[:vocab_size]
+        self.rank[list(stop_ids)] = 10**6  # stopping is decided by the grammar's accepting state, not ranked
+        self.by_rank = torch.argsort(self.rank, stable=True)  # token ids, soonest-closing first (ties: lower id)
+        self._shifts = torch.arange(8, dtype=torch.uint8)
+
+    def unpack(self, bits: bytes) -> torch.Tensor:
+        """The matcher's bitmask (one bit per token, little-endian) as [V] bool."""
+        raw = torch.frombuffer(bytearray(bits), dtype=torch.uint8)
+        return ((raw[:, None] >> self._shifts) & 1).flatten()[:self.V].bool()
+
+    def closest(self, bits: bytes, chunk: int = 512) -> int:
+        """The allowed token (by the matcher's bitmask) that closes soonest: the first of `by_rank` whose bit is
+        set, read a chunk at a time (the closing tokens come first, so the first chunk nearly always holds it)."""
+        raw = torch.frombuffer(bytearray(bits), dtype=torch.uint8)
+        for lo in range(0, self.V, chunk):
+            ids = self.by_rank[lo:lo + chunk]
+            hit = ((raw[ids >> 3] >> (ids & 7).to(torch.uint8)) & 1).nonzero()
+            if len(hit):
+                return int(ids[hit[0, 0]])
+        return self.stop_ids[0]  # nothing allowed: the grammar is finished
+
+
+def _rank(piece: str | None, text: str) -> int:
+    """Closing rank: lower closes sooner. By the first character of the token's text, then its length."""
+    if piece is None or not text or (piece.startswith("<") and piece.endswith(">") and len(piece) > 2):
+        return 10**6  # special tokens and empty pieces never close anything
+    c = text[0]
+    cls = 0 if c in "\"}]" else 1 if c.isdigit() else 2 if c == "," else 3 if c.isalpha() else \
+        _OPEN if c in "{[" else 4 if c in ":-." else _OTHER
+    return cls * 1000 + len(text)
+
+
+@lru_cache(maxsize=8)
+def _vocabulary(tokenizer, stop_ids: tuple[int, ...], vocab_size: int) -> Vocabulary:
+    return Vocabulary(tokenizer, stop_ids, vocab_size)
+
+
+class Constraint:
+    """One row's grammar and its state after the row's committed tokens."""
+
+    CLOSE_LIMIT = 4096  # tokens a closing path may take before the grammar counts as unclosable
+
+    def __init__(self, grammar: str, tokenizer, stop_ids, vocab_size: int, max_new_tokens: int):
+        llg = _llguidance()
+        stop_ids = tuple(int(s) for s in (stop_ids or ()))
+        if not stop_ids:
+            raise InputError("structured output needs a stop id (eos_token_id) to end the output")
+        self.vocab = _vocabulary(tokenizer, stop_ids, vocab_size)
+        self.matcher = llg.LLMatcher(self.vocab.llg, grammar)
+        if self.matcher.is_error():
+            raise InputError(f"the grammar cannot be used: {self.matcher.get_error()}")
+        self.budget, self.written, self.ended = max_new_tokens, 0, False
+        need = self.shortest_close(self.matcher.deep_copy())
+        if need > max_new_tokens:
+            size = f"{need} tokens" if need < 10**9 else f"more than {self.CLOSE_LIMIT} tokens"
+            raise InputError(f"max_new_tokens={max_new_tokens} is too small for this grammar: its shortest output "
+                             f"and stop take {size}; raise max_new_tokens" + ("" if need < 10**9 else
+                                                                               " or loosen the grammar"))
+
+    def shortest_close(self, m) -> int:
+        """Tokens (the stop included) the shortest-closing path from matcher `m` takes; consumes `m`."""
+        n = 0
+        while n < self.CLOSE_LIMIT:
+            if m.is_accepting() or m.is_stopped():
+                return n + 1
+            forced = m.compute_ff_tokens()
+            if forced:
+                m.consume_tokens(forced)
+                n += len(forced)
+                continue
+            m.consume_token(self.vocab.closest(m.compute_bitmask()))
+            n += 1
+        return 10**9
+
+    def walk(self, z: torch.Tensor, y: torch.Tensor) -> tuple[list[int], list[int]]:
+        """z [C, V] the step's logits, y [C] its draws -> the walked argmax and draws (lists)."""
+        C = z.shape[0]
+        stop = self.vocab.stop_ids[0]
+        if self.ended:
+            return [stop] * C, [stop] * C
+        cand = z.topk(min(TOP_K, z.shape[-1]), dim=-1).indices.tolist()
+        drawn = y.tolist()
+        m = self.matcher.deep_copy()
+        out_a, out_y, ended = [], [], False
+        for j in range(C):
+            left = self.budget - self.written - j
+            if ended or left <= 0:
+                out_a.append(stop)
+                out_y.append(stop)
+                continue
+            bits = m.compute_bitmask()  # one bit per token: tested in place for the candidates
+            ok = lambda t, b=bits: (b[t >> 3] >> (t & 7)) & 1  # noqa: E731
+            t = next((c for c in cand[j] if ok(c)), None)
+            if t is None:
+                t = int(torch.where(self.vocab.unpack(bits), z[j], float("-inf")).argmax())
+            if t not in self.vocab.stop_ids:
+                after = m.deep_copy()
+                after.consume_token(t)
+                if 1 + self.shortest_close(after) > left:  # no room to close after t: close now
+                    forced = m.compute_ff_tokens()
+                    t = forced[0] if forced else stop if (m.is_accepting() or m.is_stopped()) else \
+                        self.vocab.closest(bits)
+            out_a.append(t)
+            out_y.append(drawn[j] if ok(drawn[j]) else t)
+            if t in self.vocab.stop_ids:
+                ended = True
+            else:
+                m.consume_token(t)
+        return out_a, out_y
+
+    def advance(self, tokens: list[int]) -> None:
+        """The committed canvas's tokens (up to and including the first stop id) enter the state."""
+        for t in tokens:
+            if self.ended:
+                return
+            if t in self.vocab.stop_ids:
+                self.ended = True
+                return
+            if not self.matcher.consume_token(int(t)):
+                raise RuntimeError(f"a committed token broke the grammar: {self.matcher.get_error()}")
+            self.written += 1
+
+
+def constrain(cv, idx: list[int], a: torch.Tensor, y: torch.Tensor, z: torch.Tensor):
+    """The step's argmax `a` and draws `y` [k, C] of the rows `idx` (z [k, C, V] their logits), with every
+    constrained row walked through its grammar (new tensors; the same ones when no row is constrained)."""
+    rows = [(i, cv.rows[r].constraint) for i, r in enumerate(idx) if cv.rows[r].constraint is not None]
+    if not rows:
+        return a, y
+    a, y = a.clone(), y.clone()
+    for i, c in rows:
+        wa, wy = c.walk(z[i], y[i])
+        a[i] = torch.tensor(wa, dtype=a.dtype, device=a.device)
+        y[i] = torch.tensor(wy, dtype=y.dtype, device=y.device)
+    return a, y

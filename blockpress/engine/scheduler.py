@@ -1,0 +1,117 @@
+"""Which rows join the batch and which leave it, at canvas boundaries: plain Python, no torch.
+
+Continuous batching at canvas granularity:
+- Requests wait in a bounded queue (`QueueFull` when it is full: a server answers 429).
+- The batch's rows share one KV cache whose length (E, the encoded positions) is the same for every row. A
+  joining prompt of S tokens is left-padded so that it ends where the batch's cache ends: it is encoded at
+  positions [E - S, E). Attention depends on position differences only (RoPE), so a padded row computes what it
+  would compute alone. It joins when S <= E and the padding E - S <= `max_padding`; otherwise it waits (E grows
+  by a canvas per boundary; when the batch drains, a fresh one starts, left-padded to its longest prompt).
+- First come, first served, skipping requests that do not fit yet; at most `max_batch` rows.
+- Rows leave at a boundary once finished or cancelled; a waiting request that was cancelled is dropped.
+
+Rows are `engine.rows.Row` (anything with `prompt_length`, `cfg.max_new_tokens`, `cancelled` and `finished`
+does). `submit` may be called from other threads than the one running the loop (a lock guards the queue).
+
+The engine's loop asks its *source* three things at a boundary: `keep(rows)` (who stays; None: everyone),
+`waiting()` (does anyone wait to join) and `admit(rows, length)` (an `Admission`, or None). `Scheduler` is the
+source of a server; a Python batch is a source that admits its rows once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InputError
+from .rows import positions_needed
+
+
+class QueueFull(Exception):
+    """The waiting queue is at capacity."""
+
+
+@dataclass
+class Admission:
+    """Rows that join at a boundary, their prompts ending at position `end`. ids / mask ([B, S] tensors): the
+    prompts already left-padded (a Python batch's own); None: the engine pads `row.job.prompt_ids` with zeros.
+    cache: a cache to continue (a Python batch's, multi-turn)."""
+
+    rows: list
+    end: int
+    ids: Any = None
+    mask: Any = None
+    cache: Any = None
+
+
+class Scheduler:
+    def __init__(self, canvas_length: int, max_positions: int, max_batch: int = 8, queue_size: int = 64,
+                 max_padding: int | None = None):
+        self.C, self.max_positions = canvas_length, max_positions
+        self.max_batch, self.queue_size = max_batch, queue_size
+        self.max_padding = 4 * canvas_length if max_padding is None else max_padding
+        self.queue: deque = deque()
+        self.dropped = 0  # requests cancelled before they finished, waiting or in the batch (a server counts them)
+        self.lock = threading.Lock()
+
+    def _need(self, row, end: int) -> int:
+        return end - row.prompt_length + positions_needed(row.prompt_length, row.cfg.max_new_tokens, self.C)
+
+    def submit(self, row) -> None:
+        """Queue a row; QueueFull when the queue is full, InputError when the prompt can never fit the positions."""
+        need = positions_needed(row.prompt_length, row.cfg.max_new_tokens, self.C)
+        if need > self.max_positions:
+            raise InputError(f"prompt ({row.prompt_length} tokens) + generated canvases need {need} positions; "
+                             f"the model has {self.max_positions}: shorten the prompt or lower max_tokens")
+        with self.lock:
+            if len(self.queue) >= self.queue_size:
+                raise QueueFull(f"the request queue is full ({self.queue_size} waiting)")
+            self.queue.append(row)
+
+    def waiting(self) -> bool:
+        return bool(self.queue)
+
+    def keep(self, running: list) -> list[int]:
+        """The rows of the batch that stay at this boundary (not finished, not cancelled), in order."""
+        self.dropped += sum(r.cancelled and not r.finished for r in running)
+        return [i for i, r in enumerate(running) if not (r.finished or r.cancelled)]
+
+    def admit(self, running: list, length: int | None) -> Admission:
+        """Waiting rows that join now, and the position E their prompts end at (`length`: the batch's cache
+        length, None for a fresh batch). They are taken off the queue."""
+        with self.lock:
+            chosen = self._choose(running, length)
+        end = length if length is not None else max((r.prompt_length for r in chosen), default=0)
+        return Admission(chosen, end)
+
+    def _choose(self, running: list, length: int | None) -> list:
+        lo = hi = length
+        chosen: list = []
+        for row in list(self.queue):
+            if row.cancelled:
+                self.queue.remove(row)
+                self.dropped += 1
+                continue
+            if len(running) + len(chosen) >= self.max_batch:
+                break
+            S = row.prompt_length
+            if length is not None:  # join a running batch: end where its cache ends
+                ok, end = S <= length and length - S <= self.max_padding, length
+            else:  # a fresh batch: everyone is left-padded to the longest prompt
+                end = max(hi or 0, S)
+                ok = end - min(lo if lo is not None else S, S) <= self.max_padding
+            ok = ok and all(self._need(r, end) <= self.max_positions for r in (*chosen, row))
+            if ok:
+                self.queue.remove(row)
+                chosen.append(row)
+                if length is None:
+                    lo, hi = min(lo if lo is not None else S, S), end
+        return chosen
+
+    def clear(self) -> list:
+        """Empty the queue (shutting down); returns the rows that waited."""
+        with self.lock:
+            rows, self.queue = list(self.queue), deque()
+        return rows

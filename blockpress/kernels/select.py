@@ -1,0 +1,237 @@
+"""The one place that picks the kernels a model runs, from its options.
+
+`configure(module, ...)` (what `BlockDiffusionLM` calls through `apply`, at load and in `configure`) quantises the
+weights where the storage asks for it (one way: a quantised model stays quantised), then sets, on the module only:
+- `module.ops` (model/ops.py): attention, the final-logit soft cap, the self-conditioning embedding (exact or
+  top-K) and the decoder block (eager or compiled);
+- each `Router.kernel` (softmax, top-k, renormalisation and scale of the router's logits: the torch reference or
+  one Triton kernel, kernels/route.py);
+- each float `Experts.kernel` (a function of the expert weights), or each `QuantizedExperts`' backend, tiles and
+  K sum; each `QuantizedLinear`'s backend and tiles.
+Nothing else chooses a kernel: no registry, no module global, no method replaced.
+
+"auto" resolves per device: experts -> "triton_checked" on a CUDA GPU with Triton (the kernel, compared with the
+torch path on its first call per device, dtype and variant, and replaced by it with a warning if it fails or
+disagrees), grouped GEMMs on a CPU that has them, else "dense"; attention -> "sdpa_gqa"; the soft cap and the
+routing -> their checked Triton kernels on a GPU (the torch references elsewhere). Explicit "triton" skips the
+first-use check (benchmarks and tests want the kernel, not a fallback); "loop" / "torch" are the references. With
+compiled blocks the kernels a block calls are custom ops (kernels/library.py), so a block traces as one graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ..errors import InputError
+from ..model.layers import attention_eager, attention_sdpa, softcap_logits
+from ..model.ops import Ops
+from ..options import LINEAR_FORMATS, PRECISIONS, Options
+from ._triton import triton, usable_on
+from .attention import attention_sdpa_gqa
+from .compiled import compiled_block
+from .library import FLOAT_EXPERTS, float_experts, float_experts_op, kernel_of
+from .linear_q import QuantizedLinear, as_linear_tiles, linear_tiles_spec, quantize_linears_, quantized_linears
+from .moe_grouped import _grouped_mm_ok, as_tiles
+from .quant import QuantizedExperts, QuantizedMLP, quantize_experts_, quantize_mlp_
+from .route import ROUTE, route_op
+from .sc_topk import soft_embedding_topk
+from .softcap import softcap_triton, softcap_triton_checked
+
+ATTENTION = {"eager": attention_eager, "sdpa": attention_sdpa, "sdpa_gqa": attention_sdpa_gqa}
+SOFTCAP = {"torch": softcap_logits, "triton": softcap_triton, "triton_checked": softcap_triton_checked}
+EXPERT_NAMES = ("auto", "scaled_mm", "torch", *FLOAT_EXPERTS)
+
+
+def auto_experts_backend(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type == "cuda" and usable_on(device):
+        return "triton_checked"
+    if _grouped_mm_ok(device, dtype):
+        return "grouped"
+    return "dense"
+
+
+def check_names(experts: str = "auto", attention: str = "auto", linears: str = "native") -> None:
+    """ValueError naming the choices when a kernel name is unknown (cheap: before loading any weights)."""
+    if linears not in LINEAR_FORMATS:
+        raise ValueError(f"unknown linears format {linears!r}; use one of {', '.join(LINEAR_FORMATS)}")
+    if experts not in EXPERT_NAMES:
+        raise ValueError(f"unknown experts backend {experts!r}; use one of {sorted(EXPERT_NAMES)}")
+    if attention != "auto" and attention not in ATTENTION:
+        raise ValueError(f"unknown attention backend {attention!r}; use one of {sorted({'auto', *ATTENTION})}")
+
+
+def _store(module, precision: str, group_size: int, linears: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
+    if precision != "native" and not any(isinstance(layer.experts, QuantizedExperts) for layer in module.layers):
+        quantize_experts_(module, precision, group_size)
+    if linears == "int4-mlp":
+        quantize_mlp_(module, group_size)  # (layers that hold a QuantizedMLP keep it)
+    elif linears != "native" and not quantized_linears(module):
+        quantize_linears_(module, linears)
+
+
+def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool) -> str:
+    """Set every layer's experts kernel; returns what runs (for reports). compiled: the blocks are compiled, so float
+    experts go through their custom op (kernels/library.py; quantised experts choose theirs themselves)."""
+    dev, dtype = module.device, module.dtype
+    quantized = isinstance(module.layers[0].experts, QuantizedExperts)
+    if name == "scaled_mm":  # torch._scaled_grouped_mm: fp8 x fp8 on Hopper-class GPUs only
+        if not quantized or module.layers[0].experts.fmt != "fp8":
+            raise ValueError("the scaled_mm experts backend needs fp8 experts; add --precision fp8")
+        if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
+            raise ValueError("the scaled_mm experts backend needs a CUDA GPU with fp8 matmuls (compute capability "
+                             ">= 8.9: Ada, Hopper); use the default experts backend here")
+    backend = "torch" if asked == "loop" else name if name in ("triton", "scaled_mm", "torch") else "auto"
+    for layer in module.layers:  # int4 MLPs run on the quantised experts' kernels: "triton" where it runs, else torch
+        if isinstance(layer.mlp, QuantizedMLP):
+            mlp = layer.mlp.experts
+            mlp.backend, mlp.tiles, mlp.moe_sum = "torch" if backend == "torch" else "auto", tiles, moe_sum
+    if quantized:
+        for layer in module.layers:  # "triton" where it runs, else the torch reference
+            layer.experts.backend, layer.experts.tiles, layer.experts.moe_sum = backend, tiles, moe_sum
+        return module.layers[0].experts.resolved_backend(torch.empty(0, device=dev, dtype=dtype))
+    if name not in FLOAT_EXPERTS:
+        raise ValueError(f"unknown experts backend {name!r}; use one of {sorted(FLOAT_EXPERTS)}")
+    kernel = (float_experts_op if compiled else float_experts)(name, tiles, moe_sum)
+    for layer in module.layers:
+        layer.experts.kernel = kernel
+    return name
+
+
+def configure(module, experts: str = "auto", attention: str = "auto", precision: str = "native",
+              group_size: int = 64, sc_topk: int | None = None, linears: str = "native", compile: bool = False,
+              moe_tiles=None, moe_sum: str = "kernel", linear_tiles=None) -> dict:
+    """Apply kernel / storage choices to a DiffusionGemmaModel in place; return what was chosen.
+    sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py).
+    linears: "native", or "int8" / "fp8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py);
+    a module that already holds 8-bit linears keeps them. Their kernel follows `experts`: "loop" / "torch" (the
+    references) -> the torch reference, "triton" -> the kernel unchecked, "scaled_mm" -> fp8 linears with fp8
+    activations too (w8a8, like the experts), else "auto" (checked on first use). moe_tiles / linear_tiles: spec
+    strings of the Triton kernels' tiles (None: the defaults); moe_sum: "kernel" or "atomic"."""
+    check_names(experts, attention, linears)
+    if moe_sum not in ("kernel", "atomic"):
+        raise ValueError(f"unknown MoE sum {moe_sum!r}; use 'kernel' (deterministic, default) or 'atomic'")
+    if sc_topk is not None and (isinstance(sc_topk, bool) or not isinstance(sc_topk, int) or sc_topk < 1):
+        raise ValueError(f"sc_topk must be a positive number of tokens or None, got {sc_topk}")
+    _store(module, precision, group_size, linears)
+    dev, dtype = module.device, module.dtype
+    tiles, lin_tiles = as_tiles(moe_tiles), as_linear_tiles(linear_tiles)
+    name = auto_experts_backend(dev, dtype) if experts == "auto" else experts
+    resolved = _experts(module, experts, name, tiles, moe_sum, compile)
+    fast = dev.type == "cuda" and usable_on(dev)
+    softcap = routing = "torch" if experts in ("loop", "torch") or not fast else "triton" if experts == "triton" \
+        else "triton_checked"
+    _routing(module, routing, compile)
+    for m in quantized_linears(module):  # QuantizedLinear: the experts' choice where it applies, else "auto"
+        m.backend = "torch" if experts in ("loop", "torch") else "triton" if experts == "triton" else \
+            "scaled_mm" if experts == "scaled_mm" and m.fmt == "fp8" else "auto"
+        m.tiles, m.tiles_spec = lin_tiles, linear_tiles_spec(lin_tiles)
+    attention = "sdpa_gqa" if attention == "auto" else attention
+    module.ops = Ops(attention=ATTENTION[attention], softcap=SOFTCAP[softcap], soft_embedding=_soft_embedding(sc_topk),
+                     block=compiled_block() if compile else None)
+    q = (quantized_linears(module) or [None])[0]
+    probe = torch.empty(0, device=dev, dtype=dtype)
+    mlp4 = module.layers[0].mlp.experts if isinstance(module.layers[0].mlp, QuantizedMLP) else None
+    lin = "native" if q is None and mlp4 is None else f"int4-mlp {mlp4.resolved_backend(probe)}" if q is None else \
+        f"{q.fmt} {q.resolved_backend(probe)}"
+    return {"compiled_blocks": bool(compile), "experts": resolved, "attention": attention, "precision": precision,
+            "sc_topk": sc_topk, "softcap": softcap, "routing": routing, "moe_tiles": tiles.spec(), "moe_sum": moe_sum,
+            "linears": lin,
+            **({"linear_tiles": q.tiles_spec} if q is not None else {}),
+            "triton": None if triton is None else triton.__version__}
+
+
+def apply(module, old: Options | None, new: Options) -> bool:
+    """Make `module` run as `new` says (it ran as `old`; None: a module just built or loaded). Returns whether its
+    kernels changed (CUDA graphs captured before must be captured again)."""
+    fields = {f.name for f in dataclasses.fields(Options)} - {"sampler", "fuse_commit", "compact_rows", "cuda_graphs"}
+    changed = new.changed(old) & fields if old is not None else fields
+    if not changed:
+        return False
+    try:
+        configure(module, experts=new.experts, attention=new.attention, precision=new.precision,
+                  group_size=new.group_size, sc_topk=new.sc_topk, linears=new.linears, compile=new.compile,
+                  moe_tiles=new.moe_tiles, moe_sum=new.moe_sum, linear_tiles=new.linear_tiles)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    return True
+
+
+def host_syncs(module) -> list[str]:
+    """The experts kernels of `module` that read values back on the host (counts of the routing): they cannot be
+    captured in a CUDA graph. The grouped GEMMs and the Triton kernels do not."""
+    names = set()
+    for layer in module.layers:
+        ex = layer.experts
+        if isinstance(ex, QuantizedExperts):
+            if ex.backend not in ("triton", "auto"):
+                names.add(f"{ex.backend} ({ex.fmt})")
+        else:
+            name = kernel_of(ex.kernel)
+            if name not in ("grouped", "triton", "triton_checked"):
+                names.add(f"experts_{name}" if name else getattr(ex.kernel, "__name__", str(ex.kernel)))
+    return sorted(names)
+
+
+def _routing(module, name: str, compiled: bool) -> None:
+    """Set every layer's routing kernel: the reference traces into a compiled block as it is, the kernels go through
+    their custom op there."""
+    if name not in ROUTE:
+        raise ValueError(f"unknown routing kernel {name!r}; use one of {sorted(ROUTE)}")
+    route = ROUTE[name] if name == "torch" or not compiled else functools.partial(route_op, kernel=name)
+    for layer in module.layers:
+        layer.router.kernel = route
+
+
+def _soft_embedding(sc_topk: int | None):
+    return None if sc_topk is None else functools.partial(soft_embedding_topk, k=sc_topk)
+
+
+_UNSET = object()
+
+
+def use(module, *, attention: str | None = None, experts: str | None = None, softcap: str | None = None,
+        sc_topk=_UNSET, routing: str | None = None) -> None:
+    """Change some of a configured module's kernels by name and leave the others as they are (tests comparing a
+    fast path with its reference, the trainer's experts)."""
+    changes = {}
+    if attention is not None:
+        check_names(attention=attention)
+        changes["attention"] = ATTENTION[attention]
+    if softcap is not None:
+        changes["softcap"] = SOFTCAP[softcap]
+    if sc_topk is not _UNSET:
+        changes["soft_embedding"] = _soft_embedding(sc_topk)
+    if changes:
+        module.ops = dataclasses.replace(module.ops, **changes)
+    if routing is not None:
+        _routing(module, routing, module.ops.block is not None)
+    if experts is not None:
+        check_names(experts=experts)
+        ex = module.layers[0].experts
+        tiles, moe_sum = (ex.tiles, ex.moe_sum) if isinstance(ex, QuantizedExperts) else \
+            (getattr(ex.kernel, "keywords", {}).get("tiles", as_tiles(None)),
+             getattr(ex.kernel, "keywords", {}).get("moe_sum", "kernel"))
+        _experts(module, experts, experts, tiles, moe_sum, module.ops.block is not None)
+
+
+def _name(table: dict, fn) -> str:
+    fn = getattr(fn, "func", fn)
+    return next((k for k, v in table.items() if v is fn), getattr(fn, "__name__", str(fn)))
+
+
+def kernel_names(module) -> dict:
+    """What a configured module runs, by the names `configure` takes."""
+    ops, ex, route = module.ops, module.layers[0].experts, module.layers[0].router.kernel
+    return {"attention": _name(ATTENTION, ops.attention), "softcap": _name(SOFTCAP, ops.softcap),
+            "routing": route.keywords["kernel"] if getattr(route, "func", None) is route_op else _name(ROUTE, route),
+            "experts": ex.backend if isinstance(ex, QuantizedExperts) else kernel_of(ex.kernel) or str(ex.kernel),
+            "compiled_blocks": ops.block is not None,
+            "sc_topk": None if ops.soft_embedding is None else ops.soft_embedding.keywords["k"]}
+
+
+__all__ = ["configure", "apply", "use", "check_names", "auto_experts_backend", "kernel_names", "host_syncs"]

@@ -1,0 +1,95 @@
+"""How a loaded model runs: one options object, decided at `load()` (or `lm.configure()`), validated once.
+
+- Engine: `sampler` ("exact": the reference's arithmetic and random draws; "fast": the fused one-pass sampler,
+  another random stream), `fuse_commit` (encode a committed canvas in the next canvas's first denoising pass),
+  `compact_rows` (denoise only the rows still denoising; None: on with a random stream per row), `cuda_graphs`
+  (replay the model's passes as CUDA graphs; on a CPU the same passes run on their fixed buffers without capture,
+  which is what the tests check), `compile` (torch.compile of the decoder blocks).
+- Kernels: `experts`, `attention` ("auto": the fastest path that runs here; "loop" / "sdpa" the references),
+  `sc_topk` (self-conditioning over the top-K tokens, an approximation), and the Triton kernels' settings
+  `moe_tiles`, `moe_sum`, `linear_tiles` (None: the defaults).
+- Storage, fixed at load: `precision` of the experts ("native", "fp8", "int4", with `group_size`) and of the
+  attention / dense-MLP projections (`linears`: "native", "int8", "fp8" for both; "int4-mlp": the dense MLP alone
+  in int4 through the expert kernels).
+
+Kernel names and tile specs are checked by `kernels.select` when they are applied (still once, at load or
+configure); everything else here. A bad value is an `InputError` naming the field and the choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import InputError
+
+SAMPLERS = ("exact", "fast")
+PRECISIONS = ("native", "fp8", "int4")
+LINEAR_FORMATS = ("native", "int8", "fp8", "int4-mlp")
+MOE_SUMS = ("kernel", "atomic")
+ENGINE_FIELDS = ("sampler", "fuse_commit", "compact_rows", "cuda_graphs", "compile")
+STORAGE_FIELDS = ("precision", "group_size", "linears")
+
+
+@dataclass(frozen=True)
+class Options:
+    sampler: str = "exact"
+    fuse_commit: bool | None = None  # None: on where the model runs on a CUDA GPU (`fused`)
+    compact_rows: bool | None = None
+    cuda_graphs: bool = False
+    compile: bool = False
+    experts: str = "auto"
+    attention: str = "auto"
+    sc_topk: int | None = None
+    moe_tiles: str | None = None
+    moe_sum: str = "kernel"
+    linear_tiles: str | None = None
+    precision: str = "native"
+    group_size: int = 64
+    linears: str = "native"
+
+    def replace(self, **changes) -> "Options":
+        """These options with `changes`, validated."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise InputError(f"unknown option {unknown[0]!r}; the options are "
+                             f"{', '.join(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **changes).validate()
+
+    def validate(self) -> "Options":
+        def one_of(name, choices):
+            if getattr(self, name) not in choices:
+                what = {"linears": "linears format", "moe_sum": "MoE sum"}.get(name, name)
+                raise InputError(f"unknown {what} {getattr(self, name)!r}; use one of {', '.join(map(str, choices))}")
+
+        one_of("sampler", SAMPLERS)
+        one_of("precision", PRECISIONS)
+        one_of("linears", LINEAR_FORMATS)
+        one_of("moe_sum", MOE_SUMS)
+        for name in ("cuda_graphs", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"option {name} must be True or False, got {getattr(self, name)!r}")
+        if self.fuse_commit not in (None, True, False):
+            raise InputError(f"option fuse_commit must be None (automatic), True or False, got {self.fuse_commit!r}")
+        if self.compact_rows not in (None, True, False):
+            raise InputError(f"option compact_rows must be None, True or False, got {self.compact_rows!r}")
+        if self.sc_topk is not None and (isinstance(self.sc_topk, bool) or not isinstance(self.sc_topk, int)
+                                         or self.sc_topk < 1):
+            raise InputError(f"sc_topk must be a positive number of tokens or None, got {self.sc_topk!r}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise InputError(f"group_size must be a positive integer, got {self.group_size!r}")
+        if self.compile and self.experts in ("loop", "torch"):
+            raise InputError("compile and the reference kernels (experts='loop'): the references are for checking "
+                             "the fast paths as written; drop one of them")
+        return self
+
+    def fused(self, device: torch.device) -> bool:
+        """Whether commits ride on the next canvas's first step for a model on `device`. None (the default) turns
+        it on on a CUDA GPU: one weight read fewer per canvas (+4.6 % tok/s on an H200), where bf16 never matches
+        the fp32 reference bit for bit anyway; and off on a CPU, where the fused pass's 2C-row GEMMs round
+        differently from two C-row ones (fp32, last bits), which can flip a near-tie draw a few steps later (5 of
+        the 66 seeded cases of benchmarks/token_check.py): the default keeps reference parity there."""
+        return self.fuse_commit if self.fuse_commit is not None else device.type == "cuda"
+
+    def changed(self, other: "Options") -> set[str]:
+        return {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)}

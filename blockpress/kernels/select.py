@@ -7,7 +7,9 @@ weights where the storage asks for it (one way: a quantised model stays quantise
 - each `Router.kernel` (softmax, top-k, renormalisation and scale of the router's logits: the torch reference or
   one Triton kernel, kernels/route.py);
 - each float `Experts.kernel` (a function of the expert weights), or each `QuantizedExperts`' backend, tiles and
-  K sum; each `QuantizedLinear`'s backend and tiles.
+  K sum; each `QuantizedLinear`'s backend and tiles;
+- whether each layer's q/k/v and gate/up projections run as one GEMM each (`merge_projections`, model/layers.py
+  `MergedLinear`: float or 8-bit; the int4 MLP's gate and up are one weight already).
 Nothing else chooses a kernel: no registry, no module global, no method replaced.
 
 "auto" resolves per device: experts -> "triton_checked" on a CUDA GPU with Triton (the kernel, compared with the
@@ -26,7 +28,7 @@ import functools
 import torch
 
 from ..errors import InputError
-from ..model.layers import attention_eager, attention_sdpa, softcap_logits
+from ..model.layers import attention_eager, attention_sdpa, merge_projections_, softcap_logits
 from ..model.ops import Ops
 from ..options import LINEAR_FORMATS, PRECISIONS, Options
 from ._triton import triton, usable_on
@@ -71,6 +73,7 @@ def _store(module, precision: str, group_size: int, linears: str) -> None:
     if linears == "int4-mlp":
         quantize_mlp_(module, group_size)  # (layers that hold a QuantizedMLP keep it)
     elif linears != "native" and not quantized_linears(module):
+        merge_projections_(module, False)  # the float merged weights go with the float projections they replace
         quantize_linears_(module, linears)
 
 
@@ -104,14 +107,17 @@ def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool)
 
 def configure(module, experts: str = "auto", attention: str = "auto", precision: str = "native",
               group_size: int = 64, sc_topk: int | None = None, linears: str = "native", compile: bool = False,
-              moe_tiles=None, moe_sum: str = "kernel", linear_tiles=None) -> dict:
+              moe_tiles=None, moe_sum: str = "kernel", linear_tiles=None,
+              merge_projections: bool | None = None) -> dict:
     """Apply kernel / storage choices to a DiffusionGemmaModel in place; return what was chosen.
     sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py).
     linears: "native", or "int8" / "fp8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py);
     a module that already holds 8-bit linears keeps them. Their kernel follows `experts`: "loop" / "torch" (the
     references) -> the torch reference, "triton" -> the kernel unchecked, "scaled_mm" -> fp8 linears with fp8
     activations too (w8a8, like the experts), else "auto" (checked on first use). moe_tiles / linear_tiles: spec
-    strings of the Triton kernels' tiles (None: the defaults); moe_sum: "kernel" or "atomic"."""
+    strings of the Triton kernels' tiles (None: the defaults); moe_sum: "kernel" or "atomic". merge_projections: each
+    layer's q/k/v and gate/up projections as one GEMM each (None: `Options.merges`' default); layers whose projections
+    cannot merge (a LoRA adapter attached) run them one by one."""
     check_names(experts, attention, linears)
     if moe_sum not in ("kernel", "atomic"):
         raise ValueError(f"unknown MoE sum {moe_sum!r}; use 'kernel' (deterministic, default) or 'atomic'")
@@ -130,6 +136,7 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
         m.backend = "torch" if experts in ("loop", "torch") else "triton" if experts == "triton" else \
             "scaled_mm" if experts == "scaled_mm" and m.fmt == "fp8" else "auto"
         m.tiles, m.tiles_spec = lin_tiles, linear_tiles_spec(lin_tiles)
+    merged = merge_projections_(module, Options(merge_projections=merge_projections).validate().merges())
     attention = "sdpa_gqa" if attention == "auto" else attention
     module.ops = Ops(attention=ATTENTION[attention], softcap=SOFTCAP[softcap], soft_embedding=_soft_embedding(sc_topk),
                      block=compiled_block() if compile else None)
@@ -140,7 +147,7 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
         f"{q.fmt} {q.resolved_backend(probe)}"
     return {"compiled_blocks": bool(compile), "experts": resolved, "attention": attention, "precision": precision,
             "sc_topk": sc_topk, "softcap": softcap, "routing": routing, "moe_tiles": tiles.spec(), "moe_sum": moe_sum,
-            "linears": lin,
+            "linears": lin, "merged_projections": merged,
             **({"linear_tiles": q.tiles_spec} if q is not None else {}),
             "triton": None if triton is None else triton.__version__}
 
@@ -155,7 +162,8 @@ def apply(module, old: Options | None, new: Options) -> bool:
     try:
         configure(module, experts=new.experts, attention=new.attention, precision=new.precision,
                   group_size=new.group_size, sc_topk=new.sc_topk, linears=new.linears, compile=new.compile,
-                  moe_tiles=new.moe_tiles, moe_sum=new.moe_sum, linear_tiles=new.linear_tiles)
+                  moe_tiles=new.moe_tiles, moe_sum=new.moe_sum, linear_tiles=new.linear_tiles,
+                  merge_projections=new.merge_projections)
     except ValueError as e:
         raise InputError(str(e)) from None
     return True

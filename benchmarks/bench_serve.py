@@ -104,7 +104,8 @@ def build(args):
     device = parse_device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     options = dict(precision=args.precision, linears=args.linears, moe_tiles=args.moe_tiles,
-                   sampler=args.sampler, fuse_commit=args.fuse_commit, cuda_graphs=bool(args.cuda_graphs))
+                   sampler=args.sampler, fuse_commit=args.fuse_commit, cuda_graphs=bool(args.cuda_graphs),
+                   merge_projections=args.merge_projections)
     if args.model:
         return load(args.model, device=str(device), dtype=dtype, progress=sys.stderr.isatty(), tokenizer=False,
                     **options)
@@ -137,6 +138,7 @@ def run(args, lm=None) -> dict:
               "model": args.model, "preset": None if args.model else args.preset,
               "dtype": str(module.dtype).replace("torch.", ""), "precision": args.precision, "linears": args.linears,
               "cuda_graphs": graphs is not None, "fuse_commit": lm.options.fused(lm.device), "sampler": lm.options.sampler,
+              "merge_projections": lm.options.merges(),
               "mode": args.mode, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "steps": args.steps, "canvas_length": C,
               "moe_tiles": module.layers[0].experts.tiles.spec() if hasattr(module.layers[0].experts, "tiles")
@@ -210,6 +212,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action="store_true", help="the server's CUDA graphs (serve --cuda-graphs)")
     p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
                    help="serve --fuse-commit (default: on a CUDA GPU)")
+    p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve --merge-projections (default: on)")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="serve --sampler")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC", help="Triton expert kernels' tiles (as bench's)")
     p.add_argument("--mode", choices=["fixed", "adaptive"], default="fixed",

@@ -102,6 +102,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
                    help="encode each committed canvas in the next canvas's first denoising pass (one weight read; "
                         "default: on a CUDA GPU, off on a CPU; --no-fuse-commit: a pass of its own per commit)")
+    p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each layer's q/k/v and gate/up projections as one GEMM each (default: on; the same "
+                        "numbers on a CPU; untimed on a GPU so far; --no-merge-projections: one GEMM per projection)")
     p.add_argument("--compact-rows", action="store_true",
                    help="adaptive mode, batch > 1: run each decoder pass on the rows still denoising only (the "
                         "sampler still draws for every row: the same random stream); not with --cuda-graphs")

@@ -53,6 +53,9 @@ def add_parser(p) -> None:
                         "when nobody waits to join (one read of the weights for both; same tokens up to fp32 "
                         "rounding; default: on a CUDA GPU, off on a CPU; --no-fuse-commit: a pass of its own per "
                         "commit)")
+    p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each layer's q/k/v and gate/up projections as one GEMM each (default: on; the same "
+                        "numbers on a CPU; untimed on a GPU so far; --no-merge-projections: one GEMM per projection)")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact",
                    help="exact: the reference's sampler arithmetic and random draws (default); fast: one fused pass "
                         "over each row's logits (Gumbel-max, seeded per request: reproducible, other tokens)")

@@ -33,6 +33,8 @@
 #            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
 #            passes' profile; int4; the align kernel's test
+#   merged   the compiled + fused-commit fp8 step with each layer's q/k/v and gate/up projections merged (one GEMM
+#            each; --profile: kernels per step) vs --no-merge-projections; the merged test file on the GPU first
 #   engine   one fp8 batch-1 row run from gpu_baseline/ (another commit's tree, if present, e.g.
 #            `mkdir gpu_baseline && git archive COMMIT blockpress | tar -x -C gpu_baseline`) and from this tree; the
 #            GPU tests; the same row with --fuse-commit, with --experts scaled_mm and with --compile
@@ -53,7 +55,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh swap|compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
+PART=${1:?usage: gpu_session.sh merged|swap|compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -302,6 +304,20 @@ EOF
     STEP_LIMIT=80 bench int4-mlp4-swap $ROW --precision int4 --moe-tiles "$SW" --linears int4-mlp
     STEP_LIMIT=80 bench int4-default $ROW --precision int4
     ;;
+  merged)
+    # issue 30 item 1: q/k/v and gate/up as one GEMM each per layer (205 projection launches a pass -> ~120, the same
+    # bytes). The compiled fp8 row with merged projections (the default; --profile: kernels_per_step) and without,
+    # on this card in one call; the merged path's tests here first (its GEMMs against the separate ones on CUDA)
+    DEADLINE=$((SECONDS + ${BUDGET:-360}))
+    env_info
+    ROW="$ROW1 --compile --fuse-commit --precision fp8"
+    lim=$(limit 60)
+    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider \
+      tests/test_merged_projections.py 2>&1 | tee "$OUT/gpu-tests.txt" | grep -E "passed|failed|^FAILED" | head -12 \
+      | tee -a "$OUT/summary.txt"
+    STEP_LIMIT=130 bench fp8-merged $ROW --merge-projections --profile
+    STEP_LIMIT=110 bench fp8-unmerged $ROW --no-merge-projections
+    ;;
   check)
     env_info
     # compiled Triton kernels (not the interpreter), the CUDA graph and fp8 grouped-GEMM tests
@@ -412,7 +428,7 @@ EOF
       grep -v '^{' "$OUT/train-$name.txt" | tail -6 | tee -a "$OUT/log.txt"
     done
     ;;
-  *) echo "unknown part $PART (swap, compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
+  *) echo "unknown part $PART (merged, swap, compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
 esac
 [ -s "$OUT/summary.txt" ] && { echo; echo "=== failures and tests"; cat "$OUT/summary.txt"; }
 

@@ -144,7 +144,7 @@ class MergedLinear:
         self.fields = ("weight",) if isinstance(first, nn.Linear) else first.MERGE_FIELDS
         self.linear = F.linear if isinstance(first, nn.Linear) else first.linear_with
         self.sizes = tuple(p.out_features for p in self.parts)
-        with torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors: the parameters may train later
             self.tensors = tuple(torch.cat([getattr(p, f) for p in self.parts]) for f in self.fields)
             row = 0
             for p, n in zip(self.parts, self.sizes):

@@ -34,8 +34,12 @@ def spare_bytes(device) -> int | None:
 
 
 class Runner:
-    def __init__(self, module, passes=None, slots: bool = False, compact: bool = True, max_rows: int = 8):
+    def __init__(self, module, passes=None, slots: bool = False, compact: bool = True, max_rows: int = 8,
+                 prefixes=None):
+        """prefixes: an `engine.prefix.PrefixCache` that prompts encoded alone from position 0 are kept in and
+        reused from (None: none; not for a bidirectional encoder, whose prefixes see what follows them)."""
         self.module = module
+        self.prefixes = None if getattr(module, "bidirectional_encoder", False) else prefixes
         self.passes = passes if passes is not None else module
         # passes on fixed buffers (CUDA graphs, or a wrapper of them) hand out their self-conditioning input buffer
         self.graphs = self.passes if hasattr(self.passes, "sc_buffer") else None
@@ -58,11 +62,13 @@ class Runner:
 
     # ------------------------------------------------------------------ joining and leaving
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None, end: int, capacity: int,
-                cache: KVCache | None = None) -> None:
+                cache: KVCache | None = None, prompts: list | None = None) -> None:
         """Encode joining rows' prompts (ids [B, S], left-padded; mask [B, S] bool or None) at positions
         [end - S, end) into their cache rows and add them after the batch's rows. cache: the caller's cache to
-        continue (a whole Python batch; its length is end - S)."""
+        continue (a whole Python batch; its length is end - S). prompts: the rows' prompt ids as host lists, for
+        the prefix cache (one row encoded from position 0 takes a kept prefix and is kept)."""
         B, S = ids.shape
+        alone = self.prefixes is not None and prompts is not None and B == 1 and end == S and cache is None
         fresh = self.cache is None
         if cache is None:
             if self.slots_mode and self.graphs is not None:  # the rows after the batch's in the slots
@@ -73,9 +79,18 @@ class Runner:
             if end > S:
                 cache.valid[:, :end - S] = False
                 cache.has_padding = True
+        kept = self.prefixes.match(prompts[0]) if alone else None
+        if kept is not None:  # its first n positions' K/V as they were encoded: the rest is one more chunk
+            n, part = kept
+            cache.put_rows(0, part)
+            cache.length, ids = n, ids[:, n:]
         # a server prefills eagerly (a capture here would evict the commit's graph); a Python batch as it encodes
         encode = self.module.encode if self.slots_mode else self.passes.encode
-        encode(ids, cache, pad_mask=mask, output=False)
+        if ids.shape[1]:
+            encode(ids, cache, pad_mask=mask, output=False)
+        spare = self.spare() if alone else None
+        if alone and not self.prefixes.covers(prompts[0]) and (spare is None or spare > 2 * cache.nbytes()):
+            self.prefixes.store(prompts[0], cache.rows(torch.zeros(1, dtype=torch.long, device=self.device)))
         if fresh:
             self.cache = cache
         elif self.slots_mode and self.graphs is not None:  # already in place after the batch's rows

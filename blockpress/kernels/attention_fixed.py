@@ -123,10 +123,11 @@ if triton is not None:
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def tiles_for(D: int, device: torch.device) -> dict:
+def tiles_for(D: int) -> dict:
     """(BM, BN, num_warps, num_stages) for head dim D: module docstring. The interpreter: small tiles (its time goes
-    with the number of programs and loop steps, not their size, but the tests' tiny caches want several key tiles)."""
-    if interpreted() or device.type != "cuda":
+    with the number of programs and loop steps, not their size, but the tests' tiny caches want several key tiles).
+    Compiled, the GPU's (also for CPU tensors: benchmarks/compile_report.py's compiles)."""
+    if interpreted():
         return {"BM": 16, "BN": 16}
     if D >= 512:
         return {"BM": 64, "BN": 32, "num_warps": 8, "num_stages": 2}
@@ -156,7 +157,7 @@ def fixed_attention_triton(q, keys, values, valid, start, S: int, window: int, r
     kv = keys.shape[1]
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(B, M, H, D, dtype=q.dtype, device=q.device)
-    t = dict(tiles_for(D, q.device), **(tiles or {}))
+    t = dict(tiles_for(D), **(tiles or {}))
     bm, bn = t.pop("BM"), t.pop("BN")
     grid = (triton.cdiv((H // kv) * M, bm), B * kv)
     _fixed_attention_kernel[grid](

@@ -65,9 +65,9 @@ if triton is not None:
                                 BN: tl.constexpr, SLIDING: tl.constexpr, RING: tl.constexpr, F32: tl.constexpr):
         """Rows [pid * BM, pid * BM + BM) of KV head (b, h)'s group: out[b, m, h * G + j] for row m * G + j."""
         pid = tl.program_id(0)
-        b = tl.program_id(1) // KV
-        h = tl.program_id(1) % KV
-        T0 = tl.load(t0_ptr).to(tl.int64)
+        b = (tl.program_id(1) // KV).to(tl.int64)  # 64-bit row offsets: a batch of long caches passes 2^31 elements
+        h = (tl.program_id(1) % KV).to(tl.int64)
+        T0 = tl.load(t0_ptr).to(tl.int32)  # positions (and slots) fit 32 bits: the cache's capacity does
         r = pid * BM + tl.arange(0, BM)
         m = r // G
         head = h * G + r % G
@@ -85,7 +85,7 @@ if triton is not None:
             lo = tl.where(enc, T0 + m, new) + 1 - W
             lo_t = tl.maximum(tl.where(m_first < S, T0 + m_first, new) + 1 - W, 0)
         else:
-            lo_t = T0 * 0
+            lo_t = 0
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)

@@ -8,7 +8,7 @@ Both from the same cache, positions and queries; their outputs are compared (rel
 wrong kernel shows. The per-step estimate sums each kind of layer's time over the model's layers.
 
     python benchmarks/bench_attention.py                         # the 26B shapes at batch 1, ~2K cached tokens (GPU)
-    python benchmarks/bench_attention.py --tiles "bm=64,bn=64,warps=8;bm=128,bn=32,warps=8,stages=2"  # + variants
+    python benchmarks/bench_attention.py --tiles "dv=128;bm=128,bn=32;bn=16,stages=3"  # + tile variants
     python benchmarks/bench_attention.py --preset tiny --device cpu  # the interpreter: a check that it runs
 
 Ends with one JSON line.
@@ -28,11 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from blockpress.cli.run import _positive_int  # noqa: E402
 
-TILE_KEYS = {"bm": "BM", "bn": "BN", "warps": "num_warps", "stages": "num_stages"}
+TILE_KEYS = {"bm": "BM", "bn": "BN", "dv": "DV", "warps": "num_warps", "stages": "num_stages"}
 
 
 def parse_tiles(spec: str) -> list[dict]:
-    """'bm=64,bn=32,warps=8;bm=128' -> [{'BM': 64, 'BN': 32, 'num_warps': 8}, {'BM': 128}] (ValueError if bad)."""
+    """'bm=64,bn=32,warps=8;dv=128' -> [{'BM': 64, 'BN': 32, 'num_warps': 8}, {'DV': 128}] (ValueError if bad; dv:
+    the output columns a program computes, a divisor of the head dim)."""
     out = []
     for part in filter(None, spec.split(";")):
         t = {}
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--cached", type=_positive_int, default=2048, help="cached tokens before the canvas")
     p.add_argument("--tiles", default="", help="kernel tile variants to time beside the defaults, "
-                                               "e.g. 'bm=64,bn=64,warps=8;bm=128,bn=32' (bm, bn, warps, stages)")
+                                               "e.g. 'bm=64,bn=64,warps=8;dv=128' (bm, bn, dv, warps, stages)")
     p.add_argument("--out", help="also write the JSON result here")
     args = p.parse_args(argv)
     try:

@@ -287,7 +287,7 @@ EOF
       | grep -E "passed|failed|^FAILED|^E " | head -16 | tee -a "$OUT/summary.txt"
     lim=$(limit 60)
     [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/bench_attention.py --preset "$PRESET" \
-      --out "$OUT/attention-layers.json" 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
+      --tiles "dv=128;bm=128;bn=32;bn=16,stages=3;warps=4" --out "$OUT/attention-layers.json" 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
     STEP_LIMIT=120 bench fp8-default $ROW
     STEP_LIMIT=120 bench fp8-attention $ROW --attention-kernel --profile
     grep -h "attention kernel is off" "$OUT/log.txt" | head -3 | tee -a "$OUT/summary.txt"

@@ -31,11 +31,17 @@ Same function as `model.layers.attention_eager` with the rules' mask up to fp32 
 of P (tests/test_attention_kernel.py). `fixed_attention_torch` is the reference: the rules' mask over every slot
 (the position each slot holds is computed from T0), through SDPA, what the first-use check compares with.
 
-Tiles (`tiles_for`): BM rows x D in fp32 are the accumulator, held in registers; on sm_90 a block has 64K 32-bit
-registers, so D = 512 takes BM = 64 over 8 warps (128 accumulator registers a thread) and BN = 32 keys a step: Q
-64 KB + two pipeline stages of K and V (32 KB each) = 192 KB of shared memory, under the H100's 227 KB. D = 256:
-BM = 64, BN = 64, 4 warps (128 accumulator registers), 32 + 2 x 64 = 160 KB. Untimed: the defaults are a guess
-that compiles (benchmarks/compile_report.py), not a measurement.
+Tiles (`tiles_for`): the accumulator, BM rows x DV output columns in fp32, lives in registers, and a thread has
+at most 255. Compiled for sm_90 (benchmarks/compile_report.py; ptxas's stack frame read as spills): at D = 512 a
+whole row (BM = 64, 8 warps: 128 accumulator registers a thread) spilled 80-560 bytes a thread at every key tile
+tried, with 16 warps more (128 registers a thread at most). So D = 512 splits the output's columns, DV = 256: two
+programs per row block, each computing Q K^T over all 512 dims (the score work twice: 1.5x the arithmetic) and
+P V for its half: 195 registers, no spill, BN = 32 keys a step, Q 64 KB + two pipeline stages of K (32 KB) and V
+(16 KB) = 160 KB of shared memory (the H100 allows 227 KB). It also doubles the programs at batch 1: a full layer's
+2 KV heads x 2,048 rows / 64 = 64 row blocks, 128 programs for the H100's 132 SMs. D = 256: whole rows, BM = 64,
+BN = 64, 8 warps: 250 registers, no spill, 160 KB (64 programs a sliding layer at batch 1; DV = 128 would give 128
+at 1.5x the arithmetic: a setting for bench_attention.py's sweep). Untimed: the defaults are what compiles
+without spilling, not a measurement.
 
 Opt-in (`Options.attention_kernel`, `bench --attention-kernel`), on CUDA only, checked against the reference on its
 first use per device, dtype and variant (`fixed_attention_checked`); `fixed_attention_op` is the custom op a compiled
@@ -61,10 +67,13 @@ if triton is not None:
     def _fixed_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, t0_ptr, o_ptr,
                                 s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_om, s_oh, s_valid,
                                 M, S, W, R,
-                                KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-                                BN: tl.constexpr, SLIDING: tl.constexpr, RING: tl.constexpr, F32: tl.constexpr):
-        """Rows [pid * BM, pid * BM + BM) of KV head (b, h)'s group: out[b, m, h * G + j] for row m * G + j."""
-        pid = tl.program_id(0)
+                                KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                                BM: tl.constexpr, BN: tl.constexpr, SLIDING: tl.constexpr, RING: tl.constexpr,
+                                F32: tl.constexpr):
+        """Rows [pid * BM, pid * BM + BM) of KV head (b, h)'s group: out[b, m, h * G + j, c:c + DV] for row m * G + j
+        (the output's columns c in D / DV programs side by side, each with the whole of Q K^T)."""
+        pid = tl.program_id(0) // (D // DV)
+        c = (tl.program_id(0) % (D // DV)) * DV
         b = (tl.program_id(1) // KV).to(tl.int64)  # 64-bit row offsets: a batch of long caches passes 2^31 elements
         h = (tl.program_id(1) % KV).to(tl.int64)
         T0 = tl.load(t0_ptr).to(tl.int32)  # positions (and slots) fit 32 bits: the cache's capacity does
@@ -88,7 +97,8 @@ if triton is not None:
             lo_t = 0
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, D], tl.float32)
+        acc = tl.zeros([BM, DV], tl.float32)
+        dv = tl.arange(0, DV)
         n = tl.arange(0, BN)
         k_base = k_ptr + b * s_kb + h * s_kh
         v_base = v_ptr + b * s_vb + h * s_vh
@@ -96,12 +106,13 @@ if triton is not None:
             kp = start + n  # positions
             inside = kp < hi_t
             slot = kp % R if RING else kp
+            # the padding mask first (a plain load, not pipelined): its latency under the Q K^T product
+            ok = (tl.load(valid_ptr + b * s_valid + kp, mask=inside, other=0) != 0) | (kp >= new)
             kt = tl.load(k_base + slot[:, None] * s_kn + d[None, :], mask=inside[:, None], other=0.0)
             if F32:
                 s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(kt))
-            ok = (tl.load(valid_ptr + b * s_valid + kp, mask=inside, other=0) != 0) | (kp >= new)
             seen = (kp[None, :] < hi[:, None]) & ok[None, :]
             if SLIDING:
                 seen = seen & (kp[None, :] >= lo[:, None])
@@ -111,7 +122,7 @@ if triton is not None:
             p = tl.exp(s - m_use[:, None])
             alpha = tl.exp(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            vt = tl.load(v_base + slot[:, None] * s_vn + d[None, :], mask=inside[:, None], other=0.0)
+            vt = tl.load(v_base + slot[:, None] * s_vn + c + dv[None, :], mask=inside[:, None], other=0.0)
             if F32:
                 acc = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), acc * alpha[:, None],
                              input_precision="ieee")
@@ -119,7 +130,7 @@ if triton is not None:
                 acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(o_ptr + b * s_ob + m[:, None] * s_om + head[:, None] * s_oh + d[None, :],
+        tl.store(o_ptr + b * s_ob + m[:, None] * s_om + head[:, None] * s_oh + c + dv[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -130,9 +141,9 @@ def tiles_for(D: int) -> dict:
     if interpreted():
         return {"BM": 16, "BN": 16}
     if D >= 512:
-        return {"BM": 64, "BN": 32, "num_warps": 8, "num_stages": 2}
+        return {"BM": 64, "BN": 32, "DV": 256, "num_warps": 8, "num_stages": 2}
     if D >= 256:
-        return {"BM": 64, "BN": 64, "num_warps": 4, "num_stages": 2}
+        return {"BM": 64, "BN": 64, "num_warps": 8, "num_stages": 2}
     return {"BM": 64, "BN": 64, "num_warps": 4, "num_stages": 3}
 
 
@@ -147,7 +158,8 @@ def fixed_attention_triton(q, keys, values, valid, start, S: int, window: int, r
     """q [B, nh, M, D] (M = S + C rows at positions [start, start + M)), keys / values [B, kv, R, D] a layer's cache
     buffers holding this pass's K/V already, valid [B, P] bool, start a 0-dim int64 tensor on q's device, window W
     (0: a full layer), ring: position p in slot p % R -> [B, nh, M, D] (a transposed view of [B, M, nh, D], which
-    the output projection's reshape takes without a copy). tiles: `tiles_for`'s keys, for tests."""
+    the output projection's reshape takes without a copy). tiles: `tiles_for`'s keys (BM, BN, DV, num_warps,
+    num_stages), for tests and benchmarks/bench_attention.py."""
     if triton is None:
         raise RuntimeError("fixed_attention_triton needs triton (pip install triton)")
     if not supports(q, keys):
@@ -158,14 +170,16 @@ def fixed_attention_triton(q, keys, values, valid, start, S: int, window: int, r
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(B, M, H, D, dtype=q.dtype, device=q.device)
     t = dict(tiles_for(D), **(tiles or {}))
-    bm, bn = t.pop("BM"), t.pop("BN")
-    grid = (triton.cdiv((H // kv) * M, bm), B * kv)
+    bm, bn, dv = t.pop("BM"), t.pop("BN"), t.pop("DV", D)
+    if D % dv or dv < 16:
+        raise ValueError(f"the output column tile DV={dv} must divide the head dim {D} (and be >= 16)")
+    grid = (triton.cdiv((H // kv) * M, bm) * (D // dv), B * kv)
     _fixed_attention_kernel[grid](
         q, keys, values, valid.view(torch.uint8), start, out,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1), out.stride(2),
         valid.stride(0), M, S, window, keys.shape[2],
-        KV=kv, G=H // kv, D=D, BM=bm, BN=bn, SLIDING=window > 0, RING=bool(ring),
+        KV=kv, G=H // kv, D=D, DV=dv, BM=bm, BN=bn, SLIDING=window > 0, RING=bool(ring),
         F32=q.dtype == torch.float32 or interpreted(), **t)
     return out.transpose(1, 2)
 

@@ -104,9 +104,9 @@ def test_the_kernel_is_the_rules_of_every_pass(t, G, D, R, dtype):
 
 @pytest.mark.parametrize("t,R", [(SLIDING, W + 16), (FULL, None)])
 def test_long_caches_other_tiles_and_a_ring_round_several_times(t, R):
-    """T = 61 (the ring of 24 slots wrapped twice), key tiles of 8, query tiles of 32 rows (4 queries of a group
-    of 8 per tile), the output's columns in two programs (DV = 8 of 16)."""
-    _compare(t, 8, 16, R, torch.float32, T=61, tiles={"BM": 32, "BN": 8, "DV": 8}, B=1, kv=1)
+    """T = 61 (the ring of 24 slots wrapped twice), query tiles of 32 rows (4 queries of a group of 8 per tile), the
+    output's columns in two programs (DV = 16 of 32)."""
+    _compare(t, 8, 32, R, torch.float32, T=61, tiles={"BM": 32, "BN": 16, "DV": 16}, B=1, kv=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -29,6 +29,9 @@
 #   swap     the expert and 8-bit projection kernels with the weight as the MMA's register operand (tiles swap=1):
 #            compiled fp8 default vs swapped, int4 swapped, + int8 projections, + int4 MLP (--linears int4-mlp),
 #            int4 default; SWEEP=1 also sweeps one layer's tiles and the projections first
+#   attention the fixed-shape passes' attention in one Triton kernel reading the cache in place (--attention-kernel,
+#            opt-in, never timed): its agreement tests on this GPU first, then the compiled + fused fp8 batch-1 step
+#            without and with it (--profile on the kernel's); benchmarks/bench_attention.py's per-layer times
 #   compiled the compiled step (one graph per kind of layer, custom ops, routing kernel) with fused commits: fp8
 #            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
@@ -55,7 +58,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh merged|swap|compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
+PART=${1:?usage: gpu_session.sh merged|attention|swap|compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -268,6 +271,29 @@ EOF
     [ -d gpu_baseline/blockpress ] && BENCH_CWD=gpu_baseline STEP_LIMIT=90 bench fp8-before $ROW --precision fp8
     STEP_LIMIT=80 bench int4-after $ROW --precision int4
     ;;
+  attention)
+    # The fixed-shape passes' attention in one Triton kernel that reads K/V from the cache in place (kernels/
+    # attention_fixed.py; --attention-kernel, off by default: never timed). A batch-1 step of the 26B model spent 2.62
+    # of 21.7 ms in attention on an H100 (2026-11-26-h100-compiled.md: SDPA's memory-efficient kernel with a mask over
+    # the cache, head dim 512 / 8 query heads per KV head on the full layers, a gathered window on the sliding ones).
+    # First its agreement tests compiled for this GPU (fp32 and bf16, the 26B shapes against the torch reference;
+    # a failed first-use check in the bench would fall back to the torch path with a warning, grepped below), then the
+    # kernel alone per layer against today's path (bench_attention.py), then the compiled + fused fp8 step without
+    # and with it, --profile on the kernel's (its attention ms beside the 2.62).
+    DEADLINE=$((SECONDS + ${BUDGET:-480}))
+    env_info
+    ROW="$ROW1 --compile --fuse-commit --precision fp8"
+    lim=$(limit 120)
+    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 \
+      -m "gpu or not slow" tests/test_attention_kernel.py 2>&1 | tee "$OUT/gpu-tests.txt" \
+      | grep -E "passed|failed|^FAILED|^E " | head -16 | tee -a "$OUT/summary.txt"
+    lim=$(limit 60)
+    [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/bench_attention.py --preset "$PRESET" \
+      --tiles "dv=128;bm=128;bn=32;bn=16,stages=3;warps=4" --out "$OUT/attention-layers.json" 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
+    STEP_LIMIT=120 bench fp8-default $ROW
+    STEP_LIMIT=120 bench fp8-attention $ROW --attention-kernel --profile
+    grep -h "attention kernel is off" "$OUT/log.txt" | head -3 | tee -a "$OUT/summary.txt"
+    ;;
   swap)
     # For the next lease: the expert and 8-bit projection kernels with the weight tile as the MMA's first operand
     # (tiles swap=1: Hopper's wgmma reads it from registers, so fp8 / int4 / int8 weights converted in registers skip
@@ -428,7 +454,7 @@ EOF
       grep -v '^{' "$OUT/train-$name.txt" | tail -6 | tee -a "$OUT/log.txt"
     done
     ;;
-  *) echo "unknown part $PART (merged, swap, compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
+  *) echo "unknown part $PART (merged, attention, swap, compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
 esac
 [ -s "$OUT/summary.txt" ] && { echo; echo "=== failures and tests"; cat "$OUT/summary.txt"; }
 

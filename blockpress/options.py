@@ -8,7 +8,9 @@
 - Kernels: `experts`, `attention` ("auto": the fastest path that runs here; "loop" / "sdpa" the references),
   `sc_topk` (self-conditioning over the top-K tokens, an approximation), the Triton kernels' settings
   `moe_tiles`, `moe_sum`, `linear_tiles` (None: the defaults), and `merge_projections` (each layer's q/k/v and
-  gate/up projections as one GEMM each, inference only; None: on, see `merges`).
+  gate/up projections as one GEMM each, inference only; None: on, see `merges`); `attention_kernel` (opt-in,
+  untimed: the fixed-shape passes' attention in one Triton kernel that reads the cache in place,
+  kernels/attention_fixed.py; CUDA only).
 - Storage, fixed at load: `precision` of the experts ("native", "fp8", "int4", with `group_size`) and of the
   attention / dense-MLP projections (`linears`: "native", "int8", "fp8" for both; "int4-mlp": the dense MLP alone
   in int4 through the expert kernels).
@@ -45,6 +47,7 @@ class Options:
     moe_tiles: str | None = None
     moe_sum: str = "kernel"
     linear_tiles: str | None = None
+    attention_kernel: bool = False
     precision: str = "native"
     group_size: int = 64
     linears: str = "native"
@@ -68,7 +71,7 @@ class Options:
         one_of("precision", PRECISIONS)
         one_of("linears", LINEAR_FORMATS)
         one_of("moe_sum", MOE_SUMS)
-        for name in ("cuda_graphs", "compile"):
+        for name in ("cuda_graphs", "compile", "attention_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if self.fuse_commit not in (None, True, False):

@@ -79,6 +79,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "experts' int4 kernels")
     p.add_argument("--experts", default="auto", help="experts backend: auto, loop, dense, grouped, triton, scaled_mm")
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
+    p.add_argument("--attention-kernel", action="store_true",
+                   help="the fixed-shape passes' attention (--cuda-graphs, --compile) in one Triton kernel that reads "
+                        "the cache in place, checked on first use (CUDA only; untimed, so off by default)")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")

@@ -258,11 +258,6 @@ class Worker:
         if self.metrics is not None:
             self.metrics.queue_depth.set(self.queue_depth)
             self.metrics.active_requests.set(self.active)
-            pc = self.runner.prefixes
-            if pc is not None and (pc.hits, pc.tokens_reused) != self._reused:
-                self.metrics.prefix_hits.inc(pc.hits - self._reused[0])
-                self.metrics.prefix_tokens.inc(pc.tokens_reused - self._reused[1])
-                self._reused = (pc.hits, pc.tokens_reused)
 
     def _loop(self) -> None:
         while True:
@@ -294,6 +289,7 @@ class Worker:
                     row.started = now
                     if self.metrics is not None:
                         self.metrics.queue_seconds.observe(now - row.sink.submitted)
+                self._count_reuse()
             elif isinstance(ev, Stepped):
                 self._drafts(ev)
                 if self.metrics is not None:
@@ -306,6 +302,14 @@ class Worker:
             self.metrics.cancelled.inc(self.scheduler.dropped)
         self.scheduler.dropped = 0
         self._gauge()
+
+    def _count_reuse(self) -> None:
+        """The prefix cache's hits and reused tokens into the metrics (at admission: before any reply goes out)."""
+        pc = self.runner.prefixes
+        if self.metrics is not None and pc is not None and (pc.hits, pc.tokens_reused) != self._reused:
+            self.metrics.prefix_hits.inc(pc.hits - self._reused[0])
+            self.metrics.prefix_tokens.inc(pc.tokens_reused - self._reused[1])
+            self._reused = (pc.hits, pc.tokens_reused)
 
     def _drafts(self, ev: Stepped) -> None:
         """Every streaming row's draft, read from the device at once."""

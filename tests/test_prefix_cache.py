@@ -155,7 +155,7 @@ def test_rows_joining_a_running_batch_neither_take_nor_leave_prefixes(tiny, monk
     assert w.runner.prefixes.hits == 0 and len(w.runner.prefixes.entries) == 1
 
 
-def test_eviction_keeps_the_budget_least_recently_used_first(tiny):
+def test_eviction_keeps_the_budget_and_the_count_least_recently_used_first(tiny):
     m = tiny.module
     caches = []
     for s in range(3):
@@ -172,6 +172,10 @@ def test_eviction_keeps_the_budget_least_recently_used_first(tiny):
     assert set(pc.entries) == {tuple(prompts[0]), tuple(prompts[2])} and pc.bytes == 2 * size
     assert pc.match(prompts[1]) is None
     PrefixCache(budget=size - 1).store(prompts[0], caches[0])  # larger than the budget: not kept (no error)
+    few = PrefixCache(budget=10 * size, max_entries=2)
+    for prompt, cache in zip(prompts, caches):
+        few.store(prompt, cache)
+    assert set(few.entries) == {tuple(prompts[1]), tuple(prompts[2])}  # the oldest went: 2 prompts at most
     short = PrefixCache(budget=size)
     short.store(prompts[0][:10], caches[0])  # shorter than min_tokens: nothing worth keeping
     assert not short.entries

@@ -14,7 +14,8 @@ What is kept, and when it is reused:
 - A row that joins an empty batch takes the entry with the longest common prefix (at least `min_tokens`): the
   entry's first n positions are copied into its cache and only its tokens [n, S) are encoded. A prompt that
   extends an entry replaces it, so a conversation keeps one entry that grows by a turn each time.
-- Entries live on the model's device, least recently used evicted first, within `budget` bytes.
+- Entries live on the model's device, least recently used evicted first, within `budget` bytes and
+  `max_entries` prompts.
 - Not for a bidirectional encoder (every prompt token sees the later ones: a prefix's K/V depend on what follows).
 
 Numerics: the prompt's tokens [n, S) are encoded as a chunk that attends to the cached [0, n), which is what
@@ -42,9 +43,11 @@ def common_prefix(a: tuple, b: tuple) -> int:
 
 
 class PrefixCache:
-    def __init__(self, budget: int, min_tokens: int = 16):
-        """budget: bytes of K/V kept at most (0: keep nothing); min_tokens: the shortest prefix worth reusing."""
-        self.budget, self.min_tokens = budget, min_tokens
+    def __init__(self, budget: int, min_tokens: int = 16, max_entries: int = 64):
+        """budget: bytes of K/V kept at most (0: keep nothing); min_tokens: the shortest prefix worth reusing;
+        max_entries: prompts kept at most (a lookup compares the prompt with each: a small model's entries are
+        small, and thousands of them would make every admission scan thousands)."""
+        self.budget, self.min_tokens, self.max_entries = budget, min_tokens, max_entries
         self.entries: OrderedDict[tuple[int, ...], object] = OrderedDict()  # prompt ids -> 1-row KVCache
         self.bytes = 0
         self.hits = self.misses = self.tokens_reused = 0
@@ -81,7 +84,7 @@ class PrefixCache:
             self._drop(old)
         self.entries[key] = cache
         self.bytes += size
-        while self.bytes > self.budget:
+        while self.bytes > self.budget or len(self.entries) > self.max_entries:
             self._drop(next(iter(self.entries)))
 
     def covers(self, prompt: list[int]) -> bool:

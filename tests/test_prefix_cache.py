@@ -195,3 +195,16 @@ def test_no_prefix_cache_for_a_bidirectional_encoder():
     cfg = dict(TINY_TEXT, use_bidirectional_attention="all")
     m = blockpress.from_config({"model_type": "diffusion_gemma", "text_config": cfg, "canvas_length": 8}, seed=0)
     assert Worker(m, max_batch=1).runner.prefixes is None
+
+
+def test_a_short_prompt_in_a_cache_without_a_ring_after_a_long_one_is_served(tiny):
+    """A kept 30-token prompt's sliding layers keep a ring of 24 slots (positions 0-5 gone). A 16-token prompt that
+    is its start needs only positions 8-15 there, but its own cache (16 + one 8-token canvas) is small enough to keep
+    every position: it cannot take a prefix with positions missing, so it encodes from the start (a miss), with the
+    tokens of a worker without the cache."""
+    long = _ids(30, 13)
+    plan = {0: [_job(tiny, long, 1)], 5: [_job(tiny, long[:16], 2, new=8)]}
+    w = Worker(tiny, max_batch=1)
+    got = drive_worker(w, plan)
+    assert (w.runner.prefixes.hits, w.runner.prefixes.misses) == (0, 2)
+    assert got == drive_worker(Worker(tiny, max_batch=1, prefix_cache=0), plan)

@@ -52,9 +52,10 @@ class PrefixCache:
         self.bytes = 0
         self.hits = self.misses = self.tokens_reused = 0
 
-    def match(self, prompt: list[int]):
+    def match(self, prompt: list[int], whole: bool = False):
         """(n, cache) for the longest kept prefix of `prompt` (a 1-row cache of positions [0, n) whose sliding
-        layers still hold what position n needs), or None. Counts a hit or a miss."""
+        layers still hold what position n needs; with `whole`, every position: for a cache without a ring), or None.
+        Counts a hit or a miss."""
         best, best_n, prompt = None, 0, tuple(prompt)
         for key in self.entries:
             n = common_prefix(key, prompt)
@@ -64,8 +65,8 @@ class PrefixCache:
             self.misses += 1
             return None
         try:
-            part = self.entries[best].prefix(best_n)
-        except ValueError:  # a ring no longer holds the window before position n (a long entry cut short)
+            part = self.entries[best].prefix(best_n, whole)
+        except ValueError:  # a ring no longer holds the window before position n (a long entry cut short), or whole
             self.misses += 1
             return None
         self.entries.move_to_end(best)

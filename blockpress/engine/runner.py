@@ -79,7 +79,7 @@ class Runner:
             if end > S:
                 cache.valid[:, :end - S] = False
                 cache.has_padding = True
-        kept = self.prefixes.match(prompts[0]) if alone else None
+        kept = self.prefixes.match(prompts[0], whole=cache.ring is None) if alone else None
         if kept is not None:  # its first n positions' K/V as they were encoded: the rest is one more chunk
             n, part = kept
             cache.put_rows(0, part)

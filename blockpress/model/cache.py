@@ -218,10 +218,14 @@ class KVCache:
                              "gone; encode the text again from the start (or keep a copy of the cache before going "
                              "on)")
 
-    def prefix(self, length: int) -> "KVCache":
+    def prefix(self, length: int, whole: bool = False) -> "KVCache":
         """Positions [0, length) as a cache on the same buffers (no copy; read it, e.g. `put_rows` from it): what
-        `crop(length)` would leave, without changing this cache. ValueError where crop would refuse."""
+        `crop(length)` would leave, without changing this cache. ValueError where crop would refuse, or, with
+        `whole` (for a cache that keeps every position: `put_rows` into one needs them all), where a sliding layer's
+        ring no longer holds position 0."""
         self._check_end(length)
+        if whole and self._present_from() > 0:
+            raise ValueError(f"positions [0, {self._present_from()}) of this cache's sliding layers are gone")
         out = self._like(self.keys, self.values, self.valid, self.batch, self.capacity, length, False)
         out.has_padding = not bool(self.valid[:, :length].all())
         out._high, out.view = self._high, True

@@ -208,3 +208,17 @@ def test_a_short_prompt_in_a_cache_without_a_ring_after_a_long_one_is_served(tin
     got = drive_worker(w, plan)
     assert (w.runner.prefixes.hits, w.runner.prefixes.misses) == (0, 2)
     assert got == drive_worker(Worker(tiny, max_batch=1, prefix_cache=0), plan)
+
+
+def test_kept_prompts_make_room_for_the_slots(tiny, monkeypatch):
+    """Under the CUDA graphs' slots a request that needs the slots to grow, where the device's spare memory would not
+    hold them, first frees the kept prompts (requests come before the cache)."""
+    with cuda_graphs(tiny):
+        w = Worker(tiny, max_batch=1)
+        drive_worker(w, {0: [_job(tiny, _ids(20, 14), 1)]})
+        assert len(w.runner.prefixes.entries) == 1
+        short = w.runner.slot_bytes(1, 512) - 1  # the 316 positions needed fit, doubled to 512 they do not
+        monkeypatch.setattr(w.runner, "spare", lambda: short)
+        drive_worker(w, {0: [_job(tiny, _ids(300, 15), 2)]})  # more positions than the slots hold
+        assert 316 <= w.runner._slots.capacity < 512
+    assert [len(k) for k in w.runner.prefixes.entries] in ([], [300])  # the 20-token prompt went

@@ -15,7 +15,8 @@ What is kept, and when it is reused:
   entry's first n positions are copied into its cache and only its tokens [n, S) are encoded. A prompt that
   extends an entry replaces it, so a conversation keeps one entry that grows by a turn each time.
 - Entries live on the model's device, least recently used evicted first, within `budget` bytes and
-  `max_entries` prompts.
+  `max_entries` prompts; one is kept only where the device has twice its size free, and all go when the server's
+  slots must grow and would not fit otherwise (requests come before kept prompts).
 - Not for a bidirectional encoder (every prompt token sees the later ones: a prefix's K/V depend on what follows).
 
 Numerics: the prompt's tokens [n, S) are encoded as a chunk that attends to the cached [0, n), which is what
@@ -92,6 +93,11 @@ class PrefixCache:
         """Whether a kept entry already holds all of `prompt` (storing it again would add nothing)."""
         key = tuple(prompt)
         return any(len(k) >= len(key) and k[:len(key)] == key for k in self.entries)
+
+    def clear(self) -> None:
+        """Keep nothing (the device needs the memory)."""
+        self.entries.clear()
+        self.bytes = 0
 
     def _drop(self, key) -> None:
         self.bytes -= self.entries.pop(key).nbytes()

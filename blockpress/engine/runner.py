@@ -191,6 +191,9 @@ class Runner:
             rows = max(least[0], min(self.max_rows, 1 << (have + n - 1).bit_length()))
             cap = max(least[1], min(1 << (least[1] - 1).bit_length(), self.max_positions))
             spare = self.spare()
+            if spare is not None and self.prefixes is not None and self.slot_bytes(rows, cap) > spare:
+                self.prefixes.clear()  # the requests' slots come before kept prompts
+                spare = self.spare()
             if spare is not None and self.slot_bytes(rows, cap) > spare:  # doubling would not fit: what is needed
                 rows, cap = least
             new = self.module.new_cache(rows, cap)

@@ -107,6 +107,14 @@ bench() {  # bench NAME ARGS...: one `blockpress bench` run, JSON in $OUT/NAME.j
   return "$rc"
 }
 
+gpu_tests() {  # gpu_tests SECONDS PYTEST_ARGS...: a part's GPU tests (CUDA only), output in gpu-tests.txt, outcome lines
+  local lim; lim=$(limit "$1"); shift  # into the summary
+  [ "$lim" != 0 ] && [ "$CUDA" = 1 ] || return 0
+  echo "=== gpu tests (limit $lim s): $*" | tee -a "$OUT/log.txt"
+  timeout "$lim" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu-tests.txt" \
+    | grep -E "passed|failed|^FAILED|^E " | head -16 | tee -a "$OUT/summary.txt"
+}
+
 case "$PART" in
   engine)
     # The one-engine redesign on a GPU, in one call: the same bench row before (the code of 9d31c23, copied into
@@ -245,12 +253,7 @@ EOF
     DEADLINE=$((SECONDS + ${BUDGET:-420}))
     env_info
     ROW="$ROW1"
-    lim=$(limit 75)
-    if [ "$lim" != 0 ] && [ "$CUDA" = 1 ]; then
-      echo "=== gpu tests (limit $lim s)" | tee -a "$OUT/log.txt"
-      timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_route.py tests/test_compiled.py 2>&1 \
-        | tee "$OUT/gpu-tests.txt" | grep -E "passed|failed|^FAILED|^E " | head -20 | tee -a "$OUT/summary.txt"
-    fi
+    gpu_tests 75 -n 8 tests/test_route.py tests/test_compiled.py
     STEP_LIMIT=70 bench fp8 $ROW --precision fp8 --profile
     STEP_LIMIT=170 bench fp8-compiled $ROW --precision fp8 --compile --fuse-commit --profile
     STEP_LIMIT=130 bench int4-lin8-compiled $ROW --precision int4 --linears int8 --compile --fuse-commit
@@ -264,9 +267,7 @@ EOF
     DEADLINE=$((SECONDS + ${BUDGET:-300}))
     env_info
     ROW="$ROW1 --compile --fuse-commit"
-    lim=$(limit 40)
-    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-      -k align 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+    gpu_tests 40 tests/test_kernels.py -k align
     STEP_LIMIT=110 bench fp8-after $ROW --precision fp8 --profile
     [ -d gpu_baseline/blockpress ] && BENCH_CWD=gpu_baseline STEP_LIMIT=90 bench fp8-before $ROW --precision fp8
     STEP_LIMIT=80 bench int4-after $ROW --precision int4
@@ -283,10 +284,7 @@ EOF
     DEADLINE=$((SECONDS + ${BUDGET:-480}))
     env_info
     ROW="$ROW1 --compile --fuse-commit --precision fp8"
-    lim=$(limit 120)
-    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 \
-      -m "gpu or not slow" tests/test_attention_kernel.py 2>&1 | tee "$OUT/gpu-tests.txt" \
-      | grep -E "passed|failed|^FAILED|^E " | head -16 | tee -a "$OUT/summary.txt"
+    gpu_tests 120 -n 8 -m "gpu or not slow" tests/test_attention_kernel.py
     lim=$(limit 60)
     [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/bench_attention.py --preset "$PRESET" \
       --tiles "dv=128;bm=128;bn=32;bn=16,stages=3;warps=4" --out "$OUT/attention-layers.json" 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
@@ -306,10 +304,9 @@ EOF
     env_info
     ROW="$ROW1 --compile --fuse-commit"
     SW="bm=auto,bn=128,bk=64,swap=1"
-    lim=$(limit 60)  # the swapped kernels compiled for this GPU against the torch paths (bf16 and fp32) first
-    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 \
-      tests/test_kernels.py tests/test_quant.py tests/test_linear_q.py -k "match_loop or triton_path or other_tiles" \
-      2>&1 | tee "$OUT/gpu-tests.txt" | grep -E "passed|failed|^FAILED" | head -12 | tee -a "$OUT/summary.txt"
+    # the swapped kernels compiled for this GPU against the torch paths (bf16 and fp32) first
+    gpu_tests 60 -n 8 tests/test_kernels.py tests/test_quant.py tests/test_linear_q.py \
+      -k "match_loop or triton_path or other_tiles"
     if [ -n "${SWEEP:-}" ]; then
       for prec in fp8 int4; do
         lim=$(limit ${SWEEP_LIMIT:-60}); [ "$lim" = 0 ] && break
@@ -337,10 +334,7 @@ EOF
     DEADLINE=$((SECONDS + ${BUDGET:-360}))
     env_info
     ROW="$ROW1 --compile --fuse-commit --precision fp8"
-    lim=$(limit 60)
-    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider \
-      tests/test_merged_projections.py 2>&1 | tee "$OUT/gpu-tests.txt" | grep -E "passed|failed|^FAILED" | head -12 \
-      | tee -a "$OUT/summary.txt"
+    gpu_tests 60 tests/test_merged_projections.py
     STEP_LIMIT=130 bench fp8-merged $ROW --merge-projections --profile
     STEP_LIMIT=110 bench fp8-unmerged $ROW --no-merge-projections
     ;;

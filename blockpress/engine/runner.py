@@ -88,15 +88,31 @@ class Runner:
         encode = self.module.encode if self.slots_mode else self.passes.encode
         if ids.shape[1]:
             encode(ids, cache, pad_mask=mask, output=False)
-        spare = self.spare() if alone else None
-        if alone and not self.prefixes.covers(prompts[0]) and (spare is None or spare > 2 * cache.nbytes()):
-            self.prefixes.store(prompts[0], cache.rows(torch.zeros(1, dtype=torch.long, device=self.device)))
+        if alone and not self.prefixes.covers(prompts[0]):
+            self._keep(prompts[0], cache)
         if fresh:
             self.cache = cache
         elif self.slots_mode and self.graphs is not None:  # already in place after the batch's rows
             self.cache = self._group(self.cache.batch + B, end, self.cache.has_padding or cache.has_padding)
         else:
             self.cache.append_rows(cache)
+
+    def _keep(self, prompt: list, cache: KVCache) -> None:
+        """Put a copy of a prompt's K/V (positions [0, S) of the 1-row `cache`) in the prefix cache, laid out as a
+        cache of S positions is (a ring only where that is smaller): not the whole ring of a server's slots, which
+        may have grown for a long request. Only where the device has twice its size free."""
+        S = len(prompt)
+        spare = self.spare()
+        if spare is not None and spare <= 2 * self.module.cache_bytes(1, S):
+            return
+        entry = self.module.new_cache(1, S)
+        try:
+            part = cache.prefix(S, whole=entry.ring is None)
+        except ValueError:  # the slots' ring bookkeeping (positions written by an earlier group) counts some as gone
+            return
+        entry.put_rows(0, part)
+        entry.length = S
+        self.prefixes.store(prompt, entry)
 
     def keep(self, keep: list[int]) -> None:
         """Only the rows `keep` (ascending) stay."""

@@ -29,7 +29,7 @@ from blockpress.cli.bench import _tiles
 from blockpress.lab.bench import DTYPES, _free, _gen_config, _peak_bytes, _reset_peak, _sync, check_build_memory, \
     hardware, print_json
 from blockpress.lab.presets import PRESETS, preset_config
-from blockpress.cli.run import _nonneg_int, _positive_int, _positive_int_list
+from blockpress.cli.run import _float_in, _nonneg_int, _positive_int, _positive_int_list
 from blockpress.options import LINEAR_FORMATS
 
 
@@ -93,6 +93,42 @@ def closed_loop(worker, make_job, concurrency: int, requests: int) -> dict:
             "row_passes_per_request": statistics.mean(r["passes"] for r in recs)}
 
 
+def next_turn(lm, cfg, prompt_tokens: int, turn_tokens: int, budget: int, seed: int = 0, repeats: int = 3) -> dict:
+    """A conversation's next turn: a P-token prompt runs to its end, then the same prompt + T new tokens is submitted
+    (what a chat client sends); the time from that submission to its first commit, with the prefix cache of
+    `budget` bytes (0: none), the median of `repeats` conversations."""
+    from blockpress.server.worker import Job, RowCommit, RowDone, RowError, Worker
+
+    V = lm.module.text.vocab_size
+    w = Worker(lm, max_batch=1, queue_size=2, prefix_cache=budget)
+    if lm.device.type == "cuda":
+        w.warm_up()
+    w.start()
+    times = []
+    try:
+        for r in range(repeats):
+            g = torch.Generator().manual_seed(seed + 7919 * (r + 1))
+            first = torch.randint(5, V, (prompt_tokens,), generator=g).tolist()
+            second = first + torch.randint(5, V, (turn_tokens,), generator=g).tolist()
+            for ids in (first, second):
+                t0 = time.perf_counter()
+                h, t_first = w.submit(Job(ids, cfg, seed=seed)), None
+                while True:
+                    e = h.get(timeout=3600)
+                    if isinstance(e, RowCommit) and t_first is None:
+                        t_first = time.perf_counter() - t0
+                    if isinstance(e, RowError):
+                        raise RuntimeError(f"a request failed: {e.message}")
+                    if isinstance(e, RowDone):
+                        break
+            times.append(t_first)
+    finally:
+        w.stop()
+    pc = w.runner.prefixes
+    return {"prefix_cache_bytes": budget, "first_commit_ms": 1e3 * statistics.median(times),
+            "hits": pc.hits if pc else 0, "tokens_reused": pc.tokens_reused if pc else 0}
+
+
 def build(args):
     """The model for --model (loaded, quantised while loading) or the preset (random weights on the device), with
     the default fast kernels configured."""
@@ -104,7 +140,8 @@ def build(args):
     device = parse_device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     options = dict(precision=args.precision, linears=args.linears, moe_tiles=args.moe_tiles,
-                   sampler=args.sampler, fuse_commit=args.fuse_commit, cuda_graphs=bool(args.cuda_graphs))
+                   sampler=args.sampler, fuse_commit=args.fuse_commit, cuda_graphs=bool(args.cuda_graphs),
+                   merge_projections=args.merge_projections)
     if args.model:
         return load(args.model, device=str(device), dtype=dtype, progress=sys.stderr.isatty(), tokenizer=False,
                     **options)
@@ -137,6 +174,7 @@ def run(args, lm=None) -> dict:
               "model": args.model, "preset": None if args.model else args.preset,
               "dtype": str(module.dtype).replace("torch.", ""), "precision": args.precision, "linears": args.linears,
               "cuda_graphs": graphs is not None, "fuse_commit": lm.options.fused(lm.device), "sampler": lm.options.sampler,
+              "merge_projections": lm.options.merges(),
               "mode": args.mode, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "steps": args.steps, "canvas_length": C,
               "moe_tiles": module.layers[0].experts.tiles.spec() if hasattr(module.layers[0].experts, "tiles")
@@ -144,7 +182,8 @@ def run(args, lm=None) -> dict:
     _free(device)
     for c in (int(c) for c in str(args.concurrency).split(",")):
         metrics = Metrics()
-        s = Worker(lm, max_batch=max(c, 1), queue_size=max(c, 1) * 2, metrics=metrics)
+        s = Worker(lm, max_batch=max(c, 1), queue_size=max(c, 1) * 2, metrics=metrics,
+                   prefix_cache=int(args.prefix_cache_gb * 2**30))
         if device.type == "cuda":  # as `serve` does before it listens: compiles, checks, every batch size's graphs
             warm_s = s.warm_up()
         s.start()
@@ -170,6 +209,10 @@ def run(args, lm=None) -> dict:
             s.stop()
         result["levels"].append(level)
         print(f"  concurrency {c}: {level['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    if args.next_turn:
+        budget = int(args.prefix_cache_gb * 2**30)
+        result["next_turn"] = {"turn_tokens": args.next_turn, "runs": [
+            next_turn(lm, cfg, args.prompt_tokens, args.next_turn, b, args.seed) for b in (0, budget)]}
     return result
 
 
@@ -192,6 +235,16 @@ def print_table(result: dict) -> None:
         for lv in result["levels"]:
             t.add_row(*("-" if lv.get(k) is None else f.format(lv[k]) for k, _, f in cols))
         Console(stderr=True).print(t)
+        if "next_turn" in result:
+            nt = result["next_turn"]
+            t = Table(title=f"next turn of a {result['prompt_tokens']}-token conversation (+{nt['turn_tokens']} "
+                            "tokens): submission to first commit")
+            for head in ("prefix cache", "1st commit ms", "tokens reused"):
+                t.add_column(head, justify="right")
+            for r in nt["runs"]:
+                t.add_row(f"{r['prefix_cache_bytes'] / 2**30:g} GiB" if r["prefix_cache_bytes"] else "off",
+                          f"{r['first_commit_ms']:.0f}", str(r["tokens_reused"]))
+            Console(stderr=True).print(t)
     except ImportError:
         print(title, file=sys.stderr)
         for lv in result["levels"]:
@@ -210,6 +263,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action="store_true", help="the server's CUDA graphs (serve --cuda-graphs)")
     p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
                    help="serve --fuse-commit (default: on a CUDA GPU)")
+    p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve --merge-projections (default: on)")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="serve --sampler")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC", help="Triton expert kernels' tiles (as bench's)")
     p.add_argument("--mode", choices=["fixed", "adaptive"], default="fixed",
@@ -223,6 +278,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_positive_int, default=16, help="denoising steps per canvas (max, if adaptive)")
     p.add_argument("--threads", type=_positive_int, metavar="N", help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--next-turn", type=_positive_int, metavar="T",
+                   help="also time a conversation's next turn: the P-token prompt, then it + T new tokens, from "
+                        "submission to first commit, without and with the prefix cache")
+    p.add_argument("--prefix-cache-gb", type=_float_in(0, strict=False), default=1.0, metavar="GB",
+                   help="the worker's prefix cache (serve --prefix-cache-gb; default 1, 0: none)")
     p.add_argument("--out", help="also write the JSON line to this file")
 
 

@@ -95,6 +95,31 @@ def linear_variants(text, dtype, passes, formats: list[str]):
                            lambda x=x, q=q, s=s: linear_q_triton(x, q, s, swap=True))
 
 
+def attention_variants(text, dtype, canvas: int, batches: list[int]):
+    """(label, thunk) per launch of the fixed-shape passes' attention kernel (kernels/attention_fixed.py, opt-in):
+    each kind of layer (a sliding one on its ring) for a canvas of each batch size after 2,048 cached tokens, and a
+    fused commit + canvas."""
+    from blockpress.config import FULL, SLIDING
+    from blockpress.kernels.attention_fixed import fixed_attention_triton
+
+    H = text.num_attention_heads
+    for t in (SLIDING, FULL):
+        i = text.layer_types.index(t) if t in text.layer_types else None
+        if i is None:
+            continue
+        kv, D = text.layer_kv_heads(i), text.layer_head_dim(i)
+        W = text.sliding_window if t == SLIDING else 0
+        for what, B, S in [(f"canvas x{b}", b, 0) for b in batches] + [("fused commit + canvas x1", 1, canvas)]:
+            P = 2048 + S + canvas
+            R = W + max(2048, S + canvas) if W else P  # a ring, as the engine's caches keep one
+            q = torch.empty(B, H, S + canvas, D, dtype=dtype)
+            keys, values = (torch.empty(B, kv, R, D, dtype=dtype) for _ in range(2))
+            valid, start = torch.ones(B, P, dtype=torch.bool), torch.tensor(2048)
+            yield (f"attention {t.split('_')[0]} D {D} G {H // kv}, {what}",
+                   lambda q=q, k=keys, v=values, valid=valid, start=start, S=S, W=W:
+                   fixed_attention_triton(q, k, v, valid, start, S, W, bool(W)))
+
+
 def head_variants(vocab: int, canvas: int, dtype, batches: list[int], cap: float | None):
     """(label, thunk) for the soft cap and the fused sampler over each batch's [B, C, V] logits."""
     from blockpress.kernels.sampler_fused import fused_sample_triton
@@ -164,7 +189,8 @@ def main(argv=None) -> int:
     tiles = [""] + (parse_grid(args.grid) if args.grid else [])
     todo = list(expert_variants(text, dtype, passes, tiles, precisions, base)) + \
         list(linear_variants(text, dtype, passes, linears)) + \
-        list(head_variants(text.vocab_size, C, dtype, batches, text.final_logit_softcapping))
+        list(head_variants(text.vocab_size, C, dtype, batches, text.final_logit_softcapping)) + \
+        list(attention_variants(text, dtype, C, batches))
     print(f"compile_report: triton {triton.__version__}, torch {torch.__version__}, {args.config or args.preset}, "
           f"{args.dtype} activations, {len(todo)} launches x sm_{', sm_'.join(map(str, archs))}", flush=True)
 

@@ -29,10 +29,15 @@
 #   swap     the expert and 8-bit projection kernels with the weight as the MMA's register operand (tiles swap=1):
 #            compiled fp8 default vs swapped, int4 swapped, + int8 projections, + int4 MLP (--linears int4-mlp),
 #            int4 default; SWEEP=1 also sweeps one layer's tiles and the projections first
+#   attention the fixed-shape passes' attention in one Triton kernel reading the cache in place (--attention-kernel,
+#            opt-in, never timed): its agreement tests on this GPU first, then the compiled + fused fp8 batch-1 step
+#            without and with it (--profile on the kernel's); benchmarks/bench_attention.py's per-layer times
 #   compiled the compiled step (one graph per kind of layer, custom ops, routing kernel) with fused commits: fp8
 #            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
 #            passes' profile; int4; the align kernel's test
+#   merged   the compiled + fused-commit fp8 step with each layer's q/k/v and gate/up projections merged (one GEMM
+#            each; --profile: kernels per step) vs --no-merge-projections; the merged test file on the GPU first
 #   engine   one fp8 batch-1 row run from gpu_baseline/ (another commit's tree, if present, e.g.
 #            `mkdir gpu_baseline && git archive COMMIT blockpress | tar -x -C gpu_baseline`) and from this tree; the
 #            GPU tests; the same row with --fuse-commit, with --experts scaled_mm and with --compile
@@ -53,7 +58,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh swap|compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
+PART=${1:?usage: gpu_session.sh merged|attention|swap|compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -100,6 +105,14 @@ bench() {  # bench NAME ARGS...: one `blockpress bench` run, JSON in $OUT/NAME.j
     | tee -a "$OUT/summary.txt"
   echo "--- $name: $((SECONDS - t0)) s" | tee -a "$OUT/log.txt"
   return "$rc"
+}
+
+gpu_tests() {  # gpu_tests SECONDS PYTEST_ARGS...: a part's GPU tests (CUDA only), output in gpu-tests.txt, outcome lines
+  local lim; lim=$(limit "$1"); shift  # into the summary
+  [ "$lim" != 0 ] && [ "$CUDA" = 1 ] || return 0
+  echo "=== gpu tests (limit $lim s): $*" | tee -a "$OUT/log.txt"
+  timeout "$lim" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu-tests.txt" \
+    | grep -E "passed|failed|^FAILED|^E " | head -16 | tee -a "$OUT/summary.txt"
 }
 
 case "$PART" in
@@ -240,12 +253,7 @@ EOF
     DEADLINE=$((SECONDS + ${BUDGET:-420}))
     env_info
     ROW="$ROW1"
-    lim=$(limit 75)
-    if [ "$lim" != 0 ] && [ "$CUDA" = 1 ]; then
-      echo "=== gpu tests (limit $lim s)" | tee -a "$OUT/log.txt"
-      timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_route.py tests/test_compiled.py 2>&1 \
-        | tee "$OUT/gpu-tests.txt" | grep -E "passed|failed|^FAILED|^E " | head -20 | tee -a "$OUT/summary.txt"
-    fi
+    gpu_tests 75 -n 8 tests/test_route.py tests/test_compiled.py
     STEP_LIMIT=70 bench fp8 $ROW --precision fp8 --profile
     STEP_LIMIT=170 bench fp8-compiled $ROW --precision fp8 --compile --fuse-commit --profile
     STEP_LIMIT=130 bench int4-lin8-compiled $ROW --precision int4 --linears int8 --compile --fuse-commit
@@ -259,12 +267,30 @@ EOF
     DEADLINE=$((SECONDS + ${BUDGET:-300}))
     env_info
     ROW="$ROW1 --compile --fuse-commit"
-    lim=$(limit 40)
-    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-      -k align 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+    gpu_tests 40 tests/test_kernels.py -k align
     STEP_LIMIT=110 bench fp8-after $ROW --precision fp8 --profile
     [ -d gpu_baseline/blockpress ] && BENCH_CWD=gpu_baseline STEP_LIMIT=90 bench fp8-before $ROW --precision fp8
     STEP_LIMIT=80 bench int4-after $ROW --precision int4
+    ;;
+  attention)
+    # The fixed-shape passes' attention in one Triton kernel that reads K/V from the cache in place (kernels/
+    # attention_fixed.py; --attention-kernel, off by default: never timed). A batch-1 step of the 26B model spent 2.62
+    # of 21.7 ms in attention on an H100 (2026-11-26-h100-compiled.md: SDPA's memory-efficient kernel with a mask over
+    # the cache, head dim 512 / 8 query heads per KV head on the full layers, a gathered window on the sliding ones).
+    # First its agreement tests compiled for this GPU (fp32 and bf16, the 26B shapes against the torch reference;
+    # a failed first-use check in the bench would fall back to the torch path with a warning, grepped below), then the
+    # kernel alone per layer against today's path (bench_attention.py), then the compiled + fused fp8 step without
+    # and with it, --profile on the kernel's (its attention ms beside the 2.62).
+    DEADLINE=$((SECONDS + ${BUDGET:-480}))
+    env_info
+    ROW="$ROW1 --compile --fuse-commit --precision fp8"
+    gpu_tests 120 -n 8 -m "gpu or not slow" tests/test_attention_kernel.py
+    lim=$(limit 60)
+    [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/bench_attention.py --preset "$PRESET" \
+      --tiles "dv=128;bm=128;bn=32;bn=16,stages=3;warps=4" --out "$OUT/attention-layers.json" 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
+    STEP_LIMIT=120 bench fp8-default $ROW
+    STEP_LIMIT=120 bench fp8-attention $ROW --attention-kernel --profile
+    grep -h "attention kernel is off" "$OUT/log.txt" | head -3 | tee -a "$OUT/summary.txt"
     ;;
   swap)
     # For the next lease: the expert and 8-bit projection kernels with the weight tile as the MMA's first operand
@@ -278,10 +304,9 @@ EOF
     env_info
     ROW="$ROW1 --compile --fuse-commit"
     SW="bm=auto,bn=128,bk=64,swap=1"
-    lim=$(limit 60)  # the swapped kernels compiled for this GPU against the torch paths (bf16 and fp32) first
-    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 8 \
-      tests/test_kernels.py tests/test_quant.py tests/test_linear_q.py -k "match_loop or triton_path or other_tiles" \
-      2>&1 | tee "$OUT/gpu-tests.txt" | grep -E "passed|failed|^FAILED" | head -12 | tee -a "$OUT/summary.txt"
+    # the swapped kernels compiled for this GPU against the torch paths (bf16 and fp32) first
+    gpu_tests 60 -n 8 tests/test_kernels.py tests/test_quant.py tests/test_linear_q.py \
+      -k "match_loop or triton_path or other_tiles"
     if [ -n "${SWEEP:-}" ]; then
       for prec in fp8 int4; do
         lim=$(limit ${SWEEP_LIMIT:-60}); [ "$lim" = 0 ] && break
@@ -301,6 +326,17 @@ EOF
     # int4's 18.11 (measured 18.25 on an H100), without the 8-bit projection kernel
     STEP_LIMIT=80 bench int4-mlp4-swap $ROW --precision int4 --moe-tiles "$SW" --linears int4-mlp
     STEP_LIMIT=80 bench int4-default $ROW --precision int4
+    ;;
+  merged)
+    # issue 30 item 1: q/k/v and gate/up as one GEMM each per layer (205 projection launches a pass -> ~120, the same
+    # bytes). The compiled fp8 row with merged projections (the default; --profile: kernels_per_step) and without,
+    # on this card in one call; the merged path's tests here first (its GEMMs against the separate ones on CUDA)
+    DEADLINE=$((SECONDS + ${BUDGET:-360}))
+    env_info
+    ROW="$ROW1 --compile --fuse-commit --precision fp8"
+    gpu_tests 60 tests/test_merged_projections.py
+    STEP_LIMIT=130 bench fp8-merged $ROW --merge-projections --profile
+    STEP_LIMIT=110 bench fp8-unmerged $ROW --no-merge-projections
     ;;
   check)
     env_info
@@ -412,7 +448,7 @@ EOF
       grep -v '^{' "$OUT/train-$name.txt" | tail -6 | tee -a "$OUT/log.txt"
     done
     ;;
-  *) echo "unknown part $PART (swap, compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
+  *) echo "unknown part $PART (merged, attention, swap, compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
 esac
 [ -s "$OUT/summary.txt" ] && { echo; echo "=== failures and tests"; cat "$OUT/summary.txt"; }
 

@@ -38,9 +38,9 @@ class BlockDiffusionLM:
 
     def configure(self, **changes) -> Options:
         """Change how this model runs: the engine's options (sampler, fuse_commit, compact_rows, cuda_graphs,
-        compile) and the kernels' (experts, attention, sc_topk, moe_tiles, moe_sum, linear_tiles); see
-        `blockpress.options`. Validated once, here. The storage precision (precision, group_size, linears) is
-        chosen at load. Returns the new options."""
+        compile) and the kernels' (experts, attention, attention_kernel, sc_topk, moe_tiles, moe_sum,
+        linear_tiles, merge_projections); see `blockpress.options`. Validated once, here. The storage precision
+        (precision, group_size, linears) is chosen at load. Returns the new options."""
         new = self.options.replace(**changes)
         self._apply(self.options, new)
         return new

@@ -6,8 +6,11 @@
   (replay the model's passes as CUDA graphs; on a CPU the same passes run on their fixed buffers without capture,
   which is what the tests check), `compile` (torch.compile of the decoder blocks).
 - Kernels: `experts`, `attention` ("auto": the fastest path that runs here; "loop" / "sdpa" the references),
-  `sc_topk` (self-conditioning over the top-K tokens, an approximation), and the Triton kernels' settings
-  `moe_tiles`, `moe_sum`, `linear_tiles` (None: the defaults).
+  `sc_topk` (self-conditioning over the top-K tokens, an approximation), the Triton kernels' settings
+  `moe_tiles`, `moe_sum`, `linear_tiles` (None: the defaults), and `merge_projections` (each layer's q/k/v and
+  gate/up projections as one GEMM each, inference only; None: on, see `merges`); `attention_kernel` (opt-in,
+  untimed: the fixed-shape passes' attention in one Triton kernel that reads the cache in place,
+  kernels/attention_fixed.py; CUDA only).
 - Storage, fixed at load: `precision` of the experts ("native", "fp8", "int4", with `group_size`) and of the
   attention / dense-MLP projections (`linears`: "native", "int8", "fp8" for both; "int4-mlp": the dense MLP alone
   in int4 through the expert kernels).
@@ -44,9 +47,11 @@ class Options:
     moe_tiles: str | None = None
     moe_sum: str = "kernel"
     linear_tiles: str | None = None
+    attention_kernel: bool = False
     precision: str = "native"
     group_size: int = 64
     linears: str = "native"
+    merge_projections: bool | None = None  # None: merged (`merges`)
 
     def replace(self, **changes) -> "Options":
         """These options with `changes`, validated."""
@@ -66,11 +71,14 @@ class Options:
         one_of("precision", PRECISIONS)
         one_of("linears", LINEAR_FORMATS)
         one_of("moe_sum", MOE_SUMS)
-        for name in ("cuda_graphs", "compile"):
+        for name in ("cuda_graphs", "compile", "attention_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if self.fuse_commit not in (None, True, False):
             raise InputError(f"option fuse_commit must be None (automatic), True or False, got {self.fuse_commit!r}")
+        if self.merge_projections not in (None, True, False):
+            raise InputError(f"option merge_projections must be None (automatic), True or False, got "
+                             f"{self.merge_projections!r}")
         if self.compact_rows not in (None, True, False):
             raise InputError(f"option compact_rows must be None, True or False, got {self.compact_rows!r}")
         if self.sc_topk is not None and (isinstance(self.sc_topk, bool) or not isinstance(self.sc_topk, int)
@@ -90,6 +98,17 @@ class Options:
         differently from two C-row ones (fp32, last bits), which can flip a near-tie draw a few steps later (5 of
         the 66 seeded cases of benchmarks/token_check.py): the default keeps reference parity there."""
         return self.fuse_commit if self.fuse_commit is not None else device.type == "cuda"
+
+    def merges(self) -> bool:
+        """Whether each layer's q/k/v (q/k in a full layer) and gate/up projections run as one GEMM each (inference;
+        model/layers.py `MergedLinear`: the weights concatenated once, the parameters views of them). None (the
+        default) merges on every device: on a CPU the merged GEMM gives the separate GEMMs' numbers bit for bit
+        (fp32 and bf16 with MKL; tests/test_merged_projections.py, the 66 cases of benchmarks/token_check.py), so
+        the reference's tokens stay; on a GPU each projection is a launch that moves a few microseconds of bytes
+        (205 a pass on the 26B model, 120 merged), and cuBLAS may round the wider GEMM differently, as bf16 never
+        matches the reference bit for bit anyway. Not yet timed on a GPU (benchmarks/gpu_session.sh part
+        `merged`)."""
+        return self.merge_projections is not False
 
     def changed(self, other: "Options") -> set[str]:
         return {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)}

@@ -412,6 +412,25 @@ def test_draft_frames_only_on_request(server):
     assert [c["blockpress"]["steps"] for c in rich if c.get("blockpress", {}).get("type") == "commit"] == [3, 3]
 
 
+def test_a_chats_next_turn_reuses_the_conversation_so_far(server, client, lm):
+    """A client resends the whole conversation each turn: the next turn's prompt takes the K/V of everything it shares
+    with the previous turn's prompt from the server's prefix cache (/metrics counts the tokens)."""
+    from blockpress.engine.prefix import common_prefix
+
+    first = [{"role": "system", "content": "You answer about the weather in long careful sentences."},
+             {"role": "user", "content": "What does a cold front bring to a coastal town in late autumn?"}]
+    key = "blockpress_prefix_cache_tokens_total"
+    reply, _ = chat_text(client, seed=11, messages=first, max_tokens=16)
+    second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And in spring?"}]
+    tok = lm.tokenizer
+    shared = common_prefix(*(tuple(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True))
+                             for m in (first, second)))
+    assert shared >= 30  # all of the first prompt but its empty thought channel
+    mid = server.metrics().get(key, 0)  # counted when a request is admitted, before its reply
+    chat_text(client, seed=12, messages=second, max_tokens=16)
+    assert server.metrics()[key] - mid == shared
+
+
 def test_metrics_move(server, client):
     before = server.metrics()
     chat_text(client, seed=1, max_tokens=16)

@@ -79,6 +79,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "experts' int4 kernels")
     p.add_argument("--experts", default="auto", help="experts backend: auto, loop, dense, grouped, triton, scaled_mm")
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
+    p.add_argument("--attention-kernel", action="store_true",
+                   help="the fixed-shape passes' attention (--cuda-graphs, --compile) in one Triton kernel that reads "
+                        "the cache in place, checked on first use (CUDA only; untimed, so off by default)")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")
@@ -102,6 +105,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
                    help="encode each committed canvas in the next canvas's first denoising pass (one weight read; "
                         "default: on a CUDA GPU, off on a CPU; --no-fuse-commit: a pass of its own per commit)")
+    p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each layer's q/k/v and gate/up projections as one GEMM each (default: on; the same "
+                        "numbers on a CPU; untimed on a GPU so far; --no-merge-projections: one GEMM per projection)")
     p.add_argument("--compact-rows", action="store_true",
                    help="adaptive mode, batch > 1: run each decoder pass on the rows still denoising only (the "
                         "sampler still draws for every row: the same random stream); not with --cuda-graphs")

@@ -48,11 +48,18 @@ def add_parser(p) -> None:
                    help="largest request body (default: 1 MiB)")
     p.add_argument("--body-timeout", type=_float_in(0, strict=True), default=30.0, metavar="SECONDS",
                    help="time a client has to send its request body; slower ones get 408 (default: 30)")
+    p.add_argument("--prefix-cache-gb", type=_float_in(0, strict=False), default=1.0, metavar="GB",
+                   help="keep the K/V of prompts that ran alone, up to this many GiB on the model's device, for later "
+                        "prompts that start the same way (a chat's next turn encodes only its new tokens; 0: off; "
+                        "default: 1)")
     p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
                    help="encode each committed canvas in the same pass as the next canvas's first denoising step "
                         "when nobody waits to join (one read of the weights for both; same tokens up to fp32 "
                         "rounding; default: on a CUDA GPU, off on a CPU; --no-fuse-commit: a pass of its own per "
                         "commit)")
+    p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each layer's q/k/v and gate/up projections as one GEMM each (default: on; the same "
+                        "numbers on a CPU; untimed on a GPU so far; --no-merge-projections: one GEMM per projection)")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact",
                    help="exact: the reference's sampler arithmetic and random draws (default); fast: one fused pass "
                         "over each row's logits (Gumbel-max, seeded per request: reproducible, other tokens)")
@@ -130,7 +137,8 @@ def main(args) -> int:
                     body_timeout=args.body_timeout,
                     default_max_tokens=args.max_tokens_limit if args.max_new_tokens == -1 else args.max_new_tokens)
     metrics = Metrics()
-    worker = Worker(lm, max_batch=args.max_batch, queue_size=args.queue_size, metrics=metrics)
+    worker = Worker(lm, max_batch=args.max_batch, queue_size=args.queue_size, metrics=metrics,
+                    prefix_cache=int(args.prefix_cache_gb * 2**30))
     defaults = sampling_kwargs(args)
     defaults.pop("max_new_tokens", None)  # per request: max_tokens (the flag is Limits.default_max_tokens)
     serving = OpenAIServing(lm, worker, name, limits, defaults=defaults, metrics=metrics)

@@ -84,7 +84,8 @@ class Engine:
             ids = torch.tensor(ids, dtype=torch.long, device=run.device)
             mask = None if all(map(all, mask)) else torch.tensor(mask, device=run.device)
         horizon = max(r.n_canvases for r in adm.rows)
-        run.prefill(ids, mask, adm.end, adm.end + horizon * run.C, adm.cache)
+        prompts = [r.job.prompt_ids for r in adm.rows] if run.prefixes is not None else None
+        run.prefill(ids, mask, adm.end, adm.end + horizon * run.C, adm.cache, prompts)
         self.rows, self.admitting = self.rows + adm.rows, []
         return adm.rows
 

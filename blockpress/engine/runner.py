@@ -34,8 +34,12 @@ def spare_bytes(device) -> int | None:
 
 
 class Runner:
-    def __init__(self, module, passes=None, slots: bool = False, compact: bool = True, max_rows: int = 8):
+    def __init__(self, module, passes=None, slots: bool = False, compact: bool = True, max_rows: int = 8,
+                 prefixes=None):
+        """prefixes: an `engine.prefix.PrefixCache` that prompts encoded alone from position 0 are kept in and
+        reused from (None: none; not for a bidirectional encoder, whose prefixes see what follows them)."""
         self.module = module
+        self.prefixes = None if getattr(module, "bidirectional_encoder", False) else prefixes
         self.passes = passes if passes is not None else module
         # passes on fixed buffers (CUDA graphs, or a wrapper of them) hand out their self-conditioning input buffer
         self.graphs = self.passes if hasattr(self.passes, "sc_buffer") else None
@@ -58,11 +62,13 @@ class Runner:
 
     # ------------------------------------------------------------------ joining and leaving
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None, end: int, capacity: int,
-                cache: KVCache | None = None) -> None:
+                cache: KVCache | None = None, prompts: list | None = None) -> None:
         """Encode joining rows' prompts (ids [B, S], left-padded; mask [B, S] bool or None) at positions
         [end - S, end) into their cache rows and add them after the batch's rows. cache: the caller's cache to
-        continue (a whole Python batch; its length is end - S)."""
+        continue (a whole Python batch; its length is end - S). prompts: the rows' prompt ids as host lists, for
+        the prefix cache (one row encoded from position 0 takes a kept prefix and is kept)."""
         B, S = ids.shape
+        alone = self.prefixes is not None and prompts is not None and B == 1 and end == S and cache is None
         fresh = self.cache is None
         if cache is None:
             if self.slots_mode and self.graphs is not None:  # the rows after the batch's in the slots
@@ -73,15 +79,40 @@ class Runner:
             if end > S:
                 cache.valid[:, :end - S] = False
                 cache.has_padding = True
+        kept = self.prefixes.match(prompts[0], whole=cache.ring is None) if alone else None
+        if kept is not None:  # its first n positions' K/V as they were encoded: the rest is one more chunk
+            n, part = kept
+            cache.put_rows(0, part)
+            cache.length, ids = n, ids[:, n:]
         # a server prefills eagerly (a capture here would evict the commit's graph); a Python batch as it encodes
         encode = self.module.encode if self.slots_mode else self.passes.encode
-        encode(ids, cache, pad_mask=mask, output=False)
+        if ids.shape[1]:
+            encode(ids, cache, pad_mask=mask, output=False)
+        if alone and not self.prefixes.covers(prompts[0]):
+            self._keep(prompts[0], cache)
         if fresh:
             self.cache = cache
         elif self.slots_mode and self.graphs is not None:  # already in place after the batch's rows
             self.cache = self._group(self.cache.batch + B, end, self.cache.has_padding or cache.has_padding)
         else:
             self.cache.append_rows(cache)
+
+    def _keep(self, prompt: list, cache: KVCache) -> None:
+        """Put a copy of a prompt's K/V (positions [0, S) of the 1-row `cache`) in the prefix cache, laid out as a
+        cache of S positions is (a ring only where that is smaller): not the whole ring of a server's slots, which
+        may have grown for a long request. Only where the device has twice its size free."""
+        S = len(prompt)
+        spare = self.spare()
+        if spare is not None and spare <= 2 * self.module.cache_bytes(1, S):
+            return
+        entry = self.module.new_cache(1, S)
+        try:
+            part = cache.prefix(S, whole=entry.ring is None)
+        except ValueError:  # the slots' ring bookkeeping (positions written by an earlier group) counts some as gone
+            return
+        entry.put_rows(0, part)
+        entry.length = S
+        self.prefixes.store(prompt, entry)
 
     def keep(self, keep: list[int]) -> None:
         """Only the rows `keep` (ascending) stay."""
@@ -176,6 +207,9 @@ class Runner:
             rows = max(least[0], min(self.max_rows, 1 << (have + n - 1).bit_length()))
             cap = max(least[1], min(1 << (least[1] - 1).bit_length(), self.max_positions))
             spare = self.spare()
+            if spare is not None and self.prefixes is not None and self.slot_bytes(rows, cap) > spare:
+                self.prefixes.clear()  # the requests' slots come before kept prompts
+                spare = self.spare()
             if spare is not None and self.slot_bytes(rows, cap) > spare:  # doubling would not fit: what is needed
                 rows, cap = least
             new = self.module.new_cache(rows, cap)

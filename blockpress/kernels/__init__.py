@@ -3,7 +3,8 @@
 - experts: grouped GEMMs and the fused Triton kernel (moe_grouped.py); fp8 / int4 expert weights (quant.py);
   routing (softmax, top-k, renormalise, per-expert scale) in one Triton kernel (route.py);
 - the custom ops a compiled block calls, so it traces as one graph (library.py; quant.py, linear_q.py, route.py);
-- attention: SDPA reaching its fused kernels with grouped KV heads (attention.py);
+- attention: SDPA reaching its fused kernels with grouped KV heads (attention.py); the fixed-shape passes'
+  attention in one Triton kernel reading the cache in place (attention_fixed.py, opt-in);
 - the 8-bit attention and dense-MLP projections (linear_q.py);
 - the final-logit soft cap in one pass (softcap.py); the fused sampler (sampler_fused.py); self-conditioning over
   the top-K tokens (sc_topk.py); a compiled decoder block (compiled.py).

@@ -66,6 +66,10 @@ def dequantize_int8_rows(q_OI: torch.Tensor, scale_O: torch.Tensor, dtype: torch
 class QuantizedLinear(nn.Module):
     """Drop-in for a bias-free `nn.Linear` holding int8 or fp8 weights with a scale per output feature."""
 
+    # merged projections (model/layers.py MergedLinear): q / k / v or gate / up rows with their per-row scales,
+    # concatenated, run as one product by `linear_with`
+    MERGE_FIELDS = ("weight_q", "weight_scale")
+
     def __init__(self, in_features: int, out_features: int, fmt: str = "int8", device=None):
         super().__init__()
         if fmt not in LINEAR_FORMATS[1:]:
@@ -103,12 +107,14 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:  # training beside frozen 8-bit weights (LoRA)
             return _QuantLinearFn.apply(x, self)
-        if torch.compiler.is_compiling():  # a compiled block: one call of the custom op (the same function)
-            return linear_q_op(x, self.weight_q, self.weight_scale, self.fmt, self.backend, self.tiles_spec)
-        return self._forward(x)
+        return self.linear_with(x, self.weight_q, self.weight_scale)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_q(x, self.weight_q, self.weight_scale, self.fmt, self.backend, self.tiles, self.tiles_spec)
+    def linear_with(self, x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+        """x @ (weight_q * weight_scale)^T through this module's kernel, without autograd: its own weight (`forward`)
+        or merged rows holding it."""
+        if torch.compiler.is_compiling():  # a compiled block: one call of the custom op (the same function)
+            return linear_q_op(x, weight_q, weight_scale, self.fmt, self.backend, self.tiles_spec)
+        return linear_q(x, weight_q, weight_scale, self.fmt, self.backend, self.tiles, self.tiles_spec)
 
 
 def dequantize_rows(q_OI: torch.Tensor, scale_O: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
@@ -170,7 +176,7 @@ class _QuantLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lin: QuantizedLinear):
         ctx.lin = lin
-        return lin._forward(x)
+        return lin.linear_with(x, lin.weight_q, lin.weight_scale)
 
     @staticmethod
     def backward(ctx, grad):

@@ -128,7 +128,7 @@ def align_blocks_triton(idx_NK: torch.Tensor, n_experts: int, block_m: int):
     a_pad = max(triton.next_power_of_2(A), block_m)
     _align_kernel[(n_experts,)](flat, sorted_ids, block_expert, A, L, E=n_experts,
                                 E_PAD=triton.next_power_of_2(n_experts), A_PAD=a_pad, BM=block_m, NB=2 * a_pad // block_m,
-                                TAIL=1024)
+                                TAIL=1024, num_warps=min(16, max(4, a_pad // 1024)))  # sm_90: 4 warps spill at 16K
     return sorted_ids, block_expert
 
 

@@ -3,17 +3,21 @@
 `configure(module, ...)` (what `BlockDiffusionLM` calls through `apply`, at load and in `configure`) quantises the
 weights where the storage asks for it (one way: a quantised model stays quantised), then sets, on the module only:
 - `module.ops` (model/ops.py): attention, the final-logit soft cap, the self-conditioning embedding (exact or
-  top-K) and the decoder block (eager or compiled);
+  top-K), the decoder block (eager or compiled) and the fixed-shape passes' attention kernel (opt-in);
 - each `Router.kernel` (softmax, top-k, renormalisation and scale of the router's logits: the torch reference or
   one Triton kernel, kernels/route.py);
 - each float `Experts.kernel` (a function of the expert weights), or each `QuantizedExperts`' backend, tiles and
-  K sum; each `QuantizedLinear`'s backend and tiles.
+  K sum; each `QuantizedLinear`'s backend and tiles;
+- whether each layer's q/k/v and gate/up projections run as one GEMM each (`merge_projections`, model/layers.py
+  `MergedLinear`: float or 8-bit; the int4 MLP's gate and up are one weight already).
 Nothing else chooses a kernel: no registry, no module global, no method replaced.
 
 "auto" resolves per device: experts -> "triton_checked" on a CUDA GPU with Triton (the kernel, compared with the
 torch path on its first call per device, dtype and variant, and replaced by it with a warning if it fails or
 disagrees), grouped GEMMs on a CPU that has them, else "dense"; attention -> "sdpa_gqa"; the soft cap and the
-routing -> their checked Triton kernels on a GPU (the torch references elsewhere). Explicit "triton" skips the
+routing -> their checked Triton kernels on a GPU (the torch references elsewhere). `attention_kernel=True` (off by
+default until a GPU times it) gives the fixed-shape passes the checked Triton attention kernel on a CUDA GPU
+(kernels/attention_fixed.py), and changes nothing elsewhere. Explicit "triton" skips the
 first-use check (benchmarks and tests want the kernel, not a fallback); "loop" / "torch" are the references. With
 compiled blocks the kernels a block calls are custom ops (kernels/library.py), so a block traces as one graph.
 """
@@ -26,11 +30,12 @@ import functools
 import torch
 
 from ..errors import InputError
-from ..model.layers import attention_eager, attention_sdpa, softcap_logits
+from ..model.layers import attention_eager, attention_sdpa, merge_projections_, softcap_logits
 from ..model.ops import Ops
 from ..options import LINEAR_FORMATS, PRECISIONS, Options
 from ._triton import triton, usable_on
 from .attention import attention_sdpa_gqa
+from .attention_fixed import FIXED_ATTENTION, fixed_attention_op
 from .compiled import compiled_block
 from .library import FLOAT_EXPERTS, float_experts, float_experts_op, kernel_of
 from .linear_q import QuantizedLinear, as_linear_tiles, linear_tiles_spec, quantize_linears_, quantized_linears
@@ -71,6 +76,7 @@ def _store(module, precision: str, group_size: int, linears: str) -> None:
     if linears == "int4-mlp":
         quantize_mlp_(module, group_size)  # (layers that hold a QuantizedMLP keep it)
     elif linears != "native" and not quantized_linears(module):
+        merge_projections_(module, False)  # the float merged weights go with the float projections they replace
         quantize_linears_(module, linears)
 
 
@@ -104,14 +110,20 @@ def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool)
 
 def configure(module, experts: str = "auto", attention: str = "auto", precision: str = "native",
               group_size: int = 64, sc_topk: int | None = None, linears: str = "native", compile: bool = False,
-              moe_tiles=None, moe_sum: str = "kernel", linear_tiles=None) -> dict:
+              moe_tiles=None, moe_sum: str = "kernel", linear_tiles=None,
+              merge_projections: bool | None = None,
+              attention_kernel: bool = False) -> dict:
     """Apply kernel / storage choices to a DiffusionGemmaModel in place; return what was chosen.
     sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py).
     linears: "native", or "int8" / "fp8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py);
     a module that already holds 8-bit linears keeps them. Their kernel follows `experts`: "loop" / "torch" (the
     references) -> the torch reference, "triton" -> the kernel unchecked, "scaled_mm" -> fp8 linears with fp8
     activations too (w8a8, like the experts), else "auto" (checked on first use). moe_tiles / linear_tiles: spec
-    strings of the Triton kernels' tiles (None: the defaults); moe_sum: "kernel" or "atomic"."""
+    strings of the Triton kernels' tiles (None: the defaults); moe_sum: "kernel" or "atomic". merge_projections: each
+    layer's q/k/v and gate/up projections as one GEMM each (None: `Options.merges`' default); layers whose projections
+    cannot merge (a LoRA adapter attached) run them one by one. attention_kernel:
+    the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU only (elsewhere it changes
+    nothing)."""
     check_names(experts, attention, linears)
     if moe_sum not in ("kernel", "atomic"):
         raise ValueError(f"unknown MoE sum {moe_sum!r}; use 'kernel' (deterministic, default) or 'atomic'")
@@ -130,17 +142,20 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
         m.backend = "torch" if experts in ("loop", "torch") else "triton" if experts == "triton" else \
             "scaled_mm" if experts == "scaled_mm" and m.fmt == "fp8" else "auto"
         m.tiles, m.tiles_spec = lin_tiles, linear_tiles_spec(lin_tiles)
+    merged = merge_projections_(module, Options(merge_projections=merge_projections).validate().merges())
     attention = "sdpa_gqa" if attention == "auto" else attention
+    fixed = "triton_checked" if attention_kernel and fast else None
     module.ops = Ops(attention=ATTENTION[attention], softcap=SOFTCAP[softcap], soft_embedding=_soft_embedding(sc_topk),
-                     block=compiled_block() if compile else None)
+                     block=compiled_block() if compile else None, fixed_attention=_fixed_attention(fixed, compile))
     q = (quantized_linears(module) or [None])[0]
     probe = torch.empty(0, device=dev, dtype=dtype)
     mlp4 = module.layers[0].mlp.experts if isinstance(module.layers[0].mlp, QuantizedMLP) else None
     lin = "native" if q is None and mlp4 is None else f"int4-mlp {mlp4.resolved_backend(probe)}" if q is None else \
         f"{q.fmt} {q.resolved_backend(probe)}"
-    return {"compiled_blocks": bool(compile), "experts": resolved, "attention": attention, "precision": precision,
+    return {"compiled_blocks": bool(compile), "experts": resolved, "attention": attention, "attention_kernel": fixed,
+            "precision": precision,
             "sc_topk": sc_topk, "softcap": softcap, "routing": routing, "moe_tiles": tiles.spec(), "moe_sum": moe_sum,
-            "linears": lin,
+            "linears": lin, "merged_projections": merged,
             **({"linear_tiles": q.tiles_spec} if q is not None else {}),
             "triton": None if triton is None else triton.__version__}
 
@@ -155,7 +170,9 @@ def apply(module, old: Options | None, new: Options) -> bool:
     try:
         configure(module, experts=new.experts, attention=new.attention, precision=new.precision,
                   group_size=new.group_size, sc_topk=new.sc_topk, linears=new.linears, compile=new.compile,
-                  moe_tiles=new.moe_tiles, moe_sum=new.moe_sum, linear_tiles=new.linear_tiles)
+                  moe_tiles=new.moe_tiles, moe_sum=new.moe_sum, linear_tiles=new.linear_tiles,
+                  merge_projections=new.merge_projections,
+                  attention_kernel=new.attention_kernel)
     except ValueError as e:
         raise InputError(str(e)) from None
     return True
@@ -187,6 +204,16 @@ def _routing(module, name: str, compiled: bool) -> None:
         layer.router.kernel = route
 
 
+def _fixed_attention(name: str | None, compiled: bool):
+    """`Ops.fixed_attention` for a `FIXED_ATTENTION` name (None: none, the passes' masks): through its custom op in
+    compiled blocks."""
+    if name is None:
+        return None
+    if name not in FIXED_ATTENTION:
+        raise ValueError(f"unknown attention kernel {name!r}; use one of {sorted(FIXED_ATTENTION)} or None")
+    return functools.partial(fixed_attention_op, kernel=name) if compiled else FIXED_ATTENTION[name]
+
+
 def _soft_embedding(sc_topk: int | None):
     return None if sc_topk is None else functools.partial(soft_embedding_topk, k=sc_topk)
 
@@ -195,10 +222,13 @@ _UNSET = object()
 
 
 def use(module, *, attention: str | None = None, experts: str | None = None, softcap: str | None = None,
-        sc_topk=_UNSET, routing: str | None = None) -> None:
+        sc_topk=_UNSET, routing: str | None = None, attention_kernel=_UNSET) -> None:
     """Change some of a configured module's kernels by name and leave the others as they are (tests comparing a
-    fast path with its reference, the trainer's experts)."""
+    fast path with its reference, the trainer's experts). attention_kernel: a `FIXED_ATTENTION` name or None, on any
+    device (Triton's interpreter on a CPU)."""
     changes = {}
+    if attention_kernel is not _UNSET:
+        changes["fixed_attention"] = _fixed_attention(attention_kernel, module.ops.block is not None)
     if attention is not None:
         check_names(attention=attention)
         changes["attention"] = ATTENTION[attention]
@@ -227,7 +257,10 @@ def _name(table: dict, fn) -> str:
 def kernel_names(module) -> dict:
     """What a configured module runs, by the names `configure` takes."""
     ops, ex, route = module.ops, module.layers[0].experts, module.layers[0].router.kernel
+    fixed = ops.fixed_attention
     return {"attention": _name(ATTENTION, ops.attention), "softcap": _name(SOFTCAP, ops.softcap),
+            "attention_kernel": None if fixed is None else fixed.keywords["kernel"]
+            if getattr(fixed, "func", None) is fixed_attention_op else _name(FIXED_ATTENTION, fixed),
             "routing": route.keywords["kernel"] if getattr(route, "func", None) is route_op else _name(ROUTE, route),
             "experts": ex.backend if isinstance(ex, QuantizedExperts) else kernel_of(ex.kernel) or str(ex.kernel),
             "compiled_blocks": ops.block is not None,

@@ -50,7 +50,7 @@ class Compiled:
     num_stages: int = 0
     shared: int = 0  # bytes of shared memory per block (Triton's count, what the launch asks for)
     regs: int = 0
-    spill: int = 0  # bytes of local memory per thread (register spills)
+    spill: int = 0  # bytes of local memory per thread: its stack frame (where ptxas spills registers) and LOCAL
     loads: dict = field(default_factory=dict)  # global load width in bytes -> count (ld.global and cp.async)
     async_loads: dict = field(default_factory=dict)  # the cp.async part of `loads`: copies into shared memory that
     # Triton's pipeliner issues stages ahead; an ld.global is waited for in the iteration that issues it
@@ -154,7 +154,7 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
         return subprocess.run([_tool("cuobjdump"), flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
-_RES = re.compile(r"REG:(\d+).*?LOCAL:(\d+)")
+_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)")
 _LD = re.compile(r"\bld\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bsuf](8|16|32|64)\b")
 _CP = re.compile(r"\bcp\.async\.c[ag]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-f]+|\d+)")
 
@@ -172,7 +172,7 @@ def read_back(name: str, kernel, label: str, arch: int) -> Compiled:
     c.num_warps, c.num_stages, c.shared = md.num_warps, md.num_stages, md.shared
     m = _RES.search(_cuobjdump(kernel.asm["cubin"], "-res-usage"))
     if m:
-        c.regs, c.spill = int(m.group(1)), int(m.group(2))
+        c.regs, c.spill = int(m.group(1)), int(m.group(2)) + int(m.group(3))  # cuobjdump -res-usage's STACK + LOCAL
     ptx = kernel.asm["ptx"]
     widths: collections.Counter = collections.Counter()
     async_widths: collections.Counter = collections.Counter()

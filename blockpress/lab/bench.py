@@ -384,7 +384,8 @@ def run(args) -> dict:
         choice = configure(module, experts=args.experts, attention=args.attention, precision=args.precision,
                            group_size=args.group_size, sc_topk=args.sc_topk, linears=args.linears,
                            compile=args.compile, moe_tiles=args.moe_tiles, moe_sum=args.moe_sum,
-                           linear_tiles=args.linear_tiles)
+                           linear_tiles=args.linear_tiles, merge_projections=args.merge_projections,
+                           attention_kernel=args.attention_kernel)
     except ValueError as e:
         raise InputError(str(e)) from None
     if args.prefill_chunk is not None:  # 0: the whole prompt in one pass

@@ -164,7 +164,9 @@ def _ranges(module):
         return wrapper
 
     ops = module.ops
-    module.ops = dataclasses.replace(ops, attention=named(ops.attention, "bp::attention"))
+    fixed = ops.fixed_attention  # the fixed-shape passes' kernel, where one is set
+    module.ops = dataclasses.replace(ops, attention=named(ops.attention, "bp::attention"),
+                                     fixed_attention=fixed and named(fixed, "bp::attention"))
     open_ranges = []
 
     def enter(mod, args):

@@ -202,6 +202,14 @@ class KVCache:
 
     def crop(self, length: int) -> None:
         """Forget everything from `length` on (used for multi-turn rollback and training)."""
+        self._check_end(length)
+        self.length = length
+        self.valid[:, length:] = True
+        self.has_padding = not bool(self.valid[:, :length].all())
+
+    def _check_end(self, length: int) -> None:
+        """ValueError unless positions [0, length) can be this cache's content: no more than it holds, and its
+        sliding layers still hold the window before `length`."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
         if self.ring is not None and max(0, length - self.window) < self._present_from():
@@ -209,9 +217,19 @@ class KVCache:
                              f"last {self.ring} positions written, and position {max(0, length - self.window)} is "
                              "gone; encode the text again from the start (or keep a copy of the cache before going "
                              "on)")
-        self.length = length
-        self.valid[:, length:] = True
-        self.has_padding = not bool(self.valid[:, :length].all())
+
+    def prefix(self, length: int, whole: bool = False) -> "KVCache":
+        """Positions [0, length) as a cache on the same buffers (no copy; read it, e.g. `put_rows` from it): what
+        `crop(length)` would leave, without changing this cache. ValueError where crop would refuse, or, with
+        `whole` (for a cache that keeps every position: `put_rows` into one needs them all), where a sliding layer's
+        ring no longer holds position 0."""
+        self._check_end(length)
+        if whole and self._present_from() > 0:
+            raise ValueError(f"positions [0, {self._present_from()}) of this cache's sliding layers are gone")
+        out = self._like(self.keys, self.values, self.valid, self.batch, self.capacity, length, False)
+        out.has_padding = not bool(self.valid[:, :length].all())
+        out._high, out.view = self._high, True
+        return out
 
     # rows -----------------------------------------------------------------------------------------------
     def _like(self, keys, values, valid, batch: int, capacity: int, length: int, has_padding: bool) -> "KVCache":

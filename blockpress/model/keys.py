@@ -17,7 +17,8 @@ A pass reads its keys in one of two ways (`KeyAccess`):
   where three reads of that are less than P (`WINDOW_READS`) or where its cache keeps a ring; K/V are written with
   `index_copy_` at device positions; visibility comes from masks built from the device position, never from
   host slicing. Masked keys get weight exactly 0, so both ways compute the same function up to fp32 summation
-  order (tested on CPU).
+  order (tested on CPU). Where the model's `ops.fixed_attention` is set (opt-in: kernels/attention_fixed.py), no
+  mask and no window are built: that kernel reads each layer's buffers in place, the same rules as index math.
 """
 
 from __future__ import annotations
@@ -49,6 +50,20 @@ def decoder_sees(model, t: str, T, C: int, kpos: torch.Tensor, valid: torch.Tens
     if t == SLIDING:
         seen = seen & (kpos >= T - (model.window - 1))[None]
     return seen | ((kpos >= T) & (kpos < T + C))[None]
+
+
+def pass_sees(model, t: str, T0, S: int, C: int, kpos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, S+C, L] bool (a canvas alone: [B, 1, L], one row for all): what the rows of a pass see of keys at `kpos`
+    [L] (`valid` [B, L]): an encoder chunk at [T0, T0+S) by the encoder's rule (its own K/V written first), then a
+    canvas of C by the decoder's rule after it."""
+    rows = []
+    if S:  # [B, S, L]
+        q = T0 + torch.arange(S, device=kpos.device)
+        rows.append(encoder_sees(model, t, q, kpos, T0 + S)[None] & valid[:, None, :])
+    if C:  # [B, C | 1, L]
+        seen = decoder_sees(model, t, T0 + S, C, kpos, valid)
+        rows.append(seen[:, None] if not S else seen[:, None].expand(valid.shape[0], C, -1))
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
 
 
 class KeyAccess:
@@ -165,24 +180,18 @@ class Fixed(KeyAccess):
     fixed = True
 
     def __init__(self, model, cache, T0: torch.Tensor, S: int, C: int, dtype):
-        self.cache, self.model = cache, model
+        self.cache, self.model, self.T0, self.S = cache, model, T0, S
         dev = cache.valid.device
         self.pos = T0 + torch.arange(S + C, device=dev)
-        self.window = _Window.of(model, cache, T0, S + C)
-        B = cache.valid.shape[0]
-        masks = {}
-        for t in (SLIDING, FULL):
-            kpos, valid = self._positions(t)
-            rows = []
-            if S:  # [B, S, P']: the chunk's rows, the encoder's rule over the cache (its own K/V written first)
-                q = T0 + torch.arange(S, device=dev)
-                rows.append(encoder_sees(model, t, q, kpos, T0 + S)[None] & valid[:, None, :])
-            if C:  # [B, C, P']: the canvas's rows, the decoder's rule after the chunk
-                seen = decoder_sees(model, t, T0 + S, C, kpos, valid)
-                rows.append(seen[:, None] if not S else seen[:, None].expand(B, C, -1))
-            allowed = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
-            masks[t] = additive_mask(allowed[:, None], dtype)  # [B, 1, S+C | 1, P']
-        self.masks = masks
+        # the kernel that reads the cache in place (`ops.fixed_attention`), where a model's rules are its: not a
+        # bidirectional encoder's rows
+        kernel = model.ops.fixed_attention
+        self.kernel = kernel if not (S and model.bidirectional_encoder) else None
+        self.window, self.masks = None, None
+        if self.kernel is None:
+            self.window = _Window.of(model, cache, T0, S + C)
+            self.masks = {t: additive_mask(pass_sees(model, t, T0, S, C, *self._positions(t))[:, None], dtype)
+                          for t in (SLIDING, FULL)}  # [B, 1, S+C | 1, P']
         self.slots = {t: cache.kind_slots(t == SLIDING, self.pos) for t in (SLIDING, FULL)}
 
     def layer(self, i: int):
@@ -204,6 +213,10 @@ class Fixed(KeyAccess):
     def attend(self, layer, t, q, k, v, attn):
         self.write(layer, t, k, v)
         keys, values = layer
+        if self.kernel is not None:
+            sliding = t == SLIDING
+            return self.kernel(q, keys, values, self.cache.valid, self.T0, self.S, self.model.window if sliding else 0,
+                               sliding and self.cache.ring is not None)
         if t == SLIDING and self.window is not None:
             keys, values = keys.index_select(2, self.window.idx), values.index_select(2, self.window.idx)
         return attn(q, keys, values, self.masks[t])

@@ -128,8 +128,127 @@ def attention_sdpa(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
 
 
-class Attention(nn.Module):
-    """Sliding or full attention. Full layers have no v_proj: V = v_norm(k_proj(x)) (k = v)."""
+class MergedLinear:
+    """Bias-free projections of one input as one GEMM (inference): their weights concatenated along the output rows
+    into one tensor per weight field, and each part's own field re-pointed at its rows (`.data`: the same parameter
+    or buffer object, now a view), so no weight is held twice and the modules, their names and the state dict stay
+    as they were (saving, loading, LoRA and training see the separate projections).
+
+    A part is an `nn.Linear` without bias (field `weight`, product `F.linear`) or a module naming its fields in
+    `MERGE_FIELDS` with a product `linear_with(x, *fields)` (the 8-bit `QuantizedLinear`: int8 / fp8 rows and their
+    per-row scales). The owner (`Projections`) runs it where `live_merge` says it computes what the parts would."""
+
+    def __init__(self, owner: nn.Module, names: tuple[str, ...]):
+        self.parts = tuple(getattr(owner, n) for n in names)
+        first = self.parts[0]
+        self.fields = ("weight",) if isinstance(first, nn.Linear) else first.MERGE_FIELDS
+        self.linear = F.linear if isinstance(first, nn.Linear) else first.linear_with
+        self.sizes = tuple(p.out_features for p in self.parts)
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors: the parameters may train later
+            self.tensors = tuple(torch.cat([getattr(p, f) for p in self.parts]) for f in self.fields)
+            row = 0
+            for p, n in zip(self.parts, self.sizes):
+                for f, whole in zip(self.fields, self.tensors):
+                    getattr(p, f).data = whole[row:row + n]  # the old tensor goes once nothing else holds it
+                row += n
+        # what `intact` checks, read from the modules' own tables (an nn.Module attribute lookup costs ~0.5 us)
+        self.held = tuple((name, p, tuple((p._parameters if f in p._parameters else p._buffers, f, getattr(p, f))
+                                          for f in self.fields)) for name, p in zip(names, self.parts))
+
+    @staticmethod
+    def mergeable(owner: nn.Module, names: tuple[str, ...]) -> bool:
+        """Whether the projections `names` of `owner` can run as one: one kind, bias-free, no hooks (a LoRA adapter
+        adds its product in one), plain tensors on one device in one dtype (not a sharded training copy), the same
+        kernel settings (8-bit)."""
+        parts = [getattr(owner, n, None) for n in names]
+        kind = type(parts[0])
+        if not (issubclass(kind, nn.Linear) or hasattr(kind, "MERGE_FIELDS")) \
+                or any(type(p) is not kind or p._forward_hooks or p._forward_pre_hooks for p in parts):
+            return False
+        if issubclass(kind, nn.Linear):
+            fields = [(p.weight,) for p in parts]
+            if any(p.bias is not None for p in parts):
+                return False
+        else:
+            fields = [tuple(getattr(p, f) for f in kind.MERGE_FIELDS) for p in parts]
+            if len({(p.fmt, p.backend, p.tiles_spec) for p in parts}) > 1:
+                return False
+        return all(type(t.data) is torch.Tensor for ts in fields for t in ts) \
+            and all(len({(t.device, t.dtype) for t in column}) == 1 for column in zip(*fields))
+
+    def intact(self, owner: nn.Module) -> bool:
+        """Whether `owner` still holds the same parts with the same weight tensors and no hooks: a module swapped
+        (quantised), a parameter replaced (a sharded training copy, loading with assign) or an adapter attached
+        since the merge turns the merged GEMM off (falls back to the parts)."""
+        modules = owner._modules
+        for name, p, held in self.held:
+            if modules.get(name) is not p or p._forward_hooks or p._forward_pre_hooks:
+                return False
+            for table, f, t in held:
+                if table.get(f) is not t:
+                    return False
+        return True
+
+    def __call__(self, x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...]:
+        """The parts' outputs [..., out] from one product. first: skip the parts before it (their rows lead, so the
+        rest is one slice of the merged weight)."""
+        tensors = self.tensors
+        if first:
+            row = sum(self.sizes[:first])
+            tensors = tuple(t[row:] for t in tensors)
+        return self.linear(x, *tensors).split(self.sizes[first:], dim=-1)
+
+    def __deepcopy__(self, memo):
+        return None  # a deep copy's parameters are clones, not views of a merged tensor: the copy runs unmerged
+
+
+class Projections(nn.Module):
+    """A module whose input projections (`MERGED`, or what `merge_names` says) may run as one GEMM: `self.merged`,
+    a `MergedLinear` or None. Merging is an inference setting (kernels.configure, option `merge_projections`)."""
+
+    MERGED: tuple[str, ...] = ()
+
+    def __init__(self):
+        super().__init__()
+        self.merged: MergedLinear | None = None
+
+    def merge_names(self) -> tuple[str, ...]:
+        return self.MERGED
+
+    def merge(self, on: bool = True) -> bool:
+        """Merge the projections (on) or run them one by one (off; the weights stay where they are, views of the
+        merged tensor). Parts that cannot be merged (`MergedLinear.mergeable`) are left separate. Returns whether
+        they are merged."""
+        names = self.merge_names()
+        if not on or not MergedLinear.mergeable(self, names):
+            self.merged = None
+        elif self.merged is None or not self.merged.intact(self):
+            self.merged = None  # its tensors go before the new ones are made
+            self.merged = MergedLinear(self, names)
+        return self.merged is not None
+
+    def live_merge(self) -> MergedLinear | None:
+        """The merged projections where they compute what the parts would: merged, intact, and no autograd (the
+        parts' parameters get no gradient through the merged tensor)."""
+        m = self.merged
+        return m if m is not None and not torch.is_grad_enabled() and m.intact(self) else None
+
+    def _apply(self, fn, recurse=True):  # .to() / .half(): the weights move one by one; merged again afterwards
+        was, self.merged = self.merged is not None, None
+        out = super()._apply(fn, recurse)
+        if was:
+            self.merge()
+        return out
+
+
+def merge_projections_(module: nn.Module, on: bool) -> int:
+    """`Projections.merge(on)` on every such module in `module`; returns how many run merged."""
+    return sum(m.merge(on) for m in module.modules() if isinstance(m, Projections))
+
+
+class Attention(Projections):
+    """Sliding or full attention. Full layers have no v_proj: V = v_norm(k_proj(x)) (k = v). Merged (inference): q, k
+    and v (q and k in a full layer) in one GEMM, q's rows first."""
 
     def __init__(self, hidden: int, n_heads: int, n_kv: int, head_dim: int, full: bool, eps: float):
         super().__init__()
@@ -142,17 +261,35 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps)
         self.eps = eps
 
+    def merge_names(self) -> tuple[str, ...]:
+        return ("q_proj", "k_proj") if self.v_proj is None else ("q_proj", "k_proj", "v_proj")
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B,S,H] -> q [B,nh,S,D], k [B,kv,S,D], v [B,kv,S,D] (post-norm, post-RoPE)."""
         B, S, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, S, self.n_heads, self.head_dim)).transpose(1, 2)  # [B, heads, S, D]
-        return (apply_rope(q, cos, sin), *self.project_kv(x, cos, sin))
+        q, k, v = self._projections(x, queries=True)
+        q = self.q_norm(q.view(B, S, self.n_heads, self.head_dim)).transpose(1, 2)  # [B, heads, S, D]
+        return (apply_rope(q, cos, sin), *self._kv(k, v, cos, sin))
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B,S,H] -> k, v [B,kv,S,D] (post-norm, post-RoPE): what the KV cache keeps of a layer."""
-        B, S, _ = x.shape
-        k_raw = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
-        v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
+        _, k, v = self._projections(x, queries=False)
+        return self._kv(k, v, cos, sin)
+
+    def _projections(self, x: torch.Tensor, queries: bool):
+        """q (None without queries), k, v [B,S,out] of x; v is k in a full layer. Merged: one GEMM (without queries,
+        over the merged weight's k and v rows only: no q computed), else one per projection."""
+        m = self.live_merge()
+        if m is not None:
+            q, k, *v = m(x) if queries else (None, *m(x, first=1))
+        else:
+            q, k = self.q_proj(x) if queries else None, self.k_proj(x)
+            v = [] if self.v_proj is None else [self.v_proj(x)]
+        return q, k, v[0] if v else k
+
+    def _kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        B, S, _ = k.shape
+        k_raw, v_raw = k.view(B, S, self.n_kv, self.head_dim), v.view(B, S, self.n_kv, self.head_dim)
         k = self.k_norm(k_raw).transpose(1, 2)
         v = rms_norm(v_raw, None, self.eps).transpose(1, 2)
         return apply_rope(k, cos, sin), v
@@ -204,8 +341,10 @@ def softmax_rows(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.view(z.shape)
 
 
-class MLP(nn.Module):
-    """Gated GELU(tanh) MLP: down(gelu(gate(x)) * up(x))."""
+class MLP(Projections):
+    """Gated GELU(tanh) MLP: down(gelu(gate(x)) * up(x)). Merged (inference): gate and up in one GEMM."""
+
+    MERGED = ("gate_proj", "up_proj")
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
@@ -214,7 +353,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+        m = self.live_merge()
+        gate, up = m(x) if m is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(gelu_tanh(gate) * up)
 
 
 def embed_scale(hidden: int, dtype: torch.dtype) -> torch.Tensor:

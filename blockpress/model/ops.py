@@ -8,6 +8,9 @@ model's `Options`) gives the model another `Ops` with the fast paths. The model 
 - soft_embedding(sc_logits [B,C,V], E [V,H]) -> softmax(sc_logits) @ E [B,C,H] in E's dtype; None: the exact one
 - block(layer, x, attend, scalar) -> a decoder block's output; None: the block's own forward (torch.compile gives
   a compiled one)
+- fixed_attention(q [B,nh,S+C,D], keys, values [B,kv,R,D] a layer's cache buffers, valid [B,P], start, S, window,
+  ring) -> [B,nh,S+C,D]: a fixed-shape pass's attention read from the cache in place, visibility by the rules of
+  model/keys.py (kernels/attention_fixed.py); None: masks over the cache and `attention` (model/keys.py `Fixed`)
 The experts' kernel is each `Experts` module's own (`Experts.kernel`; quantised experts choose theirs), and the
 routing's each `Router`'s (`Router.kernel`).
 """
@@ -26,3 +29,4 @@ class Ops:
     softcap: Callable = softcap_logits
     soft_embedding: Callable | None = None
     block: Callable | None = None
+    fixed_attention: Callable | None = None

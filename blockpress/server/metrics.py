@@ -121,7 +121,10 @@ class Metrics:
         self.cancelled = Counter(p + "requests_cancelled_total",
                                  "Generations abandoned because the client went away.")
         self.generated_tokens = Counter(p + "generated_tokens_total", "Completion tokens returned to clients.")
-        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens encoded.")
+        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens received.")
+        self.prefix_hits = Counter(p + "prefix_cache_hits_total", "Prompts that reused a kept prefix's K/V.")
+        self.prefix_tokens = Counter(p + "prefix_cache_tokens_total", "Prompt tokens whose K/V came from the prefix "
+                                     "cache instead of the encoder.")
         self.forward_passes = Counter(p + "forward_passes_total",
                                       "Decoder passes spent on finished requests (per request row).")
         self.tokens_per_forward = Histogram(p + "tokens_per_forward", "Completion tokens per decoder pass, "

@@ -28,6 +28,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..engine.events import Admitted, Committed, Stepped
+from ..engine import prefix
 from ..engine.loop import Engine
 from ..engine.rows import Job, Row, canvases_for
 from ..engine.runner import Runner
@@ -134,7 +135,9 @@ class Worker:
     compact_rows; every request has its own random stream, so row compaction is on unless turned off)."""
 
     def __init__(self, lm, max_batch: int = 8, queue_size: int = 64, max_padding: int | None = None,
-                 metrics=None, **overrides):
+                 metrics=None, prefix_cache: int = prefix.BUDGET, **overrides):
+        """prefix_cache: bytes of prompt K/V kept for later prompts that start the same way (engine/prefix.py;
+        0: none)."""
         unknown = sorted(set(overrides) - {"sampler", "fuse_commit", "compact_rows"})
         if unknown:
             raise InputError(f"a worker's own options are sampler, fuse_commit and compact_rows; {unknown[0]} is "
@@ -146,7 +149,9 @@ class Worker:
         self.max_batch, self.queue_size = max_batch, queue_size
         self.scheduler = Scheduler(self.C, module.text.max_position_embeddings, max_batch, queue_size, max_padding)
         compact = self.options.compact_rows is not False
-        self.runner = Runner(module, lm.passes, slots=True, compact=compact, max_rows=max_batch)
+        prefixes = prefix.PrefixCache(prefix_cache) if prefix_cache > 0 else None
+        self.runner = Runner(module, lm.passes, slots=True, compact=compact, max_rows=max_batch, prefixes=prefixes)
+        self._reused = (0, 0)  # the prefix cache's (hits, tokens reused) the metrics have counted
         self.engine = Engine(self.runner, self.scheduler, self.options.sampler, self.options.fused(lm.device))
         self._cond = threading.Condition()
         self._stop = False
@@ -284,6 +289,7 @@ class Worker:
                     row.started = now
                     if self.metrics is not None:
                         self.metrics.queue_seconds.observe(now - row.sink.submitted)
+                self._count_reuse()
             elif isinstance(ev, Stepped):
                 self._drafts(ev)
                 if self.metrics is not None:
@@ -296,6 +302,14 @@ class Worker:
             self.metrics.cancelled.inc(self.scheduler.dropped)
         self.scheduler.dropped = 0
         self._gauge()
+
+    def _count_reuse(self) -> None:
+        """The prefix cache's hits and reused tokens into the metrics (at admission: before any reply goes out)."""
+        pc = self.runner.prefixes
+        if self.metrics is not None and pc is not None and (pc.hits, pc.tokens_reused) != self._reused:
+            self.metrics.prefix_hits.inc(pc.hits - self._reused[0])
+            self.metrics.prefix_tokens.inc(pc.tokens_reused - self._reused[1])
+            self._reused = (pc.hits, pc.tokens_reused)
 
     def _drafts(self, ev: Stepped) -> None:
         """Every streaming row's draft, read from the device at once."""

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError, InputError
+from ..model.layers import merge_projections_
 
 DEC = "base_model.model.model.decoder."
 ENC = "base_model.model.model.encoder.language_model."
@@ -92,6 +93,7 @@ def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True, seed: 
     one: the same adapters in every process of a run (FSDP2 shards each process's copy and broadcasts nothing) and
     in a run started again, whatever drew random numbers before."""
     g = torch.Generator().manual_seed(seed)
+    merge_projections_(module, False)  # an adapter's hook adds to its own projection's output: one GEMM each
     if freeze_base:
         for p in module.parameters():
             p.requires_grad_(False)
@@ -278,6 +280,8 @@ def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
         if not merge and hasattr(lin, "lora_A"):
             raise ValueError(f"{name} already has a LoRA adapter attached")
         checked.append((name, lin, A, B))
+    if not merge:  # an adapter's hook adds to its own projection's output: one GEMM each (merging folds in place)
+        merge_projections_(module, False)
     for name, lin, A, B in checked:
         if merge:
             with torch.no_grad():

@@ -4,11 +4,14 @@
 
 Writes, under --out:
   train.jsonl      --n generated conversations (`blockpress train` chat rows: messages, tools,
-                   enable_thinking; the final assistant turn is supervised), none using a held-out question
+                   enable_thinking; the final assistant turn is supervised), none using a held-out question:
+                   the normal stream with --drill of them arithmetic / conversion drills
+                   (`assistant.drilled_dialogs(--n, --mix-seed, --drill)`)
   heldout.jsonl    the eval set (`blockpress.tasks.assistant.heldout`, --heldout per table row), each row
                    with its `expect` (what a right reply does); the trainer reads it for the eval loss
   tokenizer/       tokenizer.json (byte-level BPE, --vocab ids, every Gemma 4 special token, digits one per
-                   token; learned on train.jsonl only), tokenizer_config.json, chat_template.jinja (the
+                   token; learned on --tokenizer-rows of the normal stream,
+                   `assistant.train_dialogs(--tokenizer-rows, --seed)`), tokenizer_config.json, chat_template.jinja (the
                    repository's Gemma 4 template)
 
 Then train: scripts/train_chat.py (the recipe of the shipped model).
@@ -26,10 +29,13 @@ from pathlib import Path
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/chat")
-    ap.add_argument("--n", type=int, default=120_000, help="training conversations")
+    ap.add_argument("--n", type=int, default=160_000, help="training conversations")
+    ap.add_argument("--drill", type=float, default=0.45, help="share of arithmetic / conversion drills")
+    ap.add_argument("--mix-seed", type=int, default=4, help="seed of the training conversations")
+    ap.add_argument("--tokenizer-rows", type=int, default=120_000, help="conversations the BPE is learned on")
     ap.add_argument("--heldout", type=int, default=40, help="held-out conversations per table row")
     ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the conversations the BPE is learned on")
     args = ap.parse_args(argv)
 
     from blockpress.chat import DEFAULT_GEMMA4_TEMPLATE, render_chat_template
@@ -42,10 +48,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     held = assistant.heldout(args.heldout)
-    rows = [d.row() for d in assistant.train_dialogs(args.n, args.seed)]
     with open(out / "train.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        for d in assistant.drilled_dialogs(args.n, args.mix_seed, args.drill):
+            f.write(json.dumps(d.row(), ensure_ascii=False) + "\n")
+    rows = [d.row() for d in assistant.train_dialogs(args.tokenizer_rows, args.seed)]
     with open(out / "heldout.jsonl", "w") as f:
         for d in held:
             f.write(json.dumps({**d.row(), "expect": d.expect}, ensure_ascii=False) + "\n")
@@ -61,7 +67,7 @@ def main(argv=None) -> int:
     lens = [(len(p), len(r)) for p, r in (chat_example(tok, r) for r in rows[:2000])]
     prompt, resp = sorted(p for p, _ in lens), sorted(r for _, r in lens)
     pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
-    print(f"{len(rows)} training conversations + {len(held)} held out; vocab {tok.vocab_size}; "
+    print(f"{args.n} training conversations + {len(held)} held out; vocab {tok.vocab_size}; "
           f"prompt tokens median {pct(prompt, .5)} / p99 {pct(prompt, .99)} / max {prompt[-1]}, "
           f"response tokens median {pct(resp, .5)} / p99 {pct(resp, .99)} / max {resp[-1]} (first 2000); "
           f"written to {out} in {time.time() - t0:.0f} s")

@@ -20,8 +20,8 @@ from blockpress.cli import main
 
 RECIPE = ["train", "runs/chat/train.jsonl", "--tokenizer", "runs/chat/tokenizer", "--size", "micro",
           "--canvas-length", "32", "--context", "384", "--batch-size", "32", "--lr", "2e-3", "--warmup", "100",
-          "--ar-weight", "0", "--steps", "8000", "--threads", "1", "--eval-data", "runs/chat/heldout.jsonl",
-          "--eval-every", "250", "--save-every", "250", "--log-every", "20", "--keep-last", "0", "--no-progress"]
+          "--ar-weight", "0", "--steps", "7000", "--threads", "1", "--eval-data", "runs/chat/heldout.jsonl",
+          "--eval-every", "500", "--save-every", "500", "--log-every", "50", "--keep-last", "0", "--no-progress"]
 
 if __name__ == "__main__":
     sys.exit(main(RECIPE + sys.argv[1:]))

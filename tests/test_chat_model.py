@@ -167,16 +167,48 @@ def test_tool_call_comes_back_parsed(lm):
     assert p.finish_reason == "tool_calls"
 
 
-def test_openai_client_against_blockpress_serve_without_a_model(tmp_path):
-    """`blockpress serve` with no model serves the chat model: chat, streaming (= non-streaming), thinking into
-    reasoning_content, a tool call (tool_choice auto and named) and the answer from the tool's response."""
+def readme_example(start: str) -> str:
+    """The README's python block that starts with `start`, as a user would paste it."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    found = [b for b in blocks if b.startswith(start)]
+    assert len(found) == 1, f"README.md should hold one python block starting {start!r}"
+    return found[0]
+
+
+def test_readme_python_example_runs_as_written(tmp_path, monkeypatch):
+    """README's Python API example, as written: the shipped chat model answers (thinking off and on), generates
+    and streams at token level, the shipped text model infills, and the saved checkpoint loads again."""
+    import contextlib
+    import io
+
+    monkeypatch.chdir(tmp_path)
+    code = readme_example("import blockpress, torch\n")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    lines = out.getvalue().splitlines()
+    assert lines[0].strip() and "<" not in lines[0], lines[:2]  # an answer, no special-token text
+    assert len(lines) > 3  # the drafts of the stream
+    saved = blockpress.load(tmp_path / "my-checkpoint", progress=False)
+    assert saved.tokenizer.is_chat
+
+
+def test_readme_server_example_runs_against_blockpress_serve_without_a_model(tmp_path):
+    """README's server example, run as written (only the port differs) against `blockpress serve` with no model:
+    the shipped chat model answers, streams the same text, thinks into reasoning_content, calls the tool it is
+    told to with valid arguments and answers from the tool's response."""
+    import contextlib
+    import io
     import os
     import subprocess
     import sys
     import time
 
     httpx = pytest.importorskip("httpx")
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
     from test_server import free_port
 
     port = free_port()
@@ -193,30 +225,19 @@ def test_openai_client_against_blockpress_serve_without_a_model(tmp_path):
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-        assert [m.id for m in client.models.list().data] == ["assistant"]
-        ask = [{"role": "user", "content": "What is 23 + 45?"}]
-        r = client.chat.completions.create(model="assistant", messages=ask, seed=0)
-        assert r.choices[0].message.content == "23 + 45 = 68."
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="assistant", messages=ask, seed=0, stream=True) if c.choices)
-        assert streamed == r.choices[0].message.content
-        t = client.chat.completions.create(model="assistant", messages=ask, seed=0,
-                                           extra_body={"chat_template_kwargs": {"enable_thinking": True}})
-        assert "68" in (t.choices[0].message.reasoning_content or "") and t.choices[0].message.content == "23 + 45 = 68."
-        tools = [dialogs.TOOLS["get_weather"], dialogs.TOOLS["get_time"]]
-        ask = [{"role": "user", "content": "What's the weather in Paris?"}]
-        for choice in ("auto", {"type": "function", "function": {"name": "get_weather"}}):
-            c = client.chat.completions.create(model="assistant", messages=ask, tools=tools, tool_choice=choice,
-                                               seed=0)
-            call = c.choices[0].message.tool_calls[0]
-            assert c.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
-            assert json.loads(call.function.arguments) == {"city": "Paris"}
-        follow = ask + [c.choices[0].message.model_dump(exclude_none=True),
-                        {"role": "tool", "tool_call_id": call.id,
-                         "content": '{"temperature_c": 21, "condition": "sunny"}'}]
-        a = client.chat.completions.create(model="assistant", messages=follow, tools=tools, seed=0)
-        assert a.choices[0].message.content == "It is 21°C and sunny in Paris."
+        code = readme_example("# blockpress serve ")
+        assert "127.0.0.1:8000" in code
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code.replace("127.0.0.1:8000", f"127.0.0.1:{port}"), "README.md", "exec"), {})
+        lines = out.getvalue().splitlines()
+        assert len(lines) == 5, lines
+        answer, streamed, thought, call, final = lines
+        assert answer.startswith(streamed + " CompletionUsage(") and streamed, (answer, streamed)
+        assert thought.strip() and thought != "None"
+        name, args = call.split(" ", 1)
+        assert name == "get_weather" and json.loads(args) == {"city": "Paris"}
+        assert "21" in final, final
     finally:
         proc.terminate()
         proc.wait(timeout=30)

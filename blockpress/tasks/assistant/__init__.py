@@ -73,3 +73,31 @@ def train_dialogs(count: int, seed: int = 0, exclude: frozenset | None = None):
             if not any(k in exclude for k in d.keys):
                 yield d
                 break
+
+
+DRILL_DIGITS = {"add": [(1, 1), (2, 1), (2, 2), (3, 3)], "sub": [(2, 1), (2, 2), (3, 3)], "mul": [(1, 1), (2, 1), (2, 2)]}
+
+
+def drilled_dialogs(count: int, seed: int, share: float, exclude: frozenset | None = None):
+    """`count` training conversations of which about `share` are drills: a skill conversation (the full chat
+    format: system turns, thinking on or off, earlier exchanges, tools that do not fit) whose question is
+    arithmetic (3 in 4; short operands weighted up) or a unit conversion, the skills a tiny model learns last;
+    the rest is the normal stream (`train_dialogs(count, seed)`, in order). Conversation i draws from its own
+    seeded RNG; one that uses a held-out question is redrawn."""
+    exclude = heldout_keys() if exclude is None else exclude
+    rest = train_dialogs(count, seed=seed, exclude=exclude)
+    for i in range(count):
+        rng = random.Random(f"assistant/mix/{seed}/{i}")
+        if rng.random() >= share:
+            yield next(rest)
+            continue
+        while True:
+            if rng.random() < 0.75:
+                op = rng.choice(list(DRILL_DIGITS))
+                item = skills.arithmetic(rng, op, rng.choice(DRILL_DIGITS[op]))
+            else:
+                item = skills.conversion(rng)
+            d = dialogs.conversation(rng, "skill", item)
+            if not any(k in exclude for k in d.keys):
+                yield d
+                break

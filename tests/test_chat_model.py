@@ -266,3 +266,26 @@ def test_eval_scores_the_supervised_turns_full_marks():
             assert sorted([len(str(a)), len(str(b))], reverse=True) == sizes[size], d.messages[-2]
             c = {"add": a + b, "sub": a - b, "mul": a * b}[op]
             assert d.expect["answer"] == f"{a} {skills.SYMBOL[op]} {b} = {c}."
+
+
+def test_eval_chat_command_prints_one_table_for_every_column(tmp_path, capsys):
+    """`blockpress eval chat`: the shipped model by default, a column for its own sampler and one per --steps,
+    every stratum a row, the same percentages in the table, the final JSON line and the --json file."""
+    from blockpress.cli import main as cli_main
+
+    out = tmp_path / "chat.json"
+    assert cli_main(["eval", "chat", "--n", "1", "--steps", "4", "--threads", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert table[0] == "| | n | diffusion, default sampler | diffusion, 4 steps |"
+    summary = json.loads(text.strip().splitlines()[-1])
+    saved = json.loads(out.read_text())["results"]
+    assert list(summary) == list(saved) == ["diffusion, default sampler", "diffusion, 4 steps"]
+    rows = {}
+    for line in table[1:-1]:  # header ... seconds (the separator starts "|-")
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[2:]
+    strata = {d.expect["row"] for d in assistant.heldout(1)} - {"tool call"}  # (its metrics are rows of their own)
+    assert strata <= set(rows) and "tool call, valid args" in rows
+    for row, cells in rows.items():
+        assert cells == [f"{summary[c][row]:.1f} %" if row in summary[c] else "-" for c in summary], (row, cells)

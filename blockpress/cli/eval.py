@@ -1,4 +1,13 @@
-"""`blockpress eval sudoku|infill`: task evals of a model.
+"""`blockpress eval sudoku|infill|chat`: task evals of a model.
+
+`chat`: the chat model (default: the shipped `assistant`) on held-out generated conversations
+(`blockpress.tasks.assistant.heldout(--n)`: --n per stratum: each arithmetic bucket, conversions, dates,
+letters, rewrites, JSON, tool calls, answers from tool responses, no fitting tool, follow-ups; thinking on
+for every other one; their questions never occur in the training data). One table: exact answers per
+skill, tool calls with schema-valid arguments, no call when no tool fits, answers that use the tool's
+response, thinking on/off well-formed; a column for the model's own sampler and one per `--steps N`
+(exactly N denoising steps per canvas), and `--compare-ar DIR` adds the same-size autoregressive model
+trained on the same data (greedy). Ends with one JSON line.
 
 `infill`: hide one word of each held-out passage (--data, default the shipped text model's
 eval/heldout.txt) and fill it with and without the text after it (blockpress/tasks/text_infill.py).
@@ -26,18 +35,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ..options import LINEAR_FORMATS
 from .run import _int_in, _nonneg_int, _positive_int
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("task", choices=["sudoku", "infill"], help="task to evaluate")
+    p.add_argument("task", choices=["sudoku", "infill", "chat"], help="task to evaluate")
     p.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model for the task)")
     p.add_argument("--data", default=None, help="infill: passages separated by blank lines")
     p.add_argument("--adapter", default=None, help="LoRA adapter folder to apply")
     p.add_argument("--n", type=_positive_int, default=None,
-                   help="sudoku: puzzles per blanks level (default 50); infill: passages (default 200)")
+                   help="sudoku: puzzles per blanks level (default 50); infill: passages (default 200); chat: "
+                        "conversations per stratum (default 40)")
     p.add_argument("--blanks", type=_int_in(0, 64), nargs="+", default=None,
                    help="blanks levels, 0..64 (a unique puzzle keeps >= 17 clues; default 35 40 45 50 55)")
     p.add_argument("--steps", type=_positive_int, nargs="+", default=None,
@@ -51,6 +62,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="sudoku: candidates per puzzle denoised side by side, the one that breaks no rule kept "
                         "(uses the rules, never the solution). Default: the model's own (blockpress_task.json)")
     p.add_argument("--ar", action="store_true", help="greedy autoregressive decoding (AR baseline model)")
+    p.add_argument("--compare-ar", default=None, metavar="DIR",
+                   help="chat: add this AR baseline (trained with --ar-only on the same data) as a column")
     p.add_argument("--no-compact-rows", action="store_true",
                    help="keep puzzles that stopped denoising in every decoder pass of their batch (the reference "
                         "loop; same answers, slower: for timing compaction)")
@@ -131,6 +144,8 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     if args.task == "infill":
         return _infill(args)
+    if args.task == "chat":
+        return _chat(args)
     path = args.model or sd.DEFAULT_MODEL_PATH
     if args.model is None and not (sd.DEFAULT_MODEL_PATH / "config.json").is_file():
         raise sd.SudokuModelMissing(f"no sudoku model at {path}; pass --model DIR")
@@ -191,4 +206,46 @@ def _infill(args) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     print(json.dumps({name: r["summary"] for name, r in results.items()}))
+    return 0
+
+
+def _chat(args) -> int:
+    import platform
+
+    import torch
+
+    import blockpress
+    from blockpress.loading import DEFAULT_CHAT_MODEL
+    from blockpress.tasks import assistant
+    from blockpress.tasks.assistant import evaluate as ev
+
+    from .run import refuse_task_model
+
+    def load(path):
+        lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision,
+                             linears=args.linears, progress=False)
+        refuse_task_model(lm, "eval chat")
+        return lm
+
+    lm = load(args.model or DEFAULT_CHAT_MODEL)
+    dialogs = assistant.heldout(args.n or 40, assistant.HELDOUT_SEED if args.split == "test" else assistant.VAL_SEED)
+    results = {}
+    if args.ar:
+        results["autoregressive (greedy)"] = ev.evaluate(lm, dialogs, ar=True)
+    else:
+        for s in [None] + list(args.steps or []):
+            name = "diffusion, default sampler" if s is None else f"diffusion, {s} steps"
+            results[name] = ev.evaluate(lm, dialogs, s, args.seed, args.batch_size)
+            print(f"{name}: {results[name]['seconds']:.0f} s", file=sys.stderr, flush=True)
+    if args.compare_ar:
+        results["autoregressive (greedy)"] = ev.evaluate(load(args.compare_ar), dialogs, ar=True)
+    print(f"\n{len(dialogs)} {args.split} conversations ({args.n or 40} per stratum) of {lm.path}, "
+          f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)\n")
+    print(ev.format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": str(lm.path), "ar": args.compare_ar, "n": args.n or 40, "split": args.split,
+                       "seed": args.seed, "results": results}, f, indent=1)
+    summary = {name: {row: round(100 * h[0] / h[1], 1) for row, h in r["rows"].items()} for name, r in results.items()}
+    print(json.dumps(summary))
     return 0

@@ -178,7 +178,8 @@ def test_chat_jsonl_supervises_only_the_final_assistant_turn(tmp_path):
                      "--no-progress", "--threads", "1"]) == 0
     lm = blockpress.load(tmp_path / "run" / "checkpoint-0000002", progress=False)
     assert lm.tokenizer is not None and (tmp_path / "run" / "checkpoint-0000002" / "chat_template.jinja").is_file()
-    assert lm.generation_config().eos_token_id == [tok.eos_token_id, tok.token_to_id("<turn|>")]  # a turn ends
+    assert lm.generation_config().eos_token_id == [tok.eos_token_id, tok.token_to_id("<turn|>"),
+                                                   tok.token_to_id("<|tool_response>")]  # a turn ends
 
 
 def test_plain_text_training_splits_documents_and_runs_from_the_cli(tmp_path):

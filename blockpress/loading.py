@@ -268,9 +268,10 @@ def _refuse_adapter_folder(folder: Path, model) -> None:
 
 
 def from_config(config: ModelConfig | dict, device="cpu", dtype=torch.float32, seed: int | None = None,
-                init_std: float | None = None, **options) -> BlockDiffusionLM:
+                init_std: float | None = None, scaled_qk: bool = False, **options) -> BlockDiffusionLM:
     """A randomly initialised model of a given architecture (training from scratch, benchmarks). It runs the
-    reference kernels (experts "loop", attention "sdpa": autograd goes through them) unless options say otherwise."""
+    reference kernels (experts "loop", attention "sdpa": autograd goes through them) unless options say otherwise.
+    scaled_qk: start the query/key norm scales at D^-1/4 (`reset_parameters`; `blockpress train` does)."""
     if isinstance(config, dict):
         config = ModelConfig.from_dict(config)
     if seed is not None:
@@ -278,7 +279,7 @@ def from_config(config: ModelConfig | dict, device="cpu", dtype=torch.float32, s
     device = parse_device(device)
     with torch.device(device):
         module = DiffusionGemmaModel(config).to(dtype)
-    module.reset_parameters(init_std if init_std is not None else config.text.initializer_range)
+    module.reset_parameters(init_std if init_std is not None else config.text.initializer_range, scaled_qk)
     module.eval()
     return BlockDiffusionLM(module, config, {}, options=Options(experts="loop", attention="sdpa").replace(**options))
 

@@ -200,7 +200,7 @@ def build(args, world: int = 1):
             cfg = _read_json(Path(args.config), "--config") if args.config else \
                 sizes.model_config(args.size, vocab_size=tok.vocab_size, canvas_length=args.canvas_length,
                                    context=args.context)
-        lm = blockpress.from_config(cfg, device=device, seed=args.seed)
+        lm = blockpress.from_config(cfg, device=device, seed=args.seed, scaled_qk=True)  # training from scratch
         if not task and args.tokenizer:
             lm.path = Path(args.tokenizer)
             from blockpress.tokenizer import Tokenizer

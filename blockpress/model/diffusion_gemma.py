@@ -128,16 +128,17 @@ class DiffusionGemmaModel(nn.Module):
             setattr(self, f"inv_freq_{t}", inv)
 
     @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
+    def reset_parameters(self, std: float = 0.02, scaled_qk: bool = False) -> None:
         """Random init for training from scratch: normal(0, std) matrices, unit norms and scales, except the
         query and key norms' scales: D^-1/4 each. Attention here is unscaled (q.k, not q.k/sqrt(D)), and with
         unit scales the RMS-normalised q and k give scores of spread ~sqrt(D) at the start, a near one-hot
         attention to random keys that learns slowly; D^-1/4 on both gives the usual q.k/sqrt(D) at the start and
-        leaves the scales free to grow (the micro chat model: 2.4x the held-out sums right after 1,000 steps)."""
+        leaves the scales free to grow (the micro chat model: 2.4x the held-out sums right after 1,000 steps).
+        scaled_qk False keeps unit scales there too (the random-weight models of tests and benchmarks)."""
         for name, p in self.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, std)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif scaled_qk and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.fill_(p.numel() ** -0.25)
             else:
                 p.fill_(1.0)

@@ -108,3 +108,41 @@ def test_errors_name_the_problem(lm):
     with pytest.raises(InputError, match="fixed_tokens"):
         ids = lm.encode_chat("Hello", chat=False)
         lm.generate([ids], regex="[a-z]+", fixed_tokens=[[-1, -1]], max_new_tokens=16)
+
+
+def test_forced_call_grammar_writes_the_arguments_as_the_chat_template_renders_them(lm):
+    """The grammar of a forced tool call (tool_choice) takes the arguments in Gemma's notation, exactly as the chat
+    template renders a call (keys sorted and bare, strings between <|"|> tokens), and nothing that breaks the
+    schema; a schema the notation's translation does not cover (anyOf) falls back to JSON arguments."""
+    import llguidance
+
+    from blockpress.engine.constraint import Constraint, call_grammar
+
+    tok = lm.tokenizer
+    schema = {"type": "object", "additionalProperties": False, "required": ["city"], "properties": {
+        "city": {"type": "string", "minLength": 2, "maxLength": 12}, "days": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 7},
+        "units": {"type": "string", "enum": ["c", "f"]}, "hours": {"type": "array", "items": {"type": "integer"}},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}, "ok": {"type": "boolean"}}}}}
+    loose = {"type": "object", "properties": {"x": {"anyOf": [{"type": "integer"}, {"type": "string"}]}}}
+    grammar = call_grammar(tok.token_to_id("<|tool_call>"), tok.token_to_id("<tool_call|>"),
+                           {"get_weather": schema, "f": loose}, tok.token_to_id('<|"|>'))
+
+    def accepted(text: str) -> bool:
+        m = llguidance.LLMatcher(Constraint(grammar, tok, [1], lm.config.text.vocab_size, 64).vocab.llg, grammar)
+        return all(m.consume_token(t) for t in tok.encode(text)) and m.is_accepting()
+
+    def rendered(name: str, args: dict) -> str:
+        text = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": args}}]}], tokenize=False)
+        return text[text.index("<|tool_call>"):text.index("<tool_call|>") + len("<tool_call|>")]
+
+    for args in [{"city": "Paris"}, {"city": "Oslo", "days": 3, "units": "f"}, {"hours": [1, 20], "city": "Rome"},
+                 {"city": "Lima", "where": {"ok": True, "lat": -12.5}}, {"city": "Lima", "where": {}}]:
+        assert accepted(rendered("get_weather", args)), rendered("get_weather", args)
+    for args in [{"city": "P"}, {"days": 3}, {"city": "Paris", "days": 9}, {"city": "Paris", "units": "k"},
+                 {"city": "Paris", "hours": ["x"]}]:
+        assert not accepted(rendered("get_weather", args)), args
+    assert not accepted('<|tool_call>call:get_weather{"city": "Paris"}<tool_call|>')  # JSON: not the notation
+    assert not accepted('<|tool_call>call:get_weather{days:3,city:<|"|>Paris<|"|>}<tool_call|>')  # keys unsorted
+    assert accepted('<|tool_call>call:f{"x": 2}<tool_call|>')  # anyOf: JSON arguments

@@ -74,16 +74,90 @@ def grammar_for(json_schema=None, json_object: bool = False, regex: str | None =
     return llg.LLMatcher.grammar_from_lark(grammar)
 
 
-def call_grammar(open_id: int, close_id: int, tools: dict[str, dict]) -> str:
+def call_grammar(open_id: int, close_id: int, tools: dict[str, dict], quote_id: int | None = None) -> str:
     """The grammar of exactly one tool call in Gemma's format, `<|tool_call>call:NAME{...}<tool_call|>` (the
-    markers are token ids), NAME one of `tools` and its arguments JSON valid against that tool's parameters
-    schema (an object)."""
+    markers are token ids), NAME one of `tools` and its arguments valid against that tool's parameters schema (an
+    object). The arguments are written in Gemma's own notation, as the chat template renders a call and the model
+    learned it: keys bare and in sorted order, strings between `<|"|>` tokens (`quote_id`), numbers, booleans,
+    null, lists and objects as in JSON, no spaces (`{city:<|"|>Paris<|"|>,days:3}`). A schema that notation's
+    translation does not cover (see `_gemma_value`), or no `quote_id`, gets JSON arguments instead, which the
+    parser reads too."""
     llg = _llguidance()
-    alts = []
+    alts, rules = [], []
     for name, params in tools.items():
-        schema = {**(params or {"type": "object"}), "x-guidance": JSON_LAYOUT}
-        alts.append(f"{json.dumps(name)} %json {json.dumps(schema)}")
-    return llg.LLMatcher.grammar_from_lark(f'start: <[{open_id}]> "call:" ({" | ".join(alts)}) <[{close_id}]>\n')
+        schema = params or {"type": "object"}
+        value = _gemma_value(schema, quote_id, rules) if quote_id is not None else None
+        alts.append(f"{json.dumps(name)} " + (value or f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"))
+    start = f'start: <[{open_id}]> "call:" ({" | ".join(alts)}) <[{close_id}]>'
+    return llg.LLMatcher.grammar_from_lark("\n".join([start] + rules) + "\n")
+
+
+_NOTATION_KEYS = {"type", "properties", "required", "additionalProperties", "items", "enum", "minLength", "maxLength",
+                  "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "description", "title", "default"}
+
+
+def _gemma_value(schema, quote: int, rules: list[str]) -> str | None:
+    """A Lark expression for one value of `schema` in Gemma's argument notation, new rules appended to `rules`;
+    None where the schema uses what the translation does not cover (anyOf, $ref, pattern, format, a list of
+    types, array bounds...), so the caller falls back to JSON. Numbers, booleans and null read the same in both
+    notations, so their schemas (ranges included) go to llguidance's JSON Schema support as they are."""
+    if not isinstance(schema, dict) or set(schema) - _NOTATION_KEYS:
+        return None
+    q = f"<[{quote}]>"
+    if "enum" in schema:
+        alts = []
+        for v in schema["enum"]:
+            if isinstance(v, str):
+                alts.append(f"{q} {json.dumps(v)} {q}" if v else f"{q} {q}")
+            elif v is None or isinstance(v, (bool, int, float)):
+                alts.append(json.dumps(json.dumps(v)))
+            else:
+                return None
+        return "(" + " | ".join(alts) + ")" if alts else None
+    kind = schema.get("type")
+    if kind == "string":
+        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+        if hi == 0:
+            return f"{q} {q}"
+        name = f"STR{len(rules)}"
+        rules.append(f"{name}: /(?s:.{{{max(lo, 1)},{'' if hi is None else hi}}})/")
+        return f"{q} {name} {q}" if lo > 0 else f"{q} {name}? {q}"
+    if kind in ("integer", "number", "boolean", "null"):
+        return f"%json {json.dumps({k: v for k, v in schema.items() if k not in ('description', 'title', 'default')})}"
+    if kind == "array":
+        item = _gemma_value(schema.get("items", {"type": "string"}), quote, rules)
+        return None if item is None else f'"[" ({item} ("," {item})*)? "]"'
+    if kind == "object":
+        props = schema.get("properties") or {}
+        required = set(schema.get("required") or [])
+        if required - set(props):
+            return None
+        keys = sorted(props)
+        values = [_gemma_value(props[k], quote, rules) for k in keys]
+        if any(v is None for v in values):
+            return None
+        if not keys:
+            return '"{}"'
+        obj = len(rules)
+        rules.append("")  # a placeholder keeps this object's rule names unique while its members add theirs
+
+        def rule(i: int, started: bool) -> str:  # the members from keys[i] on, with or without one written before
+            return f"obj{obj}_{i}_{int(started)}"
+
+        body = []
+        for i, (k, v) in enumerate(zip(keys, values)):
+            for started in (False, True):
+                this = ('"," ' if started else "") + f"{json.dumps(k + ':')} {v}"
+                this += f" {rule(i + 1, True)}" if i + 1 < len(keys) else ""
+                if k in required:
+                    body.append(f"{rule(i, started)}: {this}")
+                elif i + 1 < len(keys):
+                    body.append(f"{rule(i, started)}: {this} | {rule(i + 1, started)}")
+                else:
+                    body.append(f"{rule(i, started)}: ({this})?")
+        rules[obj] = "\n".join(body)
+        return f'"{{" {rule(0, False)} "}}"'
+    return None
 
 
 class Vocabulary:
@@ -120,7 +194,10 @@ class Vocabulary:
 
 
 def _rank(piece: str | None, text: str) -> int:
-    """Closing rank: lower closes sooner. By the first character of the token's text, then its length."""
+    """Closing rank: lower closes sooner. By the first character of the token's text, then its length; Gemma's
+    string quote `<|"|>` (tool-call arguments) closes like `"`."""
+    if piece == '<|"|>':
+        return 0  # before `"` (rank 1), which would only extend such a string
     if piece is None or not text or (piece.startswith("<") and piece.endswith(">") and len(piece) > 2):
         return 10**6  # special tokens and empty pieces never close anything
     c = text[0]

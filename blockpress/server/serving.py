@@ -578,7 +578,8 @@ class OpenAIServing:
 
         tools = {t.function.name: t.function.parameters for t in req.tools or [] if not tool or t.function.name == tool}
         try:
-            grammar = call_grammar(self.tok.token_to_id("<|tool_call>"), self.tok.token_to_id("<tool_call|>"), tools)
+            grammar = call_grammar(self.tok.token_to_id("<|tool_call>"), self.tok.token_to_id("<tool_call|>"), tools,
+                                   self.tok.token_to_id('<|"|>'))
             Constraint(grammar, self.tok, [self.tok.token_to_id("<turn|>")], self.lm.config.text.vocab_size, 10**6)
         except (ValueError, BlockpressError) as e:  # checked here, so the 400 names `tools`
             raise APIError(400, f"a tool's parameters schema cannot be used: {e}", param="tools") from None

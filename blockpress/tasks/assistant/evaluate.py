@@ -4,8 +4,9 @@
 model's chat template exactly as the server renders a request) and returns the raw text, special tokens
 kept, up to its stop token; `steps=None` uses the model's generation_config.json, `steps=N` exactly N
 denoising steps per canvas (early stopping off), `ar=True` greedy autoregressive decoding (the baseline,
-a model trained with `--ar-only`). Each conversation samples from its own generator seeded by (seed, index),
-so a result does not depend on the batch size.
+a model trained with `--ar-only`). Each conversation samples from its own generator seeded by the seed and
+its prompt, so a reply does not depend on the batch size or on which other conversations are evaluated (an
+eval of the first n conversations per stratum reproduces those of a larger one).
 
 `score(dialog, text)` parses the text as the server does (`parsing.parse_output`) and checks it against the
 conversation's `expect`; `summarize` aggregates the table rows; `format_table` prints them side by side.
@@ -41,8 +42,9 @@ def stop_ids(tok) -> list[int]:
     return [i for i in (tok.token_to_id(t) for t in STOP_TOKENS) if i is not None]
 
 
-def case_seed(seed: int, index: int) -> int:
-    return int.from_bytes(hashlib.blake2b(f"assistant/{seed}/{index}".encode(), digest_size=8).digest(), "little") >> 1
+def case_seed(seed: int, prompt: list[int]) -> int:
+    key = f"assistant/{seed}/{','.join(map(str, prompt))}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 def prompt_ids(tok, d) -> list[int]:
@@ -80,7 +82,7 @@ def replies(lm, dialogs, steps: int | None = None, seed: int = 0, batch_size: in
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
     for b in range(0, len(order), batch_size):
         rows = order[b:b + batch_size]
-        gens = [torch.Generator(device=lm.device).manual_seed(case_seed(seed, i)) for i in rows]
+        gens = [torch.Generator(device=lm.device).manual_seed(case_seed(seed, prompts[i])) for i in rows]
         res = lm.generate([prompts[i] for i in rows], generator=gens, **kw)
         for j, i in enumerate(rows):
             out[i] = _cut(tok, res.new_tokens[j].tolist(), stops, pad)

@@ -1,10 +1,12 @@
 """The shipped chat model (blockpress/assets/assistant) and its closed world: the generated conversations are
 exactly what the repository's Gemma 4 chat template renders, the tokenizer holds every Gemma 4 special token and
 round-trips, the eval scores replies as documented, the held-out questions never occur in training, and the
-shipped model loads by name, answers held-out arithmetic and comes back with a parsed tool call."""
+shipped model loads by name, reproduces its published eval and comes back with a parsed tool call, and README's
+Python and server examples run as written."""
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,16 +147,33 @@ def test_serve_and_chat_without_a_model_load_the_chat_model(command, monkeypatch
     assert seen == ["assistant"]
 
 
-HELD_ARITHMETIC = 6
+PUBLISHED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "assistant-eval.json"
 
 
-def test_answers_heldout_two_digit_arithmetic(lm):
-    """The first held-out 2-digit additions and subtractions, thinking off, through generate_text."""
-    cases = [d for d in assistant.heldout(HELD_ARITHMETIC)
-             if d.expect["row"] in ("add 2-digit", "sub 2-digit") and not d.thinking]
-    assert len(cases) == HELD_ARITHMETIC
-    got = [lm.generate_text(d.messages[:-1], tools=d.tools, seed=0) for d in cases]
-    assert got == [d.expect["answer"] for d in cases]
+@pytest.fixture(scope="module")
+def eval_n1(tmp_path_factory):
+    """`blockpress eval chat --n 1 --steps 4 --json F` (each stratum's first held-out conversation): (stdout, F)."""
+    import contextlib
+    import io
+
+    from blockpress.cli import main as cli_main
+
+    out, buf = tmp_path_factory.mktemp("eval") / "chat.json", io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli_main(["eval", "chat", "--n", "1", "--steps", "4", "--threads", "1", "--json", str(out)]) == 0
+    return buf.getvalue(), json.loads(out.read_text())
+
+
+def test_eval_cli_reproduces_the_published_replies(eval_n1):
+    """The eval of each stratum's first conversation writes exactly the replies of the published eval (40 per
+    stratum) and scores them the same: each conversation samples from a generator seeded by its prompt, so the
+    shipped model, the engine and the eval still give what the model card reports."""
+    mine = eval_n1[1]["diffusion, default sampler"]["cases"]
+    theirs = json.loads(PUBLISHED.read_text())["diffusion, default sampler"]["cases"]
+    theirs = theirs[::len(theirs) // len(assistant.strata())]  # each stratum's first (the strata in order)
+    assert len(mine) == len(theirs) == len(assistant.strata())
+    assert [c["text"] for c in mine] == [c["text"] for c in theirs]
+    assert mine == theirs
 
 
 def test_tool_call_comes_back_parsed(lm):
@@ -169,8 +188,6 @@ def test_tool_call_comes_back_parsed(lm):
 
 def readme_example(start: str) -> str:
     """The README's python block that starts with `start`, as a user would paste it."""
-    from pathlib import Path
-
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
     found = [b for b in blocks if b.startswith(start)]
@@ -268,19 +285,15 @@ def test_eval_scores_the_supervised_turns_full_marks():
             assert d.expect["answer"] == f"{a} {skills.SYMBOL[op]} {b} = {c}."
 
 
-def test_eval_chat_command_prints_one_table_for_every_column(tmp_path, capsys):
+def test_eval_chat_command_prints_one_table_for_every_column(eval_n1):
     """`blockpress eval chat`: the shipped model by default, a column for its own sampler and one per --steps,
     every stratum a row, the same percentages in the table, the final JSON line and the --json file."""
-    from blockpress.cli import main as cli_main
-
-    out = tmp_path / "chat.json"
-    assert cli_main(["eval", "chat", "--n", "1", "--steps", "4", "--threads", "1", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+    text, saved = eval_n1
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table[0] == "| | n | diffusion, default sampler | diffusion, 4 steps |"
     summary = json.loads(text.strip().splitlines()[-1])
-    saved = json.loads(out.read_text())["results"]
     assert list(summary) == list(saved) == ["diffusion, default sampler", "diffusion, 4 steps"]
+    assert summary == {name: r["summary"] for name, r in saved.items()}
     rows = {}
     for line in table[1:-1]:  # header ... seconds (the separator starts "|-")
         cells = [c.strip() for c in line.strip("|").split("|")]

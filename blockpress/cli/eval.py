@@ -242,10 +242,10 @@ def _chat(args) -> int:
     print(f"\n{len(dialogs)} {args.split} conversations ({args.n or 40} per stratum) of {lm.path}, "
           f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)\n")
     print(ev.format_table(results))
-    if args.json:
+    for r in results.values():  # per row, % of its cases: what the table shows
+        r["summary"] = {row: round(100 * h[0] / h[1], 1) for row, h in r["rows"].items()}
+    if args.json:  # as the other tasks write it: {column: {summary, rows, cases, seconds}}
         with open(args.json, "w") as f:
-            json.dump({"model": str(lm.path), "ar": args.compare_ar, "n": args.n or 40, "split": args.split,
-                       "seed": args.seed, "results": results}, f, indent=1)
-    summary = {name: {row: round(100 * h[0] / h[1], 1) for row, h in r["rows"].items()} for name, r in results.items()}
-    print(json.dumps(summary))
+            json.dump(results, f, indent=1)
+    print(json.dumps({name: r["summary"] for name, r in results.items()}))
     return 0

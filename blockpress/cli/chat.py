@@ -126,7 +126,7 @@ class ChatSession:
 
 # ----------------------------------------------------------------------------- REPL
 def add_parser(p) -> None:
-    add_model_args(p)
+    add_model_args(p, default="the shipped chat model, assistant")
     add_sampling_args(p)
     p.add_argument("--thinking", action="store_true", help="start with thinking on (toggle with /thinking on|off)")
     p.add_argument("--no-live", action="store_true", help="do not draw the canvas while it denoises")

@@ -213,13 +213,27 @@ class BlockDiffusionLM:
 
     def generate_text(self, messages_or_prompt, enable_thinking: bool = False, tools=None, seed: int | None = None,
                       **sampling) -> str:
-        """Chat messages (or a plain prompt, rendered as one user turn when a chat template exists) -> text."""
+        """Chat messages (or a plain prompt, rendered as one user turn when a chat template exists) -> text
+        (special tokens dropped, so a thought channel runs into the answer: `chat` keeps them apart)."""
+        return self.decode_new(self._reply(messages_or_prompt, enable_thinking, tools, seed, sampling))
+
+    def chat(self, messages_or_prompt, enable_thinking: bool = False, tools=None, seed: int | None = None,
+             **sampling):
+        """Like `generate_text`, the reply read as the server reads it: a `parsing.ParsedOutput` with `.content`,
+        `.reasoning` (the thought channel, or None), `.tool_calls` (`.name`, `.arguments`) and `.finish_reason`
+        ("stop", "tool_calls", or "length" when no stop token came within max_new_tokens)."""
+        from .parsing import parse_output
+
+        result = self._reply(messages_or_prompt, enable_thinking, tools, seed, sampling)
+        stopped = bool(set(result.new_tokens[0].tolist()) & set(self.generation_config().eos_token_id or []))
+        return parse_output(self.decode_new(result, skip_special_tokens=False), "stop" if stopped else "length")
+
+    def _reply(self, messages_or_prompt, enable_thinking, tools, seed, sampling) -> engine.GenerationResult:
         ids = self.encode_chat(messages_or_prompt, enable_thinking=enable_thinking, tools=tools)
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
-        result = self.generate([ids], generator=gen, **sampling)
-        return self.decode_new(result)
+        return self.generate([ids], generator=gen, **sampling)
 
     def infill(self, template: str, seed: int | None = None, **sampling):
         """Fill `[MASK]` (one token) / `[MASK:n]` holes in `template`, seeing the text on both sides.

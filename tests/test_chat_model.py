@@ -208,6 +208,8 @@ def test_readme_python_example_runs_as_written(tmp_path, monkeypatch):
         exec(compile(code, "README.md", "exec"), {})
     lines = out.getvalue().splitlines()
     assert lines[0].strip() and "<" not in lines[0], lines[:2]  # an answer, no special-token text
+    thought, _, answer = lines[1].partition(" -> ")  # chat(): the thought channel apart from the answer
+    assert thought.strip() and thought != "None" and answer.strip() and "<" not in lines[1], lines[1]
     assert len(lines) > 3  # the drafts of the stream
     saved = blockpress.load(tmp_path / "my-checkpoint", progress=False)
     assert saved.tokenizer.is_chat
@@ -252,6 +254,9 @@ def test_readme_server_example_runs_against_blockpress_serve_without_a_model(tmp
         answer, streamed, thought, call, final = lines
         assert answer.startswith(streamed + " CompletionUsage(") and streamed, (answer, streamed)
         assert thought.strip() and thought != "None"
+        same = blockpress.load("assistant", progress=False).chat(  # the Python API, same seed: the same reply
+            [{"role": "user", "content": "Convert 3 km to m."}], enable_thinking=True, seed=0)
+        assert same.reasoning == thought, (same, thought)
         name, args = call.split(" ", 1)
         assert name == "get_weather" and json.loads(args) == {"city": "Paris"}
         assert "21" in final, final

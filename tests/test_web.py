@@ -116,3 +116,31 @@ def test_page_text_mode_fills_the_gap_between_two_texts(server):
             "prompt": prompt, "suffix": suffix, "max_tokens": max_tokens, "seed": seed, "steps": steps}).json()
         assert fill == api["choices"][0]["text"]
         assert page.input_value("#prompt") == prompt  # text mode keeps the boxes for another run
+
+
+def test_page_without_a_model_chats_with_the_shipped_assistant(tmp_path):
+    """`blockpress serve` with no model: the page opens in chat mode on the shipped chat model, and a thinking turn
+    shows the thought channel apart from the answer, both as the API gives them for the same seed. The screenshot
+    is README's (docs/web-chat-mode.png is copied from artifacts/web-chat.png)."""
+    from blockpress.loading import SHIPPED_MODELS
+
+    s = ServerProcess(SHIPPED_MODELS["assistant"], log=tmp_path / "serve.log")
+    try:
+        with open_page(s) as (page, errors):
+            assert page.input_value("#mode") == "chat"
+            page.check("#thinking")
+            page.fill("#seed", "0")
+            page.fill("#prompt", "Convert 3 km to m.")
+            page.click("#send")
+            page.wait_for_selector(".msg.assistant[data-done='1']", timeout=60_000)
+            thought = page.text_content(".msg.assistant .reasoning")
+            answer = page.text_content(".msg.assistant .content")
+            assert not errors, errors
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "web-chat.png"), full_page=True)
+        api = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Convert 3 km to m."}], "seed": 0,
+            "chat_template_kwargs": {"enable_thinking": True}}).json()["choices"][0]["message"]
+        assert thought.strip() and (thought, answer) == (api["reasoning_content"], api["content"])
+    finally:
+        s.stop()

@@ -100,7 +100,8 @@ COMPILE_HELP = ("torch.compile each decoder block (norms, residual adds and RoPE
 def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
                    default: str = f"the shipped Sudoku model, {DEFAULT_MODEL}") -> None:
     p.add_argument("model", nargs="?", metavar="MODEL",
-                   help=f"checkpoint folder, Hub id, or a shipped model's name: sudoku, kjv, assistant (default: {default})")
+                   help="checkpoint folder, Hub id, or a shipped model's name: sudoku, kjv, assistant "
+                        f"(default: {default})")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")

@@ -18,7 +18,8 @@ from .run import (MAX_STEPS, _float_in, _int_in, _positive_int, add_model_args, 
 
 
 def add_parser(p) -> None:
-    add_model_args(p, default="the shipped chat model, assistant")  # --cuda-graphs: the worker keeps its cache in slots that the graphs of every batch size share
+    # --cuda-graphs: the worker keeps its cache in slots that the graphs of every batch size share
+    add_model_args(p, default="the shipped chat model, assistant")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("BLOCKPRESS_API_KEY"),

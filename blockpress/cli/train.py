@@ -217,8 +217,10 @@ def build(args, world: int = 1):
         extra["blockpress_task.json"] = json.dumps({"task": "sudoku", "format": args.sudoku_format})
     elif lm.tokenizer is not None:  # checkpoints stop at the tokenizer's end of text, as the data was written
         tok = lm.tokenizer
-        # <turn|> ends a chat turn, <|tool_response> a turn of tool calls (the caller answers them)
-        ends = [i for i in (tok.eos_token_id, tok.token_to_id("<turn|>"), tok.token_to_id("<|tool_response>"))
+        # the end of text, then what ends a chat turn (<turn|>; <|tool_response> after a turn of tool calls)
+        from blockpress.parsing import STOP_TOKENS
+
+        ends = [i for i in [tok.eos_token_id] + [tok.token_to_id(s) for s in STOP_TOKENS if s != "<eos>"]
                 if i is not None]
         stop = {"eos_token_id": ends or None, "pad_token_id": tok.pad_token_id}
         lm.generation_defaults = {**{k: v for k, v in stop.items() if v is not None}, **lm.generation_defaults}

@@ -28,9 +28,8 @@ import time
 
 import torch
 
-from ...parsing import parse_output
+from ...parsing import STOP_TOKENS, parse_output
 
-STOP_TOKENS = ("<eos>", "<turn|>", "<|tool_response>")
 SKILL_ROWS = ["add 1-digit", "add 2-digit", "add 3-digit", "sub 2-digit", "sub 3-digit", "mul 1x1-digit",
               "mul 2x1-digit", "mul 2x2-digit", "conversion", "date", "letters", "rewrite", "json", "follow-up",
               "tool answer", "no tool fits"]

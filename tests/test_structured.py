@@ -146,3 +146,22 @@ def test_forced_call_grammar_writes_the_arguments_as_the_chat_template_renders_t
     assert not accepted('<|tool_call>call:get_weather{"city": "Paris"}<tool_call|>')  # JSON: not the notation
     assert not accepted('<|tool_call>call:get_weather{days:3,city:<|"|>Paris<|"|>}<tool_call|>')  # keys unsorted
     assert accepted('<|tool_call>call:f{"x": 2}<tool_call|>')  # anyOf: JSON arguments
+
+
+def test_the_grammars_forced_opening_is_accepted_at_the_first_step(lm):
+    """Tokens the grammar forces from the row's state (here a fixed opening before a free number) are written at
+    the canvas's first positions and accepted in the first step, so the next pass reads them; on the
+    random-weight model, whose entropies are high everywhere, plain entropy-bound acceptance would keep few of
+    them. Across canvases the forced run starts from the committed state."""
+    opening = "The answer, as a number with no unit, is "
+    grammar = f'start: {json.dumps(opening)} NUMBER "."\nNUMBER: /[0-9]{{1,3}}/'
+    ids = lm.encode_chat("Hello", chat=False)
+    events = list(lm.stream([ids], generator=[torch.Generator().manual_seed(0)], grammar=grammar,
+                            max_new_tokens=48, entropy_bound=0.1, **FAST))
+    first = next(e for e in events if isinstance(e, blockpress.Draft))
+    n = len(lm.tokenizer.encode(opening))
+    forced = first.tokens[0, :n].tolist()
+    assert lm.tokenizer.decode(forced) == opening[:len(lm.tokenizer.decode(forced))] and len(forced) >= 4
+    assert bool(first.accepted[0, :n - 1].all())  # (the last piece may merge with what follows: not forced)
+    text = lm.decode_new(events[-1].result)
+    assert re.fullmatch(re.escape(opening) + r"[0-9]{1,3}\.", text), text

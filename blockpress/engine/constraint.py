@@ -12,7 +12,10 @@ read left to right from the grammar state after its committed tokens. At each po
 replaced by the most likely allowed token (the first of the position's top-k candidates the mask allows, else
 the masked argmax over the whole vocabulary); then the state advances by that token. A drawn token the mask
 does not allow is replaced by the walked one. So the argmax canvas, which is what a commit writes, is always a
-valid prefix, and accepted tokens are consistent with it.
+valid prefix, and accepted tokens are consistent with it. The tokens the grammar forces from the row's state
+(`compute_ff_tokens`: a forced tool call's `<|tool_call>call:NAME{key:`, a schema's `{"key": `) are written at the
+canvas's first positions and count as certain, so the step accepts them at once (as infilling holds its given
+tokens) and the model reads them from the next pass on, instead of denoising an answer the grammar then overrides.
 
 The budget: the output has to close, and its stop id be written, within `max_new_tokens`. At each position the
 walk asks whether, after the chosen token, the shortest way to close still fits in the positions left
@@ -248,21 +251,28 @@ class Constraint:
             n += 1
         return 10**9
 
-    def walk(self, z: torch.Tensor, y: torch.Tensor) -> tuple[list[int], list[int]]:
-        """z [C, V] the step's logits, y [C] its draws -> the walked argmax and draws (lists)."""
+    def walk(self, z: torch.Tensor, y: torch.Tensor) -> tuple[list[int], list[int], int]:
+        """z [C, V] the step's logits, y [C] its draws -> the walked argmax and draws (lists) and n, the number of
+        leading positions that hold the grammar's forced tokens (certain: the step accepts them)."""
         C = z.shape[0]
         stop = self.vocab.stop_ids[0]
         if self.ended:
-            return [stop] * C, [stop] * C
+            return [stop] * C, [stop] * C, 0
         cand = z.topk(min(TOP_K, z.shape[-1]), dim=-1).indices.tolist()
         drawn = y.tolist()
         m = self.matcher.deep_copy()
+        lead = [] if m.is_accepting() else m.compute_ff_tokens()[:min(C, self.budget - self.written - 1)]
         out_a, out_y, ended = [], [], False
         for j in range(C):
             left = self.budget - self.written - j
             if ended or left <= 0:
                 out_a.append(stop)
                 out_y.append(stop)
+                continue
+            if j < len(lead):  # forced by the grammar: the token, drawn or not
+                out_a.append(lead[j])
+                out_y.append(lead[j])
+                m.consume_token(lead[j])
                 continue
             bits = m.compute_bitmask()  # one bit per token: tested in place for the candidates
             ok = lambda t, b=bits: (b[t >> 3] >> (t & 7)) & 1  # noqa: E731
@@ -282,7 +292,7 @@ class Constraint:
                 ended = True
             else:
                 m.consume_token(t)
-        return out_a, out_y
+        return out_a, out_y, len(lead)
 
     def advance(self, tokens: list[int]) -> None:
         """The committed canvas's tokens (up to and including the first stop id) enter the state."""
@@ -299,13 +309,16 @@ class Constraint:
 
 def constrain(cv, idx: list[int], a: torch.Tensor, y: torch.Tensor, z: torch.Tensor):
     """The step's argmax `a` and draws `y` [k, C] of the rows `idx` (z [k, C, V] their logits), with every
-    constrained row walked through its grammar (new tensors; the same ones when no row is constrained)."""
+    constrained row walked through its grammar, and `forced` [k, C] bool, the positions that hold a grammar's
+    forced tokens (new tensors; the same a and y, and forced None, when no row is constrained)."""
     rows = [(i, cv.rows[r].constraint) for i, r in enumerate(idx) if cv.rows[r].constraint is not None]
     if not rows:
-        return a, y
+        return a, y, None
     a, y = a.clone(), y.clone()
+    forced = torch.zeros(a.shape, dtype=torch.bool)
     for i, c in rows:
-        wa, wy = c.walk(z[i], y[i])
+        wa, wy, n = c.walk(z[i], y[i])
         a[i] = torch.tensor(wa, dtype=a.dtype, device=a.device)
         y[i] = torch.tensor(wy, dtype=y.dtype, device=y.device)
-    return a, y
+        forced[i, :n] = True
+    return a, y, forced.to(a.device)

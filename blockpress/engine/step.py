@@ -5,7 +5,8 @@ Shape legend: B rows, C canvas length, V vocab.
 From the decoder's fp32 logits of the rows that ran, a step: divides by the row's temperature, draws a token
 per position and takes the argmax and the entropy (the sampler: `sampling`'s reference arithmetic, or the fused
 one-pass kernel of `kernels.sampler_fused`), walks the canvas of a row with a grammar through it (`constraint`),
-accepts the lowest-entropy positions within the entropy bound, renoises the rest, holds the given tokens of an
+accepts the lowest-entropy positions within the entropy bound (a grammar's forced tokens and an infilling
+canvas's given ones count as certain), renoises the rest, holds the given tokens of an
 infilling canvas, keeps the rows that stopped as they were (frozen), and asks the stopping rule which rows are
 done.
 
@@ -65,8 +66,9 @@ def _compose(cv: Canvas, idx: list[int], raw, x, a_prev, sc_prev, done, fixed, w
     frozen = any(cv.done_host[i] for i in idx)
     active = [not (cv.done_host[i] or cv.rows[i].finished) for i in idx]  # rows that draw (a stream per row)
     y, a, h, z = _sample(raw, cv.taus(idx), cv.generators(idx), active, fast, dtype, None if frozen else sc_out)
-    a, y = constrain(cv, idx, a, y, z)
-    accepted = entropy_bound_accept(h if fixed is None else h.masked_fill(fixed[0], 0.0), bound)
+    a, y, forced = constrain(cv, idx, a, y, z)
+    certain = forced if fixed is None else fixed[0] if forced is None else fixed[0] | forced
+    accepted = entropy_bound_accept(h if certain is None else h.masked_fill(certain, 0.0), bound)
     noise = uniform_tokens(x.shape[0], x.shape[1], raw.shape[-1], x.device, cv.generators(idx), active)
     x_new = clamp(torch.where(accepted, y, noise), fixed)
     a = clamp(a, fixed)

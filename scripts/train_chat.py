@@ -10,8 +10,9 @@ a thinking turn takes two or three), sliding window covering a 384-token context
 declarations and earlier turns included, is ~270 tokens); each row's final assistant turn is the response
 (thought channel, content, tool calls and the stop token, as the model writes them), batches of similar
 lengths (`ChatJsonlSource` buckets); batch 32, lr 2e-3, warmup 100, cosine to 10 %, clip 1.0,
-self-conditioning p 0.5, the encoder's AR loss off (the encoder then encodes only the context). The
-held-out conversations give the eval loss. Extra flags pass through (e.g. --resume, --steps, --ar-only).
+self-conditioning p 0.5, the encoder's next-token (AR) loss at weight 1 (the shared weights also learn to predict
+the conversation left to right, which teaches them the sums about 3x faster per step). The held-out
+conversations give the eval loss. Extra flags pass through (e.g. --resume, --steps, --ar-only).
 """
 
 import sys
@@ -20,7 +21,7 @@ from blockpress.cli import main
 
 RECIPE = ["train", "runs/chat/train.jsonl", "--tokenizer", "runs/chat/tokenizer", "--size", "micro",
           "--canvas-length", "32", "--context", "384", "--batch-size", "32", "--lr", "2e-3", "--warmup", "100",
-          "--ar-weight", "0", "--steps", "7000", "--threads", "1", "--eval-data", "runs/chat/heldout.jsonl",
+          "--ar-weight", "1", "--steps", "7000", "--threads", "1", "--eval-data", "runs/chat/heldout.jsonl",
           "--eval-every", "500", "--save-every", "500", "--log-every", "50", "--keep-last", "0", "--no-progress"]
 
 if __name__ == "__main__":

@@ -262,6 +262,7 @@ class Constraint:
         drawn = y.tolist()
         m = self.matcher.deep_copy()
         lead = [] if m.is_accepting() else m.compute_ff_tokens()[:min(C, self.budget - self.written - 1)]
+        lead = lead[:next((k for k, t in enumerate(lead) if t in self.vocab.stop_ids), len(lead))]
         out_a, out_y, ended = [], [], False
         for j in range(C):
             left = self.budget - self.written - j

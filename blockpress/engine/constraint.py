@@ -13,7 +13,7 @@ replaced by the most likely allowed token (the first of the position's top-k can
 the masked argmax over the whole vocabulary); then the state advances by that token. A drawn token the mask
 does not allow is replaced by the walked one. So the argmax canvas, which is what a commit writes, is always a
 valid prefix, and accepted tokens are consistent with it. The tokens the grammar forces from the row's state
-(`compute_ff_tokens`: a forced tool call's `<|tool_call>call:NAME{key:`, a schema's `{"key": `) are written at the
+(`compute_ff_tokens`: a forced tool call's `<|tool_call>call:NAME{key:`, a schema's `{"key":`) are written at the
 canvas's first positions and count as certain, so the step accepts them at once (as infilling holds its given
 tokens) and the model reads them from the next pass on, instead of denoising an answer the grammar then overrides.
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from itertools import takewhile
 
 import torch
 
@@ -261,8 +262,8 @@ class Constraint:
         cand = z.topk(min(TOP_K, z.shape[-1]), dim=-1).indices.tolist()
         drawn = y.tolist()
         m = self.matcher.deep_copy()
-        lead = [] if m.is_accepting() else m.compute_ff_tokens()[:min(C, self.budget - self.written - 1)]
-        lead = lead[:next((k for k, t in enumerate(lead) if t in self.vocab.stop_ids), len(lead))]
+        forced = [] if m.is_accepting() else takewhile(lambda t: t not in self.vocab.stop_ids, m.compute_ff_tokens())
+        lead = list(forced)[:min(C, self.budget - self.written - 1)]  # a stop is the walk's to decide, not forced
         out_a, out_y, ended = [], [], False
         for j in range(C):
             left = self.budget - self.written - j

@@ -67,7 +67,9 @@ def _compose(cv: Canvas, idx: list[int], raw, x, a_prev, sc_prev, done, fixed, w
     active = [not (cv.done_host[i] or cv.rows[i].finished) for i in idx]  # rows that draw (a stream per row)
     y, a, h, z = _sample(raw, cv.taus(idx), cv.generators(idx), active, fast, dtype, None if frozen else sc_out)
     a, y, forced = constrain(cv, idx, a, y, z)
-    certain = forced if fixed is None else fixed[0] if forced is None else fixed[0] | forced
+    certain = fixed[0] if fixed is not None else None  # positions accepted whatever their entropy
+    if forced is not None:
+        certain = forced if certain is None else certain | forced
     accepted = entropy_bound_accept(h if certain is None else h.masked_fill(certain, 0.0), bound)
     noise = uniform_tokens(x.shape[0], x.shape[1], raw.shape[-1], x.device, cv.generators(idx), active)
     x_new = clamp(torch.where(accepted, y, noise), fixed)

@@ -36,6 +36,8 @@
 #            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
 #            passes' profile; int4; the align kernel's test
+#   stack    issue 30's untimed paths in one lease: the compiled fp8 row vs the same with swapped expert tiles and the
+#            attention kernel (--profile); int4 with both, with and without the int4 MLP; unmerged; the kernels' tests
 #   merged   the compiled + fused-commit fp8 step with each layer's q/k/v and gate/up projections merged (one GEMM
 #            each; --profile: kernels per step) vs --no-merge-projections; the merged test file on the GPU first
 #   engine   one fp8 batch-1 row run from gpu_baseline/ (another commit's tree, if present, e.g.
@@ -58,7 +60,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh merged|attention|swap|compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
+PART=${1:?usage: gpu_session.sh stack|merged|attention|swap|compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -292,6 +294,28 @@ EOF
     STEP_LIMIT=120 bench fp8-attention $ROW --attention-kernel --profile
     grep -h "attention kernel is off" "$OUT/log.txt" | head -3 | tee -a "$OUT/summary.txt"
     ;;
+  stack)
+    # issue 30's untimed paths in one lease (the 15-minute ones fit one part): the compiled + fused fp8 row as it
+    # ships (merged projections) against the same row with the swapped expert tiles (weight as the register
+    # operand) and the in-place attention kernel (--profile: each part's kernel time, the experts' and attention's
+    # beside 2026-11-26-h100-compiled.md's 12.6 and 2.6 ms); int4 with the same two and the int4 MLP (the <= 18 GB
+    # row) and without it; then unmerged projections; the two kernels' GPU agreement tests with what time is left
+    # (a kernel that fails its first-use check falls back with a warning, grepped below)
+    DEADLINE=$((SECONDS + ${BUDGET:-480}))
+    env_info
+    ROW="$ROW1 --compile --fuse-commit"
+    SW="bm=auto,bn=128,bk=64,swap=1"
+    [ "$CUDA" = 1 ] || SW=""  # a CPU dry run: the grouped experts take no tiles
+    STACK="${SW:+--moe-tiles $SW} --attention-kernel"
+    STEP_LIMIT=110 bench fp8-default $ROW --precision fp8
+    STEP_LIMIT=120 bench fp8-stack $ROW --precision fp8 $STACK --profile
+    STEP_LIMIT=100 bench int4-mlp4-stack $ROW --precision int4 $STACK --linears int4-mlp
+    STEP_LIMIT=90 bench int4-stack $ROW --precision int4 $STACK
+    STEP_LIMIT=100 bench fp8-unmerged $ROW --precision fp8 --no-merge-projections
+    gpu_tests 90 -n 8 -m "gpu or not slow" tests/test_attention_kernel.py tests/test_kernels.py tests/test_quant.py \
+      -k "attention or match_loop or triton_path or other_tiles"
+    grep -h "is off on" "$OUT/log.txt" | sort -u | head -5 | tee -a "$OUT/summary.txt"
+    ;;
   swap)
     # For the next lease: the expert and 8-bit projection kernels with the weight tile as the MMA's first operand
     # (tiles swap=1: Hopper's wgmma reads it from registers, so fp8 / int4 / int8 weights converted in registers skip
@@ -448,7 +472,7 @@ EOF
       grep -v '^{' "$OUT/train-$name.txt" | tail -6 | tee -a "$OUT/log.txt"
     done
     ;;
-  *) echo "unknown part $PART (merged, attention, swap, compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
+  *) echo "unknown part $PART (stack, merged, attention, swap, compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
 esac
 [ -s "$OUT/summary.txt" ] && { echo; echo "=== failures and tests"; cat "$OUT/summary.txt"; }
 

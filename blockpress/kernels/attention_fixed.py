@@ -134,14 +134,15 @@ if triton is not None:
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def tiles_for(D: int) -> dict:
-    """(BM, BN, num_warps, num_stages) for head dim D: module docstring. The interpreter: small tiles (its time goes
-    with the number of programs and loop steps, not their size, but the tests' tiny caches want several key tiles).
-    Compiled, the GPU's (also for CPU tensors: benchmarks/compile_report.py's compiles)."""
+def tiles_for(D: int, itemsize: int = 2) -> dict:
+    """(BM, BN, num_warps, num_stages) for head dim D and q's element size: module docstring. The interpreter: small
+    tiles (its time goes with the number of programs and loop steps, not their size, but the tests' tiny caches want
+    several key tiles). Compiled, the GPU's (also for CPU tensors: benchmarks/compile_report.py's compiles); fp32
+    (tests) at D = 512 stages K/V once: two stages need 237,824 B of shared memory, over sm_90's 232,448."""
     if interpreted():
         return {"BM": 16, "BN": 16}
     if D >= 512:
-        return {"BM": 64, "BN": 32, "DV": 256, "num_warps": 8, "num_stages": 2}
+        return {"BM": 64, "BN": 32, "DV": 256, "num_warps": 8, "num_stages": 1 if itemsize >= 4 else 2}
     if D >= 256:
         return {"BM": 64, "BN": 64, "num_warps": 8, "num_stages": 2}
     return {"BM": 64, "BN": 64, "num_warps": 4, "num_stages": 3}
@@ -169,7 +170,7 @@ def fixed_attention_triton(q, keys, values, valid, start, S: int, window: int, r
     kv = keys.shape[1]
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(B, M, H, D, dtype=q.dtype, device=q.device)
-    t = dict(tiles_for(D), **(tiles or {}))
+    t = dict(tiles_for(D, q.element_size()), **(tiles or {}))
     bm, bn, dv = t.pop("BM"), t.pop("BN"), t.pop("DV", D)
     if D % dv or dv < 16:
         raise ValueError(f"the output column tile DV={dv} must divide the head dim {D} (and be >= 16)")

@@ -41,9 +41,9 @@ def canvas_batches(batches: list[int], canvas: int, prefill_chunk: int) -> list[
                                                              ("AR token", 1)]
 
 
-def expert_variants(text, dtype, passes, tiles: list[str], precisions: list[str], base=None):
+def expert_variants(text, dtype, passes, tiles: list[str], precisions: list[str], base=None, arch: int = 90):
     """(label, thunk) per expert kernel launch: every precision x pass x tile setting (+ the atomic K-sum); the
-    setting "" is `base` (default: the kernels' defaults)."""
+    setting "" is `base` (default: the engine's defaults for that precision on `arch`, `moe_grouped.default_tiles`)."""
     from blockpress.kernels import moe_grouped as mg
     from blockpress.kernels.quant import QuantizedExperts
 
@@ -63,7 +63,7 @@ def expert_variants(text, dtype, passes, tiles: list[str], precisions: list[str]
             x, w = torch.empty(N, H, dtype=dtype), torch.full((N, K), 1.0 / K)
             for spec in tiles:
                 for moe_sum in ("kernel", "atomic") if spec == tiles[0] else ("kernel",):
-                    t = mg.as_tiles(spec) if spec else (base or mg.DEFAULT_TILES)
+                    t = mg.as_tiles(spec) if spec else (base or mg.default_tiles(precision, arch >= 90))
 
                     def run(t=t, moe_sum=moe_sum, x=x, w=w, idx=idx, gate_up=gate_up, down=down, kw=kw):
                         mg.experts_triton(x, w, idx, gate_up, down, tiles=t, moe_sum=moe_sum, **kw)
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from blockpress.kernels.moe_grouped import as_tiles
     try:
-        base = as_tiles(args.tiles)
+        base = as_tiles(args.tiles) if args.tiles else None  # None: the engine's defaults per precision
     except ValueError as e:
         raise SystemExit(f"--tiles: {e}") from None
 
@@ -187,12 +187,12 @@ def main(argv=None) -> int:
     text, C = cfg.text, cfg.canvas_length
     passes = canvas_batches(batches, C, PREFILL_CHUNK)
     tiles = [""] + (parse_grid(args.grid) if args.grid else [])
-    todo = list(expert_variants(text, dtype, passes, tiles, precisions, base)) + \
-        list(linear_variants(text, dtype, passes, linears)) + \
+    rest = list(linear_variants(text, dtype, passes, linears)) + \
         list(head_variants(text.vocab_size, C, dtype, batches, text.final_logit_softcapping)) + \
         list(attention_variants(text, dtype, C, batches))
+    todo = {arch: list(expert_variants(text, dtype, passes, tiles, precisions, base, arch)) + rest for arch in archs}
     print(f"compile_report: triton {triton.__version__}, torch {torch.__version__}, {args.config or args.preset}, "
-          f"{args.dtype} activations, {len(todo)} launches x sm_{', sm_'.join(map(str, archs))}", flush=True)
+          f"{args.dtype} activations, {len(todo[archs[0]])} launches x sm_{', sm_'.join(map(str, archs))}", flush=True)
 
     result = {"bench": "compile_report", "triton": triton.__version__, "torch": torch.__version__,
               "config": args.config or args.preset, "dtype": args.dtype, "archs": {}}
@@ -200,10 +200,10 @@ def main(argv=None) -> int:
     for arch in archs:
         t0 = time.perf_counter()
         seen: dict = {}  # one row per distinct compiled kernel (Triton's hash), the launches that share it listed
-        here = todo
+        here = todo[arch]
         if arch < 89:  # Triton has no e4m3 before Ada; the engine takes torch for fp8 there (fp8_usable_on)
-            here = [(label, run) for label, run in todo if "fp8" not in label]
-            print(f"  sm_{arch}: {len(todo) - len(here)} fp8 launches skipped (no float8_e4m3fn in Triton before "
+            here = [(label, run) for label, run in todo[arch] if "fp8" not in label]
+            print(f"  sm_{arch}: {len(todo[arch]) - len(here)} fp8 launches skipped (no float8_e4m3fn in Triton before "
                   "sm_89; fp8 weights run the torch paths there)")
         with compile_only(arch) as got:
             for i, (label, run) in enumerate(here, 1):
@@ -262,10 +262,8 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
     against Little's law, bandwidth x loaded latency / SMs: fewer, and no kernel reaches the bandwidth whatever
     its instructions; and the bytes a step reads from L2 (l2_to_sm_bytes), to set against the card's L2 rate
     (benchmarks/l2_bandwidth.py)."""
-    from blockpress.kernels.moe_grouped import DEFAULT_TILES, auto_block_m, expected_m_blocks, int4_block_k
+    from blockpress.kernels.moe_grouped import auto_block_m, default_tiles, expected_m_blocks, int4_block_k
     from blockpress.kernels.quant import group_for
-
-    TILES = tiles or DEFAULT_TILES  # noqa: N806 - the tiles the report reads
 
     name, sms, clock, bandwidth = ISSUE_CARDS[arch]
     E, H, Im, L = text.num_experts, text.hidden_size, text.moe_intermediate_size, text.num_hidden_layers
@@ -278,11 +276,12 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
           f"{'L2->SM GB':>9} {'x HBM':>6}  KB in flight per SM, up / down (Little's law: {need / 1024:.0f} KB at "
           f"{LOADED_LATENCY_S * 1e9:.0f} ns)")
     for precision in precisions:
+        TILES = tiles or default_tiles(precision, arch >= 90)  # noqa: N806 - the tiles the report reads
         bk = TILES.block_k
         if precision == "int4":  # the K tile the launcher runs (QuantizedExperts' default groups of 64)
             bk = int4_block_k(bk, (group_for(H, 64), group_for(Im, 64)))
         per, flight = {}, {}
-        bm = TILES.block_m or auto_block_m(batch * canvas, text.top_k_experts, E, arch >= 90)
+        bm = TILES.block_m or auto_block_m(batch * canvas, text.top_k_experts, E, arch >= 90, TILES.swap)
         for kernel, matrices in (("_moe_up_kernel", 2), ("_moe_down_kernel", 1)):
             want = f"experts {precision}, canvas x{batch}, tiles {TILES.spec()}"
             r = next((r for r in rows if r["kernel"] == kernel and want in (r["label"], *r["also_for"]) and r["loop"]),

@@ -8,9 +8,9 @@
 - Kernels: `experts`, `attention` ("auto": the fastest path that runs here; "loop" / "sdpa" the references),
   `sc_topk` (self-conditioning over the top-K tokens, an approximation), the Triton kernels' settings
   `moe_tiles`, `moe_sum`, `linear_tiles` (None: the defaults), and `merge_projections` (each layer's q/k/v and
-  gate/up projections as one GEMM each, inference only; None: on, see `merges`); `attention_kernel` (opt-in,
-  untimed: the fixed-shape passes' attention in one Triton kernel that reads the cache in place,
-  kernels/attention_fixed.py; CUDA only).
+  gate/up projections as one GEMM each, inference only; None: on, see `merges`); `attention_kernel` (the
+  fixed-shape passes' attention in one Triton kernel that reads the cache in place, kernels/attention_fixed.py;
+  None: on a Hopper GPU, see `attention_kernel_on`).
 - Storage, fixed at load: `precision` of the experts ("native", "fp8", "int4", with `group_size`) and of the
   attention / dense-MLP projections (`linears`: "native", "int8", "fp8" for both; "int4-mlp": the dense MLP alone
   in int4 through the expert kernels).
@@ -47,7 +47,7 @@ class Options:
     moe_tiles: str | None = None
     moe_sum: str = "kernel"
     linear_tiles: str | None = None
-    attention_kernel: bool = False
+    attention_kernel: bool | None = None  # None: on Hopper GPUs (`attention_kernel_on`)
     precision: str = "native"
     group_size: int = 64
     linears: str = "native"
@@ -71,11 +71,14 @@ class Options:
         one_of("precision", PRECISIONS)
         one_of("linears", LINEAR_FORMATS)
         one_of("moe_sum", MOE_SUMS)
-        for name in ("cuda_graphs", "compile", "attention_kernel"):
+        for name in ("cuda_graphs", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if self.fuse_commit not in (None, True, False):
             raise InputError(f"option fuse_commit must be None (automatic), True or False, got {self.fuse_commit!r}")
+        if self.attention_kernel not in (None, True, False):
+            raise InputError(f"option attention_kernel must be None (automatic), True or False, got "
+                             f"{self.attention_kernel!r}")
         if self.merge_projections not in (None, True, False):
             raise InputError(f"option merge_projections must be None (automatic), True or False, got "
                              f"{self.merge_projections!r}")
@@ -106,9 +109,24 @@ class Options:
         (fp32 and bf16 with MKL; tests/test_merged_projections.py, the 66 cases of benchmarks/token_check.py), so
         the reference's tokens stay; on a GPU each projection is a launch that moves a few microseconds of bytes
         (205 a pass on the 26B model, 120 merged), and cuBLAS may round the wider GEMM differently, as bf16 never
-        matches the reference bit for bit anyway. Not yet timed on a GPU (benchmarks/gpu_session.sh part
-        `merged`)."""
+        matches the reference bit for bit anyway. On an H100: −0.38 ms of a 21.8 ms step
+        (benchmarks/results/2026-11-27-h100-stack.md)."""
         return self.merge_projections is not False
+
+    def attention_kernel_on(self, device: torch.device) -> bool:
+        """Whether the fixed-shape passes (CUDA graphs, compiled blocks) run their attention in the Triton kernel
+        (kernels/attention_fixed.py; elsewhere a mask over the cache through SDPA). None (the default) turns it on
+        on a CUDA GPU of compute capability 9 (H100, H200), where it was timed: the compiled, graphed fp8 step of the
+        26B model at batch 1 went from 18.81 to 17.56 ms on an H100. Its tiles need ~160-210 KB of shared memory a
+        block, more than most other GPUs give (it would fall back to SDPA with a warning there); True asks for it
+        anywhere on CUDA. On a CPU it never runs (the interpreter would be far slower than SDPA)."""
+        if device.type != "cuda":
+            return False
+        if self.attention_kernel is not None:
+            return self.attention_kernel
+        import torch
+
+        return torch.cuda.get_device_capability(device)[0] == 9
 
     def changed(self, other: "Options") -> set[str]:
         return {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)}

@@ -79,16 +79,18 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "experts' int4 kernels")
     p.add_argument("--experts", default="auto", help="experts backend: auto, loop, dense, grouped, triton, scaled_mm")
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
-    p.add_argument("--attention-kernel", action="store_true",
+    p.add_argument("--attention-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="the fixed-shape passes' attention (--cuda-graphs, --compile) in one Triton kernel that reads "
-                        "the cache in place, checked on first use (CUDA only; untimed, so off by default)")
+                        "the cache in place, checked on first use (CUDA only; default: on a Hopper GPU, where it was "
+                        "timed; --no-attention-kernel: a mask over the cache through SDPA)")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC",
                    help="Triton expert kernels' tiles, e.g. bm=32,bn=128,bk=64,warps=8,stages=4 (the winner of "
-                        "benchmarks/sweep_moe_tiles.py; default: bm=auto,bn=128,bk=64); swap=1: the weight tile as "
-                        "the MMA's first operand (Hopper's wgmma reads it from registers; untimed)")
+                        "benchmarks/sweep_moe_tiles.py; default: bm=auto,bn=128,bk=64, and for fp8 on Hopper "
+                        "bm=auto,bn=64,bk=128,swap=1); swap=1: the weight tile as the MMA's first operand (Hopper's "
+                        "wgmma reads it from registers)")
     p.add_argument("--linear-tiles", type=_linear_tiles, metavar="SPEC",
                    help="the Triton 8-bit linear kernel's tiles with --linears int8/fp8, e.g. bm=auto,bn=32,split=4 "
                         "(benchmarks/bench_linears.py's best_int8_spec; default: bm=auto,bn=64,bk=64); swap=1: the "

@@ -40,11 +40,13 @@ P V for its half: 195 registers, no spill, BN = 32 keys a step, Q 64 KB + two pi
 (16 KB) = 160 KB of shared memory (the H100 allows 227 KB). It also doubles the programs at batch 1: a full layer's
 2 KV heads x 2,048 rows / 64 = 64 row blocks, 128 programs for the H100's 132 SMs. D = 256: whole rows, BM = 64,
 BN = 64, 8 warps: 250 registers, no spill, 160 KB (64 programs a sliding layer at batch 1; DV = 128 would give 128
-at 1.5x the arithmetic: a setting for bench_attention.py's sweep). Untimed: the defaults are what compiles
-without spilling, not a measurement.
+at 1.5x the arithmetic: a setting for bench_attention.py's sweep). These are what compiles without spilling, not
+the winners of a sweep. On an H100 the kernel took 2.58 ms of a batch-1 step against SDPA's 2.62, yet the whole
+graphed step took 1.25 ms less with it (it builds no mask and gathers no window; benchmarks/results/
+2026-11-27-h100-stack.md).
 
-Opt-in (`Options.attention_kernel`, `bench --attention-kernel`), on CUDA only, checked against the reference on its
-first use per device, dtype and variant (`fixed_attention_checked`); `fixed_attention_op` is the custom op a compiled
+On by default on Hopper, opt-in on other CUDA GPUs (`Options.attention_kernel_on`, `bench --attention-kernel`),
+checked against the reference on its first use per device, dtype and variant (`fixed_attention_checked`); `fixed_attention_op` is the custom op a compiled
 block calls (kernels/library.py says why).
 """
 

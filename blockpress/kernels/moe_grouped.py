@@ -418,13 +418,13 @@ class Tiles:
 
     block_m None: `auto_block_m`, the smallest of 16..64 (16..128 on sm_90+, with 8 warps at 128 unless num_warps
     is set) that holds a busy expert's assignments in one block but for ~10 % in expectation. block_n is capped
-    per kernel at the next power of two >= its output width (a small model's tiles). The defaults are untimed,
-    chosen on benchmarks/compile_report.py's static model of the 26B shapes on sm_90: BK 64 (not 32) halved the
+    per kernel at the next power of two >= its output width (a small model's tiles). fp8 on Hopper has its own
+    (`default_tiles`). The others were chosen on benchmarks/compile_report.py's static model of the 26B shapes on sm_90: BK 64 (not 32) halved the
     int4 instructions per weight (5.5-6.9 -> 4.3-5.0: instruction-bound -> memory-bound); BN 128 (not 64) cuts
     them further at batch 4 (int4 issue 3.29 -> 2.82 ms a step, bf16 1.49 -> 1.00), matches BN 64 at batch 1
     (704 = 5.5 x 128 wastes a half tile), and halves the activation re-reads from L2 (every N tile re-reads its
     M block's rows: int4 at batch 1 19.8 -> 16.1 GB of L2 -> SM traffic a step against 12.1 GB from HBM; at
-    batch 4 42.6 -> 28.1). `benchmarks/sweep_moe_tiles.py` times a grid of them on one layer of a real config,
+    batch 4 42.6 -> 28.1); on an H100 at batch 1 no swapped int4 tile beat them. `benchmarks/sweep_moe_tiles.py` times a grid of them on one layer of a real config,
     and the `moe_tiles` option (`load(..., moe_tiles="bm=32,bn=128,bk=64,warps=8,stages=4")`, `blockpress bench
     --moe-tiles ...`) applies the winner."""
 
@@ -433,7 +433,7 @@ class Tiles:
     block_k: int = 64
     num_warps: int | None = None  # None: Triton's default
     num_stages: int | None = None
-    swap: bool = False  # the weight tile as the dot's first operand (`_dot`): untimed, so off by default
+    swap: bool = False  # the weight tile as the dot's first operand (`_dot`): fp8's default on Hopper (`default_tiles`)
 
     def spec(self) -> str:
         parts = [f"bm={self.block_m or 'auto'}", f"bn={self.block_n}", f"bk={self.block_k}"]
@@ -446,6 +446,18 @@ class Tiles:
 _TILE_KEYS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "warps": "num_warps", "stages": "num_stages",
               "swap": "swap"}
 DEFAULT_TILES = Tiles()
+# fp8 experts where tl.dot is Hopper's wgmma: the weight tile as the MMA's first operand, converted in registers (swap),
+# 64 weight rows x a K tile of 128. Timed on one real-shaped layer of the 26B model at batch 1 on an H100
+# (benchmarks/results/2026-11-27-h100-stack.md): 0.377 ms, 69 % of the copy rate, against the defaults' 0.440 (59 %);
+# at bm 16 0.361 (72 %), which bm=auto picks with swap (`auto_block_m`). int4 was slower swapped at every tile tried
+# (0.328 ms at best against the defaults' 0.305), so it keeps the defaults, as do bf16 and the GPUs before sm_90.
+FP8_WGMMA_TILES = Tiles(block_n=64, block_k=128, swap=True)
+
+
+def default_tiles(precision: str, wgmma: bool) -> Tiles:
+    """The expert kernels' tiles when none are asked for (`moe_tiles` None), by the experts' weight format
+    ("native", "fp8", "int4") and whether tl.dot is Hopper's wgmma on the device (`_wgmma_target`)."""
+    return FP8_WGMMA_TILES if precision == "fp8" and wgmma else DEFAULT_TILES
 
 
 @functools.lru_cache(maxsize=64)  # the experts' custom op gets its tiles as a spec string on every call
@@ -530,10 +542,12 @@ def expected_m_blocks(tokens: int, top_k: int, n_experts: int, block_m: int) -> 
 
 M_TILES = (16, 32, 64, 128)  # the M tiles bm=auto picks from
 SPLIT_BUDGET = 1.1  # bm=auto: the smallest M tile whose expected blocks per busy expert stay within this
+SPLIT_BUDGET_SWAP = 1.5  # the same with swapped tiles (the activations are the MMA's N side, no minimum of 64 rows):
+# fp8 at batch 1 on an H100, bm 16 (1.43 blocks per busy expert) ran 4 % faster than bm 32 (1.00)
 
 
 @functools.lru_cache(maxsize=256)  # per layer and pass in eager mode: a sum over the binomial once per shape
-def auto_block_m(tokens: int, top_k: int, n_experts: int, wgmma: bool = False) -> int:
+def auto_block_m(tokens: int, top_k: int, n_experts: int, wgmma: bool = False, swap: bool = False) -> int:
     """The M tile for `tokens` routed to top-`top_k` of `n_experts`: the smallest of 16..64 (and 128 on sm_90+, where
     tl.dot is Hopper's warpgroup MMA) whose expected M blocks per busy expert (`expected_m_blocks`) stay within
     `SPLIT_BUDGET`, else the largest. Each M block of an expert dequantises its weights again: at a canvas of 256
@@ -541,11 +555,13 @@ def auto_block_m(tokens: int, top_k: int, n_experts: int, wgmma: bool = False) -
     (Binomial(256, 1/16): 1.43 blocks of 16 per expert, 1.00 of 32), so the M tile is sized for the spread, not
     the mean. A wider tile costs more instructions per weight per block (compile_report.py, int4 on sm_90: 2.95 / 3.44
     up / down at BM 16, 3.38 / 4.03 at BM 32), far less than a second block. Before sm_90 the tile stops at 64: with
-    mma.sync a 128-row tile takes twice the instructions per weight (sm_89 int4 9.7 -> 16.5 ms a step)."""
+    mma.sync a 128-row tile takes twice the instructions per weight (sm_89 int4 9.7 -> 16.5 ms a step). swap: the
+    weight tile is the MMA's first operand, and the budget `SPLIT_BUDGET_SWAP` (timed)."""
     tiles = [m for m in M_TILES if m <= (128 if wgmma else 64)]
     busy = 1.0 - (1.0 - min(1.0, top_k / n_experts)) ** max(tokens, 0)  # P(an expert gets an assignment)
+    budget = SPLIT_BUDGET_SWAP if swap else SPLIT_BUDGET
     for m in tiles:
-        if expected_m_blocks(tokens, top_k, n_experts, m) <= SPLIT_BUDGET * max(busy, 1e-12):
+        if expected_m_blocks(tokens, top_k, n_experts, m) <= budget * max(busy, 1e-12):
             return m
     return tiles[-1]
 
@@ -556,7 +572,8 @@ def compiled_variant(idx_NK: torch.Tensor, n_experts: int, tiles: Tiles = DEFAUL
     M tile as resolved here), Triton's specialisation of integer arguments (== 1, divisible by 16) for
     the assignment count, and how the K outputs are summed."""
     A = idx_NK.numel()
-    bm = tiles.block_m or auto_block_m(idx_NK.shape[0], idx_NK.shape[1], n_experts, _wgmma_target(idx_NK.device))
+    bm = tiles.block_m or auto_block_m(idx_NK.shape[0], idx_NK.shape[1], n_experts, _wgmma_target(idx_NK.device),
+                                       tiles.swap)
     return (tiles.spec(), bm, A == 1, A % 16 == 0, moe_sum)
 
 
@@ -649,7 +666,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     Im = inter if inter is not None else down_EHI.shape[-1] * (2 if fmt == FMT_INT4 else 1)
     A = N * K
     if block_m is None:
-        block_m = auto_block_m(N, K, E, _wgmma_target(x_NH.device))
+        block_m = auto_block_m(N, K, E, _wgmma_target(x_NH.device), t.swap)
         if block_m == 128 and not t.num_warps:  # two warpgroups: 4 warps would hold 2 x 128 x BN fp32 accumulators
             warps = {"num_warps": 8}
     if fmt == FMT_INT4:

@@ -15,8 +15,8 @@ Nothing else chooses a kernel: no registry, no module global, no method replaced
 "auto" resolves per device: experts -> "triton_checked" on a CUDA GPU with Triton (the kernel, compared with the
 torch path on its first call per device, dtype and variant, and replaced by it with a warning if it fails or
 disagrees), grouped GEMMs on a CPU that has them, else "dense"; attention -> "sdpa_gqa"; the soft cap and the
-routing -> their checked Triton kernels on a GPU (the torch references elsewhere). `attention_kernel=True` (off by
-default until a GPU times it) gives the fixed-shape passes the checked Triton attention kernel on a CUDA GPU
+routing -> their checked Triton kernels on a GPU (the torch references elsewhere). `attention_kernel` (None: on a Hopper
+GPU, `Options.attention_kernel_on`) gives the fixed-shape passes the checked Triton attention kernel on a CUDA GPU
 (kernels/attention_fixed.py), and changes nothing elsewhere. Explicit "triton" skips the
 first-use check (benchmarks and tests want the kernel, not a fallback); "loop" / "torch" are the references. With
 compiled blocks the kernels a block calls are custom ops (kernels/library.py), so a block traces as one graph.
@@ -39,7 +39,7 @@ from .attention_fixed import FIXED_ATTENTION, fixed_attention_op
 from .compiled import compiled_block
 from .library import FLOAT_EXPERTS, float_experts, float_experts_op, kernel_of
 from .linear_q import QuantizedLinear, as_linear_tiles, linear_tiles_spec, quantize_linears_, quantized_linears
-from .moe_grouped import _grouped_mm_ok, as_tiles
+from .moe_grouped import _grouped_mm_ok, _wgmma_target, as_tiles, default_tiles
 from .quant import QuantizedExperts, QuantizedMLP, quantize_experts_, quantize_mlp_
 from .route import ROUTE, route_op
 from .sc_topk import soft_embedding_topk
@@ -112,18 +112,18 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
               group_size: int = 64, sc_topk: int | None = None, linears: str = "native", compile: bool = False,
               moe_tiles=None, moe_sum: str = "kernel", linear_tiles=None,
               merge_projections: bool | None = None,
-              attention_kernel: bool = False) -> dict:
+              attention_kernel: bool | None = None) -> dict:
     """Apply kernel / storage choices to a DiffusionGemmaModel in place; return what was chosen.
     sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py).
     linears: "native", or "int8" / "fp8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py);
     a module that already holds 8-bit linears keeps them. Their kernel follows `experts`: "loop" / "torch" (the
     references) -> the torch reference, "triton" -> the kernel unchecked, "scaled_mm" -> fp8 linears with fp8
     activations too (w8a8, like the experts), else "auto" (checked on first use). moe_tiles / linear_tiles: spec
-    strings of the Triton kernels' tiles (None: the defaults); moe_sum: "kernel" or "atomic". merge_projections: each
-    layer's q/k/v and gate/up projections as one GEMM each (None: `Options.merges`' default); layers whose projections
-    cannot merge (a LoRA adapter attached) run them one by one. attention_kernel:
-    the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU only (elsewhere it changes
-    nothing)."""
+    strings of the Triton kernels' tiles (None: the defaults, `moe_grouped.default_tiles` for the experts);
+    moe_sum: "kernel" or "atomic". merge_projections: each layer's q/k/v and gate/up projections as one GEMM each
+    (None: `Options.merges`' default); layers whose projections cannot merge (a LoRA adapter attached) run them one
+    by one. attention_kernel: the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU only
+    (None: `Options.attention_kernel_on`; elsewhere it changes nothing)."""
     check_names(experts, attention, linears)
     if moe_sum not in ("kernel", "atomic"):
         raise ValueError(f"unknown MoE sum {moe_sum!r}; use 'kernel' (deterministic, default) or 'atomic'")
@@ -131,7 +131,10 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
         raise ValueError(f"sc_topk must be a positive number of tokens or None, got {sc_topk}")
     _store(module, precision, group_size, linears)
     dev, dtype = module.device, module.dtype
-    tiles, lin_tiles = as_tiles(moe_tiles), as_linear_tiles(linear_tiles)
+    lin_tiles = as_linear_tiles(linear_tiles)
+    held = module.layers[0].experts
+    tiles = as_tiles(moe_tiles) if moe_tiles is not None else default_tiles(
+        held.fmt if isinstance(held, QuantizedExperts) else "native", _wgmma_target(dev))
     name = auto_experts_backend(dev, dtype) if experts == "auto" else experts
     resolved = _experts(module, experts, name, tiles, moe_sum, compile)
     fast = dev.type == "cuda" and usable_on(dev)
@@ -144,7 +147,8 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
         m.tiles, m.tiles_spec = lin_tiles, linear_tiles_spec(lin_tiles)
     merged = merge_projections_(module, Options(merge_projections=merge_projections).validate().merges())
     attention = "sdpa_gqa" if attention == "auto" else attention
-    fixed = "triton_checked" if attention_kernel and fast else None
+    fixed = "triton_checked" if fast and Options(attention_kernel=attention_kernel).validate().attention_kernel_on(dev) \
+        else None
     module.ops = Ops(attention=ATTENTION[attention], softcap=SOFTCAP[softcap], soft_embedding=_soft_embedding(sc_topk),
                      block=compiled_block() if compile else None, fixed_attention=_fixed_attention(fixed, compile))
     q = (quantized_linears(module) or [None])[0]

@@ -79,7 +79,7 @@ def _experts_meta(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, block_m: int | None
     N, H = x_NH.shape
     K, E, Im = idx_NK.shape[1], gate_up_EFH.shape[0], down_EHI.shape[-1]
     tiles = tiles or moe_grouped.DEFAULT_TILES
-    block_m = block_m or tiles.block_m or moe_grouped.auto_block_m(N, K, E, wgmma=True)
+    block_m = block_m or tiles.block_m or moe_grouped.auto_block_m(N, K, E, wgmma=True, swap=tiles.swap)
     A = N * K
     L = -(-(A + E * (block_m - 1)) // block_m) * block_m
     sorted_ids = torch.empty(L, dtype=torch.long, device=x_NH.device)  # noqa: F841 - alive like the kernel's

@@ -42,12 +42,12 @@ P V for its half: 195 registers, no spill, BN = 32 keys a step, Q 64 KB + two pi
 BN = 64, 8 warps: 250 registers, no spill, 160 KB (64 programs a sliding layer at batch 1; DV = 128 would give 128
 at 1.5x the arithmetic: a setting for bench_attention.py's sweep). These are what compiles without spilling, not
 the winners of a sweep. On an H100 the kernel took 2.58 ms of a batch-1 step against SDPA's 2.62, yet the whole
-graphed step took 1.25 ms less with it (it builds no mask and gathers no window; benchmarks/results/
-2026-11-27-h100-stack.md).
+graphed step took 1.25 ms less with it, a gain the profile did not place (the SDPA path also builds a mask over the
+cache and gathers the sliding window each pass; benchmarks/results/2026-11-27-h100-stack.md).
 
 On by default on Hopper, opt-in on other CUDA GPUs (`Options.attention_kernel_on`, `bench --attention-kernel`),
-checked against the reference on its first use per device, dtype and variant (`fixed_attention_checked`); `fixed_attention_op` is the custom op a compiled
-block calls (kernels/library.py says why).
+checked against the reference on its first use per device, dtype and variant (`fixed_attention_checked`);
+`fixed_attention_op` is the custom op a compiled block calls (kernels/library.py says why).
 """
 
 from __future__ import annotations

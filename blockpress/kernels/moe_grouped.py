@@ -419,13 +419,13 @@ class Tiles:
     block_m None: `auto_block_m`, the smallest of 16..64 (16..128 on sm_90+, with 8 warps at 128 unless num_warps
     is set) that holds a busy expert's assignments in one block but for ~10 % in expectation. block_n is capped
     per kernel at the next power of two >= its output width (a small model's tiles). fp8 on Hopper has its own
-    (`default_tiles`). The others were chosen on benchmarks/compile_report.py's static model of the 26B shapes on sm_90: BK 64 (not 32) halved the
-    int4 instructions per weight (5.5-6.9 -> 4.3-5.0: instruction-bound -> memory-bound); BN 128 (not 64) cuts
-    them further at batch 4 (int4 issue 3.29 -> 2.82 ms a step, bf16 1.49 -> 1.00), matches BN 64 at batch 1
-    (704 = 5.5 x 128 wastes a half tile), and halves the activation re-reads from L2 (every N tile re-reads its
-    M block's rows: int4 at batch 1 19.8 -> 16.1 GB of L2 -> SM traffic a step against 12.1 GB from HBM; at
-    batch 4 42.6 -> 28.1); on an H100 at batch 1 no swapped int4 tile beat them. `benchmarks/sweep_moe_tiles.py` times a grid of them on one layer of a real config,
-    and the `moe_tiles` option (`load(..., moe_tiles="bm=32,bn=128,bk=64,warps=8,stages=4")`, `blockpress bench
+    (`default_tiles`). The others were chosen on benchmarks/compile_report.py's static model of the 26B shapes on
+    sm_90: BK 64 (not 32) halved the int4 instructions per weight (5.5-6.9 -> 4.3-5.0: instruction-bound ->
+    memory-bound); BN 128 (not 64) cuts them further at batch 4 (int4 issue 3.29 -> 2.82 ms a step, bf16 1.49 ->
+    1.00), matches BN 64 at batch 1 (704 = 5.5 x 128 wastes a half tile), and halves the activation re-reads from
+    L2 (every N tile re-reads its M block's rows: int4 at batch 1 19.8 -> 16.1 GB of L2 -> SM traffic a step
+    against 12.1 GB from HBM; at batch 4 42.6 -> 28.1); on an H100 at batch 1 no swapped int4 tile beat them.
+    `benchmarks/sweep_moe_tiles.py` times a grid of them on one layer of a real config, and the `moe_tiles` option (`load(..., moe_tiles="bm=32,bn=128,bk=64,warps=8,stages=4")`, `blockpress bench
     --moe-tiles ...`) applies the winner."""
 
     block_m: int | None = None

@@ -15,9 +15,9 @@ Nothing else chooses a kernel: no registry, no module global, no method replaced
 "auto" resolves per device: experts -> "triton_checked" on a CUDA GPU with Triton (the kernel, compared with the
 torch path on its first call per device, dtype and variant, and replaced by it with a warning if it fails or
 disagrees), grouped GEMMs on a CPU that has them, else "dense"; attention -> "sdpa_gqa"; the soft cap and the
-routing -> their checked Triton kernels on a GPU (the torch references elsewhere). `attention_kernel` (None: on a Hopper
-GPU, `Options.attention_kernel_on`) gives the fixed-shape passes the checked Triton attention kernel on a CUDA GPU
-(kernels/attention_fixed.py), and changes nothing elsewhere. Explicit "triton" skips the
+routing -> their checked Triton kernels on a GPU (the torch references elsewhere). `attention_kernel` (None: on
+a Hopper GPU, `Options.attention_kernel_on`) gives the fixed-shape passes the checked Triton attention kernel on a
+CUDA GPU (kernels/attention_fixed.py), and changes nothing elsewhere. Explicit "triton" skips the
 first-use check (benchmarks and tests want the kernel, not a fallback); "loop" / "torch" are the references. With
 compiled blocks the kernels a block calls are custom ops (kernels/library.py), so a block traces as one graph.
 """

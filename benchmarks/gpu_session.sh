@@ -36,6 +36,8 @@
 #            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
 #            passes' profile; int4; the align kernel's test
+#   defaults the rows as they run with today's defaults (no tile or attention flag): fp8 (--profile), int4, fp8 at
+#            batch 4 against the older tiles, int4 + int4 MLP, bf16
 #   sweep    after stack: one layer's expert tiles (defaults vs swap=1) for fp8 and int4; the attention tests; int4
 #   stack    issue 30's untimed paths in one lease: the compiled fp8 row vs the same with swapped expert tiles and the
 #            attention kernel (--profile); int4 with both, with and without the int4 MLP; unmerged; the kernels' tests
@@ -61,7 +63,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/blockpress-gpu}
 PRESET=${PRESET:-real-26b}
-PART=${1:?usage: gpu_session.sh sweep|stack|merged|attention|swap|compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
+PART=${1:?usage: gpu_session.sh defaults|sweep|stack|merged|attention|swap|compiled|align|engine|next|oneshot|tune|final|check|bf16|quant|serve|long|ctx}
 # seconds per benchmark run, so that one hang cannot eat the call: a part stays under 9.5 minutes
 case "$PART" in bf16) DEFAULT_LIMIT=180 ;; quant) DEFAULT_LIMIT=110 ;; long) DEFAULT_LIMIT=130 ;; ctx) DEFAULT_LIMIT=270 ;; *) DEFAULT_LIMIT=240 ;; esac  # serve: 2 x 240
 STEP_LIMIT=${STEP_LIMIT:-$DEFAULT_LIMIT}
@@ -295,6 +297,24 @@ EOF
     STEP_LIMIT=120 bench fp8-attention $ROW --attention-kernel --profile
     grep -h "attention kernel is off" "$OUT/log.txt" | head -3 | tee -a "$OUT/summary.txt"
     ;;
+  defaults)
+    # after 2026-11-27-h100-stack.md, which made the swapped fp8 tiles and the attention kernel Hopper's defaults
+    # from rows run with flags: the rows as they now run with no tile or attention flag, most important first. fp8
+    # (--profile: the experts' and attention's kernel time); int4 (the attention kernel on, never timed with the
+    # default int4 tiles); fp8 at batch 4, where bm=auto now picks 64 for swapped tiles (untimed), against the older
+    # tiles; int4 + int4 MLP (the <= 18 GB row); bf16 (never timed compiled)
+    DEADLINE=$((SECONDS + ${BUDGET:-480}))
+    env_info
+    ROW="$ROW1 --compile --fuse-commit"
+    STEP_LIMIT=100 bench fp8 $ROW --precision fp8 --profile
+    STEP_LIMIT=80 bench int4 $ROW --precision int4
+    STEP_LIMIT=90 bench fp8-b4 ${ROW/--batch 1/--batch 4} --precision fp8
+    [ "$CUDA" = 1 ] && STEP_LIMIT=90 bench fp8-b4-oldtiles ${ROW/--batch 1/--batch 4} --precision fp8 \
+      --moe-tiles "bm=auto,bn=128,bk=64"
+    STEP_LIMIT=80 bench int4-mlp4 $ROW --precision int4 --linears int4-mlp
+    STEP_LIMIT=130 bench bf16 $ROW
+    grep -h "is off on" "$OUT/log.txt" | sort -u | head -5 | tee -a "$OUT/summary.txt"
+    ;;
   sweep)
     # after part 'stack' (whose fp8 experts with swap=1 tiles took 12.89 ms a step against 12.57 with the defaults):
     # one real-shaped layer's expert kernels, the default tiles against every swapped setting (sweep_moe_tiles.py:
@@ -491,7 +511,7 @@ EOF
       grep -v '^{' "$OUT/train-$name.txt" | tail -6 | tee -a "$OUT/log.txt"
     done
     ;;
-  *) echo "unknown part $PART (sweep, stack, merged, attention, swap, compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
+  *) echo "unknown part $PART (defaults, sweep, stack, merged, attention, swap, compiled, align, engine, next, oneshot, tune, final, check, bf16, quant, serve, long, ctx or train)"; exit 2 ;;
 esac
 [ -s "$OUT/summary.txt" ] && { echo; echo "=== failures and tests"; cat "$OUT/summary.txt"; }
 

@@ -141,7 +141,7 @@ def build(args):
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     options = dict(precision=args.precision, linears=args.linears, moe_tiles=args.moe_tiles,
                    sampler=args.sampler, fuse_commit=args.fuse_commit, cuda_graphs=bool(args.cuda_graphs),
-                   merge_projections=args.merge_projections)
+                   merge_projections=args.merge_projections, attention_kernel=args.attention_kernel)
     if args.model:
         return load(args.model, device=str(device), dtype=dtype, progress=sys.stderr.isatty(), tokenizer=False,
                     **options)
@@ -174,7 +174,7 @@ def run(args, lm=None) -> dict:
               "model": args.model, "preset": None if args.model else args.preset,
               "dtype": str(module.dtype).replace("torch.", ""), "precision": args.precision, "linears": args.linears,
               "cuda_graphs": graphs is not None, "fuse_commit": lm.options.fused(lm.device), "sampler": lm.options.sampler,
-              "merge_projections": lm.options.merges(),
+              "merge_projections": lm.options.merges(), "attention_kernel": lm.options.attention_kernel_on(lm.device),
               "mode": args.mode, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "steps": args.steps, "canvas_length": C,
               "moe_tiles": module.layers[0].experts.tiles.spec() if hasattr(module.layers[0].experts, "tiles")
@@ -265,6 +265,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="serve --fuse-commit (default: on a CUDA GPU)")
     p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="serve --merge-projections (default: on)")
+    p.add_argument("--attention-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve --attention-kernel (default: on a Hopper GPU)")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="serve --sampler")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC", help="Triton expert kernels' tiles (as bench's)")
     p.add_argument("--mode", choices=["fixed", "adaptive"], default="fixed",

@@ -202,7 +202,7 @@ def model_options(args) -> dict[str, Any]:
     reference = getattr(args, "reference_kernels", False)
     opts = {"precision": getattr(args, "precision", "native"), "linears": getattr(args, "linears", "native"),
             "experts": "loop" if reference else "auto", "attention": "sdpa" if reference else "auto"}
-    for name in ("sampler", "fuse_commit", "merge_projections"):  # serve's
+    for name in ("sampler", "fuse_commit", "merge_projections", "attention_kernel"):  # serve's
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
     return opts

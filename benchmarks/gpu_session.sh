@@ -37,7 +37,7 @@
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
 #            passes' profile; int4; the align kernel's test
 #   defaults the rows as they run with today's defaults (no tile or attention flag): fp8 (--profile), int4, fp8 at
-#            batch 4 against the older tiles, int4 + int4 MLP, bf16
+#            batch 4 against the older tiles, int4 + int4 MLP, the int4 MLP's tile sweep, bf16
 #   sweep    after stack: one layer's expert tiles (defaults vs swap=1) for fp8 and int4; the attention tests; int4
 #   stack    issue 30's untimed paths in one lease: the compiled fp8 row vs the same with swapped expert tiles and the
 #            attention kernel (--profile); int4 with both, with and without the int4 MLP; unmerged; the kernels' tests
@@ -312,6 +312,12 @@ EOF
     [ "$CUDA" = 1 ] && STEP_LIMIT=90 bench fp8-b4-oldtiles ${ROW/--batch 1/--batch 4} --precision fp8 \
       --moe-tiles "bm=auto,bn=128,bk=64"
     STEP_LIMIT=80 bench int4-mlp4 $ROW --precision int4 --linears int4-mlp
+    # the int4 MLP cost 2.9 ms a step on swapped tiles (2026-11-27-h100-stack.md): ~9 MB of int4 weights a layer
+    # in ~0.1 ms, on ~34-44 programs at the experts' tiles; its own tiles, one layer
+    lim=$(limit 70)
+    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 benchmarks/sweep_moe_tiles.py --preset "$PRESET" \
+      --mlp --precision int4 --grid "bm=auto,32,64;bn=32,64,128;bk=64,128|bm=auto,64;bn=64,128;bk=64,128;swap=1" \
+      --out "$OUT/tiles-mlp.json" 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" | tail -14
     STEP_LIMIT=130 bench bf16 $ROW
     grep -h "is off on" "$OUT/log.txt" | sort -u | head -5 | tee -a "$OUT/summary.txt"
     ;;

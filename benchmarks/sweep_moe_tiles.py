@@ -6,14 +6,16 @@ a step gets to the bandwidth floor. Their default tiles (block_m sized for the s
 layer's experts (random weights on the device: bf16, fp8 or int4) and a canvas's routing (B x C tokens,
 top-K of a random router), then times every tile setting of a grid (`triton.testing.do_bench` on CUDA,
 the best of `--repeats` on a CPU) and reports ms, achieved GB/s (the layer's hit expert bytes / time) and
-the fraction of the measured copy bandwidth. The first setting (the current defaults) is checked against
-the plain-torch experts, and every other setting against the first (same function: only the summation
-tiling differs); the script exits 1 on a disagreement. A setting Triton cannot compile (shared memory,
+the fraction of the measured copy bandwidth. The first setting (the engine's defaults for the precision on this
+device, `moe_grouped.default_tiles`) is checked against the plain-torch experts, and every other setting against
+the first (same function: only the summation tiling differs); the script exits 1 on a disagreement. A setting Triton cannot compile (shared memory,
 registers) is listed as failed, not fatal. With int4, a BK larger than the scale group is halved until it
 fits (so bk=128 and bk=64 can be the same kernel there).
 
     python benchmarks/sweep_moe_tiles.py --preset real-26b --precision native,fp8,int4      # H100/H200 (~2 min, estimated)
     TRITON_INTERPRET=1 python benchmarks/sweep_moe_tiles.py --preset tiny --grid "bm=16;bn=16,32;bk=16"  # CPU
+    python benchmarks/sweep_moe_tiles.py --mlp --precision int4 --grid "bm=auto,64;bn=32,64,128;bk=64,128"
+                                              # the dense MLP as --linears int4-mlp runs it, on the experts' kernels
 
 Ends with one JSON line; its "best" gives, per precision, the spec to pass on:
     blockpress bench --preset real-26b --experts triton --moe-tiles <spec> ...
@@ -63,14 +65,16 @@ def parse_grid(text: str) -> list[str]:
     return specs
 
 
-def build_layer(text, precision: str, device, dtype, group_size: int, seed: int):
+def build_layer(text, precision: str, device, dtype, group_size: int, seed: int, mlp: bool = False):
     """One layer's experts: (call(x, w, idx, tiles) -> [N, H], reference(x, w, idx) -> [N, H] in plain torch,
-    expert bytes of the whole layer)."""
+    expert bytes of the whole layer). mlp: the layer's dense MLP instead, as the one expert every token takes
+    (`--linears int4-mlp`, kernels/quant.py QuantizedMLP)."""
     from blockpress.kernels.moe_grouped import FMT_FP8, FMT_INT4, experts_triton
     from blockpress.kernels.quant import QuantizedExperts
     from blockpress.model.moe import experts_loop
 
-    E, H, Im = text.num_experts, text.hidden_size, text.moe_intermediate_size
+    E, H, Im = (1, text.hidden_size, text.intermediate_size) if mlp else \
+        (text.num_experts, text.hidden_size, text.moe_intermediate_size)
     g = torch.Generator(device=device).manual_seed(seed)
     gate_up = (torch.randn(E, 2 * Im, H, generator=g, device=device) * 0.02).to(dtype)
     down = (torch.randn(E, H, Im, generator=g, device=device) * 0.02).to(dtype)
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
     from blockpress.lab.presets import preset_config
     from blockpress.config import ModelConfig
     from blockpress.kernels._triton import triton, usable_on
-    from blockpress.kernels.moe_grouped import DEFAULT_TILES as TILES, parse_tiles
+    from blockpress.kernels.moe_grouped import _wgmma_target, default_tiles, parse_tiles
     from blockpress.lab.roofline import expected_hit_fraction, measure_bandwidth
     from blockpress.loading import parse_device
 
@@ -111,6 +115,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="activation dtype (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--repeats", type=_positive_int, default=3, help="CPU: best of this many runs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mlp", action="store_true", help="the layer's dense MLP as one expert every token takes (what "
+                                                      "--linears int4-mlp runs) instead of its experts")
     p.add_argument("--out", help="also write the JSON result here")
     args = p.parse_args(argv)
 
@@ -127,25 +133,34 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_dict(config)
     text, C = cfg.text, cfg.canvas_length
     N, K, E = args.batch * C, text.top_k_experts, text.num_experts
-    specs = parse_grid(args.grid if args.grid is not None else (DEFAULT_GRID if device.type == "cuda" else ""))
-    specs = [TILES.spec()] + [s for s in specs if parse_tiles(s).spec() != TILES.spec()]  # the defaults first
+    Im = text.moe_intermediate_size
+    if args.mlp:
+        K, E, Im = 1, 1, text.intermediate_size
+    grid = parse_grid(args.grid if args.grid is not None else (DEFAULT_GRID if device.type == "cuda" else ""))
+    defaults = {prec: default_tiles(prec, _wgmma_target(device)).spec() for prec in precisions}
     bandwidth = measure_bandwidth(device)
     hit = expected_hit_fraction(E, K, N)
     g = torch.Generator(device=device).manual_seed(args.seed + 1)
     x = torch.randn(N, text.hidden_size, generator=g, device=device).to(dtype)
-    probs = torch.softmax(torch.randn(N, E, generator=g, device=device), dim=-1)
-    w, idx = torch.topk(probs, K, dim=-1)
-    w = w / w.sum(-1, keepdim=True)
+    if args.mlp:  # every token to the one expert with weight 1, as QuantizedMLP routes
+        w, idx = torch.ones(N, 1, device=device), torch.zeros(N, 1, dtype=torch.int64, device=device)
+    else:
+        probs = torch.softmax(torch.randn(N, E, generator=g, device=device), dim=-1)
+        w, idx = torch.topk(probs, K, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
     print(f"sweep_moe_tiles: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
-          f"{args.config or args.preset}, one layer: E={E} H={text.hidden_size} Im={text.moe_intermediate_size} "
-          f"top-{K}, {N} tokens (batch {args.batch} x canvas {C}), copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
-          f"{len(specs)} tile settings x {len(precisions)} precisions", flush=True)
+          f"{args.config or args.preset}, one layer{'s dense MLP' if args.mlp else ''}: E={E} H={text.hidden_size} "
+          f"Im={Im} top-{K}, {N} tokens (batch {args.batch} x canvas {C}), copy bandwidth {bandwidth / 1e9:.0f} "
+          f"GB/s, {len(grid)} tile settings x {len(precisions)} precisions (+ each one's defaults)", flush=True)
     result = {"bench": "moe_tiles", "device": str(device), "hardware": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "torch": torch.__version__,
-              "triton": triton.__version__, "config": args.config or args.preset, "tokens": N,
-              "bandwidth_gbs": bandwidth / 1e9, "default": TILES.spec(), "results": [], "best": {}}
+              "triton": triton.__version__, "config": args.config or args.preset, "tokens": N, "mlp": args.mlp,
+              "bandwidth_gbs": bandwidth / 1e9, "default": defaults, "results": [], "best": {}}
     for precision in precisions:
-        call, reference, layer_bytes = build_layer(text, precision, device, dtype, args.group_size, args.seed)
+        TILES = parse_tiles(defaults[precision])  # noqa: N806 - the engine's defaults for this precision, first
+        specs = [TILES.spec()] + [s for s in grid if parse_tiles(s).spec() != TILES.spec()]
+        call, reference, layer_bytes = build_layer(text, precision, device, dtype, args.group_size, args.seed,
+                                                   args.mlp)
         floor_bytes = layer_bytes * hit
         torch_out = reference(x, w, idx).float()
         ref = None

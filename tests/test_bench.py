@@ -326,6 +326,18 @@ def test_moe_tile_sweep_on_cpu_checks_every_setting_against_torch(capsys, monkey
         ["bm=auto,bn=128,bk=64", "bm=16,bn=16,bk=16", "bm=16,bn=32,bk=16"]
     assert all(r["ok"] and r["ms"] > 0 for r in rows)
     assert all(v["speedup_vs_default"] > 0 for v in result["best"].values())
+    # the dense MLP as --linears int4-mlp runs it: one expert of the MLP's width that every token takes
+    monkeypatch.setattr(sys, "argv", ["sweep_moe_tiles.py", "--preset", "tiny", "--device", "cpu", "--precision",
+                                      "int4", "--mlp", "--grid", "bm=16;bn=32;bk=32", "--repeats", "1"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "benchmarks" / "sweep_moe_tiles.py"), run_name="__main__")
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["mlp"] and result["rel_err_vs_torch"]["int4"] < 1e-4
+    text = preset_config("tiny")[0]["text_config"]
+    assert f"E=1 H={text['hidden_size']} Im={text['intermediate_size']} top-1" in out
+    assert [r["spec"] for r in result["results"]] == ["bm=auto,bn=128,bk=64", "bm=16,bn=32,bk=32"]
 
 
 def test_moe_tiles_setting_reaches_the_kernel_launch(monkeypatch):

@@ -447,6 +447,15 @@ def test_fp8_experts_take_the_swapped_tiles_on_hopper_by_default(monkeypatch):
         "bm=16,bn=128,bk=64,swap=1"
     m = DiffusionGemmaModel(ModelConfig.from_dict(config))
     assert select.configure(m, experts="torch", precision="int4")["moe_tiles"] == moe_grouped.DEFAULT_TILES.spec()
+    # an int4 MLP beside fp8 experts keeps int4's defaults (swapped tiles were slower for int4), unless asked
+    m = DiffusionGemmaModel(ModelConfig.from_dict(config))
+    select.configure(m, experts="torch", precision="fp8", linears="int4-mlp")
+    assert m.layers[0].experts.tiles is moe_grouped.FP8_WGMMA_TILES
+    assert m.layers[0].mlp.experts.tiles is moe_grouped.DEFAULT_TILES
+    select.use(m, experts="torch")  # a kernel change keeps each holder's tiles
+    assert m.layers[0].mlp.experts.tiles is moe_grouped.DEFAULT_TILES
+    select.configure(m, experts="torch", precision="fp8", linears="int4-mlp", moe_tiles="bm=16,swap=1")
+    assert m.layers[0].mlp.experts.tiles.spec() == "bm=16,bn=128,bk=64,swap=1"
 
 
 def test_expected_m_blocks_matches_the_blocks_align_blocks_makes_for_random_routing():

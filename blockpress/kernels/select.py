@@ -80,9 +80,10 @@ def _store(module, precision: str, group_size: int, linears: str) -> None:
         quantize_linears_(module, linears)
 
 
-def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool) -> str:
+def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool, mlp_tiles=None) -> str:
     """Set every layer's experts kernel; returns what runs (for reports). compiled: the blocks are compiled, so float
-    experts go through their custom op (kernels/library.py; quantised experts choose theirs themselves)."""
+    experts go through their custom op (kernels/library.py; quantised experts choose theirs themselves). mlp_tiles:
+    the int4 MLPs' tiles where they differ from the experts' (None: the same)."""
     dev, dtype = module.device, module.dtype
     quantized = isinstance(module.layers[0].experts, QuantizedExperts)
     if name == "scaled_mm":  # torch._scaled_grouped_mm: fp8 x fp8 on Hopper-class GPUs only
@@ -95,7 +96,8 @@ def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool)
     for layer in module.layers:  # int4 MLPs run on the quantised experts' kernels: "triton" where it runs, else torch
         if isinstance(layer.mlp, QuantizedMLP):
             mlp = layer.mlp.experts
-            mlp.backend, mlp.tiles, mlp.moe_sum = "torch" if backend == "torch" else "auto", tiles, moe_sum
+            mlp.backend, mlp.moe_sum = "torch" if backend == "torch" else "auto", moe_sum
+            mlp.tiles = tiles if mlp_tiles is None else mlp_tiles
     if quantized:
         for layer in module.layers:  # "triton" where it runs, else the torch reference
             layer.experts.backend, layer.experts.tiles, layer.experts.moe_sum = backend, tiles, moe_sum
@@ -132,11 +134,12 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     _store(module, precision, group_size, linears)
     dev, dtype = module.device, module.dtype
     lin_tiles = as_linear_tiles(linear_tiles)
-    held = module.layers[0].experts
+    held, wgmma = module.layers[0].experts, _wgmma_target(dev)
     tiles = as_tiles(moe_tiles) if moe_tiles is not None else default_tiles(
-        held.fmt if isinstance(held, QuantizedExperts) else "native", _wgmma_target(dev))
+        held.fmt if isinstance(held, QuantizedExperts) else "native", wgmma)
+    mlp_tiles = None if moe_tiles is not None else default_tiles("int4", wgmma)  # an int4 MLP: int4's defaults
     name = auto_experts_backend(dev, dtype) if experts == "auto" else experts
-    resolved = _experts(module, experts, name, tiles, moe_sum, compile)
+    resolved = _experts(module, experts, name, tiles, moe_sum, compile, mlp_tiles)
     fast = dev.type == "cuda" and usable_on(dev)
     softcap = routing = "torch" if experts in ("loop", "torch") or not fast else "triton" if experts == "triton" \
         else "triton_checked"
@@ -250,7 +253,9 @@ def use(module, *, attention: str | None = None, experts: str | None = None, sof
         tiles, moe_sum = (ex.tiles, ex.moe_sum) if isinstance(ex, QuantizedExperts) else \
             (getattr(ex.kernel, "keywords", {}).get("tiles", as_tiles(None)),
              getattr(ex.kernel, "keywords", {}).get("moe_sum", "kernel"))
-        _experts(module, experts, experts, tiles, moe_sum, module.ops.block is not None)
+        mlp = next((layer.mlp.experts for layer in module.layers if isinstance(layer.mlp, QuantizedMLP)), None)
+        _experts(module, experts, experts, tiles, moe_sum, module.ops.block is not None,
+                 None if mlp is None else mlp.tiles)
 
 
 def _name(table: dict, fn) -> str:

@@ -36,7 +36,7 @@
 #            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
 #            passes' profile; int4; the align kernel's test
-#   defaults the rows as they run with today's defaults (no tile or attention flag): fp8 (--profile), int4, fp8 at
+#   defaults the rows as they run with today's defaults (no tile or attention flag): fp8 (--profile, AR), int4, fp8 at
 #            batch 4 against the older tiles, int4 + int4 MLP, the int4 MLP's tile sweep, bf16
 #   sweep    after stack: one layer's expert tiles (defaults vs swap=1) for fp8 and int4; the attention tests; int4
 #   stack    issue 30's untimed paths in one lease: the compiled fp8 row vs the same with swapped expert tiles and the
@@ -306,7 +306,8 @@ EOF
     DEADLINE=$((SECONDS + ${BUDGET:-480}))
     env_info
     ROW="$ROW1 --compile --fuse-commit"
-    STEP_LIMIT=100 bench fp8 $ROW --precision fp8 --profile
+    # with our AR decode (issue 30 item 9, never timed compiled + graphed): 256 greedy tokens, batch 1
+    STEP_LIMIT=110 bench fp8 ${ROW/--no-ar/--ar-tokens 256} --precision fp8 --profile
     STEP_LIMIT=80 bench int4 $ROW --precision int4
     STEP_LIMIT=90 bench fp8-b4 ${ROW/--batch 1/--batch 4} --precision fp8
     [ "$CUDA" = 1 ] && STEP_LIMIT=90 bench fp8-b4-oldtiles ${ROW/--batch 1/--batch 4} --precision fp8 \

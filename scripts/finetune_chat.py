@@ -1,25 +1,35 @@
-"""Second stage of the shipped chat model (blockpress/assets/assistant): a drill-heavy fine-tune of train_chat.py's
+"""The fine-tunes of the shipped chat model (blockpress/assets/assistant): drill-heavy stages after train_chat.py's
 model, on CPU.
 
-    python3 scripts/prepare_chat.py --out runs/chat-drill --mix-seed 5 --drill 0.6   # 60 % drills, a fresh mix
-    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --out runs/chat-drill-model  # see the model card
+    python3 scripts/prepare_chat.py --out runs/chat-drill --mix-seed 5 --drill 0.6    # stage 1's mix: 60 % drills
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 1 --out runs/chat-drill-model
+    python3 scripts/prepare_chat.py --out runs/chat-drill2 --mix-seed 6 --drill 0.7   # stage 2's mix: 70 % drills
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 2 --out runs/chat-drill2-model  # the shipped one
 
-Equivalent to `blockpress train runs/chat-drill/train.jsonl --model runs/chat-model/checkpoint-0007000` with the
-recipe below: the same objective as train_chat.py (the encoder's AR loss on at weight 1; without it an earlier
-fine-tune lost tool-call validity), from its last checkpoint, on conversations of which 60 % are arithmetic and
-conversion drills (45 % in the first stage), drawn with another seed; batch 32, lr 6e-4 with 50 warmup steps,
-cosine to 10 %, 2,000 steps. The tokenizer is the first stage's: prepare_chat.py learns it from the same seed
-whatever --mix-seed is. Extra flags pass through (e.g. --model, --resume, --steps).
+Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
+train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
+the previous stage's last checkpoint, on a fresh mix from the same generator (another seed, more arithmetic and
+conversion drills than the first stage's 45 %); batch 32, lr 6e-4 with 50 warmup steps, cosine to 10 %. The
+tokenizer is the first stage's: prepare_chat.py learns it from the same seed whatever --mix-seed is. Extra flags
+pass through (e.g. --model, --resume, --steps).
 """
 
+import argparse
 import sys
 
 from blockpress.cli import main
 
-RECIPE = ["train", "runs/chat-drill/train.jsonl", "--model", "runs/chat-model/checkpoint-0007000",
-          "--batch-size", "32", "--lr", "6e-4", "--warmup", "50", "--ar-weight", "1", "--steps", "2000",
-          "--seed", "5", "--threads", "1", "--eval-data", "runs/chat-drill/heldout.jsonl", "--eval-every", "500",
-          "--save-every", "500", "--log-every", "50", "--keep-last", "0", "--no-progress"]
+COMMON = ["--batch-size", "32", "--lr", "6e-4", "--warmup", "50", "--ar-weight", "1", "--threads", "1",
+          "--eval-every", "500", "--save-every", "500", "--log-every", "50", "--keep-last", "0", "--no-progress"]
+STAGES = {
+    1: ["runs/chat-drill/train.jsonl", "--model", "runs/chat-model/checkpoint-0007000", "--steps", "2000",
+        "--seed", "5", "--eval-data", "runs/chat-drill/heldout.jsonl"],
+    2: ["runs/chat-drill2/train.jsonl", "--model", "runs/chat-drill-model/checkpoint-0002000", "--steps", "2500",
+        "--seed", "6", "--eval-data", "runs/chat-drill2/heldout.jsonl"],
+}
 
 if __name__ == "__main__":
-    sys.exit(main(RECIPE + sys.argv[1:]))
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--stage", type=int, choices=sorted(STAGES), default=2)
+    known, rest = ap.parse_known_args()
+    sys.exit(main(["train", *STAGES[known.stage], *COMMON, *rest]))

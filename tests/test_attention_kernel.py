@@ -237,31 +237,6 @@ def test_the_kernel_is_on_by_default_on_hopper_only(monkeypatch):
     assert not Options(attention_kernel=True).attention_kernel_on(torch.device("cpu"))
 
 
-def test_the_flag_reaches_load_from_serve_bench_and_bench_serve():
-    """--attention-kernel / --no-attention-kernel: serve's options for load (run.model_options), bench's and
-    bench_serve.py's; no flag: None (the default rule, `Options.attention_kernel_on`)."""
-    import argparse
-    import runpy
-    from pathlib import Path
-
-    from blockpress.cli import bench, serve
-    from blockpress.cli.run import model_options
-
-    for add in (serve.add_parser, bench.add_parser,
-                runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "bench_serve.py"))["add_parser"]):
-        p = argparse.ArgumentParser()
-        add(p)
-        model = ["m"] if add is serve.add_parser else []
-        assert p.parse_args(model).attention_kernel is None
-        assert p.parse_args([*model, "--attention-kernel"]).attention_kernel is True
-        assert p.parse_args([*model, "--no-attention-kernel"]).attention_kernel is False
-    p = argparse.ArgumentParser()
-    serve.add_parser(p)
-    assert model_options(p.parse_args(["m", "--no-attention-kernel"]))["attention_kernel"] is False
-    assert "attention_kernel" not in model_options(p.parse_args(["m"]))
-
-
-@pytest.mark.slow
 def test_a_compiled_block_with_the_kernel_is_one_graph_without_breaks(tiny):
     """Compiled blocks in the fixed-shape pass with the kernel selected: its custom op is one node, no graph break,
     one graph per kind of layer, the eager logits (~35 s on 2 cores: two compiles)."""

@@ -530,3 +530,30 @@ def test_default_threads_follow_the_free_cores(model_dir, capsys):
     finally:
         spin.kill()
         spin.wait()
+
+
+@pytest.mark.parametrize("flag", ["merge-projections", "attention-kernel"])
+def test_the_engine_flags_reach_load_from_serve_bench_and_bench_serve(flag):
+    """--merge-projections / --attention-kernel and their --no- forms: serve's options for load (run.model_options),
+    bench's and bench_serve.py's; no flag: None (the option's default rule, `Options.merges` /
+    `Options.attention_kernel_on`)."""
+    import argparse
+    import runpy
+    from pathlib import Path
+
+    from blockpress.cli import bench, serve
+    from blockpress.cli.run import model_options
+
+    name = flag.replace("-", "_")
+    for add in (serve.add_parser, bench.add_parser,
+                runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "bench_serve.py"))["add_parser"]):
+        p = argparse.ArgumentParser()
+        add(p)
+        model = ["m"] if add is serve.add_parser else []
+        assert getattr(p.parse_args(model), name) is None
+        assert getattr(p.parse_args([*model, f"--{flag}"]), name) is True
+        assert getattr(p.parse_args([*model, f"--no-{flag}"]), name) is False
+    p = argparse.ArgumentParser()
+    serve.add_parser(p)
+    assert model_options(p.parse_args(["m", f"--no-{flag}"]))[name] is False
+    assert name not in model_options(p.parse_args(["m"]))

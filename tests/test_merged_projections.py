@@ -283,30 +283,6 @@ def test_the_option_its_default_and_configure_report():
     assert not _merged(lm.module)
 
 
-def test_the_flag_reaches_load_from_serve_bench_and_bench_serve():
-    """--merge-projections / --no-merge-projections: serve's options for load (run.model_options), bench's and
-    bench_serve.py's; no flag: None (the default rule)."""
-    import argparse
-    import runpy
-    from pathlib import Path
-
-    from blockpress.cli import bench, serve
-    from blockpress.cli.run import model_options
-
-    for add in (serve.add_parser, bench.add_parser,
-                runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "bench_serve.py"))["add_parser"]):
-        p = argparse.ArgumentParser()
-        add(p)
-        model = ["m"] if add is serve.add_parser else []
-        assert p.parse_args(model).merge_projections is None
-        assert p.parse_args([*model, "--merge-projections"]).merge_projections is True
-        assert p.parse_args([*model, "--no-merge-projections"]).merge_projections is False
-    p = argparse.ArgumentParser()
-    serve.add_parser(p)
-    assert model_options(p.parse_args(["m", "--no-merge-projections"]))["merge_projections"] is False
-    assert "merge_projections" not in model_options(p.parse_args(["m"]))
-
-
 def test_a_compiled_block_runs_the_merged_gemm_without_graph_breaks():
     """Under torch.compile the merged path traces into the block's graph: one graph per kind of layer (the merged
     tensors are graph inputs like the parameters, no recompile per layer), no graph break, and fewer linear calls in

@@ -263,7 +263,7 @@ class Constraint:
         drawn = y.tolist()
         m = self.matcher.deep_copy()
         forced = [] if m.is_accepting() else takewhile(lambda t: t not in self.vocab.stop_ids, m.compute_ff_tokens())
-        lead = list(forced)[:min(C, self.budget - self.written - 1)]  # a stop is the walk's to decide, not forced
+        lead = list(forced)[:max(0, min(C, self.budget - self.written - 1))]  # a stop is the walk's to decide
         out_a, out_y, ended = [], [], False
         for j in range(C):
             left = self.budget - self.written - j

@@ -4,12 +4,15 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-drill --mix-seed 5 --drill 0.6    # stage 1's mix: 60 % drills
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 1 --out runs/chat-drill-model
     python3 scripts/prepare_chat.py --out runs/chat-drill2 --mix-seed 6 --drill 0.7   # stage 2's mix: 70 % drills
-    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 2 --out runs/chat-drill2-model  # the shipped one
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 2 --out runs/chat-drill2-model
+    python3 scripts/prepare_chat.py --out runs/chat-goals --mix-seed 7 --drill 0.75 --drills goals --n 110000
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 3 --out runs/chat-goals-model
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
 the previous stage's last checkpoint, on a fresh mix from the same generator (another seed, more arithmetic and
-conversion drills than the first stage's 45 %); batch 32, lr 6e-4 with 50 warmup steps, cosine to 10 %. The
+conversion drills than the first stage's 45 %; stage 3's drills ask only what the eval's goals name: 2-digit
+addition and subtraction, conversions, tool calls); batch 32, lr 6e-4 with 50 warmup steps, cosine to 10 %. The
 tokenizer is the first stage's: prepare_chat.py learns it from the same seed whatever --mix-seed is. Extra flags
 pass through (e.g. --model, --resume, --steps).
 """
@@ -26,6 +29,8 @@ STAGES = {
         "--seed", "5", "--eval-data", "runs/chat-drill/heldout.jsonl"],
     2: ["runs/chat-drill2/train.jsonl", "--model", "runs/chat-drill-model/checkpoint-0002000", "--steps", "2500",
         "--seed", "6", "--eval-data", "runs/chat-drill2/heldout.jsonl"],
+    3: ["runs/chat-goals/train.jsonl", "--model", "runs/chat-drill2-model/checkpoint-0002500", "--steps", "3000",
+        "--seed", "7", "--eval-data", "runs/chat-goals/heldout.jsonl"],
 }
 
 if __name__ == "__main__":

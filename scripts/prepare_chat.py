@@ -5,8 +5,8 @@
 Writes, under --out:
   train.jsonl      --n generated conversations (`blockpress train` chat rows: messages, tools,
                    enable_thinking; the final assistant turn is supervised), none using a held-out question:
-                   the normal stream with --drill of them arithmetic / conversion drills
-                   (`assistant.drilled_dialogs(--n, --mix-seed, --drill)`)
+                   the normal stream with --drill of them drills (--drills: broad or goals)
+                   (`assistant.drilled_dialogs(--n, --mix-seed, --drill, drills=--drills)`)
   heldout.jsonl    the eval set (`blockpress.tasks.assistant.heldout`, --heldout per table row), each row
                    with its `expect` (what a right reply does); the trainer reads it for the eval loss
   tokenizer/       tokenizer.json (byte-level BPE, --vocab ids, every Gemma 4 special token, digits one per
@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/chat")
     ap.add_argument("--n", type=int, default=160_000, help="training conversations")
     ap.add_argument("--drill", type=float, default=0.45, help="share of arithmetic / conversion drills")
+    ap.add_argument("--drills", default="broad", choices=["broad", "goals"],
+                    help="what the drills ask: broad (arithmetic of every size, conversions) or goals (2-digit "
+                         "addition / subtraction, conversions, tool calls: the eval's goal rows)")
     ap.add_argument("--mix-seed", type=int, default=4, help="seed of the training conversations")
     ap.add_argument("--tokenizer-rows", type=int, default=120_000, help="conversations the BPE is learned on")
     ap.add_argument("--heldout", type=int, default=40, help="held-out conversations per table row")
@@ -49,7 +52,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     held = assistant.heldout(args.heldout)
     with open(out / "train.jsonl", "w") as f:
-        for d in assistant.drilled_dialogs(args.n, args.mix_seed, args.drill):
+        for d in assistant.drilled_dialogs(args.n, args.mix_seed, args.drill, drills=args.drills):
             f.write(json.dumps(d.row(), ensure_ascii=False) + "\n")
     rows = [d.row() for d in assistant.train_dialogs(args.tokenizer_rows, args.seed)]
     with open(out / "heldout.jsonl", "w") as f:

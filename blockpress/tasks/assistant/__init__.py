@@ -78,13 +78,36 @@ def train_dialogs(count: int, seed: int = 0, exclude: frozenset | None = None):
 DRILL_DIGITS = {"add": [(1, 1), (2, 1), (2, 2), (3, 3)], "sub": [(2, 1), (2, 2), (3, 3)], "mul": [(1, 1), (2, 1), (2, 2)]}
 
 
-def drilled_dialogs(count: int, seed: int, share: float, exclude: frozenset | None = None):
-    """`count` training conversations of which about `share` are drills: a skill conversation (the full chat
-    format: system turns, thinking on or off, earlier exchanges, tools that do not fit) whose question is
-    arithmetic (3 in 4; short operands weighted up) or a unit conversion, the skills a tiny model learns last;
-    the rest is the normal stream (`train_dialogs(count, seed)`, in order). Conversation i draws from its own
-    seeded RNG; one that uses a held-out question is redrawn."""
+def _broad_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
+    """Arithmetic (3 in 4; short operands weighted up) or a unit conversion."""
+    if rng.random() < 0.75:
+        op = rng.choice(list(DRILL_DIGITS))
+        return "skill", skills.arithmetic(rng, op, rng.choice(DRILL_DIGITS[op]))
+    return "skill", skills.conversion(rng)
+
+
+def _goal_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
+    """The rows the eval's goals name: 2-digit addition and subtraction (3 in 10 each), a unit conversion
+    (1 in 4), a tool call (the rest)."""
+    r = rng.random()
+    if r < 0.6:
+        return "skill", skills.arithmetic(rng, "add" if r < 0.3 else "sub", (2, 2))
+    if r < 0.85:
+        return "skill", skills.conversion(rng)
+    return "call", None
+
+
+DRILLS = {"broad": _broad_drill, "goals": _goal_drill}
+
+
+def drilled_dialogs(count: int, seed: int, share: float, exclude: frozenset | None = None, drills: str = "broad"):
+    """`count` training conversations of which about `share` are drills: a conversation in the full chat format
+    (system turns, thinking on or off, earlier exchanges, tools that do not fit) on a question `DRILLS[drills]`
+    draws: "broad", arithmetic of every size or a unit conversion, the skills a tiny model learns last; "goals",
+    only what the eval's goals name. The rest is the normal stream (`train_dialogs(count, seed)`, in order).
+    Conversation i draws from its own seeded RNG; one that uses a held-out question is redrawn."""
     exclude = heldout_keys() if exclude is None else exclude
+    draw = DRILLS[drills]
     rest = train_dialogs(count, seed=seed, exclude=exclude)
     for i in range(count):
         rng = random.Random(f"assistant/mix/{seed}/{i}")
@@ -92,12 +115,8 @@ def drilled_dialogs(count: int, seed: int, share: float, exclude: frozenset | No
             yield next(rest)
             continue
         while True:
-            if rng.random() < 0.75:
-                op = rng.choice(list(DRILL_DIGITS))
-                item = skills.arithmetic(rng, op, rng.choice(DRILL_DIGITS[op]))
-            else:
-                item = skills.conversion(rng)
-            d = dialogs.conversation(rng, "skill", item)
+            kind, item = draw(rng)
+            d = dialogs.conversation(rng, kind, item)
             if not any(k in exclude for k in d.keys):
                 yield d
                 break

@@ -8,7 +8,8 @@ Both from the same cache, positions and queries; their outputs are compared (rel
 wrong kernel shows. The per-step estimate sums each kind of layer's time over the model's layers.
 
     python benchmarks/bench_attention.py                         # the 26B shapes at batch 1, ~2K cached tokens (GPU)
-    python benchmarks/bench_attention.py --tiles "dv=128;bm=128,bn=32;bn=16,stages=3"  # + tile variants
+    python benchmarks/bench_attention.py --tiles "dv=128;bm=128,bn=32;bn=16,stages=3;split=2"  # + tile variants
+    (split=k: the keys of a row block in k runs, k times the programs, merged by a second kernel)
     python benchmarks/bench_attention.py --preset tiny --device cpu  # the interpreter: a check that it runs
 
 Ends with one JSON line.
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from blockpress.cli.run import _positive_int  # noqa: E402
 
-TILE_KEYS = {"bm": "BM", "bn": "BN", "dv": "DV", "warps": "num_warps", "stages": "num_stages"}
+TILE_KEYS = {"bm": "BM", "bn": "BN", "dv": "DV", "split": "SPLIT", "warps": "num_warps", "stages": "num_stages"}
 
 
 def parse_tiles(spec: str) -> list[dict]:
@@ -110,6 +111,10 @@ def main(argv=None) -> int:
         n_layers = text.layer_types.count(t)
         step["today"] += n_layers * today_ms
         for tiles in variants:
+            if D % tiles.get("DV", D) or tiles.get("DV", D) < 16:  # a column tile this head dim cannot take
+                print(f"{t.split('_')[0]:<8} {D:>4} {H // kv:>2} {cache.keys[i].shape[2]:>6} DV={tiles['DV']}: "
+                      f"not a divisor of the head dim, skipped")
+                continue
             kernel = Ops(fixed_attention=lambda *a, tiles=tiles: fixed_attention_triton(*a, tiles=tiles))
             fast = Fixed(types.SimpleNamespace(**{**vars(model), "ops": kernel}), cache, start, 0, C, dtype)
             got = fast.attend(layer, t, q, k, v, attention_sdpa_gqa)

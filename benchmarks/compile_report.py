@@ -98,7 +98,7 @@ def linear_variants(text, dtype, passes, formats: list[str]):
 def attention_variants(text, dtype, canvas: int, batches: list[int]):
     """(label, thunk) per launch of the fixed-shape passes' attention kernel (kernels/attention_fixed.py, opt-in):
     each kind of layer (a sliding one on its ring) for a canvas of each batch size after 2,048 cached tokens, and a
-    fused commit + canvas."""
+    fused commit + canvas; at batch 1 also with the keys split in two runs (SPLIT=2 and the merging kernel)."""
     from blockpress.config import FULL, SLIDING
     from blockpress.kernels.attention_fixed import fixed_attention_triton
 
@@ -118,6 +118,10 @@ def attention_variants(text, dtype, canvas: int, batches: list[int]):
             yield (f"attention {t.split('_')[0]} D {D} G {H // kv}, {what}",
                    lambda q=q, k=keys, v=values, valid=valid, start=start, S=S, W=W:
                    fixed_attention_triton(q, k, v, valid, start, S, W, bool(W)))
+            if what == "canvas x1":  # the keys in two runs and their merge (bench_attention.py --tiles split=2)
+                yield (f"attention {t.split('_')[0]} D {D} G {H // kv}, {what}, split=2",
+                       lambda q=q, k=keys, v=values, valid=valid, start=start, S=S, W=W:
+                       fixed_attention_triton(q, k, v, valid, start, S, W, bool(W), tiles={"SPLIT": 2}))
 
 
 def head_variants(vocab: int, canvas: int, dtype, batches: list[int], cap: float | None):

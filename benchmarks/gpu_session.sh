@@ -36,8 +36,9 @@
 #            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
 #            passes' profile; int4; the align kernel's test
-#   defaults the rows as they run with today's defaults (no tile or attention flag): fp8 (--profile, AR), int4, fp8 at
-#            batch 4 against the older tiles, int4 + int4 MLP, the int4 MLP's tile sweep, bf16
+#   defaults the rows as they run with today's defaults (no tile or attention flag): fp8 (--profile, AR), the attention
+#            kernel's split keys per layer, int4, int4 at group 128 + 512-token prefill chunks (<= 18 GB predicted), fp8
+#            at batch 4 against the older tiles, int4 + int4 MLP, the int4 MLP's tile sweep, bf16
 #   sweep    after stack: one layer's expert tiles (defaults vs swap=1) for fp8 and int4; the attention tests; int4
 #   stack    issue 30's untimed paths in one lease: the compiled fp8 row vs the same with swapped expert tiles and the
 #            attention kernel (--profile); int4 with both, with and without the int4 MLP; unmerged; the kernels' tests
@@ -308,7 +309,16 @@ EOF
     ROW="$ROW1 --compile --fuse-commit"
     # with our AR decode (issue 30 item 9, never timed compiled + graphed): 256 greedy tokens, batch 1
     STEP_LIMIT=110 bench fp8 ${ROW/--no-ar/--ar-tokens 256} --precision fp8 --profile
+    # the attention kernel took 2.58 ms a step on 64 (sliding) / 128 (full) programs for 132 SMs: the keys of each row
+    # block in 2-4 runs (SPLIT, merged by a second kernel; never timed), per layer against the default
+    lim=$(limit 60)
+    [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/bench_attention.py --preset "$PRESET" \
+      --tiles "split=2;split=3;split=4;dv=128,split=2" --out "$OUT/attention-split.json" 2>&1 | grep -v '^{' \
+      | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
     STEP_LIMIT=80 bench int4 $ROW --precision int4
+    # the <= 18 GB candidate with no slower kernel: int4 scales per 128 inputs where the dim allows (gate/up) and
+    # 512-token prefill chunks (a ring of 1,536 slots in the sliding layers); peak_memory.py predicts 17.70 GB
+    STEP_LIMIT=80 bench int4-g128-c512 $ROW --precision int4 --group-size 128 --prefill-chunk 512
     STEP_LIMIT=90 bench fp8-b4 ${ROW/--batch 1/--batch 4} --precision fp8
     [ "$CUDA" = 1 ] && STEP_LIMIT=90 bench fp8-b4-oldtiles ${ROW/--batch 1/--batch 4} --precision fp8 \
       --moe-tiles "bm=auto,bn=128,bk=64"

@@ -22,6 +22,7 @@ It leaves out the caching allocator's rounding and fragmentation and the CUDA co
 `max_memory_allocated`); `blockpress bench` on a GPU reports the measured `peak_mem_bytes`.
 
     python benchmarks/peak_memory.py --preset real-26b --precision int4
+    python benchmarks/peak_memory.py --preset real-26b --precision int4 --group-size 128 --prefill-chunk 512
     python benchmarks/peak_memory.py --preset tiny --precision native --batch 2
 """
 
@@ -33,7 +34,7 @@ import math
 
 import torch
 
-from blockpress.cli.bench import _positive_float
+from blockpress.cli.bench import _group_size, _positive_float
 from blockpress.lab.presets import preset_config
 from blockpress.cli.run import _nonneg_int, _positive_int
 from blockpress.options import LINEAR_FORMATS
@@ -61,6 +62,9 @@ def main(argv=None) -> dict:
     p.add_argument("--linears", default="native", choices=LINEAR_FORMATS,
                    help="attention / dense-MLP projections (8 bits: only the weights change; the Triton kernel "
                         "allocates what F.linear does, its output)")
+    p.add_argument("--group-size", type=_group_size, default=64,
+                   help="int4 scale group along the input dim (64: 4.25 bits a weight; 128: 4.125 where the input "
+                        "dim allows, which the 26B model's down projections (704 inputs) do not)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--prompt-tokens", type=_positive_int, default=None)
@@ -82,7 +86,7 @@ def main(argv=None) -> dict:
     if args.prefill_chunk is not None:
         m.prefill_chunk = args.prefill_chunk or None
     m.ring_cache = not args.no_ring
-    weights = estimated_weight_bytes(m, dtype, args.precision, linears=args.linears)
+    weights = estimated_weight_bytes(m, dtype, args.precision, args.group_size, linears=args.linears)
     meta_backends(m)
     C, V = m.config.canvas_length, m.text.vocab_size
     capacity = P + math.ceil(N / C) * C  # generate's cache: the commits and one canvas of room (its scratch K/V)
@@ -156,7 +160,8 @@ def main(argv=None) -> dict:
         predicted[s] = {"eager": base + max(step[s], *passes_eager),
                         "cuda_graphs": weights + kv_graphs + held + logits + pool + max(rows["prefill"]["peak_bytes"],
                                                                                          sampler)}
-    print(f"{args.preset}, {args.dtype}, experts {args.precision}, linears {args.linears}, B={B}, P={P}, N={N} (cache {capacity} positions)")
+    print(f"{args.preset}, {args.dtype}, experts {args.precision}"
+          f"{f' (group {args.group_size})' if args.precision == 'int4' else ''}, linears {args.linears}, B={B}, P={P}, N={N} (cache {capacity} positions)")
     ring = f"a ring of {cache.ring} positions in the sliding layers" if cache.ring else "every position in every layer"
     print(f"  weights {weights / GB:.3f} GB, KV cache {kv / GB:.3f} GB ({ring}), self-conditioning logits held "
           f"{held / GB:.3f} GB")
@@ -167,7 +172,7 @@ def main(argv=None) -> dict:
     print(f"  predicted peak (GB; budget {args.budget_gb:.1f}):   eager   CUDA graphs")
     for s_, v in predicted.items():
         print(f"    {s_ + ' sampler':28s} {v['eager'] / GB:7.2f} {v['cuda_graphs'] / GB:13.2f}")
-    result = {"bench": "peak_memory", "preset": args.preset, "precision": args.precision, "linears": args.linears,
+    result = {"bench": "peak_memory", "preset": args.preset, "precision": args.precision, "group_size": args.group_size, "linears": args.linears,
               "dtype": args.dtype, "ring": cache.ring,
               "batch": B, "prompt_tokens": P, "new_tokens": N, "weights_bytes": weights, "kv_bytes": kv,
               "held_bytes": held, "passes": {k: v["peak_bytes"] for k, v in rows.items()},

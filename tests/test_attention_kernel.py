@@ -116,6 +116,26 @@ def test_head_dim_512_at_a_small_sequence(t, dtype):
     _compare(t, 8, 512, None, dtype, T=19, B=1, kv=1, rows=[(0, 8), (4, 4)])
 
 
+@pytest.mark.parametrize("t,G,D,R,dtype,T,tiles", [
+    (SLIDING, 8, 32, W + 16, torch.float32, 61, {"BM": 32, "BN": 16, "DV": 16, "SPLIT": 2}),
+    (FULL, 2, 64, None, torch.bfloat16, 21, {"SPLIT": 3}),
+    (FULL, 8, 512, None, torch.float32, 19, {"SPLIT": 2})])
+def test_the_keys_split_into_runs_merge_to_the_same_attention(t, G, D, R, dtype, T, tiles):
+    """SPLIT runs of the key tiles per row block (flash-decoding's split, for more programs at batch 1), merged by
+    their log-sum-exps: a ring wrapped twice with the output's columns in two programs, a run that sees no key (3
+    runs of 2 tiles) in bf16, head dim 512."""
+    _compare(t, G, D, R, dtype, T=T, tiles=tiles, B=1 if D == 512 else 2, kv=1 if D == 512 else 2,
+             rows=[(0, 8), (4, 4)] if D == 512 else ROWS)
+
+
+def test_a_bad_split_is_refused():
+    q = torch.zeros(1, 2, 4, 16, device=DEV)
+    keys = torch.zeros(1, 1, 8, 16, device=DEV)
+    with pytest.raises(ValueError, match="SPLIT"):
+        fixed_attention_triton(q, keys, keys, torch.ones(1, 8, dtype=torch.bool, device=DEV),
+                               torch.tensor(0, device=DEV), 0, 0, False, tiles={"SPLIT": 0})
+
+
 def test_the_torch_reference_reads_the_same_slots():
     """`fixed_attention_torch` (the first-use check's reference: the rules' mask over every slot, the position
     each holds computed on the device) is the same function, ring or not."""

@@ -56,7 +56,7 @@ def test_every_kernel_compiles_and_would_launch(report):
         rows = result["archs"][arch]["kernels"]
         assert {r["kernel"] for r in rows} == {"_moe_up_kernel", "_moe_down_kernel", "_moe_sum_kernel", "_align_kernel",
                                                "_linear_q_kernel", "_softcap_kernel", "_fused_sampler_kernel",
-                                               "_fixed_attention_kernel"}
+                                               "_fixed_attention_kernel", "_combine_kernel"}
         for r in rows:
             assert not r["problems"] and r["blocks_per_sm"] >= 1 and r["regs"] > 0, r
     labels = [r["label"] for r in result["archs"]["90"]["kernels"]]
@@ -72,9 +72,11 @@ def test_every_kernel_compiles_and_would_launch(report):
                and r["kernel"] not in ("_align_kernel", "_moe_sum_kernel")]  # no MMA in those two
     assert {r["kernel"] for r in swapped} == {"_moe_up_kernel", "_moe_down_kernel", "_linear_q_kernel"}
     assert all(r["mma"] == "wgmma" for r in swapped)
-    # the fixed-shape passes' attention (opt-in): head dims 256 and 512 on wgmma, no spill, in the H100's shared memory
+    # the fixed-shape passes' attention: head dims 256 and 512 on wgmma, no spill, in the H100's shared memory, the
+    # keys in one run (the default) and in two (SPLIT=2, merged by _combine_kernel)
     attention = [r for r in result["archs"]["90"]["kernels"] if r["kernel"] == "_fixed_attention_kernel"]
-    assert len(attention) == 2 and all(r["mma"] == "wgmma" and r["spill"] == 0 for r in attention)
+    assert len(attention) == 4 and all(r["mma"] == "wgmma" and r["spill"] == 0 for r in attention)
+    assert sum("split=2" in r["label"] for r in attention) == 2
 
 
 def test_pipeline_stages_fit_the_shared_memory(monkeypatch):

@@ -41,7 +41,9 @@ P V for its half: 195 registers, no spill, BN = 32 keys a step, Q 64 KB + two pi
 2 KV heads x 2,048 rows / 64 = 64 row blocks, 128 programs for the H100's 132 SMs. D = 256: whole rows, BM = 64,
 BN = 64, 8 warps: 250 registers, no spill, 160 KB (64 programs a sliding layer at batch 1; DV = 128 would give 128
 at 1.5x the arithmetic: a setting for bench_attention.py's sweep). These are what compiles without spilling, not
-the winners of a sweep. On an H100 the kernel took 2.58 ms of a batch-1 step against SDPA's 2.62, yet the whole
+the winners of a sweep. SPLIT = k (a tile setting, default 1) is flash-decoding's answer to few programs: each row
+block's key tiles in k runs, k times the programs, each run writing its normalised fp32 output and log-sum-exp,
+which `_combine_kernel` merges (exp(lse_run - lse) weights); no spill at k = 2 on sm_90, not yet timed. On an H100 the kernel took 2.58 ms of a batch-1 step against SDPA's 2.62, yet the whole
 graphed step took 1.25 ms less with it, a gain the profile did not place (the SDPA path also builds a mask over the
 cache and gathers the sliding window each pass; benchmarks/results/2026-11-27-h100-stack.md).
 
@@ -66,14 +68,16 @@ from .moe_grouped import checked_on_first_use
 if triton is not None:
 
     @triton.jit
-    def _fixed_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, t0_ptr, o_ptr,
+    def _fixed_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, t0_ptr, o_ptr, part_ptr, lse_ptr,
                                 s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_om, s_oh, s_valid,
                                 M, S, W, R,
                                 KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                                 BM: tl.constexpr, BN: tl.constexpr, SLIDING: tl.constexpr, RING: tl.constexpr,
-                                F32: tl.constexpr):
+                                F32: tl.constexpr, SPLIT: tl.constexpr):
         """Rows [pid * BM, pid * BM + BM) of KV head (b, h)'s group: out[b, m, h * G + j, c:c + DV] for row m * G + j
-        (the output's columns c in D / DV programs side by side, each with the whole of Q K^T)."""
+        (the output's columns c in D / DV programs side by side, each with the whole of Q K^T). SPLIT > 1: program
+        (., ., sp) takes the sp-th of SPLIT runs of the key tiles and writes its normalised fp32 output and its
+        log-sum-exp (-inf where its rows saw no key) to part / lse [SPLIT, B, M, nh, .]; `_combine_kernel` merges."""
         pid = tl.program_id(0) // (D // DV)
         c = (tl.program_id(0) % (D // DV)) * DV
         b = (tl.program_id(1) // KV).to(tl.int64)  # 64-bit row offsets: a batch of long caches passes 2^31 elements
@@ -104,6 +108,10 @@ if triton is not None:
         n = tl.arange(0, BN)
         k_base = k_ptr + b * s_kb + h * s_kh
         v_base = v_ptr + b * s_vb + h * s_vh
+        if SPLIT > 1:  # this program's run of the key tiles: the sp-th of SPLIT as even as whole tiles allow
+            per = tl.cdiv(tl.cdiv(hi_t - lo_t, BN), SPLIT) * BN
+            lo_t = lo_t + tl.program_id(2) * per
+            hi_t = tl.minimum(hi_t, lo_t + per)
         for start in range(lo_t, hi_t, BN):
             kp = start + n  # positions
             inside = kp < hi_t
@@ -132,8 +140,35 @@ if triton is not None:
                 acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(o_ptr + b * s_ob + m[:, None] * s_om + head[:, None] * s_oh + c + dv[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if SPLIT > 1:  # [SPLIT, B, M, nh, D] fp32 and [SPLIT, B, M, nh], contiguous
+            row = ((tl.program_id(2) * (tl.num_programs(1) // KV) + b) * M + m) * (KV * G) + head
+            tl.store(part_ptr + row[:, None] * D + c + dv[None, :], out, mask=row_ok[:, None])
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+            tl.store(lse_ptr + row, lse, mask=row_ok)  # the D / DV programs of a row block write the same value
+        else:
+            tl.store(o_ptr + b * s_ob + m[:, None] * s_om + head[:, None] * s_oh + c + dv[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _combine_kernel(part_ptr, lse_ptr, o_ptr, N, D: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr):
+        """out[r] = sum_s exp(lse[s, r] - L) part[s, r] with L = log(sum_s exp(lse[s, r])), for BR of the N rows
+        (b, m, head) of the contiguous [B, M, nh, D] output."""
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        ok = r < N
+        d = tl.arange(0, D)
+        top = tl.full([BR], float("-inf"), tl.float32)
+        for sp in tl.static_range(SPLIT):
+            top = tl.maximum(top, tl.load(lse_ptr + sp * N + r, mask=ok, other=float("-inf")))
+        top = tl.where(top == float("-inf"), 0.0, top)  # rows past N (every row saw a key in some run)
+        total = tl.zeros([BR], tl.float32)
+        acc = tl.zeros([BR, D], tl.float32)
+        for sp in tl.static_range(SPLIT):
+            w = tl.exp(tl.load(lse_ptr + sp * N + r, mask=ok, other=float("-inf")) - top)
+            total += w
+            acc += w[:, None] * tl.load(part_ptr + (sp * N + r)[:, None] * D + d[None, :], mask=ok[:, None],
+                                        other=0.0)
+        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(o_ptr + r[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 def tiles_for(D: int, itemsize: int = 2) -> dict:
@@ -162,7 +197,8 @@ def fixed_attention_triton(q, keys, values, valid, start, S: int, window: int, r
     buffers holding this pass's K/V already, valid [B, P] bool, start a 0-dim int64 tensor on q's device, window W
     (0: a full layer), ring: position p in slot p % R -> [B, nh, M, D] (a transposed view of [B, M, nh, D], which
     the output projection's reshape takes without a copy). tiles: `tiles_for`'s keys (BM, BN, DV, num_warps,
-    num_stages), for tests and benchmarks/bench_attention.py."""
+    num_stages) and SPLIT (default 1: each program runs over all of its rows' keys; k > 1: over a k-th of them, k
+    times the programs, merged by a second kernel), for tests and benchmarks/bench_attention.py."""
     if triton is None:
         raise RuntimeError("fixed_attention_triton needs triton (pip install triton)")
     if not supports(q, keys):
@@ -173,17 +209,26 @@ def fixed_attention_triton(q, keys, values, valid, start, S: int, window: int, r
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(B, M, H, D, dtype=q.dtype, device=q.device)
     t = dict(tiles_for(D, q.element_size()), **(tiles or {}))
-    bm, bn, dv = t.pop("BM"), t.pop("BN"), t.pop("DV", D)
+    bm, bn, dv, split = t.pop("BM"), t.pop("BN"), t.pop("DV", D), t.pop("SPLIT", 1)
     if D % dv or dv < 16:
         raise ValueError(f"the output column tile DV={dv} must divide the head dim {D} (and be >= 16)")
-    grid = (triton.cdiv((H // kv) * M, bm) * (D // dv), B * kv)
+    if isinstance(split, bool) or not isinstance(split, int) or split < 1:
+        raise ValueError(f"SPLIT (runs of the key tiles a row block is split into) must be a positive integer, "
+                         f"got {split!r}")
+    # split > 1: fp32 partial outputs and their log-sum-exps, merged by a second kernel
+    part = torch.empty(split, B, M, H, D, dtype=torch.float32, device=q.device) if split > 1 else out
+    lse = torch.empty(split, B, M, H, dtype=torch.float32, device=q.device) if split > 1 else out
+    grid = (triton.cdiv((H // kv) * M, bm) * (D // dv), B * kv, split)
     _fixed_attention_kernel[grid](
-        q, keys, values, valid.view(torch.uint8), start, out,
+        q, keys, values, valid.view(torch.uint8), start, out, part, lse,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1), out.stride(2),
         valid.stride(0), M, S, window, keys.shape[2],
         KV=kv, G=H // kv, D=D, DV=dv, BM=bm, BN=bn, SLIDING=window > 0, RING=bool(ring),
-        F32=q.dtype == torch.float32 or interpreted(), **t)
+        F32=q.dtype == torch.float32 or interpreted(), SPLIT=split, **t)
+    if split > 1:
+        N, br = B * M * H, 16 if D <= 256 else 8
+        _combine_kernel[(triton.cdiv(N, br),)](part, lse, out, N, D=D, BR=br, SPLIT=split)
     return out.transpose(1, 2)
 
 

@@ -319,10 +319,10 @@ EOF
     # the <= 18 GB candidate with no slower kernel: int4 scales per 128 inputs where the dim allows (gate/up) and
     # 512-token prefill chunks (a ring of 1,536 slots in the sliding layers); peak_memory.py predicts 17.70 GB
     STEP_LIMIT=80 bench int4-g128-c512 $ROW --precision int4 --group-size 128 --prefill-chunk 512
+    STEP_LIMIT=80 bench int4-mlp4 $ROW --precision int4 --linears int4-mlp
     STEP_LIMIT=90 bench fp8-b4 ${ROW/--batch 1/--batch 4} --precision fp8
     [ "$CUDA" = 1 ] && STEP_LIMIT=90 bench fp8-b4-oldtiles ${ROW/--batch 1/--batch 4} --precision fp8 \
       --moe-tiles "bm=auto,bn=128,bk=64"
-    STEP_LIMIT=80 bench int4-mlp4 $ROW --precision int4 --linears int4-mlp
     # the int4 MLP cost 2.9 ms a step on swapped tiles (2026-11-27-h100-stack.md): ~9 MB of int4 weights a layer
     # in ~0.1 ms, on ~34-44 programs at the experts' tiles; its own tiles, one layer
     lim=$(limit 70)

@@ -37,7 +37,7 @@
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
 #            passes' profile; int4; the align kernel's test
 #   defaults the rows as they run with today's defaults (no tile or attention flag): fp8 (--profile, AR), the attention
-#            kernel's split keys per layer, int4, int4 at group 128 + 512-token prefill chunks (<= 18 GB predicted), fp8
+#            kernel's split keys per layer and fp8 with --attention-split 2, int4, int4 at group 128 + 512-token prefill chunks (<= 18 GB predicted), fp8
 #            at batch 4 against the older tiles, int4 + int4 MLP, the int4 MLP's tile sweep, bf16
 #   sweep    after stack: one layer's expert tiles (defaults vs swap=1) for fp8 and int4; the attention tests; int4
 #   stack    issue 30's untimed paths in one lease: the compiled fp8 row vs the same with swapped expert tiles and the
@@ -315,6 +315,7 @@ EOF
     [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/bench_attention.py --preset "$PRESET" \
       --tiles "split=2;split=3;split=4;dv=128,split=2" --out "$OUT/attention-split.json" 2>&1 | grep -v '^{' \
       | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
+    [ "$CUDA" = 1 ] && STEP_LIMIT=80 bench fp8-split2 $ROW --precision fp8 --attention-split 2
     STEP_LIMIT=80 bench int4 $ROW --precision int4
     # the <= 18 GB candidate with no slower kernel: int4 scales per 128 inputs where the dim allows (gate/up) and
     # 512-token prefill chunks (a ring of 1,536 slots in the sliding layers); peak_memory.py predicts 17.70 GB

@@ -165,10 +165,10 @@ def tiny():
     return m
 
 
-def _passes(m, cache, canvas, kernel):
+def _passes(m, cache, canvas, kernel, split=1):
     """A denoising step, a fused commit + step and a commit, in their fixed-shape form, with `kernel` as the
-    fixed-shape attention (None: the masks); returns their outputs and the cache after them."""
-    kernels.use(m, attention_kernel=kernel)
+    fixed-shape attention (None: the masks) in `split` key runs; returns their outputs and the cache after them."""
+    kernels.use(m, attention_kernel=kernel, attention_split=split)
     try:
         cache = copy.deepcopy(cache)
         T = cache.length
@@ -182,11 +182,12 @@ def _passes(m, cache, canvas, kernel):
         kernels.use(m, attention_kernel=None)
 
 
-@pytest.mark.parametrize("ring", [False, True])
-def test_a_tiny_models_fixed_shape_passes_with_the_kernel(tiny, ring):
+@pytest.mark.parametrize("ring,split", [(False, 1), (True, 1), (True, 2)])
+def test_a_tiny_models_fixed_shape_passes_with_the_kernel(tiny, ring, split):
     """The tiny model (head dims 16 and 32, groups 2 and 4, a window of 8) on a left-padded 30-token prompt: the
     fixed-shape passes with the kernel selected give the logits and hidden states of the default fixed-shape passes
-    (masks over the cache, SDPA), on a cache that keeps every position and on a ring (24 slots, wrapping)."""
+    (masks over the cache, SDPA), on a cache that keeps every position and on a ring (24 slots, wrapping); the keys
+    in one run and, as `attention_split=2` sets it, in two."""
     B = 2
     ids = torch.randint(5, 512, (B, 30), generator=torch.Generator().manual_seed(3)).to(DEV)
     pad = torch.ones(B, 30, dtype=torch.bool, device=DEV)
@@ -197,7 +198,7 @@ def test_a_tiny_models_fixed_shape_passes_with_the_kernel(tiny, ring):
     cache.ensure_capacity(cache.length + 16, write=16)
     canvas = torch.randint(0, 512, (B, 8), generator=torch.Generator().manual_seed(4)).to(DEV)
     want, c1 = _passes(tiny, cache, canvas, None)
-    got, c2 = _passes(tiny, cache, canvas, "triton")
+    got, c2 = _passes(tiny, cache, canvas, "triton", split)
     for a, b in zip(got, want):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     for a, b in zip(c2.keys + c2.values, c1.keys + c1.values):  # the same K/V written
@@ -227,10 +228,15 @@ def test_the_checked_kernel_the_op_and_the_option(tiny, monkeypatch):
     assert torch.equal(fixed_attention_op(*args, "triton"), fixed_attention_triton(*args))
     torch.library.opcheck(fixed_attention_op, (*args, "triton"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    assert torch.equal(fixed_attention_op(*args, "triton", 2), fixed_attention_triton(*args, split=2))
+    torch.library.opcheck(fixed_attention_op, (*args, "triton", 2), test_utils=("test_schema", "test_faketensor"))
 
-    assert Options().attention_kernel is None
+    assert Options().attention_kernel is None and Options().attention_split == 1
     with pytest.raises(blockpress.InputError):
         Options().replace(attention_kernel="yes")
+    for bad in (0, 17, 1.5, True):
+        with pytest.raises(blockpress.InputError, match="attention_split"):
+            Options().replace(attention_split=bad)
     m = copy.deepcopy(tiny)
     choice = kernels.configure(m, experts="grouped" if DEV.type == "cpu" else "auto", attention_kernel=True)
     on_gpu = DEV.type == "cuda"
@@ -243,6 +249,9 @@ def test_the_checked_kernel_the_op_and_the_option(tiny, monkeypatch):
                              attention_kernel=False)["attention_kernel"] is None
     kernels.use(m, attention_kernel="triton")
     assert kernels.kernel_names(m)["attention_kernel"] == "triton"
+    assert kernels.kernel_names(m)["attention_split"] == 1
+    kernels.use(m, attention_kernel="triton", attention_split=3)
+    assert kernels.kernel_names(m)["attention_split"] == 3
 
 
 def test_the_kernel_is_on_by_default_on_hopper_only(monkeypatch):
@@ -259,7 +268,8 @@ def test_the_kernel_is_on_by_default_on_hopper_only(monkeypatch):
 
 def test_a_compiled_block_with_the_kernel_is_one_graph_without_breaks(tiny):
     """Compiled blocks in the fixed-shape pass with the kernel selected: its custom op is one node, no graph break,
-    one graph per kind of layer, the eager logits (~35 s on 2 cores: two compiles)."""
+    one graph per kind of layer, the eager logits; the same with the keys in two runs (~50 s on 2 cores: four
+    compiles)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -279,6 +289,11 @@ def test_a_compiled_block_with_the_kernel_is_one_graph_without_breaks(tiny):
     got = m.decode(canvas, cache, start=start)
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] == 2  # Block.forward for a sliding and a full layer
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    kernels.use(m, routing="torch", attention_kernel="triton", attention_split=2)  # the op with its split argument
+    got = m.decode(canvas, cache, start=start)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 4  # recompiled: the split is a constant of the graph
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 

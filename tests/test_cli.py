@@ -159,6 +159,7 @@ def test_threads_must_be_a_positive_integer_everywhere(command, capsys):
     (["bench", "--batch", "1,x"], "--batch: expected a positive integer, got 'x'"),
     (["bench", "--repeats", "0"], "--repeats: expected a positive integer"),
     (["bench", "--new-tokens", "0"], "--new-tokens: expected a positive integer"),
+    (["bench", "--attention-split", "0"], "--attention-split: expected an integer in 1..16, got 0"),
 ])
 def test_numeric_flags_are_checked_before_any_work(argv, needle, capsys):
     """Each of these was a traceback (ValueError, IndexError, RuntimeError) or a silent nonsense run."""

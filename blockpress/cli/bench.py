@@ -7,7 +7,7 @@ import argparse
 
 from ..lab.presets import DTYPE_NAMES, PRESETS
 from ..options import LINEAR_FORMATS
-from .run import COMPILE_HELP, _nonneg_int, _positive_int, _positive_int_list
+from .run import COMPILE_HELP, _int_in, _nonneg_int, _positive_int, _positive_int_list
 
 MODES = ("fixed", "adaptive")
 
@@ -83,6 +83,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="the fixed-shape passes' attention (--cuda-graphs, --compile) in one Triton kernel that reads "
                         "the cache in place, checked on first use (CUDA only; default: on a Hopper GPU, where it was "
                         "timed; --no-attention-kernel: a mask over the cache through SDPA)")
+    p.add_argument("--attention-split", type=_int_in(1, 16), default=1, metavar="K",
+                   help="the attention kernel's key tiles of each row block in K runs, merged by a second kernel (more "
+                        "programs at batch 1; default 1: one run)")
     p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")

@@ -192,13 +192,15 @@ def supports(q: torch.Tensor, keys: torch.Tensor) -> bool:
     return D >= 16 and D & (D - 1) == 0 and keys.shape[-1] == D and q.shape[1] % keys.shape[1] == 0
 
 
-def fixed_attention_triton(q, keys, values, valid, start, S: int, window: int, ring: bool, tiles=None):
+def fixed_attention_triton(q, keys, values, valid, start, S: int, window: int, ring: bool, tiles=None,
+                           split: int | None = None):
     """q [B, nh, M, D] (M = S + C rows at positions [start, start + M)), keys / values [B, kv, R, D] a layer's cache
     buffers holding this pass's K/V already, valid [B, P] bool, start a 0-dim int64 tensor on q's device, window W
     (0: a full layer), ring: position p in slot p % R -> [B, nh, M, D] (a transposed view of [B, M, nh, D], which
     the output projection's reshape takes without a copy). tiles: `tiles_for`'s keys (BM, BN, DV, num_warps,
     num_stages) and SPLIT (default 1: each program runs over all of its rows' keys; k > 1: over a k-th of them, k
-    times the programs, merged by a second kernel), for tests and benchmarks/bench_attention.py."""
+    times the programs, merged by a second kernel), for tests and benchmarks/bench_attention.py; split: SPLIT as the
+    engine sets it (`Options.attention_split`)."""
     if triton is None:
         raise RuntimeError("fixed_attention_triton needs triton (pip install triton)")
     if not supports(q, keys):
@@ -208,7 +210,7 @@ def fixed_attention_triton(q, keys, values, valid, start, S: int, window: int, r
     kv = keys.shape[1]
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(B, M, H, D, dtype=q.dtype, device=q.device)
-    t = dict(tiles_for(D, q.element_size()), **(tiles or {}))
+    t = dict(tiles_for(D, q.element_size()), **(tiles or {}), **({"SPLIT": split} if split is not None else {}))
     bm, bn, dv, split = t.pop("BM"), t.pop("BN"), t.pop("DV", D), t.pop("SPLIT", 1)
     if D % dv or dv < 16:
         raise ValueError(f"the output column tile DV={dv} must divide the head dim {D} (and be >= 16)")
@@ -239,9 +241,10 @@ def slot_positions(slots: int, end: torch.Tensor, ring: bool) -> torch.Tensor:
     return s + torch.div(end - 1 - s, slots, rounding_mode="floor") * slots if ring else s
 
 
-def fixed_attention_torch(q, keys, values, valid, start, S: int, window: int, ring: bool):
+def fixed_attention_torch(q, keys, values, valid, start, S: int, window: int, ring: bool, split: int | None = None):
     """`fixed_attention_triton` by the rules of model/keys.py: a mask over every slot of the layer (built on the
-    device from `start`: fixed shapes, as a CUDA graph needs), through SDPA. The reference of the first-use check."""
+    device from `start`: fixed shapes, as a CUDA graph needs), through SDPA. The reference of the first-use check
+    (`split`, the kernel's work split, is taken and changes nothing here)."""
     M = q.shape[2]
     kpos = slot_positions(keys.shape[2], start + M, ring)
     seen = valid.index_select(1, kpos.clamp(min=0)) & (kpos >= 0)[None]
@@ -252,14 +255,15 @@ def fixed_attention_torch(q, keys, values, valid, start, S: int, window: int, ri
     return out.copy_(attention_sdpa_gqa(q, keys, values, mask))
 
 
-def fixed_attention_checked(q, keys, values, valid, start, S: int, window: int, ring: bool):
+def fixed_attention_checked(q, keys, values, valid, start, S: int, window: int, ring: bool, split: int | None = None):
     """`fixed_attention_triton`, compared with `fixed_attention_torch` on its first call per device, dtype and
     compiled variant (head dim, group, sliding, ring, with encoder rows), and replaced by it with a warning if it
     fails or disagrees: what the `attention_kernel` option runs on a CUDA GPU."""
     args = (q, keys, values, valid, start, S, window, ring)
     key = (str(q.device), str(q.dtype).removeprefix("torch."), "triton fixed attention",
-           (q.shape[-1], q.shape[1] // keys.shape[1], window > 0, bool(ring), S > 0))
-    return checked_on_first_use(key, lambda: fixed_attention_triton(*args), lambda: fixed_attention_torch(*args),
+           (q.shape[-1], q.shape[1] // keys.shape[1], window > 0, bool(ring), S > 0, split or 1))
+    return checked_on_first_use(key, lambda: fixed_attention_triton(*args, split=split),
+                                lambda: fixed_attention_torch(*args),
                                 "the Triton attention kernel")
 
 
@@ -269,12 +273,13 @@ FIXED_ATTENTION = {"torch": fixed_attention_torch, "triton": fixed_attention_tri
 
 @torch.library.custom_op("blockpress::fixed_attention", mutates_args=())
 def fixed_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                       start: torch.Tensor, S: int, window: int, ring: bool, kernel: str) -> torch.Tensor:
+                       start: torch.Tensor, S: int, window: int, ring: bool, kernel: str,
+                       split: int = 1) -> torch.Tensor:
     """`FIXED_ATTENTION[kernel]` as one opaque call in a compiled graph."""
-    return FIXED_ATTENTION[kernel](q, keys, values, valid, start, S, window, ring)
+    return FIXED_ATTENTION[kernel](q, keys, values, valid, start, S, window, ring, split=split)
 
 
 @fixed_attention_op.register_fake
-def _(q, keys, values, valid, start, S, window, ring, kernel):
+def _(q, keys, values, valid, start, S, window, ring, kernel, split=1):
     B, H, M, D = q.shape
     return q.new_empty(B, M, H, D).transpose(1, 2)

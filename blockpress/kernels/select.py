@@ -114,7 +114,7 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
               group_size: int = 64, sc_topk: int | None = None, linears: str = "native", compile: bool = False,
               moe_tiles=None, moe_sum: str = "kernel", linear_tiles=None,
               merge_projections: bool | None = None,
-              attention_kernel: bool | None = None) -> dict:
+              attention_kernel: bool | None = None, attention_split: int = 1) -> dict:
     """Apply kernel / storage choices to a DiffusionGemmaModel in place; return what was chosen.
     sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py).
     linears: "native", or "int8" / "fp8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py);
@@ -125,7 +125,8 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     moe_sum: "kernel" or "atomic". merge_projections: each layer's q/k/v and gate/up projections as one GEMM each
     (None: `Options.merges`' default); layers whose projections cannot merge (a LoRA adapter attached) run them one
     by one. attention_kernel: the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU only
-    (None: `Options.attention_kernel_on`; elsewhere it changes nothing)."""
+    (None: `Options.attention_kernel_on`; elsewhere it changes nothing); attention_split: that kernel's key runs per
+    row block (kernels/attention_fixed.py SPLIT)."""
     check_names(experts, attention, linears)
     if moe_sum not in ("kernel", "atomic"):
         raise ValueError(f"unknown MoE sum {moe_sum!r}; use 'kernel' (deterministic, default) or 'atomic'")
@@ -153,13 +154,15 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     fixed = "triton_checked" if fast and Options(attention_kernel=attention_kernel).validate().attention_kernel_on(dev) \
         else None
     module.ops = Ops(attention=ATTENTION[attention], softcap=SOFTCAP[softcap], soft_embedding=_soft_embedding(sc_topk),
-                     block=compiled_block() if compile else None, fixed_attention=_fixed_attention(fixed, compile))
+                     block=compiled_block() if compile else None,
+                     fixed_attention=_fixed_attention(fixed, compile, attention_split))
     q = (quantized_linears(module) or [None])[0]
     probe = torch.empty(0, device=dev, dtype=dtype)
     mlp4 = module.layers[0].mlp.experts if isinstance(module.layers[0].mlp, QuantizedMLP) else None
     lin = "native" if q is None and mlp4 is None else f"int4-mlp {mlp4.resolved_backend(probe)}" if q is None else \
         f"{q.fmt} {q.resolved_backend(probe)}"
     return {"compiled_blocks": bool(compile), "experts": resolved, "attention": attention, "attention_kernel": fixed,
+            **({"attention_split": attention_split} if fixed is not None else {}),
             "precision": precision,
             "sc_topk": sc_topk, "softcap": softcap, "routing": routing, "moe_tiles": tiles.spec(), "moe_sum": moe_sum,
             "linears": lin, "merged_projections": merged,
@@ -179,7 +182,7 @@ def apply(module, old: Options | None, new: Options) -> bool:
                   group_size=new.group_size, sc_topk=new.sc_topk, linears=new.linears, compile=new.compile,
                   moe_tiles=new.moe_tiles, moe_sum=new.moe_sum, linear_tiles=new.linear_tiles,
                   merge_projections=new.merge_projections,
-                  attention_kernel=new.attention_kernel)
+                  attention_kernel=new.attention_kernel, attention_split=new.attention_split)
     except ValueError as e:
         raise InputError(str(e)) from None
     return True
@@ -211,14 +214,16 @@ def _routing(module, name: str, compiled: bool) -> None:
         layer.router.kernel = route
 
 
-def _fixed_attention(name: str | None, compiled: bool):
-    """`Ops.fixed_attention` for a `FIXED_ATTENTION` name (None: none, the passes' masks): through its custom op in
-    compiled blocks."""
+def _fixed_attention(name: str | None, compiled: bool, split: int = 1):
+    """`Ops.fixed_attention` for a `FIXED_ATTENTION` name (None: none, the passes' masks) with the kernel's key runs
+    per row block (`split`): through its custom op in compiled blocks."""
     if name is None:
         return None
     if name not in FIXED_ATTENTION:
         raise ValueError(f"unknown attention kernel {name!r}; use one of {sorted(FIXED_ATTENTION)} or None")
-    return functools.partial(fixed_attention_op, kernel=name) if compiled else FIXED_ATTENTION[name]
+    if compiled:
+        return functools.partial(fixed_attention_op, kernel=name, split=split)
+    return FIXED_ATTENTION[name] if split == 1 else functools.partial(FIXED_ATTENTION[name], split=split)
 
 
 def _soft_embedding(sc_topk: int | None):
@@ -229,13 +234,13 @@ _UNSET = object()
 
 
 def use(module, *, attention: str | None = None, experts: str | None = None, softcap: str | None = None,
-        sc_topk=_UNSET, routing: str | None = None, attention_kernel=_UNSET) -> None:
+        sc_topk=_UNSET, routing: str | None = None, attention_kernel=_UNSET, attention_split: int = 1) -> None:
     """Change some of a configured module's kernels by name and leave the others as they are (tests comparing a
     fast path with its reference, the trainer's experts). attention_kernel: a `FIXED_ATTENTION` name or None, on any
-    device (Triton's interpreter on a CPU)."""
+    device (Triton's interpreter on a CPU), with `attention_split` key runs per row block."""
     changes = {}
     if attention_kernel is not _UNSET:
-        changes["fixed_attention"] = _fixed_attention(attention_kernel, module.ops.block is not None)
+        changes["fixed_attention"] = _fixed_attention(attention_kernel, module.ops.block is not None, attention_split)
     if attention is not None:
         check_names(attention=attention)
         changes["attention"] = ATTENTION[attention]
@@ -270,6 +275,7 @@ def kernel_names(module) -> dict:
     return {"attention": _name(ATTENTION, ops.attention), "softcap": _name(SOFTCAP, ops.softcap),
             "attention_kernel": None if fixed is None else fixed.keywords["kernel"]
             if getattr(fixed, "func", None) is fixed_attention_op else _name(FIXED_ATTENTION, fixed),
+            "attention_split": None if fixed is None else getattr(fixed, "keywords", {}).get("split", 1),
             "routing": route.keywords["kernel"] if getattr(route, "func", None) is route_op else _name(ROUTE, route),
             "experts": ex.backend if isinstance(ex, QuantizedExperts) else kernel_of(ex.kernel) or str(ex.kernel),
             "compiled_blocks": ops.block is not None,

@@ -385,7 +385,7 @@ def run(args) -> dict:
                            group_size=args.group_size, sc_topk=args.sc_topk, linears=args.linears,
                            compile=args.compile, moe_tiles=args.moe_tiles, moe_sum=args.moe_sum,
                            linear_tiles=args.linear_tiles, merge_projections=args.merge_projections,
-                           attention_kernel=args.attention_kernel)
+                           attention_kernel=args.attention_kernel, attention_split=args.attention_split)
     except ValueError as e:
         raise InputError(str(e)) from None
     if args.prefill_chunk is not None:  # 0: the whole prompt in one pass

@@ -37,8 +37,9 @@
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
 #            passes' profile; int4; the align kernel's test
 #   defaults the rows as they run with today's defaults (no tile or attention flag): fp8 (--profile, AR), the attention
-#            kernel's split keys per layer and fp8 with --attention-split 2, int4, int4 at group 128 + 512-token prefill chunks (<= 18 GB predicted), fp8
-#            at batch 4 against the older tiles, int4 + int4 MLP, the int4 MLP's tile sweep, bf16
+#            kernel's split keys per layer and fp8 with --attention-split 2, int4, int4 with 512-token prefill chunks
+#            and also at group 128 (<= 18 GB predicted), int4 + int4 MLP, fp8 at batch 4 against the older tiles, the
+#            int4 MLP's tile sweep, bf16
 #   sweep    after stack: one layer's expert tiles (defaults vs swap=1) for fp8 and int4; the attention tests; int4
 #   stack    issue 30's untimed paths in one lease: the compiled fp8 row vs the same with swapped expert tiles and the
 #            attention kernel (--profile); int4 with both, with and without the int4 MLP; unmerged; the kernels' tests
@@ -316,9 +317,12 @@ EOF
       --tiles "split=2;split=3;split=4;dv=128,split=2" --out "$OUT/attention-split.json" 2>&1 | grep -v '^{' \
       | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
     [ "$CUDA" = 1 ] && STEP_LIMIT=80 bench fp8-split2 $ROW --precision fp8 --attention-split 2
+    # int4's peak: peak_memory.py predicts 18.04 GB (18.11 before the graphs' pool shrank; 18.2 measured then)
     STEP_LIMIT=80 bench int4 $ROW --precision int4
-    # the <= 18 GB candidate with no slower kernel: int4 scales per 128 inputs where the dim allows (gate/up) and
-    # 512-token prefill chunks (a ring of 1,536 slots in the sliding layers); peak_memory.py predicts 17.70 GB
+    # the <= 18 GB candidates with no slower kernel: 512-token prefill chunks (a ring of 1,536 slots in the sliding
+    # layers; the same numbers), predicted 17.87 GB; and int4 scales per 128 inputs where the dim allows (gate/up; a
+    # small quality cost, benchmarks/results/2026-11-27-cpu-session.md), 17.63 GB
+    STEP_LIMIT=80 bench int4-c512 $ROW --precision int4 --prefill-chunk 512
     STEP_LIMIT=80 bench int4-g128-c512 $ROW --precision int4 --group-size 128 --prefill-chunk 512
     STEP_LIMIT=80 bench int4-mlp4 $ROW --precision int4 --linears int4-mlp
     STEP_LIMIT=90 bench fp8-b4 ${ROW/--batch 1/--batch 4} --precision fp8

@@ -3,6 +3,7 @@ the fused sampler (exact argmax/entropy, chi-square on the samples), the model's
 (denoising step, commit, fused commit, AR step) against its span passes, and the CUDA-graph wrapper's plumbing
 without capture; the capture itself runs only with a GPU."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -911,8 +912,39 @@ def test_softcap_in_one_pass_equals_the_reference(dtype):
     torch.testing.assert_close(into, want, rtol=1e-5, atol=1e-5)
     buf = torch.empty(3, 7, 1001, device=DEV)
     assert softcap_triton(x, 30.0, out=buf) is buf and torch.equal(buf, out)
-    with pytest.raises(ValueError, match="contiguous fp32"):
+    wide = torch.full((3, 7, 1500), float("nan"), device=DEV)  # a slice of columns of a wider buffer
+    assert torch.equal(softcap_triton(x, 30.0, out=wide[..., 300:1301]), out)
+    assert wide[..., :300].isnan().all() and wide[..., 1301:].isnan().all()  # nothing written outside the slice
+    with pytest.raises(ValueError, match="fp32 tensor of shape"):
         softcap_triton(x, 30.0, out=torch.empty(3, 7, 1001, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="evenly spaced rows"):  # rows not evenly spaced
+        softcap_triton(x, 30.0, out=torch.empty(7, 3, 1001, device=DEV).transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", ["torch", "triton"])
+def test_lm_logits_into_a_buffer_in_vocabulary_slices_are_the_one_product_bit_for_bit(dtype, softcap, monkeypatch):
+    """Into `out` (the CUDA graphs' logits buffer), a product above LM_HEAD_PART_BYTES runs over the vocabulary in
+    slices, each soft-capped into its columns: the same logits bit for bit (each is the same dot product), with a
+    last slice shorter than the others; with no soft cap, copied."""
+    from blockpress.model import diffusion_gemma
+
+    for cap in (30.0, None):
+        lm = _tiny_model(final_logit_softcapping=cap)
+        m = lm.module.to(DEV, dtype)
+        use(m, softcap=softcap)
+        h = torch.randn(2, 5, m.text.hidden_size, generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
+        want = m.lm_logits(h, out=torch.empty(2, 5, m.text.vocab_size, device=DEV))  # one product: 20 KB at most
+        monkeypatch.setattr(diffusion_gemma, "LM_HEAD_PART_BYTES", 10 * 100 * h.element_size())  # 100 ids a slice
+        monkeypatch.setattr(diffusion_gemma, "LM_HEAD_PARTS", 3)  # 3 slices of 171, 171, 170 (V = 512)
+        seen = []
+        real = m.ops.softcap
+        m.ops = dataclasses.replace(m.ops, softcap=lambda x, c, out=None: seen.append(x.shape[-1]) or real(x, c, out))
+        into = torch.full_like(want, float("nan"))
+        assert m.lm_logits(h, out=into) is into
+        assert torch.equal(into, want), (cap, softcap)
+        assert seen == ([171, 171, 170] if cap else [])
+        monkeypatch.undo()
 
 
 @pytest.mark.gpu

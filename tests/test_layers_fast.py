@@ -4,6 +4,7 @@ and the memoised rotary tables (same tables as made fresh; dropped when the modu
 import pytest
 import torch
 
+import blockpress
 from blockpress.config import FULL, SLIDING, ModelConfig
 from blockpress.model.diffusion_gemma import DiffusionGemmaModel
 from blockpress.model.layers import (apply_rope, apply_rope_reference, rms_norm, rms_norm_reference, rope_cos_sin,
@@ -120,6 +121,49 @@ def test_lm_head_out_and_soft_embedding_equal_the_plain_products(dtype):
             assert m.lm_logits(h, out=into) is into and torch.equal(into, want) and torch.equal(m.lm_logits(h), want)
     with torch.enable_grad(), pytest.raises(ValueError, match="torch.no_grad"):  # out= records no gradient
         m.lm_logits(h, out=torch.empty(2, 9, V))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_dtype_kernel", [False, True])
+def test_soft_embedding_into_the_logits_buffer_is_the_same_bit_for_bit(dtype, in_dtype_kernel, monkeypatch):
+    """The self-conditioning probabilities written into a free buffer (a pass's own fp32 logits buffer, which
+    `decode(out=)` and `encode_decode(out=)` hand over: the CUDA graphs' shared one) instead of a new tensor: the same
+    soft embedding bit for bit, in row chunks and in one softmax in the input's dtype (a GPU's form, forced here on
+    the CPU by calling the kernel it picks); the buffer is only a scratch. Under autograd, or with a buffer too
+    small, no scratch is used. A whole decoder pass into `out` gives the plain pass's logits."""
+    import blockpress.model.layers as layers
+
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TINY_TEXT,
+                                 "vision_config": TINY_VISION})
+    torch.manual_seed(0)
+    m = DiffusionGemmaModel(cfg).to(dtype)
+    V = cfg.text.vocab_size
+    z = (torch.randn(2, 9, V) * 4).to(dtype)
+    monkeypatch.setattr(layers, "SOFTMAX_CHUNK", 4 * V)  # 4 rows a chunk: 5 chunks, the last one short
+    if in_dtype_kernel:  # what softmax_rows runs on a GPU when z has the weights' dtype
+        monkeypatch.setattr(layers, "SOFTMAX_IN_DTYPE_ON_CUDA", True)
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    with torch.no_grad():
+        want = m.soft_embedding(z)
+        scratch = torch.full((2, 9, V), float("nan"))  # fp32, as the logits buffer
+        got = m.soft_embedding(z, scratch)
+        assert torch.equal(got, want) and not scratch.isnan().all()  # the probabilities went there
+        small = torch.full((2, 9, V // 4), float("nan"))  # too small for them (bf16: half the bytes of fp32)
+        assert torch.equal(m.soft_embedding(z, small), want) and small.isnan().all()
+    if in_dtype_kernel:
+        return
+    m = blockpress.from_config({"model_type": "diffusion_gemma", "text_config": TINY_TEXT, "canvas_length": 8},
+                               seed=0).module.to(dtype)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (2, 7), generator=g)
+    canvas = torch.randint(0, V, (2, 8), generator=g)
+    sc = (torch.randn(2, 8, V, generator=g) * 3).to(dtype)
+    with torch.no_grad():
+        c1, c2 = m.new_cache(2, 64), m.new_cache(2, 64)
+        m.encode(ids, c1), m.encode(ids, c2)
+        want = m.decode(canvas, c1, sc)
+        out = torch.full_like(want, float("nan"))
+        assert m.decode(canvas, c2, sc, out=out) is out and torch.equal(out, want)
 
 
 def test_in_place_softcap_and_entropy_equal_the_autograd_forms():

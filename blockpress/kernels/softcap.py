@@ -28,30 +28,49 @@ if triton is not None:
     from triton.language.extra import libdevice
 
     @triton.jit
-    def _softcap_kernel(x_ptr, out_ptr, n, cap, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    def _softcap_kernel(x_ptr, out_ptr, n, s_out, cap, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """Row program_id(0) of x [R, n] (contiguous) into out's row at stride s_out, BLOCK columns a program."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        z = tl.math.div_rn(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), cap)
+        z = tl.math.div_rn(tl.load(x_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32), cap)
         if LIBDEVICE:
             t = libdevice.tanh(z)
         else:
             t = 2.0 * tl.sigmoid(2.0 * z) - 1.0
-        tl.store(out_ptr + offs, t * cap, mask=mask)
+        tl.store(out_ptr + row * s_out + offs, t * cap, mask=mask)
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """The stride between t's rows (its last dim) if its rows are evenly spaced with unit-stride columns (a
+    contiguous tensor, or a slice of columns of one), else None."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    if t.dim() == 1:
+        return t.shape[0]
+    s = t.stride(-2)
+    for i in range(t.dim() - 2):
+        if t.shape[i] > 1 and t.stride(i) != t.stride(i + 1) * t.shape[i + 1]:
+            return None
+    return s
 
 
 def softcap_triton(logits: torch.Tensor, cap: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 cap * tanh(logits / cap) of any-dtype logits, in one Triton kernel (into `out`, contiguous fp32 of
-    their shape, when given)."""
+    """fp32 cap * tanh(logits / cap) of any-dtype logits, in one Triton kernel (into `out`, fp32 of their shape
+    with evenly spaced rows, when given: a contiguous tensor, or a slice of the vocabulary's columns of one, as
+    `lm_logits` writes a slice at a time)."""
     if triton is None:
         raise RuntimeError("softcap_triton needs triton (pip install triton)")
     x = logits.contiguous()
     if out is None:
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    elif out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous fp32 tensor of shape {list(x.shape)}")
-    n = x.numel()
-    if n:
-        _softcap_kernel[(triton.cdiv(n, BLOCK),)](x, out, n, float(cap), BLOCK=BLOCK, LIBDEVICE=not interpreted())
+    elif out.shape != x.shape or out.dtype != torch.float32 or _row_stride(out) is None:
+        raise ValueError(f"out must be an fp32 tensor of shape {list(x.shape)} with evenly spaced rows")
+    n = x.shape[-1] if x.dim() else 1
+    rows = x.numel() // max(n, 1)
+    if x.numel():
+        _softcap_kernel[(rows, triton.cdiv(n, BLOCK))](x, out, n, _row_stride(out) if x.dim() else 1, float(cap),
+                                                       BLOCK=BLOCK, LIBDEVICE=not interpreted())
     return out
 
 

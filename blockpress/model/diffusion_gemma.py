@@ -28,6 +28,8 @@ from .moe import Experts, Router
 from .ops import Ops
 
 PREFILL_CHUNK = 2048  # tokens a long prompt is encoded at a time (DiffusionGemmaModel.prefill_chunk; None: whole)
+LM_HEAD_PART_BYTES = 1 << 24  # lm_logits into a buffer: the product in vocabulary slices of about this many bytes,
+LM_HEAD_PARTS = 8  # and at most this many (each slice is a GEMM and a soft-cap launch)
 
 
 class Block(nn.Module):
@@ -191,12 +193,23 @@ class DiffusionGemmaModel(nn.Module):
         autograd; the CUDA graphs' shared logits buffer).
 
         One product over all rows: each block of rows would read the whole [V, H] table again (1.48 GB on the 26B
-        model), where splitting the rows would only save its [rows, V] model-dtype intermediate."""
+        model). Into `out`, a product larger than `LM_HEAD_PART_BYTES` runs over the vocabulary in up to
+        `LM_HEAD_PARTS` slices instead, each soft-capped into its columns of `out`: the table is still read once, and
+        the model-dtype intermediate is a slice's (17 MB on the 26B model at batch 1, not 134 MB: the CUDA graphs'
+        memory pool peaks there). Each logit is the same dot product either way (bit for bit on a CPU, tested)."""
         w = self.embed_tokens.weight
         cap = self.text.final_logit_softcapping
         if out is not None and torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
             raise ValueError("lm_logits(out=...) writes in place and records no gradient: call it under "
                              "torch.no_grad(), or without out=")
+        V, rows = w.shape[0], h.numel() // h.shape[-1]
+        parts = min(LM_HEAD_PARTS, -(-rows * V * w.element_size() // LM_HEAD_PART_BYTES))  # ceil
+        if out is not None and parts > 1:
+            step = -(-V // parts)
+            for v0 in range(0, V, step):
+                part, dst = h @ w[v0:v0 + step].t(), out[..., v0:v0 + step]
+                dst.copy_(part) if not cap else self.ops.softcap(part, cap, out=dst)
+            return out
         logits = h @ w.t()
         if out is not None:  # every soft-cap kernel writes into `out` (a checked kernel's fallback too)
             return out.copy_(logits) if not cap else self.ops.softcap(logits, cap, out=out)
@@ -206,13 +219,20 @@ class DiffusionGemmaModel(nn.Module):
             return torch.tanh(logits.float() / cap) * cap
         return self.ops.softcap(logits, cap)
 
-    def soft_embedding(self, sc_logits: torch.Tensor) -> torch.Tensor:
+    def soft_embedding(self, sc_logits: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(sc_logits) @ E [B, C, H] in the weight dtype (the soft embedding), or what `ops` puts
-        in its place (the top-K approximation, `sc_topk`)."""
+        in its place (the top-K approximation, `sc_topk`). scratch: a contiguous buffer of at least the
+        probabilities' bytes that is free until this returns (the pass's own logits buffer, written only at its
+        end): they are written there instead of a new [B, C, V] tensor (134 MB on the 26B model), the same numbers."""
         w = self.embed_tokens.weight
         if self.ops.soft_embedding is not None:
             return self.ops.soft_embedding(sc_logits, w)
-        return softmax_rows(sc_logits, w.dtype) @ w  # softmax(z.float()).to(w.dtype), in 64 MB chunks
+        probs = None
+        if scratch is not None and not torch.is_grad_enabled() and scratch.is_contiguous() \
+                and scratch.numel() * scratch.element_size() >= sc_logits.numel() * w.element_size():
+            probs = scratch.view(-1).view(torch.uint8)[:sc_logits.numel() * w.element_size()].view(w.dtype)
+            probs = probs.view(sc_logits.shape)
+        return softmax_rows(sc_logits, w.dtype, out=probs) @ w  # softmax(z.float()).to(w.dtype), in 64 MB chunks
 
     def _rope(self, start, length: int, dtype, device) -> dict:
         """Rotary tables for positions [start, start + length), per layer type. `start` a host int: every denoising
@@ -357,7 +377,7 @@ class DiffusionGemmaModel(nn.Module):
             scratch = not torch.is_grad_enabled() and cache.scratch_room(T0, S + C)  # the canvas's K/V too
             if pad_mask is not None:
                 cache.set_padding(T0, pad_mask.to(torch.bool))
-        x = torch.cat([self.embed(ids), self.decoder_input(canvas, sc_logits, sc_mask)], dim=1)  # [B, S+C, H]
+        x = torch.cat([self.embed(ids), self.decoder_input(canvas, sc_logits, sc_mask, out)], dim=1)  # [B, S+C, H]
         rope = self._rope(T0 if start is None else start, S + C, x.dtype, x.device)
         keys = Spans(self, cache, T0, S, C, scratch, x.dtype) if start is None else \
             Fixed(self, cache, start, S, C, x.dtype)
@@ -372,12 +392,12 @@ class DiffusionGemmaModel(nn.Module):
 
     # decoder pass -------------------------------------------------------------------------------
     def decoder_input(self, canvas: torch.Tensor, sc_logits: torch.Tensor | None,
-                      sc_mask: torch.Tensor | None) -> torch.Tensor:
+                      sc_mask: torch.Tensor | None, scratch: torch.Tensor | None = None) -> torch.Tensor:
         """post_norm(embed(canvas) + SC-MLP(pre_norm(softmax(sc_logits) @ E * sqrt(H)))); sc_mask [B] bool: rows
-        without self-conditioning (a zero signal, as with no logits)."""
+        without self-conditioning (a zero signal, as with no logits); scratch: see `soft_embedding`."""
         e = self.embed(canvas)
         if sc_logits is not None:
-            soft = self.soft_embedding(sc_logits) * self.embed_scale(e.dtype, e.device)
+            soft = self.soft_embedding(sc_logits, scratch) * self.embed_scale(e.dtype, e.device)
             if sc_mask is not None:
                 soft = soft * sc_mask.to(soft.dtype)[:, None, None]
             e = e + self.self_conditioning(soft)
@@ -399,7 +419,7 @@ class DiffusionGemmaModel(nn.Module):
         if start is None:
             T = cache.length
             scratch = not torch.is_grad_enabled() and cache.scratch_room(T, C)
-        x = self.decoder_input(canvas, sc_logits, sc_mask)
+        x = self.decoder_input(canvas, sc_logits, sc_mask, out)  # the logits buffer, free until the end, as scratch
         rope = self._rope(T if start is None else start, C, x.dtype, x.device)
         keys = Spans(self, cache, T, 0, C, scratch, x.dtype) if start is None else \
             Fixed(self, cache, start, 0, C, x.dtype)

@@ -313,8 +313,10 @@ SOFTMAX_CHUNK = 1 << 24  # elements per fp32 chunk of `softmax_rows` (64 MB)
 SOFTMAX_IN_DTYPE_ON_CUDA = True  # softmax_rows on a GPU: one kernel in the input's dtype (tests switch it off)
 
 
-def softmax_rows(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`torch.softmax(z.float(), -1).to(dtype)`, computed a block of rows at a time into the `dtype` result.
+def softmax_rows(z: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`torch.softmax(z.float(), -1).to(dtype)`, computed a block of rows at a time into the `dtype` result (`out`,
+    a contiguous `dtype` tensor of z's shape, when given and no gradient is recorded: the same numbers, written there
+    instead of a new tensor).
 
     Each row's softmax is independent of the others, so the result is the same (bit for bit on CPU, tested;
     a GPU picks its softmax kernel by the row length: a GPU test checks it, not yet run); what changes is
@@ -329,16 +331,20 @@ def softmax_rows(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     boundary may round the other way (a GPU test bounds it, not yet run). The meta device (memory accounting,
     lab/memory.py) takes the GPU's path."""
     V = z.shape[-1]
+    if z.requires_grad or (out is not None and torch.is_grad_enabled()):
+        out = None
+    if out is not None and (out.shape != z.shape or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"softmax_rows(out=...) takes a contiguous {dtype} tensor of shape {list(z.shape)}")
     if (z.is_cuda or z.is_meta) and z.dtype == dtype and not z.requires_grad and SOFTMAX_IN_DTYPE_ON_CUDA:
-        return torch.softmax(z, dim=-1)
+        return torch.softmax(z, dim=-1) if out is None else torch.ops.aten._softmax.out(z, -1, False, out=out)
     rows = max(1, SOFTMAX_CHUNK // max(V, 1))
     flat = z.reshape(-1, V)
-    if z.requires_grad or flat.shape[0] <= rows:
+    if z.requires_grad or (flat.shape[0] <= rows and out is None):
         return torch.softmax(z.float(), dim=-1).to(dtype)
-    out = torch.empty(flat.shape, dtype=dtype, device=z.device)
+    res = (torch.empty(flat.shape, dtype=dtype, device=z.device) if out is None else out).view(flat.shape)
     for i in range(0, flat.shape[0], rows):
-        out[i:i + rows] = torch.softmax(flat[i:i + rows].float(), dim=-1)
-    return out.view(z.shape)
+        res[i:i + rows] = torch.softmax(flat[i:i + rows].float(), dim=-1)
+    return res.view(z.shape)
 
 
 class MLP(Projections):

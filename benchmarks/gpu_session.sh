@@ -321,7 +321,7 @@ EOF
     STEP_LIMIT=80 bench int4 $ROW --precision int4
     # the <= 18 GB candidates with no slower kernel: 512-token prefill chunks (a ring of 1,536 slots in the sliding
     # layers; the same numbers), predicted 17.87 GB; and int4 scales per 128 inputs where the dim allows (gate/up; a
-    # small quality cost, benchmarks/results/2026-11-27-cpu-session.md), 17.63 GB
+    # small quality cost, benchmarks/results/2026-11-27-cpu-memory-attention.md), 17.63 GB
     STEP_LIMIT=80 bench int4-c512 $ROW --precision int4 --prefill-chunk 512
     STEP_LIMIT=80 bench int4-g128-c512 $ROW --precision int4 --group-size 128 --prefill-chunk 512
     STEP_LIMIT=80 bench int4-mlp4 $ROW --precision int4 --linears int4-mlp

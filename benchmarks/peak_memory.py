@@ -161,7 +161,8 @@ def main(argv=None) -> dict:
                         "cuda_graphs": weights + kv_graphs + held + logits + pool + max(rows["prefill"]["peak_bytes"],
                                                                                          sampler)}
     print(f"{args.preset}, {args.dtype}, experts {args.precision}"
-          f"{f' (group {args.group_size})' if args.precision == 'int4' else ''}, linears {args.linears}, B={B}, P={P}, N={N} (cache {capacity} positions)")
+          f"{f' (group {args.group_size})' if args.precision == 'int4' else ''}, linears {args.linears}, "
+          f"B={B}, P={P}, N={N} (cache {capacity} positions)")
     ring = f"a ring of {cache.ring} positions in the sliding layers" if cache.ring else "every position in every layer"
     print(f"  weights {weights / GB:.3f} GB, KV cache {kv / GB:.3f} GB ({ring}), self-conditioning logits held "
           f"{held / GB:.3f} GB")
@@ -172,7 +173,8 @@ def main(argv=None) -> dict:
     print(f"  predicted peak (GB; budget {args.budget_gb:.1f}):   eager   CUDA graphs")
     for s_, v in predicted.items():
         print(f"    {s_ + ' sampler':28s} {v['eager'] / GB:7.2f} {v['cuda_graphs'] / GB:13.2f}")
-    result = {"bench": "peak_memory", "preset": args.preset, "precision": args.precision, "group_size": args.group_size, "linears": args.linears,
+    result = {"bench": "peak_memory", "preset": args.preset, "precision": args.precision,
+              "group_size": args.group_size, "linears": args.linears,
               "dtype": args.dtype, "ring": cache.ring,
               "batch": B, "prompt_tokens": P, "new_tokens": N, "weights_bytes": weights, "kv_bytes": kv,
               "held_bytes": held, "passes": {k: v["peak_bytes"] for k, v in rows.items()},

@@ -41,9 +41,10 @@ P V for its half: 195 registers, no spill, BN = 32 keys a step, Q 64 KB + two pi
 2 KV heads x 2,048 rows / 64 = 64 row blocks, 128 programs for the H100's 132 SMs. D = 256: whole rows, BM = 64,
 BN = 64, 8 warps: 250 registers, no spill, 160 KB (64 programs a sliding layer at batch 1; DV = 128 would give 128
 at 1.5x the arithmetic: a setting for bench_attention.py's sweep). These are what compiles without spilling, not
-the winners of a sweep. SPLIT = k (a tile setting, default 1) is flash-decoding's answer to few programs: each row
-block's key tiles in k runs, k times the programs, each run writing its normalised fp32 output and log-sum-exp,
-which `_combine_kernel` merges (exp(lse_run - lse) weights); no spill at k = 2 on sm_90, not yet timed. On an H100 the kernel took 2.58 ms of a batch-1 step against SDPA's 2.62, yet the whole
+the winners of a sweep. SPLIT = k (a tile setting, default 1; `Options.attention_split`) is flash-decoding's answer
+to few programs: each row block's key tiles in k runs, k times the programs, each run writing its normalised fp32
+output and log-sum-exp, which `_combine_kernel` merges (exp(lse_run - lse) weights); no spill at k = 2 on sm_90,
+not yet timed. On an H100 the kernel took 2.58 ms of a batch-1 step against SDPA's 2.62, yet the whole
 graphed step took 1.25 ms less with it, a gain the profile did not place (the SDPA path also builds a mask over the
 cache and gathers the sliding window each pass; benchmarks/results/2026-11-27-h100-stack.md).
 

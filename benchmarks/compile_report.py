@@ -95,10 +95,10 @@ def linear_variants(text, dtype, passes, formats: list[str]):
                            lambda x=x, q=q, s=s: linear_q_triton(x, q, s, swap=True))
 
 
-def attention_variants(text, dtype, canvas: int, batches: list[int]):
+def attention_variants(text, dtype, canvas: int, batches: list[int], splits: list[int] = ()):
     """(label, thunk) per launch of the fixed-shape passes' attention kernel (kernels/attention_fixed.py, opt-in):
     each kind of layer (a sliding one on its ring) for a canvas of each batch size after 2,048 cached tokens, and a
-    fused commit + canvas; at batch 1 also with the keys split in two runs (SPLIT=2 and the merging kernel)."""
+    fused commit + canvas; at batch 1 also with the keys in each of `splits` runs (SPLIT and the merging kernel)."""
     from blockpress.config import FULL, SLIDING
     from blockpress.kernels.attention_fixed import fixed_attention_triton
 
@@ -118,10 +118,10 @@ def attention_variants(text, dtype, canvas: int, batches: list[int]):
             yield (f"attention {t.split('_')[0]} D {D} G {H // kv}, {what}",
                    lambda q=q, k=keys, v=values, valid=valid, start=start, S=S, W=W:
                    fixed_attention_triton(q, k, v, valid, start, S, W, bool(W)))
-            if what == "canvas x1":  # the keys in two runs and their merge (bench_attention.py --tiles split=2)
-                yield (f"attention {t.split('_')[0]} D {D} G {H // kv}, {what}, split=2",
-                       lambda q=q, k=keys, v=values, valid=valid, start=start, S=S, W=W:
-                       fixed_attention_triton(q, k, v, valid, start, S, W, bool(W), tiles={"SPLIT": 2}))
+            for k in splits if what == "canvas x1" else ():  # the keys in k runs and their merge (--attention-split)
+                yield (f"attention {t.split('_')[0]} D {D} G {H // kv}, {what}, split={k}",
+                       lambda q=q, k_=keys, v=values, valid=valid, start=start, S=S, W=W, k=k:
+                       fixed_attention_triton(q, k_, v, valid, start, S, W, bool(W), split=k))
 
 
 def head_variants(vocab: int, canvas: int, dtype, batches: list[int], cap: float | None):
@@ -160,6 +160,8 @@ def main(argv=None) -> int:
                                               "(benchmarks/sweep_moe_tiles.py's grid syntax)")
     p.add_argument("--tiles", default=None, help="the MoE tiles to take as the defaults (a moe_tiles spec, e.g. "
                                                  "'bk=64'; the issue model reads these)")
+    p.add_argument("--attention-split", default="",
+                   help="also compile the attention kernel with its keys in these runs at batch 1 (e.g. '2,4')")
     p.add_argument("--out", help="also write the JSON result here")
     args = p.parse_args(argv)
     from blockpress.kernels.moe_grouped import as_tiles
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
     tiles = [""] + (parse_grid(args.grid) if args.grid else [])
     rest = list(linear_variants(text, dtype, passes, linears)) + \
         list(head_variants(text.vocab_size, C, dtype, batches, text.final_logit_softcapping)) + \
-        list(attention_variants(text, dtype, C, batches))
+        list(attention_variants(text, dtype, C, batches, [int(k) for k in args.attention_split.split(",") if k]))
     todo = {arch: list(expert_variants(text, dtype, passes, tiles, precisions, base, arch)) + rest for arch in archs}
     print(f"compile_report: triton {triton.__version__}, torch {torch.__version__}, {args.config or args.preset}, "
           f"{args.dtype} activations, {len(todo[archs[0]])} launches x sm_{', sm_'.join(map(str, archs))}", flush=True)

@@ -33,30 +33,34 @@ needs_ptxas = pytest.mark.skipif(not _ptxas(), reason="needs triton with its bun
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, request):
-    """The H100's kernels at batch 1 with the engine's default tiles; with --runslow also the RTX 40xx's, batch 4 and
-    a grid of other tiles (bn 128 / 256 at bk 128, swap at the defaults' bn and bk), ~5 min."""
+    """The H100's kernels at batch 1 with the engine's default tiles (8-bit projections: int8); with --runslow also
+    the RTX 40xx's, batch 4, fp8 projections, a grid of other tiles (bn 128 / 256 at bk 128, swap at the defaults' bn
+    and bk) and the attention kernel with its keys in 2 and 4 runs, ~5 min."""
     tmp = tmp_path_factory.mktemp("compile")
     out = tmp / "report.json"
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp / "cache"))  # compile for real, not from an old cache
     full = request.config.getoption("--runslow")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--arch",
-                           "90,89" if full else "90", "--batch", "1,4" if full else "1", "--linears", "int8,fp8",
-                           "--grid", "bn=128,256;bk=128|swap=1" if full else "", "--out", str(out)],
+                           "90,89" if full else "90", "--batch", "1,4" if full else "1",
+                           "--linears", "int8,fp8" if full else "int8",
+                           "--grid", "bn=128,256;bk=128|swap=1" if full else "",
+                           "--attention-split", "2,4" if full else "", "--out", str(out)],
                           capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.returncode, json.loads(out.read_text()), proc.stdout
 
 
 @needs_ptxas
-def test_every_kernel_compiles_and_would_launch(report):
+def test_every_kernel_compiles_and_would_launch(report, request):
     rc, result, stdout = report
     assert rc == 0 and result["failed"] == 0, stdout[-4000:]
     assert "90" in result["archs"]
     for arch in result["archs"]:
         rows = result["archs"][arch]["kernels"]
+        split = {"_combine_kernel"} if request.config.getoption("--runslow") else set()  # the split keys' merge
         assert {r["kernel"] for r in rows} == {"_moe_up_kernel", "_moe_down_kernel", "_moe_sum_kernel", "_align_kernel",
                                                "_linear_q_kernel", "_softcap_kernel", "_fused_sampler_kernel",
-                                               "_fixed_attention_kernel", "_combine_kernel"}
+                                               "_fixed_attention_kernel"} | split
         for r in rows:
             assert not r["problems"] and r["blocks_per_sm"] >= 1 and r["regs"] > 0, r
     labels = [r["label"] for r in result["archs"]["90"]["kernels"]]
@@ -72,11 +76,12 @@ def test_every_kernel_compiles_and_would_launch(report):
                and r["kernel"] not in ("_align_kernel", "_moe_sum_kernel")]  # no MMA in those two
     assert {r["kernel"] for r in swapped} == {"_moe_up_kernel", "_moe_down_kernel", "_linear_q_kernel"}
     assert all(r["mma"] == "wgmma" for r in swapped)
-    # the fixed-shape passes' attention: head dims 256 and 512 on wgmma, no spill, in the H100's shared memory, the
-    # keys in one run (the default) and in two (SPLIT=2, merged by _combine_kernel)
+    # the fixed-shape passes' attention: head dims 256 and 512 on wgmma, no spill, in the H100's shared memory; with
+    # --runslow also the keys in 2 and 4 runs (SPLIT, merged by _combine_kernel)
     attention = [r for r in result["archs"]["90"]["kernels"] if r["kernel"] == "_fixed_attention_kernel"]
-    assert len(attention) == 4 and all(r["mma"] == "wgmma" and r["spill"] == 0 for r in attention)
-    assert sum("split=2" in r["label"] for r in attention) == 2
+    assert all(r["mma"] == "wgmma" and r["spill"] == 0 for r in attention)
+    assert sum("split=" not in r["label"] for r in attention) == 2
+    assert sum("split=" in r["label"] for r in attention) == (4 if split else 0)
 
 
 def test_pipeline_stages_fit_the_shared_memory(monkeypatch):

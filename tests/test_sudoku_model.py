@@ -83,10 +83,10 @@ def test_eval_cli_reproduces_the_published_predictions(published, tmp_path):
     """`blockpress eval sudoku` (the documented command) on a prefix of the held-out sets gives exactly the
     published predictions: per-puzzle generators make each result independent of n and batching."""
     out = tmp_path / "eval.json"
-    assert cli_main(["eval", "sudoku", "--n", "3", "--blanks", "35", "45", "55", "--json", str(out)]) == 0
+    assert cli_main(["eval", "sudoku", "--n", "2", "--blanks", "35", "55", "--json", str(out)]) == 0
     fresh = json.loads(out.read_text())["default"]["per_blanks"]
-    for b in ("35", "45", "55"):
-        assert fresh[b]["predictions"] == published["default"]["per_blanks"][b]["predictions"][:3], b
+    for b in ("35", "55"):
+        assert fresh[b]["predictions"] == published["default"]["per_blanks"][b]["predictions"][:2], b
 
 
 def test_eval_cli_without_row_compaction_gives_the_same_answers(single, tmp_path):
@@ -114,7 +114,7 @@ def test_repair_edits_only_the_broken_cells_of_the_shipped_model(lm):
     denoised again (the canvas changes there)."""
     from blockpress.cli.eval import puzzle_seed
 
-    pairs = sd.test_set(55, 12)  # this model re-draws most broken cells identically: enough puzzles to see a change
+    pairs = sd.test_set(55, 6)  # this model re-draws most broken cells identically: 6 puzzles change 2 cells (4: none)
     puzzles = [p for p, _ in pairs]
 
     def gens():

@@ -6,7 +6,7 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-drill2 --mix-seed 6 --drill 0.7   # stage 2's mix: 70 % drills
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 2 --out runs/chat-drill2-model
     python3 scripts/prepare_chat.py --out runs/chat-goals --mix-seed 7 --drill 0.75 --drills goals --n 110000
-    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 3 --out runs/chat-goals-model
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 3 --out runs/chat-goals-model  # the shipped one
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
@@ -35,6 +35,6 @@ STAGES = {
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--stage", type=int, choices=sorted(STAGES), default=2)
+    ap.add_argument("--stage", type=int, choices=sorted(STAGES), default=3)
     known, rest = ap.parse_known_args()
     sys.exit(main(["train", *STAGES[known.stage], *COMMON, *rest]))

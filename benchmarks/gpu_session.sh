@@ -308,6 +308,11 @@ EOF
     DEADLINE=$((SECONDS + ${BUDGET:-480}))
     env_info
     ROW="$ROW1 --compile --fuse-commit"
+    # the LM head in vocabulary slices and the self-conditioning probabilities in the logits buffer (2026-11-27, CPU
+    # only): the 26B shapes against the one product (prints the share of bit-equal logits); the split attention
+    gpu_tests 60 -s -k "lm_head_slices or keys_split or 26b_shapes" tests/test_kernels.py \
+      tests/test_attention_kernel.py
+    grep -h "bit-equal" "$OUT/gpu-tests.txt" | tee -a "$OUT/summary.txt"
     # with our AR decode (issue 30 item 9, never timed compiled + graphed): 256 greedy tokens, batch 1
     STEP_LIMIT=110 bench fp8 ${ROW/--no-ar/--ar-tokens 256} --precision fp8 --profile
     # the attention kernel took 2.58 ms a step on 64 (sliding) / 128 (full) programs for 132 SMs: the keys of each row

@@ -5,6 +5,7 @@ without capture; the capture itself runs only with a GPU."""
 
 import dataclasses
 import itertools
+import types
 
 import pytest
 import torch
@@ -945,6 +946,46 @@ def test_lm_logits_into_a_buffer_in_vocabulary_slices_are_the_one_product_bit_fo
         assert torch.equal(into, want), (cap, softcap)
         assert seen == ([171, 171, 170] if cap else [])
         monkeypatch.undo()
+
+
+@pytest.mark.gpu
+def test_lm_head_slices_and_the_scratch_softmax_at_the_26b_shapes_on_cuda():
+    """The 26B model's LM head into the graphs' logits buffer (8 vocabulary slices of 32,768 ids, bf16, batch 1)
+    against the one product, and the self-conditioning probabilities written into that buffer against a new
+    tensor. Each logit is the same dot product, but cuBLAS picks its kernel by shape: equal within rounding, and
+    the share of bit-equal logits is printed."""
+    if DEV.type != "cuda":
+        pytest.skip("CUDA only")
+    _lm_head_slices_at(H=2816, V=262144, C=256, device="cuda")
+
+
+def _lm_head_slices_at(H, V, C, device):
+    from blockpress.kernels.softcap import softcap_triton
+    from blockpress.model import diffusion_gemma
+    from blockpress.model.diffusion_gemma import DiffusionGemmaModel
+
+    g = torch.Generator(device=device).manual_seed(0)
+    w = (torch.randn(V, H, device=device, generator=g) * 0.02).bfloat16()
+    h = torch.randn(1, C, H, device=device, generator=g).bfloat16()
+    m = types.SimpleNamespace(embed_tokens=types.SimpleNamespace(weight=w),  # the parts of the model they read
+                              text=types.SimpleNamespace(final_logit_softcapping=30.0),
+                              ops=types.SimpleNamespace(softcap=softcap_triton))
+    with torch.no_grad():
+        one = torch.empty(1, C, V, device=device)
+        parts, diffusion_gemma.LM_HEAD_PARTS = diffusion_gemma.LM_HEAD_PARTS, 1  # the one product, the same soft cap
+        try:
+            DiffusionGemmaModel.lm_logits(m, h, out=one)
+        finally:
+            diffusion_gemma.LM_HEAD_PARTS = parts
+        into = torch.full((1, C, V), float("nan"), device=device)
+        DiffusionGemmaModel.lm_logits(m, h, out=into)
+        assert not into.isnan().any()
+        assert (into - one).abs().max().item() < 1e-2
+        print(f"LM head slices: {(into == one).float().mean().item():.4%} of logits bit-equal to the one product")
+        z = (torch.randn(1, C, V, device=device, generator=g) * 3).bfloat16()
+        m.ops = types.SimpleNamespace(soft_embedding=None)
+        want = DiffusionGemmaModel.soft_embedding(m, z)
+        assert torch.equal(DiffusionGemmaModel.soft_embedding(m, z, into), want)
 
 
 @pytest.mark.gpu

@@ -150,6 +150,8 @@ def test_soft_embedding_into_the_logits_buffer_is_the_same_bit_for_bit(dtype, in
         assert torch.equal(got, want) and not scratch.isnan().all()  # the probabilities went there
         small = torch.full((2, 9, V // 4), float("nan"))  # too small for them (bf16: half the bytes of fp32)
         assert torch.equal(m.soft_embedding(z, small), want) and small.isnan().all()
+        alias = z.clone()  # the input itself (an fp32 model's logits held as its self-conditioning): not a scratch
+        assert torch.equal(m.soft_embedding(alias, alias), want) and torch.equal(alias, z)
     if in_dtype_kernel:
         return
     m = blockpress.from_config({"model_type": "diffusion_gemma", "text_config": TINY_TEXT, "canvas_length": 8},

@@ -208,7 +208,10 @@ class DiffusionGemmaModel(nn.Module):
             step = -(-V // parts)
             for v0 in range(0, V, step):
                 part, dst = h @ w[v0:v0 + step].t(), out[..., v0:v0 + step]
-                dst.copy_(part) if not cap else self.ops.softcap(part, cap, out=dst)
+                if cap:
+                    self.ops.softcap(part, cap, out=dst)
+                else:
+                    dst.copy_(part)
             return out
         logits = h @ w.t()
         if out is not None:  # every soft-cap kernel writes into `out` (a checked kernel's fallback too)
@@ -229,7 +232,8 @@ class DiffusionGemmaModel(nn.Module):
             return self.ops.soft_embedding(sc_logits, w)
         probs = None
         if scratch is not None and not torch.is_grad_enabled() and scratch.is_contiguous() \
-                and scratch.numel() * scratch.element_size() >= sc_logits.numel() * w.element_size():
+                and scratch.numel() * scratch.element_size() >= sc_logits.numel() * w.element_size() \
+                and scratch.untyped_storage().data_ptr() != sc_logits.untyped_storage().data_ptr():  # not the input
             probs = scratch.view(-1).view(torch.uint8)[:sc_logits.numel() * w.element_size()].view(w.dtype)
             probs = probs.view(sc_logits.shape)
         return softmax_rows(sc_logits, w.dtype, out=probs) @ w  # softmax(z.float()).to(w.dtype), in 64 MB chunks

@@ -118,10 +118,10 @@ def attention_variants(text, dtype, canvas: int, batches: list[int], splits: lis
             yield (f"attention {t.split('_')[0]} D {D} G {H // kv}, {what}",
                    lambda q=q, k=keys, v=values, valid=valid, start=start, S=S, W=W:
                    fixed_attention_triton(q, k, v, valid, start, S, W, bool(W)))
-            for k in splits if what == "canvas x1" else ():  # the keys in k runs and their merge (--attention-split)
-                yield (f"attention {t.split('_')[0]} D {D} G {H // kv}, {what}, split={k}",
-                       lambda q=q, k_=keys, v=values, valid=valid, start=start, S=S, W=W, k=k:
-                       fixed_attention_triton(q, k_, v, valid, start, S, W, bool(W), split=k))
+            for runs in splits if what == "canvas x1" else ():  # the keys in that many runs and their merge
+                yield (f"attention {t.split('_')[0]} D {D} G {H // kv}, {what}, split={runs}",
+                       lambda q=q, k=keys, v=values, valid=valid, start=start, S=S, W=W, runs=runs:
+                       fixed_attention_triton(q, k, v, valid, start, S, W, bool(W), split=runs))
 
 
 def head_variants(vocab: int, canvas: int, dtype, batches: list[int], cap: float | None):

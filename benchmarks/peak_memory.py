@@ -11,11 +11,12 @@ bytes alive at once on top of the weights and the cache, then the predicted peak
   reuses freed blocks from pass to pass); a step is the decoder pass and then the sampler on its logits;
 - with CUDA graphs (`--cuda-graphs`): weights + the graphs' cache (one canvas longer: the fixed-shape passes
   write a canvas's K/V past the cache's length) + the graphs' two shared buffers (the self-conditioning logits every
-  pass reads, which the sampler writes in place, and the fp32 logits every pass writes) + the captured passes'
-  memory pool (the largest of the fixed-shape passes' intermediates, measured the same way: `GraphedPasses`
-  captures all into one pool) + the larger of the eager prefill and the sampler, which run in the general pool; the
-  sampler reads the shared logits buffer (`GraphedPasses(copy_outputs=False)`, what the bench and
-  `--cuda-graphs` use; a copy would add one [B, C, V] fp32 tensor).
+  pass reads, which the sampler writes in place, and the fp32 logits every pass writes, which also hold that pass's
+  self-conditioning probabilities until it writes them) + the captured passes' memory pool (the largest of the
+  fixed-shape passes' intermediates, measured the same way: `GraphedPasses` captures all into one pool) + the
+  larger of the eager prefill and the sampler, which run in the general pool; the sampler reads the shared logits
+  buffer (`GraphedPasses(copy_outputs=False)`, what the bench and `--cuda-graphs` use; a copy would add one
+  [B, C, V] fp32 tensor).
 Both samplers: "exact" (the reference's draws) and "fast" (the fused Triton sampler's allocations).
 
 It leaves out the caching allocator's rounding and fragmentation and the CUDA context (not in

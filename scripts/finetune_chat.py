@@ -6,7 +6,13 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-drill2 --mix-seed 6 --drill 0.7   # stage 2's mix: 70 % drills
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 2 --out runs/chat-drill2-model
     python3 scripts/prepare_chat.py --out runs/chat-goals --mix-seed 7 --drill 0.75 --drills goals --n 110000
-    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 3 --out runs/chat-goals-model  # the shipped one
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 3 --out runs/chat-goals-model
+    python3 scripts/prepare_chat.py --out runs/chat-goals8 --mix-seed 8 --drill 0.75 --drills goals --n 110000
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 4 --out runs/chat-deep-model
+
+Stage 4 first grows stage 3's model to 8 layers (`blockpress.train.grow.grow_depth` into runs/chat-deep-init: the
+4 trained layers, then a copy of them that starts as the identity), so the deeper model begins where the
+shallow one ended: conversions need 2-digit multiplication and division, which the 4-layer model did not learn.
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
@@ -19,6 +25,7 @@ pass through (e.g. --model, --resume, --steps).
 
 import argparse
 import sys
+from pathlib import Path
 
 from blockpress.cli import main
 
@@ -31,10 +38,17 @@ STAGES = {
         "--seed", "6", "--eval-data", "runs/chat-drill2/heldout.jsonl"],
     3: ["runs/chat-goals/train.jsonl", "--model", "runs/chat-drill2-model/checkpoint-0002500", "--steps", "3000",
         "--seed", "7", "--eval-data", "runs/chat-goals/heldout.jsonl"],
+    4: ["runs/chat-goals8/train.jsonl", "--model", "runs/chat-deep-init", "--steps", "2400",
+        "--seed", "8", "--eval-data", "runs/chat-goals8/heldout.jsonl"],
 }
+GROW = {4: ("runs/chat-goals-model/checkpoint-0003000", "runs/chat-deep-init")}  # stage: (source, grown model)
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--stage", type=int, choices=sorted(STAGES), default=3)
     known, rest = ap.parse_known_args()
+    if known.stage in GROW and not Path(GROW[known.stage][1]).exists():
+        from blockpress.train.grow import grow_depth
+
+        grow_depth(*GROW[known.stage], times=2)
     sys.exit(main(["train", *STAGES[known.stage], *COMMON, *rest]))

@@ -176,6 +176,25 @@ def test_eval_cli_reproduces_the_published_replies(eval_n1):
     assert mine == theirs
 
 
+def test_eval_cli_sampler_flags_reach_every_diffusion_column(tmp_path, lm):
+    """`eval chat --entropy-bound/--t-max` replace the model's own settings: the CLI's replies are the library's
+    with those settings, and not the default sampler's."""
+    import contextlib
+    import io
+
+    from blockpress.cli import main as cli_main
+
+    out = tmp_path / "chat.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli_main(["eval", "chat", "--n", "1", "--threads", "1", "--entropy-bound", "2", "--t-max", "1.5",
+                         "--json", str(out)]) == 0
+    mine = [c["text"] for c in json.loads(out.read_text())["diffusion, default sampler"]["cases"]]
+    direct = evaluate.evaluate(lm, assistant.heldout(1), entropy_bound=2.0, t_max=1.5)
+    assert mine == [c["text"] for c in direct["cases"]]
+    theirs = json.loads(PUBLISHED.read_text())["diffusion, default sampler"]["cases"]
+    assert mine != [c["text"] for c in theirs[::len(theirs) // len(assistant.strata())]]
+
+
 def test_tool_call_comes_back_parsed(lm):
     msgs = [{"role": "user", "content": "What's the weather in Paris?"}]
     tools = [dialogs.TOOLS["get_weather"], dialogs.TOOLS["get_time"]]

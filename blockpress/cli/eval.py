@@ -9,6 +9,9 @@ response, thinking on/off well-formed; a column for the model's own sampler and 
 (exactly N denoising steps per canvas), and `--compare-ar DIR` adds the same-size autoregressive model
 trained on the same data (greedy). Ends with one JSON line.
 
+For sudoku and chat, `--entropy-bound`, `--t-min` and `--t-max` replace the model's own sampler settings in
+every diffusion column (compare settings on `--split val`).
+
 `infill`: hide one word of each held-out passage (--data, default the shipped text model's
 eval/heldout.txt) and fill it with and without the text after it (blockpress/tasks/text_infill.py).
 
@@ -38,7 +41,7 @@ import json
 import sys
 
 from ..options import LINEAR_FORMATS
-from .run import _int_in, _nonneg_int, _positive_int
+from .run import _int_in, _nonneg_int, _positive_int, add_sampler_args, sampler_kwargs
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -53,6 +56,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="blanks levels, 0..64 (a unique puzzle keeps >= 17 clues; default 35 40 45 50 55)")
     p.add_argument("--steps", type=_positive_int, nargs="+", default=None,
                    help="fixed denoising-step budgets to compare")
+    add_sampler_args(p.add_argument_group("sampler (sudoku, chat; default: the model's generation_config.json)"))
     p.add_argument("--batch-size", type=_positive_int, default=50)
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--repair", type=_nonneg_int, default=0, metavar="R",
@@ -83,7 +87,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0, ar: bool = False,
-             repair: int = 0, split: str = "test", samples: int | None = None, compact_rows: bool = True) -> dict:
+             repair: int = 0, split: str = "test", samples: int | None = None, compact_rows: bool = True,
+             **sampling) -> dict:
     import torch
 
     from blockpress.errors import InputError
@@ -106,7 +111,7 @@ def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0
         return {"ar": sd.evaluate(_batched(sudoku_solver(lm), batch_size), blanks, n, puzzles_seed)}
     out = {}
     for s in steps or [None]:
-        kw = {} if s is None else {"max_denoising_steps": s, "stability_threshold": None}
+        kw = dict(sampling) if s is None else {**sampling, "max_denoising_steps": s, "stability_threshold": None}
 
         def solve(puzzles, kw=kw):  # one generator per puzzle: the first pass does not depend on batching or n
             gens = [torch.Generator(device=lm.device).manual_seed(puzzle_seed(seed, p)) for p in puzzles]
@@ -157,7 +162,7 @@ def main(args) -> int:
 
         apply_adapter(lm, args.adapter)
     results = run_eval(lm, args.n or 50, args.blanks, args.steps, args.batch_size, args.seed, args.ar, args.repair,
-                       args.split, args.samples, not args.no_compact_rows)
+                       args.split, args.samples, not args.no_compact_rows, **sampler_kwargs(args))
     for name, res in results.items():
         print(f"\n{name} ({path}, {args.split} split)")
         print(sd.format_report(res))
@@ -197,7 +202,7 @@ def _infill(args) -> int:
     examples = ti.make_examples(ti.read_passages(data), args.n or 200, args.seed)
     results = {}
     for s in args.steps or [None]:
-        kw = {} if s is None else {"max_denoising_steps": s, "stability_threshold": None}
+        kw = dict(sampling) if s is None else {**sampling, "max_denoising_steps": s, "stability_threshold": None}
         name = "default" if s is None else f"steps={s}"
         results[name] = res = ti.evaluate(lm, examples, args.seed, **kw)
         print(f"\n{name} ({path}, {len(examples)} passages of {data}, {res['seconds']:.0f} s)")
@@ -235,7 +240,7 @@ def _chat(args) -> int:
     else:
         for s in [None] + list(args.steps or []):
             name = "diffusion, default sampler" if s is None else f"diffusion, {s} steps"
-            results[name] = ev.evaluate(lm, dialogs, s, args.seed, args.batch_size)
+            results[name] = ev.evaluate(lm, dialogs, s, args.seed, args.batch_size, **sampler_kwargs(args))
             print(f"{name}: {results[name]['seconds']:.0f} s", file=sys.stderr, flush=True)
     if args.compare_ar:
         results["autoregressive (greedy)"] = ev.evaluate(load(args.compare_ar), dialogs, ar=True)

@@ -143,12 +143,7 @@ def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True, server: boo
                        help="speed/quality dial: exactly N denoising steps per canvas (early stopping off; at most "
                             f"{MAX_STEPS})")
     steps.add_argument("--max-denoising-steps", type=_steps, help=f"step budget per canvas (at most {MAX_STEPS})")
-    g.add_argument("--entropy-bound", type=_float_in(0, strict=True), help="entropy budget of accepted tokens per step")
-    # these accept "none"; SUPPRESS tells "not given" (attribute absent) from "given as none"
-    g.add_argument("--t-min", type=_float_in(0, strict=False, allow_none=True), default=argparse.SUPPRESS,
-                   help="final temperature (none: no temperature schedule)")
-    g.add_argument("--t-max", type=_float_in(0, strict=False, allow_none=True), default=argparse.SUPPRESS,
-                   help="initial temperature")
+    add_sampler_args(g)
     g.add_argument("--stability-threshold", type=_int_or_none, default=argparse.SUPPRESS,
                    help="steps the argmax must stay unchanged to stop early (none: never stop early)")
     g.add_argument("--confidence-threshold", type=_float_in(0, strict=True, allow_none=True),
@@ -158,13 +153,34 @@ def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True, server: boo
         g.add_argument("--seed", type=int, help="random seed (same seed, same text)")
 
 
+def add_sampler_args(g) -> None:
+    """The sampler's own settings (each step's acceptance and temperature): what `sampler_kwargs` reads."""
+    g.add_argument("--entropy-bound", type=_float_in(0, strict=True), help="entropy budget of accepted tokens per step")
+    # these accept "none"; SUPPRESS tells "not given" (attribute absent) from "given as none"
+    g.add_argument("--t-min", type=_float_in(0, strict=False, allow_none=True), default=argparse.SUPPRESS,
+                   help="final temperature (none: no temperature schedule)")
+    g.add_argument("--t-max", type=_float_in(0, strict=False, allow_none=True), default=argparse.SUPPRESS,
+                   help="initial temperature")
+
+
+def sampler_kwargs(args) -> dict[str, Any]:
+    """The flags of `add_sampler_args` given on the command line -> engine keyword arguments."""
+    kw: dict[str, Any] = {}
+    if getattr(args, "entropy_bound", None) is not None:
+        kw["entropy_bound"] = args.entropy_bound
+    for name in ("t_min", "t_max"):
+        if hasattr(args, name):
+            kw[name] = getattr(args, name)
+    return kw
+
+
 def sampling_kwargs(args) -> dict[str, Any]:
     """Sampling flags given on the command line -> engine keyword arguments (reference names)."""
-    kw: dict[str, Any] = {}
-    for name in ("max_new_tokens", "max_denoising_steps", "entropy_bound"):
+    kw: dict[str, Any] = sampler_kwargs(args)
+    for name in ("max_new_tokens", "max_denoising_steps"):
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
-    for name in ("t_min", "t_max", "stability_threshold", "confidence_threshold"):
+    for name in ("stability_threshold", "confidence_threshold"):
         if hasattr(args, name):
             kw[name] = getattr(args, name)
     if getattr(args, "steps", None) is not None:

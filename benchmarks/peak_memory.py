@@ -100,9 +100,13 @@ def main(argv=None) -> dict:
                                    confidence_threshold=None)
     T = capacity - C  # the last canvas: the longest cache
 
-    def raw_logits():  # made outside the measurement: with graphs it is the replay's output copy
+    # what a decoder pass hands the sampler: fp32 logits (exact), the LM head's product in the model dtype (fast: it
+    # applies the soft cap itself, `lm_logits(capped=False)`)
+    out_dtype = {"exact": torch.float32, "fast": dtype}
+
+    def raw_logits(s="exact"):  # made outside the measurement: with graphs it is the replay's output copy
         with torch.utils._python_dispatch._disable_current_modes():
-            return torch.zeros(B, C, V, dtype=torch.float32, device=dev)
+            return torch.zeros(B, C, V, dtype=out_dtype[s], device=dev)
 
     def at(length):
         cache.length = length
@@ -111,8 +115,9 @@ def main(argv=None) -> dict:
     gcache = m.new_cache(B, capacity)  # GraphedPasses.new_cache: the same room
     kv_graphs = gcache.nbytes() + gcache.valid.numel()
     on = torch.ones(B, dtype=torch.bool, device=dev)
-    shared_out = torch.zeros(B, C, V, dtype=torch.float32, device=dev)  # GraphedPasses' shared buffers: the logits
-    # every captured pass writes (made outside the measurement) and the self-conditioning logits (`sc`) it reads
+    # GraphedPasses' shared buffers: the logits (or product) every captured pass writes (made outside the
+    # measurement) and the self-conditioning logits (`sc`) it reads
+    shared_out = {s: torch.zeros(B, C, V, dtype=out_dtype[s], device=dev) for s in out_dtype}
 
     def pos(n):  # a device position, as the graphs' input buffers hold it
         with torch.utils._python_dispatch._disable_current_modes():
@@ -120,22 +125,25 @@ def main(argv=None) -> dict:
 
     passes = {
         "prefill": lambda: m.encode(torch.zeros(B, P, dtype=torch.long, device=dev), at(0), output=False),
-        "decode": lambda: m.decode(canvas, at(T), sc),
-        "step (decode + exact sampler)": lambda: single_step(m, canvas, sc, cfg, at(T), n=16),
-        "sampler (exact, logits given)": lambda: single_step(m, canvas, sc, cfg, at(T), n=16, raw=raw_logits()),
-        "sampler (fast, logits given)": lambda: single_step(m, canvas, sc, cfg, at(T), n=16, fast=True,
-                                                            raw=raw_logits()),
         "commit": lambda: m.encode(canvas, at(T - C), output=False),
-        "fused commit + first step": lambda: m.encode_decode(canvas, canvas, at(T - C), None, sc),
-        "graphs: decode": lambda: m.decode(canvas, gcache, sc, on, start=pos(T), out=shared_out),
         "graphs: commit": lambda: m.encode(canvas, gcache, output=False, start=pos(T - C)),
-        "graphs: fused commit + first step": lambda: m.encode_decode(canvas, canvas, gcache, None, sc, on,
-                                                                     start=pos(T - C), out=shared_out),
-        # the engine under graphs: the sampler writes the next pass's self-conditioning logits into its input buffer
-        "graphs: sampler (exact)": lambda: single_step(m, canvas, sc, cfg, at(T), n=16, raw=raw_logits(), sc_out=sc),
-        "graphs: sampler (fast)": lambda: single_step(m, canvas, sc, cfg, at(T), n=16, fast=True, raw=raw_logits(),
-                                                      sc_out=sc),
     }
+    for s in ("exact", "fast"):  # the fast sampler's passes write the LM head's product, not the capped logits
+        capped = s == "exact"
+        passes.update({
+            f"decode ({s})": lambda c=capped: m.decode(canvas, at(T), sc, capped=c),
+            f"sampler ({s}, logits given)": lambda s=s: single_step(m, canvas, sc, cfg, at(T), n=16, fast=s == "fast",
+                                                                    raw=raw_logits(s)),
+            f"fused commit + first step ({s})": lambda c=capped: m.encode_decode(canvas, canvas, at(T - C), None, sc,
+                                                                                 capped=c),
+            f"graphs: decode ({s})": lambda c=capped, s=s: m.decode(canvas, gcache, sc, on, start=pos(T),
+                                                                    out=shared_out[s], capped=c),
+            f"graphs: fused commit + first step ({s})": lambda c=capped, s=s: m.encode_decode(
+                canvas, canvas, gcache, None, sc, on, start=pos(T - C), out=shared_out[s], capped=c),
+            # the engine under graphs: the sampler writes the next pass's self-conditioning logits into its input
+            f"graphs: sampler ({s})": lambda s=s: single_step(m, canvas, sc, cfg, at(T), n=16, fast=s == "fast",
+                                                              raw=raw_logits(s), sc_out=sc),
+        })
     rows = {}
     real_fused_sample = engine_step.fused_sample
     engine_step.fused_sample = fused_sample_meta  # the Triton kernel's allocations
@@ -146,19 +154,19 @@ def main(argv=None) -> dict:
     finally:
         engine_step.fused_sample = real_fused_sample
     held = sc.numel() * sc.element_size()  # the self-conditioning logits kept from the previous step
-    logits = B * C * V * 4
-    # a step: the decoder pass (its logits are its last allocation), then the sampler on those logits
-    step = {s: max(rows["decode"]["peak_bytes"], logits + rows[f"sampler ({s}, logits given)"]["peak_bytes"])
-            for s in ("exact", "fast")}
     base = weights + kv + held
-    passes_eager = [rows[k]["peak_bytes"] for k in ("prefill", "commit", "fused commit + first step")]
-    # CUDA graphs: the captured passes share one memory pool (GraphedPasses) and two buffers (self-conditioning
-    # logits in, logits out), the prefill and the sampler run eagerly in the general pool, one after the other
-    pool = max(rows[f"graphs: {k}"]["peak_bytes"] for k in ("decode", "commit", "fused commit + first step"))
     predicted = {}
     for s in ("exact", "fast"):
+        logits = B * C * V * out_dtype[s].itemsize
+        # a step: the decoder pass (its logits are its last allocation), then the sampler on those logits
+        step = max(rows[f"decode ({s})"]["peak_bytes"], logits + rows[f"sampler ({s}, logits given)"]["peak_bytes"])
+        passes_eager = [rows[k]["peak_bytes"] for k in ("prefill", "commit", f"fused commit + first step ({s})")]
+        # CUDA graphs: the captured passes share one memory pool (GraphedPasses) and two buffers (self-conditioning
+        # logits in, logits out), the prefill and the sampler run eagerly in the general pool, one after the other
+        pool = max(rows[k]["peak_bytes"] for k in (f"graphs: decode ({s})", "graphs: commit",
+                                                    f"graphs: fused commit + first step ({s})"))
         sampler = rows[f"graphs: sampler ({s})"]["peak_bytes"]
-        predicted[s] = {"eager": base + max(step[s], *passes_eager),
+        predicted[s] = {"eager": base + max(step, *passes_eager),
                         "cuda_graphs": weights + kv_graphs + held + logits + pool + max(rows["prefill"]["peak_bytes"],
                                                                                          sampler)}
     print(f"{args.preset}, {args.dtype}, experts {args.precision}"
@@ -167,10 +175,10 @@ def main(argv=None) -> dict:
     ring = f"a ring of {cache.ring} positions in the sliding layers" if cache.ring else "every position in every layer"
     print(f"  weights {weights / GB:.3f} GB, KV cache {kv / GB:.3f} GB ({ring}), self-conditioning logits held "
           f"{held / GB:.3f} GB")
-    print(f"  {'pass':32s} {'peak on top (GB)':>16s}   largest allocations (MB, op)")
+    print(f"  {'pass':42s} {'peak on top (GB)':>16s}   largest allocations (MB, op)")
     for name, r in rows.items():
         big = ", ".join(f"{b / 1e6:.0f} {op}" for b, op in r["largest"])
-        print(f"  {name:32s} {r['peak_bytes'] / GB:16.3f}   {big}")
+        print(f"  {name:42s} {r['peak_bytes'] / GB:16.3f}   {big}")
     print(f"  predicted peak (GB; budget {args.budget_gb:.1f}):   eager   CUDA graphs")
     for s_, v in predicted.items():
         print(f"    {s_ + ' sampler':28s} {v['eager'] / GB:7.2f} {v['cuda_graphs'] / GB:13.2f}")

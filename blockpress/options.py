@@ -1,10 +1,11 @@
 """How a loaded model runs: one options object, decided at `load()` (or `lm.configure()`), validated once.
 
 - Engine: `sampler` ("exact": the reference's arithmetic and random draws; "fast": the fused one-pass sampler,
-  another random stream), `fuse_commit` (encode a committed canvas in the next canvas's first denoising pass),
-  `compact_rows` (denoise only the rows still denoising; None: on with a random stream per row), `cuda_graphs`
-  (replay the model's passes as CUDA graphs; on a CPU the same passes run on their fixed buffers without capture,
-  which is what the tests check), `compile` (torch.compile of the decoder blocks).
+  another random stream, which also applies the final soft cap to the LM head's product), `fuse_commit` (encode
+  a committed canvas in the next canvas's first denoising pass), `compact_rows` (denoise only the rows still
+  denoising; None: on with a random stream per row), `cuda_graphs` (replay the model's passes as CUDA graphs; on
+  a CPU the same passes run on their fixed buffers without capture, which is what the tests check), `compile`
+  (torch.compile of the decoder blocks).
 - Kernels: `experts`, `attention` ("auto": the fastest path that runs here; "loop" / "sdpa" the references),
   `sc_topk` (self-conditioning over the top-K tokens, an approximation), the Triton kernels' settings
   `moe_tiles`, `moe_sum`, `linear_tiles` (None: the defaults), and `merge_projections` (each layer's q/k/v and

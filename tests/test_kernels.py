@@ -18,6 +18,8 @@ from blockpress.kernels._triton import triton, usable_on
 from blockpress.engine.graphs import GraphedPasses
 from blockpress.kernels.moe_grouped import align_blocks, align_blocks_triton, experts_grouped, experts_triton
 from blockpress.kernels.sampler_fused import fused_sample_torch, fused_sample_triton
+from blockpress.kernels.softcap import softcap_triton
+from blockpress.model.layers import softcap_logits
 from blockpress.model.moe import experts_loop
 from blockpress.sampling import token_entropy
 from blockpress.testing import cuda_graphs
@@ -181,6 +183,46 @@ def test_fused_sampler_triton_exact_parts(rows, block_v):
     assert z2.data_ptr() == into.data_ptr() and torch.equal(into, z) and torch.equal(y2, y)
     with pytest.raises(ValueError, match="contiguous"):
         fused_sample_triton(raw, tau, seed, out=torch.empty(2, 40, 7, device=DEV).transpose(1, 2))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("rows,block_v", [(4, 16), (2, 8)])  # masked edges; every tile full (EVEN)
+def test_fused_sampler_applies_the_soft_cap(impl, rows, block_v):
+    """cap=: the sampler reads the LM head's product (bf16, or an fp32 model's) and applies the soft cap in its pass:
+    the same sample, argmax, entropy and z, bit for bit, as the soft-cap kernel's logits sampled without it; the
+    product itself is left as it was."""
+    if impl == "triton" and not usable_on(DEV):
+        pytest.skip("triton not installed (pip install triton), or TRITON_INTERPRET=0 without CUDA")
+    cap, tau = 30.0, torch.tensor(0.7, device=DEV)
+    for dtype in (torch.bfloat16, torch.float32):
+        product = (torch.randn(2, 7, 40) * 40).to(dtype).to(DEV)
+        before = product.clone()
+        if impl == "torch":
+            got = fused_sample_torch(product, tau, torch.Generator().manual_seed(4), torch.bfloat16, cap=cap)
+            want = fused_sample_torch(softcap_logits(before.clone(), cap), tau, torch.Generator().manual_seed(4),
+                                      torch.bfloat16)
+        else:
+            seed = torch.tensor([5], device=DEV)
+            got = fused_sample_triton(product, tau, seed, torch.bfloat16, rows, block_v, cap=cap)
+            want = fused_sample_triton(softcap_triton(before, cap), tau, seed, torch.bfloat16, rows, block_v)
+        assert torch.equal(product, before)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        assert float(got[3].float().abs().max()) <= cap / 0.7 + 1e-3  # capped: |z| <= cap / tau
+
+
+def test_lm_head_product_is_the_logits_before_the_cap():
+    """lm_logits(capped=False): the product in the weight dtype (into `out` too), which the soft cap turns into
+    lm_logits' own logits bit for bit."""
+    for dtype in (torch.float32, torch.bfloat16):
+        m = _tiny_model().module.to(dtype)
+        h = torch.randn(2, 8, m.text.hidden_size).to(dtype)
+        product = m.lm_logits(h, capped=False)
+        assert product.dtype == dtype
+        assert torch.equal(softcap_logits(product.clone(), m.text.final_logit_softcapping), m.lm_logits(h))
+        into = torch.empty_like(product)
+        assert m.lm_logits(h, out=into, capped=False) is into and torch.equal(into, product)
 
 
 def _chi_square(samples, probs):
@@ -404,6 +446,8 @@ def test_graphed_passes_plumbing_generates_the_same_tokens(fuse, sampler):
         want.append(lm.generate(ids, **kw, **mode).sequences)
     with cuda_graphs(lm) as g:
         passes = {"decode", "encode_decode"} if fuse else {"decode", "commit"}  # commit: the cache-only encoder pass
+        if sampler == "fast":  # its passes end at the LM head's product (the sampler applies the soft cap)
+            passes = {p if p == "commit" else f"{p}_product" for p in passes}
         for round_ in range(2):
             for mode, ref in zip(modes, want):
                 torch.manual_seed(0)
@@ -483,8 +527,9 @@ def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monke
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # a fast path switched off (a failed first-use check) fails it
 def test_gpu_fast_path_combination_gives_the_reference_tokens():
     """What `gpu_session.sh` runs, end to end in fp32 (Triton: the interpreter on CPU, compiled on a GPU): int4
-    experts and int8 linears through their Triton kernels, the checked Triton soft cap writing into the graphs'
-    shared logits buffer, the fused sampler writing the self-conditioning logits into the graphs' input buffer,
+    experts and int8 linears through their Triton kernels, the LM head's product written into the graphs' shared
+    buffer and soft-capped by the fused sampler, which writes the self-conditioning logits into the graphs' input
+    buffer,
     the graph plumbing (captured on a GPU) with a fused commit, adaptive stopping at batch 2. Tokens equal those of
     the torch reference paths on the same quantised weights, without graphs."""
     from blockpress.kernels.linear_q import quantized_linears
@@ -502,12 +547,12 @@ def test_gpu_fast_path_combination_gives_the_reference_tokens():
         if fast:
             kernels.configure(m, experts="triton", precision="int4", linears="int8", group_size=32)  # unchecked
             assert {q.backend for q in quantized_linears(m)} == {"triton"}
-            use(m, softcap="triton_checked")
             g = lm.passes = GraphedPasses(m, capture=dev == "cuda", copy_outputs=False)
         torch.manual_seed(0)
         seqs.append(lm.generate(ids, **kw).sequences)
         if g is not None:
-            assert {name for name, _ in g.captured} == {"decode", "encode_decode"} and len(g._shared) == 2
+            assert {name for name, _ in g.captured} == {"decode_product", "encode_decode_product"}
+            assert {name for name, _ in g._shared} == {"product", "sc_logits"}
     same = float((seqs[0] == seqs[1]).float().mean())
     assert same == 1.0 if dev == "cpu" else same >= 0.95  # a GPU's fp32 kernels may sum in another order
 

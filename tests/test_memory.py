@@ -79,10 +79,13 @@ def test_peak_memory_script_on_the_tiny_preset(capsys, monkeypatch):
     runpy.run_path(str(ROOT / "benchmarks" / "peak_memory.py"), run_name="__main__")
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
-    assert result["bench"] == "peak_memory" and result["passes"]["decode"] > 0
+    assert result["bench"] == "peak_memory" and result["passes"]["decode (exact)"] > 0
     for sampler in ("exact", "fast"):
         p = result["predicted_peak_bytes"][sampler]
         assert p["cuda_graphs"] >= p["eager"] > result["weights_bytes"] + result["kv_bytes"]
+    # the fast sampler's passes hand it the LM head's product in bf16, not fp32 logits: a smaller buffer
+    exact, fast = (result["predicted_peak_bytes"][s]["cuda_graphs"] for s in ("exact", "fast"))
+    assert fast < exact
     assert any("predicted peak" in line for line in out)
 
 

@@ -30,8 +30,8 @@ from ..kernels.select import host_syncs
 from ..model.cache import KVCache
 
 # the passes as graphs call them: the model's own methods, with the position on the device
-def _decode(module, cache, canvas, T, sc_logits, sc_mask, out=None):
-    return module.decode(canvas, cache, sc_logits, sc_mask, start=T, out=out)
+def _decode(module, cache, canvas, T, sc_logits, sc_mask, out=None, capped=True):
+    return module.decode(canvas, cache, sc_logits, sc_mask, start=T, out=out, capped=capped)
 
 
 def _encode(module, cache, ids, T0):
@@ -42,8 +42,13 @@ def _commit(module, cache, ids, T0):  # a commit only the cache needs: the last 
     return module.encode(ids, cache, output=False, start=T0)
 
 
-def _encode_decode(module, cache, ids, canvas, T0, sc_logits, sc_mask, out=None):
-    return module.encode_decode(ids, canvas, cache, None, sc_logits, sc_mask, start=T0, out=out)
+def _encode_decode(module, cache, ids, canvas, T0, sc_logits, sc_mask, out=None, capped=True):
+    return module.encode_decode(ids, canvas, cache, None, sc_logits, sc_mask, start=T0, out=out, capped=capped)
+
+
+def _uncapped(fn):
+    """The pass `fn` returning the LM head's product before the soft cap (`lm_logits(capped=False)`)."""
+    return lambda *args, **kw: fn(*args, **kw, capped=False)
 
 
 def _buffers(cache) -> tuple:
@@ -86,7 +91,7 @@ class _Captured:
         self.cache = _on_buffers(cache)
         self.buffers = _buffers(cache)
         self.shared = tuple(t.data_ptr() for t in shared.values())
-        out = {"out": shared["out"]} if "out" in shared else {}
+        out = {"out": shared[k] for k in ("out", "product") if k in shared}
         self.out = None  # the pass's output buffer: the graph's (or the shared one), or (no graph) the first result
         def run():  # inference only: no autograd graph (and the out= writes need none)
             with torch.no_grad():
@@ -157,8 +162,9 @@ class GraphedPasses:
     plumbing without graphs.
 
     Shared buffers: every captured decode and fused commit writes its fp32 logits into rows [0, B) of one buffer
-    (per canvas length), and reads its self-conditioning logits from rows [0, B) of another, whatever its batch
-    size B: one [B, C, V] fp32 output for all passes and batch sizes instead of one per captured graph (0.27 GB
+    (per canvas length; capped=False, the fast sampler's passes: the LM head's product in the model dtype, into
+    another, "product"), and reads its self-conditioning logits from rows [0, B) of another, whatever its batch
+    size B: one [B, C, V] output for all passes and batch sizes instead of one per captured graph (0.27 GB in fp32
     per row on the 26B model; a server capturing batch sizes 1..8 would otherwise hold 36 of them per pass). A
     caller that writes the next pass's self-conditioning logits into `sc_buffer(B, C)` saves the copy into it
     (0.13 GB written and read per step on the 26B model). The buffers grow (to `reserve`'s row count when more
@@ -189,7 +195,8 @@ class GraphedPasses:
         # at a time on one stream, and a graph's output tensor stays alive with it, so no later capture places
         # anything on it. The logits of decode and fused commits are written into the shared buffer, outside it.
         self._graph_pool = torch.cuda.graph_pool_handle() if capture else None
-        self._shared: dict = {}  # (name, C) -> [rows, C, V]: "out" (fp32 logits), "sc_logits" (model dtype)
+        # (name, C) -> [rows, C, V]: "out" (fp32 logits), "product" and "sc_logits" (model dtype)
+        self._shared: dict = {}
         self._rows_hint = 0
         self._pool: dict = {}  # (batch, capacity) -> (a cache object on the buffers, weakref to the one handed out)
 
@@ -240,18 +247,20 @@ class GraphedPasses:
         return {"sc_logits": (sc_logits, (B, C, m.text.vocab_size), m.dtype),
                 "sc_mask": (mask, (B,), torch.bool)}
 
-    def _logits_io(self, canvas) -> dict:
+    def _logits_io(self, canvas, capped: bool) -> dict:
         """The shared buffers of a pass producing a canvas's logits: its self-conditioning input and its output."""
         B, C = canvas.shape
-        return {"sc_logits": self._shared_rows("sc_logits", B, C), "out": self._shared_rows("out", B, C)}
+        out = "out" if capped else "product"
+        return {"sc_logits": self._shared_rows("sc_logits", B, C), out: self._shared_rows(out, B, C)}
 
-    def decode(self, canvas, cache, sc_logits=None, sc_mask=None):
+    def decode(self, canvas, cache, sc_logits=None, sc_mask=None, capped: bool = True):
         T, C = cache.length, canvas.shape[1]
         cache.ensure_capacity(T + C, write=C)  # the canvas's K/V go to [T, T+C) (new_cache: room)
         inputs = {"canvas": (canvas, canvas.shape, torch.long), "T": (T, (), torch.long),
                   **self._sc(canvas, sc_logits, sc_mask)}
-        out = self._run("decode", tuple(canvas.shape), cache, _decode, inputs, self.copy_outputs,
-                        self._logits_io(canvas))
+        out = self._run("decode" if capped else "decode_product", tuple(canvas.shape), cache,
+                        _decode if capped else _uncapped(_decode), inputs, self.copy_outputs,
+                        self._logits_io(canvas, capped))
         cache.note_write(T, C)  # scratch past the length: a ring's oldest positions give way to it
         return out
 
@@ -269,15 +278,17 @@ class GraphedPasses:
         cache.length = T0 + S
         return out
 
-    def encode_decode(self, ids, canvas, cache, pad_mask=None, sc_logits=None, sc_mask=None):
+    def encode_decode(self, ids, canvas, cache, pad_mask=None, sc_logits=None, sc_mask=None, capped: bool = True):
         if pad_mask is not None:
-            return self.module.encode_decode(ids, canvas, cache, pad_mask, sc_logits, sc_mask)
+            return self.module.encode_decode(ids, canvas, cache, pad_mask, sc_logits, sc_mask, capped=capped)
         T0, S, C = cache.length, ids.shape[1], canvas.shape[1]
         cache.ensure_capacity(T0 + S + C, write=S + C)
         inputs = {"ids": (ids, ids.shape, torch.long), "canvas": (canvas, canvas.shape, torch.long),
                   "T0": (T0, (), torch.long), **self._sc(canvas, sc_logits, sc_mask)}
-        out = self._run("encode_decode", (tuple(ids.shape), tuple(canvas.shape)), cache, _encode_decode, inputs,
-                        self.copy_outputs, self._logits_io(canvas))
+        out = self._run("encode_decode" if capped else "encode_decode_product",
+                        (tuple(ids.shape), tuple(canvas.shape)), cache,
+                        _encode_decode if capped else _uncapped(_encode_decode), inputs, self.copy_outputs,
+                        self._logits_io(canvas, capped))
         cache.note_write(T0, S + C)
         cache.length = T0 + S
         return out

@@ -39,6 +39,8 @@ class Engine:
         generator, the reference's draw order)."""
         self.runner, self.source = runner, source
         self.fast, self.fuse = sampler == "fast", fuse_commit
+        # the fast sampler applies the soft cap in its pass over the LM head's product (`lm_logits(capped=False)`)
+        self.cap = runner.module.text.final_logit_softcapping if self.fast else None
         self.per_row, self.shared = per_row, shared
         self.rows: list = []
         self.admitting: list = []  # taken from the source, not yet rows (failed together with them on an error)
@@ -125,11 +127,11 @@ class Engine:
                 break
             for r in ran:
                 r.passes += not r.finished
-            raw, which = run.decode(cv, pending)
+            raw, which = run.decode(cv, pending, capped=not self.fast)
             pending = None
             out = sc_out if which is None else sc_out[which] if isinstance(which, slice) and sc_out is not None \
                 else None
-            accepted = denoise_step(cv, raw, which, self.fast, dtype, out)
+            accepted = denoise_step(cv, raw, which, self.fast, dtype, out, self.cap)
             del raw
             cv.steps += 1
             for r in ran:

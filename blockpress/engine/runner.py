@@ -139,27 +139,28 @@ class Runner:
         """Where a step writes its self-conditioning logits: the CUDA-graphed decoder's own input buffer."""
         return None if self.graphs is None else self.graphs.sc_buffer(B, self.C)
 
-    def decode(self, cv, pending: torch.Tensor | None = None):
+    def decode(self, cv, pending: torch.Tensor | None = None, capped: bool = True):
         """The decoder's fp32 logits for this step and the rows they are for (None: every row; see
-        `step.denoise_step`). pending: a committed canvas encoded in the same pass (`encode_decode`)."""
+        `step.denoise_step`). pending: a committed canvas encoded in the same pass (`encode_decode`). capped=False:
+        the LM head's product before the soft cap instead (model dtype; for the fast sampler, which applies it)."""
         B = len(cv.rows)
         run = [i for i in range(B) if not cv.done_host[i]]
         compact = self.compact and cv.sc is not None and len(run) < B
         self.pass_rows = len(run) if compact else B
         if pending is not None:
-            return self.passes.encode_decode(pending, cv.x, self.cache, None, cv.sc), None
+            return self.passes.encode_decode(pending, cv.x, self.cache, None, cv.sc, capped=capped), None
         if not compact:
-            return self.passes.decode(cv.x, self.cache, cv.sc), None
+            return self.passes.decode(cv.x, self.cache, cv.sc, capped=capped), None
         k = len(run)
         if self.graphs is not None:  # swap the rows at work into a prefix: the graphs of batch size k
             if run != list(range(k)):
                 self._to_front(cv, run)
             if self._sub is None or self._sub[0] != k:
                 self._sub = (k, self.cache.view_rows(0, k))
-            return self.passes.decode(cv.x[:k], self._sub[1], cv.sc[:k]), slice(0, k)
+            return self.passes.decode(cv.x[:k], self._sub[1], cv.sc[:k], capped=capped), slice(0, k)
         if self._sub is None or self._sub[0] != run:
             self._sub = (run, self.cache.rows(torch.tensor(run, device=self.device), room=self.C))
-        part = self.module.decode(cv.x[run], self._sub[1], cv.sc[run])  # [k, C, V]
+        part = self.module.decode(cv.x[run], self._sub[1], cv.sc[run], capped=capped)  # [k, C, V]
         if cv.per_row:
             return part, run
         raw = part.new_zeros(B, *part.shape[1:])  # one stream: every row draws, the stopped ones from zeros

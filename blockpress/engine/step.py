@@ -4,11 +4,11 @@ Shape legend: B rows, C canvas length, V vocab.
 
 From the decoder's fp32 logits of the rows that ran, a step: divides by the row's temperature, draws a token
 per position and takes the argmax and the entropy (the sampler: `sampling`'s reference arithmetic, or the fused
-one-pass kernel of `kernels.sampler_fused`), walks the canvas of a row with a grammar through it (`constraint`),
-accepts the lowest-entropy positions within the entropy bound (a grammar's forced tokens and an infilling
-canvas's given ones count as certain), renoises the rest, holds the given tokens of an
-infilling canvas, keeps the rows that stopped as they were (frozen), and asks the stopping rule which rows are
-done.
+one-pass kernel of `kernels.sampler_fused`, which reads the LM head's product and applies the soft cap itself),
+walks the canvas of a row with a grammar through it (`constraint`), accepts the lowest-entropy positions within
+the entropy bound (a grammar's forced tokens and an infilling canvas's given ones count as certain), renoises the
+rest, holds the given tokens of an infilling canvas, keeps the rows that stopped as they were (frozen), and asks
+the stopping rule which rows are done.
 
 Invariants:
 - Random draws follow the reference's order: with one stream for the batch, `multinomial` over [B*C, V] then
@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.sampler_fused import fused_sample
+from ..model.layers import softcap_logits
 from ..sampling import entropy_bound_accept, sample_tokens, token_entropy, uniform_tokens
 from .canvas import Canvas, clamp, entropy_bound, stopping_rule
 from .constraint import constrain
@@ -38,21 +39,26 @@ def _batched(taus: list | None, ones):
     return torch.stack([ones if t is None else t for t in taus]).view(-1, 1, 1)
 
 
-def _sample(raw, taus, gen, active, fast: bool, dtype, out):
-    """(y sample, a argmax, h entropy [k, C], z = raw / tau [k, C, V]) for the rows of `raw`."""
+def _sample(raw, taus, gen, active, fast: bool, dtype, out, cap=None):
+    """(y sample, a argmax, h entropy [k, C], z = raw / tau [k, C, V]) for the rows of `raw` (cap: raw is the LM
+    head's product before this soft cap, which the fast sampler applies)."""
     if fast and not isinstance(gen, list):  # one stream: one fused pass over the batch (z written into `out`)
-        return fused_sample(raw, _batched(taus, None), gen, out_dtype=dtype, out=out)
+        return fused_sample(raw, _batched(taus, None), gen, out_dtype=dtype, out=out, cap=cap)
     if fast:  # a stream per row: one fused pass per row that draws, seeded from its generator
         parts = []
         for i, (g, on) in enumerate(zip(gen, active)):
             tau = None if taus is None else taus[i]
             if on:
-                parts.append(fused_sample(raw[i:i + 1], tau, g, out_dtype=dtype))
+                parts.append(fused_sample(raw[i:i + 1], tau, g, out_dtype=dtype, cap=cap))
             else:  # finished rows still get an argmax and an entropy (their stopping rule runs), not a draw
-                z = raw[i:i + 1] if tau is None else raw[i:i + 1] / tau
+                z = raw[i:i + 1].float() if not cap else softcap_logits(raw[i:i + 1], cap, out=raw.new_empty(
+                    raw[i:i + 1].shape, dtype=torch.float32))  # into a new tensor: the caller's raw stays
+                z = z if tau is None else z / tau
                 parts.append((torch.zeros(1, raw.shape[1], dtype=torch.long, device=raw.device),
                               z.argmax(dim=-1), token_entropy(z), z.to(dtype)))
         return tuple(torch.cat(p) for p in zip(*parts))
+    if cap:
+        raise ValueError("the exact sampler reads soft-capped logits; only the fast one applies the cap")
     tau = _batched(taus, raw.new_ones(()))
     # in place: the decoder's logits are this step's own and unused after (one [B,C,V] fp32 buffer fewer)
     z = raw if tau is None else raw / tau if raw.requires_grad else raw.div_(tau)
@@ -60,12 +66,13 @@ def _sample(raw, taus, gen, active, fast: bool, dtype, out):
 
 
 def _compose(cv: Canvas, idx: list[int], raw, x, a_prev, sc_prev, done, fixed, watch, tracker, bound, fast: bool,
-             dtype, sc_out):
+             dtype, sc_out, cap):
     """The step over the rows `idx` of the canvas (raw [k, C, V] their logits): new x, a, self-conditioning
     logits, done and accepted for those rows."""
     frozen = any(cv.done_host[i] for i in idx)
     active = [not (cv.done_host[i] or cv.rows[i].finished) for i in idx]  # rows that draw (a stream per row)
-    y, a, h, z = _sample(raw, cv.taus(idx), cv.generators(idx), active, fast, dtype, None if frozen else sc_out)
+    y, a, h, z = _sample(raw, cv.taus(idx), cv.generators(idx), active, fast, dtype, None if frozen else sc_out,
+                         cap)
     a, y, forced = constrain(cv, idx, a, y, z)
     certain = fixed[0] if fixed is not None else None  # positions accepted whatever their entropy
     if forced is not None:
@@ -87,15 +94,16 @@ def _compose(cv: Canvas, idx: list[int], raw, x, a_prev, sc_prev, done, fixed, w
 
 
 def denoise_step(cv: Canvas, raw: torch.Tensor, rows=None, fast: bool = False, dtype=torch.float32,
-                 sc_out: torch.Tensor | None = None) -> torch.Tensor:
+                 sc_out: torch.Tensor | None = None, cap: float | None = None) -> torch.Tensor:
     """Advance the canvas by one step from the decoder's logits `raw` of the rows `rows` (None: every row;
     a slice: a prefix of the batch, CUDA graphs' row compaction; a list: those rows, row compaction). Rows
     outside `rows` stay as they are. sc_out: the tensor to write the rows' self-conditioning logits into (the
-    CUDA-graphed decoder's input buffer). Returns accepted [B, C] (False on rows that did not run)."""
+    CUDA-graphed decoder's input buffer). cap (fast only): raw is the LM head's product before this soft cap,
+    which the sampler's pass applies. Returns accepted [B, C] (False on rows that did not run)."""
     B = len(cv.rows)
     if rows is None:
         x, a, sc, done, acc = _compose(cv, list(range(B)), raw, cv.x, cv.a, cv.sc, cv.done, cv.fixed, cv.watch,
-                                       cv.tracker, cv.bound, fast, dtype, sc_out)
+                                       cv.tracker, cv.bound, fast, dtype, sc_out, cap)
         cv.x, cv.a, cv.sc, cv.done = x, a, sc, done
         return acc
     if isinstance(rows, slice):
@@ -108,7 +116,7 @@ def denoise_step(cv: Canvas, raw: torch.Tensor, rows=None, fast: bool = False, d
     sc_prev = None if cv.sc is None else cv.sc[sel]
     x, a, sc, done, acc = _compose(cv, idx, raw, cv.x[sel], cv.a[sel], sc_prev, cv.done[sel], fixed,
                                    None if cv.watch is None else cv.watch[sel], tracker, bound, fast, dtype,
-                                   sc_out)
+                                   sc_out, cap)
     if tracker is not None:
         cv.tracker.put_rows(sel, tracker)
     cv.x, cv.a, cv.done = cv.x.clone(), cv.a.clone(), cv.done.clone()  # earlier events hold the old tensors
@@ -133,6 +141,7 @@ def single_step(module, canvas: torch.Tensor, sc: torch.Tensor | None, cfg, cach
         r.left = cfg.max_denoising_steps if n is None else n
     cv = Canvas(rows, canvas, sc, None, None, stopping_rule(rows), entropy_bound(rows, canvas.device), generator,
                 isinstance(generator, list))
+    cap = module.text.final_logit_softcapping if fast else None  # as the loop: see `Engine`
     if raw is None:
-        raw = (passes or module).decode(canvas, cache, sc)
-    return cv, denoise_step(cv, raw, None, fast, module.dtype, sc_out)
+        raw = (passes or module).decode(canvas, cache, sc, capped=not fast)
+    return cv, denoise_step(cv, raw, None, fast, module.dtype, sc_out, cap)

@@ -12,6 +12,11 @@ So this is the opt-in "fast" sampler (`sampler="fast"`; the engine's step, `engi
 default path (`blockpress.sampling`) stays exact (bit-identical to transformers under a seed); this one is tested
 statistically (chi-square) and for exact argmax / 1e-5 entropy agreement. `fused_sample` runs the Triton kernel where Triton runs
 (CUDA, or the interpreter on CPU when asked) and the same algorithm in torch otherwise.
+
+`cap`: `raw` is the LM head's product before the final soft cap (any dtype; `lm_logits(capped=False)`), and the
+pass applies the cap as it reads each logit, with the soft-cap kernel's arithmetic (kernels/softcap.py), so z, the
+argmax, the entropy and the draw are those of the capped logits: the fp32 logits [B, C, V] are never written or
+read (on the 26B model at batch 1, 268 MB written by the soft cap and read back here, a step).
 """
 
 from __future__ import annotations
@@ -26,11 +31,14 @@ if triton is not None:
 
     @triton.jit
     def _fused_sampler_kernel(raw_ptr, tau_ptr, seed_ptr, y_ptr, a_ptr, h_ptr, z_ptr, R, V, VQ, stride_r, stride_zr,
-                              HAS_TAU: tl.constexpr, WRITE_Z: tl.constexpr, ROWS: tl.constexpr,
-                              BLOCK_V: tl.constexpr, EVEN: tl.constexpr, FAST_LOG: tl.constexpr):
+                              cap, HAS_TAU: tl.constexpr, WRITE_Z: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK_V: tl.constexpr, EVEN: tl.constexpr, FAST_LOG: tl.constexpr,
+                              CAP: tl.constexpr):
         """EVEN: every tile full (R % ROWS == 0, V % BLOCK_V == 0), no masks. FAST_LOG: the Gumbel noise's two logs
         by the hardware's lg2.approx (compiled only; the interpreter has no libdevice), not libdevice's ~12-FMA
-        logf: noise for a draw, where 2^-22 of relative error is far below what a sample can show."""
+        logf: noise for a draw, where 2^-22 of relative error is far below what a sample can show. CAP: raw is
+        the product before the soft cap `cap`, applied here as `_softcap_kernel` does (libdevice's tanh compiled,
+        the sigmoid form in the interpreter: the same bits as that kernel's output, then / tau)."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rmask = rows < R
         tau = 1.0
@@ -48,11 +56,21 @@ if triton is not None:
             v = v0 + tl.arange(0, BLOCK_V)
             if EVEN:
                 mask = None
-                z = tl.load(raw_ptr + rows[:, None].to(tl.int64) * stride_r + v[None, :]).to(tl.float32) / tau
+                z = tl.load(raw_ptr + rows[:, None].to(tl.int64) * stride_r + v[None, :]).to(tl.float32)
             else:
                 mask = rmask[:, None] & (v < V)[None, :]
                 z = tl.load(raw_ptr + rows[:, None].to(tl.int64) * stride_r + v[None, :], mask=mask,
-                            other=float("-inf")).to(tl.float32) / tau
+                            other=float("-inf")).to(tl.float32)
+            if CAP:
+                zc = tl.math.div_rn(z, cap)
+                if FAST_LOG:  # compiled: libdevice, as the soft-cap kernel
+                    zc = libdevice.tanh(zc)
+                else:
+                    zc = 2.0 * tl.sigmoid(2.0 * zc) - 1.0
+                z = zc * cap
+                if not EVEN:
+                    z = tl.where(mask, z, float("-inf"))
+            z = z / tau
             if WRITE_Z:
                 tl.store(z_ptr + rows[:, None].to(tl.int64) * stride_zr + v[None, :],
                          z.to(z_ptr.dtype.element_ty), mask=mask)
@@ -92,18 +110,23 @@ def entropy_from_logits(z: torch.Tensor) -> torch.Tensor:
     return s.log() - (p * d).sum(-1) / s
 
 
-def fused_sample_torch(raw, tau=None, generator=None, out_dtype=None, out=None):
+def fused_sample_torch(raw, tau=None, generator=None, out_dtype=None, out=None, cap=None):
     """The fused algorithm in plain torch (CPU fallback). Returns y, a, h [B,C] and z (out_dtype; written into
-    `out` when given)."""
+    `out` when given). cap: raw is the product before the soft cap (the reference's `softcap_logits` applies it)."""
+    if cap:
+        from ..model.layers import softcap_logits
+
+        raw = softcap_logits(raw, cap, out=torch.empty(raw.shape, dtype=torch.float32, device=raw.device))
     z = raw.float() if tau is None else raw.float() / tau
     u = torch.rand(z.shape, device=z.device, generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
     y = torch.argmax(z - torch.log(-torch.log(u)), dim=-1)
     return y, torch.argmax(z, dim=-1), entropy_from_logits(z), z.to(out_dtype or z.dtype) if out is None else out.copy_(z)
 
 
-def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_program=None, block_v=None, out=None):
+def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_program=None, block_v=None, out=None,
+                        cap=None):
     """One Triton pass over [R, V]. tau: 0-dim fp32 tensor or None; seed: int64 tensor [1] on device; out: a
-    contiguous [B, C, V] tensor to write z into (its dtype wins over out_dtype)."""
+    contiguous [B, C, V] tensor to write z into (its dtype wins over out_dtype); cap: see the module docstring."""
     B, C, V = raw.shape
     R = B * C
     x = raw.reshape(R, V)
@@ -125,17 +148,18 @@ def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_progr
         z = out.view(R, V)
     tau_t = tau if tau is not None else h  # unused pointer when HAS_TAU is False
     _fused_sampler_kernel[(triton.cdiv(R, rows),)](x, tau_t, seed, y, a, h, z, R, V, triton.cdiv(V, 4), x.stride(0),
-                                                   z.stride(0), HAS_TAU=tau is not None, WRITE_Z=True, ROWS=rows,
-                                                   BLOCK_V=bv, EVEN=R % rows == 0 and V % bv == 0,
-                                                   FAST_LOG=not interpreted())
+                                                   z.stride(0), float(cap or 1.0), HAS_TAU=tau is not None,
+                                                   WRITE_Z=True, ROWS=rows, BLOCK_V=bv,
+                                                   EVEN=R % rows == 0 and V % bv == 0, FAST_LOG=not interpreted(),
+                                                   CAP=bool(cap))
     return y.view(B, C), a.view(B, C), h.view(B, C), z.view(B, C, V)
 
 
-def fused_sample(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto", out=None):
+def fused_sample(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto", out=None, cap=None):
     """-> y (sample), a (argmax), h (entropy) [B,C] and z = raw/tau in out_dtype [B,C,V] (written into `out`, a
-    contiguous tensor, when given)."""
+    contiguous tensor, when given). cap: raw is the product before this soft cap, applied in the same pass."""
     use_triton = backend == "triton" or (backend == "auto" and raw.is_cuda and usable_on(raw.device))
     if use_triton:
         seed = torch.randint(0, 2**31 - 1, (1,), device=raw.device, generator=generator)
-        return fused_sample_triton(raw, tau, seed, out_dtype, out=out)
-    return fused_sample_torch(raw, tau, generator, out_dtype, out=out)
+        return fused_sample_triton(raw, tau, seed, out_dtype, out=out, cap=cap)
+    return fused_sample_torch(raw, tau, generator, out_dtype, out=out, cap=cap)

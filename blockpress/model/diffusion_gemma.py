@@ -188,9 +188,13 @@ class DiffusionGemmaModel(nn.Module):
         w = self.embed_tokens.weight
         return self.embed_tokens(ids) * self.embed_scale(w.dtype, w.device)
 
-    def lm_logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def lm_logits(self, h: torch.Tensor, out: torch.Tensor | None = None, capped: bool = True) -> torch.Tensor:
         """fp32 logits of final-normed hidden states. out: an fp32 tensor of their shape to write them into (no
         autograd; the CUDA graphs' shared logits buffer).
+
+        capped=False: the LM head's product in the weight dtype, before the soft cap, for a caller that applies the
+        cap itself (the fast sampler, in its one pass over the vocabulary: the fp32 logits are never written); out
+        is then a weight-dtype tensor, written by one product.
 
         One product over all rows: each block of rows would read the whole [V, H] table again (1.48 GB on the 26B
         model). Into `out`, a product larger than `LM_HEAD_PART_BYTES` runs over the vocabulary in up to
@@ -202,6 +206,11 @@ class DiffusionGemmaModel(nn.Module):
         if out is not None and torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
             raise ValueError("lm_logits(out=...) writes in place and records no gradient: call it under "
                              "torch.no_grad(), or without out=")
+        if not capped:
+            if out is None:
+                return h @ w.t()
+            torch.mm(h.reshape(-1, h.shape[-1]), w.t(), out=out.view(-1, w.shape[0]))
+            return out
         V, rows = w.shape[0], h.numel() // h.shape[-1]
         parts = min(LM_HEAD_PARTS, -(-rows * V * w.element_size() // LM_HEAD_PART_BYTES))  # ceil
         if out is not None and parts > 1:
@@ -233,7 +242,7 @@ class DiffusionGemmaModel(nn.Module):
         probs = None
         if scratch is not None and not torch.is_grad_enabled() and scratch.is_contiguous() \
                 and scratch.numel() * scratch.element_size() >= sc_logits.numel() * w.element_size() \
-                and scratch.untyped_storage().data_ptr() != sc_logits.untyped_storage().data_ptr():  # not the input
+                and not torch._C._is_alias_of(scratch, sc_logits):  # not the input (a storage check; meta too)
             probs = scratch.view(-1).view(torch.uint8)[:sc_logits.numel() * w.element_size()].view(w.dtype)
             probs = probs.view(sc_logits.shape)
         return softmax_rows(sc_logits, w.dtype, out=probs) @ w  # softmax(z.float()).to(w.dtype), in 64 MB chunks
@@ -362,7 +371,7 @@ class DiffusionGemmaModel(nn.Module):
     def encode_decode(self, ids: torch.Tensor, canvas: torch.Tensor, cache: KVCache,
                       pad_mask: torch.Tensor | None = None, sc_logits: torch.Tensor | None = None,
                       sc_mask: torch.Tensor | None = None, start: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, capped: bool = True) -> torch.Tensor:
         """`encode(ids, cache, pad_mask)` then `decode(canvas, cache, sc_logits, sc_mask)`, in one pass.
 
         ids [B,S] (a committed canvas) at positions [T0, T0+S), canvas [B,C] at [T0+S, T0+S+C). Rows of
@@ -371,8 +380,8 @@ class DiffusionGemmaModel(nn.Module):
         see the cache causally and write their K/V first (encoder rule), canvas queries see the
         updated cache plus the whole canvas (decoder rule); the encoder and decoder `layer_scalar`s scale their own
         rows. Same function as the two calls up to fp32 summation order (the GEMMs see S+C rows instead of S and C).
-        Returns decode's logits [B,C,V] (into `out`, an fp32 tensor of their shape, when given). start: T0 on the
-        device, the fixed-shape pass (see `encode`)."""
+        Returns decode's logits [B,C,V] (into `out`, an fp32 tensor of their shape, when given; capped: see
+        `lm_logits`). start: T0 on the device, the fixed-shape pass (see `encode`)."""
         B, S = ids.shape
         C = canvas.shape[1]
         if start is None:
@@ -392,7 +401,7 @@ class DiffusionGemmaModel(nn.Module):
         x = self._layers(x, rope, keys, scalar)
         if start is None:
             cache.length = T0 + S
-        return self.lm_logits(self.norm(x[:, S:]), out=out)
+        return self.lm_logits(self.norm(x[:, S:]), out=out, capped=capped)
 
     # decoder pass -------------------------------------------------------------------------------
     def decoder_input(self, canvas: torch.Tensor, sc_logits: torch.Tensor | None,
@@ -410,9 +419,10 @@ class DiffusionGemmaModel(nn.Module):
     def decode(self, canvas: torch.Tensor, cache: KVCache, sc_logits: torch.Tensor | None = None,
                sc_mask: torch.Tensor | None = None, hidden_states: list | None = None,
                return_hidden: bool = False, start: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, capped: bool = True) -> torch.Tensor:
         """canvas [B,C] at positions [T, T+C) (T = cache.length) -> fp32 soft-capped logits [B,C,V] (into `out`, an
-        fp32 tensor of their shape, when given). Cache positions [0, T) are read only.
+        fp32 tensor of their shape, when given; capped=False: the product before the cap, see `lm_logits`). Cache
+        positions [0, T) are read only.
 
         Without autograd, where the cache has room, each layer writes the canvas's K/V at [T, T + C) as scratch (the
         commit overwrites it) and attends over one span of the cache: the same keys in the same order as
@@ -436,4 +446,4 @@ class DiffusionGemmaModel(nn.Module):
             hidden_states.append(x)
         if return_hidden:
             return x
-        return self.lm_logits(x, out=out)
+        return self.lm_logits(x, out=out, capped=capped)

@@ -125,19 +125,24 @@ def attention_variants(text, dtype, canvas: int, batches: list[int], splits: lis
 
 
 def head_variants(vocab: int, canvas: int, dtype, batches: list[int], cap: float | None):
-    """(label, thunk) for the soft cap and the fused sampler over each batch's [B, C, V] logits."""
+    """(label, thunk) for the soft cap and the fused sampler over each batch's [B, C, V] logits: the engine's fast
+    sampler reads the LM head's product (`dtype`) and applies the soft cap itself; the exact sampler's logits go
+    through the soft-cap kernel."""
     from blockpress.kernels.sampler_fused import fused_sample_triton
     from blockpress.kernels.softcap import softcap_triton
 
+    seed = torch.zeros(1, dtype=torch.int64)
     for b in batches:
         if cap:
             yield f"soft cap, canvas x{b}", (lambda b=b: softcap_triton(torch.empty(b, canvas, vocab, dtype=dtype),
                                                                         cap))
+            product = torch.empty(b, canvas, vocab, dtype=dtype)
+            yield (f"fused sampler + soft cap, canvas x{b}",
+                   lambda x=product: fused_sample_triton(x, torch.tensor(0.7), seed, out_dtype=dtype, cap=cap))
         raw = torch.empty(b, canvas, vocab, dtype=torch.float32)
         for tau in (torch.tensor(0.7), None):
             yield (f"fused sampler, canvas x{b}" + ("" if tau is not None else ", no temperature"),
-                   lambda raw=raw, tau=tau: fused_sample_triton(raw, tau, torch.zeros(1, dtype=torch.int64),
-                                                                out_dtype=dtype))
+                   lambda raw=raw, tau=tau: fused_sample_triton(raw, tau, seed, out_dtype=dtype))
 
 
 def main(argv=None) -> int:

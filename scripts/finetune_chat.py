@@ -9,10 +9,14 @@ model, on CPU.
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 3 --out runs/chat-goals-model
     python3 scripts/prepare_chat.py --out runs/chat-goals8 --mix-seed 8 --drill 0.75 --drills goals --n 110000
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 4 --out runs/chat-deep-model
+    python3 scripts/prepare_chat.py --out runs/chat-conv --mix-seed 9 --drill 0.75 --drills conversions --n 70000
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 5 --out runs/chat-conv-model
 
 Stage 4 first grows stage 3's model to 8 layers (`blockpress.train.grow.grow_depth` into runs/chat-deep-init: the
 4 trained layers, then a copy of them that starts as the identity), so the deeper model begins where the
 shallow one ended: conversions need 2-digit multiplication and division, which the 4-layer model did not learn.
+Stage 5 goes on from stage 3's model (4 layers) on drills with conversions weighted up and the products by the
+conversion factors 7, 12, 24 and 60 (`--drills conversions`).
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
@@ -40,6 +44,8 @@ STAGES = {
         "--seed", "7", "--eval-data", "runs/chat-goals/heldout.jsonl"],
     4: ["runs/chat-goals8/train.jsonl", "--model", "runs/chat-deep-init", "--steps", "2400",
         "--seed", "8", "--eval-data", "runs/chat-goals8/heldout.jsonl"],
+    5: ["runs/chat-conv/train.jsonl", "--model", "runs/chat-goals-model/checkpoint-0003000", "--steps", "2000",
+        "--seed", "9", "--eval-data", "runs/chat-conv/heldout.jsonl"],
 }
 GROW = {4: ("runs/chat-goals-model/checkpoint-0003000", "runs/chat-deep-init")}  # stage: (source, grown model)
 

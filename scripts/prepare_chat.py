@@ -5,7 +5,7 @@
 Writes, under --out:
   train.jsonl      --n generated conversations (`blockpress train` chat rows: messages, tools,
                    enable_thinking; the final assistant turn is supervised), none using a held-out question:
-                   the normal stream with --drill of them drills (--drills: broad or goals)
+                   the normal stream with --drill of them drills (--drills: broad, goals or conversions)
                    (`assistant.drilled_dialogs(--n, --mix-seed, --drill, drills=--drills)`)
   heldout.jsonl    the eval set (`blockpress.tasks.assistant.heldout`, --heldout per table row), each row
                    with its `expect` (what a right reply does); the trainer reads it for the eval loss
@@ -31,9 +31,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/chat")
     ap.add_argument("--n", type=int, default=160_000, help="training conversations")
     ap.add_argument("--drill", type=float, default=0.45, help="share of arithmetic / conversion drills")
-    ap.add_argument("--drills", default="broad", choices=["broad", "goals"],
-                    help="what the drills ask: broad (arithmetic of every size, conversions) or goals (2-digit "
-                         "addition / subtraction, conversions, tool calls: the eval's goal rows)")
+    ap.add_argument("--drills", default="broad", choices=["broad", "goals", "conversions"],
+                    help="what the drills ask: broad (arithmetic of every size, conversions), goals (2-digit "
+                         "addition / subtraction, conversions, tool calls: the eval's goal rows) or conversions "
+                         "(the goal rows, conversions weighted up, and products by the factors 7, 12, 24, 60)")
     ap.add_argument("--mix-seed", type=int, default=4, help="seed of the training conversations")
     ap.add_argument("--tokenizer-rows", type=int, default=120_000, help="conversations the BPE is learned on")
     ap.add_argument("--heldout", type=int, default=40, help="held-out conversations per table row")

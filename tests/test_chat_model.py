@@ -90,6 +90,19 @@ def test_heldout_questions_never_occur_in_training():
     assert {d.expect["row"] for d in train} >= {"conversion", "follow-up", "tool call", "no tool fits", "json"}
 
 
+@pytest.mark.parametrize("drills", sorted(assistant.DRILLS))
+def test_drill_mixes_keep_out_heldout_questions_and_ask_their_rows(drills):
+    keys = assistant.heldout_keys(5)
+    mix = list(assistant.drilled_dialogs(300, 1, 0.75, exclude=keys, drills=drills))
+    assert len(mix) == 300 and not any(k in keys for d in mix for k in d.keys)
+    rows = [d.expect["row"] for d in mix]
+    assert rows.count("conversion") >= 20  # every mix drills conversions (1 in 4 of its drills or more)
+    if drills == "conversions":  # products by the factors that are not a shift of digits
+        products = [k[2:] for d in mix for k in d.keys if k[:2] == ("arith", "mul")]
+        by_factor = [p for p in products if set(p) & set(assistant.CONVERSION_FACTORS) and min(p) <= 30]
+        assert len(by_factor) >= 0.6 * len(products) and len(by_factor) >= 15
+
+
 def test_working_matches_the_answer():
     rng = random.Random(0)
     for _ in range(300):

@@ -97,7 +97,26 @@ def _goal_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
     return "call", None
 
 
-DRILLS = {"broad": _broad_drill, "goals": _goal_drill}
+CONVERSION_FACTORS = sorted({c[4] for c in skills.CONVERSIONS if c[4] not in (10, 100, 1000)})  # 7, 12, 24, 60
+
+
+def _conversion_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
+    """The goal rows with conversions weighted up, and the products they need: 2-digit addition and subtraction
+    (2 in 10 each), a unit conversion (3 in 10), a product k x f of a conversion factor f that is not a power of ten
+    and k up to 30, either order (15 in 100), a tool call (the rest)."""
+    r = rng.random()
+    if r < 0.4:
+        return "skill", skills.arithmetic(rng, "add" if r < 0.2 else "sub", (2, 2))
+    if r < 0.7:
+        return "skill", skills.conversion(rng)
+    if r < 0.85:
+        k, f = rng.randint(1, 30), rng.choice(CONVERSION_FACTORS)
+        a, b = (k, f) if rng.random() < 0.5 else (f, k)
+        return "skill", skills.arithmetic_item("mul", a, b, rng)
+    return "call", None
+
+
+DRILLS = {"broad": _broad_drill, "goals": _goal_drill, "conversions": _conversion_drill}
 
 
 def drilled_dialogs(count: int, seed: int, share: float, exclude: frozenset | None = None, drills: str = "broad"):

@@ -6,16 +6,17 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-drill2 --mix-seed 6 --drill 0.7   # stage 2's mix: 70 % drills
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 2 --out runs/chat-drill2-model
     python3 scripts/prepare_chat.py --out runs/chat-goals --mix-seed 7 --drill 0.75 --drills goals --n 110000
-    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 3 --out runs/chat-goals-model
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 3 --out runs/chat-goals-model  # the shipped one
     python3 scripts/prepare_chat.py --out runs/chat-goals8 --mix-seed 8 --drill 0.75 --drills goals --n 110000
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 4 --out runs/chat-deep-model
     python3 scripts/prepare_chat.py --out runs/chat-conv --mix-seed 9 --drill 0.75 --drills conversions --n 70000
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 5 --out runs/chat-conv-model
 
-Stage 4 first grows stage 3's model to 8 layers (`blockpress.train.grow.grow_depth` into runs/chat-deep-init: the
-4 trained layers, then a copy of them that starts as the identity), so the deeper model begins where the
-shallow one ended: conversions need 2-digit multiplication and division, which the 4-layer model did not learn.
-Stage 5 goes on from stage 3's model (4 layers) on drills with conversions weighted up and the products by the
+Stages 4 and 5 are experiments toward the conversions goal; neither beat stage 3, so neither is shipped
+(benchmarks/results/2026-11-27-cpu-assistant.md §7). Stage 4 first grows stage 3's model to 8 layers
+(`blockpress.train.grow.grow_depth` into runs/chat-deep-init: the 4 trained layers, then a copy of them that
+starts as the identity), so the deeper model begins where the shallow one ended: conversions need 2-digit
+multiplication and division, which the 4-layer model did not learn. Stage 5 goes on from stage 3's model (4 layers) on drills with conversions weighted up and the products by the
 conversion factors 7, 12, 24 and 60 (`--drills conversions`).
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as

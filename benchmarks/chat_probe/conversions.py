@@ -1,0 +1,19 @@
+"""The eval's conversion row on the validation split, by factor and thinking mode (the table of
+2026-11-27-cpu-assistant.md §7): python benchmarks/chat_probe/conversions.py MODEL [n per row, default 80]"""
+import sys, torch, collections
+import blockpress
+from blockpress.tasks import assistant
+from blockpress.tasks.assistant import evaluate as ev, skills
+torch.set_num_threads(1)
+ck = sys.argv[1]; n = int(sys.argv[2]) if len(sys.argv) > 2 else 80
+lm = blockpress.load(ck, progress=False)
+ds = [d for d in assistant.heldout(n, assistant.VAL_SEED) if d.expect["row"] == "conversion"]
+r = ev.evaluate(lm, ds)
+by = collections.defaultdict(lambda: [0, 0])
+for d, c in zip(ds, r["cases"]):
+    key = [k for k in d.keys if k[0] == "conv"][0]
+    f = skills.CONVERSIONS[key[1]][4]
+    g = by["x10^k" if f in (10, 100, 1000) else f"x{f}"]
+    g[0] += bool(c["exact"]); g[1] += 1
+    t = by["think" if d.thinking else "no-think"]; t[0] += bool(c["exact"]); t[1] += 1
+print(ck, {k: f"{v[0]}/{v[1]}" for k, v in sorted(by.items())}, f"all {100*sum(bool(c['exact']) for c in r['cases'])/len(ds):.1f}%")

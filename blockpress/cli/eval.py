@@ -9,8 +9,8 @@ response, thinking on/off well-formed; a column for the model's own sampler and 
 (exactly N denoising steps per canvas), and `--compare-ar DIR` adds the same-size autoregressive model
 trained on the same data (greedy). Ends with one JSON line.
 
-For sudoku and chat, `--entropy-bound`, `--t-min` and `--t-max` replace the model's own sampler settings in
-every diffusion column (compare settings on `--split val`).
+`--entropy-bound`, `--t-min` and `--t-max` replace the model's own sampler settings in every diffusion column
+(compare settings on `--split val`).
 
 `infill`: hide one word of each held-out passage (--data, default the shipped text model's
 eval/heldout.txt) and fill it with and without the text after it (blockpress/tasks/text_infill.py).
@@ -56,7 +56,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="blanks levels, 0..64 (a unique puzzle keeps >= 17 clues; default 35 40 45 50 55)")
     p.add_argument("--steps", type=_positive_int, nargs="+", default=None,
                    help="fixed denoising-step budgets to compare")
-    add_sampler_args(p.add_argument_group("sampler (sudoku, chat; default: the model's generation_config.json)"))
+    add_sampler_args(p.add_argument_group("sampler (default: the model's generation_config.json)"))
     p.add_argument("--batch-size", type=_positive_int, default=50)
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--repair", type=_nonneg_int, default=0, metavar="R",
@@ -201,6 +201,7 @@ def _infill(args) -> int:
         apply_adapter(lm, args.adapter)
     examples = ti.make_examples(ti.read_passages(data), args.n or 200, args.seed)
     results = {}
+    sampling = sampler_kwargs(args)
     for s in args.steps or [None]:
         kw = dict(sampling) if s is None else {**sampling, "max_denoising_steps": s, "stability_threshold": None}
         name = "default" if s is None else f"steps={s}"

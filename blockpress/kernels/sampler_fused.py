@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.layers import softcap_logits
 from ._triton import interpreted, tl, triton, usable_on
 
 if triton is not None:
@@ -114,8 +115,6 @@ def fused_sample_torch(raw, tau=None, generator=None, out_dtype=None, out=None, 
     """The fused algorithm in plain torch (CPU fallback). Returns y, a, h [B,C] and z (out_dtype; written into
     `out` when given). cap: raw is the product before the soft cap (the reference's `softcap_logits` applies it)."""
     if cap:
-        from ..model.layers import softcap_logits
-
         raw = softcap_logits(raw, cap, out=torch.empty(raw.shape, dtype=torch.float32, device=raw.device))
     z = raw.float() if tau is None else raw.float() / tau
     u = torch.rand(z.shape, device=z.device, generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)

@@ -102,6 +102,21 @@ def _strict(constant):
     raise ValueError(f"{constant} is not JSON")
 
 
+def test_bench_without_transformers_measures_ours_and_says_why_not_theirs(capsys, monkeypatch):
+    """A plain `pip install` has no transformers: the bench runs ours, then names the missing package and the flag,
+    instead of a traceback after the timing."""
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else
+                        find(name, *a))
+    assert cli_main(["bench", *FAST, "--modes", "fixed", "--repeats", "1", "--no-ar"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert {r["engine"] for r in result["runs"]} == {"blockpress"}
+    assert "not installed" in result["reference_skipped"] and "--no-reference" in captured.err
+
+
 def test_cli_bench_tiny_with_reference_and_ar(capsys):
     assert cli_main(["bench", *FAST, "--modes", "fixed,adaptive", "--repeats", "1"]) == 0
     out = capsys.readouterr().out.strip().splitlines()

@@ -20,6 +20,7 @@ import json
 import platform
 import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -455,9 +456,16 @@ def run(args) -> dict:
         result["profile"]["batch"] = B
         result["profile"]["passes"] = "fixed-shape, uncaptured" if fixed else "span (eager)"
         print_profile(result["profile"], f"B={B}")
+    import importlib.util
+
     ref_ok = args.reference and args.precision == "native" and args.linears == "native"
     if args.reference and not ref_ok:
         result["reference_skipped"] = "transformers runs only on native-precision weights here"
+    elif ref_ok and importlib.util.find_spec("transformers") is None:  # a plain install: ours alone, said so
+        ref_ok = False
+        result["reference_skipped"] = ('transformers is not installed (pip install "blockpress[test]" to compare '
+                                       'against it; --no-reference to skip it)')
+        print(f"bench: {result['reference_skipped']}", file=sys.stderr)
     if ref_ok:
         ref_batches = [int(b) for b in args.reference_batch.split(",")]
         ref_bytes = {B: mean_step_bytes(module, B, args, 1.0, native=True) for B in ref_batches}

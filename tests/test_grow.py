@@ -61,6 +61,29 @@ def test_grown_blocks_learn(pair):
     grown.module.zero_grad(set_to_none=True)
 
 
+def test_grow_repeats_layer_types_the_config_leaves_to_the_default_rule(tmp_path):
+    """A config without layer_types (4 layers: the rule makes the last one full): the grown config names them, the
+    stack's pattern twice, not the rule's pattern for 8 layers (full at 6 and 8), and the grown model keeps the
+    tokens."""
+    from hf_oracle import TINY_TEXT
+
+    text = {**{k: v for k, v in TINY_TEXT.items() if k != "layer_types"}, "num_hidden_layers": 4}
+    lm = blockpress.from_config({"model_type": "diffusion_gemma", "text_config": text, "canvas_length": 8}, seed=0)
+    lm.save(tmp_path / "src")
+    cfg = json.loads((tmp_path / "src" / "config.json").read_text())
+    cfg["text_config"].pop("layer_types", None)
+    (tmp_path / "src" / "config.json").write_text(json.dumps(cfg))
+    grown_cfg = grow_depth(tmp_path / "src", tmp_path / "g")
+    types = grown_cfg["text_config"]["layer_types"]
+    assert types == (["sliding_attention"] * 3 + ["full_attention"]) * 2
+    src, grown = blockpress.load(str(tmp_path / "src"), progress=False), blockpress.load(str(tmp_path / "g"),
+                                                                                          progress=False)
+    ids = torch.randint(5, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    a, b = (m.generate(ids, generator=torch.Generator().manual_seed(2), max_new_tokens=16).new_tokens
+            for m in (src, grown))
+    assert torch.equal(a, b)
+
+
 def test_grow_refuses_bad_input(tmp_path):
     with pytest.raises(InputError, match="no config.json"):
         grow_depth(tmp_path, tmp_path / "g")

@@ -21,6 +21,7 @@ import re
 import shutil
 from pathlib import Path
 
+from ..config import ModelConfig
 from ..errors import InputError
 
 # the last op of each residual branch: zero weights make the branch add nothing
@@ -64,9 +65,10 @@ def grow_depth(src: str | Path, out: str | Path, times: int = 2) -> dict:
                 copy = torch.ones_like(value)
             grown[f"{prefix}{i + r * n}.{rest}"] = copy
 
+    # the source's layer types as it resolves them (a config may leave them to the default rule, which would place
+    # the full layers differently in a deeper stack), repeated
+    text["layer_types"] = list(ModelConfig.from_dict(config).text.layer_types) * times
     text["num_hidden_layers"] = n * times
-    if text.get("layer_types"):
-        text["layer_types"] = list(text["layer_types"]) * times
     if text.get("per_layer_config"):
         text["per_layer_config"] = {str(int(k) + r * n): v for r in range(times)
                                     for k, v in text["per_layer_config"].items()}

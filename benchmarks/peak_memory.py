@@ -41,7 +41,7 @@ from blockpress.cli.run import _nonneg_int, _positive_int
 from blockpress.options import LINEAR_FORMATS
 from blockpress.config import GenerationConfig, ModelConfig
 from blockpress.engine import step as engine_step
-from blockpress.engine.step import single_step
+from blockpress.engine.step import sampler_cap, single_step
 from blockpress.lab.memory import LiveBytes, fused_sample_meta, meta_backends
 from blockpress.loading import estimated_weight_bytes
 from blockpress.model.diffusion_gemma import DiffusionGemmaModel
@@ -129,7 +129,7 @@ def main(argv=None) -> dict:
         "graphs: commit": lambda: m.encode(canvas, gcache, output=False, start=pos(T - C)),
     }
     for s in ("exact", "fast"):  # the fast sampler's passes write the LM head's product, not the capped logits
-        capped = s == "exact"
+        capped = sampler_cap(m, s == "fast")[0]
         passes.update({
             f"decode ({s})": lambda c=capped: m.decode(canvas, at(T), sc, capped=c),
             f"sampler ({s}, logits given)": lambda s=s: single_step(m, canvas, sc, cfg, at(T), n=16, fast=s == "fast",

@@ -111,7 +111,7 @@ def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0
         return {"ar": sd.evaluate(_batched(sudoku_solver(lm), batch_size), blanks, n, puzzles_seed)}
     out = {}
     for s in steps or [None]:
-        kw = dict(sampling) if s is None else {**sampling, "max_denoising_steps": s, "stability_threshold": None}
+        kw = _budget(sampling, s)
 
         def solve(puzzles, kw=kw):  # one generator per puzzle: the first pass does not depend on batching or n
             gens = [torch.Generator(device=lm.device).manual_seed(puzzle_seed(seed, p)) for p in puzzles]
@@ -121,6 +121,12 @@ def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0
                         + ([f"repair={repair}"] if repair else []))
         out[name] = sd.evaluate(_batched(solve, batch_size), blanks, n, puzzles_seed)
     return out
+
+
+def _budget(sampling: dict, steps: int | None) -> dict:
+    """The generation settings of one eval column: `sampling`, and exactly `steps` steps per canvas (early stopping
+    off) when given."""
+    return dict(sampling) if steps is None else {**sampling, "max_denoising_steps": steps, "stability_threshold": None}
 
 
 def puzzle_seed(seed: int, puzzle: str) -> int:
@@ -203,7 +209,7 @@ def _infill(args) -> int:
     results = {}
     sampling = sampler_kwargs(args)
     for s in args.steps or [None]:
-        kw = dict(sampling) if s is None else {**sampling, "max_denoising_steps": s, "stability_threshold": None}
+        kw = _budget(sampling, s)
         name = "default" if s is None else f"steps={s}"
         results[name] = res = ti.evaluate(lm, examples, args.seed, **kw)
         print(f"\n{name} ({path}, {len(examples)} passages of {data}, {res['seconds']:.0f} s)")

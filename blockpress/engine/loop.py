@@ -29,7 +29,7 @@ from ..sampling import uniform_tokens
 from .canvas import Canvas, clamp, entropy_bound, held_tokens, stopping_rule
 from .commit import commit, token_logprobs
 from .events import Admitted, Committed, Stepped
-from .step import denoise_step
+from .step import denoise_step, sampler_cap
 
 
 class Engine:
@@ -39,8 +39,7 @@ class Engine:
         generator, the reference's draw order)."""
         self.runner, self.source = runner, source
         self.fast, self.fuse = sampler == "fast", fuse_commit
-        # the fast sampler applies the soft cap in its pass over the LM head's product (`lm_logits(capped=False)`)
-        self.cap = runner.module.text.final_logit_softcapping if self.fast else None
+        self.capped, self.cap = sampler_cap(runner.module, self.fast)  # who applies the soft cap
         self.per_row, self.shared = per_row, shared
         self.rows: list = []
         self.admitting: list = []  # taken from the source, not yet rows (failed together with them on an error)
@@ -127,7 +126,7 @@ class Engine:
                 break
             for r in ran:
                 r.passes += not r.finished
-            raw, which = run.decode(cv, pending, capped=not self.fast)
+            raw, which = run.decode(cv, pending, capped=self.capped)
             pending = None
             out = sc_out if which is None else sc_out[which] if isinstance(which, slice) and sc_out is not None \
                 else None

@@ -23,11 +23,17 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.sampler_fused import fused_sample
-from ..model.layers import softcap_logits
+from ..kernels.sampler_fused import capped_logits, fused_sample
 from ..sampling import entropy_bound_accept, sample_tokens, token_entropy, uniform_tokens
 from .canvas import Canvas, clamp, entropy_bound, stopping_rule
 from .constraint import constrain
+
+
+def sampler_cap(module, fast: bool) -> tuple[bool, float | None]:
+    """(capped, cap): whether the decoder's passes hand the sampler soft-capped fp32 logits (`decode(capped=)`),
+    and the soft cap the sampler applies itself otherwise. The fast sampler reads the LM head's product and caps
+    it in its one pass (`lm_logits(capped=False)`); the exact one reads the reference's logits."""
+    return not fast, (module.text.final_logit_softcapping if fast else None)
 
 
 def _batched(taus: list | None, ones):
@@ -51,8 +57,7 @@ def _sample(raw, taus, gen, active, fast: bool, dtype, out, cap=None):
             if on:
                 parts.append(fused_sample(raw[i:i + 1], tau, g, out_dtype=dtype, cap=cap))
             else:  # finished rows still get an argmax and an entropy (their stopping rule runs), not a draw
-                z = raw[i:i + 1].float() if not cap else softcap_logits(raw[i:i + 1], cap, out=raw.new_empty(
-                    raw[i:i + 1].shape, dtype=torch.float32))  # into a new tensor: the caller's raw stays
+                z = capped_logits(raw[i:i + 1], cap)
                 z = z if tau is None else z / tau
                 parts.append((torch.zeros(1, raw.shape[1], dtype=torch.long, device=raw.device),
                               z.argmax(dim=-1), token_entropy(z), z.to(dtype)))
@@ -141,7 +146,7 @@ def single_step(module, canvas: torch.Tensor, sc: torch.Tensor | None, cfg, cach
         r.left = cfg.max_denoising_steps if n is None else n
     cv = Canvas(rows, canvas, sc, None, None, stopping_rule(rows), entropy_bound(rows, canvas.device), generator,
                 isinstance(generator, list))
-    cap = module.text.final_logit_softcapping if fast else None  # as the loop: see `Engine`
+    capped, cap = sampler_cap(module, fast)
     if raw is None:
-        raw = (passes or module).decode(canvas, cache, sc, capped=not fast)
+        raw = (passes or module).decode(canvas, cache, sc, capped=capped)
     return cv, denoise_step(cv, raw, None, fast, module.dtype, sc_out, cap)

@@ -111,12 +111,19 @@ def entropy_from_logits(z: torch.Tensor) -> torch.Tensor:
     return s.log() - (p * d).sum(-1) / s
 
 
+def capped_logits(raw, cap=None) -> torch.Tensor:
+    """fp32 logits of the LM head's product `raw`: the reference soft cap `cap` applied into a new tensor (raw is
+    left as it is, an fp32 model's too); without a cap, raw as fp32."""
+    if not cap:
+        return raw.float()
+    return softcap_logits(raw, cap, out=torch.empty(raw.shape, dtype=torch.float32, device=raw.device))
+
+
 def fused_sample_torch(raw, tau=None, generator=None, out_dtype=None, out=None, cap=None):
     """The fused algorithm in plain torch (CPU fallback). Returns y, a, h [B,C] and z (out_dtype; written into
-    `out` when given). cap: raw is the product before the soft cap (the reference's `softcap_logits` applies it)."""
-    if cap:
-        raw = softcap_logits(raw, cap, out=torch.empty(raw.shape, dtype=torch.float32, device=raw.device))
-    z = raw.float() if tau is None else raw.float() / tau
+    `out` when given). cap: raw is the product before the soft cap (`capped_logits` applies it)."""
+    z = capped_logits(raw, cap)
+    z = z if tau is None else z / tau
     u = torch.rand(z.shape, device=z.device, generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
     y = torch.argmax(z - torch.log(-torch.log(u)), dim=-1)
     return y, torch.argmax(z, dim=-1), entropy_from_logits(z), z.to(out_dtype or z.dtype) if out is None else out.copy_(z)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import platform
 import resource
@@ -456,8 +457,6 @@ def run(args) -> dict:
         result["profile"]["batch"] = B
         result["profile"]["passes"] = "fixed-shape, uncaptured" if fixed else "span (eager)"
         print_profile(result["profile"], f"B={B}")
-    import importlib.util
-
     ref_ok = args.reference and args.precision == "native" and args.linears == "native"
     if args.reference and not ref_ok:
         result["reference_skipped"] = "transformers runs only on native-precision weights here"

@@ -11,13 +11,23 @@ model, on CPU.
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 4 --out runs/chat-deep-model
     python3 scripts/prepare_chat.py --out runs/chat-conv --mix-seed 9 --drill 0.75 --drills conversions --n 70000
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 5 --out runs/chat-conv-model
+    python3 scripts/prepare_chat.py --out runs/chat-steps --mix-seed 10 --drill 0.75 --drills factors --n 56000 \
+        --conversion-working steps
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 6 --out runs/chat-steps-model
+    python3 scripts/prepare_chat.py --out runs/chat-method --mix-seed 10 --drill 0.75 --drills factors --n 56000 \
+        --conversion-working method
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 7 --out runs/chat-method-model
 
 Stages 4 and 5 are experiments toward the conversions goal; neither beat stage 3, so neither is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7). Stage 4 first grows stage 3's model to 8 layers
 (`blockpress.train.grow.grow_depth` into runs/chat-deep-init: the 4 trained layers, then a copy of them that
 starts as the identity), so the deeper model begins where the shallow one ended: conversions need 2-digit
-multiplication and division, which the 4-layer model did not learn. Stage 5 goes on from stage 3's model (4 layers) on drills with conversions weighted up and the products by the
-conversion factors 7, 12, 24 and 60 (`--drills conversions`).
+multiplication and division, which the 4-layer model did not learn. Stage 5 goes on from stage 3's model (4 layers) on
+drills with conversions weighted up and the products by the conversion factors 7, 12, 24 and 60 (`--drills
+conversions`). Stages 6 and 7 go on from stage 3's model on drills that weight those conversions up (`--drills factors`), with the conversion workings by 7,
+12, 24 and 60 rewritten (`--conversion-working`): stage 6 writes a product as the sums of doublings it is made of
+("and 24 = 20 + 4. 16 + 16 = 32. 32 + 32 = 64. 320 + 64 = 384."), stage 7 only names the rule ("so multiply 16 by
+24"), so the answer gives the number as it does with thinking off.
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
@@ -47,6 +57,10 @@ STAGES = {
         "--seed", "8", "--eval-data", "runs/chat-goals8/heldout.jsonl"],
     5: ["runs/chat-conv/train.jsonl", "--model", "runs/chat-goals-model/checkpoint-0003000", "--steps", "2000",
         "--seed", "9", "--eval-data", "runs/chat-conv/heldout.jsonl"],
+    6: ["runs/chat-steps/train.jsonl", "--model", "runs/chat-goals-model/checkpoint-0003000", "--steps", "1500",
+        "--seed", "10", "--eval-data", "runs/chat-steps/heldout.jsonl"],
+    7: ["runs/chat-method/train.jsonl", "--model", "runs/chat-goals-model/checkpoint-0003000", "--steps", "1500",
+        "--seed", "10", "--eval-data", "runs/chat-method/heldout.jsonl"],
 }
 GROW = {4: ("runs/chat-goals-model/checkpoint-0003000", "runs/chat-deep-init")}  # stage: (source, grown model)
 

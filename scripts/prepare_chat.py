@@ -31,10 +31,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/chat")
     ap.add_argument("--n", type=int, default=160_000, help="training conversations")
     ap.add_argument("--drill", type=float, default=0.45, help="share of arithmetic / conversion drills")
-    ap.add_argument("--drills", default="broad", choices=["broad", "goals", "conversions"],
+    ap.add_argument("--drills", default="broad", choices=["broad", "goals", "conversions", "factors"],
                     help="what the drills ask: broad (arithmetic of every size, conversions), goals (2-digit "
                          "addition / subtraction, conversions, tool calls: the eval's goal rows) or conversions "
-                         "(the goal rows, conversions weighted up, and products by the factors 7, 12, 24, 60)")
+                         "(the goal rows, conversions weighted up, and products by the factors 7, 12, 24, 60) or "
+                         "factors (the goal rows, conversions by 7, 12, 24 and 60 weighted up)")
+    ap.add_argument("--conversion-working", default="product", choices=["product", "steps", "method"],
+                    help="how the training conversations' conversion workings by 7, 12, 24 and 60 are written "
+                         "(blockpress.tasks.assistant.skills.CONVERSION_WORKING; the tokenizer's rows keep product)")
     ap.add_argument("--mix-seed", type=int, default=4, help="seed of the training conversations")
     ap.add_argument("--tokenizer-rows", type=int, default=120_000, help="conversations the BPE is learned on")
     ap.add_argument("--heldout", type=int, default=40, help="held-out conversations per table row")
@@ -44,6 +48,7 @@ def main(argv=None) -> int:
 
     from blockpress.chat import DEFAULT_GEMMA4_TEMPLATE, render_chat_template
     from blockpress.tasks import assistant
+    from blockpress.tasks.assistant import skills
     from blockpress.tasks.assistant.tokenizer import train_tokenizer
     from blockpress.tokenizer import Tokenizer
     from blockpress.train.data import assistant_turn_text, chat_example
@@ -51,10 +56,12 @@ def main(argv=None) -> int:
     t0 = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    working = skills.CONVERSION_WORKING.set(args.conversion_working)  # the mix and the eval-loss rows
     held = assistant.heldout(args.heldout)
     with open(out / "train.jsonl", "w") as f:
         for d in assistant.drilled_dialogs(args.n, args.mix_seed, args.drill, drills=args.drills):
             f.write(json.dumps(d.row(), ensure_ascii=False) + "\n")
+    skills.CONVERSION_WORKING.reset(working)
     rows = [d.row() for d in assistant.train_dialogs(args.tokenizer_rows, args.seed)]
     with open(out / "heldout.jsonl", "w") as f:
         for d in held:

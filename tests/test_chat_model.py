@@ -4,8 +4,10 @@ round-trips, the eval scores replies as documented, the held-out questions never
 shipped model loads by name, reproduces its published eval and comes back with a parsed tool call, and README's
 Python and server examples run as written."""
 
+import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,10 @@ def test_drill_mixes_keep_out_heldout_questions_and_ask_their_rows(drills):
         products = [k[2:] for d in mix for k in d.keys if k[:2] == ("arith", "mul")]
         by_factor = [p for p in products if set(p) & set(assistant.CONVERSION_FACTORS) and min(p) <= 30]
         assert len(by_factor) >= 0.6 * len(products) and len(by_factor) >= 15
+    if drills == "factors":  # conversions by 7, 12, 24, 60 weighted up: most of the mix's conversions
+        factors = [skills.CONVERSIONS[k[1]][4] for d in mix for k in d.keys if k[0] == "conv"]
+        hard = [f for f in factors if f in assistant.CONVERSION_FACTORS]
+        assert len(hard) >= 0.7 * len(factors) and len(hard) >= 60
 
 
 def test_working_matches_the_answer():
@@ -111,6 +117,38 @@ def test_working_matches_the_answer():
     assert skills.add_working(47, 38) == "7 + 8 = 15, carry 1. 4 + 3 + 1 = 8. So 47 + 38 = 85."
     assert skills.sub_working(47, 38) == "17 - 8 = 9, borrow 1. 4 - 1 - 3 = 0. So 47 - 38 = 9."
     assert skills.mul_working(47, 38) == "47 × 30 = 1410. 47 × 8 = 376. 1410 + 376 = 1786. So 47 × 38 = 1786."
+
+
+@pytest.mark.parametrize("style", skills.CONVERSION_WORKINGS)
+def test_conversion_workings_are_right_and_the_default_is_the_shipped_models(style):
+    """Every sum a "steps" working writes holds and its last number is the answer's; "product" (the default, what
+    the shipped model was trained on) writes the product in one line; the style never changes the question, the
+    answer or the key, and it is reset after the stretch that set it."""
+    token = skills.CONVERSION_WORKING.set(style)
+    try:
+        items = [skills.conversion(random.Random(i), i % len(skills.CONVERSIONS)) for i in range(400)]
+    finally:
+        skills.CONVERSION_WORKING.reset(token)
+    for i, it in enumerate(items):
+        assert dataclasses.replace(skills.conversion(random.Random(i), i % len(skills.CONVERSIONS)),
+                                   working=it.working) == it
+        index, reverse, k = it.key[1:]
+        f = skills.CONVERSIONS[index][4]
+        n = it.extra["value"]
+        if style == "product" or f in (10, 100, 1000):
+            sign = "÷" if reverse else "×"
+            assert f"= {k * f if reverse else k} {sign} {f} = {n} " in it.working
+        elif reverse:
+            assert it.working.endswith(f"so divide {k * f} by {f}.")
+        elif style == "method":
+            assert it.working.endswith(f"so multiply {k} by {f}.")
+        else:
+            sums = re.findall(r"(\d+) ([+×]) (\d+) = (\d+)\.", it.working.split(". ", 1)[1])
+            assert len(sums) >= 2 and sums[0][:3] == (str(k), "+", str(k))
+            for a, op, b, c in sums:
+                assert (int(a) + int(b) if op == "+" else int(a) * int(b)) == int(c)
+            assert int(sums[-1][3]) == n == k * f
+    assert skills.CONVERSION_WORKING.get() == "product"
 
 
 def test_score_reads_replies_as_the_server_does():

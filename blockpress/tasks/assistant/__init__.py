@@ -116,7 +116,22 @@ def _conversion_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
     return "call", None
 
 
-DRILLS = {"broad": _broad_drill, "goals": _goal_drill, "conversions": _conversion_drill}
+HARD_CONVERSIONS = [i for i, c in enumerate(skills.CONVERSIONS) if c[4] in CONVERSION_FACTORS]
+
+
+def _factor_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
+    """The goal rows with the conversions a power of ten does not do weighted up: 2-digit addition and subtraction
+    (2 in 10 each, the sums a "steps" working is made of), a conversion by 7, 12, 24 or 60 (4 in 10), a tool call
+    (the rest)."""
+    r = rng.random()
+    if r < 0.4:
+        return "skill", skills.arithmetic(rng, "add" if r < 0.2 else "sub", (2, 2))
+    if r < 0.8:
+        return "skill", skills.conversion(rng, rng.choice(HARD_CONVERSIONS))
+    return "call", None
+
+
+DRILLS = {"broad": _broad_drill, "goals": _goal_drill, "conversions": _conversion_drill, "factors": _factor_drill}
 
 
 def drilled_dialogs(count: int, seed: int, share: float, exclude: frozenset | None = None, drills: str = "broad"):

@@ -10,6 +10,7 @@ functions of the question; phrasing varies.
 from __future__ import annotations
 
 import random
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -156,6 +157,35 @@ def _unit(n: int, sing: str, plural: str) -> str:
     return f"{n} {sing if n == 1 else plural}"
 
 
+# How a conversion's working (the thought channel) is written, for the factors that are not powers of ten:
+# "product" (the shipped model's data): the product or quotient in one line, "16 × 12 = 192";
+# "steps": a product as the sums of doublings it is made of (the one skill the model has, 2-digit addition),
+#   "and 12 = 10 + 2. 16 + 16 = 32. 160 + 32 = 192."; a quotient only named ("divide 192 by 12"), the answer
+#   giving it, as with thinking off;
+# "method": the rule only ("multiply 16 by 12"), the answer giving the number, as with thinking off.
+# Set for a stretch of generation (`CONVERSION_WORKING.set("steps")`, e.g. scripts/prepare_chat.py
+# --conversion-working); powers of ten keep the one-line working in every style.
+CONVERSION_WORKINGS = ("product", "steps", "method")
+CONVERSION_WORKING: ContextVar[str] = ContextVar("CONVERSION_WORKING", default="product")
+# factor: (how it splits, each addition as (left, right) multiples of k, the multiple that is then times 10)
+_DOUBLINGS = {7: ("4 + 2 + 1", [(1, 1), (2, 2), (4, 2), (6, 1)], None),
+              12: ("10 + 2", [(1, 1), (10, 2)], None),
+              24: ("20 + 4", [(1, 1), (2, 2), (20, 4)], None),
+              60: ("6 × 10", [(1, 1), (2, 2), (4, 2)], 6)}
+
+
+def product_steps(k: int, f: int) -> str:
+    """k × f (f in 7, 12, 24, 60) as additions of multiples of k, from the doubling k + k up (the split of f
+    that orders them, e.g. 24 = 20 + 4, is the working's to name)."""
+    _, adds, tens = _DOUBLINGS[f]
+    lines = []
+    for a, b in adds:
+        lines.append(f"{a * k} + {b * k} = {(a + b) * k}.")
+    if tens:
+        lines.append(f"{tens * k} × 10 = {tens * k * 10}.")
+    return " ".join(lines)
+
+
 def conversion(rng: random.Random, index: int | None = None, value: int | None = None,
                reverse: bool | None = None) -> Item:
     """Up (x factor) or down (/ factor, exact) between two units of one measure."""
@@ -163,12 +193,19 @@ def conversion(rng: random.Random, index: int | None = None, value: int | None =
     u, up, v, vp, f, uname, vname = CONVERSIONS[index]
     reverse = rng.random() < 0.35 if reverse is None else reverse
     k = value if value is not None else rng.randint(1, 99 if f >= 100 else 30)
+    style = CONVERSION_WORKING.get() if f in _DOUBLINGS else "product"
     if reverse:  # k * f of the small unit -> k of the big one
         src, dst, n_src, n_dst = (v, vp, vname), (u, up, uname), k * f, k
-        work = f"1 {u} = {f} {vp}, so {_unit(n_src, v, vp)} = {n_src} ÷ {f} = {_unit(n_dst, u, up)}."
+        work = f"1 {u} = {f} {vp}, so " + (f"divide {n_src} by {f}." if style != "product" else
+                                          f"{_unit(n_src, v, vp)} = {n_src} ÷ {f} = {_unit(n_dst, u, up)}.")
     else:
         src, dst, n_src, n_dst = (u, up, uname), (v, vp, vname), k, k * f
-        work = f"1 {u} = {f} {vp}, so {_unit(n_src, u, up)} = {n_src} × {f} = {_unit(n_dst, v, vp)}."
+        if style == "product":
+            work = f"1 {u} = {f} {vp}, so {_unit(n_src, u, up)} = {n_src} × {f} = {_unit(n_dst, v, vp)}."
+        elif style == "method":
+            work = f"1 {u} = {f} {vp}, so multiply {n_src} by {f}."
+        else:
+            work = f"1 {u} = {f} {vp}, and {f} = {_DOUBLINGS[f][0]}. " + product_steps(k, f)
     q = _pick(rng, CONV_Q, v=n_src, u=src[1] if n_src != 1 else src[0],
               to=rng.choice([dst[2], dst[1]]))
     ans = f"{_unit(n_src, src[0], src[1])} = {_unit(n_dst, dst[0], dst[1])}."

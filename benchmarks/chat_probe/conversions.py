@@ -1,5 +1,6 @@
-"""The eval's conversion row on the validation split, by factor and thinking mode (the table of
-2026-11-27-cpu-assistant.md §7): python benchmarks/chat_probe/conversions.py MODEL [n per row, default 80]"""
+"""The eval's conversion row on the validation split, by factor, by direction (up: × factor, down: ÷ factor) and by
+thinking mode (the tables of 2026-11-27-cpu-assistant.md §7 and §8):
+python benchmarks/chat_probe/conversions.py MODEL [n per row, default 80]"""
 import sys, torch, collections
 import blockpress
 from blockpress.tasks import assistant
@@ -13,7 +14,10 @@ by = collections.defaultdict(lambda: [0, 0])
 for d, c in zip(ds, r["cases"]):
     key = [k for k in d.keys if k[0] == "conv"][0]
     f = skills.CONVERSIONS[key[1]][4]
-    g = by["x10^k" if f in (10, 100, 1000) else f"x{f}"]
-    g[0] += bool(c["exact"]); g[1] += 1
-    t = by["think" if d.thinking else "no-think"]; t[0] += bool(c["exact"]); t[1] += 1
+    think = "think" if d.thinking else "no-think"
+    groups = ["x10^k" if f in (10, 100, 1000) else f"x{f}", think]
+    if f in assistant.CONVERSION_FACTORS:
+        groups.append(f"7/12/24/60 {'down' if key[2] else 'up'} {think}")
+    for g in groups:
+        by[g][0] += bool(c["exact"]); by[g][1] += 1
 print(ck, {k: f"{v[0]}/{v[1]}" for k, v in sorted(by.items())}, f"all {100*sum(bool(c['exact']) for c in r['cases'])/len(ds):.1f}%")

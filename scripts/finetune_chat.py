@@ -17,6 +17,9 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-method --mix-seed 10 --drill 0.75 --drills factors --n 56000 \
         --conversion-working method
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 7 --out runs/chat-method-model
+    python3 scripts/prepare_chat.py --out runs/chat-method2 --mix-seed 11 --drill 0.75 --drills goals --n 40000 \
+        --conversion-working method
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 8 --out runs/chat-method2-model
 
 Stages 4 and 5 are experiments toward the conversions goal; neither beat stage 3, so neither is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7). Stage 4 first grows stage 3's model to 8 layers
@@ -27,7 +30,8 @@ drills with conversions weighted up and the products by the conversion factors 7
 conversions`). Stages 6 and 7 go on from stage 3's model on drills that weight those conversions up (`--drills factors`), with the conversion workings by 7,
 12, 24 and 60 rewritten (`--conversion-working`): stage 6 writes a product as the sums of doublings it is made of
 ("and 24 = 20 + 4. 16 + 16 = 32. 32 + 32 = 64. 320 + 64 = 384."), stage 7 only names the rule ("so multiply 16 by
-24"), so the answer gives the number as it does with thinking off.
+24"), so the answer gives the number as it does with thinking off. Stage 8 goes on from stage 7's model on the
+goal rows' mix (`--drills goals`, more 2-digit sums than stage 7's) at half the learning rate.
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
@@ -61,7 +65,10 @@ STAGES = {
         "--seed", "10", "--eval-data", "runs/chat-steps/heldout.jsonl"],
     7: ["runs/chat-method/train.jsonl", "--model", "runs/chat-goals-model/checkpoint-0003000", "--steps", "1500",
         "--seed", "10", "--eval-data", "runs/chat-method/heldout.jsonl"],
+    8: ["runs/chat-method2/train.jsonl", "--model", "runs/chat-method-model/checkpoint-0001500", "--steps", "1000",
+        "--seed", "11", "--eval-data", "runs/chat-method2/heldout.jsonl"],
 }
+OVERRIDES = {8: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
 GROW = {4: ("runs/chat-goals-model/checkpoint-0003000", "runs/chat-deep-init")}  # stage: (source, grown model)
 
 if __name__ == "__main__":
@@ -72,4 +79,4 @@ if __name__ == "__main__":
         from blockpress.train.grow import grow_depth
 
         grow_depth(*GROW[known.stage], times=2)
-    sys.exit(main(["train", *STAGES[known.stage], *COMMON, *rest]))
+    sys.exit(main(["train", *STAGES[known.stage], *COMMON, *OVERRIDES.get(known.stage, []), *rest]))

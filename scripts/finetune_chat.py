@@ -21,8 +21,8 @@ model, on CPU.
         --conversion-working method
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 8 --out runs/chat-method2-model
 
-Stages 4 and 5 are experiments toward the conversions goal; neither beat stage 3, so neither is shipped
-(benchmarks/results/2026-11-27-cpu-assistant.md §7). Stage 4 first grows stage 3's model to 8 layers
+Stages 4 to 8 are experiments toward the conversions goal; none beat stage 3 on the test split, so none is shipped
+(benchmarks/results/2026-11-27-cpu-assistant.md §7 and §8). Stage 4 first grows stage 3's model to 8 layers
 (`blockpress.train.grow.grow_depth` into runs/chat-deep-init: the 4 trained layers, then a copy of them that
 starts as the identity), so the deeper model begins where the shallow one ended: conversions need 2-digit
 multiplication and division, which the 4-layer model did not learn. Stage 5 goes on from stage 3's model (4 layers) on

@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--conversion-working", default="product", choices=["product", "steps", "method"],
                     help="how the training conversations' conversion workings by 7, 12, 24 and 60 are written "
                          "(blockpress.tasks.assistant.skills.CONVERSION_WORKING; the tokenizer's rows keep product)")
+    ap.add_argument("--holdout-val", action="store_true",
+                    help="also keep the validation split's questions out of the mix, so that `eval --split val` "
+                         "measures unseen questions (a conversion fact seen in training is recalled, not computed)")
     ap.add_argument("--mix-seed", type=int, default=4, help="seed of the training conversations")
     ap.add_argument("--tokenizer-rows", type=int, default=120_000, help="conversations the BPE is learned on")
     ap.add_argument("--heldout", type=int, default=40, help="held-out conversations per table row")
@@ -59,7 +62,10 @@ def main(argv=None) -> int:
     working = skills.CONVERSION_WORKING.set(args.conversion_working)  # the mix and the eval-loss rows
     held = assistant.heldout(args.heldout)
     with open(out / "train.jsonl", "w") as f:
-        for d in assistant.drilled_dialogs(args.n, args.mix_seed, args.drill, drills=args.drills):
+        exclude = assistant.heldout_keys()
+        if args.holdout_val:
+            exclude |= assistant.heldout_keys(seed=assistant.VAL_SEED)
+        for d in assistant.drilled_dialogs(args.n, args.mix_seed, args.drill, exclude, drills=args.drills):
             f.write(json.dumps(d.row(), ensure_ascii=False) + "\n")
     skills.CONVERSION_WORKING.reset(working)
     rows = [d.row() for d in assistant.train_dialogs(args.tokenizer_rows, args.seed)]

@@ -90,6 +90,10 @@ def test_heldout_questions_never_occur_in_training():
     train = list(assistant.train_dialogs(300, exclude=keys))
     assert not any(k in keys for d in train for k in d.keys)
     assert {d.expect["row"] for d in train} >= {"conversion", "follow-up", "tool call", "no tool fits", "json"}
+    val = assistant.heldout_keys(5, assistant.VAL_SEED)  # prepare_chat --holdout-val: the validation split too
+    assert {k for d in assistant.heldout(5, assistant.VAL_SEED) for k in d.keys} == val and val - keys
+    mix = list(assistant.drilled_dialogs(300, 1, 0.75, keys | val, drills="factors"))
+    assert not any(k in keys | val for d in mix for k in d.keys)
 
 
 @pytest.mark.parametrize("drills", sorted(assistant.DRILLS))

@@ -21,7 +21,8 @@ from . import dialogs, skills
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent.parent.parent / "assets" / "assistant"
 HELDOUT_SEED = "assistant/heldout"
-VAL_SEED = "assistant/val"  # the same strata drawn again: for choosing sampler settings (not kept out of training)
+VAL_SEED = "assistant/val"  # the same strata drawn again: for choosing sampler settings (kept out of training only
+# by mixes made with prepare_chat.py --holdout-val; otherwise a validation question may be a training one)
 
 # held-out strata: (row name, kind, item generator or None)
 _ARITH = [("add", (1, 1)), ("add", (2, 2)), ("add", (3, 3)), ("sub", (2, 2)), ("sub", (3, 3)), ("mul", (1, 1)),
@@ -58,8 +59,9 @@ def _set_thinking(d: dialogs.Dialog, thinking: bool, rng, kind, make) -> dialogs
     raise RuntimeError("could not draw a conversation with the requested thinking mode")
 
 
-def heldout_keys(n: int = 200) -> frozenset:
-    return frozenset(k for d in heldout(n) for k in d.keys)
+def heldout_keys(n: int = 200, seed: str = HELDOUT_SEED) -> frozenset:
+    """The questions (keys) of the first n conversations per stratum of a split: what training leaves out."""
+    return frozenset(k for d in heldout(n, seed) for k in d.keys)
 
 
 def train_dialogs(count: int, seed: int = 0, exclude: frozenset | None = None):

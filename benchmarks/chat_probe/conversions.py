@@ -21,7 +21,7 @@ for d, c in zip(ds, r["cases"]):
     key = [k for k in d.keys if k[0] == "conv"][0]
     f = skills.CONVERSIONS[key[1]][4]
     think = "think" if d.thinking else "no-think"
-    groups = ["x10^k" if f in (10, 100, 1000) else f"x{f}", think]
+    groups = [f"x{f}" if f in assistant.CONVERSION_FACTORS else "x10^k", think]
     if f in assistant.CONVERSION_FACTORS:
         groups += [f"7/12/24/60 {'down' if key[2] else 'up'} {think}",
                    f"7/12/24/60 {'unseen' if key in unseen else 'may be seen'}"]

@@ -99,7 +99,7 @@ def _goal_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
     return "call", None
 
 
-CONVERSION_FACTORS = sorted({c[4] for c in skills.CONVERSIONS if c[4] not in (10, 100, 1000)})  # 7, 12, 24, 60
+CONVERSION_FACTORS = skills.CONVERSION_FACTORS  # 7, 12, 24, 60
 
 
 def _conversion_drill(rng: random.Random) -> tuple[str, skills.Item | None]:

@@ -165,9 +165,11 @@ def _unit(n: int, sing: str, plural: str) -> str:
 # "method": the rule only ("multiply 16 by 12"), the answer giving the number, as with thinking off.
 # Set for a stretch of generation (`CONVERSION_WORKING.set("steps")`, e.g. scripts/prepare_chat.py
 # --conversion-working); powers of ten keep the one-line working in every style.
+CONVERSION_FACTORS = sorted({c[4] for c in CONVERSIONS if c[4] not in (10, 100, 1000)})  # 7, 12, 24, 60
 CONVERSION_WORKINGS = ("product", "steps", "method")
 CONVERSION_WORKING: ContextVar[str] = ContextVar("CONVERSION_WORKING", default="product")
-# factor: (how it splits, each addition as (left, right) multiples of k, the multiple that is then times 10)
+# factor (each of CONVERSION_FACTORS): (how it splits, each addition as (left, right) multiples of k, the multiple
+# that is then times 10)
 _DOUBLINGS = {7: ("4 + 2 + 1", [(1, 1), (2, 2), (4, 2), (6, 1)], None),
               12: ("10 + 2", [(1, 1), (10, 2)], None),
               24: ("20 + 4", [(1, 1), (2, 2), (20, 4)], None),
@@ -193,7 +195,7 @@ def conversion(rng: random.Random, index: int | None = None, value: int | None =
     u, up, v, vp, f, uname, vname = CONVERSIONS[index]
     reverse = rng.random() < 0.35 if reverse is None else reverse
     k = value if value is not None else rng.randint(1, 99 if f >= 100 else 30)
-    style = CONVERSION_WORKING.get() if f in _DOUBLINGS else "product"
+    style = CONVERSION_WORKING.get() if f in CONVERSION_FACTORS else "product"
     if reverse:  # k * f of the small unit -> k of the big one
         src, dst, n_src, n_dst = (v, vp, vname), (u, up, uname), k * f, k
         work = f"1 {u} = {f} {vp}, so " + (f"divide {n_src} by {f}." if style != "product" else

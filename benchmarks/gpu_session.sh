@@ -324,11 +324,12 @@ EOF
       --tiles "split=2;split=3;split=4;dv=128,split=2" --out "$OUT/attention-split.json" 2>&1 | grep -v '^{' \
       | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
     [ "$CUDA" = 1 ] && STEP_LIMIT=80 bench fp8-split2 $ROW --precision fp8 --attention-split 2
-    # int4's peak: peak_memory.py predicts 18.04 GB (18.11 before the graphs' pool shrank; 18.2 measured then)
+    # int4's peak: peak_memory.py predicts 17.91 GB with the fast sampler reading the LM head's bf16 product
+    # (2026-11-27-cpu-fused-softcap.md; 18.2 GB was measured before that and the graphs' smaller pool)
     STEP_LIMIT=80 bench int4 $ROW --precision int4
     # the <= 18 GB candidates with no slower kernel: 512-token prefill chunks (a ring of 1,536 slots in the sliding
-    # layers; the same numbers), predicted 17.87 GB; and int4 scales per 128 inputs where the dim allows (gate/up; a
-    # small quality cost, benchmarks/results/2026-11-27-cpu-memory-attention.md), 17.63 GB
+    # layers; the same numbers), predicted 17.73 GB; and int4 scales per 128 inputs where the dim allows (gate/up; a
+    # small quality cost, benchmarks/results/2026-11-27-cpu-memory-attention.md), 17.49 GB
     STEP_LIMIT=80 bench int4-c512 $ROW --precision int4 --prefill-chunk 512
     STEP_LIMIT=80 bench int4-g128-c512 $ROW --precision int4 --group-size 128 --prefill-chunk 512
     STEP_LIMIT=80 bench int4-mlp4 $ROW --precision int4 --linears int4-mlp

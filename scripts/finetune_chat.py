@@ -20,6 +20,9 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-method2 --mix-seed 11 --drill 0.75 --drills goals --n 40000 \
         --conversion-working method
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 8 --out runs/chat-method2-model
+    python3 scripts/prepare_chat.py --out runs/chat-steps2 --mix-seed 12 --drill 0.75 --drills factors --n 56000 \
+        --conversion-working steps --holdout-val
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 9 --out runs/chat-steps2-model --threads 2
 
 Stages 4 to 8 are experiments toward the conversions goal; none beat stage 3 on the test split, so none is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7 and §8). Stage 4 first grows stage 3's model to 8 layers
@@ -31,7 +34,8 @@ conversions`). Stages 6 and 7 go on from stage 3's model on drills that weight t
 12, 24 and 60 rewritten (`--conversion-working`): stage 6 writes a product as the sums of doublings it is made of
 ("and 24 = 20 + 4. 16 + 16 = 32. 32 + 32 = 64. 320 + 64 = 384."), stage 7 only names the rule ("so multiply 16 by
 24"), so the answer gives the number as it does with thinking off. Stage 8 goes on from stage 7's model on the
-goal rows' mix (`--drills goals`, more 2-digit sums than stage 7's) at half the learning rate.
+goal rows' mix (`--drills goals`, more 2-digit sums than stage 7's) at half the learning rate. Stage 9 gives stage
+6's `steps` working 1,500 more steps on a fresh mix that also keeps the validation questions out (`--holdout-val`).
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
@@ -67,6 +71,8 @@ STAGES = {
         "--seed", "10", "--eval-data", "runs/chat-method/heldout.jsonl"],
     8: ["runs/chat-method2/train.jsonl", "--model", "runs/chat-method-model/checkpoint-0001500", "--steps", "1000",
         "--seed", "11", "--eval-data", "runs/chat-method2/heldout.jsonl"],
+    9: ["runs/chat-steps2/train.jsonl", "--model", "runs/chat-steps-model/checkpoint-0001500", "--steps", "1500",
+        "--seed", "12", "--eval-data", "runs/chat-steps2/heldout.jsonl"],
 }
 OVERRIDES = {8: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
 GROW = {4: ("runs/chat-goals-model/checkpoint-0003000", "runs/chat-deep-init")}  # stage: (source, grown model)

@@ -35,7 +35,8 @@ conversions`). Stages 6 and 7 go on from stage 3's model on drills that weight t
 ("and 24 = 20 + 4. 16 + 16 = 32. 32 + 32 = 64. 320 + 64 = 384."), stage 7 only names the rule ("so multiply 16 by
 24"), so the answer gives the number as it does with thinking off. Stage 8 goes on from stage 7's model on the
 goal rows' mix (`--drills goals`, more 2-digit sums than stage 7's) at half the learning rate. Stage 9 gives stage
-6's `steps` working 1,500 more steps on a fresh mix that also keeps the validation questions out (`--holdout-val`).
+6's `steps` working 1,500 more steps on a fresh mix that also keeps the validation questions out (`--holdout-val`);
+it was stopped at 1,000, with no progress on the test split.
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from

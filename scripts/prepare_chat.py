@@ -4,9 +4,10 @@
 
 Writes, under --out:
   train.jsonl      --n generated conversations (`blockpress train` chat rows: messages, tools,
-                   enable_thinking; the final assistant turn is supervised), none using a held-out question:
-                   the normal stream with --drill of them drills (--drills: broad, goals or conversions)
-                   (`assistant.drilled_dialogs(--n, --mix-seed, --drill, drills=--drills)`)
+                   enable_thinking; the final assistant turn is supervised), none using a test question
+                   (nor, with --holdout-val, a validation one): the normal stream with --drill of them drills
+                   (--drills: broad, goals, conversions or factors; conversion workings as --conversion-working
+                   writes them) (`assistant.drilled_dialogs(--n, --mix-seed, --drill, exclude, drills=--drills)`)
   heldout.jsonl    the eval set (`blockpress.tasks.assistant.heldout`, --heldout per table row), each row
                    with its `expect` (what a right reply does); the trainer reads it for the eval loss
   tokenizer/       tokenizer.json (byte-level BPE, --vocab ids, every Gemma 4 special token, digits one per

@@ -10,7 +10,9 @@ response, thinking on/off well-formed; a column for the model's own sampler and 
 trained on the same data (greedy). Ends with one JSON line.
 
 `--entropy-bound`, `--t-min` and `--t-max` replace the model's own sampler settings in every diffusion column
-(compare settings on `--split val`).
+(compare settings on `--split val`). The shipped chat model's training data kept out only the test split's
+questions, so a validation question may be one it was trained on: a conversion fact it recalls scores there
+although it cannot compute it. Mixes made with `scripts/prepare_chat.py --holdout-val` keep both out.
 
 `infill`: hide one word of each held-out passage (--data, default the shipped text model's
 eval/heldout.txt) and fill it with and without the text after it (blockpress/tasks/text_infill.py).
@@ -72,7 +74,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="keep puzzles that stopped denoising in every decoder pass of their batch (the reference "
                         "loop; same answers, slower: for timing compaction)")
     p.add_argument("--split", choices=["test", "val"], default="test",
-                   help="sudoku: the held-out test puzzles (default) or the validation split, for choosing "
+                   help="sudoku and chat: the held-out test set (default) or the validation split, for choosing "
                         "settings and checkpoints without touching the test set")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",

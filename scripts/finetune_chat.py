@@ -55,27 +55,27 @@ from blockpress.cli import main
 
 COMMON = ["--batch-size", "32", "--lr", "6e-4", "--warmup", "50", "--ar-weight", "1", "--threads", "1",
           "--eval-every", "500", "--save-every", "500", "--log-every", "50", "--keep-last", "0", "--no-progress"]
+# stage: (the prepare_chat.py mix it trains on, the model it starts from, steps, seed)
 STAGES = {
-    1: ["runs/chat-drill/train.jsonl", "--model", "runs/chat-model/checkpoint-0007000", "--steps", "2000",
-        "--seed", "5", "--eval-data", "runs/chat-drill/heldout.jsonl"],
-    2: ["runs/chat-drill2/train.jsonl", "--model", "runs/chat-drill-model/checkpoint-0002000", "--steps", "2500",
-        "--seed", "6", "--eval-data", "runs/chat-drill2/heldout.jsonl"],
-    3: ["runs/chat-goals/train.jsonl", "--model", "runs/chat-drill2-model/checkpoint-0002500", "--steps", "3000",
-        "--seed", "7", "--eval-data", "runs/chat-goals/heldout.jsonl"],
-    4: ["runs/chat-goals8/train.jsonl", "--model", "runs/chat-deep-init", "--steps", "2400",
-        "--seed", "8", "--eval-data", "runs/chat-goals8/heldout.jsonl"],
-    5: ["runs/chat-conv/train.jsonl", "--model", "runs/chat-goals-model/checkpoint-0003000", "--steps", "2000",
-        "--seed", "9", "--eval-data", "runs/chat-conv/heldout.jsonl"],
-    6: ["runs/chat-steps/train.jsonl", "--model", "runs/chat-goals-model/checkpoint-0003000", "--steps", "1500",
-        "--seed", "10", "--eval-data", "runs/chat-steps/heldout.jsonl"],
-    7: ["runs/chat-method/train.jsonl", "--model", "runs/chat-goals-model/checkpoint-0003000", "--steps", "1500",
-        "--seed", "10", "--eval-data", "runs/chat-method/heldout.jsonl"],
-    8: ["runs/chat-method2/train.jsonl", "--model", "runs/chat-method-model/checkpoint-0001500", "--steps", "1000",
-        "--seed", "11", "--eval-data", "runs/chat-method2/heldout.jsonl"],
-    9: ["runs/chat-steps2/train.jsonl", "--model", "runs/chat-steps-model/checkpoint-0001500", "--steps", "1500",
-        "--seed", "12", "--eval-data", "runs/chat-steps2/heldout.jsonl"],
+    1: ("runs/chat-drill", "runs/chat-model/checkpoint-0007000", 2000, 5),
+    2: ("runs/chat-drill2", "runs/chat-drill-model/checkpoint-0002000", 2500, 6),
+    3: ("runs/chat-goals", "runs/chat-drill2-model/checkpoint-0002500", 3000, 7),
+    4: ("runs/chat-goals8", "runs/chat-deep-init", 2400, 8),
+    5: ("runs/chat-conv", "runs/chat-goals-model/checkpoint-0003000", 2000, 9),
+    6: ("runs/chat-steps", "runs/chat-goals-model/checkpoint-0003000", 1500, 10),
+    7: ("runs/chat-method", "runs/chat-goals-model/checkpoint-0003000", 1500, 10),
+    8: ("runs/chat-method2", "runs/chat-method-model/checkpoint-0001500", 1000, 11),
+    9: ("runs/chat-steps2", "runs/chat-steps-model/checkpoint-0001500", 1500, 12),
 }
 OVERRIDES = {8: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
+
+
+def stage_args(stage: int) -> list[str]:
+    mix, model, steps, seed = STAGES[stage]
+    return [f"{mix}/train.jsonl", "--model", model, "--steps", str(steps), "--seed", str(seed),
+            "--eval-data", f"{mix}/heldout.jsonl"]
+
+
 GROW = {4: ("runs/chat-goals-model/checkpoint-0003000", "runs/chat-deep-init")}  # stage: (source, grown model)
 
 if __name__ == "__main__":
@@ -86,4 +86,4 @@ if __name__ == "__main__":
         from blockpress.train.grow import grow_depth
 
         grow_depth(*GROW[known.stage], times=2)
-    sys.exit(main(["train", *STAGES[known.stage], *COMMON, *OVERRIDES.get(known.stage, []), *rest]))
+    sys.exit(main(["train", *stage_args(known.stage), *COMMON, *OVERRIDES.get(known.stage, []), *rest]))

@@ -23,6 +23,8 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-steps2 --mix-seed 12 --drill 0.75 --drills factors --n 56000 \
         --conversion-working steps --holdout-val
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 9 --out runs/chat-steps2-model --threads 2
+    python3 scripts/prepare_chat.py --out runs/chat-wide --mix-seed 13 --drill 0.75 --drills wide --n 96000 --holdout-val
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 10 --out runs/chat-wide-model --threads 2
 
 Stages 4 to 8 are experiments toward the conversions goal; none beat stage 3 on the test split, so none is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7 and §8). Stage 4 first grows stage 3's model to 8 layers
@@ -66,6 +68,7 @@ STAGES = {
     7: ("runs/chat-method", "runs/chat-goals-model/checkpoint-0003000", 1500, 10),
     8: ("runs/chat-method2", "runs/chat-method-model/checkpoint-0001500", 1000, 11),
     9: ("runs/chat-steps2", "runs/chat-steps-model/checkpoint-0001500", 1500, 12),
+    10: ("runs/chat-wide", "runs/chat-goals-model/checkpoint-0003000", 3000, 13),
 }
 OVERRIDES = {8: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
 

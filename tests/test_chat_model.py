@@ -111,6 +111,12 @@ def test_drill_mixes_keep_out_heldout_questions_and_ask_their_rows(drills):
         factors = [skills.CONVERSIONS[k[1]][4] for d in mix for k in d.keys if k[0] == "conv"]
         hard = [f for f in factors if f in assistant.CONVERSION_FACTORS]
         assert len(hard) >= 0.7 * len(factors) and len(hard) >= 60
+    if drills == "wide":  # the same factors, their multipliers past the 30 a question asks; powers of ten kept
+        conv = [(skills.CONVERSIONS[k[1]][4], k[3]) for d in mix for k in d.keys if k[0] == "conv"]
+        multipliers = [k for f, k in conv if f in assistant.CONVERSION_FACTORS]
+        assert len(multipliers) >= 0.6 * len(conv) and max(multipliers) > 60
+        assert sum(k > 30 for k in multipliers) >= 0.5 * len(multipliers)
+        assert any(f not in assistant.CONVERSION_FACTORS for f, _ in conv)
 
 
 def test_working_matches_the_answer():

@@ -133,7 +133,27 @@ def _factor_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
     return "call", None
 
 
-DRILLS = {"broad": _broad_drill, "goals": _goal_drill, "conversions": _conversion_drill, "factors": _factor_drill}
+WIDE_MULTIPLIERS = 99  # the "wide" drills' multipliers for 7, 12, 24, 60; a conversion question asks up to 30
+
+
+def _wide_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
+    """`_factor_drill` with the multipliers of 7, 12, 24 and 60 drawn up to WIDE_MULTIPLIERS instead of 30: 2-digit
+    addition and subtraction (2 in 10 each), a conversion by one of those factors (3 in 10), any conversion (1 in 10),
+    a tool call (the rest). Thirty multipliers a factor, with the test split's kept out, are too few examples of
+    "times 24" for a small model to find the rule; ninety-nine are not (benchmarks/results/2026-11-27-cpu-assistant.md
+    §9)."""
+    r = rng.random()
+    if r < 0.4:
+        return "skill", skills.arithmetic(rng, "add" if r < 0.2 else "sub", (2, 2))
+    if r < 0.7:
+        return "skill", skills.conversion(rng, rng.choice(HARD_CONVERSIONS), rng.randint(1, WIDE_MULTIPLIERS))
+    if r < 0.8:
+        return "skill", skills.conversion(rng)
+    return "call", None
+
+
+DRILLS = {"broad": _broad_drill, "goals": _goal_drill, "conversions": _conversion_drill, "factors": _factor_drill,
+          "wide": _wide_drill}
 
 
 def drilled_dialogs(count: int, seed: int, share: float, exclude: frozenset | None = None, drills: str = "broad"):

@@ -26,8 +26,8 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-wide --mix-seed 13 --drill 0.75 --drills wide --n 96000 --holdout-val
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 10 --out runs/chat-wide-model --threads 2
 
-Stages 4 to 8 are experiments toward the conversions goal; none beat stage 3 on the test split, so none is shipped
-(benchmarks/results/2026-11-27-cpu-assistant.md §7 and §8). Stage 4 first grows stage 3's model to 8 layers
+Stages 4 to 10 are experiments toward the conversions goal; none beat stage 3 on unseen questions, so none is shipped
+(benchmarks/results/2026-11-27-cpu-assistant.md §7 to §9). Stage 4 first grows stage 3's model to 8 layers
 (`blockpress.train.grow.grow_depth` into runs/chat-deep-init: the 4 trained layers, then a copy of them that
 starts as the identity), so the deeper model begins where the shallow one ended: conversions need 2-digit
 multiplication and division, which the 4-layer model did not learn. Stage 5 goes on from stage 3's model (4 layers) on
@@ -38,7 +38,9 @@ conversions`). Stages 6 and 7 go on from stage 3's model on drills that weight t
 24"), so the answer gives the number as it does with thinking off. Stage 8 goes on from stage 7's model on the
 goal rows' mix (`--drills goals`, more 2-digit sums than stage 7's) at half the learning rate. Stage 9 gives stage
 6's `steps` working 1,500 more steps on a fresh mix that also keeps the validation questions out (`--holdout-val`);
-it was stopped at 1,000, with no progress on the test split.
+it was stopped at 1,000, with no progress on the test split. Stage 10 goes on from stage 3's model on drills whose
+conversions by 7, 12, 24 and 60 draw multipliers up to 99 instead of 30 (`--drills wide`, validation questions kept
+out too): more examples of each factor's rule. It was stopped at 2,000 steps, no better on unseen questions (§9).
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from

@@ -9,6 +9,7 @@ from blockpress.tasks.assistant import skills
 
 HARD = [i for i, c in enumerate(skills.CONVERSIONS) if c[4] in skills.CONVERSION_FACTORS]
 held = sorted(k for k in assistant.heldout_keys() if k[0] == "conv" and k[1] in HARD)
+held_set = frozenset(held)
 
 
 def row(it):
@@ -25,7 +26,7 @@ if sys.argv[1] == "--heldout":
 else:
     n, out, seed, max_k = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     keys = [("conv", i, r, k) for i in HARD for r in (False, True) for k in range(1, max_k + 1)]
-    keys = [k for k in keys if k not in set(held)]
+    keys = [k for k in keys if k not in held_set]
     rng = random.Random(seed)
     with open(out, "w") as f:
         for _ in range(n):

@@ -290,6 +290,12 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
 }
 
 
+def fixed_steps(steps: int) -> dict[str, Any]:
+    """The sampling keywords of the fixed-step mode (the CLI's and the API's `steps`, the chat eval's step columns):
+    `steps` denoising passes every canvas, adaptive stopping off."""
+    return {"max_denoising_steps": steps, "stability_threshold": None, "confidence_threshold": None}
+
+
 @dataclass
 class GenerationConfig:
     """Sampling parameters of the denoising loop, validated once.

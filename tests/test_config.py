@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from blockpress.config import FULL, SLIDING, GenerationConfig, ModelConfig
+from blockpress.config import FULL, SLIDING, GenerationConfig, ModelConfig, fixed_steps
 from blockpress.errors import ConfigError, SamplingError
 from hf_oracle import TINY_TEXT, TINY_VISION
 
@@ -151,3 +151,11 @@ def test_real_26b_architecture_parameter_counts():
     assert sum(p.numel() for n, p in params.items() if n.startswith("self_conditioning")) == 17_844_992
     assert "layers.5.self_attn.v_proj.weight" not in params and "layers.4.self_attn.v_proj.weight" in params
     assert tuple(params["layers.5.self_attn.q_proj.weight"].shape) == (8192, 2816)
+
+
+def test_fixed_steps_turns_adaptive_stopping_off_over_any_defaults():
+    """The fixed-step mode (CLI / API `steps`, the chat eval's columns) overrides a checkpoint's stopping rule."""
+    adaptive = GenerationConfig.resolve({"stability_threshold": 2, "confidence_threshold": 0.01})
+    assert adaptive.adaptive
+    fixed = GenerationConfig.resolve({"stability_threshold": 2, "confidence_threshold": 0.01}, **fixed_steps(5))
+    assert not fixed.adaptive and fixed.max_denoising_steps == 5

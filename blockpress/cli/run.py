@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..config import fixed_steps
 from ..options import LINEAR_FORMATS
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
@@ -184,7 +185,7 @@ def sampling_kwargs(args) -> dict[str, Any]:
         if hasattr(args, name):
             kw[name] = getattr(args, name)
     if getattr(args, "steps", None) is not None:
-        kw.update(max_denoising_steps=args.steps, stability_threshold=None, confidence_threshold=None)
+        kw.update(fixed_steps(args.steps))
     return kw
 
 

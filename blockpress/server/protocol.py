@@ -82,7 +82,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 from typing_extensions import Annotated
 
-from ..config import REFERENCE_DEFAULTS, GenerationConfig
+from ..config import REFERENCE_DEFAULTS, GenerationConfig, fixed_steps
 from ..errors import InputError, SamplingError
 
 # ----------------------------------------------------------------------------- errors
@@ -316,7 +316,7 @@ class _DiffusionKnobs(_Request):
         if self.steps is not None:
             if self.max_denoising_steps is not None and self.max_denoising_steps != self.steps:
                 raise APIError(400, "give either steps or max_denoising_steps, not both", param="steps")
-            kw.update(max_denoising_steps=self.steps, stability_threshold=None, confidence_threshold=None)
+            kw.update(fixed_steps(self.steps))
             names["max_denoising_steps"] = "steps"
         if kw.get("max_denoising_steps", 0) > limits.max_steps:
             raise APIError(400, f"{names.get('max_denoising_steps', 'max_denoising_steps')} exceeds this "

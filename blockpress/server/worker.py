@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, fixed_steps
 from ..engine.events import Admitted, Committed, Stepped
 from ..engine import prefix
 from ..engine.loop import Engine
@@ -241,9 +241,8 @@ class Worker:
         ids = [min(5 + i, self.V - 1) for i in range(8)]
         handles = []
         for canvases, steps in plan:
-            cfg = GenerationConfig.resolve(max_new_tokens=canvases * self.C, max_denoising_steps=steps,
-                                           stability_threshold=None, confidence_threshold=None, eos_token_id=None,
-                                           pad_token_id=None)
+            cfg = GenerationConfig.resolve(max_new_tokens=canvases * self.C, eos_token_id=None, pad_token_id=None,
+                                           **fixed_steps(steps))
             handles.append(self.submit(Job(ids, cfg, seed=0)))
         with torch.no_grad():
             while self.busy:

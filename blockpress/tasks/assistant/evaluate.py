@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from ...config import fixed_steps
 from ...parsing import STOP_TOKENS, parse_output
 
 SKILL_ROWS = ["add 1-digit", "add 2-digit", "add 3-digit", "sub 2-digit", "sub 3-digit", "mul 1x1-digit",
@@ -76,7 +77,7 @@ def replies(lm, dialogs, steps: int | None = None, seed: int = 0, batch_size: in
         return out
     kw = {"max_new_tokens": max_new_tokens, "eos_token_id": sorted(stops), **sampling}
     if steps is not None:
-        kw.update(max_denoising_steps=steps, stability_threshold=None)
+        kw.update(fixed_steps(steps))
     pad = lm.generation_config().pad_token_id
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
     for b in range(0, len(order), batch_size):

@@ -139,9 +139,9 @@ WIDE_MULTIPLIERS = 99  # the "wide" drills' multipliers for 7, 12, 24, 60; a con
 def _wide_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
     """`_factor_drill` with the multipliers of 7, 12, 24 and 60 drawn up to WIDE_MULTIPLIERS instead of 30: 2-digit
     addition and subtraction (2 in 10 each), a conversion by one of those factors (3 in 10), any conversion (1 in 10),
-    a tool call (the rest). Thirty multipliers a factor, with the test split's kept out, are too few examples of
-    "times 24" for a small model to find the rule; ninety-nine are not (benchmarks/results/2026-11-27-cpu-assistant.md
-    §9)."""
+    a tool call (the rest). It asks whether more examples of each factor teach a small model its rule, where thirty
+    multipliers with the test split's kept out leave ~16 a factor and direction. For the shipped model they did not
+    (benchmarks/results/2026-11-27-cpu-assistant.md §9: stage 10 of scripts/finetune_chat.py)."""
     r = rng.random()
     if r < 0.4:
         return "skill", skills.arithmetic(rng, "add" if r < 0.2 else "sub", (2, 2))

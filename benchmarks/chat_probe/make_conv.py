@@ -7,7 +7,7 @@ import json, random, sys
 from blockpress.tasks import assistant
 from blockpress.tasks.assistant import skills
 
-HARD = [i for i, c in enumerate(skills.CONVERSIONS) if c[4] in skills.CONVERSION_FACTORS]
+HARD = assistant.HARD_CONVERSIONS  # the unit pairs converted by 7, 12, 24 or 60
 held = sorted(k for k in assistant.heldout_keys() if k[0] == "conv" and k[1] in HARD)
 held_set = frozenset(held)
 

@@ -42,6 +42,7 @@ import argparse
 import json
 import sys
 
+from ..config import fixed_steps
 from ..options import LINEAR_FORMATS
 from .run import _int_in, _nonneg_int, _positive_int, add_sampler_args, sampler_kwargs
 
@@ -128,7 +129,7 @@ def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0
 def _budget(sampling: dict, steps: int | None) -> dict:
     """The generation settings of one eval column: `sampling`, and exactly `steps` steps per canvas (early stopping
     off) when given."""
-    return dict(sampling) if steps is None else {**sampling, "max_denoising_steps": steps, "stability_threshold": None}
+    return dict(sampling) if steps is None else {**sampling, **fixed_steps(steps)}
 
 
 def puzzle_seed(seed: int, puzzle: str) -> int:

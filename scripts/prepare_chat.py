@@ -38,7 +38,7 @@ def main(argv=None) -> int:
                          "(the goal rows, conversions weighted up, and products by the factors 7, 12, 24, 60) or "
                          "factors (the goal rows, conversions by 7, 12, 24 and 60 weighted up) or wide (factors, with "
                          "those conversions' multipliers up to 99, not 30)")
-    ap.add_argument("--conversion-working", default="product", choices=["product", "steps", "method"],
+    ap.add_argument("--conversion-working", default="product", choices=["product", "steps", "method", "digits"],
                     help="how the training conversations' conversion workings by 7, 12, 24 and 60 are written "
                          "(blockpress.tasks.assistant.skills.CONVERSION_WORKING; the tokenizer's rows keep product)")
     ap.add_argument("--holdout-val", action="store_true",

@@ -132,25 +132,35 @@ def test_working_matches_the_answer():
 @pytest.mark.parametrize("style", skills.CONVERSION_WORKINGS)
 def test_conversion_workings_are_right_and_the_default_is_the_shipped_models(style):
     """Every sum a "steps" working writes holds and its last number is the answer's; "product" (the default, what
-    the shipped model was trained on) writes the product in one line; the style never changes the question, the
-    answer or the key, and it is reset after the stretch that set it."""
+    the shipped model was trained on) writes the product in one line; "digits" answers with the working, every
+    step of it right, and its plain form stays an accepted answer; the style changes neither the question nor
+    the key, nor the answer but in "digits", and it is reset after the stretch that set it."""
     token = skills.CONVERSION_WORKING.set(style)
     try:
-        items = [skills.conversion(random.Random(i), i % len(skills.CONVERSIONS)) for i in range(400)]
+        items = [skills.conversion(random.Random(i), i % len(skills.CONVERSIONS), None if i % 3 else 50 + i % 70)
+                 for i in range(600)]
     finally:
         skills.CONVERSION_WORKING.reset(token)
     for i, it in enumerate(items):
-        assert dataclasses.replace(skills.conversion(random.Random(i), i % len(skills.CONVERSIONS)),
-                                   working=it.working) == it
+        plain = skills.conversion(random.Random(i), i % len(skills.CONVERSIONS), None if i % 3 else 50 + i % 70)
+        assert dataclasses.replace(plain, working=it.working, answer=it.answer) == it
         index, reverse, k = it.key[1:]
         f = skills.CONVERSIONS[index][4]
         n = it.extra["value"]
-        if style == "product" or f not in skills.CONVERSION_FACTORS:
+        hard = f in skills.CONVERSION_FACTORS
+        assert ("answers" in it.extra) == (hard and k <= 99)
+        if "answers" in it.extra:
+            assert it.extra["answers"][0] == plain.answer
+            assert it.answer == it.extra["answers"][style == "digits"]
+            _check_digits_answer(it.extra["answers"][1], plain.answer, k, f, reverse)
+        else:
+            assert it.answer == plain.answer
+        if style == "product" or not hard:
             sign = "÷" if reverse else "×"
             assert f"= {k * f if reverse else k} {sign} {f} = {n} " in it.working
         elif reverse:
             assert it.working.endswith(f"so divide {k * f} by {f}.")
-        elif style == "method":
+        elif style in ("method", "digits"):
             assert it.working.endswith(f"so multiply {k} by {f}.")
         else:
             sums = re.findall(r"(\d+) ([+×]) (\d+) = (\d+)\.", it.working.split(". ", 1)[1])
@@ -161,12 +171,37 @@ def test_conversion_workings_are_right_and_the_default_is_the_shipped_models(sty
     assert skills.CONVERSION_WORKING.get() == "product"
 
 
+def _check_digits_answer(worked: str, plain: str, k: int, f: int, reverse: bool):
+    """A "digits" answer: the plain answer's two sides around a working whose every number is right."""
+    src, dst = plain.rstrip(".").split(" = ")
+    assert worked.startswith(src + " = ") and worked.endswith(" " + dst + ".")
+    if reverse:  # long division: (all digits but the last) ÷ f = q r r, then r and the last digit ÷ f = k's units
+        n = k * f
+        lead, f1, q, r, rest, f2, units = map(int, re.fullmatch(
+            rf"{n} ÷ {f}: (\d+) ÷ (\d+) = (\d+) r (\d+), (\d+) ÷ (\d+) = (\d+), so", worked[len(src) + 3:-len(dst) - 2]
+        ).groups())
+        assert (lead, f1, f2) == (n // 10, f, f) and q * f + r == lead and 0 <= r < f
+        assert rest == r * 10 + n % 10 == units * f and q * 10 + units == k
+    elif k < 10:
+        assert worked == f"{src} = {k} × {f} = {dst}."
+    else:
+        t, f1, u, f2, tf, uf, n = map(int, re.fullmatch(
+            rf"{k} × {f} = (\d+)0 × (\d+) \+ (\d+) × (\d+) = (\d+)0 \+ (\d+) = (\d+) .*", worked[len(src) + 3:]
+        ).groups())
+        assert t * 10 + u == k and f1 == f2 == f and (tf, uf) == (t * f, u * f) and n == tf * 10 + uf == k * f
+
+
 def test_score_reads_replies_as_the_server_does():
     rng = random.Random(1)
     ans = dialogs.conversation(rng, "skill", skills.arithmetic_item("add", 47, 38, rng))
     r = evaluate.score(ans, "47 + 38 = 85.<turn|>")
     assert r["exact"] and r["no call when no tool fits"] and r["thinking off: well-formed"] != ans.thinking
     assert not evaluate.score(ans, "47 + 38 = 86.<turn|>")["exact"]
+    conv = dialogs.conversation(rng, "skill", skills.conversion(rng, 7, 16, False))  # 16 days, × 24
+    for reply, right in [("16 days = 384 hours.", True), ("16 days = 16 × 24 = 10 × 24 + 6 × 24 = 240 + 144 = 384 "
+                          "hours.", True), ("16 days = 374 hours.", False), ("16 days = 16 × 24 = 10 × 24 + 6 × 24 "
+                          "= 240 + 144 = 374 hours.", False)]:
+        assert evaluate.score(conv, reply + "<turn|>")["exact"] == right
     call = next(d for i in range(50) if (d := dialogs.conversation(random.Random(i), "call")).expect["calls"][0][0]
                 == "set_timer" and not d.thinking and len(d.expect["calls"]) == 1)
     m = call.expect["calls"][0][1]["minutes"]

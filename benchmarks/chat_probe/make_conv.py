@@ -2,7 +2,16 @@
 compute them for multipliers it never saw? Training rows leave out every question of the test split
 (`assistant.heldout_keys()`); the held-out file is those questions, one row each.
 python benchmarks/chat_probe/make_conv.py N OUT SEED MAX_K   # MAX_K 30: the chat world's multipliers; 99: denser
-python benchmarks/chat_probe/make_conv.py --heldout OUT      # the test split's hard conversions, one row per key"""
+python benchmarks/chat_probe/make_conv.py --heldout OUT      # the test split's hard conversions, one row per key
+--work FORM: the answer itself shows the working, and only the direction FORM works is written (§10 of
+2026-11-27-cpu-assistant.md). Products (k >= 10 broken at its digits, k = 10a + b):
+  split  "16 days = 16 × 24 = 10 × 24 + 6 × 24 = 240 + 144 = 384 hours."
+  pairs  "16 days = 16 × 24: 1 × 24 = 24, 6 × 24 = 144, 24 + 14 = 38, so 384 hours."  (one 2-digit sum)
+  cols   "16 days = 16 × 24 = 10 × 24 + 6 × 24 = 240 + 144. 4 + 0 = 4. 4 + 4 = 8. 1 + 2 = 3. So 240 + 144 = 384
+          hours."  (the sum in columns, as the arithmetic's thought channel writes it: `skills.add_working`)
+quotients (long division, every k):
+  long   "384 hours = 384 ÷ 24: 38 ÷ 24 = 1 r 14, 144 ÷ 24 = 6, so 16 days."
+"""
 import json, random, sys
 from blockpress.tasks import assistant
 from blockpress.tasks.assistant import skills
@@ -12,21 +21,51 @@ held = sorted(k for k in assistant.heldout_keys() if k[0] == "conv" and k[1] in 
 held_set = frozenset(held)
 
 
+WORK = sys.argv[sys.argv.index("--work") + 1] if "--work" in sys.argv else None
+if WORK:
+    del sys.argv[sys.argv.index("--work"):sys.argv.index("--work") + 2]
+
+
+def worked(it) -> str:
+    """The answer with the working in it (WORK's form); products of k < 10 as they were."""
+    k, f = it.key[3], skills.CONVERSIONS[it.key[1]][4]
+    src, _, dst = it.answer.rstrip(".").partition(" = ")
+    if WORK == "long":
+        n = k * f
+        lead, last = divmod(n, 10)
+        a = lead // f
+        r = lead - a * f
+        return f"{src} = {n} ÷ {f}: {lead} ÷ {f} = {a} r {r}, {r * 10 + last} ÷ {f} = {k % 10}, so {dst}."
+    if k < 10:
+        return it.answer
+    a, b = divmod(k, 10)
+    if WORK == "cols":
+        return f"{src} = {k} × {f} = {a}0 × {f} + {b} × {f} = {a * f}0 + {b * f}. " \
+               f"{skills.add_working(a * f * 10, b * f)[:-1]} {dst.split()[1]}."
+    if WORK == "split":
+        return f"{src} = {k} × {f} = {a}0 × {f} + {b} × {f} = {a * f}0 + {b * f} = {dst}."
+    return f"{src} = {k} × {f}: {a} × {f} = {a * f}, {b} × {f} = {b * f}, {a * f} + {b * f // 10} = " \
+           f"{a * f + b * f // 10}, so {dst}."
+
+
 def row(it):
+    answer = worked(it) if WORK else it.answer
     return json.dumps({"messages": [{"role": "user", "content": it.question},
-                                    {"role": "assistant", "content": it.answer}]})
+                                    {"role": "assistant", "content": answer}]})
 
 
 if sys.argv[1] == "--heldout":
     rng = random.Random("heldout")
     with open(sys.argv[2], "w") as f:
         for _, index, reverse, k in held:
+            if WORK and reverse != (WORK == "long"):
+                continue
             f.write(row(skills.conversion(rng, index, k, reverse)) + "\n")
-    print(f"{len(held)} held-out questions")
+    print(f"{sum(not WORK or h[2] == (WORK == 'long') for h in held)} held-out questions")
 else:
     n, out, seed, max_k = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     keys = [("conv", i, r, k) for i in HARD for r in (False, True) for k in range(1, max_k + 1)]
-    keys = [k for k in keys if k not in held_set]
+    keys = [k for k in keys if k not in held_set and (not WORK or k[2] == (WORK == "long"))]
     rng = random.Random(seed)
     with open(out, "w") as f:
         for _ in range(n):

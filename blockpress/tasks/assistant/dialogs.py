@@ -4,7 +4,7 @@
 check), `tools` (OpenAI function declarations, or None), `thinking` (the template's enable_thinking) and
 `expect`, what a right final turn does, which the eval scores:
     {"kind": "answer" | "json" | "call" | "no_call" | "tool_answer", "row": table row, "answer": canonical
-     content, "data": JSON value, "calls": [[name, args]], "uses": [strings the answer must contain],
+     content, "answers": its other exact forms (a conversion's plain and worked ones), "data": JSON value, "calls": [[name, args]], "uses": [strings the answer must contain],
      "thought": whether the final turn opens with a thought channel}
 Kinds: `skill` (one question, maybe after an unrelated exchange, tools that do not fit maybe declared),
 `json` (the answer as JSON, asked in the question or by the system turn), `call` (weather, time, a
@@ -174,6 +174,11 @@ def _prior(rng: random.Random) -> tuple[list[dict], tuple]:
     return [{"role": "user", "content": it.question}, {"role": "assistant", "content": it.answer}], (it.key,)
 
 
+def _also(it: sk.Item) -> dict:
+    """The other exact forms of an answer the eval takes (a conversion's plain and worked forms), if it has any."""
+    return {"answers": list(it.extra["answers"])} if "answers" in it.extra else {}
+
+
 # ------------------------------------------------------------------------------------------- kinds
 def conversation(rng: random.Random, kind: str | None = None, item: sk.Item | None = None) -> Dialog:
     kind = kind or rng.choices(list(KINDS), list(KINDS.values()))[0]
@@ -189,7 +194,7 @@ def _skill(rng, thinking, item=None) -> Dialog:
     msgs = _lead(rng, thinking) + prior + [{"role": "user", "content": it.question},
                                            _assistant(it.answer, it.working, thinking)]
     return Dialog(msgs, tools, thinking, {"kind": "answer", "row": it.skill, "answer": it.answer,
-                                          "thought": thinking}, keys + (it.key,))
+                                          **_also(it), "thought": thinking}, keys + (it.key,))
 
 
 def _json(rng, thinking, item=None) -> Dialog:
@@ -298,4 +303,4 @@ def _followup(rng, thinking, item=None) -> Dialog:
                                    {"role": "assistant", "content": first.answer},
                                    {"role": "user", "content": q2}, _assistant(second.answer, second.working, thinking)]
     return Dialog(msgs, None, thinking, {"kind": "answer", "row": "follow-up", "answer": second.answer,
-                                         "thought": thinking}, (first.key,))
+                                         **_also(second), "thought": thinking}, (first.key,))

@@ -10,7 +10,9 @@ eval of the first n conversations per stratum reproduces those of a larger one).
 
 `score(dialog, text)` parses the text as the server does (`parsing.parse_output`) and checks it against the
 conversation's `expect`; `summarize` aggregates the table rows; `format_table` prints them side by side.
-Rows: one per skill (exact canonical answer, string equality; JSON rows compare the parsed value), then
+Rows: one per skill (exact canonical answer, string equality, or one of its other exact forms: a conversion by 7,
+12, 24 or 60 is right as "16 days = 384 hours." and as "16 days = 16 × 24 = ... = 384 hours."; JSON rows compare
+the parsed value), then
 - tool call, valid args: the turn is a call of a declared tool whose arguments satisfy its JSON schema
   (required keys present, types right, no unknown keys), where the fitting tool is declared;
 - tool call, right args: the exact call(s) expected (tool and argument values);
@@ -132,7 +134,7 @@ def score(d, text: str) -> dict:
             except ValueError:
                 r["exact"] = False
         else:
-            r["exact"] = not calls and content == e["answer"]
+            r["exact"] = not calls and (content == e["answer"] or content in e.get("answers", ()))
         if kind == "tool_answer":
             r["answer uses the tool response"] = not calls and all(u in content for u in e["uses"])
             del r["no call when no tool fits"]  # the tool was called in the previous turn

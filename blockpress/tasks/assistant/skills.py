@@ -163,10 +163,15 @@ def _unit(n: int, sing: str, plural: str) -> str:
 #   "and 12 = 10 + 2. 16 + 16 = 32. 160 + 32 = 192."; a quotient only named ("divide 192 by 12"), the answer
 #   giving it, as with thinking off;
 # "method": the rule only ("multiply 16 by 12"), the answer giving the number, as with thinking off.
+# "digits": the answer itself shows the working, with the multiplier or quotient k <= 99 broken at its digits, so
+#   that a new question is made of facts seen in other ones (k x f for one digit k) and one sum or remainder:
+#   "16 days = 16 × 24 = 10 × 24 + 6 × 24 = 240 + 144 = 384 hours.", "2 days = 2 × 24 = 48 hours.",
+#   "384 hours = 384 ÷ 24: 38 ÷ 24 = 1 r 14, 144 ÷ 24 = 6, so 16 days." (long division); the thought channel
+#   names the rule as "method" does. Whatever the style, the eval takes either form (`Item.extra["answers"]`).
 # Set for a stretch of generation (`CONVERSION_WORKING.set("steps")`, e.g. scripts/prepare_chat.py
 # --conversion-working); powers of ten keep the one-line working in every style.
 CONVERSION_FACTORS = sorted({c[4] for c in CONVERSIONS if c[4] not in (10, 100, 1000)})  # 7, 12, 24, 60
-CONVERSION_WORKINGS = ("product", "steps", "method")
+CONVERSION_WORKINGS = ("product", "steps", "method", "digits")
 CONVERSION_WORKING: ContextVar[str] = ContextVar("CONVERSION_WORKING", default="product")
 # factor (each of CONVERSION_FACTORS): (how it splits, each addition as (left, right) multiples of k, the multiple
 # that is then times 10)
@@ -204,15 +209,32 @@ def conversion(rng: random.Random, index: int | None = None, value: int | None =
         src, dst, n_src, n_dst = (u, up, uname), (v, vp, vname), k, k * f
         if style == "product":
             work = f"1 {u} = {f} {vp}, so {_unit(n_src, u, up)} = {n_src} × {f} = {_unit(n_dst, v, vp)}."
-        elif style == "method":
+        elif style in ("method", "digits"):  # k > 99 in "digits": the answer is plain
             work = f"1 {u} = {f} {vp}, so multiply {n_src} by {f}."
         else:
             work = f"1 {u} = {f} {vp}, and {f} = {_DOUBLINGS[f][0]}. " + product_steps(k, f)
     q = _pick(rng, CONV_Q, v=n_src, u=src[1] if n_src != 1 else src[0],
               to=rng.choice([dst[2], dst[1]]))
-    ans = f"{_unit(n_src, src[0], src[1])} = {_unit(n_dst, dst[0], dst[1])}."
-    return Item("conversion", ("conv", index, reverse, k), q, ans, work, {"value": n_dst, "unit": dst[1]},
-                {"value": n_dst, "unit": dst, "index": index, "reverse": reverse})
+    a, b = _unit(n_src, src[0], src[1]), _unit(n_dst, dst[0], dst[1])
+    ans = f"{a} = {b}."
+    extra = {"value": n_dst, "unit": dst, "index": index, "reverse": reverse}
+    if f in CONVERSION_FACTORS and k <= 99:  # both forms are exact answers, whichever the data writes
+        extra["answers"] = (ans, f"{a} = {digits_working(k, f, reverse)} {b}.")
+        ans = extra["answers"][style == "digits"]
+    return Item("conversion", ("conv", index, reverse, k), q, ans, work, {"value": n_dst, "unit": dst[1]}, extra)
+
+
+def digits_working(k: int, f: int, reverse: bool) -> str:
+    """A "digits" answer's middle for k <= 99: k × f broken at k's digits, or (k f) ÷ f by long division; what
+    follows it is the result with its unit."""
+    tens, units = divmod(k, 10)
+    if reverse:
+        lead, last = divmod(k * f, 10)
+        q, r = divmod(lead, f)
+        return f"{k * f} ÷ {f}: {lead} ÷ {f} = {q} r {r}, {r * 10 + last} ÷ {f} = {units}, so"
+    if k < 10:
+        return f"{k} × {f} ="
+    return f"{k} × {f} = {tens}0 × {f} + {units} × {f} = {tens * f}0 + {units * f} ="
 
 
 # ------------------------------------------------------------------------------------------- dates

@@ -25,6 +25,9 @@ model, on CPU.
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 9 --out runs/chat-steps2-model --threads 2
     python3 scripts/prepare_chat.py --out runs/chat-wide --mix-seed 13 --drill 0.75 --drills wide --n 96000 --holdout-val
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 10 --out runs/chat-wide-model --threads 2
+    python3 scripts/prepare_chat.py --out runs/chat-digits --mix-seed 14 --drill 0.75 --drills wide --n 96000 \
+        --holdout-val --conversion-working digits
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 11 --out runs/chat-digits-model --threads 2
 
 Stages 4 to 10 are experiments toward the conversions goal; none beat stage 3 on unseen questions, so none is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7 to §9). Stage 4 first grows stage 3's model to 8 layers
@@ -71,6 +74,7 @@ STAGES = {
     8: ("runs/chat-method2", "runs/chat-method-model/checkpoint-0001500", 1000, 11),
     9: ("runs/chat-steps2", "runs/chat-steps-model/checkpoint-0001500", 1500, 12),
     10: ("runs/chat-wide", "runs/chat-goals-model/checkpoint-0003000", 3000, 13),
+    11: ("runs/chat-digits", "runs/chat-goals-model/checkpoint-0003000", 3000, 14),
 }
 OVERRIDES = {8: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
 

@@ -18,11 +18,11 @@ rows = [json.loads(line) for line in open(path)]
 stops = [tok.token_to_id(t) for t in ["<turn|>", "<eos>"]]
 prompts = [tok.apply_chat_template(r["messages"][:-1], add_generation_prompt=True, tokenize=True) for r in rows]
 if ar:
-    new = [greedy_until(lm.module, p, 64, set(stops), lm.device) for p in prompts]
+    new = [greedy_until(lm.module, p, 128, set(stops), lm.device) for p in prompts]
 else:
     new = []
     for b in range(0, len(rows), 50):
-        res = lm.generate(prompts[b:b + 50], max_new_tokens=64, eos_token_id=stops,
+        res = lm.generate(prompts[b:b + 50], max_new_tokens=128, eos_token_id=stops,
                           generator=torch.Generator().manual_seed(b))
         new += [[t for t in ids if t != 0] for ids in res.new_tokens.tolist()]
 by = collections.defaultdict(lambda: [0, 0])

@@ -163,11 +163,12 @@ def _unit(n: int, sing: str, plural: str) -> str:
 #   "and 12 = 10 + 2. 16 + 16 = 32. 160 + 32 = 192."; a quotient only named ("divide 192 by 12"), the answer
 #   giving it, as with thinking off;
 # "method": the rule only ("multiply 16 by 12"), the answer giving the number, as with thinking off.
-# "digits": the answer itself shows the working, with the multiplier or quotient k <= 99 broken at its digits, so
-#   that a new question is made of facts seen in other ones (k x f for one digit k) and one sum or remainder:
-#   "16 days = 16 × 24 = 10 × 24 + 6 × 24 = 240 + 144 = 384 hours.", "2 days = 2 × 24 = 48 hours.",
-#   "384 hours = 384 ÷ 24: 38 ÷ 24 = 1 r 14, 144 ÷ 24 = 6, so 16 days." (long division); the thought channel
-#   names the rule as "method" does. Whatever the style, the eval takes either form (`Item.extra["answers"]`).
+# "digits": a product's answer itself shows the working, with the multiplier k <= 99 broken at its digits, so
+#   that a new question is made of facts seen in other ones (k × f for one digit k) and one sum:
+#   "16 days = 16 × 24 = 10 × 24 + 6 × 24 = 240 + 144 = 384 hours.", "2 days = 2 × 24 = 48 hours."; a quotient's
+#   answer stays plain (long division in the answer did worse than none: 2026-11-27-cpu-assistant.md §10); the
+#   thought channel names the rule as "method" does. Whatever the style, the eval takes either form of a product
+#   (`Item.extra["answers"]`).
 # Set for a stretch of generation (`CONVERSION_WORKING.set("steps")`, e.g. scripts/prepare_chat.py
 # --conversion-working); powers of ten keep the one-line working in every style.
 CONVERSION_FACTORS = sorted({c[4] for c in CONVERSIONS if c[4] not in (10, 100, 1000)})  # 7, 12, 24, 60
@@ -218,22 +219,17 @@ def conversion(rng: random.Random, index: int | None = None, value: int | None =
     a, b = _unit(n_src, src[0], src[1]), _unit(n_dst, dst[0], dst[1])
     ans = f"{a} = {b}."
     extra = {"value": n_dst, "unit": dst, "index": index, "reverse": reverse}
-    if f in CONVERSION_FACTORS and k <= 99:  # both forms are exact answers, whichever the data writes
-        extra["answers"] = (ans, f"{a} = {digits_working(k, f, reverse)} {b}.")
+    if f in CONVERSION_FACTORS and k <= 99 and not reverse:  # both forms are exact, whichever the data writes
+        extra["answers"] = (ans, f"{a} = {digits_working(k, f)} {b}.")
         ans = extra["answers"][style == "digits"]
     return Item("conversion", ("conv", index, reverse, k), q, ans, work, {"value": n_dst, "unit": dst[1]}, extra)
 
 
-def digits_working(k: int, f: int, reverse: bool) -> str:
-    """A "digits" answer's middle for k <= 99: k × f broken at k's digits, or (k f) ÷ f by long division; what
-    follows it is the result with its unit."""
-    tens, units = divmod(k, 10)
-    if reverse:
-        lead, last = divmod(k * f, 10)
-        q, r = divmod(lead, f)
-        return f"{k * f} ÷ {f}: {lead} ÷ {f} = {q} r {r}, {r * 10 + last} ÷ {f} = {units}, so"
+def digits_working(k: int, f: int) -> str:
+    """A "digits" answer's middle for k <= 99: k × f broken at k's digits; the result and its unit follow it."""
     if k < 10:
         return f"{k} × {f} ="
+    tens, units = divmod(k, 10)
     return f"{k} × {f} = {tens}0 × {f} + {units} × {f} = {tens * f}0 + {units * f} ="
 
 

@@ -44,6 +44,9 @@ goal rows' mix (`--drills goals`, more 2-digit sums than stage 7's) at half the 
 it was stopped at 1,000, with no progress on the test split. Stage 10 goes on from stage 3's model on drills whose
 conversions by 7, 12, 24 and 60 draw multipliers up to 99 instead of 30 (`--drills wide`, validation questions kept
 out too): more examples of each factor's rule. It was stopped at 2,000 steps, no better on unseen questions (§9).
+Stage 11 goes on from stage 3's model on the same drills with the "digits" answers (`--conversion-working digits`):
+a product by 7, 12, 24 or 60 is written out from one-digit facts, "16 × 24 = 10 × 24 + 6 × 24 = 240 + 144 = 384",
+which let a conversions-only probe answer unseen products (§10).
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from

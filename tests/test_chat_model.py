@@ -133,8 +133,9 @@ def test_working_matches_the_answer():
 def test_conversion_workings_are_right_and_the_default_is_the_shipped_models(style):
     """Every sum a "steps" working writes holds and its last number is the answer's; "product" (the default, what
     the shipped model was trained on) writes the product in one line; "digits" answers with the working, every
-    step of it right, for products (quotients stay plain), and its plain form stays an accepted answer; the style changes neither the question nor
-    the key, nor the answer but in "digits", and it is reset after the stretch that set it."""
+    step of it right, for products (quotients stay plain), and its plain form stays an accepted answer; the
+    style changes neither the question nor the key, nor the answer but in "digits", and it is reset after the
+    stretch that set it."""
     token = skills.CONVERSION_WORKING.set(style)
     try:
         items = [skills.conversion(random.Random(i), i % len(skills.CONVERSIONS), None if i % 3 else 50 + i % 70)

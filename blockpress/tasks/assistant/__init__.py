@@ -141,7 +141,8 @@ def _wide_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
     addition and subtraction (2 in 10 each), a conversion by one of those factors (3 in 10), any conversion (1 in 10),
     a tool call (the rest). It asks whether more examples of each factor teach a small model its rule, where thirty
     multipliers with the test split's kept out leave ~16 a factor and direction. For the shipped model they did not
-    (benchmarks/results/2026-11-27-cpu-assistant.md §9: stage 10 of scripts/finetune_chat.py)."""
+    (benchmarks/results/2026-11-27-cpu-assistant.md §9: stage 10 of scripts/finetune_chat.py); with the "digits"
+    answers, which build a product from one-digit facts, they give those facts and sums more examples (stage 11)."""
     r = rng.random()
     if r < 0.4:
         return "skill", skills.arithmetic(rng, "add" if r < 0.2 else "sub", (2, 2))

@@ -4,7 +4,8 @@
 check), `tools` (OpenAI function declarations, or None), `thinking` (the template's enable_thinking) and
 `expect`, what a right final turn does, which the eval scores:
     {"kind": "answer" | "json" | "call" | "no_call" | "tool_answer", "row": table row, "answer": canonical
-     content, "answers": its other exact forms (a conversion's plain and worked ones), "data": JSON value, "calls": [[name, args]], "uses": [strings the answer must contain],
+     content, "answers": its other exact forms (a conversion's plain and worked ones), "data": JSON value,
+     "calls": [[name, args]], "uses": [strings the answer must contain],
      "thought": whether the final turn opens with a thought channel}
 Kinds: `skill` (one question, maybe after an unrelated exchange, tools that do not fit maybe declared),
 `json` (the answer as JSON, asked in the question or by the system turn), `call` (weather, time, a

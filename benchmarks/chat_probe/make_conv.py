@@ -39,11 +39,11 @@ def worked(it) -> str:
     if k < 10:
         return it.answer
     a, b = divmod(k, 10)
+    if WORK == "split":  # the chat world's "digits" answer
+        return f"{src} = {skills.digits_working(k, f)} {dst}."
     if WORK == "cols":
-        return f"{src} = {k} × {f} = {a}0 × {f} + {b} × {f} = {a * f}0 + {b * f}. " \
-               f"{skills.add_working(a * f * 10, b * f)[:-1]} {dst.split()[1]}."
-    if WORK == "split":
-        return f"{src} = {k} × {f} = {a}0 × {f} + {b} × {f} = {a * f}0 + {b * f} = {dst}."
+        return f"{src} = {skills.digits_working(k, f)[:-2]}. {skills.add_working(a * f * 10, b * f)[:-1]} " \
+               f"{dst.split()[1]}."
     return f"{src} = {k} × {f}: {a} × {f} = {a * f}, {b} × {f} = {b * f}, {a * f} + {b * f // 10} = " \
            f"{a * f + b * f // 10}, so {dst}."
 

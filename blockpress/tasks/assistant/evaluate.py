@@ -10,7 +10,7 @@ eval of the first n conversations per stratum reproduces those of a larger one).
 
 `score(dialog, text)` parses the text as the server does (`parsing.parse_output`) and checks it against the
 conversation's `expect`; `summarize` aggregates the table rows; `format_table` prints them side by side.
-Rows: one per skill (exact canonical answer, string equality, or one of its other exact forms: a conversion by 7,
+Rows: one per skill (exact canonical answer, string equality, or one of its other exact forms: a product by 7,
 12, 24 or 60 is right as "16 days = 384 hours." and as "16 days = 16 × 24 = ... = 384 hours."; JSON rows compare
 the parsed value), then
 - tool call, valid args: the turn is a call of a declared tool whose arguments satisfy its JSON schema

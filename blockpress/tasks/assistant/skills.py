@@ -210,7 +210,7 @@ def conversion(rng: random.Random, index: int | None = None, value: int | None =
         src, dst, n_src, n_dst = (u, up, uname), (v, vp, vname), k, k * f
         if style == "product":
             work = f"1 {u} = {f} {vp}, so {_unit(n_src, u, up)} = {n_src} × {f} = {_unit(n_dst, v, vp)}."
-        elif style in ("method", "digits"):  # k > 99 in "digits": the answer is plain
+        elif style in ("method", "digits"):  # "digits" writes the product in the answer, below
             work = f"1 {u} = {f} {vp}, so multiply {n_src} by {f}."
         else:
             work = f"1 {u} = {f} {vp}, and {f} = {_DOUBLINGS[f][0]}. " + product_steps(k, f)

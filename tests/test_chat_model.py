@@ -136,14 +136,14 @@ def test_conversion_workings_are_right_and_the_default_is_the_shipped_models(sty
     step of it right, for products (quotients stay plain), and its plain form stays an accepted answer; the
     style changes neither the question nor the key, nor the answer but in "digits", and it is reset after the
     stretch that set it."""
+    cases = [(i, i % len(skills.CONVERSIONS), None if i % 3 else 50 + i % 70) for i in range(600)]  # k past 30 too
     token = skills.CONVERSION_WORKING.set(style)
     try:
-        items = [skills.conversion(random.Random(i), i % len(skills.CONVERSIONS), None if i % 3 else 50 + i % 70)
-                 for i in range(600)]
+        items = [skills.conversion(random.Random(i), index, k) for i, index, k in cases]
     finally:
         skills.CONVERSION_WORKING.reset(token)
-    for i, it in enumerate(items):
-        plain = skills.conversion(random.Random(i), i % len(skills.CONVERSIONS), None if i % 3 else 50 + i % 70)
+    for (i, index, k), it in zip(cases, items):
+        plain = skills.conversion(random.Random(i), index, k)
         assert dataclasses.replace(plain, working=it.working, answer=it.answer) == it
         index, reverse, k = it.key[1:]
         f = skills.CONVERSIONS[index][4]

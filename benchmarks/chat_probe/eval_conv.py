@@ -30,9 +30,8 @@ for r, ids in zip(rows, new):
     text = tok.decode([t for t in ids if t not in stops]).strip()
     want = r["messages"][-1]["content"]  # "16 days = 384 hours." (or with the working between)
     words = want.rstrip(".").split()
-    final = re.findall(r"\d+", text)[-1:] == re.findall(r"\d+", want)[-1:]
-    for key, ok in ((f"{words[1]}->{words[-1]}", text.startswith(want)), ("all", text.startswith(want)),
-                    ("final", final)):
+    exact, final = text.startswith(want), re.findall(r"\d+", text)[-1:] == re.findall(r"\d+", want)[-1:]
+    for key, ok in ((f"{words[1]}->{words[-1]}", exact), ("all", exact), ("final", final)):
         by[key][0] += ok
         by[key][1] += 1
 print("AR" if ar else "diffusion", model, " ".join(f"{k}:{v[0]}/{v[1]}" for k, v in sorted(by.items())))

@@ -24,6 +24,8 @@ held_set = frozenset(held)
 WORK = sys.argv[sys.argv.index("--work") + 1] if "--work" in sys.argv else None
 if WORK:
     del sys.argv[sys.argv.index("--work"):sys.argv.index("--work") + 2]
+    if WORK not in ("split", "pairs", "cols", "long"):
+        sys.exit(f"--work {WORK}: unknown form; use split, pairs, cols or long")
 
 
 def worked(it) -> str:
@@ -33,8 +35,7 @@ def worked(it) -> str:
     if WORK == "long":
         n = k * f
         lead, last = divmod(n, 10)
-        a = lead // f
-        r = lead - a * f
+        a, r = divmod(lead, f)
         return f"{src} = {n} ÷ {f}: {lead} ÷ {f} = {a} r {r}, {r * 10 + last} ÷ {f} = {k % 10}, so {dst}."
     if k < 10:
         return it.answer

@@ -20,6 +20,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+    # A module with `start_background(config)` starts a subprocess as soon as the tests are collected (below) and
+    # its tests run last, so that the subprocess's work overlaps the rest of the suite (stable: the order is
+    # otherwise kept).
+    items.sort(key=lambda item: hasattr(getattr(item, "module", None), "start_background"))
+
+
+def pytest_collection_finish(session):
+    for module in dict.fromkeys(getattr(item, "module", None) for item in session.items):
+        if hasattr(module, "start_background"):
+            module.start_background(session.config)
 
 
 # Models load on the CPU by default, as on CI, also on a machine with a GPU (load's default there is CUDA, where

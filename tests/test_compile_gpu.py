@@ -8,8 +8,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,23 +33,47 @@ def _ptxas() -> bool:
 needs_ptxas = pytest.mark.skipif(not _ptxas(), reason="needs triton with its bundled ptxas (pip install triton)")
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory, request):
-    """The H100's kernels at batch 1 with the engine's default tiles (8-bit projections: int8); with --runslow also
-    the RTX 40xx's, batch 4, fp8 projections, a grid of other tiles (bn 128 / 256 at bk 128, swap at the defaults' bn
-    and bk) and the attention kernel with its keys in 2 and 4 runs, ~5 min."""
-    tmp = tmp_path_factory.mktemp("compile")
-    out = tmp / "report.json"
+_REPORT: dict = {}  # the compile report's subprocess, its output folder and its log
+
+
+def start_background(config):
+    """Start the compile report (called by conftest when these tests are collected; they run last, so its ~50 s of
+    ptxas overlap the rest of the suite): the H100's kernels at batch 1 with the engine's default tiles (8-bit
+    projections: int8); with --runslow also the RTX 40xx's, batch 4, fp8 projections, a grid of other tiles (bn 128 /
+    256 at bk 128, swap at the defaults' bn and bk) and the attention kernel with its keys in 2 and 4 runs, ~5 min."""
+    if not _ptxas() or _REPORT:
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="compile-report-"))
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp / "cache"))  # compile for real, not from an old cache
-    full = request.config.getoption("--runslow")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--arch",
-                           "90,89" if full else "90", "--batch", "1,4" if full else "1",
-                           "--linears", "int8,fp8" if full else "int8",
-                           "--grid", "bn=128,256;bk=128|swap=1" if full else "",
-                           "--attention-split", "2,4" if full else "", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.returncode, json.loads(out.read_text()), proc.stdout
+    full = config.getoption("--runslow")
+    log = open(tmp / "log.txt", "w")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--arch",
+                             "90,89" if full else "90", "--batch", "1,4" if full else "1",
+                             "--linears", "int8,fp8" if full else "int8",
+                             "--grid", "bn=128,256;bk=128|swap=1" if full else "",
+                             "--attention-split", "2,4" if full else "", "--out", str(tmp / "report.json")],
+                            stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    _REPORT.update(proc=proc, tmp=tmp, log=log)
+
+    def stop():  # the session ends (also before these tests ran): end the report if it still runs, drop its files
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    config.add_cleanup(stop)
+
+
+@pytest.fixture(scope="module")
+def report(request):
+    """The compile report's exit status, JSON and output (started in the background at collection)."""
+    start_background(request.config)
+    proc, tmp = _REPORT["proc"], _REPORT["tmp"]
+    proc.wait(timeout=900)
+    stdout = (tmp / "log.txt").read_text()
+    assert (tmp / "report.json").exists(), stdout[-6000:]
+    return proc.returncode, json.loads((tmp / "report.json").read_text()), stdout
 
 
 @needs_ptxas

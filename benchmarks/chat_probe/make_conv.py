@@ -11,6 +11,10 @@ python benchmarks/chat_probe/make_conv.py --heldout OUT      # the test split's 
           hours."  (the sum in columns, as the arithmetic's thought channel writes it: `skills.add_working`)
 quotients (long division, every k):
   long   "384 hours = 384 ÷ 24: 38 ÷ 24 = 1 r 14, 144 ÷ 24 = 6, so 16 days."
+--sums P: a share P of the rows are additions "What is 240 + 156?" -> "240 + 156 = 396." of the kind a split
+working ends with, a multiple of ten plus a number: two in three from the workings' parts (a × f × 10 + b × g, one-digit
+a and b, f and g any of 7, 12, 24, 60), one in three any (10-9990 + 1-999). No sum a held-out product's working ends
+with is written (§11 of 2026-11-27-cpu-assistant.md).
 """
 import json, random, sys
 from blockpress.tasks import assistant
@@ -26,6 +30,26 @@ if WORK:
     del sys.argv[sys.argv.index("--work"):sys.argv.index("--work") + 2]
     if WORK not in ("split", "pairs", "cols", "long"):
         sys.exit(f"--work {WORK}: unknown form; use split, pairs, cols or long")
+SUMS = float(sys.argv[sys.argv.index("--sums") + 1]) if "--sums" in sys.argv else 0.0
+if "--sums" in sys.argv:
+    del sys.argv[sys.argv.index("--sums"):sys.argv.index("--sums") + 2]
+# the sums the held-out products' split workings end with: never a training row
+held_sums = frozenset((k // 10 * skills.CONVERSIONS[i][4] * 10, k % 10 * skills.CONVERSIONS[i][4])
+                      for _, i, r, k in held if not r and k >= 10)
+
+
+def sum_row(rng) -> str:
+    """An addition a split working could end with, not one of a held-out product's."""
+    while True:
+        if rng.random() < 2 / 3:
+            a = rng.randint(1, 9) * rng.choice(skills.CONVERSION_FACTORS) * 10
+            b = rng.randint(1, 9) * rng.choice(skills.CONVERSION_FACTORS)
+        else:
+            a, b = rng.randint(1, 999) * 10, rng.randint(1, 999)
+        if (a, b) not in held_sums:
+            it = skills.arithmetic_item("add", a, b, rng)
+            return json.dumps({"messages": [{"role": "user", "content": it.question},
+                                            {"role": "assistant", "content": it.answer}]})
 
 
 def worked(it) -> str:
@@ -70,6 +94,10 @@ else:
     rng = random.Random(seed)
     with open(out, "w") as f:
         for _ in range(n):
+            if SUMS and rng.random() < SUMS:
+                f.write(sum_row(rng) + "\n")
+                continue
             _, index, reverse, k = rng.choice(keys)
             f.write(row(skills.conversion(rng, index, k, reverse)) + "\n")
-    print(f"{n} rows over {len(keys)} questions (multipliers 1-{max_k}, {len(held)} held out)")
+    print(f"{n} rows over {len(keys)} questions (multipliers 1-{max_k}, {len(held)} held out"
+          + (f", {SUMS:.0%} sums" if SUMS else "") + ")")

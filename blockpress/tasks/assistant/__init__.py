@@ -153,8 +153,23 @@ def _wide_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
     return "call", None
 
 
+def _product_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
+    """`_wide_drill` three times as dense in conversions by 7, 12, 24 and 60 (multipliers up to WIDE_MULTIPLIERS):
+    such a conversion (6 in 10), 2-digit addition and subtraction (1 in 10 each), any conversion (1 in 10), a tool
+    call (the rest). With the "digits" answers, about a third of a mix at 85 % drills is a worked product, as dense as
+    the conversions-only probe that built unseen products from seen facts (2026-11-27-cpu-assistant.md §10-11)."""
+    r = rng.random()
+    if r < 0.6:
+        return "skill", skills.conversion(rng, rng.choice(HARD_CONVERSIONS), rng.randint(1, WIDE_MULTIPLIERS))
+    if r < 0.8:
+        return "skill", skills.arithmetic(rng, "add" if r < 0.7 else "sub", (2, 2))
+    if r < 0.9:
+        return "skill", skills.conversion(rng)
+    return "call", None
+
+
 DRILLS = {"broad": _broad_drill, "goals": _goal_drill, "conversions": _conversion_drill, "factors": _factor_drill,
-          "wide": _wide_drill}
+          "wide": _wide_drill, "products": _product_drill}
 
 
 def drilled_dialogs(count: int, seed: int, share: float, exclude: frozenset | None = None, drills: str = "broad"):

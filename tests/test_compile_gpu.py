@@ -52,7 +52,7 @@ def start_background(config):
                              "--linears", "int8,fp8" if full else "int8",
                              "--grid", "bn=128,256;bk=128|swap=1" if full else "",
                              "--attention-split", "2,4" if full else "", "--out", str(tmp / "report.json")],
-                            stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     _REPORT.update(proc=proc, tmp=tmp, log=log)
 
     def stop():  # the session ends (also before these tests ran): end the report if it still runs, drop its files

@@ -34,6 +34,9 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-products2 --mix-seed 16 --drill 0.85 --drills products --n 64000 \
         --holdout-val --conversion-working digits
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 13 --out runs/chat-products2-model --threads 2
+    python3 scripts/prepare_chat.py --out runs/chat-balance --mix-seed 17 --n 24000 --holdout-val \
+        --conversion-working digits
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 14 --out runs/chat-balance-model --threads 2
 
 Stages 4 to 10 are experiments toward the conversions goal; none beat stage 3 on unseen questions, so none is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7 to §9). Stage 4 first grows stage 3's model to 8 layers
@@ -55,6 +58,8 @@ a product by 7, 12, 24 or 60 is written out from one-digit facts, "16 × 24 = 10
 which let a conversions-only probe answer unseen products (§10). Stage 12 goes on from stage 11's model on a mix
 three times as dense in those products (`--drills products`, 85 % drills): stage 11 had seen fewer worked products
 in 3,000 steps than the probe in 500 (§11). Stage 13 gives it 1,500 more steps on a fresh mix of the same kind.
+Stage 14 goes on from stage 13's model for 600 steps at half the learning rate on the first stage's kind of mix (45 %
+broad drills, `digits` answers), to win back the 1-digit arithmetic that stages 12 and 13 lost.
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
@@ -88,8 +93,9 @@ STAGES = {
     11: ("runs/chat-digits", "runs/chat-goals-model/checkpoint-0003000", 3000, 14),
     12: ("runs/chat-products", "runs/chat-digits-model/checkpoint-0003000", 1500, 15),
     13: ("runs/chat-products2", "runs/chat-products-model/checkpoint-0001500", 1500, 16),
+    14: ("runs/chat-balance", "runs/chat-products2-model/checkpoint-0001500", 600, 17),
 }
-OVERRIDES = {8: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
+OVERRIDES = {8: ["--lr", "3e-4"], 14: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
 
 
 def stage_args(stage: int) -> list[str]:

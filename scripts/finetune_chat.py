@@ -58,8 +58,9 @@ a product by 7, 12, 24 or 60 is written out from one-digit facts, "16 × 24 = 10
 which let a conversions-only probe answer unseen products (§10). Stage 12 goes on from stage 11's model on a mix
 three times as dense in those products (`--drills products`, 85 % drills): stage 11 had seen fewer worked products
 in 3,000 steps than the probe in 500 (§11). Stage 13 gives it 1,500 more steps on a fresh mix of the same kind.
-Stage 14 goes on from stage 13's model for 600 steps at half the learning rate on the first stage's kind of mix (45 %
-broad drills, `digits` answers), to win back the 1-digit arithmetic that stages 12 and 13 lost.
+Stage 14 goes on from stage 13's model for 600 steps at half the learning rate on the base mix's kind
+(prepare_chat.py's defaults: 45 % broad drills; `digits` answers), to win back the 1-digit arithmetic that stages 12
+and 13 lost.
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from

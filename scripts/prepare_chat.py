@@ -6,8 +6,9 @@ Writes, under --out:
   train.jsonl      --n generated conversations (`blockpress train` chat rows: messages, tools,
                    enable_thinking; the final assistant turn is supervised), none using a test question
                    (nor, with --holdout-val, a validation one): the normal stream with --drill of them drills
-                   (--drills: broad, goals, conversions, factors, wide or products; conversion workings as --conversion-working
-                   writes them) (`assistant.drilled_dialogs(--n, --mix-seed, --drill, exclude, drills=--drills)`)
+                   (--drills: broad, goals, conversions, factors, wide or products; conversion workings as
+                   --conversion-working writes them)
+                   (`assistant.drilled_dialogs(--n, --mix-seed, --drill, exclude, drills=--drills)`)
   heldout.jsonl    the eval set (`blockpress.tasks.assistant.heldout`, --heldout per table row), each row
                    with its `expect` (what a right reply does); the trainer reads it for the eval loss
   tokenizer/       tokenizer.json (byte-level BPE, --vocab ids, every Gemma 4 special token, digits one per
@@ -39,7 +40,8 @@ def main(argv=None) -> int:
                          "addition / subtraction, conversions, tool calls: the eval's goal rows) or conversions "
                          "(the goal rows, conversions weighted up, and products by the factors 7, 12, 24, 60) or "
                          "factors (the goal rows, conversions by 7, 12, 24 and 60 weighted up) or wide (factors, with "
-                         "those conversions' multipliers up to 99, not 30) or products (wide, three times as dense in them)")
+                         "those conversions' multipliers up to 99, not 30) or products (wide, three times as dense "
+                         "in them)")
     ap.add_argument("--conversion-working", default="product", choices=["product", "steps", "method", "digits"],
                     help="how the training conversations' conversion workings by 7, 12, 24 and 60 are written "
                          "(blockpress.tasks.assistant.skills.CONVERSION_WORKING; the tokenizer's rows keep product)")

@@ -12,9 +12,9 @@ python benchmarks/chat_probe/make_conv.py --heldout OUT      # the test split's 
 quotients (long division, every k):
   long   "384 hours = 384 ÷ 24: 38 ÷ 24 = 1 r 14, 144 ÷ 24 = 6, so 16 days."
 --sums P: a share P of the rows are additions "What is 240 + 156?" -> "240 + 156 = 396." of the kind a split
-working ends with, a multiple of ten plus a number: two in three from the workings' parts (a × f × 10 + b × g, one-digit
-a and b, f and g any of 7, 12, 24, 60), one in three any (10-9990 + 1-999). No sum a held-out product's working ends
-with is written (§11 of 2026-11-27-cpu-assistant.md).
+working ends with, a multiple of ten plus a number: two in three from the workings' parts (a × f × 10 + b × g,
+one-digit a and b, f and g any of 7, 12, 24, 60), one in three any (10-9990 + 1-999). No sum a held-out product's
+working ends with is written (§11 of 2026-11-27-cpu-assistant.md).
 """
 import json, random, sys
 from blockpress.tasks import assistant

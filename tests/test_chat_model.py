@@ -117,10 +117,10 @@ def test_drill_mixes_keep_out_heldout_questions_and_ask_their_rows(drills):
         assert len(multipliers) >= 0.6 * len(conv) and max(multipliers) > 60
         assert sum(k > 30 for k in multipliers) >= 0.5 * len(multipliers)
         assert any(f not in assistant.CONVERSION_FACTORS for f, _ in conv)
-    if drills == "products":  # the same, about three times as dense: 6 in 10 drills (here 45 % of the mix)
+    if drills == "products":  # the same, denser: 6 in 10 drills; with the normal stream ~55 % of this mix (wide: ~35 %)
         hard = [k[3] for d in mix for k in d.keys if k[0] == "conv" and
                 skills.CONVERSIONS[k[1]][4] in assistant.CONVERSION_FACTORS]
-        assert 0.35 * len(mix) <= len(hard) <= 0.55 * len(mix) and sum(k > 30 for k in hard) >= 0.5 * len(hard)
+        assert 0.45 * len(mix) <= len(hard) <= 0.65 * len(mix) and sum(k > 30 for k in hard) >= 0.5 * len(hard)
 
 
 def test_working_matches_the_answer():

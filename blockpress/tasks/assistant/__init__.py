@@ -14,6 +14,7 @@ date; `skills.Item.key`) of the held-out set, so eval questions are never traine
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
@@ -88,88 +89,60 @@ def _broad_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
     return "skill", skills.conversion(rng)
 
 
-def _goal_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
-    """The rows the eval's goals name: 2-digit addition and subtraction (3 in 10 each), a unit conversion
-    (1 in 4), a tool call (the rest)."""
-    r = rng.random()
-    if r < 0.6:
-        return "skill", skills.arithmetic(rng, "add" if r < 0.3 else "sub", (2, 2))
-    if r < 0.85:
-        return "skill", skills.conversion(rng)
-    return "call", None
-
-
 CONVERSION_FACTORS = skills.CONVERSION_FACTORS  # 7, 12, 24, 60
-
-
-def _conversion_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
-    """The goal rows with conversions weighted up, and the products they need: 2-digit addition and subtraction
-    (2 in 10 each), a unit conversion (3 in 10), a product k x f of a conversion factor f that is not a power of ten
-    and k up to 30, either order (15 in 100), a tool call (the rest)."""
-    r = rng.random()
-    if r < 0.4:
-        return "skill", skills.arithmetic(rng, "add" if r < 0.2 else "sub", (2, 2))
-    if r < 0.7:
-        return "skill", skills.conversion(rng)
-    if r < 0.85:
-        k, f = rng.randint(1, 30), rng.choice(CONVERSION_FACTORS)
-        a, b = (k, f) if rng.random() < 0.5 else (f, k)
-        return "skill", skills.arithmetic_item("mul", a, b, rng)
-    return "call", None
-
-
 HARD_CONVERSIONS = [i for i, c in enumerate(skills.CONVERSIONS) if c[4] in CONVERSION_FACTORS]
-
-
-def _factor_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
-    """The goal rows with the conversions a power of ten does not do weighted up: 2-digit addition and subtraction
-    (2 in 10 each, the sums a "steps" working is made of), a conversion by 7, 12, 24 or 60 (4 in 10), a tool call
-    (the rest)."""
-    r = rng.random()
-    if r < 0.4:
-        return "skill", skills.arithmetic(rng, "add" if r < 0.2 else "sub", (2, 2))
-    if r < 0.8:
-        return "skill", skills.conversion(rng, rng.choice(HARD_CONVERSIONS))
-    return "call", None
-
-
 WIDE_MULTIPLIERS = 99  # the "wide" drills' multipliers for 7, 12, 24, 60; a conversion question asks up to 30
 
 
-def _wide_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
-    """`_factor_drill` with the multipliers of 7, 12, 24 and 60 drawn up to WIDE_MULTIPLIERS instead of 30: 2-digit
-    addition and subtraction (2 in 10 each), a conversion by one of those factors (3 in 10), any conversion (1 in 10),
-    a tool call (the rest). It asks whether more examples of each factor teach a small model its rule, where thirty
-    multipliers with the test split's kept out leave ~16 a factor and direction. For the shipped model they did not
-    (benchmarks/results/2026-11-27-cpu-assistant.md §9: stage 10 of scripts/finetune_chat.py); with the "digits"
-    answers, which build a product from one-digit facts, they give those facts and sums more examples (stage 11)."""
-    r = rng.random()
-    if r < 0.4:
-        return "skill", skills.arithmetic(rng, "add" if r < 0.2 else "sub", (2, 2))
-    if r < 0.7:
-        return "skill", skills.conversion(rng, rng.choice(HARD_CONVERSIONS), rng.randint(1, WIDE_MULTIPLIERS))
-    if r < 0.8:
-        return "skill", skills.conversion(rng)
+def _factor_product(rng: random.Random) -> skills.Item:
+    """k x f (or f x k) for a conversion factor f that is not a power of ten and k up to 30."""
+    k, f = rng.randint(1, 30), rng.choice(CONVERSION_FACTORS)
+    a, b = (k, f) if rng.random() < 0.5 else (f, k)
+    return skills.arithmetic_item("mul", a, b, rng)
+
+
+# What a drill can ask: item(rng, r, lo, hi), r the drill's draw within [lo, hi), its share of the drills. "sums":
+# 2-digit addition in the first half of the share, subtraction in the second.
+_ASKS = {
+    "sums": lambda rng, r, lo, hi: skills.arithmetic(rng, "add" if r < (lo + hi) / 2 else "sub", (2, 2)),
+    "conversion": lambda rng, *_: skills.conversion(rng),  # any unit conversion
+    "factor": lambda rng, *_: skills.conversion(rng, rng.choice(HARD_CONVERSIONS)),  # by 7, 12, 24 or 60
+    "factor wide": lambda rng, *_: skills.conversion(rng, rng.choice(HARD_CONVERSIONS),  # the same, k up to 99
+                                                     rng.randint(1, WIDE_MULTIPLIERS)),
+    "product": lambda rng, *_: _factor_product(rng),
+}
+
+# drill set: [(upper end of the draw, what it asks)] in order; a draw past the last one is a tool call.
+# - goals: what the eval's goals name: 2-digit sums (6 in 10), conversions (1 in 4), tool calls;
+# - conversions: the goal rows with conversions weighted up (3 in 10) and the products by 7, 12, 24, 60 they need;
+# - factors: the conversions a power of ten does not do weighted up (4 in 10), with the 2-digit sums (4 in 10) a
+#   "steps" working is made of;
+# - wide: factors, the multipliers of 7, 12, 24 and 60 drawn up to WIDE_MULTIPLIERS instead of 30. It asks whether
+#   more examples of each factor teach a small model its rule, where thirty multipliers with the test split's kept
+#   out leave ~16 a factor and direction. For the shipped model they did not (benchmarks/results/
+#   2026-11-27-cpu-assistant.md §9: stage 10 of scripts/finetune_chat.py); with the "digits" answers, which build a
+#   product from one-digit facts, they give those facts and sums more examples (stage 11);
+# - products: wide, twice as many of those conversions (6 in 10): with the "digits" answers, about a third of a mix
+#   at 85 % drills is a worked product, as dense as the conversions-only probe that built unseen products from seen
+#   facts (§10-11; stages 12 and 13).
+_SHARES = {"goals": [(0.6, "sums"), (0.85, "conversion")],
+           "conversions": [(0.4, "sums"), (0.7, "conversion"), (0.85, "product")],
+           "factors": [(0.4, "sums"), (0.8, "factor")],
+           "wide": [(0.4, "sums"), (0.7, "factor wide"), (0.8, "conversion")],
+           "products": [(0.6, "factor wide"), (0.8, "sums"), (0.9, "conversion")]}
+
+
+def _shared_drill(shares: list, rng: random.Random) -> tuple[str, skills.Item | None]:
+    """One drill of a `_SHARES` set: the first entry whose upper end the draw is under asks it; else a tool call."""
+    r, lo = rng.random(), 0.0
+    for hi, ask in shares:
+        if r < hi:
+            return "skill", _ASKS[ask](rng, r, lo, hi)
+        lo = hi
     return "call", None
 
 
-def _product_drill(rng: random.Random) -> tuple[str, skills.Item | None]:
-    """`_wide_drill` three times as dense in conversions by 7, 12, 24 and 60 (multipliers up to WIDE_MULTIPLIERS):
-    such a conversion (6 in 10), 2-digit addition and subtraction (1 in 10 each), any conversion (1 in 10), a tool
-    call (the rest). With the "digits" answers, about a third of a mix at 85 % drills is a worked product, as dense as
-    the conversions-only probe that built unseen products from seen facts (2026-11-27-cpu-assistant.md §10-11)."""
-    r = rng.random()
-    if r < 0.6:
-        return "skill", skills.conversion(rng, rng.choice(HARD_CONVERSIONS), rng.randint(1, WIDE_MULTIPLIERS))
-    if r < 0.8:
-        return "skill", skills.arithmetic(rng, "add" if r < 0.7 else "sub", (2, 2))
-    if r < 0.9:
-        return "skill", skills.conversion(rng)
-    return "call", None
-
-
-DRILLS = {"broad": _broad_drill, "goals": _goal_drill, "conversions": _conversion_drill, "factors": _factor_drill,
-          "wide": _wide_drill, "products": _product_drill}
+DRILLS = {"broad": _broad_drill, **{name: functools.partial(_shared_drill, shares) for name, shares in _SHARES.items()}}
 
 
 def drilled_dialogs(count: int, seed: int, share: float, exclude: frozenset | None = None, drills: str = "broad"):

@@ -37,6 +37,9 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-balance --mix-seed 17 --n 24000 --holdout-val \
         --conversion-working digits
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 14 --out runs/chat-balance-model --threads 2
+    python3 scripts/prepare_chat.py --out runs/chat-tables --mix-seed 18 --drill 0.75 --drills tables --n 48000 \
+        --holdout-val --teach-tables
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 15 --out runs/chat-tables-model --threads 2
 
 Stages 4 to 10 are experiments toward the conversions goal; none beat stage 3 on unseen questions, so none is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7 to §9). Stage 4 first grows stage 3's model to 8 layers
@@ -95,6 +98,7 @@ STAGES = {
     12: ("runs/chat-products", "runs/chat-digits-model/checkpoint-0003000", 1500, 15),
     13: ("runs/chat-products2", "runs/chat-products-model/checkpoint-0001500", 1500, 16),
     14: ("runs/chat-balance", "runs/chat-products2-model/checkpoint-0001500", 600, 17),
+    15: ("runs/chat-tables", "runs/chat-goals-model/checkpoint-0003000", 1500, 18),
 }
 OVERRIDES = {8: ["--lr", "3e-4"], 14: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
 

@@ -5,8 +5,9 @@
 Writes, under --out:
   train.jsonl      --n generated conversations (`blockpress train` chat rows: messages, tools,
                    enable_thinking; the final assistant turn is supervised), none using a test question
-                   (nor, with --holdout-val, a validation one): the normal stream with --drill of them drills
-                   (--drills: broad, goals, conversions, factors, wide or products; conversion workings as
+                   (nor, with --holdout-val, a validation one; with --teach-tables, one-digit sums and
+                   products may be): the normal stream with --drill of them drills
+                   (--drills: broad, goals, conversions, factors, wide, products or tables; conversion workings as
                    --conversion-working writes them)
                    (`assistant.drilled_dialogs(--n, --mix-seed, --drill, exclude, drills=--drills)`)
   heldout.jsonl    the eval set (`blockpress.tasks.assistant.heldout`, --heldout per table row), each row
@@ -41,13 +42,18 @@ def main(argv=None) -> int:
                          "(the goal rows, conversions weighted up, and products by the factors 7, 12, 24, 60) or "
                          "factors (the goal rows, conversions by 7, 12, 24 and 60 weighted up) or wide (factors, with "
                          "those conversions' multipliers up to 99, not 30) or products (wide, three times as dense "
-                         "in them)")
+                         "in them) or tables (goals, a fifth of the drills one-digit sums and products: use it with "
+                         "--teach-tables)")
     ap.add_argument("--conversion-working", default="product", choices=["product", "steps", "method", "digits"],
                     help="how the training conversations' conversion workings by 7, 12, 24 and 60 are written "
                          "(blockpress.tasks.assistant.skills.CONVERSION_WORKING; the tokenizer's rows keep product)")
     ap.add_argument("--holdout-val", action="store_true",
                     help="also keep the validation split's questions out of the mix, so that `eval --split val` "
                          "measures unseen questions (a conversion fact seen in training is recalled, not computed)")
+    ap.add_argument("--teach-tables", action="store_true",
+                    help="leave the one-digit sums and products (assistant.TABLES) in the mix although the held-out "
+                         "set asks most of them: a model trained on it has been taught its tables, and the eval's "
+                         "\"add 1-digit\" and \"mul 1x1-digit\" rows measure recall")
     ap.add_argument("--mix-seed", type=int, default=4, help="seed of the training conversations")
     ap.add_argument("--tokenizer-rows", type=int, default=120_000, help="conversations the BPE is learned on")
     ap.add_argument("--heldout", type=int, default=40, help="held-out conversations per table row")
@@ -68,9 +74,7 @@ def main(argv=None) -> int:
     working = skills.CONVERSION_WORKING.set(args.conversion_working)  # the mix and the eval-loss rows
     held = assistant.heldout(args.heldout)
     with open(out / "train.jsonl", "w") as f:
-        exclude = assistant.heldout_keys()
-        if args.holdout_val:
-            exclude |= assistant.heldout_keys(seed=assistant.VAL_SEED)
+        exclude = assistant.mix_exclude(val=args.holdout_val, tables=args.teach_tables)
         for d in assistant.drilled_dialogs(args.n, args.mix_seed, args.drill, exclude, drills=args.drills):
             f.write(json.dumps(d.row(), ensure_ascii=False) + "\n")
     skills.CONVERSION_WORKING.reset(working)

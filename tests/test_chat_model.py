@@ -121,6 +121,24 @@ def test_drill_mixes_keep_out_heldout_questions_and_ask_their_rows(drills):
         hard = [k[3] for d in mix for k in d.keys if k[0] == "conv" and
                 skills.CONVERSIONS[k[1]][4] in assistant.CONVERSION_FACTORS]
         assert 0.45 * len(mix) <= len(hard) <= 0.65 * len(mix) and sum(k > 30 for k in hard) >= 0.5 * len(hard)
+    if drills == "tables":  # the one-digit facts, 1 in 5 drills: ~15 % of this mix, sums and products alike
+        facts = [k for d in mix for k in d.keys if k in assistant.TABLES]
+        assert 0.08 * len(mix) <= len(facts) <= 0.25 * len(mix) and {k[1] for k in facts} == {"add", "mul"}
+
+
+def test_teach_tables_leaves_in_only_the_one_digit_facts():
+    """prepare_chat.py --teach-tables: the held-out one-digit sums and products may be asked, nothing else held out."""
+    keys = assistant.heldout_keys()
+    assert assistant.mix_exclude() == keys
+    assert assistant.mix_exclude(val=True) == keys | assistant.heldout_keys(seed=assistant.VAL_SEED)
+    one_digit = {k for d in assistant.heldout(200) if d.expect["row"] in ("add 1-digit", "mul 1x1-digit")
+                 for k in d.keys if k[0] == "arith" and max(k[2:]) < 10}  # (earlier turns ask other things)
+    assert len(one_digit) > 150 and one_digit <= assistant.TABLES and len(assistant.TABLES) == 200
+    taught = assistant.mix_exclude(tables=True)
+    assert taught == keys - assistant.TABLES
+    mix = list(assistant.drilled_dialogs(200, 3, 0.75, taught, drills="tables"))
+    asked = {k for d in mix for k in d.keys}
+    assert asked & one_digit and not asked & taught
 
 
 def test_working_matches_the_answer():

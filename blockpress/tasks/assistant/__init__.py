@@ -60,9 +60,23 @@ def _set_thinking(d: dialogs.Dialog, thinking: bool, rng, kind, make) -> dialogs
     raise RuntimeError("could not draw a conversation with the requested thinking mode")
 
 
+# The one-digit sums and products: 200 facts, a table a person learns by heart. The held-out set's first 200
+# conversations of the "add 1-digit" and "mul 1x1-digit" rows use 184 of them, so a mix that leaves out every
+# held-out question (the default) teaches almost none as a question; a mix made with `prepare_chat.py --teach-tables`
+# leaves them in (`heldout_keys() - TABLES`), and for a model trained on it those two rows measure recall.
+TABLES = frozenset(("arith", op, a, b) for op in ("add", "mul") for a in range(10) for b in range(10))
+
+
 def heldout_keys(n: int = 200, seed: str = HELDOUT_SEED) -> frozenset:
     """The questions (keys) of the first n conversations per stratum of a split: what training leaves out."""
     return frozenset(k for d in heldout(n, seed) for k in d.keys)
+
+
+def mix_exclude(val: bool = False, tables: bool = False) -> frozenset:
+    """What a training mix leaves out: the test split's questions; with `val`, the validation split's as well; with
+    `tables`, less the one-digit sums and products (TABLES), which the mix may then ask."""
+    out = heldout_keys() | (heldout_keys(seed=VAL_SEED) if val else frozenset())
+    return out - TABLES if tables else out
 
 
 def train_dialogs(count: int, seed: int = 0, exclude: frozenset | None = None):
@@ -110,6 +124,8 @@ _ASKS = {
     "factor wide": lambda rng, *_: skills.conversion(rng, rng.choice(HARD_CONVERSIONS),  # the same, k up to 99
                                                      rng.randint(1, WIDE_MULTIPLIERS)),
     "product": lambda rng, *_: _factor_product(rng),
+    # a fact of TABLES: a one-digit sum in the first half of the share, a product in the second
+    "table": lambda rng, r, lo, hi: skills.arithmetic(rng, "add" if r < (lo + hi) / 2 else "mul", (1, 1)),
 }
 
 # drill set: [(upper end of the draw, what it asks)] in order; a draw past the last one is a tool call.
@@ -125,11 +141,14 @@ _ASKS = {
 # - products: wide, twice as many of those conversions (6 in 10): with the "digits" answers, about a third of a mix
 #   at 85 % drills is a worked product, as dense as the conversions-only probe that built unseen products from seen
 #   facts (§10-11; stages 12 and 13).
+# - tables: goals, a fifth of the drills given to the one-digit sums and products (TABLES), which a mix made with
+#   --teach-tables may ask (stage 15).
 _SHARES = {"goals": [(0.6, "sums"), (0.85, "conversion")],
            "conversions": [(0.4, "sums"), (0.7, "conversion"), (0.85, "product")],
            "factors": [(0.4, "sums"), (0.8, "factor")],
            "wide": [(0.4, "sums"), (0.7, "factor wide"), (0.8, "conversion")],
-           "products": [(0.6, "factor wide"), (0.8, "sums"), (0.9, "conversion")]}
+           "products": [(0.6, "factor wide"), (0.8, "sums"), (0.9, "conversion")],
+           "tables": [(0.45, "sums"), (0.65, "conversion"), (0.85, "table")]}
 
 
 def _shared_drill(shares: list, rng: random.Random) -> tuple[str, skills.Item | None]:

@@ -40,6 +40,9 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-tables --mix-seed 18 --drill 0.75 --drills tables --n 48000 \
         --holdout-val --teach-tables
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 15 --out runs/chat-tables-model --threads 2
+    python3 scripts/prepare_chat.py --out runs/chat-tables2 --mix-seed 19 --drill 0.75 --drills tables-tools \
+        --n 48000 --holdout-val --teach-tables
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 16 --out runs/chat-tables2-model --threads 2
 
 Stages 4 to 10 are experiments toward the conversions goal; none beat stage 3 on unseen questions, so none is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7 to §9). Stage 4 first grows stage 3's model to 8 layers
@@ -99,6 +102,7 @@ STAGES = {
     13: ("runs/chat-products2", "runs/chat-products-model/checkpoint-0001500", 1500, 16),
     14: ("runs/chat-balance", "runs/chat-products2-model/checkpoint-0001500", 600, 17),
     15: ("runs/chat-tables", "runs/chat-goals-model/checkpoint-0003000", 1500, 18),
+    16: ("runs/chat-tables2", "runs/chat-goals-model/checkpoint-0003000", 1500, 19),
 }
 OVERRIDES = {8: ["--lr", "3e-4"], 14: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
 

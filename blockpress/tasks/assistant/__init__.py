@@ -142,21 +142,27 @@ _ASKS = {
 #   at 85 % drills is a worked product, as dense as the conversions-only probe that built unseen products from seen
 #   facts (§10-11; stages 12 and 13).
 # - tables: goals, a fifth of the drills given to the one-digit sums and products (TABLES), which a mix made with
-#   --teach-tables may ask (stage 15).
+#   --teach-tables may ask (stage 15);
+# - tables-tools: tables, with a share of the drills given to the tool conversations a goal mix does not drill: a
+#   request no declared tool fits, answered without a call, and an answer from a tool's response (stage 16).
+# An entry may name a conversation kind of `dialogs.conversation` ("no_call", "tool_answer") instead of an ask.
 _SHARES = {"goals": [(0.6, "sums"), (0.85, "conversion")],
            "conversions": [(0.4, "sums"), (0.7, "conversion"), (0.85, "product")],
            "factors": [(0.4, "sums"), (0.8, "factor")],
            "wide": [(0.4, "sums"), (0.7, "factor wide"), (0.8, "conversion")],
            "products": [(0.6, "factor wide"), (0.8, "sums"), (0.9, "conversion")],
-           "tables": [(0.45, "sums"), (0.65, "conversion"), (0.85, "table")]}
+           "tables": [(0.45, "sums"), (0.65, "conversion"), (0.85, "table")],
+           "tables-tools": [(0.35, "sums"), (0.5, "conversion"), (0.65, "table"), (0.75, "no_call"),
+                            (0.85, "tool_answer")]}
 
 
 def _shared_drill(shares: list, rng: random.Random) -> tuple[str, skills.Item | None]:
-    """One drill of a `_SHARES` set: the first entry whose upper end the draw is under asks it; else a tool call."""
+    """One drill of a `_SHARES` set: the first entry whose upper end the draw is under asks it (or is a conversation
+    of that kind); else a tool call."""
     r, lo = rng.random(), 0.0
     for hi, ask in shares:
         if r < hi:
-            return "skill", _ASKS[ask](rng, r, lo, hi)
+            return ("skill", _ASKS[ask](rng, r, lo, hi)) if ask in _ASKS else (ask, None)
         lo = hi
     return "call", None
 

@@ -128,13 +128,15 @@ class BlockDiffusionLM:
                cache=None, decoder_input_ids=None, self_conditioning_logits=None, drafts: bool = True,
                sampler: str | None = None, fixed_tokens=None, fuse_commit: bool | None = None,
                compact_rows: bool | None = None, json_schema=None, json_object: bool = False,
-               regex: str | None = None, grammar: str | None = None,
+               regex: str | None = None, grammar: str | None = None, suppress_tokens=None,
                **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
         """Yield a Draft after every denoising step, a Commit per canvas and a final Finished.
         fixed_tokens [B, L]: new-token positions held at given ids (-1 = free), see engine.stream.
         json_schema (a dict or JSON text) / json_object / regex / grammar (Lark): every row's new tokens form one
         valid output that ends with a stop id within max_new_tokens (engine/constraint.py; needs the
         `structured` extra).
+        suppress_tokens: token ids no row's new tokens may hold (engine/constraint.py's TokenBan), where no grammar
+        is given (a grammar allows only its own tokens).
         sampler / fuse_commit / compact_rows: this call's engine options (None: `self.options`'), see
         `blockpress.options` and engine.stream."""
         cfg = self.generation_config(**sampling)
@@ -152,16 +154,19 @@ class BlockDiffusionLM:
                              cache=cache, decoder_input_ids=decoder_input_ids,
                              self_conditioning_logits=self_conditioning_logits, drafts=drafts,
                              fixed_tokens=fixed_tokens, options=options, passes=self.passes,
-                             constraints=self.constraints(cfg, ids.shape[0], **grammar))
+                             constraints=self.constraints(cfg, ids.shape[0], suppress_tokens, **grammar))
 
-    def constraints(self, cfg, rows: int, **grammar) -> list | None:
+    def constraints(self, cfg, rows: int, suppress_tokens=None, **grammar) -> list | None:
         """One fresh grammar state per row for `grammar` (json_schema / json_object / regex / grammar, see
-        `stream`), or None when none is given."""
-        from .engine.constraint import Constraint, grammar_for
+        `stream`); else the ban of `suppress_tokens` for every row; None when neither is given."""
+        from .engine.constraint import Constraint, TokenBan, grammar_for
 
         spec = grammar_for(**grammar)
         if spec is None:
-            return None
+            if not suppress_tokens:
+                return None
+            ban = TokenBan(suppress_tokens, self.module.text.vocab_size)  # no state: one for every row
+            return [ban] * rows
         tok = self._need_tokenizer()
         return [Constraint(spec, tok, cfg.eos_token_id, self.module.text.vocab_size, cfg.max_new_tokens)
                 for _ in range(rows)]
@@ -170,7 +175,7 @@ class BlockDiffusionLM:
                  decoder_input_ids=None, self_conditioning_logits=None, sampler: str | None = None,
                  fixed_tokens=None, fuse_commit: bool | None = None, compact_rows: bool | None = None,
                  json_schema=None, json_object: bool = False, regex: str | None = None, grammar: str | None = None,
-                 **sampling) -> engine.GenerationResult:
+                 suppress_tokens=None, **sampling) -> engine.GenerationResult:
         """Generate canvases after `input_ids`. Keyword names and defaults follow the reference:
         max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max, stability_threshold,
         confidence_threshold, eos_token_id, pad_token_id. `generator`: None (torch's global RNG, the
@@ -178,7 +183,8 @@ class BlockDiffusionLM:
         for ev in self.stream(input_ids, attention_mask, generator, cache, decoder_input_ids,
                               self_conditioning_logits, drafts=False, sampler=sampler, fixed_tokens=fixed_tokens,
                               fuse_commit=fuse_commit, compact_rows=compact_rows, json_schema=json_schema,
-                              json_object=json_object, regex=regex, grammar=grammar, **sampling):
+                              json_object=json_object, regex=regex, grammar=grammar,
+                              suppress_tokens=suppress_tokens, **sampling):
             if isinstance(ev, engine.Finished):
                 return ev.result
         raise RuntimeError("generation ended without a result")  # unreachable
@@ -229,10 +235,14 @@ class BlockDiffusionLM:
         return parse_output(self.decode_new(result, skip_special_tokens=False), "stop" if stopped else "length")
 
     def _reply(self, messages_or_prompt, enable_thinking, tools, seed, sampling) -> engine.GenerationResult:
+        from .parsing import call_ban
+
         ids = self.encode_chat(messages_or_prompt, enable_thinking=enable_thinking, tools=tools)
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
+        if self.tokenizer.is_chat and "suppress_tokens" not in sampling:  # a chat turn: no tool offered, no call
+            sampling = {**sampling, "suppress_tokens": call_ban(self.tokenizer, tools)}
         return self.generate([ids], generator=gen, **sampling)
 
     def infill(self, template: str, seed: int | None = None, **sampling):

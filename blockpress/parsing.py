@@ -61,6 +61,18 @@ TURN_OPEN = "<|turn>"
 STOP_TOKENS: tuple[str, ...] = ("<turn|>", "<eos>", "<|tool_response>")
 CONTENT_CHANNELS = frozenset({"final", "answer", "response", "content"})
 
+
+def call_ban(tokenizer, tools) -> list[int] | None:
+    """The tokens a chat reply may not hold when no tool is offered (`tools` empty or None, as after tool_choice
+    "none"): the opening of a tool call, so the model answers instead of calling a tool nobody declared (an
+    OpenAI reply has tool_calls only for offered tools). None where tools are offered or the tokenizer has no
+    such token. Generation takes it as `suppress_tokens` (engine/constraint.py's TokenBan)."""
+    if tools or tokenizer is None:
+        return None
+    i = tokenizer.token_to_id(CALL_OPEN)
+    return None if i is None else [i]
+
+
 _HEADER_CHARS = re.compile(r"[A-Za-z0-9_\-]*")
 _MAX_HEADER = 32
 _CALL_RE = re.compile(r"\s*call:\s*([^\s{}<>]+)\s*(\{.*\})\s*", re.DOTALL)

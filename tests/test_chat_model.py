@@ -225,6 +225,12 @@ def test_score_reads_replies_as_the_server_does():
     assert ok["tool call, valid args"] and ok["tool call, right args"] and ok["thinking off: well-formed"]
     bad = evaluate.score(call, "<|tool_call>call:set_timer{minutes:<|\"|>five<|\"|>}<tool_call|><|tool_response>")
     assert not bad["tool call, valid args"] and not bad["tool call, right args"]
+    assert "no call, request no tool fits" not in r | ok  # only the "no tool fits" row has it
+    refuse = dialogs.conversation(random.Random(4), "no_call")
+    r = evaluate.score(refuse, refuse.expect["answer"] + "<turn|>")
+    assert r["exact"] and r["no call, request no tool fits"] and r["no call when no tool fits"]
+    r = evaluate.score(refuse, "<|tool_call>call:get_weather{city:<|\"|>Lima<|\"|>}<tool_call|><|tool_response>")
+    assert not r["exact"] and not r["no call, request no tool fits"] and not r["no call when no tool fits"]
     think = dialogs.conversation(random.Random(3), "skill", skills.arithmetic_item("add", 2, 3, rng))
     think.expect["thought"] = True
     assert evaluate.score(think, "<|channel>thought\n2 + 3 = 5.<channel|>2 + 3 = 5.<turn|>")["thinking on: well-formed"]
@@ -391,6 +397,17 @@ def test_readme_server_example_runs_against_blockpress_serve_without_a_model(tmp
         name, args = call.split(" ", 1)
         assert name == "get_weather" and json.loads(args) == {"city": "Paris"}
         assert "21" in final, final
+        # a request that offers no tool gets no tool call, where the model unbanned writes one (test_token_ban)
+        from test_token_ban import assistant_calling_unoffered
+
+        chat_lm, _, (messages, thinking, seed) = assistant_calling_unoffered()
+        for choice in ({}, {"tools": [], "tool_choice": "none"}):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
+                "messages": messages, "seed": seed, "max_tokens": 96, **choice,
+                "chat_template_kwargs": {"enable_thinking": thinking}}).json()["choices"][0]
+            assert r["finish_reason"] != "tool_calls" and not r["message"].get("tool_calls"), r
+            same = chat_lm.chat(messages, enable_thinking=thinking, seed=seed, max_new_tokens=96)
+            assert r["message"]["content"] == same.content, (r, same)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -1,5 +1,5 @@
 """Structured output: a grammar (JSON Schema, any JSON object, a regular expression or a Lark grammar) that every
-committed canvas obeys.
+committed canvas obeys; and its simplest case without a grammar engine, tokens a row may not hold (`TokenBan`).
 
 Shape legend: C canvas length, V vocab, k candidates per position.
 
@@ -252,9 +252,10 @@ class Constraint:
             n += 1
         return 10**9
 
-    def walk(self, z: torch.Tensor, y: torch.Tensor) -> tuple[list[int], list[int], int]:
-        """z [C, V] the step's logits, y [C] its draws -> the walked argmax and draws (lists) and n, the number of
-        leading positions that hold the grammar's forced tokens (certain: the step accepts them)."""
+    def walk(self, z: torch.Tensor, y: torch.Tensor, a: torch.Tensor | None = None) -> tuple[list[int], list[int], int]:
+        """z [C, V] the step's logits, y [C] its draws (a, the step's argmax, is the walk's own) -> the walked
+        argmax and draws (lists) and n, the number of leading positions that hold the grammar's forced tokens
+        (certain: the step accepts them)."""
         C = z.shape[0]
         stop = self.vocab.stop_ids[0]
         if self.ended:
@@ -309,6 +310,31 @@ class Constraint:
             self.written += 1
 
 
+class TokenBan:
+    """A row's constraint without a grammar: the tokens `banned` never enter its canvas (the opening of a tool call
+    where no tool is offered: `chat.call_ban`). Where the step's argmax is banned it becomes the most likely token
+    that is not; a banned draw becomes that argmax. Nothing is forced, and a row whose argmax and draws hold no
+    banned token keeps them as they are (the same tokens as without the ban). All on the device: no host read."""
+
+    def __init__(self, banned, vocab_size: int):
+        ids = sorted({int(t) for t in banned})
+        if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
+            raise InputError(f"suppress_tokens must be token ids in [0, {vocab_size}) (got {list(banned)})")
+        self.banned = torch.tensor(ids, dtype=torch.long)
+
+    def walk(self, z: torch.Tensor, y: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """z [C, V] the step's logits, y [C] its draws, a [C] its argmax -> the argmax and draws without a banned
+        token, and 0 forced positions."""
+        banned = self.banned.to(z.device)
+        cand = z.topk(len(banned) + 1, dim=-1).indices  # one of these is allowed
+        alt = cand.gather(-1, (~torch.isin(cand, banned)).to(torch.int8).argmax(-1, keepdim=True))[:, 0]
+        a = torch.where(torch.isin(a, banned), alt, a)
+        return a, torch.where(torch.isin(y, banned), a, y), 0
+
+    def advance(self, tokens: list[int]) -> None:
+        """Nothing to carry from one canvas to the next."""
+
+
 def constrain(cv, idx: list[int], a: torch.Tensor, y: torch.Tensor, z: torch.Tensor):
     """The step's argmax `a` and draws `y` [k, C] of the rows `idx` (z [k, C, V] their logits), with every
     constrained row walked through its grammar, and `forced` [k, C] bool, the positions that hold a grammar's
@@ -319,8 +345,8 @@ def constrain(cv, idx: list[int], a: torch.Tensor, y: torch.Tensor, z: torch.Ten
     a, y = a.clone(), y.clone()
     forced = torch.zeros(a.shape, dtype=torch.bool)
     for i, c in rows:
-        wa, wy, n = c.walk(z[i], y[i])
-        a[i] = torch.tensor(wa, dtype=a.dtype, device=a.device)
-        y[i] = torch.tensor(wy, dtype=y.dtype, device=y.device)
+        wa, wy, n = c.walk(z[i], y[i], a[i])
+        a[i] = torch.as_tensor(wa, dtype=a.dtype, device=a.device)
+        y[i] = torch.as_tensor(wy, dtype=y.dtype, device=y.device)
         forced[i, :n] = True
     return a, y, forced.to(a.device)

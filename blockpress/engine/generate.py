@@ -133,7 +133,8 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     off with one generator, the reference's arithmetic batch for batch; under CUDA graphs it needs per-row
     generators).
     passes: the passes to run (`GraphedPasses` under CUDA graphs); None: the module's own.
-    constraints: one `engine.constraint.Constraint` (or None) per row: the grammar the row's canvases obey.
+    constraints: one `engine.constraint.Constraint` or `TokenBan` (or None) per row: the grammar the row's canvases
+    obey, or the tokens they may not hold.
     """
     ids, mask, fixed_tokens, n_canvases, T_start = _check(module, input_ids, cfg, canvas_length, attention_mask,
                                                           generator, cache, fixed_tokens)

@@ -23,7 +23,8 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
   `reasoning_effort`: anything but none/minimal turns thinking on).
 - `tool_choice` "required" or {"type": "function", "function": {"name"}} is enforced by holding the
   opening of a call (`<|tool_call>call:`, plus `NAME{` when the tool is known) on the first canvas;
-  a choice naming no offered tool, or "required" without tools, is a 400.
+  a choice naming no offered tool, or "required" without tools, is a 400. A request that offers no tool (none,
+  or tool_choice "none") gets no call: the call's opening token is banned (`parsing.call_ban`).
 - `stream_options: {"include_drafts": true}` adds chunks with `"choices": []` and a `blockpress`
   field: after every denoising step `{"type": "draft", "canvas", "step", "max_steps", "text",
   "tokens": [piece per position], "accepted": [0/1 per position]}`, after every canvas
@@ -147,6 +148,8 @@ class Sampling:
     n: int = 1  # choices: choice i samples with seed + i (choice 0 is the n=1 answer)
     logprobs: int | None = None  # alternatives per token with logprobs (0: the token's only); None: not asked
     grammar: str | None = None  # the compiled grammar the output obeys (response_format, regex, grammar); None: free
+    suppress: list[int] | None = None  # token ids the output may not hold where no grammar is given (a chat
+    # request that offers no tool: the opening of a tool call, parsing.call_ban)
 
     def choice_seed(self, i: int) -> int | None:
         if self.seed is None:
@@ -386,6 +389,13 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
         if self.chat_template_kwargs is not None and self.chat_template_kwargs.enable_thinking is not None:
             return self.chat_template_kwargs.enable_thinking
         return self.reasoning_effort not in (None, "none", "minimal")
+
+    @property
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the model may call, as the chat template declares them: none when tool_choice is "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @property
     def forced_tool(self) -> str | None:

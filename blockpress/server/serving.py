@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..errors import BlockpressError
 from ..infill import whole_canvases
-from ..parsing import StreamingParser, ToolCall
+from ..parsing import StreamingParser, ToolCall, call_ban
 from .budget import encode_within
 from .protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                        CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, FunctionCall,
@@ -354,12 +354,10 @@ class OpenAIServing:
             raise APIError(400, f"'{self.model_name}' is a plain text model (no chat template); use /v1/completions",
                            param="messages", code="model_not_chat")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = None
-        if req.tools and req.tool_choice != "none":
-            tools = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                enable_thinking=req.enable_thinking, tools=tools, tokenize=False)
+                                                enable_thinking=req.enable_thinking, tools=req.offered_tools,
+                                                tokenize=False)
         except BlockpressError as e:
             raise APIError(400, str(e), param="messages") from None
         return self._encode_within_limit(text, "messages")
@@ -407,10 +405,12 @@ class OpenAIServing:
         return _Run(handle, len(ids))
 
     def _constraint(self, sampling: Sampling):
-        """A fresh grammar state for one row of a request with structured output, or None."""
+        """A fresh grammar state for one row of a request with structured output; else the ban of
+        `sampling.suppress`; or None."""
+        from ..engine.constraint import Constraint, TokenBan
+
         if sampling.grammar is None:
-            return None
-        from ..engine.constraint import Constraint
+            return TokenBan(sampling.suppress, self.lm.config.text.vocab_size) if sampling.suppress else None
 
         try:
             return Constraint(sampling.grammar, self.tok, sampling.cfg.eos_token_id, self.lm.config.text.vocab_size,
@@ -559,9 +559,12 @@ class OpenAIServing:
         return await self.chat_response(runs, sampling, req.stream, disconnected)
 
     def forced_call(self, req: ChatCompletionRequest, sampling: Sampling) -> tuple[Sampling, list[int] | None]:
-        """How a forced tool call (tool_choice "required" or named) is made: a grammar on the whole answer when
-        the structured extra is installed, else the call's opening held on the canvas. Returns the sampling and
-        the held tokens (or None)."""
+        """What the request's tools ask of the engine. A forced tool call (tool_choice "required" or named) is made
+        with a grammar on the whole answer when the structured extra is installed, else with the call's opening
+        held on the canvas; where no tool is offered (none, or tool_choice "none"), no call can be written
+        (`parsing.call_ban`). Returns the sampling and the held tokens (or None)."""
+        if req.offered_tools is None:
+            return dataclasses.replace(sampling, suppress=call_ban(self.tok, None)), None
         grammar = self.tool_call_grammar(req)
         if grammar is not None:
             return dataclasses.replace(sampling, grammar=grammar), None

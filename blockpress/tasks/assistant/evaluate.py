@@ -1,8 +1,9 @@
 """Score the assistant on held-out conversations: exact answers per skill, tool use, thinking well-formed.
 
 `replies(lm, dialogs, steps)` generates the final turn of every conversation (its prompt rendered by the
-model's chat template exactly as the server renders a request) and returns the raw text, special tokens
-kept, up to its stop token; `steps=None` uses the model's generation_config.json, `steps=N` exactly N
+model's chat template exactly as the server renders a request, and, as there, no tool call written where the
+conversation offers no tool: `parsing.call_ban`) and returns the raw text, special tokens kept, up to its stop
+token; `steps=None` uses the model's generation_config.json, `steps=N` exactly N
 denoising steps per canvas (early stopping off), `ar=True` greedy autoregressive decoding (the baseline,
 a model trained with `--ar-only`). Each conversation samples from its own generator seeded by the seed and
 its prompt, so a reply does not depend on the batch size or on which other conversations are evaluated (an
@@ -17,6 +18,9 @@ the parsed value), then
   (required keys present, types right, no unknown keys), where the fitting tool is declared;
 - tool call, right args: the exact call(s) expected (tool and argument values);
 - no call when no tool fits: no call where the question needs no tool or its tool is not declared;
+- no call, request no tool fits: the same on the "no tool fits" row alone, the requests a tool would answer (weather,
+  time, a timer, a big calculation) when none that fits is declared: there a call of an undeclared tool is the
+  likely mistake, which the row above dilutes among questions that no one would answer with a call;
 - answer uses the tool response: after the tool's response, the answer quotes its values;
 - thinking on / off well-formed: on, the turn opens a thought channel, closes it and then answers or
   calls; off, no channel, an answer or call; both ending at a stop token.
@@ -31,13 +35,13 @@ import time
 import torch
 
 from ...config import fixed_steps
-from ...parsing import STOP_TOKENS, parse_output
+from ...parsing import STOP_TOKENS, call_ban, parse_output
 
 SKILL_ROWS = ["add 1-digit", "add 2-digit", "add 3-digit", "sub 2-digit", "sub 3-digit", "mul 1x1-digit",
               "mul 2x1-digit", "mul 2x2-digit", "conversion", "date", "letters", "rewrite", "json", "follow-up",
               "tool answer", "no tool fits"]
 TOOL_ROWS = ["tool call, valid args", "tool call, right args", "no call when no tool fits",
-             "answer uses the tool response", "thinking on: well-formed", "thinking off: well-formed"]
+             "no call, request no tool fits", "answer uses the tool response", "thinking on: well-formed", "thinking off: well-formed"]
 
 
 def stop_ids(tok) -> list[int]:
@@ -82,12 +86,14 @@ def replies(lm, dialogs, steps: int | None = None, seed: int = 0, batch_size: in
         kw.update(fixed_steps(steps))
     pad = lm.generation_config().pad_token_id
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
+    bans = [call_ban(tok, d.tools) for d in dialogs]  # as the server and `lm.chat`: no tool offered, no call
     for b in range(0, len(order), batch_size):
-        rows = order[b:b + batch_size]
-        gens = [torch.Generator(device=lm.device).manual_seed(case_seed(seed, prompts[i])) for i in rows]
-        res = lm.generate([prompts[i] for i in rows], generator=gens, **kw)
-        for j, i in enumerate(rows):
-            out[i] = _cut(tok, res.new_tokens[j].tolist(), stops, pad)
+        for ban in sorted({tuple(bans[i] or ()) for i in order[b:b + batch_size]}):  # a batch per ban (rows do not
+            rows = [i for i in order[b:b + batch_size] if tuple(bans[i] or ()) == ban]  # depend on their batch)
+            gens = [torch.Generator(device=lm.device).manual_seed(case_seed(seed, prompts[i])) for i in rows]
+            res = lm.generate([prompts[i] for i in rows], generator=gens, suppress_tokens=list(ban) or None, **kw)
+            for j, i in enumerate(rows):
+                out[i] = _cut(tok, res.new_tokens[j].tolist(), stops, pad)
     return out
 
 
@@ -128,6 +134,8 @@ def score(d, text: str) -> dict:
         r["exact"] = r["tool call, right args"]
     else:
         r["no call when no tool fits"] = not calls
+        if kind == "no_call":
+            r["no call, request no tool fits"] = not calls
         if e.get("data") is not None:
             try:
                 r["exact"] = not calls and json.loads(content) == e["data"]

@@ -43,6 +43,7 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-tables2 --mix-seed 19 --drill 0.75 --drills tables-tools \
         --n 48000 --holdout-val --teach-tables
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 16 --out runs/chat-tables2-model --threads 2
+    python3 scripts/finetune_chat.py --stage 17 --out runs/chat-soup    # the mean of 15 and 16: the shipped model
 
 Stages 4 to 10 are experiments toward the conversions goal; none beat stage 3 on unseen questions, so none is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7 to §9). Stage 4 first grows stage 3's model to 8 layers
@@ -114,11 +115,37 @@ def stage_args(stage: int) -> list[str]:
 
 
 GROW = {4: ("runs/chat-goals-model/checkpoint-0003000", "runs/chat-deep-init")}  # stage: (source, grown model)
+# stage: the checkpoints whose weights it averages (a "model soup": fine-tunes of one model, mixed in weight space);
+# the first one's other files (config, tokenizer, template) go with it
+SOUPS = {17: ("runs/chat-tables-model/checkpoint-0001500", "runs/chat-tables2-model/checkpoint-0001500")}
+
+
+def soup(sources, out: str) -> None:
+    """The mean of the checkpoints' weights (in fp64, stored in their dtype), written to `out`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    parts = [load_file(f"{s}/model.safetensors") for s in sources]
+    if any(p.keys() != parts[0].keys() for p in parts):
+        raise SystemExit(f"the checkpoints {', '.join(sources)} do not hold the same tensors")
+    mean = {k: (sum(p[k].double() for p in parts) / len(parts)).to(parts[0][k].dtype) for k in parts[0]}
+    Path(out).mkdir(parents=True, exist_ok=True)
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(f"{sources[0]}/{f}", f"{out}/{f}")
+    save_file(mean, f"{out}/model.safetensors", metadata={"format": "pt"})
+
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--stage", type=int, choices=sorted(STAGES), default=3)
+    ap.add_argument("--stage", type=int, choices=sorted(STAGES) + sorted(SOUPS), default=3)
+    ap.add_argument("--out", default=None)
     known, rest = ap.parse_known_args()
+    if known.stage in SOUPS:
+        soup(SOUPS[known.stage], known.out or "runs/chat-soup")
+        sys.exit(0)
+    if known.out:
+        rest = ["--out", known.out, *rest]
     if known.stage in GROW and not Path(GROW[known.stage][1]).exists():
         from blockpress.train.grow import grow_depth
 

@@ -17,17 +17,9 @@ from blockpress.engine.constraint import TokenBan
 from blockpress.errors import InputError
 from blockpress.parsing import CALL_OPEN, call_ban
 
-from test_server import build_tiny_model
+from test_server import lm, model_dir  # noqa: F401 (fixtures: the random tiny model, one thread)
 
 FAST = {"max_denoising_steps": 3, "stability_threshold": None, "confidence_threshold": None, "max_new_tokens": 32}
-
-
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield blockpress.load(build_tiny_model(tmp_path_factory.mktemp("ban")), progress=False)
-    torch.set_num_threads(n)
 
 
 def test_walk_replaces_only_banned_argmax_and_draws():

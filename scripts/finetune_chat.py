@@ -131,7 +131,8 @@ def soup(sources, out: str) -> None:
         raise SystemExit(f"the checkpoints {', '.join(sources)} do not hold the same tensors")
     mean = {k: (sum(p[k].double() for p in parts) / len(parts)).to(parts[0][k].dtype) for k in parts[0]}
     Path(out).mkdir(parents=True, exist_ok=True)
-    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "chat_template.jinja"):
         shutil.copy(f"{sources[0]}/{f}", f"{out}/{f}")
     save_file(mean, f"{out}/model.safetensors", metadata={"format": "pt"})
 

@@ -7,8 +7,8 @@ Writes, under --out:
                    enable_thinking; the final assistant turn is supervised), none using a test question
                    (nor, with --holdout-val, a validation one; with --teach-tables, one-digit sums and
                    products may be): the normal stream with --drill of them drills
-                   (--drills: broad, goals, conversions, factors, wide, products, tables or tables-tools; conversion workings as
-                   --conversion-working writes them)
+                   (--drills: broad, goals, conversions, factors, wide, products, tables or tables-tools;
+                   conversion workings as --conversion-working writes them)
                    (`assistant.drilled_dialogs(--n, --mix-seed, --drill, exclude, drills=--drills)`)
   heldout.jsonl    the eval set (`blockpress.tasks.assistant.heldout`, --heldout per table row), each row
                    with its `expect` (what a right reply does); the trainer reads it for the eval loss

@@ -5,9 +5,9 @@ Shape legend: B rows, C canvas length, V vocab.
 From the decoder's fp32 logits of the rows that ran, a step: divides by the row's temperature, draws a token
 per position and takes the argmax and the entropy (the sampler: `sampling`'s reference arithmetic, or the fused
 one-pass kernel of `kernels.sampler_fused`, which reads the LM head's product and applies the soft cap itself),
-walks the canvas of a row with a grammar (or a token ban) through it (`constraint`), accepts the lowest-entropy positions within
-the entropy bound (a grammar's forced tokens and an infilling canvas's given ones count as certain), renoises the
-rest, holds the given tokens of an infilling canvas, keeps the rows that stopped as they were (frozen), and asks
+walks the canvas of a row with a grammar (or a token ban) through it (`constraint`), accepts the lowest-entropy
+positions within the entropy bound (a grammar's forced tokens and an infilling canvas's given ones count as
+certain), renoises the rest, holds the given tokens of an infilling canvas, keeps the rows that stopped as they were (frozen), and asks
 the stopping rule which rows are done.
 
 Invariants:

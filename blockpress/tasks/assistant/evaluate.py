@@ -41,7 +41,8 @@ SKILL_ROWS = ["add 1-digit", "add 2-digit", "add 3-digit", "sub 2-digit", "sub 3
               "mul 2x1-digit", "mul 2x2-digit", "conversion", "date", "letters", "rewrite", "json", "follow-up",
               "tool answer", "no tool fits"]
 TOOL_ROWS = ["tool call, valid args", "tool call, right args", "no call when no tool fits",
-             "no call, request no tool fits", "answer uses the tool response", "thinking on: well-formed", "thinking off: well-formed"]
+             "no call, request no tool fits", "answer uses the tool response", "thinking on: well-formed",
+             "thinking off: well-formed"]
 
 
 def stop_ids(tok) -> list[int]:

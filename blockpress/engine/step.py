@@ -7,8 +7,8 @@ per position and takes the argmax and the entropy (the sampler: `sampling`'s ref
 one-pass kernel of `kernels.sampler_fused`, which reads the LM head's product and applies the soft cap itself),
 walks the canvas of a row with a grammar (or a token ban) through it (`constraint`), accepts the lowest-entropy
 positions within the entropy bound (a grammar's forced tokens and an infilling canvas's given ones count as
-certain), renoises the rest, holds the given tokens of an infilling canvas, keeps the rows that stopped as they were (frozen), and asks
-the stopping rule which rows are done.
+certain), renoises the rest, holds the given tokens of an infilling canvas, keeps the rows that stopped as they
+were (frozen), and asks the stopping rule which rows are done.
 
 Invariants:
 - Random draws follow the reference's order: with one stream for the batch, `multinomial` over [B*C, V] then

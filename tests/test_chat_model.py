@@ -401,7 +401,7 @@ def test_readme_server_example_runs_against_blockpress_serve_without_a_model(tmp
         from test_token_ban import assistant_calling_unoffered
 
         chat_lm, _, (messages, thinking, seed) = assistant_calling_unoffered()
-        for choice in ({}, {"tools": [], "tool_choice": "none"}):
+        for choice in ({}, {"tools": list(dialogs.TOOLS.values()), "tool_choice": "none"}):
             r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
                 "messages": messages, "seed": seed, "max_tokens": 96, **choice,
                 "chat_template_kwargs": {"enable_thinking": thinking}}).json()["choices"][0]

@@ -321,11 +321,14 @@ class TokenBan:
         if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
             raise InputError(f"suppress_tokens must be token ids in [0, {vocab_size}) (got {list(banned)})")
         self.banned = torch.tensor(ids, dtype=torch.long)
+        self._on: dict = {}  # device -> the ids there (copied once)
 
     def walk(self, z: torch.Tensor, y: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """z [C, V] the step's logits, y [C] its draws, a [C] its argmax -> the argmax and draws without a banned
         token, and 0 forced positions."""
-        banned = self.banned.to(z.device)
+        banned = self._on.get(z.device)
+        if banned is None:
+            banned = self._on[z.device] = self.banned.to(z.device)
         cand = z.topk(len(banned) + 1, dim=-1).indices  # one of these is allowed
         alt = cand.gather(-1, (~torch.isin(cand, banned)).to(torch.int8).argmax(-1, keepdim=True))[:, 0]
         a = torch.where(torch.isin(a, banned), alt, a)

@@ -227,7 +227,8 @@ class BlockDiffusionLM:
              **sampling):
         """Like `generate_text`, the reply read as the server reads it: a `parsing.ParsedOutput` with `.content`,
         `.reasoning` (the thought channel, or None), `.tool_calls` (`.name`, `.arguments`) and `.finish_reason`
-        ("stop", "tool_calls", or "length" when no stop token came within max_new_tokens)."""
+        ("stop", "tool_calls", or "length" when no stop token came within max_new_tokens). Given no `tools`, the
+        reply holds no tool call, as the server's (`parsing.call_ban`; suppress_tokens=None lifts the ban)."""
         from .parsing import parse_output
 
         result = self._reply(messages_or_prompt, enable_thinking, tools, seed, sampling)

@@ -312,7 +312,7 @@ class Constraint:
 
 class TokenBan:
     """A row's constraint without a grammar: the tokens `banned` never enter its canvas (the opening of a tool call
-    where no tool is offered: `chat.call_ban`). Where the step's argmax is banned it becomes the most likely token
+    where no tool is offered: `parsing.call_ban`). Where the step's argmax is banned it becomes the most likely token
     that is not; a banned draw becomes that argmax. Nothing is forced, and a row whose argmax and draws hold no
     banned token keeps them as they are (the same tokens as without the ban). All on the device: no host read."""
 
@@ -330,7 +330,7 @@ class TokenBan:
         if banned is None:
             banned = self._on[z.device] = self.banned.to(z.device)
         cand = z.topk(len(banned) + 1, dim=-1).indices  # one of these is allowed
-        alt = cand.gather(-1, (~torch.isin(cand, banned)).to(torch.int8).argmax(-1, keepdim=True))[:, 0]
+        alt = cand.gather(-1, (~torch.isin(cand, banned)).float().argmax(-1, keepdim=True))[:, 0]
         a = torch.where(torch.isin(a, banned), alt, a)
         return a, torch.where(torch.isin(y, banned), a, y), 0
 

@@ -9,7 +9,8 @@
 
 Splits: the held-out set (`heldout(n)`, seed "assistant/heldout") is drawn first, stratified by table
 row; the training stream (`train_dialogs`) redraws every conversation that uses a question (operands, word,
-date; `skills.Item.key`) of the held-out set, so eval questions are never trained on.
+date; `skills.Item.key`) of the held-out set, so eval questions are never trained on; a mix made with
+`mix_exclude(tables=True)` (prepare_chat.py --teach-tables) is the one exception, for the one-digit facts (`TABLES`).
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ def _set_thinking(d: dialogs.Dialog, thinking: bool, rng, kind, make) -> dialogs
 
 
 # The one-digit sums and products: 200 facts, a table a person learns by heart. The held-out set's first 200
-# conversations of the "add 1-digit" and "mul 1x1-digit" rows use 184 of them, so a mix that leaves out every
-# held-out question (the default) teaches almost none as a question; a mix made with `prepare_chat.py --teach-tables`
+# conversations of the "add 1-digit" and "mul 1x1-digit" rows ask 181 of them (184 with its other rows' earlier
+# turns), so a mix that leaves out every held-out question (the default) teaches almost none as a question; a mix made with `prepare_chat.py --teach-tables`
 # leaves them in (`heldout_keys() - TABLES`), and for a model trained on it those two rows measure recall.
 TABLES = frozenset(("arith", op, a, b) for op in ("add", "mul") for a in range(10) for b in range(10))
 
@@ -116,17 +116,20 @@ def _factor_product(rng: random.Random) -> skills.Item:
     return skills.arithmetic_item("mul", a, b, rng)
 
 
-# What a drill can ask: item(rng, r, lo, hi), r the drill's draw within [lo, hi), its share of the drills. "sums":
-# 2-digit addition in the first half of the share, subtraction in the second.
+def _halves(first: str, second: str, digits: tuple[int, int]):
+    """An ask of arithmetic: `first` in the first half of the drill's share, `second` in the second."""
+    return lambda rng, r, lo, hi: skills.arithmetic(rng, first if r < (lo + hi) / 2 else second, digits)
+
+
+# What a drill can ask: item(rng, r, lo, hi), r the drill's draw within [lo, hi), its share of the drills.
 _ASKS = {
-    "sums": lambda rng, r, lo, hi: skills.arithmetic(rng, "add" if r < (lo + hi) / 2 else "sub", (2, 2)),
+    "sums": _halves("add", "sub", (2, 2)),  # 2-digit addition and subtraction
     "conversion": lambda rng, *_: skills.conversion(rng),  # any unit conversion
     "factor": lambda rng, *_: skills.conversion(rng, rng.choice(HARD_CONVERSIONS)),  # by 7, 12, 24 or 60
     "factor wide": lambda rng, *_: skills.conversion(rng, rng.choice(HARD_CONVERSIONS),  # the same, k up to 99
                                                      rng.randint(1, WIDE_MULTIPLIERS)),
     "product": lambda rng, *_: _factor_product(rng),
-    # a fact of TABLES: a one-digit sum in the first half of the share, a product in the second
-    "table": lambda rng, r, lo, hi: skills.arithmetic(rng, "add" if r < (lo + hi) / 2 else "mul", (1, 1)),
+    "table": _halves("add", "mul", (1, 1)),  # a fact of TABLES: a one-digit sum or product
 }
 
 # drill set: [(upper end of the draw, what it asks)] in order; a draw past the last one is a tool call.

@@ -7,7 +7,8 @@ Writes, under --out:
                    enable_thinking; the final assistant turn is supervised), none using a test question
                    (nor, with --holdout-val, a validation one; with --teach-tables, one-digit sums and
                    products may be): the normal stream with --drill of them drills
-                   (--drills: broad, goals, conversions, factors, wide, products, tables or tables-tools;
+                   (--drills: broad, goals, conversions, factors, wide, products, tables, tables-tools,
+                   subtraction or refusals;
                    conversion workings as --conversion-working writes them)
                    (`assistant.drilled_dialogs(--n, --mix-seed, --drill, exclude, drills=--drills)`)
   heldout.jsonl    the eval set (`blockpress.tasks.assistant.heldout`, --heldout per table row), each row
@@ -44,7 +45,9 @@ def main(argv=None) -> int:
                          "those conversions' multipliers up to 99, not 30) or products (wide, three times as dense "
                          "in them) or tables (goals, a fifth of the drills one-digit sums and products: use it with "
                          "--teach-tables) or tables-tools (tables, and requests no tool fits and answers from a "
-                         "tool's response)")
+                         "tool's response) or subtraction (tables-tools, 2-digit subtraction weighted up, one-digit "
+                         "differences most) or refusals (requests no declared tool fits, with other tools declared, "
+                         "and calls)")
     ap.add_argument("--conversion-working", default="product", choices=["product", "steps", "method", "digits"],
                     help="how the training conversations' conversion workings by 7, 12, 24 and 60 are written "
                          "(blockpress.tasks.assistant.skills.CONVERSION_WORKING; the tokenizer's rows keep product)")

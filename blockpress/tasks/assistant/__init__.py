@@ -116,6 +116,13 @@ def _factor_product(rng: random.Random) -> skills.Item:
     return skills.arithmetic_item("mul", a, b, rng)
 
 
+def _small_difference(rng: random.Random) -> skills.Item:
+    """A 2-digit subtraction whose difference has one digit (0-9): the working's tens column is 0, and the answer
+    drops it ("4 - 4 = 0. So 45 - 44 = 1."), the case the shipped model got wrong most often."""
+    a = rng.randint(10, 99)
+    return skills.arithmetic_item("sub", a, a - rng.randint(0, min(9, a - 10)), rng)
+
+
 def _halves(first: str, second: str, digits: tuple[int, int]):
     """An ask of arithmetic: `first` in the first half of the drill's share, `second` in the second."""
     return lambda rng, r, lo, hi: skills.arithmetic(rng, first if r < (lo + hi) / 2 else second, digits)
@@ -130,6 +137,8 @@ _ASKS = {
                                                      rng.randint(1, WIDE_MULTIPLIERS)),
     "product": lambda rng, *_: _factor_product(rng),
     "table": _halves("add", "mul", (1, 1)),  # a fact of TABLES: a one-digit sum or product
+    "sub": lambda rng, *_: skills.arithmetic(rng, "sub", (2, 2)),  # 2-digit subtraction
+    "small difference": lambda rng, *_: _small_difference(rng),  # 2-digit subtraction, a one-digit difference
 }
 
 # drill set: [(upper end of the draw, what it asks)] in order; a draw past the last one is a tool call.
@@ -149,7 +158,12 @@ _ASKS = {
 #   --teach-tables may ask (stage 15);
 # - tables-tools: tables, with a share of the drills given to the tool conversations a goal mix does not drill: a
 #   request no declared tool fits, answered without a call, and an answer from a tool's response (stage 16).
-# An entry may name a conversation kind of `dialogs.conversation` ("no_call", "tool_answer") instead of an ask.
+# - subtraction: tables-tools with the 2-digit sums given to subtraction: 2 in 10 drills, and 15 in 100 with a
+#   one-digit difference, which the shipped model got wrong 2 times in 5 (stage 18);
+# - refusals: a quarter of the drills a request whose fitting tool is not declared while others are
+#   ("no_call_offered"), where the shipped model called the undeclared tool 2 times in 5, and 3 in 10 a tool call
+#   (the contrast: the fitting tool declared); the goal rows and the tables keep a share (stage 19).
+# An entry may name a conversation kind of `dialogs.conversation` ("no_call", "tool_answer", ...) instead of an ask.
 _SHARES = {"goals": [(0.6, "sums"), (0.85, "conversion")],
            "conversions": [(0.4, "sums"), (0.7, "conversion"), (0.85, "product")],
            "factors": [(0.4, "sums"), (0.8, "factor")],
@@ -157,7 +171,11 @@ _SHARES = {"goals": [(0.6, "sums"), (0.85, "conversion")],
            "products": [(0.6, "factor wide"), (0.8, "sums"), (0.9, "conversion")],
            "tables": [(0.45, "sums"), (0.65, "conversion"), (0.85, "table")],
            "tables-tools": [(0.35, "sums"), (0.5, "conversion"), (0.65, "table"), (0.75, "no_call"),
-                            (0.85, "tool_answer")]}
+                            (0.85, "tool_answer")],
+           "subtraction": [(0.1, "sums"), (0.3, "sub"), (0.45, "small difference"), (0.55, "conversion"),
+                           (0.65, "table"), (0.75, "no_call"), (0.85, "tool_answer")],
+           "refusals": [(0.15, "sums"), (0.25, "conversion"), (0.35, "table"), (0.6, "no_call_offered"),
+                        (0.7, "tool_answer")]}
 
 
 def _shared_drill(shares: list, rng: random.Random) -> tuple[str, skills.Item | None]:

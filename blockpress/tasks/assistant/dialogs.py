@@ -18,6 +18,7 @@ fresh; a turn continuing after tool responses does not think again.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -185,6 +186,7 @@ def conversation(rng: random.Random, kind: str | None = None, item: sk.Item | No
     kind = kind or rng.choices(list(KINDS), list(KINDS.values()))[0]
     thinking = rng.random() < 0.5
     return {"skill": _skill, "json": _json, "call": _call, "tool_answer": _tool_answer, "no_call": _no_call,
+            "no_call_offered": functools.partial(_no_call, offered=True),
             "followup": _followup}[kind](rng, thinking, item)
 
 
@@ -251,11 +253,15 @@ def _tool_answer(rng, thinking, item=None) -> Dialog:
                    "thought": False})
 
 
-def _no_call(rng, thinking, item=None) -> Dialog:
+def _no_call(rng, thinking, item=None, offered: bool | None = None) -> Dialog:
+    """A request the fitting tool is not declared for, answered in words; other tools are declared half the time
+    (`offered` None), or always ("no_call_offered", a drill: the mistake a small model makes is to call the
+    undeclared tool while others are declared)."""
     r = request(rng)
     msgs = _lead(rng, thinking) + [{"role": "user", "content": r.question}, _assistant(
         r.refusal, r.no_tool_working(), thinking)]
-    return Dialog(msgs, _tools(rng, avoid=(r.tool,)) if rng.random() < 0.5 else None, thinking,
+    offer = rng.random() < 0.5 if offered is None else offered
+    return Dialog(msgs, _tools(rng, avoid=(r.tool,)) if offer else None, thinking,
                   {"kind": "no_call", "row": "no tool fits", "answer": r.refusal, "thought": thinking})
 
 

@@ -111,7 +111,7 @@ STAGES = {
     15: ("runs/chat-tables", "runs/chat-goals-model/checkpoint-0003000", 1500, 18),
     16: ("runs/chat-tables2", "runs/chat-goals-model/checkpoint-0003000", 1500, 19),
     18: ("runs/chat-sub", "runs/chat-soup", 1500, 20),
-    19: ("runs/chat-refuse", "runs/chat-soup", 1000, 21),
+    19: ("runs/chat-refuse", "runs/chat-soup", 1500, 21),
 }
 OVERRIDES = {8: ["--lr", "3e-4"], 14: ["--lr", "3e-4"], 18: ["--lr", "3e-4"], 19: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
 

@@ -50,6 +50,9 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-refuse --mix-seed 21 --drill 0.75 --drills refusals --n 48000 \
         --holdout-val --teach-tables
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 19 --out runs/chat-refuse-model --threads 2
+    python3 scripts/prepare_chat.py --out runs/chat-sub2 --mix-seed 22 --drill 0.75 --drills subtraction --n 48000 \
+        --holdout-val --teach-tables --sub-working zeros
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 20 --out runs/chat-sub2-model --threads 2
 
 Stages 4 to 10 are experiments toward the conversions goal; none beat stage 3 on unseen questions, so none is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7 to §9). Stage 4 first grows stage 3's model to 8 layers
@@ -112,8 +115,10 @@ STAGES = {
     16: ("runs/chat-tables2", "runs/chat-goals-model/checkpoint-0003000", 1500, 19),
     18: ("runs/chat-sub", "runs/chat-soup", 1500, 20),
     19: ("runs/chat-refuse", "runs/chat-soup", 1500, 21),
+    20: ("runs/chat-sub2", "runs/chat-sub-model/checkpoint-0001500", 1500, 22),
 }
-OVERRIDES = {8: ["--lr", "3e-4"], 14: ["--lr", "3e-4"], 18: ["--lr", "3e-4"], 19: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
+OVERRIDES = {8: ["--lr", "3e-4"], 14: ["--lr", "3e-4"], 18: ["--lr", "3e-4"], 19: ["--lr", "3e-4"],
+             20: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
 
 
 def stage_args(stage: int) -> list[str]:

@@ -9,7 +9,8 @@ Writes, under --out:
                    products may be): the normal stream with --drill of them drills
                    (--drills: broad, goals, conversions, factors, wide, products, tables, tables-tools,
                    subtraction or refusals;
-                   conversion workings as --conversion-working writes them)
+                   conversion and subtraction workings as --conversion-working and --sub-working write
+                   them)
                    (`assistant.drilled_dialogs(--n, --mix-seed, --drill, exclude, drills=--drills)`)
   heldout.jsonl    the eval set (`blockpress.tasks.assistant.heldout`, --heldout per table row), each row
                    with its `expect` (what a right reply does); the trainer reads it for the eval loss
@@ -48,6 +49,10 @@ def main(argv=None) -> int:
                          "tool's response) or subtraction (tables-tools, 2-digit subtraction weighted up, one-digit "
                          "differences most) or refusals (requests no declared tool fits, with other tools declared, "
                          "and calls)")
+    ap.add_argument("--sub-working", default="columns", choices=["columns", "zeros"],
+                    help="how the training conversations' subtraction workings end where the difference is shorter "
+                         "than the first number (blockpress.tasks.assistant.skills.SUB_WORKING; the tokenizer's "
+                         "rows keep columns)")
     ap.add_argument("--conversion-working", default="product", choices=["product", "steps", "method", "digits"],
                     help="how the training conversations' conversion workings by 7, 12, 24 and 60 are written "
                          "(blockpress.tasks.assistant.skills.CONVERSION_WORKING; the tokenizer's rows keep product)")
@@ -76,12 +81,14 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     working = skills.CONVERSION_WORKING.set(args.conversion_working)  # the mix and the eval-loss rows
+    sub_working = skills.SUB_WORKING.set(args.sub_working)
     held = assistant.heldout(args.heldout)
     with open(out / "train.jsonl", "w") as f:
         exclude = assistant.mix_exclude(val=args.holdout_val, tables=args.teach_tables)
         for d in assistant.drilled_dialogs(args.n, args.mix_seed, args.drill, exclude, drills=args.drills):
             f.write(json.dumps(d.row(), ensure_ascii=False) + "\n")
     skills.CONVERSION_WORKING.reset(working)
+    skills.SUB_WORKING.reset(sub_working)
     rows = [d.row() for d in assistant.train_dialogs(args.tokenizer_rows, args.seed)]
     with open(out / "heldout.jsonl", "w") as f:
         for d in held:

@@ -157,6 +157,27 @@ def test_working_matches_the_answer():
     assert skills.mul_working(47, 38) == "47 × 30 = 1410. 47 × 8 = 376. 1410 + 376 = 1786. So 47 × 38 = 1786."
 
 
+def test_sub_working_zeros_names_the_columns_the_difference_lacks():
+    """--sub-working zeros: each top column whose 0 the difference does not write says so; nothing else changes."""
+    token = skills.SUB_WORKING.set("zeros")
+    try:
+        assert skills.sub_working(47, 38) == "17 - 8 = 9, borrow 1. 4 - 1 - 3 = 0, no tens left. So 47 - 38 = 9."
+        assert skills.sub_working(305, 299) == ("15 - 9 = 6, borrow 1. 10 - 1 - 9 = 0, borrow 1, no tens left. "
+                                                "3 - 1 - 2 = 0, no hundreds left. So 305 - 299 = 6.")
+        rng = random.Random(1)
+        for _ in range(300):
+            a, b = sorted(rng.sample(range(1000), 2), reverse=True)
+            zeros = skills.sub_working(a, b)
+            skills.SUB_WORKING.set("columns")
+            columns = skills.sub_working(a, b)
+            skills.SUB_WORKING.set("zeros")
+            named = [f"no {p} left" for p in skills.PLACES[len(str(a - b)):len(str(a))]]
+            assert [ln for ln in named if ln in zeros] == named and zeros.endswith(f"So {a} - {b} = {a - b}.")
+            assert re.sub(r", no [a-z ]+ left", "", zeros) == columns
+    finally:
+        skills.SUB_WORKING.reset(token)
+
+
 @pytest.mark.parametrize("style", skills.CONVERSION_WORKINGS)
 def test_conversion_workings_are_right_and_the_default_is_the_shipped_models(style):
     """Every sum a "steps" working writes holds and its last number is the answer's; "product" (the default, what

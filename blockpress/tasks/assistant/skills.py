@@ -72,18 +72,32 @@ def add_working(a: int, b: int) -> str:
     return " ".join(lines) + f" So {a} + {b} = {a + b}."
 
 
+# How a subtraction's working ends when the difference has fewer digits than a:
+# "columns" (every model so far): the top column's 0 like any digit, "4 - 4 = 0. So 45 - 44 = 1.";
+# "zeros": that column says the difference has no digit there, "4 - 4 = 0, no tens left. So 45 - 44 = 1.". The
+#   models before it most often answered such a question with that 0 ("So 45 - 44 = 0."): the one-digit
+#   differences were the 2-digit subtraction row's worst case (2026-11-27-cpu-assistant.md §13).
+# Set for a stretch of generation (`SUB_WORKING.set("zeros")`, scripts/prepare_chat.py --sub-working).
+SUB_WORKINGS = ("columns", "zeros")
+SUB_WORKING: ContextVar[str] = ContextVar("SUB_WORKING", default="columns")
+PLACES = ("units", "tens", "hundreds", "thousands", "ten thousands", "hundred thousands")
+
+
 def sub_working(a: int, b: int) -> str:
-    """Column subtraction (a >= b) from the units, borrows named."""
+    """Column subtraction (a >= b) from the units, borrows named (and, in the "zeros" style, the top columns the
+    difference has no digit in)."""
+    zeros = SUB_WORKING.get() == "zeros"
     lines, borrow, i = [], 0, 0
     while a // 10 ** i or i == 0:
         da, db = a // 10 ** i % 10, b // 10 ** i % 10
         top = f"{da} - 1" if borrow else f"{da}"
         d = da - borrow - db
+        gone = f", no {PLACES[i]} left" if zeros and i and a - b < 10 ** i else ""  # the difference has no digit here
         if d < 0:
-            lines.append(f"1{da}{' - 1' if borrow else ''} - {db} = {d + 10}, borrow 1.")
+            lines.append(f"1{da}{' - 1' if borrow else ''} - {db} = {d + 10}, borrow 1{gone}.")
             borrow = 1
         else:
-            lines.append(f"{top} - {db} = {d}.")
+            lines.append(f"{top} - {db} = {d}{gone}.")
             borrow = 0
         i += 1
     return " ".join(lines) + f" So {a} - {b} = {a - b}."

@@ -76,7 +76,13 @@ three times as dense in those products (`--drills products`, 85 % drills): stage
 in 3,000 steps than the probe in 500 (§11). Stage 13 gives it 1,500 more steps on a fresh mix of the same kind.
 Stage 14 goes on from stage 13's model for 600 steps at half the learning rate on the base mix's kind
 (prepare_chat.py's defaults: 45 % broad drills; `digits` answers), to win back the 1-digit arithmetic that stages 12
-and 13 lost.
+and 13 lost. Stages 15 and 16 go on from stage 3's model with the one-digit facts taught (`--teach-tables`), 16 also
+drilling requests no declared tool fits and answers from a tool's response; stage 17 is the mean of their weights
+(§12). Stages 18 and 19 go on from stage 17 at half the learning rate: 18 drills 2-digit subtraction, one-digit
+differences most (`--drills subtraction`); 19 drills requests whose fitting tool is not declared while others are,
+against calls where it is (`--drills refusals`). Stage 20 gives stage 18 1,500 more steps with the subtraction
+workings in the "zeros" style (`--sub-working zeros`). Stages 21 and 22 are the means of 18 and 19, and of 20 and 19
+(§13).
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
@@ -130,7 +136,9 @@ def stage_args(stage: int) -> list[str]:
 GROW = {4: ("runs/chat-goals-model/checkpoint-0003000", "runs/chat-deep-init")}  # stage: (source, grown model)
 # stage: the checkpoints whose weights it averages (a "model soup": fine-tunes of one model, mixed in weight space);
 # the first one's other files (config, tokenizer, template) go with it
-SOUPS = {17: ("runs/chat-tables-model/checkpoint-0001500", "runs/chat-tables2-model/checkpoint-0001500")}
+SOUPS = {17: ("runs/chat-tables-model/checkpoint-0001500", "runs/chat-tables2-model/checkpoint-0001500"),
+         21: ("runs/chat-sub-model/checkpoint-0001500", "runs/chat-refuse-model/checkpoint-0001500"),
+         22: ("runs/chat-sub2-model/checkpoint-0001500", "runs/chat-refuse-model/checkpoint-0001500")}
 
 
 def soup(sources, out: str) -> None:

@@ -4,6 +4,7 @@ call. On a random-weight tiny model (noise, so the ban is what keeps a token out
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import random
@@ -74,7 +75,9 @@ def assistant_calling_unoffered():
 
     chat_lm = blockpress.load("assistant", progress=False)
     call, stops = chat_lm.tokenizer.token_to_id(CALL_OPEN), evaluate.stop_ids(chat_lm.tokenizer)
-    convs = (d for i in range(400) if (d := dialogs.conversation(random.Random(f"ban/{i}"), "no_call")).tools is None)
+    # requests a tool would answer, with their tools taken away (the shipped model refuses those its drills asked
+    # without tools, so the conversations it still calls in are tool-call ones stripped of their declarations)
+    convs = (dataclasses.replace(dialogs.conversation(random.Random(f"ban/{i}"), "call"), tools=None) for i in range(400))
     while batch := list(itertools.islice(convs, 16)):
         prompts = [evaluate.prompt_ids(chat_lm.tokenizer, d) for d in batch]
         free = chat_lm.generate(prompts, max_new_tokens=96, eos_token_id=stops,  # what `replies` draws, unbanned

@@ -32,7 +32,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    from blockpress.tasks.assistant import DRILLS
+    from blockpress.tasks.assistant import DRILLS, skills
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/chat")
@@ -49,11 +49,11 @@ def main(argv=None) -> int:
                          "tool's response) or subtraction (tables-tools, 2-digit subtraction weighted up, one-digit "
                          "differences most) or refusals (requests no declared tool fits, with other tools declared, "
                          "and calls)")
-    ap.add_argument("--sub-working", default="columns", choices=["columns", "zeros"],
+    ap.add_argument("--sub-working", default="columns", choices=skills.SUB_WORKINGS,
                     help="how the training conversations' subtraction workings end where the difference is shorter "
                          "than the first number (blockpress.tasks.assistant.skills.SUB_WORKING; the tokenizer's "
                          "rows keep columns)")
-    ap.add_argument("--conversion-working", default="product", choices=["product", "steps", "method", "digits"],
+    ap.add_argument("--conversion-working", default="product", choices=skills.CONVERSION_WORKINGS,
                     help="how the training conversations' conversion workings by 7, 12, 24 and 60 are written "
                          "(blockpress.tasks.assistant.skills.CONVERSION_WORKING; the tokenizer's rows keep product)")
     ap.add_argument("--holdout-val", action="store_true",
@@ -72,7 +72,6 @@ def main(argv=None) -> int:
 
     from blockpress.chat import DEFAULT_GEMMA4_TEMPLATE, render_chat_template
     from blockpress.tasks import assistant
-    from blockpress.tasks.assistant import skills
     from blockpress.tasks.assistant.tokenizer import train_tokenizer
     from blockpress.tokenizer import Tokenizer
     from blockpress.train.data import assistant_turn_text, chat_example

@@ -118,7 +118,7 @@ def _factor_product(rng: random.Random) -> skills.Item:
 
 def _small_difference(rng: random.Random) -> skills.Item:
     """A 2-digit subtraction whose difference has one digit (0-9): the working's tens column is 0, and the answer
-    drops it ("4 - 4 = 0. So 45 - 44 = 1."), the case the shipped model got wrong most often."""
+    drops it ("4 - 4 = 0. So 45 - 44 = 1."), the case stage 17 of scripts/finetune_chat.py got wrong most often."""
     a = rng.randint(10, 99)
     return skills.arithmetic_item("sub", a, a - rng.randint(0, min(9, a - 10)), rng)
 
@@ -159,9 +159,9 @@ _ASKS = {
 # - tables-tools: tables, with a share of the drills given to the tool conversations a goal mix does not drill: a
 #   request no declared tool fits, answered without a call, and an answer from a tool's response (stage 16).
 # - subtraction: tables-tools with the 2-digit sums given to subtraction: 2 in 10 drills, and 15 in 100 with a
-#   one-digit difference, which the shipped model got wrong 2 times in 5 (stage 18);
+#   one-digit difference, which stage 17 got wrong 2 times in 5 (stage 18);
 # - refusals: a quarter of the drills a request whose fitting tool is not declared while others are
-#   ("no_call_offered"), where the shipped model called the undeclared tool 2 times in 5, and 3 in 10 a tool call
+#   ("no_call_offered"), where stage 17 called the undeclared tool 2 times in 5, and 3 in 10 a tool call
 #   (the contrast: the fitting tool declared); the goal rows and the tables keep a share (stage 19).
 # An entry may name a conversation kind of `dialogs.conversation` ("no_call", "tool_answer", ...) instead of an ask.
 _SHARES = {"goals": [(0.6, "sums"), (0.85, "conversion")],

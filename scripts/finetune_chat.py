@@ -53,6 +53,9 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-sub2 --mix-seed 22 --drill 0.75 --drills subtraction --n 48000 \
         --holdout-val --teach-tables --sub-working zeros
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 20 --out runs/chat-sub2-model --threads 2
+    python3 scripts/prepare_chat.py --out runs/chat-subref --mix-seed 23 --drill 0.75 --drills sub-refusals \
+        --n 48000 --holdout-val --teach-tables --sub-working zeros
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 23 --out runs/chat-subref-model --threads 2
 
 Stages 4 to 10 are experiments toward the conversions goal; none beat stage 3 on unseen questions, so none is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7 to §9). Stage 4 first grows stage 3's model to 8 layers
@@ -122,9 +125,10 @@ STAGES = {
     18: ("runs/chat-sub", "runs/chat-soup", 1500, 20),
     19: ("runs/chat-refuse", "runs/chat-soup", 1500, 21),
     20: ("runs/chat-sub2", "runs/chat-sub-model/checkpoint-0001500", 1500, 22),
+    23: ("runs/chat-subref", "runs/chat-sub2-model/checkpoint-0001500", 1500, 23),
 }
 OVERRIDES = {8: ["--lr", "3e-4"], 14: ["--lr", "3e-4"], 18: ["--lr", "3e-4"], 19: ["--lr", "3e-4"],
-             20: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
+             20: ["--lr", "3e-4"], 23: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
 
 
 def stage_args(stage: int) -> list[str]:

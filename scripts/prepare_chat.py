@@ -8,7 +8,7 @@ Writes, under --out:
                    (nor, with --holdout-val, a validation one; with --teach-tables, one-digit sums and
                    products may be): the normal stream with --drill of them drills
                    (--drills: broad, goals, conversions, factors, wide, products, tables, tables-tools,
-                   subtraction or refusals;
+                   subtraction, refusals or sub-refusals;
                    conversion and subtraction workings as --conversion-working and --sub-working write
                    them)
                    (`assistant.drilled_dialogs(--n, --mix-seed, --drill, exclude, drills=--drills)`)
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
                          "--teach-tables) or tables-tools (tables, and requests no tool fits and answers from a "
                          "tool's response) or subtraction (tables-tools, 2-digit subtraction weighted up, one-digit "
                          "differences most) or refusals (requests no declared tool fits, with other tools declared, "
-                         "and calls)")
+                         "and calls) or sub-refusals (subtraction's drills at half their shares, and refusals')")
     ap.add_argument("--sub-working", default="columns", choices=skills.SUB_WORKINGS,
                     help="how the training conversations' subtraction workings end where the difference is shorter "
                          "than the first number (blockpress.tasks.assistant.skills.SUB_WORKING; the tokenizer's "

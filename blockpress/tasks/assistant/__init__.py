@@ -163,6 +163,9 @@ _ASKS = {
 # - refusals: a quarter of the drills a request whose fitting tool is not declared while others are
 #   ("no_call_offered"), where stage 17 called the undeclared tool 2 times in 5, and 3 in 10 a tool call
 #   (the contrast: the fitting tool declared); the goal rows and the tables keep a share (stage 19).
+# - sub-refusals: subtraction's drills at half their shares beside refusals' (a request whose fitting tool is not
+#   declared 2 in 10), so that a model trained on "subtraction" keeps its differences while it learns the refusals
+#   (stage 23).
 # An entry may name a conversation kind of `dialogs.conversation` ("no_call", "tool_answer", ...) instead of an ask.
 _SHARES = {"goals": [(0.6, "sums"), (0.85, "conversion")],
            "conversions": [(0.4, "sums"), (0.7, "conversion"), (0.85, "product")],
@@ -175,7 +178,9 @@ _SHARES = {"goals": [(0.6, "sums"), (0.85, "conversion")],
            "subtraction": [(0.1, "sums"), (0.3, "sub"), (0.45, "small difference"), (0.55, "conversion"),
                            (0.65, "table"), (0.75, "no_call"), (0.85, "tool_answer")],
            "refusals": [(0.15, "sums"), (0.25, "conversion"), (0.35, "table"), (0.6, "no_call_offered"),
-                        (0.7, "tool_answer")]}
+                        (0.7, "tool_answer")],
+           "sub-refusals": [(0.1, "sums"), (0.2, "sub"), (0.3, "small difference"), (0.4, "conversion"),
+                            (0.5, "table"), (0.7, "no_call_offered"), (0.75, "no_call"), (0.85, "tool_answer")]}
 
 
 def _shared_drill(shares: list, rng: random.Random) -> tuple[str, skills.Item | None]:

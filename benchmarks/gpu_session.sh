@@ -50,7 +50,8 @@
 #            GPU tests; the same row with --fuse-commit, with --experts scaled_mm and with --compile
 #
 # Environment:
-#   OUT            where results go (default /tmp/blockpress-gpu)
+#   OUT            where results go (default /tmp/blockpress-gpu); over 8 files, all but log.txt, summary.txt and
+#                  gpu-tests.txt end in results.tar.gz (the device tool brings back 8)
 #   PRESET         model size (default real-26b); PRESET=tiny runs the same steps on any machine (a dry run; on a
 #                  CPU the CUDA-only flags are dropped)
 #   STEP_LIMIT     seconds per bench run (default set per part)
@@ -587,3 +588,10 @@ if profiles:  # where a step's time goes (eager kernels, --profile): the answer 
               f" | {p.get('experts_achieved_gbs', 0):.0f} | " +
               " | ".join(f"{p['by_class_ms'].get(c, 0):.2f}" for c in classes) + " |")
 EOF
+
+# the device tool brings back at most 8 files from $OUT: past that, everything but the log, the summary and the
+# test output goes into one archive (tar -xzf results.tar.gz)
+mapfile -t files < <(cd "$OUT" && ls -1 | grep -v -x -e log.txt -e summary.txt -e gpu-tests.txt -e results.tar.gz)
+if [ "$(ls -1 "$OUT" | wc -l)" -gt 8 ] && [ "${#files[@]}" -gt 0 ]; then
+  tar -czf "$OUT/results.tar.gz" -C "$OUT" --remove-files "${files[@]}" && echo "results packed: $OUT/results.tar.gz"
+fi

@@ -56,6 +56,8 @@ model, on CPU.
     python3 scripts/prepare_chat.py --out runs/chat-subref --mix-seed 23 --drill 0.75 --drills sub-refusals \
         --n 48000 --holdout-val --teach-tables --sub-working zeros
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 23 --out runs/chat-subref-model --threads 2
+    python3 scripts/finetune_chat.py --stage 24 --out runs/chat-soup24
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 25 --out runs/chat-soup24-sub --threads 2
 
 Stages 4 to 10 are experiments toward the conversions goal; none beat stage 3 on unseen questions, so none is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7 to §9). Stage 4 first grows stage 3's model to 8 layers
@@ -85,7 +87,9 @@ drilling requests no declared tool fits and answers from a tool's response; stag
 differences most (`--drills subtraction`); 19 drills requests whose fitting tool is not declared while others are,
 against calls where it is (`--drills refusals`). Stage 20 gives stage 18 1,500 more steps with the subtraction
 workings in the "zeros" style (`--sub-working zeros`). Stages 21 and 22 are the means of 18 and 19, and of 20 and 19
-(§13).
+(§13). Stage 23 goes on from stage 20 on refusals and subtraction drills together (`--drills sub-refusals`, the
+"zeros" working), stage 24 is the mean of 20 and 23, and stage 25 gives stage 24 600 steps of stage 20's mix at lr
+1.5e-4 (§14; none is shipped: each cost 2-digit subtraction what it gained in refusals).
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
@@ -126,9 +130,11 @@ STAGES = {
     19: ("runs/chat-refuse", "runs/chat-soup", 1500, 21),
     20: ("runs/chat-sub2", "runs/chat-sub-model/checkpoint-0001500", 1500, 22),
     23: ("runs/chat-subref", "runs/chat-sub2-model/checkpoint-0001500", 1500, 23),
+    25: ("runs/chat-sub2", "runs/chat-soup24", 600, 25),
 }
 OVERRIDES = {8: ["--lr", "3e-4"], 14: ["--lr", "3e-4"], 18: ["--lr", "3e-4"], 19: ["--lr", "3e-4"],
-             20: ["--lr", "3e-4"], 23: ["--lr", "3e-4"]}  # stage: flags in place of COMMON's
+             20: ["--lr", "3e-4"], 23: ["--lr", "3e-4"],
+             25: ["--lr", "1.5e-4"]}  # stage: flags in place of COMMON's
 
 
 def stage_args(stage: int) -> list[str]:
@@ -142,7 +148,8 @@ GROW = {4: ("runs/chat-goals-model/checkpoint-0003000", "runs/chat-deep-init")} 
 # the first one's other files (config, tokenizer, template) go with it
 SOUPS = {17: ("runs/chat-tables-model/checkpoint-0001500", "runs/chat-tables2-model/checkpoint-0001500"),
          21: ("runs/chat-sub-model/checkpoint-0001500", "runs/chat-refuse-model/checkpoint-0001500"),
-         22: ("runs/chat-sub2-model/checkpoint-0001500", "runs/chat-refuse-model/checkpoint-0001500")}
+         22: ("runs/chat-sub2-model/checkpoint-0001500", "runs/chat-refuse-model/checkpoint-0001500"),
+         24: ("runs/chat-sub2-model/checkpoint-0001500", "runs/chat-subref-model/checkpoint-0001500")}
 
 
 def soup(sources, out: str) -> None:

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
                          "--teach-tables) or tables-tools (tables, and requests no tool fits and answers from a "
                          "tool's response) or subtraction (tables-tools, 2-digit subtraction weighted up, one-digit "
                          "differences most) or refusals (requests no declared tool fits, with other tools declared, "
-                         "and calls) or sub-refusals (subtraction's drills at half their shares, and refusals')")
+                         "and calls) or sub-refusals (subtraction with less subtraction, and refusals' undeclared tools)")
     ap.add_argument("--sub-working", default="columns", choices=skills.SUB_WORKINGS,
                     help="how the training conversations' subtraction workings end where the difference is shorter "
                          "than the first number (blockpress.tasks.assistant.skills.SUB_WORKING; the tokenizer's "

@@ -163,8 +163,9 @@ _ASKS = {
 # - refusals: a quarter of the drills a request whose fitting tool is not declared while others are
 #   ("no_call_offered"), where stage 17 called the undeclared tool 2 times in 5, and 3 in 10 a tool call
 #   (the contrast: the fitting tool declared); the goal rows and the tables keep a share (stage 19).
-# - sub-refusals: subtraction's drills at half their shares beside refusals' (a request whose fitting tool is not
-#   declared 2 in 10), so that a model trained on "subtraction" keeps its differences while it learns the refusals
+# - sub-refusals: subtraction with its 2-digit subtraction cut to 2 in 10 drills (half with a one-digit difference;
+#   subtraction: 35 in 100) and requests no tool fits to 1 in 20, for refusals' request whose fitting tool is not
+#   declared (2 in 10), so that a model trained on "subtraction" keeps its differences while it learns the refusals
 #   (stage 23).
 # An entry may name a conversation kind of `dialogs.conversation` ("no_call", "tool_answer", ...) instead of an ask.
 _SHARES = {"goals": [(0.6, "sums"), (0.85, "conversion")],

@@ -124,17 +124,16 @@ def test_drill_mixes_keep_out_heldout_questions_and_ask_their_rows(drills):
     if drills == "tables":  # the one-digit facts, 1 in 5 drills: ~15 % of this mix, sums and products alike
         facts = [k for d in mix for k in d.keys if k in assistant.TABLES]
         assert 0.08 * len(mix) <= len(facts) <= 0.25 * len(mix) and {k[1] for k in facts} == {"add", "mul"}
+    # the differences of the 2-digit subtractions asked, and the requests no declared tool fits while others are
+    subs = [k[2] - k[3] for d in mix for k in d.keys if k[:2] == ("arith", "sub") and 10 <= k[3] <= k[2] <= 99]
+    offered = [d for d in mix if d.expect["kind"] == "no_call" and d.tools]
     if drills == "subtraction":  # 2-digit subtraction, 35 in 100 drills, 15 of them with a one-digit difference
-        subs = [k[2] - k[3] for d in mix for k in d.keys if k[:2] == ("arith", "sub") and 10 <= k[3] <= k[2] <= 99]
         assert len(subs) >= 0.25 * len(mix) and sum(s < 10 for s in subs) >= 0.3 * len(subs)
     if drills == "refusals":  # requests no declared tool fits while others are declared, 1 in 4 drills; calls too
-        offered = [d for d in mix if d.expect["kind"] == "no_call" and d.tools]
         assert len(offered) >= 0.18 * len(mix) and rows.count("tool call") >= 0.18 * len(mix)
     if drills == "sub-refusals":  # both: 2-digit subtraction 2 in 10 drills (half with a one-digit difference),
-        subs = [k[2] - k[3] for d in mix for k in d.keys if k[:2] == ("arith", "sub") and 10 <= k[3] <= k[2] <= 99]
-        offered = [d for d in mix if d.expect["kind"] == "no_call" and d.tools]  # and refusals 2 in 10
         assert len(subs) >= 0.12 * len(mix) and sum(s < 10 for s in subs) >= 0.3 * len(subs)
-        assert len(offered) >= 0.12 * len(mix) and rows.count("tool call") >= 0.1 * len(mix)
+        assert len(offered) >= 0.12 * len(mix) and rows.count("tool call") >= 0.1 * len(mix)  # refusals 2 in 10
 
 
 def test_teach_tables_leaves_in_only_the_one_digit_facts():

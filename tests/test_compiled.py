@@ -172,3 +172,15 @@ def test_the_quantized_ops_are_their_modules_and_pass_opcheck():
     tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(quantized_experts_op, qargs, test_utils=tests)
     torch.library.opcheck(linear_q_op, largs, test_utils=tests)
+
+
+def test_a_span_pass_refuses_to_be_traced():
+    """Span passes (host positions) stay eager: traced, they gave wrong numbers in torch 2.13, so `Spans` raises
+    under torch.compile instead of computing."""
+    m = _model()
+    ids, _ = _inputs(m)
+    cache = m.new_cache(ids.shape[0], ids.shape[1] + m.config.canvas_length)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="span pass"):
+        torch.compile(lambda i: m.encode(i, cache), backend="eager", fullgraph=True)(ids)
+    torch._dynamo.reset()

@@ -88,7 +88,11 @@ class DiffusionGemmaModel(nn.Module):
         super().__init__()
         self.config = config
         cfg = self.text = config.text
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # built on the meta device (loading: every tensor is assigned after), the embedding's random init is skipped:
+        # a normal_ on meta imports torch._dynamo, ~1 s of every command's start
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        meta = torch.get_default_device().type == "meta"
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape) if meta else None)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_conditioning = SelfConditioning(cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)

@@ -78,6 +78,12 @@ class KeyAccess:
         return i
 
 
+def _not_traced() -> None:
+    if torch.compiler.is_compiling():
+        raise RuntimeError("a span pass (host positions) was traced by torch.compile: compile the fixed-shape "
+                           "passes only (model/keys.py Fixed)")
+
+
 class Spans(KeyAccess):
     """Eager: keys read as spans of positions [lo, hi) of the cache (host ints), one attention call per segment of
     rows (an encoder chunk at [T0, T0+S); a canvas after it)."""
@@ -120,14 +126,15 @@ class Spans(KeyAccess):
         return out
 
     # Host positions change every canvas: traced by torch.compile they would recompile at each, or turn symbolic,
-    # which gave wrong numbers in torch 2.13 (a prompt's encode, then a decode). Compile is for the fixed-shape
-    # passes; a compiled block breaks its graph here.
-    @torch.compiler.disable
+    # which gave wrong numbers in torch 2.13 (a prompt's encode, then a decode). So compiled blocks run the
+    # fixed-shape passes only (`DiffusionGemmaModel._layers`), and a span pass refuses to be traced. (Not
+    # `torch.compiler.disable`: applying it imports torch._dynamo, ~1 s of every command's start.)
     def write(self, i, t, k, v) -> None:
+        _not_traced()
         self.cache.write(i, k, v, self.T0)
 
-    @torch.compiler.disable
     def attend(self, i, t, q, k, v, attn):
+        _not_traced()
         cache, T0, S, C = self.cache, self.T0, self.S, self.C
         T = T0 + S
         if not C:  # an encoder chunk: its K/V first, then the span it sees

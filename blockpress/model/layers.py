@@ -52,9 +52,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
-    """fp32 inverse frequencies [D/2] for 'default' or 'proportional' RoPE."""
+    """fp32 inverse frequencies [D/2] for 'default' or 'proportional' RoPE, on the default device. (Computed on the
+    CPU: arithmetic on the meta device, where loading builds the model, imports torch._dynamo, ~1 s a start.)"""
     theta = float(params.get("rope_theta", 10000.0))
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv = 1.0 / (theta ** exponents)
     if params.get("rope_type", "default") == "proportional":
         n_rot = int((float(params.get("partial_rotary_factor", 1.0)) * head_dim) // 2)
@@ -62,7 +63,7 @@ def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
         factor = params.get("factor")
         if factor is not None:
             inv = inv / float(factor)
-    return inv
+    return inv.to(torch.get_default_device())
 
 
 def rope_cos_sin_reference(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):

@@ -128,13 +128,14 @@ class BlockDiffusionLM:
                cache=None, decoder_input_ids=None, self_conditioning_logits=None, drafts: bool = True,
                sampler: str | None = None, fixed_tokens=None, fuse_commit: bool | None = None,
                compact_rows: bool | None = None, json_schema=None, json_object: bool = False,
-               regex: str | None = None, grammar: str | None = None, suppress_tokens=None,
+               regex: str | None = None, grammar: str | None = None, suppress_tokens=None, guarded_tokens=(),
                **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
         """Yield a Draft after every denoising step, a Commit per canvas and a final Finished.
         fixed_tokens [B, L]: new-token positions held at given ids (-1 = free), see engine.stream.
         json_schema (a dict or JSON text) / json_object / regex / grammar (Lark): every row's new tokens form one
         valid output that ends with a stop id within max_new_tokens (engine/constraint.py; needs the
-        `structured` extra).
+        `structured` extra). guarded_tokens: tokens a grammar writes only where the model's draft after them
+        still fits it (engine/constraint.py Constraint).
         suppress_tokens: token ids no row's new tokens may hold (engine/constraint.py's TokenBan), where no grammar
         is given (a grammar allows only its own tokens).
         sampler / fuse_commit / compact_rows: this call's engine options (None: `self.options`'), see
@@ -154,9 +155,10 @@ class BlockDiffusionLM:
                              cache=cache, decoder_input_ids=decoder_input_ids,
                              self_conditioning_logits=self_conditioning_logits, drafts=drafts,
                              fixed_tokens=fixed_tokens, options=options, passes=self.passes,
-                             constraints=self.constraints(cfg, ids.shape[0], suppress_tokens, **grammar))
+                             constraints=self.constraints(cfg, ids.shape[0], suppress_tokens, guarded_tokens,
+                                                          **grammar))
 
-    def constraints(self, cfg, rows: int, suppress_tokens=None, **grammar) -> list | None:
+    def constraints(self, cfg, rows: int, suppress_tokens=None, guarded=(), **grammar) -> list | None:
         """One fresh grammar state per row for `grammar` (json_schema / json_object / regex / grammar, see
         `stream`); else the ban of `suppress_tokens` for every row; None when neither is given."""
         from .engine.constraint import Constraint, TokenBan, grammar_for
@@ -168,14 +170,14 @@ class BlockDiffusionLM:
             ban = TokenBan(suppress_tokens, self.module.text.vocab_size)  # no state: one for every row
             return [ban] * rows
         tok = self._need_tokenizer()
-        return [Constraint(spec, tok, cfg.eos_token_id, self.module.text.vocab_size, cfg.max_new_tokens)
+        return [Constraint(spec, tok, cfg.eos_token_id, self.module.text.vocab_size, cfg.max_new_tokens, guarded)
                 for _ in range(rows)]
 
     def generate(self, input_ids, attention_mask=None, generator=None, cache=None,
                  decoder_input_ids=None, self_conditioning_logits=None, sampler: str | None = None,
                  fixed_tokens=None, fuse_commit: bool | None = None, compact_rows: bool | None = None,
                  json_schema=None, json_object: bool = False, regex: str | None = None, grammar: str | None = None,
-                 suppress_tokens=None, **sampling) -> engine.GenerationResult:
+                 suppress_tokens=None, guarded_tokens=(), **sampling) -> engine.GenerationResult:
         """Generate canvases after `input_ids`. Keyword names and defaults follow the reference:
         max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max, stability_threshold,
         confidence_threshold, eos_token_id, pad_token_id. `generator`: None (torch's global RNG, the
@@ -184,7 +186,7 @@ class BlockDiffusionLM:
                               self_conditioning_logits, drafts=False, sampler=sampler, fixed_tokens=fixed_tokens,
                               fuse_commit=fuse_commit, compact_rows=compact_rows, json_schema=json_schema,
                               json_object=json_object, regex=regex, grammar=grammar,
-                              suppress_tokens=suppress_tokens, **sampling):
+                              suppress_tokens=suppress_tokens, guarded_tokens=guarded_tokens, **sampling):
             if isinstance(ev, engine.Finished):
                 return ev.result
         raise RuntimeError("generation ended without a result")  # unreachable
@@ -228,7 +230,9 @@ class BlockDiffusionLM:
         """Like `generate_text`, the reply read as the server reads it: a `parsing.ParsedOutput` with `.content`,
         `.reasoning` (the thought channel, or None), `.tool_calls` (`.name`, `.arguments`) and `.finish_reason`
         ("stop", "tool_calls", or "length" when no stop token came within max_new_tokens). Given no `tools`, the
-        reply holds no tool call, as the server's (`parsing.call_ban`; suppress_tokens=None lifts the ban)."""
+        reply holds no tool call, as the server's (`parsing.call_ban`; suppress_tokens=None lifts the ban). Where a
+        tool is `"strict": True` (OpenAI's field), the reply's calls name offered tools and a strict tool's
+        arguments are valid against its parameters (engine/constraint.py `reply_grammar`; the structured extra)."""
         from .parsing import parse_output
 
         result = self._reply(messages_or_prompt, enable_thinking, tools, seed, sampling)
@@ -244,6 +248,12 @@ class BlockDiffusionLM:
             gen = torch.Generator(device=self.device).manual_seed(seed)
         if self.tokenizer.is_chat and "suppress_tokens" not in sampling:  # a chat turn: no tool offered, no call
             sampling = {**sampling, "suppress_tokens": call_ban(self.tokenizer, tools)}
+        if self.tokenizer.is_chat and not set(sampling) & {"json_schema", "json_object", "regex", "grammar"}:
+            from .engine.constraint import reply_grammar
+
+            rule = reply_grammar(self.tokenizer, tools)  # strict tools: calls name offered tools, valid arguments
+            if rule is not None:
+                sampling = {**sampling, "grammar": rule[0], "guarded_tokens": rule[1]}
         return self.generate([ids], generator=gen, **sampling)
 
     def infill(self, template: str, seed: int | None = None, **sampling):

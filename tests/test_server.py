@@ -363,6 +363,34 @@ def test_forced_tool_calls_are_always_well_formed(client, choice):
             [(calls[0].function.name, calls[0].function.arguments)]
 
 
+def test_strict_tools_under_auto_constrain_the_reply(client, lm, monkeypatch):
+    """`strict: true` on a tool (OpenAI's field) under tool_choice "auto": the reply gets a grammar and a guarded
+    call opening (engine/constraint.py reply_grammar), every call in it names an offered tool with valid arguments, and the
+    client reads the answers; beside response_format, or without the grammar engine, a 400 that says so."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    strict = [{"type": t["type"], "function": {**t["function"], "strict": True}} for t in (CITY, CLOCK)]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in strict}
+    serving = _serving(lm)
+    req = ChatCompletionRequest(messages=MSG, max_tokens=32, tools=strict)
+    sampling, held = serving.forced_call(req, req.to_sampling(serving.limits, serving.defaults))
+    assert sampling.grammar is not None and sampling.guarded == (lm.tokenizer.token_to_id("<|tool_call>"),) and held is None
+    free_req = ChatCompletionRequest(messages=MSG, max_tokens=32, tools=[CITY, CLOCK])
+    loose, _ = serving.forced_call(free_req, free_req.to_sampling(serving.limits, serving.defaults))
+    assert loose.grammar is None  # no strict tool: a free reply, as before
+    for seed in range(4):
+        r = client.chat.completions.create(model=client.model_id, messages=MSG, tools=strict, seed=seed,
+                                           max_tokens=48, extra_body=FAST)
+        for call in r.choices[0].message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    with pytest.raises(openai.BadRequestError, match="strict tools cannot be combined"):
+        client.chat.completions.create(model=client.model_id, messages=MSG, tools=strict, max_tokens=16,
+                                       response_format={"type": "json_object"})
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(APIError, match="structured extra"):
+        serving.forced_call(req, req.to_sampling(serving.limits, serving.defaults))
+
+
 def test_forced_tool_call_without_the_grammar_engine_holds_the_opening(lm, monkeypatch):
     """Without llguidance a forced call is the call's opening, `<|tool_call>call:[NAME{]`, held on the first canvas
     (the model writes the rest); with it, a grammar on the whole answer and nothing held."""

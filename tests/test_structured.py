@@ -165,3 +165,69 @@ def test_the_grammars_forced_opening_is_accepted_at_the_first_step(lm):
     assert bool(first.accepted[0, :n - 1].all())  # (the last piece may merge with what follows: not forced)
     text = lm.decode_new(events[-1].result)
     assert re.fullmatch(re.escape(opening) + r"[0-9]{1,3}\.", text), text
+
+
+STRICT_TOOLS = [
+    {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "calculate", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+
+def test_a_strict_reply_calls_offered_tools_only_with_valid_arguments(lm):
+    """`strict` tools under tool_choice "auto" (engine/constraint.py reply_grammar): any text that opens no call,
+    then calls of offered tools; a strict tool's arguments valid, a tool without strict any arguments. Without a
+    strict tool (and no forced call) the reply is free."""
+    import llguidance
+
+    from blockpress.engine.constraint import Constraint, reply_grammar
+
+    tok = lm.tokenizer
+    assert reply_grammar(tok, [{**t, "function": {**t["function"], "strict": False}} for t in STRICT_TOOLS]) is None
+    grammar, guarded = reply_grammar(tok, STRICT_TOOLS)
+    assert guarded == (tok.token_to_id("<|tool_call>"),)
+
+    def accepted(text: str) -> bool:
+        m = llguidance.LLMatcher(Constraint(grammar, tok, [1], lm.config.text.vocab_size, 64).vocab.llg, grammar)
+        return all(m.consume_token(t) for t in tok.encode(text)) and m.is_accepting()
+
+    call = '<|tool_call>call:get_time{city:<|"|>Oslo<|"|>}<tool_call|>'
+    assert accepted("I can't check the weather: I have no weather tool here.")
+    assert accepted("<|channel>thought\nThe time in Oslo, so I call get_time.<channel|>" + call)
+    assert accepted(call + '<|tool_call>call:calculate{x:[1,-2.5e3,true],y:{z:<|"|>a b<|"|>}}<tool_call|>')
+    assert not accepted("<|tool_call>call:calculate{anything goes}<tool_call|>")  # not strict: any object
+    assert not accepted('<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>')  # not offered
+    assert not accepted("<|tool_call>call:get_time{}<tool_call|>")  # a strict tool's required argument missing
+    assert not accepted('<|tool_call>call:get_time{city:3}<tool_call|>')
+    assert not accepted(call + "and then some text")
+
+
+def test_a_guarded_opening_is_not_written_where_the_drafted_name_is_not_offered(lm):
+    """Synthetic logits: the model's best token at position 0 opens a call, and its draft of the next positions
+    names a tool nobody offered. Unguarded, the grammar takes the opening (and would then force an offered name);
+    guarded (a strict reply's call opening), the second-best token, text. A draft that names an offered tool keeps
+    the opening."""
+    from blockpress.engine.constraint import Constraint, reply_grammar
+
+    tok = lm.tokenizer
+    grammar, guarded = reply_grammar(tok, STRICT_TOOLS)
+    draft = tok.encode("<|tool_call>call:get_weather{city:")
+    text = tok.encode("I")[0]
+    V = lm.config.text.vocab_size
+    z = torch.zeros(len(draft), V)
+    for j, t in enumerate(draft):
+        z[j, t] = 10.0
+    z[0, text] = 9.0
+    for offered in ("get_time", "calculate"):  # the draft fits neither
+        assert tok.encode("call:" + offered)[:len(draft) - 1] != draft[1:]
+    y = z.argmax(-1)
+    a_plain, _, _ = Constraint(grammar, tok, [1], V, 64).walk(z, y)
+    a_ahead, y_ahead, _ = Constraint(grammar, tok, [1], V, 64, guarded).walk(z, y)
+    assert a_plain[0] == draft[0]
+    assert a_ahead[0] == text and y_ahead[0] == text
+    offered = tok.encode("<|tool_call>call:get_time{city:")
+    z = torch.zeros(len(offered), V)
+    for j, t in enumerate(offered):
+        z[j, t] = 10.0
+    z[0, text] = 9.0
+    assert Constraint(grammar, tok, [1], V, 64, guarded).walk(z, z.argmax(-1))[0][:len(offered)] == offered

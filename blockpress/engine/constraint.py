@@ -78,22 +78,64 @@ def grammar_for(json_schema=None, json_object: bool = False, regex: str | None =
     return llg.LLMatcher.grammar_from_lark(grammar)
 
 
-def call_grammar(open_id: int, close_id: int, tools: dict[str, dict], quote_id: int | None = None) -> str:
-    """The grammar of exactly one tool call in Gemma's format, `<|tool_call>call:NAME{...}<tool_call|>` (the
-    markers are token ids), NAME one of `tools` and its arguments valid against that tool's parameters schema (an
-    object). The arguments are written in Gemma's own notation, as the chat template renders a call and the model
-    learned it: keys bare and in sorted order, strings between `<|"|>` tokens (`quote_id`), numbers, booleans,
-    null, lists and objects as in JSON, no spaces (`{city:<|"|>Paris<|"|>,days:3}`). A schema that notation's
-    translation does not cover (see `_gemma_value`), or no `quote_id`, gets JSON arguments instead, which the
-    parser reads too."""
+def call_grammar(open_id: int, close_id: int, tools: dict[str, dict | None], quote_id: int | None = None,
+                 answer: bool = False) -> str:
+    """The grammar of a tool call in Gemma's format, `<|tool_call>call:NAME{...}<tool_call|>` (the markers are token
+    ids), NAME one of `tools` and its arguments valid against that tool's parameters schema (an object; a tool
+    mapped to None: any arguments). answer False: exactly one call (a forced call). answer True: a whole reply
+    whose calls obey that: any text that opens no call, then any number of calls (OpenAI's `strict` tools under
+    tool_choice "auto"). The arguments are written in Gemma's own notation, as the chat template renders a call
+    and the model learned it: keys bare and in sorted order, strings between `<|"|>` tokens (`quote_id`), numbers,
+    booleans, null, lists and objects as in JSON, no spaces (`{city:<|"|>Paris<|"|>,days:3}`). A schema that
+    notation's translation does not cover (see `_gemma_value`), or no `quote_id`, gets JSON arguments instead,
+    which the parser reads too."""
     llg = _llguidance()
     alts, rules = [], []
     for name, params in tools.items():
+        if params is None and answer and quote_id is not None:  # not strict: any object in the notation
+            if not any(r.startswith("gobj:") for r in rules):
+                rules.append(_any_gemma_object(quote_id))
+            alts.append(f"{json.dumps(name)} gobj")
+            continue
         schema = params or {"type": "object"}
         value = _gemma_value(schema, quote_id, rules) if quote_id is not None else None
         alts.append(f"{json.dumps(name)} " + (value or f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"))
-    start = f'start: <[{open_id}]> "call:" ({" | ".join(alts)}) <[{close_id}]>'
+    call = f'<[{open_id}]> "call:" ({" | ".join(alts)}) <[{close_id}]>'
+    start = f"start: <[^{open_id}]>* ({call})*" if answer else f"start: {call}"
     return llg.LLMatcher.grammar_from_lark("\n".join([start] + rules) + "\n")
+
+
+def _any_gemma_object(quote: int) -> str:
+    """Lark rules for any object in Gemma's argument notation (the arguments of a tool that is not strict)."""
+    q = f"<[{quote}]>"
+    return "\n".join([
+        'gobj: "{" (GKEY ":" gval ("," GKEY ":" gval)*)? "}"',
+        f'gval: {q} GSTR? {q} | GNUM | "true" | "false" | "null" | "[" (gval ("," gval)*)? "]" | gobj',
+        "GKEY: /[A-Za-z_][A-Za-z0-9_]*/",
+        "GSTR: /(?s:.+)/",
+        "GNUM: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/"])
+
+
+def reply_grammar(tokenizer, tools: list[dict] | None, forced: str | None = None) -> tuple[str, tuple[int, ...]] | None:
+    """What a chat reply offered `tools` (OpenAI tool dicts) must obey, as (grammar, guarded tokens) for
+    `Constraint`; None for a free reply. forced "" (any offered tool) or a tool's name: exactly one call of it, its arguments
+    valid against its parameters schema. Else, where any offered tool is `strict`: the whole reply, whose calls
+    name offered tools only, with a strict tool's arguments valid (OpenAI's guarantee for strict tools), and a
+    call's opening guarded: it is not written where the model's draft after it names no offered tool. Needs
+    llguidance."""
+    tools = [t.get("function", t) for t in tools or []]
+    if forced is None and not any(f.get("strict") for f in tools):
+        return None
+    ids = {m: tokenizer.token_to_id(m) for m in ("<|tool_call>", "<tool_call|>", '<|"|>')}
+    if ids["<|tool_call>"] is None or ids["<tool_call|>"] is None:
+        raise InputError("this model's tokenizer has no tool-call tokens (<|tool_call>, <tool_call|>): it cannot "
+                         "call tools; leave out tools")
+    if forced is not None:
+        schemas = {f["name"]: f.get("parameters") for f in tools if not forced or f["name"] == forced}
+        return call_grammar(ids["<|tool_call>"], ids["<tool_call|>"], schemas, ids['<|"|>']), ()
+    schemas = {f["name"]: (f.get("parameters") or {"type": "object"}) if f.get("strict") else None for f in tools}
+    return call_grammar(ids["<|tool_call>"], ids["<tool_call|>"], schemas, ids['<|"|>'], answer=True), \
+        (ids["<|tool_call>"],)
 
 
 _NOTATION_KEYS = {"type", "properties", "required", "additionalProperties", "items", "enum", "minLength", "maxLength",
@@ -220,7 +262,15 @@ class Constraint:
 
     CLOSE_LIMIT = 4096  # tokens a closing path may take before the grammar counts as unclosable
 
-    def __init__(self, grammar: str, tokenizer, stop_ids, vocab_size: int, max_new_tokens: int):
+    LOOKAHEAD = 8  # drafted positions a guarded token's check reads: a call's opening, "call:" and a name
+
+    def __init__(self, grammar: str, tokenizer, stop_ids, vocab_size: int, max_new_tokens: int,
+                 guarded: tuple[int, ...] = ()):
+        """guarded: tokens written only where the grammar also accepts the model's draft (its argmax) of the
+        next `LOOKAHEAD` positions after them (up to a stop or the canvas's end); elsewhere the next allowed token
+        in the model's order is taken. A diffusion canvas drafts every position at once, so the check sees where
+        the text a token starts is going: a reply's call opening whose drafted name is no offered tool is not
+        written (`reply_grammar`)."""
         llg = _llguidance()
         stop_ids = tuple(int(s) for s in (stop_ids or ()))
         if not stop_ids:
@@ -230,12 +280,19 @@ class Constraint:
         if self.matcher.is_error():
             raise InputError(f"the grammar cannot be used: {self.matcher.get_error()}")
         self.budget, self.written, self.ended = max_new_tokens, 0, False
+        self.guarded = frozenset(int(t) for t in guarded)
         need = self.shortest_close(self.matcher.deep_copy())
         if need > max_new_tokens:
             size = f"{need} tokens" if need < 10**9 else f"more than {self.CLOSE_LIMIT} tokens"
             raise InputError(f"max_new_tokens={max_new_tokens} is too small for this grammar: its shortest output "
                              f"and stop take {size}; raise max_new_tokens" + ("" if need < 10**9 else
                                                                                " or loosen the grammar"))
+
+    def _draft_fits(self, m, t: int, draft: list[int]) -> bool:
+        """Whether the grammar, after t, takes every token of the draft."""
+        after = m.deep_copy()
+        after.consume_token(t)
+        return after.validate_tokens(draft) == len(draft)
 
     def shortest_close(self, m) -> int:
         """Tokens (the stop included) the shortest-closing path from matcher `m` takes; consumes `m`."""
@@ -279,6 +336,10 @@ class Constraint:
                 continue
             bits = m.compute_bitmask()  # one bit per token: tested in place for the candidates
             ok = lambda t, b=bits: (b[t >> 3] >> (t & 7)) & 1  # noqa: E731
+            if self.guarded:
+                draft = list(takewhile(lambda d: d not in self.vocab.stop_ids,
+                                       (c[0] for c in cand[j + 1:j + 1 + self.LOOKAHEAD])))
+                ok = lambda t, a=ok, d=draft: a(t) and (t not in self.guarded or self._draft_fits(m, t, d))  # noqa
             t = next((c for c in cand[j] if ok(c)), None)
             if t is None:
                 t = int(torch.where(self.vocab.unpack(bits), z[j], float("-inf")).argmax())

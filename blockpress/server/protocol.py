@@ -147,7 +147,9 @@ class Sampling:
     include_drafts: bool = False
     n: int = 1  # choices: choice i samples with seed + i (choice 0 is the n=1 answer)
     logprobs: int | None = None  # alternatives per token with logprobs (0: the token's only); None: not asked
-    grammar: str | None = None  # the compiled grammar the output obeys (response_format, regex, grammar); None: free
+    grammar: str | None = None  # the compiled grammar the output obeys (response_format, regex, grammar, tools that
+    # force a call or are strict); None: free
+    guarded: tuple[int, ...] = ()  # tokens the grammar writes only where the draft after them fits (Constraint)
     suppress: list[int] | None = None  # token ids the output may not hold where no grammar is given (a chat
     # request that offers no tool: the opening of a tool call, parsing.call_ban)
 
@@ -253,6 +255,8 @@ class FunctionDef(BaseModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-.]+$")
     description: str | None = Field(None, max_length=8192)
     parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(None, description="the model's calls of this tool have arguments valid against "
+                                "`parameters` (a grammar while the reply is denoised; needs the structured extra)")
 
 
 class Tool(BaseModel):

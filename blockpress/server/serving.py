@@ -414,7 +414,7 @@ class OpenAIServing:
 
         try:
             return Constraint(sampling.grammar, self.tok, sampling.cfg.eos_token_id, self.lm.config.text.vocab_size,
-                              sampling.cfg.max_new_tokens)
+                              sampling.cfg.max_new_tokens, sampling.guarded)
         except BlockpressError as e:
             raise APIError(400, str(e), param="response_format", code="invalid_value") from None
 
@@ -561,32 +561,42 @@ class OpenAIServing:
     def forced_call(self, req: ChatCompletionRequest, sampling: Sampling) -> tuple[Sampling, list[int] | None]:
         """What the request's tools ask of the engine. A forced tool call (tool_choice "required" or named) is made
         with a grammar on the whole answer when the structured extra is installed, else with the call's opening
-        held on the canvas; where no tool is offered (none, or tool_choice "none"), no call can be written
-        (`parsing.call_ban`). Returns the sampling and the held tokens (or None)."""
+        held on the canvas; `strict` tools under tool_choice "auto" get a grammar on the whole reply (calls name
+        offered tools, strict tools' arguments valid; engine/constraint.py `reply_grammar`); where no tool is
+        offered (none, or tool_choice "none"), no call can be written (`parsing.call_ban`). Returns the sampling
+        and the held tokens (or None)."""
         if req.offered_tools is None:
             return dataclasses.replace(sampling, suppress=call_ban(self.tok, None)), None
-        grammar = self.tool_call_grammar(req)
-        if grammar is not None:
-            return dataclasses.replace(sampling, grammar=grammar), None
+        rule = self.tool_call_grammar(req, sampling)
+        if rule is not None:
+            return dataclasses.replace(sampling, grammar=rule[0], guarded=rule[1]), None
         return sampling, self.tool_call_prefix(req.forced_tool)
 
-    def tool_call_grammar(self, req: ChatCompletionRequest) -> str | None:
-        """tool_choice "required" / named with the structured extra installed: the answer is exactly one call of
-        an offered tool (the named one) whose arguments are valid against its parameters schema, constrained
-        while it is denoised (engine/constraint.py). None without a forced call or without llguidance."""
-        tool = req.forced_tool
-        if tool is None or importlib.util.find_spec("llguidance") is None:
+    def tool_call_grammar(self, req: ChatCompletionRequest, sampling: Sampling) -> tuple[str, int] | None:
+        """The grammar (and its guarded tokens) of the reply's tool calls: tool_choice "required" / named with the
+        structured extra installed, exactly one call of an offered tool (the named one), its arguments valid
+        against its parameters schema; `strict` tools under "auto", the reply's calls valid (a 400 without the
+        structured extra, or beside response_format). Constrained while it is denoised (engine/constraint.py).
+        None for a free reply, or a forced call without llguidance."""
+        forced, strict = req.forced_tool, any(t.function.strict for t in req.tools or [])
+        if forced is None and not strict:
             return None
-        from ..engine.constraint import Constraint, call_grammar
+        if importlib.util.find_spec("llguidance") is None:
+            if forced is not None:
+                return None
+            raise APIError(400, "strict tools need the structured extra on the server: pip install "
+                           "'blockpress[structured]' (or send the tools without strict)", param="tools")
+        if forced is None and sampling.grammar is not None:
+            raise APIError(400, "response_format (or regex / grammar) and strict tools cannot be combined; drop one",
+                           param="response_format", code="invalid_value")
+        from ..engine.constraint import Constraint, reply_grammar
 
-        tools = {t.function.name: t.function.parameters for t in req.tools or [] if not tool or t.function.name == tool}
         try:
-            grammar = call_grammar(self.tok.token_to_id("<|tool_call>"), self.tok.token_to_id("<tool_call|>"), tools,
-                                   self.tok.token_to_id('<|"|>'))
-            Constraint(grammar, self.tok, [self.tok.token_to_id("<turn|>")], self.lm.config.text.vocab_size, 10**6)
+            rule = reply_grammar(self.tok, req.offered_tools, forced)
+            Constraint(rule[0], self.tok, [self.tok.token_to_id("<turn|>")], self.lm.config.text.vocab_size, 10**6)
         except (ValueError, BlockpressError) as e:  # checked here, so the 400 names `tools`
             raise APIError(400, f"a tool's parameters schema cannot be used: {e}", param="tools") from None
-        return grammar
+        return rule
 
     def tool_call_prefix(self, tool: str | None) -> list[int] | None:
         """tool_choice "required" / named without the structured extra, done the diffusion way: the opening of a

@@ -354,6 +354,27 @@ def test_tool_call_comes_back_parsed(lm):
     assert p.finish_reason == "tool_calls"
 
 
+def test_strict_tools_keep_the_chat_model_from_calling_undeclared_ones(lm):
+    """Requests no declared tool fits (the validation split's): free, the shipped model calls a tool nobody
+    declared in some (so the test can fail); with the tools `strict`, `model.chat` calls only declared tools, with
+    valid arguments (engine/constraint.py reply_grammar)."""
+    pytest.importorskip("llguidance")
+    asked = [d for d in assistant.heldout(160, assistant.VAL_SEED) if d.expect["kind"] == "no_call" and d.tools]
+    undeclared = {"free": 0, "strict": 0}
+    for d in asked:
+        declared = {t["function"]["name"]: t["function"]["parameters"] for t in d.tools}
+        strict = [{**t, "function": {**t["function"], "strict": True}} for t in d.tools]
+        for mode, tools in (("free", d.tools), ("strict", strict)):
+            seed = evaluate.case_seed(0, evaluate.prompt_ids(lm.tokenizer, d))  # the eval's seeds
+            reply = lm.chat(d.messages[:-1], enable_thinking=d.thinking, tools=tools, seed=seed, max_new_tokens=96)
+            for call in reply.tool_calls:
+                if call.name not in declared:
+                    undeclared[mode] += 1
+                elif mode == "strict":
+                    assert evaluate.schema_valid(call.arguments, declared[call.name]), call
+    assert undeclared["free"] > 0 and undeclared["strict"] == 0, undeclared
+
+
 def readme_example(start: str) -> str:
     """The README's python block that starts with `start`, as a user would paste it."""
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")

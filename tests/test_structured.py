@@ -200,6 +200,7 @@ def test_a_strict_reply_calls_offered_tools_only_with_valid_arguments(lm):
     assert not accepted("<|tool_call>call:get_time{}<tool_call|>")  # a strict tool's required argument missing
     assert not accepted('<|tool_call>call:get_time{city:3}<tool_call|>')
     assert not accepted(call + "and then some text")
+    assert not accepted("call:get_weather{}<tool_call|>")  # a call's closing marker is no text either
 
 
 def test_a_guarded_opening_is_not_written_where_the_drafted_name_is_not_offered(lm):

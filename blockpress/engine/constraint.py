@@ -83,7 +83,7 @@ def call_grammar(open_id: int, close_id: int, tools: dict[str, dict | None], quo
     """The grammar of a tool call in Gemma's format, `<|tool_call>call:NAME{...}<tool_call|>` (the markers are token
     ids), NAME one of `tools` and its arguments valid against that tool's parameters schema (an object; a tool
     mapped to None: any arguments). answer False: exactly one call (a forced call). answer True: a whole reply
-    whose calls obey that: any text that opens no call, then any number of calls (OpenAI's `strict` tools under
+    whose calls obey that: any text without the call markers, then any number of calls (OpenAI's `strict` tools under
     tool_choice "auto"). The arguments are written in Gemma's own notation, as the chat template renders a call
     and the model learned it: keys bare and in sorted order, strings between `<|"|>` tokens (`quote_id`), numbers,
     booleans, null, lists and objects as in JSON, no spaces (`{city:<|"|>Paris<|"|>,days:3}`). A schema that
@@ -101,7 +101,7 @@ def call_grammar(open_id: int, close_id: int, tools: dict[str, dict | None], quo
         value = _gemma_value(schema, quote_id, rules) if quote_id is not None else None
         alts.append(f"{json.dumps(name)} " + (value or f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"))
     call = f'<[{open_id}]> "call:" ({" | ".join(alts)}) <[{close_id}]>'
-    start = f"start: <[^{open_id}]>* ({call})*" if answer else f"start: {call}"
+    start = f"start: <[^{open_id},{close_id}]>* ({call})*" if answer else f"start: {call}"
     return llg.LLMatcher.grammar_from_lark("\n".join([start] + rules) + "\n")
 
 

@@ -365,8 +365,9 @@ def test_forced_tool_calls_are_always_well_formed(client, choice):
 
 def test_strict_tools_under_auto_constrain_the_reply(client, lm, monkeypatch):
     """`strict: true` on a tool (OpenAI's field) under tool_choice "auto": the reply gets a grammar and a guarded
-    call opening (engine/constraint.py reply_grammar), every call in it names an offered tool with valid arguments, and the
-    client reads the answers; beside response_format, or without the grammar engine, a 400 that says so."""
+    call opening (engine/constraint.py reply_grammar), every call in it names an offered tool with valid
+    arguments, and the client reads the answers; beside response_format, or without the grammar engine, a 400
+    that says so."""
     jsonschema = pytest.importorskip("jsonschema")
     pytest.importorskip("llguidance")
     strict = [{"type": t["type"], "function": {**t["function"], "strict": True}} for t in (CITY, CLOCK)]
@@ -374,7 +375,8 @@ def test_strict_tools_under_auto_constrain_the_reply(client, lm, monkeypatch):
     serving = _serving(lm)
     req = ChatCompletionRequest(messages=MSG, max_tokens=32, tools=strict)
     sampling, held = serving.forced_call(req, req.to_sampling(serving.limits, serving.defaults))
-    assert sampling.grammar is not None and sampling.guarded == (lm.tokenizer.token_to_id("<|tool_call>"),) and held is None
+    assert sampling.grammar is not None and held is None
+    assert sampling.guarded == (lm.tokenizer.token_to_id("<|tool_call>"),)
     free_req = ChatCompletionRequest(messages=MSG, max_tokens=32, tools=[CITY, CLOCK])
     loose, _ = serving.forced_call(free_req, free_req.to_sampling(serving.limits, serving.defaults))
     assert loose.grammar is None  # no strict tool: a free reply, as before

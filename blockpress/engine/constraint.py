@@ -82,13 +82,13 @@ def call_grammar(open_id: int, close_id: int, tools: dict[str, dict | None], quo
                  answer: bool = False) -> str:
     """The grammar of a tool call in Gemma's format, `<|tool_call>call:NAME{...}<tool_call|>` (the markers are token
     ids), NAME one of `tools` and its arguments valid against that tool's parameters schema (an object; a tool
-    mapped to None: any arguments). answer False: exactly one call (a forced call). answer True: a whole reply
-    whose calls obey that: any text without the call markers, then any number of calls (OpenAI's `strict` tools under
-    tool_choice "auto"). The arguments are written in Gemma's own notation, as the chat template renders a call
-    and the model learned it: keys bare and in sorted order, strings between `<|"|>` tokens (`quote_id`), numbers,
-    booleans, null, lists and objects as in JSON, no spaces (`{city:<|"|>Paris<|"|>,days:3}`). A schema that
-    notation's translation does not cover (see `_gemma_value`), or no `quote_id`, gets JSON arguments instead,
-    which the parser reads too."""
+    mapped to None, in a reply: any object in that notation). answer False: exactly one call (a forced call).
+    answer True: a whole reply whose calls obey that: any text without the call markers, then any number of calls
+    (OpenAI's `strict` tools under tool_choice "auto"). The arguments are written in Gemma's own notation, as the
+    chat template renders a call and the model learned it: keys bare and in sorted order, strings between `<|"|>`
+    tokens (`quote_id`), numbers, booleans, null, lists and objects as in JSON, no spaces
+    (`{city:<|"|>Paris<|"|>,days:3}`). A schema that notation's translation does not cover (see
+    `_gemma_value`), or no `quote_id`, gets JSON arguments instead, which the parser reads too."""
     llg = _llguidance()
     alts, rules = [], []
     for name, params in tools.items():
@@ -116,13 +116,14 @@ def _any_gemma_object(quote: int) -> str:
         "GNUM: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/"])
 
 
-def reply_grammar(tokenizer, tools: list[dict] | None, forced: str | None = None) -> tuple[str, tuple[int, ...]] | None:
+def reply_grammar(tokenizer, tools: list[dict] | None,
+                  forced: str | None = None) -> tuple[str, tuple[int, ...]] | None:
     """What a chat reply offered `tools` (OpenAI tool dicts) must obey, as (grammar, guarded tokens) for
-    `Constraint`; None for a free reply. forced "" (any offered tool) or a tool's name: exactly one call of it, its arguments
-    valid against its parameters schema. Else, where any offered tool is `strict`: the whole reply, whose calls
-    name offered tools only, with a strict tool's arguments valid (OpenAI's guarantee for strict tools), and a
-    call's opening guarded: it is not written where the model's draft after it names no offered tool. Needs
-    llguidance."""
+    `Constraint`; None for a free reply. forced "" (any offered tool) or a tool's name: exactly one call of it,
+    its arguments valid against its parameters schema. Else, where any offered tool is `strict`: the whole reply,
+    whose calls name offered tools only, with a strict tool's arguments valid (OpenAI's guarantee for strict
+    tools), and a call's opening guarded: it is not written where the model's draft after it names no offered
+    tool. Needs llguidance."""
     tools = [t.get("function", t) for t in tools or []]
     if forced is None and not any(f.get("strict") for f in tools):
         return None
@@ -339,7 +340,8 @@ class Constraint:
             if self.guarded:
                 draft = list(takewhile(lambda d: d not in self.vocab.stop_ids,
                                        (c[0] for c in cand[j + 1:j + 1 + self.LOOKAHEAD])))
-                ok = lambda t, a=ok, d=draft: a(t) and (t not in self.guarded or self._draft_fits(m, t, d))  # noqa
+                ok = lambda t, a=ok, d=draft: (  # noqa: E731
+                    a(t) and (t not in self.guarded or self._draft_fits(m, t, d)))
             t = next((c for c in cand[j] if ok(c)), None)
             if t is None:
                 t = int(torch.where(self.vocab.unpack(bits), z[j], float("-inf")).argmax())

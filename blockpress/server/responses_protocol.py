@@ -197,8 +197,9 @@ class ResponsesRequest(_DiffusionKnobs, _ResponsesFields):
         self._refuse()
         choice = self.tool_choice
         knobs = self.model_dump(include=set(_DiffusionKnobs.model_fields), exclude_none=True)
-        tools = [{"type": "function", "function": t.model_dump(include={"name", "description", "parameters", "strict"},
-                                                               exclude_none=True)} for t in self.tools or []]
+        fields = {"name", "description", "parameters", "strict"}
+        tools = [{"type": "function", "function": t.model_dump(include=fields, exclude_none=True)}
+                 for t in self.tools or []]
         body = {
             "messages": self.messages(), "model": self.model, "max_completion_tokens": self.max_output_tokens,
             "seed": self.seed, "stream": self.stream, "user": self.user,

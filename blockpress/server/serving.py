@@ -572,7 +572,7 @@ class OpenAIServing:
             return dataclasses.replace(sampling, grammar=rule[0], guarded=rule[1]), None
         return sampling, self.tool_call_prefix(req.forced_tool)
 
-    def tool_call_grammar(self, req: ChatCompletionRequest, sampling: Sampling) -> tuple[str, int] | None:
+    def tool_call_grammar(self, req: ChatCompletionRequest, sampling: Sampling) -> tuple[str, tuple[int, ...]] | None:
         """The grammar (and its guarded tokens) of the reply's tool calls: tool_choice "required" / named with the
         structured extra installed, exactly one call of an offered tool (the named one), its arguments valid
         against its parameters schema; `strict` tools under "auto", the reply's calls valid (a 400 without the

@@ -232,7 +232,8 @@ class BlockDiffusionLM:
         ("stop", "tool_calls", or "length" when no stop token came within max_new_tokens). Given no `tools`, the
         reply holds no tool call, as the server's (`parsing.call_ban`; suppress_tokens=None lifts the ban). Where a
         tool is `"strict": True` (OpenAI's field), the reply's calls name offered tools and a strict tool's
-        arguments are valid against its parameters (engine/constraint.py `reply_grammar`; the structured extra)."""
+        arguments are valid against its parameters (engine/constraint.py `reply_grammar`; the structured extra), and
+        an output grammar beside it (json_schema=, regex=...) is an InputError, as on the server."""
         from .parsing import parse_output
 
         result = self._reply(messages_or_prompt, enable_thinking, tools, seed, sampling)
@@ -248,11 +249,12 @@ class BlockDiffusionLM:
             gen = torch.Generator(device=self.device).manual_seed(seed)
         if self.tokenizer.is_chat and "suppress_tokens" not in sampling:  # a chat turn: no tool offered, no call
             sampling = {**sampling, "suppress_tokens": call_ban(self.tokenizer, tools)}
-        if self.tokenizer.is_chat and not set(sampling) & {"json_schema", "json_object", "regex", "grammar"}:
+        if self.tokenizer.is_chat:
             from .engine.constraint import reply_grammar
 
-            rule = reply_grammar(self.tokenizer, tools)  # strict tools: calls name offered tools, valid arguments
-            if rule is not None:
+            asked = any(sampling.get(k) for k in ("json_schema", "json_object", "regex", "grammar"))
+            rule = reply_grammar(self.tokenizer, tools, output_grammar=asked)  # strict tools: calls name offered
+            if rule is not None:  # tools, valid arguments
                 sampling = {**sampling, "grammar": rule[0], "guarded_tokens": rule[1]}
         return self.generate([ids], generator=gen, **sampling)
 

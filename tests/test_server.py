@@ -390,7 +390,7 @@ def test_strict_tools_under_auto_constrain_the_reply(client, lm, monkeypatch):
         client.chat.completions.create(model=client.model_id, messages=MSG, tools=strict, max_tokens=16,
                                        response_format={"type": "json_object"})
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    with pytest.raises(APIError, match="structured extra"):
+    with pytest.raises(APIError, match=r"strict tools need llguidance: pip install 'blockpress\[structured\]'"):
         serving.forced_call(req, req.to_sampling(serving.limits, serving.defaults))
 
 
@@ -853,17 +853,20 @@ def test_worker_with_a_sliding_ring(lm, seed, graphs, monkeypatch):
     """Prompts encoded 8 tokens at a time, so the sliding layers keep a ring of 8 + 32 slots in the group's cache
     (rows appended across layouts) and in the CUDA-graph slots (regrown, the running rows copied into the new ring):
     under joins, out-of-order finishes and cancellations every request gets the commits of caches that keep every
-    position."""
+    position. Both runs take the same passes (graphed or not): the graphed passes' fixed shapes may round
+    differently from the eager ones on some CPUs (seed 6 flips one token on AVX-512 in fp32, none in fp64), and
+    that is not what this test is about (test_worker_cache_slots_for_cuda_graphs is)."""
     m = lm.module
     monkeypatch.setattr(m, "prefill_chunk", 8)
     plan = _random_traffic(seed, m.text.vocab_size, lm.canvas_length)
-    monkeypatch.setattr(m, "ring_cache", False)
-    want = _drive_traffic(Worker(lm, max_batch=3), plan)
-    monkeypatch.setattr(m, "ring_cache", True)
     made = []
     new_cache = type(m).new_cache
     monkeypatch.setattr(type(m), "new_cache", lambda self, *a, **k: made.append(new_cache(self, *a, **k)) or made[-1])
     with cuda_graphs(lm) if graphs else contextlib.nullcontext():
+        monkeypatch.setattr(m, "ring_cache", False)
+        want = _drive_traffic(Worker(lm, max_batch=3), plan)
+        assert not any(c.ring for c in made)
+        monkeypatch.setattr(m, "ring_cache", True)
         assert _drive_traffic(Worker(lm, max_batch=3), plan) == want
     assert any(c.ring == 8 + 2 * lm.canvas_length for c in made)
 

@@ -75,22 +75,29 @@ def test_regex_lark_and_json_object(lm):
 
 def test_same_seed_same_output_streamed_batched_and_across_canvases(lm):
     """Reproducible per seed; streaming gives generate's tokens; a constrained row gives the same tokens alone
-    and beside another row (per-row generators); the grammar state carries across canvases (C = 16 here)."""
+    and beside another row (per-row generators and grammar states); the grammar state carries across canvases
+    (C = 16 here). Alone against beside is compared in float64: in fp32, torch's grouped GEMM on an AVX-512 CPU
+    rounds an expert's rows differently when it gets 1-2 tokens than when it gets more, which flips a token of
+    this random model's near-flat constrained logits (seen on such a CI machine); that is the BLAS's rounding,
+    not the engine's per-row state, which is what this checks."""
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 8,
               "maxItems": 12}
     kw = dict(json_schema=schema, max_new_tokens=64, **FAST)
     a = lm.encode_chat("Numbers:", chat=False)
     b = lm.encode_chat("Some other prompt", chat=False)
+    exact = blockpress.load(lm.path, dtype=torch.float64, progress=False)
+    alone64 = exact.generate([a], generator=[torch.Generator().manual_seed(3)], **kw)
+    both = exact.generate([a, b], generator=[torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)],
+                          **kw)
+    assert torch.equal(both.new_tokens[0], alone64.new_tokens[0])
+    jsonschema.validate(json.loads(exact.decode_new(both, 1)), schema)
     alone = lm.generate([a], generator=[torch.Generator().manual_seed(3)], **kw)
-    both = lm.generate([a, b], generator=[torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)], **kw)
-    assert torch.equal(both.new_tokens[0], alone.new_tokens[0])
     events = list(lm.stream([a], generator=[torch.Generator().manual_seed(3)], **kw))
     streamed = torch.cat([e.tokens for e in events if isinstance(e, blockpress.Commit)], dim=-1)
     assert torch.equal(streamed[0, :64], alone.new_tokens[0])
     toks = alone.new_tokens[0].tolist()
     assert (toks.index(1) if 1 in toks else len(toks)) > 16  # the output spans two canvases or more
     jsonschema.validate(json.loads(lm.decode_new(alone)), schema)
-    jsonschema.validate(json.loads(lm.decode_new(both, 1)), schema)
 
 
 def test_errors_name_the_problem(lm):
@@ -201,6 +208,25 @@ def test_a_strict_reply_calls_offered_tools_only_with_valid_arguments(lm):
     assert not accepted('<|tool_call>call:get_time{city:3}<tool_call|>')
     assert not accepted(call + "and then some text")
     assert not accepted("call:get_weather{}<tool_call|>")  # a call's closing marker is no text either
+
+
+def test_tools_that_ask_for_a_grammar_refuse_an_output_grammar_beside_them(lm):
+    """A forced call or strict tools bring their own grammar, so an output grammar beside them is an error, not a
+    choice made silently: reply_grammar holds the rule, and the Python API says so as the server does (a 400,
+    test_server.py). Tools that ask for nothing leave the caller's grammar as it is."""
+    from blockpress.engine.constraint import reply_grammar
+
+    tok = lm.tokenizer
+    with pytest.raises(InputError, match="strict tools cannot be combined"):
+        reply_grammar(tok, STRICT_TOOLS, output_grammar=True)
+    with pytest.raises(InputError, match=r"a forced tool call \(tool_choice\) cannot be combined"):
+        reply_grammar(tok, STRICT_TOOLS, forced="get_time", output_grammar=True)
+    with pytest.raises(InputError, match="strict tools cannot be combined"):
+        lm.chat("What time is it in Oslo?", tools=STRICT_TOOLS, json_object=True, max_new_tokens=8)
+    loose = [{**t, "function": {**t["function"], "strict": False}} for t in STRICT_TOOLS]
+    assert reply_grammar(tok, loose, output_grammar=True) is None
+    reply = lm.chat("What time is it in Oslo?", tools=loose, regex="[a-z]{3}", max_new_tokens=8, seed=0)
+    assert re.fullmatch("[a-z]{3}", reply.content), reply
 
 
 def test_a_guarded_opening_is_not_written_where_the_drafted_name_is_not_offered(lm):

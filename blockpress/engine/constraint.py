@@ -32,6 +32,7 @@ from the committed tokens (`advance`).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from functools import lru_cache
 from itertools import takewhile
@@ -116,17 +117,25 @@ def _any_gemma_object(quote: int) -> str:
         "GNUM: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/"])
 
 
-def reply_grammar(tokenizer, tools: list[dict] | None,
-                  forced: str | None = None) -> tuple[str, tuple[int, ...]] | None:
+def reply_grammar(tokenizer, tools: list[dict] | None, forced: str | None = None,
+                  output_grammar: bool = False) -> tuple[str, tuple[int, ...]] | None:
     """What a chat reply offered `tools` (OpenAI tool dicts) must obey, as (grammar, guarded tokens) for
     `Constraint`; None for a free reply. forced "" (any offered tool) or a tool's name: exactly one call of it,
     its arguments valid against its parameters schema. Else, where any offered tool is `strict`: the whole reply,
     whose calls name offered tools only, with a strict tool's arguments valid (OpenAI's guarantee for strict
     tools), and a call's opening guarded: it is not written where the model's draft after it names no offered
-    tool. Needs llguidance."""
+    tool. Needs llguidance. output_grammar: the caller also asks for an output grammar (JSON, regex, Lark), which
+    a forced call or strict tools cannot be combined with (InputError): this is the one place that rule lives."""
     tools = [t.get("function", t) for t in tools or []]
     if forced is None and not any(f.get("strict") for f in tools):
         return None
+    if output_grammar:
+        what = "strict tools" if forced is None else "a forced tool call (tool_choice)"
+        raise InputError(f"an output grammar (response_format, json_schema, json_object, regex or grammar) and {what} "
+                         "cannot be combined; drop one")
+    if forced is None and importlib.util.find_spec("llguidance") is None:
+        raise InputError("strict tools need llguidance: pip install 'blockpress[structured]' (or send the tools "
+                         "without strict)")
     ids = {m: tokenizer.token_to_id(m) for m in ("<|tool_call>", "<tool_call|>", '<|"|>')}
     if ids["<|tool_call>"] is None or ids["<tool_call|>"] is None:
         raise InputError("this model's tokenizer has no tool-call tokens (<|tool_call>, <tool_call|>): it cannot "

@@ -439,10 +439,7 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
                                                    or REFERENCE_DEFAULTS["max_new_tokens"])
         sampling = self._resolve(limits, defaults, n, field_name, default, self.seed, self.stop, self.stream_options)
         sampling.logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        sampling.grammar = self.output_grammar()
-        if sampling.grammar is not None and self.forced_tool is not None:
-            raise APIError(400, "response_format (or regex / grammar) and a forced tool call (tool_choice) cannot be "
-                           "combined; drop one", param="response_format", code="invalid_value")
+        sampling.grammar = self.output_grammar()  # beside tools that ask for a grammar: serving.tool_call_grammar
         return sampling
 
 

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from ..errors import BlockpressError
+from ..errors import BlockpressError, InputError
 from ..infill import whole_canvases
 from ..parsing import StreamingParser, ToolCall, call_ban
 from .budget import encode_within
@@ -578,22 +578,19 @@ class OpenAIServing:
         against its parameters schema; `strict` tools under "auto", the reply's calls valid (a 400 without the
         structured extra, or beside response_format). Constrained while it is denoised (engine/constraint.py).
         None for a free reply, or a forced call without llguidance."""
-        forced, strict = req.forced_tool, any(t.function.strict for t in req.tools or [])
-        if forced is None and not strict:
-            return None
-        if importlib.util.find_spec("llguidance") is None:
-            if forced is not None:
-                return None
-            raise APIError(400, "strict tools need the structured extra on the server: pip install "
-                           "'blockpress[structured]' (or send the tools without strict)", param="tools")
-        if forced is None and sampling.grammar is not None:
-            raise APIError(400, "response_format (or regex / grammar) and strict tools cannot be combined; drop one",
-                           param="response_format", code="invalid_value")
         from ..engine.constraint import Constraint, reply_grammar
 
+        if req.forced_tool is not None and importlib.util.find_spec("llguidance") is None:
+            return None  # the call's opening is held instead (tool_call_prefix)
         try:
-            rule = reply_grammar(self.tok, req.offered_tools, forced)
-            Constraint(rule[0], self.tok, [self.tok.token_to_id("<turn|>")], self.lm.config.text.vocab_size, 10**6)
+            rule = reply_grammar(self.tok, req.offered_tools, req.forced_tool, sampling.grammar is not None)
+        except InputError as e:  # beside response_format, or strict tools without llguidance
+            raise APIError(400, str(e), param="response_format" if sampling.grammar is not None else "tools",
+                           code="invalid_value") from None
+        try:
+            if rule is not None:
+                Constraint(rule[0], self.tok, [self.tok.token_to_id("<turn|>")], self.lm.config.text.vocab_size,
+                           10**6)
         except (ValueError, BlockpressError) as e:  # checked here, so the 400 names `tools`
             raise APIError(400, f"a tool's parameters schema cannot be used: {e}", param="tools") from None
         return rule

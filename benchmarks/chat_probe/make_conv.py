@@ -11,6 +11,10 @@ python benchmarks/chat_probe/make_conv.py --heldout OUT      # the test split's 
           hours."  (the sum in columns, as the arithmetic's thought channel writes it: `skills.add_working`)
 quotients (long division, every k):
   long   "384 hours = 384 ÷ 24: 38 ÷ 24 = 1 r 14, 144 ÷ 24 = 6, so 16 days."
+  product "16 days = 16 × 24 = 384 hours."; quotients too: "384 hours = 384 ÷ 24 = 16 days." (both directions)
+--facts P: a share P of the rows are the products and quotients themselves, "What is 16 × 24?" -> "16 × 24 = 384."
+and "What is 384 ÷ 24?" -> "384 ÷ 24 = 16.", k up to MAX_K for all four factors, taught as tables (the one-digit
+tables are, §12), none that is a held-out arithmetic question of another row (§15 of 2026-11-27-cpu-assistant.md).
 --sums P: a share P of the rows are additions "What is 240 + 156?" -> "240 + 156 = 396." of the kind a split
 working ends with, a multiple of ten plus a number: two in three from the workings' parts (a × f × 10 + b × g,
 one-digit a and b, f and g any of 7, 12, 24, 60), one in three any (10-9990 + 1-999). No sum a held-out product's
@@ -28,11 +32,30 @@ held_set = frozenset(held)
 WORK = sys.argv[sys.argv.index("--work") + 1] if "--work" in sys.argv else None
 if WORK:
     del sys.argv[sys.argv.index("--work"):sys.argv.index("--work") + 2]
-    if WORK not in ("split", "pairs", "cols", "long"):
-        sys.exit(f"--work {WORK}: unknown form; use split, pairs, cols or long")
+    if WORK not in ("split", "pairs", "cols", "long", "product"):
+        sys.exit(f"--work {WORK}: unknown form; use split, pairs, cols, long or product")
 SUMS = float(sys.argv[sys.argv.index("--sums") + 1]) if "--sums" in sys.argv else 0.0
 if "--sums" in sys.argv:
     del sys.argv[sys.argv.index("--sums"):sys.argv.index("--sums") + 2]
+FACTS = float(sys.argv[sys.argv.index("--facts") + 1]) if "--facts" in sys.argv else 0.0
+if "--facts" in sys.argv:
+    del sys.argv[sys.argv.index("--facts"):sys.argv.index("--facts") + 2]
+held_arith = frozenset((k[2], k[3]) for k in assistant.heldout_keys() if k[:2] == ("arith", "mul"))
+
+
+def fact_row(rng, max_k: int) -> str:
+    """A product k × f or the quotient it inverts (f one of 7, 12, 24, 60), never a held-out arithmetic question."""
+    while True:
+        k, f = rng.randint(1, max_k), rng.choice(skills.CONVERSION_FACTORS)
+        if (k, f) not in held_arith and (f, k) not in held_arith:
+            break
+    if rng.random() < 0.5:
+        q, a = rng.choice([f"What is {k} × {f}?", f"What is {k} times {f}?", f"Multiply {k} by {f}."]), \
+            f"{k} × {f} = {k * f}."
+    else:
+        q, a = rng.choice([f"What is {k * f} ÷ {f}?", f"What is {k * f} divided by {f}?", f"Divide {k * f} by {f}."]), \
+            f"{k * f} ÷ {f} = {k}."
+    return json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
 # the sums the held-out products' split workings end with: never a training row
 held_sums = frozenset((k // 10 * skills.CONVERSIONS[i][4] * 10, k % 10 * skills.CONVERSIONS[i][4])
                       for _, i, r, k in held if not r and k >= 10)
@@ -56,6 +79,8 @@ def worked(it) -> str:
     """The answer with the working in it (WORK's form); products of k < 10 as they were."""
     k, f = it.key[3], skills.CONVERSIONS[it.key[1]][4]
     src, _, dst = it.answer.rstrip(".").partition(" = ")
+    if WORK == "product":
+        return f"{src} = {k * f} ÷ {f} = {dst}." if it.key[2] else f"{src} = {k} × {f} = {dst}."
     if WORK == "long":
         n = k * f
         lead, last = divmod(n, 10)
@@ -83,19 +108,22 @@ if sys.argv[1] == "--heldout":
     rng = random.Random("heldout")
     with open(sys.argv[2], "w") as f:
         for _, index, reverse, k in held:
-            if WORK and reverse != (WORK == "long"):
+            if WORK not in (None, "product") and reverse != (WORK == "long"):
                 continue
             f.write(row(skills.conversion(rng, index, k, reverse)) + "\n")
-    print(f"{sum(not WORK or h[2] == (WORK == 'long') for h in held)} held-out questions")
+    print(f"{sum(WORK in (None, 'product') or h[2] == (WORK == 'long') for h in held)} held-out questions")
 else:
     n, out, seed, max_k = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     keys = [("conv", i, r, k) for i in HARD for r in (False, True) for k in range(1, max_k + 1)]
-    keys = [k for k in keys if k not in held_set and (not WORK or k[2] == (WORK == "long"))]
+    keys = [k for k in keys if k not in held_set and (WORK in (None, "product") or k[2] == (WORK == "long"))]
     rng = random.Random(seed)
     with open(out, "w") as f:
         for _ in range(n):
             if SUMS and rng.random() < SUMS:
                 f.write(sum_row(rng) + "\n")
+                continue
+            if FACTS and rng.random() < FACTS:
+                f.write(fact_row(rng, max_k) + "\n")
                 continue
             _, index, reverse, k = rng.choice(keys)
             f.write(row(skills.conversion(rng, index, k, reverse)) + "\n")

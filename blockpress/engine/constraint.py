@@ -349,8 +349,16 @@ class Constraint:
             if self.guarded:
                 draft = list(takewhile(lambda d: d not in self.vocab.stop_ids,
                                        (c[0] for c in cand[j + 1:j + 1 + self.LOOKAHEAD])))
-                ok = lambda t, a=ok, d=draft: (  # noqa: E731
-                    a(t) and (t not in self.guarded or self._draft_fits(m, t, d)))
+                fits: dict[int, bool] = {}  # a guarded token's check, once per position (argmax and draw alike)
+
+                def ok(t, a=ok, d=draft, fits=fits, m=m):
+                    if not a(t):
+                        return False
+                    if t not in self.guarded:
+                        return True
+                    if t not in fits:
+                        fits[t] = self._draft_fits(m, t, d)
+                    return fits[t]
             t = next((c for c in cand[j] if ok(c)), None)
             if t is None:
                 t = int(torch.where(self.vocab.unpack(bits), z[j], float("-inf")).argmax())

@@ -511,6 +511,11 @@ BAD = [
     ("completion stops", {"prompt": "hi", "stop": ["x"] * 5}, 400, "stop"),
     ("completion long stop", {"prompt": "hi", "stop": ["ok", "x" * 300]}, 400, "stop.1"),
     ("completion prompt too long", {"prompt": list(range(5, 30)) * 2000}, 400, "prompt"),
+    # OpenAI's sampling fields are ignored by the denoising sampler, but out of OpenAI's range they are refused
+    ("negative temperature", {"messages": MSG, "temperature": -1}, 400, "temperature"),
+    ("top_p over 1", {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
+    ("completion penalty", {"prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),
+    ("string temperature", {"messages": MSG, "temperature": "0.7"}, 400, "temperature"),
 ]
 
 # what each refusal must say (a client reads the message, not the code)
@@ -522,6 +527,7 @@ BAD_MESSAGES = {
     "completion batch mixed": "prompt: expected a non-empty string, a non-empty list of token ids, or a non-empty list",
     "completion stops": "stop: List should have at most 4 items", "completion long stop": "at most 256 characters",
     "too many stops": "stop: List should have at most 4 items", "completion echo": "echo is not supported",
+    "negative temperature": "temperature: Input should be greater than or equal to 0",
 }
 
 
@@ -536,6 +542,14 @@ def test_bad_requests_get_openai_errors(server, name, body, status, param):
     if param is not None:
         assert err["param"] == param
     assert BAD_MESSAGES.get(name, "") in err["message"]
+
+
+def test_openai_sampling_fields_in_range_change_nothing(client):
+    """temperature, top_p and the penalties (OpenAI's, sent by most clients) are accepted in OpenAI's ranges and
+    do not touch the denoising sampler: the same seed gives the same text with or without them."""
+    plain, _ = chat_text(client, seed=11)
+    tuned, _ = chat_text(client, seed=11, temperature=1.3, top_p=0.5, presence_penalty=-1.5, frequency_penalty=2)
+    assert tuned == plain and plain
 
 
 def test_unknown_route_and_method(server):

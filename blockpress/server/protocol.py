@@ -36,7 +36,8 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
   as one batch: prompt p's choice i has index p * n + i and the seed of choice i; usage counts each
   prompt once.
 - Ignored OpenAI fields: temperature, top_p, penalties, logit_bias (no meaning for the
-  entropy-bounded denoising sampler). Refused with a 400 naming the field rather than silently
+  entropy-bounded denoising sampler); a value outside OpenAI's range (temperature 0-2, top_p 0-1, penalties
+  -2 to 2) is still a 400, as OpenAI answers it. Refused with a 400 naming the field rather than silently
   dropped, because a client would read a wrong answer: `best_of` > 1, `echo`, image/audio content parts, and
   `top_logprobs` > 0 without `logprobs: true` (chat).
 
@@ -198,8 +199,16 @@ def _check_unicode(value: Any, depth: int = 0) -> None:
             _check_unicode(v, depth + 1)
 
 
+_IGNORED = "ignored by the denoising sampler (its temperature schedule is t_min / t_max); validated as OpenAI does"
+
+
 class _Request(BaseModel):
     model_config = _STRICT
+    # OpenAI's sampling fields, in every endpoint: not used, but a value OpenAI refuses is refused (400 naming it)
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = Field(None, description=_IGNORED)
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = Field(None, description=_IGNORED)
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = Field(None, description=_IGNORED)
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = Field(None, description=_IGNORED)
 
     @model_validator(mode="before")
     @classmethod

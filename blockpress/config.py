@@ -277,6 +277,11 @@ def _read_json(path: Path, what: str) -> dict:
 
 # Generation parameters ---------------------------------------------------------------------------
 
+# The smallest positive t_min / t_max: the step divides the logits by the temperature in fp32, and a smaller one
+# (with the schedule's n / N on top) leaves fp32's range, so the probabilities become inf / nan. 1e-6 is already an
+# argmax for any logit gap over ~1e-4.
+MIN_TEMPERATURE = 1e-6
+
 REFERENCE_DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 256,
     "max_denoising_steps": 48,
@@ -361,6 +366,9 @@ class GenerationConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
                 bad(name, "a finite number >= 0 (or None for no temperature schedule)", v)
+            if v is not None and 0 < v < MIN_TEMPERATURE:
+                bad(name, f"0 or at least {MIN_TEMPERATURE:g} (a smaller temperature divides the logits past fp32's "
+                    f"range; {MIN_TEMPERATURE:g} already takes the argmax)", v)
         if self.t_min is not None and self.t_max is not None and not self.t_max > self.t_min:
             bad("t_max", f"greater than t_min={self.t_min}", self.t_max)
         if self.t_min is not None and self.t_max is not None and self.t_min == 0 and self.t_max == 0:

@@ -127,7 +127,8 @@ def test_generation_config_priority_and_validation():
     for kw, name in [(dict(max_denoising_steps=0), "max_denoising_steps"), (dict(entropy_bound=-1.0), "entropy_bound"),
                      (dict(t_min=0.9, t_max=0.5), "t_max"), (dict(stability_threshold=-1), "stability_threshold"),
                      (dict(confidence_threshold=0), "confidence_threshold"), (dict(max_new_tokens=1.5), "max_new_tokens"),
-                     (dict(t_min=float("nan")), "t_min"), (dict(eos_token_id="x"), "eos_token_id")]:
+                     (dict(t_min=float("nan")), "t_min"), (dict(eos_token_id="x"), "eos_token_id"),
+                     (dict(t_min=0.0, t_max=5e-324), "t_max"), (dict(t_min=1e-9, t_max=0.8), "t_min")]:
         with pytest.raises(SamplingError, match=name):
             GenerationConfig.resolve({}, **kw)
     with pytest.raises(TypeError, match="unknown generation parameter"):

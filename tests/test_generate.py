@@ -505,6 +505,22 @@ def test_temperature_schedule_is_the_reference_formula_bit_for_bit():
     assert temperature_schedule(10**12, 0.4, 0.8, torch.device("cpu"), 0).numel() == 4096
 
 
+def test_the_smallest_temperature_allowed_still_samples():
+    """GenerationConfig refuses a positive t_min / t_max under MIN_TEMPERATURE: below fp32's range the exact
+    sampler's probabilities became nan (t_max=1e-38 on the shipped chat model; the schema fuzzer's 5e-324). At the
+    floor, over a long schedule (tau down to MIN_TEMPERATURE / 64), both samplers still sample: near-argmax."""
+    from blockpress.config import MIN_TEMPERATURE
+
+    lm = blockpress.load("assistant", progress=False)
+    ids = lm.encode_chat("What is 2 + 3?")
+    kw = dict(max_new_tokens=32, t_min=0.0, t_max=MIN_TEMPERATURE, max_denoising_steps=64)
+    for sampler in ("exact", "fast"):
+        out = lm.generate([ids], generator=torch.Generator().manual_seed(0), sampler=sampler, **kw)
+        assert "2 + 3 = 5" in lm.decode_new(out), (sampler, lm.decode_new(out))
+    with pytest.raises(SamplingError, match="t_max"):
+        lm.generate([ids], **{**kw, "t_max": MIN_TEMPERATURE / 2})
+
+
 def test_load_turns_on_cuda_graphs_and_compile_from_python(tmp_path):
     """`blockpress.load(..., cuda_graphs=True)` runs the graphed fixed-shape passes (on a CPU: their plumbing,
     without capture) with the tokens of a plain load; `compile=True` compiles the decoder blocks. Both are options

@@ -516,6 +516,8 @@ BAD = [
     ("top_p over 1", {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
     ("completion penalty", {"prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),
     ("string temperature", {"messages": MSG, "temperature": "0.7"}, 400, "temperature"),
+    # found by the schema fuzzer: a temperature schedule under fp32's range made the exact sampler's probabilities nan
+    ("denormal t_max", {"prompt": "hi", "t_min": 0.0, "t_max": 5e-324, "entropy_bound": 5e-324}, 400, "t_max"),
 ]
 
 # what each refusal must say (a client reads the message, not the code)

@@ -77,9 +77,9 @@ def test_same_seed_same_output_streamed_batched_and_across_canvases(lm):
     """Reproducible per seed; streaming gives generate's tokens; a constrained row gives the same tokens alone
     and beside another row (per-row generators and grammar states); the grammar state carries across canvases
     (C = 16 here). Alone against beside is compared in float64: in fp32, torch's grouped GEMM on an AVX-512 CPU
-    rounds an expert's rows differently when it gets 1-2 tokens than when it gets more, which flips a token of
-    this random model's near-flat constrained logits (seen on such a CI machine); that is the BLAS's rounding,
-    not the engine's per-row state, which is what this checks."""
+    rounds an expert's rows differently when it gets 1-2 tokens than when it gets more, which flipped a token of
+    this random model's near-flat constrained logits on such a machine. That is the BLAS's rounding, not the
+    engine's per-row state, which is what this checks."""
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 8,
               "maxItems": 12}
     kw = dict(json_schema=schema, max_new_tokens=64, **FAST)

@@ -477,6 +477,22 @@ def test_graphed_passes_plumbing_generates_the_same_tokens(fuse, sampler):
     assert lm.passes is lm.module and not lm.options.cuda_graphs
 
 
+def test_graphed_passes_pool_does_not_keep_a_cache_per_prompt_length():
+    """The pool keeps a shape's cache buffers for the next generation of that shape (its captured passes replay);
+    a run of prompts of new lengths, as a chat's turns are, must not keep one cache per length: each generation
+    here asks for another capacity, and the buffers of the finished ones that no captured pass reads go."""
+    lm = _tiny_model()
+    kw = dict(max_new_tokens=16, max_denoising_steps=3, stability_threshold=None, confidence_threshold=None)
+    with cuda_graphs(lm) as g:
+        for n in range(8, 16):
+            ids = torch.randint(5, 512, (1, n), generator=torch.Generator().manual_seed(n))
+            lm.generate(ids, **kw)
+            assert len(g._pool) == 1, f"{len(g._pool)} pooled caches after {n - 7} prompt lengths"
+        out = lm.generate(ids, **kw)  # the last length again: its pooled buffers and passes are reused
+        assert out.cache.keys[0].data_ptr() == next(iter(g._pool.values()))[0].keys[0].data_ptr()
+        assert g.captures == 2 * 8  # decode and commit once per length, none for the repeat
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monkeypatch):
     """Every captured decode and fused commit writes its logits into rows [0, B) of one buffer and reads its

@@ -206,7 +206,8 @@ class GraphedPasses:
         first when there is none) with `inputs`: name -> (tensor, python scalar or None, shape, dtype)."""
         g = self.captured.get((name, key))
         if g is None or g.buffers != _buffers(cache) or g.shared != tuple(t.data_ptr() for t in (shared or {}).values()):
-            self.captured.pop((name, key), None)  # its graph and memory pool go before the new capture
+            if self.captured.pop((name, key), None) is not None:  # its graph goes before the new capture
+                self._prune()  # and the pooled buffers only it read
             with torch.no_grad():
                 g = self.captured[(name, key)] = _Captured(self.module, fn, inputs, cache, self.capture, self.warmup,
                                                            self._graph_pool, shared)
@@ -298,16 +299,29 @@ class GraphedPasses:
         """An empty cache on the pooled buffers of (batch, capacity) when the cache last handed out on them is
         gone (stale keys past `length` are never visible), else on new buffers, which join the pool. The
         fixed-shape passes write a canvas's K/V past the cache's length: `generate` asks for that room after its last commit
-        (as the eager passes use it too), and a decoder pass on a cache without it grows the cache first."""
-        entry = self._pool.get((batch, capacity, ring))
+        (as the eager passes use it too), and a decoder pass on a cache without it grows the cache first.
+
+        The pool keeps a shape's buffers while a cache handed out on them is alive or a captured pass reads them
+        (reusing them saves its captures); others go first, so a run of prompts of new lengths (a chat's turns)
+        holds a cache or two, not one per length."""
+        key = (batch, capacity, ring)
+        self._prune(keep=key)
+        entry = self._pool.get(key)
         if entry is not None and entry[1]() is None:
             cache = _on_buffers(entry[0])
             cache.view = False  # handed out as a cache of its own (its layout may change: new buffers then)
             cache.valid.fill_(True)
         else:
             cache = self.module.new_cache(batch, capacity, ring)
-        self._pool[(batch, capacity, ring)] = (_on_buffers(cache), weakref.ref(cache))
+        self._pool[key] = (_on_buffers(cache), weakref.ref(cache))
         return cache
+
+    def _prune(self, keep: tuple | None = None) -> None:
+        """Forget the pooled buffers that no live cache and no captured pass uses (except the pool key `keep`)."""
+        captured = {g.buffers for g in self.captured.values()}
+        for k in [k for k, (c, ref) in self._pool.items()
+                  if k != keep and ref() is None and _buffers(c) not in captured]:
+            del self._pool[k]
 
     def release(self, keep: KVCache | None = None) -> None:
         """Drop every captured pass except those on `keep`'s buffers, so that the memory of caches no longer used

@@ -47,11 +47,12 @@ class BlockDiffusionLM:
 
     def _apply(self, old: Options | None, new: Options) -> None:
         from .engine.graphs import passes_for
-        from .kernels.select import apply
+        from .kernels.select import apply, host_syncs
 
         changed = apply(self.module, old, new)
+        graphs = new.graphs_on(self.module.device, not host_syncs(self.module))
         try:
-            self.passes = passes_for(self.module, self.passes, new.cuda_graphs, new.compile, changed)
+            self.passes = passes_for(self.module, self.passes, graphs, new.compile, changed)
         except ValueError as e:  # experts that read the host cannot be captured
             raise InputError(f"cuda_graphs: {e}. With the default kernels this means Triton is missing (pip "
                              "install triton), or the reference kernels were asked for: drop one of them") from None

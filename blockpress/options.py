@@ -3,8 +3,9 @@
 - Engine: `sampler` ("exact": the reference's arithmetic and random draws; "fast": the fused one-pass sampler,
   another random stream, which also applies the final soft cap to the LM head's product), `fuse_commit` (encode
   a committed canvas in the next canvas's first denoising pass), `compact_rows` (denoise only the rows still
-  denoising; None: on with a random stream per row), `cuda_graphs` (replay the model's passes as CUDA graphs; on
-  a CPU the same passes run on their fixed buffers without capture, which is what the tests check), `compile`
+  denoising; None: on with a random stream per row), `cuda_graphs` (replay the model's passes as CUDA graphs; None:
+  on a CUDA GPU where the kernels can be captured, see `graphs_on`; True on a CPU runs the same passes on their
+  fixed buffers without capture, which is what the tests check), `compile`
   (torch.compile of the decoder blocks).
 - Kernels: `experts`, `attention` ("auto": the fastest path that runs here; "loop" / "sdpa" the references),
   `sc_topk` (self-conditioning over the top-K tokens, an approximation), the Triton kernels' settings
@@ -41,7 +42,7 @@ class Options:
     sampler: str = "exact"
     fuse_commit: bool | None = None  # None: on where the model runs on a CUDA GPU (`fused`)
     compact_rows: bool | None = None
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None  # None: on a CUDA GPU whose kernels can be captured (`graphs_on`)
     compile: bool = False
     experts: str = "auto"
     attention: str = "auto"
@@ -74,9 +75,10 @@ class Options:
         one_of("precision", PRECISIONS)
         one_of("linears", LINEAR_FORMATS)
         one_of("moe_sum", MOE_SUMS)
-        for name in ("cuda_graphs", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise InputError(f"option {name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.compile, bool):
+            raise InputError(f"option compile must be True or False, got {self.compile!r}")
+        if self.cuda_graphs not in (None, True, False):
+            raise InputError(f"option cuda_graphs must be None (automatic), True or False, got {self.cuda_graphs!r}")
         if self.fuse_commit not in (None, True, False):
             raise InputError(f"option fuse_commit must be None (automatic), True or False, got {self.fuse_commit!r}")
         if self.attention_kernel not in (None, True, False):
@@ -108,6 +110,16 @@ class Options:
         differently from two C-row ones (fp32, last bits), which can flip a near-tie draw a few steps later (5 of
         the 66 seeded cases of benchmarks/token_check.py): the default keeps reference parity there."""
         return self.fuse_commit if self.fuse_commit is not None else device.type == "cuda"
+
+    def graphs_on(self, device: torch.device, capturable: bool) -> bool:
+        """Whether the engine replays the model's passes from CUDA graphs (capturable: its kernels never read the
+        host, `kernels.select.host_syncs`). None (the default) turns them on on a CUDA GPU where they can be
+        captured: a batch-1 step of the 26B model takes 25 ms replayed against 71 ms launched from Python on an H200
+        (benchmarks/results/2026-11-26-h200-engine.md), the same tokens; off on a CPU, where there is nothing to
+        capture. True asks for them (on a CPU: the fixed-shape passes without capture, the tests' plumbing)."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return device.type == "cuda" and capturable
 
     def merges(self) -> bool:
         """Whether each layer's q/k/v (q/k in a full layer) and gate/up projections run as one GEMM each (inference;

@@ -114,6 +114,36 @@ def test_compile_flag_compiles_the_loaded_blocks_and_refuses_the_references(mode
         load_model(p.parse_args([str(model_dir), "--compile", "--reference-kernels"]))
 
 
+def test_extra_candidates_run_on_the_fixed_shape_passes_and_parse_no_cuda_graphs(model_dir):
+    """`run sudoku`'s extra candidates (rows > 1, one generator) asked for row compaction whenever the
+    `cuda_graphs` option was off, which the fixed-shape passes refuse with one generator: under --compile (those
+    passes, graphs off) a puzzle whose first candidate broke a rule failed. The CLI now asks for compaction only on
+    the module's own passes: the candidates on the compiled blocks' passes give the eager ones' tokens.
+    --cuda-graphs / --no-cuda-graphs set the option; neither leaves it automatic (on a CUDA GPU only)."""
+    import argparse
+
+    from blockpress.cli.run import _generate, add_model_args
+    from blockpress.cli.view import CanvasView, TextRenderer
+    from blockpress.engine.graphs import passes_for
+    from rich.console import Console
+
+    lm = blockpress.load("sudoku", progress=False)
+    ids = lm.tokenizer.encode("hi")
+    kw = dict(max_new_tokens=16, max_denoising_steps=4)
+
+    def candidates():
+        view = CanvasView(TextRenderer(lm.tokenizer), Console(file=io.StringIO()), False)
+        return _generate(lm, ids, kw, torch.Generator().manual_seed(3), view, decode=False, rows=3).sequences
+
+    want = candidates()
+    lm.passes = passes_for(lm.module, lm.passes, False, True, True)  # what compile=True runs (its blocks eager)
+    assert lm.passes is not lm.module and not lm.options.cuda_graphs
+    assert torch.equal(candidates(), want)
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    assert [p.parse_args(a).cuda_graphs for a in ([], ["--cuda-graphs"], ["--no-cuda-graphs"])] == [None, True, False]
+
+
 def test_steps_fixes_steps_per_canvas(model_dir, capsys):
     fixed = run_json(capsys, str(model_dir), "hello", "--max-new-tokens", "48", "--steps", "4")
     assert fixed["stats"]["steps_per_canvas"] == [4, 4, 4]

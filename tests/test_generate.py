@@ -486,6 +486,28 @@ def test_fused_commit_is_on_by_default_on_a_gpu_only(bp, monkeypatch):
     assert counts == {"encode": 2}  # the prompt, then a commit pass of its own (a CPU model)
 
 
+def test_cuda_graphs_are_on_by_default_on_a_gpu_whose_kernels_can_be_captured():
+    """cuda_graphs=None (the default) replays the passes from CUDA graphs where the model runs on a CUDA GPU and no
+    experts kernel reads the host (those cannot be captured: then the passes launch from Python, rather than fail);
+    never on a CPU. Explicit values win; anything else is refused in one line."""
+    from blockpress.kernels.select import host_syncs
+    from blockpress.options import Options
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert Options().cuda_graphs is None
+    assert Options().graphs_on(cuda, True) is True and Options().graphs_on(cpu, True) is False
+    assert Options().graphs_on(cuda, False) is False
+    assert Options(cuda_graphs=False).graphs_on(cuda, True) is False
+    assert Options(cuda_graphs=True).graphs_on(cpu, True) is True  # the plumbing without capture (the tests')
+    with pytest.raises(blockpress.InputError, match="cuda_graphs must be None"):
+        Options().replace(cuda_graphs="yes")
+    lm = blockpress.load("sudoku", progress=False)
+    assert lm.passes is lm.module  # a CPU: the module's own passes
+    assert not host_syncs(lm.module) and Options().graphs_on(cuda, not host_syncs(lm.module))
+    lm.configure(experts="loop")  # the reference reads each expert's token count on the host
+    assert host_syncs(lm.module) and not Options().graphs_on(cuda, not host_syncs(lm.module))
+
+
 def test_temperature_schedule_is_the_reference_formula_bit_for_bit():
     """The device-resident schedule gives, entry by entry, the reference's scalar fp32 arithmetic
     tau = t_min + (t_max - t_min) * (n / N) with n an int32 tensor."""

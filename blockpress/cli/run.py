@@ -126,9 +126,10 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
                         "instead of the fast kernels: the same function up to rounding, for checking a fast path")
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     if cuda_graphs:
-        p.add_argument("--cuda-graphs", action="store_true",
-                       help="CUDA GPU: replay every denoising step and commit from a CUDA graph captured on first "
-                            "use (takes the ~1,800 kernel launches of each 26B pass off the host's path)")
+        p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                       help="replay every denoising step and commit from a CUDA graph captured on first use (takes "
+                            "the ~1,800 kernel launches of each 26B pass off the host's path; default: on a CUDA GPU "
+                            "whose kernels can be captured; --no-cuda-graphs launches each pass from Python)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True, server: bool = False) -> None:
@@ -241,7 +242,7 @@ def load_model(args):
         from .threads import CpuWatch
 
         watch = CpuWatch()
-    graphs = getattr(args, "cuda_graphs", False)
+    graphs = getattr(args, "cuda_graphs", None)
     if graphs:
         from ..errors import InputError
         from ..loading import parse_device
@@ -268,8 +269,8 @@ def load_model(args):
         from ..train.lora import apply_adapter
 
         apply_adapter(lm, args.adapter, merge=args.merge_adapter)
-    if compile_ or graphs:  # after the adapter: the graphs capture (and compile traces) the model as it will run
-        lm.configure(compile=compile_, cuda_graphs=graphs)
+    if compile_ or graphs is not None:  # after the adapter: the graphs capture (and compile traces) the model as it
+        lm.configure(compile=compile_, cuda_graphs=graphs)  # will run (by default they capture on first use, after it)
     return lm
 
 
@@ -424,7 +425,7 @@ def _generate(lm, ids, kw, gen, view, decode: bool, rows: int = 1):
     import blockpress
 
     decoder = lm.tokenizer.stream_decoder(skip_special_tokens=True) if decode and lm.tokenizer else None
-    compact = True if rows > 1 and not lm.options.cuda_graphs else None
+    compact = True if rows > 1 and lm.passes is lm.module else None
     with view:
         for ev in lm.stream([ids] * rows, generator=gen, drafts=view.live_on, compact_rows=compact, **kw):
             if isinstance(ev, blockpress.Draft):

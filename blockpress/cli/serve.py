@@ -18,7 +18,7 @@ from .run import (MAX_STEPS, _float_in, _int_in, _positive_int, add_model_args, 
 
 
 def add_parser(p) -> None:
-    # --cuda-graphs: the worker keeps its cache in slots that the graphs of every batch size share
+    # CUDA graphs (on a GPU by default): the worker keeps its cache in slots that the graphs of every batch size share
     add_model_args(p, default="the shipped chat model, assistant")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default: 8000)")
@@ -159,8 +159,8 @@ def main(args) -> int:
         except Exception as e:  # noqa: BLE001 - one line for the user, not a traceback from inside a kernel
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise BlockpressError(f"a first short generation failed on {lm.module.device} ({type(e).__name__}: {why}); "
-                                  "with less GPU memory than the model needs, try --precision int4 --linears int8; "
-                                  "with --cuda-graphs, try without") from None
+                                  "with less GPU memory than the model needs, try --precision int4 --linears int8, "
+                                  "or without CUDA graphs: --no-cuda-graphs") from None
     worker.start()
     print(f"blockpress: serving '{name}' on http://{args.host}:{args.port} (web page at /, API at /v1)", flush=True)
     try:

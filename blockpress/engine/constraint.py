@@ -46,11 +46,17 @@ TOP_K = 16  # candidates per position read from the device each step; the masked
 _OPEN, _OTHER = 8, 9  # ranks of tokens that open a structure and of everything else (see _rank)
 
 
-def _llguidance():
-    try:
-        import llguidance
-    except ImportError:
-        raise InputError("structured output needs llguidance: pip install 'blockpress[structured]'") from None
+def structured_extra() -> bool:
+    """Whether llguidance (the `structured` extra, the grammar engine) is installed: the one check of it."""
+    return importlib.util.find_spec("llguidance") is not None
+
+
+def _llguidance(need: str = "structured output needs", hint: str = ""):
+    """The llguidance module, or an InputError "NEED llguidance: pip install ...HINT"."""
+    if not structured_extra():
+        raise InputError(f"{need} llguidance: pip install 'blockpress[structured]'{hint}")
+    import llguidance
+
     return llguidance
 
 
@@ -133,9 +139,8 @@ def reply_grammar(tokenizer, tools: list[dict] | None, forced: str | None = None
         what = "strict tools" if forced is None else "a forced tool call (tool_choice)"
         raise InputError(f"an output grammar (response_format, json_schema, json_object, regex or grammar) and {what} "
                          "cannot be combined; drop one")
-    if forced is None and importlib.util.find_spec("llguidance") is None:
-        raise InputError("strict tools need llguidance: pip install 'blockpress[structured]' (or send the tools "
-                         "without strict)")
+    if forced is None:
+        _llguidance("strict tools need", " (or send the tools without strict)")
     ids = {m: tokenizer.token_to_id(m) for m in ("<|tool_call>", "<tool_call|>", '<|"|>')}
     if ids["<|tool_call>"] is None or ids["<tool_call|>"] is None:
         raise InputError("this model's tokenizer has no tool-call tokens (<|tool_call>, <tool_call|>): it cannot "

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
-import importlib.util
 import json
 import math
 import re
@@ -578,9 +577,9 @@ class OpenAIServing:
         against its parameters schema; `strict` tools under "auto", the reply's calls valid (a 400 without the
         structured extra, or beside response_format). Constrained while it is denoised (engine/constraint.py).
         None for a free reply, or a forced call without llguidance."""
-        from ..engine.constraint import Constraint, reply_grammar
+        from ..engine.constraint import Constraint, reply_grammar, structured_extra
 
-        if req.forced_tool is not None and importlib.util.find_spec("llguidance") is None:
+        if req.forced_tool is not None and not structured_extra():
             return None  # the call's opening is held instead (tool_call_prefix)
         try:
             rule = reply_grammar(self.tok, req.offered_tools, req.forced_tool, sampling.grammar is not None)

@@ -58,6 +58,13 @@ model, on CPU.
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 23 --out runs/chat-subref-model --threads 2
     python3 scripts/finetune_chat.py --stage 24 --out runs/chat-soup24
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 25 --out runs/chat-soup24-sub --threads 2
+    python3 scripts/prepare_chat.py --out runs/chat-talk --mix-seed 26 --drill 0.75 --drills smalltalk --n 48000 \
+        --holdout-val --teach-tables --sub-working zeros
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 26 --out runs/chat-talk-model --threads 2
+    python3 scripts/prepare_chat.py --out runs/chat-talk2 --mix-seed 27 --drill 0.75 --drills smalltalk-more \
+        --n 48000 --holdout-val --teach-tables --sub-working zeros
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 27 --out runs/chat-talk2-model --threads 2
+    python3 scripts/finetune_chat.py --stage 28 --out runs/chat-soup28    # the mean of stage 20 (shipped then) and 27
 
 Stages 4 to 10 are experiments toward the conversions goal; none beat stage 3 on unseen questions, so none is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7 to §9). Stage 4 first grows stage 3's model to 8 layers
@@ -131,10 +138,13 @@ STAGES = {
     20: ("runs/chat-sub2", "runs/chat-sub-model/checkpoint-0001500", 1500, 22),
     23: ("runs/chat-subref", "runs/chat-sub2-model/checkpoint-0001500", 1500, 23),
     25: ("runs/chat-sub2", "runs/chat-soup24", 600, 25),
+    26: ("runs/chat-talk", "runs/chat-sub2-model/checkpoint-0001500", 800, 26),
+    27: ("runs/chat-talk2", "runs/chat-talk-model/checkpoint-0000800", 1500, 27),
 }
 OVERRIDES = {8: ["--lr", "3e-4"], 14: ["--lr", "3e-4"], 18: ["--lr", "3e-4"], 19: ["--lr", "3e-4"],
              20: ["--lr", "3e-4"], 23: ["--lr", "3e-4"],
-             25: ["--lr", "1.5e-4"]}  # stage: flags in place of COMMON's
+             25: ["--lr", "1.5e-4"], 26: ["--lr", "2e-4", "--save-every", "400"],
+             27: ["--lr", "4e-4", "--save-every", "500"]}  # stage: flags in place of COMMON's
 
 
 def stage_args(stage: int) -> list[str]:
@@ -149,7 +159,8 @@ GROW = {4: ("runs/chat-goals-model/checkpoint-0003000", "runs/chat-deep-init")} 
 SOUPS = {17: ("runs/chat-tables-model/checkpoint-0001500", "runs/chat-tables2-model/checkpoint-0001500"),
          21: ("runs/chat-sub-model/checkpoint-0001500", "runs/chat-refuse-model/checkpoint-0001500"),
          22: ("runs/chat-sub2-model/checkpoint-0001500", "runs/chat-refuse-model/checkpoint-0001500"),
-         24: ("runs/chat-sub2-model/checkpoint-0001500", "runs/chat-subref-model/checkpoint-0001500")}
+         24: ("runs/chat-sub2-model/checkpoint-0001500", "runs/chat-subref-model/checkpoint-0001500"),
+         28: ("runs/chat-sub2-model/checkpoint-0001500", "runs/chat-talk2-model/checkpoint-0001500")}
 
 
 def soup(sources, out: str) -> None:

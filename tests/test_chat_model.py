@@ -24,7 +24,7 @@ from blockpress.train.data import chat_example
 
 pytestmark = pytest.mark.no_grad
 ASSET = SHIPPED_MODELS["assistant"]
-KINDS = list(dialogs.KINDS)
+KINDS = list(dialogs.KINDS) + ["smalltalk"]  # small talk: asked by drill sets only
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +131,10 @@ def test_drill_mixes_keep_out_heldout_questions_and_ask_their_rows(drills):
         assert len(subs) >= 0.25 * len(mix) and sum(s < 10 for s in subs) >= 0.3 * len(subs)
     if drills == "refusals":  # requests no declared tool fits while others are declared, 1 in 4 drills; calls too
         assert len(offered) >= 0.18 * len(mix) and rows.count("tool call") >= 0.18 * len(mix)
+    if drills == "smalltalk":  # greetings, thanks, ... 8 in 100 drills (~6 % of the mix), every kind of them
+        talk = [d for d in mix if d.expect["row"] == "small talk"]
+        assert 0.03 * len(mix) <= len(talk) <= 0.1 * len(mix)
+        assert {d.expect["answer"] for d in talk} == {reply for _, reply, _ in dialogs.TALK.values()}
     if drills == "sub-refusals":  # both: 2-digit subtraction 2 in 10 drills (half with a one-digit difference),
         assert len(subs) >= 0.12 * len(mix) and sum(s < 10 for s in subs) >= 0.3 * len(subs)
         assert len(offered) >= 0.12 * len(mix) and rows.count("tool call") >= 0.1 * len(mix)  # refusals 2 in 10

@@ -11,7 +11,7 @@ import blockpress
 from blockpress.tasks import assistant
 from blockpress.tasks.assistant import evaluate as ev
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
 ck = sys.argv[1]
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 160
 row = sys.argv[3] if len(sys.argv) > 3 else "sub 2-digit"

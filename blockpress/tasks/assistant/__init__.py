@@ -36,6 +36,7 @@ def strata():
     out = [("skill", lambda r, op=op, d=d: skills.arithmetic(r, op, d)) for op, d in _ARITH]
     out += [("skill", skills.conversion), ("skill", skills.date), ("skill", skills.letters), ("skill", skills.rewrite)]
     out += [("json", None), ("call", None), ("tool_answer", None), ("no_call", None), ("followup", None)]
+    out += [("smalltalk", None)]  # last: the strata before it keep their seeds
     return out
 
 
@@ -167,6 +168,9 @@ _ASKS = {
 #   subtraction: 35 in 100) and requests no tool fits to 1 in 20, for refusals' request whose fitting tool is not
 #   declared (2 in 10), so that a model trained on "subtraction" keeps its differences while it learns the refusals
 #   (stage 23).
+# - smalltalk: subtraction with half its conversions and a fifth of its tool calls given to small talk (greetings,
+#   questions about the assistant, thanks, goodbyes, requests outside its skills: `dialogs.TALK`), 8 in 100
+#   (stage 26); smalltalk-more: 16 in 100, from no_call, tool_answer and the tool calls (stage 27).
 # An entry may name a conversation kind of `dialogs.conversation` ("no_call", "tool_answer", ...) instead of an ask.
 _SHARES = {"goals": [(0.6, "sums"), (0.85, "conversion")],
            "conversions": [(0.4, "sums"), (0.7, "conversion"), (0.85, "product")],
@@ -181,7 +185,11 @@ _SHARES = {"goals": [(0.6, "sums"), (0.85, "conversion")],
            "refusals": [(0.15, "sums"), (0.25, "conversion"), (0.35, "table"), (0.6, "no_call_offered"),
                         (0.7, "tool_answer")],
            "sub-refusals": [(0.1, "sums"), (0.2, "sub"), (0.3, "small difference"), (0.4, "conversion"),
-                            (0.5, "table"), (0.7, "no_call_offered"), (0.75, "no_call"), (0.85, "tool_answer")]}
+                            (0.5, "table"), (0.7, "no_call_offered"), (0.75, "no_call"), (0.85, "tool_answer")],
+           "smalltalk": [(0.1, "sums"), (0.3, "sub"), (0.45, "small difference"), (0.5, "conversion"),
+                         (0.6, "table"), (0.7, "no_call"), (0.8, "tool_answer"), (0.88, "smalltalk")],
+           "smalltalk-more": [(0.1, "sums"), (0.3, "sub"), (0.45, "small difference"), (0.5, "conversion"),
+                              (0.6, "table"), (0.67, "no_call"), (0.74, "tool_answer"), (0.9, "smalltalk")]}
 
 
 def _shared_drill(shares: list, rng: random.Random) -> tuple[str, skills.Item | None]:

@@ -187,7 +187,47 @@ def conversation(rng: random.Random, kind: str | None = None, item: sk.Item | No
     thinking = rng.random() < 0.5
     return {"skill": _skill, "json": _json, "call": _call, "tool_answer": _tool_answer, "no_call": _no_call,
             "no_call_offered": functools.partial(_no_call, offered=True),
-            "followup": _followup}[kind](rng, thinking, item)
+            "followup": _followup, "smalltalk": _smalltalk}[kind](rng, thinking, item)
+
+
+# ------------------------------------------------------------------------------------------- small talk
+# What people type first to a chat model, each with the one reply the assistant gives (and its working): a closed
+# set of phrasings, so the eval's "small talk" row measures that a seen kind of message gets its reply. Not in
+# KINDS (the from-scratch stream is unchanged); drill sets ask for it (`smalltalk`).
+TALK = {  # intent: (phrasings, reply, working); the replies short: a tiny model learns a long new one slowly
+    "greet": (["Hi", "Hello", "Hey", "Hi there", "Hello there", "Hey there", "Good morning", "Good afternoon",
+               "Good evening", "Greetings", "Howdy"], "Hello! How can I help?", "A greeting: I greet back."),
+    "how": (["How are you?", "How are you doing?", "How's it going?", "How are you today?", "Are you well?"],
+            "I am well, thank you!", "A friendly question: I answer briefly."),
+    "who": (["Who are you?", "What are you?", "What is your name?", "What's your name?", "Are you a robot?",
+             "Introduce yourself.", "Tell me about yourself."], "I am a small assistant.",
+            "A question about me: I say what I am."),
+    "can": (["What can you do?", "How can you help?", "How can you help me?", "What are you good at?",
+             "What do you do?", "Help", "Help me.", "What are your skills?"],
+            "I do arithmetic, units, letters and dates.", "A question about my skills: I name them."),
+    "thanks": (["Thanks", "Thank you", "Thanks a lot", "Thank you very much", "Great, thanks", "Cheers",
+                "Thanks for the help"], "You're welcome!", "Thanks: I say you're welcome."),
+    "bye": (["Bye", "Goodbye", "See you", "See you later", "Bye for now", "Good night"], "Goodbye!",
+            "A goodbye: I say goodbye."),
+    "other": (["Tell me a joke.", "Write a poem.", "Write a story.", "Sing a song.", "What is the capital of France?",
+               "Who won the World Cup?", "What is the meaning of life?", "Recommend a book.",
+               "Translate hello into French.", "What is love?", "Draw a cat.", "Who is the president?",
+               "Write me an essay.", "What should I eat tonight?", "Explain quantum physics.",
+               "Play a game with me."], "Sorry, I can't help with that.", "A request outside my skills: I say so."),
+}
+
+
+def _smalltalk(rng, thinking, item=None) -> Dialog:
+    """A greeting, a question about the assistant, thanks, a goodbye or a request outside its skills, maybe after an
+    earlier exchange (thanks after an answer), tools that do not fit maybe declared: answered with its reply."""
+    phrasings, reply, working = TALK[rng.choice(list(TALK))]
+    q = rng.choice(phrasings)
+    if q[-1] not in "?.":  # "Hi", "hi!", "Hi."
+        q = (q if rng.random() < 0.7 else q.lower()) + rng.choice(["", "!", "."])
+    prior, keys = _prior(rng)
+    msgs = _lead(rng, thinking) + prior + [{"role": "user", "content": q}, _assistant(reply, working, thinking)]
+    return Dialog(msgs, _tools(rng) if rng.random() < 0.3 else None, thinking,
+                  {"kind": "answer", "row": "small talk", "answer": reply, "thought": thinking}, keys)
 
 
 def _skill(rng, thinking, item=None) -> Dialog:

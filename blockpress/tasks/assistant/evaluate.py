@@ -39,7 +39,7 @@ from ...parsing import STOP_TOKENS, call_ban, parse_output
 
 SKILL_ROWS = ["add 1-digit", "add 2-digit", "add 3-digit", "sub 2-digit", "sub 3-digit", "mul 1x1-digit",
               "mul 2x1-digit", "mul 2x2-digit", "conversion", "date", "letters", "rewrite", "json", "follow-up",
-              "tool answer", "no tool fits"]
+              "tool answer", "no tool fits", "small talk"]
 TOOL_ROWS = ["tool call, valid args", "tool call, right args", "no call when no tool fits",
              "no call, request no tool fits", "answer uses the tool response", "thinking on: well-formed",
              "thinking off: well-formed"]
@@ -182,7 +182,7 @@ def format_table(results: dict[str, dict]) -> str:
         for name in names:
             hit = results[name]["rows"].get(row)
             cells.append("-" if hit is None else f"{100 * hit[0] / hit[1]:.1f} %")
-            n = hit[1] if hit else n
+            n = n or (hit[1] if hit else 0)  # the first column's count (a column may hold fewer strata)
         lines.append(f"| {row} | {n} | " + " | ".join(cells) + " |")
     lines.append("| seconds | | " + " | ".join(f"{results[n]['seconds']:.0f}" for n in names) + " |")
     return "\n".join(lines)

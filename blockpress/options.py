@@ -115,8 +115,8 @@ class Options:
         """Whether the engine replays the model's passes from CUDA graphs (capturable: its kernels never read the
         host, `kernels.select.host_syncs`). None (the default) turns them on on a CUDA GPU where they can be
         captured: a batch-1 step of the 26B model takes 25 ms replayed against 71 ms launched from Python on an H200
-        (benchmarks/results/2026-11-26-h200-engine.md), the same tokens; off on a CPU, where there is nothing to
-        capture. True asks for them (on a CPU: the fixed-shape passes without capture, the tests' plumbing)."""
+        (benchmarks/results/2026-11-26-h200-engine.md): the fixed-shape passes on fixed buffers, the eager engine's
+        tokens in fp32 (bf16 may round otherwise); off on a CPU, where there is nothing to capture. True asks for them (on a CPU: the fixed-shape passes without capture, the tests' plumbing)."""
         if self.cuda_graphs is not None:
             return self.cuda_graphs
         return device.type == "cuda" and capturable

@@ -114,7 +114,7 @@ def test_compile_flag_compiles_the_loaded_blocks_and_refuses_the_references(mode
         load_model(p.parse_args([str(model_dir), "--compile", "--reference-kernels"]))
 
 
-def test_extra_candidates_run_on_the_fixed_shape_passes_and_parse_no_cuda_graphs(model_dir):
+def test_extra_candidates_run_on_the_fixed_shape_passes_and_parse_no_cuda_graphs():
     """`run sudoku`'s extra candidates (rows > 1, one generator) asked for row compaction whenever the
     `cuda_graphs` option was off, which the fixed-shape passes refuse with one generator: under --compile (those
     passes, graphs off) a puzzle whose first candidate broke a rule failed. The CLI now asks for compaction only on

@@ -96,7 +96,10 @@ against calls where it is (`--drills refusals`). Stage 20 gives stage 18 1,500 m
 workings in the "zeros" style (`--sub-working zeros`). Stages 21 and 22 are the means of 18 and 19, and of 20 and 19
 (§13). Stage 23 goes on from stage 20 on refusals and subtraction drills together (`--drills sub-refusals`, the
 "zeros" working), stage 24 is the mean of 20 and 23, and stage 25 gives stage 24 600 steps of stage 20's mix at lr
-1.5e-4 (§14; none is shipped: each cost 2-digit subtraction what it gained in refusals).
+1.5e-4 (§14; none is shipped: each cost 2-digit subtraction what it gained in refusals). Stage 26 goes on from stage
+20 with small talk in the drills (`--drills smalltalk`: greetings, thanks, questions about the assistant, requests
+outside its skills), stage 27 from stage 26 with twice as much (`--drills smalltalk-more`): the shipped model. Stage
+28, the mean of 20 and 27, lost the small talk (benchmarks/results/2026-11-28-cpu-chat-smalltalk.md).
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from

@@ -9,7 +9,7 @@ import sys
 import torch
 
 import blockpress
-from blockpress.tasks.assistant import VAL_SEED, heldout, strata
+from blockpress.tasks.assistant import HELDOUT_SEED, VAL_SEED, heldout, strata
 from blockpress.tasks.assistant.evaluate import evaluate
 
 FIRST = ["Hi", "Hello", "Hello!", "hi there", "Who are you?", "What can you do?", "Thanks!", "Tell me a joke.",
@@ -21,7 +21,7 @@ if __name__ == "__main__":
     model, n = args[0], int(args[1]) if len(args) > 1 else 160
     lm = blockpress.load(model, progress=False)
     s = len(strata()) - 1  # the small-talk stratum is the last
-    dialogs = heldout(n, VAL_SEED if "--val" in sys.argv else "assistant/heldout")[s * n:(s + 1) * n]
+    dialogs = heldout(n, VAL_SEED if "--val" in sys.argv else HELDOUT_SEED)[s * n:(s + 1) * n]
     res = evaluate(lm, dialogs)
     hits, total = res["rows"]["small talk"]
     for d, c in zip(dialogs, res["cases"]):

@@ -51,8 +51,10 @@ LINEARS = "int8-linears"
 # relative error of the experts' output (of each projection's output, for the linears)
 ERR_BUDGET = {"bf16": 0.01, "fp8": 0.08, "int4": 0.25, "int8-linears": 0.02, "fp8-linears": 0.08,
               "fp8-linears-a8": 0.10, MLP4: 0.25}
-# mean KL may be at most this multiple of bf16's (combined formats: the experts format's budget)
-KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, "int8-linears": 2.0, "fp8-linears": 4.0, "fp8-linears-a8": 8.0, MLP4: 8.0}
+# mean KL may be at most this multiple of bf16's (combined formats: the experts format's budget). fp8-linears was
+# 4.0 while the bf16 yardstick also rounded the rotary frequencies to bf16 (load keeps them fp32): a yardstick ~1.3x
+# too wide on the tiny preset (benchmarks/results/2026-11-28-cpu-rope-dtype.md)
+KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, "int8-linears": 2.0, "fp8-linears": 5.0, "fp8-linears-a8": 8.0, MLP4: 8.0}
 
 
 def load_model(args):

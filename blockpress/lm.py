@@ -72,7 +72,21 @@ class BlockDiffusionLM:
         return self.module.dtype
 
     def to(self, device=None, dtype=None) -> "BlockDiffusionLM":
+        """Move the model to `device` and/or cast it to `dtype`. What `load` decides from the device and dtype is
+        decided again: the kernels (`experts="auto"` and the rest) and the CUDA-graphs default; passes captured or
+        buffers held for the old ones are dropped. Quantized weights keep their format, so a model loaded with
+        precision or linears other than "native" refuses a new dtype (load it again with that dtype)."""
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else dtype
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise InputError(f"to(dtype={dtype!r}): not a torch dtype; use e.g. torch.bfloat16 or 'float32'")
+        quantized = [f"{k}={getattr(self.options, k)!r}" for k in ("precision", "linears")
+                     if getattr(self.options, k) != "native"]
+        if dtype is not None and dtype != self.dtype and quantized:
+            raise InputError(f"to(dtype={dtype}): this model holds quantized weights ({', '.join(quantized)}), "
+                             f"which a cast would corrupt; load it again with dtype={str(dtype)[6:]!r}")
         self.module.to(device=device, dtype=dtype)
+        self.passes = self.module  # graphs and buffers of the old device or dtype are not reused
+        self._apply(None, self.options)
         return self
 
     def generation_config(self, **overrides) -> GenerationConfig:
@@ -170,9 +184,9 @@ class BlockDiffusionLM:
                 return None
             ban = TokenBan(suppress_tokens, self.module.text.vocab_size)  # no state: one for every row
             return [ban] * rows
-        tok = self._need_tokenizer()
-        return [Constraint(spec, tok, cfg.eos_token_id, self.module.text.vocab_size, cfg.max_new_tokens, guarded)
-                for _ in range(rows)]
+        first = Constraint(spec, self._need_tokenizer(), cfg.eos_token_id, self.module.text.vocab_size,
+                           cfg.max_new_tokens, guarded)  # compiled once; the other rows start from copies
+        return [first] + [first.clone() for _ in range(rows - 1)]
 
     def generate(self, input_ids, attention_mask=None, generator=None, cache=None,
                  decoder_input_ids=None, self_conditioning_logits=None, sampler: str | None = None,

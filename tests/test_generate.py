@@ -508,6 +508,37 @@ def test_cuda_graphs_are_on_by_default_on_a_gpu_whose_kernels_can_be_captured():
     assert host_syncs(lm.module) and not Options().graphs_on(cuda, not host_syncs(lm.module))
 
 
+def test_to_decides_the_kernels_and_passes_again_for_the_new_dtype():
+    """`lm.to(...)` chooses the kernels as `load` would for the new device and dtype (on this CPU the experts' auto
+    kernel is the grouped GEMM in fp32 and the dense one in fp16), drops fixed-shape passes built for the old ones,
+    and generates what a model loaded in that dtype generates. A quantized model refuses a cast in one line."""
+    from blockpress.engine.graphs import GraphedPasses
+    from blockpress.kernels.select import kernel_of
+
+    def experts(lm):
+        return kernel_of(lm.module.layers[0].experts.kernel)
+
+    lm = blockpress.load("kjv", progress=False, cuda_graphs=True)  # the fixed-shape passes (no capture on a CPU)
+    old = lm.passes
+    assert isinstance(old, GraphedPasses) and experts(lm) == "grouped"
+    lm.to(dtype=torch.float16)
+    fresh = blockpress.load("kjv", progress=False, dtype="float16", cuda_graphs=True)
+    assert lm.dtype == torch.float16 and experts(lm) == experts(fresh) == "dense"
+    assert lm.module.inv_freq_full_attention.dtype == torch.float32  # the rotary frequencies are not cast (as loaded)
+    assert isinstance(lm.passes, GraphedPasses) and lm.passes is not old and lm.passes.module is lm.module
+    ids = [fresh.tokenizer.encode("In the beginning God")]
+    outs = [m.generate(ids, max_new_tokens=8, generator=torch.Generator().manual_seed(1)).new_tokens
+            for m in (lm, fresh)]
+    assert torch.equal(*outs)
+    lm.to(dtype="float32")
+    assert experts(lm) == "grouped" and lm.dtype == torch.float32
+    q = blockpress.load("kjv", progress=False, precision="int4")
+    with pytest.raises(blockpress.InputError, match="quantized weights.*load it again with dtype='float16'"):
+        q.to(dtype=torch.float16)
+    with pytest.raises(blockpress.InputError, match="not a torch dtype"):
+        q.to(dtype="half-ish")
+
+
 def test_temperature_schedule_is_the_reference_formula_bit_for_bit():
     """The device-resident schedule gives, entry by entry, the reference's scalar fp32 arithmetic
     tau = t_min + (t_max - t_min) * (n / N) with n an int32 tensor."""

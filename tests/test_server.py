@@ -228,21 +228,30 @@ def test_structured_output_through_the_openai_client(client):
     assert re.fullmatch("[A-Z]{2}-[0-9]{3}", c.choices[0].text), c.choices[0].text
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"response_format": {"type": "xml"}}, "not one of text, json_object, json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs"),
+FORCED_F = {"tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+
+
+@pytest.mark.parametrize("body, needle, param", [
+    ({"response_format": {"type": "xml"}}, "not one of text, json_object, json_schema", "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs", "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "string", "format": "no-such-format"}}}}, "Unknown format"),
-    ({"regex": "(?<=a)b"}, "look-around"),
-    ({"regex": "a", "response_format": {"type": "json_object"}}, "give one of"),
-    ({"response_format": {"type": "json_object"}, "max_tokens": 1}, "too small"),
-    ({"response_format": {"type": "json_object"}, "tool_choice": "required",
-      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "cannot be"),
+        "type": "string", "format": "no-such-format"}}}}, "Unknown format", "response_format"),
+    ({"regex": "(?<=a)b"}, "look-around", "response_format"),
+    ({"regex": "a", "response_format": {"type": "json_object"}}, "give one of", "response_format"),
+    ({"response_format": {"type": "json_object"}, "max_tokens": 1}, "max_tokens=1 is too small", "max_tokens"),
+    ({"response_format": {"type": "json_object"}, **FORCED_F}, "cannot be", "response_format"),
+    ({**FORCED_F, "max_tokens": 3}, "max_tokens=3 is too small", "max_tokens"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "format": "no-such-format"}}}}}]},
+     "a tool's parameters schema cannot be used", "tools"),
 ])
-def test_structured_output_errors_name_the_problem(server, body, needle):
+def test_structured_output_errors_name_the_problem(server, body, needle, param):
+    """A grammar that cannot be used is a 400 naming the field it came from; one whose shortest output does not fit
+    names max_tokens (a forced tool call's grammar too)."""
     pytest.importorskip("llguidance")
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 32, **body}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert needle in r.json()["error"]["message"], r.text
 
 

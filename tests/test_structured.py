@@ -100,6 +100,24 @@ def test_same_seed_same_output_streamed_batched_and_across_canvases(lm):
     jsonschema.validate(json.loads(lm.decode_new(alone)), schema)
 
 
+def test_a_clone_starts_where_its_constraint_is_and_keeps_its_own_state(lm):
+    """A request's rows share one compile: `clone` copies the grammar state. The clone of a fresh constraint walks
+    as a newly compiled one does, and tokens committed to one of the two leave the other where it was."""
+    from blockpress.engine.constraint import Constraint, grammar_for
+
+    spec = grammar_for(json_schema={"type": "array", "items": {"type": "integer"}, "minItems": 2})
+    made = lambda: Constraint(spec, lm.tokenizer, [1], lm.config.text.vocab_size, 64)  # noqa: E731
+    first, fresh = made(), made()
+    twin = first.clone()
+    z = torch.randn(8, lm.config.text.vocab_size, generator=torch.Generator().manual_seed(0))
+    y = z.argmax(-1)
+    walked = fresh.walk(z, y)
+    assert twin.walk(z, y) == walked
+    first.advance(walked[0][:3])
+    assert twin.written == 0 and first.written == 3
+    assert twin.walk(z, y) == walked and first.walk(z, y) != walked
+
+
 def test_errors_name_the_problem(lm):
     with pytest.raises(InputError, match="Unknown format"):
         _gen(lm, 0, json_schema={"type": "string", "format": "no-such-format"}, max_new_tokens=16)

@@ -32,6 +32,7 @@ from the committed tokens (`advance`).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from functools import lru_cache
@@ -272,6 +273,10 @@ def _vocabulary(tokenizer, stop_ids: tuple[int, ...], vocab_size: int) -> Vocabu
     return Vocabulary(tokenizer, stop_ids, vocab_size)
 
 
+class GrammarBudgetError(InputError):
+    """The grammar's shortest output does not fit in max_new_tokens (the fix is the budget, not the grammar)."""
+
+
 class Constraint:
     """One row's grammar and its state after the row's committed tokens."""
 
@@ -299,9 +304,16 @@ class Constraint:
         need = self.shortest_close(self.matcher.deep_copy())
         if need > max_new_tokens:
             size = f"{need} tokens" if need < 10**9 else f"more than {self.CLOSE_LIMIT} tokens"
-            raise InputError(f"max_new_tokens={max_new_tokens} is too small for this grammar: its shortest output "
-                             f"and stop take {size}; raise max_new_tokens" + ("" if need < 10**9 else
-                                                                               " or loosen the grammar"))
+            raise GrammarBudgetError(f"max_new_tokens={max_new_tokens} is too small for this grammar: its shortest "
+                                     f"output and stop take {size}; raise max_new_tokens"
+                                     + ("" if need < 10**9 else " or loosen the grammar"))
+
+    def clone(self) -> "Constraint":
+        """Another row's constraint in this one's state, without compiling the grammar again (a request's n choices
+        share one compile)."""
+        out = copy.copy(self)
+        out.matcher = self.matcher.deep_copy()
+        return out
 
     def _draft_fits(self, m, t: int, draft: list[int]) -> bool:
         """Whether the grammar, after t, takes every token of the draft."""
@@ -418,6 +430,10 @@ class TokenBan:
         alt = cand.gather(-1, (~torch.isin(cand, banned)).float().argmax(-1, keepdim=True))[:, 0]
         a = torch.where(torch.isin(a, banned), alt, a)
         return a, torch.where(torch.isin(y, banned), a, y), 0
+
+    def clone(self) -> "TokenBan":
+        """Stateless: one ban serves every row."""
+        return self
 
     def advance(self, tokens: list[int]) -> None:
         """Nothing to carry from one canvas to the next."""

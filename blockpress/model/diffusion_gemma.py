@@ -124,7 +124,11 @@ class DiffusionGemmaModel(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half(): the memoised rotary tables are stale
         self._rope_memo.clear()
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        inv = getattr(self, f"inv_freq_{SLIDING}")
+        if inv.dtype != torch.float32:  # a cast: the rotary frequencies stay fp32 (as built and loaded), computed again
+            self.materialize_buffers(inv.device)
+        return out
 
     def materialize_buffers(self, device) -> None:
         """Recompute the non-persistent rotary tables (after building on the meta device)."""

@@ -151,6 +151,7 @@ class Sampling:
     grammar: str | None = None  # the compiled grammar the output obeys (response_format, regex, grammar, tools that
     # force a call or are strict); None: free
     guarded: tuple[int, ...] = ()  # tokens the grammar writes only where the draft after them fits (Constraint)
+    grammar_param: str = "response_format"  # the request field the grammar came from (a 400 names it): or "tools"
     suppress: list[int] | None = None  # token ids the output may not hold where no grammar is given (a chat
     # request that offers no tool: the opening of a tool call, parsing.call_ban)
 

@@ -386,12 +386,12 @@ class OpenAIServing:
         return out
 
     def _submit(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None,
-                prompt_field: str = "messages") -> _Run:
+                prompt_field: str = "messages", constraint=None) -> _Run:
         if len(ids) > self.limits.max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this server's limit is "
                            f"{self.limits.max_prompt_tokens}", param=prompt_field, code="context_length_exceeded")
         job = Job(ids, sampling.cfg, seed=sampling.seed, drafts=sampling.include_drafts, fixed_tokens=fixed_tokens,
-                  logprobs=sampling.logprobs, constraint=self._constraint(sampling))
+                  logprobs=sampling.logprobs, constraint=constraint)
         try:
             handle = self.worker.submit(job, loop=asyncio.get_running_loop())
         except QueueFull as e:
@@ -404,18 +404,22 @@ class OpenAIServing:
         return _Run(handle, len(ids))
 
     def _constraint(self, sampling: Sampling):
-        """A fresh grammar state for one row of a request with structured output; else the ban of
-        `sampling.suppress`; or None."""
-        from ..engine.constraint import Constraint, TokenBan
+        """The grammar state of a request with structured output (compiled once; each choice runs a `clone`); else
+        the ban of `sampling.suppress`; or None. A grammar that cannot be used is a 400 naming its field."""
+        from ..engine.constraint import Constraint, GrammarBudgetError, TokenBan
 
         if sampling.grammar is None:
             return TokenBan(sampling.suppress, self.lm.config.text.vocab_size) if sampling.suppress else None
-
         try:
             return Constraint(sampling.grammar, self.tok, sampling.cfg.eos_token_id, self.lm.config.text.vocab_size,
                               sampling.cfg.max_new_tokens, sampling.guarded)
-        except BlockpressError as e:
-            raise APIError(400, str(e), param="response_format", code="invalid_value") from None
+        except GrammarBudgetError as e:
+            raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"), param="max_tokens",
+                           code="invalid_value") from None
+        except (ValueError, BlockpressError) as e:
+            if sampling.grammar_param == "tools":
+                raise APIError(400, f"a tool's parameters schema cannot be used: {e}", param="tools") from None
+            raise APIError(400, str(e), param=sampling.grammar_param, code="invalid_value") from None
 
     async def _events(self, run: _Run, asm: OutputAssembler, disconnected: Disconnected | None):
         """Engine events for one request until it is complete or the text is done (stop string,
@@ -499,10 +503,12 @@ class OpenAIServing:
                         prompt_field: str = "messages") -> list[_Run]:
         """One run per choice (`n`), choice i seeded with seed + i; all or none are admitted."""
         runs: list[_Run] = []
+        constraint = self._constraint(sampling)
         try:
             for i in range(sampling.n):
                 runs.append(self._submit(ids, dataclasses.replace(sampling, seed=sampling.choice_seed(i)),
-                                         fixed_tokens, prompt_field))
+                                         fixed_tokens, prompt_field, constraint if i == 0 or constraint is None
+                                         else constraint.clone()))
         except APIError:
             for r in runs:
                 self._release(r)
@@ -568,31 +574,25 @@ class OpenAIServing:
             return dataclasses.replace(sampling, suppress=call_ban(self.tok, None)), None
         rule = self.tool_call_grammar(req, sampling)
         if rule is not None:
-            return dataclasses.replace(sampling, grammar=rule[0], guarded=rule[1]), None
+            return dataclasses.replace(sampling, grammar=rule[0], guarded=rule[1], grammar_param="tools"), None
         return sampling, self.tool_call_prefix(req.forced_tool)
 
     def tool_call_grammar(self, req: ChatCompletionRequest, sampling: Sampling) -> tuple[str, tuple[int, ...]] | None:
         """The grammar (and its guarded tokens) of the reply's tool calls: tool_choice "required" / named with the
         structured extra installed, exactly one call of an offered tool (the named one), its arguments valid
         against its parameters schema; `strict` tools under "auto", the reply's calls valid (a 400 without the
-        structured extra, or beside response_format). Constrained while it is denoised (engine/constraint.py).
-        None for a free reply, or a forced call without llguidance."""
-        from ..engine.constraint import Constraint, reply_grammar, structured_extra
+        structured extra, or beside response_format). Constrained while it is denoised (engine/constraint.py; a
+        schema it cannot use is a 400 naming `tools` when the request is submitted). None for a free reply, or a
+        forced call without llguidance."""
+        from ..engine.constraint import reply_grammar, structured_extra
 
         if req.forced_tool is not None and not structured_extra():
             return None  # the call's opening is held instead (tool_call_prefix)
         try:
-            rule = reply_grammar(self.tok, req.offered_tools, req.forced_tool, sampling.grammar is not None)
+            return reply_grammar(self.tok, req.offered_tools, req.forced_tool, sampling.grammar is not None)
         except InputError as e:  # beside response_format, or strict tools without llguidance
             raise APIError(400, str(e), param="response_format" if sampling.grammar is not None else "tools",
                            code="invalid_value") from None
-        try:
-            if rule is not None:
-                Constraint(rule[0], self.tok, [self.tok.token_to_id("<turn|>")], self.lm.config.text.vocab_size,
-                           10**6)
-        except (ValueError, BlockpressError) as e:  # checked here, so the 400 names `tools`
-            raise APIError(400, f"a tool's parameters schema cannot be used: {e}", param="tools") from None
-        return rule
 
     def tool_call_prefix(self, tool: str | None) -> list[int] | None:
         """tool_choice "required" / named without the structured extra, done the diffusion way: the opening of a

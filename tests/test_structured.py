@@ -73,6 +73,20 @@ def test_regex_lark_and_json_object(lm):
     assert isinstance(json.loads(text), dict)
 
 
+@pytest.mark.parametrize("pattern", [r"[0-9]+ apples", r"[a-z]{2,5}(, [0-9]+)*\.", r"x[0-9]+y[0-9]+z"])
+def test_grammars_whose_closest_tokens_go_round_still_close_in_a_small_budget(lm, pattern):
+    """Taking the soonest-closing token at each step can go round (a digit, then another, where the pattern ends
+    with a word; a comma and a number again and again before the dot): such grammars were refused as needing more
+    than 4096 tokens. The closing path now tries again with what it kept choosing put last."""
+    from blockpress.engine.constraint import Constraint, grammar_for
+
+    c = Constraint(grammar_for(regex=pattern), lm.tokenizer, [1], lm.config.text.vocab_size, 12)
+    assert c.path is not None and len(c.path) < 12
+    for seed in range(3):
+        _, text = _gen(lm, seed, regex=pattern, max_new_tokens=12)
+        assert re.fullmatch(pattern, text), text
+
+
 def test_same_seed_same_output_streamed_batched_and_across_canvases(lm):
     """Reproducible per seed; streaming gives generate's tokens; a constrained row gives the same tokens alone
     and beside another row (per-row generators and grammar states); the grammar state carries across canvases
@@ -116,6 +130,109 @@ def test_a_clone_starts_where_its_constraint_is_and_keeps_its_own_state(lm):
     first.advance(walked[0][:3])
     assert twin.written == 0 and first.written == 3
     assert twin.walk(z, y) == walked and first.walk(z, y) != walked
+
+
+def _spelled(V: int, ids: list[int], C: int, stop: int = 1) -> torch.Tensor:
+    """Logits [C, V] whose argmax spells `ids`, then the stop id."""
+    z = torch.zeros(C, V)
+    for j, t in enumerate(ids + [stop] * (C - len(ids))):
+        z[j, t] = 10.0
+    return z
+
+
+def test_a_walk_keeps_the_argmax_where_the_grammar_allows_it_numbers_included(lm):
+    """Where the model's argmax is a valid output (the schema's properties in its order) and the budget is ample,
+    the walk changes nothing: multi-digit numbers included. (Digits once ranked as closing sooner than a comma, so the closing path from inside a number
+    was digits without end; every number the model began was cut to the grammar's first digit, "value": 0.)"""
+    from blockpress.engine.constraint import Constraint, grammar_for
+
+    tok, V = lm.tokenizer, lm.config.text.vocab_size
+    schema = {"type": "object", "properties": {"value": {"type": "integer"}, "unit": {"type": "string"},
+                                               "rate": {"type": "number"}, "n": {"type": "array", "items": {
+                                                   "type": "integer"}}}, "required": ["value", "unit"]}
+    for text in ['{"value": 3000, "unit": "m"}', '{"value": 19, "unit": "km", "rate": -0.25, "n": [12, 345]}',
+                 '{"value": 7, "unit": ""}']:
+        ids = tok.encode(text)
+        c = Constraint(grammar_for(json_schema=schema), tok, [1], V, 96)
+        z = _spelled(V, ids, len(ids) + 6)
+        walked, drawn, _ = c.walk(z, z.argmax(-1))
+        assert walked == drawn == ids + [1] * 6, tok.decode(walked)
+
+
+def test_the_closing_path_is_valid_kept_across_commits_and_fits_the_budget(lm):
+    """Any draft, any budget the grammar can close in: the walked canvases always close with their stop within
+    max_new_tokens and parse; the path kept at a commit is the one its walk ended on, and it closes the grammar."""
+    from blockpress.engine.constraint import Constraint, grammar_for
+
+    tok, V = lm.tokenizer, lm.config.text.vocab_size
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6},
+                                               "c": {"type": "array", "items": {"type": "number"}}},
+              "required": ["a", "b", "c"]}
+    g = torch.Generator().manual_seed(0)
+    for budget in (27, 31, 40, 64):  # 27: the shortest output and its stop
+        for trial in range(3):
+            c = Constraint(grammar_for(json_schema=schema), tok, [1], V, budget)
+            out = []
+            while not c.ended and len(out) < budget:
+                z = torch.randn(16, V, generator=g) * 4
+                z[:, torch.randint(3, V, (1,), generator=g)] += 2  # a token the draft favours everywhere
+                for _ in range(3):  # three steps of one canvas, the last one committed
+                    walked, _, _ = c.walk(z, z.argmax(-1))
+                    z = z + torch.randn(16, V, generator=g)
+                c.advance(walked)
+                out += walked
+                if not c.ended:
+                    m = c.matcher.deep_copy()
+                    assert c.path is not None and m.consume_tokens(c.path) and m.is_accepting()
+            text = tok.decode([t for t in out[:out.index(1)]] if 1 in out else out)
+            assert 1 in out[:budget], (budget, text)
+            parsed = json.loads(text)
+            assert {"a", "b", "c"} <= set(parsed) and isinstance(parsed["a"], int), text
+
+
+@pytest.mark.gpu
+def test_a_walk_over_logits_on_the_gpu_is_the_walk_on_the_cpu(lm):
+    """The step's logits live on the device: the walk's masked argmax (where none of the top candidates is allowed,
+    as letters where a number must start) reads them there, and walks as it does over the same logits on the CPU."""
+    from blockpress.engine.constraint import Constraint, grammar_for
+
+    tok, V = lm.tokenizer, lm.config.text.vocab_size
+    spec = grammar_for(json_schema={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    z = torch.randn(24, V, generator=torch.Generator().manual_seed(3))
+    z[:, [t for t in range(V) if tok.decode([t]).strip().isdigit()]] -= 20  # no digit among the candidates
+    walks = [Constraint(spec, tok, [1], V, 64).walk(x, x.argmax(-1)) for x in (z, z.cuda())]
+    assert walks[0] == walks[1]
+    assert isinstance(json.loads(tok.decode(walks[0][0][:walks[0][0].index(1)]))["n"], int)
+
+
+def test_closest_is_the_first_token_in_closing_order_the_mask_allows(lm):
+    """`Vocabulary.closest` (a few tokens tested bit by bit, else the set bytes of the mask read) gives what
+    `closest_reference` (the tokens in closing order, one by one) gives, in every state along random walks of a
+    JSON Schema, a regular expression, a Lark grammar and a strict tools grammar."""
+    from blockpress.engine.constraint import Constraint, grammar_for, reply_grammar
+
+    tok, V = lm.tokenizer, lm.config.text.vocab_size
+    specs = [grammar_for(json_schema={"type": "object", "properties": {"k": {"type": "array", "items": {
+                 "type": "number"}}, "s": {"type": "string"}}, "required": ["k"]}),
+             grammar_for(regex=r"[a-z]{2,5}(, [0-9]+)*\."), grammar_for(grammar='start: "x" NUM+ "y"\nNUM: /[0-9]/'),
+             reply_grammar(tok, STRICT_TOOLS)[0]]
+    g = torch.Generator().manual_seed(1)
+    stops = [1, tok.token_to_id("<turn|>")]
+    for spec in specs:
+        c = Constraint(spec, tok, stops, V, 64)
+        vocab = c.vocab
+        for _ in range(6):
+            m = c.matcher.deep_copy()
+            for _ in range(12):
+                bits = m.compute_bitmask()
+                allowed = [t for t in range(V) if (bits[t >> 3] >> (t & 7)) & 1]
+                if not allowed or m.is_accepting() and torch.rand(1, generator=g) < 0.3:
+                    break
+                assert vocab.closest(bits) == vocab.closest_reference(bits)
+                t = allowed[int(torch.randint(len(allowed), (1,), generator=g))]
+                if t in stops:
+                    break
+                m.consume_token(t)
 
 
 def test_errors_name_the_problem(lm):

@@ -17,17 +17,20 @@ valid prefix, and accepted tokens are consistent with it. The tokens the grammar
 canvas's first positions and count as certain, so the step accepts them at once (as infilling holds its given
 tokens) and the model reads them from the next pass on, instead of denoising an answer the grammar then overrides.
 
-The budget: the output has to close, and its stop id be written, within `max_new_tokens`. At each position the
-walk asks whether, after the chosen token, the shortest way to close still fits in the positions left
-(`shortest_close`: forced tokens first, else the allowed token that closes soonest: quotes and closing brackets,
-then digits, then commas, letters, and last anything that opens a new structure); if not, it writes the first
-token of the closing path instead. A budget too small for even the shortest valid output is refused up front.
+The budget: the output has to close, and its stop id be written, within `max_new_tokens`. The walk carries a
+closing path for its state: tokens after which the grammar may end. At each position it asks whether, after the
+chosen token, a closing path still fits in the positions left; if not, it writes the first token of the current
+path instead, and so on to the stop. The path after a token is the rest of the current one where the token is
+its first; the current one itself where the grammar still takes it after the token and may end there (a token
+inside a string or a number leaves the way to close as it was); else it is made again from that state
+(`closing_path`: forced tokens first, else the allowed token that closes soonest: quotes and closing brackets,
+then commas, digits, letters, and last anything that opens a new structure). The commit keeps the path of the
+walk that wrote the canvas. A budget too small for even the shortest valid output is refused up front.
 
-Cost: one mask per position walked (plus one per token of each closing check), on the host, with one host read
-of the step's top-k candidates (tested against the mask's bits in place; the whole mask is unpacked only when no
-candidate is allowed; a closing token is the first set bit in the tokens sorted by closing rank); nothing for
-rows without a constraint. Across canvases the state continues
-from the committed tokens (`advance`).
+Cost, on the host, per position walked: one mask (the candidates tested against its bits in place; the whole
+mask unpacked only where none is allowed) and one validation of the closing path after the chosen token; a path
+made again costs a mask per token of it. One host read per step of the top-k candidates; nothing for rows
+without a constraint. Across canvases the state continues from the committed tokens (`advance`).
 """
 
 from __future__ import annotations
@@ -226,6 +229,8 @@ class Vocabulary:
     """The grammar engine's view of one tokenizer with one set of stop ids, and each token's closing rank.
     Built once per (tokenizer, stop ids, vocab size) and cached."""
 
+    HEAD = 64  # the soonest-closing tokens `closest` tests one by one before reading the whole mask
+
     def __init__(self, tokenizer, stop_ids: tuple[int, ...], vocab_size: int):
         llg = _llguidance()
         raw = tokenizer._tok if hasattr(tokenizer, "_tok") else tokenizer
@@ -236,34 +241,56 @@ class Vocabulary:
                                  dtype=torch.long)[:vocab_size]
         self.rank[list(stop_ids)] = 10**6  # stopping is decided by the grammar's accepting state, not ranked
         self.by_rank = torch.argsort(self.rank, stable=True)  # token ids, soonest-closing first (ties: lower id)
+        self.order = torch.empty_like(self.by_rank)  # token id -> its place in by_rank
+        self.order[self.by_rank] = torch.arange(len(self.by_rank))
+        self.head = self.by_rank[:self.HEAD].tolist()
+        self.kind = self.rank // 1000  # a token's class (what its text begins with: `_rank`)
+        self.kinds = self.kind.tolist()
         self._shifts = torch.arange(8, dtype=torch.uint8)
 
-    def unpack(self, bits: bytes) -> torch.Tensor:
-        """The matcher's bitmask (one bit per token, little-endian) as [V] bool."""
-        raw = torch.frombuffer(bytearray(bits), dtype=torch.uint8)
-        return ((raw[:, None] >> self._shifts) & 1).flatten()[:self.V].bool()
+    def unpack(self, bits: bytes, device=None) -> torch.Tensor:
+        """The matcher's bitmask (one bit per token, little-endian) as [V] bool, on `device` (the packed bytes go
+        there, an eighth of the mask)."""
+        raw = torch.frombuffer(bytearray(bits), dtype=torch.uint8).to(device)
+        return ((raw[:, None] >> self._shifts.to(raw.device)) & 1).flatten()[:self.V].bool()
 
-    def closest(self, bits: bytes, chunk: int = 512) -> int:
+    def closest(self, bits: bytes, demoted: frozenset = frozenset()) -> int:
         """The allowed token (by the matcher's bitmask) that closes soonest: the first of `by_rank` whose bit is
-        set, read a chunk at a time (the closing tokens come first, so the first chunk nearly always holds it)."""
+        set, tokens of a `demoted` class after all others (`closest_reference`). Inside an open value one of the
+        first `HEAD` nearly always is (a quote, a bracket), tested bit by bit; else the allowed tokens are read
+        from the mask's set bytes (few, where a value must go on with a `,` or a `:`) and the earliest taken."""
+        if not demoted:
+            for t in self.head:
+                if (bits[t >> 3] >> (t & 7)) & 1:
+                    return t
         raw = torch.frombuffer(bytearray(bits), dtype=torch.uint8)
-        for lo in range(0, self.V, chunk):
-            ids = self.by_rank[lo:lo + chunk]
-            hit = ((raw[ids >> 3] >> (ids & 7).to(torch.uint8)) & 1).nonzero()
-            if len(hit):
-                return int(ids[hit[0, 0]])
-        return self.stop_ids[0]  # nothing allowed: the grammar is finished
+        at = raw.nonzero()[:, 0]
+        ids = (at[:, None] * 8 + self._shifts).flatten()[((raw[at, None] >> self._shifts) & 1).flatten().bool()]
+        ids = ids[ids < self.V]
+        if not len(ids):
+            return self.stop_ids[0]  # none: the grammar is done
+        key = self.order[ids]
+        if demoted:
+            key = key + self.V * torch.isin(self.kind[ids], torch.tensor(sorted(demoted)))
+        return int(ids[key.argmin()])
+
+    def closest_reference(self, bits: bytes, demoted: frozenset = frozenset()) -> int:
+        """`closest`, read plainly: the tokens in closing order (a demoted class's last), the first whose bit is
+        set (the stop id if none is)."""
+        order = sorted(self.by_rank.tolist(), key=lambda t: self.kinds[t] in demoted)  # stable: by_rank within
+        return next((t for t in order if (bits[t >> 3] >> (t & 7)) & 1), self.stop_ids[0])
 
 
 def _rank(piece: str | None, text: str) -> int:
     """Closing rank: lower closes sooner. By the first character of the token's text, then its length; Gemma's
-    string quote `<|"|>` (tool-call arguments) closes like `"`."""
+    string quote `<|"|>` (tool-call arguments) closes like `"`. A `,` goes before digits: where both may follow
+    (inside a number), a digit only makes the number longer, and a path that always takes one never closes."""
     if piece == '<|"|>':
         return 0  # before `"` (rank 1), which would only extend such a string
     if piece is None or not text or (piece.startswith("<") and piece.endswith(">") and len(piece) > 2):
         return 10**6  # special tokens and empty pieces never close anything
     c = text[0]
-    cls = 0 if c in "\"}]" else 1 if c.isdigit() else 2 if c == "," else 3 if c.isalpha() else \
+    cls = 0 if c in "\"}]" else 1 if c == "," else 2 if c.isdigit() else 3 if c.isalpha() else \
         _OPEN if c in "{[" else 4 if c in ":-." else _OTHER
     return cls * 1000 + len(text)
 
@@ -281,6 +308,7 @@ class Constraint:
     """One row's grammar and its state after the row's committed tokens."""
 
     CLOSE_LIMIT = 4096  # tokens a closing path may take before the grammar counts as unclosable
+    LOOP, DEMOTE = 32, 3  # `closing_path`: choices a path may make before it is made again, and how many times
 
     LOOKAHEAD = 8  # drafted positions a guarded token's check reads: a call's opening, "call:" and a name
 
@@ -301,7 +329,9 @@ class Constraint:
             raise InputError(f"the grammar cannot be used: {self.matcher.get_error()}")
         self.budget, self.written, self.ended = max_new_tokens, 0, False
         self.guarded = frozenset(int(t) for t in guarded)
-        need = self.shortest_close(self.matcher.deep_copy())
+        self.path = self.closing_path(self.matcher.deep_copy())  # how the committed state closes (tokens)
+        self._walked: dict = {}  # the tokens each walk since the last commit took -> the closing path it ended on
+        need = 10**9 if self.path is None else len(self.path) + 1
         if need > max_new_tokens:
             size = f"{need} tokens" if need < 10**9 else f"more than {self.CLOSE_LIMIT} tokens"
             raise GrammarBudgetError(f"max_new_tokens={max_new_tokens} is too small for this grammar: its shortest "
@@ -312,29 +342,61 @@ class Constraint:
         """Another row's constraint in this one's state, without compiling the grammar again (a request's n choices
         share one compile)."""
         out = copy.copy(self)
-        out.matcher = self.matcher.deep_copy()
+        out.matcher, out._walked = self.matcher.deep_copy(), {}
         return out
 
     def _draft_fits(self, m, t: int, draft: list[int]) -> bool:
         """Whether the grammar, after t, takes every token of the draft."""
-        after = m.deep_copy()
-        after.consume_token(t)
-        return after.validate_tokens(draft) == len(draft)
+        return m.validate_tokens([t, *draft]) == len(draft) + 1
+
+    def closing_path(self, m) -> list[int] | None:
+        """The tokens of a short closing path from matcher `m` (its stop not included; None: none within
+        CLOSE_LIMIT): forced tokens where the grammar forces some, else the allowed token that closes soonest
+        (`Vocabulary.closest`). Such a path can go round: `[a-z]+(, [0-9]+)*\\.` closes at the dot, but a comma
+        and a digit come first in the order, again and again. So a path that has chosen `LOOP` tokens without
+        closing is made again with the class it chose most put last in the order (up to `DEMOTE` classes, ties:
+        the one ranked first); if none of those closes within `LOOP` choices either, the path in the plain order
+        is taken, to CLOSE_LIMIT (a long minimum length, a large object: no loop)."""
+        demoted: frozenset = frozenset()
+        for attempt in range(self.DEMOTE + 1):
+            watch = attempt < self.DEMOTE
+            trial, out, kinds = m.deep_copy(), [], []
+            while len(out) < self.CLOSE_LIMIT:
+                if trial.is_accepting() or trial.is_stopped():
+                    return out
+                forced = trial.compute_ff_tokens()
+                step = forced or [self.vocab.closest(trial.compute_bitmask(), demoted if watch else frozenset())]
+                trial.consume_tokens(step)
+                out += step
+                if not forced:
+                    kinds.append(self.vocab.kinds[step[0]])
+                    if watch and len(kinds) >= self.LOOP:
+                        demoted |= {max(set(kinds), key=lambda k: (kinds.count(k), -k))}
+                        break
+            else:
+                return None
+        return None
 
     def shortest_close(self, m) -> int:
-        """Tokens (the stop included) the shortest-closing path from matcher `m` takes; consumes `m`."""
-        n = 0
-        while n < self.CLOSE_LIMIT:
-            if m.is_accepting() or m.is_stopped():
-                return n + 1
-            forced = m.compute_ff_tokens()
-            if forced:
-                m.consume_tokens(forced)
-                n += len(forced)
-                continue
-            m.consume_token(self.vocab.closest(m.compute_bitmask()))
-            n += 1
-        return 10**9
+        """Tokens (the stop included) of `closing_path` from m (10**9: none within CLOSE_LIMIT); consumes m."""
+        path = self.closing_path(m)
+        return 10**9 if path is None else len(path) + 1
+
+    def _path_after(self, m, path: list[int] | None, t: int) -> list[int] | None:
+        """A closing path for the state m reaches with t, given `path`, m's own: its rest where t is its first
+        token; itself where the grammar still takes it after t and may end there (inside a string or a number,
+        nearly always); else `closing_path` from that state."""
+        if path:
+            if path[0] == t:
+                return path[1:]
+            if m.validate_tokens([t, *path]) == len(path) + 1:
+                after = m.deep_copy()
+                after.consume_tokens([t, *path])
+                if after.is_accepting() or after.is_stopped():
+                    return path
+        after = m.deep_copy()
+        after.consume_token(t)
+        return self.closing_path(after)
 
     def walk(self, z: torch.Tensor, y: torch.Tensor, a: torch.Tensor | None = None) -> tuple[list[int], list[int], int]:
         """z [C, V] the step's logits, y [C] its draws (a, the step's argmax, is the walk's own) -> the walked
@@ -346,7 +408,7 @@ class Constraint:
             return [stop] * C, [stop] * C, 0
         cand = z.topk(min(TOP_K, z.shape[-1]), dim=-1).indices.tolist()
         drawn = y.tolist()
-        m = self.matcher.deep_copy()
+        m, path, took = self.matcher.deep_copy(), self.path, []
         forced = [] if m.is_accepting() else takewhile(lambda t: t not in self.vocab.stop_ids, m.compute_ff_tokens())
         lead = list(forced)[:max(0, min(C, self.budget - self.written - 1))]  # a stop is the walk's to decide
         out_a, out_y, ended = [], [], False
@@ -359,7 +421,9 @@ class Constraint:
             if j < len(lead):  # forced by the grammar: the token, drawn or not
                 out_a.append(lead[j])
                 out_y.append(lead[j])
+                path = self._path_after(m, path, lead[j])
                 m.consume_token(lead[j])
+                took.append(lead[j])
                 continue
             bits = m.compute_bitmask()  # one bit per token: tested in place for the candidates
             ok = lambda t, b=bits: (b[t >> 3] >> (t & 7)) & 1  # noqa: E731
@@ -377,25 +441,28 @@ class Constraint:
                         fits[t] = self._draft_fits(m, t, d)
                     return fits[t]
             t = next((c for c in cand[j] if ok(c)), None)
-            if t is None:
-                t = int(torch.where(self.vocab.unpack(bits), z[j], float("-inf")).argmax())
+            if t is None:  # none of the candidates: the masked argmax
+                t = int(torch.where(self.vocab.unpack(bits, z.device), z[j], float("-inf")).argmax())
+            nxt = None
             if t not in self.vocab.stop_ids:
-                after = m.deep_copy()
-                after.consume_token(t)
-                if 1 + self.shortest_close(after) > left:  # no room to close after t: close now
-                    forced = m.compute_ff_tokens()
-                    t = forced[0] if forced else stop if (m.is_accepting() or m.is_stopped()) else \
-                        self.vocab.closest(bits)
+                nxt = self._path_after(m, path, t)
+                if nxt is None or len(nxt) + 2 > left:  # t, its closing path and a stop do not fit: close now
+                    t, nxt = (path[0], path[1:]) if path else (stop, None) if path is not None else \
+                        ((m.compute_ff_tokens() or [self.vocab.closest(bits)])[0], None)
             out_a.append(t)
             out_y.append(drawn[j] if ok(drawn[j]) else t)
             if t in self.vocab.stop_ids:
                 ended = True
             else:
                 m.consume_token(t)
+                took.append(t)
+                path = nxt
+        self._walked[tuple(took)] = path
         return out_a, out_y, len(lead)
 
     def advance(self, tokens: list[int]) -> None:
         """The committed canvas's tokens (up to and including the first stop id) enter the state."""
+        took: list[int] = []
         for t in tokens:
             if self.ended:
                 return
@@ -405,6 +472,10 @@ class Constraint:
             if not self.matcher.consume_token(int(t)):
                 raise RuntimeError(f"a committed token broke the grammar: {self.matcher.get_error()}")
             self.written += 1
+            took.append(int(t))
+        else:  # the walk that wrote these tokens knows how they close (it kept room for that path)
+            walked, self._walked = self._walked, {}
+            self.path = walked[tuple(took)] if tuple(took) in walked else self.closing_path(self.matcher.deep_copy())
 
 
 class TokenBan:

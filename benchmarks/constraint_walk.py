@@ -8,8 +8,8 @@ tokenizer, filled up to V with seeded random pieces of 2-10 characters, as a lar
 pieces), a JSON Schema with strings, integers, numbers and an array, and the logits of a model that writes a valid
 answer: per step, its tokens lifted above noise that shrinks from step to step (a canvas settling), so that the
 walk's candidates hold the answer's token nearly everywhere, as a trained model's do. It prints, per V, the mean
-walk of the steps of one canvas and of the first step alone, and the top-k read that the walk starts with (on a
-GPU that one runs on the device), whether the last step's walk is valid JSON and is the answer itself (the walk
+walk of the steps of one canvas and of the first step alone, and the top-k read that the walk starts with
+(`--device cuda`: the logits on the GPU, as in a generation), whether the last step's walk is valid JSON and is the answer itself (the walk
 must not change a valid argmax); then one JSON line.
 """
 
@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=16, help="denoising steps of the canvas")
     p.add_argument("--canvas", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="where the logits live (cuda: the top-k and the masked argmax "
+                   "run there, as in a generation)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     C, rows = args.canvas, []
@@ -66,11 +68,13 @@ def main(argv=None) -> int:
         spelled = torch.zeros(C, V)
         spelled[torch.arange(C), torch.tensor(ids)] = 8.0
         walks, tops, walked = [], [], None
+        sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
         for s in range(args.steps):
-            z = spelled + (1 - s / args.steps) * 3 * torch.randn(C, V, generator=g)
+            z = (spelled + (1 - s / args.steps) * 3 * torch.randn(C, V, generator=g)).to(args.device)
             y = z.argmax(-1)
+            sync()
             t0 = time.perf_counter()
-            z.topk(16, dim=-1)
+            z.topk(16, dim=-1).indices.tolist()
             t1 = time.perf_counter()
             walked, _, _ = c.walk(z, y, y)
             t2 = time.perf_counter()
@@ -78,7 +82,8 @@ def main(argv=None) -> int:
             walks.append(t2 - t1)
         text = tok.decode(walked[:walked.index(1)] if 1 in walked else walked)
         valid = 1 in walked and isinstance(json.loads(text), dict)
-        row = {"vocab": V, "canvas": C, "steps": args.steps, "walk_ms": 1e3 * sum(walks) / len(walks),
+        row = {"vocab": V, "canvas": C, "steps": args.steps, "device": args.device,
+               "walk_ms": 1e3 * sum(walks) / len(walks),
                "first_walk_ms": 1e3 * walks[0], "topk_ms": 1e3 * sum(tops) / len(tops), "valid": valid,
                "answer_kept": valid and json.loads(text) == ANSWER}
         rows.append(row)

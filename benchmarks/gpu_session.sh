@@ -39,7 +39,7 @@
 #   defaults the rows as they run with today's defaults (no tile or attention flag): fp8 (--profile, AR), the attention
 #            kernel's split keys per layer and fp8 with --attention-split 2, int4, int4 with 512-token prefill chunks
 #            and also at group 128 (<= 18 GB predicted), int4 + int4 MLP, fp8 at batch 4 against the older tiles, the
-#            int4 MLP's tile sweep, bf16
+#            int4 MLP's tile sweep, bf16; structured output's walk with the logits on the GPU
 #   sweep    after stack: one layer's expert tiles (defaults vs swap=1) for fp8 and int4; the attention tests; int4
 #   stack    issue 30's untimed paths in one lease: the compiled fp8 row vs the same with swapped expert tiles and the
 #            attention kernel (--profile); int4 with both, with and without the int4 MLP; unmerged; the kernels' tests
@@ -345,6 +345,12 @@ EOF
       --out "$OUT/tiles-mlp.json" 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" | tail -14
     STEP_LIMIT=130 bench bf16 $ROW
     grep -h "is off on" "$OUT/log.txt" | sort -u | head -5 | tee -a "$OUT/summary.txt"
+    # structured output's host walk with the logits on the GPU (2026-11-28-cpu-structured-walk.md: 0.19 s a walk at
+    # 262,144 tokens on a CPU, 0.13 s of it the top-k) and its device test
+    lim=$(limit 60)
+    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 benchmarks/constraint_walk.py --vocab 262144 \
+      --steps 8 --device cuda 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
+    [ "$CUDA" = 1 ] && gpu_tests 40 -k "walk_over_logits" tests/test_structured.py
     ;;
   sweep)
     # after part 'stack' (whose fp8 experts with swap=1 tiles took 12.89 ms a step against 12.57 with the defaults):

@@ -24,8 +24,8 @@ path instead, and so on to the stop. The path after a token is the rest of the c
 its first; the current one itself where the grammar still takes it after the token and may end there (a token
 inside a string or a number leaves the way to close as it was); else it is made again from that state
 (`closing_path`: forced tokens first, else the allowed token that closes soonest: quotes and closing brackets,
-then commas, digits, letters, and last anything that opens a new structure). The commit keeps the path of the
-walk that wrote the canvas. A budget too small for even the shortest valid output is refused up front.
+then commas, digits, letters, and last anything that opens a new structure; a path that goes round is made again
+with what it kept choosing put last). The commit keeps the path of the walk that wrote the canvas. A budget too small for even the shortest valid output is refused up front.
 
 Cost, on the host, per position walked: one mask (the candidates tested against its bits in place; the whole
 mask unpacked only where none is allowed) and one validation of the closing path after the chosen token; a path
@@ -329,7 +329,7 @@ class Constraint:
             raise InputError(f"the grammar cannot be used: {self.matcher.get_error()}")
         self.budget, self.written, self.ended = max_new_tokens, 0, False
         self.guarded = frozenset(int(t) for t in guarded)
-        self.path = self.closing_path(self.matcher.deep_copy())  # how the committed state closes (tokens)
+        self.path = self.closing_path(self.matcher)  # how the committed state closes (tokens)
         self._walked: dict = {}  # the tokens each walk since the last commit took -> the closing path it ended on
         need = 10**9 if self.path is None else len(self.path) + 1
         if need > max_new_tokens:
@@ -350,8 +350,8 @@ class Constraint:
         return m.validate_tokens([t, *draft]) == len(draft) + 1
 
     def closing_path(self, m) -> list[int] | None:
-        """The tokens of a short closing path from matcher `m` (its stop not included; None: none within
-        CLOSE_LIMIT): forced tokens where the grammar forces some, else the allowed token that closes soonest
+        """The tokens of a short closing path from matcher `m`, which is left as it is (its stop not included;
+        None: none within CLOSE_LIMIT): forced tokens where the grammar forces some, else the allowed token that closes soonest
         (`Vocabulary.closest`). Such a path can go round: `[a-z]+(, [0-9]+)*\\.` closes at the dot, but a comma
         and a digit come first in the order, again and again. So a path that has chosen `LOOP` tokens without
         closing is made again with the class it chose most put last in the order (up to `DEMOTE` classes, ties:
@@ -376,11 +376,6 @@ class Constraint:
             else:
                 return None
         return None
-
-    def shortest_close(self, m) -> int:
-        """Tokens (the stop included) of `closing_path` from m (10**9: none within CLOSE_LIMIT); consumes m."""
-        path = self.closing_path(m)
-        return 10**9 if path is None else len(path) + 1
 
     def _path_after(self, m, path: list[int] | None, t: int) -> list[int] | None:
         """A closing path for the state m reaches with t, given `path`, m's own: its rest where t is its first
@@ -475,7 +470,7 @@ class Constraint:
             took.append(int(t))
         else:  # the walk that wrote these tokens knows how they close (it kept room for that path)
             walked, self._walked = self._walked, {}
-            self.path = walked[tuple(took)] if tuple(took) in walked else self.closing_path(self.matcher.deep_copy())
+            self.path = walked[tuple(took)] if tuple(took) in walked else self.closing_path(self.matcher)
 
 
 class TokenBan:

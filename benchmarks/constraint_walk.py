@@ -2,15 +2,15 @@
 
     python benchmarks/constraint_walk.py [--vocab 512 32768 262144] [--steps 16] [--canvas 256]
 
-A grammar-constrained row is walked once per denoising step, on the host, while the device waits for the next
-step's input. This times that walk where no model is needed: a tokenizer with V tokens (the tests' tiny Gemma-4
-tokenizer, filled up to V with seeded random pieces of 2-10 characters, as a large vocabulary's many long
-pieces), a JSON Schema with strings, integers, numbers and an array, and the logits of a model that writes a valid
-answer: per step, its tokens lifted above noise that shrinks from step to step (a canvas settling), so that the
-walk's candidates hold the answer's token nearly everywhere, as a trained model's do. It prints, per V, the mean
-walk of the steps of one canvas and of the first step alone, and the top-k read that the walk starts with
-(`--device cuda`: the logits on the GPU, as in a generation), whether the last step's walk is valid JSON and is the answer itself (the walk
-must not change a valid argmax); then one JSON line.
+A grammar-constrained row is walked once per denoising step, on the host, while the device waits for the next step's
+input. This times that walk where no model is needed: a tokenizer with V tokens (the tests' tiny Gemma-4 tokenizer,
+filled up to V with seeded random pieces of 2-10 characters, as a large vocabulary's many long pieces), a JSON
+Schema with strings, integers, numbers and an array, and the logits of a model that writes a valid answer: per step,
+its tokens lifted above noise that shrinks from step to step (a canvas settling), so that the walk's candidates hold
+the answer's token nearly everywhere, as a trained model's do. It prints, per V, the mean walk of the steps of one
+canvas and of the first step alone, and the top-k read that the walk starts with (`--device cuda`: the logits on the
+GPU, as in a generation), whether the last step's walk is valid JSON and is the answer itself (the walk must not
+change a valid argmax); then one JSON line.
 """
 
 from __future__ import annotations

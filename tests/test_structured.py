@@ -142,8 +142,9 @@ def _spelled(V: int, ids: list[int], C: int, stop: int = 1) -> torch.Tensor:
 
 def test_a_walk_keeps_the_argmax_where_the_grammar_allows_it_numbers_included(lm):
     """Where the model's argmax is a valid output (the schema's properties in its order) and the budget is ample,
-    the walk changes nothing: multi-digit numbers included. (Digits once ranked as closing sooner than a comma, so the closing path from inside a number
-    was digits without end; every number the model began was cut to the grammar's first digit, "value": 0.)"""
+    the walk changes nothing: multi-digit numbers included. (Digits once ranked as closing sooner than a comma, so
+    the closing path from inside a number that a comma must follow was digits without end; every such number was
+    cut to the grammar's first digit, "value": 0.)"""
     from blockpress.engine.constraint import Constraint, grammar_for
 
     tok, V = lm.tokenizer, lm.config.text.vocab_size

@@ -17,15 +17,16 @@ valid prefix, and accepted tokens are consistent with it. The tokens the grammar
 canvas's first positions and count as certain, so the step accepts them at once (as infilling holds its given
 tokens) and the model reads them from the next pass on, instead of denoising an answer the grammar then overrides.
 
-The budget: the output has to close, and its stop id be written, within `max_new_tokens`. The walk carries a
-closing path for its state: tokens after which the grammar may end. At each position it asks whether, after the
-chosen token, a closing path still fits in the positions left; if not, it writes the first token of the current
-path instead, and so on to the stop. The path after a token is the rest of the current one where the token is
-its first; the current one itself where the grammar still takes it after the token and may end there (a token
-inside a string or a number leaves the way to close as it was); else it is made again from that state
-(`closing_path`: forced tokens first, else the allowed token that closes soonest: quotes and closing brackets,
-then commas, digits, letters, and last anything that opens a new structure; a path that goes round is made again
-with what it kept choosing put last). The commit keeps the path of the walk that wrote the canvas. A budget too small for even the shortest valid output is refused up front.
+The budget: the output has to close, and its stop id be written, within `max_new_tokens`. The walk carries a closing
+path for its state: tokens after which the grammar may end. At each position it asks whether, after the chosen
+token, a closing path still fits in the positions left; if not, it writes the first token of the current path
+instead, and so on to the stop. The path after a token is the rest of the current one where the token is its first;
+the current one itself where the grammar still takes it after the token and may end there (a token inside a string
+or a number leaves the way to close as it was); else it is made again from that state (`closing_path`: forced tokens
+first, else the allowed token that closes soonest: quotes and closing brackets, then commas, digits, letters, and
+last anything that opens a new structure; a path that goes round is made again with what it kept choosing put last).
+The commit keeps the path of the walk that wrote the canvas. A budget too small for even the shortest valid output
+is refused up front.
 
 Cost, on the host, per position walked: one mask (the candidates tested against its bits in place; the whole
 mask unpacked only where none is allowed) and one validation of the closing path after the chosen token; a path
@@ -284,7 +285,8 @@ class Vocabulary:
 def _rank(piece: str | None, text: str) -> int:
     """Closing rank: lower closes sooner. By the first character of the token's text, then its length; Gemma's
     string quote `<|"|>` (tool-call arguments) closes like `"`. A `,` goes before digits: where both may follow
-    (inside a number), a digit only makes the number longer, and a path that always takes one never closes."""
+    (inside a number a member is still required after), a digit only makes the number longer, and a path that
+    always takes one never closes."""
     if piece == '<|"|>':
         return 0  # before `"` (rank 1), which would only extend such a string
     if piece is None or not text or (piece.startswith("<") and piece.endswith(">") and len(piece) > 2):
@@ -350,13 +352,13 @@ class Constraint:
         return m.validate_tokens([t, *draft]) == len(draft) + 1
 
     def closing_path(self, m) -> list[int] | None:
-        """The tokens of a short closing path from matcher `m`, which is left as it is (its stop not included;
-        None: none within CLOSE_LIMIT): forced tokens where the grammar forces some, else the allowed token that closes soonest
-        (`Vocabulary.closest`). Such a path can go round: `[a-z]+(, [0-9]+)*\\.` closes at the dot, but a comma
-        and a digit come first in the order, again and again. So a path that has chosen `LOOP` tokens without
-        closing is made again with the class it chose most put last in the order (up to `DEMOTE` classes, ties:
-        the one ranked first); if none of those closes within `LOOP` choices either, the path in the plain order
-        is taken, to CLOSE_LIMIT (a long minimum length, a large object: no loop)."""
+        """The tokens of a short closing path from matcher `m`, which is left as it is (its stop not included; None:
+        none within CLOSE_LIMIT): forced tokens where the grammar forces some, else the allowed token that closes
+        soonest (`Vocabulary.closest`). Such a path can go round: `[a-z]+(, [0-9]+)*\\.` closes at the dot, but a
+        comma and a digit come first in the order, again and again. So a path that has chosen `LOOP` tokens without
+        closing is made again with the class it chose most put last in the order (up to `DEMOTE` classes, ties: the
+        one ranked first); if none of those closes within `LOOP` choices either, the path in the plain order is
+        taken, to CLOSE_LIMIT (a long minimum length, a large object: no loop)."""
         demoted: frozenset = frozenset()
         for attempt in range(self.DEMOTE + 1):
             watch = attempt < self.DEMOTE

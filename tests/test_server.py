@@ -329,6 +329,19 @@ def test_n_choices_are_the_single_answers_with_seed_plus_i(client):
     assert [c.index for c in comp.choices] == [0, 1] and comp.choices[1].text == one.choices[0].text
 
 
+def test_n_choices_under_a_grammar_share_its_compile_and_are_the_single_answers(client):
+    """A grammar is compiled once per request and each choice walks a copy of its state: choice i is the n=1
+    answer with seed + i, each valid, and no choice's tokens reach another's state."""
+    pytest.importorskip("llguidance")
+    kw = dict(model=client.model_id, messages=MSG, max_tokens=48, extra_body=FAST,
+              response_format={"type": "json_object"})
+    many = client.chat.completions.create(n=3, seed=21, **kw)
+    singles = [client.chat.completions.create(seed=21 + i, **kw) for i in range(3)]
+    assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
+    assert all(isinstance(json.loads(c.message.content), dict) for c in many.choices)
+    assert len({c.message.content for c in many.choices}) == 3
+
+
 def test_n_choices_draft_frames_carry_the_choice_index(server):
     body = {"messages": MSG, "max_tokens": 16, "seed": 2, "n": 2, "stream": True,
             "stream_options": {"include_drafts": True}, **FAST}

@@ -179,14 +179,12 @@ class BlockDiffusionLM:
         from .engine.constraint import Constraint, TokenBan, grammar_for
 
         spec = grammar_for(**grammar)
-        if spec is None:
-            if not suppress_tokens:
-                return None
-            ban = TokenBan(suppress_tokens, self.module.text.vocab_size)  # no state: one for every row
-            return [ban] * rows
-        first = Constraint(spec, self._need_tokenizer(), cfg.eos_token_id, self.module.text.vocab_size,
-                           cfg.max_new_tokens, guarded)  # compiled once; the other rows start from copies
-        return [first] + [first.clone() for _ in range(rows - 1)]
+        if spec is None and not suppress_tokens:
+            return None
+        first = TokenBan(suppress_tokens, self.module.text.vocab_size) if spec is None else \
+            Constraint(spec, self._need_tokenizer(), cfg.eos_token_id, self.module.text.vocab_size,
+                       cfg.max_new_tokens, guarded)
+        return [first] + [first.clone() for _ in range(rows - 1)]  # compiled once; the other rows start from copies
 
     def generate(self, input_ids, attention_mask=None, generator=None, cache=None,
                  decoder_input_ids=None, self_conditioning_logits=None, sampler: str | None = None,

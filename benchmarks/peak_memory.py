@@ -41,6 +41,7 @@ from blockpress.cli.run import _nonneg_int, _positive_int
 from blockpress.options import LINEAR_FORMATS
 from blockpress.config import GenerationConfig, ModelConfig
 from blockpress.engine import step as engine_step
+from blockpress.model.cache import rounded_capacity
 from blockpress.engine.step import sampler_cap, single_step
 from blockpress.lab.memory import LiveBytes, fused_sample_meta, meta_backends
 from blockpress.loading import estimated_weight_bytes
@@ -112,7 +113,9 @@ def main(argv=None) -> dict:
         cache.length = length
         return cache
 
-    gcache = m.new_cache(B, capacity)  # GraphedPasses.new_cache: the same room
+    # under CUDA graphs the cache comes from the graphs' pool, its capacity rounded up to a power of two (the engine's
+    # Runner._room; the bench's 1,024 + 1,024 positions are one already)
+    gcache = m.new_cache(B, rounded_capacity(capacity, m.text.max_position_embeddings))
     kv_graphs = gcache.nbytes() + gcache.valid.numel()
     on = torch.ones(B, dtype=torch.bool, device=dev)
     # GraphedPasses' shared buffers: the logits (or product) every captured pass writes (made outside the

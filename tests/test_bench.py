@@ -516,7 +516,7 @@ def test_bench_runs_replay_graphed_passes_after_the_warmup(fuse):
     graphs = GraphedPasses(module, capture=False, copy_outputs=False)  # what load(cuda_graphs=True) runs
     s, seqs = run_blockpress(module, ids, "fixed", args, passes=graphs)
     ar = run_ar(module, ids, args, graphs)
-    passes = set(graphs.captured)
+    passes = {k[:2] for k in graphs.captured}  # (pass, shapes), without the cache's capacity
     assert torch.equal(seqs, eager_seqs)
     assert s["graph_captures_timed"] == 0 and ar["graph_captures_timed"] == 0
     assert "graph_captures_timed" not in eager and "graph_captures_timed" not in eager_ar

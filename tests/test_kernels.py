@@ -455,7 +455,7 @@ def test_graphed_passes_plumbing_generates_the_same_tokens(fuse, sampler):
                 assert torch.equal(out.sequences, ref)
                 assert len(out.steps_per_canvas) == 3
                 del out  # its cache goes back to the pool
-            assert {name for name, _ in g.captured} == passes
+            assert {name for name, *_ in g.captured} == passes
             assert g.captures == len(passes)  # the second round replayed only
         torch.manual_seed(0)
         held = lm.generate(ids, **kw, **modes[0])
@@ -465,32 +465,42 @@ def test_graphed_passes_plumbing_generates_the_same_tokens(fuse, sampler):
         assert again.cache.keys[0].data_ptr() != held.cache.keys[0].data_ptr()
         assert g.captures == 2 * len(passes)
         del held, again
-        # the same cache shape (20 + 2 x 8 positions: two canvases, the last one's K/V as scratch) for an unpadded
-        # prompt: the pooled buffers' padding is reset
+        # the same cache shape (20 + 2 x 8 positions: two canvases, the last one's K/V as scratch; rounded up to 64,
+        # as 12 + 3 x 8 was) for an unpadded prompt: the pooled buffers' padding is reset
         unpadded = torch.randint(5, 512, (2, 20), generator=torch.Generator().manual_seed(10))
         kw = dict(max_new_tokens=16, fuse_commit=fuse, sampler=sampler, **modes[0])
         torch.manual_seed(0)
         out = lm.generate(unpadded, **kw)
-        assert out.cache.keys[0].data_ptr() == g._pool[(2, 36, True)][0].keys[0].data_ptr()
+        assert out.cache.keys[0].data_ptr() == g._pool[(2, 64, True)][0].keys[0].data_ptr()
     torch.manual_seed(0)
     assert torch.equal(out.sequences, lm.generate(unpadded, **kw).sequences)
     assert lm.passes is lm.module and not lm.options.cuda_graphs
 
 
-def test_graphed_passes_pool_does_not_keep_a_cache_per_prompt_length():
-    """The pool keeps a shape's cache buffers for the next generation of that shape (its captured passes replay);
-    a run of prompts of new lengths, as a chat's turns are, must not keep one cache per length: each generation
-    here asks for another capacity, and the buffers of the finished ones that no captured pass reads go."""
+def test_graphed_passes_capture_once_per_cache_size_in_a_loop_over_prompts():
+    """A loop over prompts of many lengths (an eval over a dataset) asks for as many cache capacities. They are
+    rounded up to powers of two (`rounded_capacity`), so the pool keeps one cache per size met and each pass is
+    captured once per size: prompts of 8..15 and 40..47 tokens in alternation, with 16 new tokens, need 24..31
+    and 56..63 positions, meet two sizes (32 and 64) and capture decode and commit once on each. The tokens are
+    the eager engine's. (Before: one capture of each pass per prompt length, 32 here.)"""
     lm = _tiny_model()
     kw = dict(max_new_tokens=16, max_denoising_steps=3, stability_threshold=None, confidence_threshold=None)
+    lengths = [n for pair in zip(range(8, 16), range(40, 48)) for n in pair]
+    prompts = {n: torch.randint(5, 512, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths}
+    want = {}
+    for n in lengths:
+        torch.manual_seed(n)
+        want[n] = lm.generate(prompts[n], **kw).sequences
     with cuda_graphs(lm) as g:
-        for n in range(8, 16):
-            ids = torch.randint(5, 512, (1, n), generator=torch.Generator().manual_seed(n))
-            lm.generate(ids, **kw)
-            assert len(g._pool) == 1, f"{len(g._pool)} pooled caches after {n - 7} prompt lengths"
-        out = lm.generate(ids, **kw)  # the last length again: its pooled buffers and passes are reused
-        assert out.cache.keys[0].data_ptr() == next(iter(g._pool.values()))[0].keys[0].data_ptr()
-        assert g.captures == 2 * 8  # decode and commit once per length, none for the repeat
+        for i, n in enumerate(lengths):
+            torch.manual_seed(n)
+            out = lm.generate(prompts[n], **kw)
+            assert torch.equal(out.sequences, want[n]), n
+            assert out.cache.capacity == (32 if n < 16 else 64)
+            del out  # its cache goes back to the pool
+            assert len(g._pool) == min(i + 1, 2), f"{len(g._pool)} pooled caches after {i + 1} prompts"
+        assert sorted(key[1] for key in g._pool) == [32, 64]
+        assert g.captures == 2 * 2
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -522,7 +532,7 @@ def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monke
             torch.manual_seed(B)
             assert torch.equal(lm.generate(prompts[B], **kw).sequences, want[B])
         assert copies == []  # each step's self-conditioning logits were written where the passes read them
-        assert {k for k, _ in g.captured} == {"decode", "encode_decode"} and len(g.captured) == 4  # B = 2 and 1
+        assert {k for k, *_ in g.captured} == {"decode", "encode_decode"} and len(g.captured) == 4  # B = 2 and 1
         out, sc_in = g._shared[("out", C)], g._shared[("sc_logits", C)]
         assert out.shape[0] == sc_in.shape[0] == 2 and out.dtype == torch.float32 and sc_in.dtype == m.dtype
         cache = m.new_cache(1, 32)
@@ -535,7 +545,7 @@ def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monke
         assert torch.equal(lm.generate(prompts[3], **kw).sequences, want[3])
         grown = g._shared[("out", C)]
         assert grown.shape[0] == 3 and grown.data_ptr() != out.data_ptr()
-        assert {key[0] if name == "decode" else key[0][0] for name, key in g.captured} == {3}  # B 1, 2: gone
+        assert {key[0] if name == "decode" else key[0][0] for name, key, _ in g.captured} == {3}  # B 1, 2: gone
         assert all(out.data_ptr() not in c.shared for c in g.captured.values())
 
 
@@ -567,7 +577,7 @@ def test_gpu_fast_path_combination_gives_the_reference_tokens():
         torch.manual_seed(0)
         seqs.append(lm.generate(ids, **kw).sequences)
         if g is not None:
-            assert {name for name, _ in g.captured} == {"decode_product", "encode_decode_product"}
+            assert {name for name, *_ in g.captured} == {"decode_product", "encode_decode_product"}
             assert {name for name, _ in g._shared} == {"product", "sc_logits"}
     same = float((seqs[0] == seqs[1]).float().mean())
     assert same == 1.0 if dev == "cpu" else same >= 0.95  # a GPU's fp32 kernels may sum in another order
@@ -631,7 +641,7 @@ def test_row_compaction_on_graphed_passes_swaps_rows_into_a_prefix(case):
             assert got.cache.length == L and torch.equal(got.cache.valid[:, :L], want.cache.valid[:, :L])
             for a_, b_ in zip(got.cache.keys + got.cache.values, want.cache.keys + want.cache.values):
                 assert (a_[:, :, :L] - b_[:, :, :L]).abs().max() < 2e-5
-            sizes = {key[0] for name, key in g.captured if name == "decode"}
+            sizes = {key[0] for name, key, _ in g.captured if name == "decode"}
             assert 3 in sizes and min(sizes) < 3  # the prefixes' graphs, on the pooled cache's buffers
             if round_ == 0:
                 captures = g.captures
@@ -715,7 +725,7 @@ def test_graphed_passes_autoregressive_steps():
     g = GraphedPasses(m, capture=False)
     got = greedy(g)
     assert torch.equal(got[0], want[0]) and got[1] == want[1] == 15
-    assert set(g.captured) == {("encode", (1, 1))} and g.captures == 1
+    assert set(g.captured) == {("encode", (1, 1), 16)} and g.captures == 1
 
 
 def _two_prefilled_caches(m):

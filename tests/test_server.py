@@ -947,7 +947,7 @@ def test_worker_warm_up_leaves_it_ready(lm, monkeypatch):
         s = Worker(lm, fuse_commit=True, max_batch=3)
         assert s.warm_up() > 0 and not s.busy and s.runner.cache is None
         C = lm.canvas_length
-        assert set(g.captured) == {("decode", (b, C)) for b in (1, 2, 3)} | {("commit", (b, C)) for b in (1, 2, 3)} \
+        assert {k[:2] for k in g.captured} == {("decode", (b, C)) for b in (1, 2, 3)} | {("commit", (b, C)) for b in (1, 2, 3)} \
             | {("encode_decode", ((b, C), (b, C))) for b in (1, 2, 3)}
         captures = g.captures
         assert drive_worker(s, {0: [job]}) == want
@@ -958,7 +958,7 @@ def test_worker_warm_up_leaves_it_ready(lm, monkeypatch):
         g.captured.clear()
         s = Worker(lm, fuse_commit=True, max_batch=3)
         s.warm_up()
-        assert set(g.captured) == {("decode", (1, C)), ("encode_decode", ((1, C), (1, C)))}
+        assert {k[:2] for k in g.captured} == {("decode", (1, C)), ("encode_decode", ((1, C), (1, C)))}
     s = Worker(lm).start()
     try:
         with pytest.raises(RuntimeError, match="before start"):

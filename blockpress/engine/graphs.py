@@ -6,10 +6,12 @@ Shape legend: B batch, S encoder chunk, C canvas length, V vocab, P cache capaci
 `GraphedPasses` runs `decode`, `encode` (chunks of size 1 or the canvas length, without padding: commits and AR
 steps; a prompt's prefill stays eager, as its length varies and it is compute-bound) and `encode_decode` of a
 `DiffusionGemmaModel` in their fixed-shape form (`start=` a device position: model/keys.py `Fixed`), each
-captured once per pass and shape, and hands out caches from a pool (`new_cache`), so that every generation of a
-shape reuses one set of cache buffers and the graphs captured on them: a graph reads the cache at the addresses it
-was captured with. A cache whose buffers differ (another live cache, or one regrown by `ensure_capacity`) is
-recaptured; `captures` counts the captures, so a benchmark can show that its timed runs replay only. The host
+captured once per pass, shape and cache capacity, and hands out caches from a pool (`new_cache`), so that every
+generation of a shape reuses one set of cache buffers and the graphs captured on them: a graph reads the cache at
+the addresses it was captured with. The engine asks for capacities rounded up to powers of two
+(`model.cache.rounded_capacity`), so a loop over prompts of many lengths meets a few sizes, each captured once. A
+cache whose buffers differ (another live cache, or one regrown by `ensure_capacity`) is recaptured; `captures`
+counts the captures, so a benchmark can show that its timed runs replay only. The host
 bookkeeping of the cache (its capacity, `note_write`, `length`) is done here, around the replay.
 
 `capture=False` (a CPU) runs the same passes on the same buffers without a graph: what the tests check. Experts
@@ -188,7 +190,7 @@ class GraphedPasses:
         self.module, self.warmup, self.capture = module, warmup, capture
         self.copy_outputs = copy_outputs or module.dtype == torch.float32
         self.encode_sizes = set(encode_sizes or (1, module.config.canvas_length))
-        self.captured: dict = {}  # (pass, shapes) -> _Captured on the latest buffers only
+        self.captured: dict = {}  # (pass, shapes, cache capacity) -> _Captured on the latest buffers of that size
         self.captures = 0
         # One memory pool for every captured pass: their intermediates overlap instead of adding up (decode and a
         # fused commit each peak at ~0.14 GB on the 26B model besides their logits). Safe because passes replay one
@@ -204,12 +206,13 @@ class GraphedPasses:
     def _run(self, name: str, key: tuple, cache, fn, inputs: dict, copy: bool = True, shared=None) -> torch.Tensor:
         """Replay the pass (name, key) captured on this cache's buffers and these shared buffers (capturing it
         first when there is none) with `inputs`: name -> (tensor, python scalar or None, shape, dtype)."""
-        g = self.captured.get((name, key))
+        slot = (name, key, cache.capacity)  # one per cache size: a loop over prompts of a few sizes only replays
+        g = self.captured.get(slot)
         if g is None or g.buffers != _buffers(cache) or g.shared != tuple(t.data_ptr() for t in (shared or {}).values()):
-            if self.captured.pop((name, key), None) is not None:  # its graph goes before the new capture
+            if self.captured.pop(slot, None) is not None:  # its graph goes before the new capture
                 self._prune()  # and the pooled buffers only it read
             with torch.no_grad():
-                g = self.captured[(name, key)] = _Captured(self.module, fn, inputs, cache, self.capture, self.warmup,
+                g = self.captured[slot] = _Captured(self.module, fn, inputs, cache, self.capture, self.warmup,
                                                            self._graph_pool, shared)
             self.captures += 1
         return g.replay(inputs, copy)
@@ -302,8 +305,9 @@ class GraphedPasses:
         (as the eager passes use it too), and a decoder pass on a cache without it grows the cache first.
 
         The pool keeps a shape's buffers while a cache handed out on them is alive or a captured pass reads them
-        (reusing them saves its captures); others go first, so a run of prompts of new lengths (a chat's turns)
-        holds a cache or two, not one per length."""
+        (reusing them saves its captures); others go first. With capacities rounded to powers of two a run of
+        prompts of new lengths holds one cache per size met (at most twice the largest's bytes in all), not one
+        per length."""
         key = (batch, capacity, ring)
         self._prune(keep=key)
         entry = self._pool.get(key)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.cache import KVCache, front_order
+from ..model.cache import KVCache, front_order, rounded_capacity
 
 
 def spare_bytes(device) -> int | None:
@@ -73,8 +73,10 @@ class Runner:
         if cache is None:
             if self.slots_mode and self.graphs is not None:  # the rows after the batch's in the slots
                 cache = self._slot_rows(B, capacity)
+            elif self.graphs is not None:  # the graphs' pool: a few sizes, so a loop over prompts replays
+                cache = self.passes.new_cache(B, self._room(B, capacity))
             else:
-                cache = (self.module.new_cache if self.slots_mode else self.passes.new_cache)(B, capacity)
+                cache = self.module.new_cache(B, capacity)
             cache.length = end - S  # positions [end - S, end); everything before is padding for these rows
             if end > S:
                 cache.valid[:, :end - S] = False
@@ -206,7 +208,7 @@ class Runner:
             least = (max(have + n, slots.batch if slots is not None else 0),
                      max(needed, slots.capacity if slots is not None else 0))
             rows = max(least[0], min(self.max_rows, 1 << (have + n - 1).bit_length()))
-            cap = max(least[1], min(1 << (least[1] - 1).bit_length(), self.max_positions))
+            cap = rounded_capacity(least[1], self.max_positions)
             spare = self.spare()
             if spare is not None and self.prefixes is not None and self.slot_bytes(rows, cap) > spare:
                 self.prefixes.clear()  # the requests' slots come before kept prompts
@@ -224,6 +226,14 @@ class Runner:
         view = self._slots.view_rows(have, have + n)
         view.valid.fill_(True)  # a previous occupant's padding
         return view
+
+    def _room(self, rows: int, needed: int) -> int:
+        """The capacity of a Python batch's cache from the graphs' pool: `rounded_capacity`, so that prompts of other
+        lengths get the buffers (and the captured passes) of an earlier one, or just `needed` where that would not
+        fit in the GPU's spare memory."""
+        cap = rounded_capacity(needed, self.max_positions)
+        spare = self.spare()
+        return needed if spare is not None and self.module.cache_bytes(rows, cap) > spare else cap
 
     def slot_bytes(self, rows: int, capacity: int) -> int:
         """Bytes of slots for rows x capacity positions (K and V of every layer, and the padding mask), and of the

@@ -30,6 +30,13 @@ from __future__ import annotations
 import torch
 
 
+def rounded_capacity(needed: int, limit: int) -> int:
+    """The positions a cache on reused buffers is made with for `needed`: the next power of two, at most `limit`
+    (the model's positions) unless `needed` is more. Such caches, and the CUDA graphs captured on their buffers,
+    then come in a few sizes instead of one per prompt length (a server's slots, a Python loop over prompts)."""
+    return max(needed, min(1 << (needed - 1).bit_length(), limit))
+
+
 def ring_slots(window: int | None, reserve: int | None, capacity: int, write: int = 0) -> int | None:
     """The sliding layers' ring size for a cache of `capacity` positions whose passes write at most
     max(reserve, write) positions, or None where keeping every position is no larger (or no window / reserve)."""

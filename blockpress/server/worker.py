@@ -34,6 +34,7 @@ from ..engine.rows import Job, Row, canvases_for
 from ..engine.runner import Runner
 from ..engine.scheduler import QueueFull, Scheduler
 from ..errors import InputError
+from ..model.cache import rounded_capacity
 
 log = logging.getLogger("blockpress.server")
 
@@ -220,7 +221,7 @@ class Worker:
         M = min(self.max_batch, self.queue_size)
         if self.runner.graphs is not None and M > 1:
             need = 8 + (M + 1) * self.C
-            cap = min(1 << (need - 1).bit_length(), self.module.text.max_position_embeddings)  # what the slots take
+            cap = rounded_capacity(need, self.module.text.max_position_embeddings)  # what the slots take
             spare = self.runner.spare()
             if need <= self.module.text.max_position_embeddings and (
                     spare is None or self.runner.slot_bytes(M, cap) <= spare // 2):

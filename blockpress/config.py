@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, SamplingError, UnknownParameterError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -36,6 +36,23 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"config field '{name}' must be a positive integer, got {value!r}; fix config.json")
     return value
+
+
+def _number(name: str, value: Any, lo: float = 0.0, hi: float | None = None) -> float:
+    """A config field that must be a real number > lo (and <= hi)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > lo
+    if not ok or (hi is not None and value > hi):
+        bound = f"in ({lo}, {hi}]" if hi is not None else f"> {lo}"
+        raise ConfigError(f"config field '{name}' must be a number {bound}, got {value!r}; fix config.json")
+    return value
+
+
+def _token_ids(name: str, value: Any) -> None:
+    """A config field holding a token id, a list of them, or null."""
+    ids = value if isinstance(value, list) else [value]
+    if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"config field '{name}' must be a token id (an integer >= 0), a list of them or null, got "
+                          f"{value!r}; fix config.json")
 
 
 @dataclass
@@ -110,8 +127,14 @@ class TextConfig:
         if self.use_bidirectional_attention not in (None, "vision", "all"):
             raise ConfigError("config field 'use_bidirectional_attention' must be null, 'vision' or 'all', "
                               f"got {self.use_bidirectional_attention!r}")
-        if self.rms_norm_eps <= 0:
-            raise ConfigError(f"config field 'rms_norm_eps' must be > 0, got {self.rms_norm_eps}")
+        _number("rms_norm_eps", self.rms_norm_eps)
+        if self.final_logit_softcapping is not None:
+            _number("final_logit_softcapping", self.final_logit_softcapping)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            _token_ids(name, getattr(self, name))
+        if self.attention_bias is not False:
+            raise ConfigError(f"config field 'attention_bias' is {self.attention_bias!r}; DiffusionGemma's attention "
+                              "has no biases (false)")
         # 1. window halving for fully bidirectional encoders
         self._stored_sliding_window = self.sliding_window
         if self.use_bidirectional_attention == "all":
@@ -141,9 +164,15 @@ class TextConfig:
             if rt not in ("default", "proportional"):
                 raise ConfigError(f"config field 'rope_parameters.{t}.rope_type' is {rt!r}; "
                                   "supported: 'default', 'proportional'")
+            _number(f"rope_parameters.{t}.rope_theta", merged[t].get("rope_theta", 10000.0), lo=1.0)
+            if "partial_rotary_factor" in merged[t]:
+                _number(f"rope_parameters.{t}.partial_rotary_factor", merged[t]["partial_rotary_factor"], hi=1.0)
         self.rope_parameters = merged
         # 4. per-layer overrides: explicit per_layer_config wins; otherwise full layers get globals
         resolved: dict[int, dict[str, int]] = {}
+        if per_layer_config is not None and not isinstance(per_layer_config, dict):
+            raise ConfigError("config field 'per_layer_config' must map layer indices to dicts, got a "
+                              f"{type(per_layer_config).__name__}; fix config.json")
         if per_layer_config:
             for k, v in per_layer_config.items():
                 try:
@@ -295,6 +324,25 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
 }
 
 
+MAX_SEED = 2 ** 64 - 1  # the largest seed torch.Generator.manual_seed takes
+
+
+def reply_tokens(new_tokens: list[int], stop_ids, limit: int) -> tuple[list[int], str]:
+    """What a generation returns as its reply: the new tokens up to (not including) the first stop id, at most
+    `limit` of them (a generation runs whole canvases); and the finish reason, "stop" or "length"."""
+    stops = set(stop_ids or ())
+    for j, t in enumerate(new_tokens[:limit]):
+        if t in stops:
+            return new_tokens[:j], "stop"
+    return new_tokens[:limit], "length"
+
+
+# other libraries' names (OpenAI's, transformers' autoregressive ones) for what a generation here takes
+OTHER_NAMES = {"steps": "max_denoising_steps (with stability_threshold=None, confidence_threshold=None: fixed steps)",
+               "max_tokens": "max_new_tokens", "max_length": "max_new_tokens",
+               "temperature": "the schedule t_min / t_max", "stop": "eos_token_id (token ids)"}
+
+
 def fixed_steps(steps: int) -> dict[str, Any]:
     """The sampling keywords of the fixed-step mode (the CLI's and the API's `steps`, the chat eval's step columns):
     `steps` denoising passes every canvas, adaptive stopping off."""
@@ -339,7 +387,10 @@ class GenerationConfig:
         """Keyword overrides > checkpoint generation_config.json > reference defaults."""
         unknown = set(overrides) - set(REFERENCE_DEFAULTS)
         if unknown:
-            raise TypeError(f"unknown generation parameter(s) {sorted(unknown)}; valid: {sorted(REFERENCE_DEFAULTS)}")
+            hints = [f"{k!r} is {OTHER_NAMES[k]} here" for k in sorted(unknown) if k in OTHER_NAMES]
+            raise UnknownParameterError(f"unknown generation parameter(s) {sorted(unknown)}"
+                                        + (f" ({'; '.join(hints)})" if hints else "")
+                                        + f"; valid: {sorted(REFERENCE_DEFAULTS)}")
         vals = dict(REFERENCE_DEFAULTS)
         vals.update(checkpoint or {})
         vals.update(overrides)
@@ -347,9 +398,12 @@ class GenerationConfig:
         cfg.validate()
         return cfg
 
-    def validate(self) -> None:
-        from .errors import SamplingError
+    def reply(self, new_tokens: list[int]) -> tuple[list[int], str]:
+        """This generation's reply in `new_tokens` and its finish reason (`reply_tokens`: up to the first stop id,
+        at most max_new_tokens)."""
+        return reply_tokens(new_tokens, self.eos_token_id, self.max_new_tokens)
 
+    def validate(self) -> None:
         def bad(name, rng, v):
             raise SamplingError(f"invalid {name}={v!r}: must be {rng}")
 

@@ -22,5 +22,9 @@ class SamplingError(BlockpressError, ValueError):
     """A sampling parameter is outside its valid range."""
 
 
+class UnknownParameterError(SamplingError, TypeError):
+    """A sampling keyword the call does not take (a typo, or another library's name for a parameter)."""
+
+
 class InputError(BlockpressError, ValueError):
     """A prompt or request that the model cannot take (too long, empty, wrong shape)."""

@@ -150,11 +150,14 @@ def finish(lm, p: Plan, result) -> InfillResult:
 
 
 def infill(lm, template: str, *, seed: int | None = None, generator: torch.Generator | None = None,
-           sampler: str = "exact", **sampling) -> InfillResult:
+           sampler: str | None = None, **sampling) -> InfillResult:
     """Fill the holes of `template` with `lm` (a BlockDiffusionLM with a tokenizer). Sampling keywords as
-    in generate (max_new_tokens is set from the template; the end of text does not stop infilling)."""
+    in generate (max_new_tokens is set from the template; the end of text does not stop infilling); sampler: None
+    is the model's (`lm.configure`)."""
     p = plan(lm, template, **sampling)
     if generator is None and seed is not None:
-        generator = torch.Generator(device=lm.device).manual_seed(seed)
+        from .engine.generate import seeded
+
+        generator = seeded(seed, lm.device)
     result = lm.generate([p.prompt], generator=generator, sampler=sampler, **p.kwargs)
     return finish(lm, p, result)

@@ -20,8 +20,11 @@ from .engine import generate as engine
 from .errors import InputError
 from .options import Options
 
-# files of a checkpoint folder that belong to its tokenizer (copied along by save())
+# files of a checkpoint folder that belong to its tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+# what save() copies from the folder the model was loaded from: the tokenizer and what the model is for (a Sudoku
+# model's blockpress_task.json)
+FOLDER_FILES = TOKENIZER_FILES + ("blockpress_task.json",)
 
 
 class BlockDiffusionLM:
@@ -221,16 +224,18 @@ class BlockDiffusionLM:
                                        enable_thinking=enable_thinking, tools=tools, tokenize=True)
 
     def decode_new(self, result: engine.GenerationResult, row: int = 0, skip_special_tokens: bool = True) -> str:
+        """The text of row `row`'s reply: its new tokens up to the first stop id, at most max_new_tokens (the
+        generation's own, `result.config`: a generation runs whole canvases)."""
+        return self._reply_text(result, row, skip_special_tokens)[0]
+
+    def _reply_text(self, result: engine.GenerationResult, row: int = 0, skip_special_tokens: bool = True):
+        """(text, finish reason) of row `row`'s reply (`GenerationConfig.reply`)."""
         tok = self._need_tokenizer()
-        ids = [int(i) for i in result.new_tokens[row].tolist()]
-        eos = set(self.generation_config().eos_token_id or [])
-        for j, t in enumerate(ids):  # stop at the first EOS
-            if t in eos:
-                ids = ids[:j]
-                break
-        pad = self.generation_config().pad_token_id
+        cfg = result.config or self.generation_config()
+        ids, reason = cfg.reply([int(i) for i in result.new_tokens[row].tolist()])
+        pad = cfg.pad_token_id
         ids = [t for t in ids if t != pad]
-        return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return tok.decode(ids, skip_special_tokens=skip_special_tokens), reason
 
     def generate_text(self, messages_or_prompt, enable_thinking: bool = False, tools=None, seed: int | None = None,
                       **sampling) -> str:
@@ -250,16 +255,14 @@ class BlockDiffusionLM:
         from .parsing import parse_output
 
         result = self._reply(messages_or_prompt, enable_thinking, tools, seed, sampling)
-        stopped = bool(set(result.new_tokens[0].tolist()) & set(self.generation_config().eos_token_id or []))
-        return parse_output(self.decode_new(result, skip_special_tokens=False), "stop" if stopped else "length")
+        return parse_output(*self._reply_text(result, skip_special_tokens=False))
 
     def _reply(self, messages_or_prompt, enable_thinking, tools, seed, sampling) -> engine.GenerationResult:
         from .parsing import call_ban
 
         ids = self.encode_chat(messages_or_prompt, enable_thinking=enable_thinking, tools=tools)
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
+        gen = None if seed is None else engine.seeded(seed, self.device)
+        sampling = {**self.text_defaults(), **sampling}  # stop and pad ids where the checkpoint lacks them (as the CLI)
         if self.tokenizer.is_chat and "suppress_tokens" not in sampling:  # a chat turn: no tool offered, no call
             sampling = {**sampling, "suppress_tokens": call_ban(self.tokenizer, tools)}
         if self.tokenizer.is_chat:
@@ -286,7 +289,9 @@ class BlockDiffusionLM:
     # ------------------------------------------------------------------------------- saving
     def save(self, path: str | Path, tensors: dict | None = None) -> Path:
         """Write a checkpoint transformers can load: config.json, generation_config.json,
-        model.safetensors (checkpoint key names), and the tokenizer files if any. Atomic.
+        model.safetensors (checkpoint key names), and the tokenizer files and blockpress_task.json of the folder it
+        was loaded from, if any. Atomic; an existing `path` is replaced only where it holds nothing but a
+        checkpoint's files (else CheckpointError, nothing written).
         tensors: the weights by module name when the module holds only a shard of them (a sharded training run)."""
         from safetensors.torch import save_file
 
@@ -308,7 +313,7 @@ class BlockDiffusionLM:
             "model.safetensors": lambda p: save_file(sd, str(p), metadata={"format": "pt"}),
         }
         if self.path is not None:
-            for name in TOKENIZER_FILES:
+            for name in FOLDER_FILES:
                 src = Path(self.path) / name
                 if src.is_file():
                     files[name] = src.read_bytes()

@@ -511,3 +511,26 @@ def test_eval_chat_command_prints_one_table_for_every_column(eval_n1):
     assert strata <= set(rows) and "tool call, valid args" in rows
     for row, cells in rows.items():
         assert cells == [f"{summary[c][row]:.1f} %" if row in summary[c] else "-" for c in summary], (row, cells)
+
+
+def test_text_replies_end_at_the_calls_token_limit_and_stop_ids(lm):
+    """A generation runs whole canvases; `chat`, `generate_text` and `decode_new` return the reply the call asked
+    for: at most its max_new_tokens (finish "length") and up to its own eos_token_id (finish "stop"), not the
+    checkpoint's limit and stop ids. Before, a 3-token limit gave a whole reply and a caller's stop id came back
+    as text with finish "length"."""
+    from blockpress.engine.generate import seeded
+
+    ids = lm.encode_chat("Convert 3 km to m.")
+    free = lm.generate([ids], generator=seeded(0, lm.device), suppress_tokens=None)
+    new = free.new_tokens[0].tolist()
+    reply, reason = free.config.reply(new)
+    assert reason == "stop" and len(reply) > 4  # the model's own answer, several tokens
+
+    short = lm.chat("Convert 3 km to m.", seed=0, suppress_tokens=None, max_new_tokens=3)
+    assert short.finish_reason == "length" and short.content == lm.tokenizer.decode(new[:3])
+    assert lm.generate_text("Convert 3 km to m.", seed=0, suppress_tokens=None, max_new_tokens=3) == short.content
+    stop = new[2]  # the caller's stop id: the reply ends before it
+    cut = lm.chat("Convert 3 km to m.", seed=0, suppress_tokens=None, eos_token_id=[stop])
+    assert cut.finish_reason == "stop" and cut.content == lm.tokenizer.decode(new[:new.index(stop)])
+    with pytest.raises(blockpress.errors.SamplingError, match="seed must be a whole number"):
+        lm.chat("hi", seed=2 ** 64)

@@ -223,6 +223,43 @@ def test_save_is_atomic_on_failure(hf_tiny_dir, tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no temp leftovers
 
 
+def test_save_replaces_only_a_checkpoint_and_keeps_what_the_model_is_for(tmp_path, monkeypatch):
+    """A save into a folder holding anything but a checkpoint's files (a user's folder) is refused and deletes
+    nothing; into a file, refused; into an earlier checkpoint, it replaces it. The Sudoku model's
+    blockpress_task.json goes along (without it the saved model is a text model), and the files get the umask's
+    modes, not the temp folder's owner-only ones."""
+    import os
+    import stat
+
+    lm = blockpress.load("sudoku", progress=False)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match=r"holds files that are not a checkpoint's \(notes.txt\)"):
+        lm.save(mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="it is a file"):
+        lm.save(tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "x"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="holds files that are not"):
+        lm.save(".")  # the working folder, by its name
+    old = os.umask(0o022)
+    try:
+        out = lm.save(tmp_path / "sv")
+        lm.save(out)  # an earlier checkpoint is replaced
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in out.iterdir()) == ["blockpress_task.json", "config.json", "generation_config.json",
+                                                     "model.safetensors", "tokenizer.json"]
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755 and stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp or old folders left
+    from blockpress.tasks import sudoku as su
+
+    su.require_sudoku_model(blockpress.load(out, progress=False), str(out))  # still a Sudoku model
+
+
 @pytest.mark.parametrize("precision", ["native", "fp8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_bytes_estimate_is_exact(hf_tiny_dir, precision, dtype):

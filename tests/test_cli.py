@@ -190,9 +190,14 @@ def test_threads_must_be_a_positive_integer_everywhere(command, capsys):
     (["bench", "--repeats", "0"], "--repeats: expected a positive integer"),
     (["bench", "--new-tokens", "0"], "--new-tokens: expected a positive integer"),
     (["bench", "--attention-split", "0"], "--attention-split: expected an integer in 1..16, got 0"),
+    (["run", "kjv", "x", "--seed", "99999999999999999999"], "--seed: expected a seed in 0..18446744073709551615"),
+    (["eval", "sudoku", "--seed", "-1"], "--seed: expected a seed in 0.."),
+    (["eval", "sudoku", "--json", "/no-such-folder/x.json"], "--json: the folder /no-such-folder does not exist"),
+    (["bench", "--out", "/"], "--out: / is a folder; give a file path"),
 ])
 def test_numeric_flags_are_checked_before_any_work(argv, needle, capsys):
-    """Each of these was a traceback (ValueError, IndexError, RuntimeError) or a silent nonsense run."""
+    """Each of these was a traceback (ValueError, IndexError, RuntimeError, OverflowError), a silent nonsense run,
+    or (an output file in no folder) a traceback after the whole run, its results lost."""
     with pytest.raises(SystemExit) as e:
         cli(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
@@ -511,6 +516,21 @@ def test_ctrl_c_during_a_reply_ends_the_turn_not_the_chat(model_dir, capsys, mon
     assert "(reply interrupted and dropped" in out and len(re.findall("tokens/forward", out)) == 1
     lm = blockpress.load(model_dir, progress=False)
     assert f"encoded {len(lm.encode_chat('again'))} prompt tokens" in out  # the conversation is only "again"
+
+
+def test_a_turn_past_the_context_is_refused_and_the_chat_goes_on(model_dir, capsys, monkeypatch):
+    """A turn whose conversation no longer fits the model's positions ended the chat (exit 2, the conversation
+    lost); now that turn is refused in one line that names /reset, and the next, shorter one is answered."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("word " * 5000 + "\nagain\n"))
+    assert cli(["chat", str(model_dir), "--max-new-tokens", "16", "--steps", "2", "--no-live"]) == 0
+    out = capsys.readouterr().out
+    assert "exceeds max_position_embeddings" in out and "/reset starts a new conversation" in out
+    assert len(re.findall("tokens/forward", out)) == 1  # "again" was answered
+
+
+def test_bench_config_must_be_a_readable_file(capsys, tmp_path):
+    assert cli(["bench", "--config", str(tmp_path / "missing.json")]) == 2
+    assert "--config not found" in capsys.readouterr().err
 
 
 def test_adapter_takes_a_lora_run_folder(sudoku_dir, tmp_path, capsys, monkeypatch):

@@ -104,6 +104,15 @@ def test_default_pattern_and_forced_last_full():
     ("use_bidirectional_attention", "both", "use_bidirectional_attention"),
     ("num_key_value_heads", 3, "num_key_value_heads"),
     ("rope_parameters", {"full_attention": {"rope_type": "yarn"}}, "rope_type"),
+    # each of these was a TypeError / AttributeError / ValueError at load, or a crash at the first generation
+    ("rms_norm_eps", "abc", "'rms_norm_eps' must be a number > 0"),
+    ("final_logit_softcapping", "x", "'final_logit_softcapping' must be a number"),
+    ("per_layer_config", [1, 2], "'per_layer_config' must map layer indices"),
+    ("rope_parameters", {"full_attention": {"rope_theta": "x"}}, "rope_parameters.full_attention.rope_theta"),
+    ("rope_parameters", {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 2.0}},
+     "partial_rotary_factor' must be a number in"),
+    ("eos_token_id", "1", "'eos_token_id' must be a token id"),
+    ("attention_bias", True, "attention_bias"),
 ])
 def test_invalid_values_name_the_field(field, value, needle):
     raw = {"model_type": "diffusion_gemma", "text_config": {**TINY_TEXT, field: value}}
@@ -133,6 +142,8 @@ def test_generation_config_priority_and_validation():
             GenerationConfig.resolve({}, **kw)
     with pytest.raises(TypeError, match="unknown generation parameter"):
         GenerationConfig.resolve({}, temperature=0.7)
+    with pytest.raises(SamplingError, match=r"\['steps'\] \('steps' is max_denoising_steps"):
+        GenerationConfig.resolve({}, steps=4)  # another library's name: pointed to ours
 
 
 def test_real_26b_architecture_parameter_counts():

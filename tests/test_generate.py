@@ -194,6 +194,11 @@ def test_invalid_inputs_get_clear_errors(bp):
         bp.generate(x, pad_token_id=-1)
     with pytest.raises(InputError, match="tokenizer"):
         bp.generate_text("hi")  # this checkpoint has no tokenizer.json
+    # an AttributeError from deep inside before
+    with pytest.raises(InputError, match="generator must be a torch.Generator .* got int"):
+        bp.generate(x, generator=5)
+    with pytest.raises(InputError, match="cache must be the KVCache of an earlier result"):
+        bp.generate(x, cache="x")
 
 
 def test_huge_stability_threshold_means_never_stop_early(bp, monkeypatch):

@@ -451,3 +451,18 @@ def test_warmup_longer_than_steps_warns(tmp_path, capsys):
     assert cli_main(["train", "sudoku", "--out", str(tmp_path / "run"), *TINY, "--steps", "1", "--warmup", "4"]) == 0
     assert "--warmup 4 is longer than --steps 1: the learning rate never reaches --lr (it peaks at 25 % of it)" in \
         capsys.readouterr().err
+
+
+def test_a_new_run_into_a_run_folder_is_refused(tmp_path, capsys):
+    """Training into a folder that holds a run's checkpoints, without --resume, overwrote them silently (the old
+    run's checkpoint-2 replaced, `latest` moved, metrics.jsonl mixing two runs); it is refused in one line. An --out
+    that is a file is refused the same way (it was a NotADirectoryError)."""
+    out = tmp_path / "run"
+    assert cli_main(["train", "sudoku", "--out", str(out), "--steps", "2", "--save-every", "2", *TINY]) == 0
+    before = (out / "checkpoint-0000002" / "model.safetensors").read_bytes()
+    assert cli_main(["train", "sudoku", "--out", str(out), "--steps", "2", "--seed", "1", *TINY]) == 2
+    assert "already holds a training run's checkpoints" in capsys.readouterr().err
+    assert (out / "checkpoint-0000002" / "model.safetensors").read_bytes() == before
+    (tmp_path / "file").write_text("x")
+    assert cli_main(["train", "sudoku", "--out", str(tmp_path / "file"), "--steps", "1", *TINY]) == 2
+    assert "is a file" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import argparse
 
 from ..lab.presets import DTYPE_NAMES, PRESETS
 from ..options import LINEAR_FORMATS
-from .run import COMPILE_HELP, _int_in, _nonneg_int, _positive_int, _positive_int_list
+from .run import COMPILE_HELP, _int_in, _nonneg_int, _positive_int, _positive_int_list, _seed, _output_file
 
 MODES = ("fixed", "adaptive")
 
@@ -137,14 +137,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per setting (median reported)")
     p.add_argument("--threads", type=_positive_int, metavar="N",
                    help="torch CPU threads (1 is steadier on a shared machine)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--init-std", type=float, default=0.02, help="std of the random weights")
     p.add_argument("--bandwidth-gbs", type=_positive_float,
                    help="memory bandwidth for the floor (default: measured copy)")
     p.add_argument("--peak-tflops", type=_positive_float,
                    help="dense bf16 peak for the roofline floors that count math too (default: known GPUs, e.g. "
                         "H100 SXM 989; none on a CPU: bytes-only floors)")
-    p.add_argument("--out", help="also write the JSON result to this file")
+    p.add_argument("--out", type=_output_file, help="also write the JSON result to this file")
 
 
 def main(args) -> int:

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .run import (add_model_args, add_sampling_args, load_model, refuse_task_model, returned_tokens, sampling_kwargs,
+from .run import (add_model_args, add_sampling_args, load_model, refuse_task_model, sampling_kwargs,
                   stats_line, stats_of)
 
 END_OF_TURN = "<turn|>\n"
@@ -114,7 +114,7 @@ class ChatSession:
 
         C = self.lm.canvas_length
         new = result.new_tokens[0].tolist()
-        tokens, reason = returned_tokens(new, self.cfg.eos_token_id, self.cfg.max_new_tokens)
+        tokens, reason = self.cfg.reply(new)
         in_last = len(tokens) - (len(new) - C)  # reply tokens inside the last (unencoded) canvas
         self.cache = result.cache
         self.pending = new[len(new) - C:][:max(in_last, 0)] + self.tok.encode(END_OF_TURN)
@@ -140,6 +140,7 @@ def main(args) -> int:
     from rich.console import Console
 
     from .view import CanvasView, TextRenderer
+    from ..errors import InputError
     from ..loading import DEFAULT_CHAT_MODEL
 
     args.model = args.model or DEFAULT_CHAT_MODEL  # chat is what these commands are for: the shipped chat model
@@ -183,6 +184,11 @@ def main(args) -> int:
         except KeyboardInterrupt:  # ends this reply, not the chat
             session.abort_turn()
             console.print("(reply interrupted and dropped; /exit or Ctrl-D ends the chat)", style="yellow")
+            continue
+        except InputError as e:  # a turn the model cannot take (the conversation outgrew its context): the chat goes on
+            session.abort_turn()
+            console.print(f"error: {e} (this turn was dropped; /reset starts a new conversation)", style="red",
+                          markup=False)
             continue
         reply = session.last_reply
         if reply.reasoning:

@@ -44,7 +44,7 @@ import sys
 
 from ..config import fixed_steps
 from ..options import LINEAR_FORMATS
-from .run import _int_in, _nonneg_int, _positive_int, add_sampler_args, sampler_kwargs
+from .run import _int_in, _nonneg_int, _output_file, _positive_int, _seed, add_sampler_args, sampler_kwargs
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -61,7 +61,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="fixed denoising-step budgets to compare")
     add_sampler_args(p.add_argument_group("sampler (default: the model's generation_config.json)"))
     p.add_argument("--batch-size", type=_positive_int, default=50)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=_seed, default=0, help="sampling seed")
     p.add_argument("--repair", type=_nonneg_int, default=0, metavar="R",
                    help="sudoku: up to R rounds of re-denoising the cells that break a rule, the rest of the "
                         "canvas held (edited in place; uses the rules, never the solution). Default 0")
@@ -86,7 +86,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="attention and dense-MLP projections: native, or int8 / fp8 quantised while loading; "
                         "int4-mlp: the dense MLP alone in int4")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="torch CPU threads")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--json", default=None, type=_output_file, help="write the results here")
 
 
 def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0, ar: bool = False,

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import fixed_steps
+from ..config import MAX_SEED, fixed_steps, reply_tokens
 from ..options import LINEAR_FORMATS
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
@@ -56,6 +56,23 @@ def _int_flag(what: str, lo: int, hi: int | None = None, allow_none: bool = Fals
 _positive_int = _int_flag("a positive integer", 1)
 _nonneg_int = _int_flag("an integer >= 0", 0)
 _int_or_none = _int_flag("an integer >= 0 or none", 0, allow_none=True)
+
+
+_seed = _int_flag(f"a seed in 0..{MAX_SEED}", 0, MAX_SEED)
+
+
+def _output_file(s: str) -> str:
+    """An argparse type: a file the command writes when it ends, checked before it starts (a typo must not cost a
+    long run's results): not a folder, in a folder that exists and is writable."""
+    p = Path(s)
+    parent = p.parent
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"{s} is a folder; give a file path")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder {parent} does not exist; create it or give another path")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{s} cannot be written (permissions); give another path")
+    return s
 
 
 def _int_in(lo: int, hi: int):
@@ -152,7 +169,7 @@ def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True, server: boo
                    default=argparse.SUPPRESS,
                    help="mean entropy below which a stable canvas stops (none: never stop early)")
     if seed:
-        g.add_argument("--seed", type=int, help="random seed (same seed, same text)")
+        g.add_argument("--seed", type=_seed, help="random seed (same seed, same text)")
 
 
 def add_sampler_args(g) -> None:
@@ -281,15 +298,6 @@ def task_of(lm) -> str | None:
     return task_info(lm).get("task")
 
 
-def returned_tokens(new_tokens: list[int], stop_ids, limit: int) -> tuple[list[int], str]:
-    """Tokens up to (excluding) the first stop id, at most `limit`; and the finish reason."""
-    stops = set(stop_ids or ())
-    for j, t in enumerate(new_tokens[:limit]):
-        if t in stops:
-            return new_tokens[:j], "stop"
-    return new_tokens[:limit], "length"
-
-
 def stats_of(result, n_tokens: int) -> dict[str, Any]:
     passes = int(result.forward_passes[0])
     spc = list(result.steps_per_canvas)
@@ -392,7 +400,7 @@ def main(args) -> int:
 
     watch = CpuWatch()
     result = _generate(lm, ids, kw, gen, _text_view(lm, console, live), decode=True)
-    tokens, reason = returned_tokens(result.new_tokens[0].tolist(), cfg.eos_token_id, cfg.max_new_tokens)
+    tokens, reason = cfg.reply(result.new_tokens[0].tolist())
     from ..parsing import parse_output
 
     parsed = parse_output(lm.tokenizer.decode(tokens), reason, control_tokens=lm.tokenizer.special_tokens)
@@ -465,7 +473,7 @@ def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
     result = _generate(lm, ids, kw, gen, view, decode=False)
     tokens = result.new_tokens[0].tolist()
     answer = su.decode_answer(tokens, fmt)
-    stats = stats_of(result, len(returned_tokens(tokens, [su.EOS_ID], len(tokens))[0]))  # the first pass
+    stats = stats_of(result, len(reply_tokens(tokens, [su.EOS_ID], len(tokens))[0]))  # the first pass
     k = args.samples or su.default_samples(lm)
     broken = len(su.broken_cells(puzzle, answer, "cells"))
     stats["candidates"] = 1  # candidate answers drawn (up to --samples: more only when the first breaks a rule)

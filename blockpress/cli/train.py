@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from .run import _float_in, _nonneg_int, _positive_int
+from .run import _float_in, _nonneg_int, _positive_int, _seed
 
 # generation_config.json written with a Sudoku checkpoint: one canvas (81 digits + <eos>), the reference's
 # sampler defaults otherwise (blockpress.tasks.sudoku: CANVAS_LEN 82, EOS_ID 1, PAD_ID 0)
@@ -50,7 +50,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     run.add_argument("--warmup", type=_nonneg_int, default=30)
     run.add_argument("--weight-decay", type=_float_in(0, strict=False), default=0.01)
     run.add_argument("--clip", type=_float_in(0, strict=False), default=1.0, help="gradient-norm clip (0: off)")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=_seed, default=0)
     run.add_argument("--log-every", type=_positive_int, default=10)
     run.add_argument("--eval-data", default=None, help="text/chat: held-out file for the periodic eval loss")
     run.add_argument("--eval-every", type=_nonneg_int, default=200, help="steps between eval losses (0: off)")
@@ -156,6 +156,11 @@ def build(args, world: int = 1):
     except ValueError as e:  # name the flag, not the dataclass field
         field = str(e).split(" ", 1)[0]
         raise InputError(f"--{field.replace('_', '-')} {str(e).split(' ', 1)[1]}") from None
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file; give a folder for the run's checkpoints")
+    if not args.resume and out.is_dir() and any(p.is_dir() for p in out.glob("checkpoint-*")):
+        raise InputError(f"{out} already holds a training run's checkpoints, which this run would overwrite; continue "
+                         "it with --resume, or give another --out (or delete that folder to start over)")
     resume_ck = latest_checkpoint(out) if args.resume else None
     if args.resume and resume_ck is None:
         print(f"blockpress train: nothing to resume in {out} (no complete checkpoint there): starting from step 0",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import GenerationConfig
 from ..model.cache import KVCache
 
 
@@ -51,6 +52,7 @@ class GenerationResult:
     total_seconds: float
     forward_passes: torch.Tensor  # [B] decoder passes counted per row
     cache: KVCache | None = field(default=None, repr=False)
+    config: GenerationConfig | None = field(default=None, repr=False)  # the GenerationConfig it ran with (its stop ids and token limit)
 
     @property
     def new_tokens(self) -> torch.Tensor:

@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from ..config import GenerationConfig
-from ..errors import InputError
+from ..config import MAX_SEED, GenerationConfig
+from ..errors import InputError, SamplingError
 from ..options import Options
 from ..model.cache import KVCache
 from .events import Admitted, Commit, Committed, Draft, Finished, GenerationResult, Stepped
@@ -70,9 +70,15 @@ def _check(module, input_ids, cfg, C, attention_mask, generator, cache, fixed_to
     if isinstance(generator, (list, tuple)) and len(generator) != B:
         raise InputError(f"got {len(generator)} generators for a batch of {B}; give one per row")
     for g in (generator if isinstance(generator, (list, tuple)) else [generator]):
+        if g is not None and not isinstance(g, torch.Generator):
+            raise InputError(f"generator must be a torch.Generator or a list of them (one per row), got "
+                             f"{type(g).__name__}; for a seed make one with torch.Generator(device={dev.type!r})"
+                             ".manual_seed(seed)")
         if g is not None and g.device.type != dev.type:
             raise InputError(f"the generator is on {g.device.type} but the model is on {dev}: the noise is drawn "
                              f"where the model runs; make it with torch.Generator(device={dev.type!r}).manual_seed(...)")
+    if cache is not None and not isinstance(cache, KVCache):
+        raise InputError(f"cache must be the KVCache of an earlier result (result.cache), got {type(cache).__name__}")
     T_start = cache.length if cache is not None else 0
     n_canvases = math.ceil(cfg.max_new_tokens / C)
     limit = module.text.max_position_embeddings
@@ -182,7 +188,14 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
         sequences=seq, tokens_per_forward=valid / passes_t, steps_per_canvas=steps_per_canvas,
         canvas_seconds=canvas_seconds, prompt_length=S, prefill_seconds=prefill_seconds,
         first_commit_seconds=first_commit, total_seconds=time.perf_counter() - t_start,
-        forward_passes=passes_t, cache=runner.cache))
+        forward_passes=passes_t, cache=runner.cache, config=cfg))
+
+
+def seeded(seed, device) -> torch.Generator:
+    """A generator on `device` seeded with `seed`, a whole number in 0..2**64 - 1 (else SamplingError)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise SamplingError(f"seed must be a whole number in 0..{MAX_SEED}, got {seed!r}")
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _engine(module, ids, mask, cfg, n_canvases: int, T_start: int, generator, cache, fixed_tokens,

@@ -23,6 +23,7 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -360,8 +361,9 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if args.config:
-        with open(args.config) as f:
-            config, prompt, new = json.load(f), 128, 128
+        from ..config import _read_json
+
+        config, prompt, new = _read_json(Path(args.config), "--config"), 128, 128
     else:
         config, prompt, new = preset_config(args.preset)
     args.prompt_tokens = args.prompt_tokens or prompt

@@ -244,11 +244,51 @@ def state_dict_for_checkpoint(module: torch.nn.Module, tensors: dict | None = No
     return out
 
 
+# what a checkpoint or adapter folder holds (these files and sharded weights): an existing folder holding only such
+# files is replaced by a save into it; one holding anything else (a model card a person wrote, too) is refused
+CHECKPOINT_FILES = frozenset({
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
+    "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "blockpress_task.json", "trainer_state.pt", "adapter_config.json", "adapter_model.safetensors"})
+_SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+
+
+def _refuse_to_replace(folder: Path, files: dict) -> None:
+    """CheckpointError unless `folder` is absent, or a folder that holds only checkpoint files (CHECKPOINT_FILES,
+    weight shards, the files being written): a save must not delete a user's other files."""
+    if not folder.exists() and not folder.is_symlink():
+        return
+    if not folder.is_dir():
+        raise CheckpointError(f"cannot save to {folder}: it is a file, not a folder; choose a new folder path "
+                              "(nothing was written)")
+    mine = {Path(rel).parts[0] for rel in files}
+    other = sorted(p.name for p in folder.iterdir()
+                   if p.name not in CHECKPOINT_FILES and p.name not in mine and not _SHARD.match(p.name))
+    if other:
+        shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+        raise CheckpointError(f"cannot save to {folder}: it holds files that are not a checkpoint's ({shown}), which "
+                              "saving there would delete; choose a new or empty folder (nothing was written)")
+
+
+def _readable(tmp: Path) -> None:
+    """Give a written checkpoint the modes new files get (the umask), not the temp dir's owner-only 0700."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in [tmp, *tmp.rglob("*")]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 def write_atomic(folder: Path, files: dict) -> None:
     """Write files into `folder` via a temp dir (`.NAME.*` beside it) + rename, so a failure never leaves a half
-    checkpoint: the temp dir is removed whatever the failure."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint: the temp dir is removed whatever the failure. An existing `folder` is replaced only where it holds
+    nothing but checkpoint files (`_refuse_to_replace`)."""
+    folder = Path(folder).absolute()  # "." has a name to put the temp dir beside
+    _refuse_to_replace(folder, files)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"could not create {folder.parent} ({e.strerror or e}); choose another path") from None
+    if not folder.parent.is_dir():
+        raise CheckpointError(f"cannot save to {folder}: {folder.parent} is a file, not a folder; choose another path")
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         for rel, data in files.items():
@@ -260,6 +300,7 @@ def write_atomic(folder: Path, files: dict) -> None:
                 p.write_text(data)
             else:
                 p.write_bytes(data)
+        _readable(tmp)
         if folder.exists():
             old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
             os.replace(folder, old)

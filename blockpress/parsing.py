@@ -195,7 +195,7 @@ class _ArgParser:
         if raw in ("null", "None"):
             return None
         if _NUMBER_RE.fullmatch(raw):
-            return json.loads(raw)
+            return _number(raw)
         return raw  # lenient: an unquoted word is a string
 
     def key(self) -> str:
@@ -264,6 +264,33 @@ class _ArgParser:
                 self.fail("expected ',' or ']'")
 
 
+class _Float(float):
+    """A number parsed from a call's arguments, with the text it was written as: a float would turn 1e999 into
+    `Infinity` (not JSON) and round 444444444444.44444 to 444444444444.44446."""
+    raw: str
+
+
+def _number(raw: str) -> int | float:
+    value = json.loads(raw)
+    if isinstance(value, int):  # exact in Python
+        return value
+    out = _Float(value)
+    out.raw = raw
+    return out
+
+
+def arguments_json(value: Any) -> str:
+    """JSON text of parsed arguments (`parse_gemma_arguments`), each number as it was written."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)}: {arguments_json(v)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(arguments_json(v) for v in value) + "]"
+    if isinstance(value, _Float):
+        return value.raw
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
 def parse_gemma_arguments(text: str) -> dict[str, Any]:
     """Parse `{key:value,...}` in Gemma notation (or JSON) into a dict; ValueError if malformed."""
     p = _ArgParser(text)
@@ -286,7 +313,7 @@ def _parse_call_body(body: str) -> tuple[str, str] | None:
         args = parse_gemma_arguments(m.group(2))
     except ValueError:
         return None
-    return m.group(1), json.dumps(args, ensure_ascii=False)
+    return m.group(1), arguments_json(args)
 
 
 # --------------------------------------------------------------------------- streaming parser

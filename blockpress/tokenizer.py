@@ -210,6 +210,15 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(int(token_id))
 
+    @property
+    def byte_ids(self) -> frozenset[int]:
+        """The byte-fallback tokens (`<0x23>`): a run of them decodes together, each byte of an invalid run to U+FFFD,
+        so one such token's text is not known until the run ends (made once)."""
+        if getattr(self, "_byte_ids", None) is None:
+            self._byte_ids = frozenset(i for t, i in self._tok.get_vocab(with_added_tokens=False).items()
+                                       if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
+        return self._byte_ids
+
     # ------------------------------------------------------------------ encode / decode
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
@@ -264,6 +273,9 @@ class StreamDecoder:
         self._prefix = 0  # start of the context window
         self._read = 0    # ids before this index have been emitted
         self._extra = 0   # chars past decode(ids[prefix:read]) already emitted (partial tail)
+        self._end = 0     # ids before this are not held (the last feed's; a byte run after it waits)
+        self._pending = 0  # ids at the end whose text ends `feed_ends` has not given yet
+        self._last_end = 0  # the last end it gave
         self.text = ""    # everything emitted so far
 
     @property
@@ -274,14 +286,24 @@ class StreamDecoder:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def feed(self, new_ids: Iterable[int]) -> str:
-        """Append ids; return the text they complete ("" while nothing new is complete)."""
+        """Append ids; return the text they complete ("" while nothing new is complete). A run of byte-fallback
+        ids at the end (with skipped special ids inside it) waits for the id after it: the run decodes as a whole
+        (`Tokenizer.byte_ids`), so "#" as a byte is "#" alone but U+FFFD before an invalid continuation byte."""
         self._ids.extend(int(i) for i in new_ids)
-        if self._read == len(self._ids):
+        end, tok = len(self._ids), self._tokenizer
+        while end > self._read and (self._ids[end - 1] in tok.byte_ids
+                                    or self._skip and self._ids[end - 1] in tok.special_ids):  # (skipped: no text)
+            end -= 1
+        self._end = max(end, self._read)
+        if self._read >= end:
             return ""
         prefix_text = self._decode(self._ids[self._prefix:self._read])
-        full_text = self._decode(self._ids[self._prefix:])
+        full_text = self._decode(self._ids[self._prefix:end])
         if not full_text.startswith(prefix_text):
-            return ""  # context changed the already-emitted text; resolved by flush()
+            # the new ids changed text already emitted (a tokenizer whose decoding looks further back than byte
+            # runs): what was emitted stands, and decoding goes on from the first id not emitted
+            self._prefix, self._extra = self._read, 0
+            prefix_text, full_text = "", self._decode(self._ids[self._read:end])
         done = len(prefix_text) + self._extra  # chars of full_text already emitted
         if full_text.endswith(_REPLACEMENT):
             # a multi-byte character may still be incomplete: emit only what precedes it
@@ -290,32 +312,47 @@ class StreamDecoder:
             self._extra += len(delta)
         else:
             delta = full_text[done:]
-            self._prefix, self._read, self._extra = self._read, len(self._ids), 0
+            self._prefix, self._read, self._extra = self._read, end, 0
         self.text += delta
         return delta
 
     def feed_ends(self, new_ids: Iterable[int]) -> tuple[str, list[int]]:
-        """`feed`, and where each new id's text ends in `text` (its characters: from the previous id's end): an id
-        owns the characters that decoding it, after the ids before it, adds for good (a byte that only completes a
-        character with the next id owns none; the next one owns the character), clipped to what is emitted."""
-        new_ids = [int(i) for i in new_ids]
+        """`feed`, and where the text of each id decided now ends in `text`: the ids held at the last call, then the
+        new ones, up to a byte run still held at the end (those come with a later call, or `flush_ends`). An id owns
+        the characters that decoding it, after the ids before it, adds for good (a byte that only completes a
+        character with the next id owns none; the next one owns the character)."""
         start, before = self._prefix, len(self.text)
         done = len(self._decode(self._ids[start:self._read])) + self._extra  # window characters already emitted
+        first = len(self._ids) - self._pending
         delta = self.feed(new_ids)
-        full = self._decode(self._ids[start:])
-        base, n0, ends, last = before - done, len(self._ids) - len(new_ids), [], before
-        for m in range(1, len(new_ids) + 1):
-            part = self._decode(self._ids[start:n0 + m])
+        return delta, self._ends(start, before - done, first, self._end)
+
+    def _ends(self, start: int, base: int, first: int, stop: int) -> list[int]:
+        """The text ends of ids [first, stop), decoding from id `start` (at text position `base`)."""
+        full = self._decode(self._ids[start:stop])
+        ends, last = [], self._last_end
+        for i in range(first, stop):
+            part = self._decode(self._ids[start:i + 1])
             k = 0
             for x, y in zip(part, full):
                 if x != y:
                     break
                 k += 1
-            if m < len(new_ids) and part.endswith(_REPLACEMENT):  # an incomplete character: not owned yet
+            if i + 1 < stop and part.endswith(_REPLACEMENT):  # an incomplete character: not owned yet
                 k = min(k, len(part.rstrip(_REPLACEMENT)))
             last = min(max(last, base + k), len(self.text))
             ends.append(last)
-        return delta, ends
+        self._pending = len(self._ids) - stop
+        self._last_end = last
+        return ends
+
+    def flush_ends(self) -> tuple[str, list[int]]:
+        """`flush`, and the text ends of the ids not yet given one (the held byte run at the end)."""
+        start, before = self._prefix, len(self.text)
+        done = len(self._decode(self._ids[start:self._read])) + self._extra
+        first = len(self._ids) - self._pending
+        delta = self.flush()
+        return delta, self._ends(start, before - done, first, len(self._ids))
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character decodes to U+FFFD)."""

@@ -104,6 +104,23 @@ def test_multiple_calls_and_json_style_arguments():
     assert r.content == "" and r.finish_reason == "tool_calls"
 
 
+def test_call_arguments_are_json_with_every_number_as_written():
+    """A number past a double's range came back as `Infinity` (not JSON: JSON.parse and strict parsers refuse the
+    call), and a long decimal was rounded (444444444444.44444 -> ...44446): the arguments JSON keeps each number as
+    the model wrote it; the parsed dict holds Python numbers."""
+    r = parse(f"<|tool_call>call:f{{lat:1e999,lon:444444444444.44444,n:12,l:[1.50,-0.0],s:{Q}a{Q}}}<tool_call|>",
+              "stop")
+    text = r.tool_calls[0].arguments_json
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    json.loads(text, parse_constant=refuse)  # no Infinity / NaN
+    assert text == '{"lat": 1e999, "lon": 444444444444.44444, "n": 12, "l": [1.50, -0.0], "s": "a"}'
+    assert r.tool_calls[0].arguments == {"lat": float("inf"), "lon": 444444444444.44444, "n": 12, "l": [1.5, -0.0],
+                                         "s": "a"}
+
+
 def test_default_ids_are_unique():
     r = parse_output("<|tool_call>call:a{}<tool_call|><|tool_call>call:a{}<tool_call|>")
     assert len({c.id for c in r.tool_calls}) == 2

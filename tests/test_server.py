@@ -29,7 +29,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from blockpress.server.protocol import APIError, ChatCompletionRequest, Limits  # noqa: E402
+from blockpress.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, Limits  # noqa: E402
 from blockpress.engine import runner as runner_mod  # noqa: E402
 from blockpress.server.worker import Handle, Job, RowCommit, RowDone, RowDraft, Worker, run_job  # noqa: E402
 from blockpress.server.serving import OpenAIServing, OutputAssembler, _Run  # noqa: E402
@@ -538,6 +538,11 @@ BAD = [
     ("top_p over 1", {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
     ("completion penalty", {"prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),
     ("string temperature", {"messages": MSG, "temperature": "0.7"}, 400, "temperature"),
+    ("nan temperature", {"messages": MSG, "temperature": float("nan")}, 400, "temperature"),
+    ("logit_bias over 100", {"messages": MSG, "logit_bias": {"1": 500}}, 400, "logit_bias.1"),
+    ("null user content", {"messages": [{"role": "user", "content": None}]}, 400, "messages.0"),
+    ("string parameters", {"messages": MSG, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "tools.0"),
     # found by the schema fuzzer: a temperature schedule under fp32's range made the exact sampler's probabilities nan
     ("denormal t_max", {"prompt": "hi", "t_min": 0.0, "t_max": 5e-324, "entropy_bound": 5e-324}, 400, "t_max"),
 ]
@@ -552,6 +557,9 @@ BAD_MESSAGES = {
     "completion stops": "stop: List should have at most 4 items", "completion long stop": "at most 256 characters",
     "too many stops": "stop: List should have at most 4 items", "completion echo": "echo is not supported",
     "negative temperature": "temperature: Input should be greater than or equal to 0",
+    "nan temperature": "Input should be a finite number", "logit_bias over 100": "less than or equal to 100",
+    "null user content": "a user message needs content",
+    "string parameters": 'parameters must be a JSON Schema of type "object"',
 }
 
 
@@ -1015,6 +1023,35 @@ def test_response_assembly_reasoning_and_tool_calls(lm):
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and lines[-1] == "data: [DONE]\n\n"
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_and_nulls_are_defaults(lm):
+    """`parallel_tool_calls: false` was accepted and ignored (a reply of three calls came back with three); now the
+    reply keeps its first call, streamed or not. OpenAI's nullable fields with defaults (n, stream, echo) take
+    null as their default (400 before), and with include_usage every chunk but the last carries "usage": null."""
+    tok = lm.tokenizer
+    three = "<|tool_call>call:a{x:1}<tool_call|><|tool_call>call:b{y:2}<tool_call|><|tool_call>call:c{}<tool_call|>"
+    ids = tok.encode(three) + [106]
+    serving = _serving(lm)
+    for parallel, want in ((None, ["a", "b", "c"]), (True, ["a", "b", "c"]), (False, ["a"])):
+        req = ChatCompletionRequest(messages=MSG, max_tokens=64, parallel_tool_calls=parallel, n=None, stream=None,
+                                    stream_options={"include_usage": True})
+        assert req.n == 1 and req.stream is False
+        sampling = req.to_sampling(serving.limits, serving.defaults)
+
+        async def both():
+            full = await serving.chat_response(_run_with(serving, ids, 16), sampling, stream=False)
+            sse = await serving.chat_response(_run_with(serving, ids, 16), sampling, stream=True)
+            return full, [line async for line in sse]
+
+        full, lines = asyncio.run(both())
+        assert [c.function.name for c in full.choices[0].message.tool_calls] == want
+        chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        streamed = [tc["function"]["name"] for c in chunks for ch in c["choices"]
+                    for tc in ch["delta"].get("tool_calls", [])]
+        assert streamed == want
+        assert all("usage" in c and c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["total_tokens"]
+    assert CompletionRequest(prompt="hi", echo=None, n=None, stream=None).echo is False
+
+
 def test_output_assembler_stops_and_limits(lm):
     tok = lm.tokenizer
     ids = tok.encode("The sky is blue. The sea is blue too.")
@@ -1028,6 +1065,10 @@ def test_output_assembler_stops_and_limits(lm):
         final = asm.finish()
         assert text + final.last.content == final.content == "The sky is blue. The "
         assert final.finish_reason == "stop"
+        # usage counts the tokens up to the one that completes the stop string, not the canvas's rest (it counted
+        # all 16 of a canvas, whatever came after "sea")
+        upto = next(k for k in range(len(ids)) if "sea" in tok.decode(ids[:k + 1]))
+        assert final.completion_tokens == upto + 1, split
     asm = OutputAssembler(tok, [1], 5, chat=False)
     asm.feed(ids)
     assert asm.finish().content == tok.decode(ids[:5]) and asm.finish_reason == "length"
@@ -1064,10 +1105,10 @@ def test_queue_full_is_429_and_api_key(lm):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
             return [(await c.get("/v1/models", headers=h)).status_code for h in
-                    ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer sekret"})] + \
-                [(await c.get("/health")).status_code]
+                    ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer sekret"},
+                     {"Authorization": "bearer sekret"})] + [(await c.get("/health")).status_code]
 
-    assert asyncio.run(calls()) == [401, 401, 200, 200]
+    assert asyncio.run(calls()) == [401, 401, 200, 200, 200]  # the scheme's name in any case (RFC 7235)
 
 
 # ----------------------------------------------------------------------------- issue 31: conformance and robustness
@@ -1269,7 +1310,8 @@ def test_health_reports_a_failing_engine(lm):
         with torch.no_grad():
             w.fill_(float("nan"))
         r = asyncio.run(_asgi(app, "POST", "/v1/completions", json=body))
-        assert r.status_code == 500
+        assert r.status_code == 500  # the exception's text stays in the log (it may quote another request's data)
+        assert r.json()["error"]["message"].endswith("the server's log has the details")
         h = asyncio.run(_asgi(app, "GET", "/health"))
         assert h.status_code == 503 and h.json()["status"] == "error" and "generation failed" in h.json()["error"]
         with torch.no_grad():

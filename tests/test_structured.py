@@ -394,3 +394,45 @@ def test_a_guarded_opening_is_not_written_where_the_drafted_name_is_not_offered(
         z[j, t] = 10.0
     z[0, text] = 9.0
     assert Constraint(grammar, tok, [1], V, 64, guarded).walk(z, z.argmax(-1))[0][:len(offered)] == offered
+
+
+def test_a_constrained_request_cancelled_before_its_canvas_runs_leaves_the_batch_alone(lm):
+    """A constrained request cancelled between a boundary and its canvas's first step (a client that disconnects,
+    or a stop string met, while another request joins) is frozen with the canvas it started from: noise its grammar
+    never walked. The commit fed that noise to its grammar, which raised, and the worker failed every request in the
+    batch with the exception's text, which quoted the cancelled request's tokens and schema. Now nothing continues
+    from a cancelled row's canvas: the other request gets the commits it gets alone."""
+    from blockpress.engine.constraint import Constraint, grammar_for
+    from blockpress.server.worker import Job, RowCommit, RowDone, RowError, Worker
+
+    C, V = lm.canvas_length, lm.config.text.vocab_size
+    resolve = blockpress.config.GenerationConfig.resolve
+    cfg = resolve(max_new_tokens=3 * C, eos_token_id=[1], pad_token_id=0, **FAST)
+    spec = grammar_for(json_schema={"type": "string", "minLength": 2 * C})
+
+    def other():
+        return Job([7, 8, 9, 11], resolve(max_new_tokens=C, eos_token_id=None, pad_token_id=None, **FAST), seed=1)
+
+    def run(s, first=None):
+        h = s.submit(other())
+        while s.busy:
+            with torch.no_grad():
+                s.canvas()
+        events = h.drain()
+        return [e.tokens for e in events if isinstance(e, RowCommit)], events
+
+    alone, _ = run(Worker(lm, max_batch=3))
+    s = Worker(lm, max_batch=3)
+    first = s.submit(Job([7, 8, 9, 10], cfg, seed=0, constraint=Constraint(spec, lm.tokenizer, [1], V, 3 * C)))
+    with torch.no_grad():
+        s.canvas()  # its first canvas, walked by its grammar
+    admit = s.scheduler.admit
+
+    def admit_and_disconnect(*args):  # the cancel lands while the other request is admitted
+        first.cancel()
+        return admit(*args)
+
+    s.scheduler.admit = admit_and_disconnect
+    got, events = run(s)
+    assert not [e for e in events if isinstance(e, RowError)] and isinstance(events[-1], RowDone)
+    assert got == alone

@@ -133,8 +133,22 @@ def test_stream_decoder_holds_multibyte_characters(tok):
     ids = tok.encode("a😀b")
     assert len(ids) == 6  # 'a', four byte-fallback tokens, 'b'
     dec = tok.stream_decoder()
-    assert [dec.feed([i]) for i in ids] == ["a", "", "", "", "😀", "b"]
+    # a run of byte tokens is known when it ends: a fifth, invalid byte would turn all five into U+FFFD
+    assert [dec.feed([i]) for i in ids] == ["a", "", "", "", "", "😀b"]
     assert dec.flush() == ""
+
+
+@FAST
+@given(ids=st.lists(st.integers(0, TINY_VOCAB_SIZE - 1), min_size=1, max_size=40),
+       cuts=st.lists(st.integers(0, 1000), max_size=10), skip=st.booleans())
+def test_stream_decoder_of_any_ids_concatenates_to_decode(tok, ids, cuts, skip):
+    """Any ids, as a random model writes them: byte tokens that form no character, special ids among them. A byte
+    token that decodes alone ("#" from <0x23>) became U+FFFD once an invalid byte followed it (the run decodes
+    together); the decoder had emitted "#" and, its emitted text contradicted, emitted nothing more, flush included:
+    a streamed reply lost all its text after such a pair at a canvas boundary (one token per feed: every pair)."""
+    dec = StreamDecoder(tok, skip_special_tokens=skip)
+    deltas = [dec.feed(chunk) for chunk in _split(ids, cuts)]
+    assert "".join(deltas) + dec.flush() == tok.decode(ids, skip_special_tokens=skip) == dec.text
 
 
 def test_stream_decoder_flushes_incomplete_bytes(tok):

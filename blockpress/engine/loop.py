@@ -146,7 +146,9 @@ class Engine:
         logprobs = token_logprobs(cv.sc, tokens, cv.rows)  # before the rows' `finished` moves on
         if any(r.constraint is not None for r in cv.rows):  # the grammars continue from the committed tokens
             for r, t in zip(cv.rows, tokens.tolist()):
-                if r.constraint is not None:
+                # a cancelled row's canvas is no output (it may hold the noise it started from, which its grammar
+                # never walked): nothing continues from it
+                if r.constraint is not None and not r.cancelled:
                     r.constraint.advance(t)
         now = time.perf_counter()
         for r, f in zip(cv.rows, finished):

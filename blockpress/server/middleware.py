@@ -110,7 +110,8 @@ class Guard:
 
     def _authorized(self, auth: bytes) -> bool:
         # bytes against bytes: a key the client sends in any encoding is just a wrong key (401), never a TypeError
-        return auth.startswith(b"Bearer ") and hmac.compare_digest(auth[7:].strip(), self.key)
+        # the scheme's name is case-insensitive (RFC 7235): "bearer KEY" is the same credential
+        return auth[:7].lower() == b"bearer " and hmac.compare_digest(auth[7:].strip(), self.key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

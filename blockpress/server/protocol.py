@@ -25,6 +25,7 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
   opening of a call (`<|tool_call>call:`, plus `NAME{` when the tool is known) on the first canvas;
   a choice naming no offered tool, or "required" without tools, is a 400. A request that offers no tool (none,
   or tool_choice "none") gets no call: the call's opening token is banned (`parsing.call_ban`).
+  `parallel_tool_calls: false` keeps a reply's first call; `parameters` must be an object schema.
 - `stream_options: {"include_drafts": true}` adds chunks with `"choices": []` and a `blockpress`
   field: after every denoising step `{"type": "draft", "canvas", "step", "max_steps", "text",
   "tokens": [piece per position], "accepted": [0/1 per position]}`, after every canvas
@@ -154,6 +155,7 @@ class Sampling:
     grammar_param: str = "response_format"  # the request field the grammar came from (a 400 names it): or "tools"
     suppress: list[int] | None = None  # token ids the output may not hold where no grammar is given (a chat
     # request that offers no tool: the opening of a tool call, parsing.call_ban)
+    one_call: bool = False  # parallel_tool_calls false: a reply's tool calls end after the first
 
     def choice_seed(self, i: int) -> int | None:
         if self.seed is None:
@@ -177,6 +179,11 @@ Int = Annotated[int, BeforeValidator(_integral)]
 # (the bound before the validator: it constrains the int schema itself)
 PosInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
 NonNegInt = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+
+
+def _null_is(default):
+    """A BeforeValidator: an explicit null means the field's default (OpenAI's nullable fields with defaults)."""
+    return BeforeValidator(lambda v: default if v is None else v)
 SeedInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1), BeforeValidator(_integral)]
 PosFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
@@ -206,10 +213,12 @@ _IGNORED = "ignored by the denoising sampler (its temperature schedule is t_min 
 class _Request(BaseModel):
     model_config = _STRICT
     # OpenAI's sampling fields, in every endpoint: not used, but a value OpenAI refuses is refused (400 naming it)
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = Field(None, description=_IGNORED)
-    top_p: Annotated[float, Field(ge=0, le=1)] | None = Field(None, description=_IGNORED)
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = Field(None, description=_IGNORED)
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = Field(None, description=_IGNORED)
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
+    top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^\d{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None = \
+        Field(None, max_length=1024, description=_IGNORED)
 
     @model_validator(mode="before")
     @classmethod
@@ -259,6 +268,13 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallIn] | None = Field(None, max_length=64)
     tool_call_id: str | None = Field(None, max_length=256)
 
+    @model_validator(mode="after")
+    def _has_content(self):
+        """Only an assistant turn may leave out its content (a turn of tool calls), as OpenAI requires."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (text or text parts)")
+        return self
+
 
 class FunctionDef(BaseModel):
     model_config = _STRICT
@@ -267,6 +283,16 @@ class FunctionDef(BaseModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = Field(None, description="the model's calls of this tool have arguments valid against "
                                 "`parameters` (a grammar while the reply is denoised; needs the structured extra)")
+
+    @model_validator(mode="after")
+    def _object_parameters(self):
+        """A call's arguments are an object (OpenAI: `parameters` is a JSON Schema object); a schema of another
+        type would make a forced call write what no call can hold."""
+        kind = (self.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise ValueError(f"a function's parameters must be a JSON Schema of type \"object\" (its arguments are an "
+                             f"object), got type {kind!r}; put the value under a property")
+        return self
 
 
 class Tool(BaseModel):
@@ -380,13 +406,15 @@ class _ChatFields(_Request):
     model: str | None = Field(None, description="the served model's id (default: the served model)")
     max_completion_tokens: PosInt | None = None
     max_tokens: PosInt | None = None
-    n: PosInt = Field(1, description="choices; choice i samples with seed + i")
+    n: Annotated[PosInt, _null_is(1)] = Field(1, description="choices; choice i samples with seed + i")
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     seed: SeedInt | None = None
     stop: _Stop = _stop_field()
-    stream: bool = False
+    stream: Annotated[bool, _null_is(False)] = False
+    parallel_tool_calls: bool | None = Field(None, description="false: the reply holds at most one tool call (the "
+                                             "first)")
     stream_options: StreamOptions | None = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     tools: list[Tool] | None = Field(None, max_length=128)
@@ -449,6 +477,7 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
                                                    or REFERENCE_DEFAULTS["max_new_tokens"])
         sampling = self._resolve(limits, defaults, n, field_name, default, self.seed, self.stop, self.stream_options)
         sampling.logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        sampling.one_call = self.parallel_tool_calls is False
         sampling.grammar = self.output_grammar()  # beside tools that ask for a grammar: serving.tool_call_grammar
         return sampling
 
@@ -567,13 +596,13 @@ class _CompletionFields(_Request):
                                description="insert mode: the text after the completion; the model fills the "
                                            "max_tokens-token hole between prompt and suffix, seeing both")
     max_tokens: PosInt | None = Field(None, description="default: the server's --max-new-tokens, else 16")
-    n: PosInt = Field(1, description="choices per prompt; choice i samples with seed + i")
+    n: Annotated[PosInt, _null_is(1)] = Field(1, description="choices per prompt; choice i samples with seed + i")
     best_of: PosInt | None = None
-    echo: bool = False
+    echo: Annotated[bool, _null_is(False)] = False
     logprobs: Annotated[int, Field(ge=0, le=5), BeforeValidator(_integral)] | None = None
     seed: SeedInt | None = None
     stop: _Stop = _stop_field()
-    stream: bool = False
+    stream: Annotated[bool, _null_is(False)] = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
 

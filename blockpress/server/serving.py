@@ -197,9 +197,11 @@ class OutputAssembler:
     """Committed token canvases -> text deltas -> final OpenAI fields. `chat=False`: plain text."""
 
     def __init__(self, tokenizer, stop_ids, max_tokens: int, stop: list[str] | None = None, chat: bool = True,
-                 logprobs: bool = False):
+                 logprobs: bool = False, one_call: bool = False):
         """logprobs: align the tokens' log-probabilities (`feed(canvas, logprobs)`) with the text: each Delta
-        carries the entries of the tokens whose text ended in it, `Final.logprobs` all of them."""
+        carries the entries of the tokens whose text ended in it, `Final.logprobs` all of them. one_call: keep
+        the reply's first tool call only (`parallel_tool_calls: false`)."""
+        self.one_call = one_call
         self.stop_ids = set(stop_ids or ())
         self.max_tokens = max_tokens
         self.chat = chat
@@ -207,6 +209,7 @@ class OutputAssembler:
         self.parser = StreamingParser(control_tokens=tokenizer.special_tokens, track_sources=logprobs) \
             if chat else None
         self.aligner = LogprobAligner(completion=not chat) if logprobs else None
+        self._waiting: list = []  # (token, logprob) fed, its span not yet decided (a byte run the decoder holds)
         self._released = 0  # content characters sent
         self.stopper = StopStrings(stop or [])
         self.tokens: list[int] = []
@@ -217,7 +220,21 @@ class OutputAssembler:
 
     def feed(self, canvas: list[int], logprobs: list | None = None) -> Delta:
         """One committed canvas (in order), with its tokens' log-probabilities (per position, as
-        `RowCommit.logprobs`) when the assembler aligns them. Returns the new text; sets `done` at a stop."""
+        `RowCommit.logprobs`) when the assembler aligns them. Returns the new text; sets `done` at a stop.
+        With stop strings the tokens go in one at a time, so that the reply (and `completion_tokens`) ends at the
+        token that completes a stop string, not at the canvas's end."""
+        if not self.stopper.stops or len(canvas) <= 1:
+            return self._feed(canvas, logprobs)
+        out = Delta()
+        for k, t in enumerate(canvas):
+            if self.done:
+                break
+            d = self._feed([t], None if logprobs is None else logprobs[k:k + 1])
+            out.reasoning, out.content = out.reasoning + d.reasoning, out.content + d.content
+            out.logprobs += d.logprobs
+        return out
+
+    def _feed(self, canvas: list[int], logprobs: list | None) -> Delta:
         take: list[int] = []
         for t in canvas:
             if self.done:
@@ -231,10 +248,16 @@ class OutputAssembler:
                 self.done = True
         if self.aligner is None:
             return self._text(self.decoder.feed(take))
-        text, ends = self.decoder.feed_ends(take)  # the same text, and each token's span of it
-        for k, (t, end) in enumerate(zip(take, ends)):
-            self.aligner.token(t, logprobs[k] if logprobs is not None else None, end)
+        self._waiting += [(t, logprobs[k] if logprobs is not None else None) for k, t in enumerate(take)]
+        text, ends = self.decoder.feed_ends(take)  # the same text, and the span of each token decided now
+        self._align(ends)
         return self._text(text)
+
+    def _align(self, ends: list[int]) -> None:
+        """The tokens whose spans the decoder decided (the first len(ends) waiting) to the aligner."""
+        for (t, value), end in zip(self._waiting, ends):
+            self.aligner.token(t, value, end)
+        del self._waiting[:len(ends)]
 
     def _text(self, text: str, final: bool = False) -> Delta:
         if self.parser is None:
@@ -267,9 +290,12 @@ class OutputAssembler:
         if self._final is not None:
             return self._final
         self.done = True
-        flushed = self.decoder.flush()
-        if self.aligner is not None:
-            self.aligner.tail(flushed)
+        if self.aligner is None:
+            flushed = self.decoder.flush()
+        else:
+            flushed, ends = self.decoder.flush_ends()
+            self._align(ends)
+            self.aligner.tail(self.decoder.text[self.aligner.decoded:])  # an incomplete character: the last token's
         last = self._text(flushed)
         calls: list[ToolCall] = []
         reasoning = None
@@ -283,7 +309,7 @@ class OutputAssembler:
             last.content += tail
             self.content.append(tail)
             self._released += len(tail)
-            calls = [] if self.stopper.hit else end.tool_calls
+            calls = [] if self.stopper.hit else end.tool_calls[:1] if self.one_call else end.tool_calls
             reasoning = self.parser.result.reasoning
         tail = self.stopper.flush()
         last.content += tail
@@ -605,7 +631,7 @@ class OpenAIServing:
 
     def _new_assembler(self, sampling: Sampling, chat: bool) -> OutputAssembler:
         return OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=chat,
-                               logprobs=sampling.logprobs is not None)
+                               logprobs=sampling.logprobs is not None, one_call=sampling.one_call)
 
     async def chat_response(self, runs: _Run | list[_Run], sampling: Sampling, stream: bool,
                             disconnected: Disconnected | None = None):
@@ -633,12 +659,13 @@ class OpenAIServing:
         created, n = int(time.time()), len(runs)
         finals: list[Final | None] = [None] * n
         disconnected = _shared(disconnected, n)
+        null_usage = {"usage": None} if sampling.include_usage else {}  # OpenAI: every chunk before the last
 
         def chunk(i: int, delta: dict | None = None, finish: str | None = None, logprobs=None, **extra) -> str:
             choices = [] if delta is None else [{"index": i, "delta": delta, "logprobs": logprobs,
                                                  "finish_reason": finish}]
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                         "model": self.model_name, "choices": choices, **extra})
+                         "model": self.model_name, "choices": choices, **null_usage, **extra})
 
         def text_chunks(i: int, d: Delta):
             if d.reasoning:
@@ -738,12 +765,13 @@ class OpenAIServing:
         created, n = int(time.time()), len(runs)
         finals: list[Final | None] = [None] * n
         disconnected = _shared(disconnected, n)
+        null_usage = {"usage": None} if sampling.include_usage else {}  # OpenAI: every chunk before the last
 
         def chunk(i: int, text: str | None, finish: str | None = None, logprobs=None, **extra) -> str:
             choices = [] if text is None else [{"index": i, "text": text, "logprobs": logprobs,
                                                 "finish_reason": finish}]
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                         "choices": choices, **extra})
+                         "choices": choices, **null_usage, **extra})
 
         def lps(d: Delta):
             return self._completion_logprobs(d.logprobs) if sampling.logprobs is not None else None

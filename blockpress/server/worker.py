@@ -272,7 +272,8 @@ class Worker:
             except Exception as e:  # never let one bad batch kill the server: fail its rows
                 log.exception("generation failed")
                 for row in self.engine.rows + self.engine.admitting:
-                    row.sink.put(RowError(f"generation failed ({type(e).__name__}: {e})"))
+                    # the exception's text stays in the log: it may quote another request's tokens or grammar
+                    row.sink.put(RowError(f"generation failed ({type(e).__name__}); the server's log has the details"))
                 self.engine.reset()
                 self._gauge()
         for row in self.engine.rows + self.scheduler.clear():

@@ -125,6 +125,10 @@ def plan(lm, template: str, **sampling) -> Plan:
     tpl = parse_template(template)
     prompt, region, lengths = layout(tok, tpl)
     n_new, fixed = whole_canvases(region, lm.canvas_length)
+    limit = lm.config.text.max_position_embeddings
+    if len(prompt) + n_new > limit:
+        raise InputError(f"the template needs {len(prompt) + n_new} positions (its text and holes, in whole canvases of "
+                         f"{lm.canvas_length}), more than the model's {limit}; shorten the holes or the text")
     kw = {"pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else 0, **sampling,
           "max_new_tokens": n_new, "eos_token_id": None, "fixed_tokens": torch.tensor([fixed])}
     lm.generation_config(**{k: v for k, v in kw.items() if k != "fixed_tokens"})

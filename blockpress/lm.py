@@ -43,7 +43,14 @@ class BlockDiffusionLM:
         """Change how this model runs: the engine's options (sampler, fuse_commit, compact_rows, cuda_graphs,
         compile) and the kernels' (experts, attention, attention_kernel, sc_topk, moe_tiles, moe_sum,
         linear_tiles, merge_projections); see `blockpress.options`. Validated once, here. The storage precision
-        (precision, group_size, linears) is chosen at load. Returns the new options."""
+        (precision, group_size, linears) is chosen at load: changing it here is an InputError (quantising is not
+        undone, and the options would describe weights the model does not hold). Returns the new options."""
+        storage = {k: v for k, v in changes.items()
+                   if k in ("precision", "group_size", "linears") and v != getattr(self.options, k)}
+        if storage:
+            asked = ", ".join(f"{k}={v!r}" for k, v in storage.items())
+            raise InputError(f"configure({asked}): the storage precision is chosen at load; load the model again with "
+                             f"{asked}")
         new = self.options.replace(**changes)
         self._apply(self.options, new)
         return new
@@ -79,9 +86,13 @@ class BlockDiffusionLM:
         decided again: the kernels (`experts="auto"` and the rest) and the CUDA-graphs default; passes captured or
         buffers held for the old ones are dropped. Quantized weights keep their format, so a model loaded with
         precision or linears other than "native" refuses a new dtype (load it again with that dtype)."""
+        from .loading import parse_device
+
+        device = None if device is None else parse_device(device)  # one that torch cannot use here: InputError
         dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else dtype
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise InputError(f"to(dtype={dtype!r}): not a torch dtype; use e.g. torch.bfloat16 or 'float32'")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise InputError(f"to(dtype={dtype!r}): not a floating-point torch dtype; use e.g. torch.bfloat16 or "
+                             "'float32'")
         quantized = [f"{k}={getattr(self.options, k)!r}" for k in ("precision", "linears")
                      if getattr(self.options, k) != "native"]
         if dtype is not None and dtype != self.dtype and quantized:

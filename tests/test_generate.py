@@ -540,8 +540,17 @@ def test_to_decides_the_kernels_and_passes_again_for_the_new_dtype():
     q = blockpress.load("kjv", progress=False, precision="int4")
     with pytest.raises(blockpress.InputError, match="quantized weights.*load it again with dtype='float16'"):
         q.to(dtype=torch.float16)
-    with pytest.raises(blockpress.InputError, match="not a torch dtype"):
+    with pytest.raises(blockpress.InputError, match="not a floating-point torch dtype"):
         q.to(dtype="half-ish")
+    # each of these was a raw torch error (TypeError, RuntimeError, AssertionError without a CUDA build)
+    with pytest.raises(blockpress.InputError, match="not a floating-point torch dtype"):
+        q.to(dtype=torch.int8)
+    with pytest.raises(blockpress.InputError, match="unknown device 'tpu'"):
+        q.to("tpu")
+    # storage is chosen at load: configure quantised the weights in place, and could not undo it
+    with pytest.raises(blockpress.InputError, match="storage precision is chosen at load"):
+        q.configure(precision="native")
+    assert q.configure(precision=q.options.precision).precision == q.options.precision  # unchanged: fine
 
 
 def test_temperature_schedule_is_the_reference_formula_bit_for_bit():

@@ -150,6 +150,12 @@ def test_infill_cli_json(bp, tmp_path, capsys):
     assert out["text"].startswith("Once") and out["text"].endswith(" a time") and len(out["fills"]) == 1
     assert cli_main(["infill", str(tmp_path / "m"), "no hole"]) == 2
     assert "no hole" in capsys.readouterr().err
+    # one argument of words and no hole is a template (it was read as MODEL: "no TEMPLATE given")
+    assert cli_main(["infill", "no hole here"]) == 2
+    assert "the template has no hole" in capsys.readouterr().err
+    # holes past the model's positions name the holes (it said "lower max_new_tokens", which infill refuses)
+    assert cli_main(["infill", str(tmp_path / "m"), "Once [MASK:4096]"]) == 2
+    assert "shorten the holes or the text" in capsys.readouterr().err
 
 
 def test_word_infill_eval_examples_and_cli(bp, tmp_path, capsys):

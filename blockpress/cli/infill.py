@@ -60,8 +60,9 @@ def main(args) -> int:
     from ..loading import SHIPPED_MODELS
     from .view import CanvasView, TextRenderer
 
-    if args.template is None and args.model is not None and HOLE.search(args.model):
-        args.template, args.model = args.model, None  # one argument with holes: the template, default model
+    if args.template is None and args.model is not None and (HOLE.search(args.model) or " " in args.model.strip()):
+        # one argument with holes (or words: no model's name has a space): the template, default model
+        args.template, args.model = args.model, None
     if args.model is None:  # the shipped text model (`run`'s default, the Sudoku model, has no text to fill)
         if not (SHIPPED_MODELS["kjv"] / "config.json").is_file():
             raise InputError(f"no MODEL given and the shipped text model is not installed at {SHIPPED_MODELS['kjv']}; "

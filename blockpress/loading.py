@@ -34,6 +34,9 @@ def resolve_path(model: str | Path, progress: bool = True) -> Path:
     """A folder as is (a training run's folder: the checkpoint its `latest` file names); a shipped
     model's name ('sudoku', 'kjv', 'assistant') when no such folder exists; otherwise a Hub id (owner/name)
     downloaded or found in the local HF cache."""
+    if not isinstance(model, (str, Path)) or not str(model).strip():
+        raise InputError(f"model must be a folder, a shipped model's name or a Hub id (a string or Path), got "
+                         f"{model!r}")
     p = Path(model).expanduser()
     run_dir = p if p.is_dir() else p.parent
     if (p.name == "latest" or (p.is_dir() and not (p / "config.json").exists())) and (run_dir / "latest").is_file():
@@ -86,6 +89,9 @@ def parse_device(device: str | torch.device | None) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise InputError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible "
                              "(cuda:0 ...)")
+    elif dev.type not in ("cpu", "mps", "xpu"):
+        raise InputError(f"device {str(device)!r}{source}: blockpress runs on 'cpu' or 'cuda' (a model needs its "
+                         "weights; 'meta' holds none)")
     return dev
 
 

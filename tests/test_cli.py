@@ -528,6 +528,20 @@ def test_a_turn_past_the_context_is_refused_and_the_chat_goes_on(model_dir, caps
     assert len(re.findall("tokens/forward", out)) == 1  # "again" was answered
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "kjv", "x", "--steps", "2", "--stability-threshold", "1"], "--steps N runs exactly N steps a canvas"),
+    (["eval", "chat", "--blanks", "40", "--repair", "1"], "--blanks (sudoku), --repair (sudoku): not a flag of"),
+    (["eval", "sudoku", "--compare-ar", "x"], "--compare-ar (chat): not a flag of `blockpress eval sudoku`"),
+    (["eval", "infill", "--ar"], "--ar (sudoku, chat): not a flag of `blockpress eval infill`"),
+    (["run", "--thinking"], "--thinking applies to text models"),
+])
+def test_flags_that_would_be_ignored_are_refused(argv, needle, capsys, monkeypatch):
+    """Each of these ran, the flag silently ignored (or overridden by --steps): numbers or text other than asked."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert cli([*argv, "--threads", "1"]) == 2
+    assert needle in capsys.readouterr().err
+
+
 def test_bench_config_must_be_a_readable_file(capsys, tmp_path):
     assert cli(["bench", "--config", str(tmp_path / "missing.json")]) == 2
     assert "--config not found" in capsys.readouterr().err

@@ -199,6 +199,12 @@ def test_invalid_inputs_get_clear_errors(bp):
         bp.generate(x, generator=5)
     with pytest.raises(InputError, match="cache must be the KVCache of an earlier result"):
         bp.generate(x, cache="x")
+    with pytest.raises(InputError, match="attention_mask row 0 masks every token"):
+        bp.generate(x[:1], attention_mask=torch.zeros_like(x[:1]))  # generated from nothing before
+    with pytest.raises(InputError, match="model must be a folder"):
+        blockpress.load(None)
+    with pytest.raises(InputError, match="'meta' holds none"):
+        blockpress.load("kjv", device="meta")
 
 
 def test_huge_stability_threshold_means_never_stop_early(bp, monkeypatch):

@@ -248,6 +248,10 @@ def test_errors_name_the_problem(lm):
                                  "required": ["abc"]}, max_new_tokens=4)
     with pytest.raises(InputError, match="not valid JSON"):
         _gen(lm, 0, json_schema="{oops", max_new_tokens=16)
+    with pytest.raises(InputError, match="json_schema must be a JSON Schema"):
+        _gen(lm, 0, json_schema=5, max_new_tokens=16)  # a ValueError from the grammar compiler before
+    with pytest.raises(InputError, match="regex must be a non-empty string"):
+        _gen(lm, 0, regex="", max_new_tokens=16)  # free text before
     with pytest.raises(InputError, match="fixed_tokens"):
         ids = lm.encode_chat("Hello", chat=False)
         lm.generate([ids], regex="[a-z]+", fixed_tokens=[[-1, -1]], max_new_tokens=16)

@@ -43,6 +43,7 @@ import json
 import sys
 
 from ..config import fixed_steps
+from ..errors import InputError
 from ..options import LINEAR_FORMATS
 from .run import _int_in, _nonneg_int, _output_file, _positive_int, _seed, add_sampler_args, sampler_kwargs
 
@@ -65,7 +66,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repair", type=_nonneg_int, default=0, metavar="R",
                    help="sudoku: up to R rounds of re-denoising the cells that break a rule, the rest of the "
                         "canvas held (edited in place; uses the rules, never the solution). Default 0")
-    p.add_argument("--samples", type=int, default=None, metavar="K",
+    p.add_argument("--samples", type=_positive_int, default=None, metavar="K",
                    help="sudoku: candidates per puzzle denoised side by side, the one that breaks no rule kept "
                         "(uses the rules, never the solution). Default: the model's own (blockpress_task.json)")
     p.add_argument("--ar", action="store_true", help="greedy autoregressive decoding (AR baseline model)")
@@ -156,6 +157,15 @@ def main(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # flags of one task given to another were ignored: the numbers would not be what was asked for
+    only = {"sudoku": {"blanks": None, "repair": 0, "samples": None, "no_compact_rows": False},
+            "chat": {"compare_ar": None}, "infill": {"data": None}}
+    given = [f"--{k.replace('_', '-')} ({task})" for task, flags in only.items() if task != args.task
+             for k, default in flags.items() if getattr(args, k) != default]
+    if args.task == "infill" and (args.ar or args.split != "test"):
+        given += ["--ar (sudoku, chat)"] * args.ar + ["--split (sudoku, chat)"] * (args.split != "test")
+    if given:
+        raise InputError(f"{', '.join(given)}: not a flag of `blockpress eval {args.task}`; drop it")
     if args.task == "infill":
         return _infill(args)
     if args.task == "chat":

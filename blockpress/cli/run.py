@@ -203,6 +203,12 @@ def sampling_kwargs(args) -> dict[str, Any]:
         if hasattr(args, name):
             kw[name] = getattr(args, name)
     if getattr(args, "steps", None) is not None:
+        given = [f"--{n.replace('_', '-')}" for n in ("stability_threshold", "confidence_threshold") if hasattr(args, n)]
+        if given:
+            from ..errors import InputError
+
+            raise InputError(f"--steps N runs exactly N steps a canvas (adaptive stopping off), which "
+                             f"{' and '.join(given)} would set; give one or the other")
         kw.update(fixed_steps(args.steps))
     return kw
 
@@ -373,6 +379,12 @@ def main(args) -> int:
     gen = torch.Generator(device=lm.device).manual_seed(args.seed) if args.seed is not None else None
     live = not (args.no_live or args.json)
     if task_of(lm) == "sudoku":
+        text_only = [f for f, on in (("--thinking", args.thinking), ("--raw", args.raw)) if on]
+        if text_only:
+            from ..errors import InputError
+
+            raise InputError(f"{' and '.join(text_only)} {'applies' if len(text_only) == 1 else 'apply'} to text "
+                             "models; a Sudoku model reads a puzzle")
         return _run_sudoku(lm, prompt, args, console, gen, live)
     if args.repair:
         from ..errors import InputError

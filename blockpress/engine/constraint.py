@@ -69,6 +69,9 @@ def grammar_for(json_schema=None, json_object: bool = False, regex: str | None =
                 grammar: str | None = None) -> str | None:
     """The llguidance grammar of one of: a JSON Schema (dict or JSON text), any JSON object, a regular expression,
     a Lark grammar. None when none is given; InputError when more than one is."""
+    for name, v in (("regex", regex), ("grammar", grammar)):
+        if v is not None and not (isinstance(v, str) and v.strip()):
+            raise InputError(f"{name} must be a non-empty string, got {v!r}; leave it out for free text")
     given = [n for n, v in (("json_schema", json_schema), ("json_object", json_object), ("regex", regex),
                             ("grammar", grammar)) if v]
     if not given:
@@ -79,11 +82,16 @@ def grammar_for(json_schema=None, json_object: bool = False, regex: str | None =
     if json_object:
         return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
     if json_schema is not None:
+        if not isinstance(json_schema, (dict, str)):
+            raise InputError(f"json_schema must be a JSON Schema (a dict or its JSON text), got "
+                             f"{type(json_schema).__name__}")
         text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
         try:
-            json.loads(text)
+            parsed = json.loads(text)
         except ValueError as e:
             raise InputError(f"json_schema is not valid JSON ({e}); give a JSON Schema object") from None
+        if not isinstance(parsed, (dict, bool)):
+            raise InputError(f"json_schema must be a JSON Schema object, got {text[:60]}")
         return llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
     if regex is not None:
         return llg.LLMatcher.grammar_from_regex(regex)

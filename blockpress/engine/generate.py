@@ -91,6 +91,10 @@ def _check(module, input_ids, cfg, C, attention_mask, generator, cache, fixed_to
         if tuple(attention_mask.shape) != (B, S):
             raise InputError(f"attention_mask shape {list(attention_mask.shape)} must equal input_ids shape {[B, S]}")
         attention_mask = attention_mask.to(dev).bool()
+        empty = (~attention_mask.any(dim=1)).nonzero().flatten().tolist() if cache is None else []
+        if empty:
+            raise InputError(f"attention_mask row {empty[0]} masks every token: a row needs at least one token of "
+                             "prompt (1 = token, 0 = left padding)")
     if fixed_tokens is not None:
         fixed_tokens = torch.as_tensor(fixed_tokens, dtype=torch.long)
         if fixed_tokens.dim() != 2 or fixed_tokens.shape[0] != B:

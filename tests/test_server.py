@@ -993,20 +993,23 @@ def _run_with(serving, ids, canvas):
     return _Run(h, prompt_tokens=7)
 
 
+def _full_and_streamed(serving, ids, sampling, canvas: int = 16):
+    """The chat response to a run that commits `ids` (canvases of `canvas`), whole and as SSE lines."""
+    async def both():
+        full = await serving.chat_response(_run_with(serving, ids, canvas), sampling, stream=False)
+        sse = await serving.chat_response(_run_with(serving, ids, canvas), sampling, stream=True)
+        return full, [line async for line in sse]
+
+    return asyncio.run(both())
+
+
 def test_response_assembly_reasoning_and_tool_calls(lm):
     tok = lm.tokenizer
     ids = tok.encode(THOUGHT_AND_CALL)
     assert 100 in ids and 48 in ids and 106 in ids  # real control-token ids
     serving = _serving(lm)
     req = ChatCompletionRequest(messages=MSG, max_tokens=64)
-    sampling = req.to_sampling(serving.limits, serving.defaults)
-
-    async def both():
-        full = await serving.chat_response(_run_with(serving, ids, 16), sampling, stream=False)
-        sse = await serving.chat_response(_run_with(serving, ids, 16), sampling, stream=True)
-        return full, [line async for line in sse]
-
-    full, lines = asyncio.run(both())
+    full, lines = _full_and_streamed(serving, ids, req.to_sampling(serving.limits, serving.defaults))
     msg = full.choices[0].message
     assert (msg.content, msg.reasoning_content) == ("Hello", "hmm")
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == \
@@ -1035,14 +1038,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call_and_nulls_are_defaults(l
         req = ChatCompletionRequest(messages=MSG, max_tokens=64, parallel_tool_calls=parallel, n=None, stream=None,
                                     stream_options={"include_usage": True})
         assert req.n == 1 and req.stream is False
-        sampling = req.to_sampling(serving.limits, serving.defaults)
-
-        async def both():
-            full = await serving.chat_response(_run_with(serving, ids, 16), sampling, stream=False)
-            sse = await serving.chat_response(_run_with(serving, ids, 16), sampling, stream=True)
-            return full, [line async for line in sse]
-
-        full, lines = asyncio.run(both())
+        full, lines = _full_and_streamed(serving, ids, req.to_sampling(serving.limits, serving.defaults))
         assert [c.function.name for c in full.choices[0].message.tool_calls] == want
         chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         streamed = [tc["function"]["name"] for c in chunks for ch in c["choices"]

@@ -1369,17 +1369,36 @@ def test_responses_tool_choice_and_refusals(server):
     bad = [({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
            ({"max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens=100000 exceeds"),
            ({"tools": [{"type": "web_search"}]}, "tools.0.type", "blockpress runs no built-in tools"),
-           ({"text": {"format": {"type": "json_object"}}}, "text", "is not supported"),
+           ({"text": {"format": {"type": "xml"}}}, "text", "text.format type 'xml' is not one of"),
            ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0", "not supported"),
            ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input.0.content.0.type", "send text as input_text parts"),
-           ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
+           ({"top_logprobs": 2}, "top_logprobs", "leave top_logprobs and the logprobs include unset"),
+           ({"input": [{"role": "user", "content": "hi"}] * 300}, "input", "300 input items exceed"),
            ({"model": "gpt-9"}, "model", "does not exist")]
     for extra, param, needle in bad:
         r = httpx.post(server.url + "/v1/responses", json={"input": "hi", **extra}, timeout=30)
         assert r.status_code in (400, 404), (extra, r.text)
         err = r.json()["error"]
         assert err["param"] == param and needle in err["message"], (extra, err)
+
+
+def test_responses_text_format_and_parallel_tool_calls_reach_the_chat_path(lm):
+    """`text.format` json_schema / json_object was refused ("no constrained decoding yet") and
+    `parallel_tool_calls: false` was echoed but not applied: both now become the chat request's response_format
+    (flattened fields nested as chat nests them) and parallel_tool_calls."""
+    from blockpress.server.responses_protocol import ResponsesRequest
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    req = ResponsesRequest(input="hi", parallel_tool_calls=False,
+                           text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}})
+    chat = req.to_chat()
+    assert chat.parallel_tool_calls is False
+    assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                           "strict": True}}
+    assert ResponsesRequest(input="hi", text={"format": {"type": "json_object"}}).to_chat().response_format == \
+        {"type": "json_object"}
+    assert ResponsesRequest(input="hi", stream=None).stream is False
 
 
 def test_responses_items_and_events_from_real_token_ids(lm):

@@ -440,3 +440,36 @@ def test_a_constrained_request_cancelled_before_its_canvas_runs_leaves_the_batch
     got, events = run(s)
     assert not [e for e in events if isinstance(e, RowError)] and isinstance(events[-1], RowDone)
     assert got == alone
+
+
+def test_an_output_the_budget_closed_finishes_with_length(lm):
+    """Where the walk writes the closing path in place of the model's token because max_tokens would not hold more
+    (`Constraint.cut`), the reply is complete and valid but cut short: the worker's commit says so and the server's
+    answer finishes with "length" (it said "stop", so a client could not tell). A grammar the model closes well
+    inside its budget is not cut."""
+    from blockpress.server.serving import OutputAssembler
+    from blockpress.server.worker import Job, RowCommit, Worker
+
+    C, V = lm.canvas_length, lm.config.text.vocab_size
+    resolve = blockpress.config.GenerationConfig.resolve
+
+    def commits(spec, budget):
+        cfg = resolve(max_new_tokens=budget, eos_token_id=[1], pad_token_id=0, **FAST)
+        s = Worker(lm, max_batch=2)
+        h = s.submit(Job([7, 8, 9, 10], cfg, seed=0, constraint=Constraint(spec, lm.tokenizer, [1], V, budget)))
+        while s.busy:
+            with torch.no_grad():
+                s.canvas()
+        return [e for e in h.drain() if isinstance(e, RowCommit)]
+
+    from blockpress.engine.constraint import Constraint, grammar_for
+
+    long = commits(grammar_for(json_schema={"type": "string"}), C)  # noise: a string that never ends, cut
+    short = commits(grammar_for(regex="a"), C)
+    assert long[-1].cut and not short[-1].cut
+    for events, want in ((long, "length"), (short, "stop")):
+        asm = OutputAssembler(lm.tokenizer, [1], C, chat=False)
+        for e in events:
+            asm.cut = asm.cut or e.cut  # what OpenAIServing._events does
+            asm.feed(e.tokens)
+        assert asm.finish().finish_reason == want

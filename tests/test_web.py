@@ -42,6 +42,7 @@ def open_page(server):
             page = browser.new_page(viewport={"width": 1280, "height": 800})
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)  # e.g. a 404
             page.goto(server.url + "/")
             page.wait_for_function("document.getElementById('model').dataset.id !== undefined")
             yield page, errors
@@ -116,6 +117,30 @@ def test_page_text_mode_fills_the_gap_between_two_texts(server):
             "prompt": prompt, "suffix": suffix, "max_tokens": max_tokens, "seed": seed, "steps": steps}).json()
         assert fill == api["choices"][0]["text"]
         assert page.input_value("#prompt") == prompt  # text mode keeps the boxes for another run
+
+
+def test_page_new_chat_aborts_the_reply_and_text_mode_errors_stay_out_of_the_text(server):
+    """"new chat" while a reply streamed left the fetch running, and its reply landed in the cleared conversation
+    (the next request began with an orphan assistant turn): now it aborts the reply. An error in text mode was
+    written into the highlighted fill, reading as the model's text; now it goes below the text."""
+    with open_page(server) as (page, errors):
+        page.eval_on_selector("#steps", "e => { e.value = 64; e.dispatchEvent(new Event('input')); }")
+        page.fill("#max-tokens", "200")
+        page.fill("#prompt", "Tell me a long story.")
+        page.click("#send")
+        page.wait_for_function("Number(document.getElementById('canvas').dataset.frames) > 0", timeout=60_000)
+        page.click("#reset")
+        page.wait_for_function("!document.getElementById('send').disabled", timeout=30_000)
+        page.wait_for_timeout(300)
+        assert page.eval_on_selector("#log", "e => e.children.length") == 0
+        page.select_option("#mode", "text")
+        page.fill("#max-tokens", "1000")  # over the server's --max-tokens-limit 256: a 400
+        page.fill("#prompt", "Once upon a")
+        page.click("#send")
+        page.wait_for_selector(".msg.completion.error", timeout=30_000)
+        assert page.text_content(".msg.completion .fill") == ""
+        assert "error: max_tokens=1000 exceeds" in page.text_content(".msg.completion .tool")
+        assert errors == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"]
 
 
 def test_page_without_a_model_chats_with_the_shipped_assistant(tmp_path):

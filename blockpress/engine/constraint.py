@@ -338,9 +338,12 @@ class Constraint:
         if self.matcher.is_error():
             raise InputError(f"the grammar cannot be used: {self.matcher.get_error()}")
         self.budget, self.written, self.ended = max_new_tokens, 0, False
+        self.cut = False  # the budget closed the output early: a committed canvas's walk put its closing path in
+        # place of what the model chose (a finish "length", though the output is complete and valid)
         self.guarded = frozenset(int(t) for t in guarded)
         self.path = self.closing_path(self.matcher)  # how the committed state closes (tokens)
-        self._walked: dict = {}  # the tokens each walk since the last commit took -> the closing path it ended on
+        self._walked: dict = {}  # the tokens each walk since the last commit took -> (the closing path it ended on,
+        # whether the budget made it close)
         need = 10**9 if self.path is None else len(self.path) + 1
         if need > max_new_tokens:
             size = f"{need} tokens" if need < 10**9 else f"more than {self.CLOSE_LIMIT} tokens"
@@ -413,7 +416,7 @@ class Constraint:
             return [stop] * C, [stop] * C, 0
         cand = z.topk(min(TOP_K, z.shape[-1]), dim=-1).indices.tolist()
         drawn = y.tolist()
-        m, path, took = self.matcher.deep_copy(), self.path, []
+        m, path, took, cut = self.matcher.deep_copy(), self.path, [], False
         forced = [] if m.is_accepting() else takewhile(lambda t: t not in self.vocab.stop_ids, m.compute_ff_tokens())
         lead = list(forced)[:max(0, min(C, self.budget - self.written - 1))]  # a stop is the walk's to decide
         out_a, out_y, ended = [], [], False
@@ -454,6 +457,7 @@ class Constraint:
                 if nxt is None or len(nxt) + 2 > left:  # t, its closing path and a stop do not fit: close now
                     t, nxt = (path[0], path[1:]) if path else (stop, None) if path is not None else \
                         ((m.compute_ff_tokens() or [self.vocab.closest(bits)])[0], None)
+                    cut = True
             out_a.append(t)
             out_y.append(drawn[j] if ok(drawn[j]) else t)
             if t in self.vocab.stop_ids:
@@ -462,25 +466,28 @@ class Constraint:
                 m.consume_token(t)
                 took.append(t)
                 path = nxt
-        self._walked[tuple(took)] = path
+        self._walked[tuple(took)] = (path, cut)
         return out_a, out_y, len(lead)
 
     def advance(self, tokens: list[int]) -> None:
         """The committed canvas's tokens (up to and including the first stop id) enter the state."""
         took: list[int] = []
+        walked, self._walked = self._walked, {}
         for t in tokens:
             if self.ended:
                 return
             if t in self.vocab.stop_ids:
                 self.ended = True
+                self.cut = self.cut or walked.get(tuple(took), (None, False))[1]
                 return
             if not self.matcher.consume_token(int(t)):
                 raise RuntimeError(f"a committed token broke the grammar: {self.matcher.get_error()}")
             self.written += 1
             took.append(int(t))
         else:  # the walk that wrote these tokens knows how they close (it kept room for that path)
-            walked, self._walked = self._walked, {}
-            self.path = walked[tuple(took)] if tuple(took) in walked else self.closing_path(self.matcher)
+            path, cut = walked.get(tuple(took), (None, False))
+            self.path = path if tuple(took) in walked else self.closing_path(self.matcher)
+            self.cut = self.cut or cut
 
 
 class TokenBan:

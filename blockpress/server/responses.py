@@ -98,12 +98,12 @@ class ResponseBuilder:
         return [added, self._event("response.content_part.added", item_id=item["id"], output_index=i,
                                    content_index=0, part=dict(part))]
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
         item, self.open = self.open, None
         if item is None:
             return []
         i, part = self.items.index(item), item["content"][0]
-        item["status"] = "completed"
+        item["status"] = status
         if item["type"] == "message":
             done = self._event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
                                text=part["text"], logprobs=[])
@@ -117,9 +117,10 @@ class ResponseBuilder:
     def finish(self, final: Final, usage: ResponseUsage) -> list[dict[str, Any]]:
         """The last text, the tool calls, and `response.completed` / `response.incomplete`."""
         out = self.delta(final.last)
+        status = "incomplete" if final.finish_reason == "length" else "completed"
         if not final.tool_calls and not any(it["type"] == "message" for it in self.items):
             out += self._close() + self._open("message")  # the answer is empty: still one message
-        out += self._close()
+        out += self._close(status)  # the item the limit cut is incomplete too (OpenAI's shape)
         for c in final.tool_calls:
             item = {"id": "fc_" + secrets.token_hex(12), "type": "function_call", "call_id": c.id, "name": c.name,
                     "arguments": "", "status": "in_progress"}
@@ -133,7 +134,6 @@ class ResponseBuilder:
                                    arguments=item["arguments"]))
             item["status"] = "completed"
             out.append(self._event("response.output_item.done", output_index=i, item=dict(item)))
-        status = "incomplete" if final.finish_reason == "length" else "completed"
         self.final = self.response(status, usage)
         return out + [self._event(f"response.{status}", response=self.final.model_dump())]
 

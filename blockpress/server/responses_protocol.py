@@ -7,30 +7,36 @@ Invariants:
   `instructions` -> a leading system message; `input` (a string, or message / function_call /
   function_call_output items) -> messages (function calls join the assistant turn before them,
   outputs become tool messages); function `tools` and `tool_choice` -> their chat forms;
-  `max_output_tokens` -> max_completion_tokens; `reasoning.effort` -> reasoning_effort.
+  `max_output_tokens` -> max_completion_tokens; `reasoning.effort` -> reasoning_effort; `text.format` ->
+  response_format (json_schema's flattened fields nested as chat nests them); `parallel_tool_calls` as is.
 - Refused with a 400 naming the field, rather than answered wrongly: `previous_response_id` and
   `conversation` (the server keeps no responses: send the conversation in `input`), `background`,
-  non-function tools, JSON `text.format`, non-text content, and logprobs (`top_logprobs`,
+  non-function tools, non-text content, and logprobs (`top_logprobs`,
   `include` of logprobs). Reasoning items in `input` are dropped (the template does not show
   earlier thinking to the model). `store` is accepted and answered `false`.
-- Errors raised by the chat path name the Responses field (`RESPONSES_FIELDS`).
+- Errors raised by the chat path name the Responses field (`RESPONSES_FIELDS`; their messages, whole words).
 - blockpress extensions as on chat: `seed`, `steps` and the other denoising knobs, and
   `chat_template_kwargs`.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 from typing_extensions import Annotated
 
 from .protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, PosInt, SeedInt, Usage, _DiffusionKnobs,
-                       _Request, _STRICT)
+                       _Request, _STRICT, _null_is)
 
-# chat field -> the Responses field a client sent (for error messages)
-RESPONSES_FIELDS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "logprobs": "top_logprobs",
-                    "reasoning_effort": "reasoning"}
+# chat field -> the Responses field a client sent (an error's param)
+RESPONSES_FIELDS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                    "messages": "input", "logprobs": "top_logprobs", "reasoning_effort": "reasoning",
+                    "response_format": "text"}
+# ... and the words of a chat error's message, as whole words
+_MESSAGE_WORDS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                  "messages": "input items", "reasoning_effort": "reasoning", "response_format": "text.format"}
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
@@ -134,7 +140,7 @@ class _ResponsesFields(_Request):
     previous_response_id: str | None = None
     reasoning: ReasoningConfig | None = None
     store: bool | None = None
-    stream: bool = False
+    stream: Annotated[bool, _null_is(False)] = False
     text: TextConfig | None = None
     tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceFunction, None] = None
     tools: list[FunctionTool] | None = Field(None, max_length=128)
@@ -157,14 +163,17 @@ class ResponsesRequest(_DiffusionKnobs, _ResponsesFields):
         if self.background:
             raise APIError(400, "background responses are not supported: the server keeps no responses to poll; "
                            "use stream=true for a long generation", param="background", code="unsupported_value")
-        kind = ((self.text.format if self.text else None) or {}).get("type", "text")
-        if kind != "text":
-            raise APIError(400, f"text.format {kind!r} is not supported: no constrained decoding yet, so the output "
-                           "would not be guaranteed to parse; ask for JSON in the prompt and validate it, or use "
-                           "tools with tool_choice (which is enforced)", param="text", code="unsupported_value")
         if self.top_logprobs or any("logprobs" in i for i in self.include or []):
             raise APIError(400, "logprobs are not supported on /v1/responses yet; leave top_logprobs and the "
                            "logprobs include unset", param="top_logprobs", code="unsupported_value")
+
+    def chat_format(self) -> dict[str, Any] | None:
+        """`text.format` as chat's `response_format` (the same constrained decoding): the Responses API flattens
+        json_schema's fields ({"type", "name", "schema", "strict"}), chat nests them under "json_schema"."""
+        fmt = (self.text.format if self.text else None) or {"type": "text"}
+        if fmt.get("type") != "json_schema":
+            return fmt
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as chat messages."""
@@ -203,6 +212,7 @@ class ResponsesRequest(_DiffusionKnobs, _ResponsesFields):
         body = {
             "messages": self.messages(), "model": self.model, "max_completion_tokens": self.max_output_tokens,
             "seed": self.seed, "stream": self.stream, "user": self.user,
+            "parallel_tool_calls": self.parallel_tool_calls, "response_format": self.chat_format(),
             "reasoning_effort": self.reasoning.effort if self.reasoning else None,
             "tools": tools or None,
             "tool_choice": {"type": "function", "function": {"name": choice.name}}
@@ -226,8 +236,8 @@ def responses_error(e: APIError) -> APIError:
     """An error of the chat path, naming the Responses field the client sent."""
     param = RESPONSES_FIELDS.get(e.param or "", e.param)
     message = e.message
-    for chat_name, name in RESPONSES_FIELDS.items():
-        message = message.replace(chat_name, name)
+    for chat_name, name in _MESSAGE_WORDS.items():
+        message = re.sub(rf"\b{chat_name}\b", name, message)
     return APIError(e.status, message, e.type, param, e.code)
 
 

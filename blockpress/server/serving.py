@@ -214,6 +214,7 @@ class OutputAssembler:
         self.stopper = StopStrings(stop or [])
         self.tokens: list[int] = []
         self.done = False
+        self.cut = False  # a grammar closed the output early for max_tokens: it finishes with "length"
         self.finish_reason = "length"
         self.content: list[str] = []
         self._final: Final | None = None
@@ -316,7 +317,8 @@ class OutputAssembler:
         self.content.append(tail)
         self._released += len(tail)
         self._release(last, final=True)
-        reason = "tool_calls" if calls else ("stop" if self.stopper.hit else self.finish_reason)
+        reason = "stop" if self.stopper.hit else "length" if self.cut else "tool_calls" if calls else \
+            self.finish_reason
         self._final = Final("".join(self.content), reasoning, calls, reason, len(self.tokens), last,
                             None if self.aligner is None else self.aligner.entries)
         return self._final
@@ -467,6 +469,7 @@ class OpenAIServing:
             if isinstance(ev, RowCommit):
                 run.passes += ev.steps
                 run.complete = ev.finished
+                asm.cut = asm.cut or ev.cut
             yield ev
             if run.complete or asm.done:
                 return

@@ -59,6 +59,7 @@ class RowCommit:
     # per position of `tokens` (asked with Job.logprobs = k): (the token's log-probability, [(id, log-probability)
     # of the k most likely tokens, descending]); None when the job did not ask
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    cut: bool = False  # the row's grammar closed its output early for max_tokens (engine/constraint.py `cut`)
 
 
 @dataclass
@@ -291,6 +292,7 @@ class Worker:
                     if self.metrics is not None:
                         self.metrics.queue_seconds.observe(now - row.sink.submitted)
                 self._count_reuse()
+                self._gauge()  # queued -> active now, not at the canvas's end
             elif isinstance(ev, Stepped):
                 self._drafts(ev)
                 if self.metrics is not None:
@@ -328,7 +330,8 @@ class Worker:
         for b, (r, canvas, finished) in enumerate(zip(ev.rows, tokens, ev.finished)):
             if r.cancelled:
                 continue
-            r.sink.put(RowCommit(r.canvas - 1, canvas, finished, r.steps, logprobs.get(b)))
+            r.sink.put(RowCommit(r.canvas - 1, canvas, finished, r.steps, logprobs.get(b),
+                                 bool(getattr(r.constraint, "cut", False))))
             if finished:
                 r.sink.put(RowDone(r.prompt_length, r.steps_per_canvas, r.passes, r.started - r.sink.submitted,
                                    r.first_commit, now - r.started))

@@ -8,6 +8,7 @@
 const $ = (id) => document.getElementById(id);
 const conversation = [];          // the conversation sent with every request (OpenAI messages)
 let busy = false;
+let inFlight = null;               // the AbortController of the reply being streamed ("new chat" aborts it)
 
 $("apikey").value = localStorage.getItem("blockpress-key") || "";
 $("apikey").addEventListener("change", () => localStorage.setItem("blockpress-key", $("apikey").value));
@@ -144,7 +145,9 @@ async function send(text) {
   let firstCommit = null, canvases = 0, stepsTotal = 0, content = "", reasoning = "";
   try {
     const url = chat ? "/v1/chat/completions" : "/v1/completions";
-    const r = await fetch(url, { method: "POST", headers: headers(), body: JSON.stringify(body) });
+    inFlight = new AbortController();
+    const r = await fetch(url, { method: "POST", headers: headers(), body: JSON.stringify(body),
+                                 signal: inFlight.signal });
     if (!r.ok) {
       const j = await r.json().catch(() => ({}));
       throw new Error((j.error && j.error.message) || `HTTP ${r.status}`);
@@ -186,11 +189,13 @@ async function send(text) {
     if (chat) conversation.push({ role: "assistant", content });
     out.div.dataset.done = "1";
   } catch (e) {
+    if (e.name === "AbortError") return;  // "new chat": the conversation and this reply are gone
     out.div.classList.add("error");
-    out.content.textContent = "error: " + e.message;
+    // chat: the reply's place; text mode: below the text (not inside the highlighted fill)
+    (chat ? out.content : out.tools).textContent = "error: " + e.message;
     if (chat) conversation.pop();
   } finally {
-    busy = false; $("send").disabled = false;
+    inFlight = null; busy = false; $("send").disabled = false;
   }
 }
 
@@ -206,5 +211,6 @@ $("prompt").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("form").requestSubmit(); }
 });
 $("reset").addEventListener("click", () => {
+  if (inFlight) inFlight.abort();  // its reply must not land in the new conversation
   conversation.length = 0; $("log").replaceChildren(); $("canvas").replaceChildren(); $("stats").replaceChildren();
 });

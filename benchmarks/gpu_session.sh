@@ -351,6 +351,12 @@ EOF
     [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 benchmarks/constraint_walk.py --vocab 262144 \
       --steps 8 --device cuda 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
     [ "$CUDA" = 1 ] && gpu_tests 40 -k "walk_over_logits" tests/test_structured.py
+    # a Python loop over prompts of many lengths: captures once per power-of-two cache size (2026-11-28-cpu-audit.md:
+    # 46 captures -> 4 on the KJV model's 24 prompts); what a capture costs here against a replayed call
+    lim=$(limit 90)
+    DEV=""; [ "$CUDA" = 1 ] && DEV="--device cuda"
+    [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/graph_captures.py --preset "$PRESET" --prompts 12 \
+      --max-prompt 1000 --new-tokens 256 $DEV 2>&1 | tail -1 | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
     ;;
   sweep)
     # after part 'stack' (whose fp8 experts with swap=1 tiles took 12.89 ms a step against 12.57 with the defaults):

@@ -142,6 +142,7 @@ def build(args, world: int = 1):
     from blockpress.train.data import SudokuSource, build_source
     from blockpress.config import _read_json
     from blockpress.train.trainer import TrainConfig, latest_checkpoint
+    from blockpress.tasks import task_info
 
     out = Path(args.out or f"runs/{Path(args.data).stem}")
     task = args.data == "sudoku"
@@ -176,8 +177,11 @@ def build(args, world: int = 1):
     extra = {}
     lora = None
     if args.lora:
-        from blockpress.train.lora import LoraSpec
+        from blockpress.train.lora import PROJ, LoraSpec
 
+        bad = [t for t in args.lora_targets.split(",") if t not in PROJ]
+        if bad:
+            raise InputError(f"--lora-targets: unknown projection(s) {bad}; choose from {','.join(PROJ)}")
         lora = LoraSpec(rank=args.lora, alpha=args.lora_alpha or 2.0 * args.lora,
                         targets=tuple(args.lora_targets.split(",")),
                         base_model=str(Path(args.model).resolve()) if args.model and Path(args.model).is_dir()
@@ -187,8 +191,10 @@ def build(args, world: int = 1):
         q = dict(precision=args.precision, linears=args.linears) if quantized else {}
         lm = blockpress.load(resume_ck if (resume_ck and lora is None) else args.model, device=device,
                              dtype=base_dtype(args, lora is not None), progress=False, **q)
-    elif resume_ck is not None:
-        lm = blockpress.load(resume_ck, device=device, dtype="float32", progress=False)
+    elif resume_ck is not None:  # a run from scratch: the kernels it started with (from_config's), so a resumed
+        # run's gradients are the uninterrupted run's bit for bit (load() would pick sdpa_gqa: other roundings)
+        lm = blockpress.load(resume_ck, device=device, dtype="float32", progress=False, experts="loop",
+                             attention="sdpa")
     else:
         if task:
             from blockpress.tasks import sudoku as sd
@@ -196,15 +202,21 @@ def build(args, world: int = 1):
             cfg = _read_json(Path(args.config), "--config") if args.config else \
                 sizes.model_config(args.size, vocab_size=len(sd.VOCAB), canvas_length=sd.CANVAS_LEN,
                                    context=sd.PROMPT_LEN if args.sudoku_format == "prompt" else 1)
+            vocab = (cfg.get("text_config") or {}).get("vocab_size", 0)
+            if vocab < len(sd.VOCAB):
+                raise InputError(f"--config: a Sudoku model needs vocab_size >= {len(sd.VOCAB)} (its tokens), got "
+                                 f"{vocab}")
         else:
             if not args.tokenizer and not args.config:
                 raise InputError("training text/chat from scratch needs --tokenizer DIR (tokenizer.json)")
             from blockpress.tokenizer import Tokenizer
 
             tok = Tokenizer.from_dir(args.tokenizer)
+            ids = {"pad_id": tok.pad_token_id, "eos_id": tok.eos_token_id, "bos_id": tok.bos_token_id}
             cfg = _read_json(Path(args.config), "--config") if args.config else \
                 sizes.model_config(args.size, vocab_size=tok.vocab_size, canvas_length=args.canvas_length,
-                                   context=args.context)
+                                   context=args.context,  # the tokenizer's own special ids, where it has them
+                                   **{k: v for k, v in ids.items() if v is not None})
         lm = blockpress.from_config(cfg, device=device, seed=args.seed, scaled_qk=True)  # training from scratch
         if not task and args.tokenizer:
             lm.path = Path(args.tokenizer)
@@ -214,12 +226,17 @@ def build(args, world: int = 1):
     if task and (args.model or resume_ck is not None):
         from blockpress.tasks import sudoku as sd
 
+        if args.model and task_info(lm).get("task") != "sudoku":
+            raise InputError(f"--model {args.model} is not a Sudoku model (its blockpress_task.json does not say task "
+                             "sudoku); fine-tune a Sudoku model, or train one from scratch (no --model)")
         if sd.model_format(lm) != args.sudoku_format:
             raise InputError(f"the model was trained with --sudoku-format {sd.model_format(lm)}; continue it with "
                              f"that format (got {args.sudoku_format})")
     if task:
         lm.generation_defaults = {**SUDOKU_GENERATION, **lm.generation_defaults}
-        extra["blockpress_task.json"] = json.dumps({"task": "sudoku", "format": args.sudoku_format})
+        # what the base model's file says beyond these (the shipped model's "samples") is kept
+        extra["blockpress_task.json"] = json.dumps({**(task_info(lm) if args.model or resume_ck else {}),
+                                                    "task": "sudoku", "format": args.sudoku_format})
     elif lm.tokenizer is not None:  # checkpoints stop at the tokenizer's end of text, as the data was written
         tok = lm.tokenizer
         # the end of text, then what ends a chat turn (<turn|>; <|tool_response> after a turn of tool calls)
@@ -246,6 +263,9 @@ def build(args, world: int = 1):
                        max_canvases=args.max_canvases, stop_after=args.stop_after,
                        progress=not args.no_progress, objective=ocfg)
     if task:
+        lo, hi = args.blanks
+        if not 0 <= lo <= hi <= 64:
+            raise InputError(f"--blanks {lo} {hi}: give LO <= HI in 0..64 (a unique puzzle keeps >= 17 clues)")
         source = SudokuSource(tuple(args.blanks), args.seed, "train", format=args.sudoku_format, augment=args.augment)
         eval_source = SudokuSource(tuple(args.blanks), args.seed, "eval", format=args.sudoku_format)
     else:

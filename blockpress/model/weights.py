@@ -248,7 +248,8 @@ def state_dict_for_checkpoint(module: torch.nn.Module, tensors: dict | None = No
 # files is replaced by a save into it; one holding anything else (a model card a person wrote, too) is refused
 CHECKPOINT_FILES = frozenset({
     "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
-    "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "blockpress_task.json", "trainer_state.pt", "adapter_config.json", "adapter_model.safetensors"})
+    "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "blockpress_task.json",
+    "adapter_config.json", "adapter_model.safetensors", "trainer_state.pt", "optimizer"})  # (a training checkpoint's)
 _SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 
 

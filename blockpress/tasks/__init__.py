@@ -15,7 +15,7 @@ def read_data_file(path: Path) -> str:
         raise InputError(f"data file {path} not found; give 'sudoku', a chat .jsonl file, or a plain-text "
                          ".txt/.jsonl file")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark (some editors write one) is not text
     except UnicodeDecodeError as e:
         raise InputError(f"{path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
 

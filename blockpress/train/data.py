@@ -200,9 +200,12 @@ class TextSource(ListSource):
         if path.suffix == ".jsonl":
             docs = []
             for where, r in _read_jsonl(path):
-                if not isinstance(r.get("text", ""), str):
+                if "text" not in r:  # dropped without a word before (the file's kind is its first row's)
+                    raise InputError(f"{where}: no 'text' field; a text .jsonl holds {{\"text\": ...}} rows (a chat "
+                                     "file: every row a conversation, from the first)")
+                if not isinstance(r["text"], str):
                     raise InputError(f"{where}: 'text' must be a string")
-                if r.get("text"):
+                if r["text"]:
                     docs.append(r["text"])
         else:
             docs = [d.strip() for d in read_data_file(path).split("\n\n") if d.strip()]
@@ -213,10 +216,12 @@ class TextSource(ListSource):
         bos = tokenizer.bos_token_id
         exs = []
         for d in docs:
-            ids = tokenizer.encode(d)[:max_tokens]
-            k = rng.randint(lo, hi)
-            if len(ids) > k and (k > 0 or bos is not None):
-                exs.append((([bos] if bos is not None else []) + ids[:k], ids[k:]))
+            whole = tokenizer.encode(d)
+            for start in range(0, len(whole), max_tokens):  # a long document: examples of max_tokens, not its head
+                ids = whole[start:start + max_tokens]
+                k = rng.randint(lo, hi)
+                if len(ids) > k and (k > 0 or bos is not None):
+                    exs.append((([bos] if bos is not None else []) + ids[:k], ids[k:]))
         if docs and not exs:
             raise InputError(f"none of the {len(docs)} document(s) in {path} is longer than its prompt part "
                              f"(--prompt-tokens {lo} {hi}); give longer documents (separated by blank lines) "

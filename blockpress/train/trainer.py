@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InputError
 from . import objective as obj
 from .data import Source
 
@@ -113,7 +113,8 @@ class Trainer:
         self.sharded = wrapped is not None and is_sharded(wrapped)
         self.extra_files = extra_files or {}
         if cfg.batch_size % world:
-            raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the number of ranks {world}")
+            raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({world}): "
+                             "each takes an equal share")
         params = [p for p in lm.module.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
@@ -164,6 +165,7 @@ class Trainer:
         gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip) if self.cfg.clip else torch.tensor(0.0)
         if hasattr(gnorm, "full_tensor"):  # FSDP2: the norm of the sharded gradients, a DTensor
             gnorm = gnorm.full_tensor()
+        lr = self.sched.get_last_lr()[0]  # the rate this step ran at (after sched.step() it is the next one's)
         self.opt.step()
         self.sched.step()
         dt = time.perf_counter() - t0
@@ -171,7 +173,7 @@ class Trainer:
             from .distributed import all_reduce_mean
 
             stats = {k: all_reduce_mean(v) for k, v in stats.items()}
-        stats.update(step=self.step, lr=self.sched.get_last_lr()[0], grad_norm=float(gnorm), seconds=dt,
+        stats.update(step=self.step, lr=lr, grad_norm=float(gnorm), seconds=dt,
                      tokens_per_s=batch.n_tokens * self.world / dt)
         self.step += 1
         return stats

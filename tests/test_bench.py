@@ -137,6 +137,9 @@ def test_cli_bench_tiny_with_reference_and_ar(capsys):
     assert set(result["ratios"]) == {"vs_transformers_fixed", "vs_transformers_adaptive", "vs_ar"}
     ref = next(r for r in result["runs"] if r["engine"] == "transformers")
     assert ref["first_commit_ms"] is None  # not observable from outside transformers' generate
+    # its steps, timed from the decoder's call to the LM head's (transformers 5.23's generate calls the top
+    # module's forward past its hooks: 0.0 steps a canvas and no ms a step before)
+    assert ref["steps_per_canvas"] == 3 and ref["ms_per_step"] > 0 and ref["floor_fraction"] > 0
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -230,6 +233,11 @@ def test_bench_a_checkpoint_with_a_text_prompt_against_its_transformers_twin(tmp
                                                                                              chat=False))
     assert cli_main(["bench", "--prompt", "hi"]) == 2
     assert "--prompt needs --model" in capsys.readouterr().err
+    # a shipped model by name: transformers loads the folder it names (it went to the Hub with the name: OSError)
+    assert cli_main(["bench", "--model", "sudoku", "--new-tokens", "32", "--steps", "2", "--modes", "fixed",
+                     "--threads", "1", "--no-ar", "--repeats", "1", "--warmup", "0"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_agreement_vs_transformers"] == \
+        {"B1-fixed": 1.0}
 
 
 def test_bench_fuse_commit_times_the_fused_pass_and_keeps_the_tokens(capsys):

@@ -105,12 +105,13 @@ def test_eval_cli_runs_on_a_tiny_sample(tmp_path, capsys):
     assert cli_main(["train", "sudoku", "--out", str(out), "--steps", "1", "--save-every", "1", *TINY]) == 0
     ck = out / "checkpoint-0000001"
     res = tmp_path / "r.json"
-    assert cli_main(["eval", "sudoku", "--model", str(ck), "--n", "2", "--blanks", "40", "--steps", "1", "2",
+    assert cli_main(["eval", "sudoku", "--model", str(ck), "--n", "2", "--blanks", "40", "40", "--steps", "1", "2",
                      "--json", str(res)]) == 0
     data = json.loads(res.read_text())
     assert set(data) == {"steps=1", "steps=2"}
     r = data["steps=1"]["per_blanks"]["40"]
     assert r["n"] == 2 and 0 <= r["cell_accuracy"] <= 1 and 0 <= r["clues_kept"] <= 1
+    assert data["steps=1"]["overall"]["n"] == 2  # a level given twice is one level (it counted 4 before)
     assert "| 40 | 2 |" in capsys.readouterr().out
     assert cli_main(["eval", "sudoku", "--model", str(ck), "--n", "1", "--blanks", "40", "--ar"]) == 0
     # per-puzzle generators: predictions depend on neither the batch size nor n (n=1 is a prefix of n=3)

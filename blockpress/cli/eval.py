@@ -102,7 +102,7 @@ def run_eval(lm, n: int, blanks, steps=None, batch_size: int = 50, seed: int = 0
         raise InputError(f"--repair must be >= 0 rounds, got {repair}")
     if samples is not None and samples < 1:
         raise InputError(f"--samples must be >= 1 candidate per puzzle, got {samples}")
-    blanks = tuple(blanks or sd.EVAL_BLANKS)
+    blanks = tuple(dict.fromkeys(blanks or sd.EVAL_BLANKS))  # a level given twice is one level (it counted twice)
     puzzles_seed = sd.SPLITS[split]
     if ar:
         if repair:

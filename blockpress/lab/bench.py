@@ -69,9 +69,10 @@ class HookTimer(_Timer):
     """Times every forward of a module we do not drive (transformers' model inside its own generate) with a
     forward pre-hook and hook: nothing of the module is replaced. `remove()` takes the hooks off."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device):
+    def __init__(self, module: torch.nn.Module, device: torch.device, end: torch.nn.Module | None = None):
+        """end: the module whose forward ends a timed span (default `module`'s own)."""
         super().__init__(device)
-        self.hooks = [module.register_forward_pre_hook(self._start), module.register_forward_hook(self._end)]
+        self.hooks = [module.register_forward_pre_hook(self._start), (end or module).register_forward_hook(self._end)]
 
     def _now(self):
         if self.cuda:
@@ -199,7 +200,9 @@ def run_reference(hf, ids, mode, args):
     kw = dict(max_new_tokens=args.new_tokens, max_denoising_steps=args.steps, t_min=0.4, t_max=0.8,
               sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), stability_threshold=stab,
               confidence_threshold=conf)
-    dec_t, enc_t = HookTimer(hf, device), HookTimer(hf.model.encoder, device)
+    # a step: the decoder pass through the LM head (transformers 5.23's generate calls the top module's forward
+    # directly, past its hooks; the decoder and the head are called as modules)
+    dec_t, enc_t = HookTimer(hf.model.decoder, device, end=hf.lm_head), HookTimer(hf.model.encoder, device)
     runs = []
     try:
         _reset_peak(device)
@@ -375,6 +378,7 @@ def run(args) -> dict:
 
         lm = load(args.model, device=str(device), dtype=dtype, progress=False, tokenizer=args.prompt is not None)
         module, config = lm.module, lm.config.to_dict()
+        args.model_folder = lm.path  # a shipped model's name or a run folder, resolved: what transformers loads
         if args.prompt is not None:
             if lm.tokenizer is None:
                 raise InputError(f"--prompt needs the model's tokenizer.json; {args.model} has none")
@@ -472,7 +476,7 @@ def run(args) -> dict:
         ref_bytes = {B: mean_step_bytes(module, B, args, 1.0, native=True) for B in ref_batches}
         del module  # the real model and its transformers twin do not fit on one GPU together
         _free(device)
-        hf = load_reference(args.model, device, dtype) if args.model else \
+        hf = load_reference(args.model_folder, device, dtype) if args.model else \
             build_reference(config, device, dtype, args.seed, args.init_std)
         result["transformers"] = __import__("transformers").__version__
         result["reference_experts_impl"] = getattr(hf.config, "_experts_implementation", None)

@@ -295,6 +295,8 @@ class Trainer:
     def plot(self) -> None:
         from .plot import plot_history
 
+        if not any("loss" in h or "eval_loss" in h for h in self.history):
+            return  # a save before the first logged step: nothing to draw (an empty plot and a warning before)
         try:
             plot_history(self.history, self.out / "loss.png")
         except Exception as e:  # a plotting problem must never kill a run

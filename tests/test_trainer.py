@@ -352,7 +352,11 @@ def test_bad_training_data_and_flags_are_one_line_errors(tmp_path, capsys):
     for flags, needle in ((["--lora", "4", "--lora-targets", "q_proj,bogus"], "--lora-targets: unknown projection"),
                           (["--blanks", "10", "5"], "--blanks 10 5: give LO <= HI in 0..64"),
                           (["--config", str(tmp_path / "small.json")], "needs vocab_size >= "),
-                          (["--model", "kjv"], "is not a Sudoku model")):
+                          (["--model", "kjv"], "is not a Sudoku model"),
+                          # accepted and ignored before: a run other than the one asked for
+                          (["--lora-alpha", "3"], "--lora-alpha / --lora-targets (they shape LoRA adapters"),
+                          (["--eval-data", "x.txt"], "--eval-data / --prompt-tokens (text and chat data"),
+                          (["--infill-span", "2", "4"], "--infill-span (the spans of --infill-rate P")):
         out = tmp_path / "x"
         assert cli_main(["train", "sudoku", *TINY, "--steps", "1", *flags, "--out", str(out)]) == 2, flags
         assert needle in capsys.readouterr().err, flags

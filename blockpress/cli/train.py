@@ -27,6 +27,11 @@ SUDOKU_GENERATION = {"max_new_tokens": 82, "max_denoising_steps": 32, "entropy_b
                      "eos_token_id": [1], "pad_token_id": 0}
 
 
+# the defaults of flags whose use depends on the setup (`_ignored` tells a given value from its default)
+DEFAULTS = {"canvas_length": 64, "context": 512, "prompt_tokens": (16, 16), "infill_span": (1, 8),
+            "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"}
+
+
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("data", help="'sudoku', a chat .jsonl file, or a plain-text .txt/.jsonl file")
     src = p.add_argument_group("model")
@@ -34,8 +39,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     src.add_argument("--config", help="config.json for a model trained from scratch")
     src.add_argument("--size", default="micro", help="named size from scratch: nano, micro, mini, small")
     src.add_argument("--tokenizer", help="folder with tokenizer.json (text/chat from scratch)")
-    src.add_argument("--canvas-length", type=_positive_int, default=64, help="text/chat from scratch: canvas length")
-    src.add_argument("--context", type=_positive_int, default=512,
+    src.add_argument("--canvas-length", type=_positive_int, default=DEFAULTS["canvas_length"], help="text/chat from scratch: canvas length")
+    src.add_argument("--context", type=_positive_int, default=DEFAULTS["context"],
                      help="text/chat from scratch: longest context the sliding window must cover")
     src.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     src.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="torch CPU threads")
@@ -74,7 +79,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     o.add_argument("--ar-weight", type=float, default=1.0, help="encoder next-token loss weight")
     o.add_argument("--ar-scope", default="response", choices=["response", "all"])
     o.add_argument("--ar-only", action="store_true", help="autoregressive baseline (encoder only, causal LM)")
-    o.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 16), metavar=("LO", "HI"),
+    o.add_argument("--prompt-tokens", type=int, nargs=2, default=DEFAULTS["prompt_tokens"], metavar=("LO", "HI"),
                    help="plain text: tokens of each document given as prompt (a per-document draw in [LO, HI])")
     o.add_argument("--blanks", type=int, nargs=2, default=(25, 58), metavar=("LO", "HI"),
                    help="sudoku: blanks per training puzzle")
@@ -89,7 +94,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     o.add_argument("--infill-rate", type=float, default=0.0, metavar="P",
                    help="text/chat: train this fraction of examples as infilling (each canvas held as given context "
                         "except one random span, which alone is denoised and scored; default 0)")
-    o.add_argument("--infill-span", type=int, nargs=2, default=(1, 8), metavar=("LO", "HI"),
+    o.add_argument("--infill-span", type=int, nargs=2, default=DEFAULTS["infill_span"], metavar=("LO", "HI"),
                    help="text/chat: length in tokens of the span left free by --infill-rate (default 1 8)")
     o.add_argument("--augment", type=_positive_int, default=1, metavar="K",
                    help="sudoku: show each generated puzzle K times under random symmetries (digit relabelling, "
@@ -103,7 +108,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--lora", type=_nonneg_int, default=0, metavar="RANK",
                     help="train LoRA adapters of this rank (0: full fine-tuning)")
     lo.add_argument("--lora-alpha", type=_float_in(0, strict=True), default=None, help="default 2*rank")
-    lo.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    lo.add_argument("--lora-targets", default=DEFAULTS["lora_targets"])
     lo.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
                     help="QLoRA: load --model's experts quantised (fp8 / int4, as `blockpress run --precision` does, "
                          "layer by layer) and train --lora adapters over them; the adapters load on the unquantised "
@@ -128,6 +133,23 @@ def _eos(lm) -> int:
     return e if isinstance(e, int) else (e or [1])[0]
 
 
+def _ignored(args, task: bool) -> list[str]:
+    """Flags given that this setup would not use (each was accepted and ignored: a run other than the one asked)."""
+    given = lambda name: tuple(getattr(args, name)) if isinstance(getattr(args, name), (list, tuple)) \
+        else getattr(args, name)  # noqa: E731
+    changed = lambda name: given(name) != DEFAULTS[name]  # noqa: E731
+    out = []
+    if not args.lora and (args.lora_alpha is not None or changed("lora_targets")):
+        out.append("--lora-alpha / --lora-targets (they shape LoRA adapters: add --lora RANK)")
+    if args.model and (args.tokenizer or changed("canvas_length") or changed("context")):
+        out.append("--tokenizer / --canvas-length / --context (a model trained from scratch; --model brings its own)")
+    if task and (args.eval_data or changed("prompt_tokens")):
+        out.append("--eval-data / --prompt-tokens (text and chat data; Sudoku evaluates on held-out puzzles)")
+    if not args.infill_rate and changed("infill_span"):
+        out.append("--infill-span (the spans of --infill-rate P: add it)")
+    return out
+
+
 def build(args, world: int = 1):
     """-> (lm, source, eval_source, TrainConfig, lora spec, extra files). world: the number of processes (a sharded
     run's processes load the model into host memory; FSDP2 moves each layer to its GPU as it shards it, so no GPU
@@ -146,6 +168,9 @@ def build(args, world: int = 1):
 
     out = Path(args.out or f"runs/{Path(args.data).stem}")
     task = args.data == "sudoku"
+    ignored = _ignored(args, task)
+    if ignored:
+        raise InputError(f"{'; '.join(ignored)}: not used by this run; drop them")
     if task and args.infill_rate:
         raise InputError("--infill-rate is for text and chat data; for Sudoku use --sudoku-format inplace")
     if not task and (args.augment != 1 or args.sudoku_format != "prompt"):

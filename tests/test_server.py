@@ -5,6 +5,7 @@ response assembly from real token ids, queue limits, API key)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import importlib.util
 import json
@@ -1001,6 +1002,30 @@ def _full_and_streamed(serving, ids, sampling, canvas: int = 16):
         return full, [line async for line in sse]
 
     return asyncio.run(both())
+
+
+def test_a_reply_ended_by_a_stop_string_is_not_counted_as_abandoned(lm):
+    """`requests_cancelled_total` ("abandoned because the client went away") counted rows by whether their frozen
+    canvas held a stop id: it missed most disconnects and could count a stop string. A run released because its
+    reply met a stop string is not abandoned; one whose stream the client closed is."""
+    tok = lm.tokenizer
+    ids = tok.encode("The sky is blue. The sea is blue too.")
+    serving = _serving(lm)
+    sampling = ChatCompletionRequest(messages=MSG, max_tokens=64, stop=["sea"]).to_sampling(serving.limits,
+                                                                                           serving.defaults)
+
+    async def go():
+        stopped = _run_with(serving, ids, 4)
+        await serving.chat_response(stopped, sampling, stream=False)
+        left = _run_with(serving, ids, 4)
+        sse = await serving.chat_response(left, dataclasses.replace(sampling, stop=[]), stream=True)
+        await sse.__anext__()  # the first chunk, then the client goes away
+        await sse.aclose()
+        return stopped.handle, left.handle
+
+    stopped, left = asyncio.run(go())
+    assert stopped.cancelled and not stopped.abandoned
+    assert left.cancelled and left.abandoned
 
 
 def test_response_assembly_reasoning_and_tool_calls(lm):

@@ -45,6 +45,7 @@ class Row:
     job: Job | None = None
     sink: Any = None  # who hears this row's events (the server's Handle)
     cancelled: bool = False
+    abandoned: bool = False  # cancelled because its client went away (not because its reply was complete)
     finished: bool = False
     canvas: int = 0  # canvases committed
     steps: int = 0  # denoising steps taken in the current canvas

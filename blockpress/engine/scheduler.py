@@ -53,7 +53,7 @@ class Scheduler:
         self.max_batch, self.queue_size = max_batch, queue_size
         self.max_padding = 4 * canvas_length if max_padding is None else max_padding
         self.queue: deque = deque()
-        self.dropped = 0  # requests cancelled before they finished, waiting or in the batch (a server counts them)
+        self.dropped = 0  # requests abandoned by their clients, waiting or in the batch (a server counts them)
         self.lock = threading.Lock()
 
     def _need(self, row, end: int) -> int:
@@ -75,7 +75,7 @@ class Scheduler:
 
     def keep(self, running: list) -> list[int]:
         """The rows of the batch that stay at this boundary (not finished, not cancelled), in order."""
-        self.dropped += sum(r.cancelled and not r.finished for r in running)
+        self.dropped += sum(r.cancelled and r.abandoned for r in running)
         return [i for i, r in enumerate(running) if not (r.finished or r.cancelled)]
 
     def admit(self, running: list, length: int | None) -> Admission:

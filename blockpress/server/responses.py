@@ -198,4 +198,4 @@ class ResponsesServing:
         except APIError as e:
             yield _sse(builder.fail(e))
         finally:
-            self.s._release(run)
+            self.s._release(run, not asm.done)

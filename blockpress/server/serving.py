@@ -475,10 +475,11 @@ class OpenAIServing:
                 return
 
     @staticmethod
-    def _release(run: _Run) -> None:
-        """Free the batch row of a request that ended early (stop string, disconnect)."""
+    def _release(run: _Run, abandoned: bool) -> None:
+        """Free the batch row of a request that ended early: abandoned (its client went away: counted as cancelled),
+        or not (its reply complete at a stop string; a request refused while its choices were submitted)."""
         if not run.complete:
-            run.handle.cancel()
+            run.handle.cancel(abandoned=abandoned)
 
     def _usage(self, run: _Run, final: Final) -> Usage:
         n, passes = final.completion_tokens, max(run.passes, 1)
@@ -540,7 +541,7 @@ class OpenAIServing:
                                          else constraint.clone()))
         except APIError:
             for r in runs:
-                self._release(r)
+                self._release(r, False)
             raise
         return runs
 
@@ -555,7 +556,7 @@ class OpenAIServing:
                     if on_delta is not None:
                         on_delta(d)
         finally:
-            self._release(run)
+            self._release(run, not asm.done)
         return asm.finish()
 
     async def _collect_all(self, runs: list[_Run], asms: list[OutputAssembler], disconnected: Disconnected | None,
@@ -698,7 +699,7 @@ class OpenAIServing:
                                                    for k, c in enumerate(final.tool_calls)]})
                 yield chunk(i, {}, final.finish_reason)
             finally:
-                self._release(run)
+                self._release(run, not asm.done)
 
         merged = _merge([choice(i) for i in range(n)])
         try:
@@ -758,7 +759,7 @@ class OpenAIServing:
                                              else f"prompt.{k}")
         except APIError:
             for r in runs:
-                self._release(r)
+                self._release(r, False)
             raise
         return runs
 
@@ -797,7 +798,7 @@ class OpenAIServing:
                     yield chunk(i, final.last.content, logprobs=lps(final.last))
                 yield chunk(i, "", final.finish_reason)
             finally:
-                self._release(run)
+                self._release(run, not asm.done)
 
         merged = _merge([choice(i) for i in range(n)])
         try:

@@ -88,7 +88,7 @@ class Handle:
         self.job = job
         self.loop = loop
         self.row: Row | None = None
-        self.cancelled = False
+        self.cancelled = self.abandoned = False
         self.submitted = time.perf_counter()
         if loop is not None:
             import asyncio
@@ -106,11 +106,13 @@ class Handle:
         else:
             self._q.put(event)
 
-    def cancel(self) -> None:
-        """Free the slot: the row stops at the next step (waiting: it is dropped) and leaves at the next boundary."""
-        self.cancelled = True
+    def cancel(self, abandoned: bool = True) -> None:
+        """Free the slot: the row stops at the next step (waiting: it is dropped) and leaves at the next boundary.
+        abandoned: the client went away (counted), rather than its reply being complete (a stop string met)."""
+        self.cancelled, self.abandoned = True, abandoned
         if self.row is not None:
             self.row.cancelled = True
+            self.row.abandoned = abandoned
 
     def get(self, timeout: float | None = None):
         return self._q.get(timeout=timeout)

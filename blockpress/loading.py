@@ -273,6 +273,11 @@ def _refuse_adapter_folder(folder: Path, model) -> None:
                           "blockpress.train.lora.apply_adapter(lm, folder))")
 
 
+# the kernels a model made from a config runs (training from scratch: autograd goes through the references), and
+# what a resumed from-scratch run loads with, so its gradients are the uninterrupted run's bit for bit
+SCRATCH_KERNELS = {"experts": "loop", "attention": "sdpa"}
+
+
 def from_config(config: ModelConfig | dict, device="cpu", dtype=torch.float32, seed: int | None = None,
                 init_std: float | None = None, scaled_qk: bool = False, **options) -> BlockDiffusionLM:
     """A randomly initialised model of a given architecture (training from scratch, benchmarks). It runs the
@@ -287,7 +292,7 @@ def from_config(config: ModelConfig | dict, device="cpu", dtype=torch.float32, s
         module = DiffusionGemmaModel(config).to(dtype)
     module.reset_parameters(init_std if init_std is not None else config.text.initializer_range, scaled_qk)
     module.eval()
-    return BlockDiffusionLM(module, config, {}, options=Options(experts="loop", attention="sdpa").replace(**options))
+    return BlockDiffusionLM(module, config, {}, options=Options(**SCRATCH_KERNELS).replace(**options))
 
 
 __all__ = ["load", "from_config", "resolve_path"]

@@ -321,11 +321,14 @@ class StreamDecoder:
         new ones, up to a byte run still held at the end (those come with a later call, or `flush_ends`). An id owns
         the characters that decoding it, after the ids before it, adds for good (a byte that only completes a
         character with the next id owns none; the next one owns the character)."""
-        start, before = self._prefix, len(self.text)
-        done = len(self._decode(self._ids[start:self._read])) + self._extra  # window characters already emitted
-        first = len(self._ids) - self._pending
+        window = self._window()
         delta = self.feed(new_ids)
-        return delta, self._ends(start, before - done, first, self._end)
+        return delta, self._ends(*window, self._end)
+
+    def _window(self) -> tuple[int, int, int]:
+        """Before a feed or flush: (the window's first id, its text position, the first id without a text end)."""
+        done = len(self._decode(self._ids[self._prefix:self._read])) + self._extra  # window characters emitted
+        return self._prefix, len(self.text) - done, len(self._ids) - self._pending
 
     def _ends(self, start: int, base: int, first: int, stop: int) -> list[int]:
         """The text ends of ids [first, stop), decoding from id `start` (at text position `base`)."""
@@ -348,11 +351,9 @@ class StreamDecoder:
 
     def flush_ends(self) -> tuple[str, list[int]]:
         """`flush`, and the text ends of the ids not yet given one (the held byte run at the end)."""
-        start, before = self._prefix, len(self.text)
-        done = len(self._decode(self._ids[start:self._read])) + self._extra
-        first = len(self._ids) - self._pending
+        window = self._window()
         delta = self.flush()
-        return delta, self._ends(start, before - done, first, len(self._ids))
+        return delta, self._ends(*window, len(self._ids))
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character decodes to U+FFFD)."""

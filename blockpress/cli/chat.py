@@ -45,8 +45,7 @@ class ChatSession:
     """Conversation state: messages, the committed KV cache and the tokens it still lacks."""
 
     def __init__(self, lm, thinking: bool = False, sampling: dict[str, Any] | None = None, seed: int | None = None):
-        import torch
-
+        from ..engine.generate import seeded
         from ..errors import InputError
 
         if lm.tokenizer is None:
@@ -59,7 +58,7 @@ class ChatSession:
         self.sampling = {**lm.text_defaults(), **(sampling or {})}
         self.cfg = lm.generation_config(**self.sampling)  # validated once
         self.thinking = thinking
-        self.generator = torch.Generator(device=lm.device).manual_seed(seed) if seed is not None else None
+        self.generator = seeded(seed, lm.device) if seed is not None else None
         self.reset()
 
     def reset(self) -> None:

@@ -49,7 +49,7 @@ class _HoleRenderer:
 
 
 def main(args) -> int:
-    import torch
+    from ..engine.generate import seeded
     from rich.console import Console
     from rich.text import Text
 
@@ -75,7 +75,7 @@ def main(args) -> int:
     refuse_task_model(lm, "infill")
     p = plan(lm, template, **sampling_kwargs(args))
     console = Console(highlight=False, soft_wrap=True)  # text is never hard-wrapped (a pipe or a file gets it whole)
-    gen = torch.Generator(device=lm.device).manual_seed(args.seed) if args.seed is not None else None
+    gen = seeded(args.seed, lm.device) if args.seed is not None else None
     renderer = _HoleRenderer(TextRenderer(lm._need_tokenizer()), p.region, lm.canvas_length)
     view = CanvasView(renderer, console, live=not (args.no_live or args.json), title="infill",
                       show_committed=False)

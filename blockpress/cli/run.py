@@ -370,13 +370,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    import torch
     from rich.console import Console
+
+    from ..engine.generate import seeded
 
     lm = load_model(args)
     prompt = read_prompt(args.prompt)
     console = Console(highlight=False, soft_wrap=True)  # text is never hard-wrapped (a pipe or a file gets it whole)
-    gen = torch.Generator(device=lm.device).manual_seed(args.seed) if args.seed is not None else None
+    gen = seeded(args.seed, lm.device) if args.seed is not None else None
     live = not (args.no_live or args.json)
     if task_of(lm) == "sudoku":
         text_only = [f for f, on in (("--thinking", args.thinking), ("--raw", args.raw)) if on]

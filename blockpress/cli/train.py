@@ -162,7 +162,7 @@ def build(args, world: int = 1):
     from blockpress.train import objective as obj
     from blockpress.train import sizes
     from blockpress.train.data import SudokuSource, build_source
-    from blockpress.config import _read_json
+    from blockpress.config import ModelConfig, _read_json
     from blockpress.train.trainer import TrainConfig, latest_checkpoint
     from blockpress.tasks import task_info
 
@@ -216,10 +216,11 @@ def build(args, world: int = 1):
         q = dict(precision=args.precision, linears=args.linears) if quantized else {}
         lm = blockpress.load(resume_ck if (resume_ck and lora is None) else args.model, device=device,
                              dtype=base_dtype(args, lora is not None), progress=False, **q)
-    elif resume_ck is not None:  # a run from scratch: the kernels it started with (from_config's), so a resumed
-        # run's gradients are the uninterrupted run's bit for bit (load() would pick sdpa_gqa: other roundings)
-        lm = blockpress.load(resume_ck, device=device, dtype="float32", progress=False, experts="loop",
-                             attention="sdpa")
+    elif resume_ck is not None:  # a run from scratch: the kernels it started with (load() would pick sdpa_gqa,
+        # whose gradients round otherwise)
+        from blockpress.loading import SCRATCH_KERNELS
+
+        lm = blockpress.load(resume_ck, device=device, dtype="float32", progress=False, **SCRATCH_KERNELS)
     else:
         if task:
             from blockpress.tasks import sudoku as sd
@@ -227,7 +228,7 @@ def build(args, world: int = 1):
             cfg = _read_json(Path(args.config), "--config") if args.config else \
                 sizes.model_config(args.size, vocab_size=len(sd.VOCAB), canvas_length=sd.CANVAS_LEN,
                                    context=sd.PROMPT_LEN if args.sudoku_format == "prompt" else 1)
-            vocab = (cfg.get("text_config") or {}).get("vocab_size", 0)
+            vocab = ModelConfig.from_dict(cfg).text.vocab_size  # (its default where the file gives none)
             if vocab < len(sd.VOCAB):
                 raise InputError(f"--config: a Sudoku model needs vocab_size >= {len(sd.VOCAB)} (its tokens), got "
                                  f"{vocab}")

@@ -485,8 +485,8 @@ class Constraint:
             self.written += 1
             took.append(int(t))
         else:  # the walk that wrote these tokens knows how they close (it kept room for that path)
-            path, cut = walked.get(tuple(took), (None, False))
-            self.path = path if tuple(took) in walked else self.closing_path(self.matcher)
+            entry = walked.get(tuple(took))
+            self.path, cut = entry if entry is not None else (self.closing_path(self.matcher), False)
             self.cut = self.cut or cut
 
 

@@ -34,9 +34,10 @@ from .protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, PosI
 RESPONSES_FIELDS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                     "messages": "input", "logprobs": "top_logprobs", "reasoning_effort": "reasoning",
                     "response_format": "text"}
-# ... and the words of a chat error's message, as whole words
-_MESSAGE_WORDS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-                  "messages": "input items", "reasoning_effort": "reasoning", "response_format": "text.format"}
+# ... and the words of a chat error's message, as whole words: the same, but for "logprobs" (the Responses path
+# refuses logprobs itself, in words that already say top_logprobs) and two that read better as words
+_MESSAGE_WORDS = {**{k: v for k, v in RESPONSES_FIELDS.items() if k != "logprobs"},
+                  "messages": "input items", "response_format": "text.format"}
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 

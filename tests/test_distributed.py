@@ -37,12 +37,14 @@ def _run(rank, world, out, leave=None):
     cfg = TrainConfig(out_dir=str(out), steps=STEPS, batch_size=4, lr=1e-2, warmup=1, eval_every=0,
                       save_every=0, progress=False)
     tr = Trainer(lm, ListSource(_examples(), batch_size=4), cfg, rank=rank, world=world, wrapped=ddp)
-    losses, grads = [], []
+    losses, grads, stats = [], [], []
     for _ in range(STEPS):
-        losses.append(tr.train_step()["loss"])
+        stats.append(tr.train_step())
+        losses.append(stats[-1]["loss"])
         grads.append({n: p.grad.clone() for n, p in lm.module.named_parameters() if p.grad is not None})
+    ev = tr.evaluate()  # a collective: every rank
     if rank == 0:
-        torch.save({"losses": losses, "grads": grads},
+        torch.save({"losses": losses, "grads": grads, "stats": stats, "eval": ev},
                    os.path.join(out, f"w{world}.pt"))
     if world > 1:
         (leave or dist.cleanup)()
@@ -78,6 +80,11 @@ def test_two_process_ddp_equals_one_process(tmp_path):
     assert set(g1) == set(g2)
     for k in g1:
         assert torch.allclose(g1[k], g2[k], atol=1e-6, rtol=1e-4), k
+    # the accuracies count the global batch's positions: pooled over the ranks, not a mean of their ratios
+    for k in ("acc", "acc_replaced", "acc_text"):
+        assert abs(one["stats"][0][k] - two["stats"][0][k]) < 1e-6, k  # float32 ratios
+    # (eval: every rank reads the same fixed eval batches here, so the global numbers are one rank's)
+    assert one["eval"].keys() == two["eval"].keys() and "eval_acc" in one["eval"] and "counts" not in one["stats"][0]
     # later steps agree up to float reduction order (Adam amplifies tiny gradient differences)
     assert abs(one["losses"][1] - two["losses"][1]) < 1e-3
 

@@ -52,6 +52,21 @@ def test_resume_gives_the_same_next_loss(tmp_path, objective):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_resume_between_two_logged_rows_logs_the_uninterrupted_rows(tmp_path):
+    """A checkpoint at step 3 with a row every 2 steps: the resumed run's row at step 4 averages steps 3 and 4,
+    as the uninterrupted run's does (the checkpoint keeps the steps not yet logged)."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    args = [*TINY[:TINY.index("--log-every")], *TINY[TINY.index("--log-every") + 2:], "--log-every", "2",
+            "--steps", "4", "--save-every", "3"]
+    assert cli_main(["train", "sudoku", "--out", str(full), *args]) == 0
+    assert cli_main(["train", "sudoku", "--out", str(part), "--stop-after", "3", *args]) == 0
+    assert cli_main(["train", "sudoku", "--out", str(part), "--resume", *args]) == 0
+    rows = [[{k: v for k, v in r.items() if k not in ("time", "seconds", "tokens_per_s")}
+             for r in map(json.loads, open(d / "metrics.jsonl"))] for d in (full, part)]
+    assert [r["step"] for r in rows[0]] == [2, 4]
+    assert rows[0] == rows[1]
+
+
 def test_resumed_run_keeps_the_tokenizer_after_pruning(tmp_path):
     """A resumed run must not take its tokenizer from the checkpoint it resumed from: pruning deletes it."""
     out = tmp_path / "run"

@@ -103,12 +103,24 @@ def all_ok(ok: bool) -> bool:
     return bool(t.item())
 
 
-def all_reduce_mean(x: float) -> float:
-    if not (tdist.is_available() and tdist.is_initialized()):
-        return x
-    t = torch.tensor([float(x)], dtype=torch.float64, device=_device())
-    tdist.all_reduce(t)
-    return float(t) / tdist.get_world_size()
+def reduce_stats(rows: list[dict], counts_key: str) -> dict:
+    """One dict of statistics from each row of this rank (eval batches; a training step is one row) and every
+    rank, in one collective: a ratio a row's `counts_key` dict gives a count for is pooled over the positions it
+    counts (sum of ratio x count over sum of counts; a ratio with no position anywhere stays the rows' mean), any
+    other number is the mean over rows and ranks, which is the global batch's for a per-rank mean loss."""
+    counts = [row.get(counts_key, {}) for row in rows]
+    keys = [k for k in rows[0] if k != counts_key]
+    n = [sum(c.get(k, 0) for c in counts) for k in keys]
+    mean = [sum(row[k] for row in rows) / len(rows) for k in keys]
+    pooled = [sum(row[k] * row.get(counts_key, {}).get(k, 0) for row in rows) for k in keys]
+    if tdist.is_available() and tdist.is_initialized():
+        t = torch.tensor([mean, pooled, n], dtype=torch.float64, device=_device())
+        tdist.all_reduce(t)
+        world = tdist.get_world_size()
+        mean, pooled, n = (t[0] / world).tolist(), t[1].tolist(), t[2].tolist()
+    elif len(rows) == 1:
+        return {k: rows[0][k] for k in keys}  # nothing to pool: the row's own numbers, bit for bit
+    return {k: (p / c if c > 0 else m) for k, m, p, c in zip(keys, mean, pooled, n)}
 
 
 def _device() -> torch.device:

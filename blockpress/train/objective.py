@@ -119,6 +119,7 @@ def split_canvases(response: list[int], C: int, eos_id: int, max_canvases: int |
     return [filled[i * C:(i + 1) * C] for i in range(n)]
 
 
+COUNTS = "counts"  # the stats' key for how many positions each accuracy counts: pooled, not averaged, across ranks
 ROLLOUT_TAU = (0.4, 0.8)  # temperature range of the release's schedule (t_min, t_max)
 ROLLOUT_LOG10_BOUND = (-2.0, 2.0)  # entropy bound of a rollout step, log-uniform: a few tokens .. all
 
@@ -376,7 +377,9 @@ def compute_loss(module, batch: TrainBatch, cfg: ObjectiveConfig, split: bool = 
         text = wrong if batch.fill is None else wrong & ~batch.fill
         acc_text = correct[text].float().mean() if bool(text.any()) else torch.tensor(1.0)
     stats = {"loss": float(loss.detach()), "diff": float(l_diff.detach()), "ar": float(l_ar.detach()),
-             "acc": float(acc.float().mean()), "acc_replaced": float(acc_noisy), "acc_text": float(acc_text)}
+             "acc": float(acc.float().mean()), "acc_replaced": float(acc_noisy), "acc_text": float(acc_text),
+             # the positions each ratio counts: ranks and eval batches pool them (distributed.reduce_stats)
+             COUNTS: {"acc": acc.numel(), "acc_replaced": int(wrong.sum()), "acc_text": int(text.sum())}}
     if not split:
         return loss, stats
     ar = cfg.ar_weight * l_ar if cfg.ar_weight and not skip_ar else None

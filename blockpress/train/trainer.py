@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..errors import CheckpointError, InputError
 from . import objective as obj
 from .data import Source
+from .distributed import reduce_stats
 
 
 @dataclass
@@ -124,6 +125,7 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.step = 0
         self.history: list[dict] = []
+        self.window: list[dict] = []  # the steps since the last logged row (a checkpoint keeps them for a resume)
         self.out = Path(cfg.out_dir)
         lm.module.gradient_checkpointing = cfg.grad_checkpointing
         self.device = lm.device
@@ -169,10 +171,7 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         dt = time.perf_counter() - t0
-        if self.world > 1:  # log the global-batch mean, not rank 0's share
-            from .distributed import all_reduce_mean
-
-            stats = {k: all_reduce_mean(v) for k, v in stats.items()}
+        stats = reduce_stats([stats], obj.COUNTS)  # the global batch's numbers, not rank 0's share
         stats.update(step=self.step, lr=lr, grad_norm=float(gnorm), seconds=dt,
                      tokens_per_s=batch.n_tokens * self.world / dt)
         self.step += 1
@@ -188,16 +187,12 @@ class Trainer:
             batch = self._batch(10**9 + k, src, stream="eval")
             rows.append(self._loss(batch)[1])
         self.lm.module.train()
-        out = {f"eval_{k}": sum(r[k] for r in rows) / len(rows) for k in rows[0]}
-        if self.world > 1:
-            from .distributed import all_reduce_mean
-
-            out = {k: all_reduce_mean(v) for k, v in out.items()}
-        return out
+        return {f"eval_{k}": v for k, v in reduce_stats(rows, obj.COUNTS).items()}
 
     # ----------------------------------------------------------------------------- checkpoints
     def state(self) -> dict:
         return {"step": self.step, "scheduler": self.sched.state_dict(), "history": self.history,
+                "window": self.window,
                 "config": _jsonable(asdict(self.cfg)), "torch_rng": torch.get_rng_state()}
 
     def save(self) -> Path:
@@ -276,7 +271,7 @@ class Trainer:
             _load_sharded({"optimizer": optim}, Path(ckpt) / "optimizer")
             set_optimizer_state_dict(self.lm.module, self.opt, optim)
         self.sched.load_state_dict(st["scheduler"])
-        self.step, self.history = st["step"], st["history"]
+        self.step, self.history, self.window = st["step"], st["history"], st.get("window", [])
         torch.set_rng_state(st["torch_rng"])
         if self.rank == 0:  # the log restarts at the checkpoint: drop rows a killed run wrote after it
             self.out.mkdir(parents=True, exist_ok=True)
@@ -308,19 +303,18 @@ class Trainer:
         bar = _Progress(cfg.steps, self.step, enabled=cfg.progress and self.rank == 0)
         last_save = time.time()
         done_here = 0
-        window: list[dict] = []
         with bar:
             while self.step < cfg.steps:
                 stats = self.train_step()
-                window.append(stats)
+                self.window.append(stats)
                 done_here += 1
                 bar.update(self.step, stats)
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                    row = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
+                    row = {k: sum(w[k] for w in self.window) / len(self.window) for k in self.window[0]}
                     row["step"] = self.step
                     row["time"] = time.time()
                     self.log(row)
-                    window = []
+                    self.window = []
                 if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     ev = self.evaluate()
                     self.log({"step": self.step, "time": time.time(), **ev})

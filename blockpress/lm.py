@@ -237,16 +237,15 @@ class BlockDiffusionLM:
     def decode_new(self, result: engine.GenerationResult, row: int = 0, skip_special_tokens: bool = True) -> str:
         """The text of row `row`'s reply: its new tokens up to the first stop id, at most max_new_tokens (the
         generation's own, `result.config`: a generation runs whole canvases)."""
-        return self._reply_text(result, row, skip_special_tokens)[0]
+        ids, _ = self._reply_ids(result, row)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def _reply_text(self, result: engine.GenerationResult, row: int = 0, skip_special_tokens: bool = True):
-        """(text, finish reason) of row `row`'s reply (`GenerationConfig.reply`)."""
-        tok = self._need_tokenizer()
+    def _reply_ids(self, result: engine.GenerationResult, row: int = 0) -> tuple[list[int], str]:
+        """(ids, finish reason) of row `row`'s reply (`GenerationConfig.reply`), padding dropped."""
+        self._need_tokenizer()
         cfg = result.config or self.generation_config()
         ids, reason = cfg.reply([int(i) for i in result.new_tokens[row].tolist()])
-        pad = cfg.pad_token_id
-        ids = [t for t in ids if t != pad]
-        return tok.decode(ids, skip_special_tokens=skip_special_tokens), reason
+        return [t for t in ids if t != cfg.pad_token_id], reason
 
     def generate_text(self, messages_or_prompt, enable_thinking: bool = False, tools=None, seed: int | None = None,
                       **sampling) -> str:
@@ -263,10 +262,10 @@ class BlockDiffusionLM:
         tool is `"strict": True` (OpenAI's field), the reply's calls name offered tools and a strict tool's
         arguments are valid against its parameters (engine/constraint.py `reply_grammar`; the structured extra), and
         an output grammar beside it (json_schema=, regex=...) is an InputError, as on the server."""
-        from .parsing import parse_output
+        from .parsing import parse_reply
 
         result = self._reply(messages_or_prompt, enable_thinking, tools, seed, sampling)
-        return parse_output(*self._reply_text(result, skip_special_tokens=False))
+        return parse_reply(self.tokenizer, *self._reply_ids(result))
 
     def _reply(self, messages_or_prompt, enable_thinking, tools, seed, sampling) -> engine.GenerationResult:
         from .parsing import call_ban

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tokenizer import GEMMA4_CONTROL_TOKENS
+from .tokenizer import GEMMA4_CONTROL_TOKENS, TEXT_LT
 
 __all__ = [
     "ParsedOutput",
@@ -60,6 +60,11 @@ CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
 TURN_OPEN = "<|turn>"
 STOP_TOKENS: tuple[str, ...] = ("<turn|>", "<eos>", "<|tool_response>")
 CONTENT_CHANNELS = frozenset({"final", "answer", "response", "content"})
+
+
+def unmark(text: str) -> str:
+    """Text decoded with `Tokenizer.decode(marked=True)` back to plain text (a no-op on plain text)."""
+    return text.replace(TEXT_LT, "<")
 
 
 def call_ban(tokenizer, tools) -> list[int] | None:
@@ -388,6 +393,7 @@ class StreamingParser:
         `source` cleaned of control tokens)."""
         if not text:
             return
+        text = unmark(text)
         if (state or self._state) == _REASONING:
             out.reasoning += text
             self._reasoning.append(text)
@@ -527,7 +533,7 @@ class StreamingParser:
             if parsed is None:
                 self._emit(out, self._clean(body), src=at, source=body)
             else:
-                self._calls.append(ToolCall(self._make_id(len(self._calls)), parsed[0], parsed[1]))
+                self._calls.append(ToolCall(self._make_id(len(self._calls)), unmark(parsed[0]), unmark(parsed[1])))
             self._call, self._buf = "", rest
             return True
         if stop_at >= 0:  # unterminated call followed by a stop token: keep it as text
@@ -553,3 +559,16 @@ def parse_output(text: str, finish_reason: str = "stop", *, starts_in_reasoning:
     parser.feed(text)
     parser.finish(finish_reason)
     return parser.result
+
+
+def reply_parser(tokenizer, **kwargs) -> StreamingParser:
+    """The parser of a model's reply, fed text decoded with `tokenizer.decode(ids, marked=True)` (or its stream
+    decoder's `marked=True`): control tokens are the tokenizer's own special tokens and Gemma 4's."""
+    return StreamingParser(control_tokens=tokenizer.special_tokens, **kwargs)
+
+
+def parse_reply(tokenizer, ids, finish_reason: str = "stop", **kwargs) -> ParsedOutput:
+    """A reply's token ids -> content, reasoning and tool calls, as the server reads them. Only the ids of control
+    tokens split the reply: ordinary tokens that spell "<turn|>" or "<mask>" stay text."""
+    return parse_output(tokenizer.decode(ids, marked=True), finish_reason, control_tokens=tokenizer.special_tokens,
+                        **kwargs)

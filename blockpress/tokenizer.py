@@ -33,8 +33,11 @@ __all__ = [
     "GEMMA4_SPECIAL_TOKENS",
     "GEMMA4_CONTROL_TOKENS",
     "StreamDecoder",
+    "TEXT_LT",
     "Tokenizer",
 ]
+
+TEXT_LT = "\ufdd0"  # a "<" written by ordinary tokens, in text decoded for the output parser (`decode(marked=True)`)
 
 # Gemma 4 special tokens and their ids in the released vocabulary.
 GEMMA4_SPECIAL_TOKENS: dict[str, int] = {
@@ -108,6 +111,7 @@ class Tokenizer:
         added = tok.get_added_tokens_decoder()
         self._special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self._special_tokens: tuple[str, ...] = tuple(added[i].content for i in sorted(self._special_ids))
+        self._added: dict[int, str] = {i: t.content for i, t in added.items()}  # atomic: decoded as their text
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -231,15 +235,36 @@ class Tokenizer:
                 raise InputError(f"texts to encode must be strings, got {type(t).__name__}; pass str")
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False, marked: bool = False) -> str:
+        """marked: the text the output parser reads (`parsing`), where only a control token's own id spells
+        control-token text: every "<" that ordinary tokens wrote is `TEXT_LT` (a Unicode noncharacter, one
+        character, so offsets are those of the plain text), and a `TEXT_LT` they wrote is U+FFFD. Ordinary tokens
+        that spell "<turn|>" are then text, not the end of a turn. `parsing.unmark` gives the plain text back."""
         ids = [int(i) for i in ids]
         bad = [i for i in ids if i < 0 or i >= self.vocab_size]
         if bad:
             raise InputError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size}); check the model/tokenizer pairing")
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        plain = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        if not marked:
+            return plain
+        parts, run = [], []
+        for i in ids + [-1]:
+            if i in self._added or i < 0:
+                if run:
+                    parts.append(self._tok.decode(run).replace(TEXT_LT, "\ufffd").replace("<", TEXT_LT))
+                    run = []
+                if i >= 0 and not (skip_special_tokens and i in self._special_ids):
+                    parts.append(self._added[i])
+            else:
+                run.append(i)
+        text = "".join(parts)
+        plain = plain.replace(TEXT_LT, "\ufffd")
+        # a decoder that reads across an added token (one stripping a run's leading space) gives other text: then
+        # the plain text, where control-token text is read as control tokens
+        return text if text.replace(TEXT_LT, "<") == plain else plain
 
-    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
-        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+    def stream_decoder(self, skip_special_tokens: bool = False, marked: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens, marked=marked)
 
     # ------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True,
@@ -266,9 +291,10 @@ class StreamDecoder:
     complete a character only together produce the same text as one full `decode`.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False, marked: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._marked = marked  # `Tokenizer.decode(marked=True)`: the output parser's text
         self._ids: list[int] = []
         self._prefix = 0  # start of the context window
         self._read = 0    # ids before this index have been emitted
@@ -283,7 +309,7 @@ class StreamDecoder:
         return list(self._ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip, marked=self._marked)
 
     def feed(self, new_ids: Iterable[int]) -> str:
         """Append ids; return the text they complete ("" while nothing new is complete). A run of byte-fallback

@@ -1587,6 +1587,39 @@ def test_logprob_entries_align_with_the_returned_text(lm, text, chat, stop, cont
         assert "é" in texts and texts[texts.index("é") - 1] == ""
 
 
+def test_ordinary_tokens_that_spell_control_tokens_stay_text():
+    """Only a control token's own id splits or ends a reply: "<" then "turn|>" as ordinary tokens is text, on the
+    server (any canvas split, logprobs aligned) and in `lm.chat`'s reading (`parsing.parse_reply`)."""
+    from blockpress.parsing import parse_reply
+    from blockpress.tokenizer import TEXT_LT, Tokenizer
+
+    tok = Tokenizer.from_dir(Path(blockpress.__file__).parent / "assets" / "assistant")
+    pieces = ["Write ", "<", "turn|> to end a turn, ", "<", "mask> or ", "<", '|"|> here, ', "<eos", "> too ",
+              TEXT_LT]
+    ids = [i for p in pieces for i in tok.encode(p)]
+    assert not any(tok.is_special(i) for i in ids)
+    text = tok.decode(ids)
+    assert "<turn|>" in text and "<mask>" in text
+    want = text.replace(TEXT_LT, "\ufffd")  # the noncharacter the decoding marks with is not passed on
+    think = [tok.token_to_id(t) for t in ("<|channel>",)] + tok.encode("thought\n<") + tok.encode("eos> ok") + \
+        [tok.token_to_id("<channel|>")]
+    reply = think + ids + [tok.token_to_id("<turn|>")] + tok.encode("after")
+    for split in (1, 2, 5, len(reply)):
+        asm = OutputAssembler(tok, [1, 106], 200, chat=True, logprobs=True)
+        out = ""
+        for i in range(0, len(reply), split):
+            out += asm.feed(reply[i:i + split], _fake_logprobs(reply)[i:i + split]).content
+        final = asm.finish()
+        out += final.last.content
+        assert (out, final.content, final.reasoning, final.finish_reason) == (want, want, "<eos> ok", "stop")
+        assert "".join(e.text for e in final.logprobs) == want
+    parsed = parse_reply(tok, reply)
+    assert (parsed.content, parsed.reasoning, parsed.finish_reason) == (want, "<eos> ok", "stop")
+    # the control tokens' ids still do their work
+    real = tok.encode("a") + [tok.token_to_id("<mask>")] + tok.encode("b") + [tok.token_to_id("<turn|>")]
+    assert parse_reply(tok, real + tok.encode("c")).content == "ab"
+
+
 def _check_entries(tokens, logprobs, tops, k, exact=True):
     """Each returned token's logprob is <= 0 and >= every alternative's (it is the argmax of its step's
     distribution); k alternatives (a completion's dict: fewer where two have the same text), sorted."""

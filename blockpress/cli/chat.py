@@ -109,7 +109,7 @@ class ChatSession:
         return self.last_reply
 
     def _finish(self, text: str, ids: list[int], result) -> Reply:
-        from ..parsing import parse_output
+        from ..parsing import parse_reply
 
         C = self.lm.canvas_length
         new = result.new_tokens[0].tolist()
@@ -117,7 +117,7 @@ class ChatSession:
         in_last = len(tokens) - (len(new) - C)  # reply tokens inside the last (unencoded) canvas
         self.cache = result.cache
         self.pending = new[len(new) - C:][:max(in_last, 0)] + self.tok.encode(END_OF_TURN)
-        parsed = parse_output(self.tok.decode(tokens), reason, control_tokens=self.tok.special_tokens)
+        parsed = parse_reply(self.tok, tokens, reason)
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": parsed.content}]
         return Reply(parsed.content, parsed.reasoning, parsed.tool_calls, parsed.finish_reason, tokens, len(ids),
                      result)

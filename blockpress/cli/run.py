@@ -414,9 +414,9 @@ def main(args) -> int:
     watch = CpuWatch()
     result = _generate(lm, ids, kw, gen, _text_view(lm, console, live), decode=True)
     tokens, reason = cfg.reply(result.new_tokens[0].tolist())
-    from ..parsing import parse_output
+    from ..parsing import parse_reply
 
-    parsed = parse_output(lm.tokenizer.decode(tokens), reason, control_tokens=lm.tokenizer.special_tokens)
+    parsed = parse_reply(lm.tokenizer, tokens, reason)
     stats = cpu_stats(stats_of(result, len(tokens)), watch, lm.device)
     if args.json:
         print(json.dumps({"text": parsed.content, "reasoning": parsed.reasoning,

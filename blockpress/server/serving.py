@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..errors import BlockpressError, InputError
 from ..infill import whole_canvases
-from ..parsing import StreamingParser, ToolCall, call_ban
+from ..parsing import ToolCall, call_ban, reply_parser
 from .budget import encode_within
 from .protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                        CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, FunctionCall,
@@ -205,9 +205,8 @@ class OutputAssembler:
         self.stop_ids = set(stop_ids or ())
         self.max_tokens = max_tokens
         self.chat = chat
-        self.decoder = tokenizer.stream_decoder(skip_special_tokens=not chat)
-        self.parser = StreamingParser(control_tokens=tokenizer.special_tokens, track_sources=logprobs) \
-            if chat else None
+        self.decoder = tokenizer.stream_decoder(skip_special_tokens=not chat, marked=chat)  # chat: the parser's text
+        self.parser = reply_parser(tokenizer, track_sources=logprobs) if chat else None
         self.aligner = LogprobAligner(completion=not chat) if logprobs else None
         self._waiting: list = []  # (token, logprob) fed, its span not yet decided (a byte run the decoder holds)
         self._released = 0  # content characters sent

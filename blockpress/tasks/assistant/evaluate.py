@@ -35,7 +35,7 @@ import time
 import torch
 
 from ...config import fixed_steps
-from ...parsing import STOP_TOKENS, call_ban, parse_output
+from ...parsing import STOP_TOKENS, call_ban, parse_output, unmark
 
 SKILL_ROWS = ["add 1-digit", "add 2-digit", "add 3-digit", "sub 2-digit", "sub 3-digit", "mul 1x1-digit",
               "mul 2x1-digit", "mul 2x2-digit", "conversion", "date", "letters", "rewrite", "json", "follow-up",
@@ -67,7 +67,7 @@ def _cut(tok, ids: list[int], stops: set[int], pad: int | None) -> str:
         out.append(t)
         if t in stops:
             break
-    return tok.decode(out)
+    return tok.decode(out, marked=True)  # the parser's text: see `score`
 
 
 def replies(lm, dialogs, steps: int | None = None, seed: int = 0, batch_size: int = 32, ar: bool = False,
@@ -80,7 +80,7 @@ def replies(lm, dialogs, steps: int | None = None, seed: int = 0, batch_size: in
         from ...train.ar import greedy_until
 
         for i, p in enumerate(prompts):
-            out[i] = tok.decode(greedy_until(lm.module, p, max_new_tokens, stops, lm.device))
+            out[i] = tok.decode(greedy_until(lm.module, p, max_new_tokens, stops, lm.device), marked=True)
         return out
     kw = {"max_new_tokens": max_new_tokens, "eos_token_id": sorted(stops), **sampling}
     if steps is not None:
@@ -116,11 +116,11 @@ def schema_valid(args: dict, schema: dict) -> bool:
 def score(d, text: str) -> dict:
     """One reply against its conversation's `expect` -> {metric: bool} (metrics that apply only)."""
     e = d.expect
-    p = parse_output(text)
+    p = parse_output(text)  # text decoded with `marked=True` (control tokens only from their ids), or plain text
     content = p.content.strip()
     calls = [(c.name, c.arguments) for c in p.tool_calls]
     finished = any(text.endswith(t) for t in STOP_TOKENS)
-    r: dict = {"row": e["row"], "text": text}
+    r: dict = {"row": e["row"], "text": unmark(text)}
     if e["thought"]:
         r["thinking on: well-formed"] = finished and text.startswith("<|channel>thought\n") and \
             text.count("<channel|>") == 1 and bool((p.reasoning or "").strip()) and bool(content or calls)

@@ -10,7 +10,8 @@ Invariants:
   `add_generation_prompt`, `enable_thinking`, `bos_token`, `eos_token`, plus any extra keyword
   arguments of `render_chat_template` (e.g. `empty_thought_block`).
 - Messages are normalised before rendering: `content` given as a list of `{"type": "text"}` parts
-  is joined to one string, `None` becomes "", `developer` is treated as `system`, and
+  stays a list of plain text parts (the template renders each), `None` becomes "", `developer` is treated as
+  `system`, and
   `tool_calls[*].function.arguments` given as a JSON string is parsed into a mapping (the Gemma 4
   format writes arguments in its own notation, which a template can only produce from a mapping).
   Bad input raises `InputError`; a template that fails to compile raises `CheckpointError`; a
@@ -208,7 +209,9 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def _text_content(content: Any, where: str) -> str:
+def _text_content(content: Any, where: str) -> str | list[dict[str, str]]:
+    """A string (None: ""), or a list of text parts as plain `{"type": "text", "text": ...}` dicts: a template
+    renders each part itself (the built-in one trims each), as under transformers."""
     content = _plain(content)
     if content is None:
         return ""
@@ -219,14 +222,14 @@ def _text_content(content: Any, where: str) -> str:
         for part in content:
             part = _plain(part)
             if isinstance(part, str):
-                texts.append(part)
+                texts.append({"type": "text", "text": part})
                 continue
             if not isinstance(part, Mapping):
                 raise InputError(f"{where} has a content part of type {type(part).__name__}; send text parts as {{\"type\": \"text\", \"text\": ...}}")
             if part.get("type", "text") != "text":
                 raise InputError(f"{where} has a '{part.get('type')}' content part; this engine accepts text only, remove it")
-            texts.append(str(part.get("text") or ""))
-        return "".join(texts)
+            texts.append({"type": "text", "text": str(part.get("text") or "")})
+        return texts
     raise InputError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}; send a string")
 
 

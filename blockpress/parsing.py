@@ -11,7 +11,12 @@ Grammar handled (Gemma 4 output format):
 - `<|tool_call>call:NAME{key:value,...}<tool_call|>`: a tool call. Arguments use Gemma's notation
   (bare keys, strings wrapped in `<|"|>`...`<|"|>`, also JSON strings/keys, numbers, true/false/null,
   nested `{}`/`[]`) and are normalised to a JSON object string. A call that does not parse (or is
-  unterminated) is kept as text, minus its control tokens, instead of raising.
+  unterminated before a stop) is kept as text, minus its control tokens, instead of raising; one the token
+  budget cut (finish reason "length") is dropped. Inside the thought channel a call is thought, not called:
+  its text stays reasoning (the model calls tools after `<channel|>`).
+- Control tokens are read from text decoded with `Tokenizer.decode(marked=True)` (`parse_reply`): there an
+  ordinary token's "<" is `TEXT_LT`, so only a control token's own id spells control-token text, and the
+  fields come out with "<" again (`unmark`). Plain text works too: then any control-token text counts.
 - Stop tokens `<turn|>`, `<eos>`, `<|tool_response>` end the output: anything after the first one
   is dropped (it is padding or hallucinated continuation).
 - `<|turn>ROLE\\n` (a hallucinated turn header) is dropped with its role line.
@@ -354,6 +359,9 @@ class StreamingParser:
         self._header_turn = False  # header after <|turn> (role line) rather than <|channel>
         self._call = ""
         self._calls: list[ToolCall] = []
+        self.call_positions: list[int] = []  # per call: the content characters emitted before it
+        self._content_chars = 0
+        self._reason = "stop"  # the finish reason `finish` was given
         self._reasoning: list[str] = []
         self._content: list[str] = []
         self._finished: StreamEnd | None = None
@@ -368,6 +376,7 @@ class StreamingParser:
 
     def finish(self, finish_reason: str = "stop") -> StreamEnd:
         if self._finished is None:
+            self._reason = finish_reason
             d = self._run(final=True)
             reason = "tool_calls" if self._calls else finish_reason
             self._finished = StreamEnd(d.reasoning, d.content, list(self._calls), reason)
@@ -400,6 +409,7 @@ class StreamingParser:
         else:
             out.content += text
             self._content.append(text)
+            self._content_chars += len(text)
             if self.content_sources is not None:
                 pos = list(range(src, src + len(text))) if source is None else self._clean_sources(source, src)
                 pos = (pos + [pos[-1] if pos else src] * len(text))[:len(text)]
@@ -478,7 +488,7 @@ class StreamingParser:
         elif tok == CHANNEL_CLOSE:
             if self._state == _REASONING:
                 self._state = _CONTENT
-        elif tok == CALL_OPEN:
+        elif tok == CALL_OPEN and self._state != _REASONING:  # a call the model only thinks about stays thought
             self._return, self._state, self._call = self._state, _CALL, ""
         elif tok == QUOTE:
             self._emit(out, '"', src=self._fed - len(self._buf) - len(tok))
@@ -534,6 +544,7 @@ class StreamingParser:
                 self._emit(out, self._clean(body), src=at, source=body)
             else:
                 self._calls.append(ToolCall(self._make_id(len(self._calls)), unmark(parsed[0]), unmark(parsed[1])))
+                self.call_positions.append(self._content_chars)
             self._call, self._buf = "", rest
             return True
         if stop_at >= 0:  # unterminated call followed by a stop token: keep it as text
@@ -542,9 +553,10 @@ class StreamingParser:
             self._call, self._buf = "", ""
             self._state = _DONE
             return True
-        if final:  # unterminated at the end of generation
-            self._state = self._return
-            self._emit(out, self._clean(call), src=at, source=call)
+        if final:  # unterminated at the end of generation: cut by the token budget it is dropped, half a call's
+            self._state = self._return  # markup is no answer; else (the model stopped inside it) kept as text
+            if self._reason != "length":
+                self._emit(out, self._clean(call), src=at, source=call)
             self._call = ""
             return False
         return False

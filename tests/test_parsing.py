@@ -142,8 +142,11 @@ def test_malformed_calls_stay_in_content(body, kept):
 
 
 def test_unterminated_call_at_end_or_before_stop():
+    # cut by the token budget: half a call is dropped, not shown as its markup
     r = parse(f"x<|tool_call>call:f{{a:{Q}v{Q}", "length")
-    assert (r.content, r.tool_calls, r.finish_reason) == ('xcall:f{a:"v"', [], "length")
+    assert (r.content, r.tool_calls, r.finish_reason) == ("x", [], "length")
+    r = parse(f"x<|tool_call>call:f{{a:{Q}v{Q}", "stop")  # the model stopped inside it: its text is kept
+    assert (r.content, r.tool_calls, r.finish_reason) == ('xcall:f{a:"v"', [], "stop")
     r = parse("x<|tool_call>call:f{a:1<turn|>ignored")
     assert (r.content, r.tool_calls) == ("xcall:f{a:1", [])
 
@@ -168,6 +171,11 @@ def test_template_tool_call_round_trip():
     generated = text[text.index("<|tool_call>"):]
     r = parse(generated)
     assert r.tool_calls[0].name == "weather" and r.tool_calls[0].arguments == args
+
+
+def test_a_call_inside_the_thought_channel_is_thought():
+    r = parse(f"<|channel>thought\nmaybe <|tool_call>call:f{{a:{Q}x{Q}}}<tool_call|> hmm<channel|>ans<turn|>")
+    assert (r.reasoning, r.content, r.tool_calls, r.finish_reason) == ('maybe call:f{a:"x"} hmm', "ans", [], "stop")
 
 
 def test_reasoning_then_tool_call():

@@ -1620,6 +1620,25 @@ def test_ordinary_tokens_that_spell_control_tokens_stay_text():
     assert parse_reply(tok, real + tok.encode("c")).content == "ab"
 
 
+def test_a_stop_string_after_a_tool_call_keeps_the_call(lm):
+    """A stop string cuts what comes after it: a call before it stays a call, one after it goes."""
+    tok = lm.tokenizer
+    call = "<|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>}<tool_call|>"
+    for text, stop, calls, content in [(call + "Done<turn|>", ["Done"], 1, ""),
+                                       ("Done" + call + "<turn|>", ["Done"], 0, ""),
+                                       ("ok" + call + "mid Done" + call, ["Done"], 1, "okmid ")]:
+        for split in (1, 1000):
+            asm = OutputAssembler(tok, [1, 106], 200, stop=stop, chat=True)
+            ids = tok.encode(text)
+            for i in range(0, len(ids), split):
+                asm.feed(ids[i:i + split])
+                if asm.done:
+                    break
+            final = asm.finish()
+            assert (len(final.tool_calls), final.content) == (calls, content), (text, split)
+            assert final.finish_reason == ("tool_calls" if calls else "stop")  # a client runs the calls it got
+
+
 def _check_entries(tokens, logprobs, tops, k, exact=True):
     """Each returned token's logprob is <= 0 and >= every alternative's (it is the argmax of its step's
     distribution); k alternatives (a completion's dict: fewer where two have the same text), sorted."""

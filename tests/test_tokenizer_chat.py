@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from blockpress.chat import DEFAULT_GEMMA4_TEMPLATE, render_chat_template
 from blockpress.errors import CheckpointError, InputError
 from blockpress.testing import TINY_SPECIAL_TOKENS, TINY_VOCAB_SIZE, build_tiny_gemma_tokenizer, tiny_tokenizer_json
-from blockpress.tokenizer import GEMMA4_SPECIAL_TOKENS, StreamDecoder, Tokenizer
+from blockpress.tokenizer import GEMMA4_SPECIAL_TOKENS, TEXT_LT, StreamDecoder, Tokenizer
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -140,15 +140,21 @@ def test_stream_decoder_holds_multibyte_characters(tok):
 
 @FAST
 @given(ids=st.lists(st.integers(0, TINY_VOCAB_SIZE - 1), min_size=1, max_size=40),
-       cuts=st.lists(st.integers(0, 1000), max_size=10), skip=st.booleans())
-def test_stream_decoder_of_any_ids_concatenates_to_decode(tok, ids, cuts, skip):
+       cuts=st.lists(st.integers(0, 1000), max_size=10), skip=st.booleans(), marked=st.booleans())
+def test_stream_decoder_of_any_ids_concatenates_to_decode(tok, ids, cuts, skip, marked):
     """Any ids, as a random model writes them: byte tokens that form no character, special ids among them. A byte
     token that decodes alone ("#" from <0x23>) became U+FFFD once an invalid byte followed it (the run decodes
     together); the decoder had emitted "#" and, its emitted text contradicted, emitted nothing more, flush included:
     a streamed reply lost all its text after such a pair at a canvas boundary (one token per feed: every pair)."""
-    dec = StreamDecoder(tok, skip_special_tokens=skip)
+    dec = StreamDecoder(tok, skip_special_tokens=skip, marked=marked)
     deltas = [dec.feed(chunk) for chunk in _split(ids, cuts)]
-    assert "".join(deltas) + dec.flush() == tok.decode(ids, skip_special_tokens=skip) == dec.text
+    full = tok.decode(ids, skip_special_tokens=skip, marked=marked)
+    assert "".join(deltas) + dec.flush() == full == dec.text
+    if marked:  # the parser's text: the plain text, with the "<" of ordinary tokens marked, and only those
+        plain = tok.decode(ids, skip_special_tokens=skip)
+        assert full.replace(TEXT_LT, "<") == plain and len(full) == len(plain)
+        specials = "".join(tok.decode([i]) for i in ids if i in tok.special_ids and not skip)
+        assert full.count("<") == specials.count("<")
 
 
 def test_stream_decoder_flushes_incomplete_bytes(tok):
@@ -328,7 +334,7 @@ def test_developer_role_and_input_errors():
         render(USER, tools=[{"type": "function", "function": {"description": "no name"}}])
 
 
-@pytest.mark.parametrize("case", ["plain", "thinking", "tools"])
+@pytest.mark.parametrize("case", ["plain", "thinking", "tools", "parts"])
 def test_template_matches_transformers_rendering(tok_dir, case):
     """Our jinja environment renders the template exactly like transformers' apply_chat_template."""
     from transformers import AutoTokenizer
@@ -340,7 +346,10 @@ def test_template_matches_transformers_rendering(tok_dir, case):
                 {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
             {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "ok"}]
-    kw = {"plain": {}, "thinking": {"enable_thinking": True}, "tools": {"tools": [WEATHER_TOOL]}}[case]
+    kw = {"plain": {}, "thinking": {"enable_thinking": True}, "tools": {"tools": [WEATHER_TOOL]}, "parts": {}}[case]
+    if case == "parts":  # content as text parts: the template trims each part (joined first, "Hello world" before)
+        parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world "}]
+        msgs = [{**m, "content": parts} if m["role"] in ("system", "user", "tool") else m for m in msgs]
     a = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
     b = ours.apply_chat_template(msgs, tokenize=False, **kw)
     assert a == b

@@ -186,7 +186,7 @@ class ResponsesRequest(_DiffusionKnobs, _ResponsesFields):
         names: dict[str, str] = {}  # call_id -> function name, for the tool messages
         for item in self.input:
             if isinstance(item, InputMessage):
-                out.append({"role": item.role, "content": _text(item.content)})
+                out.append({"role": item.role, "content": _content(item.content)})
             elif isinstance(item, FunctionCallItem):
                 names[item.call_id] = item.name
                 call = {"id": item.call_id, "type": "function",
@@ -196,7 +196,7 @@ class ResponsesRequest(_DiffusionKnobs, _ResponsesFields):
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutputItem):
-                msg = {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)}
+                msg = {"role": "tool", "tool_call_id": item.call_id, "content": _content(item.output)}
                 if item.call_id in names:
                     msg["name"] = names[item.call_id]
                 out.append(msg)
@@ -229,8 +229,9 @@ class ResponsesRequest(_DiffusionKnobs, _ResponsesFields):
             raise APIError(400, f"input: {where}: {err.get('msg')}", param="input", code="invalid_value") from None
 
 
-def _text(content: Any) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+def _content(content: Any) -> str | list[dict[str, str]]:
+    """A chat message's content: a string, or text parts that the chat template renders one by one."""
+    return content if isinstance(content, str) else [{"type": "text", "text": p.text} for p in content]
 
 
 def responses_error(e: APIError) -> APIError:

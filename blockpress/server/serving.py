@@ -309,14 +309,18 @@ class OutputAssembler:
             last.content += tail
             self.content.append(tail)
             self._released += len(tail)
-            calls = [] if self.stopper.hit else end.tool_calls[:1] if self.one_call else end.tool_calls
+            # a stop string cuts the calls after it, not those before it
+            calls = [c for c, at in zip(end.tool_calls, self.parser.call_positions)
+                     if not self.stopper.hit or at <= self._released]
+            calls = calls[:1] if self.one_call else calls
             reasoning = self.parser.result.reasoning
         tail = self.stopper.flush()
         last.content += tail
         self.content.append(tail)
         self._released += len(tail)
         self._release(last, final=True)
-        reason = "stop" if self.stopper.hit else "length" if self.cut else "tool_calls" if calls else \
+        # a grammar closed early for the budget says "length"; a stop string after a call keeps "tool_calls"
+        reason = "length" if self.cut else "tool_calls" if calls else "stop" if self.stopper.hit else \
             self.finish_reason
         self._final = Final("".join(self.content), reasoning, calls, reason, len(self.tokens), last,
                             None if self.aligner is None else self.aligner.entries)

@@ -53,6 +53,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -178,10 +179,21 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers' mark of the assistant's tokens (for training
+    masks), rendered here as its body, so templates that use it work."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 @functools.lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
+                                        extensions=[loopcontrols, _GenerationTag])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -261,6 +273,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     messages = _plain(messages)
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InputError("messages must be a list of {\"role\": ..., \"content\": ...} objects; wrap the prompt in a list")
+    if not messages:
+        raise InputError("messages is empty; give at least one message")
     out: list[dict[str, Any]] = []
     for i, raw in enumerate(messages):
         where = f"messages[{i}]"
@@ -324,25 +338,42 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
 def render_chat_template(template: str, messages: Any, *, add_generation_prompt: bool = True,
                          enable_thinking: bool = False, tools: Any = None,
                          bos_token: str = "<bos>", eos_token: str = "<eos>",
-                         **template_kwargs: Any) -> str:
+                         continue_final_message: bool = False, **template_kwargs: Any) -> str:
     """Render `template` for `messages`; returns the prompt text (special tokens as text).
 
-    Extra keyword arguments become template variables (e.g. `empty_thought_block=False`).
+    Extra keyword arguments become template variables (e.g. `empty_thought_block=False`; the tokenizer passes
+    its `pad_token` and `unk_token` too). continue_final_message: the text ends where the last message's text
+    ends, without the generation prompt, so the model continues that message (a reply started for it); as
+    transformers does, the last text is found in the rendering with its edges trimmed.
     """
     compiled = compile_chat_template(template)
     variables = dict(template_kwargs)
+    normalized = normalize_messages(messages)
     variables.update(
-        messages=normalize_messages(messages),
+        messages=normalized,
         tools=normalize_tools(tools),
-        add_generation_prompt=bool(add_generation_prompt),
+        add_generation_prompt=bool(add_generation_prompt) and not continue_final_message,
         enable_thinking=bool(enable_thinking),
         bos_token=bos_token,
         eos_token=eos_token,
     )
     try:
-        return compiled.render(**variables)
+        text = compiled.render(**variables)
     except jinja2.exceptions.TemplateError as exc:
         raise InputError(f"chat template rejected the conversation: {exc}; fix the messages") from None
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
         raise InputError(f"chat template failed on this conversation ({type(exc).__name__}: {exc}); "
                          "check the message fields the template expects") from None
+    return _continued(text, normalized[-1]) if continue_final_message else text
+
+
+def _continued(text: str, last: dict[str, Any]) -> str:
+    """The rendering cut after the last message's text (its last text part), edges trimmed."""
+    content = last.get("content")
+    if not isinstance(content, str):
+        content = next((p["text"] for p in reversed(content or []) if isinstance(p, Mapping) and "text" in p), "")
+    final = content.strip()
+    if not final or final not in text:
+        raise InputError("continue_final_message: the last message's text is not in the rendered prompt (or it is "
+                         "empty); end the conversation with the message to continue, with text in it")
+    return text[:text.rindex(final) + len(final)]

@@ -272,14 +272,17 @@ class Tokenizer:
                             tokenize: bool = True, **template_kwargs: Any) -> list[int] | str:
         """Render the chat template; ids (default) or the prompt text (`tokenize=False`).
 
-        Extra keyword arguments become template variables (e.g. `empty_thought_block=False`).
-        The template writes `<bos>` itself, so ids are encoded without extra special tokens.
+        Extra keyword arguments become template variables (e.g. `empty_thought_block=False`), except
+        `continue_final_message=True`: the prompt ends inside the last message, for the model to continue it
+        (`chat.render_chat_template`). The template writes `<bos>` itself, so ids are encoded without extra
+        special tokens.
         """
         from .chat import render_chat_template
         text = render_chat_template(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking, tools=tools,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **template_kwargs)
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            **{"pad_token": self.pad_token or "", "unk_token": self.unk_token or "", **template_kwargs})
         return self.encode(text) if tokenize else text
 
 

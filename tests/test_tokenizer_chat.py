@@ -205,8 +205,9 @@ def test_bad_template_errors(tmp_path):
     with pytest.raises(CheckpointError, match="syntax error"):
         t.apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(InputError, match="roles must alternate"):
-        render_chat_template("{{ raise_exception('roles must alternate') }}", [])
-    assert render_chat_template("{{ x | tojson }}|{{ strftime_now('%Y') | length }}", [], x={"é": [1]}) == '{"é": [1]}|4'
+        render_chat_template("{{ raise_exception('roles must alternate') }}", [{"role": "user", "content": "hi"}])
+    assert render_chat_template("{{ x | tojson }}|{{ strftime_now('%Y') | length }}",
+                                [{"role": "user", "content": "hi"}], x={"é": [1]}) == '{"é": [1]}|4'
     out = render_chat_template("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}",
                                [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
     assert out == "a"
@@ -355,6 +356,36 @@ def test_template_matches_transformers_rendering(tok_dir, case):
     assert a == b
     assert list(hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, **kw)["input_ids"]) == \
         ours.apply_chat_template(msgs, **kw)
+
+
+@pytest.mark.parametrize("last", ["Hel ", [{"type": "text", "text": "A"}, {"type": "text", "text": ' {"x": '}]])
+def test_continue_final_message_matches_transformers(tok_dir, last):
+    """The prompt ends inside the last message (a reply started for the model), as transformers renders it; it was
+    passed to the template as an unknown variable and ignored (the turn closed)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tok_dir))
+    ours = Tokenizer.from_dir(tok_dir)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": last}]
+    want = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert ours.apply_chat_template(msgs, tokenize=False, continue_final_message=True) == want
+    assert not want.endswith("<turn|>\n")
+    with pytest.raises(InputError, match="continue_final_message"):
+        ours.apply_chat_template([*msgs[:1], {"role": "assistant", "content": " "}], continue_final_message=True)
+
+
+def test_template_extras_transformers_gives(tok_dir):
+    """transformers' `{% generation %}` tag renders its body; pad and unk tokens are template variables; an empty
+    conversation is refused (it rendered a bare generation prompt)."""
+    from blockpress.chat import render_chat_template
+
+    t = "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}{{ pad_token }}"
+    assert render_chat_template(t, [{"role": "user", "content": "x"}], pad_token="<pad>") == "[x]<pad>"
+    tok = Tokenizer.from_dir(tok_dir)
+    with pytest.raises(InputError, match="messages is empty"):
+        tok.apply_chat_template([])
+    tok.chat_template = "{{ pad_token }}|{{ unk_token }}"
+    assert tok.apply_chat_template(USER, tokenize=False) == f"{tok.pad_token}|{tok.unk_token}" != "|"
 
 
 def test_plain_text_models_are_not_chat_models(tmp_path, tok):

@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -241,12 +242,15 @@ class Tokenizer:
         character, so offsets are those of the plain text), and a `TEXT_LT` they wrote is U+FFFD. Ordinary tokens
         that spell "<turn|>" are then text, not the end of a turn. `parsing.unmark` gives the plain text back."""
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if i < 0 or i >= self.vocab_size]
-        if bad:
-            raise InputError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size}); check the model/tokenizer pairing")
+        vocab = self.vocab_size  # (a call into the tokenizer: once, not per id)
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            bad = next(i for i in ids if i < 0 or i >= vocab)
+            raise InputError(f"token id {bad} is outside the vocabulary (size {vocab}); check the model/tokenizer pairing")
         plain = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         if not marked:
             return plain
+        if self._added.keys().isdisjoint(ids):  # ordinary tokens only
+            return plain.replace(TEXT_LT, "\ufffd").replace("<", TEXT_LT)
         parts, run = [], []
         for i in ids + [-1]:
             if i in self._added or i < 0:
@@ -365,11 +369,7 @@ class StreamDecoder:
         ends, last = [], self._last_end
         for i in range(first, stop):
             part = self._decode(self._ids[start:i + 1])
-            k = 0
-            for x, y in zip(part, full):
-                if x != y:
-                    break
-                k += 1
+            k = len(part) if full.startswith(part) else len(os.path.commonprefix([part, full]))
             if i + 1 < stop and part.endswith(_REPLACEMENT):  # an incomplete character: not owned yet
                 k = min(k, len(part.rstrip(_REPLACEMENT)))
             last = min(max(last, base + k), len(self.text))

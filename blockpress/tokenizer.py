@@ -12,8 +12,10 @@ Invariants:
   special-token text in the input (e.g. `<|turn>`) is matched to its id, as in Hugging Face.
 - `decode` keeps special tokens by default (the output parser needs `<|channel>`, `<|tool_call>`,
   `<turn|>`, ... to split reasoning / tool calls / content).
+- `decode(marked=True)` is the text the output parser reads: the plain text with each "<" that an ordinary token
+  wrote replaced by `TEXT_LT`, so only a control token's own id spells control-token text (same length).
 - `StreamDecoder` emits text deltas whose concatenation equals `decode(all ids)` (given the same
-  `skip_special_tokens`); it never emits a partial multi-byte character: text whose tail decodes
+  `skip_special_tokens` and `marked`); it never emits a partial multi-byte character: text whose tail decodes
   to U+FFFD is held back until the following ids complete it or `flush()` is called.
 - Gemma 4 special-token ids are listed in `GEMMA4_SPECIAL_TOKENS`.
 """

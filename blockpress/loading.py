@@ -17,7 +17,7 @@ from .errors import CheckpointError, ConfigError, InputError, SamplingError
 from .lm import BlockDiffusionLM
 from .model.diffusion_gemma import DiffusionGemmaModel
 from .options import Options
-from .model.weights import find_weight_files, load_weights
+from .model.weights import PREQUANTIZED_FIX, find_weight_files, load_weights
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -226,6 +226,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     folder = resolve_path(model, progress)
     _refuse_adapter_folder(folder, model)
     config = ModelConfig.from_file(folder / "config.json")
+    _refuse_prequantized(folder, config.raw)
     gen_path = folder / "generation_config.json"
     gen_defaults = _checkpoint_generation_defaults(gen_path, config.text.vocab_size) if gen_path.is_file() else {}
     dev = parse_device(device)
@@ -257,6 +258,36 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
 
         tok = Tokenizer.from_dir(folder)
     return BlockDiffusionLM(module, config, gen_defaults, tok, folder, options=opts)
+
+
+def _quant_method(qc) -> str:
+    """A quantization_config's method as its file names it: 'fp8', 'compressed-tensors (nvfp4-pack-quantized)',
+    'modelopt (NVFP4)', ..."""
+    if not isinstance(qc, dict):
+        return repr(qc)
+    inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else {}  # ModelOpt's own file
+    method = str(qc.get("quant_method") or "unnamed")
+    detail = qc.get("quant_algo") or inner.get("quant_algo") or qc.get("format")
+    return method + (f" ({detail})" if detail and str(detail) != method else "")
+
+
+def _refuse_prequantized(folder: Path, raw: dict) -> None:
+    """CheckpointError before any weight is read when config.json (or its text_config) has a quantization_config, or
+    the folder holds ModelOpt's hf_quant_config.json: the weights are pre-quantised (the tensors' own check is in
+    model/weights.py `load_weights`)."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    qc = raw.get("quantization_config") or text.get("quantization_config")
+    where = "config.json has a quantization_config"
+    if not qc and (folder / "hf_quant_config.json").is_file():
+        try:
+            qc = _read_json(folder / "hf_quant_config.json", "hf_quant_config.json")
+        except ConfigError:
+            qc = {}
+        qc = {"quant_method": "modelopt", **(qc if isinstance(qc, dict) else {})}
+        where = "the folder holds hf_quant_config.json"
+    if qc:
+        raise CheckpointError(f"{folder} is a pre-quantised checkpoint ({where}, quant_method "
+                              f"{_quant_method(qc)}); {PREQUANTIZED_FIX}")
 
 
 def _refuse_adapter_folder(folder: Path, model) -> None:

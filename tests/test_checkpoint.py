@@ -406,3 +406,43 @@ def test_nan_or_inf_weights_are_refused_at_load(hf_tiny_dir, tmp_path, capsys):
     with pytest.raises(CheckpointError, match="once cast to float16: the values overflow it; load with dtype "
                                               "bfloat16 or float32"):
         blockpress.load(big, dtype="float16", progress=False)
+
+
+def test_pre_quantised_checkpoints_are_refused_naming_the_method(hf_tiny_dir, tmp_path):
+    """An FP8 / NVFP4 / compressed-tensors checkpoint (a quantization_config in config.json, ModelOpt's
+    hf_quant_config.json, F8 weights, or scale tensors beside the weights) loaded as plain floats without its
+    scales and generated garbage: refused before any weight is read, naming the method and blockpress's own
+    precision='fp8' / 'int4'."""
+    path, _ = hf_tiny_dir
+    key = "model.decoder.layers.1.self_attn.q_proj.weight"
+    fix = r"load the model's bf16 \(or fp32\) checkpoint and quantise it at load with precision='fp8' or 'int4'"
+    for i, (qc, method) in enumerate(((
+            {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "fp8"),
+            ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
+             r"compressed-tensors \(nvfp4-pack-quantized\)"))):
+        d = _copy(path, tmp_path / f"qc{i}")
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization_config"] = qc
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(CheckpointError, match=rf"pre-quantised checkpoint \(config.json has a quantization_config, "
+                                                  rf"quant_method {method}\); .*{fix}"):
+            blockpress.load(d, progress=False)
+    mo = _copy(path, tmp_path / "modelopt")
+    (mo / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4", "group_size": 16}}))
+    with pytest.raises(CheckpointError, match=r"hf_quant_config.json, quant_method modelopt \(NVFP4\)"):
+        blockpress.load(mo, progress=False)
+    # the tensors alone tell, without a quantization_config: an F8 weight, or a scale beside a float weight
+    f8 = _copy(path, tmp_path / "f8")
+    sd = load_file(f8 / "model.safetensors")
+    sd[key] = sd[key].to(torch.float8_e4m3fn)
+    save_file(sd, f8 / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"model.safetensors holds pre-quantised weights \({key} is stored as "
+                                              rf"F8_E4M3\); .*{fix}"):
+        blockpress.load(f8, progress=False)
+    sc = _copy(path, tmp_path / "scales")
+    sd = load_file(sc / "model.safetensors")
+    sd[key + "_scale"] = torch.ones(sd[key].shape[0])
+    save_file(sd, sc / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"pre-quantised weights \(quantisation tensor {key}_scale, F32\)"):
+        blockpress.load(sc, progress=False)
+    assert "router.per_expert_scale" in str(load_file(Path(path) / "model.safetensors").keys())  # a weight, loaded

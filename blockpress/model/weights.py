@@ -13,7 +13,9 @@ materialised twice. Pickle checkpoints are refused.
 Damaged checkpoints are refused with the tensor's name, never loaded silently wrong: a weight stored
 as an integer or bool type (a flipped dtype in the header), NaN or Inf values (one fp32 sum per
 tensor, checked with one device sync at the end), a sharded index naming a file outside the
-checkpoint folder, a symlink loop.
+checkpoint folder, a symlink loop. So are pre-quantised checkpoints (FP8, NVFP4, compressed-tensors, GPTQ / AWQ:
+8- or 4-bit weights with scale tensors beside them), read from the headers before any tensor: their weights would
+load as plain floats without their scales.
 """
 
 from __future__ import annotations
@@ -34,7 +36,16 @@ ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.la
 DECODER_PREFIX = "model.decoder."
 IGNORED_TIED = ("lm_head.weight", "model.encoder.language_model.")
 VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "model.vision", "model.encoder.multi_modal")
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}  # safetensors' names of the float types
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names of the float types a float checkpoint holds
+# what only a pre-quantised checkpoint holds: 8-, 6- or 4-bit float weights (safetensors' F8_E4M3, F8_E5M2, F4, ...)
+# and, beside its weights, the scales, zero points and packed values of its quantiser (FP8: weight_scale(_inv),
+# input_scale; NVFP4 / compressed-tensors: weight_packed, weight_global_scale, weight_scale_2; GPTQ / AWQ: qweight,
+# qzeros, scales, g_idx; k_scale / v_scale of an fp8 KV cache)
+LOW_BIT_FLOAT = re.compile(r"^F[468]")
+QUANT_COMPANION = re.compile(r"(_scale|_scale_inv|_scale_2|_global_scale|weight_packed|_zero_point|weight_shape|"
+                             r"\.qweight|\.qzeros|\.scales|\.g_idx)$")
+PREQUANTIZED_FIX = ("blockpress reads float weights only: load the model's bf16 (or fp32) checkpoint and quantise it "
+                    "at load with precision='fp8' or 'int4' (--precision)")
 
 
 def checkpoint_to_module_name(key: str) -> str | None:
@@ -133,6 +144,7 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
         try:
             with safe_open(str(f), framework="pt", device="cpu") as h:
                 keys_per_file.append((f, list(h.keys())))
+                _refuse_prequantized(f, h, expected)
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{f.name} is not a readable safetensors file ({e}); it may be truncated: "
                                   "re-download it") from None
@@ -195,6 +207,24 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
               file=sys.stderr)
     return {"loaded": len(loaded), "vision_skipped": skipped_vision, "unexpected": unexpected,
             "encoder_scalars_from_decoder": len(fallback)}
+
+
+def _refuse_prequantized(f: Path, h, expected: dict) -> None:
+    """CheckpointError naming the first tensor of `f` (an open safetensors file) that only a pre-quantised checkpoint
+    holds: a low-bit float weight, or a quantiser's scale / zero point / packed weight beside a weight (a name the
+    model does not have: the router's own `scale` and `per_expert_scale` are weights). Tensors that are never read
+    (tied copies, the vision tower) are not looked at."""
+    for key in h.keys():
+        name = checkpoint_to_module_name(key)
+        if name is None:  # tied copies and the vision tower: never read
+            continue
+        stored = h.get_slice(key).get_dtype()
+        if LOW_BIT_FLOAT.match(stored):
+            raise CheckpointError(f"{f.name} holds pre-quantised weights ({key} is stored as {stored}); "
+                                  f"{PREQUANTIZED_FIX}")
+        if QUANT_COMPANION.search(key) and name not in expected:
+            raise CheckpointError(f"{f.name} holds pre-quantised weights (quantisation tensor {key}, {stored}); "
+                                  f"{PREQUANTIZED_FIX}")
 
 
 def _check_finite(sums: list[tuple[str, torch.Tensor]], files: list[Path], dtype) -> None:

@@ -79,6 +79,29 @@ def test_grouped_fallback_without_grouped_mm(monkeypatch):
     assert _rel(experts_grouped(x, w, idx, gu, dn), experts_loop(x, w, idx, gu, dn)) < 1e-6
 
 
+@pytest.mark.parametrize("moe,dtype", [(12, torch.bfloat16), (10, torch.float32)])
+def test_auto_experts_avoid_grouped_gemms_where_rows_are_not_16_byte_strides(tmp_path, moe, dtype):
+    """torch._grouped_mm needs 16-byte row strides: an expert width of 12 in bf16 (24 bytes) or 10 in fp32 (40) made
+    the default CPU experts ("grouped") fail with a raw "strides should be multiple of 16 bytes" on the first
+    generate. experts="auto" runs the batched path there (the same tokens as the reference), and the grouped path
+    asked for by name falls back to its per-expert loop."""
+    from hf_oracle import build_hf_model, hf_config
+
+    pytest.importorskip("transformers")
+    build_hf_model(hf_config(hidden_size=48, moe_intermediate_size=moe)).save_pretrained(tmp_path)
+    fast = blockpress.load(tmp_path, dtype=dtype, progress=False)
+    ref = blockpress.load(tmp_path, dtype=dtype, progress=False, experts="loop")
+    assert kernels.kernel_names(fast.module)["experts"] == "dense"
+    kw = dict(max_new_tokens=4, max_denoising_steps=4, stability_threshold=None, confidence_threshold=None)
+    out = fast.generate([[5, 6, 7]], generator=torch.Generator().manual_seed(0), **kw).sequences
+    assert torch.equal(out, ref.generate([[5, 6, 7]], generator=torch.Generator().manual_seed(0), **kw).sequences)
+    x = torch.randn(20, 48).to(dtype)
+    w, idx = _routing(20, 8, 2, 1)
+    gu, dn = _weights(8, 48, moe, 2, dtype)
+    assert _rel(experts_grouped(x, w, idx, gu, dn), experts_loop(x, w, idx, gu, dn)) < 1e-2
+    assert kernels.auto_experts_backend(torch.device("cpu"), dtype, (48, 16)) == "grouped"  # 16-byte rows: grouped
+
+
 def test_align_blocks_invariants():
     N, E, K, BM = 29, 8, 3, 16
     _, idx = _routing(N, E, K, 3, skew=True)

@@ -42,8 +42,14 @@ def route_by_expert(idx_NK: torch.Tensor, n_experts: int):
     return order, counts, torch.cumsum(counts, 0).to(torch.int32)
 
 
-def _grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
+def _grouped_mm_ok(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...] = ()) -> bool:
+    """Whether `torch._grouped_mm` runs here for `dtype`, and with rows of these widths (elements): it needs every
+    row stride a multiple of 16 bytes ("strides should be multiple of 16 bytes" otherwise), so the experts' hidden
+    and intermediate sizes (`experts_grouped` passes both GEMMs' in and out widths) must be multiples of 16 bytes'
+    worth of elements, e.g. Im 12 is not in bf16 (24 bytes), nor Im 10 in fp32 (40)."""
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    if any(w * dtype.itemsize % 16 for w in widths):
         return False
     if device.type == "cpu":
         return dtype in (torch.float32, torch.bfloat16)
@@ -54,7 +60,7 @@ def _grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
 
 def grouped_mm(x_AI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of x sorted by group; row block g times w[g]^T. x [A, I], w [E, O, I] -> [A, O]."""
-    if _grouped_mm_ok(x_AI.device, x_AI.dtype) and x_AI.dtype == w_EOI.dtype:
+    if _grouped_mm_ok(x_AI.device, x_AI.dtype, w_EOI.shape[1:]) and x_AI.dtype == w_EOI.dtype:
         return torch._grouped_mm(x_AI, w_EOI.transpose(1, 2), offs=offs)  # w^T view is column-major, as required
     out = x_AI.new_empty(x_AI.shape[0], w_EOI.shape[1])
     start = 0
@@ -770,7 +776,7 @@ def experts_triton_checked(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, tiles: Til
     not run) on its first call per device, dtype and compiled variant: what "auto" picks on a CUDA GPU."""
     from ..model.moe import experts_dense
 
-    ref = experts_grouped if _grouped_mm_ok(x_NH.device, x_NH.dtype) else experts_dense
+    ref = experts_grouped if _grouped_mm_ok(x_NH.device, x_NH.dtype, down_EHI.shape[1:]) else experts_dense
     args = (x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI)
     key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), "triton experts",
            compiled_variant(idx_NK, gate_up_EFH.shape[0], tiles, moe_sum))

@@ -50,10 +50,13 @@ SOFTCAP = {"torch": softcap_logits, "triton": softcap_triton, "triton_checked": 
 EXPERT_NAMES = ("auto", "scaled_mm", "torch", *FLOAT_EXPERTS)
 
 
-def auto_experts_backend(device: torch.device, dtype: torch.dtype) -> str:
+def auto_experts_backend(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...] = ()) -> str:
+    """experts="auto": the checked Triton kernel on a CUDA GPU with Triton, else grouped GEMMs where they run for
+    `dtype` and the experts' widths (hidden and intermediate size: `torch._grouped_mm` needs 16-byte row strides),
+    else the padded batched path ("dense")."""
     if device.type == "cuda" and usable_on(device):
         return "triton_checked"
-    if _grouped_mm_ok(device, dtype):
+    if _grouped_mm_ok(device, dtype, widths):
         return "grouped"
     return "dense"
 
@@ -110,6 +113,13 @@ def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool,
     return name
 
 
+def _expert_widths(experts) -> tuple[int, ...]:
+    """The hidden and intermediate size of an `Experts` module (its down projection [E, H, Im]); () for quantised
+    experts, which choose their kernels themselves."""
+    down = getattr(experts, "down_proj", None)
+    return tuple(down.shape[1:]) if isinstance(down, torch.Tensor) else ()
+
+
 def configure(module, experts: str = "auto", attention: str = "auto", precision: str = "native",
               group_size: int = 64, sc_topk: int | None = None, linears: str = "native", compile: bool = False,
               moe_tiles=None, moe_sum: str = "kernel", linear_tiles=None,
@@ -139,7 +149,7 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     tiles = as_tiles(moe_tiles) if moe_tiles is not None else default_tiles(
         held.fmt if isinstance(held, QuantizedExperts) else "native", wgmma)
     mlp_tiles = None if moe_tiles is not None else default_tiles("int4", wgmma)  # an int4 MLP: int4's defaults
-    name = auto_experts_backend(dev, dtype) if experts == "auto" else experts
+    name = auto_experts_backend(dev, dtype, _expert_widths(held)) if experts == "auto" else experts
     resolved = _experts(module, experts, name, tiles, moe_sum, compile, mlp_tiles)
     fast = dev.type == "cuda" and usable_on(dev)
     softcap = routing = "torch" if experts in ("loop", "torch") or not fast else "triton" if experts == "triton" \

@@ -446,3 +446,44 @@ def test_pre_quantised_checkpoints_are_refused_naming_the_method(hf_tiny_dir, tm
     with pytest.raises(CheckpointError, match=rf"pre-quantised weights \(quantisation tensor {key}_scale, F32\)"):
         blockpress.load(sc, progress=False)
     assert "router.per_expert_scale" in str(load_file(Path(path) / "model.safetensors").keys())  # a weight, loaded
+
+
+def test_save_failures_are_one_line_errors_and_keep_the_checkpoint(hf_tiny_dir, tmp_path):
+    """A full disk or a file size limit (safetensors' SafetensorError "File too large (os error 27)") and a temp
+    folder that cannot be made (tempfile.mkdtemp ran outside the error handling: a raw FileNotFoundError /
+    PermissionError) were raw exceptions: one-line CheckpointErrors, the existing checkpoint intact, no temp
+    folder left; a path under a file names the file."""
+    import subprocess
+    import sys
+
+    path, _ = hf_tiny_dir
+    target = blockpress.load(path, progress=False).save(tmp_path / "ck")
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    code = f"""if True:
+        import resource, signal, blockpress
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+        lm = blockpress.load({str(path)!r}, progress=False)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+        for dst in ({str(target)!r}, {str(tmp_path / "new")!r}):
+            try:
+                lm.save(dst)
+            except blockpress.CheckpointError as e:
+                print(e)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 2, r.stderr[-2000:]
+    for line, dst in zip(lines, (target, tmp_path / "new")):
+        assert line.startswith(f"could not write checkpoint to {dst} (File too large); a file is over this process's "
+                               "size limit (ulimit -f)")
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before  # the old checkpoint intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temp folder, no half checkpoint
+    lm = blockpress.load(path, progress=False)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CheckpointError, match=f"cannot save to {tmp_path}/afile/sub/ck: {tmp_path}/afile is a file, "
+                                              "not a folder; choose another path"):
+        lm.save(tmp_path / "afile" / "sub" / "ck")
+    if Path("/proc/self").is_dir():  # a folder no one can create a temp folder in (root included): mkdtemp fails
+        with pytest.raises(CheckpointError, match=r"could not write checkpoint to /proc/blockpress-ck \(No such file "
+                                                  r"or directory\); choose another path"):
+            lm.save("/proc/blockpress-ck")

@@ -311,16 +311,17 @@ def _readable(tmp: Path) -> None:
 def write_atomic(folder: Path, files: dict) -> None:
     """Write files into `folder` via a temp dir (`.NAME.*` beside it) + rename, so a failure never leaves a half
     checkpoint: the temp dir is removed whatever the failure. An existing `folder` is replaced only where it holds
-    nothing but checkpoint files (`_refuse_to_replace`)."""
+    nothing but checkpoint files (`_refuse_to_replace`). A failure to write (no permission, a full disk, a file size
+    limit) is a one-line CheckpointError, the existing checkpoint intact."""
+    from safetensors import SafetensorError
+
     folder = Path(folder).absolute()  # "." has a name to put the temp dir beside
     _refuse_to_replace(folder, files)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     except OSError as e:
-        raise CheckpointError(f"could not create {folder.parent} ({e.strerror or e}); choose another path") from None
-    if not folder.parent.is_dir():
-        raise CheckpointError(f"cannot save to {folder}: {folder.parent} is a file, not a folder; choose another path")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        raise _write_error(folder, e) from None
     try:
         for rel, data in files.items():
             p = tmp / rel
@@ -341,10 +342,34 @@ def write_atomic(folder: Path, files: dict) -> None:
             os.replace(tmp, folder)
     except BaseException as e:  # any writer's failure (torch: RuntimeError, safetensors: SafetensorError), Ctrl-C
         _rmtree(tmp)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"could not write checkpoint to {folder} ({e.strerror or e}); free disk space or "
-                                  "choose another path; nothing was overwritten") from e
+        if isinstance(e, (OSError, SafetensorError)):
+            raise _write_error(folder, e) from None
         raise
+
+
+# errno -> what to do about it, for a failed write
+_WRITE_FIX = {errno.ENOSPC: "free disk space or choose another path", errno.EDQUOT: "free disk space (a quota is "
+              "full) or choose another path", errno.EFBIG: "a file is over this process's size limit (ulimit -f) or the "
+              "file system's: raise the limit or choose another path", errno.EACCES: "choose a folder you can write to",
+              errno.EPERM: "choose a folder you can write to", errno.EROFS: "the file system is read-only: choose "
+              "another path"}
+
+
+def _write_error(folder: Path, e: BaseException) -> CheckpointError:
+    """The one-line CheckpointError for an OSError or a safetensors I/O error (which carries only "... (os error N)")
+    while saving to `folder`: what failed and what to do."""
+    code = getattr(e, "errno", None)
+    if code is None:
+        m = re.search(r"\(os error (\d+)\)", str(e))
+        code = int(m.group(1)) if m else None
+    why = getattr(e, "strerror", None) or (os.strerror(code) if code is not None else str(e).splitlines()[0])
+    if code in (errno.ENOTDIR, errno.EEXIST, errno.ENOENT):  # an ancestor is a file, or is not there
+        above = next((p for p in folder.parents if p.exists() or p.is_symlink()), None)
+        if above is not None and not above.is_dir():
+            return CheckpointError(f"cannot save to {folder}: {above} is a file, not a folder; choose another path "
+                                   "(nothing was written)")
+    fix = _WRITE_FIX.get(code, "choose another path")
+    return CheckpointError(f"could not write checkpoint to {folder} ({why}); {fix}; nothing was overwritten")
 
 
 def _rmtree(p: Path) -> None:

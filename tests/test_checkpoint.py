@@ -487,3 +487,26 @@ def test_save_failures_are_one_line_errors_and_keep_the_checkpoint(hf_tiny_dir, 
         with pytest.raises(CheckpointError, match=r"could not write checkpoint to /proc/blockpress-ck \(No such file "
                                                   r"or directory\); choose another path"):
             lm.save("/proc/blockpress-ck")
+
+
+def test_save_into_a_symlinked_checkpoint_writes_the_folder_it_names(hf_tiny_dir, tmp_path):
+    """`ln -s real link; lm.save("link")` replaced the link with a folder, left real/ stale and a dangling
+    .link.old-<pid> beside them: the save goes into real/, the link stays, nothing else is left."""
+    import os
+
+    path, _ = hf_tiny_dir
+    lm = blockpress.load(path, progress=False)
+    real = lm.save(tmp_path / "real")
+    (tmp_path / "link").symlink_to("real")
+    with torch.no_grad():
+        lm.module.norm.weight.mul_(1.5)
+    assert lm.save(tmp_path / "link") == tmp_path / "link"
+    assert (tmp_path / "link").is_symlink() and os.readlink(tmp_path / "link") == "real"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no .link.old-<pid>, no temp folder
+    assert torch.equal(load_file(real / "model.safetensors")["model.decoder.norm.weight"], lm.module.norm.weight)
+    (tmp_path / "dangling").symlink_to("later")  # a link to a folder not made yet: made there
+    lm.save(tmp_path / "dangling")
+    assert (tmp_path / "dangling").is_symlink() and (tmp_path / "later" / "model.safetensors").is_file()
+    (tmp_path / "loop").symlink_to("loop")
+    with pytest.raises(CheckpointError, match="loop: it is a symlink loop"):
+        lm.save(tmp_path / "loop")

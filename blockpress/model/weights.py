@@ -311,11 +311,18 @@ def _readable(tmp: Path) -> None:
 def write_atomic(folder: Path, files: dict) -> None:
     """Write files into `folder` via a temp dir (`.NAME.*` beside it) + rename, so a failure never leaves a half
     checkpoint: the temp dir is removed whatever the failure. An existing `folder` is replaced only where it holds
-    nothing but checkpoint files (`_refuse_to_replace`). A failure to write (no permission, a full disk, a file size
+    nothing but checkpoint files (`_refuse_to_replace`); a `folder` that is a symlink is written through: the folder
+    it names is replaced, the link kept. A failure to write (no permission, a full disk, a file size
     limit) is a one-line CheckpointError, the existing checkpoint intact."""
     from safetensors import SafetensorError
 
     folder = Path(folder).absolute()  # "." has a name to put the temp dir beside
+    if folder.is_symlink():  # a link to a checkpoint folder: write into the folder it names, and keep the link
+        try:
+            folder = folder.resolve()
+        except (RuntimeError, OSError):  # RuntimeError: Python < 3.13's "Symlink loop"
+            raise CheckpointError(f"cannot save to {folder}: it is a symlink loop ({folder.name} -> "
+                                  f"{os.readlink(folder)} -> ...); point it at a folder or remove it") from None
     _refuse_to_replace(folder, files)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -336,7 +343,11 @@ def write_atomic(folder: Path, files: dict) -> None:
         if folder.exists():
             old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
             os.replace(folder, old)
-            os.replace(tmp, folder)
+            try:
+                os.replace(tmp, folder)
+            except BaseException:
+                os.replace(old, folder)  # the old checkpoint back under its name
+                raise
             _rmtree(old)
         else:
             os.replace(tmp, folder)

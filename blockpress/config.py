@@ -302,6 +302,10 @@ def _read_json(path: Path, what: str) -> dict:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON ({e}); re-download or fix the file") from None
+    except OSError as e:  # no permission, a disk error
+        fix = "make it readable (chmod a+r) or load as its owner" if isinstance(e, PermissionError) else \
+            "copy or download the checkpoint again"
+        raise ConfigError(f"could not read {path} ({e.strerror or e}); {fix}") from None
 
 
 # Generation parameters ---------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def resolve_path(model: str | Path, progress: bool = True) -> Path:
     p = Path(model).expanduser()
     run_dir = p if p.is_dir() else p.parent
     if (p.name == "latest" or (p.is_dir() and not (p / "config.json").exists())) and (run_dir / "latest").is_file():
-        name = (run_dir / "latest").read_text().strip()  # a training run folder: its newest checkpoint
+        name = _read_latest(run_dir / "latest")  # a training run folder: its newest checkpoint
         if name and (run_dir / name).is_dir():
             return run_dir / name
     if p.is_dir():
@@ -68,6 +68,16 @@ def resolve_path(model: str | Path, progress: bool = True) -> Path:
                               "pass a local folder") from None
 
 
+def _read_latest(latest: Path) -> str:
+    """The checkpoint name a training run's `latest` file holds (the trainer writes e.g. 'checkpoint-0001000')."""
+    try:
+        return latest.read_text().strip()
+    except (UnicodeDecodeError, OSError) as e:
+        why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else e.strerror or str(e)
+        raise CheckpointError(f"could not read the checkpoint name in {latest} ({why}); write the run's newest "
+                              "checkpoint folder name into it (e.g. checkpoint-0001000) or pass that folder") from None
+
+
 def parse_device(device: str | torch.device | None) -> torch.device:
     """None -> $BLOCKPRESS_DEVICE when set, else cuda when available, else cpu; a device torch cannot use here is
     an InputError naming why."""
@@ -89,7 +99,13 @@ def parse_device(device: str | torch.device | None) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise InputError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible "
                              "(cuda:0 ...)")
-    elif dev.type not in ("cpu", "mps", "xpu"):
+    elif dev.type in ("mps", "xpu"):
+        backend = getattr(torch.backends, "mps", None) if dev.type == "mps" else getattr(torch, "xpu", None)
+        if backend is None or not backend.is_available():
+            raise InputError(f"device {str(device)!r}{source} asked for, but torch sees no {dev.type.upper()} device "
+                             f"here (torch {torch.__version__}, torch.{'backends.mps' if dev.type == 'mps' else 'xpu'}"
+                             ".is_available() is False); use device 'cpu', or 'cuda' on a machine with a GPU")
+    elif dev.type != "cpu":
         raise InputError(f"device {str(device)!r}{source}: blockpress runs on 'cpu' or 'cuda' (a model needs its "
                          "weights; 'meta' holds none)")
     return dev
@@ -214,7 +230,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
       changes them later.
     """
     from .kernels import check_names
-    from .kernels.quant import check_group_size
+    from .kernels.quant import check_group_size, check_int4_sizes
 
     opts = Options().replace(**options)
     if opts.precision == "int4":
@@ -227,6 +243,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     _refuse_adapter_folder(folder, model)
     config = ModelConfig.from_file(folder / "config.json")
     _refuse_prequantized(folder, config.raw)
+    check_int4_sizes(config.text, opts.precision, opts.linears)
     gen_path = folder / "generation_config.json"
     gen_defaults = _checkpoint_generation_defaults(gen_path, config.text.vocab_size) if gen_path.is_file() else {}
     dev = parse_device(device)

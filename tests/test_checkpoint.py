@@ -510,3 +510,67 @@ def test_save_into_a_symlinked_checkpoint_writes_the_folder_it_names(hf_tiny_dir
     (tmp_path / "loop").symlink_to("loop")
     with pytest.raises(CheckpointError, match="loop: it is a symlink loop"):
         lm.save(tmp_path / "loop")
+
+
+def _unprivileged(code: str):
+    """Run `code` in a Python subprocess where file permissions hold: as root, without the capabilities that
+    bypass them (setpriv); None where that cannot be done."""
+    import os
+    import subprocess
+    import sys
+
+    prefix = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            return None
+        prefix = [setpriv, "--bounding-set=-dac_override,-dac_read_search", "--"]
+    r = subprocess.run(prefix + [sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return None if r.stderr.startswith("setpriv:") else r  # setpriv not allowed here (a container without CAP_SETPCAP)
+
+
+def test_odd_folders_and_options_fail_in_one_line_before_reading_weights(hf_tiny_dir, tmp_path, monkeypatch):
+    """Raw tracebacks at load: an index whose weight_map is a list (AttributeError) or not UTF-8
+    (UnicodeDecodeError), a run's `latest` file that is not UTF-8, an unreadable config.json (PermissionError),
+    int4 on a model with an odd input size (ValueError mid-load), device="mps" on a torch without MPS."""
+    import blockpress.loading as loading
+
+    path, _ = hf_tiny_dir
+    sh = tmp_path / "shards"
+    build_hf_model(hf_config()).save_pretrained(sh, max_shard_size="200KB")
+    index = sh / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": ["a"]}))
+    with pytest.raises(CheckpointError, match=r"index.json is malformed \(its weight_map must map tensor names to "
+                                              r"shard file names, got \[\"a\"\]\); re-download the checkpoint"):
+        blockpress.load(sh, progress=False)
+    index.write_bytes(b"\xff\xfe")
+    with pytest.raises(CheckpointError, match=r"index.json is malformed \(UnicodeDecodeError"):
+        blockpress.load(sh, progress=False)
+    run = tmp_path / "run"
+    shutil.copytree(path, run / "checkpoint-0000001")
+    (run / "latest").write_bytes(b"\xff\xfe")
+    with pytest.raises(CheckpointError, match=r"could not read the checkpoint name in .*latest \(not UTF-8 text\); "
+                                              "write the run's newest checkpoint folder name into it"):
+        blockpress.load(run, progress=False)
+    read = []
+    monkeypatch.setattr(loading, "load_weights", lambda *a, **k: read.append(1))
+    odd = tmp_path / "odd"
+    build_hf_model(hf_config(hidden_size=34, moe_intermediate_size=7, intermediate_size=9)).save_pretrained(odd)
+    with pytest.raises(InputError, match=r"precision='int4': int4 packs two weights a byte along each weight's "
+                                         r"inputs, but this model's moe_intermediate_size 7 is odd; use "
+                                         r"precision='fp8' .* instead"):
+        blockpress.load(odd, progress=False, precision="int4")
+    with pytest.raises(InputError, match=r"linears='int4-mlp': .* intermediate_size 9 is odd; use linears='int8' or "
+                                         "'fp8'"):
+        blockpress.load(odd, progress=False, linears="int4-mlp")
+    if not torch.backends.mps.is_available():
+        with pytest.raises(InputError, match=r"device 'mps' asked for, but torch sees no MPS device here"):
+            blockpress.load(path, progress=False, device="mps")
+    assert not read  # all refused before any weight was read
+    unreadable = _copy(path, tmp_path / "unreadable")
+    (unreadable / "config.json").chmod(0)
+    r = _unprivileged(f"import blockpress\ntry:\n    blockpress.load({str(unreadable)!r}, progress=False)\n"
+                      "except blockpress.ConfigError as e:\n    print(e)")
+    if r is not None:
+        assert r.stdout.strip() == (f"could not read {unreadable}/config.json (Permission denied); make it readable "
+                                    "(chmod a+r) or load as its owner"), r.stderr[-2000:]

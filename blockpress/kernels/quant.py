@@ -74,6 +74,26 @@ def check_group_size(group_size) -> int:
     return group_size
 
 
+def check_int4_sizes(text, precision: str, linears: str) -> None:
+    """InputError (before any weight is read) unless every input size that int4 packs two to a byte is even: the
+    experts' (hidden_size, moe_intermediate_size) with precision="int4", the dense MLP's (hidden_size,
+    intermediate_size) with linears="int4-mlp". `text`: the model's TextConfig."""
+    asked, sizes, instead = [], {}, []
+    if precision == "int4":
+        asked.append("precision='int4'")
+        instead.append("precision='fp8'")
+        sizes.update(hidden_size=text.hidden_size, moe_intermediate_size=text.moe_intermediate_size)
+    if linears == "int4-mlp":
+        asked.append("linears='int4-mlp'")
+        instead.append("linears='int8' or 'fp8'")
+        sizes.update(hidden_size=text.hidden_size, intermediate_size=text.intermediate_size)
+    odd = [f"{k} {v}" for k, v in sizes.items() if v % 2]
+    if odd:
+        raise InputError(f"{' and '.join(asked)}: int4 packs two weights a byte along each weight's inputs, but "
+                         f"this model's {', '.join(odd)} {'is' if len(odd) == 1 else 'are'} odd; use "
+                         f"{' and '.join(instead)} (8 bits, a scale per output row) instead")
+
+
 def group_for(in_features: int, group_size: int) -> int:
     """The group a weight with `in_features` inputs uses: the largest power of two dividing both (64 for the
     released model's 2816 and 704 at the default)."""

@@ -71,11 +71,17 @@ def find_weight_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is malformed ({e!r}); re-download the checkpoint") from None
+        except OSError as e:
+            raise CheckpointError(f"could not read {index} ({e.strerror or e}); "
+                                  f"{_READ_FIX.get(e.errno, 're-download the checkpoint')}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index} is malformed (its weight_map must map tensor names to shard file names, got "
+                                  f"{json.dumps(weight_map)[:80]}); re-download the checkpoint")
         files = sorted(set(weight_map.values()))
         for f in files:
-            if not isinstance(f, str) or PurePosixPath(f).is_absolute() or ".." in PurePosixPath(f).parts:
+            if PurePosixPath(f).is_absolute() or ".." in PurePosixPath(f).parts:
                 raise CheckpointError(f"{index} names the shard {f!r}, outside {folder}; a checkpoint's shards sit in "
                                       "its own folder: the index is damaged (re-download it)")
         for f in files:
@@ -101,6 +107,11 @@ def find_weight_files(folder: Path) -> list[Path]:
                               "model.save_pretrained(dir, safe_serialization=True)")
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}; "
                           "point blockpress at a complete checkpoint folder")
+
+
+# errno -> what to do about a checkpoint file that cannot be read
+_READ_FIX = {errno.EACCES: "make it readable (chmod a+r) or load as its owner", errno.EPERM: "make it readable "
+             "(chmod a+r) or load as its owner", errno.EIO: "the disk failed to read it: copy the checkpoint again"}
 
 
 def _check_link(path: Path) -> None:

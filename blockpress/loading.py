@@ -57,15 +57,21 @@ def resolve_path(model: str | Path, progress: bool = True) -> Path:
         raise CheckpointError(f"{s} is neither a folder, a shipped model ({', '.join(SHIPPED_MODELS)}), nor a Hub id "
                               "like 'google/diffusiongemma-26B-A4B-it'")
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import constants, snapshot_download
         from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
         (enable_progress_bars if progress else disable_progress_bars)()
         return Path(snapshot_download(s, allow_patterns=HUB_PATTERNS))
     except Exception as e:  # network, auth, missing repo: one clear line
-        raise CheckpointError(f"could not fetch '{s}' from the Hugging Face Hub ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); check the id and network or "
-                              "pass a local folder") from None
+        if isinstance(e, FileNotFoundError) and getattr(constants, "HF_HUB_OFFLINE", False):  # LocalEntryNotFound
+            var = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") or not os.environ.get("TRANSFORMERS_OFFLINE") \
+                else "TRANSFORMERS_OFFLINE"
+            raise CheckpointError(f"could not fetch '{s}': the Hugging Face Hub is in offline mode ({var}=1) and the "
+                                  f"model is not in the local cache; unset {var} to download it, download it first "
+                                  f"(hf download {s}), or pass a local folder") from None
+        first = str(e).splitlines()[0].split(". ")[0][:200] if str(e) else ""  # its first sentence, whole
+        raise CheckpointError(f"could not fetch '{s}' from the Hugging Face Hub ({type(e).__name__}: {first}); "
+                              "check the id and network or pass a local folder") from None
 
 
 def _read_latest(latest: Path) -> str:

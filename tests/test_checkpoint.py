@@ -92,7 +92,11 @@ def test_hub_id_from_local_cache(hf_tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(C, "HF_HUB_OFFLINE", True)
     bp = blockpress.load("acme/tiny-dg", dtype="float32", progress=False)
     assert bp.config.canvas_length == 16
-    with pytest.raises(CheckpointError, match="could not fetch 'acme/missing'"):
+    # offline and not cached: said plainly (the hub's message, cut at 200 characters, ended "set 'HF_HUB_OFFLINE);
+    # check the id": the opposite advice)
+    with pytest.raises(CheckpointError, match=r"^could not fetch 'acme/missing': the Hugging Face Hub is in offline "
+                                              r"mode \(HF_HUB_OFFLINE=1\) and the model is not in the local cache; "
+                                              "unset HF_HUB_OFFLINE to download it, download it first"):
         blockpress.load("acme/missing", progress=False)
 
 

@@ -339,7 +339,7 @@ def write_atomic(folder: Path, files: dict) -> None:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     except OSError as e:
-        raise _write_error(folder, e) from None
+        raise _write_error(folder, e) from e  # (the cause: train/trainer.py names it)
     try:
         for rel, data in files.items():
             p = tmp / rel
@@ -365,7 +365,7 @@ def write_atomic(folder: Path, files: dict) -> None:
     except BaseException as e:  # any writer's failure (torch: RuntimeError, safetensors: SafetensorError), Ctrl-C
         _rmtree(tmp)
         if isinstance(e, (OSError, SafetensorError)):
-            raise _write_error(folder, e) from None
+            raise _write_error(folder, e) from e
         raise
 
 
@@ -378,13 +378,14 @@ _WRITE_FIX = {errno.ENOSPC: "free disk space or choose another path", errno.EDQU
 
 
 def _write_error(folder: Path, e: BaseException) -> CheckpointError:
-    """The one-line CheckpointError for an OSError or a safetensors I/O error (which carries only "... (os error N)")
-    while saving to `folder`: what failed and what to do."""
+    """The one-line CheckpointError for an OSError or a safetensors I/O error (which carries its errno only in its
+    text) while saving to `folder`: what failed and what to do."""
     code = getattr(e, "errno", None)
     if code is None:
-        m = re.search(r"\(os error (\d+)\)", str(e))
-        code = int(m.group(1)) if m else None
-    why = getattr(e, "strerror", None) or (os.strerror(code) if code is not None else str(e).splitlines()[0])
+        m = re.search(r"\(os error (\d+)\)|\bcode: (\d+)", str(e))  # "... (os error 28)", older "Os { code: 28, ..."
+        code = int(m.group(1) or m.group(2)) if m else None
+    why = getattr(e, "strerror", None) or (os.strerror(code) if code is not None else
+                                                  (str(e).splitlines() or [type(e).__name__])[0])
     if code in (errno.ENOTDIR, errno.EEXIST, errno.ENOENT):  # an ancestor is a file, or is not there
         above = next((p for p in folder.parents if p.exists() or p.is_symlink()), None)
         if above is not None and not above.is_dir():

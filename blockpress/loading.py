@@ -8,6 +8,7 @@ once from the memory-mapped safetensors, converted straight to the target device
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -31,18 +32,16 @@ DEFAULT_CHAT_MODEL = "assistant"  # `blockpress serve` / `blockpress chat` witho
 
 
 def resolve_path(model: str | Path, progress: bool = True) -> Path:
-    """A folder as is (a training run's folder: the checkpoint its `latest` file names); a shipped
+    """A folder as is (a training run's folder: the checkpoint its `latest` file names, `_run_checkpoint`); a shipped
     model's name ('sudoku', 'kjv', 'assistant') when no such folder exists; otherwise a Hub id (owner/name)
     downloaded or found in the local HF cache."""
     if not isinstance(model, (str, Path)) or not str(model).strip():
         raise InputError(f"model must be a folder, a shipped model's name or a Hub id (a string or Path), got "
                          f"{model!r}")
     p = Path(model).expanduser()
-    run_dir = p if p.is_dir() else p.parent
-    if (p.name == "latest" or (p.is_dir() and not (p / "config.json").exists())) and (run_dir / "latest").is_file():
-        name = _read_latest(run_dir / "latest")  # a training run folder: its newest checkpoint
-        if name and (run_dir / name).is_dir():
-            return run_dir / name
+    checkpoint = _run_checkpoint(p)
+    if checkpoint is not None:
+        return checkpoint
     if p.is_dir():
         return p
     s = str(model)
@@ -72,6 +71,30 @@ def resolve_path(model: str | Path, progress: bool = True) -> Path:
         first = str(e).splitlines()[0].split(". ")[0][:200] if str(e) else ""  # its first sentence, whole
         raise CheckpointError(f"could not fetch '{s}' from the Hugging Face Hub ({type(e).__name__}: {first}); "
                               "check the id and network or pass a local folder") from None
+
+
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")  # a training run's checkpoint folders (train/trainer.py)
+
+
+def _run_checkpoint(p: Path) -> Path | None:
+    """The checkpoint a training run's folder (or its `latest` file) stands for: the one `latest` names, or where
+    there is no `latest` (a run copied without it), the newest `checkpoint-<step>` that holds a model or an adapter.
+    None where `p` is not a run folder; CheckpointError where `latest` names a checkpoint that is not there."""
+    if not (p.name == "latest" or (p.is_dir() and not (p / "config.json").exists())):
+        return None
+    run_dir = p if p.is_dir() else p.parent
+    saved = [c for c in run_dir.glob("checkpoint-*") if CHECKPOINT_NAME.match(c.name) and c.is_dir()
+             and ((c / "config.json").is_file() or (c / "adapter_config.json").is_file())]
+    newest = max(saved, key=lambda c: int(CHECKPOINT_NAME.match(c.name).group(1)), default=None)
+    latest = run_dir / "latest"
+    name = _read_latest(latest) if latest.is_file() else ""
+    if not name:
+        return newest
+    if (run_dir / name).is_dir():
+        return run_dir / name
+    raise CheckpointError(f"{latest} names {name}, which is missing from {run_dir}; " + (
+        f"pass its newest checkpoint ({newest}) or write {newest.name} into latest" if newest is not None else
+        "the run holds no saved checkpoint: pass another folder"))
 
 
 def _read_latest(latest: Path) -> str:

@@ -578,3 +578,22 @@ def test_odd_folders_and_options_fail_in_one_line_before_reading_weights(hf_tiny
     if r is not None:
         assert r.stdout.strip() == (f"could not read {unreadable}/config.json (Permission denied); make it readable "
                                     "(chmod a+r) or load as its owner"), r.stderr[-2000:]
+
+
+def test_a_run_folder_loads_its_newest_checkpoint_and_names_a_missing_one(hf_tiny_dir, tmp_path):
+    """A training run's folder without `latest` (copied without it) failed with "config.json not found": its newest
+    checkpoint-<step> loads (by step, not by name); a `latest` naming a checkpoint that is gone said "config.json not
+    found" too: it says which checkpoint is missing and which one is there."""
+    path, _ = hf_tiny_dir
+    run = tmp_path / "run"
+    for name in ("checkpoint-9", "checkpoint-10"):
+        shutil.copytree(path, run / name)
+    (run / "checkpoint-11").mkdir()  # an interrupted save: no model in it
+    assert blockpress.load(run, progress=False).path == run / "checkpoint-10"
+    (run / "latest").write_text("checkpoint-12\n")
+    with pytest.raises(CheckpointError, match=rf"^{run}/latest names checkpoint-12, which is missing from {run}; pass "
+                                              rf"its newest checkpoint \({run}/checkpoint-10\) or write checkpoint-10 "
+                                              "into latest$"):
+        blockpress.load(run, progress=False)
+    (run / "latest").write_text("checkpoint-9")
+    assert blockpress.load(run, progress=False).path == run / "checkpoint-9"  # latest, when it names one, wins

@@ -597,3 +597,21 @@ def test_a_run_folder_loads_its_newest_checkpoint_and_names_a_missing_one(hf_tin
         blockpress.load(run, progress=False)
     (run / "latest").write_text("checkpoint-9")
     assert blockpress.load(run, progress=False).path == run / "checkpoint-9"  # latest, when it names one, wins
+
+
+def test_an_unreadable_weights_file_is_named_as_such(hf_tiny_dir, tmp_path):
+    """safetensors reports a file it may not open as "No such file or directory", and it read "not a readable
+    safetensors file (No such file or directory ...) it may be truncated": the real cause, and its fix."""
+    path, _ = hf_tiny_dir
+    d = _copy(path, tmp_path / "unreadable")
+    (d / "model.safetensors").chmod(0)
+    r = _unprivileged(f"import blockpress\ntry:\n    blockpress.load({str(d)!r}, progress=False)\n"
+                      "except blockpress.CheckpointError as e:\n    print(e)")
+    if r is None:
+        pytest.skip("file permissions cannot be made to hold here (root without setpriv)")
+    assert r.stdout.strip() == (f"could not read {d}/model.safetensors (Permission denied); make it readable "
+                                "(chmod a+r) or load as its owner"), r.stderr[-2000:]
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").mkdir()  # a folder where the file should be
+    with pytest.raises(CheckpointError, match=r"could not read .*model.safetensors \(Is a directory\)"):
+        blockpress.load(d, progress=False)

@@ -129,6 +129,19 @@ def _check_link(path: Path) -> None:
         raise
 
 
+def _open_error(f: Path, e: BaseException) -> CheckpointError:
+    """Why safetensors could not open `f`: it reports every failure to open the file as "No such file or directory",
+    so the file is opened here to name the real cause (no permission, a folder, a disk error); where it opens, it is
+    not a valid safetensors file (truncated, a damaged header)."""
+    try:
+        with open(f, "rb"):
+            pass
+    except OSError as os_error:
+        return CheckpointError(f"could not read {f} ({os_error.strerror or os_error}); "
+                               f"{_READ_FIX.get(os_error.errno, 're-download the checkpoint')}")
+    return CheckpointError(f"{f.name} is not a readable safetensors file ({e}); it may be truncated: re-download it")
+
+
 def _progress(total: int, desc: str, enabled: bool):
     try:
         from tqdm.auto import tqdm
@@ -157,8 +170,7 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
                 keys_per_file.append((f, list(h.keys())))
                 _refuse_prequantized(f, h, expected)
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f.name} is not a readable safetensors file ({e}); it may be truncated: "
-                                  "re-download it") from None
+            raise _open_error(f, e) from None
     bar = _progress(sum(len(k) for _, k in keys_per_file), "loading weights", progress)
     for f, keys in keys_per_file:
         try:

@@ -298,14 +298,14 @@ class BlockDiffusionLM:
 
     # ------------------------------------------------------------------------------- saving
     def save(self, path: str | Path, tensors: dict | None = None) -> Path:
-        """Write a checkpoint transformers can load: config.json, generation_config.json,
+        """Write a checkpoint transformers can load: config.json (its `dtype` the tensors' own), generation_config.json,
         model.safetensors (checkpoint key names), and the tokenizer files and blockpress_task.json of the folder it
         was loaded from, if any. Atomic; an existing `path` is replaced only where it holds nothing but a
         checkpoint's files (else CheckpointError, nothing written).
         tensors: the weights by module name when the module holds only a shard of them (a sharded training run)."""
         from safetensors.torch import save_file
 
-        from .model.weights import state_dict_for_checkpoint, write_atomic
+        from .model.weights import state_dict_for_checkpoint, stored_dtype, write_atomic
 
         path = Path(path)
         quantized = {type(m).__name__ for m in self.module.modules()} & {"QuantizedExperts", "QuantizedLinear"}
@@ -314,11 +314,17 @@ class BlockDiffusionLM:
                              "--linears at load) and save writes float checkpoints that transformers loads; load "
                              "the model in its native precision to save it")
         sd = state_dict_for_checkpoint(self.module, tensors)
+        config = self.config.to_dict()
+        dtype = stored_dtype(sd)
+        if dtype is not None:  # the tensors written, not the dtype of the checkpoint loaded (load(dtype=...) casts)
+            config["dtype"] = dtype
+            if "torch_dtype" in config:  # (transformers < 4.56's name)
+                config["torch_dtype"] = dtype
         gen = {"_from_model_config": False, **self.generation_defaults}
         if "entropy_bound" in gen:
             gen["sampler_config"] = {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": gen.pop("entropy_bound")}
         files: dict[str, Any] = {
-            "config.json": json.dumps(self.config.to_dict(), indent=2),
+            "config.json": json.dumps(config, indent=2),
             "generation_config.json": json.dumps(gen, indent=2),
             "model.safetensors": lambda p: save_file(sd, str(p), metadata={"format": "pt"}),
         }

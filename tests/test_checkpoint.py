@@ -615,3 +615,20 @@ def test_an_unreadable_weights_file_is_named_as_such(hf_tiny_dir, tmp_path):
     (d / "model.safetensors").mkdir()  # a folder where the file should be
     with pytest.raises(CheckpointError, match=r"could not read .*model.safetensors \(Is a directory\)"):
         blockpress.load(d, progress=False)
+
+
+def test_save_writes_the_dtype_of_the_tensors_it_writes(hf_tiny_dir, tmp_path):
+    """load(fp32 checkpoint, dtype="bfloat16").save(d) wrote BF16 tensors under a config.json that said float32 (the
+    loaded checkpoint's `dtype`, kept as read): transformers' dtype="auto" and blockpress on a GPU read it."""
+    path, _ = hf_tiny_dir
+    assert json.loads((Path(path) / "config.json").read_text())["dtype"] == "float32"
+    out = blockpress.load(path, dtype="bfloat16", progress=False).save(tmp_path / "bf16")
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    old = _copy(path, tmp_path / "old-name")  # transformers < 4.56 wrote torch_dtype: it is kept true too
+    cfg = json.loads((old / "config.json").read_text())
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    (old / "config.json").write_text(json.dumps(cfg))
+    out = blockpress.load(old, dtype="bfloat16", progress=False).save(tmp_path / "bf16-old")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"

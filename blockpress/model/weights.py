@@ -297,6 +297,16 @@ def state_dict_for_checkpoint(module: torch.nn.Module, tensors: dict | None = No
     return out
 
 
+def stored_dtype(sd: dict[str, torch.Tensor]) -> str | None:
+    """The float type most of a state dict's values are stored in, as config.json's `dtype` names it ("bfloat16");
+    None without float tensors."""
+    counts: dict[torch.dtype, int] = {}
+    for t in sd.values():
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return str(max(counts, key=counts.get)).removeprefix("torch.") if counts else None
+
+
 # what a checkpoint or adapter folder holds (these files and sharded weights): an existing folder holding only such
 # files is replaced by a save into it; one holding anything else (a model card a person wrote, too) is refused
 CHECKPOINT_FILES = frozenset({

@@ -463,7 +463,8 @@ def test_run_works_with_only_the_core_dependencies(tmp_path):
 
 def test_run_output_is_not_hard_wrapped(model_dir, capsys):
     """`blockpress run ... > out.txt` wrapped the text at 80 columns (rich's width without a terminal)."""
-    argv = [str(model_dir), "The sky is", "--raw", "--max-new-tokens", "64", "--steps", "2", "--seed", "0"]
+    # (seed 1: this random model's reply holds no half tool call, which a reply cut by the budget drops)
+    argv = [str(model_dir), "The sky is", "--raw", "--max-new-tokens", "64", "--steps", "2", "--seed", "1"]
     text = run_json(capsys, *argv)["text"]
     assert len(text) > 80 and "\n" not in text
     assert cli(["run", *argv]) == 0

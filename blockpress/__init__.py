@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import BlockpressError, CheckpointError, ConfigError, InputError, SamplingError
+from .errors import BlockpressError, CheckpointError, ConfigError, InputError, SamplingError, UnknownParameterError
 
 __version__ = "0.1.0"
 
@@ -30,7 +30,7 @@ _LAZY = {
 __all__ = [
     "load", "from_config", "BlockDiffusionLM", "GenerationConfig", "ModelConfig", "TextConfig",
     "GenerationResult", "Draft", "Commit", "Finished", "BlockpressError", "CheckpointError", "ConfigError",
-    "InputError", "SamplingError",
+    "InputError", "SamplingError", "UnknownParameterError",
 ]
 
 

@@ -461,6 +461,26 @@ def test_run_works_with_only_the_core_dependencies(tmp_path):
     assert "\n" not in r.stderr.strip()
 
 
+def test_speed_flags_reach_run_chat_and_infill(model_dir, capsys):
+    """The speed options the README lists (`--sampler`, `--fuse-commit`, `--merge-projections`,
+    `--attention-kernel`) are flags of run, chat and infill as of serve (only serve had them)."""
+    base = [str(model_dir), "The sky is", "--raw", "--max-new-tokens", "32", "--steps", "2", "--seed", "0"]
+    exact = run_json(capsys, *base)["token_ids"]
+    fast = [run_json(capsys, *base, "--sampler", "fast", "--no-merge-projections", "--no-fuse-commit",
+                     "--no-attention-kernel")["token_ids"] for _ in range(2)]
+    assert fast[0] == fast[1] != exact  # another random stream, seeded
+    for command in (["infill", str(model_dir), "A [MASK:3] B"], ["chat", str(model_dir)]):
+        assert "--sampler" in _help(capsys, command[0])
+        if command[0] == "infill":
+            assert cli([*command, "--sampler", "fast", "--seed", "0", "--threads", "1"]) == 0
+
+
+def _help(capsys, command: str) -> str:
+    with pytest.raises(SystemExit):
+        cli([command, "--help"])
+    return capsys.readouterr().out
+
+
 def test_run_output_is_not_hard_wrapped(model_dir, capsys):
     """`blockpress run ... > out.txt` wrapped the text at 80 columns (rich's width without a terminal)."""
     # (seed 1: this random model's reply holds no half tool call, which a reply cut by the budget drops)

@@ -102,6 +102,19 @@ def test_auto_experts_avoid_grouped_gemms_where_rows_are_not_16_byte_strides(tmp
     assert kernels.auto_experts_backend(torch.device("cpu"), dtype, (48, 16)) == "grouped"  # 16-byte rows: grouped
 
 
+def test_experts_torch_names_the_reference_for_float_and_quantised_experts():
+    """experts="torch" (the quantised experts' reference) loads float experts too, as "loop": it was "unknown"."""
+    import blockpress.kernels as k
+
+    kw = dict(max_new_tokens=16, max_denoising_steps=4, stability_threshold=None, confidence_threshold=None)
+    runs = []
+    for name in ("torch", "loop"):
+        lm = blockpress.load("kjv", experts=name, progress=False)
+        assert k.kernel_names(lm.module)["experts"] == "loop"
+        runs.append(lm.generate([[5, 6, 7]], generator=torch.Generator().manual_seed(0), **kw).sequences)
+    assert torch.equal(*runs)
+
+
 def test_align_blocks_invariants():
     N, E, K, BM = 29, 8, 3, 16
     _, idx = _routing(N, E, K, 3, skew=True)

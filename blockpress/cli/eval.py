@@ -258,9 +258,12 @@ def _chat(args) -> int:
     if args.ar:
         results["autoregressive (greedy)"] = ev.evaluate(lm, dialogs, ar=True)
     else:
+        given = sampler_kwargs(args)  # the column names say what differs from the checkpoint's sampler
+        what = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in given.items())
         for s in [None] + list(args.steps or []):
-            name = "diffusion, default sampler" if s is None else f"diffusion, {s} steps"
-            results[name] = ev.evaluate(lm, dialogs, s, args.seed, args.batch_size, **sampler_kwargs(args))
+            name = ("diffusion, " + ", ".join(x for x in ("default sampler" if s is None and not what else "",
+                                                          f"{s} steps" if s is not None else "", what) if x))
+            results[name] = ev.evaluate(lm, dialogs, s, args.seed, args.batch_size, **given)
             print(f"{name}: {results[name]['seconds']:.0f} s", file=sys.stderr, flush=True)
     if args.compare_ar:
         results["autoregressive (greedy)"] = ev.evaluate(load(args.compare_ar), dialogs, ar=True)

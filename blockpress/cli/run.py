@@ -120,7 +120,7 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
     p.add_argument("model", nargs="?", metavar="MODEL",
                    help="checkpoint folder, Hub id, or a shipped model's name: sudoku, kjv, assistant "
                         f"(default: {default})")
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: $BLOCKPRESS_DEVICE, else cuda when available)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
@@ -142,6 +142,22 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
                    help="run the plain PyTorch references (experts one by one, attention with expanded KV heads) "
                         "instead of the fast kernels: the same function up to rounding, for checking a fast path")
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
+                   help="encode each committed canvas in the same pass as the next canvas's first denoising step "
+                        "(serve: when nobody waits to join; one read of the weights for both; same tokens up to fp32 "
+                        "rounding; default: on a CUDA GPU, off on a CPU; --no-fuse-commit: a pass of its own per "
+                        "commit)")
+    p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each layer's q/k/v and gate/up projections as one GEMM each (default: on; the same "
+                        "numbers on a CPU; -0.4 ms a step on an H100; --no-merge-projections: one GEMM per projection)")
+    p.add_argument("--attention-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="the replayed passes' attention in one Triton kernel that reads the cache in place (CUDA "
+                        "only; default: on a Hopper GPU, where it was timed; --no-attention-kernel: a mask over the "
+                        "cache through SDPA)")
+    p.add_argument("--sampler", choices=["exact", "fast"], default="exact",
+                   help="exact: the reference's sampler arithmetic and random draws (default); fast: one fused pass "
+                        "over each row's logits (Gumbel-max: the same distribution, another random stream; seeded, "
+                        "reproducible)")
     if cuda_graphs:
         p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="replay every denoising step and commit from a CUDA graph captured on first use (takes "
@@ -243,7 +259,7 @@ def model_options(args) -> dict[str, Any]:
     reference = getattr(args, "reference_kernels", False)
     opts = {"precision": getattr(args, "precision", "native"), "linears": getattr(args, "linears", "native"),
             "experts": "loop" if reference else "auto", "attention": "sdpa" if reference else "auto"}
-    for name in ("sampler", "fuse_commit", "merge_projections", "attention_kernel"):  # serve's
+    for name in ("sampler", "fuse_commit", "merge_projections", "attention_kernel"):
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
     return opts

@@ -53,21 +53,6 @@ def add_parser(p) -> None:
                    help="keep the K/V of prompts that ran alone, up to this many GiB on the model's device, for later "
                         "prompts that start the same way (a chat's next turn encodes only its new tokens; 0: off; "
                         "default: 1)")
-    p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
-                   help="encode each committed canvas in the same pass as the next canvas's first denoising step "
-                        "when nobody waits to join (one read of the weights for both; same tokens up to fp32 "
-                        "rounding; default: on a CUDA GPU, off on a CPU; --no-fuse-commit: a pass of its own per "
-                        "commit)")
-    p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
-                   help="run each layer's q/k/v and gate/up projections as one GEMM each (default: on; the same "
-                        "numbers on a CPU; -0.4 ms a step on an H100; --no-merge-projections: one GEMM per projection)")
-    p.add_argument("--attention-kernel", action=argparse.BooleanOptionalAction, default=None,
-                   help="the replayed passes' attention in one Triton kernel that reads the cache in place (CUDA "
-                        "only; default: on a Hopper GPU, where it was timed; --no-attention-kernel: a mask over the "
-                        "cache through SDPA)")
-    p.add_argument("--sampler", choices=["exact", "fast"], default="exact",
-                   help="exact: the reference's sampler arithmetic and random draws (default); fast: one fused pass "
-                        "over each row's logits (Gumbel-max, seeded per request: reproducible, other tokens)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_sampling_args(p, seed=False, server=True)
 

@@ -105,6 +105,7 @@ def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool,
         for layer in module.layers:  # "triton" where it runs, else the torch reference
             layer.experts.backend, layer.experts.tiles, layer.experts.moe_sum = backend, tiles, moe_sum
         return module.layers[0].experts.resolved_backend(torch.empty(0, device=dev, dtype=dtype))
+    name = "loop" if name == "torch" else name  # the plain PyTorch reference: "loop" and "torch" alike
     if name not in FLOAT_EXPERTS:
         raise ValueError(f"unknown experts backend {name!r}; use one of {sorted(FLOAT_EXPERTS)}")
     kernel = (float_experts_op if compiled else float_experts)(name, tiles, moe_sum)

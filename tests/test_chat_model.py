@@ -341,7 +341,9 @@ def test_eval_cli_sampler_flags_reach_every_diffusion_column(tmp_path, lm):
     with contextlib.redirect_stdout(io.StringIO()):
         assert cli_main(["eval", "chat", "--n", "1", "--threads", "1", "--entropy-bound", "2", "--t-max", "1.5",
                          "--json", str(out)]) == 0
-    mine = [c["text"] for c in json.loads(out.read_text())["diffusion, default sampler"]["cases"]]
+    saved = json.loads(out.read_text())
+    assert list(saved) == ["diffusion, entropy bound 2.0, t max 1.5"]  # the column says which sampler ran
+    mine = [c["text"] for c in saved["diffusion, entropy bound 2.0, t max 1.5"]["cases"]]
     direct = evaluate.evaluate(lm, assistant.heldout(1), entropy_bound=2.0, t_max=1.5)
     assert mine == [c["text"] for c in direct["cases"]]
     theirs = json.loads(PUBLISHED.read_text())["diffusion, default sampler"]["cases"]

@@ -246,7 +246,7 @@ def test_sudoku_model_renders_grids(sudoku_dir, capsys, monkeypatch):
 
     r = run_json(capsys, str(sudoku_dir), "--steps", "2", "--seed", "0")
     assert r["puzzle"] == su.parse_grid(run_cmd.EXAMPLE_SUDOKU) and r["solution"] == su.solve_exact(r["puzzle"])
-    assert r["answer"] == su.decode_answer(r["token_ids"]) and r["stats"]["steps_per_canvas"] == [2]
+    assert r["answer"] == su.read_answer(r["puzzle"], r["token_ids"]) and r["stats"]["steps_per_canvas"] == [2]
     assert cli(["run", str(sudoku_dir), run_cmd.EXAMPLE_SUDOKU.replace("0", "."), "--steps", "2", "--seed", "0"]) == 0
     out = capsys.readouterr().out
     assert out.count("------+-------+------") == 4  # the puzzle grid and the answer grid
@@ -321,7 +321,7 @@ def test_sudoku_run_repair_rounds(sudoku_dir, capsys, monkeypatch):
 
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # no puzzle given: the built-in example
     r = run_json(capsys, str(sudoku_dir), "--steps", "2", "--seed", "0", "--repair", "2")
-    assert r["answer"] == su.decode_answer(r["token_ids"]) and len(r["repaired_cells"]) <= 2
+    assert r["answer"] == su.read_answer(r["puzzle"], r["token_ids"]) and len(r["repaired_cells"]) <= 2
     assert r["repaired_cells"] and all(0 < k <= 81 for k in r["repaired_cells"])  # a random model breaks rules
     # the last round held the clues on the canvas (position i is cell i)
     assert all(r["token_ids"][i] == su.DIGIT_ID0 + int(ch) for i, ch in enumerate(r["puzzle"]) if ch != "0")
@@ -338,7 +338,7 @@ def test_sudoku_run_samples_keeps_the_fewest_broken_candidate(sudoku_dir, capsys
 
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     r = run_json(capsys, str(sudoku_dir), "--steps", "2", "--seed", "3", "--samples", "3")
-    assert r["stats"]["candidates"] == 3 and r["answer"] == su.decode_answer(r["token_ids"])
+    assert r["stats"]["candidates"] == 3 and r["answer"] == su.read_answer(r["puzzle"], r["token_ids"])
     lm = blockpress.load(sudoku_dir, progress=False)
     gen = torch.Generator().manual_seed(3)
     kw = dict(generator=gen, max_new_tokens=su.CANVAS_LEN, max_denoising_steps=2, stability_threshold=None,

@@ -48,6 +48,24 @@ def test_asset_loads_and_solve_keeps_every_clue(lm):
         assert r["cell_accuracy"] > 1 / 9  # far above chance on the blanks
 
 
+def test_solve_returns_every_clue_and_a_solved_grid_unchanged(lm, capsys):
+    """The shipped model ("prompt" format: the clues are in the prompt, not held on the canvas) can draw <eos>
+    early or another digit at a clue; the answer is the grid the rules judged, clues written in: a complete
+    valid grid comes back as given and counts as solved (seed 1 drew <eos> after 56 digits: 26 clues lost)."""
+    solved = sd.solve_exact("53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79")
+    for seed in range(3):
+        assert sd.solve(solved, lm, generator=torch.Generator().manual_seed(seed)) == solved
+    assert sd.solve(solved, lm, samples=1, repair=2, generator=torch.Generator().manual_seed(1)) == solved
+    one_blank = "0" + solved[1:]
+    assert sd.solve(one_blank, lm, samples=1, generator=torch.Generator().manual_seed(1)) == solved
+    puzzles = [p for p, _ in sd.test_set(55, 4)]
+    for p, pred in zip(puzzles, sd.solve_batch(puzzles, lm, samples=2, generator=torch.Generator().manual_seed(0))):
+        assert all(pred[i] == p[i] for i in range(81) if p[i] != "0")
+    assert cli_main(["run", str(ASSET), solved, "--seed", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["answer"] == solved and r["solved"] and r["clues_kept"] == 1.0
+
+
 def test_asset_loads_in_transformers_with_the_same_logits():
     """transformers 5.23 loads the shipped folder and its decoder logits equal ours (fp32)."""
     transformers = pytest.importorskip("transformers")

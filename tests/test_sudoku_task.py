@@ -325,7 +325,8 @@ def test_solve_batch_wiring_with_fake_model():
     assert ids.shape == (2, S.PROMPT_LEN)
     assert kw == {"max_new_tokens": S.CANVAS_LEN, "eos_token_id": [1], "pad_token_id": 0, "temperature": 0.0}
     assert preds[0] == pairs[0][1]
-    assert len(preds[1]) == 81 and preds[1].endswith("0") and S.check(pairs[1][0], preds[1])["cell_accuracy"] < 1
+    shifted = pairs[1][1][:5] + pairs[1][1][6:]  # 80 digits, padded with "0", the clues written in
+    assert preds[1] == S.with_clues(pairs[1][0], shifted) and S.check(pairs[1][0], preds[1])["cell_accuracy"] < 1
     assert S.solve(pairs[0][0], model=FakeModel()) == pairs[0][1]
 
 
@@ -497,6 +498,21 @@ def test_pick_candidate_keeps_the_grid_that_breaks_no_rule():
         S.pick_candidate(puz, [])
 
 
+def test_pick_candidate_returns_the_grid_it_judged_with_every_clue():
+    """broken_cells judges a candidate with the clues written in; the grid picked is that grid, so a candidate
+    that breaks no rule but drew another digit (or none) at a clue comes back as the solution."""
+    puz = _wiki_puzzle()
+    clues = [i for i in range(81) if puz[i] != "0"]
+    lost = "".join("0" if i in clues[:5] else str(int(ch) % 9 + 1) if i == clues[5] else ch
+                   for i, ch in enumerate(WIKI_SOL))
+    assert S.broken_cells(puz, lost, "cells") == []
+    assert S.pick_candidate(puz, [lost]) == S.with_clues(puz, lost) == WIKI_SOL
+    assert S.check(puz, S.pick_candidate(puz, [lost]), WIKI_SOL)["solved"]
+    short = WIKI_SOL[:40]
+    assert S.pick_candidate(puz, [short]) == S.with_clues(puz, short)
+    assert all(S.pick_candidate(puz, [short])[i] == puz[i] for i in clues)
+
+
 class _CandidateModel:
     """Fake model: the first generate writes candidate 0 of every puzzle, a later one candidates 1..K-1
     (rows come puzzle-major): `grids[puzzle][j]` is candidate j."""
@@ -557,7 +573,7 @@ def test_solve_batch_samples_defaults_to_the_models_task_file(tmp_path):
     m = _CandidateModel({p0: ["1" * 81, s0]}, k=2, path=tmp_path)
     assert S.default_samples(m) == 2 and S.solve(p0, m) == s0 and len(m.calls) == 2
     m.calls.clear()
-    assert S.solve_batch([p0], m, samples=1) == ["1" * 81] and len(m.calls) == 1  # the argument wins
+    assert S.solve_batch([p0], m, samples=1) == [S.with_clues(p0, "1" * 81)] and len(m.calls) == 1  # the argument wins
     assert S.default_samples(_CandidateModel({}, 1)) == 1  # no task file: one candidate
     (tmp_path / "blockpress_task.json").write_text(json.dumps({"task": "sudoku", "samples": 0}))
     with pytest.raises(ValueError, match="blockpress_task.json sets samples=0"):

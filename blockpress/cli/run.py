@@ -501,7 +501,7 @@ def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
     view = CanvasView(renderer, console, live, title="answer", show_committed=False)
     result = _generate(lm, ids, kw, gen, view, decode=False)
     tokens = result.new_tokens[0].tolist()
-    answer = su.decode_answer(tokens, fmt)
+    answer = su.read_answer(puzzle, tokens, fmt)
     stats = stats_of(result, len(reply_tokens(tokens, [su.EOS_ID], len(tokens))[0]))  # the first pass
     k = args.samples or su.default_samples(lm)
     broken = len(su.broken_cells(puzzle, answer, "cells"))
@@ -515,7 +515,7 @@ def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
                           show_committed=False)
         extra = _generate(lm, ids, more, gen, view, decode=False, rows=k - 1)
         rows = [tokens] + [extra.new_tokens[j].tolist() for j in range(k - 1)]
-        cands = [su.decode_answer(r, fmt) for r in rows]
+        cands = [su.read_answer(puzzle, r, fmt) for r in rows]
         answer = su.pick_candidate(puzzle, cands)
         tokens = rows[cands.index(answer)]
         counts = [len(su.broken_cells(puzzle, c, "cells")) for c in cands]
@@ -536,7 +536,7 @@ def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
         view = CanvasView(renderer, console, live, title=f"repair {r + 1}", show_committed=False)
         result = _generate(lm, ids, {**kw, "fixed_tokens": fixed}, gen, view, decode=False)
         tokens = result.new_tokens[0].tolist()
-        answer = su.decode_answer(tokens, fmt)
+        answer = su.read_answer(puzzle, tokens, fmt)
     solution = su.solve_exact(puzzle)
     score = su.check(puzzle, answer, solution)
     if args.json:
@@ -545,7 +545,7 @@ def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
         return 0
     cells = []
     padded = answer.ljust(81, "0")
-    for i in range(81):  # the model's digit in every cell; clues it kept bold, its own right ones green
+    for i in range(81):  # the clues bold, the model's right digits green
         d = padded[i]
         if d == "0":
             cells.append(("·", "bold red reverse"))

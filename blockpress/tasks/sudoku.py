@@ -65,7 +65,7 @@ __all__ = [
     "random_full_grid", "generate_puzzle", "canonical_key", "test_set", "heldout_keys",
     "TrainStream", "train_batch_iter", "check", "build_tokenizer", "encode_prompt", "decode_prompt",
     "encode_target", "decode_answer", "evaluate", "format_report", "solve", "solve_batch",
-    "FORMATS", "REPAIR_SCOPES", "broken_cells", "repair_canvas", "default_samples", "pick_candidate", "random_symmetry", "apply_symmetry", "cell_token", "encode_inplace", "model_format", "digit_of",
+    "FORMATS", "REPAIR_SCOPES", "with_clues", "read_answer", "broken_cells", "repair_canvas", "default_samples", "pick_candidate", "random_symmetry", "apply_symmetry", "cell_token", "encode_inplace", "model_format", "digit_of",
 ]
 
 N_CELLS = 81
@@ -729,19 +729,33 @@ def _resolve_model(model: Any) -> Any:
     return _LOADED[key]
 
 
+def with_clues(puzzle: str, grid: Any) -> str:
+    """`grid` (a prediction; a short one padded with "0") with every clue of `puzzle` written in: the answer
+    `solve` returns for that prediction and the grid `broken_cells` judges. A model whose canvas holds the
+    clues only in the prompt ("prompt" format) may draw another digit or none at a clue; it is the clue."""
+    puz = parse_grid(puzzle, check_conflicts=False)
+    return "".join(p if p != "0" else ch for p, ch in zip(puz, _as_pred(grid)[:N_CELLS].ljust(N_CELLS, "0")))
+
+
+def read_answer(puzzle: str, ids: Any, format: str = "prompt") -> str:
+    """The answer one canvas (ids) gives for `puzzle`: its digits (`decode_answer`) with the clues written in
+    (`with_clues`); what `solve` and `blockpress run` return."""
+    return with_clues(puzzle, decode_answer(ids, format))
+
+
 def broken_cells(puzzle: str, grid: str, scope: str = "units") -> list[int]:
     """The blank cells of `puzzle` that `grid` visibly breaks, by the rules alone (never the solution).
 
-    The grid is read with the puzzle's clues written back in. scope "cells": blank cells holding a
-    non-digit or a digit repeated in their row, column or box; "units": every blank cell of a row,
-    column or box that holds a repeat or a non-digit; "all": every blank cell once anything is broken
-    (a fresh attempt). A complete grid with no repeat that keeps the clues is a solution, so [] means
-    `grid` solves a puzzle (the unique solution of a proper one).
+    The grid judged is `with_clues(puzzle, grid)`, the grid `solve` returns for that prediction. scope
+    "cells": blank cells holding a non-digit or a digit repeated in their row, column or box; "units":
+    every blank cell of a row, column or box that holds a repeat or a non-digit; "all": every blank cell
+    once anything is broken (a fresh attempt). A complete grid with no repeat that keeps the clues is a
+    solution, so [] means `with_clues(puzzle, grid)` solves the puzzle (the unique solution of a proper one).
     """
     if scope not in REPAIR_SCOPES:
         raise ValueError(f"unknown repair scope {scope!r}; use one of {REPAIR_SCOPES}")
     puz = parse_grid(puzzle, check_conflicts=False)
-    g = [p if p != "0" else ch for p, ch in zip(puz, _as_pred(grid)[:N_CELLS].ljust(N_CELLS, "0"))]
+    g = with_clues(puz, grid)
     bad: set[int] = set()
     for unit in _UNITS:
         seen: dict[str, list[int]] = {}
@@ -760,10 +774,9 @@ def repair_canvas(puzzle: str, grid: str, free: Iterable[int], format: str = "pr
     """`fixed_tokens` (CANVAS_LEN ids) for a repair round: the clue, else the grid's digit, at every cell;
     -1 (free) at the cells `free` and at cells the grid leaves blank; <eos> after the grid."""
     free = set(free)
-    grid = _as_pred(grid)[:N_CELLS].ljust(N_CELLS, "0")
     row = []
-    for i, (p, ch) in enumerate(zip(puzzle, grid)):
-        d = ord(p if p != "0" else ch) - 48
+    for i, ch in enumerate(with_clues(puzzle, grid)):
+        d = ord(ch) - 48
         row.append(-1 if i in free or not 1 <= d <= 9 else (cell_token(i, d) if format == "inplace" else DIGIT_ID0 + d))
     return row + [EOS_ID] * (CANVAS_LEN - N_CELLS)
 
@@ -772,7 +785,9 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, *, samples: int | Non
                 repair_scope: str = "units", **sampling: Any) -> list[str]:
     """Predict solutions for puzzles with one batched generate (prompts are all PROMPT_LEN long).
 
-    Each result is 81 chars; if the model produced fewer than 81 digit tokens the rest is "0".
+    Each result is 81 chars holding every clue (`with_clues`: the model's digits at the blanks; "0" where it
+    produced fewer than 81 digit tokens), the grid the checks below judge. A puzzle with no blank comes back
+    as given.
     sampling is passed through to model.generate (`generator` may be a list, one per puzzle).
 
     repair: up to this many rounds of editing in place. A round takes every prediction that breaks a
@@ -851,11 +866,12 @@ def default_samples(model: Any) -> int:
 
 def pick_candidate(puzzle: str, candidates: Sequence[Any]) -> str:
     """The candidate grid that breaks the fewest cells by the rules alone (`broken_cells(scope="cells")`),
-    the earliest one on ties: a candidate that breaks none solves the puzzle."""
+    the earliest one on ties, with the clues written in (`with_clues`, the grid judged): a candidate that
+    breaks none gives the puzzle's solution."""
     if not candidates:
         raise ValueError("pick_candidate needs at least one candidate grid")
     counts = [len(broken_cells(puzzle, c, "cells")) for c in candidates]
-    return _as_pred(candidates[counts.index(min(counts))])
+    return with_clues(puzzle, candidates[counts.index(min(counts))])
 
 
 def _candidate_generator(gen: Any, j: int) -> Any:
@@ -887,7 +903,7 @@ def _generate(m: Any, fmt: str, flat: list[str], fixed: list[list[int]] | None, 
     out = m.generate(ids, **{"max_new_tokens": CANVAS_LEN, "eos_token_id": eos, "pad_token_id": PAD_ID, **sampling})
     seqs = getattr(out, "sequences", out)
     canvas = seqs[:, ids.shape[1]:]
-    return [decode_answer(row, fmt).ljust(N_CELLS, "0") for row in canvas]
+    return [read_answer(p, row, fmt) for p, row in zip(flat, canvas)]
 
 
 def solve(puzzle: str, model: Any = None, *, samples: int | None = None, repair: int = 0, **sampling: Any) -> str:
@@ -897,6 +913,7 @@ def solve(puzzle: str, model: Any = None, *, samples: int | None = None, repair:
     shipped model, DEFAULT_MODEL_PATH; raises SudokuModelMissing, a RuntimeError, if none is installed).
     samples: candidates denoised side by side, the one that breaks no rule (else the fewest cells) kept;
     None = the model's default. repair: rounds of re-denoising the cells that break a rule (see
-    `solve_batch`). Neither looks at a solution; the result is not verified: use `check(puzzle, result)`.
+    `solve_batch`). Neither looks at a solution. The result holds every clue (a puzzle with no blank comes
+    back as given); the rest is not verified: use `check(puzzle, result)`.
     """
     return solve_batch([puzzle], model, samples=samples, repair=repair, **sampling)[0]

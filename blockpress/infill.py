@@ -8,15 +8,25 @@ text after it within the same canvas (a canvas of C tokens; text further right i
 block-diffusion model reads only earlier canvases). This is exactly the training distribution: in
 training, unreplaced canvas positions are clean tokens at arbitrary places.
 
-Tokenizers attach a space to the word after it (" created" is one token), so a single space right
-before a hole is moved into the hole: "God [MASK] the" is laid out as "God" + hole + " the" and the
-fill comes back as " created". A hole's length is exact, but a fill ends at the first end-of-text
-token the model puts in the hole (the checkpoint's eos ids, else the tokenizer's <eos>), and special
-tokens are not shown, so a fill can come back shorter: the model's way of saying the hole needed
-fewer tokens. The server's `/v1/completions` with `suffix` (OpenAI's insert mode) is the same
-operation with one hole. Text after the template is not generated: the canvas past the template's
-last token is free (the model may continue the text there), then discarded, and adaptive stopping
-watches only the holes.
+The result's text is the template with each hole marker replaced by its fill: every byte outside the
+markers is kept. Tokenizers attach a space to the word after it (" created" is one token), so a single
+space right before a hole is laid out inside the hole: "God [MASK] the" is encoded as "God" + hole +
+" the". That space is still the template's: a fill the model begins with a space (" created") comes
+back as "created", one that begins otherwise ("ullik") as is, and the text keeps "God " either way.
+A hole's length is exact, but a fill ends at the first end-of-text token the model puts in the hole
+(the checkpoint's eos ids, else the tokenizer's <eos>), and special tokens are not shown, so a fill
+can come back shorter: the model's way of saying the hole needed fewer tokens. Text after the template
+is not generated: the canvas past the template's last token is free (the model may continue the text
+there), then discarded, and adaptive stopping watches only the holes.
+
+Markers are case-sensitive and exact: `[MASK]`, `[MASK:n]` with n in 1..4096 written in digits. Any other
+text starting "[MASK" or "[mask" (`[MASK: 2]`, `[MASK:-1]`, `[mask]`, an unclosed `[MASK:3`) is an
+InputError naming it, rather than kept as text by accident. `\\[MASK` is the escape: the text "[MASK"
+(`\\[MASK]` is a literal "[MASK]"; the backslash is dropped, and is the one byte of the template not kept).
+
+The server's `/v1/completions` with `suffix` (OpenAI's insert mode) is the same operation with one hole:
+`prompt + "[MASK:max_tokens]" + suffix`, for a prompt that does not end in a single space (the server
+lays its prompt out as given, a space included, where a template moves that space into the hole).
 
     lm = blockpress.load("kjv")
     lm.infill("In the beginning God [MASK] the heaven and the earth.", seed=0).text
@@ -34,23 +44,30 @@ import torch
 from .errors import InputError
 
 HOLE = re.compile(r"\[MASK(?::(\d+))?\]")
+MARKER = re.compile(r"(\\?)\[mask", re.IGNORECASE)  # where a hole marker, an escaped one or a malformed one starts
 MAX_HOLE = 4096
 
 
 @dataclass
 class Template:
-    prefix: str  # text before the first hole (the prompt)
-    pieces: list[str | int]  # after the prefix: text pieces and hole lengths, in order
+    prefix: str  # text before the first hole (the prompt), as laid out
+    pieces: list[str | int]  # after the prefix: text pieces (as laid out) and hole lengths, in order
+    outside: list[str] = field(default_factory=list)  # the template's text around the holes, byte for byte
+    spaced: list[bool] = field(default_factory=list)  # per hole: the template's space before it is laid out in it
 
     @property
     def holes(self) -> list[int]:
         return [p for p in self.pieces if isinstance(p, int)]
 
+    def text(self, fills: list[str]) -> str:
+        """The template with hole k replaced by fills[k]."""
+        return "".join(t + f for t, f in zip(self.outside, [*fills, ""]))
+
 
 @dataclass
 class InfillResult:
-    text: str  # the template with every hole filled
-    fills: list[str]  # what went into each hole, in order (up to the first end-of-text token in it)
+    text: str  # the template with every hole marker replaced by its fill (the text around them kept byte for byte)
+    fills: list[str]  # what replaced each marker, in order (up to the first end-of-text token in the hole)
     prompt_ids: list[int]
     region_ids: list[int]  # the canvas tokens from the first hole to the template's end (fills included)
     hole_mask: list[bool]  # over region_ids: True where the model chose the token
@@ -58,29 +75,40 @@ class InfillResult:
 
 
 def parse_template(template: str) -> Template:
-    """Split on `[MASK]` / `[MASK:n]`; raises InputError when there is no hole or a length is 0 or absurd."""
+    """Split on `[MASK]` / `[MASK:n]`; raises InputError when there is no hole, a length is 0 or absurd, or a
+    marker is malformed (see the module docstring; `\\[MASK` is the text "[MASK")."""
     if not isinstance(template, str):
         raise InputError(f"an infill template is a string, got {type(template).__name__}")
-    pieces: list[str | int] = []
-    pos, prefix = 0, None
-    for m in HOLE.finditer(template):
-        n = int(m.group(1)) if m.group(1) is not None else 1
+    outside, holes, text, pos = [], [], "", 0
+    for m in MARKER.finditer(template):
+        if m.start() < pos:
+            continue
+        text += template[pos:m.start()]
+        if m.group(1):  # escaped: the text "[MASK", without the backslash
+            text += template[m.start(1) + 1:m.end()]
+            pos = m.end()
+            continue
+        hole = HOLE.match(template, m.start())
+        if hole is None:
+            bad = re.match(r"\[[^\[\]\n]{0,24}\]|\[[^\s\[]*", template[m.start():]).group(0)
+            raise InputError(f"malformed hole marker {bad!r} in the template; write [MASK] (one token) or [MASK:n] "
+                             f"(n tokens, 1..{MAX_HOLE}), or \\[MASK for the text [MASK")
+        n = int(hole.group(1)) if hole.group(1) is not None else 1
         if not 1 <= n <= MAX_HOLE:
-            raise InputError(f"hole {m.group(0)} must hold 1..{MAX_HOLE} tokens")
-        text = template[pos:m.start()]
-        if text.endswith(" ") and not text.endswith("  "):
-            text = text[:-1]  # the hole's first token carries the space (see the module docstring)
-        if prefix is None:
-            prefix = text
-        elif text:
-            pieces.append(text)
-        pieces.append(n)
-        pos = m.end()
-    if prefix is None:
+            raise InputError(f"hole {hole.group(0)} must hold 1..{MAX_HOLE} tokens")
+        outside.append(text)
+        holes.append(n)
+        text, pos = "", hole.end()
+    if not holes:
         raise InputError("the template has no hole; mark one with [MASK] (one token) or [MASK:n] (n tokens)")
-    if template[pos:]:
-        pieces.append(template[pos:])
-    return Template(prefix, pieces)
+    outside.append(text + template[pos:])
+    # a single space right before a hole is laid out in the hole (the hole's first token carries it)
+    spaced = [t.endswith(" ") and not t.endswith("  ") for t in outside[:-1]]
+    laid = [t[:-1] if sp else t for t, sp in zip(outside, spaced)] + outside[-1:]
+    pieces: list[str | int] = []
+    for t, n in zip(laid[1:], holes):
+        pieces += [n] + ([t] if t else [])
+    return Template(laid[0], pieces, outside, spaced)
 
 
 def layout(tokenizer, template: Template) -> tuple[list[int], list[int], list[int]]:
@@ -122,6 +150,9 @@ def plan(lm, template: str, **sampling) -> Plan:
     tok = lm._need_tokenizer()
     if "max_new_tokens" in sampling:
         raise InputError("infill sets max_new_tokens from the template; make the holes longer or shorter instead")
+    if "eos_token_id" in sampling:
+        raise InputError("infill does not stop at an end-of-text token (a fill ends at the first one in its hole); "
+                         "drop eos_token_id")
     tpl = parse_template(template)
     prompt, region, lengths = layout(tok, tpl)
     n_new, fixed = whole_canvases(region, lm.canvas_length)
@@ -140,28 +171,28 @@ def finish(lm, p: Plan, result) -> InfillResult:
     tok = lm.tokenizer
     out = result.new_tokens[0, :len(p.region)].tolist()
     stops = set(lm.generation_config().eos_token_id or ([tok.eos_token_id] if tok.eos_token_id is not None else []))
-    fills, parts, at = [], [p.template.prefix], 0
+    fills, at = [], 0
+    spaced = iter(p.template.spaced)
     for piece, n in zip(p.template.pieces, p.lengths):  # each hole's own slice, adjacent holes kept apart
         if isinstance(piece, int):
             ids = out[at:at + n]
             cut = next((j for j, t in enumerate(ids) if t in stops), len(ids))
-            fills.append(tok.decode(ids[:cut], skip_special_tokens=True))
-            parts.append(fills[-1])
-        else:
-            parts.append(piece)
+            fill = tok.decode(ids[:cut], skip_special_tokens=True)
+            if next(spaced) and fill.startswith(" "):
+                fill = fill[1:]  # the template's own space, which it keeps before the hole
+            fills.append(fill)
         at += n
-    return InfillResult("".join(parts), fills, p.prompt, out, [t < 0 for t in p.region], result)
+    return InfillResult(p.template.text(fills), fills, p.prompt, out, [t < 0 for t in p.region], result)
 
 
 def infill(lm, template: str, *, seed: int | None = None, generator: torch.Generator | None = None,
            sampler: str | None = None, **sampling) -> InfillResult:
     """Fill the holes of `template` with `lm` (a BlockDiffusionLM with a tokenizer). Sampling keywords as
-    in generate (max_new_tokens is set from the template; the end of text does not stop infilling); sampler: None
-    is the model's (`lm.configure`)."""
-    p = plan(lm, template, **sampling)
-    if generator is None and seed is not None:
-        from .engine.generate import seeded
+    in generate, but max_new_tokens (set from the template) and eos_token_id (the end of text does not stop
+    infilling) are refused; seed or generator, not both; sampler: None is the model's (`lm.configure`)."""
+    from .engine.generate import seed_or_generator
 
-        generator = seeded(seed, lm.device)
+    p = plan(lm, template, **sampling)
+    generator = seed_or_generator(seed, generator, lm.device)
     result = lm.generate([p.prompt], generator=generator, sampler=sampler, **p.kwargs)
     return finish(lm, p, result)

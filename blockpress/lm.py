@@ -250,7 +250,8 @@ class BlockDiffusionLM:
     def generate_text(self, messages_or_prompt, enable_thinking: bool = False, tools=None, seed: int | None = None,
                       **sampling) -> str:
         """Chat messages (or a plain prompt, rendered as one user turn when a chat template exists) -> text
-        (special tokens dropped, so a thought channel runs into the answer: `chat` keeps them apart)."""
+        (special tokens dropped, so a thought channel runs into the answer: `chat` keeps them apart). `seed=` or
+        `generator=` (not both) gives a private random stream."""
         return self.decode_new(self._reply(messages_or_prompt, enable_thinking, tools, seed, sampling))
 
     def chat(self, messages_or_prompt, enable_thinking: bool = False, tools=None, seed: int | None = None,
@@ -271,7 +272,8 @@ class BlockDiffusionLM:
         from .parsing import call_ban
 
         ids = self.encode_chat(messages_or_prompt, enable_thinking=enable_thinking, tools=tools)
-        gen = None if seed is None else engine.seeded(seed, self.device)
+        sampling = dict(sampling)
+        gen = engine.seed_or_generator(seed, sampling.pop("generator", None), self.device)
         sampling = {**self.text_defaults(), **sampling}  # stop and pad ids where the checkpoint lacks them (as the CLI)
         if self.tokenizer.is_chat and "suppress_tokens" not in sampling:  # a chat turn: no tool offered, no call
             sampling = {**sampling, "suppress_tokens": call_ban(self.tokenizer, tools)}
@@ -285,8 +287,8 @@ class BlockDiffusionLM:
         return self.generate([ids], generator=gen, **sampling)
 
     def infill(self, template: str, seed: int | None = None, **sampling):
-        """Fill `[MASK]` (one token) / `[MASK:n]` holes in `template`, seeing the text on both sides.
-        Returns an `infill.InfillResult` (.text, .fills); see blockpress/infill.py."""
+        """Fill `[MASK]` (one token) / `[MASK:n]` holes in `template`, seeing the text on both sides; `seed=` or
+        `generator=`, not both. Returns an `infill.InfillResult` (.text, .fills); see blockpress/infill.py."""
         from .infill import infill
 
         return infill(self, template, seed=seed, **sampling)

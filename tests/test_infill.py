@@ -1,6 +1,7 @@
 """Infilling / editing in place: fixed canvas tokens (engine), the `[MASK:n]` template API and CLI."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -104,11 +105,31 @@ def test_fixed_tokens_errors(bp):
 def test_parse_template():
     t = parse_template("a [MASK] b[MASK:3][MASK:2] c")
     assert t.prefix == "a" and t.pieces == [1, " b", 3, 2, " c"] and t.holes == [1, 3, 2]
+    assert t.outside == ["a ", " b", "", " c"] and t.spaced == [True, False, False]  # the template's own text
+    assert t.text(["X", "Y", "Z"]) == "a X bYZ c"
     assert parse_template("x  [MASK] y [MASK]").pieces == [1, " y", 1]  # one space moves into the hole, not two
     assert parse_template("[MASK:4]").prefix == ""
+    assert parse_template("x [MASK:02]").holes == [2]
     for bad, msg in [("no holes here", "no hole"), ("x [MASK:0]", "1.."), ("x [MASK:99999]", "1..")]:
         with pytest.raises(InputError, match=msg):
             parse_template(bad)
+
+
+@pytest.mark.parametrize("bad", ["[MASK:-1]", "[MASK: 2]", "[mask]", "[MASK:3", "[Mask:2]", "[MASKED]", "[MASK:1.5]"])
+def test_malformed_hole_markers_are_named_not_kept_as_text(bad):
+    """A marker that is not [MASK] / [MASK:n] was kept as literal text when another hole made the template valid."""
+    for tpl in (f"A {bad} B [MASK] C", f"A [MASK] B {bad}"):
+        with pytest.raises(InputError, match=f"malformed hole marker '{re.escape(bad)}'") as e:
+            parse_template(tpl)
+        assert "\\[MASK" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_escaped_marker_is_text():
+    t = parse_template(r"say \[MASK] and \[MASK:2] then [MASK:2] end")
+    assert t.holes == [2] and t.outside == ["say [MASK] and [MASK:2] then ", " end"]
+    assert t.prefix == "say [MASK] and [MASK:2] then"
+    with pytest.raises(InputError, match="no hole"):
+        parse_template(r"only \[MASK] here")
 
 
 def test_infill_keeps_the_text_and_fills_every_hole(bp):
@@ -124,14 +145,15 @@ def test_infill_keeps_the_text_and_fills_every_hole(bp):
     assert [t if e is None else e for t, e in zip(r.region_ids, expected)] == r.region_ids
     assert r.prompt_ids == [tok.bos_token_id] + tok.encode("The cat")
     f = r.fills
-    assert r.text == f"The cat{f[0]} on the{f[1]} mat, and then{f[2]}{f[3]} slept."
+    assert r.text == f"The cat {f[0]} on the {f[1]} mat, and then{f[2]}{f[3]} slept."  # the template's bytes kept
     stops = {tok.eos_token_id}
     at = 0
-    for n, fill in zip([3, 1, 2, 4], f):  # each fill: its hole's tokens up to the first end-of-text
+    for n, fill, spaced in zip([3, 1, 2, 4], f, [True, True, False, False]):  # its hole's tokens up to end-of-text
         at = r.hole_mask.index(True, at)
         ids = r.region_ids[at:at + n]
         cut = next((j for j, t in enumerate(ids) if t in stops), n)
-        assert fill == tok.decode(ids[:cut], skip_special_tokens=True)
+        text = tok.decode(ids[:cut], skip_special_tokens=True)
+        assert fill == (text[1:] if spaced and text.startswith(" ") else text)  # the template's space, not twice
         at += n
     again = bp.infill(tpl, seed=0, max_denoising_steps=4)
     assert again.region_ids == r.region_ids  # seeded
@@ -177,3 +199,38 @@ def test_word_infill_eval_examples_and_cli(bp, tmp_path, capsys):
     assert set(res["summary"]) == {"both sides", "left only"} and res["summary"]["both sides"]["n"] == 2
     assert [r["word"] for r in res["rows"]["left only"]] == [ex.word.strip() for ex in ti.make_examples(passages, 2)]
     assert "exact match" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def kjv():
+    return blockpress.load("kjv", progress=False)
+
+
+@pytest.mark.parametrize("template", ["A [MASK:10] B", "In the beginning God [MASK] the heaven and the earth.",
+                                      "And God said [MASK:4]", "x  [MASK:3]  y\n\tz ", "[MASK:3] rest",
+                                      r"a \[MASK] b [MASK:2] c"])
+def test_infill_keeps_every_byte_outside_the_holes(kjv, template):
+    """The text is the template with each marker replaced by its fill. A single space before a hole is laid out in
+    the hole; a fill the model did not begin with a space lost that space ('A [MASK:10] B' -> 'Aullik: ... B')."""
+    r = kjv.infill(template, seed=0)
+    parts = re.split(r"(?<!\\)\[MASK(?::\d+)?\]", template)
+    assert r.text == "".join(t.replace("\\[MASK", "[MASK") + f for t, f in zip(parts, [*r.fills, ""]))
+    if template == "A [MASK:10] B":
+        assert not kjv.tokenizer.decode(r.region_ids[:10]).startswith(" ")  # the case that lost the space
+        assert r.text.startswith("A " + r.fills[0]) and r.text.endswith(" B")
+
+
+def test_infill_refuses_eos_token_id_and_seed_with_a_generator(kjv):
+    """eos_token_id was overwritten (ignored) and seed ignored beside a generator; both are refused, as
+    max_new_tokens is. generate_text / chat take generator= too (a TypeError before), with the same rule."""
+    tpl = "And God [MASK:2] the light"
+    with pytest.raises(InputError, match="drop eos_token_id"):
+        kjv.infill(tpl, eos_token_id=5)
+    with pytest.raises(blockpress.errors.SamplingError, match="seed or generator, not both"):
+        kjv.infill(tpl, seed=7, generator=torch.Generator().manual_seed(5))
+    assert kjv.infill(tpl, generator=torch.Generator().manual_seed(7)).fills == kjv.infill(tpl, seed=7).fills
+    for f in (kjv.generate_text, kjv.chat):
+        assert f("And God", max_new_tokens=8, generator=torch.Generator().manual_seed(3)) == \
+            f("And God", max_new_tokens=8, seed=3)
+        with pytest.raises(blockpress.errors.SamplingError, match="not both"):
+            f("And God", max_new_tokens=8, seed=3, generator=torch.Generator().manual_seed(3))

@@ -93,12 +93,11 @@ def main(args) -> int:
         print(json.dumps({"text": r.text, "fills": r.fills, "prompt_ids": r.prompt_ids, "token_ids": r.region_ids,
                           "hole_mask": r.hole_mask, "stats": stats}, ensure_ascii=False))
         return 0
-    out, fills = Text(p.template.prefix), iter(r.fills)
-    for piece in p.template.pieces:
-        if isinstance(piece, int):
-            out.append(next(fills), style="bold green underline")
-        else:
-            out.append(piece)
+    out = Text()
+    for text, fill in zip(p.template.outside, [*r.fills, None]):  # r.text, the fills highlighted
+        out.append(text)
+        if fill is not None:
+            out.append(fill, style="bold green underline")
     console.print(out)
     console.print(stats_line(stats), style="cyan", markup=False)
     return 0

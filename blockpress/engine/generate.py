@@ -202,6 +202,14 @@ def seeded(seed, device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def seed_or_generator(seed, generator, device) -> torch.Generator | None:
+    """The random stream of a call that takes `seed=` and `generator=`: `generator`, else one seeded with `seed`
+    (`seeded`), else None (torch's global generator); both given is a SamplingError (one would be ignored)."""
+    if seed is not None and generator is not None:
+        raise SamplingError("give seed or generator, not both (a generator is already seeded)")
+    return generator if seed is None else seeded(seed, device)
+
+
 def _engine(module, ids, mask, cfg, n_canvases: int, T_start: int, generator, cache, fixed_tokens,
             options: Options, passes, constraints):
     """The engine for one Python batch (every row admitted at once) and its rows."""

@@ -506,6 +506,10 @@ BAD = [
     ("negative max_tokens", {"messages": MSG, "max_tokens": -1}, 400, "max_tokens"),
     ("max_tokens over limit", {"messages": MSG, "max_tokens": 100000}, 400, "max_tokens"),
     ("zero steps", {"messages": MSG, "steps": 0}, 400, "steps"),
+    # steps turns adaptive stopping off: a stopping knob beside it was silently dropped (the CLI refuses it too)
+    ("steps and stability", {"messages": MSG, "steps": 3, "stability_threshold": 1}, 400, "steps"),
+    ("steps and thresholds", {"prompt": "hi", "suffix": " x", "steps": 4, "stability_threshold": 1,
+                              "confidence_threshold": 0.5}, 400, "steps"),
     ("t_max below t_min", {"messages": MSG, "t_min": 0.9, "t_max": 0.1}, 400, "t_max"),
     ("n over limit", {"messages": MSG, "n": 9}, 400, "n"),
     ("empty messages", {"messages": []}, 400, "messages"),
@@ -561,6 +565,9 @@ BAD_MESSAGES = {
     "nan temperature": "Input should be a finite number", "logit_bias over 100": "less than or equal to 100",
     "null user content": "a user message needs content",
     "string parameters": 'parameters must be a JSON Schema of type "object"',
+    "steps and stability": "steps N runs exactly N steps a canvas (adaptive stopping off), which stability_threshold "
+                           "would set; give one or the other",
+    "steps and thresholds": "which stability_threshold and confidence_threshold would set",
 }
 
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import MAX_SEED, fixed_steps, reply_tokens
+from ..config import MAX_SEED, reply_tokens
 from ..options import LINEAR_FORMATS
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
@@ -219,13 +219,9 @@ def sampling_kwargs(args) -> dict[str, Any]:
         if hasattr(args, name):
             kw[name] = getattr(args, name)
     if getattr(args, "steps", None) is not None:
-        given = [f"--{n.replace('_', '-')}" for n in ("stability_threshold", "confidence_threshold") if hasattr(args, n)]
-        if given:
-            from ..errors import InputError
+        from ..engine.generate import steps_sampling
 
-            raise InputError(f"--steps N runs exactly N steps a canvas (adaptive stopping off), which "
-                             f"{' and '.join(given)} would set; give one or the other")
-        kw.update(fixed_steps(args.steps))
+        kw.update(steps_sampling(args.steps, kw, lambda k: f"--{k.replace('_', '-')}", "--steps"))
     return kw
 
 

@@ -17,7 +17,7 @@ Invariants:
 
 blockpress extensions (OpenAI clients pass them with `extra_body=`):
 - request knobs: `steps` (exactly N denoising steps per canvas, early stopping off: the
-  speed/quality dial), `max_denoising_steps`, `entropy_bound`, `t_min`, `t_max`,
+  speed/quality dial; with a stopping knob beside it a 400, `engine.generate.steps_sampling`), `max_denoising_steps`, `entropy_bound`, `t_min`, `t_max`,
   `stability_threshold`, `confidence_threshold` (omitted = the server default; a knob cannot be
   set to null per request); `chat_template_kwargs: {"enable_thinking": bool}` (or OpenAI's
   `reasoning_effort`: anything but none/minimal turns thinking on).
@@ -85,7 +85,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 from typing_extensions import Annotated
 
-from ..config import REFERENCE_DEFAULTS, GenerationConfig, fixed_steps
+from ..config import REFERENCE_DEFAULTS, GenerationConfig
 from ..errors import InputError, SamplingError
 
 # ----------------------------------------------------------------------------- errors
@@ -359,7 +359,12 @@ class _DiffusionKnobs(_Request):
         if self.steps is not None:
             if self.max_denoising_steps is not None and self.max_denoising_steps != self.steps:
                 raise APIError(400, "give either steps or max_denoising_steps, not both", param="steps")
-            kw.update(fixed_steps(self.steps))
+            from ..engine.generate import steps_sampling
+
+            try:
+                kw.update(steps_sampling(self.steps, kw))
+            except InputError as e:
+                raise APIError(400, str(e), param="steps", code="invalid_value") from None
             names["max_denoising_steps"] = "steps"
         if kw.get("max_denoising_steps", 0) > limits.max_steps:
             raise APIError(400, f"{names.get('max_denoising_steps', 'max_denoising_steps')} exceeds this "

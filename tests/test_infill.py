@@ -3,6 +3,7 @@
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,6 +101,25 @@ def test_fixed_tokens_errors(bp):
         bp.generate(prompt(), fixed_tokens=torch.full((2, 4), -1), **KW)
     with pytest.raises(InputError, match="ids in"):
         bp.generate(prompt(), fixed_tokens=torch.tensor([[10**6]]), **KW)
+
+
+@pytest.mark.parametrize("fixed, words", [
+    (torch.tensor([[5.7, -1.0]]), "integer token ids .* got dtype float32"),  # was truncated to id 5
+    ([[7.0, -1]], "got dtype float32"),
+    (torch.tensor([[True, False]]), "got dtype bool"),  # a mask was read as ids 1 and 0
+    ([[1, 2], [3]], "lists of equal length"),  # ragged: torch's ValueError
+    ("abc", "got a str that is not"),  # torch's TypeError
+    ([["a", "b"]], "got a list that is not"),
+])
+def test_fixed_tokens_must_be_integer_ids(bp, fixed, words):
+    B = 2 if isinstance(fixed, list) and len(fixed) == 2 else 1
+    with pytest.raises(InputError, match=words) as e:
+        bp.generate(prompt().repeat(B, 1), fixed_tokens=fixed, **KW)
+    assert "\n" not in str(e.value)
+    for ok in (torch.tensor([[7, -1]], dtype=torch.int32), [[7, -1]], np.array([[7, -1]], dtype=np.int16)):
+        assert int(bp.generate(prompt(), fixed_tokens=ok, **KW).new_tokens[0, 0]) == 7
+    for nothing in (torch.empty(1, 0, dtype=torch.long), [[]]):  # no ids: nothing held, whatever the dtype
+        bp.generate(prompt(), fixed_tokens=nothing, **KW)
 
 
 def test_parse_template():

@@ -56,6 +56,21 @@ class _Batch:
         return admission
 
 
+def _fixed_ids(fixed_tokens) -> torch.Tensor:
+    """`fixed_tokens` as a LongTensor, from a tensor, an array or nested lists of an integer type (InputError
+    otherwise: a float id was truncated, a bool mask read as ids 0 and 1, and ragged lists or strings raised
+    torch's own error)."""
+    try:
+        t = torch.as_tensor(fixed_tokens)
+    except (TypeError, ValueError, RuntimeError):
+        raise InputError(f"fixed_tokens must be [batch, length] integer token ids (a tensor, or lists of equal length "
+                         f"holding ints); got a {type(fixed_tokens).__name__} that is not") from None
+    if t.numel() and (t.dtype == torch.bool or t.is_floating_point() or t.is_complex()):
+        raise InputError(f"fixed_tokens must hold integer token ids (-1 free, -2 free and discarded), got dtype "
+                         f"{str(t.dtype).replace('torch.', '')}; pass ids, not a mask or floats")
+    return t.long()
+
+
 def _check(module, input_ids, cfg, C, attention_mask, generator, cache, fixed_tokens):
     """Validated inputs on the model's device: (input_ids, attention_mask, fixed_tokens padded to whole
     canvases, number of canvases, cache length before the prompt)."""
@@ -96,7 +111,7 @@ def _check(module, input_ids, cfg, C, attention_mask, generator, cache, fixed_to
             raise InputError(f"attention_mask row {empty[0]} masks every token: a row needs at least one token of "
                              "prompt (1 = token, 0 = left padding)")
     if fixed_tokens is not None:
-        fixed_tokens = torch.as_tensor(fixed_tokens, dtype=torch.long)
+        fixed_tokens = _fixed_ids(fixed_tokens)
         if fixed_tokens.dim() != 2 or fixed_tokens.shape[0] != B:
             raise InputError(f"fixed_tokens must be [batch={B}, length], got shape {list(fixed_tokens.shape)}")
         if fixed_tokens.shape[1] > n_canvases * C:

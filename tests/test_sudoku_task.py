@@ -298,6 +298,23 @@ def test_solve_rejects_bad_puzzle_before_loading_model():
         S.solve("123", model=object())
 
 
+@pytest.mark.parametrize("kw, words", [
+    (dict(samples=0), "samples must be a whole number"), (dict(samples=1.5), "samples must be"),
+    (dict(repair=-1), "repair must be a whole number"), (dict(repair=None), "repair must be"),
+    (dict(repair_scope="rows"), "unknown repair_scope"), (dict(fixed_tokens=[[1]]), "not fixed_tokens"),
+])
+def test_solve_refuses_bad_options_with_an_input_error(kw, words):
+    """A user's bad option is a BlockpressError (one line for the CLI, a 400 for a server), not a plain ValueError."""
+    from blockpress.errors import InputError
+
+    with pytest.raises(InputError, match=words):
+        S.solve(WIKI, _CandidateModel({}, 1), **kw)
+    with pytest.raises(InputError, match="at least one"):
+        S.pick_candidate(WIKI, [])
+    with pytest.raises(InputError, match="scope"):
+        S.broken_cells(WIKI, WIKI_SOL, "rows")
+
+
 def test_solve_batch_wiring_with_fake_model():
     torch = pytest.importorskip("torch")
     pairs = S.test_set(35, 2)

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BlockpressError, InputError
+from ..errors import BlockpressError, ConfigError, InputError
 
 __all__ = [
     "N_CELLS", "PROMPT_LEN", "CANVAS_LEN", "VOCAB", "PAD_ID", "EOS_ID", "BOS_ID", "UNK_ID",
@@ -581,7 +581,7 @@ def model_format(model: Any) -> str:
 
     fmt = task_info(model).get("format", "prompt")
     if fmt not in FORMATS:
-        raise ValueError(f"the model's blockpress_task.json names sudoku format {fmt!r}; "
+        raise ConfigError(f"the model's blockpress_task.json names sudoku format {fmt!r}; "
                          f"this version of blockpress knows {FORMATS}")
     return fmt
 
@@ -611,11 +611,11 @@ def decode_answer(ids: Any, format: str = "prompt") -> str:
     ids = list(ids)
     if ids and isinstance(ids[0], (list, tuple)):
         if len(ids) != 1:
-            raise ValueError(f"decode_answer takes one sequence, got a batch of {len(ids)}; "
+            raise InputError(f"decode_answer takes one sequence, got a batch of {len(ids)}; "
                              "call it once per row")
         ids = list(ids[0])
     if format not in FORMATS:
-        raise ValueError(f"unknown sudoku format {format!r}; use one of {FORMATS}")
+        raise InputError(f"unknown sudoku format {format!r}; use one of {FORMATS}")
     if format == "inplace":
         return "".join(str(max(digit_of(int(t), format), 0)) for t in ids[:N_CELLS])
     out = []
@@ -753,7 +753,7 @@ def broken_cells(puzzle: str, grid: str, scope: str = "units") -> list[int]:
     solution, so [] means `with_clues(puzzle, grid)` solves the puzzle (the unique solution of a proper one).
     """
     if scope not in REPAIR_SCOPES:
-        raise ValueError(f"unknown repair scope {scope!r}; use one of {REPAIR_SCOPES}")
+        raise InputError(f"unknown repair scope {scope!r}; use one of {REPAIR_SCOPES}")
     puz = parse_grid(puzzle, check_conflicts=False)
     g = with_clues(puz, grid)
     bad: set[int] = set()
@@ -808,13 +808,13 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, *, samples: int | Non
     if not flat:
         return []
     if not isinstance(repair, int) or isinstance(repair, bool) or repair < 0:
-        raise ValueError(f"repair must be a whole number of rounds >= 0, got {repair!r}")
+        raise InputError(f"repair must be a whole number of rounds >= 0, got {repair!r}")
     if samples is not None and (not isinstance(samples, int) or isinstance(samples, bool) or samples < 1):
-        raise ValueError(f"samples must be a whole number of candidates >= 1, got {samples!r}")
+        raise InputError(f"samples must be a whole number of candidates >= 1, got {samples!r}")
     if repair_scope not in REPAIR_SCOPES:
-        raise ValueError(f"unknown repair_scope {repair_scope!r}; use one of {REPAIR_SCOPES}")
+        raise InputError(f"unknown repair_scope {repair_scope!r}; use one of {REPAIR_SCOPES}")
     if "fixed_tokens" in sampling:
-        raise ValueError("solve_batch builds the canvas itself (the clues, and the held cells of a repair round); "
+        raise InputError("solve_batch builds the canvas itself (the clues, and the held cells of a repair round); "
                          "pass the puzzle, not fixed_tokens")
     m = _resolve_model(model)
     fmt = model_format(m)
@@ -825,7 +825,7 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, *, samples: int | Non
     n_cand = default_samples(m) if samples is None else samples
     gens = sampling.get("generator")
     if isinstance(gens, (list, tuple)) and len(gens) != len(flat):
-        raise ValueError(f"generator: got {len(gens)} generators for {len(flat)} puzzles; pass one per puzzle "
+        raise InputError(f"generator: got {len(gens)} generators for {len(flat)} puzzles; pass one per puzzle "
                          "(or one for the whole batch)")
     preds = _generate(m, fmt, flat, fixed, sampling)  # candidate 0: exactly the samples=1 pass
     todo = [i for i in range(len(flat)) if broken_cells(flat[i], preds[i], "cells")] if n_cand > 1 else []
@@ -859,7 +859,7 @@ def default_samples(model: Any) -> int:
 
     k = task_info(model).get("samples", 1)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"the model's blockpress_task.json sets samples={k!r}; it must be a whole number >= 1 "
+        raise ConfigError(f"the model's blockpress_task.json sets samples={k!r}; it must be a whole number >= 1 "
                          "(fix or remove the field)")
     return k
 
@@ -869,7 +869,7 @@ def pick_candidate(puzzle: str, candidates: Sequence[Any]) -> str:
     the earliest one on ties, with the clues written in (`with_clues`, the grid judged): a candidate that
     breaks none gives the puzzle's solution."""
     if not candidates:
-        raise ValueError("pick_candidate needs at least one candidate grid")
+        raise InputError("pick_candidate needs at least one candidate grid")
     counts = [len(broken_cells(puzzle, c, "cells")) for c in candidates]
     return with_clues(puzzle, candidates[counts.index(min(counts))])
 

@@ -104,7 +104,8 @@ class BlockDiffusionLM:
         return self
 
     def generation_config(self, **overrides) -> GenerationConfig:
-        return GenerationConfig.resolve(self.generation_defaults, **overrides)
+        """Keywords > the checkpoint's generation_config.json > the reference's defaults, validated (SamplingError)."""
+        return engine.check_schedule(GenerationConfig.resolve(self.generation_defaults, **overrides))
 
     def stop_ids(self) -> list[int]:
         """The checkpoint's eos ids, else the tokenizer's <eos> and end-of-turn <turn|>."""

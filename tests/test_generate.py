@@ -594,6 +594,25 @@ def test_the_smallest_temperature_allowed_still_samples():
         lm.generate([ids], **{**kw, "t_max": MIN_TEMPERATURE / 2})
 
 
+def test_half_a_temperature_schedule_is_refused():
+    """t_min=None, t_max=0.8 (or t_min=None alone, t_max from the checkpoint) silently ran without a schedule;
+    it is a SamplingError saying to give both or neither, in every entry point (generate, infill, the CLI)."""
+    from blockpress.cli import main as cli_main
+
+    kjv = blockpress.load("kjv", progress=False)
+    ids = [[kjv.tokenizer.bos_token_id] + kjv.tokenizer.encode("And God said")]
+    for kw in (dict(t_min=None, t_max=0.8), dict(t_min=None), dict(t_max=None), dict(t_min=0.3, t_max=None)):
+        with pytest.raises(SamplingError, match="a temperature schedule needs both; give both numbers, or both None"):
+            kjv.generate(ids, max_new_tokens=8, **kw)
+    with pytest.raises(SamplingError, match="invalid t_min=None with t_max=0.8"):
+        kjv.infill("And God [MASK] the light", t_min=None)
+    off = kjv.generate(ids, max_new_tokens=8, t_min=None, t_max=None, generator=torch.Generator().manual_seed(0))
+    assert off.config.t_min is None and off.config.t_max is None
+    assert cli_main(["run", "kjv", "And God", "--t-min", "none", "--no-live", "--threads", "1"]) == 2
+    assert cli_main(["run", "kjv", "And God", "--t-min", "none", "--t-max", "none", "--no-live", "--threads", "1",
+                     "--max-new-tokens", "8", "--steps", "2"]) == 0
+
+
 def test_load_turns_on_cuda_graphs_and_compile_from_python(tmp_path):
     """`blockpress.load(..., cuda_graphs=True)` runs the graphed fixed-shape passes (on a CPU: their plumbing,
     without capture) with the tokens of a plain load; `compile=True` compiles the decoder blocks. Both are options

@@ -592,6 +592,18 @@ def test_openai_sampling_fields_in_range_change_nothing(client):
     assert tuned == plain and plain
 
 
+def test_half_a_temperature_schedule_is_a_400():
+    """Server defaults without a schedule (`serve --t-min none --t-max none`) and a request giving t_max: t_min None
+    beside a number was silently no schedule; it is a 400 naming t_min (serve refuses `--t-min none` alone at
+    startup, through lm.generation_config)."""
+    for body in ({"prompt": "hi", "t_max": 0.9}, {"prompt": "hi", "suffix": " x", "t_max": 0.9}):
+        with pytest.raises(APIError, match="invalid t_min=None with t_max=0.9: .*give both numbers, or both None") as e:
+            CompletionRequest(**body).to_sampling(Limits(max_tokens=64), {"t_min": None, "t_max": None})
+        assert e.value.body()["error"]["param"] == "t_min" and e.value.status == 400
+    both = CompletionRequest(prompt="hi").to_sampling(Limits(max_tokens=64), {"t_min": None, "t_max": None})
+    assert both.cfg.t_min is None and both.cfg.t_max is None
+
+
 def test_unknown_route_and_method(server):
     r = httpx.get(server.url + "/v1/nope")
     assert r.status_code == 404 and "error" in r.json()

@@ -193,9 +193,9 @@ def add_sampler_args(g) -> None:
     g.add_argument("--entropy-bound", type=_float_in(0, strict=True), help="entropy budget of accepted tokens per step")
     # these accept "none"; SUPPRESS tells "not given" (attribute absent) from "given as none"
     g.add_argument("--t-min", type=_float_in(0, strict=False, allow_none=True), default=argparse.SUPPRESS,
-                   help="final temperature (none: no temperature schedule)")
+                   help="final temperature (none, with --t-max none: no temperature schedule)")
     g.add_argument("--t-max", type=_float_in(0, strict=False, allow_none=True), default=argparse.SUPPRESS,
-                   help="initial temperature")
+                   help="initial temperature (none, with --t-min none: no temperature schedule)")
 
 
 def sampler_kwargs(args) -> dict[str, Any]:

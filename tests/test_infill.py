@@ -200,6 +200,17 @@ def test_infill_cli_json(bp, tmp_path, capsys):
     assert "shorten the holes or the text" in capsys.readouterr().err
 
 
+def test_infill_help_does_not_offer_max_new_tokens(capsys):
+    """`blockpress infill --help` listed --max-new-tokens, which infill always refuses (the holes set it); it is
+    hidden, and given anyway it is still refused with the reason."""
+    with pytest.raises(SystemExit):
+        cli_main(["infill", "--help"])
+    out = capsys.readouterr().out
+    assert "--max-new-tokens" not in out and "--steps" in out
+    assert cli_main(["infill", "A [MASK] B", "--max-new-tokens", "5", "--threads", "1"]) == 2
+    assert "infill sets max_new_tokens from the template" in capsys.readouterr().err
+
+
 def test_word_infill_eval_examples_and_cli(bp, tmp_path, capsys):
     from blockpress.tasks import text_infill as ti
     from blockpress.testing import build_tiny_gemma_tokenizer

@@ -18,7 +18,7 @@ def add_parser(p) -> None:
     add_model_args(p, default=f"the shipped text model, kjv: {DEFAULT_MODEL.parent / 'kjv'}")
     p.add_argument("template", nargs="?", metavar="TEMPLATE",
                    help="text with [MASK] (one token) or [MASK:n] (n tokens) holes; '-' reads stdin")
-    add_sampling_args(p)
+    add_sampling_args(p, max_new_tokens=False)  # the holes set the tokens to generate
     p.add_argument("--no-live", action="store_true", help="do not draw the canvas while it denoises")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, fills, token ids, stats")
 

@@ -165,9 +165,14 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
                             "whose kernels can be captured; --no-cuda-graphs launches each pass from Python)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True, server: bool = False) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True, server: bool = False,
+                      max_new_tokens: bool = True) -> None:
+    """The sampling flags; max_new_tokens=False hides --max-new-tokens from --help (infill sets it from the
+    template: given, it is refused with the reason)."""
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, then the reference)")
-    if server:
+    if not max_new_tokens:
+        g.add_argument("--max-new-tokens", type=_positive_int, help=argparse.SUPPRESS)
+    elif server:
         g.add_argument("--max-new-tokens", type=_tokens_or_limit, metavar="N",
                        help="max_tokens of a request that gives none (-1: --max-tokens-limit; default: the "
                             "checkpoint's for chat, 16 for completions as OpenAI)")

@@ -193,6 +193,10 @@ def test_completion_insert_mode_equals_infill(client, lm):
     alone = lm.generate([lm.encode_chat("Once upon a", chat=False)], generator=torch.Generator().manual_seed(5),
                         max_new_tokens=6, **FAST_KW)
     assert ref.region_ids[:6] != alone.new_tokens[0, :6].tolist()  # the suffix changed what the model wrote
+    # the start of a text: an empty prompt (<bos> alone) with a suffix, as infill("[MASK:n] ...") (a 400 before)
+    start = client.completions.create(model=model, prompt="", suffix=" lived happily ever after.", **kw)
+    first = lm.infill("[MASK:6] lived happily ever after.", seed=5, **FAST_KW)
+    assert start.choices[0].text == first.fills[0] and start.usage.prompt_tokens == 1
 
 
 def test_structured_output_through_the_openai_client(client):
@@ -533,6 +537,7 @@ BAD = [
     ("completion logprobs bool", {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ("completion batch too big", {"prompt": ["a"] * 33}, 400, "prompt"),
     ("completion batch entry", {"prompt": ["a", ""]}, 400, "prompt.1"),
+    ("completion empty prompt", {"prompt": ""}, 400, "prompt"),  # with a suffix it is insert mode at the start
     ("completion batch mixed", {"prompt": [1, "a"]}, 400, "prompt"),
     ("completion batch ids", {"prompt": [[1, 2], [3, 999999]]}, 400, "prompt.1"),
     ("completion stops", {"prompt": "hi", "stop": ["x"] * 5}, 400, "stop"),
@@ -558,6 +563,7 @@ BAD_MESSAGES = {
     "image part": "only text content parts are supported", "n over limit": "n=9 exceeds this server's limit of 8",
     "completion batch too big": "33 prompts exceed this server's limit of 32",
     "completion batch entry": "prompt.1: String should have at least 1 character",
+    "completion empty prompt": "prompt is empty; give text to continue, or a suffix to fill the text before it",
     "completion batch mixed": "prompt: expected a non-empty string, a non-empty list of token ids, or a non-empty list",
     "completion stops": "stop: List should have at most 4 items", "completion long stop": "at most 256 characters",
     "too many stops": "stop: List should have at most 4 items", "completion echo": "echo is not supported",

@@ -590,7 +590,8 @@ class ChatCompletionChunk(BaseModel):
 
 _Text = Annotated[str, Field(min_length=1)]
 _TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
-_Prompt = Union[_Text, _TokenIds, Annotated[list[_Text], Field(min_length=1)],
+# one prompt may be "" (insert mode fills the text before the suffix; to_sampling refuses it without a suffix)
+_Prompt = Union[str, _TokenIds, Annotated[list[_Text], Field(min_length=1)],
                 Annotated[list[_TokenIds], Field(min_length=1)]]
 
 
@@ -634,6 +635,9 @@ class CompletionRequest(_DiffusionKnobs, _CompletionFields):
         if self.echo:
             raise APIError(400, "echo is not supported: the prompt is not repeated in the completion; prepend it "
                            "yourself", param="echo", code="unsupported_value")
+        if self.prompt == "" and not self.suffix:
+            raise APIError(400, "prompt is empty; give text to continue, or a suffix to fill the text before it "
+                           "(insert mode)", param="prompt", code="invalid_value")
         default = limits.default_max_tokens or 16  # OpenAI's default for completions
         sampling = self._resolve(limits, defaults, self.max_tokens, "max_tokens", default, self.seed, self.stop,
                                  self.stream_options)

@@ -254,8 +254,8 @@ def test_loss_plot_draws_only_informative_curves(tmp_path):
 
 
 def test_inplace_sudoku_model_trains_and_solve_holds_the_clues(tmp_path, capsys):
-    """--sudoku-format inplace: the folder says so, solve()/run hold the clues on the canvas (an untrained
-    prompt-format model does not keep them), and the prompt is <bos> alone."""
+    """--sudoku-format inplace: the folder says so, solve()/run hold the clues on the canvas, and the prompt is <bos>
+    alone. An untrained prompt-format model's canvas does not keep them; its answers get them written in."""
     from blockpress.tasks import sudoku as sd
 
     out = tmp_path / "inpl"
@@ -280,9 +280,12 @@ def test_inplace_sudoku_model_trains_and_solve_holds_the_clues(tmp_path, capsys)
     assert cli_main(["train", "sudoku", "--out", str(prompt_run), "--steps", "1", "--save-every", "1", *TINY]) == 0
     untrained = blockpress.load(prompt_run / "checkpoint-0000001", progress=False)
     assert sd.model_format(untrained) == "prompt"
-    kept = [sd.check(p, pr)["clues_kept"] for (p, _), pr in
-            zip(pairs, sd.solve_batch([p for p, _ in pairs], untrained, generator=torch.Generator().manual_seed(0)))]
-    assert min(kept) < 1.0
+    answers = sd.solve_batch([p for p, _ in pairs], untrained, generator=torch.Generator().manual_seed(0))
+    assert all(sd.check(p, pr)["clues_kept"] == 1.0 for (p, _), pr in zip(pairs, answers))
+    raw = untrained.generate([sd.encode_prompt(p) for p, _ in pairs], max_new_tokens=sd.CANVAS_LEN,
+                             eos_token_id=[sd.EOS_ID], pad_token_id=sd.PAD_ID, generator=torch.Generator().manual_seed(0))
+    canvases = [sd.decode_answer(t.tolist()).ljust(81, "0") for t in raw.new_tokens]
+    assert min(sd.check(p, c)["clues_kept"] for (p, _), c in zip(pairs, canvases)) < 1.0
 
 
 def test_infill_source_leaves_one_span_per_canvas_free(tmp_path, capsys):

@@ -427,6 +427,10 @@ class GenerationConfig:
             if v is not None and 0 < v < MIN_TEMPERATURE:
                 bad(name, f"0 or at least {MIN_TEMPERATURE:g} (a smaller temperature divides the logits past fp32's "
                     f"range; {MIN_TEMPERATURE:g} already takes the argmax)", v)
+        if (self.t_min is None) != (self.t_max is None):  # one None turned the whole schedule off, silently
+            none, other = ("t_min", "t_max") if self.t_min is None else ("t_max", "t_min")
+            raise SamplingError(f"invalid {none}=None with {other}={getattr(self, other)!r}: a temperature schedule "
+                                f"needs both; give both numbers, or both None for no schedule")
         if self.t_min is not None and self.t_max is not None and not self.t_max > self.t_min:
             bad("t_max", f"greater than t_min={self.t_min}", self.t_max)
         if self.t_min is not None and self.t_max is not None and self.t_min == 0 and self.t_max == 0:

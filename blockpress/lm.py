@@ -105,7 +105,7 @@ class BlockDiffusionLM:
 
     def generation_config(self, **overrides) -> GenerationConfig:
         """Keywords > the checkpoint's generation_config.json > the reference's defaults, validated (SamplingError)."""
-        return engine.check_schedule(GenerationConfig.resolve(self.generation_defaults, **overrides))
+        return GenerationConfig.resolve(self.generation_defaults, **overrides)
 
     def stop_ids(self) -> list[int]:
         """The checkpoint's eos ids, else the tokenizer's <eos> and end-of-turn <turn|>."""

@@ -234,17 +234,6 @@ def steps_sampling(steps: int, given, name=lambda k: k, steps_name: str = "steps
     return fixed_steps(steps)
 
 
-def check_schedule(cfg: GenerationConfig) -> GenerationConfig:
-    """`cfg`, unless it has half a temperature schedule: t_min or t_max None (no schedule) with the other a number
-    was silently no schedule; a SamplingError says to give both or neither. (`lm.generation_config` and the
-    server's per-request sampling call it; its place is `GenerationConfig.validate`.)"""
-    if (cfg.t_min is None) != (cfg.t_max is None):
-        none, other = ("t_min", "t_max") if cfg.t_min is None else ("t_max", "t_min")
-        raise SamplingError(f"invalid {none}=None with {other}={getattr(cfg, other)!r}: a temperature schedule needs "
-                            f"both; give both numbers, or both None for no schedule")
-    return cfg
-
-
 def seed_or_generator(seed, generator, device) -> torch.Generator | None:
     """The random stream of a call that takes `seed=` and `generator=`: `generator`, else one seeded with `seed`
     (`seeded`), else None (torch's global generator); both given is a SamplingError (one would be ignored)."""

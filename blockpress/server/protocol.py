@@ -370,10 +370,8 @@ class _DiffusionKnobs(_Request):
             raise APIError(400, f"{names.get('max_denoising_steps', 'max_denoising_steps')} exceeds this "
                            f"server's limit of {limits.max_steps} steps per canvas",
                            param=names.get("max_denoising_steps", "max_denoising_steps"), code="invalid_value")
-        from ..engine.generate import check_schedule
-
         try:
-            cfg = check_schedule(GenerationConfig.resolve(defaults, **kw))
+            cfg = GenerationConfig.resolve(defaults, **kw)
         except SamplingError as e:
             m = re.search(r"invalid (\w+)", str(e))
             param = names.get(m.group(1), m.group(1)) if m else None

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, SamplingError, UnknownParameterError
+from .errors import ConfigError, InputError, SamplingError, UnknownParameterError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -351,6 +351,21 @@ def fixed_steps(steps: int) -> dict[str, Any]:
     """The sampling keywords of the fixed-step mode (the CLI's and the API's `steps`, the chat eval's step columns):
     `steps` denoising passes every canvas, adaptive stopping off."""
     return {"max_denoising_steps": steps, "stability_threshold": None, "confidence_threshold": None}
+
+
+STOPPING_KNOBS = ("stability_threshold", "confidence_threshold")  # what adaptive stopping reads; `steps` turns it off
+
+
+def steps_sampling(steps: int, given, name=lambda k: k, steps_name: str = "steps") -> dict:
+    """The sampling keywords of `steps` (`config.fixed_steps`: exactly that many steps a canvas, adaptive stopping
+    off) for a call (the CLI's --steps, the server's `steps`) that also gave the knobs in `given`; one of
+    `STOPPING_KNOBS` among them is an InputError, as `steps` would silently override it. `name` spells a knob
+    as the caller's user wrote it."""
+    clash = [name(k) for k in STOPPING_KNOBS if k in given]
+    if clash:
+        raise InputError(f"{steps_name} N runs exactly N steps a canvas (adaptive stopping off), which "
+                         f"{' and '.join(clash)} would set; give one or the other")
+    return fixed_steps(steps)
 
 
 @dataclass

@@ -224,7 +224,7 @@ def sampling_kwargs(args) -> dict[str, Any]:
         if hasattr(args, name):
             kw[name] = getattr(args, name)
     if getattr(args, "steps", None) is not None:
-        from ..engine.generate import steps_sampling
+        from ..config import steps_sampling
 
         kw.update(steps_sampling(args.steps, kw, lambda k: f"--{k.replace('_', '-')}", "--steps"))
     return kw

@@ -217,23 +217,6 @@ def seeded(seed, device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-STOPPING_KNOBS = ("stability_threshold", "confidence_threshold")  # what adaptive stopping reads; `steps` turns it off
-
-
-def steps_sampling(steps: int, given, name=lambda k: k, steps_name: str = "steps") -> dict:
-    """The sampling keywords of `steps` (`config.fixed_steps`: exactly that many steps a canvas, adaptive stopping
-    off) for a call (the CLI's --steps, the server's `steps`) that also gave the knobs in `given`; one of
-    `STOPPING_KNOBS` among them is an InputError, as `steps` would silently override it. `name` spells a knob
-    as the caller's user wrote it."""
-    from ..config import fixed_steps
-
-    clash = [name(k) for k in STOPPING_KNOBS if k in given]
-    if clash:
-        raise InputError(f"{steps_name} N runs exactly N steps a canvas (adaptive stopping off), which "
-                         f"{' and '.join(clash)} would set; give one or the other")
-    return fixed_steps(steps)
-
-
 def seed_or_generator(seed, generator, device) -> torch.Generator | None:
     """The random stream of a call that takes `seed=` and `generator=`: `generator`, else one seeded with `seed`
     (`seeded`), else None (torch's global generator); both given is a SamplingError (one would be ignored)."""

@@ -17,7 +17,8 @@ Invariants:
 
 blockpress extensions (OpenAI clients pass them with `extra_body=`):
 - request knobs: `steps` (exactly N denoising steps per canvas, early stopping off: the
-  speed/quality dial; with a stopping knob beside it a 400, `engine.generate.steps_sampling`), `max_denoising_steps`, `entropy_bound`, `t_min`, `t_max`,
+  speed/quality dial; with a stopping knob beside it a 400, `config.steps_sampling`), `max_denoising_steps`,
+  `entropy_bound`, `t_min`, `t_max`,
   `stability_threshold`, `confidence_threshold` (omitted = the server default; a knob cannot be
   set to null per request); `chat_template_kwargs: {"enable_thinking": bool}` (or OpenAI's
   `reasoning_effort`: anything but none/minimal turns thinking on).
@@ -85,7 +86,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 from typing_extensions import Annotated
 
-from ..config import REFERENCE_DEFAULTS, GenerationConfig
+from ..config import REFERENCE_DEFAULTS, GenerationConfig, steps_sampling
 from ..errors import InputError, SamplingError
 
 # ----------------------------------------------------------------------------- errors
@@ -359,8 +360,6 @@ class _DiffusionKnobs(_Request):
         if self.steps is not None:
             if self.max_denoising_steps is not None and self.max_denoising_steps != self.steps:
                 raise APIError(400, "give either steps or max_denoising_steps, not both", param="steps")
-            from ..engine.generate import steps_sampling
-
             try:
                 kw.update(steps_sampling(self.steps, kw))
             except InputError as e:

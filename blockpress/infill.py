@@ -25,8 +25,8 @@ InputError naming it, rather than kept as text by accident. `\\[MASK` is the esc
 (`\\[MASK]` is a literal "[MASK]"; the backslash is dropped, and is the one byte of the template not kept).
 
 The server's `/v1/completions` with `suffix` (OpenAI's insert mode) is the same operation with one hole:
-`prompt + "[MASK:max_tokens]" + suffix`, for a prompt that does not end in a single space (the server
-lays its prompt out as given, a space included, where a template moves that space into the hole).
+`prompt + "[MASK:max_tokens]" + suffix` (a prompt's one trailing space laid out in the hole, as here; its text
+is the fill).
 
     lm = blockpress.load("kjv")
     lm.infill("In the beginning God [MASK] the heaven and the earth.", seed=0).text
@@ -74,6 +74,12 @@ class InfillResult:
     result: Any = field(repr=False, default=None)  # the engine's GenerationResult
 
 
+def space_in_hole(text: str) -> bool:
+    """Whether the text before a hole ends in one space that the hole's first token carries (laid out in the hole;
+    the text keeps it, and a fill that begins with a space drops it). Two spaces or more stay the text's."""
+    return text.endswith(" ") and not text.endswith("  ")
+
+
 def parse_template(template: str) -> Template:
     """Split on `[MASK]` / `[MASK:n]`; raises InputError when there is no hole, a length is 0 or absurd, or a
     marker is malformed (see the module docstring; `\\[MASK` is the text "[MASK")."""
@@ -103,7 +109,7 @@ def parse_template(template: str) -> Template:
         raise InputError("the template has no hole; mark one with [MASK] (one token) or [MASK:n] (n tokens)")
     outside.append(text + template[pos:])
     # a single space right before a hole is laid out in the hole (the hole's first token carries it)
-    spaced = [t.endswith(" ") and not t.endswith("  ") for t in outside[:-1]]
+    spaced = [space_in_hole(t) for t in outside[:-1]]
     laid = [t[:-1] if sp else t for t, sp in zip(outside, spaced)] + outside[-1:]
     pieces: list[str | int] = []
     for t, n in zip(laid[1:], holes):

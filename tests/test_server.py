@@ -197,6 +197,17 @@ def test_completion_insert_mode_equals_infill(client, lm):
     start = client.completions.create(model=model, prompt="", suffix=" lived happily ever after.", **kw)
     first = lm.infill("[MASK:6] lived happily ever after.", seed=5, **FAST_KW)
     assert start.choices[0].text == first.fills[0] and start.usage.prompt_tokens == 1
+    # a prompt ending in one space: laid out in the hole as a template's (the server kept it in the prompt, so the
+    # two differed); the text never repeats it, logprob entries included, for a fill that begins with a space or not
+    for seed in (5, 6, 7):
+        sw = dict(kw, seed=seed)
+        ref = lm.infill("Once upon a [MASK:6] lived happily ever after.", seed=seed, **FAST_KW)
+        r = client.completions.create(model=model, prompt="Once upon a ", suffix=" lived happily ever after.",
+                                      logprobs=1, **sw)
+        s = client.completions.create(model=model, prompt="Once upon a ", suffix=" lived happily ever after.",
+                                      stream=True, **sw)
+        assert r.choices[0].text == ref.fills[0] == "".join(c.choices[0].text for c in s if c.choices)
+        assert "".join(r.choices[0].logprobs.tokens) == r.choices[0].text
 
 
 def test_structured_output_through_the_openai_client(client):

@@ -197,10 +197,13 @@ class OutputAssembler:
     """Committed token canvases -> text deltas -> final OpenAI fields. `chat=False`: plain text."""
 
     def __init__(self, tokenizer, stop_ids, max_tokens: int, stop: list[str] | None = None, chat: bool = True,
-                 logprobs: bool = False, one_call: bool = False):
+                 logprobs: bool = False, one_call: bool = False, drop_space: bool = False):
         """logprobs: align the tokens' log-probabilities (`feed(canvas, logprobs)`) with the text: each Delta
         carries the entries of the tokens whose text ended in it, `Final.logprobs` all of them. one_call: keep
-        the reply's first tool call only (`parallel_tool_calls: false`)."""
+        the reply's first tool call only (`parallel_tool_calls: false`). drop_space (plain text): the text does
+        not begin with a space (insert mode: the prompt's own, laid out in the hole)."""
+        self.drop_space = drop_space
+        self._decoded = 0  # plain text: characters decoded so far (a dropped space is not returned)
         self.one_call = one_call
         self.stop_ids = set(stop_ids or ())
         self.max_tokens = max_tokens
@@ -261,10 +264,11 @@ class OutputAssembler:
 
     def _text(self, text: str, final: bool = False) -> Delta:
         if self.parser is None:
-            d = Delta(content=text)
+            skip = 1 if self.drop_space and self._decoded == 0 and text.startswith(" ") else 0
+            d = Delta(content=text[skip:])
             if self.aligner is not None:
-                self.aligner.content_from(text, range(len(self.aligner.content), len(self.aligner.content)
-                                                      + len(text)))
+                self.aligner.content_from(d.content, range(self._decoded + skip, self._decoded + len(text)))
+            self._decoded += len(text)
         else:
             n = len(self.parser.content_sources or ())
             p = self.parser.feed(text)
@@ -401,11 +405,17 @@ class OpenAIServing:
                            code="context_length_exceeded")
         return ids
 
-    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        """The ids of each prompt of the request (token ids as given; text after <bos>)."""
+    def completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[bool]]:
+        """The ids of each prompt of the request (token ids as given; text after <bos>), and per prompt whether
+        insert mode lays its one trailing space out in the hole, as an infill template does (`infill.space_in_hole`:
+        the hole's first token carries it; the returned text then drops a space it begins with)."""
+        from ..infill import space_in_hole
+
         V, bos = self.lm.config.text.vocab_size, self.tok.bos_token_id
-        out = []
+        out, spaced = [], []
         for k, prompt in enumerate(req.prompts):
+            spaced.append(bool(req.suffix) and isinstance(prompt, str) and space_in_hole(prompt))
+            prompt = prompt[:-1] if spaced[-1] else prompt
             where = "prompt" if len(req.prompts) == 1 else f"prompt.{k}"
             if isinstance(prompt, list):
                 if max(prompt) >= V:
@@ -414,7 +424,7 @@ class OpenAIServing:
                 out.append(list(prompt))
             else:
                 out.append(([bos] if bos is not None else []) + self._encode_within_limit(prompt, where))
-        return out
+        return out, spaced
 
     def _submit(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None,
                 prompt_field: str = "messages", constraint=None) -> _Run:
@@ -636,9 +646,10 @@ class OpenAIServing:
             return None
         return self.tok.encode("<|tool_call>call:" + (tool + "{" if tool else ""))
 
-    def _new_assembler(self, sampling: Sampling, chat: bool) -> OutputAssembler:
+    def _new_assembler(self, sampling: Sampling, chat: bool, drop_space: bool = False) -> OutputAssembler:
         return OutputAssembler(self.tok, sampling.cfg.eos_token_id, sampling.max_tokens, sampling.stop, chat=chat,
-                               logprobs=sampling.logprobs is not None, one_call=sampling.one_call)
+                               logprobs=sampling.logprobs is not None, one_call=sampling.one_call,
+                               drop_space=drop_space)
 
     async def chat_response(self, runs: _Run | list[_Run], sampling: Sampling, stream: bool,
                             disconnected: Disconnected | None = None):
@@ -730,7 +741,7 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, disconnected: Disconnected | None = None):
         self._check_model(req.model)
         sampling = req.to_sampling(self.limits, self.defaults)
-        prompts = await asyncio.to_thread(self.completion_prompts, req)
+        prompts, spaced = await asyncio.to_thread(self.completion_prompts, req)
         holes = None
         if req.suffix:  # insert mode: the hole (max_tokens) then the suffix, held fixed on the canvas
             region = [-1] * sampling.max_tokens + await asyncio.to_thread(self.tok.encode, req.suffix)
@@ -741,7 +752,8 @@ class OpenAIServing:
             n_new, holes = whole_canvases(region, self.lm.canvas_length)  # past the suffix: -2, discarded
             sampling.cfg = dataclasses.replace(sampling.cfg, max_new_tokens=n_new)
         runs = self._submit_batch(prompts, sampling, fixed_tokens=holes)
-        asms = [self._new_assembler(sampling, chat=False) for _ in runs]
+        asms = [self._new_assembler(sampling, chat=False, drop_space=spaced[k // sampling.n])
+                for k in range(len(runs))]  # run k is prompt k // n's
         rid = "cmpl-" + secrets.token_hex(12)
         if req.stream:
             return self._completion_stream(rid, runs, asms, sampling, disconnected, holes)

@@ -32,14 +32,14 @@ DEFAULT_CHAT_MODEL = "assistant"  # `blockpress serve` / `blockpress chat` witho
 
 
 def resolve_path(model: str | Path, progress: bool = True) -> Path:
-    """A folder as is (a training run's folder: the checkpoint its `latest` file names, `_run_checkpoint`); a shipped
+    """A folder as is (a training run's folder: the checkpoint its `latest` file names, `run_checkpoint`); a shipped
     model's name ('sudoku', 'kjv', 'assistant') when no such folder exists; otherwise a Hub id (owner/name)
     downloaded or found in the local HF cache."""
     if not isinstance(model, (str, Path)) or not str(model).strip():
         raise InputError(f"model must be a folder, a shipped model's name or a Hub id (a string or Path), got "
                          f"{model!r}")
     p = Path(model).expanduser()
-    checkpoint = _run_checkpoint(p)
+    checkpoint = run_checkpoint(p)
     if checkpoint is not None:
         return checkpoint
     if p.is_dir():
@@ -76,7 +76,7 @@ def resolve_path(model: str | Path, progress: bool = True) -> Path:
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")  # a training run's checkpoint folders (train/trainer.py)
 
 
-def _run_checkpoint(p: Path) -> Path | None:
+def run_checkpoint(p: Path) -> Path | None:
     """The checkpoint a training run's folder (or its `latest` file) stands for: the one `latest` names, or where
     there is no `latest` (a run copied without it), the newest `checkpoint-<step>` that holds a model or an adapter.
     None where `p` is not a run folder; CheckpointError where `latest` names a checkpoint that is not there."""
@@ -90,6 +90,9 @@ def _run_checkpoint(p: Path) -> Path | None:
     name = _read_latest(latest) if latest.is_file() else ""
     if not name:
         return newest
+    if name != Path(name).name or name in (".", ".."):  # the trainer writes a folder name, never a path
+        raise CheckpointError(f"{latest} names {name!r}, not a checkpoint folder of {run_dir}; write the run's newest "
+                              "checkpoint folder name into it (e.g. checkpoint-0001000) or pass that folder")
     if (run_dir / name).is_dir():
         return run_dir / name
     raise CheckpointError(f"{latest} names {name}, which is missing from {run_dir}; " + (

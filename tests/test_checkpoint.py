@@ -597,6 +597,28 @@ def test_a_run_folder_loads_its_newest_checkpoint_and_names_a_missing_one(hf_tin
         blockpress.load(run, progress=False)
     (run / "latest").write_text("checkpoint-9")
     assert blockpress.load(run, progress=False).path == run / "checkpoint-9"  # latest, when it names one, wins
+    shutil.copytree(path, tmp_path / "elsewhere")
+    (run / "latest").write_text("../elsewhere")  # a path, not a folder of the run: it was followed
+    with pytest.raises(CheckpointError, match="not a checkpoint folder of"):
+        blockpress.load(run, progress=False)
+
+
+def test_an_adapter_run_folder_resolves_as_a_model_run_folder(tmp_path):
+    """A LoRA run's folder resolves by the same rule as a model run's (`loading.run_checkpoint`): without `latest`
+    its newest checkpoint (it was the folder itself, which holds no adapter), and a `latest` that is not UTF-8 is a
+    one-line CheckpointError (it was a raw UnicodeDecodeError)."""
+    from blockpress.train.lora import adapter_folder
+
+    run = tmp_path / "lora-run"
+    for name in ("checkpoint-2", "checkpoint-10"):
+        (run / name).mkdir(parents=True)
+        (run / name / "adapter_config.json").write_text("{}")
+    assert adapter_folder(run) == run / "checkpoint-10"
+    (run / "latest").write_text("checkpoint-2")
+    assert adapter_folder(run) == run / "checkpoint-2"
+    (run / "latest").write_bytes(b"\xff\xfe")
+    with pytest.raises(CheckpointError, match="not UTF-8"):
+        adapter_folder(run)
 
 
 def test_an_unreadable_weights_file_is_named_as_such(hf_tiny_dir, tmp_path):

@@ -149,14 +149,15 @@ def save_adapter(module: nn.Module, path: str | Path, spec: LoraSpec | None = No
 
 
 def adapter_folder(path: str | Path) -> Path:
-    """An adapter folder as given, or a LoRA training run's folder: the checkpoint its `latest` file names."""
+    """An adapter folder as given, or a LoRA training run's folder: the checkpoint it stands for
+    (`loading.run_checkpoint`: its `latest`, else its newest checkpoint)."""
+    from ..loading import run_checkpoint
+
     path = Path(path)
-    latest = path / "latest"
-    if not (path / "adapter_config.json").is_file() and latest.is_file():
-        ck = path / latest.read_text().strip()
-        if (ck / "adapter_config.json").is_file():
-            return ck
-    return path
+    if (path / "adapter_config.json").is_file():
+        return path
+    ck = run_checkpoint(path)
+    return ck if ck is not None and (ck / "adapter_config.json").is_file() else path
 
 
 def _read_adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -7,7 +7,7 @@ import argparse
 
 from ..lab.presets import DTYPE_NAMES, PRESETS
 from ..options import LINEAR_FORMATS
-from .run import COMPILE_HELP, _int_in, _nonneg_int, _positive_int, _positive_int_list, _seed, _output_file
+from .run import COMPILE_HELP, _int_in, add_speed_args, _nonneg_int, _positive_int, _positive_int_list, _seed, _output_file
 
 MODES = ("fixed", "adaptive")
 
@@ -77,16 +77,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="attention and dense-MLP projections: native, or int8 / fp8 (a scale per row; weight-only, "
                         "or fp8 x fp8 with --experts scaled_mm); int4-mlp: the dense MLP alone in int4, on the "
                         "experts' int4 kernels")
-    p.add_argument("--experts", default="auto", help="experts backend: auto, loop, dense, grouped, triton, scaled_mm")
+    p.add_argument("--experts", default="auto",
+                   help="experts backend: auto, loop (or torch: the reference), dense, grouped, triton, "
+                        "triton_checked, scaled_mm (fp8 experts)")
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
-    p.add_argument("--attention-kernel", action=argparse.BooleanOptionalAction, default=None,
-                   help="the fixed-shape passes' attention (--cuda-graphs, --compile) in one Triton kernel that reads "
-                        "the cache in place, checked on first use (CUDA only; default: on a Hopper GPU, where it was "
-                        "timed; --no-attention-kernel: a mask over the cache through SDPA)")
+    add_speed_args(p)
     p.add_argument("--attention-split", type=_int_in(1, 16), default=1, metavar="K",
                    help="the attention kernel's key tiles of each row block in K runs, merged by a second kernel (more "
                         "programs at batch 1; default 1: one run)")
-    p.add_argument("--sampler", choices=["exact", "fast"], default="exact", help="fast = fused Gumbel sampler")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC",
@@ -107,12 +105,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="also profile one canvas's denoising steps (first batch size, not captured: the timed "
                         "runs' passes, the fixed-shape ones with --cuda-graphs or --compile): kernels per step, time "
                         "per step by kernel class, top kernels, experts' achieved GB/s (JSON key 'profile')")
-    p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
-                   help="encode each committed canvas in the next canvas's first denoising pass (one weight read; "
-                        "default: on a CUDA GPU, off on a CPU; --no-fuse-commit: a pass of its own per commit)")
-    p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
-                   help="run each layer's q/k/v and gate/up projections as one GEMM each (default: on; the same "
-                        "numbers on a CPU; -0.4 ms a step on an H100; --no-merge-projections: one GEMM per projection)")
     p.add_argument("--compact-rows", action="store_true",
                    help="adaptive mode, batch > 1: run each decoder pass on the rows still denoising only (the "
                         "sampler still draws for every row: the same random stream); not with --cuda-graphs")

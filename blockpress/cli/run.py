@@ -142,6 +142,17 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
                    help="run the plain PyTorch references (experts one by one, attention with expanded KV heads) "
                         "instead of the fast kernels: the same function up to rounding, for checking a fast path")
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    add_speed_args(p)
+    if cuda_graphs:
+        p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                       help="replay every denoising step and commit from a CUDA graph captured on first use (takes "
+                            "the ~1,800 kernel launches of each 26B pass off the host's path; default: on a CUDA GPU "
+                            "whose kernels can be captured; --no-cuda-graphs launches each pass from Python)")
+
+
+def add_speed_args(p: argparse.ArgumentParser) -> None:
+    """The speed options of `blockpress.load` / `configure` that every command running a model takes
+    (`model_options` reads them)."""
     p.add_argument("--fuse-commit", action=argparse.BooleanOptionalAction, default=None,
                    help="encode each committed canvas in the same pass as the next canvas's first denoising step "
                         "(serve: when nobody waits to join; one read of the weights for both; same tokens up to fp32 "
@@ -158,11 +169,6 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
                    help="exact: the reference's sampler arithmetic and random draws (default); fast: one fused pass "
                         "over each row's logits (Gumbel-max: the same distribution, another random stream; seeded, "
                         "reproducible)")
-    if cuda_graphs:
-        p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                       help="replay every denoising step and commit from a CUDA graph captured on first use (takes "
-                            "the ~1,800 kernel launches of each 26B pass off the host's path; default: on a CUDA GPU "
-                            "whose kernels can be captured; --no-cuda-graphs launches each pass from Python)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, seed: bool = True, server: bool = False,

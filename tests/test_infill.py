@@ -32,6 +32,17 @@ def prompt(seed=0, T=12):
     return torch.randint(5, 512, (1, T), generator=torch.Generator().manual_seed(seed))
 
 
+def test_tokens_per_forward_counts_the_tokens_the_model_chose(bp):
+    """Held and discarded positions of `fixed_tokens` are not the model's tokens: a canvas of 16 with 2 free
+    positions wrote 2 tokens, whatever it held (it counted 16: an all-fixed canvas reported 16 tokens a pass)."""
+    kw = dict(KW, max_new_tokens=16, eos_token_id=None)
+    free = bp.generate(prompt(), generator=torch.Generator().manual_seed(1), **kw)
+    held = torch.tensor([[7] * 5 + [-1, -1] + [-2] * 9])
+    out = bp.generate(prompt(), generator=torch.Generator().manual_seed(1), fixed_tokens=held, **kw)
+    assert float(out.tokens_per_forward[0] * out.forward_passes[0]) == 2.0
+    assert float(free.tokens_per_forward[0] * free.forward_passes[0]) == 16.0  # nothing held: every token
+
+
 @pytest.mark.parametrize("sampler", ["exact", "fast"])
 def test_fixing_nothing_changes_nothing(bp, sampler):
     a = bp.generate(prompt(), generator=torch.Generator().manual_seed(1), sampler=sampler, **KW)

@@ -14,7 +14,8 @@ Invariants:
   equal transformers' for the same weights. A list of generators gives every row its own stream.
 - A Python batch keeps its rows to the end (the caller gets the batch's cache back): a row whose sequence ended
   is still computed (with one stream it still draws: the reference's order), not counted in
-  `tokens_per_forward`, and commits pad where a pad id is set.
+  `tokens_per_forward`, and commits pad where a pad id is set. Nor are the positions `fixed_tokens` holds or
+  discards: `tokens_per_forward` counts the tokens the model chose, as the server's usage does.
 - The committed canvas is the argmax of the last executed step; the returned cache excludes the last committed
   canvas (it has not been encoded).
 """
@@ -201,7 +202,10 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
             runner.restore(engine.rows)
     new_tokens = seq[:, S:]
     pad = cfg.pad_token_id
-    valid = (new_tokens != pad).sum(dim=-1) if pad is not None else new_tokens.shape[1]
+    wrote = new_tokens != pad if pad is not None else torch.ones_like(new_tokens, dtype=torch.bool)
+    if fixed_tokens is not None:  # held (given) and discarded (-2) positions are not the model's tokens
+        wrote &= fixed_tokens[:, :new_tokens.shape[1]].to(new_tokens.device) == -1
+    valid = wrote.sum(dim=-1)
     passes_t = torch.tensor([r.passes for r in rows], dtype=torch.int32, device=ids.device)
     yield Finished(GenerationResult(
         sequences=seq, tokens_per_forward=valid / passes_t, steps_per_canvas=steps_per_canvas,

@@ -45,7 +45,8 @@ import sys
 from ..config import fixed_steps
 from ..errors import InputError
 from ..options import LINEAR_FORMATS
-from .run import _int_in, _nonneg_int, _output_file, _positive_int, _seed, add_sampler_args, sampler_kwargs
+from .run import (MAX_STEPS, _int_in, _nonneg_int, _output_file, _positive_int, _seed, _steps, add_sampler_args,
+                  sampler_kwargs)
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -58,8 +59,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "conversations per stratum (default 40)")
     p.add_argument("--blanks", type=_int_in(0, 64), nargs="+", default=None,
                    help="blanks levels, 0..64 (a unique puzzle keeps >= 17 clues; default 35 40 45 50 55)")
-    p.add_argument("--steps", type=_positive_int, nargs="+", default=None,
-                   help="fixed denoising-step budgets to compare")
+    p.add_argument("--steps", type=_steps, nargs="+", default=None, metavar="N",
+                   help=f"fixed denoising-step budgets to compare (1..{MAX_STEPS} each)")
     add_sampler_args(p.add_argument_group("sampler (default: the model's generation_config.json)"))
     p.add_argument("--batch-size", type=_positive_int, default=50)
     p.add_argument("--seed", type=_seed, default=0, help="sampling seed")

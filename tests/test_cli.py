@@ -507,6 +507,10 @@ def test_steps_are_bounded_as_the_server_bounds_them(model_dir, capsys, flag):
     with pytest.raises(SystemExit) as e:
         cli(["run", str(model_dir), "hi", flag, "100000"])
     assert e.value.code == 2 and f"{flag}: expected an integer in 1..1024, got 100000" in capsys.readouterr().err
+    if flag == "--steps":  # eval's budgets too (unbounded before)
+        with pytest.raises(SystemExit) as e:
+            cli(["eval", "sudoku", "--steps", "4", "100000"])
+        assert e.value.code == 2 and "--steps: expected an integer in 1..1024, got 100000" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)

@@ -80,6 +80,12 @@ def space_in_hole(text: str) -> bool:
     return text.endswith(" ") and not text.endswith("  ")
 
 
+def unspaced(fill: str, spaced: bool) -> str:
+    """A hole's text: where the template's space before it is laid out in the hole (`spaced`), a fill that begins
+    with a space does not repeat it (the text keeps the template's)."""
+    return fill[1:] if spaced and fill.startswith(" ") else fill
+
+
 def parse_template(template: str) -> Template:
     """Split on `[MASK]` / `[MASK:n]`; raises InputError when there is no hole, a length is 0 or absurd, or a
     marker is malformed (see the module docstring; `\\[MASK` is the text "[MASK")."""
@@ -183,10 +189,7 @@ def finish(lm, p: Plan, result) -> InfillResult:
         if isinstance(piece, int):
             ids = out[at:at + n]
             cut = next((j for j, t in enumerate(ids) if t in stops), len(ids))
-            fill = tok.decode(ids[:cut], skip_special_tokens=True)
-            if next(spaced) and fill.startswith(" "):
-                fill = fill[1:]  # the template's own space, which it keeps before the hole
-            fills.append(fill)
+            fills.append(unspaced(tok.decode(ids[:cut], skip_special_tokens=True), next(spaced)))
         at += n
     return InfillResult(p.template.text(fills), fills, p.prompt, out, [t < 0 for t in p.region], result)
 

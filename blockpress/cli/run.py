@@ -551,9 +551,8 @@ def _run_sudoku(lm, prompt, args, console, gen, live) -> int:
                           "repaired_cells": rounds, "token_ids": tokens, "stats": stats}))
         return 0
     cells = []
-    padded = answer.ljust(81, "0")
     for i in range(81):  # the clues bold, the model's right digits green
-        d = padded[i]
+        d = answer[i]  # (81 digits: read_answer pads)
         if d == "0":
             cells.append(("·", "bold red reverse"))
         elif solution is not None and d != solution[i]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..errors import BlockpressError, InputError
-from ..infill import whole_canvases
+from ..infill import unspaced, whole_canvases
 from ..parsing import ToolCall, call_ban, reply_parser
 from .budget import encode_within
 from .protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
@@ -264,8 +264,8 @@ class OutputAssembler:
 
     def _text(self, text: str, final: bool = False) -> Delta:
         if self.parser is None:
-            skip = 1 if self.drop_space and self._decoded == 0 and text.startswith(" ") else 0
-            d = Delta(content=text[skip:])
+            d = Delta(content=unspaced(text, self.drop_space and self._decoded == 0))  # (the first text only)
+            skip = len(text) - len(d.content)
             if self.aligner is not None:
                 self.aligner.content_from(d.content, range(self._decoded + skip, self._decoded + len(text)))
             self._decoded += len(text)

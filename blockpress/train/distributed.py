@@ -112,7 +112,7 @@ def reduce_stats(rows: list[dict], counts_key: str) -> dict:
     keys = [k for k in rows[0] if k != counts_key]
     n = [sum(c.get(k, 0) for c in counts) for k in keys]
     mean = [sum(row[k] for row in rows) / len(rows) for k in keys]
-    pooled = [sum(row[k] * row.get(counts_key, {}).get(k, 0) for row in rows) for k in keys]
+    pooled = [sum(row[k] * c.get(k, 0) for row, c in zip(rows, counts)) for k in keys]
     if tdist.is_available() and tdist.is_initialized():
         t = torch.tensor([mean, pooled, n], dtype=torch.float64, device=_device())
         tdist.all_reduce(t)

@@ -4,6 +4,7 @@ end on the tiny preset (table + ONE JSON line), and the transformers twin gettin
 
 import json
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -661,3 +662,30 @@ def test_profile_parts_follow_the_gpu_timeline_so_triton_kernels_count_where_the
     got = parts_by_gpu_spans(kernels, spans)
     assert got == {"experts": 52.0, "attention": 8.0, "decode": 20.0, "outside": 33.0}
     assert sum(got.values()) == sum(k[2] for k in kernels)
+
+
+def test_transformers_twin_loads_quietly_and_refuses_missing_text_weights(tmp_path):
+    """The shipped models have no vision tower: transformers' table of its missing weights is not printed (text
+    generation never reads them); a checkpoint missing a text weight is refused (its twin would be random there)."""
+    from safetensors.torch import load_file, save_file
+
+    from blockpress.errors import InputError
+    import shutil
+
+    from blockpress.lab.random_weights import load_reference
+    from blockpress.loading import resolve_path
+
+    model = shutil.copytree(resolve_path("kjv", progress=False), tmp_path / "m")
+    # a process of its own: transformers' log handler holds the stderr it found when first imported
+    code = ("import sys, torch; from blockpress.lab.random_weights import load_reference; "
+            "load_reference(sys.argv[1], torch.device('cpu'), torch.float32); print('loaded')")
+    done = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "loaded", done.stderr
+    assert "MISSING" not in done.stderr and "vision" not in done.stderr, done.stderr
+    (shard,) = model.glob("*.safetensors")
+    tensors = load_file(shard)
+    gone = next(k for k in tensors if "layers.0" in k and "proj" in k)
+    del tensors[gone]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(InputError, match="uninitialised .*--no-reference"):
+        load_reference(model, torch.device("cpu"), torch.float32)

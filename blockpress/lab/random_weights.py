@@ -21,6 +21,7 @@ import zlib
 import torch
 
 from ..config import ModelConfig
+from ..errors import InputError
 from ..model.diffusion_gemma import DiffusionGemmaModel
 from ..model.weights import checkpoint_to_module_name
 from ..kernels.quant import QuantizedExperts, quantize_fp8, quantize_int4
@@ -104,11 +105,30 @@ def build_reference(config: dict, device, dtype, seed: int = 0, std: float = 0.0
     return hf.eval()
 
 
+def _vision_key(name: str) -> bool:
+    """A weight of the vision side (tower or its projection into the text embeddings), unused by text generation."""
+    return any(part in name.split(".") for part in ("vision_tower", "embed_vision"))
+
+
 def load_reference(folder, device, dtype):
     """transformers' model from a checkpoint folder (a trained model's twin), with no early end."""
     from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.utils import logging as hf_logging
 
-    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(str(folder), dtype=dtype).to(device)
+    # text-only checkpoints (ours, the shipped models) have no vision tower: transformers initialises it and prints
+    # a table of its missing weights, which generation never reads. Any other missing weight is an error here: a
+    # reference with random weights would make the token agreement meaningless.
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        hf, info = DiffusionGemmaForBlockDiffusion.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(level)
+    missing = sorted(k for k in map(str, info["missing_keys"] | info["mismatched_keys"]) if not _vision_key(k))
+    if missing:
+        raise InputError(f"transformers' reference left {len(missing)} weights of {folder} uninitialised (e.g. "
+                         f"{missing[0]}); compare against a complete checkpoint, or pass --no-reference")
+    hf = hf.to(device)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = None
     return hf.eval()

@@ -269,6 +269,13 @@ class Tokenizer:
         # the plain text, where control-token text is read as control tokens
         return text if text.replace(TEXT_LT, "<") == plain else plain
 
+    def decode_prefixes(self, ids: Sequence[int], first: int, skip_special_tokens: bool = False) -> list[str]:
+        """[decode(ids[:k]) for k in first + 1 .. len(ids)] (plain text) in one call into the tokenizer, which decodes
+        them outside the GIL; ids already checked by a `decode` of them all."""
+        ids = [int(i) for i in ids]
+        return self._tok.decode_batch([ids[:k] for k in range(first + 1, len(ids) + 1)],
+                                      skip_special_tokens=skip_special_tokens)
+
     def stream_decoder(self, skip_special_tokens: bool = False, marked: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens, marked=marked)
 
@@ -366,11 +373,13 @@ class StreamDecoder:
         return self._prefix, len(self.text) - done, len(self._ids) - self._pending
 
     def _ends(self, start: int, base: int, first: int, stop: int) -> list[int]:
-        """The text ends of ids [first, stop), decoding from id `start` (at text position `base`)."""
-        full = self._decode(self._ids[start:stop])
+        """The text ends of ids [first, stop), decoding from id `start` (at text position `base`). Plain text: the
+        marked text has the same length (`Tokenizer.decode`), so the same ends."""
+        tok, window = self._tokenizer, self._ids[start:stop]
+        full = tok.decode(window, skip_special_tokens=self._skip)
+        parts = tok.decode_prefixes(window, first - start, skip_special_tokens=self._skip) if first < stop else []
         ends, last = [], self._last_end
-        for i in range(first, stop):
-            part = self._decode(self._ids[start:i + 1])
+        for i, part in zip(range(first, stop), parts):
             k = len(part) if full.startswith(part) else len(os.path.commonprefix([part, full]))
             if i + 1 < stop and part.endswith(_REPLACEMENT):  # an incomplete character: not owned yet
                 k = min(k, len(part.rstrip(_REPLACEMENT)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -155,6 +156,29 @@ def test_stream_decoder_of_any_ids_concatenates_to_decode(tok, ids, cuts, skip, 
         assert full.replace(TEXT_LT, "<") == plain and len(full) == len(plain)
         specials = "".join(tok.decode([i]) for i in ids if i in tok.special_ids and not skip)
         assert full.count("<") == specials.count("<")
+
+
+@FAST
+@given(ids=st.lists(st.integers(0, TINY_VOCAB_SIZE - 1), min_size=1, max_size=40),
+       cuts=st.lists(st.integers(0, 1000), max_size=10), skip=st.booleans(), marked=st.booleans())
+def test_stream_decoder_text_ends_are_those_of_each_prefix(tok, ids, cuts, skip, marked):
+    """`feed_ends` gives each id the end of its text in the stream: with the prefixes decoded in one batched call,
+    the ends are those of decoding every prefix alone (the definition), nondecreasing, and the last is the text's
+    end."""
+    def ends_of(decoder):
+        ends = []
+        for chunk in _split(ids, cuts):
+            ends += decoder.feed_ends(chunk)[1]
+        return ends + decoder.flush_ends()[1], decoder.text
+
+    one_by_one = StreamDecoder(tok, skip_special_tokens=skip, marked=marked)
+    one_by_one._tokenizer = SimpleNamespace(  # every prefix through `decode`, one call each
+        decode=tok.decode, byte_ids=tok.byte_ids, special_ids=tok.special_ids,
+        decode_prefixes=lambda w, first, skip_special_tokens: [
+            tok.decode(w[:k], skip_special_tokens=skip_special_tokens) for k in range(first + 1, len(w) + 1)])
+    batched, text = ends_of(StreamDecoder(tok, skip_special_tokens=skip, marked=marked))
+    assert (batched, text) == ends_of(one_by_one)
+    assert len(batched) == len(ids) and batched == sorted(batched) and batched[-1] == len(text)
 
 
 def test_stream_decoder_flushes_incomplete_bytes(tok):

@@ -1065,6 +1065,38 @@ def test_a_reply_ended_by_a_stop_string_is_not_counted_as_abandoned(lm):
     assert left.cancelled and left.abandoned
 
 
+def test_a_client_gone_is_noticed_while_canvases_keep_committing(lm):
+    """The connection was polled only when no event came for 0.5 s: a non-streamed request whose canvases commit
+    faster than that held its row (and the GPU's time) to max_tokens after its client went away."""
+    serving = _serving(lm)
+    sampling = ChatCompletionRequest(messages=MSG, max_tokens=64).to_sampling(serving.limits, serving.defaults)
+    ids = lm.tokenizer.encode("word " * 200)
+
+    async def go():
+        h = Handle(Job(ids, serving.lm.generation_config()), loop=asyncio.get_running_loop())
+        run = _Run(h, prompt_tokens=7)
+
+        async def commits():  # a canvas every 0.1 s for 4 s, the last one finishing the row
+            for k in range(40):
+                await asyncio.sleep(0.1)
+                if h.cancelled:
+                    return
+                h.put(RowCommit(k, ids[k:k + 1], k == 39, 2))
+
+        async def gone():
+            return True
+
+        producer = asyncio.ensure_future(commits())
+        t0 = time.monotonic()
+        await serving.chat_response(run, sampling, stream=False, disconnected=gone)
+        took = time.monotonic() - t0
+        producer.cancel()
+        return h, took
+
+    h, took = asyncio.run(go())
+    assert h.cancelled and h.abandoned and took < 2.0, took
+
+
 def test_response_assembly_reasoning_and_tool_calls(lm):
     tok = lm.tokenizer
     ids = tok.encode(THOUGHT_AND_CALL)

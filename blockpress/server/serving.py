@@ -38,6 +38,7 @@ from .worker import Handle, Job, QueueFull, RowCommit, RowDraft, RowError, Worke
 
 Disconnected = Callable[[], Awaitable[bool]]
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+DISCONNECT_POLL = 0.5  # seconds between checks that a request's client is still there
 LOGPROB_FLOOR = -9999.0  # what a -inf (or a lower) log-probability is reported as: JSON has no infinities
 
 
@@ -464,16 +465,22 @@ class OpenAIServing:
 
     async def _events(self, run: _Run, asm: OutputAssembler, disconnected: Disconnected | None):
         """Engine events for one request until it is complete or the text is done (stop string,
-        max_tokens) or the client went away. Callers release the run in a `finally`."""
+        max_tokens) or the client went away. Callers release the run in a `finally`. The connection is polled
+        every DISCONNECT_POLL seconds, whether events keep coming or not (a canvas may commit faster than that)."""
+        polled = time.monotonic()
         while True:
             if disconnected is None:
                 ev = await run.handle.aget()
             else:
                 try:
-                    ev = await asyncio.wait_for(run.handle.aget(), timeout=0.5)
+                    ev = await asyncio.wait_for(run.handle.aget(), timeout=DISCONNECT_POLL)
                 except asyncio.TimeoutError:
+                    ev = None
+                if ev is None or time.monotonic() - polled >= DISCONNECT_POLL:
+                    polled = time.monotonic()
                     if await disconnected():
                         return
+                if ev is None:
                     continue
             if isinstance(ev, RowError):
                 run.complete = True

@@ -301,6 +301,19 @@ def test_same_seed_same_text_under_concurrency(server, client):
     assert solo_steps < steps, "the concurrent requests never shared a batch"
 
 
+def test_temperature_zero_without_a_seed_gives_one_answer(client):
+    """OpenAI's temperature is not the denoising sampler's, but a client sending 0 asks for the same answer every
+    time: without a seed it was a fresh random draw per request."""
+    def text(**kw):
+        r = client.chat.completions.create(model=client.model_id, messages=MSG, max_tokens=40, extra_body=FAST, **kw)
+        return r.choices[0].message.content
+
+    zero = [text(temperature=0) for _ in range(3)]
+    assert zero == [text(seed=0)] * 3
+    assert text(temperature=0, seed=5) == text(seed=5)  # a seed given is the seed used
+    assert len({text(temperature=0.7) for _ in range(3)}) > 1  # other temperatures: a draw per request, as before
+
+
 def test_reasoning_and_tool_call_fields_never_leak_control_tokens(server):
     body = {"messages": MSG, "max_tokens": 48, "seed": 9, **FAST,
             "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -564,6 +577,16 @@ BAD = [
     ("null user content", {"messages": [{"role": "user", "content": None}]}, 400, "messages.0"),
     ("string parameters", {"messages": MSG, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "tools.0"),
+    # accepted and dropped before: a client would have read an answer to another question
+    ("response_format without type", {"messages": MSG, "response_format": {"json_schema": {"name": "x", "schema": {
+        "type": "object"}}}}, 400, "response_format.type"),
+    ("stream_options unstreamed", {"messages": MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("completion stream_options unstreamed", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("legacy functions", {"messages": MSG, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, 400,
+     "functions"),
+    ("legacy function_call", {"messages": MSG, "function_call": "auto"}, 400, "function_call"),
+    ("audio output", {"messages": MSG, "modalities": ["text", "audio"]}, 400, "modalities"),
     # found by the schema fuzzer: a temperature schedule under fp32's range made the exact sampler's probabilities nan
     ("denormal t_max", {"prompt": "hi", "t_min": 0.0, "t_max": 5e-324, "entropy_bound": 5e-324}, 400, "t_max"),
 ]
@@ -581,6 +604,9 @@ BAD_MESSAGES = {
     "negative temperature": "temperature: Input should be greater than or equal to 0",
     "nan temperature": "Input should be a finite number", "logit_bias over 100": "less than or equal to 100",
     "null user content": "a user message needs content",
+    "response_format without type": "response_format needs a type",
+    "stream_options unstreamed": "stream_options is only allowed with stream: true",
+    "legacy functions": "send the functions as tools", "audio output": "only text output is supported",
     "string parameters": 'parameters must be a JSON Schema of type "object"',
     "steps and stability": "steps N runs exactly N steps a canvas (adaptive stopping off), which stability_threshold "
                            "would set; give one or the other",
@@ -1129,9 +1155,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call_and_nulls_are_defaults(l
     ids = tok.encode(three) + [106]
     serving = _serving(lm)
     for parallel, want in ((None, ["a", "b", "c"]), (True, ["a", "b", "c"]), (False, ["a"])):
-        req = ChatCompletionRequest(messages=MSG, max_tokens=64, parallel_tool_calls=parallel, n=None, stream=None,
+        req = ChatCompletionRequest(messages=MSG, max_tokens=64, parallel_tool_calls=parallel, stream=True,
                                     stream_options={"include_usage": True})
-        assert req.n == 1 and req.stream is False
         full, lines = _full_and_streamed(serving, ids, req.to_sampling(serving.limits, serving.defaults))
         assert [c.function.name for c in full.choices[0].message.tool_calls] == want
         chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
@@ -1139,6 +1164,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call_and_nulls_are_defaults(l
                     for tc in ch["delta"].get("tool_calls", [])]
         assert streamed == want
         assert all("usage" in c and c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["total_tokens"]
+    nulls = ChatCompletionRequest(messages=MSG, n=None, stream=None)
+    assert nulls.n == 1 and nulls.stream is False
     assert CompletionRequest(prompt="hi", echo=None, n=None, stream=None).echo is False
 
 

@@ -39,9 +39,11 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
   prompt once.
 - Ignored OpenAI fields: temperature, top_p, penalties, logit_bias (no meaning for the
   entropy-bounded denoising sampler); a value outside OpenAI's range (temperature 0-2, top_p 0-1, penalties
-  -2 to 2) is still a 400, as OpenAI answers it. Refused with a 400 naming the field rather than silently
-  dropped, because a client would read a wrong answer: `best_of` > 1, `echo`, image/audio content parts, and
-  `top_logprobs` > 0 without `logprobs: true` (chat).
+  -2 to 2) is still a 400, as OpenAI answers it. `temperature: 0` without a seed samples with seed 0: a client
+  asking for the same answer every time gets it. Refused with a 400 naming the field rather than silently
+  dropped, because a client would read a wrong answer: `best_of` > 1, `echo`, image/audio content parts, audio
+  output, the deprecated `functions` / `function_call`, `stream_options` without `stream`, a `response_format`
+  without a type, and `top_logprobs` > 0 without `logprobs: true` (chat).
 
 Structured output: `response_format` `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
 {"name", "schema", "strict"}}` (chat and completions), or the extensions `regex` / `grammar` (Lark): the output
@@ -209,12 +211,14 @@ def _check_unicode(value: Any, depth: int = 0) -> None:
 
 
 _IGNORED = "ignored by the denoising sampler (its temperature schedule is t_min / t_max); validated as OpenAI does"
+_TEMPERATURE = ("not a sampling temperature (the denoising sampler's schedule is t_min / t_max); 0 asks for a "
+                "deterministic answer: without a seed the request samples with seed 0")
 
 
 class _Request(BaseModel):
     model_config = _STRICT
     # OpenAI's sampling fields, in every endpoint: not used, but a value OpenAI refuses is refused (400 naming it)
-    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = Field(None, description=_TEMPERATURE)
     top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
     presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
@@ -325,8 +329,11 @@ class _DiffusionKnobs(_Request):
         """The compiled grammar of response_format / regex / grammar (at most one), or None for free text."""
         from ..engine.constraint import grammar_for
 
-        fmt = self.response_format or {}
-        kind = fmt.get("type", "text")
+        fmt = self.response_format or {"type": "text"}
+        if "type" not in fmt:
+            raise APIError(400, 'response_format needs a type: {"type": "text" | "json_object" | "json_schema", ...}',
+                           param="response_format.type", code="missing_required_parameter")
+        kind = fmt["type"]
         schema, json_object = None, False
         if kind == "json_object":
             json_object = True
@@ -346,6 +353,11 @@ class _DiffusionKnobs(_Request):
 
     def _resolve(self, limits: Limits, defaults: dict[str, Any], max_tokens: int | None, max_tokens_field: str,
                  default_max_tokens: int, seed: int | None, stop, stream_options) -> Sampling:
+        if stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true; drop it or stream the response",
+                           param="stream_options", code="invalid_value")
+        if seed is None and self.temperature == 0:
+            seed = 0  # temperature 0 asks for the same answer every time: the seed fixes it (see _IGNORED)
         n = default_max_tokens if max_tokens is None else max_tokens
         if n > limits.max_tokens:
             raise APIError(400, f"{max_tokens_field}={n} exceeds this server's limit of {limits.max_tokens}; "
@@ -423,6 +435,11 @@ class _ChatFields(_Request):
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     tools: list[Tool] | None = Field(None, max_length=128)
     user: str | None = Field(None, max_length=256)
+    # refused with a 400 naming them (a client that sends them expects what this server does not do)
+    functions: list[Any] | None = Field(None, description="refused: OpenAI's deprecated form of tools")
+    function_call: Any = Field(None, description="refused: OpenAI's deprecated form of tool_choice")
+    modalities: list[str] | None = Field(None, description='["text"] only')
+    audio: dict[str, Any] | None = Field(None, description="refused: text output only")
 
 
 class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
@@ -472,6 +489,13 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
             raise APIError(400, f"{len(self.messages)} messages exceed this server's limit of {limits.max_messages}; "
                            "drop older turns", param="messages", code="too_many_messages")
         _refuse_unsupported(self, limits)
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name} (OpenAI's deprecated form) is not supported; send the functions as "
+                               "tools (and function_call as tool_choice)", param=name, code="unsupported_parameter")
+        if self.audio is not None or any(m != "text" for m in self.modalities or []):
+            raise APIError(400, 'only text output is supported: drop audio and ask for modalities ["text"]',
+                           param="audio" if self.audio is not None else "modalities", code="unsupported_value")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true (the alternatives come with each token's own "
                            "log-probability)", param="top_logprobs", code="invalid_value")

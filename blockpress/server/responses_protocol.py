@@ -212,7 +212,7 @@ class ResponsesRequest(_DiffusionKnobs, _ResponsesFields):
                  for t in self.tools or []]
         body = {
             "messages": self.messages(), "model": self.model, "max_completion_tokens": self.max_output_tokens,
-            "seed": self.seed, "stream": self.stream, "user": self.user,
+            "seed": self.seed, "temperature": self.temperature, "stream": self.stream, "user": self.user,
             "parallel_tool_calls": self.parallel_tool_calls, "response_format": self.chat_format(),
             "reasoning_effort": self.reasoning.effort if self.reasoning else None,
             "tools": tools or None,

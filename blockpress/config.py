@@ -167,13 +167,17 @@ class TextConfig:
             _number(f"rope_parameters.{t}.rope_theta", merged[t].get("rope_theta", 10000.0), lo=1.0)
             if "partial_rotary_factor" in merged[t]:
                 _number(f"rope_parameters.{t}.partial_rotary_factor", merged[t]["partial_rotary_factor"], hi=1.0)
+                if rt == "default" and merged[t]["partial_rotary_factor"] != 1.0:  # it would be ignored here
+                    raise ConfigError(f"config field 'rope_parameters.{t}.partial_rotary_factor' is "
+                                      f"{merged[t]['partial_rotary_factor']} on 'default' RoPE, which rotates every "
+                                      "dimension; use rope_type 'proportional' for a partial rotation, or drop it")
         self.rope_parameters = merged
         # 4. per-layer overrides: explicit per_layer_config wins; otherwise full layers get globals
         resolved: dict[int, dict[str, int]] = {}
         if per_layer_config is not None and not isinstance(per_layer_config, dict):
             raise ConfigError("config field 'per_layer_config' must map layer indices to dicts, got a "
                               f"{type(per_layer_config).__name__}; fix config.json")
-        if per_layer_config:
+        if per_layer_config is not None:  # given, even empty (transformers saves {} when no layer differs)
             for k, v in per_layer_config.items():
                 try:
                     idx = int(k)

@@ -112,6 +112,9 @@ def test_default_pattern_and_forced_last_full():
     ("rope_parameters", {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 2.0}},
      "partial_rotary_factor' must be a number in"),
     ("eos_token_id", "1", "'eos_token_id' must be a token id"),
+    # ignored before: the sliding layers rotated every dimension (transformers shrinks the table, then fails)
+    ("rope_parameters", {"sliding_attention": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     "on 'default' RoPE, which rotates every dimension"),
     ("attention_bias", True, "attention_bias"),
 ])
 def test_invalid_values_name_the_field(field, value, needle):

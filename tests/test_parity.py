@@ -193,3 +193,27 @@ def test_generate_with_entropy_bound_and_no_schedule(pair):
     o = _hf_generate(hf, ids, 9, entropy_bound=2.5, **kw)
     r = _bp_generate(bp, ids, 9, entropy_bound=2.5, **kw)
     _assert_same(o, r)
+
+
+def test_tokens_per_forward_without_a_pad_id_is_the_references_number(pair):
+    """Without a pad id every new position counts, and the reference divides a Python int by the passes (torch:
+    reciprocal times the int); dividing a count tensor rounded once less, 1 ulp off (48 / 15)."""
+    name, hf, bp = pair
+    ids = _ids(B=2, seed=23)
+    kw = dict(max_new_tokens=3 * bp.canvas_length, max_denoising_steps=5, pad_token_id=None, eos_token_id=None,
+              stability_threshold=None, confidence_threshold=None, t_min=0.4, t_max=0.8)
+    o = _hf_generate(hf, ids, 4, **kw)
+    r = _bp_generate(bp, ids, 4, entropy_bound=0.1, **kw)
+    _assert_same(o, r)
+
+
+def test_a_checkpoint_whose_full_layers_have_the_sliding_geometry_loads(tmp_path):
+    """global_head_dim equal to head_dim and no global KV heads: transformers saves `per_layer_config: {}` (no layer
+    differs) and no raw global keys; an empty map was read as absent, giving the full layers the default 512."""
+    hf = build_hf_model(hf_config(canvas_length=8, global_head_dim=16, num_global_key_value_heads=None), seed=3)
+    hf.save_pretrained(tmp_path)
+    bp = blockpress.load(tmp_path, device="cpu", dtype="float32", progress=False)
+    assert {bp.config.text.layer_head_dim(i) for i in range(bp.config.text.num_hidden_layers)} == {16}
+    ids = _ids(B=1, seed=2)
+    kw = dict(BASE, max_new_tokens=16, stability_threshold=1, confidence_threshold=0.005, eos_token_id=[1])
+    _assert_same(_hf_generate(hf, ids, 3, **kw), _bp_generate(bp, ids, 3, entropy_bound=0.1, **kw))

@@ -205,10 +205,13 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     wrote = new_tokens != pad if pad is not None else torch.ones_like(new_tokens, dtype=torch.bool)
     if fixed_tokens is not None:  # held (given) and discarded (-2) positions are not the model's tokens
         wrote &= fixed_tokens[:, :new_tokens.shape[1]].to(new_tokens.device) == -1
-    valid = wrote.sum(dim=-1)
     passes_t = torch.tensor([r.passes for r in rows], dtype=torch.int32, device=ids.device)
+    if pad is None and fixed_tokens is None:  # every position counts: the reference's int over the passes (torch
+        tpf = new_tokens.shape[1] / passes_t  # evaluates it as reciprocal * int, one rounding more: the same bits)
+    else:
+        tpf = wrote.sum(dim=-1) / passes_t
     yield Finished(GenerationResult(
-        sequences=seq, tokens_per_forward=valid / passes_t, steps_per_canvas=steps_per_canvas,
+        sequences=seq, tokens_per_forward=tpf, steps_per_canvas=steps_per_canvas,
         canvas_seconds=canvas_seconds, prompt_length=S, prefill_seconds=prefill_seconds,
         first_commit_seconds=first_commit, total_seconds=time.perf_counter() - t_start,
         forward_passes=passes_t, cache=runner.cache, config=cfg))

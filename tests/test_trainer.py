@@ -204,7 +204,8 @@ def test_chat_jsonl_supervises_only_the_final_assistant_turn(tmp_path):
 
 def test_plain_text_training_splits_documents_and_runs_from_the_cli(tmp_path):
     """Plain text: one document per blank-line paragraph, prompt = BOS + a per-document seeded number of
-    tokens in [lo, hi], response = the rest; `blockpress train file.txt` runs with a held-out eval file."""
+    tokens in [lo, hi], response = the rest + EOS (the end of text); `blockpress train file.txt` runs with a held-out
+    eval file."""
     from blockpress.testing import build_tiny_gemma_tokenizer
     from blockpress.train.data import TextSource
 
@@ -213,18 +214,19 @@ def test_plain_text_training_splits_documents_and_runs_from_the_cli(tmp_path):
     data = tmp_path / "train.txt"
     data.write_text("\n\n".join(docs) + "\n")
     (tmp_path / "held.txt").write_text(docs[0] + "\n\n" + docs[1])
-    src = TextSource(data, tok, batch_size=4, prompt_tokens=(1, 5))
+    src = TextSource(data, tok, batch_size=4, prompt_tokens=(1, 5), canvas_length=8)
     lengths = set()
     for i, doc in enumerate(docs):
         prompt, response = src.examples[i]
         assert prompt[0] == tok.bos_token_id and 1 <= len(prompt) - 1 <= 5
-        assert prompt[1:] + response == tok.encode(doc)  # nothing lost or duplicated at the split
+        assert prompt[1:] + response[:-1] == tok.encode(doc)  # nothing lost or duplicated at the split
+        assert response[-1] == tok.eos_token_id  # the document's end
         lengths.add(len(prompt))
     assert len(lengths) > 1  # the split point varies between documents
-    again = TextSource(data, tok, batch_size=4, prompt_tokens=(1, 5))
+    again = TextSource(data, tok, batch_size=4, prompt_tokens=(1, 5), canvas_length=8)
     assert again.examples == src.examples  # seeded: a resumed run sees the same examples
     with pytest.raises(blockpress.errors.InputError, match="prompt_tokens"):
-        TextSource(data, tok, batch_size=4, prompt_tokens=(5, 1))
+        TextSource(data, tok, batch_size=4, prompt_tokens=(5, 1), canvas_length=8)
     out = tmp_path / "run"
     assert cli_main(["train", str(data), "--tokenizer", str(tmp_path / "tok"), "--size", "nano", "--steps", "2",
                      "--batch-size", "4", "--canvas-length", "8", "--context", "32", "--prompt-tokens", "1", "5",
@@ -405,8 +407,8 @@ def test_training_from_scratch_takes_the_tokenizers_special_ids_and_whole_docume
     long_doc = " ".join(words[i % 300] for i in range(2500))
     data = tmp_path / "d.jsonl"
     data.write_bytes(b"\xef\xbb\xbf" + (json.dumps({"text": long_doc}) + "\n").encode())
-    src = TextSource(data, tok, batch_size=2, prompt_tokens=(1, 4))
-    assert len(src.examples) == 3 and sum(len(p) - 1 + len(r) for p, r in src.examples) == 2500
+    src = TextSource(data, tok, batch_size=2, prompt_tokens=(1, 4), canvas_length=8)
+    assert len(src.examples) == 3 and sum(len(p) - 1 + len(r) for p, r in src.examples) == 2500 + 1  # + its EOS
     out = tmp_path / "run"
     assert cli_main(["train", str(data), "--tokenizer", str(tmp_path / "tok"), "--size", "nano", "--steps", "2",
                      "--batch-size", "2", "--canvas-length", "8", "--context", "16", "--warmup", "2", "--log-every",

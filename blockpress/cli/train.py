@@ -49,16 +49,25 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     run.add_argument("--out", default=None, help="output folder (default runs/<data>)")
     run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     run.add_argument("--steps", type=_positive_int, default=1000)
-    run.add_argument("--batch-size", type=_positive_int, default=32, help="global batch (all ranks)")
+    run.add_argument("--batch-size", type=_positive_int, default=32,
+                     help="examples per optimizer step, all processes and micro-batches together")
+    run.add_argument("--grad-accum", type=_positive_int, default=1, metavar="N",
+                     help="cut each step's batch into N micro-batches, their gradients summed before one optimizer "
+                          "step: the same step (up to fp32 rounding) in 1/N of the activation memory; --batch-size "
+                          "must divide by N x processes (default 1)")
     run.add_argument("--lr", type=_float_in(0, strict=True), default=1e-3)
-    run.add_argument("--min-lr-ratio", type=_float_in(0, strict=False), default=0.1)
+    run.add_argument("--min-lr-ratio", type=float, default=0.1,
+                     help="final learning rate of the cosine schedule as a fraction of --lr, in [0, 1] (default 0.1)")
     run.add_argument("--warmup", type=_nonneg_int, default=30)
     run.add_argument("--weight-decay", type=_float_in(0, strict=False), default=0.01)
     run.add_argument("--clip", type=_float_in(0, strict=False), default=1.0, help="gradient-norm clip (0: off)")
     run.add_argument("--seed", type=_seed, default=0)
     run.add_argument("--log-every", type=_positive_int, default=10)
-    run.add_argument("--eval-data", default=None, help="text/chat: held-out file for the periodic eval loss")
-    run.add_argument("--eval-every", type=_nonneg_int, default=200, help="steps between eval losses (0: off)")
+    run.add_argument("--eval-data", default=None,
+                     help="text/chat: held-out file for the periodic eval loss (without it the eval loss is measured "
+                          "on training examples, with fixed noise: logged as such, not a held-out loss)")
+    run.add_argument("--eval-every", type=_nonneg_int, default=200,
+                     help="steps between eval losses (0: off); Sudoku evaluates on puzzles it does not train on")
     run.add_argument("--eval-batches", type=_positive_int, default=2)
     run.add_argument("--save-every", type=_nonneg_int, default=200, help="steps between checkpoints (0: only the last)")
     run.add_argument("--save-minutes", type=_float_in(0, strict=False), default=0.0)
@@ -71,6 +80,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                      help="under torchrun: shard parameters, gradients and optimizer state across the processes "
                           "(FSDP2, one shard group per decoder layer) instead of copying the model to each (DDP)")
     run.add_argument("--max-canvases", type=_positive_int, default=None, help="truncate responses to N canvases")
+    run.add_argument("--max-prompt", type=_positive_int, default=None, metavar="N",
+                     help="chat: keep the last N tokens of each row's prompt (rows longer than the model's positions "
+                          "are refused, naming the line)")
     run.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
     run.add_argument("--no-progress", action="store_true")
     o = p.add_argument_group("objective")
@@ -147,7 +159,21 @@ def _ignored(args, task: bool) -> list[str]:
         out.append("--eval-data / --prompt-tokens (text and chat data; Sudoku evaluates on held-out puzzles)")
     if not args.infill_rate and changed("infill_span"):
         out.append("--infill-span (the spans of --infill-rate P: add it)")
+    if args.max_prompt is not None and (task or not _is_chat_data(args)):
+        out.append("--max-prompt (it cuts chat prompts; plain text takes --prompt-tokens, Sudoku's prompts are fixed)")
     return out
+
+
+def _is_chat_data(args) -> bool:
+    return args.data.endswith(".jsonl") and _is_chat(args.data)
+
+
+def _flag_error(e: ValueError):
+    """A config's ValueError ("field_name message") as the flag's one-line InputError ("--field-name message")."""
+    from blockpress.errors import InputError
+
+    field, _, rest = str(e).partition(" ")
+    return InputError(f"--{field.replace('_', '-')} {rest}")
 
 
 def build(args, world: int = 1):
@@ -157,13 +183,13 @@ def build(args, world: int = 1):
     import torch
 
     import blockpress
-    from blockpress.errors import CheckpointError, InputError
+    from blockpress.errors import InputError
     from blockpress.kernels import use
     from blockpress.train import objective as obj
     from blockpress.train import sizes
     from blockpress.train.data import SudokuSource, build_source
     from blockpress.config import ModelConfig, _read_json
-    from blockpress.train.trainer import TrainConfig, latest_checkpoint
+    from blockpress.train.trainer import TrainConfig, latest_checkpoint, writing_run_folder
     from blockpress.tasks import task_info
 
     out = Path(args.out or f"runs/{Path(args.data).stem}")
@@ -175,13 +201,21 @@ def build(args, world: int = 1):
         raise InputError("--infill-rate is for text and chat data; for Sudoku use --sudoku-format inplace")
     if not task and (args.augment != 1 or args.sudoku_format != "prompt"):
         raise InputError("--augment and --sudoku-format apply to `blockpress train sudoku` only")
-    try:
+    quantized = args.precision != "native" or args.linears != "native"
+    try:  # validated here, before any work (and the same way for the Python API: the dataclasses check themselves)
         ocfg = obj.ObjectiveConfig(eps=args.eps, sc_prob=args.sc_prob, ar_weight=args.ar_weight,
                                    ar_scope=args.ar_scope, seed=args.seed, ar_only=args.ar_only,
                                    swap_rate=args.swap_rate, rollout=args.rollout)
+        tcfg = TrainConfig(out_dir=str(out), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                           min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay,
+                           clip=args.clip, log_every=args.log_every, eval_every=args.eval_every,
+                           eval_batches=args.eval_batches, save_every=args.save_every, save_minutes=args.save_minutes,
+                           keep_last=args.keep_last,
+                           grad_checkpointing=quantized if args.grad_checkpointing is None else args.grad_checkpointing,
+                           max_canvases=args.max_canvases, stop_after=args.stop_after,
+                           progress=not args.no_progress, grad_accum=args.grad_accum, objective=ocfg)
     except ValueError as e:  # name the flag, not the dataclass field
-        field = str(e).split(" ", 1)[0]
-        raise InputError(f"--{field.replace('_', '-')} {str(e).split(' ', 1)[1]}") from None
+        raise _flag_error(e) from None
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; give a folder for the run's checkpoints")
     if not args.resume and out.is_dir() and any(p.is_dir() for p in out.glob("checkpoint-*")):
@@ -191,7 +225,6 @@ def build(args, world: int = 1):
     if args.resume and resume_ck is None:
         print(f"blockpress train: nothing to resume in {out} (no complete checkpoint there): starting from step 0",
               file=sys.stderr)
-    quantized = args.precision != "native" or args.linears != "native"
     if quantized and not args.lora:
         raise InputError("--precision / --linears train LoRA adapters over frozen quantised weights (QLoRA); full "
                          "fine-tuning of quantised weights is not supported: add --lora RANK, or drop --precision / "
@@ -211,6 +244,10 @@ def build(args, world: int = 1):
                         targets=tuple(args.lora_targets.split(",")),
                         base_model=str(Path(args.model).resolve()) if args.model and Path(args.model).is_dir()
                         else args.model)
+    if resume_ck is not None:  # the adapters (or none) the run was started with, before anything is loaded
+        from blockpress.train.lora import check_resume_adapters
+
+        check_resume_adapters(lora, resume_ck)
     device = "cpu" if args.fsdp and world > 1 else args.device
     if args.model:
         q = dict(precision=args.precision, linears=args.linears) if quantized else {}
@@ -280,14 +317,6 @@ def build(args, world: int = 1):
         add_lora(lm.module, lora, seed=args.seed)
         if resume_ck is not None:
             load_adapter_weights(lm.module, resume_ck)
-    tcfg = TrainConfig(out_dir=str(out), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                       min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay,
-                       clip=args.clip, log_every=args.log_every, eval_every=args.eval_every,
-                       eval_batches=args.eval_batches, save_every=args.save_every, save_minutes=args.save_minutes,
-                       keep_last=args.keep_last,
-                       grad_checkpointing=quantized if args.grad_checkpointing is None else args.grad_checkpointing,
-                       max_canvases=args.max_canvases, stop_after=args.stop_after,
-                       progress=not args.no_progress, objective=ocfg)
     if task:
         lo, hi = args.blanks
         if not 0 <= lo <= hi <= 64:
@@ -295,14 +324,16 @@ def build(args, world: int = 1):
         source = SudokuSource(tuple(args.blanks), args.seed, "train", format=args.sudoku_format, augment=args.augment)
         eval_source = SudokuSource(tuple(args.blanks), args.seed, "eval", format=args.sudoku_format)
     else:
-        source = build_source("chat" if args.data.endswith(".jsonl") and _is_chat(args.data) else "text",
-                              args.data, lm.tokenizer, args.batch_size, args.seed,
-                              prompt_tokens=tuple(args.prompt_tokens))
+        # every example must fit the model's positions: chat rows are checked (path:line), text is cut to fit
+        fit = dict(prompt_tokens=tuple(args.prompt_tokens), eos_id=_eos(lm), canvas_length=lm.canvas_length,
+                   max_positions=lm.config.text.max_position_embeddings, max_canvases=args.max_canvases,
+                   max_prompt=args.max_prompt)
+        source = build_source("chat" if _is_chat_data(args) else "text", args.data, lm.tokenizer, args.batch_size,
+                              args.seed, **fit)
         eval_source = None
         if args.eval_data:
             eval_source = build_source("chat" if args.eval_data.endswith(".jsonl") and _is_chat(args.eval_data)
-                                       else "text", args.eval_data, lm.tokenizer, args.batch_size, args.seed,
-                                       prompt_tokens=tuple(args.prompt_tokens))
+                                       else "text", args.eval_data, lm.tokenizer, args.batch_size, args.seed, **fit)
         if args.infill_rate:
             from blockpress.train.data import InfillSource
 
@@ -311,34 +342,34 @@ def build(args, world: int = 1):
     # a resumed run's lm.path is the checkpoint it resumed from, which keep_last pruning deletes later.
     # Done last, after the data is read, so that a bad data file leaves no run folder behind.
     tokdir = out / "tokenizer"
-    if task:
-        from blockpress.tasks import sudoku as sd
+    with writing_run_folder(out):  # a read-only or full disk, a path through a file: one line
+        if task:
+            from blockpress.tasks import sudoku as sd
 
-        tokdir.mkdir(parents=True, exist_ok=True)
-        try:
-            sd.build_tokenizer().save(str(tokdir / "tokenizer.json"))
-        except Exception as e:  # tokenizers raises a bare Exception (a full disk, a read-only folder)
-            raise CheckpointError(f"could not write {tokdir / 'tokenizer.json'} ({e}); free disk space or choose "
-                                  "another --out") from None
-        lm.path = tokdir
-    elif lm.path is not None and Path(lm.path).resolve() != tokdir.resolve():
-        from blockpress.lm import TOKENIZER_FILES
-
-        names = [n for n in TOKENIZER_FILES if (Path(lm.path) / n).is_file()]
-        if names:
             tokdir.mkdir(parents=True, exist_ok=True)
-            for n in names:
-                (tokdir / n).write_bytes((Path(lm.path) / n).read_bytes())
+            try:
+                sd.build_tokenizer().save(str(tokdir / "tokenizer.json"))
+            except Exception as e:  # tokenizers raises a bare Exception (a full disk, a read-only folder)
+                raise OSError(f"{tokdir / 'tokenizer.json'}: {e}") from None
             lm.path = tokdir
+        elif lm.path is not None and Path(lm.path).resolve() != tokdir.resolve():
+            from blockpress.lm import TOKENIZER_FILES
+
+            names = [n for n in TOKENIZER_FILES if (Path(lm.path) / n).is_file()]
+            if names:
+                tokdir.mkdir(parents=True, exist_ok=True)
+                for n in names:
+                    (tokdir / n).write_bytes((Path(lm.path) / n).read_bytes())
+                lm.path = tokdir
     return lm, source, eval_source, tcfg, lora, extra, resume_ck
 
 
 def _is_chat(path: str) -> bool:
     """Whether a .jsonl file holds chat rows (its first row has 'messages' or 'prompt'); a broken file is
     left to the data reader, which names the line."""
-    from blockpress.tasks import read_data_file
+    from blockpress.train.data import read_text
 
-    for line in read_data_file(Path(path)).splitlines():
+    for line in read_text(Path(path)).splitlines():
         if line.strip():
             try:
                 row = json.loads(line)

@@ -14,15 +14,22 @@ canvas split, EOS fill and corruption.
   (then the turn ends `<|tool_response>`, where the model stops for the tool). Rows may instead give
   `{"prompt": str, "completion": str}`.
 - `TextSource`: plain text (a .txt file: one document per blank-line-separated paragraph, or .jsonl
-  with a "text" field); prompt = BOS + the first `prompt_tokens` tokens, response = the rest.
-  `prompt_tokens` may be a (lo, hi) range: each document then gets its own length, drawn once from
-  a seeded RNG, so the model also learns to continue short prompts.
+  with a "text" field); prompt = BOS + the first `prompt_tokens` tokens, response = the rest + EOS (the
+  document's end is an end of text the model must learn to write, spec §2.4). `prompt_tokens` may be a (lo, hi)
+  range: each example then gets its own length, drawn from a seeded RNG, so the model also learns to continue
+  short prompts. A document longer than one example (`max_tokens`, and the model's positions) is cut into several
+  at whole canvases: a cut gets no EOS and no EOS fill, so the model never learns an end where the text goes on.
 - `SudokuSource`: generated puzzles from `blockpress.tasks.sudoku` (never a held-out solution).
+
+Checked when the data is read (the file and line named, one line each): an empty file, a folder given as a file,
+text the model's tokenizer mostly cannot read (`<unk>`), and a chat row longer than the model's positions
+(`max_position_embeddings`) once cut to `max_prompt` / `max_canvases`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -51,9 +58,11 @@ class ListSource(Source):
     questions beside tool declarations and earlier turns) this roughly halves the work per step, while
     every example is still seen once per epoch in a seeded random batch order."""
 
-    def __init__(self, examples: list[Example], batch_size: int, seed: int = 0, bucket: int = 0):
+    def __init__(self, examples: list[Example], batch_size: int, seed: int = 0, bucket: int = 0,
+                 name: str | None = None):
+        """name: what the examples were read from, for the error an empty list is."""
         if not examples:
-            raise InputError("the training data is empty; give at least one example")
+            raise InputError(f"{name or 'the training data'} is empty; give at least one example")
         self.examples, self.batch_size, self.seed, self.bucket = examples, batch_size, seed, bucket
         self._perms: dict[int, list[int]] = {}
 
@@ -84,10 +93,39 @@ class ListSource(Source):
         return len(self.examples)
 
 
+def read_text(path: Path) -> str:
+    """A data file's text (`tasks.read_data_file`: missing, not UTF-8); a folder is named as one, not "not found"."""
+    if path.is_dir():
+        raise InputError(f"{path} is a folder, not a data file; give 'sudoku', a chat .jsonl file, or a plain-text "
+                         ".txt/.jsonl file")
+    return read_data_file(path)
+
+
+def check_vocabulary(examples: list[Example], tokenizer, name) -> None:
+    """Refuse data that the model's tokenizer mostly reads as <unk> (English text on the Sudoku model): every such
+    token is the same id, and training on it teaches nothing but <unk>."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return
+    total = sum(len(ex[0]) + len(ex[1]) for ex in examples)
+    n = sum(ex[0].count(unk) + ex[1].count(unk) for ex in examples)
+    if total and 2 * n > total:
+        raise InputError(f"{name}: {100 * n / total:.0f} % of its tokens are unknown to the model's tokenizer "
+                         f"(<unk>): the text is not in the model's vocabulary; train a model whose tokenizer covers "
+                         "it (another --model, or --tokenizer from scratch)")
+
+
+def trained_length(prompt: list, response: list, canvas_length: int, max_canvases: int | None = None) -> int:
+    """Positions one example takes in training: its prompt, then its response in whole canvases (the last one
+    EOS-filled, at most `max_canvases`)."""
+    n = -(-len(response) // canvas_length)
+    return len(prompt) + min(n, max_canvases or n) * canvas_length
+
+
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
     """[(where, row)]: `where` is "path:line" for error messages; every row must be a JSON object."""
     rows = []
-    for n, line in enumerate(read_data_file(path).splitlines(), 1):
+    for n, line in enumerate(read_text(path).splitlines(), 1):
         if line.strip():
             try:
                 row = json.loads(line)
@@ -179,21 +217,49 @@ def assistant_turn_text(chat_template: str, message: dict, thinking: bool = Fals
 
 
 class ChatJsonlSource(ListSource):
-    """Chat rows (`chat_example`), batched by length (`ListSource` bucket, 16 batches a window by default)."""
+    """Chat rows (`chat_example`), batched by length (`ListSource` bucket, 16 batches a window by default).
+
+    max_prompt: keep the last N prompt tokens of each row. canvas_length + max_positions (the model's
+    max_position_embeddings): a row that would train on more positions (`trained_length`, with `max_canvases`) is
+    refused, naming its path:line."""
 
     def __init__(self, path: str | Path, tokenizer, batch_size: int, seed: int = 0, max_prompt: int | None = None,
-                 bucket: int = 16):
+                 bucket: int = 16, canvas_length: int | None = None, max_positions: int | None = None,
+                 max_canvases: int | None = None):
         if tokenizer is None:
             raise InputError("chat JSONL training needs a tokenizer (tokenizer.json in the model folder)")
-        exs = [chat_example(tokenizer, r, where) for where, r in _read_jsonl(Path(path))]
-        if max_prompt:
-            exs = [(p[-max_prompt:], r) for p, r in exs]
-        super().__init__(exs, batch_size, seed, bucket)
+        exs = []
+        for where, r in _read_jsonl(Path(path)):
+            p, resp = chat_example(tokenizer, r, where)
+            p = p[-max_prompt:] if max_prompt else p
+            if canvas_length and max_positions:
+                _check_fits(where, p, resp, canvas_length, max_positions, max_canvases)
+            exs.append((p, resp))
+        check_vocabulary(exs, tokenizer, path)
+        super().__init__(exs, batch_size, seed, bucket, name=str(path))
+
+
+def _check_fits(where: str, prompt: list, response: list, C: int, limit: int, max_canvases: int | None) -> None:
+    n = trained_length(prompt, response, C, max_canvases)
+    if n <= limit:
+        return
+    canvases = (n - len(prompt)) // C
+    fix = f"--max-prompt {limit - canvases * C} (keep the prompt's last tokens)" if limit - canvases * C > 0 else ""
+    if limit - len(prompt) >= C:
+        fix += (" or " if fix else "") + f"--max-canvases {(limit - len(prompt)) // C}"
+    raise InputError(f"{where}: prompt {len(prompt)} + {canvases} canvas(es) of {C} = {n} tokens, more than the "
+                     f"model's {limit} positions (max_position_embeddings); shorten the row"
+                     + (f", or cut it with {fix}" if fix else ""))
 
 
 class TextSource(ListSource):
+    """Plain-text documents (see the module docstring). canvas_length: the model's (cuts fall on whole canvases);
+    eos_id: the end of text appended at each document's end (default the tokenizer's); an example takes at most
+    `max_tokens` positions (and `max_positions`, the model's max_position_embeddings, when given)."""
+
     def __init__(self, path: str | Path, tokenizer, batch_size: int, seed: int = 0,
-                 prompt_tokens: int | tuple[int, int] = 16, max_tokens: int = 1024):
+                 prompt_tokens: int | tuple[int, int] = 16, max_tokens: int = 1024, *, canvas_length: int,
+                 eos_id: int | None = None, max_positions: int | None = None):
         if tokenizer is None:
             raise InputError("text training needs a tokenizer (tokenizer.json in the model folder)")
         path = Path(path)
@@ -208,25 +274,45 @@ class TextSource(ListSource):
                 if r["text"]:
                     docs.append(r["text"])
         else:
-            docs = [d.strip() for d in read_data_file(path).split("\n\n") if d.strip()]
+            docs = [d.strip() for d in read_text(path).split("\n\n") if d.strip()]
         lo, hi = (prompt_tokens, prompt_tokens) if isinstance(prompt_tokens, int) else tuple(prompt_tokens)
         if not 0 <= lo <= hi:
             raise InputError(f"prompt_tokens range ({lo}, {hi}) must satisfy 0 <= lo <= hi")
+        eos = tokenizer.eos_token_id if eos_id is None else eos_id
+        if eos is None:
+            raise InputError("text training needs an end-of-text token: the tokenizer has no eos_token")
+        C = int(canvas_length)
+        budget = min(max_tokens, max_positions or max_tokens)  # positions of one example, BOS included
         rng = random.Random(f"text-prompt/{seed}")
-        bos = tokenizer.bos_token_id
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         exs = []
         for d in docs:
             whole = tokenizer.encode(d)
-            for start in range(0, len(whole), max_tokens):  # a long document: examples of max_tokens, not its head
-                ids = whole[start:start + max_tokens]
+            start = 0
+            while start < len(whole):
                 k = rng.randint(lo, hi)
-                if len(ids) > k and (k > 0 or bos is not None):
-                    exs.append((([bos] if bos is not None else []) + ids[:k], ids[k:]))
+                rest = whole[start:]
+                if start and len(rest) <= k:  # a document's tail shorter than the prompt part: still its end
+                    k = len(rest) - 1
+                # the document's end fits: its response ends in EOS, the last canvas EOS-filled after it
+                if len(bos) + k + C * math.ceil((len(rest) - k + 1) / C) <= budget:
+                    if len(rest) > k and (k > 0 or bos):
+                        exs.append((bos + rest[:k], rest[k:] + [eos]))
+                    break
+                r = (budget - len(bos) - k) // C * C  # a cut: whole canvases, no end of text, no fill
+                if len(rest) - k - r < 1:  # the text ends right at the cut: leave its end (and EOS) a canvas
+                    r -= C
+                if r < C:
+                    raise InputError(f"{path}: a document longer than one example ({budget} positions) cannot be cut "
+                                     f"into a prompt of {k} tokens and whole canvases of {C}; lower --prompt-tokens")
+                exs.append((bos + rest[:k], rest[k:k + r]))
+                start += k + r
         if docs and not exs:
             raise InputError(f"none of the {len(docs)} document(s) in {path} is longer than its prompt part "
                              f"(--prompt-tokens {lo} {hi}); give longer documents (separated by blank lines) "
                              "or lower --prompt-tokens")
-        super().__init__(exs, batch_size, seed)
+        check_vocabulary(exs, tokenizer, path)
+        super().__init__(exs, batch_size, seed, name=str(path))
 
 
 class SudokuSource(Source):
@@ -312,13 +398,18 @@ class InfillSource(Source):
 
 
 def build_source(kind: str, path: str | None, tokenizer, batch_size: int, seed: int, **kw) -> Source:
+    """kw: sudoku's blanks_range, stream, format, augment; chat's max_prompt; text's prompt_tokens and eos_id; the
+    model's canvas_length and max_positions (and max_canvases) for both files."""
     if kind == "sudoku":
         return SudokuSource(kw.get("blanks_range", (25, 58)), seed, kw.get("stream", "train"),
                             format=kw.get("format", "prompt"), augment=kw.get("augment", 1))
     if path is None:
         raise InputError(f"--data {kind} needs a file path")
+    fit = {k: kw.get(k) for k in ("canvas_length", "max_positions")}
     if kind == "chat":
-        return ChatJsonlSource(path, tokenizer, batch_size, seed)
+        return ChatJsonlSource(path, tokenizer, batch_size, seed, max_prompt=kw.get("max_prompt"),
+                               max_canvases=kw.get("max_canvases"), **fit)
     if kind == "text":
-        return TextSource(path, tokenizer, batch_size, seed, prompt_tokens=kw.get("prompt_tokens", 16))
+        return TextSource(path, tokenizer, batch_size, seed, prompt_tokens=kw.get("prompt_tokens", 16),
+                          eos_id=kw.get("eos_id"), **fit)
     raise InputError(f"unknown data kind {kind!r}; use a .jsonl chat file, a .txt file, or 'sudoku'")

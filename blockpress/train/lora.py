@@ -148,6 +148,44 @@ def save_adapter(module: nn.Module, path: str | Path, spec: LoraSpec | None = No
     return Path(path)
 
 
+def _targets(target_modules) -> set[str]:
+    """The projection names of an adapter_config.json's target_modules (our regex, or PEFT's list of names)."""
+    if isinstance(target_modules, str):
+        return set(re.findall(r"(\w+_proj)", target_modules)) & set(PROJ)
+    return {str(t).rsplit(".", 1)[-1] for t in target_modules or []} & set(PROJ)
+
+
+def check_resume_adapters(spec: LoraSpec | None, ck: str | Path) -> None:
+    """A run continues with the adapters it was started with, or with none if it trained every weight: compare
+    --lora / --lora-alpha / --lora-targets with the checkpoint's adapter_config.json, one line naming the flag to
+    change (a rank or target mismatch was a RuntimeError / AttributeError, another alpha trained silently on)."""
+    ck = Path(ck)
+    cfg_p = ck / "adapter_config.json"
+    if not cfg_p.is_file():
+        if spec is not None:
+            raise InputError(f"the run being resumed fine-tunes every weight ({ck.name} has no adapter_config.json); "
+                             f"drop --lora {spec.rank} to resume it, or start a LoRA run with another --out")
+        return
+    try:
+        cfg = json.loads(cfg_p.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{cfg_p} is not readable JSON ({e}); resume from an earlier checkpoint") from None
+    r, alpha, targets = cfg.get("r"), cfg.get("lora_alpha"), _targets(cfg.get("target_modules"))
+    if spec is None:
+        raise InputError(f"the run being resumed trains LoRA adapters of rank {r} ({cfg_p.parent.name}/"
+                         f"adapter_config.json); add --lora {r} to resume it")
+    if r != spec.rank:
+        raise InputError(f"--lora {spec.rank} differs from the run being resumed (rank {r}, in {ck.name}/"
+                         f"adapter_config.json); resume with --lora {r}, or start a new run with another --out")
+    if alpha is not None and float(alpha) != float(spec.alpha):
+        raise InputError(f"--lora-alpha {spec.alpha:g} differs from the run being resumed (alpha {float(alpha):g}, in "
+                         f"{ck.name}/adapter_config.json); resume with --lora-alpha {float(alpha):g}")
+    if targets and targets != set(spec.targets):
+        want = ",".join(t for t in PROJ if t in targets)
+        raise InputError(f"--lora-targets {','.join(spec.targets)} differs from the run being resumed ({want}, in "
+                         f"{ck.name}/adapter_config.json); resume with --lora-targets {want}")
+
+
 def adapter_folder(path: str | Path) -> Path:
     """An adapter folder as given, or a LoRA training run's folder: the checkpoint it stands for
     (`loading.run_checkpoint`: its `latest`, else its newest checkpoint)."""

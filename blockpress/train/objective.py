@@ -45,6 +45,7 @@ with rollout 0 draws exactly what it did before.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +57,8 @@ from torch import nn
 class ObjectiveConfig:
     eps: float = 1e-3  # t ~ U[eps, 1)
     sc_prob: float = 0.5  # self-conditioning probability per example
-    diffusion_weight: float = 1.0
-    ar_weight: float = 1.0  # encoder next-token loss (0 disables the encoder loss)
+    diffusion_weight: float = 1.0  # >= 0
+    ar_weight: float = 1.0  # encoder next-token loss, >= 0 (0 disables the encoder loss)
     ar_scope: str = "response"  # "response": targets are response tokens; "all": every valid token
     seed: int = 0
     ar_only: bool = False  # baseline: plain causal LM (no decoder passes)
@@ -75,6 +76,13 @@ class ObjectiveConfig:
             raise ValueError(f"swap_rate must be in [0, 1], got {self.swap_rate}")
         if not 0.0 <= self.rollout <= 1.0:
             raise ValueError(f"rollout must be in [0, 1], got {self.rollout}")
+        for name in ("ar_weight", "diffusion_weight"):  # nan / inf / < 0: a loss that cannot train (or un-trains)
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {w}")
+        if not self.ar_only and self.ar_weight == 0 and self.diffusion_weight == 0:
+            raise ValueError("ar_weight and diffusion_weight are both 0: the loss is 0, nothing would be learnt; give "
+                             "one of them a weight > 0")
 
 
 def example_generator(seed: int, step: int, index: int, stream: str = "train") -> torch.Generator:
@@ -326,6 +334,12 @@ class TwoBackwards:
 
     def __init__(self, decoder_loss: torch.Tensor, ar_loss: torch.Tensor | None, kv: list):
         self.decoder_loss, self.ar_loss, self.kv = decoder_loss, ar_loss, kv
+
+    def scaled(self, factor: float) -> "TwoBackwards":
+        """The same two backwards of `factor` x the loss (a micro-batch's share of a gradient-accumulation step; the
+        K/V gradients the encoder's backward carries come from the scaled decoder loss)."""
+        return TwoBackwards(self.decoder_loss * factor, None if self.ar_loss is None else self.ar_loss * factor,
+                            self.kv)
 
     def decoder(self) -> None:
         self.decoder_loss.backward()

@@ -4,6 +4,18 @@ Invariants:
 - Step s consumes global examples [0, batch_size) of step s from the source and noise from
   (seed, s, example index) (objective.collate), so a run resumed from a checkpoint at step s gives
   exactly the losses an uninterrupted run would (same weights, optimizer, schedule, data, noise).
+  A resume that changes what the examples or the loss are (batch size, seed, objective, max canvases) is refused
+  (`check_resume`); the learning-rate schedule, clipping and weight decay may change (a diverged run continues at a
+  lower --lr).
+- Gradient accumulation (`grad_accum` N): each process's share of step s is cut into N equal micro-batches (the
+  same examples, the same noise), each one's loss scaled by 1/N, their gradients summed before one optimizer step:
+  the gradient of the whole batch's per-example mean, up to fp32 summation order, in 1/N of the activation memory.
+  DDP all-reduces only after the last micro-batch (`no_sync`); FSDP2 reduce-scatters each into the shards. `step`
+  counts optimizer steps (logs, checkpoints, the schedule, resume).
+- Divergence: a step whose loss or gradient norm is not finite sets a flag on the device (no host sync per step);
+  it is read where values are read back anyway, at log steps, before an eval and before every save, and stops the
+  run with one DivergedError line naming the last good checkpoint. A non-finite state is never saved, so it never
+  prunes a good checkpoint.
 - Data parallel: rank r of W takes examples [r*B/W, (r+1)*B/W) of each global batch; DDP or FSDP2 averages
   the gradients of the per-rank means, which equals the single-process mean over the global batch
   (all ranks hold the same number of examples).
@@ -17,7 +29,8 @@ Invariants:
   removes what it wrote, leaves `latest` where it was and raises one CheckpointError line with the cause and
   the command that resumes. A resumed run first removes what an interrupted save left (`clean_stale`), and
   `metrics.jsonl` restarts at the checkpoint's step.
-- Logs: `out_dir/metrics.jsonl` (one JSON object per logged step / eval) and `out_dir/loss.png`.
+- Logs: `out_dir/metrics.jsonl` (one JSON object per logged step / eval) and `out_dir/loss.png`. A write that fails
+  (a full disk between checkpoints) is one CheckpointError line naming the last complete checkpoint, as a failed save.
 """
 
 from __future__ import annotations
@@ -35,10 +48,14 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import CheckpointError, InputError
+from ..errors import BlockpressError, CheckpointError, InputError
 from . import objective as obj
 from .data import Source
-from .distributed import reduce_stats
+from .distributed import all_ok, reduce_stats
+
+
+class DivergedError(BlockpressError):
+    """The loss or the gradient norm stopped being finite: the run stops before it saves anything."""
 
 
 @dataclass
@@ -62,7 +79,21 @@ class TrainConfig:
     max_canvases: int | None = None
     stop_after: int | None = None  # stop (as if killed) after this many steps of this invocation
     progress: bool = True
+    grad_accum: int = 1  # micro-batches per optimizer step (each process's share of batch_size cut in N)
     objective: obj.ObjectiveConfig = field(default_factory=obj.ObjectiveConfig)
+
+    def __post_init__(self):
+        # messages start with the field's name: the CLI turns it into the flag's
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be an integer >= 1 (micro-batches per step), got {self.grad_accum!r}")
+        r = self.min_lr_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and 0.0 <= r <= 1.0):
+            raise ValueError(f"min_lr_ratio must be in [0, 1] (the final learning rate as a fraction of lr), got {r}")
+
+
+# what a resumed run must share with the run it continues: the examples each step takes and the loss on them
+# (TrainConfig fields, then ObjectiveConfig's; grad_accum only changes the summation order, so it may change)
+SAME_RUN = ("batch_size", "max_canvases")
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -72,6 +103,36 @@ def lr_lambda(cfg: TrainConfig):
         p = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
     return f
+
+
+def check_resume(saved: dict, cfg: TrainConfig, where: str) -> None:
+    """Refuse to continue a run (its trainer_state.pt's config `saved`) with settings that change which examples a
+    step takes or the loss on them: the resumed run would be neither the old one nor a new one. One line naming the
+    flag and both values."""
+    now = _jsonable(asdict(cfg))
+    pairs = [(k, saved.get(k), now[k]) for k in SAME_RUN if k in saved]
+    pairs += [(k, saved["objective"].get(k), v) for k, v in now["objective"].items()
+              if k in saved.get("objective", {})]
+    for name, was, new in pairs:
+        if was != new:
+            flag = "--" + name.replace("_", "-")
+            raise InputError(f"{flag} {_shown(new)} differs from the run being resumed ({flag} {_shown(was)}, in "
+                             f"{where}); resume with {flag} {_shown(was)}, or start a new run with another --out")
+
+
+def _shown(v) -> str:
+    return {True: "on", False: "off", None: "unset"}.get(v, str(v)) if isinstance(v, (bool, type(None))) else str(v)
+
+
+@contextlib.contextmanager
+def writing_run_folder(out: str | Path):
+    """Creating the run folder and its first files (the tokenizer snapshot): an OSError (a read-only or full disk, a
+    path through a file) is one CheckpointError line, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise CheckpointError(f"could not write the run folder {out} ({_cause(e)}); give a writable --out (or free "
+                              "disk space)") from None
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -113,9 +174,9 @@ class Trainer:
         self.model = wrapped if wrapped is not None else lm.module
         self.sharded = wrapped is not None and is_sharded(wrapped)
         self.extra_files = extra_files or {}
-        if cfg.batch_size % world:
-            raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({world}): "
-                             "each takes an equal share")
+        if cfg.batch_size % (world * cfg.grad_accum):
+            raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({world}) "
+                             f"x --grad-accum ({cfg.grad_accum}): each micro-batch takes an equal share")
         params = [p for p in lm.module.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
@@ -130,18 +191,26 @@ class Trainer:
         lm.module.gradient_checkpointing = cfg.grad_checkpointing
         self.device = lm.device
         self.autocast = self.device.type == "cuda" and lm.dtype == torch.float32
+        # the first step (1-based) whose loss or gradient norm was not finite, 0: none; on the device, read only
+        # where values are read back anyway (`check_finite`)
+        self.diverged_at = torch.zeros((), dtype=torch.long, device=self.device)
 
     # ----------------------------------------------------------------------------- one step
-    def _batch(self, step: int, source: Source, stream: str = "train") -> obj.TrainBatch:
+    def _micro_batches(self, step: int, source: Source, stream: str = "train"):
+        """This process's share of step `step`'s global batch, as `grad_accum` micro-batches on the device:
+        (batch, its number of real tokens). Micro-batch m of rank r holds global examples
+        [r*B/W + m*B/(W*N), ...), with their own noise: together, exactly the examples of one whole batch."""
         per = self.cfg.batch_size // self.world
-        lo = self.rank * per
-        exs = source.batch(step, range(lo, lo + per))
+        micro = per // self.cfg.grad_accum
         V = self.lm.config.text.vocab_size
         eos = (self.lm.config.text.eos_token_id if isinstance(self.lm.config.text.eos_token_id, int)
                else (self.lm.config.text.eos_token_id or [1])[0])
         pad = self.lm.config.text.pad_token_id or 0
-        return obj.collate(exs, self.lm.canvas_length, V, self.cfg.objective, step, lo, eos_id=eos, pad_id=pad,
-                           max_canvases=self.cfg.max_canvases, stream=stream).to(self.device)
+        for m in range(self.cfg.grad_accum):
+            lo = self.rank * per + m * micro
+            b = obj.collate(source.batch(step, range(lo, lo + micro)), self.lm.canvas_length, V, self.cfg.objective,
+                            step, lo, eos_id=eos, pad_id=pad, max_canvases=self.cfg.max_canvases, stream=stream)
+            yield b.to(self.device), b.n_tokens  # counted on the host: no device sync
 
     def _loss(self, batch: obj.TrainBatch, split: bool = False):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
@@ -150,32 +219,74 @@ class Trainer:
                 return self.model(batch, self.cfg.objective, **({"split": True} if split else {}))
             return obj.compute_loss(self.lm.module, batch, self.cfg.objective)
 
+    def _sync(self, last: bool):
+        """DDP all-reduces the gradients after the last micro-batch of a step only (they are summed locally before)."""
+        if last or self.world == 1 or self.sharded:
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
     @torch.enable_grad()
     def train_step(self) -> dict:
         self.lm.module.train()
-        batch = self._batch(self.step, self.source)
         t0 = time.perf_counter()
-        loss, stats, *two = self._loss(batch, split=self.sharded)
+        n = self.cfg.grad_accum
         self.opt.zero_grad(set_to_none=True)
-        if self.sharded:  # the decoder's backward, then the encoder's: each gradient sharded as soon as it is made
-            from .distributed import backward
+        rows, tokens, finite = [], 0, None
+        for m, (batch, count) in enumerate(self._micro_batches(self.step, self.source)):
+            with self._sync(last=m == n - 1):
+                loss, stats, *two = self._loss(batch, split=self.sharded)
+                # each micro-batch's per-example mean weighs 1/N: the sum is the whole batch's mean (equal shares)
+                if self.sharded:  # the decoder's backward, then the encoder's: each gradient sharded as it is made
+                    from .distributed import backward
 
-            backward(self.model, two[0])
-        else:
-            loss.backward()
+                    backward(self.model, two[0] if n == 1 else two[0].scaled(1.0 / n))
+                else:
+                    (loss if n == 1 else loss / n).backward()
+            ok = torch.isfinite(loss.detach())
+            finite = ok if finite is None else finite & ok
+            rows.append(stats)
+            tokens += count
         params = [p for p in self.lm.module.parameters() if p.requires_grad]
-        gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip) if self.cfg.clip else torch.tensor(0.0)
+        if self.cfg.clip:
+            gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip)
+        else:  # not clipped, but the norm is still logged (and checked)
+            gnorm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if hasattr(gnorm, "full_tensor"):  # FSDP2: the norm of the sharded gradients, a DTensor
             gnorm = gnorm.full_tensor()
+        finite = finite & torch.isfinite(gnorm.to(finite.device))
+        self.diverged_at = torch.where((self.diverged_at == 0) & ~finite.to(self.device), self.step + 1,
+                                       self.diverged_at)
         lr = self.sched.get_last_lr()[0]  # the rate this step ran at (after sched.step() it is the next one's)
         self.opt.step()
         self.sched.step()
         dt = time.perf_counter() - t0
-        stats = reduce_stats([stats], obj.COUNTS)  # the global batch's numbers, not rank 0's share
-        stats.update(step=self.step, lr=lr, grad_norm=float(gnorm), seconds=dt,
-                     tokens_per_s=batch.n_tokens * self.world / dt)
+        stats = reduce_stats(rows, obj.COUNTS)  # the global batch's numbers (all micro-batches, all ranks)
+        stats.update(step=self.step, lr=lr, grad_norm=float(gnorm), seconds=dt, tokens_per_s=tokens * self.world / dt)
         self.step += 1
         return stats
+
+    def check_finite(self, weights: bool = False) -> None:
+        """Stop a diverged run (any rank's flag) before it logs, evaluates or saves: one line naming the step, the
+        last good checkpoint and what to change. weights: also the trained weights themselves (before a save: a
+        finite step can still overflow them). A collective under torchrun: every rank calls it at the same step."""
+        flag = self.diverged_at
+        if weights:
+            bad = torch.zeros((), dtype=torch.bool, device=self.device)
+            for p in self.lm.module.parameters():
+                if p.requires_grad:  # a sharded parameter: this rank's shard
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    bad = bad | ~torch.isfinite(local.detach()).all().to(self.device)
+            flag = torch.where((flag == 0) & bad, -1, flag)
+        at = int(flag)  # a read-back where the trainer reads values back anyway
+        if all_ok(at == 0):
+            return
+        what = {0: "on another process", -1: f"at step {self.step}: the weights are not finite"}.get(
+            at, f"at step {at}: the loss or the gradient norm is not finite")
+        last = latest_checkpoint(self.out)
+        cont = f"continue from {last.name}" if last is not None else "start over (no checkpoint yet)"
+        raise DivergedError(
+            f"training diverged {what} (nothing was saved after it); lower --lr (now {self.cfg.lr:g}) or clip harder "
+            f"(--clip, now {self.cfg.clip:g}) and {cont}: {self.resume_command}")
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -183,9 +294,9 @@ class Trainer:
         src = self.eval_source or self.source
         self.lm.module.eval()
         rows = []
-        for k in range(self.cfg.eval_batches):
-            batch = self._batch(10**9 + k, src, stream="eval")
-            rows.append(self._loss(batch)[1])
+        for k in range(self.cfg.eval_batches):  # in micro-batches, as training: no more memory than a step
+            for batch, _ in self._micro_batches(10**9 + k, src, stream="eval"):
+                rows.append(self._loss(batch)[1])
         self.lm.module.train()
         return {f"eval_{k}": v for k, v in reduce_stats(rows, obj.COUNTS).items()}
 
@@ -201,8 +312,9 @@ class Trainer:
         complete one, and says so on every rank."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        from .distributed import all_ok, full_tensors
+        from .distributed import full_tensors
 
+        self.check_finite(weights=True)  # a diverged state is never written, so it never prunes a good checkpoint
         path = self.out / f"checkpoint-{self.step:07d}"
         # collectives under FSDP2 (every rank takes part): the weights rank 0 writes, each rank's optimizer shard
         tensors = full_tensors(self.lm.module, trainable_only=self.lora is not None) if self.sharded else None
@@ -230,11 +342,17 @@ class Trainer:
             if last is None or last.resolve() != path.resolve():
                 shutil.rmtree(path, ignore_errors=True)
             clean_stale(self.out)
+        raise self._write_error(path, error) from None
+
+    def _write_error(self, path: Path, error: BaseException | None) -> CheckpointError:
+        """What a write in the run folder that failed (a checkpoint, the metrics log) tells the user: the cause, and
+        the command that continues from the last complete checkpoint."""
+        last = latest_checkpoint(self.out)
         cause = _cause(error) if error is not None else "another process could not write its part"
-        raise CheckpointError(
+        return CheckpointError(
             f"could not write {path} ({cause}); free disk space, then continue "
             + (f"from {last.name}" if last is not None else "(no complete checkpoint yet: it starts over)")
-            + f": {self.resume_command}") from None
+            + f": {self.resume_command}")
 
     def _write_weights(self, path: Path, tensors: dict | None) -> None:
         if self.lora is not None:
@@ -260,8 +378,12 @@ class Trainer:
             shutil.rmtree(p, ignore_errors=True)
 
     def load_state(self, ckpt: Path) -> None:
-        """Restore optimizer, scheduler, step and history (weights are loaded by the caller)."""
+        """Restore optimizer, scheduler, step and history (weights are loaded by the caller). Refuses a config that
+        changes the run's examples or loss (`check_resume`); this config's learning rate, schedule, weight decay
+        and betas apply from here on."""
         st = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
+        if isinstance(st.get("config"), dict):
+            check_resume(st["config"], self.cfg, f"{Path(ckpt).name}/trainer_state.pt")
         if "optimizer" in st:  # a checkpoint written before the optimizer moved to optimizer/
             self.opt.load_state_dict(st["optimizer"])
         else:
@@ -272,20 +394,39 @@ class Trainer:
             set_optimizer_state_dict(self.lm.module, self.opt, optim)
         self.sched.load_state_dict(st["scheduler"])
         self.step, self.history, self.window = st["step"], st["history"], st.get("window", [])
+        self._apply_hyperparameters()
         torch.set_rng_state(st["torch_rng"])
         if self.rank == 0:  # the log restarts at the checkpoint: drop rows a killed run wrote after it
-            self.out.mkdir(parents=True, exist_ok=True)
-            tmp = self.out / "metrics.jsonl.tmp"
-            tmp.write_text("".join(json.dumps(row) + "\n" for row in self.history))
-            os.replace(tmp, self.out / "metrics.jsonl")
+            with writing_run_folder(self.out):
+                self.out.mkdir(parents=True, exist_ok=True)
+                tmp = self.out / "metrics.jsonl.tmp"
+                tmp.write_text("".join(json.dumps(row) + "\n" for row in self.history))
+                os.replace(tmp, self.out / "metrics.jsonl")
+
+    def _apply_hyperparameters(self) -> None:
+        """After a resume: this config's lr, schedule, weight decay and betas (the restored optimizer and scheduler
+        carry the checkpoint's). Unchanged values give the very numbers restored (the scheduler's own formula)."""
+        f = lr_lambda(self.cfg)
+        groups = self.opt.param_groups
+        self.sched.base_lrs = [self.cfg.lr for _ in groups]
+        for i, g in enumerate(groups):
+            g["initial_lr"] = self.cfg.lr
+            g["lr"] = self.cfg.lr * f(self.sched.last_epoch)
+            g["betas"] = tuple(self.cfg.betas)
+            g["weight_decay"] = self.cfg.weight_decay if i == 0 else 0.0  # __init__: matrices, then the rest
+        self.sched._last_lr = [g["lr"] for g in groups]
 
     # ----------------------------------------------------------------------------- loop
     def log(self, row: dict) -> None:
         self.history.append(row)
         if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            with open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            path = self.out / "metrics.jsonl"
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                with open(path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            except OSError as e:  # a disk that filled up between checkpoints
+                raise self._write_error(path, e) from None
 
     def plot(self) -> None:
         from .plot import plot_history
@@ -299,26 +440,36 @@ class Trainer:
 
     def train(self) -> list[dict]:
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            with writing_run_folder(self.out):
+                self.out.mkdir(parents=True, exist_ok=True)
         bar = _Progress(cfg.steps, self.step, enabled=cfg.progress and self.rank == 0)
         last_save = time.time()
         done_here = 0
+        # without its own eval data the eval loss is the training examples' (fixed noise): not a held-out loss
+        label = "eval loss" if self.eval_source is not None else "eval loss (training examples)"
         with bar:
             while self.step < cfg.steps:
                 stats = self.train_step()
                 self.window.append(stats)
                 done_here += 1
-                bar.update(self.step, stats)
-                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                logs = self.step % cfg.log_every == 0 or self.step == cfg.steps
+                evals = cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
+                if logs or evals:
+                    self.check_finite()
+                if logs:
+                    bar.update(self.step, stats)
                     row = {k: sum(w[k] for w in self.window) / len(self.window) for k in self.window[0]}
                     row["step"] = self.step
                     row["time"] = time.time()
                     self.log(row)
                     self.window = []
-                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                else:
+                    bar.update(self.step, stats, line=False)
+                if evals:
                     ev = self.evaluate()
                     self.log({"step": self.step, "time": time.time(), **ev})
-                    bar.note(f"step {self.step}: eval loss {ev['eval_loss']:.4f}")
+                    bar.note(f"step {self.step}: {label} {ev['eval_loss']:.4f}")
                 due = (cfg.save_every and self.step % cfg.save_every == 0) or \
                       (cfg.save_minutes and time.time() - last_save > 60 * cfg.save_minutes)
                 if due or self.step == cfg.steps:
@@ -396,13 +547,14 @@ class _Progress:
         if self.rich:
             self.rich.__exit__(*a)
 
-    def update(self, step: int, s: dict) -> None:
+    def update(self, step: int, s: dict, line: bool = True) -> None:
+        """line: this is a log step (the plain output prints one line per log step, the bar moves every step)."""
         if not self.enabled:
             return
         info = f"loss {s['loss']:.4f}  {s['tokens_per_s']:.0f} tok/s"
         if self.rich:
             self.rich.update(self.task, completed=step, info=info)
-        elif step % 10 == 0 or step == self.total:
+        elif line:
             rate = (step - self.s0) / max(1e-9, time.time() - self.t0)
             eta = (self.total - step) / max(rate, 1e-9)
             print(f"step {step}/{self.total}  {info}  lr {s['lr']:.2e}  eta {eta / 60:.1f} min", flush=True)

@@ -189,7 +189,7 @@ def build(args, world: int = 1):
     from blockpress.train import sizes
     from blockpress.train.data import SudokuSource, build_source
     from blockpress.config import ModelConfig, _read_json
-    from blockpress.train.trainer import TrainConfig, latest_checkpoint, writing_run_folder
+    from blockpress.train.trainer import TrainConfig, check_batch, latest_checkpoint, writing_run_folder
     from blockpress.tasks import task_info
 
     out = Path(args.out or f"runs/{Path(args.data).stem}")
@@ -216,6 +216,7 @@ def build(args, world: int = 1):
                            progress=not args.no_progress, grad_accum=args.grad_accum, objective=ocfg)
     except ValueError as e:  # name the flag, not the dataclass field
         raise _flag_error(e) from None
+    check_batch(tcfg, world)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; give a folder for the run's checkpoints")
     if not args.resume and out.is_dir() and any(p.is_dir() for p in out.glob("checkpoint-*")):

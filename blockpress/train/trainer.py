@@ -105,6 +105,13 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
+def check_batch(cfg: TrainConfig, world: int) -> None:
+    """Every process, and every micro-batch of it, takes an equal share of the global batch."""
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({world}) "
+                         f"x --grad-accum ({cfg.grad_accum}): each micro-batch takes an equal share")
+
+
 def check_resume(saved: dict, cfg: TrainConfig, where: str) -> None:
     """Refuse to continue a run (its trainer_state.pt's config `saved`) with settings that change which examples a
     step takes or the loss on them: the resumed run would be neither the old one nor a new one. One line naming the
@@ -174,9 +181,7 @@ class Trainer:
         self.model = wrapped if wrapped is not None else lm.module
         self.sharded = wrapped is not None and is_sharded(wrapped)
         self.extra_files = extra_files or {}
-        if cfg.batch_size % (world * cfg.grad_accum):
-            raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({world}) "
-                             f"x --grad-accum ({cfg.grad_accum}): each micro-batch takes an equal share")
+        check_batch(cfg, world)
         params = [p for p in lm.module.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]

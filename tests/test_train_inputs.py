@@ -1,0 +1,203 @@
+"""What `blockpress train` reads: data files, flags and the run folder it resumes. Bad input is one line (the file,
+line or flag, and the fix), before any work, and leaves a run's checkpoints as they were."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.cli import main as cli_main
+from blockpress.errors import InputError
+
+TINY = ["--size", "nano", "--batch-size", "4", "--lr", "3e-3", "--warmup", "2", "--log-every", "1",
+        "--eval-every", "0", "--threads", "1", "--no-progress", "--blanks", "40", "44"]
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def _word_tokenizer(folder: Path, n_words: int = 300):
+    """A word-level tokenizer (one token per word w0..wN, <unk> <bos> <eos> <pad> = 0..3): token counts are word
+    counts."""
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+
+    from blockpress.tokenizer import Tokenizer
+
+    hf = HFTokenizer(models.WordLevel(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.train_from_iterator([" ".join(f"w{i}" for i in range(n_words))], trainers.WordLevelTrainer(
+        special_tokens=["<unk>", "<bos>", "<eos>", "<pad>"]))
+    folder.mkdir(parents=True, exist_ok=True)
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}))
+    return Tokenizer.from_dir(folder)
+
+
+# ----------------------------------------------------------------------------- flags (finding: weights unchecked)
+@pytest.mark.parametrize("flags, needle", [
+    (["--ar-weight", "nan"], "--ar-weight must be a finite number >= 0, got nan"),
+    (["--ar-weight", "inf"], "--ar-weight must be a finite number >= 0, got inf"),
+    (["--ar-weight", "-1"], "--ar-weight must be a finite number >= 0, got -1.0"),
+    (["--min-lr-ratio", "3"], "--min-lr-ratio must be in [0, 1]"),
+    (["--min-lr-ratio", "nan"], "--min-lr-ratio must be in [0, 1]"),
+    (["--grad-accum", "3"], "--batch-size 4 must be divisible by the number of processes (1) x --grad-accum (3)"),
+])
+def test_bad_objective_and_schedule_values_are_refused(tmp_path, capsys, flags, needle):
+    out = tmp_path / "run"
+    assert cli_main(["train", "sudoku", "--out", str(out), "--steps", "1", *TINY, *flags]) == 2
+    assert needle in _one_line(capsys)
+    assert not (out / "checkpoint-0000001").exists()
+
+
+def test_the_configs_validate_themselves_for_the_python_api():
+    from blockpress.train.objective import ObjectiveConfig
+    from blockpress.train.trainer import TrainConfig
+
+    with pytest.raises(ValueError, match="min_lr_ratio must be in"):
+        TrainConfig(min_lr_ratio=1.5)
+    with pytest.raises(ValueError, match="grad_accum must be an integer >= 1"):
+        TrainConfig(grad_accum=0)
+    with pytest.raises(ValueError, match="both 0"):
+        ObjectiveConfig(ar_weight=0, diffusion_weight=0)
+    ObjectiveConfig(ar_weight=0, diffusion_weight=0, ar_only=True)  # the AR baseline takes its loss unweighted
+    TrainConfig(min_lr_ratio=0.0), TrainConfig(min_lr_ratio=1.0)
+
+
+# ----------------------------------------------------------------------------- plain text: the end of a document
+def test_text_ends_each_document_with_eos_and_cuts_long_ones_at_whole_canvases(tmp_path):
+    """Spec §2.4: the EOS after a response is how the model learns to stop. A response of whole canvases had no
+    end marker at all; a document cut into 1,024-token examples got an EOS fill at every cut, where the text goes
+    on. Now: EOS at the document's true end only, cuts on whole canvases (nothing to fill), nothing lost."""
+    from blockpress.train.data import TextSource, trained_length
+    from blockpress.train.objective import split_canvases
+
+    tok = _word_tokenizer(tmp_path / "tok")
+    C, eos = 8, tok.eos_token_id
+    exact = " ".join(f"w{i}" for i in range(4 + 2 * C))  # 4 prompt tokens + a response of exactly 2 canvases
+    (tmp_path / "exact.txt").write_text(exact)
+    (p, r), = TextSource(tmp_path / "exact.txt", tok, 1, prompt_tokens=4, canvas_length=C).examples
+    canvases = split_canvases(r, C, eos)
+    assert len(canvases) == 3 and canvases[-1] == [eos] * C  # the end is written and supervised
+
+    words = [f"w{i % 300}" for i in range(2500)]
+    (tmp_path / "long.txt").write_text(" ".join(words))
+    for limit in (None, 100):  # the example size (1,024), or the model's positions when they are fewer
+        src = TextSource(tmp_path / "long.txt", tok, 1, prompt_tokens=(1, 5), canvas_length=C, max_positions=limit)
+        *cuts, last = src.examples
+        assert len(cuts) >= 2
+        for p, r in cuts:
+            assert len(r) % C == 0 and eos not in r  # whole canvases: no EOS, and no EOS fill in any canvas
+            assert all(eos not in c for c in split_canvases(r, C, eos))
+        assert last[1][-1] == eos and eos not in last[1][:-1]
+        assert [t for p, r in src.examples for t in p[1:] + r][:-1] == tok.encode(" ".join(words))  # nothing lost
+        assert max(trained_length(p, r, C) for p, r in src.examples) <= (limit or 1024)
+
+
+# ----------------------------------------------------------------------------- chat rows longer than the model
+def test_a_chat_row_longer_than_the_models_positions_is_refused_or_cut_with_max_prompt(tmp_path, capsys):
+    """A row far past max_position_embeddings trained silently (one step of 20 GB); it is refused naming its line,
+    and --max-prompt N (keep the last N prompt tokens) makes it fit."""
+    from blockpress.testing import build_tiny_gemma_tokenizer
+    from blockpress.train.data import ChatJsonlSource
+
+    tok = build_tiny_gemma_tokenizer(tmp_path / "tok")
+    ok = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    long = {"messages": [{"role": "user", "content": "word5 " * 1100}, {"role": "assistant", "content": "yo"}]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(ok) + "\n" + json.dumps(long) + "\n")
+    with pytest.raises(InputError, match=r"rows.jsonl:2: prompt \d+ \+ 1 canvas\(es\) of 8 = \d+ tokens, more than "
+                                         r"the model's 512 positions .*--max-prompt 504"):
+        ChatJsonlSource(data, tok, 2, canvas_length=8, max_positions=512)
+    src = ChatJsonlSource(data, tok, 2, canvas_length=8, max_positions=512, max_prompt=504)
+    assert max(len(p) for p, _ in src.examples) == 504
+    # the CLI: a model from scratch has 4,096 positions
+    base = ["train", str(data), "--tokenizer", str(tmp_path / "tok"), "--size", "nano", "--canvas-length", "8",
+            "--context", "16", "--steps", "1", "--batch-size", "2", "--eval-every", "0", "--no-progress",
+            "--threads", "1"]
+    assert cli_main([*base, "--out", str(tmp_path / "a")]) == 2
+    err = _one_line(capsys)
+    assert f"{data}:2: prompt" in err and "4096 positions" in err and "--max-prompt" in err
+    assert not (tmp_path / "a").exists()
+    assert cli_main([*base, "--out", str(tmp_path / "b"), "--max-prompt", "64"]) == 0
+    capsys.readouterr()
+    assert cli_main(["train", "sudoku", "--out", str(tmp_path / "c"), "--max-prompt", "64", *TINY]) == 2
+    assert "--max-prompt (it cuts chat prompts" in _one_line(capsys)
+
+
+# ----------------------------------------------------------------------------- data files: messages that fit
+def test_empty_folder_and_unreadable_data_are_named(tmp_path, capsys):
+    """An empty --eval-data file was "the training data is empty"; a folder was "not found"; text the model's
+    tokenizer reads as <unk> (English on the Sudoku model) trained silently."""
+    from blockpress.testing import build_tiny_gemma_tokenizer
+
+    build_tiny_gemma_tokenizer(tmp_path / "tok")
+    data = tmp_path / "notes.txt"
+    data.write_text("\n\n".join("the cat sat on the mat and then it sat again " * 3 for _ in range(4)))
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "adir.txt").mkdir()
+    scratch = ["--tokenizer", str(tmp_path / "tok"), "--size", "nano", "--canvas-length", "8", "--context", "16",
+               "--steps", "1", "--batch-size", "2", "--eval-every", "1", "--no-progress", "--threads", "1"]
+    cases = [
+        (["train", str(data), *scratch, "--eval-data", str(tmp_path / "empty.txt")], f"{tmp_path / 'empty.txt'} is "
+         "empty; give at least one example"),
+        (["train", str(tmp_path / "adir.txt"), *scratch], f"{tmp_path / 'adir.txt'} is a folder, not a data file"),
+        (["train", str(data), *scratch, "--eval-data", str(tmp_path / "adir.txt")], "adir.txt is a folder"),
+        (["train", str(data), "--model", "sudoku", "--steps", "1", "--batch-size", "2", "--no-progress",
+          "--threads", "1"], "notes.txt: 99 % of its tokens are unknown to the model's tokenizer (<unk>)"),
+    ]
+    for i, (argv, needle) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        assert cli_main([*argv, "--out", str(out)]) == 2, argv
+        assert needle in _one_line(capsys), argv
+        assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- the run folder
+def test_an_unwritable_out_is_one_line(tmp_path, capsys):
+    """--out that cannot be created (here under a file; a read-only disk raises the same OSError) was a traceback,
+    from the tokenizer snapshot, the copy of a model's tokenizer files or the trainer's own mkdir."""
+    from blockpress.errors import CheckpointError
+    from blockpress.train.data import ListSource
+    from blockpress.train.sizes import model_config
+    from blockpress.train.trainer import TrainConfig, Trainer
+
+    (tmp_path / "file").write_text("x")
+    bad = tmp_path / "file" / "run"
+    assert cli_main(["train", "sudoku", "--out", str(bad), "--steps", "1", *TINY]) == 2
+    assert f"could not write the run folder {bad} (NotADirectoryError" in _one_line(capsys)
+    (tmp_path / "notes.txt").write_text("In the beginning God created the heaven and the earth " * 4)
+    assert cli_main(["train", str(tmp_path / "notes.txt"), "--model", "kjv", "--out", str(bad), "--steps", "1",
+                     "--batch-size", "1", "--no-progress", "--threads", "1"]) == 2
+    assert "could not write the run folder" in _one_line(capsys)
+    lm = blockpress.from_config(model_config("nano", vocab_size=16, canvas_length=8, context=8), seed=0)
+    tr = Trainer(lm, ListSource([([2, 5], [6, 7])], batch_size=1), TrainConfig(out_dir=str(bad), steps=1,
+                                                                               batch_size=1, progress=False))
+    with pytest.raises(CheckpointError, match="could not write the run folder"):
+        tr.train()
+
+
+# ----------------------------------------------------------------------------- resuming another run
+def test_resume_refuses_flags_that_change_the_examples_or_the_loss(tmp_path, capsys):
+    """trainer_state.pt keeps the run's config; a resume with another --batch-size, --seed or objective flag was
+    accepted silently (a run that is neither the old one nor a new one). The run folder is left as it was."""
+    out = tmp_path / "run"
+    args = ["train", "sudoku", "--out", str(out), "--steps", "3", "--save-every", "2", *TINY]
+    assert cli_main([*args, "--stop-after", "2"]) == 0
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for flags, needle in ((["--batch-size", "2"], "--batch-size 2 differs from the run being resumed (--batch-size 4"),
+                          (["--seed", "7"], "--seed 7 differs from the run being resumed (--seed 0"),
+                          (["--swap-rate", "0.2"], "--swap-rate 0.2 differs from the run being resumed (--swap-rate "
+                                                   "0.0"),
+                          (["--ar-only"], "--ar-only on differs from the run being resumed (--ar-only off")):
+        assert cli_main([*args, "--resume", *flags]) == 2, flags
+        err = _one_line(capsys)
+        assert needle in err and "checkpoint-0000002/trainer_state.pt" in err, err
+        after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        assert after == before
+    assert cli_main([*args, "--resume", "--grad-accum", "2"]) == 0  # the same steps, summed in two parts

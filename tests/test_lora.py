@@ -228,3 +228,40 @@ def test_broken_or_foreign_adapters_are_clear_errors(adapter, tmp_path):
             L.apply_adapter(fresh, folder, merge=True)
     after = fresh.module.state_dict()
     assert set(after) == set(before) and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_resuming_with_other_lora_flags_names_the_flag_to_change(tmp_path, capsys):
+    """--lora 8 on a rank-2 run was a RuntimeError traceback, other --lora-targets an AttributeError, another
+    --lora-alpha trained on silently; resuming a LoRA run without --lora offered `blockpress run --adapter`, a full run
+    resumed with --lora was not named. Each is one line naming the flag and the run's value; the run is untouched."""
+    from blockpress.cli import main as cli_main
+
+    common = ["--size", "nano", "--batch-size", "2", "--eval-every", "0", "--no-progress", "--threads", "1",
+              "--blanks", "40", "42", "--steps", "2", "--save-every", "1", "--stop-after", "1"]
+    full = tmp_path / "full"
+    assert cli_main(["train", "sudoku", "--out", str(full), *common]) == 0
+    base = full / "checkpoint-0000001"
+    run = tmp_path / "lora"
+    lora = ["train", "sudoku", "--model", str(base), "--out", str(run), *[a for a in common if a not in ("--size",
+                                                                                                          "nano")]]
+    assert cli_main([*lora, "--lora", "2"]) == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    cases = [(["--lora", "8"], "--lora 8 differs from the run being resumed (rank 2, in checkpoint-0000001/"
+                               "adapter_config.json); resume with --lora 2"),
+             (["--lora", "2", "--lora-alpha", "3"], "--lora-alpha 3 differs from the run being resumed (alpha 4, "
+                                                    "in checkpoint-0000001/adapter_config.json); resume with "
+                                                    "--lora-alpha 4"),
+             (["--lora", "2", "--lora-targets", "q_proj"], "--lora-targets q_proj differs from the run being resumed "
+                                                           "(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"),
+             ([], "the run being resumed trains LoRA adapters of rank 2 (checkpoint-0000001/adapter_config.json); "
+                  "add --lora 2 to resume it")]
+    for flags, needle in cases:
+        capsys.readouterr()
+        assert cli_main([*lora, "--resume", *flags]) == 2, flags
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err, (flags, err)
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert cli_main(["train", "sudoku", "--out", str(full), *common, "--resume", "--lora", "2"]) == 2
+    assert "fine-tunes every weight (checkpoint-0000001 has no adapter_config.json); drop --lora 2" in \
+        capsys.readouterr().err
+    assert cli_main([*lora, "--resume", "--lora", "2", "--lora-alpha", "4"]) == 0  # alpha 2 x rank, as started

@@ -319,7 +319,11 @@ def test_two_backwards_give_the_gradients_of_one(ar_weight):
 
 
 @pytest.mark.parametrize("bad", [dict(eps=1.0), dict(sc_prob=2.0), dict(ar_scope="prompt"), dict(swap_rate=-0.1),
-                                 dict(swap_rate=1.5), dict(rollout=-0.5), dict(rollout=2.0)])
+                                 dict(swap_rate=1.5), dict(rollout=-0.5), dict(rollout=2.0),
+                                 # the loss weights: nan / inf poison every step, a negative one un-trains its loss
+                                 dict(ar_weight=float("nan")), dict(ar_weight=float("inf")), dict(ar_weight=-1.0),
+                                 dict(diffusion_weight=float("nan")), dict(diffusion_weight=-0.5),
+                                 dict(ar_weight=0.0, diffusion_weight=0.0)])
 def test_objective_config_validates(bad):
     with pytest.raises(ValueError):
         obj.ObjectiveConfig(**bad)

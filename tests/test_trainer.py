@@ -19,7 +19,8 @@ def _losses(out):
     return {r["step"]: r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r}
 
 
-@pytest.mark.parametrize("objective", [[], ["--rollout", "0.5", "--swap-rate", "0.2"]], ids=["spec", "rollout+swap"])
+@pytest.mark.parametrize("objective", [[], ["--rollout", "0.5", "--swap-rate", "0.2"], ["--grad-accum", "2"]],
+                         ids=["spec", "rollout+swap", "grad-accum"])
 def test_resume_gives_the_same_next_loss(tmp_path, objective):
     full, part = tmp_path / "full", tmp_path / "part"
     args = [*TINY, *objective]
@@ -565,3 +566,206 @@ def test_fine_tuning_keeps_the_task_file_and_a_save_replaces_a_whole_checkpoint(
                      "--resume", *[a for a in TINY if a not in ("--size", "nano")]]) == 0
     assert (tuned / "latest").read_text() == "checkpoint-0000002"
     assert (tuned / "checkpoint-0000002" / "optimizer").is_dir()
+
+
+def _rows(out):
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def test_a_diverged_run_stops_before_it_saves_and_continues_at_a_lower_lr(tmp_path, capsys):
+    """--lr 1e4 --clip 0: the loss is NaN from step 4. It trained on, wrote NaN checkpoints and pruned the finite ones
+    (--keep-last 1), leaving nothing to resume. It stops at the first log step after it, with one line naming the
+    last good checkpoint; that checkpoint is kept, and a resume with a lower --lr goes on from it at that rate."""
+    from blockpress.train.trainer import TrainConfig, lr_lambda
+
+    out = tmp_path / "run"
+    args = ["train", "sudoku", "--out", str(out), "--size", "nano", "--batch-size", "2", "--threads", "1",
+            "--no-progress", "--eval-every", "0", "--warmup", "1", "--log-every", "1", "--save-every", "2",
+            "--keep-last", "1", "--steps", "6", "--clip", "0"]
+    assert cli_main([*args, "--lr", "1e4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert "training diverged at step 4: the loss or the gradient norm is not finite" in err, err
+    assert "lower --lr (now 10000)" in err and f"continue from checkpoint-0000002: blockpress train sudoku --out {out}" \
+        in err
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-0000002"]
+    assert (out / "latest").read_text() == "checkpoint-0000002"
+    assert all(torch.isfinite(t).all() for t in blockpress.load(out, progress=False).module.state_dict().values())
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3]  # no NaN row
+    assert cli_main([*args, "--lr", "1e-3", "--resume"]) == 0
+    f = lr_lambda(TrainConfig(steps=6, warmup=1, lr=1e-3))
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and all(r["loss"] == r["loss"] for r in rows)
+    assert [r["lr"] for r in rows[2:]] == [1e-3 * f(s) for s in range(2, 6)]  # the new rate, on the old schedule
+
+
+def test_divergence_is_checked_on_the_device_and_read_at_log_steps(tmp_path):
+    """The flag costs no host sync per step: it is a device tensor holding the first non-finite step, read at log
+    steps, before an eval and before a save (where values are read back anyway). A non-finite weight stops a save
+    too."""
+    from blockpress.errors import BlockpressError
+    from blockpress.train.data import ListSource
+    from blockpress.train.sizes import model_config
+    from blockpress.train.trainer import DivergedError, TrainConfig, Trainer
+
+    lm = blockpress.from_config(model_config("nano", vocab_size=16, canvas_length=8, context=8), seed=0)
+    cfg = TrainConfig(out_dir=str(tmp_path / "run"), steps=3, batch_size=2, log_every=3, eval_every=0, save_every=0,
+                      progress=False)
+    tr = Trainer(lm, ListSource([([2, 5, 6], [7, 8, 9])] * 2, batch_size=2), cfg)
+    tr.train_step()
+    assert isinstance(tr.diverged_at, torch.Tensor) and int(tr.diverged_at) == 0
+    with torch.no_grad():
+        next(p for p in lm.module.parameters() if p.dim() == 2).view(-1)[0] = float("inf")
+    with pytest.raises(DivergedError, match="at step 1: the weights are not finite") as e:
+        tr.save()
+    assert isinstance(e.value, BlockpressError) and not (tmp_path / "run" / "checkpoint-0000001").exists()
+    tr.train_step()  # the loss of a model holding inf
+    assert int(tr.diverged_at) == 2
+    tr.train_step()
+    assert int(tr.diverged_at) == 2  # the first one is kept
+    with pytest.raises(DivergedError, match="at step 2: the loss or the gradient norm"):
+        tr.check_finite()
+
+
+def test_a_full_disk_between_checkpoints_is_one_line_naming_the_last_checkpoint(tmp_path):
+    """metrics.jsonl is appended at every log step; a disk that filled up since the last checkpoint raised OSError
+    with a traceback. Here the log is on /dev/full (every write: ENOSPC)."""
+    import os
+
+    from blockpress.errors import CheckpointError
+    from blockpress.train.data import ListSource
+    from blockpress.train.sizes import model_config
+    from blockpress.train.trainer import TrainConfig, Trainer
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    out = tmp_path / "run"
+    lm = blockpress.from_config(model_config("nano", vocab_size=16, canvas_length=8, context=8), seed=0)
+    cfg = TrainConfig(out_dir=str(out), steps=4, batch_size=2, log_every=1, eval_every=0, save_every=2,
+                      stop_after=2, progress=False)
+    tr = Trainer(lm, ListSource([([2, 5, 6], [7, 8, 9])] * 2, batch_size=2), cfg, resume_command="RESUME")
+    tr.train()
+    assert (out / "latest").read_text() == "checkpoint-0000002"
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").symlink_to("/dev/full")
+    cfg.stop_after = None
+    with pytest.raises(CheckpointError) as e:
+        tr.train()
+    msg = str(e.value)
+    assert f"could not write {out / 'metrics.jsonl'} (OSError: No space left on device)" in msg and "\n" not in msg
+    assert msg.endswith("free disk space, then continue from checkpoint-0000002: RESUME")
+
+
+def test_grad_norm_is_logged_unclipped_and_the_plain_progress_line_follows_log_every(tmp_path, capsys):
+    """--clip 0 logged grad_norm 0.0; the plain progress line came every 10 steps whatever --log-every said; the eval
+    loss on training examples (no --eval-data) was labelled as a held-out one."""
+    from blockpress.testing import build_tiny_gemma_tokenizer
+
+    runs = {}
+    for clip in ("0", "1e9"):  # 1e9: the norm is computed and nothing is clipped
+        out = tmp_path / f"clip{clip}"
+        assert cli_main(["train", "sudoku", "--out", str(out), "--steps", "2", *TINY, "--clip", clip]) == 0
+        runs[clip] = [r["grad_norm"] for r in _rows(out)]
+    assert runs["0"] == runs["1e9"] and min(runs["0"]) > 0
+    plain = [a for a in TINY if a != "--no-progress"]
+    capsys.readouterr()
+    assert cli_main(["train", "sudoku", "--out", str(tmp_path / "p"), "--steps", "4", *plain, "--log-every", "2"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in lines] == ["2/4", "4/4"]
+    build_tiny_gemma_tokenizer(tmp_path / "tok")
+    (tmp_path / "t.txt").write_text("\n\n".join("the cat sat on the mat and then it sat again" for _ in range(4)))
+    text = ["train", str(tmp_path / "t.txt"), "--tokenizer", str(tmp_path / "tok"), "--size", "nano",
+            "--canvas-length", "8", "--context", "16", "--steps", "1", "--batch-size", "2", "--threads", "1",
+            "--eval-every", "1", "--eval-batches", "1"]
+    assert cli_main([*text, "--out", str(tmp_path / "t1")]) == 0
+    assert "step 1: eval loss (training examples)" in capsys.readouterr().out
+    assert cli_main([*text, "--out", str(tmp_path / "t2"), "--eval-data", str(tmp_path / "t.txt")]) == 0
+    assert "step 1: eval loss " in (o := capsys.readouterr().out) and "training examples" not in o
+
+
+def test_grad_accum_gives_the_gradients_of_the_whole_batch(tmp_path):
+    """N micro-batches of b: the same examples and noise as one batch of N*b, each loss scaled by 1/N, so the same
+    gradients (up to fp32 summation order), loss and grad norm; eval in micro-batches gives the same eval loss."""
+    from blockpress.train.data import ListSource
+    from blockpress.train.sizes import model_config
+    from blockpress.train.trainer import TrainConfig, Trainer
+
+    g = torch.Generator().manual_seed(0)
+    exs = [(torch.randint(5, 16, (3 + k % 4,), generator=g).tolist(),
+            torch.randint(5, 16, (4 + 5 * (k % 3),), generator=g).tolist()) for k in range(8)]
+    got = {}
+    for n in (1, 4):
+        lm = blockpress.from_config(model_config("nano", vocab_size=16, canvas_length=8, context=16), seed=0)
+        use(lm.module, attention="eager")
+        cfg = TrainConfig(out_dir=str(tmp_path / f"n{n}"), steps=2, batch_size=8, grad_accum=n, clip=0.0,
+                          eval_every=0, progress=False)
+        tr = Trainer(lm, ListSource(exs, batch_size=8), cfg)
+        stats = tr.train_step()
+        grads = {k: p.grad.clone() for k, p in lm.module.named_parameters() if p.grad is not None}
+        got[n] = stats, grads, tr.evaluate(), lm.module.state_dict()
+    (s1, g1, e1, w1), (s4, g4, e4, w4) = got[1], got[4]
+    assert set(g1) == set(g4)
+    for k in g1:  # fp32 rounding of another summation order: ~1e-7 of the gradient's norm
+        assert (g1[k] - g4[k]).norm() <= 1e-5 * g1[k].norm() + 1e-8, (k, (g1[k] - g4[k]).norm() / g1[k].norm())
+    for key in ("loss", "diff", "ar", "acc", "grad_norm"):
+        assert s1[key] == pytest.approx(s4[key], rel=1e-5), key
+    assert e1["eval_loss"] == pytest.approx(e4["eval_loss"], rel=1e-5)
+    assert all(torch.allclose(w1[k], w4[k], atol=1e-6) for k in w1)
+
+
+def _ddp_accum_worker(rank, world, init_file, out):
+    """One process of a 2-process DDP run with --grad-accum 2 (no_sync on the first micro-batch); see
+    test_distributed.py for why a file rendezvous and os._exit."""
+    import datetime
+    import os
+    import sys
+
+    from blockpress.train import distributed as dist
+    from blockpress.train.data import ListSource
+    from blockpress.train.sizes import model_config
+    from blockpress.train.trainer import TrainConfig, Trainer
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=120))
+    lm = blockpress.from_config(model_config("nano", vocab_size=16, canvas_length=8, context=16), seed=0)
+    use(lm.module, attention="eager")
+    cfg = TrainConfig(out_dir=out, steps=1, batch_size=8, grad_accum=2, clip=0.0, eval_every=0, progress=False)
+    tr = Trainer(lm, ListSource(_accum_examples(), batch_size=8), cfg, rank=rank, world=world,
+                 wrapped=dist.wrap(lm.module))
+    stats = tr.train_step()
+    if rank == 0:
+        torch.save({"stats": stats, "grads": {k: p.grad for k, p in lm.module.named_parameters() if p.grad is not None}},
+                   os.path.join(out, "ddp.pt"))
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _accum_examples():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(5, 16, (3 + k % 4,), generator=g).tolist(),
+             torch.randint(5, 16, (4 + 5 * (k % 3),), generator=g).tolist()) for k in range(8)]
+
+
+def test_grad_accum_under_ddp_equals_one_process(tmp_path):
+    """2 DDP processes x 2 micro-batches of 2 (the first under no_sync): one process's batch of 8."""
+    import torch.multiprocessing as mp
+
+    from blockpress.train.data import ListSource
+    from blockpress.train.sizes import model_config
+    from blockpress.train.trainer import TrainConfig, Trainer
+
+    lm = blockpress.from_config(model_config("nano", vocab_size=16, canvas_length=8, context=16), seed=0)
+    use(lm.module, attention="eager")
+    tr = Trainer(lm, ListSource(_accum_examples(), batch_size=8),
+                 TrainConfig(out_dir=str(tmp_path), steps=1, batch_size=8, clip=0.0, eval_every=0, progress=False))
+    one = tr.train_step()
+    mp.spawn(_ddp_accum_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
+    two = torch.load(tmp_path / "ddp.pt")
+    assert two["stats"]["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert two["stats"]["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    for k, p in lm.module.named_parameters():
+        if p.grad is not None:
+            assert (p.grad - two["grads"][k]).norm() <= 1e-5 * p.grad.norm() + 1e-8, k

@@ -201,21 +201,19 @@ class Trainer:
         self.diverged_at = torch.zeros((), dtype=torch.long, device=self.device)
 
     # ----------------------------------------------------------------------------- one step
-    def _micro_batches(self, step: int, source: Source, stream: str = "train"):
-        """This process's share of step `step`'s global batch, as `grad_accum` micro-batches on the device:
-        (batch, its number of real tokens). Micro-batch m of rank r holds global examples
-        [r*B/W + m*B/(W*N), ...), with their own noise: together, exactly the examples of one whole batch."""
+    def _micro_batches(self, step: int, source: Source, stream: str = "train") -> list[obj.TrainBatch]:
+        """This process's share of step `step`'s global batch, as `grad_accum` micro-batches (on the host: small
+        index tensors). Micro-batch m of rank r holds global examples [r*B/W + m*B/(W*N), ...), with their own
+        noise: together, exactly the examples of one whole batch."""
         per = self.cfg.batch_size // self.world
         micro = per // self.cfg.grad_accum
         V = self.lm.config.text.vocab_size
         eos = (self.lm.config.text.eos_token_id if isinstance(self.lm.config.text.eos_token_id, int)
                else (self.lm.config.text.eos_token_id or [1])[0])
         pad = self.lm.config.text.pad_token_id or 0
-        for m in range(self.cfg.grad_accum):
-            lo = self.rank * per + m * micro
-            b = obj.collate(source.batch(step, range(lo, lo + micro)), self.lm.canvas_length, V, self.cfg.objective,
+        return [obj.collate(source.batch(step, range(lo, lo + micro)), self.lm.canvas_length, V, self.cfg.objective,
                             step, lo, eos_id=eos, pad_id=pad, max_canvases=self.cfg.max_canvases, stream=stream)
-            yield b.to(self.device), b.n_tokens  # counted on the host: no device sync
+                for lo in range(self.rank * per, (self.rank + 1) * per, micro)]
 
     def _loss(self, batch: obj.TrainBatch, split: bool = False):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
@@ -233,13 +231,16 @@ class Trainer:
     @torch.enable_grad()
     def train_step(self) -> dict:
         self.lm.module.train()
+        micro = self._micro_batches(self.step, self.source)
+        tokens = sum(b.n_tokens for b in micro)  # counted on the host: no device sync
         t0 = time.perf_counter()
-        n = self.cfg.grad_accum
-        self.opt.zero_grad(set_to_none=True)
-        rows, tokens, finite = [], 0, None
-        for m, (batch, count) in enumerate(self._micro_batches(self.step, self.source)):
+        n = len(micro)
+        rows, finite = [], None
+        for m, batch in enumerate(micro):
             with self._sync(last=m == n - 1):
-                loss, stats, *two = self._loss(batch, split=self.sharded)
+                loss, stats, *two = self._loss(batch.to(self.device), split=self.sharded)
+                if m == 0:  # where it always was (benchmarks/train_memory.py traces it there): after the forward
+                    self.opt.zero_grad(set_to_none=True)
                 # each micro-batch's per-example mean weighs 1/N: the sum is the whole batch's mean (equal shares)
                 if self.sharded:  # the decoder's backward, then the encoder's: each gradient sharded as it is made
                     from .distributed import backward
@@ -250,7 +251,6 @@ class Trainer:
             ok = torch.isfinite(loss.detach())
             finite = ok if finite is None else finite & ok
             rows.append(stats)
-            tokens += count
         params = [p for p in self.lm.module.parameters() if p.requires_grad]
         if self.cfg.clip:
             gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip)
@@ -290,8 +290,9 @@ class Trainer:
         last = latest_checkpoint(self.out)
         cont = f"continue from {last.name}" if last is not None else "start over (no checkpoint yet)"
         raise DivergedError(
-            f"training diverged {what} (nothing was saved after it); lower --lr (now {self.cfg.lr:g}) or clip harder "
-            f"(--clip, now {self.cfg.clip:g}) and {cont}: {self.resume_command}")
+            f"training diverged {what} (nothing was saved after it); lower --lr (now {self.cfg.lr:g}) or clip the "
+            f"gradient norm (--clip, now {f'{self.cfg.clip:g}' if self.cfg.clip else 'off'}) and {cont}: "
+            f"{self.resume_command}")
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -300,8 +301,8 @@ class Trainer:
         self.lm.module.eval()
         rows = []
         for k in range(self.cfg.eval_batches):  # in micro-batches, as training: no more memory than a step
-            for batch, _ in self._micro_batches(10**9 + k, src, stream="eval"):
-                rows.append(self._loss(batch)[1])
+            for batch in self._micro_batches(10**9 + k, src, stream="eval"):
+                rows.append(self._loss(batch.to(self.device))[1])
         self.lm.module.train()
         return {f"eval_{k}": v for k, v in reduce_stats(rows, obj.COUNTS).items()}
 

@@ -67,7 +67,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                      help="text/chat: held-out file for the periodic eval loss (without it the eval loss is measured "
                           "on training examples, with fixed noise: logged as such, not a held-out loss)")
     run.add_argument("--eval-every", type=_nonneg_int, default=200,
-                     help="steps between eval losses (0: off); Sudoku evaluates on puzzles it does not train on")
+                     help="steps between eval losses (0: off); Sudoku evaluates on its own stream of puzzles")
     run.add_argument("--eval-batches", type=_positive_int, default=2)
     run.add_argument("--save-every", type=_nonneg_int, default=200, help="steps between checkpoints (0: only the last)")
     run.add_argument("--save-minutes", type=_float_in(0, strict=False), default=0.0)

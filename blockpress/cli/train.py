@@ -6,6 +6,7 @@ plain-text `.txt` / `.jsonl` (`text`) file. The model is `--model DIR` (a checkp
 `--out DIR/checkpoint-<step>` (Hugging Face layout + trainer state); `--resume` continues the newest.
 QLoRA: `--model DIR --lora R --precision int4|fp8 [--linears int8|fp8]` loads the base quantised as inference
 does and trains adapters beside the frozen quantised weights (saved in PEFT format, for the unquantised base).
+`--grad-accum N` cuts each step's batch into N micro-batches (the same step in less activation memory).
 Multi-process: `torchrun --nproc_per_node N -m blockpress train ...` (DDP: each process holds the whole model;
 gloo on CPU, nccl on GPU); add `--fsdp` to shard weights, gradients and optimizer state across the processes
 (FSDP2), for a model that does not fit one device. A sharded run resumes with any number of processes.
@@ -189,7 +190,8 @@ def build(args, world: int = 1):
     from blockpress.train import sizes
     from blockpress.train.data import SudokuSource, build_source
     from blockpress.config import ModelConfig, _read_json
-    from blockpress.train.trainer import TrainConfig, check_batch, latest_checkpoint, writing_run_folder
+    from blockpress.train.trainer import (TrainConfig, check_batch, check_resume, latest_checkpoint,
+                                          writing_run_folder)
     from blockpress.tasks import task_info
 
     out = Path(args.out or f"runs/{Path(args.data).stem}")
@@ -245,9 +247,10 @@ def build(args, world: int = 1):
                         targets=tuple(args.lora_targets.split(",")),
                         base_model=str(Path(args.model).resolve()) if args.model and Path(args.model).is_dir()
                         else args.model)
-    if resume_ck is not None:  # the adapters (or none) the run was started with, before anything is loaded
+    if resume_ck is not None:  # the run's settings and adapters (or none), before the model is loaded
         from blockpress.train.lora import check_resume_adapters
 
+        check_resume(resume_ck, tcfg)
         check_resume_adapters(lora, resume_ck)
     device = "cpu" if args.fsdp and world > 1 else args.device
     if args.model:

@@ -112,10 +112,15 @@ def check_batch(cfg: TrainConfig, world: int) -> None:
                          f"x --grad-accum ({cfg.grad_accum}): each micro-batch takes an equal share")
 
 
-def check_resume(saved: dict, cfg: TrainConfig, where: str) -> None:
-    """Refuse to continue a run (its trainer_state.pt's config `saved`) with settings that change which examples a
-    step takes or the loss on them: the resumed run would be neither the old one nor a new one. One line naming the
-    flag and both values."""
+def check_resume(ckpt: str | Path, cfg: TrainConfig, state: dict | None = None) -> None:
+    """Refuse to continue a run (the config in its checkpoint's trainer_state.pt; `state`: that file, already read)
+    with settings that change which examples a step takes or the loss on them: the resumed run would be neither the
+    old one nor a new one. One line naming the flag and both values. The CLI calls it before loading the model."""
+    if state is None:
+        state = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
+    saved, where = state.get("config"), f"{Path(ckpt).name}/trainer_state.pt"
+    if not isinstance(saved, dict):
+        return
     now = _jsonable(asdict(cfg))
     pairs = [(k, saved.get(k), now[k]) for k in SAME_RUN if k in saved]
     pairs += [(k, saved["objective"].get(k), v) for k, v in now["objective"].items()
@@ -388,8 +393,7 @@ class Trainer:
         changes the run's examples or loss (`check_resume`); this config's learning rate, schedule, weight decay
         and betas apply from here on."""
         st = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
-        if isinstance(st.get("config"), dict):
-            check_resume(st["config"], self.cfg, f"{Path(ckpt).name}/trainer_state.pt")
+        check_resume(ckpt, self.cfg, st)
         if "optimizer" in st:  # a checkpoint written before the optimizer moved to optimizer/
             self.opt.load_state_dict(st["optimizer"])
         else:
@@ -420,7 +424,7 @@ class Trainer:
             g["lr"] = self.cfg.lr * f(self.sched.last_epoch)
             g["betas"] = tuple(self.cfg.betas)
             g["weight_decay"] = self.cfg.weight_decay if i == 0 else 0.0  # __init__: matrices, then the rest
-        self.sched._last_lr = [g["lr"] for g in groups]
+        self.sched._last_lr = [g["lr"] for g in groups]  # what get_last_lr() reports for the next step
 
     # ----------------------------------------------------------------------------- loop
     def log(self, row: dict) -> None:
@@ -446,9 +450,8 @@ class Trainer:
 
     def train(self) -> list[dict]:
         cfg = self.cfg
-        if self.rank == 0:
-            with writing_run_folder(self.out):
-                self.out.mkdir(parents=True, exist_ok=True)
+        with writing_run_folder(self.out):
+            self.out.mkdir(parents=True, exist_ok=True)
         bar = _Progress(cfg.steps, self.step, enabled=cfg.progress and self.rank == 0)
         last_save = time.time()
         done_here = 0
@@ -463,15 +466,13 @@ class Trainer:
                 evals = cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
                 if logs or evals:
                     self.check_finite()
+                bar.update(self.step, stats, line=logs)
                 if logs:
-                    bar.update(self.step, stats)
                     row = {k: sum(w[k] for w in self.window) / len(self.window) for k in self.window[0]}
                     row["step"] = self.step
                     row["time"] = time.time()
                     self.log(row)
                     self.window = []
-                else:
-                    bar.update(self.step, stats, line=False)
                 if evals:
                     ev = self.evaluate()
                     self.log({"step": self.step, "time": time.time(), **ev})

@@ -713,8 +713,8 @@ def test_grad_accum_gives_the_gradients_of_the_whole_batch(tmp_path):
     assert all(torch.allclose(w1[k], w4[k], atol=1e-6) for k in w1)
 
 
-def _ddp_accum_worker(rank, world, init_file, out):
-    """One process of a 2-process DDP run with --grad-accum 2 (no_sync on the first micro-batch); see
+def _accum_worker(rank, world, init_file, out, fsdp):
+    """One process of a 2-process DDP (no_sync on the first micro-batch) or FSDP2 run with --grad-accum 2; see
     test_distributed.py for why a file rendezvous and os._exit."""
     import datetime
     import os
@@ -733,11 +733,12 @@ def _ddp_accum_worker(rank, world, init_file, out):
     use(lm.module, attention="eager")
     cfg = TrainConfig(out_dir=out, steps=1, batch_size=8, grad_accum=2, clip=0.0, eval_every=0, progress=False)
     tr = Trainer(lm, ListSource(_accum_examples(), batch_size=8), cfg, rank=rank, world=world,
-                 wrapped=dist.wrap(lm.module))
+                 wrapped=dist.wrap(lm.module, fsdp=fsdp))
     stats = tr.train_step()
+    grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)  # FSDP2: gathered, a collective
+             for k, p in lm.module.named_parameters() if p.grad is not None}
     if rank == 0:
-        torch.save({"stats": stats, "grads": {k: p.grad for k, p in lm.module.named_parameters() if p.grad is not None}},
-                   os.path.join(out, "ddp.pt"))
+        torch.save({"stats": stats, "grads": grads}, os.path.join(out, "two.pt"))
     torch.distributed.barrier()
     sys.stdout.flush()
     os._exit(0)
@@ -749,8 +750,10 @@ def _accum_examples():
              torch.randint(5, 16, (4 + 5 * (k % 3),), generator=g).tolist()) for k in range(8)]
 
 
-def test_grad_accum_under_ddp_equals_one_process(tmp_path):
-    """2 DDP processes x 2 micro-batches of 2 (the first under no_sync): one process's batch of 8."""
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_grad_accum_under_ddp_or_fsdp_equals_one_process(tmp_path, wrapper):
+    """2 processes x 2 micro-batches of 2 (DDP: the first under no_sync; FSDP2: each reduce-scattered into the shards,
+    the backward in two parts scaled by 1/2): one process's batch of 8."""
     import torch.multiprocessing as mp
 
     from blockpress.train.data import ListSource
@@ -762,8 +765,9 @@ def test_grad_accum_under_ddp_equals_one_process(tmp_path):
     tr = Trainer(lm, ListSource(_accum_examples(), batch_size=8),
                  TrainConfig(out_dir=str(tmp_path), steps=1, batch_size=8, clip=0.0, eval_every=0, progress=False))
     one = tr.train_step()
-    mp.spawn(_ddp_accum_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
-    two = torch.load(tmp_path / "ddp.pt")
+    mp.spawn(_accum_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path), wrapper == "fsdp"), nprocs=2,
+             join=True)
+    two = torch.load(tmp_path / "two.pt")
     assert two["stats"]["loss"] == pytest.approx(one["loss"], rel=1e-5)
     assert two["stats"]["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     for k, p in lm.module.named_parameters():

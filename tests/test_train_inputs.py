@@ -156,6 +156,9 @@ def test_empty_folder_and_unreadable_data_are_named(tmp_path, capsys):
         assert cli_main([*argv, "--out", str(out)]) == 2, argv
         assert needle in _one_line(capsys), argv
         assert not out.exists()
+    # the one reader of data files: eval's passages say the same
+    assert cli_main(["eval", "infill", "--model", "kjv", "--data", str(tmp_path / "adir.txt")]) == 2
+    assert "adir.txt is a folder, not a data file" in _one_line(capsys)
 
 
 # ----------------------------------------------------------------------------- the run folder

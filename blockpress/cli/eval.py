@@ -203,23 +203,23 @@ def _infill(args) -> int:
 
     from .run import refuse_task_model
 
-    def check(data: Path) -> Path:
-        if not data.is_file():
+    def passages(data: Path) -> list[str]:
+        if not data.exists():
             raise InputError(f"no passages at {data}; pass --data FILE (passages separated by blank lines)")
-        return data
+        return ti.read_passages(data)  # a folder, or text that is not UTF-8: one line naming it
 
     if args.data:  # a typo in --data fails before the model loads
-        check(Path(args.data))
+        passages(Path(args.data))
     path = resolve_path(args.model, progress=False) if args.model else SHIPPED_MODELS["kjv"]
     lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision,
                          linears=args.linears, progress=False)
     refuse_task_model(lm, "eval infill")
-    data = check(Path(args.data) if args.data else path / "eval" / "heldout.txt")
+    data = passages(Path(args.data) if args.data else path / "eval" / "heldout.txt")
     if args.adapter:
         from blockpress.train.lora import apply_adapter
 
         apply_adapter(lm, args.adapter)
-    examples = ti.make_examples(ti.read_passages(data), args.n or 200, args.seed)
+    examples = ti.make_examples(data, args.n or 200, args.seed)
     results = {}
     sampling = sampler_kwargs(args)
     for s in args.steps or [None]:

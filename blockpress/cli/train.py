@@ -371,9 +371,9 @@ def build(args, world: int = 1):
 def _is_chat(path: str) -> bool:
     """Whether a .jsonl file holds chat rows (its first row has 'messages' or 'prompt'); a broken file is
     left to the data reader, which names the line."""
-    from blockpress.train.data import read_text
+    from blockpress.tasks import read_data_file
 
-    for line in read_text(Path(path)).splitlines():
+    for line in read_data_file(Path(path)).splitlines():
         if line.strip():
             try:
                 row = json.loads(line)

@@ -11,6 +11,9 @@ from ..errors import InputError
 
 def read_data_file(path: Path) -> str:
     """The text of a data file (training data, evaluation passages), or an InputError that names the problem."""
+    if path.is_dir():
+        raise InputError(f"{path} is a folder, not a data file; give 'sudoku', a chat .jsonl file, or a plain-text "
+                         ".txt/.jsonl file")
     if not path.is_file():
         raise InputError(f"data file {path} not found; give 'sudoku', a chat .jsonl file, or a plain-text "
                          ".txt/.jsonl file")

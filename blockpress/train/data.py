@@ -93,14 +93,6 @@ class ListSource(Source):
         return len(self.examples)
 
 
-def read_text(path: Path) -> str:
-    """A data file's text (`tasks.read_data_file`: missing, not UTF-8); a folder is named as one, not "not found"."""
-    if path.is_dir():
-        raise InputError(f"{path} is a folder, not a data file; give 'sudoku', a chat .jsonl file, or a plain-text "
-                         ".txt/.jsonl file")
-    return read_data_file(path)
-
-
 def check_vocabulary(examples: list[Example], tokenizer, name) -> None:
     """Refuse data that the model's tokenizer mostly reads as <unk> (English text on the Sudoku model): every such
     token is the same id, and training on it teaches nothing but <unk>."""
@@ -125,7 +117,7 @@ def trained_length(prompt: list, response: list, canvas_length: int, max_canvase
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
     """[(where, row)]: `where` is "path:line" for error messages; every row must be a JSON object."""
     rows = []
-    for n, line in enumerate(read_text(path).splitlines(), 1):
+    for n, line in enumerate(read_data_file(path).splitlines(), 1):
         if line.strip():
             try:
                 row = json.loads(line)
@@ -274,7 +266,7 @@ class TextSource(ListSource):
                 if r["text"]:
                     docs.append(r["text"])
         else:
-            docs = [d.strip() for d in read_text(path).split("\n\n") if d.strip()]
+            docs = [d.strip() for d in read_data_file(path).split("\n\n") if d.strip()]
         lo, hi = (prompt_tokens, prompt_tokens) if isinstance(prompt_tokens, int) else tuple(prompt_tokens)
         if not 0 <= lo <= hi:
             raise InputError(f"prompt_tokens range ({lo}, {hi}) must satisfy 0 <= lo <= hi")

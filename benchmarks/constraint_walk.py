@@ -11,6 +11,13 @@ the answer's token nearly everywhere, as a trained model's do. It prints, per V,
 canvas and of the first step alone, and the top-k read that the walk starts with (`--device cuda`: the logits on the
 GPU, as in a generation), whether the last step's walk is valid JSON and is the answer itself (the walk must not
 change a valid argmax); then one JSON line.
+
+    python benchmarks/constraint_walk.py --generation [--vocab 2048] [--steps 4] [--canvas 32]
+
+`--generation` times whole generations instead of one canvas: `[a-z]{50}`, `[a-z]{400}` and the JSON Schema, each
+walked canvas after canvas (the last step's walk committed, as a generation does) over logits of noise (a model
+that writes anything) until the output closes; per grammar, the mean walk of a step in ms and the grammar masks
+computed per step (`Constraint.masks`, where the code has it). The cost of a walk should not grow with the output.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import time
 
 import torch
@@ -46,16 +54,62 @@ def tokenizer(V: int) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(data))
 
 
+GENERATIONS = [("[a-z]{50}", {"regex": "[a-z]{50}"}, 64), ("[a-z]{400}", {"regex": "[a-z]{400}"}, 450),
+               ("json schema", {"json_schema": SCHEMA}, 256)]  # name, grammar, max_new_tokens
+
+
+def generations(args) -> list[dict]:
+    """Per grammar of GENERATIONS, one generation walked over noise logits: ms per walk (a constrained step's host
+    cost) and masks per walk."""
+    C, rows = args.canvas, []
+    print(f"{'grammar':>12} {'vocab':>7} {'steps':>6} {'ms a step':>10} {'masks a step':>13} {'valid':>6}")
+    for V in args.vocab:
+        tok = tokenizer(V)
+        for name, spec, budget in GENERATIONS:
+            c = Constraint(grammar_for(**spec), tok, [1], V, budget)
+            g = torch.Generator().manual_seed(0)
+            out, walks, masks = [], [], []
+            while not c.ended and len(out) < budget:
+                for _ in range(args.steps):
+                    z = torch.randn(C, V, generator=g).to(args.device)
+                    before = getattr(c, "masks", 0)
+                    t0 = time.perf_counter()
+                    walked, _, _ = c.walk(z, z.argmax(-1))
+                    walks.append(time.perf_counter() - t0)
+                    masks.append(getattr(c, "masks", 0) - before)
+                c.advance(walked)
+                out += walked
+            ids = out[:out.index(1)] if 1 in out else out
+            text = tok.decode(ids)
+            valid = 1 in out[:budget] and (re.fullmatch(spec["regex"], text) is not None if "regex" in spec
+                                           else isinstance(json.loads(text), dict))
+            row = {"grammar": name, "vocab": V, "canvas": C, "steps": len(walks), "tokens": len(ids),
+                   "walk_ms": 1e3 * sum(walks) / len(walks), "masks_per_walk": sum(masks) / len(masks),
+                   "valid": valid}
+            rows.append(row)
+            print(f"{name:>12} {V:>7} {len(walks):>6} {row['walk_ms']:>10.1f} {row['masks_per_walk']:>13.1f} "
+                  f"{str(valid):>6}")
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--vocab", type=int, nargs="+", default=[512, 32768, 262144])
-    p.add_argument("--steps", type=int, default=16, help="denoising steps of the canvas")
-    p.add_argument("--canvas", type=int, default=256)
+    p.add_argument("--vocab", type=int, nargs="+", default=None, help="default 512 32768 262144 (--generation: 2048)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps of a canvas (default 16; --generation: 4)")
+    p.add_argument("--canvas", type=int, default=None, help="default 256 (--generation: 32, the shipped models')")
+    p.add_argument("--generation", action="store_true", help="whole generations of three grammars over noise")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="where the logits live (cuda: the top-k and the masked argmax "
                    "run there, as in a generation)")
     args = p.parse_args(argv)
+    gen = args.generation
+    args.vocab = args.vocab or ([2048] if gen else [512, 32768, 262144])
+    args.steps = args.steps or (4 if gen else 16)
+    args.canvas = args.canvas or (32 if gen else 256)
     torch.set_num_threads(args.threads)
+    if gen:
+        print(json.dumps({"bench": "constraint_walk_generation", "results": generations(args)}))
+        return 0
     C, rows = args.canvas, []
     print(f"{'vocab':>8} {'walk ms (mean of steps)':>24} {'first step ms':>14} {'top-k ms':>9} {'valid':>6} "
           f"{'answer kept':>12}")

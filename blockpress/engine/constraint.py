@@ -37,7 +37,9 @@ without a constraint. Across canvases the state continues from the committed tok
 from __future__ import annotations
 
 import copy
+import heapq
 import importlib.util
+import itertools
 import json
 from functools import lru_cache
 from itertools import takewhile
@@ -245,9 +247,11 @@ class Vocabulary:
         raw = tokenizer._tok if hasattr(tokenizer, "_tok") else tokenizer
         self.llg = llg.LLTokenizer(raw.to_str(), n_vocab=vocab_size, eos_token=list(stop_ids))
         self.stop_ids, self.V = stop_ids, vocab_size
-        self.rank = torch.tensor([_rank(raw.id_to_token(i), raw.decode([i], skip_special_tokens=False))
-                                  for i in range(raw.get_vocab_size())] + [10**6] * (vocab_size - raw.get_vocab_size()),
-                                 dtype=torch.long)[:vocab_size]
+        n = min(raw.get_vocab_size(), vocab_size)
+        pieces = [raw.id_to_token(i) for i in range(n)]
+        texts = [raw.decode([i], skip_special_tokens=False) for i in range(n)]
+        self.rank = torch.tensor([_rank(p, t) for p, t in zip(pieces, texts)] + [10**6] * (vocab_size - n),
+                                 dtype=torch.long)
         self.rank[list(stop_ids)] = 10**6  # stopping is decided by the grammar's accepting state, not ranked
         self.by_rank = torch.argsort(self.rank, stable=True)  # token ids, soonest-closing first (ties: lower id)
         self.order = torch.empty_like(self.by_rank)  # token id -> its place in by_rank
@@ -255,6 +259,17 @@ class Vocabulary:
         self.head = self.by_rank[:self.HEAD].tolist()
         self.kind = self.rank // 1000  # a token's class (what its text begins with: `_rank`)
         self.kinds = self.kind.tolist()
+        self.width = [len(t) for t in texts] + [0] * (vocab_size - n)  # characters (`Constraint._path_after`)
+        firsts, leads = set(), []  # per first character, its soonest-closing token; a special token is its own
+        for t in self.by_rank.tolist():
+            if t >= n or t in stop_ids or not texts[t]:
+                continue
+            first = ("special", t) if _special(pieces[t]) else texts[t][0]
+            if first not in firsts:
+                firsts.add(first)
+                leads.append(t)
+        self.leads = torch.tensor(leads, dtype=torch.long)  # in closing order: the steps `Constraint._search` takes
+        self._lead_at, self._lead_bit = self.leads >> 3, (self.leads & 7).to(torch.uint8)
         self._shifts = torch.arange(8, dtype=torch.uint8)
 
     def unpack(self, bits: bytes, device=None) -> torch.Tensor:
@@ -283,6 +298,17 @@ class Vocabulary:
             key = key + self.V * torch.isin(self.kind[ids], torch.tensor(sorted(demoted)))
         return int(ids[key.argmin()])
 
+    def allowed_leads(self, bits: bytes) -> list[int]:
+        """The `leads` the mask allows, in closing order: one token per first character the grammar takes here
+        (where a character's single-character token exists, it is its lead, and allowed wherever a longer token
+        that starts with that character is)."""
+        raw = torch.frombuffer(bytearray(bits), dtype=torch.uint8)
+        return self.leads[((raw[self._lead_at] >> self._lead_bit) & 1).bool()].tolist()
+
+    def allowed(self, bits: bytes, limit: int) -> list[int]:
+        """The first `limit` tokens the mask allows, in closing order."""
+        return self.by_rank[self.unpack(bits)[self.by_rank]][:limit].tolist()
+
     def closest_reference(self, bits: bytes, demoted: frozenset = frozenset()) -> int:
         """`closest`, read plainly: the tokens in closing order (a demoted class's last), the first whose bit is
         set (the stop id if none is)."""
@@ -297,12 +323,17 @@ def _rank(piece: str | None, text: str) -> int:
     always takes one never closes."""
     if piece == '<|"|>':
         return 0  # before `"` (rank 1), which would only extend such a string
-    if piece is None or not text or (piece.startswith("<") and piece.endswith(">") and len(piece) > 2):
+    if not text or _special(piece):
         return 10**6  # special tokens and empty pieces never close anything
     c = text[0]
     cls = 0 if c in "\"}]" else 1 if c == "," else 2 if c.isdigit() else 3 if c.isalpha() else \
         _OPEN if c in "{[" else 4 if c in ":-." else _OTHER
     return cls * 1000 + len(text)
+
+
+def _special(piece: str | None) -> bool:
+    """Whether a token is a special one (`<...>`), or has no piece."""
+    return piece is None or (piece.startswith("<") and piece.endswith(">") and len(piece) > 2)
 
 
 @lru_cache(maxsize=8)
@@ -319,6 +350,7 @@ class Constraint:
 
     CLOSE_LIMIT = 4096  # tokens a closing path may take before the grammar counts as unclosable
     LOOP, DEMOTE = 32, 3  # `closing_path`: choices a path may make before it is made again, and how many times
+    NODES, TRIES = 128, 16384  # `_search`: masks it may compute, and tokens it may try as a path's last
 
     LOOKAHEAD = 8  # drafted positions a guarded token's check reads: a call's opening, "call:" and a name
 
@@ -341,15 +373,17 @@ class Constraint:
         self.cut = False  # the budget closed the output early: a committed canvas's walk put its closing path in
         # place of what the model chose (a finish "length", though the output is complete and valid)
         self.guarded = frozenset(int(t) for t in guarded)
-        self.path = self.closing_path(self.matcher)  # how the committed state closes (tokens)
+        self.masks = 0  # grammar masks computed so far: the host cost of the walk and its closing paths
+        self.path = self.closing_path(self.matcher, max_new_tokens - 1)  # how the committed state closes (tokens)
         self._walked: dict = {}  # the tokens each walk since the last commit took -> (the closing path it ended on,
         # whether the budget made it close)
-        need = 10**9 if self.path is None else len(self.path) + 1
-        if need > max_new_tokens:
-            size = f"{need} tokens" if need < 10**9 else f"more than {self.CLOSE_LIMIT} tokens"
-            raise GrammarBudgetError(f"max_new_tokens={max_new_tokens} is too small for this grammar: its shortest "
-                                     f"output and stop take {size}; raise max_new_tokens"
-                                     + ("" if need < 10**9 else " or loosen the grammar"))
+        if self.path is None:
+            raise InputError(f"could not find a way to close this grammar within {self.CLOSE_LIMIT} tokens (the "
+                             "search for one is bounded, so it may still have valid outputs); simplify the grammar")
+        if len(self.path) + 1 > max_new_tokens:
+            raise GrammarBudgetError(f"max_new_tokens={max_new_tokens} is too small for this grammar: the shortest "
+                                     f"output found takes {len(self.path)} tokens and its stop one more; raise "
+                                     "max_new_tokens")
 
     def clone(self) -> "Constraint":
         """Another row's constraint in this one's state, without compiling the grammar again (a request's n choices
@@ -362,49 +396,121 @@ class Constraint:
         """Whether the grammar, after t, takes every token of the draft."""
         return m.validate_tokens([t, *draft]) == len(draft) + 1
 
-    def closing_path(self, m) -> list[int] | None:
+    def closing_path(self, m, within: int | None = None, cap: int | None = None) -> list[int] | None:
         """The tokens of a short closing path from matcher `m`, which is left as it is (its stop not included; None:
-        none within CLOSE_LIMIT): forced tokens where the grammar forces some, else the allowed token that closes
-        soonest (`Vocabulary.closest`). Such a path can go round: `[a-z]+(, [0-9]+)*\\.` closes at the dot, but a
-        comma and a digit come first in the order, again and again. So a path that has chosen `LOOP` tokens without
-        closing is made again with the class it chose most put last in the order (up to `DEMOTE` classes, ties: the
-        one ranked first); if none of those closes within `LOOP` choices either, the path in the plain order is
-        taken, to CLOSE_LIMIT (a long minimum length, a large object: no loop)."""
+        none found of at most `cap` tokens, CLOSE_LIMIT by default). First the greedy one: forced tokens where the
+        grammar forces some, else the allowed token that closes soonest (`Vocabulary.closest`), within `LOOP`
+        choices. Where that goes round (`[a-z]+x`: a letter, then another, and the `x` that closes is a letter too),
+        or is longer than `within`, `_search` looks for a shorter one. Where that finds none either (a long minimum
+        length, `[a-z]{400}`), the greedy path is made again with the class it chose most put last in the order (up
+        to `DEMOTE` classes: `[a-z]{40}(, [0-9]+)*\\.`), and last in the plain order, to `cap` tokens."""
+        cap = self.CLOSE_LIMIT if cap is None else cap
+        path, kinds = self._greedy(m, frozenset(), self.LOOP, cap)
+        if path is not None and (within is None or len(path) <= within):
+            return path
+        found = self._search(m, cap if path is None else len(path) - 1)
+        if found is not None or path is not None or len(kinds) < self.LOOP:  # (fewer: it stopped at `cap`)
+            return path if found is None else found
         demoted: frozenset = frozenset()
-        for attempt in range(self.DEMOTE + 1):
-            watch = attempt < self.DEMOTE
-            trial, out, kinds = m.deep_copy(), [], []
-            while len(out) < self.CLOSE_LIMIT:
-                if trial.is_accepting() or trial.is_stopped():
-                    return out
-                forced = trial.compute_ff_tokens()
-                step = forced or [self.vocab.closest(trial.compute_bitmask(), demoted if watch else frozenset())]
-                trial.consume_tokens(step)
-                out += step
-                if not forced:
-                    kinds.append(self.vocab.kinds[step[0]])
-                    if watch and len(kinds) >= self.LOOP:
-                        demoted |= {max(set(kinds), key=lambda k: (kinds.count(k), -k))}
-                        break
-            else:
-                return None
-        return None
+        for _ in range(self.DEMOTE - 1):
+            if not kinds:
+                break
+            demoted |= {max(set(kinds), key=lambda k: (kinds.count(k), -k))}
+            path, kinds = self._greedy(m, demoted, self.LOOP, cap)
+            if path is not None:
+                return path
+        return self._greedy(m, frozenset(), None, cap)[0]
 
-    def _path_after(self, m, path: list[int] | None, t: int) -> list[int] | None:
-        """A closing path for the state m reaches with t, given `path`, m's own: its rest where t is its first
-        token; itself where the grammar still takes it after t and may end there (inside a string or a number,
-        nearly always); else `closing_path` from that state."""
-        if path:
-            if path[0] == t:
+    def _greedy(self, m, demoted: frozenset, choices: int | None, cap: int) -> tuple[list[int] | None, list[int]]:
+        """The greedy closing path from `m` (forced tokens, else the soonest-closing allowed token, a `demoted`
+        class's last), and the classes of the tokens it chose; None for the path where it made `choices` choices
+        (None: no bound) or took `cap` tokens without closing."""
+        trial, out, kinds = m.deep_copy(), [], []
+        while True:
+            if trial.is_accepting() or trial.is_stopped():
+                return out, kinds
+            if len(out) >= cap:
+                return None, kinds
+            forced = trial.compute_ff_tokens()
+            if not forced:
+                if choices is not None and len(kinds) >= choices:
+                    return None, kinds
+                self.masks += 1
+                forced = [self.vocab.closest(trial.compute_bitmask(), demoted)]
+                kinds.append(self.vocab.kinds[forced[0]])
+            trial.consume_tokens(forced)
+            out += forced
+
+    def _search(self, m, limit: int) -> list[int] | None:
+        """The shortest closing path from `m` of at most `limit` tokens that a bounded best-first search finds, or
+        None. From each state it reaches, fewest tokens first, the search tries the allowed tokens in closing order
+        as the path's last (the first after which the grammar may end closes it) and goes on with one token per
+        first character the grammar takes there (`Vocabulary.allowed_leads`: the `x` of `[a-z]+x` as well as the
+        `a`), or with the forced tokens. llguidance exposes no state to key on, only the mask, which states that
+        differ further on can share (`[a-z]+x` before a letter and after one): so a state is dropped only where its
+        text from `m` was reached already, and a state whose mask was seen waits until no state with a new one is
+        left (after `{"v": "a` of a `^[a-z]+x$` string, `ax` goes first: the quote that it allows is new). Bounded
+        by the masks it computes (`NODES`) and the tokens it tries as a path's last (`TRIES`)."""
+        stop, vocab = self.vocab.stop_ids[0], self.vocab
+        order = itertools.count()
+        queues: tuple[list, list] = ([(0, next(order), [], m, [], None)], [])  # new masks first, then seen ones
+        reached, seen = {b""}, set()
+        best, masks, tries = None, 0, self.TRIES
+        while (queues[0] or queues[1]) and masks < self.NODES:
+            stale = not queues[0]
+            cost, _, path, node, step, bits = heapq.heappop(queues[stale])
+            if cost >= limit or best is not None and cost + 1 >= len(best):
+                continue
+            if step:  # made when first taken from a queue: most states queued never are
+                node = node.deep_copy()
+                node.consume_tokens(step)
+            forced = node.compute_ff_tokens()
+            if not forced and bits is None:
+                masks += 1
+                bits = node.compute_bitmask()
+                if bits in seen:
+                    heapq.heappush(queues[1], (cost, next(order), path, node, [], bits))
+                    continue
+                seen.add(bits)
+            if forced:
+                steps = [forced]
+                last = forced if node.validate_tokens([*forced, stop]) == len(forced) + 1 else None
+            else:
+                steps = [[t] for t in vocab.allowed_leads(bits)]
+                ends = vocab.allowed(bits, tries)
+                tries -= len(ends)
+                last = next(([t] for t in ends if node.validate_tokens([t, stop]) == 2), None)
+            if last is not None and cost + len(last) <= limit and (best is None or cost + len(last) < len(best)):
+                best = path + last
+            for step in steps:
+                n, text = cost + len(step), vocab.llg.decode_bytes(path + step)
+                if n < limit and (best is None or n + 1 < len(best)) and text not in reached:
+                    reached.add(text)
+                    heapq.heappush(queues[0], (n, next(order), path + step, node, step, None))
+        self.masks += masks
+        return best
+
+    def _path_after(self, m, path: list[int] | None, t: int, cap: int) -> list[int] | None:
+        """A closing path for the state m reaches with t, given `path`, m's own. Without a mask where the grammar
+        takes a part of it after t and may end there: its rest where t is its first token; the part after the
+        tokens whose text t's spans (a counted repetition, `[a-z]{400}`: a 3-letter token in place of 3 letters);
+        the part that the grammar takes after t (itself, inside a string or a number; its head, where t wrote some
+        of the rest). Else `closing_path` from that state, which looks no further than `cap` tokens (the room left:
+        a longer path would not be used)."""
+        if path is not None:
+            if path and path[0] == t:
                 return path[1:]
-            if m.validate_tokens([t, *path]) == len(path) + 1:
-                after = m.deep_copy()
-                after.consume_tokens([t, *path])
-                if after.is_accepting() or after.is_stopped():
-                    return path
+            stop, width, i, w = self.vocab.stop_ids[0], self.vocab.width, 0, self.vocab.width[t]
+            while i < len(path) and w > 0:
+                w, i = w - width[path[i]], i + 1
+            if i and m.validate_tokens([t, *path[i:], stop]) == len(path) - i + 2:
+                return path[i:]
+            n = m.validate_tokens([t, *path]) - 1
+            if n >= 0 and m.validate_tokens([t, *path[:n], stop]) == n + 2:
+                return path[:n]
         after = m.deep_copy()
         after.consume_token(t)
-        return self.closing_path(after)
+        return self.closing_path(after, cap=cap)
 
     def walk(self, z: torch.Tensor, y: torch.Tensor, a: torch.Tensor | None = None) -> tuple[list[int], list[int], int]:
         """z [C, V] the step's logits, y [C] its draws (a, the step's argmax, is the walk's own) -> the walked
@@ -429,10 +535,11 @@ class Constraint:
             if j < len(lead):  # forced by the grammar: the token, drawn or not
                 out_a.append(lead[j])
                 out_y.append(lead[j])
-                path = self._path_after(m, path, lead[j])
+                path = self._path_after(m, path, lead[j], max(left - 2, 0))
                 m.consume_token(lead[j])
                 took.append(lead[j])
                 continue
+            self.masks += 1
             bits = m.compute_bitmask()  # one bit per token: tested in place for the candidates
             ok = lambda t, b=bits: (b[t >> 3] >> (t & 7)) & 1  # noqa: E731
             if self.guarded:
@@ -453,7 +560,7 @@ class Constraint:
                 t = int(torch.where(self.vocab.unpack(bits, z.device), z[j], float("-inf")).argmax())
             nxt = None
             if t not in self.vocab.stop_ids:
-                nxt = self._path_after(m, path, t)
+                nxt = self._path_after(m, path, t, max(left - 2, 0))
                 if nxt is None or len(nxt) + 2 > left:  # t, its closing path and a stop do not fit: close now
                     t, nxt = (path[0], path[1:]) if path else (stop, None) if path is not None else \
                         ((m.compute_ff_tokens() or [self.vocab.closest(bits)])[0], None)

@@ -41,6 +41,7 @@ import heapq
 import importlib.util
 import itertools
 import json
+import re
 from functools import lru_cache
 from itertools import takewhile
 
@@ -350,7 +351,10 @@ class Constraint:
 
     CLOSE_LIMIT = 4096  # tokens a closing path may take before the grammar counts as unclosable
     LOOP, DEMOTE = 32, 3  # `closing_path`: choices a path may make before it is made again, and how many times
-    NODES, TRIES = 128, 16384  # `_search`: masks it may compute, and tokens it may try as a path's last
+    NODES, TRIES, WORDS = 128, 16384, 64  # `_search`: masks it may compute, tokens it may try as a path's last,
+    # and words of the grammar's text it takes as steps
+    REPAIR = 3  # `_path_after`: greedy steps after a token before the path carried so far is made again (the
+    # continuation bytes of a 4-byte UTF-8 character)
 
     LOOKAHEAD = 8  # drafted positions a guarded token's check reads: a call's opening, "call:" and a name
 
@@ -374,6 +378,8 @@ class Constraint:
         # place of what the model chose (a finish "length", though the output is complete and valid)
         self.guarded = frozenset(int(t) for t in guarded)
         self.masks = 0  # grammar masks computed so far: the host cost of the walk and its closing paths
+        words = dict.fromkeys(re.findall(r"[A-Za-z0-9_]{2,}", grammar))  # the literals a closing path may need
+        self._words = [w for w in (self.vocab.llg.tokenize_str(w) for w in list(words)[:self.WORDS]) if w]
         self.path = self.closing_path(self.matcher, max_new_tokens - 1)  # how the committed state closes (tokens)
         self._walked: dict = {}  # the tokens each walk since the last commit took -> (the closing path it ended on,
         # whether the budget made it close)
@@ -443,74 +449,108 @@ class Constraint:
 
     def _search(self, m, limit: int) -> list[int] | None:
         """The shortest closing path from `m` of at most `limit` tokens that a bounded best-first search finds, or
-        None. From each state it reaches, fewest tokens first, the search tries the allowed tokens in closing order
-        as the path's last (the first after which the grammar may end closes it) and goes on with one token per
-        first character the grammar takes there (`Vocabulary.allowed_leads`: the `x` of `[a-z]+x` as well as the
-        `a`), or with the forced tokens. llguidance exposes no state to key on, only the mask, which states that
-        differ further on can share (`[a-z]+x` before a letter and after one): so a state is dropped only where its
-        text from `m` was reached already, and a state whose mask was seen waits until no state with a new one is
-        left (after `{"v": "a` of a `^[a-z]+x$` string, `ax` goes first: the quote that it allows is new). Bounded
-        by the masks it computes (`NODES`) and the tokens it tries as a path's last (`TRIES`)."""
+        None. From each state it reaches, fewest tokens first, the search tries the allowed tokens in closing order,
+        and the words of the grammar's text, as the path's last (the first after which the grammar may end closes
+        it), and goes on with one token per first character the grammar takes there (`Vocabulary.allowed_leads`:
+        the `x` of `[a-z]+x` as well as the `a`), the words it takes, or the forced tokens. The words find a
+        closing literal whose letters each also continue a loop (`([a-z]+ )+end` where `end` is three tokens):
+        the masks on the way to it are the loop's, so nothing else tells those letters from any others.
+        llguidance exposes no state to key on, only the mask, which states that differ further on can share
+        (`[a-z]+x` before a letter and after one): so a state is dropped only where its text from `m` was reached
+        already, and one whose mask was seen, with what follows it, waits until no state after a new mask is left
+        (after `{"v": "a` of a `^[a-z]+x$` string, `ax` goes first: the quote it allows is new). Bounded by the
+        masks it computes (`NODES`) and the tokens it tries as a path's last (`TRIES`)."""
         stop, vocab = self.vocab.stop_ids[0], self.vocab
         order = itertools.count()
-        queues: tuple[list, list] = ([(0, next(order), [], m, [], None)], [])  # new masks first, then seen ones
+        queues: tuple[list, list] = ([(0, next(order), [], m, [], None)], [])  # after new masks, after seen ones
         reached, seen = {b""}, set()
         best, masks, tries = None, 0, self.TRIES
         while (queues[0] or queues[1]) and masks < self.NODES:
-            stale = not queues[0]
-            cost, _, path, node, step, bits = heapq.heappop(queues[stale])
+            late = not queues[0]
+            cost, _, path, node, step, bits = heapq.heappop(queues[late])
             if cost >= limit or best is not None and cost + 1 >= len(best):
                 continue
             if step:  # made when first taken from a queue: most states queued never are
                 node = node.deep_copy()
                 node.consume_tokens(step)
+                if node.is_accepting() or node.is_stopped():  # (past the tokens tried as a path's last)
+                    best = path
+                    continue
             forced = node.compute_ff_tokens()
             if not forced and bits is None:
                 masks += 1
                 bits = node.compute_bitmask()
-                if bits in seen:
+                if bits in seen and not late:
                     heapq.heappush(queues[1], (cost, next(order), path, node, [], bits))
                     continue
+                late = bits in seen
                 seen.add(bits)
-            if forced:
-                steps = [forced]
-                last = forced if node.validate_tokens([*forced, stop]) == len(forced) + 1 else None
-            else:
-                steps = [[t] for t in vocab.allowed_leads(bits)]
-                ends = vocab.allowed(bits, tries)
+            ends, steps = [forced] if forced else [], [forced] if forced else []
+            if not forced:
+                ends = [[t] for t in vocab.allowed(bits, tries)]
                 tries -= len(ends)
-                last = next(([t] for t in ends if node.validate_tokens([t, stop]) == 2), None)
+                steps = [[t] for t in vocab.allowed_leads(bits)]
+                for w in self._words:
+                    if node.validate_tokens(w) == len(w):
+                        ends.append(w)
+                        steps.append(w)
+            last = next((e for e in ends if node.validate_tokens([*e, stop]) == len(e) + 1), None)
             if last is not None and cost + len(last) <= limit and (best is None or cost + len(last) < len(best)):
                 best = path + last
             for step in steps:
                 n, text = cost + len(step), vocab.llg.decode_bytes(path + step)
                 if n < limit and (best is None or n + 1 < len(best)) and text not in reached:
                     reached.add(text)
-                    heapq.heappush(queues[0], (n, next(order), path + step, node, step, None))
+                    heapq.heappush(queues[late], (n, next(order), path + step, node, step, None))
         self.masks += masks
         return best
 
     def _path_after(self, m, path: list[int] | None, t: int, cap: int) -> list[int] | None:
-        """A closing path for the state m reaches with t, given `path`, m's own. Without a mask where the grammar
-        takes a part of it after t and may end there: its rest where t is its first token; the part after the
-        tokens whose text t's spans (a counted repetition, `[a-z]{400}`: a 3-letter token in place of 3 letters);
-        the part that the grammar takes after t (itself, inside a string or a number; its head, where t wrote some
-        of the rest). Else `closing_path` from that state, which looks no further than `cap` tokens (the room left:
+        """A closing path for the state m reaches with t, given `path`, m's own. Where the grammar takes a part of
+        it after t and may end there (`_rest`), that part: nearly always, without a mask. Else up to `REPAIR`
+        greedy tokens and then such a part (t a byte that a UTF-8 character needs more of, a bracket opened: a
+        mask each). Else `closing_path` from that state, which looks no further than `cap` tokens (the room left:
         a longer path would not be used)."""
         if path is not None:
             if path and path[0] == t:
                 return path[1:]
-            stop, width, i, w = self.vocab.stop_ids[0], self.vocab.width, 0, self.vocab.width[t]
-            while i < len(path) and w > 0:
-                w, i = w - width[path[i]], i + 1
-            if i and m.validate_tokens([t, *path[i:], stop]) == len(path) - i + 2:
-                return path[i:]
-            n = m.validate_tokens([t, *path]) - 1
-            if n >= 0 and m.validate_tokens([t, *path[:n], stop]) == n + 2:
-                return path[:n]
+            after, head = None, []
+            for k in range(self.REPAIR + 1):
+                rest = self._rest(m, [t, *head], path)
+                if rest is not None:
+                    return head + rest
+                if k == self.REPAIR:
+                    break
+                if after is None:
+                    after = m.deep_copy()
+                    after.consume_token(t)
+                if after.is_accepting() or after.is_stopped():
+                    return head
+                step = after.compute_ff_tokens()
+                if not step:
+                    self.masks += 1
+                    step = [self.vocab.closest(after.compute_bitmask())]
+                after.consume_tokens(step)
+                head += step
         after = m.deep_copy()
         after.consume_token(t)
         return self.closing_path(after, cap=cap)
+
+    def _rest(self, m, took: list[int], path: list[int]) -> list[int] | None:
+        """The part of `path` that closes the grammar after `took` from matcher m (validated, not consumed), or None:
+        the part after the tokens whose text `took`'s spans (a counted repetition, `[a-z]{400}`: a 3-letter token in
+        place of 3 letters); else the part the grammar takes (all of it inside a string or a number; its head,
+        where `took` wrote some of the rest)."""
+        stop, width = self.vocab.stop_ids[0], self.vocab.width
+        w, i = sum(width[t] for t in took), 0
+        while i < len(path) and w > 0:
+            w, i = w - width[path[i]], i + 1
+        if i and m.validate_tokens([*took, *path[i:], stop]) == len(took) + len(path) - i + 1:
+            return path[i:]
+        n = m.validate_tokens([*took, *path]) - len(took)
+        if n >= 0 and m.validate_tokens([*took, *path[:n], stop]) == len(took) + n + 1:
+            return path[:n]
+        return None
 
     def walk(self, z: torch.Tensor, y: torch.Tensor, a: torch.Tensor | None = None) -> tuple[list[int], list[int], int]:
         """z [C, V] the step's logits, y [C] its draws (a, the step's argmax, is the walk's own) -> the walked

@@ -34,6 +34,12 @@ def lm(tmp_path_factory):
     torch.set_num_threads(n)
 
 
+def _gen(lm, seed, **kw):
+    ids = lm.encode_chat("Hello", chat=False)
+    out = lm.generate([ids], generator=torch.Generator().manual_seed(seed), **{**FAST, **kw})
+    return out, lm.decode_new(out)
+
+
 def _walk_to_the_end(c: Constraint, V: int, seed: int, C: int = 16, steps: int = 2) -> tuple[list[int], list[int]]:
     """Canvas after canvas of noise logits walked by `c`, the last step's walk committed, until the output ends or
     the budget does -> (the tokens, the masks each walk computed)."""
@@ -60,12 +66,6 @@ def test_a_grammar_whose_closing_character_the_loop_also_takes_closes_in_a_few_t
     for seed in range(3):
         out, text = _gen(lm, seed, regex=pattern, max_new_tokens=6)
         assert re.fullmatch(pattern, text) and 1 in out.new_tokens[0].tolist(), text
-
-
-def _gen(lm, seed, **kw):
-    ids = lm.encode_chat("Hello", chat=False)
-    out = lm.generate([ids], generator=torch.Generator().manual_seed(seed), **{**FAST, **kw})
-    return out, lm.decode_new(out)
 
 
 def test_a_schema_pattern_that_goes_round_closes_as_a_response_format_and_as_a_tool_parameter(lm):

@@ -77,7 +77,8 @@ def test_regex_lark_and_json_object(lm):
 def test_grammars_whose_closest_tokens_go_round_still_close_in_a_small_budget(lm, pattern):
     """Taking the soonest-closing token at each step can go round (a digit, then another, where the pattern ends
     with a word; a comma and a number again and again before the dot): such grammars were refused as needing more
-    than 4096 tokens. The closing path now tries again with what it kept choosing put last."""
+    than 4096 tokens. Where the greedy path goes round, a short one is now searched for (`Constraint._search`;
+    tests/test_constraint_path.py)."""
     from blockpress.engine.constraint import Constraint, grammar_for
 
     c = Constraint(grammar_for(regex=pattern), lm.tokenizer, [1], lm.config.text.vocab_size, 12)

@@ -20,18 +20,21 @@ tokens) and the model reads them from the next pass on, instead of denoising an 
 The budget: the output has to close, and its stop id be written, within `max_new_tokens`. The walk carries a closing
 path for its state: tokens after which the grammar may end. At each position it asks whether, after the chosen
 token, a closing path still fits in the positions left; if not, it writes the first token of the current path
-instead, and so on to the stop. The path after a token is the rest of the current one where the token is its first;
-the current one itself where the grammar still takes it after the token and may end there (a token inside a string
-or a number leaves the way to close as it was); else it is made again from that state (`closing_path`: forced tokens
-first, else the allowed token that closes soonest: quotes and closing brackets, then commas, digits, letters, and
-last anything that opens a new structure; a path that goes round is made again with what it kept choosing put last).
-The commit keeps the path of the walk that wrote the canvas. A budget too small for even the shortest valid output
-is refused up front.
+instead, and so on to the stop. The path after a token is a part of the current one wherever the grammar takes that
+part after the token and may end there (`_rest`: its rest where the token is its first; the part after the tokens
+whose text the token's spans, in a counted repetition; all of it, inside a string or a number; its head, where the
+token wrote some of the rest); else that after up to three greedy tokens (a UTF-8 character's bytes, a bracket
+closed); else it is made again from that state, looking no further than the positions left (`closing_path`: the
+greedy path, forced tokens first, else the allowed token that closes soonest: quotes and closing brackets, then
+commas, digits, letters, and last anything that opens a new structure; where that goes round, as in `[a-z]+x`, a
+bounded search for a short path, `_search`). The commit keeps the path of the walk that wrote the canvas. A budget
+too small for the shortest closing path found is refused up front, and so is a grammar for which none is found.
 
 Cost, on the host, per position walked: one mask (the candidates tested against its bits in place; the whole
-mask unpacked only where none is allowed) and one validation of the closing path after the chosen token; a path
-made again costs a mask per token of it. One host read per step of the top-k candidates; nothing for rows
-without a constraint. Across canvases the state continues from the committed tokens (`advance`).
+mask unpacked only where none is allowed) and a few validations of the closing path after the chosen token (no
+mask); rarely a mask for each greedy token of a repair, or of a path made again. `Constraint.masks` counts them.
+One host read per step of the top-k candidates; nothing for rows without a constraint. Across canvases the state
+continues from the committed tokens (`advance`).
 """
 
 from __future__ import annotations
@@ -343,7 +346,8 @@ def _vocabulary(tokenizer, stop_ids: tuple[int, ...], vocab_size: int) -> Vocabu
 
 
 class GrammarBudgetError(InputError):
-    """The grammar's shortest output does not fit in max_new_tokens (the fix is the budget, not the grammar)."""
+    """The shortest output found for the grammar does not fit in max_new_tokens (the fix is the budget, not the
+    grammar)."""
 
 
 class Constraint:

@@ -263,7 +263,7 @@ class Vocabulary:
         self.head = self.by_rank[:self.HEAD].tolist()
         self.kind = self.rank // 1000  # a token's class (what its text begins with: `_rank`)
         self.kinds = self.kind.tolist()
-        self.width = [len(t) for t in texts] + [0] * (vocab_size - n)  # characters (`Constraint._path_after`)
+        self.width = [len(t) for t in texts] + [0] * (vocab_size - n)  # characters (`Constraint._rest`)
         firsts, leads = set(), []  # per first character, its soonest-closing token; a special token is its own
         for t in self.by_rank.tolist():
             if t >= n or t in stop_ids or not texts[t]:

@@ -1522,6 +1522,41 @@ def test_responses_text_format_and_parallel_tool_calls_reach_the_chat_path(lm):
     assert ResponsesRequest(input="hi", stream=None).stream is False
 
 
+def test_responses_truncation_auto_drops_the_oldest_whole_turns_that_make_it_fit(lm):
+    """truncation "auto" was accepted and ignored: a conversation over the prompt limit was a 400 either way. Now it
+    loses its oldest turns (after the system message), as few as make it fit; "disabled" keeps the 400."""
+    from blockpress.server.responses import ResponsesServing
+    from blockpress.server.responses_protocol import ResponsesRequest
+
+    turns = []
+    for i in range(8):
+        turns += [{"role": "user", "content": f"question {i}: " + "tell me about the sea " * 6},
+                  {"role": "assistant", "content": f"answer {i}: " + "the sea is wide " * 6}]
+    body = {"instructions": "Be brief.", "input": turns + [{"role": "user", "content": "and the sky?"}]}
+    serving = OpenAIServing(lm, Worker(lm), "tiny", Limits(max_tokens=64, max_prompt_tokens=200))
+    responses = ResponsesServing(serving)
+    chat = ResponsesRequest.model_validate(body).to_chat()
+    with pytest.raises(APIError, match="more than 200 tokens"):
+        responses.prompt(chat, auto=False)  # as before
+
+    ids = responses.prompt(chat, auto=True)
+    assert len(ids) <= 200
+
+    def kept(k):  # the system message, then the conversation from turn k on (None: over the limit)
+        try:
+            return serving.chat_prompt(chat.model_copy(update={"messages": chat.messages[:1] +
+                                                               chat.messages[1 + 2 * k:]}))
+        except APIError:
+            return None
+
+    k = next(k for k in range(9) if kept(k) == ids)
+    assert k >= 1 and (kept(k - 1) is None or len(kept(k - 1)) > 200)  # whole turns, and no more than needed
+    assert serving.tok.decode(ids).count("question") == 8 - k and "Be brief." in serving.tok.decode(ids)
+    tiny = OpenAIServing(lm, Worker(lm), "tiny", Limits(max_tokens=64, max_prompt_tokens=5))
+    with pytest.raises(APIError, match="prompt"):  # the last turn alone is over: still refused
+        ResponsesServing(tiny).prompt(chat, auto=True)
+
+
 def test_responses_items_and_events_from_real_token_ids(lm):
     """Thinking, text and a tool call become a reasoning item, a message and a function_call item, the same
     streamed (rebuilt from the events) as not; the events follow OpenAI's order for each item."""

@@ -28,7 +28,7 @@ import secrets
 import time
 from typing import Any, AsyncIterator
 
-from .protocol import APIError, Sampling
+from .protocol import APIError, ChatCompletionRequest, Sampling
 from .responses_protocol import (IncompleteDetails, ResponseError, ResponseObject, ResponsesRequest, ResponseUsage,
                                  responses_error)
 from .worker import RowCommit
@@ -161,12 +161,45 @@ class ResponsesServing:
         try:
             chat = req.to_chat()
             sampling = chat.to_sampling(s.limits, s.defaults)
-            ids = await asyncio.to_thread(s.chat_prompt, chat)
+            ids = await asyncio.to_thread(self.prompt, chat, req.truncation == "auto")
             sampling, fixed = s.forced_call(chat, sampling)
             run = s._submit_choices(ids, sampling, fixed_tokens=fixed)[0]
         except APIError as e:
             raise responses_error(e) from None
         return await self.respond(run, sampling, req, disconnected)
+
+    def prompt(self, chat: ChatCompletionRequest, auto: bool) -> list[int]:
+        """The chat prompt's ids. truncation "auto": a conversation over the server's prompt limit loses its oldest
+        turns, whole (a user message and what follows it up to the next one), after its system messages, as few as
+        make it fit; the last turn always stays (alone over the limit: the chat path's 400)."""
+        msgs = chat.messages
+        first = next((i for i, m in enumerate(msgs) if m.role not in ("system", "developer")), len(msgs))
+        starts = [i for i in range(first + 1, len(msgs)) if msgs[i].role == "user"]  # where later turns begin
+        if not auto or not starts:
+            return self.s.chat_prompt(chat)  # (over the limit: refused when submitted)
+
+        def ids_without(k: int) -> list[int] | None:  # the prompt with the k oldest turns dropped, if it fits
+            shorter = chat if k == 0 else chat.model_copy(update={"messages": msgs[:first] + msgs[starts[k - 1]:]})
+            try:
+                ids = self.s.chat_prompt(shorter)
+            except APIError as e:
+                if e.code != "context_length_exceeded":
+                    raise
+                return None
+            return ids if len(ids) <= self.s.limits.max_prompt_tokens else None
+
+        lo, hi = 0, len(starts)  # the fewest turns dropped that fit: a prompt only shortens as more are dropped
+        found = {k: ids for k in (lo, hi) if (ids := ids_without(k)) is not None}
+        if hi not in found:  # even the last turn alone is over the limit: the chat path's 400 for it
+            return self.s.chat_prompt(chat.model_copy(update={"messages": msgs[:first] + msgs[starts[-1]:]}))
+        while lo not in found and hi - lo > 1:
+            mid = (lo + hi) // 2
+            ids = ids_without(mid)
+            if ids is None:
+                lo = mid
+            else:
+                hi, found[mid] = mid, ids
+        return found[lo] if lo in found else found[hi]
 
     async def respond(self, run: _Run, sampling: Sampling, req: ResponsesRequest,
                       disconnected: Disconnected | None = None):

@@ -14,6 +14,8 @@ Invariants:
   non-function tools, non-text content, and logprobs (`top_logprobs`,
   `include` of logprobs). Reasoning items in `input` are dropped (the template does not show
   earlier thinking to the model). `store` is accepted and answered `false`.
+- `truncation: "auto"`: a conversation over the prompt limit loses its oldest whole turns after the system
+  messages, as few as make it fit (`ResponsesServing.prompt`); "disabled" (the default): a 400, as chat.
 - Errors raised by the chat path name the Responses field (`RESPONSES_FIELDS`; their messages, whole words).
 - blockpress extensions as on chat: `seed`, `steps` and the other denoising knobs, and
   `chat_template_kwargs`.

@@ -12,32 +12,16 @@ import re
 import pytest
 import torch
 
-import blockpress
 from blockpress.errors import InputError
 
 pytest.importorskip("llguidance")
 
 from blockpress.engine.constraint import Constraint, GrammarBudgetError, grammar_for, reply_grammar  # noqa: E402
-from test_server import build_tiny_model  # noqa: E402
+from test_structured import FAST, _gen, lm  # noqa: E402,F401  (the tiny model, loaded once per module)
 
-FAST = {"max_denoising_steps": 3, "stability_threshold": None, "confidence_threshold": None}
 LOOPS = [r"[a-z]+x", r"[a-z ]*x", r"[^x]+x", r"[0-9a-f]+g"]  # the closing character is one the loop takes too
 PATTERN = {"type": "object", "properties": {"v": {"type": "string", "pattern": "^[a-z]+x$"}}, "required": ["v"],
            "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield blockpress.load(build_tiny_model(tmp_path_factory.mktemp("closing")), progress=False)
-    torch.set_num_threads(n)
-
-
-def _gen(lm, seed, **kw):
-    ids = lm.encode_chat("Hello", chat=False)
-    out = lm.generate([ids], generator=torch.Generator().manual_seed(seed), **{**FAST, **kw})
-    return out, lm.decode_new(out)
 
 
 def _walk_to_the_end(c: Constraint, V: int, seed: int, C: int = 16, steps: int = 2) -> tuple[list[int], list[int]]:

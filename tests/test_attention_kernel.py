@@ -128,6 +128,26 @@ def test_the_keys_split_into_runs_merge_to_the_same_attention(t, G, D, R, dtype,
              rows=[(0, 8), (4, 4)] if D == 512 else ROWS)
 
 
+@needs_triton
+def test_a_row_that_sees_no_key_is_zero_in_both_and_keeps_the_kernel_on(monkeypatch):
+    """A left-padding position with nothing valid before it sees no key: the kernel writes 0, the reference (SDPA over
+    a mask of finfo.min) wrote the mean of every slot, so a first call with such a row switched a correct kernel off
+    ("disagrees ... please report")."""
+    monkeypatch.setattr(moe_grouped, "FIRST_USE", {})
+    g = torch.Generator().manual_seed(0)
+    B, kv, G, D, S, P = 2, 1, 2, 16, 6, 6
+    q, keys, values = (torch.randn(B, h, n, D, generator=g).to(DEV) for h, n in ((kv * G, S), (kv, P), (kv, P)))
+    valid = torch.ones(B, P, dtype=torch.bool)
+    valid[1, :3] = False  # row 1 left-padded by 3: its first 3 positions see nothing
+    args = (q, keys, values, valid.to(DEV), torch.tensor(0, device=DEV), S, 0, False)
+    ref = fixed_attention_torch(*args)
+    assert (ref[1, :, :3] == 0).all() and (ref[0] != 0).any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "disagrees" warning
+        got = fixed_attention_checked(*args)
+    assert torch.allclose(got, ref, atol=1e-5) and all(v for v in moe_grouped.FIRST_USE.values())
+
+
 def test_a_bad_split_is_refused():
     q = torch.zeros(1, 2, 4, 16, device=DEV)
     keys = torch.zeros(1, 1, 8, 16, device=DEV)

@@ -71,6 +71,13 @@ def test_grouped_experts_match_loop(N, E, K, skew):
     assert _rel(experts_grouped(xb, w, idx, gb, db), experts_loop(xb, w, idx, gb, db)) < 1e-2
 
 
+def test_grouped_experts_of_no_tokens():
+    """A pass of no rows (an empty batch's experts) failed in `combine` (view(0, K, -1)); the loop gives [0, H]."""
+    x, w, idx = torch.randn(0, 48), torch.rand(0, 2), torch.zeros(0, 2, dtype=torch.long)
+    gu, dn = _weights(4, 48, 24, 0)
+    assert experts_grouped(x, w, idx, gu, dn).shape == experts_loop(x, w, idx, gu, dn).shape == (0, 48)
+
+
 def test_grouped_fallback_without_grouped_mm(monkeypatch):
     monkeypatch.setattr(moe_grouped, "_grouped_mm_ok", lambda *a: False)
     x = torch.randn(20, 48)
@@ -183,6 +190,23 @@ def test_triton_experts_match_loop(dtype, tol, moe_sum, swap, monkeypatch):
         kernels.configure(_tiny_model().module, moe_sum="fast")
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_fused_sampler_entropy_with_minus_inf_logits(impl):
+    """A -inf logit (a banned token written into the logits) made the entropy nan (0 * -inf) in both forms of the
+    fused sampler, where the exact sampler's is finite."""
+    if impl == "triton" and not usable_on(DEV):
+        pytest.skip("triton not installed (pip install triton), or TRITON_INTERPRET=0 without CUDA")
+    raw = torch.randn(2, 5, 40) * 4
+    raw[0, 1, 7] = raw[1, 4, :20] = float("-inf")
+    raw = raw.to(DEV)
+    if impl == "torch":
+        _, _, h, _ = fused_sample_torch(raw, None, torch.Generator().manual_seed(0))
+    else:
+        _, _, h, _ = fused_sample_triton(raw, None, torch.tensor([3], device=DEV), rows_per_program=4, block_v=16)
+    assert torch.isfinite(h).all() and (h - token_entropy(raw)).abs().max() < 1e-5
+
+
 def test_fused_sampler_torch_exact_parts():
     raw = torch.randn(2, 5, 300) * 8
     tau = torch.tensor(0.55)
@@ -219,6 +243,26 @@ def test_fused_sampler_triton_exact_parts(rows, block_v):
     assert z2.data_ptr() == into.data_ptr() and torch.equal(into, z) and torch.equal(y2, y)
     with pytest.raises(ValueError, match="contiguous"):
         fused_sample_triton(raw, tau, seed, out=torch.empty(2, 40, 7, device=DEV).transpose(1, 2))
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_fused_sampler_triton_takes_a_temperature_per_row():
+    """Rows at different steps of their schedules (a batch whose rows stop adaptively) have their own tau, [B, 1, 1]:
+    the kernel read the first one for every row. A program's rows span two batch rows here (4 rows, C = 5)."""
+    raw = (torch.randn(3, 5, 40) * 6).to(DEV)
+    tau, seed = torch.tensor([0.3, 1.7, 0.9], device=DEV).view(-1, 1, 1), torch.tensor([3], device=DEV)
+    y, a, h, z = fused_sample_triton(raw, tau, seed, rows_per_program=4, block_v=16)
+    ref = raw / tau
+    assert torch.equal(a, ref.argmax(-1)) and (h - token_entropy(ref)).abs().max() < 1e-5
+    assert torch.equal(z, ref) if not COMPILED else bool(((z - ref).abs() <= 2.5e-7 * ref.abs()).all())
+    with pytest.raises(ValueError, match="one temperature or one per row"):
+        fused_sample_triton(raw, torch.ones(2, device=DEV), seed)
+    from blockpress.engine.step import _batched
+
+    one = torch.tensor(0.5)  # a row without a schedule beside one with: tau 1 (the fast sampler passed None there)
+    assert torch.equal(_batched([one, None], torch.device("cpu")), torch.tensor([0.5, 1.0]).view(-1, 1, 1))
+    assert _batched([one, one], torch.device("cpu")) is one
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -78,3 +78,14 @@ def test_the_checked_kernel_and_the_op(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(route_op(z, scale, 4, "triton"), route_triton(z, scale, 4)))
     torch.library.opcheck(route_op, (z, scale, 4, "triton"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@needs_triton
+def test_minus_inf_logits_among_the_top_k_choose_distinct_experts():
+    """A chosen expert was marked by setting its logit to -inf: once the best left was -inf, the kernel chose an
+    expert it had chosen already ([4, 2, 0, 0] of five). The experts chosen are distinct, the -inf ones weigh 0."""
+    logits = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf"), 2.0]], device=DEV)
+    w, idx = route_triton(logits, torch.ones(5, device=DEV), 4)
+    ref_w, ref_idx = route_topk(logits.cpu(), torch.ones(5), 4)
+    assert len(set(idx[0].tolist())) == 4 and idx[0, :3].tolist() == ref_idx[0, :3].tolist() == [4, 2, 0]
+    assert torch.allclose(w.cpu(), ref_w, atol=1e-6) and w[0, 3] == 0

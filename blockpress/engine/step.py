@@ -36,12 +36,14 @@ def sampler_cap(module, fast: bool) -> tuple[bool, float | None]:
     return not fast, (module.text.final_logit_softcapping if fast else None)
 
 
-def _batched(taus: list | None, ones):
-    """One tau for the rows: the shared 0-dim tensor where all rows have the same one, else [B, 1, 1]."""
+def _batched(taus: list | None, device):
+    """One tau for the rows: the shared 0-dim tensor where all rows have the same one, else [B, 1, 1] (fp32; 1 for a
+    row without a schedule)."""
     if taus is None:
         return None
     if all(t is taus[0] for t in taus):
         return taus[0]
+    ones = torch.ones((), dtype=torch.float32, device=device) if any(t is None for t in taus) else None
     return torch.stack([ones if t is None else t for t in taus]).view(-1, 1, 1)
 
 
@@ -49,7 +51,7 @@ def _sample(raw, taus, gen, active, fast: bool, dtype, out, cap=None):
     """(y sample, a argmax, h entropy [k, C], z = raw / tau [k, C, V]) for the rows of `raw` (cap: raw is the LM
     head's product before this soft cap, which the fast sampler applies)."""
     if fast and not isinstance(gen, list):  # one stream: one fused pass over the batch (z written into `out`)
-        return fused_sample(raw, _batched(taus, None), gen, out_dtype=dtype, out=out, cap=cap)
+        return fused_sample(raw, _batched(taus, raw.device), gen, out_dtype=dtype, out=out, cap=cap)
     if fast:  # a stream per row: one fused pass per row that draws, seeded from its generator
         parts = []
         for i, (g, on) in enumerate(zip(gen, active)):
@@ -64,7 +66,7 @@ def _sample(raw, taus, gen, active, fast: bool, dtype, out, cap=None):
         return tuple(torch.cat(p) for p in zip(*parts))
     if cap:
         raise ValueError("the exact sampler reads soft-capped logits; only the fast one applies the cap")
-    tau = _batched(taus, raw.new_ones(()))
+    tau = _batched(taus, raw.device)
     # in place: the decoder's logits are this step's own and unused after (one [B,C,V] fp32 buffer fewer)
     z = raw if tau is None else raw / tau if raw.requires_grad else raw.div_(tau)
     return sample_tokens(z, gen, active), torch.argmax(z, dim=-1), token_entropy(z), z

@@ -250,10 +250,14 @@ def fixed_attention_torch(q, keys, values, valid, start, S: int, window: int, ri
     kpos = slot_positions(keys.shape[2], start + M, ring)
     seen = valid.index_select(1, kpos.clamp(min=0)) & (kpos >= 0)[None]
     rules = types.SimpleNamespace(window=window, bidirectional_encoder=False)
-    mask = additive_mask(pass_sees(rules, SLIDING if window else FULL, start, S, M - S, kpos, seen)[:, None], q.dtype)
+    sees = pass_sees(rules, SLIDING if window else FULL, start, S, M - S, kpos, seen)  # [B, M, slots]
+    # a row that sees no key (a left-padding position, which no later row reads): 0, as the kernel writes (SDPA
+    # averages every slot there), so the first-use check compares what matters
+    blind = ~sees.any(-1)[:, None, :, None]  # (before additive_mask, which negates `sees` in place)
     B, H, M, D = q.shape
     out = q.new_empty(B, M, H, D).transpose(1, 2)  # the kernel's layout
-    return out.copy_(attention_sdpa_gqa(q, keys, values, mask))
+    out.copy_(attention_sdpa_gqa(q, keys, values, additive_mask(sees[:, None], q.dtype)))
+    return out.masked_fill_(blind, 0.0)
 
 
 def fixed_attention_checked(q, keys, values, valid, start, S: int, window: int, ring: bool, split: int | None = None):

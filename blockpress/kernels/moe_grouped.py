@@ -76,7 +76,7 @@ def combine(y_AH: torch.Tensor, order: torch.Tensor, w_NK: torch.Tensor, dtype: 
     N, K = w_NK.shape
     y = torch.empty_like(y_AH)
     y[order] = y_AH  # back to (token, k) order
-    return (y.view(N, K, -1).float() * w_NK[..., None]).sum(1).to(dtype)
+    return (y.view(N, K, y.shape[-1]).float() * w_NK[..., None]).sum(1).to(dtype)  # (N = 0 too)
 
 
 def experts_grouped(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI):

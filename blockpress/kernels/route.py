@@ -43,13 +43,13 @@ if triton is not None:
         ks = tl.arange(0, BK)
         w = tl.zeros((BK,), dtype=tl.float32)
         idx = tl.zeros((BK,), dtype=tl.int32)
-        left = z
+        taken = e >= E  # chosen experts (and the padding): a -inf logit among the top K must not choose one again
         for k in tl.static_range(K):
-            best = tl.max(left, 0)
-            j = tl.min(tl.where(left == best, e, BE), 0)  # the lowest index holding the largest logit
+            best = tl.max(tl.where(taken, float("-inf"), z), 0)
+            j = tl.min(tl.where(~taken & (z == best), e, BE), 0)  # the lowest index holding the largest logit left
             w = tl.where(ks == k, tl.sum(tl.where(e == j, p, 0.0), 0), w)
             idx = tl.where(ks == k, j, idx)
-            left = tl.where(e == j, float("-inf"), left)
+            taken = taken | (e == j)
         kmask = ks < K
         w = w / tl.sum(tl.where(kmask, w, 0.0), 0)
         w = w * tl.load(scale_ptr + idx, mask=kmask, other=0.0).to(tl.float32)

@@ -32,19 +32,20 @@ if triton is not None:
 
     @triton.jit
     def _fused_sampler_kernel(raw_ptr, tau_ptr, seed_ptr, y_ptr, a_ptr, h_ptr, z_ptr, R, V, VQ, stride_r, stride_zr,
-                              cap, HAS_TAU: tl.constexpr, WRITE_Z: tl.constexpr, ROWS: tl.constexpr,
+                              cap, tau_rows, HAS_TAU: tl.constexpr, WRITE_Z: tl.constexpr, ROWS: tl.constexpr,
                               BLOCK_V: tl.constexpr, EVEN: tl.constexpr, FAST_LOG: tl.constexpr,
                               CAP: tl.constexpr):
         """EVEN: every tile full (R % ROWS == 0, V % BLOCK_V == 0), no masks. FAST_LOG: the Gumbel noise's two logs
         by the hardware's lg2.approx (compiled only; the interpreter has no libdevice), not libdevice's ~12-FMA
         logf: noise for a draw, where 2^-22 of relative error is far below what a sample can show. CAP: raw is
         the product before the soft cap `cap`, applied here as `_softcap_kernel` does (libdevice's tanh compiled,
-        the sigmoid form in the interpreter: the same bits as that kernel's output, then / tau)."""
+        the sigmoid form in the interpreter: the same bits as that kernel's output, then / tau). tau_rows: the rows
+        each tau value serves (R: one for all; C: one per batch row, `tau` [B])."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rmask = rows < R
-        tau = 1.0
+        tau = tl.full((ROWS,), 1.0, tl.float32)
         if HAS_TAU:
-            tau = tl.load(tau_ptr)
+            tau = tl.load(tau_ptr + rows // tau_rows, mask=rmask, other=1.0)
         seed = tl.load(seed_ptr)
         m = tl.full((ROWS,), -1.0e30, tl.float32)  # finite start: (m - m_new) * S stays 0, never nan
         s = tl.zeros((ROWS,), tl.float32)
@@ -71,7 +72,7 @@ if triton is not None:
                 z = zc * cap
                 if not EVEN:
                     z = tl.where(mask, z, float("-inf"))
-            z = z / tau
+            z = z / tau[:, None]
             if WRITE_Z:
                 tl.store(z_ptr + rows[:, None].to(tl.int64) * stride_zr + v[None, :],
                          z.to(z_ptr.dtype.element_ty), mask=mask)
@@ -82,7 +83,7 @@ if triton is not None:
             alpha = tl.exp(m - m_new)
             d = z - m_new[:, None]
             p = tl.exp(d)
-            pd = p * d if EVEN else tl.where(mask, p * d, 0.0)  # a masked element: p = 0, d = -inf
+            pd = tl.where(p > 0.0, p * d, 0.0)  # p = 0 (a masked element, a -inf logit): d = -inf, 0 * -inf = nan
             t = alpha * (t + (m - m_new) * s) + tl.sum(pd, axis=1)
             s = alpha * s + tl.sum(p, axis=1)
             m = m_new
@@ -108,7 +109,7 @@ def entropy_from_logits(z: torch.Tensor) -> torch.Tensor:
     d = z - z.amax(-1, keepdim=True)
     p = d.exp()
     s = p.sum(-1)
-    return s.log() - (p * d).sum(-1) / s
+    return s.log() - torch.where(p > 0, p * d, 0.0).sum(-1) / s  # (a -inf logit: p = 0, not 0 * -inf = nan)
 
 
 def capped_logits(raw, cap=None) -> torch.Tensor:
@@ -131,10 +132,13 @@ def fused_sample_torch(raw, tau=None, generator=None, out_dtype=None, out=None, 
 
 def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_program=None, block_v=None, out=None,
                         cap=None):
-    """One Triton pass over [R, V]. tau: 0-dim fp32 tensor or None; seed: int64 tensor [1] on device; out: a
-    contiguous [B, C, V] tensor to write z into (its dtype wins over out_dtype); cap: see the module docstring."""
+    """One Triton pass over [R, V]. tau: an fp32 tensor of one value (0-dim) or one per batch row ([B, 1, 1]: rows at
+    different steps of their schedules), or None; seed: int64 tensor [1] on device; out: a contiguous [B, C, V] tensor
+    to write z into (its dtype wins over out_dtype); cap: see the module docstring."""
     B, C, V = raw.shape
     R = B * C
+    if tau is not None and tau.numel() not in (1, B):
+        raise ValueError(f"tau must hold one temperature or one per row ({B}), got {tau.numel()}")
     x = raw.reshape(R, V)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -152,9 +156,10 @@ def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_progr
         raise ValueError(f"out must be a contiguous tensor of shape {list(raw.shape)}, got {list(out.shape)}")
     else:
         z = out.view(R, V)
-    tau_t = tau if tau is not None else h  # unused pointer when HAS_TAU is False
+    tau_t = tau.reshape(-1).contiguous() if tau is not None else h  # (h: an unused pointer when HAS_TAU is False)
+    tau_rows = R if tau is None or tau.numel() == 1 else C
     _fused_sampler_kernel[(triton.cdiv(R, rows),)](x, tau_t, seed, y, a, h, z, R, V, triton.cdiv(V, 4), x.stride(0),
-                                                   z.stride(0), float(cap or 1.0), HAS_TAU=tau is not None,
+                                                   z.stride(0), float(cap or 1.0), tau_rows, HAS_TAU=tau is not None,
                                                    WRITE_Z=True, ROWS=rows, BLOCK_V=bv,
                                                    EVEN=R % rows == 0 and V % bv == 0, FAST_LOG=not interpreted(),
                                                    CAP=bool(cap))

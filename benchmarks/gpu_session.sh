@@ -312,9 +312,10 @@ EOF
     # the LM head in vocabulary slices and the self-conditioning probabilities in the logits buffer (2026-11-27, CPU
     # only): the 26B shapes against the one product (prints the share of bit-equal logits); the split attention; the
     # fast sampler applying the soft cap to the LM head's product (libdevice's tanh, compiled: bit for bit the soft-cap
-    # kernel's logits sampled?)
-    gpu_tests 60 -s -k "lm_head_slices or keys_split or 26b_shapes or soft_cap or before_the_cap" tests/test_kernels.py \
-      tests/test_attention_kernel.py
+    # kernel's logits sampled?); the kernels' fixes of 2026-11-28's fuzz, compiled (a temperature per row in the fused
+    # sampler, -inf logits, rows that see no key, routing)
+    gpu_tests 60 -s -k "lm_head_slices or keys_split or 26b_shapes or soft_cap or before_the_cap or per_row or minus_inf \
+      or sees_no_key" tests/test_kernels.py tests/test_attention_kernel.py tests/test_route.py
     grep -h "bit-equal" "$OUT/gpu-tests.txt" | tee -a "$OUT/summary.txt"
     # with our AR decode (issue 30 item 9, never timed compiled + graphed): 256 greedy tokens, batch 1
     STEP_LIMIT=110 bench fp8 ${ROW/--no-ar/--ar-tokens 256} --precision fp8 --profile

@@ -159,6 +159,7 @@ class BlockDiffusionLM:
                sampler: str | None = None, fixed_tokens=None, fuse_commit: bool | None = None,
                compact_rows: bool | None = None, json_schema=None, json_object: bool = False,
                regex: str | None = None, grammar: str | None = None, suppress_tokens=None, guarded_tokens=(),
+               logit_bias: dict | list | None = None,
                **sampling) -> Iterator[engine.Draft | engine.Commit | engine.Finished]:
         """Yield a Draft after every denoising step, a Commit per canvas and a final Finished.
         fixed_tokens [B, L]: new-token positions held at given ids (-1 = free), see engine.stream.
@@ -168,6 +169,9 @@ class BlockDiffusionLM:
         still fits it (engine/constraint.py Constraint).
         suppress_tokens: token ids no row's new tokens may hold (engine/constraint.py's TokenBan), where no grammar
         is given (a grammar allows only its own tokens).
+        logit_bias: {token id: value} added to a row's logits (soft-capped) before the temperature, in every
+        denoising step, as OpenAI's `logit_bias`: -100 bans a token, +100 forces it (a grammar still has the last
+        word). One dict for every row, or a list with one (or None) per row.
         sampler / fuse_commit / compact_rows: this call's engine options (None: `self.options`'), see
         `blockpress.options` and engine.stream."""
         cfg = self.generation_config(**sampling)
@@ -186,7 +190,7 @@ class BlockDiffusionLM:
                              self_conditioning_logits=self_conditioning_logits, drafts=drafts,
                              fixed_tokens=fixed_tokens, options=options, passes=self.passes,
                              constraints=self.constraints(cfg, ids.shape[0], suppress_tokens, guarded_tokens,
-                                                          **grammar))
+                                                          **grammar), logit_bias=logit_bias)
 
     def constraints(self, cfg, rows: int, suppress_tokens=None, guarded=(), **grammar) -> list | None:
         """One fresh grammar state per row for `grammar` (json_schema / json_object / regex / grammar, see
@@ -205,7 +209,8 @@ class BlockDiffusionLM:
                  decoder_input_ids=None, self_conditioning_logits=None, sampler: str | None = None,
                  fixed_tokens=None, fuse_commit: bool | None = None, compact_rows: bool | None = None,
                  json_schema=None, json_object: bool = False, regex: str | None = None, grammar: str | None = None,
-                 suppress_tokens=None, guarded_tokens=(), **sampling) -> engine.GenerationResult:
+                 suppress_tokens=None, guarded_tokens=(), logit_bias: dict | list | None = None,
+                 **sampling) -> engine.GenerationResult:
         """Generate canvases after `input_ids`. Keyword names and defaults follow the reference:
         max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max, stability_threshold,
         confidence_threshold, eos_token_id, pad_token_id. `generator`: None (torch's global RNG, the
@@ -214,7 +219,8 @@ class BlockDiffusionLM:
                               self_conditioning_logits, drafts=False, sampler=sampler, fixed_tokens=fixed_tokens,
                               fuse_commit=fuse_commit, compact_rows=compact_rows, json_schema=json_schema,
                               json_object=json_object, regex=regex, grammar=grammar,
-                              suppress_tokens=suppress_tokens, guarded_tokens=guarded_tokens, **sampling):
+                              suppress_tokens=suppress_tokens, guarded_tokens=guarded_tokens,
+                              logit_bias=logit_bias, **sampling):
             if isinstance(ev, engine.Finished):
                 return ev.result
         raise RuntimeError("generation ended without a result")  # unreachable

@@ -25,8 +25,9 @@ class Canvas:
     """The canvas being denoised, for every row of the batch (batch order): argmax `a` and input `x` [B, C],
     self-conditioning logits `sc` [B, C, V] (None before the first step), `done` [B] on the device and
     `done_host` on the host, held tokens `fixed` (mask, ids) and stopping's `watch` [B, C] (or None), the rows'
-    stopping rule `tracker`, entropy `bound` (a float, or [B, 1] per row) and the batch's random stream
-    `shared` (None: per-row generators)."""
+    stopping rule `tracker`, entropy `bound` (a float, or [B, 1] per row), the batch's random stream
+    `shared` (None: per-row generators) and the rows' logit `bias` [B, 1, V] (zeros for a row without one; None
+    where no row has one)."""
 
     def __init__(self, rows, x, sc, fixed, watch, tracker, bound, shared, per_row: bool):
         self.rows, self.x, self.a, self.sc = rows, x, x, sc
@@ -34,6 +35,7 @@ class Canvas:
         self.done_host = [False] * len(rows)
         self.fixed, self.watch, self.tracker, self.bound = fixed, watch, tracker, bound
         self.shared, self.per_row = shared, per_row
+        self.bias = logit_bias(rows)
         self.steps = 0
 
     def generators(self, idx=None):
@@ -70,6 +72,8 @@ class Canvas:
         self.watch = None if self.watch is None else self.watch[idx]
         if isinstance(self.bound, torch.Tensor):
             self.bound = self.bound[idx]
+        if self.bias is not None:
+            self.bias = self.bias[idx]
         if self.tracker is not None:
             self.tracker.permute(idx, order)
         return idx
@@ -95,6 +99,15 @@ def entropy_bound(rows, device):
     """The entropy bound: a float where the rows agree, else [B, 1] fp32 (the dtype a float is compared in)."""
     bounds = [r.cfg.entropy_bound for r in rows]
     return bounds[0] if _same(bounds) else torch.tensor(bounds, dtype=torch.float32, device=device)[:, None]
+
+
+def logit_bias(rows) -> torch.Tensor | None:
+    """The rows' logit biases [B, 1, V] (a row without one adds zeros: the same bits), or None where no row has one."""
+    biased = [r.bias for r in rows if r.bias is not None]
+    if not biased:
+        return None
+    zeros = torch.zeros_like(biased[0]) if len(biased) < len(rows) else None
+    return torch.stack([zeros if r.bias is None else r.bias for r in rows])[:, None]
 
 
 def held_tokens(rows, C: int, device):

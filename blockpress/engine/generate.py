@@ -30,6 +30,7 @@ import torch
 from ..config import MAX_SEED, GenerationConfig
 from ..errors import InputError, SamplingError
 from ..options import Options
+from ..sampling import bias_vector
 from ..model.cache import KVCache
 from .events import Admitted, Commit, Committed, Draft, Finished, GenerationResult, Stepped
 from .loop import Engine
@@ -138,7 +139,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
            cache: KVCache | None = None, decoder_input_ids: torch.Tensor | None = None,
            self_conditioning_logits: torch.Tensor | None = None, drafts: bool = True,
            fixed_tokens: torch.Tensor | None = None, options: Options | None = None, passes=None,
-           constraints: list | None = None):
+           constraints: list | None = None, logit_bias: dict | None = None):
     """Yield Draft / Commit events and a final Finished(result).
 
     input_ids [B, S]: the tokens not yet in `cache` (the whole prompt when cache is None).
@@ -161,12 +162,15 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
     passes: the passes to run (`GraphedPasses` under CUDA graphs); None: the module's own.
     constraints: one `engine.constraint.Constraint` or `TokenBan` (or None) per row: the grammar the row's canvases
     obey, or the tokens they may not hold.
+    logit_bias: {token id: value} added to a row's soft-capped logits before the temperature, every step
+    (`sampling.bias_vector`; -100 bans a token, +100 forces it): one for every row, or a list with one (or None)
+    per row.
     """
     ids, mask, fixed_tokens, n_canvases, T_start = _check(module, input_ids, cfg, canvas_length, attention_mask,
                                                           generator, cache, fixed_tokens)
     S = ids.shape[1]
     engine, rows = _engine(module, ids, mask, cfg, n_canvases, T_start, generator, cache, fixed_tokens,
-                           options or Options(), passes, constraints)
+                           options or Options(), passes, constraints, logit_bias)
     runner = engine.runner
     if decoder_input_ids is not None or self_conditioning_logits is not None:
         engine.first = (decoder_input_ids, self_conditioning_logits)
@@ -232,8 +236,19 @@ def seed_or_generator(seed, generator, device) -> torch.Generator | None:
     return generator if seed is None else seeded(seed, device)
 
 
+def _biases(logit_bias, B: int, module) -> list:
+    """Each row's logit bias vector (None: none) from one bias for the batch or a list of one per row."""
+    V, dev = module.text.vocab_size, module.device
+    if not isinstance(logit_bias, (list, tuple)):
+        return [bias_vector(logit_bias, V, dev)] * B
+    if len(logit_bias) != B:
+        raise InputError(f"got {len(logit_bias)} logit biases for a batch of {B}; give one (or None) per row, or "
+                         "one dict for every row")
+    return [bias_vector(b, V, dev) for b in logit_bias]
+
+
 def _engine(module, ids, mask, cfg, n_canvases: int, T_start: int, generator, cache, fixed_tokens,
-            options: Options, passes, constraints):
+            options: Options, passes, constraints, logit_bias=None):
     """The engine for one Python batch (every row admitted at once) and its rows."""
     B, S = ids.shape
     if constraints is not None and (len(constraints) != B or fixed_tokens is not None):
@@ -246,7 +261,8 @@ def _engine(module, ids, mask, cfg, n_canvases: int, T_start: int, generator, ca
     compact = per_row and B > 1 if options.compact_rows is None else bool(options.compact_rows)
     rows = [Row(cfg, n_canvases, index=i, prompt_length=S, generator=generator[i] if per_row else None,
                 fixed=None if fixed_tokens is None else fixed_tokens[i],
-                constraint=None if constraints is None else constraints[i]) for i in range(B)]
+                constraint=None if constraints is None else constraints[i], bias=bias)
+            for i, bias in enumerate(_biases(logit_bias, B, module))]
     engine = Engine(Runner(module, passes, compact=compact), _Batch(Admission(rows, T_start + S, ids, mask, cache)),
                     options.sampler, options.fused(module.device), per_row, None if per_row else generator)
     return engine, rows

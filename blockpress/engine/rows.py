@@ -31,6 +31,7 @@ class Job:
     fixed_tokens: list[int] | None = None  # new tokens held at these ids (-1 free, -2 free+discarded)
     constraint: Any = None  # engine.constraint.Constraint: the grammar its output obeys (one per job), or None
     logprobs: int | None = None  # committed tokens' log-probabilities with this many alternatives (None: not asked)
+    logit_bias: dict[int, float] | None = None  # added to its logits every step (sampling.bias_vector), or None
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Row:
     generator: Any = None  # torch.Generator of this row, or None: the batch's shared stream
     fixed: Any = None  # [n_canvases * C] device ids held per canvas (-1 free, -2 free and discarded), or None
     constraint: Any = None  # engine.constraint.Constraint: the grammar its canvases obey, or None
+    bias: Any = None  # [V] fp32 device vector added to its logits every step (sampling.bias_vector), or None
     job: Job | None = None
     sink: Any = None  # who hears this row's events (the server's Handle)
     cancelled: bool = False

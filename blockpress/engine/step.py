@@ -2,7 +2,8 @@
 
 Shape legend: B rows, C canvas length, V vocab.
 
-From the decoder's fp32 logits of the rows that ran, a step: divides by the row's temperature, draws a token
+From the decoder's fp32 logits of the rows that ran, a step: adds the row's logit bias (where one is asked for),
+divides by the row's temperature, draws a token
 per position and takes the argmax and the entropy (the sampler: `sampling`'s reference arithmetic, or the fused
 one-pass kernel of `kernels.sampler_fused`, which reads the LM head's product and applies the soft cap itself),
 walks the canvas of a row with a grammar (or a token ban) through it (`constraint`), accepts the lowest-entropy
@@ -47,19 +48,25 @@ def _batched(taus: list | None, device):
     return torch.stack([ones if t is None else t for t in taus]).view(-1, 1, 1)
 
 
-def _sample(raw, taus, gen, active, fast: bool, dtype, out, cap=None):
-    """(y sample, a argmax, h entropy [k, C], z = raw / tau [k, C, V]) for the rows of `raw` (cap: raw is the LM
-    head's product before this soft cap, which the fast sampler applies)."""
+def _sample(raw, taus, gen, active, fast: bool, dtype, out, cap=None, bias=None, biased=None):
+    """(y sample, a argmax, h entropy [k, C], z = (raw + bias) / tau [k, C, V]) for the rows of `raw` (cap: raw is
+    the LM head's product before this soft cap, which the fast sampler applies; bias [k, 1, V] or None, biased [k]:
+    which rows have one)."""
+    if fast and bias is not None and not isinstance(gen, list):  # the cap in torch, then the bias: one fused pass
+        raw, cap = capped_logits(raw, cap).add_(bias), None
     if fast and not isinstance(gen, list):  # one stream: one fused pass over the batch (z written into `out`)
         return fused_sample(raw, _batched(taus, raw.device), gen, out_dtype=dtype, out=out, cap=cap)
     if fast:  # a stream per row: one fused pass per row that draws, seeded from its generator
         parts = []
         for i, (g, on) in enumerate(zip(gen, active)):
             tau = None if taus is None else taus[i]
+            r, c = raw[i:i + 1], cap
+            if bias is not None and biased[i]:  # (rows without a bias keep the fused pass's own cap)
+                r, c = capped_logits(r, c).add_(bias[i]), None
             if on:
-                parts.append(fused_sample(raw[i:i + 1], tau, g, out_dtype=dtype, cap=cap))
+                parts.append(fused_sample(r, tau, g, out_dtype=dtype, cap=c))
             else:  # finished rows still get an argmax and an entropy (their stopping rule runs), not a draw
-                z = capped_logits(raw[i:i + 1], cap)
+                z = capped_logits(r, c)
                 z = z if tau is None else z / tau
                 parts.append((torch.zeros(1, raw.shape[1], dtype=torch.long, device=raw.device),
                               z.argmax(dim=-1), token_entropy(z), z.to(dtype)))
@@ -68,18 +75,20 @@ def _sample(raw, taus, gen, active, fast: bool, dtype, out, cap=None):
         raise ValueError("the exact sampler reads soft-capped logits; only the fast one applies the cap")
     tau = _batched(taus, raw.device)
     # in place: the decoder's logits are this step's own and unused after (one [B,C,V] fp32 buffer fewer)
+    if bias is not None:
+        raw = raw + bias if raw.requires_grad else raw.add_(bias)
     z = raw if tau is None else raw / tau if raw.requires_grad else raw.div_(tau)
     return sample_tokens(z, gen, active), torch.argmax(z, dim=-1), token_entropy(z), z
 
 
 def _compose(cv: Canvas, idx: list[int], raw, x, a_prev, sc_prev, done, fixed, watch, tracker, bound, fast: bool,
-             dtype, sc_out, cap):
+             dtype, sc_out, cap, bias):
     """The step over the rows `idx` of the canvas (raw [k, C, V] their logits): new x, a, self-conditioning
     logits, done and accepted for those rows."""
     frozen = any(cv.done_host[i] for i in idx)
     active = [not (cv.done_host[i] or cv.rows[i].finished) for i in idx]  # rows that draw (a stream per row)
     y, a, h, z = _sample(raw, cv.taus(idx), cv.generators(idx), active, fast, dtype, None if frozen else sc_out,
-                         cap)
+                         cap, bias, [cv.rows[i].bias is not None for i in idx])
     a, y, forced = constrain(cv, idx, a, y, z)
     certain = fixed[0] if fixed is not None else None  # positions accepted whatever their entropy
     if forced is not None:
@@ -110,7 +119,7 @@ def denoise_step(cv: Canvas, raw: torch.Tensor, rows=None, fast: bool = False, d
     B = len(cv.rows)
     if rows is None:
         x, a, sc, done, acc = _compose(cv, list(range(B)), raw, cv.x, cv.a, cv.sc, cv.done, cv.fixed, cv.watch,
-                                       cv.tracker, cv.bound, fast, dtype, sc_out, cap)
+                                       cv.tracker, cv.bound, fast, dtype, sc_out, cap, cv.bias)
         cv.x, cv.a, cv.sc, cv.done = x, a, sc, done
         return acc
     if isinstance(rows, slice):
@@ -123,7 +132,7 @@ def denoise_step(cv: Canvas, raw: torch.Tensor, rows=None, fast: bool = False, d
     sc_prev = None if cv.sc is None else cv.sc[sel]
     x, a, sc, done, acc = _compose(cv, idx, raw, cv.x[sel], cv.a[sel], sc_prev, cv.done[sel], fixed,
                                    None if cv.watch is None else cv.watch[sel], tracker, bound, fast, dtype,
-                                   sc_out, cap)
+                                   sc_out, cap, None if cv.bias is None else cv.bias[sel])
     if tracker is not None:
         cv.tracker.put_rows(sel, tracker)
     cv.x, cv.a, cv.done = cv.x.clone(), cv.a.clone(), cv.done.clone()  # earlier events hold the old tensors

@@ -13,6 +13,10 @@ stream (`randint[1,C]`, `multinomial` over its [C,V]), and only while the row is
 independent of what else is in the batch (the server batches requests with their own seeds). For B = 1
 the two forms consume the stream identically, since an inactive single row ends the loop.
 
+A logit bias (`bias_vector`, OpenAI's `logit_bias`) is added to a row's (soft-capped) logits before the
+temperature, every step: it moves the distribution the step draws from, its argmax, entropy and self-conditioning
+alike. The logits are soft-capped (|z| < 30 on DiffusionGemma), so -100 bans a token and +100 forces it.
+
 `StabilityTracker` takes one stopping rule for the batch or one per row (the server batches requests
 with their own settings); per-row rules compute, row for row, what one rule computes.
 """
@@ -21,8 +25,11 @@ from __future__ import annotations
 
 import functools
 
+import math
+
 import torch
 
+from ..errors import SamplingError
 
 _SCHEDULE_CHUNK = 4096
 
@@ -60,6 +67,29 @@ def uniform_tokens(batch: int, canvas: int, vocab: int, device, generator=None, 
                           else torch.zeros(1, canvas, dtype=torch.long, device=device)
                           for g, on in _rows(generator, active)])
     return torch.randint(0, vocab, (batch, canvas), device=device, generator=generator)
+
+
+def bias_vector(logit_bias, vocab_size: int, device) -> torch.Tensor | None:
+    """A logit bias {token id: value} as the [V] fp32 vector a step adds to a row's logits; None for None or {}.
+    SamplingError names a token id outside [0, V) or a value that is not a finite number."""
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise SamplingError(f"logit_bias must be a dict {{token id: bias}}, got {type(logit_bias).__name__}")
+    if not logit_bias:
+        return None
+    ids, values = [], []
+    for k, v in logit_bias.items():
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < vocab_size:
+            raise SamplingError(f"logit_bias: {k!r} is not a token id in [0, {vocab_size}); keys are this model's "
+                                "token ids")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise SamplingError(f"logit_bias[{k}] = {v!r} is not a finite number; -100 bans a token, +100 forces it")
+        ids.append(k)
+        values.append(float(v))
+    bias = torch.zeros(vocab_size, dtype=torch.float32)
+    bias[ids] = torch.tensor(values, dtype=torch.float32)
+    return bias.to(device)
 
 
 def token_entropy(z: torch.Tensor) -> torch.Tensor:

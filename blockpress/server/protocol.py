@@ -37,7 +37,10 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
 - A list of prompts on /v1/completions (strings or token-id lists, up to `Limits.max_prompts`) runs
   as one batch: prompt p's choice i has index p * n + i and the seed of choice i; usage counts each
   prompt once.
-- Ignored OpenAI fields: temperature, top_p, penalties, logit_bias (no meaning for the
+- `logit_bias` ({token id: -100..100}) is added to the logits (soft-capped) before the temperature in every
+  denoising step, as OpenAI adds it before sampling: -100 bans a token, +100 forces it; a grammar still has the
+  last word, and logprobs are those of the biased distribution the step sampled from.
+- Ignored OpenAI fields: temperature, top_p, penalties (no meaning for the
   entropy-bounded denoising sampler); a value outside OpenAI's range (temperature 0-2, top_p 0-1, penalties
   -2 to 2) is still a 400, as OpenAI answers it. `temperature: 0` without a seed samples with seed 0: a client
   asking for the same answer every time gets it. Refused with a 400 naming the field rather than silently
@@ -159,6 +162,7 @@ class Sampling:
     suppress: list[int] | None = None  # token ids the output may not hold where no grammar is given (a chat
     # request that offers no tool: the opening of a tool call, parsing.call_ban)
     one_call: bool = False  # parallel_tool_calls false: a reply's tool calls end after the first
+    logit_bias: dict[int, float] | None = None  # added to the logits every step (engine: sampling.bias_vector)
 
     def choice_seed(self, i: int) -> int | None:
         if self.seed is None:
@@ -223,7 +227,8 @@ class _Request(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
     logit_bias: dict[Annotated[str, Field(pattern=r"^\d{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None = \
-        Field(None, max_length=1024, description=_IGNORED)
+        Field(None, max_length=1024, description="added to the logits (soft-capped) of these token ids before the "
+              "temperature, every denoising step: -100 bans a token, +100 forces it")
 
     @model_validator(mode="before")
     @classmethod
@@ -390,7 +395,8 @@ class _DiffusionKnobs(_Request):
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return Sampling(cfg=cfg, max_tokens=n, seed=seed, stop=stops,
                         include_usage=bool(stream_options and stream_options.include_usage),
-                        include_drafts=bool(stream_options and stream_options.include_drafts), n=self.n)
+                        include_drafts=bool(stream_options and stream_options.include_drafts), n=self.n,
+                        logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None)
 
 
 def _refuse_unsupported(req, limits: Limits) -> None:

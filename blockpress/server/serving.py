@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from ..errors import BlockpressError, InputError
+from ..errors import BlockpressError, InputError, SamplingError
 from ..infill import unspaced, whole_canvases
 from ..parsing import ToolCall, call_ban, reply_parser
 from .budget import encode_within
@@ -433,12 +433,14 @@ class OpenAIServing:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this server's limit is "
                            f"{self.limits.max_prompt_tokens}", param=prompt_field, code="context_length_exceeded")
         job = Job(ids, sampling.cfg, seed=sampling.seed, drafts=sampling.include_drafts, fixed_tokens=fixed_tokens,
-                  logprobs=sampling.logprobs, constraint=constraint)
+                  logprobs=sampling.logprobs, constraint=constraint, logit_bias=sampling.logit_bias)
         try:
             handle = self.worker.submit(job, loop=asyncio.get_running_loop())
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error",
                            code="queue_full") from None
+        except SamplingError as e:  # (the one sampling setting only the model can check: logit_bias's token ids)
+            raise APIError(400, str(e), param="logit_bias", code="invalid_value") from None
         except BlockpressError as e:
             raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
         if self.metrics is not None:

@@ -35,6 +35,7 @@ from ..engine.runner import Runner
 from ..engine.scheduler import QueueFull, Scheduler
 from ..errors import InputError
 from ..model.cache import rounded_capacity
+from ..sampling import bias_vector
 
 log = logging.getLogger("blockpress.server")
 
@@ -175,12 +176,14 @@ class Worker:
             self._thread.join(timeout=30)
 
     def submit(self, job: Job, loop=None) -> Handle:
-        """Queue a job; raises QueueFull, or InputError when the prompt can never fit the positions."""
+        """Queue a job; raises QueueFull, InputError when the prompt can never fit the positions, or SamplingError for
+        a logit bias of ids outside the vocabulary."""
         handle = Handle(job, loop)
         g = torch.Generator(device=self.module.device)
         g.manual_seed(job.seed) if job.seed is not None else g.seed()
+        bias = bias_vector(job.logit_bias, self.module.text.vocab_size, self.module.device)
         row = Row(job.cfg, canvases_for(job.cfg.max_new_tokens, self.C), prompt_length=len(job.prompt_ids),
-                  generator=g, fixed=self._held(job), constraint=job.constraint, job=job, sink=handle)
+                  generator=g, fixed=self._held(job), constraint=job.constraint, job=job, sink=handle, bias=bias)
         handle.row = row
         with self._cond:
             self.scheduler.submit(row)

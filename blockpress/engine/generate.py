@@ -139,7 +139,7 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
            cache: KVCache | None = None, decoder_input_ids: torch.Tensor | None = None,
            self_conditioning_logits: torch.Tensor | None = None, drafts: bool = True,
            fixed_tokens: torch.Tensor | None = None, options: Options | None = None, passes=None,
-           constraints: list | None = None, logit_bias: dict | None = None):
+           constraints: list | None = None, logit_bias: dict | list | None = None):
     """Yield Draft / Commit events and a final Finished(result).
 
     input_ids [B, S]: the tokens not yet in `cache` (the whole prompt when cache is None).

@@ -24,7 +24,6 @@ with their own settings); per-row rules compute, row for row, what one rule comp
 from __future__ import annotations
 
 import functools
-
 import math
 
 import torch

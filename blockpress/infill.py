@@ -195,13 +195,14 @@ def finish(lm, p: Plan, result) -> InfillResult:
 
 
 def infill(lm, template: str, *, seed: int | None = None, generator: torch.Generator | None = None,
-           sampler: str | None = None, **sampling) -> InfillResult:
+           sampler: str | None = None, logit_bias: dict | None = None, **sampling) -> InfillResult:
     """Fill the holes of `template` with `lm` (a BlockDiffusionLM with a tokenizer). Sampling keywords as
     in generate, but max_new_tokens (set from the template) and eos_token_id (the end of text does not stop
-    infilling) are refused; seed or generator, not both; sampler: None is the model's (`lm.configure`)."""
+    infilling) are refused; seed or generator, not both; sampler: None is the model's (`lm.configure`);
+    logit_bias: as in generate (the holes' tokens only: the text around them is held)."""
     from .engine.generate import seed_or_generator
 
     p = plan(lm, template, **sampling)
     generator = seed_or_generator(seed, generator, lm.device)
-    result = lm.generate([p.prompt], generator=generator, sampler=sampler, **p.kwargs)
+    result = lm.generate([p.prompt], generator=generator, sampler=sampler, logit_bias=logit_bias, **p.kwargs)
     return finish(lm, p, result)

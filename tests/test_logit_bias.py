@@ -78,6 +78,17 @@ def test_the_bias_is_added_to_the_capped_logits_before_the_temperature(lm, monke
     assert _rows(lm, range(2), **schedule) == biased
 
 
+def test_infill_takes_a_bias_for_its_holes():
+    import blockpress
+
+    kjv = blockpress.load("kjv", progress=False)
+    a = kjv.tokenizer.encode(" light")[-1]
+    free = kjv.infill("And God [MASK:3] the light.", seed=0)
+    forced = kjv.infill("And God [MASK:3] the light.", seed=0, logit_bias={a: 100})
+    assert forced.fills == [kjv.tokenizer.decode([a] * 3).strip()] != free.fills
+    assert forced.text.startswith("And God ") and forced.text.endswith(" the light.")
+
+
 @pytest.mark.parametrize("bias, needle", [
     ({-1: 1.0}, "-1 is not a token id in"), ({10**6: 1.0}, "is not a token id in"), ({"5": 1.0}, "'5' is not a token"),
     ({5: float("nan")}, "is not a finite number"), ({5: float("inf")}, "is not a finite number"),

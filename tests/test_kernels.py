@@ -292,6 +292,36 @@ def test_fused_sampler_applies_the_soft_cap(impl, rows, block_v):
         assert float(got[3].float().abs().max()) <= cap / 0.7 + 1e-3  # capped: |z| <= cap / tau
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("rows,block_v", [(4, 16), (2, 8)])  # masked edges; every tile full (EVEN)
+def test_fused_sampler_adds_the_bias_after_the_cap(impl, rows, block_v):
+    """bias= (a request's logit_bias, [B, 1, V]): added to the capped logits before the temperature in the pass, bit
+    for bit as the capped logits plus the bias sampled without a cap; each batch row reads its own bias (a program's
+    rows span two batch rows: 4 rows, C = 7) under its own temperature."""
+    if impl == "triton" and not usable_on(DEV):
+        pytest.skip("triton not installed (pip install triton), or TRITON_INTERPRET=0 without CUDA")
+    cap, tau = 30.0, torch.tensor([0.7, 1.3], device=DEV).view(-1, 1, 1)
+    product = (torch.randn(2, 7, 40) * 40).bfloat16().to(DEV)
+    bias = torch.zeros(2, 1, 40)
+    bias[0, 0, :5], bias[1, 0, 20:30] = 100.0, torch.linspace(-3, 3, 10)
+    bias = bias.to(DEV)
+    if impl == "torch":
+        got = fused_sample_torch(product, tau, torch.Generator().manual_seed(4), torch.bfloat16, cap=cap, bias=bias)
+        want = fused_sample_torch(softcap_logits(product.clone(), cap).float() + bias, tau,
+                                  torch.Generator().manual_seed(4), torch.bfloat16)
+    else:
+        seed = torch.tensor([5], device=DEV)
+        got = fused_sample_triton(product, tau, seed, torch.bfloat16, rows, block_v, cap=cap, bias=bias)
+        want = fused_sample_triton(softcap_triton(product, cap).float() + bias, tau, seed, torch.bfloat16, rows,
+                                   block_v)
+        with pytest.raises(ValueError, match="bias must be an fp32 tensor of shape"):
+            fused_sample_triton(product, tau, seed, cap=cap, bias=bias[:1])
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert (got[1][0] < 5).all() and not (got[1][1] < 5).all()  # +100 forces row 0's argmax into ids 0-4 only
+
+
 def test_lm_head_product_is_the_logits_before_the_cap():
     """lm_logits(capped=False): the product in the weight dtype (into `out` too), which the soft cap turns into
     lm_logits' own logits bit for bit."""

@@ -58,6 +58,34 @@ def test_zero_bias_and_rows_without_one_keep_their_tokens(lm):
         assert mixed == [alone_s[0], free_s[1], alone_s[2]]
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("shared", [False, True], ids=["stream per row", "one stream"])
+def test_the_fused_kernel_applies_the_bias_in_the_engine(lm, shared, monkeypatch):
+    """The fast sampler as a GPU runs it: the Triton pass (the interpreter here) caps, biases and samples in one read
+    of the LM head's product; -100 bans, +100 forces, and in a mixed batch the rows without a bias write what they
+    write alone."""
+    from blockpress.engine import step
+    from blockpress.kernels._triton import usable_on
+    from blockpress.kernels.sampler_fused import fused_sample
+
+    if not usable_on(torch.device("cpu")):
+        pytest.skip("triton not installed (pip install triton), or TRITON_INTERPRET=0 without CUDA")
+    monkeypatch.setattr(step, "fused_sample", lambda *a, **kw: fused_sample(*a, backend="triton", **kw))
+    free = _rows(lm, range(3), shared, sampler="fast")
+    common = _plain(lm, free)
+    banned = _rows(lm, range(3), shared, sampler="fast", logit_bias={t: -100 for t in common})
+    assert not set(common) & {t for r in banned for t in r} and banned != free
+    forced = _rows(lm, range(3), shared, sampler="fast", logit_bias={common[0]: 100.0})
+    assert forced == [[common[0]] * KW["max_new_tokens"]] * 3
+    if shared:  # one pass over the batch: each row reads its own bias
+        each = _rows(lm, range(3), shared, sampler="fast", logit_bias=[{common[0]: 100}, None, {common[1]: 100}])
+        assert each[0] == [common[0]] * KW["max_new_tokens"] and each[2] == [common[1]] * KW["max_new_tokens"]
+        assert each[1] != each[0] and each[1] != each[2]
+    else:  # (a row's draws depend on the batch's in one stream, so only a stream per row can compare to alone)
+        mixed = _rows(lm, range(3), sampler="fast", logit_bias=[None, {common[0]: -100}, None])
+        assert [mixed[0], mixed[2]] == [free[0], free[2]] and common[0] not in mixed[1]
+
+
 def test_the_bias_is_added_to_the_capped_logits_before_the_temperature(lm, monkeypatch):
     """The same tokens as a decoder whose logits carry the bias (the exact sampler reads the capped logits)."""
     schedule = {"t_min": 0.4, "t_max": 0.8}  # (a bias added after the temperature would then differ)

@@ -52,21 +52,17 @@ def _sample(raw, taus, gen, active, fast: bool, dtype, out, cap=None, bias=None,
     """(y sample, a argmax, h entropy [k, C], z = (raw + bias) / tau [k, C, V]) for the rows of `raw` (cap: raw is
     the LM head's product before this soft cap, which the fast sampler applies; bias [k, 1, V] or None, biased [k]:
     which rows have one)."""
-    if fast and bias is not None and not isinstance(gen, list):  # the cap in torch, then the bias: one fused pass
-        raw, cap = capped_logits(raw, cap).add_(bias), None
     if fast and not isinstance(gen, list):  # one stream: one fused pass over the batch (z written into `out`)
-        return fused_sample(raw, _batched(taus, raw.device), gen, out_dtype=dtype, out=out, cap=cap)
+        return fused_sample(raw, _batched(taus, raw.device), gen, out_dtype=dtype, out=out, cap=cap, bias=bias)
     if fast:  # a stream per row: one fused pass per row that draws, seeded from its generator
         parts = []
         for i, (g, on) in enumerate(zip(gen, active)):
             tau = None if taus is None else taus[i]
-            r, c = raw[i:i + 1], cap
-            if bias is not None and biased[i]:  # (rows without a bias keep the fused pass's own cap)
-                r, c = capped_logits(r, c).add_(bias[i]), None
+            r, b = raw[i:i + 1], bias[i:i + 1] if bias is not None and biased[i] else None
             if on:
-                parts.append(fused_sample(r, tau, g, out_dtype=dtype, cap=c))
+                parts.append(fused_sample(r, tau, g, out_dtype=dtype, cap=cap, bias=b))
             else:  # finished rows still get an argmax and an entropy (their stopping rule runs), not a draw
-                z = capped_logits(r, c)
+                z = capped_logits(r, cap, b)
                 z = z if tau is None else z / tau
                 parts.append((torch.zeros(1, raw.shape[1], dtype=torch.long, device=raw.device),
                               z.argmax(dim=-1), token_entropy(z), z.to(dtype)))

@@ -17,6 +17,9 @@ statistically (chi-square) and for exact argmax / 1e-5 entropy agreement. `fused
 pass applies the cap as it reads each logit, with the soft-cap kernel's arithmetic (kernels/softcap.py), so z, the
 argmax, the entropy and the draw are those of the capped logits: the fp32 logits [B, C, V] are never written or
 read (on the 26B model at batch 1, 268 MB written by the soft cap and read back here, a step).
+
+`bias` ([B, 1, V] fp32: a request's `logit_bias`, zeros for rows without one) is added to the capped logits before the
+temperature, in the same pass: z = (softcap(raw) + bias) / tau.
 """
 
 from __future__ import annotations
@@ -31,16 +34,17 @@ if triton is not None:
     from triton.language.extra import libdevice
 
     @triton.jit
-    def _fused_sampler_kernel(raw_ptr, tau_ptr, seed_ptr, y_ptr, a_ptr, h_ptr, z_ptr, R, V, VQ, stride_r, stride_zr,
-                              cap, tau_rows, HAS_TAU: tl.constexpr, WRITE_Z: tl.constexpr, ROWS: tl.constexpr,
-                              BLOCK_V: tl.constexpr, EVEN: tl.constexpr, FAST_LOG: tl.constexpr,
-                              CAP: tl.constexpr):
+    def _fused_sampler_kernel(raw_ptr, tau_ptr, seed_ptr, bias_ptr, y_ptr, a_ptr, h_ptr, z_ptr, R, V, VQ, stride_r,
+                              stride_zr, cap, tau_rows, C, HAS_TAU: tl.constexpr, WRITE_Z: tl.constexpr,
+                              ROWS: tl.constexpr, BLOCK_V: tl.constexpr, EVEN: tl.constexpr, FAST_LOG: tl.constexpr,
+                              CAP: tl.constexpr, BIAS: tl.constexpr):
         """EVEN: every tile full (R % ROWS == 0, V % BLOCK_V == 0), no masks. FAST_LOG: the Gumbel noise's two logs
         by the hardware's lg2.approx (compiled only; the interpreter has no libdevice), not libdevice's ~12-FMA
         logf: noise for a draw, where 2^-22 of relative error is far below what a sample can show. CAP: raw is
         the product before the soft cap `cap`, applied here as `_softcap_kernel` does (libdevice's tanh compiled,
         the sigmoid form in the interpreter: the same bits as that kernel's output, then / tau). tau_rows: the rows
-        each tau value serves (R: one for all; C: one per batch row, `tau` [B])."""
+        each tau value serves (R: one for all; C: one per batch row, `tau` [B]). BIAS: bias_ptr holds a [B, V] fp32
+        bias, batch row r // C's added to the capped logits before tau."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rmask = rows < R
         tau = tl.full((ROWS,), 1.0, tl.float32)
@@ -72,6 +76,9 @@ if triton is not None:
                 z = zc * cap
                 if not EVEN:
                     z = tl.where(mask, z, float("-inf"))
+            if BIAS:
+                bias_at = bias_ptr + (rows // C)[:, None].to(tl.int64) * V + v[None, :]
+                z = z + (tl.load(bias_at) if EVEN else tl.load(bias_at, mask=mask, other=0.0))
             z = z / tau[:, None]
             if WRITE_Z:
                 tl.store(z_ptr + rows[:, None].to(tl.int64) * stride_zr + v[None, :],
@@ -112,18 +119,19 @@ def entropy_from_logits(z: torch.Tensor) -> torch.Tensor:
     return s.log() - torch.where(p > 0, p * d, 0.0).sum(-1) / s  # (a -inf logit: p = 0, not 0 * -inf = nan)
 
 
-def capped_logits(raw, cap=None) -> torch.Tensor:
+def capped_logits(raw, cap=None, bias=None) -> torch.Tensor:
     """fp32 logits of the LM head's product `raw`: the reference soft cap `cap` applied into a new tensor (raw is
-    left as it is, an fp32 model's too); without a cap, raw as fp32."""
-    if not cap:
-        return raw.float()
-    return softcap_logits(raw, cap, out=torch.empty(raw.shape, dtype=torch.float32, device=raw.device))
+    left as it is, an fp32 model's too), then `bias` ([B, 1, V]) added; with neither, raw as fp32."""
+    if cap:
+        z = softcap_logits(raw, cap, out=torch.empty(raw.shape, dtype=torch.float32, device=raw.device))
+        return z if bias is None else z.add_(bias)
+    return raw.float() if bias is None else raw.float() + bias
 
 
-def fused_sample_torch(raw, tau=None, generator=None, out_dtype=None, out=None, cap=None):
+def fused_sample_torch(raw, tau=None, generator=None, out_dtype=None, out=None, cap=None, bias=None):
     """The fused algorithm in plain torch (CPU fallback). Returns y, a, h [B,C] and z (out_dtype; written into
-    `out` when given). cap: raw is the product before the soft cap (`capped_logits` applies it)."""
-    z = capped_logits(raw, cap)
+    `out` when given). cap: raw is the product before the soft cap; bias: added after it (`capped_logits`)."""
+    z = capped_logits(raw, cap, bias)
     z = z if tau is None else z / tau
     u = torch.rand(z.shape, device=z.device, generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
     y = torch.argmax(z - torch.log(-torch.log(u)), dim=-1)
@@ -131,14 +139,16 @@ def fused_sample_torch(raw, tau=None, generator=None, out_dtype=None, out=None, 
 
 
 def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_program=None, block_v=None, out=None,
-                        cap=None):
+                        cap=None, bias=None):
     """One Triton pass over [R, V]. tau: an fp32 tensor of one value (0-dim) or one per batch row ([B, 1, 1]: rows at
     different steps of their schedules), or None; seed: int64 tensor [1] on device; out: a contiguous [B, C, V] tensor
-    to write z into (its dtype wins over out_dtype); cap: see the module docstring."""
+    to write z into (its dtype wins over out_dtype); cap, bias ([B, 1, V] fp32): see the module docstring."""
     B, C, V = raw.shape
     R = B * C
     if tau is not None and tau.numel() not in (1, B):
         raise ValueError(f"tau must hold one temperature or one per row ({B}), got {tau.numel()}")
+    if bias is not None and (bias.shape != (B, 1, V) or bias.dtype != torch.float32):
+        raise ValueError(f"bias must be an fp32 tensor of shape {[B, 1, V]}, got {bias.dtype} {list(bias.shape)}")
     x = raw.reshape(R, V)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -158,19 +168,21 @@ def fused_sample_triton(raw, tau=None, seed=None, out_dtype=None, rows_per_progr
         z = out.view(R, V)
     tau_t = tau.reshape(-1).contiguous() if tau is not None else h  # (h: an unused pointer when HAS_TAU is False)
     tau_rows = R if tau is None or tau.numel() == 1 else C
-    _fused_sampler_kernel[(triton.cdiv(R, rows),)](x, tau_t, seed, y, a, h, z, R, V, triton.cdiv(V, 4), x.stride(0),
-                                                   z.stride(0), float(cap or 1.0), tau_rows, HAS_TAU=tau is not None,
-                                                   WRITE_Z=True, ROWS=rows, BLOCK_V=bv,
+    bias_t = bias.contiguous() if bias is not None else h  # (h: an unused pointer when BIAS is False)
+    _fused_sampler_kernel[(triton.cdiv(R, rows),)](x, tau_t, seed, bias_t, y, a, h, z, R, V, triton.cdiv(V, 4),
+                                                   x.stride(0), z.stride(0), float(cap or 1.0), tau_rows, C,
+                                                   HAS_TAU=tau is not None, WRITE_Z=True, ROWS=rows, BLOCK_V=bv,
                                                    EVEN=R % rows == 0 and V % bv == 0, FAST_LOG=not interpreted(),
-                                                   CAP=bool(cap))
+                                                   CAP=bool(cap), BIAS=bias is not None)
     return y.view(B, C), a.view(B, C), h.view(B, C), z.view(B, C, V)
 
 
-def fused_sample(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto", out=None, cap=None):
-    """-> y (sample), a (argmax), h (entropy) [B,C] and z = raw/tau in out_dtype [B,C,V] (written into `out`, a
-    contiguous tensor, when given). cap: raw is the product before this soft cap, applied in the same pass."""
+def fused_sample(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto", out=None, cap=None, bias=None):
+    """-> y (sample), a (argmax), h (entropy) [B,C] and z = (raw + bias) / tau in out_dtype [B,C,V] (written into
+    `out`, a contiguous tensor, when given). cap: raw is the product before this soft cap, applied in the same pass
+    (before the bias)."""
     use_triton = backend == "triton" or (backend == "auto" and raw.is_cuda and usable_on(raw.device))
     if use_triton:
         seed = torch.randint(0, 2**31 - 1, (1,), device=raw.device, generator=generator)
-        return fused_sample_triton(raw, tau, seed, out_dtype, out=out, cap=cap)
-    return fused_sample_torch(raw, tau, generator, out_dtype, out=out, cap=cap)
+        return fused_sample_triton(raw, tau, seed, out_dtype, out=out, cap=cap, bias=bias)
+    return fused_sample_torch(raw, tau, generator, out_dtype, out=out, cap=cap, bias=bias)

@@ -162,9 +162,10 @@ def meta_backends(module, moe_sum: str = "kernel") -> None:
     module.ops = dataclasses.replace(module.ops, attention=_attention_meta)
 
 
-def fused_sample_meta(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto", out=None, cap=None):
+def fused_sample_meta(raw, tau=None, generator=None, out_dtype=None, backend: str = "auto", out=None, cap=None,
+                      bias=None):
     """The Triton fused sampler's allocations (sampler_fused.fused_sample_triton): y, a, h and z (none with `out`;
-    the soft cap, `cap`, is applied in registers)."""
+    the soft cap, `cap`, and the bias are applied in registers)."""
     B, C, V = raw.shape
     dev = raw.device
     y = torch.empty(B, C, dtype=torch.int64, device=dev)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -18,7 +19,8 @@ from .errors import CheckpointError, ConfigError, InputError, SamplingError
 from .lm import BlockDiffusionLM
 from .model.diffusion_gemma import DiffusionGemmaModel
 from .options import Options
-from .model.weights import PREQUANTIZED_FIX, find_weight_files, load_weights
+from .model.prequantized import PREQUANTIZED_FIX, Layout, fp8_channel_scheme, resolve_options
+from .model.weights import find_weight_files, load_weights, read_dtypes
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -274,18 +276,25 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     folder = resolve_path(model, progress)
     _refuse_adapter_folder(folder, model)
     config = ModelConfig.from_file(folder / "config.json")
-    _refuse_prequantized(folder, config.raw)
+    prequantized = _prequantized(folder, config.raw)
+    files = find_weight_files(folder)
+    layout = None
+    if prequantized:
+        layout = Layout.from_headers(read_dtypes(files))
+        opts = opts.replace(**resolve_options(layout, opts))
     check_int4_sizes(config.text, opts.precision, opts.linears)
     gen_path = folder / "generation_config.json"
     gen_defaults = _checkpoint_generation_defaults(gen_path, config.text.vocab_size) if gen_path.is_file() else {}
     dev = parse_device(device)
     dt = parse_dtype(dtype, config, dev)
-    files = find_weight_files(folder)
     with torch.device("meta"):
         module = DiffusionGemmaModel(config)
     check_memory(module, dev, dt, opts.precision, opts.group_size, opts.linears)
+    if layout:
+        layout.prepare(module, dt)
+        print(f"blockpress: a pre-quantised checkpoint: {layout.describe()} load as stored, in fp8", file=sys.stderr)
     hooks = []
-    if opts.precision != "native":
+    if opts.precision != "native" and not (layout and layout.experts):
         from .kernels.quant import streaming_quantizer
 
         hooks.append(streaming_quantizer(module, opts.precision, opts.group_size))
@@ -293,12 +302,12 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
         from .kernels.quant import mlp_streaming_quantizer
 
         hooks.append(mlp_streaming_quantizer(module, opts.group_size))
-    elif opts.linears != "native":
+    elif opts.linears != "native" and not (layout and layout.linears):
         from .kernels.linear_q import linear_streaming_quantizer
 
         hooks.append(linear_streaming_quantizer(module, opts.linears))
     on_loaded = None if not hooks else lambda name: [h(name) for h in hooks]
-    load_weights(module, files, dev, dt, progress=progress, on_loaded=on_loaded)
+    load_weights(module, files, dev, dt, progress=progress, on_loaded=on_loaded, layout=layout)
     module.materialize_buffers(dev)
     module.eval()
     tok = None
@@ -320,9 +329,10 @@ def _quant_method(qc) -> str:
     return method + (f" ({detail})" if detail and str(detail) != method else "")
 
 
-def _refuse_prequantized(folder: Path, raw: dict) -> None:
-    """CheckpointError before any weight is read when config.json (or its text_config) has a quantization_config, or
-    the folder holds ModelOpt's hf_quant_config.json: the weights are pre-quantised (the tensors' own check is in
+def _prequantized(folder: Path, raw: dict) -> bool:
+    """Whether config.json (or its text_config) has a quantization_config of the one pre-quantised scheme blockpress
+    reads (FP8 by output channel, model/prequantized.py). CheckpointError before any weight is read for another
+    scheme, or when the folder holds ModelOpt's hf_quant_config.json (the tensors' own check is in
     model/weights.py `load_weights`)."""
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     qc = raw.get("quantization_config") or text.get("quantization_config")
@@ -334,9 +344,13 @@ def _refuse_prequantized(folder: Path, raw: dict) -> None:
             qc = {}
         qc = {"quant_method": "modelopt", **(qc if isinstance(qc, dict) else {})}
         where = "the folder holds hf_quant_config.json"
-    if qc:
+    if not qc:
+        return False
+    why = fp8_channel_scheme(qc) if where.startswith("config.json") else "ModelOpt's format is not read"
+    if why:
         raise CheckpointError(f"{folder} is a pre-quantised checkpoint ({where}, quant_method "
-                              f"{_quant_method(qc)}); {PREQUANTIZED_FIX}")
+                              f"{_quant_method(qc)}) that blockpress cannot read ({why}); {PREQUANTIZED_FIX}")
+    return True
 
 
 def _refuse_adapter_folder(folder: Path, model) -> None:

@@ -413,13 +413,13 @@ def test_nan_or_inf_weights_are_refused_at_load(hf_tiny_dir, tmp_path, capsys):
 
 
 def test_pre_quantised_checkpoints_are_refused_naming_the_method(hf_tiny_dir, tmp_path):
-    """An FP8 / NVFP4 / compressed-tensors checkpoint (a quantization_config in config.json, ModelOpt's
-    hf_quant_config.json, F8 weights, or scale tensors beside the weights) loaded as plain floats without its
-    scales and generated garbage: refused before any weight is read, naming the method and blockpress's own
-    precision='fp8' / 'int4'."""
+    """A block-wise FP8 / NVFP4 checkpoint (a quantization_config in config.json, ModelOpt's hf_quant_config.json,
+    F8 weights, or scale tensors beside the weights, without the one pre-quantised scheme blockpress reads:
+    tests/test_prequantized.py) loaded as plain floats without its scales and generated garbage: refused before any
+    weight is read, naming the method and blockpress's own precision='fp8' / 'int4'."""
     path, _ = hf_tiny_dir
     key = "model.decoder.layers.1.self_attn.q_proj.weight"
-    fix = r"load the model's bf16 \(or fp32\) checkpoint and quantise it at load with precision='fp8' or 'int4'"
+    fix = r"load the model's bf16 checkpoint instead and quantise it at load with precision='fp8' or 'int4'"
     for i, (qc, method) in enumerate(((
             {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "fp8"),
             ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
@@ -429,7 +429,7 @@ def test_pre_quantised_checkpoints_are_refused_naming_the_method(hf_tiny_dir, tm
         cfg["quantization_config"] = qc
         (d / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(CheckpointError, match=rf"pre-quantised checkpoint \(config.json has a quantization_config, "
-                                                  rf"quant_method {method}\); .*{fix}"):
+                                                  rf"quant_method {method}\) that blockpress cannot read .*{fix}"):
             blockpress.load(d, progress=False)
     mo = _copy(path, tmp_path / "modelopt")
     (mo / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4", "group_size": 16}}))

@@ -376,7 +376,9 @@ def run(args) -> dict:
     if args.model:
         from ..loading import load
 
-        lm = load(args.model, device=str(device), dtype=dtype, progress=False, tokenizer=args.prompt is not None)
+        lm = load(args.model, device=str(device), dtype=dtype, progress=False, tokenizer=args.prompt is not None,
+                  precision=args.precision, group_size=args.group_size, linears=args.linears)
+        args.precision, args.linears = lm.options.precision, lm.options.linears  # a pre-quantised checkpoint's own
         module, config = lm.module, lm.config.to_dict()
         args.model_folder = lm.path  # a shipped model's name or a run folder, resolved: what transformers loads
         if args.prompt is not None:

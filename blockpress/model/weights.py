@@ -13,9 +13,10 @@ materialised twice. Pickle checkpoints are refused.
 Damaged checkpoints are refused with the tensor's name, never loaded silently wrong: a weight stored
 as an integer or bool type (a flipped dtype in the header), NaN or Inf values (one fp32 sum per
 tensor, checked with one device sync at the end), a sharded index naming a file outside the
-checkpoint folder, a symlink loop. So are pre-quantised checkpoints (FP8, NVFP4, compressed-tensors, GPTQ / AWQ:
-8- or 4-bit weights with scale tensors beside them), read from the headers before any tensor: their weights would
-load as plain floats without their scales.
+checkpoint folder, a symlink loop. So are pre-quantised checkpoints (NVFP4, GPTQ / AWQ, block-wise FP8: 8- or 4-bit
+weights with scale tensors beside them), read from the headers before any tensor: their weights would load as plain
+floats without their scales. The one pre-quantised layout read is FP8 by output channel (model/prequantized.py),
+copied into the fp8 modules as stored.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from ..errors import CheckpointError
+from .prequantized import PREQUANTIZED_FIX, loaded_tensor
 
 ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
 DECODER_PREFIX = "model.decoder."
@@ -44,8 +46,6 @@ FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names of the float 
 LOW_BIT_FLOAT = re.compile(r"^F[468]")
 QUANT_COMPANION = re.compile(r"(_scale|_scale_inv|_scale_2|_global_scale|weight_packed|_zero_point|weight_shape|"
                              r"\.qweight|\.qzeros|\.scales|\.g_idx)$")
-PREQUANTIZED_FIX = ("blockpress reads float weights only: load the model's bf16 (or fp32) checkpoint and quantise it "
-                    "at load with precision='fp8' or 'int4' (--precision)")
 
 
 def checkpoint_to_module_name(key: str) -> str | None:
@@ -150,10 +150,26 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, file=sys.stderr, leave=False)
 
 
+def read_dtypes(files: list[Path]) -> dict[str, str]:
+    """Every tensor's stored dtype (safetensors' name: "BF16", "F8_E4M3", ...) from the headers of `files`."""
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                out.update({key: h.get_slice(key).get_dtype() for key in h.keys()})
+        except (SafetensorError, OSError, ValueError) as e:
+            raise _open_error(f, e) from None
+    return out
+
+
 def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, progress: bool = True,
-                 on_loaded=None) -> dict:
+                 on_loaded=None, layout=None) -> dict:
     """Assign every tensor of `files` into `module` (built on meta). Returns a small report.
-    on_loaded(name): called after each tensor is in place (streaming quantisation hooks in here)."""
+    on_loaded(name): called after each tensor is in place (streaming quantisation hooks in here).
+    layout: a pre-quantised checkpoint's fp8 parts (model/prequantized.py `Layout`, already `prepare`d on the
+    module): their tensors are copied into the fp8 modules' buffers as stored."""
     from safetensors import safe_open
     from safetensors import SafetensorError
 
@@ -164,11 +180,12 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
     unexpected: list[str] = []
     keys_per_file = []
     sums: list[tuple[str, torch.Tensor]] = []  # (key, fp32 sum): NaN or Inf when the tensor holds one
+    seen_fp8: set[str] = set()
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as h:
                 keys_per_file.append((f, list(h.keys())))
-                _refuse_prequantized(f, h, expected)
+                _refuse_prequantized(f, h, expected, layout.wanted if layout is not None else ())
         except (SafetensorError, OSError, ValueError) as e:
             raise _open_error(f, e) from None
     bar = _progress(sum(len(k) for _, k in keys_per_file), "loading weights", progress)
@@ -178,6 +195,19 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
                 for key in keys:
                     if bar is not None:
                         bar.update(1)
+                    into = layout.target(key, module) if layout is not None else None
+                    if into is not None:
+                        name, index = into
+                        if expected[name].is_meta:  # an fp8 buffer's first part: made once on the device
+                            buf = torch.empty(expected[name].shape, dtype=expected[name].dtype, device=device)
+                            _assign(module, name, buf)
+                            expected[name] = buf
+                        part = expected[name][index]
+                        part.copy_(loaded_tensor(h.get_tensor(key), key, part, f.name))
+                        sums.append((key, part.float().sum()))
+                        seen_fp8.add(key)
+                        loaded.add(name)
+                        continue
                     name = checkpoint_to_module_name(key)
                     if name is None:
                         if key.startswith(VISION):
@@ -212,6 +242,10 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
             raise CheckpointError(f"{f.name} could not be read ({e}); the file may be truncated: re-download it") from None
     if bar is not None:
         bar.close()
+    if layout is not None and layout.missing(seen_fp8):
+        absent = layout.missing(seen_fp8)
+        raise CheckpointError(f"{len(absent)} fp8 tensor(s) missing from the checkpoint (first: {absent[0]}); the "
+                              "download is incomplete or the experts are not stored one per expert")
     _check_finite(sums, files, dtype)
     missing = [n for n in expected if n not in loaded]
     # encoder layer scalars default to the decoder's copies (converters treat them as duplicates)
@@ -232,14 +266,14 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
             "encoder_scalars_from_decoder": len(fallback)}
 
 
-def _refuse_prequantized(f: Path, h, expected: dict) -> None:
+def _refuse_prequantized(f: Path, h, expected: dict, fp8=()) -> None:
     """CheckpointError naming the first tensor of `f` (an open safetensors file) that only a pre-quantised checkpoint
     holds: a low-bit float weight, or a quantiser's scale / zero point / packed weight beside a weight (a name the
     model does not have: the router's own `scale` and `per_expert_scale` are weights). Tensors that are never read
-    (tied copies, the vision tower) are not looked at."""
+    (tied copies, the vision tower) are not looked at; nor are `fp8`, the keys a pre-quantised layout reads."""
     for key in h.keys():
         name = checkpoint_to_module_name(key)
-        if name is None:  # tied copies and the vision tower: never read
+        if name is None or key in fp8:  # tied copies and the vision tower: never read; a layout's own tensors
             continue
         stored = h.get_slice(key).get_dtype()
         if LOW_BIT_FLOAT.match(stored):

@@ -1,0 +1,211 @@
+"""Pre-quantised FP8 checkpoints (model/prequantized.py): the compressed-tensors `float-quantized` layout by output
+channel (llm-compressor's FP8-dynamic recipe, the layout of RedHatAI's DiffusionGemma copy), built here from a tiny
+random model whose weights fp8 holds exactly, so the fp8 checkpoint and the float one are the same model: loaded, it
+must hold the stored bytes, write the tokens blockpress's own fp8 quantisation of the float checkpoint writes, and
+refuse what it cannot read with one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import blockpress
+from blockpress.errors import CheckpointError, InputError
+from blockpress.kernels.linear_q import QUANTIZED_LINEARS, QuantizedLinear
+from blockpress.kernels.quant import FP8_MAX, QuantizedExperts, quantize_fp8
+from blockpress.testing import build_tiny_gemma_tokenizer
+from blockpress.train import sizes
+
+pytestmark = pytest.mark.no_grad
+
+# the quantization_config of an llm-compressor FP8-dynamic checkpoint (the router stays float)
+QC = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+    "format": "float-quantized", "targets": ["Linear"], "output_activations": None,
+    "input_activations": {"dynamic": True, "num_bits": 8, "strategy": "token", "symmetric": True, "type": "float",
+                          "group_size": None, "block_structure": None},
+    "weights": {"dynamic": False, "num_bits": 8, "strategy": "channel", "symmetric": True, "type": "float",
+                "group_size": None, "block_structure": None, "observer": "memoryless_minmax"}}},
+    "ignore": ["model.encoder.language_model.layers.0.router.proj"], "kv_cache_scheme": None}
+
+
+def _fp8_exact(w: torch.Tensor) -> torch.Tensor:
+    """w moved to the nearest weights that fp8 by output row holds exactly, with bf16 scales: q * s, each row's
+    largest |q| 448 (so quantising them again gives the same q and s)."""
+    q, s = quantize_fp8(w)
+    s = s.to(torch.bfloat16).float()
+    q = q.float()
+    top = q.abs().argmax(-1, keepdim=True)
+    q.scatter_(-1, top, torch.where(q.gather(-1, top) < 0, -FP8_MAX, FP8_MAX))
+    return q * s[..., None]
+
+
+def _split_fp8(sd: dict, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = quantize_fp8(sd.pop(key))
+    assert torch.equal(s, s.to(torch.bfloat16).float())  # the scale bf16 stores is the one blockpress computes
+    return q, s.to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+@torch.no_grad()
+def checkpoints(tmp_path_factory):
+    """(float folder, fp8 folder) of one model."""
+    root = tmp_path_factory.mktemp("prequantized")
+    lm = blockpress.from_config(sizes.model_config("nano", vocab_size=512, canvas_length=8, context=16), seed=0)
+    for layer in lm.module.layers:
+        for p in (layer.experts.gate_up_proj, layer.experts.down_proj):
+            p.copy_(_fp8_exact(p))
+        for part, names in QUANTIZED_LINEARS.items():
+            for name in names:
+                lin = getattr(getattr(layer, part), name, None)
+                if lin is not None:
+                    lin.weight.copy_(_fp8_exact(lin.weight))
+    flt = lm.save(root / "float")
+    build_tiny_gemma_tokenizer(flt)
+    fp8 = root / "fp8"
+    shutil.copytree(flt, fp8)
+    sd = load_file(fp8 / "model.safetensors")
+    for i, layer in enumerate(lm.module.layers):
+        im = layer.experts.down_proj.shape[-1]
+        pre = f"model.decoder.layers.{i}"
+        gu, gu_s = _split_fp8(sd, f"{pre}.experts.gate_up_proj")
+        dn, dn_s = _split_fp8(sd, f"{pre}.experts.down_proj")
+        for e in range(gu.shape[0]):
+            for proj, q, s in (("gate", gu[e, :im], gu_s[e, :im]), ("up", gu[e, im:], gu_s[e, im:]),
+                               ("down", dn[e], dn_s[e])):
+                sd[f"{pre}.experts.{e}.{proj}_proj.weight"] = q.contiguous()
+                sd[f"{pre}.experts.{e}.{proj}_proj.weight_scale"] = s[:, None].contiguous()
+        for part, names in QUANTIZED_LINEARS.items():
+            for name in names:
+                key = f"{pre}.{part}.{name}.weight"
+                if key in sd:
+                    sd[key], scale = _split_fp8(dict(w=sd[key]), "w")
+                    sd[key + "_scale"] = scale[:, None].contiguous()
+    save_file(sd, fp8 / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((fp8 / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**cfg, "quantization_config": QC}))
+    return flt, fp8
+
+
+def _tokens(lm):
+    ids = torch.randint(5, 512, (2, 6), generator=torch.Generator().manual_seed(0))
+    gen = [torch.Generator(lm.device).manual_seed(s) for s in (1, 2)]
+    return lm.generate(ids, generator=gen, max_new_tokens=16, max_denoising_steps=4).sequences
+
+
+def test_an_fp8_checkpoint_loads_its_bytes_into_the_fp8_modules(checkpoints):
+    flt, fp8 = checkpoints
+    lm = blockpress.load(fp8, progress=False)
+    assert (lm.options.precision, lm.options.linears) == ("fp8", "fp8")
+    stored = load_file(fp8 / "model.safetensors")
+    for i, layer in enumerate(lm.module.layers):
+        ex = layer.experts
+        assert isinstance(ex, QuantizedExperts) and ex.fmt == "fp8" and ex.gate_up_q.device == lm.device
+        for e in (0, ex.gate_up_q.shape[0] - 1):
+            pre = f"model.decoder.layers.{i}.experts.{e}"
+            want_q = torch.cat([stored[f"{pre}.gate_proj.weight"], stored[f"{pre}.up_proj.weight"]])
+            assert torch.equal(ex.gate_up_q[e].view(torch.uint8), want_q.view(torch.uint8))
+            assert torch.equal(ex.down_q[e].view(torch.uint8), stored[f"{pre}.down_proj.weight"].view(torch.uint8))
+            assert torch.equal(ex.down_scale[e], stored[f"{pre}.down_proj.weight_scale"][:, 0].float())
+            assert torch.equal(ex.gate_up_scale[e, ex.inter:], stored[f"{pre}.up_proj.weight_scale"][:, 0].float())
+        q = layer.self_attn.q_proj
+        assert isinstance(q, QuantizedLinear) and q.fmt == "fp8"
+        assert torch.equal(q.weight_q.view(torch.uint8),
+                           stored[f"model.decoder.layers.{i}.self_attn.q_proj.weight"].view(torch.uint8))
+        assert isinstance(layer.mlp.down_proj, QuantizedLinear)
+    assert not isinstance(lm.module.layers[0].router.proj, QuantizedLinear)  # float in the checkpoint
+
+
+def test_it_writes_the_tokens_of_the_float_checkpoint_quantised_at_load(checkpoints):
+    """The same fp8 modules either way (the float weights are fp8-exact), so the same bits, token for token; and the
+    fp32 float model itself agrees on the logits (the dequantised weights are its own)."""
+    flt, fp8 = checkpoints
+    lm = blockpress.load(fp8, progress=False)
+    ours = blockpress.load(flt, progress=False, precision="fp8", linears="fp8")
+    sa, sb = lm.module.state_dict(), ours.module.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8)) for k in sa)
+    assert torch.equal(_tokens(lm), _tokens(ours))
+    plain = blockpress.load(flt, progress=False)
+    ids = torch.randint(5, 512, (1, 6), generator=torch.Generator().manual_seed(3))
+    canvas = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(4))
+
+    def logits(model):
+        cache = model.module.new_cache(1, 6)
+        model.module.encode(ids.to(model.device), cache)
+        return model.module.decode(canvas.to(model.device), cache).float().cpu()
+
+    assert (logits(lm) - logits(plain)).abs().max() < 1e-4
+
+
+def _variant(src, dst, qc=None, edit=None):
+    shutil.copytree(src, dst)
+    if qc is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    if edit is not None:
+        sd = load_file(dst / "model.safetensors")
+        edit(sd)
+        save_file(sd, dst / "model.safetensors")
+    return dst
+
+
+def _scheme(**weights):
+    g = json.loads(json.dumps(QC))
+    g["config_groups"]["group_0"]["weights"].update(weights)
+    return g
+
+
+@pytest.mark.parametrize("qc, needle", [
+    (_scheme(strategy="tensor"), "stores 8-bit float weights by tensor"),
+    (_scheme(num_bits=4, strategy="tensor_group", group_size=16), "stores 4-bit float weights by tensor_group"),
+    (_scheme(type="int", num_bits=4, strategy="group", group_size=128), "stores 4-bit int weights by group"),
+    (_scheme(strategy="block", block_structure=[128, 128]), "stores 8-bit float weights by block"),
+    ({**QC, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "it quantises the KV cache"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+     "only compressed-tensors checkpoints are read"),
+])
+def test_other_schemes_are_refused_naming_why(checkpoints, tmp_path, qc, needle):
+    with pytest.raises(CheckpointError, match=f"cannot read \\([^)]*{needle}\\); blockpress reads float weights, and "
+                                              "pre-quantised ones only as compressed-tensors float-quantized") as e:
+        blockpress.load(_variant(checkpoints[1], tmp_path / "v", qc), progress=False)
+    assert "\n" not in str(e.value)
+
+
+def test_damaged_or_mismatched_fp8_checkpoints_are_one_line_errors(checkpoints, tmp_path):
+    fp8 = checkpoints[1]
+    key = "model.decoder.layers.1.experts.3.up_proj.weight"
+    cases = [
+        (lambda sd: sd.pop(key), rf"1 fp8 tensor\(s\) missing from the checkpoint \(first: {key}\)"),
+        (lambda sd: sd.pop(key + "_scale"), rf"missing from the checkpoint \(first: {key}_scale\)"),
+        (lambda sd: sd.update({key + "_scale": sd[key + "_scale"][:-1]}), rf"{key}_scale in model.safetensors has "
+                                                                          r"shape \[\d+\], expected"),
+        (lambda sd: sd.update({key: sd[key].to(torch.float8_e5m2)}), f"{key} is stored as F8_E5M2"),
+        (lambda sd: sd.update({"model.decoder.layers.0.router.proj.weight":
+                               sd["model.decoder.layers.0.router.proj.weight"].to(torch.float8_e4m3fn)}),
+         "router.proj.weight is an fp8 tensor blockpress does not map"),
+        (lambda sd: sd.update({key + "_scale": sd[key + "_scale"].to(torch.float8_e4m3fn)}),
+         f"{key}_scale is an fp8 tensor blockpress does not map"),
+        (lambda sd: sd.update({key + "_scale": sd[key + "_scale"].to(torch.int32)}),
+         f"{key}_scale in model.safetensors is stored as torch.int32, expected a float scale"),
+    ]
+    for i, (edit, needle) in enumerate(cases):
+        with pytest.raises(CheckpointError, match=needle) as e:
+            blockpress.load(_variant(fp8, tmp_path / f"d{i}", edit=edit), progress=False)
+        assert "\n" not in str(e.value)
+    nan = _variant(fp8, tmp_path / "nan", edit=lambda sd: sd[key + "_scale"].fill_(float("nan")))
+    with pytest.raises(CheckpointError, match=rf"hold NaN or Inf values \(first: {key}_scale\)"):
+        blockpress.load(nan, progress=False)
+    with pytest.raises(InputError, match="stores its expert weights in fp8, and precision='int4' needs float ones"):
+        blockpress.load(fp8, progress=False, precision="int4")
+    with pytest.raises(InputError, match="stores its projection weights in fp8, and linears='int8' needs float"):
+        blockpress.load(fp8, progress=False, linears="int8")
+
+
+def test_the_command_line_runs_an_fp8_checkpoint(checkpoints, capsys):
+    from blockpress.cli import main as cli
+
+    assert cli(["run", str(checkpoints[1]), "hi", "--no-live", "--max-new-tokens", "8"]) == 0
+    assert "fp8" in capsys.readouterr().err  # what ran: the stored precision

@@ -22,14 +22,15 @@ from blockpress.train import sizes
 
 pytestmark = pytest.mark.no_grad
 
-# the quantization_config of an llm-compressor FP8-dynamic checkpoint (the router stays float)
+# the quantization_config of an llm-compressor FP8-dynamic checkpoint (router, LM head, self-conditioning and vision
+# tower stay float)
 QC = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
     "format": "float-quantized", "targets": ["Linear"], "output_activations": None,
     "input_activations": {"dynamic": True, "num_bits": 8, "strategy": "token", "symmetric": True, "type": "float",
                           "group_size": None, "block_structure": None},
     "weights": {"dynamic": False, "num_bits": 8, "strategy": "channel", "symmetric": True, "type": "float",
                 "group_size": None, "block_structure": None, "observer": "memoryless_minmax"}}},
-    "ignore": ["model.encoder.language_model.layers.0.router.proj"], "kv_cache_scheme": None}
+    "ignore": ["lm_head", "re:.*router\\.proj$", "re:.*self_conditioning.*", "re:.*vision.*"], "kv_cache_scheme": None}
 
 
 def _fp8_exact(w: torch.Tensor) -> torch.Tensor:
@@ -140,6 +141,33 @@ def test_it_writes_the_tokens_of_the_float_checkpoint_quantised_at_load(checkpoi
     assert (logits(lm) - logits(plain)).abs().max() < 1e-4
 
 
+def test_save_writes_the_layout_load_reads(checkpoints, tmp_path):
+    """A model with fp8 experts and projections saves in the pre-quantised layout: the tensors this test's own writer
+    puts in the fp8 checkpoint (scales widened to fp32), and a load of it holds the same bytes and writes the same
+    tokens. Quantising the float checkpoint at load and saving that gives a file that loads as stored."""
+    flt, fp8 = checkpoints
+    lm = blockpress.load(flt, progress=False, precision="fp8", linears="fp8")
+    out = lm.save(tmp_path / "saved")
+    saved, written = load_file(out / "model.safetensors"), load_file(fp8 / "model.safetensors")
+    assert saved.keys() == written.keys()
+    for k, v in written.items():
+        assert saved[k].shape == v.shape and saved[k].dtype == (torch.float32 if k.endswith("_scale") else v.dtype), k
+        assert torch.equal(saved[k].view(torch.uint8), v.view(torch.uint8)) if v.dtype == torch.float8_e4m3fn \
+            else torch.equal(saved[k], v.to(saved[k].dtype)), k
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors" and cfg["dtype"] == "float32"
+    back = blockpress.load(out, progress=False)
+    sa, sb = back.module.state_dict(), lm.module.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8)) for k in sa)
+    assert torch.equal(_tokens(back), _tokens(lm))
+    experts_only = blockpress.load(flt, progress=False, precision="fp8").save(tmp_path / "experts")
+    again = blockpress.load(experts_only, progress=False)
+    assert (again.options.precision, again.options.linears) == ("fp8", "native")
+    assert not isinstance(again.module.layers[0].self_attn.q_proj, QuantizedLinear)
+    with pytest.raises(InputError, match="holds QuantizedExperts int4 weights"):
+        blockpress.load(flt, progress=False, precision="int4", group_size=16).save(tmp_path / "int4")
+
+
 def _variant(src, dst, qc=None, edit=None):
     shutil.copytree(src, dst)
     if qc is not None:
@@ -195,6 +223,10 @@ def test_damaged_or_mismatched_fp8_checkpoints_are_one_line_errors(checkpoints, 
         with pytest.raises(CheckpointError, match=needle) as e:
             blockpress.load(_variant(fp8, tmp_path / f"d{i}", edit=edit), progress=False)
         assert "\n" not in str(e.value)
+    deep = "model.decoder.layers.9.mlp.up_proj.weight"  # a layer config.json does not have
+    with pytest.raises(CheckpointError, match="fp8 weights of layer 9, but config.json describes 2 layers"):
+        blockpress.load(_variant(fp8, tmp_path / "deep", edit=lambda sd: sd.update(
+            {deep: sd["model.decoder.layers.1.mlp.up_proj.weight"].clone()})), progress=False)
     nan = _variant(fp8, tmp_path / "nan", edit=lambda sd: sd[key + "_scale"].fill_(float("nan")))
     with pytest.raises(CheckpointError, match=rf"hold NaN or Inf values \(first: {key}_scale\)"):
         blockpress.load(nan, progress=False)

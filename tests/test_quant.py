@@ -375,5 +375,5 @@ def test_int4_mlp_through_load_configure_and_the_byte_estimate(tmp_path):
     ids = torch.randint(5, 256, (1, 6), generator=torch.Generator().manual_seed(0))
     res = streamed.generate(ids, max_new_tokens=8, max_denoising_steps=3, generator=torch.Generator().manual_seed(1))
     assert res.sequences.shape == (1, 14)
-    with pytest.raises(blockpress.InputError, match="holds quantised weights"):
+    with pytest.raises(blockpress.InputError, match="holds QuantizedExperts int4 weights"):
         streamed.save(tmp_path / "copy")

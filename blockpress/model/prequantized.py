@@ -1,8 +1,9 @@
 """Pre-quantised FP8 checkpoints: 8-bit float weights with a scale per output channel, loaded as they are stored.
 
 The format is compressed-tensors' `float-quantized` with `strategy: channel` (llm-compressor's FP8 recipes; vLLM's
-FP8-dynamic checkpoints, e.g. RedHatAI's DiffusionGemma copy: 27 GB to download instead of 52). Its experts are
-split per expert, its projections hold an fp8 weight and a scale each:
+FP8-dynamic checkpoints, e.g. RedHatAI's DiffusionGemma copy: 27 GB to download instead of 52), and what `save`
+writes for a model with fp8 experts and projections. Its experts are split per expert, its projections hold an fp8
+weight and a scale each:
 
     model.decoder.layers.L.experts.E.gate_proj.weight   F8_E4M3 [Im, H] -> layers.L.experts.gate_up_q[E, :Im]
     model.decoder.layers.L.experts.E.up_proj.weight     F8_E4M3 [Im, H] -> layers.L.experts.gate_up_q[E, Im:]
@@ -100,7 +101,7 @@ class Layout:
         return lay
 
     def describe(self) -> str:
-        """What is fp8, in words: "the experts of 30 layers and 210 projections"."""
+        """What is fp8, in words: "the experts of 30 layer(s) and 200 projection(s)"."""
         parts = [f"the experts of {len(self.experts)} layer(s)"] if self.experts else []
         parts += [f"{len(self.linears)} projection(s)"] if self.linears else []
         return " and ".join(parts)
@@ -114,6 +115,10 @@ class Layout:
         from ..kernels.linear_q import QuantizedLinear
         from ..kernels.quant import QuantizedExperts
 
+        deepest = max([*self.experts, *(i for i, _, _ in self.linears)])
+        if deepest >= len(module.layers):
+            raise CheckpointError(f"the checkpoint holds fp8 weights of layer {deepest}, but config.json describes "
+                                  f"{len(module.layers)} layers; the config and weights do not belong together")
         for i in sorted(self.experts):
             old = module.layers[i].experts
             E, two_im, H = old.gate_up_proj.shape
@@ -147,6 +152,43 @@ class Layout:
 
     def missing(self, seen: set[str]) -> list[str]:
         return sorted(self.wanted - seen)
+
+
+EXPERT_BUFFER = re.compile(r"^layers\.(\d+)\.experts\.(gate_up|down)_(q|scale)$")
+LINEAR_BUFFER = re.compile(r"^layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight_(q|scale)$")
+
+
+def checkpoint_entries(name: str, t: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The checkpoint tensors of an fp8 module's buffer `name` (the module's naming) in the layout above: the inverse
+    of `Layout.target` (`save` writes what `load` reads). None for any other tensor."""
+    m = EXPERT_BUFFER.match(name)
+    if m:
+        i, which, what = m.groups()
+        suffix, half = ("weight" if what == "q" else "weight_scale"), t.shape[1] // 2
+        out = {}
+        for e in range(t.shape[0]):
+            parts = {"down": t[e]} if which == "down" else {"gate": t[e, :half], "up": t[e, half:]}
+            for proj, v in parts.items():
+                out[f"model.decoder.layers.{i}.experts.{e}.{proj}_proj.{suffix}"] = (
+                    v if what == "q" else v[:, None]).contiguous()
+        return out
+    n = LINEAR_BUFFER.match(name)
+    if n:
+        i, part, proj, what = n.groups()
+        return {f"model.decoder.layers.{i}.{part}.{proj}.weight" + ("" if what == "q" else "_scale"):
+                (t if what == "q" else t[:, None]).contiguous()}
+    return None
+
+
+def quantization_config() -> dict:
+    """The quantization_config `save` writes beside fp8 weights: compressed-tensors' fp8 by output channel, weight-only
+    (what blockpress computes by default), the float parts ignored."""
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False,
+               "group_size": None, "block_structure": None, "observer": "minmax"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": None,
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized", "weights": weights,
+                                          "input_activations": None, "output_activations": None}},
+            "ignore": ["lm_head", "re:.*router\\.proj$", "re:.*self_conditioning.*", "re:.*vision.*"]}
 
 
 def resolve_options(layout: Layout, opts) -> dict:

@@ -32,7 +32,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from ..errors import CheckpointError
-from .prequantized import PREQUANTIZED_FIX, loaded_tensor
+from .prequantized import PREQUANTIZED_FIX, checkpoint_entries, loaded_tensor
 
 ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
 DECODER_PREFIX = "model.decoder."
@@ -326,8 +326,12 @@ def state_dict_for_checkpoint(module: torch.nn.Module, tensors: dict | None = No
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         if name.split(".")[-1].startswith("inv_freq"):
             continue
-        t = tensors[name] if tensors is not None else t
-        out[module_to_checkpoint_name(name)] = t.detach().contiguous().cpu()
+        t = (tensors[name] if tensors is not None else t).detach()
+        fp8 = checkpoint_entries(name, t)
+        if fp8 is not None:  # an fp8 module's weight or scale: the pre-quantised layout (model/prequantized.py)
+            out.update({k: v.cpu() for k, v in fp8.items()})
+        else:
+            out[module_to_checkpoint_name(name)] = t.contiguous().cpu()
     return out
 
 
@@ -336,7 +340,7 @@ def stored_dtype(sd: dict[str, torch.Tensor]) -> str | None:
     None without float tensors."""
     counts: dict[torch.dtype, int] = {}
     for t in sd.values():
-        if t.is_floating_point():
+        if t.is_floating_point() and t.element_size() > 1:  # (fp8 weights are stored as such, not the model's dtype)
             counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
     return str(max(counts, key=counts.get)).removeprefix("torch.") if counts else None
 

@@ -310,8 +310,9 @@ class BlockDiffusionLM:
         """Write a checkpoint transformers can load: config.json (its `dtype` the tensors' own), generation_config.json,
         model.safetensors (checkpoint key names), and the tokenizer files and blockpress_task.json of the folder it
         was loaded from, if any. A model with fp8 experts or projections is written in the pre-quantised fp8 layout
-        that `load` reads back byte for byte (compressed-tensors, model/prequantized.py); int4 and int8 are refused. Atomic; an existing `path` is replaced only where it holds nothing but a
-        checkpoint's files (else CheckpointError, nothing written).
+        that `load` reads back byte for byte (compressed-tensors, model/prequantized.py); int4 and int8 are refused.
+        Atomic; an existing `path` is replaced only where it holds nothing but a checkpoint's files (else
+        CheckpointError, nothing written).
         tensors: the weights by module name when the module holds only a shard of them (a sharded training run)."""
         from safetensors.torch import save_file
 

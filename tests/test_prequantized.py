@@ -232,7 +232,8 @@ def test_damaged_or_mismatched_fp8_checkpoints_are_one_line_errors(checkpoints, 
         blockpress.load(nan, progress=False)
     for byte in (0x7F, 0xFF):  # e4m3fn's NaNs (it has no Inf), found from the bytes
         bad = _variant(fp8, tmp_path / f"nan{byte}", edit=lambda sd: sd[key].view(torch.uint8)[2, 3].fill_(byte))
-        with pytest.raises(CheckpointError, match=rf"1 tensor\(s\) hold NaN or Inf values \(first: {key}\)"):
+        with pytest.raises(CheckpointError, match=rf"1 tensor\(s\) hold NaN or Inf values \(first: {key}\); the "
+                                                  "checkpoint is damaged"):
             blockpress.load(bad, progress=False)
     with pytest.raises(InputError, match="stores its expert weights in fp8, and precision='int4' needs float ones"):
         blockpress.load(fp8, progress=False, precision="int4")

@@ -232,7 +232,7 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
                                               "re-download it")
                     t = h.get_tensor(key).to(device=device, dtype=dtype)
                     if t.is_floating_point():
-                        sums.append((key, t.sum(dtype=torch.float32)))
+                        sums.append((key, finite_probe(t)))
                     _assign(module, name, t)
                     loaded.add(name)
                     del t
@@ -299,7 +299,7 @@ def _check_finite(sums: list[tuple[str, torch.Tensor]], files: list[Path], dtype
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as h:
             if bad[0] in h.keys():
-                stored_finite = bool(torch.isfinite(h.get_tensor(bad[0]).sum(dtype=torch.float32)))
+                stored_finite = bool(torch.isfinite(finite_probe(h.get_tensor(bad[0]))))
     what = f"{len(bad)} tensor(s) hold NaN or Inf values (first: {bad[0]})"
     if stored_finite:
         raise CheckpointError(f"{what} once cast to {str(dtype).removeprefix('torch.')}: the values overflow it; "

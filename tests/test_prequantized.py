@@ -267,3 +267,24 @@ def test_the_command_line_runs_an_fp8_checkpoint(checkpoints, capsys):
 
     assert cli(["run", str(checkpoints[1]), "hi", "--no-live", "--max-new-tokens", "8"]) == 0
     assert "fp8" in capsys.readouterr().err  # what ran: the stored precision
+
+
+def test_training_an_fp8_checkpoint_takes_adapters_not_full_fine_tuning(tmp_path, capsys):
+    """Full fine-tuning would update only the float weights around the frozen fp8 ones: refused; LoRA over them runs."""
+    from blockpress.cli import main as cli
+    from blockpress.tasks import sudoku as sd
+
+    base = tmp_path / "base"
+    blockpress.from_config(sizes.model_config("nano", vocab_size=len(sd.VOCAB), canvas_length=sd.CANVAS_LEN,
+                                              context=sd.PROMPT_LEN), seed=0).save(base)
+    sd.build_tokenizer().save(str(base / "tokenizer.json"))
+    (base / "blockpress_task.json").write_text('{"task": "sudoku"}')
+    assert cli(["convert", str(base), str(tmp_path / "fp8"), "--precision", "fp8", "--linears", "fp8"]) == 0
+    run = ["train", "sudoku", "--model", str(tmp_path / "fp8"), "--batch-size", "4", "--steps", "2", "--warmup", "1",
+           "--save-every", "0", "--no-progress"]
+    capsys.readouterr()
+    assert cli([*run, "--out", str(tmp_path / "full")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "stores fp8 weights (a pre-quantised checkpoint), which full fine-tuning cannot update" in err
+    assert cli([*run, "--lora", "4", "--out", str(tmp_path / "lora")]) == 0
+    assert (tmp_path / "lora" / "checkpoint-0000002" / "adapter_config.json").is_file()

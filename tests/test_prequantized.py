@@ -256,6 +256,11 @@ def test_convert_writes_an_fp8_checkpoint_and_other_dtypes(checkpoints, tmp_path
     assert load_file(tmp_path / "bf16" / "model.safetensors")["model.decoder.embed_tokens.weight"].dtype == \
         torch.bfloat16
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    bare = _variant(flt, tmp_path / "bare")  # a config.json that names no dtype: the stored one is kept
+    cfg = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}))
+    assert cli(["convert", str(bare), str(tmp_path / "same")]) == 0
+    assert load_file(tmp_path / "same" / "model.safetensors")["model.decoder.embed_tokens.weight"].dtype == torch.float32
     with pytest.raises(SystemExit) as e:  # argparse: not a choice (int4 has no checkpoint format)
         cli(["convert", str(flt), str(tmp_path / "no"), "--precision", "int4"])
     assert e.value.code == 2

@@ -26,6 +26,17 @@ def add_parser(p) -> None:
                    help="where to quantise (default: $BLOCKPRESS_DEVICE, else a CUDA GPU when there is one, else cpu)")
 
 
+def _stored_dtype(folder) -> str:
+    """The float type most of a checkpoint's tensors are stored in (its config.json names none), from the headers."""
+    from collections import Counter
+
+    from ..model.weights import find_weight_files, read_dtypes
+
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    stored = Counter(names[d] for d in read_dtypes(find_weight_files(folder)).values() if d in names)
+    return stored.most_common(1)[0][0] if stored else "bfloat16"
+
+
 def main(args) -> int:
     import blockpress
 
@@ -35,10 +46,11 @@ def main(args) -> int:
     t0 = time.perf_counter()
     folder = resolve_path(args.model, progress=True)
     raw = ModelConfig.from_file(folder / "config.json").raw
-    dtype = args.dtype or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    dtype = args.dtype or raw.get("dtype") or raw.get("torch_dtype") or _stored_dtype(folder)
     lm = blockpress.load(folder, device=args.device, dtype=dtype, precision=args.precision, linears=args.linears)
     out = lm.save(args.out)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    print(f"wrote {out} ({size / 1e9:.2f} GB: {dtype}, experts {lm.options.precision}, projections "
+    amount = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+    print(f"wrote {out} ({amount}: {dtype}, experts {lm.options.precision}, projections "
           f"{lm.options.linears}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0

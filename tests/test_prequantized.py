@@ -168,6 +168,23 @@ def test_save_writes_the_layout_load_reads(checkpoints, tmp_path):
         blockpress.load(flt, progress=False, precision="int4", group_size=16).save(tmp_path / "int4")
 
 
+def test_a_sharded_fp8_checkpoint_loads(checkpoints, tmp_path):
+    """Sharded (an index and two files), each fp8 weight in one file and its scale in the other."""
+    fp8 = checkpoints[1]
+    sharded = _variant(fp8, tmp_path / "sharded")
+    sd = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    keys = sorted(sd)
+    parts = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, ks in parts.items():
+        save_file({k: sd[k] for k in ks}, sharded / name, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: name for name, ks in parts.items() for k in ks}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    a, b = blockpress.load(sharded, progress=False), blockpress.load(fp8, progress=False)
+    sa, sb = a.module.state_dict(), b.module.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8)) for k in sa)
+
+
 def _variant(src, dst, qc=None, edit=None):
     shutil.copytree(src, dst)
     if qc is not None:

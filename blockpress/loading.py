@@ -20,7 +20,7 @@ from .lm import BlockDiffusionLM
 from .model.diffusion_gemma import DiffusionGemmaModel
 from .options import Options
 from .model.prequantized import PREQUANTIZED_FIX, Layout, fp8_channel_scheme, resolve_options
-from .model.weights import find_weight_files, load_weights, read_dtypes
+from .model.weights import find_weight_files, load_weights, read_headers
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -280,7 +280,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     files = find_weight_files(folder)
     layout = None
     if prequantized:
-        layout = Layout.from_headers(read_dtypes(files))
+        layout = Layout.from_headers({key: d for key, (d, _) in read_headers(files).items()})
         opts = opts.replace(**resolve_options(layout, opts))
     check_int4_sizes(config.text, opts.precision, opts.linears)
     gen_path = folder / "generation_config.json"
@@ -346,7 +346,7 @@ def _prequantized(folder: Path, raw: dict) -> bool:
         where = "the folder holds hf_quant_config.json"
     if not qc:
         return False
-    why = fp8_channel_scheme(qc) if where.startswith("config.json") else "ModelOpt's format is not read"
+    why = fp8_channel_scheme(qc)
     if why:
         raise CheckpointError(f"{folder} is a pre-quantised checkpoint ({where}, quant_method "
                               f"{_quant_method(qc)}) that blockpress cannot read ({why}); {PREQUANTIZED_FIX}")

@@ -26,27 +26,18 @@ def add_parser(p) -> None:
                    help="where to quantise (default: $BLOCKPRESS_DEVICE, else a CUDA GPU when there is one, else cpu)")
 
 
-def _stored_dtype(folder) -> str:
-    """The float type most of a checkpoint's tensors are stored in (its config.json names none), from the headers."""
-    from collections import Counter
-
-    from ..model.weights import find_weight_files, read_dtypes
-
-    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    stored = Counter(names[d] for d in read_dtypes(find_weight_files(folder)).values() if d in names)
-    return stored.most_common(1)[0][0] if stored else "bfloat16"
-
-
 def main(args) -> int:
     import blockpress
 
     from ..config import ModelConfig
     from ..loading import resolve_path
+    from ..model.weights import find_weight_files, headers_dtype, read_headers
 
     t0 = time.perf_counter()
     folder = resolve_path(args.model, progress=True)
     raw = ModelConfig.from_file(folder / "config.json").raw
-    dtype = args.dtype or raw.get("dtype") or raw.get("torch_dtype") or _stored_dtype(folder)
+    dtype = args.dtype or raw.get("dtype") or raw.get("torch_dtype") or \
+        headers_dtype(read_headers(find_weight_files(folder))) or "bfloat16"
     lm = blockpress.load(folder, device=args.device, dtype=dtype, precision=args.precision, linears=args.linears)
     out = lm.save(args.out)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())

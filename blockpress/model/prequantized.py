@@ -41,6 +41,23 @@ SUPPORTED = ("compressed-tensors float-quantized: 8-bit float weights with a sca
 FIX = ("load the model's bf16 checkpoint instead and quantise it at load with precision='fp8' or 'int4' "
        "(--precision)")
 PREQUANTIZED_FIX = f"blockpress reads float weights, and pre-quantised ones only as {SUPPORTED}; {FIX}"
+SUFFIX = {"q": "weight", "scale": "weight_scale"}  # a fp8 module's buffer (gate_up_q, weight_scale, ...) -> key suffix
+
+
+def expert_key(i: int, e: int, proj: str, what: str) -> str:
+    """The checkpoint key of expert e's `proj` ("gate" / "up" / "down") weight ("q") or scale ("scale"), layer i."""
+    return f"model.decoder.layers.{i}.experts.{e}.{proj}_proj.{SUFFIX[what]}"
+
+
+def linear_key(i: int, part: str, name: str, what: str) -> str:
+    """The checkpoint key of projection `part.name` ("self_attn.q_proj", ...)'s weight ("q") or scale ("scale")."""
+    return f"model.decoder.layers.{i}.{part}.{name}.{SUFFIX[what]}"
+
+
+def expert_rows(proj: str, im: int) -> tuple[str, slice]:
+    """(buffer, rows) an expert's `proj` occupies: gate and up stacked in gate_up (gate first), down alone."""
+    return {"gate": ("gate_up", slice(0, im)), "up": ("gate_up", slice(im, 2 * im)),
+            "down": ("down", slice(None))}[proj]
 
 
 def fp8_channel_scheme(qc) -> str | None:
@@ -123,8 +140,7 @@ class Layout:
             old = module.layers[i].experts
             E, two_im, H = old.gate_up_proj.shape
             module.layers[i].experts = QuantizedExperts(E, H, two_im // 2, "fp8", dtype=dtype, device="meta")
-            self.wanted |= {f"model.decoder.layers.{i}.experts.{e}.{p}_proj.{s}" for e in range(E)
-                            for p in ("gate", "up", "down") for s in ("weight", "weight_scale")}
+            self.wanted |= {expert_key(i, e, p, w) for e in range(E) for p in ("gate", "up", "down") for w in SUFFIX}
         for i, part, name in sorted(self.linears):
             parent = getattr(module.layers[i], part)
             lin = getattr(parent, name, None)
@@ -133,22 +149,20 @@ class Layout:
                                       "in the model config.json describes; the config and weights do not belong "
                                       "together")
             setattr(parent, name, QuantizedLinear(lin.in_features, lin.out_features, "fp8", device="meta"))
-            self.wanted |= {f"model.decoder.layers.{i}.{part}.{name}.{s}" for s in ("weight", "weight_scale")}
+            self.wanted |= {linear_key(i, part, name, w) for w in SUFFIX}
 
     def target(self, key: str, module: nn.Module):
         """(buffer name, index) a checkpoint key of the fp8 modules fills, or None for any other key."""
         if key not in self.wanted:
             return None
+        what = "q" if key.endswith(".weight") else "scale"
         m = EXPERT_KEY.match(key)
         if m:
-            i, e, proj, what = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
-            im = module.layers[i].experts.inter
-            rows = {"gate": slice(0, im), "up": slice(im, 2 * im), "down": slice(None)}[proj]
-            which = "down" if proj == "down" else "gate_up"
-            return f"layers.{i}.experts.{which}_{'q' if what == 'weight' else 'scale'}", (e, rows)
+            i, e = int(m.group(1)), int(m.group(2))
+            which, rows = expert_rows(m.group(3), module.layers[i].experts.inter)
+            return f"layers.{i}.experts.{which}_{what}", (e, rows)
         n = LINEAR_KEY.match(key)
-        what = "weight_q" if n.group(4) == "weight" else "weight_scale"
-        return f"layers.{n.group(1)}.{n.group(2)}.{n.group(3)}.{what}", ()
+        return f"layers.{n.group(1)}.{n.group(2)}.{n.group(3)}.weight_{what}", ()
 
     def missing(self, seen: set[str]) -> list[str]:
         return sorted(self.wanted - seen)
@@ -163,20 +177,15 @@ def checkpoint_entries(name: str, t: torch.Tensor) -> dict[str, torch.Tensor] | 
     of `Layout.target` (`save` writes what `load` reads). None for any other tensor."""
     m = EXPERT_BUFFER.match(name)
     if m:
-        i, which, what = m.groups()
-        suffix, half = ("weight" if what == "q" else "weight_scale"), t.shape[1] // 2
-        out = {}
-        for e in range(t.shape[0]):
-            parts = {"down": t[e]} if which == "down" else {"gate": t[e, :half], "up": t[e, half:]}
-            for proj, v in parts.items():
-                out[f"model.decoder.layers.{i}.experts.{e}.{proj}_proj.{suffix}"] = (
-                    v if what == "q" else v[:, None]).contiguous()
-        return out
+        i, which, what = int(m.group(1)), m.group(2), m.group(3)
+        projs = ("down",) if which == "down" else ("gate", "up")
+        rows = {p: expert_rows(p, t.shape[1] // 2)[1] for p in projs}
+        return {expert_key(i, e, p, what): (t[e, rows[p]] if what == "q" else t[e, rows[p]][:, None]).contiguous()
+                for e in range(t.shape[0]) for p in projs}
     n = LINEAR_BUFFER.match(name)
     if n:
-        i, part, proj, what = n.groups()
-        return {f"model.decoder.layers.{i}.{part}.{proj}.weight" + ("" if what == "q" else "_scale"):
-                (t if what == "q" else t[:, None]).contiguous()}
+        i, part, proj, what = int(n.group(1)), n.group(2), n.group(3), n.group(4)
+        return {linear_key(i, part, proj, what): (t if what == "q" else t[:, None]).contiguous()}
     return None
 
 

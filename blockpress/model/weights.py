@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import sys
@@ -38,7 +39,8 @@ ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.la
 DECODER_PREFIX = "model.decoder."
 IGNORED_TIED = ("lm_head.weight", "model.encoder.language_model.")
 VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "model.vision", "model.encoder.multi_modal")
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names of the float types a float checkpoint holds
+SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+FLOAT_DTYPES = set(SAFETENSORS_FLOATS)  # safetensors' names of the float types a float checkpoint holds
 # what only a pre-quantised checkpoint holds: 8-, 6- or 4-bit float weights (safetensors' F8_E4M3, F8_E5M2, F4, ...)
 # and, beside its weights, the scales, zero points and packed values of its quantiser (FP8: weight_scale(_inv),
 # input_scale; NVFP4 / compressed-tensors: weight_packed, weight_global_scale, weight_scale_2; GPTQ / AWQ: qweight,
@@ -150,15 +152,16 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, file=sys.stderr, leave=False)
 
 
-def read_dtypes(files: list[Path]) -> dict[str, str]:
-    """Every tensor's stored dtype (safetensors' name: "BF16", "F8_E4M3", ...) from the headers of `files`."""
+def read_headers(files: list[Path]) -> dict[str, tuple[str, list[int]]]:
+    """Every tensor's stored dtype (safetensors' name: "BF16", "F8_E4M3", ...) and shape, from the headers of
+    `files` (no tensor is read)."""
     from safetensors import SafetensorError, safe_open
 
     out = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as h:
-                out.update({key: h.get_slice(key).get_dtype() for key in h.keys()})
+                out.update({key: (h.get_slice(key).get_dtype(), h.get_slice(key).get_shape()) for key in h.keys()})
         except (SafetensorError, OSError, ValueError) as e:
             raise _open_error(f, e) from None
     return out
@@ -338,10 +341,22 @@ def state_dict_for_checkpoint(module: torch.nn.Module, tensors: dict | None = No
 def stored_dtype(sd: dict[str, torch.Tensor]) -> str | None:
     """The float type most of a state dict's values are stored in, as config.json's `dtype` names it ("bfloat16");
     None without float tensors."""
+    return _most_elements((t.dtype, t.numel()) for t in sd.values())
+
+
+def headers_dtype(headers: dict[str, tuple[str, list[int]]]) -> str | None:
+    """`stored_dtype` of a checkpoint from its headers (`read_headers`), before any tensor is read."""
+    return _most_elements((SAFETENSORS_FLOATS[d], math.prod(shape)) for d, shape in headers.values()
+                          if d in SAFETENSORS_FLOATS)
+
+
+def _most_elements(pairs) -> str | None:
+    """The float dtype with the most elements among (dtype, elements) pairs; fp8 weights do not count (they are stored
+    as such, not in the model's dtype)."""
     counts: dict[torch.dtype, int] = {}
-    for t in sd.values():
-        if t.is_floating_point() and t.element_size() > 1:  # (fp8 weights are stored as such, not the model's dtype)
-            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    for dtype, n in pairs:
+        if dtype.is_floating_point and dtype.itemsize > 1:
+            counts[dtype] = counts.get(dtype, 0) + n
     return str(max(counts, key=counts.get)).removeprefix("torch.") if counts else None
 
 

@@ -309,29 +309,22 @@ class BlockDiffusionLM:
     def save(self, path: str | Path, tensors: dict | None = None) -> Path:
         """Write a checkpoint transformers can load: config.json (its `dtype` the tensors' own), generation_config.json,
         model.safetensors (checkpoint key names), and the tokenizer files and blockpress_task.json of the folder it
-        was loaded from, if any. A model with fp8 experts or projections is written in the pre-quantised fp8 layout
-        that `load` reads back byte for byte (compressed-tensors, model/prequantized.py); int4 and int8 are refused.
-        Atomic; an existing `path` is replaced only where it holds nothing but a checkpoint's files (else
-        CheckpointError, nothing written).
+        was loaded from, if any. A model with quantised experts or projections (fp8, int4, int8) is written in the
+        pre-quantised layout that `load` reads back byte for byte (compressed-tensors' fp8 by output channel and packed
+        int, model/prequantized.py). Atomic; an existing `path` is replaced only where it holds nothing but a
+        checkpoint's files (else CheckpointError, nothing written).
         tensors: the weights by module name when the module holds only a shard of them (a sharded training run)."""
         from safetensors.torch import save_file
 
+        from .model.prequantized import quantization_config
         from .model.weights import state_dict_for_checkpoint, stored_dtype, write_atomic
 
         path = Path(path)
-        quantized = {(type(m).__name__, m.fmt) for m in self.module.modules()
-                     if type(m).__name__ in ("QuantizedExperts", "QuantizedLinear")}
-        other = sorted(f"{kind} {fmt}" for kind, fmt in quantized if fmt != "fp8")
-        if other:
-            raise InputError(f"this model holds {', '.join(other)} weights (--precision / --linears at load), which "
-                             "no checkpoint format blockpress reads holds; save writes float weights or fp8 ones: load "
-                             "the model in its native precision, or with fp8, to save it")
         sd = state_dict_for_checkpoint(self.module, tensors)
         config = self.config.to_dict()
-        if quantized:  # fp8 experts / projections: the pre-quantised layout load reads back (model/prequantized.py)
-            from .model.prequantized import quantization_config
-
-            config["quantization_config"] = quantization_config()
+        qc = quantization_config(self.module)
+        if qc is not None:  # quantised experts / projections: the pre-quantised layout load reads back
+            config["quantization_config"] = qc
         dtype = stored_dtype(sd)
         if dtype is not None:  # the tensors written, not the dtype of the checkpoint loaded (load(dtype=...) casts)
             config["dtype"] = dtype

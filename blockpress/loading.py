@@ -19,7 +19,7 @@ from .errors import CheckpointError, ConfigError, InputError, SamplingError
 from .lm import BlockDiffusionLM
 from .model.diffusion_gemma import DiffusionGemmaModel
 from .options import Options
-from .model.prequantized import PREQUANTIZED_FIX, Layout, fp8_channel_scheme, resolve_options
+from .model.prequantized import PREQUANTIZED_FIX, Layout, resolve_options, scheme_problem
 from .model.weights import find_weight_files, load_weights, read_headers
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
@@ -278,36 +278,36 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     config = ModelConfig.from_file(folder / "config.json")
     prequantized = _prequantized(folder, config.raw)
     files = find_weight_files(folder)
-    layout = None
+    with torch.device("meta"):
+        module = DiffusionGemmaModel(config)
+    layout = Layout()
     if prequantized:
-        layout = Layout.from_headers({key: d for key, (d, _) in read_headers(files).items()})
+        layout = Layout.read(read_headers(files), module)
         opts = opts.replace(**resolve_options(layout, opts))
     check_int4_sizes(config.text, opts.precision, opts.linears)
     gen_path = folder / "generation_config.json"
     gen_defaults = _checkpoint_generation_defaults(gen_path, config.text.vocab_size) if gen_path.is_file() else {}
     dev = parse_device(device)
     dt = parse_dtype(dtype, config, dev)
-    with torch.device("meta"):
-        module = DiffusionGemmaModel(config)
     check_memory(module, dev, dt, opts.precision, opts.group_size, opts.linears)
     if layout:
         layout.prepare(module, dt)
-        print(f"blockpress: a pre-quantised checkpoint: {layout.describe()} load as stored, in fp8", file=sys.stderr)
+        print(f"blockpress: a pre-quantised checkpoint: {layout.describe()}, loaded as stored", file=sys.stderr)
     hooks = []
-    if opts.precision != "native" and not (layout and layout.experts):
+    if opts.precision != "native" and not layout.experts:
         from .kernels.quant import streaming_quantizer
 
         hooks.append(streaming_quantizer(module, opts.precision, opts.group_size))
-    if opts.linears == "int4-mlp":
+    if opts.linears == "int4-mlp" and not layout.mlps:
         from .kernels.quant import mlp_streaming_quantizer
 
         hooks.append(mlp_streaming_quantizer(module, opts.group_size))
-    elif opts.linears != "native" and not (layout and layout.linears):
+    elif opts.linears not in ("native", "int4-mlp") and not layout.linears:
         from .kernels.linear_q import linear_streaming_quantizer
 
         hooks.append(linear_streaming_quantizer(module, opts.linears))
     on_loaded = None if not hooks else lambda name: [h(name) for h in hooks]
-    load_weights(module, files, dev, dt, progress=progress, on_loaded=on_loaded, layout=layout)
+    load_weights(module, files, dev, dt, progress=progress, on_loaded=on_loaded, layout=layout or None)
     module.materialize_buffers(dev)
     module.eval()
     tok = None
@@ -330,8 +330,8 @@ def _quant_method(qc) -> str:
 
 
 def _prequantized(folder: Path, raw: dict) -> bool:
-    """Whether config.json (or its text_config) has a quantization_config of the one pre-quantised scheme blockpress
-    reads (FP8 by output channel, model/prequantized.py). CheckpointError before any weight is read for another
+    """Whether config.json (or its text_config) has a quantization_config of a pre-quantised scheme blockpress reads
+    (compressed-tensors fp8 by output channel, packed int4 / int8: model/prequantized.py). CheckpointError before any weight is read for another
     scheme, or when the folder holds ModelOpt's hf_quant_config.json (the tensors' own check is in
     model/weights.py `load_weights`)."""
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
@@ -346,7 +346,7 @@ def _prequantized(folder: Path, raw: dict) -> bool:
         where = "the folder holds hf_quant_config.json"
     if not qc:
         return False
-    why = fp8_channel_scheme(qc)
+    why = scheme_problem(qc)
     if why:
         raise CheckpointError(f"{folder} is a pre-quantised checkpoint ({where}, quant_method "
                               f"{_quant_method(qc)}) that blockpress cannot read ({why}); {PREQUANTIZED_FIX}")

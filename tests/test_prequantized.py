@@ -164,8 +164,6 @@ def test_save_writes_the_layout_load_reads(checkpoints, tmp_path):
     again = blockpress.load(experts_only, progress=False)
     assert (again.options.precision, again.options.linears) == ("fp8", "native")
     assert not isinstance(again.module.layers[0].self_attn.q_proj, QuantizedLinear)
-    with pytest.raises(InputError, match="holds QuantizedExperts int4 weights"):
-        blockpress.load(flt, progress=False, precision="int4", group_size=16).save(tmp_path / "int4")
 
 
 def test_a_sharded_fp8_checkpoint_loads(checkpoints, tmp_path):
@@ -206,7 +204,8 @@ def _scheme(**weights):
 @pytest.mark.parametrize("qc, needle", [
     (_scheme(strategy="tensor"), "stores 8-bit float weights by tensor"),
     (_scheme(num_bits=4, strategy="tensor_group", group_size=16), "stores 4-bit float weights by tensor_group"),
-    (_scheme(type="int", num_bits=4, strategy="group", group_size=128), "stores 4-bit int weights by group"),
+    (_scheme(type="int", num_bits=2, strategy="group", group_size=128), "stores 2-bit int weights by group"),
+    (_scheme(type="int", num_bits=4, strategy="group", group_size=128), "quantises activations other than to fp8 per token at run time"),
     (_scheme(strategy="block", block_structure=[128, 128]), "stores 8-bit float weights by block"),
     ({**QC, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "it quantises the KV cache"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
@@ -223,7 +222,7 @@ def test_damaged_or_mismatched_fp8_checkpoints_are_one_line_errors(checkpoints, 
     fp8 = checkpoints[1]
     key = "model.decoder.layers.1.experts.3.up_proj.weight"
     cases = [
-        (lambda sd: sd.pop(key), rf"1 fp8 tensor\(s\) missing from the checkpoint \(first: {key}\)"),
+        (lambda sd: sd.pop(key), rf"1 quantised tensor\(s\) missing from the checkpoint \(first: {key}\)"),
         (lambda sd: sd.pop(key + "_scale"), rf"missing from the checkpoint \(first: {key}_scale\)"),
         (lambda sd: sd.update({key + "_scale": sd[key + "_scale"][:-1]}), rf"{key}_scale in model.safetensors has "
                                                                           r"shape \[\d+\], expected"),
@@ -241,7 +240,7 @@ def test_damaged_or_mismatched_fp8_checkpoints_are_one_line_errors(checkpoints, 
             blockpress.load(_variant(fp8, tmp_path / f"d{i}", edit=edit), progress=False)
         assert "\n" not in str(e.value)
     deep = "model.decoder.layers.9.mlp.up_proj.weight"  # a layer config.json does not have
-    with pytest.raises(CheckpointError, match="fp8 weights of layer 9, but config.json describes 2 layers"):
+    with pytest.raises(CheckpointError, match="quantised weights of layer 9, but config.json describes 2 layers"):
         blockpress.load(_variant(fp8, tmp_path / "deep", edit=lambda sd: sd.update(
             {deep: sd["model.decoder.layers.1.mlp.up_proj.weight"].clone()})), progress=False)
     nan = _variant(fp8, tmp_path / "nan", edit=lambda sd: sd[key + "_scale"].fill_(float("nan")))
@@ -278,8 +277,16 @@ def test_convert_writes_an_fp8_checkpoint_and_other_dtypes(checkpoints, tmp_path
     (bare / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}))
     assert cli(["convert", str(bare), str(tmp_path / "same")]) == 0
     assert load_file(tmp_path / "same" / "model.safetensors")["model.decoder.embed_tokens.weight"].dtype == torch.float32
-    with pytest.raises(SystemExit) as e:  # argparse: not a choice (int4 has no checkpoint format)
-        cli(["convert", str(flt), str(tmp_path / "no"), "--precision", "int4"])
+    assert cli(["convert", str(flt), str(tmp_path / "int4"), "--precision", "int4", "--group-size", "32",
+                "--linears", "int8"]) == 0
+    got, want = blockpress.load(tmp_path / "int4", progress=False), blockpress.load(flt, progress=False,
+                                                                                  precision="int4", group_size=32,
+                                                                                  linears="int8")
+    assert (got.options.precision, got.options.group_size, got.options.linears) == ("int4", 32, "int8")
+    sa, sb = got.module.state_dict(), want.module.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    with pytest.raises(SystemExit) as e:  # argparse: not a choice
+        cli(["convert", str(flt), str(tmp_path / "no"), "--precision", "int8"])
     assert e.value.code == 2
     assert not (tmp_path / "no").exists()
 
@@ -310,3 +317,239 @@ def test_training_an_fp8_checkpoint_takes_adapters_not_full_fine_tuning(tmp_path
     assert "stores fp8 weights (a pre-quantised checkpoint), which full fine-tuning cannot update" in err
     assert cli([*run, "--lora", "4", "--out", str(tmp_path / "lora")]) == 0
     assert (tmp_path / "lora" / "checkpoint-0000002" / "adapter_config.json").is_file()
+
+
+# ------------------------------------------------------------------------------------ packed int4 / int8
+
+def _words(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """compressed-tensors' packing, written out: signed b-bit values [O, I] -> int32 words [O, I*b/32], value k of a
+    word (+ 2^(b-1)) at bits k*b and up."""
+    per = 32 // bits
+    u = (values.to(torch.int64) + (1 << (bits - 1))).reshape(values.shape[0], -1, per)
+    words = (u << (torch.arange(per) * bits)).sum(-1)
+    return (((words + 2 ** 31) % 2 ** 32) - 2 ** 31).to(torch.int32)
+
+
+def _int4_values(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(signed values [O, I], scales [O, I/group]) of blockpress's own int4 quantisation of w, in fp32."""
+    from blockpress.kernels.quant import quantize_int4, unpack_int4
+
+    packed, scale = quantize_int4(w[None], group, torch.float32)
+    return unpack_int4(packed[0]), scale[0]
+
+
+def _int_checkpoint(flt, dst, expert_groups=(32, 32), linears="int8", attention=True, qc=None):
+    """The float checkpoint `flt` written as an llm-compressor W4A16 / W8A16 one by this test's own writer: experts in
+    int4 (gate / up by groups of expert_groups[0], down of [1]), the attention and MLP projections in int8 by channel
+    (linears "int8") or the dense MLP in int4 by groups of 32 ("int4-mlp")."""
+    from blockpress.kernels.linear_q import quantize_int8_rows
+
+    shutil.copytree(flt, dst)
+    sd = load_file(dst / "model.safetensors")
+    n_layers = 1 + max(int(k.split(".")[3]) for k in sd if k.startswith("model.decoder.layers."))
+
+    def put(prefix, w, bits, group):
+        if bits == 4:
+            v, s = _int4_values(w, group)
+        else:
+            v, s = quantize_int8_rows(w)
+            s = s[:, None]
+        sd[f"{prefix}.weight_packed"] = _words(v, bits)
+        sd[f"{prefix}.weight_scale"] = s.contiguous()
+        sd[f"{prefix}.weight_shape"] = torch.tensor(list(w.shape))
+
+    for i in range(n_layers):
+        pre = f"model.decoder.layers.{i}"
+        gu, dn = sd.pop(f"{pre}.experts.gate_up_proj"), sd.pop(f"{pre}.experts.down_proj")
+        im = dn.shape[-1]
+        for e in range(gu.shape[0]):
+            put(f"{pre}.experts.{e}.gate_proj", gu[e, :im], 4, expert_groups[0])
+            put(f"{pre}.experts.{e}.up_proj", gu[e, im:], 4, expert_groups[0])
+            put(f"{pre}.experts.{e}.down_proj", dn[e], 4, expert_groups[1])
+        for part, names in QUANTIZED_LINEARS.items():
+            if part == "self_attn" and not attention:
+                continue
+            for name in names:
+                key = f"{pre}.{part}.{name}.weight"
+                if key in sd and (linears == "int8" or (linears == "int4-mlp" and part == "mlp")):
+                    put(key.removesuffix(".weight"), sd.pop(key), 8 if linears == "int8" else 4, 32)
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    w4 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True, "dynamic": False}
+    w8 = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False}
+    qc = qc or {"quant_method": "compressed-tensors", "format": "pack-quantized", "kv_cache_scheme": None,
+                "ignore": ["lm_head"], "config_groups": {
+                    "group_0": {"targets": ["re:.*experts.*"], "weights": w4, "input_activations": None},
+                    "group_1": {"targets": ["Linear"], "weights": w8 if linears == "int8" else w4,
+                                "input_activations": None}}}
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    return dst
+
+
+def _same_state(a, b) -> bool:
+    sa, sb = a.module.state_dict(), b.module.state_dict()
+    return sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k].view(torch.uint8),
+                                                                                     sb[k].view(torch.uint8))
+                                          for k in sa)
+
+
+def test_an_int4_checkpoint_loads_the_modules_blockpress_quantises_at_load(checkpoints, tmp_path):
+    """int4 experts by groups of 32 and int8 projections by channel, written by the test's own packer: the same bytes
+    and scales as blockpress's own quantisation of the float checkpoint at load, and the same tokens."""
+    flt = checkpoints[0]
+    lm = blockpress.load(_int_checkpoint(flt, tmp_path / "w4a16"), progress=False)
+    assert (lm.options.precision, lm.options.group_size, lm.options.linears) == ("int4", 32, "int8")
+    ex = lm.module.layers[1].experts
+    assert isinstance(ex, QuantizedExperts) and ex.fmt == "int4" and ex.groups == (32, 32)
+    assert lm.module.layers[0].self_attn.q_proj.fmt == "int8"
+    ours = blockpress.load(flt, progress=False, precision="int4", group_size=32, linears="int8")
+    assert _same_state(lm, ours)
+    assert torch.equal(_tokens(lm), _tokens(ours))
+
+
+@pytest.mark.parametrize("groups", [(64, 32), (32, 16)])
+def test_coarser_stored_groups_load_exactly_into_finer_ones(checkpoints, tmp_path, groups):
+    """gate / up by channel (64: one scale for the 64 columns) or groups of 32, down by finer groups: the modules take
+    down's group and repeat each coarser scale over the groups it spans; the dequantised weights are the stored
+    values times their scales."""
+    from blockpress.kernels.quant import dequantize_int4
+
+    flt = checkpoints[0]
+    w4c = {"num_bits": 4, "type": "int", "strategy": "channel", "symmetric": True}
+    w4g = {"num_bits": 4, "type": "int", "strategy": "group", "symmetric": True}
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "g0": {"targets": ["re:.*experts.*(gate|up)_proj$"], "weights": w4c if groups[0] == 64 else
+               {**w4g, "group_size": groups[0]}},
+        "g1": {"targets": ["re:.*experts.*down_proj$"], "weights": {**w4g, "group_size": groups[1]}}}}
+    d = _int_checkpoint(flt, tmp_path / "coarse", expert_groups=groups, linears="native", qc=qc)
+    lm = blockpress.load(d, progress=False)
+    assert (lm.options.precision, lm.options.group_size, lm.options.linears) == ("int4", groups[1], "native")
+    stored = load_file(d / "model.safetensors")
+    ex = lm.module.layers[0].experts
+    assert ex.groups == (groups[1], groups[1]) and ex.gate_up_scale.shape[-1] == 64 // groups[1]
+    for e in range(ex.gate_up_q.shape[0]):
+        for proj, rows, which in (("gate", slice(0, ex.inter), "gate_up"), ("up", slice(ex.inter, None), "gate_up"),
+                                  ("down", slice(None), "down")):
+            pre = f"model.decoder.layers.0.experts.{e}.{proj}_proj"
+            words = stored[f"{pre}.weight_packed"]
+            values = torch.stack([(words >> (4 * k)) & 0xF for k in range(8)], -1).flatten(-2) - 8
+            scale = stored[f"{pre}.weight_scale"]
+            want = (values.float().unflatten(-1, (scale.shape[-1], -1)) * scale[..., None]).flatten(-2)
+            got = dequantize_int4(getattr(ex, f"{which}_q")[e, rows], getattr(ex, f"{which}_scale")[e, rows],
+                                  torch.float32)
+            assert torch.equal(got, want), (e, proj)
+
+
+def _linear_targets(lm) -> list[str]:
+    """The targets naming each projection, its layers given as "\\d+" when every layer holds it (the global
+    layers have no v_proj: their values are their keys)."""
+    out = []
+    for part, names in QUANTIZED_LINEARS.items():
+        for n in names:
+            held = [i for i, layer in enumerate(lm.module.layers) if getattr(getattr(layer, part), n, None) is not None]
+            which = "\\d+" if len(held) == len(lm.module.layers) else "(" + "|".join(map(str, held)) + ")"
+            out.append(f"re:.*\\.layers\\.{which}\\.{part}\\.{n}$")
+    return out
+
+
+def test_save_writes_the_int_layout_load_reads(checkpoints, tmp_path):
+    """int4 experts and int8 projections save as the test's own writer writes them (a config group per kind and group
+    size, its targets naming what holds it); an fp8-experts model with its dense MLP in int4 round-trips too."""
+    from blockpress.model.prequantized import scheme_problem
+
+    flt = checkpoints[0]
+    lm = blockpress.load(flt, progress=False, precision="int4", group_size=32, linears="int8")
+    out = lm.save(tmp_path / "saved")
+    saved = load_file(out / "model.safetensors")
+    written = load_file(_int_checkpoint(flt, tmp_path / "written") / "model.safetensors")
+    assert saved.keys() == written.keys()
+    for k, v in written.items():
+        assert saved[k].dtype == v.dtype and torch.equal(saved[k], v), k
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert scheme_problem(qc) is None and qc["format"] == "pack-quantized"
+    kinds = {(g["weights"]["num_bits"], g["weights"]["strategy"], g["weights"]["group_size"]): g["targets"]
+             for g in qc["config_groups"].values()}
+    assert kinds == {(4, "group", 32): ["re:.*\\.layers\\.\\d+\\.experts\\.\\d+\\.(gate|up)_proj$",
+                                        "re:.*\\.layers\\.\\d+\\.experts\\.\\d+\\.down_proj$"],
+                     (8, "channel", None): sorted(_linear_targets(lm))}
+    back = blockpress.load(out, progress=False)
+    assert _same_state(back, lm) and torch.equal(_tokens(back), _tokens(lm))
+    mixed = blockpress.load(flt, progress=False, precision="fp8", linears="int4-mlp", group_size=16)
+    again = blockpress.load(mixed.save(tmp_path / "mlp"), progress=False)
+    assert (again.options.precision, again.options.linears, again.options.group_size) == ("fp8", "int4-mlp", 16)
+    assert _same_state(again, mixed) and torch.equal(_tokens(again), _tokens(mixed))
+    keys = load_file(tmp_path / "mlp" / "model.safetensors").keys()
+    assert "model.decoder.layers.1.mlp.up_proj.weight_packed" in keys and \
+        "model.decoder.layers.1.self_attn.q_proj.weight" in keys
+
+
+@pytest.mark.parametrize("weights, activations, needle", [
+    (dict(symmetric=False), None, "asymmetric"),
+    (dict(actorder="group"), None, "activation-ordered"),
+    (dict(num_bits=8, strategy="group", group_size=32), None, "stores 8-bit int weights by group"),
+    ({}, {"num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"}, "quantises activations other than"),
+])
+def test_other_int_schemes_are_refused_naming_why(checkpoints, tmp_path, weights, activations, needle):
+    w = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True, **weights}
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": w, "input_activations": activations}}}
+    with pytest.raises(CheckpointError, match=f"cannot read \\([^)]*{needle}") as e:
+        blockpress.load(_variant(checkpoints[0], tmp_path / "v", qc), progress=False)
+    assert "\n" not in str(e.value)
+
+
+def test_damaged_or_unmapped_int_checkpoints_are_one_line_errors(checkpoints, tmp_path):
+    flt = checkpoints[0]
+    good = _int_checkpoint(flt, tmp_path / "good")
+    ex = "model.decoder.layers.1.experts.2.down_proj"
+    q = "model.decoder.layers.0.self_attn.q_proj"
+    cases = [
+        (lambda sd: sd.update({f"{ex}.weight_shape": torch.tensor([64, 65])}), f"{ex}.weight_shape in "
+         r"model.safetensors records the shape \[64, 65\], expected \[64, 64\]"),
+        (lambda sd: sd.pop(f"{ex}.weight_shape"), rf"1 quantised tensor\(s\) missing .*first: {ex}.weight_shape"),
+        (lambda sd: sd.update({f"{ex}.weight_packed": sd[f"{ex}.weight_packed"].to(torch.int64)}),
+         f"{ex}.weight_packed is stored as I64, expected I32"),
+        (lambda sd: sd.update({f"{ex}.weight_packed": sd[f"{ex}.weight_packed"][:, :-1].contiguous()}),
+         "int32 words a row do not pack 64 columns"),
+        (lambda sd: sd.update({f"{ex}.weight_scale": sd[f"{ex}.weight_scale"][:, :1].repeat(1, 8).contiguous()}),
+         "needs groups that are multiples of 16"),
+        (lambda sd: sd.update({f"{ex}.weight_scale": sd[f"{ex}.weight_scale"][:, :1].repeat(1, 3).contiguous()}),
+         "its groups do not divide the weight's 64 columns"),
+        (lambda sd: sd.update({f"{q}.weight_scale": sd[f"{q}.weight_scale"].repeat(1, 2)}),
+         "8-bit int weights by group"),
+        (lambda sd: sd.update({f"{ex}.weight_packed": sd[f"{ex}.weight_packed"].repeat(1, 2),
+                               f"{ex}.weight_scale": sd[f"{ex}.weight_scale"][:, :1].contiguous()}),
+         "holds 8-bit int expert weights"),
+        (lambda sd: sd.update({"model.decoder.layers.0.router.proj.weight_packed": sd[f"{q}.weight_packed"].clone()}),
+         "router.proj.weight_packed is a packed int tensor blockpress does not map"),
+        (lambda sd: sd.update({f"{q}.weight_packed": sd[f"{q}.weight_packed"][:, ::2].contiguous(),
+                               f"{q}.weight_scale": sd[f"{q}.weight_scale"].repeat(1, 2)}),
+         f"{q}.weight_packed is an int4 attention projection"),
+    ]
+    for i, (edit, needle) in enumerate(cases):
+        with pytest.raises(CheckpointError, match=needle) as e:
+            blockpress.load(_variant(good, tmp_path / f"d{i}", edit=edit), progress=False)
+        assert "\n" not in str(e.value)
+    mlp4 = _int_checkpoint(flt, tmp_path / "mlp4", linears="int4-mlp", attention=False)
+    assert blockpress.load(mlp4, progress=False).options.linears == "int4-mlp"
+    up = "model.decoder.layers.1.mlp.up_proj"
+    with pytest.raises(CheckpointError, match="layer 1's dense MLP stores some projections in int4 but not up_proj"):
+        blockpress.load(_variant(mlp4, tmp_path / "half", edit=lambda sd: [sd.pop(f"{up}.{p}") for p in (
+            "weight_packed", "weight_scale", "weight_shape")] and sd.update({f"{up}.weight": torch.zeros(128, 64)})),
+            progress=False)
+    mixed = _int_checkpoint(flt, tmp_path / "mixed", linears="int4-mlp")  # attention native: now int8 attention
+    with pytest.raises(CheckpointError, match="the checkpoint's projections mix int4 and int8"):
+        blockpress.load(_variant(mixed, tmp_path / "mixed2", edit=lambda sd: _put_int8(
+            sd, "model.decoder.layers.0.self_attn.q_proj")), progress=False)
+    with pytest.raises(InputError, match="stores its expert weights in int4, and precision='fp8' needs float ones"):
+        blockpress.load(good, progress=False, precision="fp8")
+    with pytest.raises(InputError, match="stores its projection weights in int8, and linears='fp8' needs float"):
+        blockpress.load(good, progress=False, linears="fp8")
+
+
+def _put_int8(sd, prefix):
+    from blockpress.kernels.linear_q import quantize_int8_rows
+
+    v, s = quantize_int8_rows(sd.pop(f"{prefix}.weight"))
+    sd.update({f"{prefix}.weight_packed": _words(v, 8), f"{prefix}.weight_scale": s[:, None].contiguous(),
+               f"{prefix}.weight_shape": torch.tensor(list(v.shape))})

@@ -1,10 +1,13 @@
-"""`blockpress convert MODEL OUT`: write a checkpoint in another storage: fp8 experts and projections, or another dtype.
+"""`blockpress convert MODEL OUT`: write a checkpoint in another storage: quantised experts and projections, or
+another dtype.
 
-`--precision fp8` / `--linears fp8` quantise while loading (one layer at a time, as `load` does) and write the
-pre-quantised fp8 layout that `load` reads back byte for byte (compressed-tensors, fp8 by output channel;
-blockpress/model/prequantized.py): the 26B-A4B model's 52 GB become ~27 GB, and later loads skip the quantisation.
-`--dtype` sets the float weights' type (default: the checkpoint's own, not the CPU's float32). The tokenizer files
-and generation_config.json come along. OUT is replaced only when it holds nothing but a checkpoint's files.
+`--precision fp8|int4` (experts) and `--linears fp8|int8|int4-mlp` (attention and dense-MLP projections) quantise
+while loading (one layer at a time, as `load` does) and write the pre-quantised layout that `load` reads back byte for
+byte (compressed-tensors: fp8 by output channel, packed int4 by group and int8 by channel;
+blockpress/model/prequantized.py). The 26B-A4B model's 52 GB become ~27 GB in fp8 and ~15 GB with int4 experts and
+int8 projections, and later loads skip the quantisation. `--dtype` sets the float weights' type (default: the
+checkpoint's own, not the CPU's float32). The tokenizer files and generation_config.json come along. OUT is replaced
+only when it holds nothing but a checkpoint's files.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import time
 def add_parser(p) -> None:
     p.add_argument("model", metavar="MODEL", help="a checkpoint folder, a shipped model's name or a Hub id")
     p.add_argument("out", metavar="OUT", help="the folder to write")
-    p.add_argument("--precision", choices=("native", "fp8"), default="native",
-                   help="the experts' storage: fp8 = 8-bit floats with a scale per output row (default: as stored)")
-    p.add_argument("--linears", choices=("native", "fp8"), default="native",
-                   help="the attention and dense-MLP projections' storage, as --precision")
+    p.add_argument("--precision", choices=("native", "fp8", "int4"), default="native",
+                   help="the experts' storage: fp8 = 8-bit floats with a scale per output row, int4 = 4-bit integers "
+                        "with a scale per --group-size inputs (default: as stored)")
+    p.add_argument("--group-size", type=int, default=64, help="int4: inputs per scale (default 64)")
+    p.add_argument("--linears", choices=("native", "int8", "fp8", "int4-mlp"), default="native",
+                   help="the attention and dense-MLP projections' storage: int8 / fp8 with a scale per output row, or "
+                        "int4-mlp (the dense MLP in int4, attention as stored)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="the float weights' type (default: the checkpoint's own)")
     p.add_argument("--device", default=None,
@@ -38,7 +44,8 @@ def main(args) -> int:
     raw = ModelConfig.from_file(folder / "config.json").raw
     dtype = args.dtype or raw.get("dtype") or raw.get("torch_dtype") or \
         headers_dtype(read_headers(find_weight_files(folder))) or "bfloat16"
-    lm = blockpress.load(folder, device=args.device, dtype=dtype, precision=args.precision, linears=args.linears)
+    lm = blockpress.load(folder, device=args.device, dtype=dtype, precision=args.precision, linears=args.linears,
+                         group_size=args.group_size)
     out = lm.save(args.out)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     amount = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"

@@ -258,7 +258,9 @@ def build(args, world: int = 1):
         lm = blockpress.load(resume_ck if (resume_ck and lora is None) else args.model, device=device,
                              dtype=base_dtype(args, lora is not None), progress=False, **q)
         if lora is None and (lm.options.precision, lm.options.linears) != ("native", "native"):
-            raise InputError(f"--model {args.model} stores fp8 weights (a pre-quantised checkpoint), which full "
+            kinds = sorted({k for k in (lm.options.precision, lm.options.linears) if k != "native"})
+            raise InputError(f"--model {args.model} stores {' and '.join(kinds)} weights (a pre-quantised checkpoint), "
+                             "which full "
                              "fine-tuning cannot update: add --lora RANK to train adapters over them (QLoRA), or "
                              "fine-tune the model's float checkpoint")
     elif resume_ck is not None:  # a run from scratch: the kernels it started with (load() would pick sdpa_gqa,

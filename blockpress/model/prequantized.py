@@ -1,31 +1,45 @@
-"""Pre-quantised FP8 checkpoints: 8-bit float weights with a scale per output channel, loaded as they are stored.
+"""Pre-quantised checkpoints: compressed-tensors weights loaded as they are stored, and the layout `save` writes.
 
-The format is compressed-tensors' `float-quantized` with `strategy: channel` (llm-compressor's FP8 recipes; vLLM's
-FP8-dynamic checkpoints, e.g. RedHatAI's DiffusionGemma copy: 27 GB to download instead of 52), and what `save`
-writes for a model with fp8 experts and projections. Its experts are split per expert, its projections hold an fp8
-weight and a scale each:
+Two of compressed-tensors' formats hold exactly blockpress's own low-precision weights (kernels/quant.py,
+kernels/linear_q.py), so nothing is converted either way: the stored integers or fp8 bytes are copied into the
+quantised modules and the scales into theirs.
 
-    model.decoder.layers.L.experts.E.gate_proj.weight   F8_E4M3 [Im, H] -> layers.L.experts.gate_up_q[E, :Im]
-    model.decoder.layers.L.experts.E.up_proj.weight     F8_E4M3 [Im, H] -> layers.L.experts.gate_up_q[E, Im:]
-    model.decoder.layers.L.experts.E.down_proj.weight   F8_E4M3 [H, Im] -> layers.L.experts.down_q[E]
-    model.decoder.layers.L.self_attn.q_proj.weight      F8_E4M3 [O, I]  -> layers.L.self_attn.q_proj.weight_q
-    (mlp.gate_proj / up_proj / down_proj and the other attention projections alike)
-    <each of them>.weight_scale                         BF16 / F32 [O, 1] -> the matching fp32 scale rows
+    fp8, `float-quantized` by output channel (llm-compressor's FP8 / FP8-dynamic recipes; vLLM's FP8-dynamic
+    checkpoints, e.g. RedHatAI's DiffusionGemma copy, 27 GB instead of 52):
+        X.weight         F8_E4M3 [O, I]          w = weight * weight_scale, one scale per output row
+        X.weight_scale   BF16 / F32 [O, 1]
+    int4 / int8, `pack-quantized`, symmetric, weight-only (llm-compressor's W4A16 / W8A16):
+        X.weight_packed  I32 [O, I * b / 32]     b-bit values + 2^(b-1), packed from each word's low bits up
+        X.weight_scale   float [O, I / G]        w = value * scale of its group of G columns (by channel: G = I)
+        X.weight_shape   I64 [2]                 [O, I]
+      On a little-endian machine the words' bytes are, for 4 bits, blockpress's int4 bytes (column 2j in the low
+      nibble, stored + 8) and, for 8 bits, its int8 values + 128.
 
-which is blockpress's own fp8 format (kernels/quant.py, kernels/linear_q.py: w = q * scale per output row), so
-nothing is converted: the fp8 bytes are copied into the fp8 modules and the scales widened to fp32 (exact). The
-router, embeddings, norms and self-conditioning are float in such checkpoints and load as usual.
+X is a projection of layer L: one expert's (model.decoder.layers.L.experts.E.{gate,up,down}_proj; gate and up are
+the two halves of the expert's gate_up rows), the attention's (self_attn.{q,k,v,o}_proj) or the dense MLP's
+(mlp.{gate,up,down}_proj). What loads into what:
 
-The checkpoint's recipe also quantises activations to fp8 per token at run time (w8a8). blockpress runs the stored
-weights against the model-dtype activations by default (the same weights without the activations' rounding);
+    experts     fp8 -> QuantizedExperts fp8         int4 -> QuantizedExperts int4        (precision)
+    projections fp8 -> QuantizedLinear fp8          int8 (by channel) -> QuantizedLinear int8   (linears)
+    dense MLP   int4, all three -> QuantizedMLP (linears="int4-mlp": the MLP through the int4 expert kernels)
+
+Anything else (int4 attention projections, 8-bit int experts, int8 by group, a model mixing projection formats)
+is refused naming the tensor, as are other schemes (NVFP4, asymmetric or activation-ordered int, block- or
+tensor-wise fp8, int activations, fp8 KV caches, static activation scales), those before any tensor is read.
+
+int4 groups: blockpress's modules take one group size (kernels/quant.py `group_for`); a checkpoint's groups may
+differ per tensor (each divides its columns). The modules use the largest power of two dividing all of them, and a
+coarser stored group has its scale repeated over the finer groups it spans: the same weights, exactly. Scales are
+held in the activation dtype, as blockpress's own int4 holds them (bf16 checkpoints load them as stored).
+
+The fp8 recipe also quantises activations to fp8 per token at run time (w8a8). blockpress runs the stored weights
+against the model-dtype activations by default (the same weights without the activations' rounding);
 `experts="scaled_mm"` runs the experts w8a8 as vLLM does (Hopper / Ada).
-
-Other schemes (NVFP4, int4 pack-quantized / GPTQ / AWQ, block- or group-wise fp8, fp8 KV caches, static activation
-scales) are refused before any tensor is read, with the supported one named.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -34,24 +48,28 @@ from torch import nn
 
 from ..errors import CheckpointError, InputError
 
-EXPERT_KEY = re.compile(r"^model\.decoder\.layers\.(\d+)\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale)$")
-LINEAR_KEY = re.compile(r"^model\.decoder\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(weight|weight_scale)$")
-SUPPORTED = ("compressed-tensors float-quantized: 8-bit float weights with a scale per output channel "
-             "(llm-compressor's FP8 and FP8-dynamic recipes)")
+EXPERT_KEY = re.compile(r"^model\.decoder\.layers\.(\d+)\.experts\.(\d+)\.(gate|up|down)_proj\."
+                        r"(weight|weight_packed|weight_scale|weight_shape)$")
+LINEAR_KEY = re.compile(r"^model\.decoder\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\."
+                        r"(weight|weight_packed|weight_scale|weight_shape)$")
+SUPPORTED = ("compressed-tensors float-quantized (8-bit float weights, a scale per output channel: llm-compressor's "
+             "FP8 recipes) or pack-quantized (symmetric 4-bit int weights by group, 8-bit by channel, weight-only: "
+             "its W4A16 / W8A16)")
 FIX = ("load the model's bf16 checkpoint instead and quantise it at load with precision='fp8' or 'int4' "
        "(--precision)")
 PREQUANTIZED_FIX = f"blockpress reads float weights, and pre-quantised ones only as {SUPPORTED}; {FIX}"
-SUFFIX = {"q": "weight", "scale": "weight_scale"}  # a fp8 module's buffer (gate_up_q, weight_scale, ...) -> key suffix
+KINDS = ("fp8", "int4", "int8")
+PARTS = ("weight", "weight_packed", "weight_scale", "weight_shape")
 
 
-def expert_key(i: int, e: int, proj: str, what: str) -> str:
-    """The checkpoint key of expert e's `proj` ("gate" / "up" / "down") weight ("q") or scale ("scale"), layer i."""
-    return f"model.decoder.layers.{i}.experts.{e}.{proj}_proj.{SUFFIX[what]}"
+def expert_key(i: int, e: int, proj: str, part: str) -> str:
+    """The checkpoint key of expert e's `proj` ("gate" / "up" / "down") `part` ("weight_scale", ...), layer i."""
+    return f"model.decoder.layers.{i}.experts.{e}.{proj}_proj.{part}"
 
 
-def linear_key(i: int, part: str, name: str, what: str) -> str:
-    """The checkpoint key of projection `part.name` ("self_attn.q_proj", ...)'s weight ("q") or scale ("scale")."""
-    return f"model.decoder.layers.{i}.{part}.{name}.{SUFFIX[what]}"
+def linear_key(i: int, module: str, name: str, part: str) -> str:
+    """The checkpoint key of projection `module.name` ("self_attn.q_proj", ...)'s `part`, layer i."""
+    return f"model.decoder.layers.{i}.{module}.{name}.{part}"
 
 
 def expert_rows(proj: str, im: int) -> tuple[str, slice]:
@@ -60,8 +78,19 @@ def expert_rows(proj: str, im: int) -> tuple[str, slice]:
             "down": ("down", slice(None))}[proj]
 
 
-def fp8_channel_scheme(qc) -> str | None:
-    """None when a quantization_config is the one pre-quantised scheme blockpress loads (see the module docstring),
+def weight_part(kind: str) -> str:
+    """The key suffix a `kind`'s weight is stored under."""
+    return "weight" if kind == "fp8" else "weight_packed"
+
+
+def parts_of(kind: str) -> tuple[str, ...]:
+    return (weight_part(kind), "weight_scale") + (() if kind == "fp8" else ("weight_shape",))
+
+
+# ------------------------------------------------------------------------------------ the scheme (config.json)
+
+def scheme_problem(qc) -> str | None:
+    """None when every config group of a quantization_config is a scheme blockpress loads (see the module docstring),
     else why not, in a few words."""
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         return "only compressed-tensors checkpoints are read"
@@ -74,165 +103,294 @@ def fp8_channel_scheme(qc) -> str | None:
         w = g.get("weights") if isinstance(g, dict) else None
         if not isinstance(w, dict):
             return f"config group {name} has no weights scheme"
-        if (w.get("num_bits"), w.get("type"), w.get("strategy")) != (8, "float", "channel"):
-            return (f"config group {name} stores {w.get('num_bits')}-bit {w.get('type')} weights by "
-                    f"{w.get('strategy')}")
-        if w.get("symmetric") is False or w.get("dynamic") or w.get("group_size") or w.get("block_structure"):
-            return f"config group {name}'s weights are asymmetric, dynamic or grouped"
+        kind = (w.get("num_bits"), w.get("type"), w.get("strategy"))
+        if kind not in ((8, "float", "channel"), (4, "int", "group"), (4, "int", "channel"), (8, "int", "channel")):
+            return f"config group {name} stores {kind[0]}-bit {kind[1]} weights by {kind[2]}"
+        if w.get("symmetric") is False or w.get("dynamic") or w.get("block_structure"):
+            return f"config group {name}'s weights are asymmetric, dynamic or by block"
+        if kind[2] == "channel" and w.get("group_size"):
+            return f"config group {name}'s weights by channel name a group size"
+        if w.get("actorder") == "group":
+            return f"config group {name}'s int groups are activation-ordered (a g_idx per column)"
         a = g.get("input_activations")
-        if a is not None and not (isinstance(a, dict) and a.get("dynamic") is True
+        if a is not None and not (kind[1] == "float" and isinstance(a, dict) and a.get("dynamic") is True
                                   and (a.get("num_bits"), a.get("type")) == (8, "float")):
-            return f"config group {name} has static or non-fp8 activation scales"
+            return f"config group {name} quantises activations other than to fp8 per token at run time"
         if g.get("output_activations"):
             return f"config group {name} quantises outputs"
     return None
 
 
+# ------------------------------------------------------------------------------------ loading
+
 @dataclass
 class Layout:
-    """Which of a model's weights a pre-quantised checkpoint stores in fp8, read from the safetensors headers, and
-    where each of its tensors goes (`target`)."""
+    """Which of a model's weights a pre-quantised checkpoint stores quantised, in which kind, read from the
+    safetensors headers against the model config.json describes (`read`); `prepare` swaps the quantised modules in,
+    `target` says where each stored tensor goes."""
 
-    experts: set[int] = field(default_factory=set)  # layers whose experts are fp8
-    linears: set[tuple[int, str, str]] = field(default_factory=set)  # (layer, "self_attn" | "mlp", projection)
-    wanted: set[str] = field(default_factory=set)  # every checkpoint key the fp8 modules need
+    experts: dict[int, str] = field(default_factory=dict)  # layer -> "fp8" | "int4"
+    linears: dict[tuple[int, str, str], str] = field(default_factory=dict)  # (layer, module, proj) -> "fp8" | "int8"
+    mlps: set[int] = field(default_factory=set)  # layers whose dense MLP is int4 (QuantizedMLP)
+    group_size: int | None = None  # int4: the group blockpress's modules use
+    wanted: set[str] = field(default_factory=set)  # every checkpoint key the quantised modules need
+    shapes: dict[str, tuple[int, int]] = field(default_factory=dict)  # weight_shape key -> the [O, I] it must hold
 
     @classmethod
-    def from_headers(cls, dtypes: dict[str, str]) -> "Layout":
-        """dtypes: checkpoint key -> safetensors dtype name, over every file."""
-        lay = cls()
-        for key, stored in dtypes.items():
-            if not stored.startswith("F8"):
+    def read(cls, headers: dict[str, tuple[str, list[int]]], module: nn.Module) -> "Layout":
+        """headers: checkpoint key -> (safetensors dtype, shape), over every file (weights.read_headers); module:
+        the model config.json describes, on the meta device."""
+        lay, groups, kinds = cls(), {}, {}
+        for key, (stored, shape) in headers.items():
+            fp8, packed = stored.startswith("F8"), key.endswith(".weight_packed")
+            if not (fp8 or packed):
                 continue
-            if stored != "F8_E4M3":
+            if fp8 and stored != "F8_E4M3":
                 raise CheckpointError(f"tensor {key} is stored as {stored}; blockpress reads fp8 weights as F8_E4M3 "
                                       f"only; {FIX}")
-            m, n = EXPERT_KEY.match(key), LINEAR_KEY.match(key)
-            if m and m.group(4) == "weight":
-                lay.experts.add(int(m.group(1)))
-            elif n and n.group(4) == "weight":
-                lay.linears.add((int(n.group(1)), n.group(2), n.group(3)))
-            else:
-                raise CheckpointError(f"tensor {key} is an fp8 tensor blockpress does not map (it reads fp8 expert "
-                                      f"and projection weights); {FIX}")
+            m = EXPERT_KEY.match(key) or LINEAR_KEY.match(key)
+            if m is None or m.group(4) not in ("weight", "weight_packed"):
+                raise CheckpointError(f"tensor {key} is {'an fp8' if fp8 else 'a packed int'} tensor blockpress "
+                                      f"does not map (it reads quantised expert and projection weights); {FIX}")
+            if packed and stored != "I32":
+                raise CheckpointError(f"tensor {key} is stored as {stored}, expected I32 (packed int weights); "
+                                      "the file is damaged: re-download it")
+            i = int(m.group(1))
+            if i >= len(module.layers):
+                raise CheckpointError(f"the checkpoint holds quantised weights of layer {i}, but config.json "
+                                      f"describes {len(module.layers)} layers; the config and weights do not belong "
+                                      "together")
+            prefix = key.rsplit(".", 1)[0]
+            cols = _in_features(module, m)
+            kind = "fp8" if fp8 else _packed_kind(key, shape, cols)
+            kinds[prefix] = kind
+            if kind == "int4":
+                groups[prefix] = _stored_group(headers, prefix, cols)
+            elif kind == "int8":
+                scale = headers.get(prefix + ".weight_scale", (None, [None, 1]))[1]
+                if len(scale) == 2 and scale[1] != 1:
+                    raise CheckpointError(f"tensor {prefix}.weight_scale has shape {list(scale)}: 8-bit int weights "
+                                          "by group; blockpress holds 8-bit projections with one scale per output "
+                                          f"row (by channel); {FIX}")
+            if not fp8:
+                lay.shapes[prefix + ".weight_shape"] = (_out_features(module, m), cols)
+        lay._place(kinds, module)
+        if groups:
+            lay.group_size = _common_group(groups)
         return lay
 
+    def _place(self, kinds: dict[str, str], module: nn.Module) -> None:
+        """Sort each quantised tensor's kind onto its module: a layer's experts, a projection, a whole dense MLP."""
+        for prefix, kind in kinds.items():
+            m = EXPERT_KEY.match(prefix + ".weight") or LINEAR_KEY.match(prefix + ".weight")
+            i = int(m.group(1))
+            if m.re is EXPERT_KEY:
+                if kind == "int8":
+                    raise CheckpointError(f"tensor {prefix}.weight_packed holds 8-bit int expert weights; blockpress "
+                                          f"holds experts in fp8 or int4; {FIX}")
+                if self.experts.setdefault(i, kind) != kind:
+                    raise CheckpointError(f"layer {i}'s experts are stored in both {self.experts[i]} and {kind}; "
+                                          "blockpress holds one format per layer's experts; " + FIX)
+            elif kind == "int4" and m.group(2) == "mlp":
+                self.mlps.add(i)
+            elif kind == "int4":
+                raise CheckpointError(f"tensor {prefix}.weight_packed is an int4 attention projection; blockpress "
+                                      f"holds attention projections in 8 bits (int8, fp8) or float; {FIX}")
+            else:
+                self.linears[(i, m.group(2), m.group(3))] = kind
+        for i in sorted(self.mlps):
+            names = [n for n in ("gate_proj", "up_proj", "down_proj") if kinds.get(f"model.decoder.layers.{i}.mlp.{n}")
+                     != "int4"]
+            if names:
+                raise CheckpointError(f"layer {i}'s dense MLP stores some projections in int4 but not {names[0]}; "
+                                      "blockpress holds a dense MLP in int4 whole (linears='int4-mlp'); " + FIX)
+        formats = {k for k in self.linears.values()} | ({"int4"} if self.mlps else set())
+        if len(formats) > 1:
+            raise CheckpointError(f"the checkpoint's projections mix {' and '.join(sorted(formats))}; blockpress holds "
+                                  "one projection format per model (linears=...); " + FIX)
+
     def describe(self) -> str:
-        """What is fp8, in words: "the experts of 30 layer(s) and 200 projection(s)"."""
-        parts = [f"the experts of {len(self.experts)} layer(s)"] if self.experts else []
-        parts += [f"{len(self.linears)} projection(s)"] if self.linears else []
-        return " and ".join(parts)
+        """What is quantised, in words: "the experts of 30 layer(s) in int4 and 210 projection(s) in int8"."""
+        parts = []
+        for kind in KINDS:
+            ex = sum(k == kind for k in self.experts.values())
+            pr = sum(k == kind for k in self.linears.values()) + (3 * len(self.mlps) if kind == "int4" else 0)
+            what = [f"the experts of {ex} layer(s)"] * bool(ex) + [f"{pr} projection(s)"] * bool(pr)
+            if what:
+                parts.append(f"{' and '.join(what)} in {kind}")
+        return "; ".join(parts)
 
     def __bool__(self) -> bool:
-        return bool(self.experts or self.linears)
+        return bool(self.experts or self.linears or self.mlps)
 
     def prepare(self, module: nn.Module, dtype: torch.dtype) -> None:
-        """Swap the fp8 parts of `module` (built on the meta device) for empty fp8 modules, and list the
+        """Swap the quantised parts of `module` (built on the meta device) for empty quantised modules, and list the
         checkpoint keys they need. dtype: the activation dtype."""
         from ..kernels.linear_q import QuantizedLinear
-        from ..kernels.quant import QuantizedExperts
+        from ..kernels.quant import QuantizedExperts, QuantizedMLP
 
-        deepest = max([*self.experts, *(i for i, _, _ in self.linears)])
-        if deepest >= len(module.layers):
-            raise CheckpointError(f"the checkpoint holds fp8 weights of layer {deepest}, but config.json describes "
-                                  f"{len(module.layers)} layers; the config and weights do not belong together")
-        for i in sorted(self.experts):
-            old = module.layers[i].experts
-            E, two_im, H = old.gate_up_proj.shape
-            module.layers[i].experts = QuantizedExperts(E, H, two_im // 2, "fp8", dtype=dtype, device="meta")
-            self.wanted |= {expert_key(i, e, p, w) for e in range(E) for p in ("gate", "up", "down") for w in SUFFIX}
-        for i, part, name in sorted(self.linears):
+        gs = self.group_size or 64
+        for i, kind in sorted(self.experts.items()):
+            E, two_im, H = module.layers[i].experts.gate_up_proj.shape
+            module.layers[i].experts = QuantizedExperts(E, H, two_im // 2, kind, gs, dtype=dtype, device="meta")
+            self.wanted |= {expert_key(i, e, p, part) for e in range(E) for p in ("gate", "up", "down")
+                            for part in parts_of(kind)}
+        for i in sorted(self.mlps):
+            mlp = module.layers[i].mlp
+            module.layers[i].mlp = QuantizedMLP(mlp.gate_proj.in_features, mlp.gate_proj.out_features, gs,
+                                                dtype=dtype, device="meta")
+            self.wanted |= {linear_key(i, "mlp", n, part) for n in ("gate_proj", "up_proj", "down_proj")
+                            for part in parts_of("int4")}
+        for (i, part, name), kind in sorted(self.linears.items()):
             parent = getattr(module.layers[i], part)
-            lin = getattr(parent, name, None)
-            if not isinstance(lin, nn.Linear):
-                raise CheckpointError(f"model.decoder.layers.{i}.{part}.{name}.weight is in the checkpoint but not "
-                                      "in the model config.json describes; the config and weights do not belong "
-                                      "together")
-            setattr(parent, name, QuantizedLinear(lin.in_features, lin.out_features, "fp8", device="meta"))
-            self.wanted |= {linear_key(i, part, name, w) for w in SUFFIX}
+            lin = getattr(parent, name)
+            setattr(parent, name, QuantizedLinear(lin.in_features, lin.out_features, kind, device="meta"))
+            self.wanted |= {linear_key(i, part, name, p) for p in parts_of(kind)}
 
     def target(self, key: str, module: nn.Module):
-        """(buffer name, index) a checkpoint key of the fp8 modules fills, or None for any other key."""
+        """(buffer name, index) a checkpoint key of the quantised modules fills; (None, None) for a packed weight's
+        recorded [O, I] (checked by `check_shape`, not stored); None for any other key."""
         if key not in self.wanted:
             return None
-        what = "q" if key.endswith(".weight") else "scale"
+        if key in self.shapes:
+            return None, None
+        what = "scale" if key.endswith("_scale") else "q"
         m = EXPERT_KEY.match(key)
         if m:
             i, e = int(m.group(1)), int(m.group(2))
             which, rows = expert_rows(m.group(3), module.layers[i].experts.inter)
             return f"layers.{i}.experts.{which}_{what}", (e, rows)
         n = LINEAR_KEY.match(key)
-        return f"layers.{n.group(1)}.{n.group(2)}.{n.group(3)}.weight_{what}", ()
+        i = int(n.group(1))
+        if n.group(2) == "mlp" and i in self.mlps:
+            which, rows = expert_rows(n.group(3).removesuffix("_proj"), module.layers[i].mlp.experts.inter)
+            return f"layers.{i}.mlp.experts.{which}_{what}", (0, rows)
+        return f"layers.{i}.{n.group(2)}.{n.group(3)}.weight_{what}", ()
+
+    def check_shape(self, key: str, t: torch.Tensor, fname: str) -> None:
+        """CheckpointError unless a packed weight's `weight_shape` holds the [O, I] config.json gives it."""
+        want = self.shapes[key]
+        if t.is_floating_point() or t.numel() != 2 or tuple(int(v) for v in t.reshape(-1)) != want:
+            raise CheckpointError(f"tensor {key} in {fname} records the shape {t.reshape(-1).tolist()}, expected "
+                                  f"{list(want)} from config.json; the config and weights do not belong together")
 
     def missing(self, seen: set[str]) -> list[str]:
         return sorted(self.wanted - seen)
 
 
-EXPERT_BUFFER = re.compile(r"^layers\.(\d+)\.experts\.(gate_up|down)_(q|scale)$")
-LINEAR_BUFFER = re.compile(r"^layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight_(q|scale)$")
+def _in_features(module: nn.Module, m: re.Match) -> int:
+    """The input columns of the projection a key names, from the model config.json describes."""
+    layer = module.layers[int(m.group(1))]
+    if m.re is EXPERT_KEY:
+        E, two_im, H = layer.experts.gate_up_proj.shape
+        return two_im // 2 if m.group(3) == "down" else H
+    lin = getattr(getattr(layer, m.group(2)), m.group(3), None)
+    if not isinstance(lin, nn.Linear):
+        raise CheckpointError(f"{m.string} is in the checkpoint but {m.group(2)}.{m.group(3)} is not in the model "
+                              "config.json describes; the config and weights do not belong together")
+    return lin.in_features
 
 
-def checkpoint_entries(name: str, t: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """The checkpoint tensors of an fp8 module's buffer `name` (the module's naming) in the layout above: the inverse
-    of `Layout.target` (`save` writes what `load` reads). None for any other tensor."""
-    m = EXPERT_BUFFER.match(name)
-    if m:
-        i, which, what = int(m.group(1)), m.group(2), m.group(3)
-        projs = ("down",) if which == "down" else ("gate", "up")
-        rows = {p: expert_rows(p, t.shape[1] // 2)[1] for p in projs}
-        return {expert_key(i, e, p, what): (t[e, rows[p]] if what == "q" else t[e, rows[p]][:, None]).contiguous()
-                for e in range(t.shape[0]) for p in projs}
-    n = LINEAR_BUFFER.match(name)
-    if n:
-        i, part, proj, what = int(n.group(1)), n.group(2), n.group(3), n.group(4)
-        return {linear_key(i, part, proj, what): (t if what == "q" else t[:, None]).contiguous()}
-    return None
+def _out_features(module: nn.Module, m: re.Match) -> int:
+    layer = module.layers[int(m.group(1))]
+    if m.re is EXPERT_KEY:
+        two_im, H = layer.experts.gate_up_proj.shape[1:]
+        return H if m.group(3) == "down" else two_im // 2
+    return getattr(getattr(layer, m.group(2)), m.group(3)).out_features
 
 
-def quantization_config() -> dict:
-    """The quantization_config `save` writes beside fp8 weights: compressed-tensors' fp8 by output channel, weight-only
-    (what blockpress computes by default), the float parts ignored."""
-    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False,
-               "group_size": None, "block_structure": None, "observer": "minmax"}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": None,
-            "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized", "weights": weights,
-                                          "input_activations": None, "output_activations": None}},
-            "ignore": ["lm_head", "re:.*router\\.proj$", "re:.*self_conditioning.*", "re:.*vision.*"]}
+def _packed_kind(key: str, shape: list[int], cols: int) -> str:
+    """"int4" or "int8", from a packed weight's int32 words per row and the columns they hold."""
+    words = shape[-1] if shape else 0
+    for kind, bits in (("int4", 4), ("int8", 8)):
+        if words == math.ceil(cols * bits / 32):
+            return kind
+    raise CheckpointError(f"tensor {key} has shape {list(shape)}: {words} int32 words a row do not pack {cols} "
+                          "columns (config.json) in 4 or 8 bits; the config and weights do not belong together")
+
+
+def _stored_group(headers: dict, prefix: str, cols: int) -> int:
+    """The columns per scale of an int4 weight (its group; the whole row by channel), from its scale's shape."""
+    key = prefix + ".weight_scale"
+    if key not in headers:
+        return cols  # missing: reported by name once the tensors are read
+    shape = headers[key][1]
+    groups = shape[-1] if len(shape) == 2 else 0
+    if not groups or cols % groups:
+        raise CheckpointError(f"tensor {key} has shape {list(shape)}: its groups do not divide the weight's {cols} "
+                              "columns (config.json); the config and weights do not belong together")
+    return cols // groups
+
+
+def _common_group(groups: dict[str, int]) -> int:
+    """The group size the int4 modules use: the largest power of two dividing every stored group (each stored scale
+    then covers whole groups of it)."""
+    from ..kernels.quant import check_group_size
+
+    g = math.gcd(*groups.values())
+    g &= -g  # its largest power-of-two factor
+    try:
+        return check_group_size(g)
+    except InputError:
+        first = min(groups, key=lambda k: groups[k] & -groups[k])
+        raise CheckpointError(f"tensor {first}.weight_scale scales groups of {groups[first]} columns; blockpress's "
+                              f"int4 needs groups that are multiples of 16; {FIX}") from None
 
 
 def resolve_options(layout: Layout, opts) -> dict:
-    """The storage options a pre-quantised checkpoint fixes: its fp8 parts load as fp8 ("native" means as stored);
-    asking for another format for them is an InputError that names the way to get it."""
+    """The storage options a pre-quantised checkpoint fixes: its quantised parts load as stored ("native" means as
+    stored); asking for another format for them is an InputError that names the way to get it."""
     out = {}
-    for part, held, option in (("expert", layout.experts, "precision"), ("projection", layout.linears, "linears")):
+    linears = set(layout.linears.values()) | ({"int4-mlp"} if layout.mlps else set())
+    for part, held, option in (("expert", set(layout.experts.values()), "precision"),
+                               ("projection", linears, "linears")):
         if not held:
             continue
+        if len(held) > 1:  # (experts of several kinds across layers)
+            raise CheckpointError(f"the checkpoint stores its {part} weights in {' and '.join(sorted(held))}; "
+                                  f"blockpress holds one {part} format per model; {FIX}")
+        (kind,) = held
         asked = getattr(opts, option)
-        if asked not in ("native", "fp8"):
-            raise InputError(f"this checkpoint stores its {part} weights in fp8, and {option}={asked!r} needs float "
-                             f"ones: load it with {option} 'native' or 'fp8' (--{option}), or load the model's bf16 "
-                             f"checkpoint with {option}={asked!r}")
-        out[option] = "fp8"
+        if asked not in ("native", kind):
+            raise InputError(f"this checkpoint stores its {part} weights in {kind}, and {option}={asked!r} needs "
+                             f"float ones: load it with {option} 'native' or {kind!r} (--{option}), or load the "
+                             f"model's bf16 checkpoint with {option}={asked!r}")
+        out[option] = kind
+    if layout.group_size is not None:
+        out["group_size"] = layout.group_size
     return out
 
 
 def finite_probe(t: torch.Tensor) -> torch.Tensor:
     """A 0-dim fp32 tensor that is NaN where `t` holds a NaN or Inf, for load's one-sync finite check: the sum of a
-    float tensor, and for fp8 (e4m3fn: no Inf; NaN is every bit of exponent and mantissa set) a test of the bytes,
-    not a conversion to fp32 (10x the copy on a CPU)."""
-    if t.dtype != torch.float8_e4m3fn or t.numel() == 0:
+    float tensor, 0 for integers, and for fp8 (e4m3fn: no Inf; NaN is every bit of exponent and mantissa set) a test
+    of the bytes, not a conversion to fp32 (10x the copy on a CPU)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    if t.dtype != torch.float8_e4m3fn:
         return t.sum(dtype=torch.float32)
     nan = (t.view(torch.uint8) & 0x7F).amax() == 0x7F  # (one reduction: 8x faster than eq().any() on a CPU)
     return torch.where(nan, float("nan"), 0.0).to(torch.float32)
 
 
 def loaded_tensor(t: torch.Tensor, key: str, like: torch.Tensor, fname: str) -> torch.Tensor:
-    """A checkpoint tensor reshaped to its target (a scale [O, 1] to [O]) in the target's dtype (fp8 bytes as they
-    are; scales widened to fp32), or CheckpointError naming it."""
+    """A checkpoint tensor in its target's form and dtype, or CheckpointError naming it: fp8 bytes as they are;
+    packed int32 words as the bytes they hold (int4: the nibble pairs; int8: less 128); a scale [O, 1] as [O], an int4
+    scale repeated over the finer groups of its target; scales in the target's dtype."""
     if key.endswith("_scale"):
         if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise CheckpointError(f"tensor {key} in {fname} is stored as {t.dtype}, expected a float scale; {FIX}")
-        t = t.reshape(-1) if t.dim() == 2 and t.shape[-1] == 1 else t
+        if t.dim() == 2 and like.dim() == 1 and t.shape[-1] == 1:
+            t = t.reshape(-1)
+        elif t.dim() == 2 and like.dim() == 2 and 0 < t.shape[-1] < like.shape[-1] and like.shape[-1] % t.shape[-1] == 0:
+            t = t.repeat_interleave(like.shape[-1] // t.shape[-1], dim=-1)  # a coarser stored group (exact)
+    elif key.endswith("_packed"):
+        if t.dtype != torch.int32 or t.dim() != 2:
+            raise CheckpointError(f"tensor {key} in {fname} is stored as {t.dtype} {list(t.shape)}, expected int32 "
+                                  "words [O, W]; the file is damaged: re-download it")
+        t = t.contiguous().view(torch.uint8)[:, :like.shape[-1]]
+        if like.dtype == torch.int8:
+            t = (t.to(torch.int16) - 128).to(torch.int8)
     elif t.dtype != torch.float8_e4m3fn:
         raise CheckpointError(f"tensor {key} in {fname} is stored as {t.dtype}, expected F8_E4M3 beside its "
                               f"weight_scale; {FIX}")
@@ -240,3 +398,103 @@ def loaded_tensor(t: torch.Tensor, key: str, like: torch.Tensor, fname: str) -> 
         raise CheckpointError(f"tensor {key} in {fname} has shape {list(t.shape)}, expected {list(like.shape)} from "
                               "config.json; the config and weights do not belong together")
     return t.to(like.dtype)
+
+
+# ------------------------------------------------------------------------------------ saving
+
+EXPERT_BUFFER = re.compile(r"^layers\.(\d+)\.(experts|mlp\.experts)\.(gate_up|down)_(q|scale)$")
+LINEAR_BUFFER = re.compile(r"^layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight_(q|scale)$")
+
+
+def buffer_kind(q: torch.Tensor) -> str:
+    """A quantised weight buffer's kind, from its dtype."""
+    return {torch.float8_e4m3fn: "fp8", torch.uint8: "int4", torch.int8: "int8"}[q.dtype]
+
+
+def _stored_weight(q: torch.Tensor, kind: str) -> torch.Tensor:
+    """A quantised module's weight rows [O, ...] as the checkpoint stores them: fp8 bytes, or int32 words."""
+    if kind == "fp8":
+        return q.contiguous()
+    b = (q.to(torch.int16) + 128).to(torch.uint8) if kind == "int8" else q
+    pad = -b.shape[-1] % 4
+    if pad:
+        b = torch.cat([b, b.new_zeros(*b.shape[:-1], pad)], -1)
+    return b.contiguous().view(torch.int32)
+
+
+def checkpoint_entries(name: str, t: torch.Tensor, weight: torch.Tensor | None = None) -> dict | None:
+    """The checkpoint tensors of a quantised module's buffer `name` (the module's naming) in the layout above: the
+    inverse of `Layout.target` (`save` writes what `load` reads). weight: the matching weight buffer when `name` is a
+    scale (its kind and columns). None for any other tensor."""
+    m, n = EXPERT_BUFFER.match(name), LINEAR_BUFFER.match(name)
+    if not (m or n):
+        return None
+    q = t if (m or n).groups()[-1] == "q" else weight
+    kind = buffer_kind(q)
+    cols = q.shape[-1] * (2 if kind == "int4" else 1)
+    if m:
+        i, inside, which, what = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        projs = ("down",) if which == "down" else ("gate", "up")
+        rows = {p: expert_rows(p, t.shape[1] // 2)[1] for p in projs}
+        key = (lambda e, p, part: expert_key(i, e, p, part)) if inside == "experts" else \
+            (lambda e, p, part: linear_key(i, "mlp", f"{p}_proj", part))
+        pieces = {(e, p): t[e, rows[p]] for e in range(t.shape[0]) for p in projs}
+    else:
+        i, module, proj, what = int(n.group(1)), n.group(2), n.group(3), n.group(4)
+        key = lambda e, p, part: linear_key(i, module, proj, part)  # noqa: E731
+        pieces = {(0, proj): t}
+    out = {}
+    for (e, p), piece in pieces.items():
+        if what == "scale":
+            out[key(e, p, "weight_scale")] = (piece[:, None] if piece.dim() == 1 else piece).contiguous()
+            continue
+        out[key(e, p, weight_part(kind))] = _stored_weight(piece, kind)
+        if kind != "fp8":
+            out[key(e, p, "weight_shape")] = torch.tensor([piece.shape[0], cols], dtype=torch.int64)
+    return out
+
+
+def quantization_config(module: nn.Module) -> dict | None:
+    """The quantization_config `save` writes beside a model's quantised weights: a compressed-tensors config group per
+    kind and group size, its targets the projections that hold it (regexes over module names), weight-only (what
+    blockpress computes by default). None when nothing is quantised."""
+    from ..kernels.linear_q import QuantizedLinear
+    from ..kernels.quant import QuantizedExperts, QuantizedMLP
+
+    held: dict[tuple[str, int | None, str], set[int]] = {}  # (kind, group, module-name pattern) -> layers
+
+    def add(kind, group, pattern, i):
+        held.setdefault((kind, group if kind == "int4" else None, pattern), set()).add(i)
+
+    for i, layer in enumerate(module.layers):
+        for inside, ex in (("experts\\.\\d+", layer.experts),
+                           ("mlp", layer.mlp.experts if isinstance(layer.mlp, QuantizedMLP) else None)):
+            if isinstance(ex, QuantizedExperts):
+                add(ex.fmt, ex.groups[0], f"{inside}\\.(gate|up)_proj", i)
+                add(ex.fmt, ex.groups[1], f"{inside}\\.down_proj", i)
+        for part in ("self_attn", "mlp"):
+            for name, lin in getattr(layer, part).named_children():
+                if isinstance(lin, QuantizedLinear):
+                    add(lin.fmt, None, f"{part}\\.{name}", i)
+    if not held:
+        return None
+    n_layers = len(module.layers)
+    groups: dict[tuple[str, int | None], list[str]] = {}
+    for (kind, group, pattern), layers in sorted(held.items(), key=str):
+        which = "\\d+" if len(layers) == n_layers else "(" + "|".join(map(str, sorted(layers))) + ")"
+        groups.setdefault((kind, group), []).append(f"re:.*\\.layers\\.{which}\\.{pattern}$")
+    config_groups = {}
+    for j, ((kind, group), targets) in enumerate(groups.items()):
+        bits, typ = (8, "float") if kind == "fp8" else (4 if kind == "int4" else 8, "int")
+        weights = {"num_bits": bits, "type": typ, "strategy": "group" if kind == "int4" else "channel",
+                   "symmetric": True, "dynamic": False, "group_size": group, "block_structure": None,
+                   "actorder": None, "observer": "minmax"}
+        config_groups[f"group_{j}"] = {"targets": sorted(targets), "weights": weights, "input_activations": None,
+                                       "output_activations": None, "format": _format(kind)}
+    formats = {g["format"] for g in config_groups.values()}
+    return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+            "kv_cache_scheme": None, "config_groups": config_groups, "ignore": ["lm_head"]}
+
+
+def _format(kind: str) -> str:
+    return "float-quantized" if kind == "fp8" else "pack-quantized"

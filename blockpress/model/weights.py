@@ -15,8 +15,8 @@ as an integer or bool type (a flipped dtype in the header), NaN or Inf values (o
 tensor, checked with one device sync at the end), a sharded index naming a file outside the
 checkpoint folder, a symlink loop. So are pre-quantised checkpoints (NVFP4, GPTQ / AWQ, block-wise FP8: 8- or 4-bit
 weights with scale tensors beside them), read from the headers before any tensor: their weights would load as plain
-floats without their scales. The one pre-quantised layout read is FP8 by output channel (model/prequantized.py),
-copied into the fp8 modules as stored.
+floats without their scales. The pre-quantised layouts read are compressed-tensors' fp8 by output channel and its
+packed int4 / int8 (model/prequantized.py), copied into the quantised modules as stored.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ FLOAT_DTYPES = set(SAFETENSORS_FLOATS)  # safetensors' names of the float types 
 # qzeros, scales, g_idx; k_scale / v_scale of an fp8 KV cache)
 LOW_BIT_FLOAT = re.compile(r"^F[468]")
 QUANT_COMPANION = re.compile(r"(_scale|_scale_inv|_scale_2|_global_scale|weight_packed|_zero_point|weight_shape|"
-                             r"\.qweight|\.qzeros|\.scales|\.g_idx)$")
+                             r"\.qweight|\.qzeros|\.scales|g_idx)$")
 
 
 def checkpoint_to_module_name(key: str) -> str | None:
@@ -171,8 +171,8 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
                  on_loaded=None, layout=None) -> dict:
     """Assign every tensor of `files` into `module` (built on meta). Returns a small report.
     on_loaded(name): called after each tensor is in place (streaming quantisation hooks in here).
-    layout: a pre-quantised checkpoint's fp8 parts (model/prequantized.py `Layout`, already `prepare`d on the
-    module): their tensors are copied into the fp8 modules' buffers as stored."""
+    layout: a pre-quantised checkpoint's quantised parts (model/prequantized.py `Layout`, already `prepare`d on the
+    module): their tensors are copied into the quantised modules' buffers as stored."""
     from safetensors import safe_open
     from safetensors import SafetensorError
 
@@ -183,7 +183,7 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
     unexpected: list[str] = []
     keys_per_file = []
     sums: list[tuple[str, torch.Tensor]] = []  # (key, fp32 sum): NaN or Inf when the tensor holds one
-    seen_fp8: set[str] = set()
+    seen_quantized: set[str] = set()
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as h:
@@ -201,14 +201,17 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
                     into = layout.target(key, module) if layout is not None else None
                     if into is not None:
                         name, index = into
-                        if expected[name].is_meta:  # an fp8 buffer's first part: made once on the device
+                        seen_quantized.add(key)
+                        if name is None:  # a packed weight's recorded [O, I]: checked, not stored
+                            layout.check_shape(key, h.get_tensor(key), f.name)
+                            continue
+                        if expected[name].is_meta:  # a quantised buffer's first part: made once on the device
                             buf = torch.empty(expected[name].shape, dtype=expected[name].dtype, device=device)
                             _assign(module, name, buf)
                             expected[name] = buf
                         part = expected[name][index]
                         part.copy_(loaded_tensor(h.get_tensor(key), key, part, f.name))
                         sums.append((key, finite_probe(part)))
-                        seen_fp8.add(key)
                         loaded.add(name)
                         continue
                     name = checkpoint_to_module_name(key)
@@ -245,10 +248,10 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
             raise CheckpointError(f"{f.name} could not be read ({e}); the file may be truncated: re-download it") from None
     if bar is not None:
         bar.close()
-    if layout is not None and layout.missing(seen_fp8):
-        absent = layout.missing(seen_fp8)
-        raise CheckpointError(f"{len(absent)} fp8 tensor(s) missing from the checkpoint (first: {absent[0]}); the "
-                              "download is incomplete or the experts are not stored one per expert")
+    if layout is not None and layout.missing(seen_quantized):
+        absent = layout.missing(seen_quantized)
+        raise CheckpointError(f"{len(absent)} quantised tensor(s) missing from the checkpoint (first: {absent[0]}); "
+                              "the download is incomplete or the experts are not stored one per expert")
     _check_finite(sums, files, dtype)
     missing = [n for n in expected if n not in loaded]
     # encoder layer scalars default to the decoder's copies (converters treat them as duplicates)
@@ -269,14 +272,14 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
             "encoder_scalars_from_decoder": len(fallback)}
 
 
-def _refuse_prequantized(f: Path, h, expected: dict, fp8=()) -> None:
+def _refuse_prequantized(f: Path, h, expected: dict, layout_keys=()) -> None:
     """CheckpointError naming the first tensor of `f` (an open safetensors file) that only a pre-quantised checkpoint
     holds: a low-bit float weight, or a quantiser's scale / zero point / packed weight beside a weight (a name the
     model does not have: the router's own `scale` and `per_expert_scale` are weights). Tensors that are never read
-    (tied copies, the vision tower) are not looked at; nor are `fp8`, the keys a pre-quantised layout reads."""
+    (tied copies, the vision tower) are not looked at; nor are `layout_keys`, the keys a pre-quantised layout reads."""
     for key in h.keys():
         name = checkpoint_to_module_name(key)
-        if name is None or key in fp8:  # tied copies and the vision tower: never read; a layout's own tensors
+        if name is None or key in layout_keys:  # tied copies and the vision tower: never read; a layout's own tensors
             continue
         stored = h.get_slice(key).get_dtype()
         if LOW_BIT_FLOAT.match(stored):
@@ -325,14 +328,14 @@ def _assign(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
 def state_dict_for_checkpoint(module: torch.nn.Module, tensors: dict | None = None) -> dict[str, torch.Tensor]:
     """The module's parameters and buffers under the checkpoint's names, on the CPU. tensors: the same names' values
     gathered elsewhere (a sharded training run's, train/distributed.py `full_tensors`) instead of the module's."""
+    named = {name: (tensors[name] if tensors is not None else t).detach()
+             for name, t in list(module.named_parameters()) + list(module.named_buffers())
+             if not name.split(".")[-1].startswith("inv_freq")}
     out = {}
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if name.split(".")[-1].startswith("inv_freq"):
-            continue
-        t = (tensors[name] if tensors is not None else t).detach()
-        fp8 = checkpoint_entries(name, t)
-        if fp8 is not None:  # an fp8 module's weight or scale: the pre-quantised layout (model/prequantized.py)
-            out.update({k: v.cpu() for k, v in fp8.items()})
+    for name, t in named.items():
+        quantized = checkpoint_entries(name, t, named.get(name.removesuffix("scale") + "q"))
+        if quantized is not None:  # a quantised module's weight or scale: the pre-quantised layout (prequantized.py)
+            out.update({k: v.cpu() for k, v in quantized.items()})
         else:
             out[module_to_checkpoint_name(name)] = t.contiguous().cpu()
     return out

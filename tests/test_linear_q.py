@@ -238,9 +238,6 @@ def test_load_quantises_while_loading_and_refuses_what_it_cannot_do(tmp_path):
                        after.generate(ids, generator=gen.manual_seed(1), **kw).sequences)
     with pytest.raises(blockpress.InputError, match="unknown linears format 'int4'"):
         blockpress.load(folder, progress=False, linears="int4")
-    with pytest.raises(blockpress.InputError, match="holds QuantizedExperts int4, QuantizedLinear int8 weights .*which no checkpoint format"):
-        streamed.save(tmp_path / "copy")
-    assert not (tmp_path / "copy").exists()
 
 
 def test_memory_refusal_offers_int8_linears(tmp_path, monkeypatch):

@@ -349,7 +349,7 @@ def test_int4_mlp_is_the_float_mlp_on_its_dequantised_weights():
 
 def test_int4_mlp_through_load_configure_and_the_byte_estimate(tmp_path):
     """Loading with linears="int4-mlp" quantises each layer's MLP as its weights arrive, the same model as
-    quantising after; the weight-byte estimate (the memory check) counts it; saving is refused (quantised)."""
+    quantising after; the weight-byte estimate (the memory check) counts it; saved, it loads back as stored."""
     import blockpress
     from blockpress import kernels
     from blockpress.kernels.quant import QuantizedMLP, quantize_mlp_
@@ -375,5 +375,7 @@ def test_int4_mlp_through_load_configure_and_the_byte_estimate(tmp_path):
     ids = torch.randint(5, 256, (1, 6), generator=torch.Generator().manual_seed(0))
     res = streamed.generate(ids, max_new_tokens=8, max_denoising_steps=3, generator=torch.Generator().manual_seed(1))
     assert res.sequences.shape == (1, 14)
-    with pytest.raises(blockpress.InputError, match="holds QuantizedExperts int4 weights"):
-        streamed.save(tmp_path / "copy")
+    back = blockpress.load(streamed.save(tmp_path / "copy"), progress=False)  # the pre-quantised layout, as stored
+    assert (back.options.precision, back.options.group_size, back.options.linears) == ("int4", 16, "int4-mlp")
+    sc = back.module.state_dict()
+    assert sc.keys() == sa.keys() and all(torch.equal(sa[k], sc[k]) for k in sa)

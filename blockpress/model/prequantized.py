@@ -204,10 +204,12 @@ class Layout:
             if names:
                 raise CheckpointError(f"layer {i}'s dense MLP stores some projections in int4 but not {names[0]}; "
                                       "blockpress holds a dense MLP in int4 whole (linears='int4-mlp'); " + FIX)
-        formats = {k for k in self.linears.values()} | ({"int4"} if self.mlps else set())
-        if len(formats) > 1:
-            raise CheckpointError(f"the checkpoint's projections mix {' and '.join(sorted(formats))}; blockpress holds "
-                                  "one projection format per model (linears=...); " + FIX)
+        for part, held, option in (("experts", set(self.experts.values()), "precision"),
+                                   ("projections", set(self.linears.values()) | ({"int4"} if self.mlps else set()),
+                                    "linears")):
+            if len(held) > 1:
+                raise CheckpointError(f"the checkpoint's {part} mix {' and '.join(sorted(held))}; blockpress holds one "
+                                      f"format for a model's {part} ({option}=...); " + FIX)
 
     def describe(self) -> str:
         """What is quantised, in words: "the experts of 30 layer(s) in int4 and 210 projection(s) in int8"."""
@@ -346,10 +348,7 @@ def resolve_options(layout: Layout, opts) -> dict:
                                ("projection", linears, "linears")):
         if not held:
             continue
-        if len(held) > 1:  # (experts of several kinds across layers)
-            raise CheckpointError(f"the checkpoint stores its {part} weights in {' and '.join(sorted(held))}; "
-                                  f"blockpress holds one {part} format per model; {FIX}")
-        (kind,) = held
+        (kind,) = held  # (one format each: Layout.read)
         asked = getattr(opts, option)
         if asked not in ("native", kind):
             raise InputError(f"this checkpoint stores its {part} weights in {kind}, and {option}={asked!r} needs "

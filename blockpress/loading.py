@@ -308,6 +308,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
         hooks.append(linear_streaming_quantizer(module, opts.linears))
     on_loaded = None if not hooks else lambda name: [h(name) for h in hooks]
     load_weights(module, files, dev, dt, progress=progress, on_loaded=on_loaded, layout=layout or None)
+    layout.finish(module)
     module.materialize_buffers(dev)
     module.eval()
     tok = None

@@ -22,10 +22,12 @@ the two halves of the expert's gate_up rows), the attention's (self_attn.{q,k,v,
     experts     fp8 -> QuantizedExperts fp8         int4 -> QuantizedExperts int4        (precision)
     projections fp8 -> QuantizedLinear fp8          int8 (by channel) -> QuantizedLinear int8   (linears)
     dense MLP   int4, all three -> QuantizedMLP (linears="int4-mlp": the MLP through the int4 expert kernels)
+    attention   int4 -> float weights in the activation dtype, dequantised once at load (no int4 projection kernel:
+                the values W4A16 computes with, at the bytes of the float projections)
 
-Anything else (int4 attention projections, 8-bit int experts, int8 by group, a model mixing projection formats)
-is refused naming the tensor, as are other schemes (NVFP4, asymmetric or activation-ordered int, block- or
-tensor-wise fp8, int activations, fp8 KV caches, static activation scales), those before any tensor is read.
+Anything else (8-bit int experts, int8 by group, a model mixing projection formats) is refused naming the tensor, as
+are other schemes (NVFP4, asymmetric or activation-ordered int, block- or tensor-wise fp8, int activations, fp8 KV
+caches, static activation scales), those before any tensor is read.
 
 int4 groups: blockpress's modules take one group size (kernels/quant.py `group_for`); a checkpoint's groups may
 differ per tensor (each divides its columns). The modules use the largest power of two dividing all of them, and a
@@ -132,6 +134,7 @@ class Layout:
     experts: dict[int, str] = field(default_factory=dict)  # layer -> "fp8" | "int4"
     linears: dict[tuple[int, str, str], str] = field(default_factory=dict)  # (layer, module, proj) -> "fp8" | "int8"
     mlps: set[int] = field(default_factory=set)  # layers whose dense MLP is int4 (QuantizedMLP)
+    widened: set[tuple[int, str, str]] = field(default_factory=set)  # int4 attention projections: float once loaded
     group_size: int | None = None  # int4: the group blockpress's modules use
     wanted: set[str] = field(default_factory=set)  # every checkpoint key the quantised modules need
     shapes: dict[str, tuple[int, int]] = field(default_factory=dict)  # weight_shape key -> the [O, I] it must hold
@@ -194,8 +197,7 @@ class Layout:
             elif kind == "int4" and m.group(2) == "mlp":
                 self.mlps.add(i)
             elif kind == "int4":
-                raise CheckpointError(f"tensor {prefix}.weight_packed is an int4 attention projection; blockpress "
-                                      f"holds attention projections in 8 bits (int8, fp8) or float; {FIX}")
+                self.widened.add((i, m.group(2), m.group(3)))
             else:
                 self.linears[(i, m.group(2), m.group(3))] = kind
         for i in sorted(self.mlps):
@@ -220,10 +222,13 @@ class Layout:
             what = [f"the experts of {ex} layer(s)"] * bool(ex) + [f"{pr} projection(s)"] * bool(pr)
             if what:
                 parts.append(f"{' and '.join(what)} in {kind}")
+        if self.widened:
+            parts.append(f"{len(self.widened)} int4 attention projection(s) dequantised to float (blockpress has no "
+                         "int4 projection kernel)")
         return "; ".join(parts)
 
     def __bool__(self) -> bool:
-        return bool(self.experts or self.linears or self.mlps)
+        return bool(self.experts or self.linears or self.mlps or self.widened)
 
     def prepare(self, module: nn.Module, dtype: torch.dtype) -> None:
         """Swap the quantised parts of `module` (built on the meta device) for empty quantised modules, and list the
@@ -248,6 +253,23 @@ class Layout:
             lin = getattr(parent, name)
             setattr(parent, name, QuantizedLinear(lin.in_features, lin.out_features, kind, device="meta"))
             self.wanted |= {linear_key(i, part, name, p) for p in parts_of(kind)}
+        for i, part, name in sorted(self.widened):
+            parent = getattr(module.layers[i], part)
+            lin = getattr(parent, name)
+            setattr(parent, name, PackedInt4(lin.in_features, lin.out_features, gs, dtype))
+            self.wanted |= {linear_key(i, part, name, p) for p in parts_of("int4")}
+
+    def finish(self, module: nn.Module) -> None:
+        """After the tensors are in: each int4 attention projection becomes a float `nn.Linear` of its dequantised
+        weight (activation dtype), one at a time."""
+        from ..kernels.quant import dequantize_int4
+
+        for i, part, name in sorted(self.widened):
+            parent = getattr(module.layers[i], part)
+            packed = getattr(parent, name)
+            lin = nn.Linear(packed.in_features, packed.out_features, bias=False, device="meta")
+            lin.weight = nn.Parameter(dequantize_int4(packed.weight_q, packed.weight_scale, packed.dtype))
+            setattr(parent, name, lin)
 
     def target(self, key: str, module: nn.Module):
         """(buffer name, index) a checkpoint key of the quantised modules fills; (None, None) for a packed weight's
@@ -278,6 +300,24 @@ class Layout:
 
     def missing(self, seen: set[str]) -> list[str]:
         return sorted(self.wanted - seen)
+
+
+class PackedInt4(nn.Module):
+    """An int4 attention projection while it loads (blockpress's int4 bytes [O, I/2] and group scales [O, I/G], the
+    buffers QuantizedLinear names); `Layout.finish` turns it into a float nn.Linear. Never run."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, dtype: torch.dtype):
+        super().__init__()
+        from ..kernels.quant import group_for
+
+        if in_features % 2:
+            raise CheckpointError(f"an int4 attention projection has {in_features} input columns; int4 packs two a "
+                                  f"byte, so they must be even; {FIX}")
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        g = group_for(in_features, group_size)
+        self.register_buffer("weight_q", torch.empty(out_features, in_features // 2, dtype=torch.uint8,
+                                                     device="meta"))
+        self.register_buffer("weight_scale", torch.empty(out_features, in_features // g, dtype=dtype, device="meta"))
 
 
 def _in_features(module: nn.Module, m: re.Match) -> int:

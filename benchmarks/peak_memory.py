@@ -35,7 +35,8 @@ import math
 
 import torch
 
-from blockpress.cli.bench import _group_size, _positive_float
+from blockpress.cli.bench import _positive_float
+from blockpress.cli.run import _group_size
 from blockpress.lab.presets import preset_config
 from blockpress.cli.run import _nonneg_int, _positive_int
 from blockpress.options import LINEAR_FORMATS

@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-from blockpress.cli.bench import _group_size
+from blockpress.cli.run import _group_size
 from blockpress.lab.presets import preset_config
 from blockpress.cli.run import _positive_int
 from blockpress.config import GenerationConfig

@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-from blockpress.cli.bench import _group_size
+from blockpress.cli.run import _group_size
 from blockpress.cli.run import _positive_int
 from blockpress.lab.profile import time_ms
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..lab.presets import DTYPE_NAMES, PRESETS
-from ..options import LINEAR_FORMATS
-from .run import COMPILE_HELP, _int_in, add_speed_args, _nonneg_int, _positive_int, _positive_int_list, _seed, _output_file
+from .run import COMPILE_HELP, _int_in, add_speed_args, add_storage_args, _nonneg_int, _positive_int, _positive_int_list, _seed, _output_file
 
 MODES = ("fixed", "adaptive")
 
@@ -56,27 +55,13 @@ def _positive_float(v: str) -> float:
     return x
 
 
-def _group_size(v: str) -> int:
-    from ..kernels.quant import check_group_size
-
-    try:
-        return check_group_size(int(v))
-    except ValueError:  # not an integer, or InputError (a ValueError): not a power of two >= 16
-        raise argparse.ArgumentTypeError(f"expected a power of two >= 16 (16, 32, 64, 128), got {v!r}") from None
-
-
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size (default tiny)")
     p.add_argument("--config", help="a config.json (diffusion_gemma) instead of a preset")
     p.add_argument("--model", help="a checkpoint folder (real weights) instead of random ones")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="model dtype (default bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native", help="expert weights")
-    p.add_argument("--group-size", type=_group_size, default=64, help="int4 scale group along the input dim")
-    p.add_argument("--linears", choices=LINEAR_FORMATS, default="native",
-                   help="attention and dense-MLP projections: native, or int8 / fp8 (a scale per row; weight-only, "
-                        "or fp8 x fp8 with --experts scaled_mm); int4-mlp: the dense MLP alone in int4, on the "
-                        "experts' int4 kernels")
+    add_storage_args(p)
     p.add_argument("--experts", default="auto",
                    help="experts backend: auto, loop (or torch: the reference), dense, grouped, triton, "
                         "triton_checked, scaled_mm (fp8 experts)")

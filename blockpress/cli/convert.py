@@ -15,17 +15,13 @@ from __future__ import annotations
 import sys
 import time
 
+from .run import add_storage_args, storage_options
+
 
 def add_parser(p) -> None:
     p.add_argument("model", metavar="MODEL", help="a checkpoint folder, a shipped model's name or a Hub id")
     p.add_argument("out", metavar="OUT", help="the folder to write")
-    p.add_argument("--precision", choices=("native", "fp8", "int4"), default="native",
-                   help="the experts' storage: fp8 = 8-bit floats with a scale per output row, int4 = 4-bit integers "
-                        "with a scale per --group-size inputs (default: as stored)")
-    p.add_argument("--group-size", type=int, default=64, help="int4: inputs per scale (default 64)")
-    p.add_argument("--linears", choices=("native", "int8", "fp8", "int4-mlp"), default="native",
-                   help="the attention and dense-MLP projections' storage: int8 / fp8 with a scale per output row, or "
-                        "int4-mlp (the dense MLP in int4, attention as stored)")
+    add_storage_args(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="the float weights' type (default: the checkpoint's own)")
     p.add_argument("--device", default=None,
@@ -44,8 +40,7 @@ def main(args) -> int:
     raw = ModelConfig.from_file(folder / "config.json").raw
     dtype = args.dtype or raw.get("dtype") or raw.get("torch_dtype") or \
         headers_dtype(read_headers(find_weight_files(folder))) or "bfloat16"
-    lm = blockpress.load(folder, device=args.device, dtype=dtype, precision=args.precision, linears=args.linears,
-                         group_size=args.group_size)
+    lm = blockpress.load(folder, device=args.device, dtype=dtype, **storage_options(args))
     out = lm.save(args.out)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     amount = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"

@@ -44,8 +44,7 @@ import sys
 
 from ..config import fixed_steps
 from ..errors import InputError
-from ..options import LINEAR_FORMATS
-from .run import (MAX_STEPS, _int_in, _nonneg_int, _output_file, _positive_int, _seed, _steps, add_sampler_args,
+from .run import (MAX_STEPS, add_storage_args, storage_options, _int_in, _nonneg_int, _output_file, _positive_int, _seed, _steps, add_sampler_args,
                   sampler_kwargs)
 
 
@@ -82,11 +81,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
-    p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
-                   help="expert weights: native, or fp8 / int4 quantised while loading (judge a format by the task)")
-    p.add_argument("--linears", choices=LINEAR_FORMATS, default="native",
-                   help="attention and dense-MLP projections: native, or int8 / fp8 quantised while loading; "
-                        "int4-mlp: the dense MLP alone in int4")
+    add_storage_args(p)  # (judge a format by the task)
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="torch CPU threads")
     p.add_argument("--json", default=None, type=_output_file, help="write the results here")
 
@@ -174,8 +169,8 @@ def main(args) -> int:
     path = args.model or sd.DEFAULT_MODEL_PATH
     if args.model is None and not (sd.DEFAULT_MODEL_PATH / "config.json").is_file():
         raise sd.SudokuModelMissing(f"no sudoku model at {path}; pass --model DIR")
-    lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision,
-                         linears=args.linears, progress=False)
+    lm = blockpress.load(path, device=args.device, dtype=args.dtype, progress=False,
+                         **storage_options(args))
     sd.require_sudoku_model(lm, path)
     if args.adapter:
         from blockpress.train.lora import apply_adapter
@@ -211,8 +206,8 @@ def _infill(args) -> int:
     if args.data:  # a typo in --data fails before the model loads
         passages(Path(args.data))
     path = resolve_path(args.model, progress=False) if args.model else SHIPPED_MODELS["kjv"]
-    lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision,
-                         linears=args.linears, progress=False)
+    lm = blockpress.load(path, device=args.device, dtype=args.dtype, progress=False,
+                         **storage_options(args))
     refuse_task_model(lm, "eval infill")
     data = passages(Path(args.data) if args.data else path / "eval" / "heldout.txt")
     if args.adapter:
@@ -248,8 +243,8 @@ def _chat(args) -> int:
     from .run import refuse_task_model
 
     def load(path):
-        lm = blockpress.load(path, device=args.device, dtype=args.dtype, precision=args.precision,
-                             linears=args.linears, progress=False)
+        lm = blockpress.load(path, device=args.device, dtype=args.dtype, progress=False,
+                             **storage_options(args))
         refuse_task_model(lm, "eval chat")
         return lm
 

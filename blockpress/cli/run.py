@@ -115,6 +115,35 @@ COMPILE_HELP = ("torch.compile each decoder block (norms, residual adds and RoPE
                 "shape compiles, for seconds to a minute")
 
 
+def _group_size(v: str) -> int:
+    from ..kernels.quant import check_group_size
+
+    try:
+        return check_group_size(int(v))
+    except ValueError:  # not an integer, or InputError (a ValueError): not a power of two >= 16
+        raise argparse.ArgumentTypeError(f"expected a power of two >= 16 (16, 32, 64, 128), got {v!r}") from None
+
+
+def add_storage_args(p: argparse.ArgumentParser) -> None:
+    """--precision, --group-size, --linears: how the weights are stored, fixed at load (blockpress/options.py)."""
+    p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
+                   help="expert weights: native (as stored), or fp8 / int4 quantised layer by layer while loading (a "
+                        "model too big for the GPU in bf16 loads straight into 4 bits); attention and embeddings keep "
+                        "--dtype. A pre-quantised checkpoint loads as stored")
+    p.add_argument("--group-size", type=_group_size, default=64,
+                   help="int4: input columns per scale, a power of two >= 16 (default 64)")
+    p.add_argument("--linears", choices=LINEAR_FORMATS, default="native",
+                   help="attention and dense-MLP projections: native (--dtype), or int8 / fp8 (8 bits with a scale per "
+                        "row, quantised while loading; int8 is the more accurate; with --precision int4 the 26B-A4B "
+                        "weights take ~15.3 GB, not ~17); int4-mlp: the dense MLP alone in int4 on the experts' int4 "
+                        "kernels (~16.2 GB with --precision int4)")
+
+
+def storage_options(args) -> dict[str, Any]:
+    """The storage flags (add_storage_args) -> `blockpress.load` options."""
+    return {name: getattr(args, name) for name in ("precision", "group_size", "linears") if hasattr(args, name)}
+
+
 def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
                    default: str = f"the shipped Sudoku model, {DEFAULT_MODEL}") -> None:
     p.add_argument("model", nargs="?", metavar="MODEL",
@@ -123,14 +152,7 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: $BLOCKPRESS_DEVICE, else cuda when available)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
-    p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
-                   help="expert weights: native, or fp8 / int4 quantised layer by layer while loading (a model "
-                        "too big for the GPU in bf16 loads straight into 4 bits); attention and embeddings keep --dtype")
-    p.add_argument("--linears", choices=LINEAR_FORMATS, default="native",
-                   help="attention and dense-MLP projections: native (--dtype), or int8 / fp8 (8 bits with a scale per "
-                        "row, quantised while loading; int8 is the more accurate; with --precision int4 the 26B-A4B "
-                        "weights take ~15.3 GB, not ~17); int4-mlp: the dense MLP alone in int4 on the experts' int4 "
-                        "kernels (~16.2 GB with --precision int4, and faster than the 8-bit projection kernel)")
+    add_storage_args(p)
     p.add_argument("--adapter", metavar="DIR",
                    help="LoRA adapter folder (PEFT format: adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--merge-adapter", action="store_true",
@@ -264,8 +286,8 @@ def refuse_task_model(lm, command: str) -> None:
 def model_options(args) -> dict[str, Any]:
     """The model flags -> `blockpress.load` options (blockpress/options.py)."""
     reference = getattr(args, "reference_kernels", False)
-    opts = {"precision": getattr(args, "precision", "native"), "linears": getattr(args, "linears", "native"),
-            "experts": "loop" if reference else "auto", "attention": "sdpa" if reference else "auto"}
+    opts = {**storage_options(args), "experts": "loop" if reference else "auto",
+            "attention": "sdpa" if reference else "auto"}
     for name in ("sampler", "fuse_commit", "merge_projections", "attention_kernel"):
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)

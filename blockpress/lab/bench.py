@@ -378,7 +378,8 @@ def run(args) -> dict:
 
         lm = load(args.model, device=str(device), dtype=dtype, progress=False, tokenizer=args.prompt is not None,
                   precision=args.precision, group_size=args.group_size, linears=args.linears)
-        args.precision, args.linears = lm.options.precision, lm.options.linears  # a pre-quantised checkpoint's own
+        # a pre-quantised checkpoint's own
+        args.precision, args.group_size, args.linears = lm.options.precision, lm.options.group_size, lm.options.linears
         module, config = lm.module, lm.config.to_dict()
         args.model_folder = lm.path  # a shipped model's name or a run folder, resolved: what transformers loads
         if args.prompt is not None:

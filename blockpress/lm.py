@@ -306,18 +306,19 @@ class BlockDiffusionLM:
         return self.tokenizer
 
     # ------------------------------------------------------------------------------- saving
-    def save(self, path: str | Path, tensors: dict | None = None) -> Path:
+    def save(self, path: str | Path, tensors: dict | None = None, shard_bytes: int | None = None) -> Path:
         """Write a checkpoint transformers can load: config.json (its `dtype` the tensors' own), generation_config.json,
-        model.safetensors (checkpoint key names), and the tokenizer files and blockpress_task.json of the folder it
-        was loaded from, if any. A model with quantised experts or projections (fp8, int4, int8) is written in the
-        pre-quantised layout that `load` reads back byte for byte (compressed-tensors' fp8 by output channel and packed
-        int, model/prequantized.py). Atomic; an existing `path` is replaced only where it holds nothing but a
-        checkpoint's files (else CheckpointError, nothing written).
-        tensors: the weights by module name when the module holds only a shard of them (a sharded training run)."""
-        from safetensors.torch import save_file
-
+        the weights under checkpoint key names (model.safetensors, or shards with an index past `shard_bytes`), and
+        the tokenizer files and blockpress_task.json of the folder it was loaded from, if any. A model with quantised
+        experts or projections (fp8, int4, int8) is written in the pre-quantised layout that `load` reads back byte
+        for byte (compressed-tensors' fp8 by output channel and packed int, model/prequantized.py). Atomic; an
+        existing `path` is replaced only where it holds nothing but a checkpoint's files (else CheckpointError,
+        nothing written).
+        tensors: the weights by module name when the module holds only a shard of them (a sharded training run).
+        shard_bytes: past this many bytes of weights (default 5 GB, the Hub's convention), they go into files of at
+        most that size with an index (model-0000i-of-0000n.safetensors, model.safetensors.index.json)."""
         from .model.prequantized import quantization_config
-        from .model.weights import state_dict_for_checkpoint, stored_dtype, write_atomic
+        from .model.weights import SHARD_BYTES, state_dict_for_checkpoint, stored_dtype, weight_files, write_atomic
 
         path = Path(path)
         sd = state_dict_for_checkpoint(self.module, tensors)
@@ -336,7 +337,7 @@ class BlockDiffusionLM:
         files: dict[str, Any] = {
             "config.json": json.dumps(config, indent=2),
             "generation_config.json": json.dumps(gen, indent=2),
-            "model.safetensors": lambda p: save_file(sd, str(p), metadata={"format": "pt"}),
+            **weight_files(sd, shard_bytes or SHARD_BYTES),
         }
         if self.path is not None:
             for name in FOLDER_FILES:

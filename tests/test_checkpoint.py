@@ -55,6 +55,12 @@ def test_blockpress_saved_checkpoint_loads_in_transformers(hf_tiny_dir, tmp_path
     again = blockpress.load(out, dtype="float32", progress=False)
     use(again.module, attention="eager")
     assert torch.equal(_logits_bp(again, IDS, CANVAS), _logits_bp(bp, IDS, CANVAS))
+    sharded = bp.save(tmp_path / "sharded", shard_bytes=200_000)  # shards with an index, as the Hub's
+    assert (sharded / "model.safetensors.index.json").is_file()
+    re_hf = DiffusionGemmaForBlockDiffusion.from_pretrained(sharded, dtype=torch.float32)
+    re_hf.set_attn_implementation("eager")
+    re_hf.set_experts_implementation("eager")
+    assert (_logits_hf(re_hf.eval(), IDS, CANVAS) - _logits_bp(bp, IDS, CANVAS)).abs().max() < 2e-5
 
 
 def test_sharded_checkpoint_loads(hf_tiny_dir, tmp_path):
@@ -654,3 +660,32 @@ def test_save_writes_the_dtype_of_the_tensors_it_writes(hf_tiny_dir, tmp_path):
     out = blockpress.load(old, dtype="bfloat16", progress=False).save(tmp_path / "bf16-old")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"
+
+
+def test_save_shards_past_the_shard_size_and_loads_back(tmp_path):
+    """Past `shard_bytes` the weights go into files of at most that size (a larger tensor alone in one) with an
+    index naming each tensor's file, as the Hub's sharded checkpoints are; they load back to the same weights, and a
+    later single-file save into the folder replaces the shards."""
+    from blockpress.train import sizes
+
+    lm = blockpress.from_config(sizes.model_config("nano", vocab_size=256, canvas_length=8, context=16), seed=0)
+    whole = lm.save(tmp_path / "whole")
+    limit = 100_000
+    out = lm.save(tmp_path / "sharded", shard_bytes=limit)
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    assert [s.name for s in shards] == [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    one = load_file(whole / "model.safetensors")
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in one.values())
+    parts = {s.name: load_file(s) for s in shards}
+    assert index["weight_map"] == {k: name for name, part in parts.items() for k in part}
+    assert sorted(index["weight_map"]) == sorted(one)
+    for part in parts.values():
+        sizes_ = [t.numel() * t.element_size() for t in part.values()]
+        assert sum(sizes_) <= limit or len(sizes_) == 1
+    back = blockpress.load(out, progress=False)
+    sa, sb = back.module.state_dict(), lm.module.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    back.save(out)  # the default shard size: one file, the shards gone
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]

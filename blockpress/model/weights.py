@@ -372,6 +372,37 @@ CHECKPOINT_FILES = frozenset({
 _SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 
 
+SHARD_BYTES = 5 * 10 ** 9  # the Hub's convention (and under its 50 GB per-file limit): the 26B model in 11 bf16 files
+
+
+def weight_files(sd: dict[str, torch.Tensor], shard_bytes: int = SHARD_BYTES) -> dict:
+    """The files that hold a state dict (checkpoint names, CPU tensors), for `write_atomic`: model.safetensors, or,
+    past `shard_bytes`, shards of at most that many bytes (a tensor larger than that alone in one) named
+    model-0000i-of-0000n.safetensors with model.safetensors.index.json mapping each tensor to its file."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in sd.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += n
+
+    def writer(part):
+        return lambda p: save_file(part, str(p), metadata={"format": "pt"})
+
+    if len(shards) == 1:
+        return {"model.safetensors": writer(shards[0])}
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())},
+             "weight_map": {key: name for name, part in zip(names, shards) for key in part}}
+    return {"model.safetensors.index.json": json.dumps(index, indent=2),
+            **{name: writer(part) for name, part in zip(names, shards)}}
+
+
 def _refuse_to_replace(folder: Path, files: dict) -> None:
     """CheckpointError unless `folder` is absent, or a folder that holds only checkpoint files (CHECKPOINT_FILES,
     weight shards, the files being written): a save must not delete a user's other files."""

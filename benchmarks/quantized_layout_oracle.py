@@ -5,10 +5,11 @@ llm-compressor writes them with and vLLM reads them with): an independent readin
     python benchmarks/quantized_layout_oracle.py
 
 For a tiny random model saved in each storage blockpress has (int4 experts by group with int8 projections; fp8
-experts with the dense MLP in int4; fp8 experts and projections):
+experts with the dense MLP in int4; fp8 experts and projections, which `save` describes as llm-compressor does, one
+group targeting "Linear"; int4 experts beside float projections):
 - the quantization_config validates as compressed-tensors' QuantizationConfig;
-- every quantised tensor's module is targeted by exactly one config group (its matcher, its regexes), and no float
-  projection or router is targeted (a reader would look for scales there);
+- every quantised tensor's module is targeted by exactly one config group (its matcher: names, regexes and the
+  "Linear" class, less the ignore list), and no float projection or router is (a reader would look for scales there);
 - that group's compressor (`pack-quantized` / `float-quantized`) decompresses the stored tensors into the weights
   blockpress computes with (its modules' dequantisation), to the bit;
 - the same compressor, given those weights and the stored scales, compresses them into the stored tensors.
@@ -24,7 +25,8 @@ from pathlib import Path
 import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationConfig
-from compressed_tensors.utils.match import match_name
+from compressed_tensors.utils.match import is_match
+from torch import nn
 from safetensors.torch import load_file
 
 import blockpress
@@ -33,7 +35,9 @@ from blockpress.train import sizes
 
 VARIANTS = {"int4 experts + int8 projections": dict(precision="int4", group_size=32, linears="int8"),
             "fp8 experts + int4 MLP": dict(precision="fp8", linears="int4-mlp", group_size=16),
-            "fp8 experts + fp8 projections": dict(precision="fp8", linears="fp8")}
+            "fp8 experts + fp8 projections": dict(precision="fp8", linears="fp8"),
+            "int4 experts, float projections": dict(precision="int4", group_size=32)}
+LINEAR = nn.Linear(1, 1, bias=False)
 QUANTISED = re.compile(r"^(.*)\.(weight|weight_packed)$")
 EXPERT = re.compile(r"layers\.(\d+)\.experts\.(\d+)\.(gate|up|down)_proj$")
 PROJ = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)$")
@@ -66,10 +70,10 @@ def check(lm, folder: Path) -> dict:
         if not m:
             continue
         name = m.group(1)
-        groups = [g for g in parsed.config_groups.values() if any(match_name(name, x) for x in g.targets)
-                  and not any(match_name(name, x) for x in parsed.ignore or [])]
+        # each projection is an nn.Linear in a model llm-compressor quantises: its matcher, by name and by class
+        groups = [g for g in parsed.config_groups.values() if is_match(name, LINEAR, g.targets, parsed.ignore or [])]
         if t.is_floating_point() and t.dtype != torch.float8_e4m3fn:  # a float weight
-            if groups and ("proj" in name):
+            if groups and "proj" in name:
                 float_targeted.append(name)
             continue
         modules += 1

@@ -155,7 +155,10 @@ def test_save_writes_the_layout_load_reads(checkpoints, tmp_path):
         assert torch.equal(saved[k].view(torch.uint8), v.view(torch.uint8)) if v.dtype == torch.float8_e4m3fn \
             else torch.equal(saved[k], v.to(saved[k].dtype)), k
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors" and cfg["dtype"] == "float32"
+    assert cfg["dtype"] == "float32"
+    qc = cfg["quantization_config"]  # every projection in fp8: llm-compressor's own config (targets "Linear")
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
+    assert [g["targets"] for g in qc["config_groups"].values()] == [["Linear"]] and qc["ignore"] == QC["ignore"]
     back = blockpress.load(out, progress=False)
     sa, sb = back.module.state_dict(), lm.module.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8)) for k in sa)
@@ -163,6 +166,9 @@ def test_save_writes_the_layout_load_reads(checkpoints, tmp_path):
     experts_only = blockpress.load(flt, progress=False, precision="fp8").save(tmp_path / "experts")
     again = blockpress.load(experts_only, progress=False)
     assert (again.options.precision, again.options.linears) == ("fp8", "native")
+    targets = json.loads((experts_only / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert [g["targets"] for g in targets.values()] == [["re:.*\\.experts\\.\\d+\\.(gate|up)_proj$",
+                                                          "re:.*\\.experts\\.\\d+\\.down_proj$"]]
     assert not isinstance(again.module.layers[0].self_attn.q_proj, QuantizedLinear)
 
 
@@ -445,43 +451,9 @@ def test_coarser_stored_groups_load_exactly_into_finer_ones(checkpoints, tmp_pat
             assert torch.equal(got, want), (e, proj)
 
 
-def _linear_targets(lm) -> list[str]:
-    """The targets naming each projection, its layers given as "\\d+" when every layer holds it (the global
-    layers have no v_proj: their values are their keys)."""
-    out = []
-    for part, names in QUANTIZED_LINEARS.items():
-        for n in names:
-            held = [i for i, layer in enumerate(lm.module.layers) if getattr(getattr(layer, part), n, None) is not None]
-            which = "\\d+" if len(held) == len(lm.module.layers) else "(" + "|".join(map(str, held)) + ")"
-            out.append(f"re:.*\\.layers\\.{which}\\.{part}\\.{n}$")
-    return out
-
-
-def test_int4_attention_projections_load_as_their_float_weights(checkpoints, tmp_path):
-    """Every projection in int4 (llm-compressor's W4A16 of all Linears): the experts and the dense MLP load as stored;
-    the attention projections, which no int4 kernel runs, become float nn.Linear weights equal to their stored values
-    times their scales. The same model, and tokens, as the float checkpoint quantised at load with those attention
-    weights put in."""
-    flt = checkpoints[0]
-    d = _int_checkpoint(flt, tmp_path / "w4a16", linears="int4")
-    lm = blockpress.load(d, progress=False)
-    assert (lm.options.precision, lm.options.group_size, lm.options.linears) == ("int4", 32, "int4-mlp")
-    stored = load_file(d / "model.safetensors")
-    ref = blockpress.load(flt, progress=False, precision="int4", group_size=32, linears="int4-mlp")
-    widened = 0
-    for i, layer in enumerate(ref.module.layers):
-        for name in QUANTIZED_LINEARS["self_attn"]:
-            if getattr(layer.self_attn, name, None) is None:
-                continue
-            w = _dequantized(stored, f"model.decoder.layers.{i}.self_attn.{name}")
-            got = getattr(lm.module.layers[i].self_attn, name)
-            assert type(got) is torch.nn.Linear and got.weight.dtype == torch.float32 and torch.equal(got.weight, w)
-            getattr(layer.self_attn, name).weight.copy_(w)
-            widened += 1
-    assert widened == 7
-    assert _same_state(lm, ref) and torch.equal(_tokens(lm), _tokens(ref))
-    bf16 = blockpress.load(d, progress=False, dtype="bfloat16")  # dequantised in the activation dtype
-    assert bf16.module.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+def _linear_targets() -> list[str]:
+    """The targets naming each attention and MLP projection by its name's end."""
+    return [f"re:.*\\.{p}\\.{n}$" for p, names in QUANTIZED_LINEARS.items() for n in names]
 
 
 def test_save_writes_the_int_layout_load_reads(checkpoints, tmp_path):
@@ -501,9 +473,8 @@ def test_save_writes_the_int_layout_load_reads(checkpoints, tmp_path):
     assert scheme_problem(qc) is None and qc["format"] == "pack-quantized"
     kinds = {(g["weights"]["num_bits"], g["weights"]["strategy"], g["weights"]["group_size"]): g["targets"]
              for g in qc["config_groups"].values()}
-    assert kinds == {(4, "group", 32): ["re:.*\\.layers\\.\\d+\\.experts\\.\\d+\\.(gate|up)_proj$",
-                                        "re:.*\\.layers\\.\\d+\\.experts\\.\\d+\\.down_proj$"],
-                     (8, "channel", None): sorted(_linear_targets(lm))}
+    assert kinds == {(4, "group", 32): ["re:.*\\.experts\\.\\d+\\.(gate|up)_proj$", "re:.*\\.experts\\.\\d+\\.down_proj$"],
+                     (8, "channel", None): sorted(_linear_targets())}
     back = blockpress.load(out, progress=False)
     assert _same_state(back, lm) and torch.equal(_tokens(back), _tokens(lm))
     mixed = blockpress.load(flt, progress=False, precision="fp8", linears="int4-mlp", group_size=16)

@@ -493,37 +493,57 @@ def checkpoint_entries(name: str, t: torch.Tensor, weight: torch.Tensor | None =
     return out
 
 
+# the Linears kept float (llm-compressor's ignore list for this model: the router, self-conditioning, vision, LM head)
+ALWAYS_FLOAT = ["lm_head", "re:.*router\\.proj$", "re:.*self_conditioning.*", "re:.*vision.*"]
+
+
 def quantization_config(module: nn.Module) -> dict | None:
-    """The quantization_config `save` writes beside a model's quantised weights: a compressed-tensors config group per
-    kind and group size, its targets the projections that hold it (regexes over module names), weight-only (what
-    blockpress computes by default). None when nothing is quantised."""
+    """The quantization_config `save` writes beside a model's quantised weights (None when nothing is quantised),
+    weight-only (what blockpress computes by default):
+    - every projection of the layers (attention, dense MLP, experts) in one format: one config group targeting
+      "Linear", the router, self-conditioning, LM head and vision tower ignored, as llm-compressor writes it for
+      its FP8 / W4A16 recipes (and vLLM reads it);
+    - otherwise a config group per format and group size, its targets regexes naming the projections that hold it
+      by their names' ends (`re:.*\\.experts\\.\\d+\\.down_proj$`), narrowed to the layers that hold it where some
+      layers hold the same projection in float."""
     from ..kernels.linear_q import QuantizedLinear
     from ..kernels.quant import QuantizedExperts, QuantizedMLP
 
-    held: dict[tuple[str, int | None, str], set[int]] = {}  # (kind, group, module-name pattern) -> layers
+    roles: dict[str, dict[int, tuple | None]] = {}  # name pattern -> layer -> (kind, group) or None (float)
 
-    def add(kind, group, pattern, i):
-        held.setdefault((kind, group if kind == "int4" else None, pattern), set()).add(i)
+    def note(pattern: str, i: int, what) -> None:
+        roles.setdefault(pattern, {})[i] = what
 
     for i, layer in enumerate(module.layers):
-        for inside, ex in (("experts\\.\\d+", layer.experts),
-                           ("mlp", layer.mlp.experts if isinstance(layer.mlp, QuantizedMLP) else None)):
+        mlp4 = layer.mlp.experts if isinstance(layer.mlp, QuantizedMLP) else None
+        for inside, ex in (("experts\\.\\d+", layer.experts), ("mlp", mlp4)):
             if isinstance(ex, QuantizedExperts):
-                add(ex.fmt, ex.groups[0], f"{inside}\\.(gate|up)_proj", i)
-                add(ex.fmt, ex.groups[1], f"{inside}\\.down_proj", i)
-        for part in ("self_attn", "mlp"):
+                for pattern, group in ((f"{inside}\\.(gate|up)_proj", ex.groups[0]),
+                                       (f"{inside}\\.down_proj", ex.groups[1])):
+                    note(pattern, i, (ex.fmt, group if ex.fmt == "int4" else None))
+            elif ex is layer.experts:  # float experts
+                note(f"{inside}\\.(gate|up)_proj", i, None)
+                note(f"{inside}\\.down_proj", i, None)
+        for part in ("self_attn",) + (() if mlp4 is not None else ("mlp",)):
             for name, lin in getattr(layer, part).named_children():
                 if isinstance(lin, QuantizedLinear):
-                    add(lin.fmt, None, f"{part}\\.{name}", i)
+                    note(f"{part}\\.{name}", i, (lin.fmt, None))
+                elif isinstance(lin, nn.Linear):
+                    note(f"{part}\\.{name}", i, None)
+    held = {what for by in roles.values() for what in by.values() if what}
     if not held:
         return None
-    n_layers = len(module.layers)
-    groups: dict[tuple[str, int | None], list[str]] = {}
-    for (kind, group, pattern), layers in sorted(held.items(), key=str):
-        which = "\\d+" if len(layers) == n_layers else "(" + "|".join(map(str, sorted(layers))) + ")"
-        groups.setdefault((kind, group), []).append(f"re:.*\\.layers\\.{which}\\.{pattern}$")
+    if len(held) == 1 and all(what for by in roles.values() for what in by.values()):
+        groups, ignore = {held.pop(): ["Linear"]}, ALWAYS_FLOAT
+    else:
+        groups, ignore = {}, ["lm_head"]
+        for pattern, by in sorted(roles.items()):
+            for what in sorted({w for w in by.values() if w}):
+                layers = sorted(i for i, w in by.items() if w == what)
+                where = "" if len(layers) == len(by) else "layers\\.(" + "|".join(map(str, layers)) + ")\\."
+                groups.setdefault(what, []).append(f"re:.*\\.{where}{pattern}$")
     config_groups = {}
-    for j, ((kind, group), targets) in enumerate(groups.items()):
+    for j, ((kind, group), targets) in enumerate(sorted(groups.items(), key=str)):
         bits, typ = (8, "float") if kind == "fp8" else (4 if kind == "int4" else 8, "int")
         weights = {"num_bits": bits, "type": typ, "strategy": "group" if kind == "int4" else "channel",
                    "symmetric": True, "dynamic": False, "group_size": group, "block_structure": None,
@@ -532,7 +552,7 @@ def quantization_config(module: nn.Module) -> dict | None:
                                        "output_activations": None, "format": _format(kind)}
     formats = {g["format"] for g in config_groups.values()}
     return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
-            "kv_cache_scheme": None, "config_groups": config_groups, "ignore": ["lm_head"]}
+            "kv_cache_scheme": None, "config_groups": config_groups, "ignore": list(ignore)}
 
 
 def _format(kind: str) -> str:

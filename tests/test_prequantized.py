@@ -456,6 +456,33 @@ def _linear_targets() -> list[str]:
     return [f"re:.*\\.{p}\\.{n}$" for p, names in QUANTIZED_LINEARS.items() for n in names]
 
 
+def test_int4_attention_projections_load_as_their_float_weights(checkpoints, tmp_path):
+    """Every projection in int4 (llm-compressor's W4A16 of all Linears): the experts and the dense MLP load as stored;
+    the attention projections, which no int4 kernel runs, become float nn.Linear weights equal to their stored values
+    times their scales. The same model, and tokens, as the float checkpoint quantised at load with those attention
+    weights put in."""
+    flt = checkpoints[0]
+    d = _int_checkpoint(flt, tmp_path / "w4a16", linears="int4")
+    lm = blockpress.load(d, progress=False)
+    assert (lm.options.precision, lm.options.group_size, lm.options.linears) == ("int4", 32, "int4-mlp")
+    stored = load_file(d / "model.safetensors")
+    ref = blockpress.load(flt, progress=False, precision="int4", group_size=32, linears="int4-mlp")
+    widened = 0
+    for i, layer in enumerate(ref.module.layers):
+        for name in QUANTIZED_LINEARS["self_attn"]:
+            if getattr(layer.self_attn, name, None) is None:
+                continue
+            w = _dequantized(stored, f"model.decoder.layers.{i}.self_attn.{name}")
+            got = getattr(lm.module.layers[i].self_attn, name)
+            assert type(got) is torch.nn.Linear and got.weight.dtype == torch.float32 and torch.equal(got.weight, w)
+            getattr(layer.self_attn, name).weight.copy_(w)
+            widened += 1
+    assert widened == 7
+    assert _same_state(lm, ref) and torch.equal(_tokens(lm), _tokens(ref))
+    bf16 = blockpress.load(d, progress=False, dtype="bfloat16")  # dequantised in the activation dtype
+    assert bf16.module.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
 def test_save_writes_the_int_layout_load_reads(checkpoints, tmp_path):
     """int4 experts and int8 projections save as the test's own writer writes them (a config group per kind and group
     size, its targets naming what holds it); an fp8-experts model with its dense MLP in int4 round-trips too."""
@@ -484,6 +511,13 @@ def test_save_writes_the_int_layout_load_reads(checkpoints, tmp_path):
     keys = load_file(tmp_path / "mlp" / "model.safetensors").keys()
     assert "model.decoder.layers.1.mlp.up_proj.weight_packed" in keys and \
         "model.decoder.layers.1.self_attn.q_proj.weight" in keys
+    part = blockpress.load(flt, progress=False, precision="int4", group_size=32)  # layer 0's experts float again
+    part.module.layers[0].experts = blockpress.load(flt, progress=False).module.layers[0].experts
+    qc = json.loads((part.save(tmp_path / "part") / "config.json").read_text())["quantization_config"]
+    assert [g["targets"] for g in qc["config_groups"].values()] == [
+        ["re:.*\\.layers\\.(1)\\.experts\\.\\d+\\.(gate|up)_proj$", "re:.*\\.layers\\.(1)\\.experts\\.\\d+\\.down_proj$"]]
+    again = blockpress.load(tmp_path / "part", progress=False)
+    assert not isinstance(again.module.layers[0].experts, QuantizedExperts) and _same_state(again, part)
 
 
 @pytest.mark.parametrize("weights, activations, needle", [

@@ -332,9 +332,9 @@ def _quant_method(qc) -> str:
 
 def _prequantized(folder: Path, raw: dict) -> bool:
     """Whether config.json (or its text_config) has a quantization_config of a pre-quantised scheme blockpress reads
-    (compressed-tensors fp8 by output channel, packed int4 / int8: model/prequantized.py). CheckpointError before any weight is read for another
-    scheme, or when the folder holds ModelOpt's hf_quant_config.json (the tensors' own check is in
-    model/weights.py `load_weights`)."""
+    (compressed-tensors fp8 by output channel, packed int4 / int8: model/prequantized.py). CheckpointError before any
+    weight is read for another scheme, or when the folder holds ModelOpt's hf_quant_config.json (the tensors' own
+    check is in model/weights.py `load_weights`)."""
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     qc = raw.get("quantization_config") or text.get("quantization_config")
     where = "config.json has a quantization_config"

@@ -421,8 +421,9 @@ def loaded_tensor(t: torch.Tensor, key: str, like: torch.Tensor, fname: str) -> 
             raise CheckpointError(f"tensor {key} in {fname} is stored as {t.dtype}, expected a float scale; {FIX}")
         if t.dim() == 2 and like.dim() == 1 and t.shape[-1] == 1:
             t = t.reshape(-1)
-        elif t.dim() == 2 and like.dim() == 2 and 0 < t.shape[-1] < like.shape[-1] and like.shape[-1] % t.shape[-1] == 0:
-            t = t.repeat_interleave(like.shape[-1] // t.shape[-1], dim=-1)  # a coarser stored group (exact)
+        elif t.dim() == 2 and like.dim() == 2 and 0 < t.shape[-1] < like.shape[-1] \
+                and like.shape[-1] % t.shape[-1] == 0:  # a coarser stored group: each scale over its finer groups
+            t = t.repeat_interleave(like.shape[-1] // t.shape[-1], dim=-1)
     elif key.endswith("_packed"):
         if t.dtype != torch.int32 or t.dim() != 2:
             raise CheckpointError(f"tensor {key} in {fname} is stored as {t.dtype} {list(t.shape)}, expected int32 "

@@ -321,6 +321,10 @@ class BlockDiffusionLM:
         from .model.weights import SHARD_BYTES, state_dict_for_checkpoint, stored_dtype, weight_files, write_atomic
 
         path = Path(path)
+        if self.module.quantized_table is not None:
+            raise InputError("this model holds its embedding table in int8 (embeddings='int8'), which no checkpoint "
+                             "format blockpress writes holds; load it with embeddings='native' to save it (the "
+                             "experts and projections may stay quantised)")
         sd = state_dict_for_checkpoint(self.module, tensors)
         config = self.config.to_dict()
         qc = quantization_config(self.module)

@@ -176,12 +176,13 @@ def _checkpoint_generation_defaults(path: Path, vocab_size: int) -> dict:
 
 
 def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native", group_size: int = 64,
-                           linears: str = "native") -> int:
+                           linears: str = "native", embeddings: str = "native") -> int:
     """Bytes the weights of a (meta-device) module will take once loaded: expert tensors in fp8 (1 byte
     per weight + an fp32 scale per output row) or int4 (half a byte + a `dtype` scale per group, as
     kernels/quant.py stores them), attention / dense-MLP projections in 8 bits with linears="int8" / "fp8"
     (1 byte + an fp32 scale per row, kernels/linear_q.py), the dense MLP in int4 with linears="int4-mlp" (as the
-    experts' int4), everything else in `dtype`."""
+    experts' int4), the embedding table in int8 with embeddings="int8" (1 byte + an fp32 scale per token),
+    everything else in `dtype`."""
     from .kernels.linear_q import LINEAR_WEIGHT, QUANTIZED_LINEARS
     from .kernels.quant import group_for
 
@@ -197,6 +198,8 @@ def estimated_weight_bytes(module, dtype: torch.dtype, precision: str = "native"
             O, I = p.shape
             total += p.numel() // 2 + O * (I // group_for(I, group_size)) * item
         elif linears not in ("native", "int4-mlp") and m is not None and m.group(3) in QUANTIZED_LINEARS[m.group(2)]:
+            total += p.numel() + p.shape[0] * 4
+        elif embeddings == "int8" and name == "embed_tokens.weight":
             total += p.numel() + p.shape[0] * 4
         else:
             total += p.numel() * item
@@ -218,24 +221,24 @@ def _free_bytes(device: torch.device) -> int | None:
 
 
 def check_memory(module, device: torch.device, dtype: torch.dtype, precision: str, group_size: int,
-                 linears: str = "native") -> None:
+                 linears: str = "native", embeddings: str = "native") -> None:
     """Refuse, before reading any weight, a load that cannot fit: name what it needs, what is free, and
     the precisions that would fit. BLOCKPRESS_SKIP_MEMORY_CHECK=1 skips it (e.g. with swap)."""
     if os.environ.get("BLOCKPRESS_SKIP_MEMORY_CHECK") == "1":
         return
     free = _free_bytes(device)
-    need = estimated_weight_bytes(module, dtype, precision, group_size, linears)
+    need = estimated_weight_bytes(module, dtype, precision, group_size, linears, embeddings)
     if free is None or need <= free:
         return
     gib = 2 ** 30
     options = []
     for prec, lin in (("fp8", linears), ("int4", linears), ("int4", "int8")):
         if (prec, lin) != (precision, linears):
-            n = estimated_weight_bytes(module, dtype, prec, group_size, lin)
+            n = estimated_weight_bytes(module, dtype, prec, group_size, lin, embeddings)
             options.append(f"precision {prec}" + (f" with {lin} linears" if lin != "native" else "")
                            + f" needs ~{n / gib:.1f} GiB" + (" (fits)" if n <= free else ""))
     if dtype.itemsize > 2:
-        n = estimated_weight_bytes(module, torch.bfloat16, precision, group_size, linears)
+        n = estimated_weight_bytes(module, torch.bfloat16, precision, group_size, linears, embeddings)
         options.append(f"dtype bfloat16 needs ~{n / gib:.1f} GiB" + (" (fits)" if n <= free else ""))
     raise InputError(f"the weights need ~{need / gib:.1f} GiB ({str(dtype).removeprefix('torch.')}, precision "
                      f"{precision}, linears {linears}) but {device} has {free / gib:.1f} GiB free; " + "; ".join(options)
@@ -255,7 +258,8 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
       router, embeddings and norms stay in `dtype`. linears: "native", or "int8" / "fp8": the attention and
       dense-MLP projections in 8 bits (a scale per output row), quantised as each is read; with precision="int4"
       the 26B-A4B weights take ~15.3 GB, not ~17. int8 is the more accurate; fp8 can also run with fp8
-      activations (experts="scaled_mm", Hopper / Ada).
+      activations (experts="scaled_mm", Hopper / Ada). embeddings: "native", or "int8": the embedding table (also
+      the LM head) with a scale per token, 0.74 GB less on the 26B-A4B model.
     - experts / attention: the kernels. "auto" picks the fastest path that runs here (experts: the Triton kernel
       on a CUDA GPU, grouped GEMMs on a CPU; attention: SDPA with the KV heads grouped inside the kernel);
       "loop" / "sdpa" or "eager" are the plain references (the same function up to fp32 summation order).
@@ -289,7 +293,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     gen_defaults = _checkpoint_generation_defaults(gen_path, config.text.vocab_size) if gen_path.is_file() else {}
     dev = parse_device(device)
     dt = parse_dtype(dtype, config, dev)
-    check_memory(module, dev, dt, opts.precision, opts.group_size, opts.linears)
+    check_memory(module, dev, dt, opts.precision, opts.group_size, opts.linears, opts.embeddings)
     if layout:
         layout.prepare(module, dt)
         print(f"blockpress: a pre-quantised checkpoint: {layout.describe()}, loaded as stored", file=sys.stderr)
@@ -306,6 +310,10 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
         from .kernels.linear_q import linear_streaming_quantizer
 
         hooks.append(linear_streaming_quantizer(module, opts.linears))
+    if opts.embeddings == "int8":
+        from .kernels.linear_q import embedding_streaming_quantizer
+
+        hooks.append(embedding_streaming_quantizer(module))
     on_loaded = None if not hooks else lambda name: [h(name) for h in hooks]
     load_weights(module, files, dev, dt, progress=progress, on_loaded=on_loaded, layout=layout or None)
     layout.finish(module)

@@ -16,7 +16,8 @@
   in that many runs, merged by a second kernel: more programs at batch 1; 1, the default, one run).
 - Storage, fixed at load: `precision` of the experts ("native", "fp8", "int4", with `group_size`) and of the
   attention / dense-MLP projections (`linears`: "native", "int8", "fp8" for both; "int4-mlp": the dense MLP alone
-  in int4 through the expert kernels).
+  in int4 through the expert kernels), and of the token embedding table that is also the LM head (`embeddings`:
+  "native", or "int8" with a scale per token, kernels/linear_q.py `QuantizedEmbedding`).
 
 Kernel names and tile specs are checked by `kernels.select` when they are applied (still once, at load or
 configure); everything else here. A bad value is an `InputError` naming the field and the choices.
@@ -32,9 +33,10 @@ from .errors import InputError
 SAMPLERS = ("exact", "fast")
 PRECISIONS = ("native", "fp8", "int4")
 LINEAR_FORMATS = ("native", "int8", "fp8", "int4-mlp")
+EMBEDDING_FORMATS = ("native", "int8")
 MOE_SUMS = ("kernel", "atomic")
 ENGINE_FIELDS = ("sampler", "fuse_commit", "compact_rows", "cuda_graphs", "compile")
-STORAGE_FIELDS = ("precision", "group_size", "linears")
+STORAGE_FIELDS = ("precision", "group_size", "linears", "embeddings")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Options:
     precision: str = "native"
     group_size: int = 64
     linears: str = "native"
+    embeddings: str = "native"
     merge_projections: bool | None = None  # None: merged (`merges`)
 
     def replace(self, **changes) -> "Options":
@@ -68,12 +71,14 @@ class Options:
     def validate(self) -> "Options":
         def one_of(name, choices):
             if getattr(self, name) not in choices:
-                what = {"linears": "linears format", "moe_sum": "MoE sum"}.get(name, name)
+                what = {"linears": "linears format", "embeddings": "embeddings format",
+                        "moe_sum": "MoE sum"}.get(name, name)
                 raise InputError(f"unknown {what} {getattr(self, name)!r}; use one of {', '.join(map(str, choices))}")
 
         one_of("sampler", SAMPLERS)
         one_of("precision", PRECISIONS)
         one_of("linears", LINEAR_FORMATS)
+        one_of("embeddings", EMBEDDING_FORMATS)
         one_of("moe_sum", MOE_SUMS)
         if not isinstance(self.compile, bool):
             raise InputError(f"option compile must be True or False, got {self.compile!r}")
@@ -98,6 +103,9 @@ class Options:
             raise InputError(f"sc_topk must be a positive number of tokens or None, got {self.sc_topk!r}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise InputError(f"group_size must be a positive integer, got {self.group_size!r}")
+        if self.sc_topk is not None and self.embeddings != "native":
+            raise InputError("sc_topk (self-conditioning over the top-K tokens) reads float embeddings; with "
+                             "embeddings='int8' use exact self-conditioning (sc_topk=None)")
         if self.compile and self.experts in ("loop", "torch"):
             raise InputError("compile and the reference kernels (experts='loop'): the references are for checking "
                              "the fast paths as written; drop one of them")

@@ -321,3 +321,105 @@ def test_int8_linear_kernel_compiled_on_cuda():
             if fmt == "fp8" and torch.cuda.get_device_capability() >= (8, 9):  # fp8 tensor cores: w8a8
                 w8a8 = linear_fp8_scaled_mm(x, m.weight_q, m.weight_scale)
                 assert _rel(w8a8, linear_fp8_w8a8_reference(x, m.weight_q, m.weight_scale)) < 1e-2
+
+
+# ------------------------------------------------------------------------------------ the int8 embedding table
+
+def _nano_folder(tmp_path):
+    from blockpress.train import sizes
+
+    return blockpress.from_config(sizes.model_config("nano", vocab_size=256, canvas_length=8, context=16),
+                                  seed=0).save(tmp_path / "m")
+
+
+def _decode_logits(lm, ids, canvas):
+    cache = lm.module.new_cache(ids.shape[0], ids.shape[1])
+    lm.module.encode(ids, cache)
+    return lm.module.decode(canvas, cache).float()
+
+
+def test_int8_embeddings_are_the_model_with_the_dequantised_table(tmp_path, monkeypatch):
+    """embeddings="int8": the lookup, the LM head and the self-conditioning soft embedding all read the int8 table
+    (QuantizedEmbedding), and together compute what the float model computes with that table dequantised: the same
+    logits and tokens. Streaming it while loading gives the table quantising after gives; the weight estimate counts
+    it; saving and sc_topk are refused with one line each."""
+    from blockpress.kernels.linear_q import QuantizedEmbedding, quantize_embeddings_
+    from blockpress.loading import estimated_weight_bytes
+
+    folder = _nano_folder(tmp_path)
+    q = blockpress.load(folder, progress=False, embeddings="int8")
+    table = q.module.embed_tokens
+    assert isinstance(table, QuantizedEmbedding) and table.weight_q.dtype == torch.int8
+    assert q.options.embeddings == "int8" and q.module.dtype == torch.float32
+    ref = blockpress.load(folder, progress=False)
+    ref.module.embed_tokens.weight.copy_(table.dequantize(torch.float32))
+    ids = torch.randint(5, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    canvas = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_decode_logits(q, ids, canvas), _decode_logits(ref, ids, canvas), rtol=1e-5,
+                               atol=1e-5)
+    kw = dict(max_new_tokens=16, max_denoising_steps=4)
+    heads = []
+    monkeypatch.setattr(QuantizedEmbedding, "head", lambda self, h, rows=slice(None): heads.append(rows) or
+                        self.linear_with(h, self.weight_q[rows], self.weight_scale[rows]))
+    for engine, part_bytes in (({}, None), (dict(sampler="fast", cuda_graphs=True, fuse_commit=True), None),
+                               (dict(sampler="exact", cuda_graphs=True), 4096)):
+        if part_bytes:  # the LM head into the graphs' logits buffer in vocabulary slices, as on the 26B model
+            monkeypatch.setattr("blockpress.model.diffusion_gemma.LM_HEAD_PART_BYTES", part_bytes)
+        q.configure(**engine)
+        ref.configure(**engine)
+        assert torch.equal(q.generate(ids, generator=torch.Generator().manual_seed(2), **kw).sequences,
+                           ref.generate(ids, generator=torch.Generator().manual_seed(2), **kw).sequences), engine
+    assert slice(None) in heads and any(r.start for r in heads)  # whole products and slices both ran
+    after = quantize_embeddings_(blockpress.load(folder, progress=False).module)
+    sa, sb = q.module.state_dict(), after.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    with torch.device("meta"):
+        meta = type(q.module)(q.module.config)
+    held = sum(t.numel() * t.element_size() for t in [*q.module.parameters(), *q.module.buffers()]
+               if t.device.type != "meta")
+    buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
+    assert estimated_weight_bytes(meta, torch.float32, embeddings="int8") + buffers == held
+    with pytest.raises(blockpress.InputError, match="holds its embedding table in int8"):
+        q.save(tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
+    with pytest.raises(blockpress.InputError, match="sc_topk .* with embeddings='int8' use exact"):
+        blockpress.load(folder, progress=False, embeddings="int8", sc_topk=8)
+    with pytest.raises(blockpress.InputError, match="unknown embeddings format 'int4'"):
+        blockpress.load(folder, progress=False, embeddings="int4")
+
+
+def test_the_soft_embedding_in_table_slices_sums_their_products(monkeypatch):
+    """A table larger than a slice: its products over vocabulary slices, summed in fp32, are the one product."""
+    from blockpress.kernels import linear_q
+    from blockpress.kernels.linear_q import QuantizedEmbedding
+
+    g = torch.Generator().manual_seed(0)
+    emb = torch.nn.Embedding(1000, 48)
+    emb.weight.copy_(torch.randn(1000, 48, generator=g))
+    table = QuantizedEmbedding.from_embedding(emb)
+    probs = torch.softmax(torch.randn(3, 5, 1000, generator=g) * 3, -1)
+    whole = probs @ table.dequantize(torch.float32)
+    monkeypatch.setattr(linear_q, "SOFT_SLICE_BYTES", 48 * 4 * 128)  # 128 rows a slice: 8 slices
+    sliced = table.soft(probs)
+    assert sliced.shape == (3, 5, 48) and not torch.equal(sliced, whole)  # summed otherwise...
+    torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-6)  # ...the same product
+    lookup = table(torch.tensor([[0, 999], [5, 5]]))
+    assert torch.equal(lookup, table.dequantize(torch.float32)[torch.tensor([[0, 999], [5, 5]])])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_int8_lm_head_through_the_triton_kernel_equals_the_torch_reference(dtype, tol):
+    """The LM head of an int8 table is the int8 linear kernel over a slice of the vocabulary."""
+    from blockpress.kernels.linear_q import QuantizedEmbedding
+
+    g = torch.Generator().manual_seed(1)
+    emb = torch.nn.Embedding(300, 64).to(DEV, dtype)
+    emb.weight.copy_(torch.randn(300, 64, generator=g).to(DEV, dtype))
+    table = QuantizedEmbedding.from_embedding(emb)
+    h = torch.randn(2, 9, 64, generator=g).to(DEV, dtype)
+    table.backend = "torch"
+    ref = table.head(h, slice(40, 290))
+    torch.testing.assert_close(ref, torch.nn.functional.linear(h, table.dequantize(dtype)[40:290]))
+    table.backend = "triton"
+    assert table.resolved_backend(h) == "triton" and _rel(table.head(h, slice(40, 290)), ref) < tol

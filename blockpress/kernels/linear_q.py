@@ -404,4 +404,79 @@ def linear_streaming_quantizer(module: nn.Module, fmt: str = "int8"):
 
 
 def quantized_linears(module: nn.Module) -> list[QuantizedLinear]:
-    return [m for m in module.modules() if isinstance(m, QuantizedLinear)]
+    """The layers' 8-bit projections (not an 8-bit embedding table, `quantized_table`)."""
+    return [m for m in module.modules() if type(m) is QuantizedLinear]
+
+
+# ------------------------------------------------------------------------------------ the embedding table
+
+SOFT_SLICE_BYTES = 32 << 20  # the soft embedding's dequantised slice of the table, at most (bf16 on the 26B: 5,957 rows)
+QUANTIZE_ROWS = 16384  # rows of the table quantised at a time (bounded fp32 temporaries: 185 MB on the 26B model)
+
+
+class QuantizedEmbedding(QuantizedLinear):
+    """The token embedding table in int8 with a scale per token (row): half the bytes of a bf16 table (1.48 -> 0.74
+    GB on the 26B model) for its three uses, each a method, so the model never reads a float table:
+    - the lookup (`forward(ids)`): the rows dequantised to the activation dtype;
+    - the LM head (`head(h, rows)`): the table is also the output projection, [V, H] with a scale per output row, so
+      this is a QuantizedLinear and the int8 linear kernel runs it (over a slice of the vocabulary), reading half the
+      bytes;
+    - the self-conditioning soft embedding (`soft(probs)`: probabilities [.., V] @ table): a product over the
+      vocabulary, which the int8 kernel (a weight's inputs contiguous) does not read in place; the table is
+      dequantised in slices of at most SOFT_SLICE_BYTES, their products summed in fp32 (one slice: the plain product
+      of the dequantised table). That moves ~2.5x the bf16 table's bytes for this product: the memory is what it
+      buys, until a kernel reads the int8 table along the vocabulary.
+    Inference only, like the other 8-bit weights (`lm_logits` dequantises the table for a gradient)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device=None):
+        super().__init__(embedding_dim, num_embeddings, "int8", device=device)
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+
+    @classmethod
+    @torch.no_grad()
+    def from_embedding(cls, emb: nn.Embedding) -> "QuantizedEmbedding":
+        w = emb.weight
+        m = cls(w.shape[0], w.shape[1], w.dtype, device=w.device)
+        for r0 in range(0, w.shape[0], QUANTIZE_ROWS):
+            m.weight_q[r0:r0 + QUANTIZE_ROWS], m.weight_scale[r0:r0 + QUANTIZE_ROWS] = \
+                quantize_int8_rows(w[r0:r0 + QUANTIZE_ROWS])
+        return m
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8, dtype={self.dtype}, backend={self.backend}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.weight_q[ids].float() * self.weight_scale[ids][..., None]).to(self.dtype)
+
+    def head(self, h: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """h [..., H] @ table[rows]^T -> [..., rows] in h's dtype (the LM head's product, before the soft cap)."""
+        return self.linear_with(h, self.weight_q[rows], self.weight_scale[rows])
+
+    def soft(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs [..., V] @ table -> [..., H] in probs' dtype."""
+        V, H = self.weight_q.shape
+        flat = probs.reshape(-1, V)
+        step = max(1, SOFT_SLICE_BYTES // (H * probs.element_size()))
+        out = None
+        for v0 in range(0, V, step):
+            part = flat[:, v0:v0 + step] @ dequantize_int8_rows(self.weight_q[v0:v0 + step],
+                                                               self.weight_scale[v0:v0 + step], probs.dtype)
+            out = part if out is None else (out.float() if out.dtype != torch.float32 else out).add_(part)
+        return out.to(probs.dtype).view(*probs.shape[:-1], H)
+
+
+def quantize_embeddings_(module: nn.Module) -> nn.Module:
+    """Swap the model's embedding table for a QuantizedEmbedding, in place (kept if it is one). Returns the module."""
+    if isinstance(module.embed_tokens, nn.Embedding):
+        module.embed_tokens = QuantizedEmbedding.from_embedding(module.embed_tokens)
+    return module
+
+
+def embedding_streaming_quantizer(module: nn.Module):
+    """A `load_weights(on_loaded=...)` hook: the embedding table is quantised as soon as it is in."""
+
+    def on_loaded(name: str) -> None:
+        if name == "embed_tokens.weight":
+            quantize_embeddings_(module)
+
+    return on_loaded

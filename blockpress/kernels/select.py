@@ -32,13 +32,14 @@ import torch
 from ..errors import InputError
 from ..model.layers import attention_eager, attention_sdpa, merge_projections_, softcap_logits
 from ..model.ops import Ops
-from ..options import LINEAR_FORMATS, PRECISIONS, Options
+from ..options import EMBEDDING_FORMATS, LINEAR_FORMATS, PRECISIONS, Options
 from ._triton import triton, usable_on
 from .attention import attention_sdpa_gqa
 from .attention_fixed import FIXED_ATTENTION, fixed_attention_op
 from .compiled import compiled_block
 from .library import FLOAT_EXPERTS, float_experts, float_experts_op, kernel_of
-from .linear_q import QuantizedLinear, as_linear_tiles, linear_tiles_spec, quantize_linears_, quantized_linears
+from .linear_q import (QuantizedLinear, as_linear_tiles, linear_tiles_spec, quantize_embeddings_, quantize_linears_,
+                       quantized_linears)
 from .moe_grouped import _grouped_mm_ok, _wgmma_target, as_tiles, default_tiles
 from .quant import QuantizedExperts, QuantizedMLP, quantize_experts_, quantize_mlp_
 from .route import ROUTE, route_op
@@ -71,9 +72,13 @@ def check_names(experts: str = "auto", attention: str = "auto", linears: str = "
         raise ValueError(f"unknown attention backend {attention!r}; use one of {sorted({'auto', *ATTENTION})}")
 
 
-def _store(module, precision: str, group_size: int, linears: str) -> None:
+def _store(module, precision: str, group_size: int, linears: str, embeddings: str = "native") -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
+    if embeddings not in EMBEDDING_FORMATS:
+        raise ValueError(f"unknown embeddings format {embeddings!r}; use one of {', '.join(EMBEDDING_FORMATS)}")
+    if embeddings == "int8":
+        quantize_embeddings_(module)  # (a table that is 8-bit stays so)
     if precision != "native" and not any(isinstance(layer.experts, QuantizedExperts) for layer in module.layers):
         quantize_experts_(module, precision, group_size)
     if linears == "int4-mlp":
@@ -125,7 +130,7 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
               group_size: int = 64, sc_topk: int | None = None, linears: str = "native", compile: bool = False,
               moe_tiles=None, moe_sum: str = "kernel", linear_tiles=None,
               merge_projections: bool | None = None,
-              attention_kernel: bool | None = None, attention_split: int = 1) -> dict:
+              attention_kernel: bool | None = None, attention_split: int = 1, embeddings: str = "native") -> dict:
     """Apply kernel / storage choices to a DiffusionGemmaModel in place; return what was chosen.
     sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py).
     linears: "native", or "int8" / "fp8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py);
@@ -137,13 +142,18 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     (None: `Options.merges`' default); layers whose projections cannot merge (a LoRA adapter attached) run them one
     by one. attention_kernel: the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU only
     (None: `Options.attention_kernel_on`; elsewhere it changes nothing); attention_split: that kernel's key runs per
-    row block (kernels/attention_fixed.py SPLIT)."""
+    row block (kernels/attention_fixed.py SPLIT). embeddings: "native", or "int8" (the embedding table, which is also
+    the LM head, with a scale per token: kernels/linear_q.py QuantizedEmbedding; its LM head takes the projections'
+    kernel choice)."""
     check_names(experts, attention, linears)
     if moe_sum not in ("kernel", "atomic"):
         raise ValueError(f"unknown MoE sum {moe_sum!r}; use 'kernel' (deterministic, default) or 'atomic'")
     if sc_topk is not None and (isinstance(sc_topk, bool) or not isinstance(sc_topk, int) or sc_topk < 1):
         raise ValueError(f"sc_topk must be a positive number of tokens or None, got {sc_topk}")
-    _store(module, precision, group_size, linears)
+    _store(module, precision, group_size, linears, embeddings)
+    if sc_topk is not None and module.quantized_table is not None:
+        raise ValueError("sc_topk (self-conditioning over the top-K tokens) reads a float embedding table; this model "
+                         "holds it in int8: use exact self-conditioning (sc_topk=None)")
     dev, dtype = module.device, module.dtype
     lin_tiles = as_linear_tiles(linear_tiles)
     held, wgmma = module.layers[0].experts, _wgmma_target(dev)
@@ -156,7 +166,8 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     softcap = routing = "torch" if experts in ("loop", "torch") or not fast else "triton" if experts == "triton" \
         else "triton_checked"
     _routing(module, routing, compile)
-    for m in quantized_linears(module):  # QuantizedLinear: the experts' choice where it applies, else "auto"
+    table = [module.quantized_table] if module.quantized_table is not None else []
+    for m in quantized_linears(module) + table:  # 8-bit: the experts' choice where it applies, else "auto"
         m.backend = "torch" if experts in ("loop", "torch") else "triton" if experts == "triton" else \
             "scaled_mm" if experts == "scaled_mm" and m.fmt == "fp8" else "auto"
         m.tiles, m.tiles_spec = lin_tiles, linear_tiles_spec(lin_tiles)
@@ -176,7 +187,8 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
             **({"attention_split": attention_split} if fixed is not None else {}),
             "precision": precision,
             "sc_topk": sc_topk, "softcap": softcap, "routing": routing, "moe_tiles": tiles.spec(), "moe_sum": moe_sum,
-            "linears": lin, "merged_projections": merged,
+            "linears": lin, "embeddings": "native" if not table else f"int8 {table[0].resolved_backend(probe)}",
+            "merged_projections": merged,
             **({"linear_tiles": q.tiles_spec} if q is not None else {}),
             "triton": None if triton is None else triton.__version__}
 
@@ -193,7 +205,8 @@ def apply(module, old: Options | None, new: Options) -> bool:
                   group_size=new.group_size, sc_topk=new.sc_topk, linears=new.linears, compile=new.compile,
                   moe_tiles=new.moe_tiles, moe_sum=new.moe_sum, linear_tiles=new.linear_tiles,
                   merge_projections=new.merge_projections,
-                  attention_kernel=new.attention_kernel, attention_split=new.attention_split)
+                  attention_kernel=new.attention_kernel, attention_split=new.attention_split,
+                  embeddings=new.embeddings)
     except ValueError as e:
         raise InputError(str(e)) from None
     return True

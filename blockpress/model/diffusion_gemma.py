@@ -116,11 +116,19 @@ class DiffusionGemmaModel(nn.Module):
     # helpers ------------------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        table = self.quantized_table
+        return self.embed_tokens.weight.dtype if table is None else table.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        table = self.quantized_table
+        return self.embed_tokens.weight.device if table is None else table.weight_q.device
+
+    @property
+    def quantized_table(self):
+        """The embedding table when it is held in 8 bits (kernels/linear_q.py `QuantizedEmbedding`: the lookup, the
+        LM head and the soft embedding are its methods), else None (an nn.Embedding, used here directly)."""
+        return None if isinstance(self.embed_tokens, nn.Embedding) else self.embed_tokens
 
     def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half(): the memoised rotary tables are stale
         self._rope_memo.clear()
@@ -193,8 +201,7 @@ class DiffusionGemmaModel(nn.Module):
         return scale
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight
-        return self.embed_tokens(ids) * self.embed_scale(w.dtype, w.device)
+        return self.embed_tokens(ids) * self.embed_scale(self.dtype, self.device)
 
     def lm_logits(self, h: torch.Tensor, out: torch.Tensor | None = None, capped: bool = True) -> torch.Tensor:
         """fp32 logits of final-normed hidden states. out: an fp32 tensor of their shape to write them into (no
@@ -209,30 +216,38 @@ class DiffusionGemmaModel(nn.Module):
         `LM_HEAD_PARTS` slices instead, each soft-capped into its columns of `out`: the table is still read once, and
         the model-dtype intermediate is a slice's (17 MB on the 26B model at batch 1, not 134 MB: the CUDA graphs'
         memory pool peaks there). Each logit is the same dot product either way (bit for bit on a CPU, tested)."""
-        w = self.embed_tokens.weight
+        table = self.quantized_table
+        w = self.embed_tokens.weight if table is None else None
+        if table is not None and torch.is_grad_enabled() and h.requires_grad:  # (training: differentiable in h)
+            w, table = table.dequantize(h.dtype), None
         cap = self.text.final_logit_softcapping
-        if out is not None and torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
+        if out is not None and torch.is_grad_enabled() and (h.requires_grad or (w is not None and w.requires_grad)):
             raise ValueError("lm_logits(out=...) writes in place and records no gradient: call it under "
                              "torch.no_grad(), or without out=")
+
+        def head(rows=slice(None)):  # h @ table[rows]^T in the activation dtype (8-bit: the int8 linear kernel)
+            return h @ w[rows].t() if table is None else table.head(h, rows)
+
+        V, rows = self.text.vocab_size, h.numel() // h.shape[-1]
         if not capped:
             if out is None:
-                return h @ w.t()
-            torch.mm(h.reshape(-1, h.shape[-1]), w.t(), out=out.view(-1, w.shape[0]))
-            return out
-        V, rows = w.shape[0], h.numel() // h.shape[-1]
-        parts = min(LM_HEAD_PARTS, -(-rows * V * w.element_size() // LM_HEAD_PART_BYTES))  # ceil
+                return head()
+            if table is None:
+                torch.mm(h.reshape(-1, h.shape[-1]), w.t(), out=out.view(-1, V))
+                return out
+        parts = min(LM_HEAD_PARTS, -(-rows * V * h.element_size() // LM_HEAD_PART_BYTES))  # ceil
         if out is not None and parts > 1:
             step = -(-V // parts)
             for v0 in range(0, V, step):
-                part, dst = h @ w[v0:v0 + step].t(), out[..., v0:v0 + step]
-                if cap:
+                part, dst = head(slice(v0, v0 + step)), out[..., v0:v0 + step]
+                if cap and capped:
                     self.ops.softcap(part, cap, out=dst)
                 else:
                     dst.copy_(part)
             return out
-        logits = h @ w.t()
+        logits = head()
         if out is not None:  # every soft-cap kernel writes into `out` (a checked kernel's fallback too)
-            return out.copy_(logits) if not cap else self.ops.softcap(logits, cap, out=out)
+            return out.copy_(logits) if not (cap and capped) else self.ops.softcap(logits, cap, out=out)
         if not cap:
             return logits.float()
         if logits.requires_grad:
@@ -244,16 +259,18 @@ class DiffusionGemmaModel(nn.Module):
         in its place (the top-K approximation, `sc_topk`). scratch: a contiguous buffer of at least the
         probabilities' bytes that is free until this returns (the pass's own logits buffer, written only at its
         end): they are written there instead of a new [B, C, V] tensor (134 MB on the 26B model), the same numbers."""
-        w = self.embed_tokens.weight
-        if self.ops.soft_embedding is not None:
-            return self.ops.soft_embedding(sc_logits, w)
+        table = self.quantized_table
+        if self.ops.soft_embedding is not None:  # (float tables only: Options refuses sc_topk with int8 embeddings)
+            return self.ops.soft_embedding(sc_logits, self.embed_tokens.weight)
+        dtype, size = self.dtype, self.dtype.itemsize
         probs = None
         if scratch is not None and not torch.is_grad_enabled() and scratch.is_contiguous() \
-                and scratch.numel() * scratch.element_size() >= sc_logits.numel() * w.element_size() \
+                and scratch.numel() * scratch.element_size() >= sc_logits.numel() * size \
                 and not torch._C._is_alias_of(scratch, sc_logits):  # not the input (a storage check; meta too)
-            probs = scratch.view(-1).view(torch.uint8)[:sc_logits.numel() * w.element_size()].view(w.dtype)
+            probs = scratch.view(-1).view(torch.uint8)[:sc_logits.numel() * size].view(dtype)
             probs = probs.view(sc_logits.shape)
-        return softmax_rows(sc_logits, w.dtype, out=probs) @ w  # softmax(z.float()).to(w.dtype), in 64 MB chunks
+        probs = softmax_rows(sc_logits, dtype, out=probs)  # softmax(z.float()).to(dtype), in 64 MB chunks
+        return probs @ self.embed_tokens.weight if table is None else table.soft(probs)
 
     def _rope(self, start, length: int, dtype, device) -> dict:
         """Rotary tables for positions [start, start + length), per layer type. `start` a host int: every denoising

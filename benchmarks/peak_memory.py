@@ -39,7 +39,7 @@ from blockpress.cli.bench import _positive_float
 from blockpress.cli.run import _group_size
 from blockpress.lab.presets import preset_config
 from blockpress.cli.run import _nonneg_int, _positive_int
-from blockpress.options import LINEAR_FORMATS
+from blockpress.options import EMBEDDING_FORMATS, LINEAR_FORMATS
 from blockpress.config import GenerationConfig, ModelConfig
 from blockpress.engine import step as engine_step
 from blockpress.model.cache import rounded_capacity
@@ -65,6 +65,9 @@ def main(argv=None) -> dict:
     p.add_argument("--linears", default="native", choices=LINEAR_FORMATS,
                    help="attention / dense-MLP projections (8 bits: only the weights change; the Triton kernel "
                         "allocates what F.linear does, its output)")
+    p.add_argument("--embeddings", default="native", choices=EMBEDDING_FORMATS,
+                   help="the embedding table / LM head: int8 (the LM head's Triton kernel allocates its output; the "
+                        "soft embedding's dequantised table slices are counted)")
     p.add_argument("--group-size", type=_group_size, default=64,
                    help="int4 scale group along the input dim (64: 4.25 bits a weight; 128: 4.125 where the input "
                         "dim allows, which the 26B model's down projections (704 inputs) do not)")
@@ -89,8 +92,16 @@ def main(argv=None) -> dict:
     if args.prefill_chunk is not None:
         m.prefill_chunk = args.prefill_chunk or None
     m.ring_cache = not args.no_ring
-    weights = estimated_weight_bytes(m, dtype, args.precision, args.group_size, linears=args.linears)
+    weights = estimated_weight_bytes(m, dtype, args.precision, args.group_size, linears=args.linears,
+                                     embeddings=args.embeddings)
     meta_backends(m)
+    if args.embeddings == "int8":
+        from blockpress.kernels.linear_q import QuantizedEmbedding
+
+        table = QuantizedEmbedding(m.text.vocab_size, m.text.hidden_size, dtype, device="meta")
+        vocab = range(m.text.vocab_size)
+        table.head = lambda h, rows=slice(None): h.new_empty(*h.shape[:-1], len(vocab[rows]))  # the kernel's output
+        m.embed_tokens = table
     C, V = m.config.canvas_length, m.text.vocab_size
     capacity = P + math.ceil(N / C) * C  # generate's cache: the commits and one canvas of room (its scratch K/V)
     cache = m.new_cache(B, capacity)
@@ -175,7 +186,7 @@ def main(argv=None) -> dict:
                                                                                          sampler)}
     print(f"{args.preset}, {args.dtype}, experts {args.precision}"
           f"{f' (group {args.group_size})' if args.precision == 'int4' else ''}, linears {args.linears}, "
-          f"B={B}, P={P}, N={N} (cache {capacity} positions)")
+          f"embeddings {args.embeddings}, B={B}, P={P}, N={N} (cache {capacity} positions)")
     ring = f"a ring of {cache.ring} positions in the sliding layers" if cache.ring else "every position in every layer"
     print(f"  weights {weights / GB:.3f} GB, KV cache {kv / GB:.3f} GB ({ring}), self-conditioning logits held "
           f"{held / GB:.3f} GB")
@@ -187,7 +198,7 @@ def main(argv=None) -> dict:
     for s_, v in predicted.items():
         print(f"    {s_ + ' sampler':28s} {v['eager'] / GB:7.2f} {v['cuda_graphs'] / GB:13.2f}")
     result = {"bench": "peak_memory", "preset": args.preset, "precision": args.precision,
-              "group_size": args.group_size, "linears": args.linears,
+              "group_size": args.group_size, "linears": args.linears, "embeddings": args.embeddings,
               "dtype": args.dtype, "ring": cache.ring,
               "batch": B, "prompt_tokens": P, "new_tokens": N, "weights_bytes": weights, "kv_bytes": kv,
               "held_bytes": held, "passes": {k: v["peak_bytes"] for k, v in rows.items()},

@@ -38,7 +38,7 @@ from blockpress.lab.presets import preset_config
 from blockpress.cli.run import _positive_int
 from blockpress.config import GenerationConfig
 from blockpress.engine.generate import generate
-from blockpress.kernels.linear_q import QUANTIZED_LINEARS, QuantizedLinear
+from blockpress.kernels.linear_q import QUANTIZED_LINEARS, QuantizedEmbedding, QuantizedLinear
 from blockpress.kernels.quant import QuantizedExperts, QuantizedMLP, compare_logits
 from blockpress.lab.random_weights import build_model
 
@@ -54,7 +54,9 @@ ERR_BUDGET = {"bf16": 0.01, "fp8": 0.08, "int4": 0.25, "int8-linears": 0.02, "fp
 # mean KL may be at most this multiple of bf16's (combined formats: the experts format's budget). fp8-linears was
 # 4.0 while the bf16 yardstick also rounded the rotary frequencies to bf16 (load keeps them fp32): a yardstick ~1.3x
 # too wide on the tiny preset (benchmarks/results/2026-11-28-cpu-rope-dtype.md)
-KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, "int8-linears": 2.0, "fp8-linears": 5.0, "fp8-linears-a8": 8.0, MLP4: 8.0}
+EMB = "int8-embeddings"  # the embedding table (also the LM head) in int8 with a scale per token
+KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, "int8-linears": 2.0, "fp8-linears": 5.0, "fp8-linears-a8": 8.0, MLP4: 8.0,
+              EMB: 2.0}
 
 
 def load_model(args):
@@ -69,12 +71,12 @@ def load_model(args):
 
 def _parts(fmt: str) -> tuple[str | None, str | None]:
     """'int4+int8-linears' -> ('int4', 'int8-linears'); 'fp8-linears' -> (None, 'fp8-linears'); 'fp8' -> ('fp8', None)."""
-    parts = fmt.split("+")
+    parts = [x for x in fmt.split("+") if x != EMB] if fmt != EMB else []
     experts = [x for x in parts if x in ("fp8", "int4")]
     linears = [x for x in parts if x in LINEAR_PARTS]
     if len(experts) + len(linears) != len(parts) or len(experts) > 1 or len(linears) > 1:
         raise SystemExit(f"unknown format {fmt!r}: use bf16, an experts format (fp8, int4), a linears format "
-                         f"({', '.join(LINEAR_PARTS)}) or one of each joined by + (e.g. int4+{LINEARS})")
+                         f"({', '.join(LINEAR_PARTS)}), {EMB}, or one of each joined by + (e.g. int4+{LINEARS})")
     return (experts or [None])[0], (linears or [None])[0]
 
 
@@ -82,8 +84,8 @@ def _budget(table: dict, fmt: str):
     """A format's budget: its own, else the experts part's (combined formats)."""
     if fmt in table or fmt == "bf16":
         return table.get(fmt)
-    experts, _ = _parts(fmt)
-    return table.get(experts) if experts else None
+    experts, linears = _parts(fmt)
+    return table.get(experts) if experts else table.get(linears) if linears else table.get(EMB)
 
 
 @contextlib.contextmanager
@@ -94,6 +96,7 @@ def variant(ref, fmt: str, group_size: int):
         yield copy.deepcopy(ref).to(torch.bfloat16)
         return
     experts, linears = _parts(fmt)
+    table = ref.embed_tokens
     saved = [layer.experts for layer in ref.layers]
     saved_mlp = [layer.mlp for layer in ref.layers]
     saved_lin = [(getattr(layer, part), name, getattr(getattr(layer, part), name, None))
@@ -110,8 +113,12 @@ def variant(ref, fmt: str, group_size: int):
         for parent, name, lin in saved_lin if linears and linears != MLP4 else ():
             if lin is not None:  # full-attention layers have no v_proj
                 setattr(parent, name, QuantizedLinear.from_linear(lin, *LINEAR_PARTS[linears]))
+        if EMB in fmt.split("+"):
+            ref.embed_tokens = QuantizedEmbedding.from_embedding(table)
+            ref.embed_tokens.backend = "torch"
         yield ref
     finally:
+        ref.embed_tokens = table
         for layer, old, mlp in zip(ref.layers, saved, saved_mlp):
             layer.experts, layer.mlp = old, mlp
         for parent, name, lin in saved_lin:
@@ -173,7 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--model", help="checkpoint folder of a trained model (e.g. blockpress/assets/sudoku)")
     p.add_argument("--formats", default=f"bf16,fp8,int4,{','.join(LINEAR_PARTS)},fp8+{LINEARS},int4+{LINEARS},"
-                                        f"int4+{MLP4}")
+                                        f"int4+{MLP4},{EMB},int4+{EMB}")
     p.add_argument("--group-size", type=_group_size, default=64)
     p.add_argument("--init-std", type=float, default=0.05, help="random weights: larger = peakier logits")
     p.add_argument("--prompt-tokens", type=_positive_int, default=32)

@@ -341,7 +341,7 @@ def _decode_logits(lm, ids, canvas):
 def test_int8_embeddings_are_the_model_with_the_dequantised_table(tmp_path, monkeypatch):
     """embeddings="int8": the lookup, the LM head and the self-conditioning soft embedding all read the int8 table
     (QuantizedEmbedding), and together compute what the float model computes with that table dequantised: the same
-    logits and tokens. Streaming it while loading gives the table quantising after gives; the weight estimate counts
+    logits up to fp32 rounding (the soft embedding applies each row's scale to its probability), the same tokens. Streaming it while loading gives the table quantising after gives; the weight estimate counts
     it; saving and sc_topk are refused with one line each."""
     from blockpress.kernels.linear_q import QuantizedEmbedding, quantize_embeddings_
     from blockpress.loading import estimated_weight_bytes

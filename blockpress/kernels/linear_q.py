@@ -422,10 +422,10 @@ class QuantizedEmbedding(QuantizedLinear):
       this is a QuantizedLinear and the int8 linear kernel runs it (over a slice of the vocabulary), reading half the
       bytes;
     - the self-conditioning soft embedding (`soft(probs)`: probabilities [.., V] @ table): a product over the
-      vocabulary, which the int8 kernel (a weight's inputs contiguous) does not read in place; the table is
-      dequantised in slices of at most SOFT_SLICE_BYTES, their products summed in fp32 (one slice: the plain product
-      of the dequantised table). That moves ~2.5x the bf16 table's bytes for this product: the memory is what it
-      buys, until a kernel reads the int8 table along the vocabulary.
+      vocabulary, which the int8 kernel (a weight's inputs contiguous) does not read in place; each row's scale goes
+      onto its probability and the int8 rows are converted to the activation dtype (exact) in slices of at most
+      SOFT_SLICE_BYTES, the slices' products summed in fp32. That moves ~2.6x the bf16 table's bytes for this
+      product: the memory is what it buys, until a kernel reads the int8 table along the vocabulary.
     Inference only, like the other 8-bit weights (`lm_logits` dequantises the table for a gradient)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device=None):
@@ -453,14 +453,16 @@ class QuantizedEmbedding(QuantizedLinear):
         return self.linear_with(h, self.weight_q[rows], self.weight_scale[rows])
 
     def soft(self, probs: torch.Tensor) -> torch.Tensor:
-        """probs [..., V] @ table -> [..., H] in probs' dtype."""
+        """probs [..., V] @ table -> [..., H] in probs' dtype: sum over v of (probs[v] * scale[v]) q[v], the scales
+        applied to the probabilities (a [rows, slice] product) and the int8 rows converted to probs' dtype as they
+        are (exact), a slice of the vocabulary at a time."""
         V, H = self.weight_q.shape
         flat = probs.reshape(-1, V)
         step = max(1, SOFT_SLICE_BYTES // (H * probs.element_size()))
         out = None
         for v0 in range(0, V, step):
-            part = flat[:, v0:v0 + step] @ dequantize_int8_rows(self.weight_q[v0:v0 + step],
-                                                               self.weight_scale[v0:v0 + step], probs.dtype)
+            rows = slice(v0, v0 + step)
+            part = (flat[:, rows] * self.weight_scale[rows]).to(probs.dtype) @ self.weight_q[rows].to(probs.dtype)
             out = part if out is None else (out.float() if out.dtype != torch.float32 else out).add_(part)
         return out.to(probs.dtype).view(*probs.shape[:-1], H)
 

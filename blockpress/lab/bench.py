@@ -377,7 +377,8 @@ def run(args) -> dict:
         from ..loading import load
 
         lm = load(args.model, device=str(device), dtype=dtype, progress=False, tokenizer=args.prompt is not None,
-                  precision=args.precision, group_size=args.group_size, linears=args.linears)
+                  precision=args.precision, group_size=args.group_size, linears=args.linears,
+                  embeddings=args.embeddings)
         # a pre-quantised checkpoint's own
         args.precision, args.group_size, args.linears = lm.options.precision, lm.options.group_size, lm.options.linears
         module, config = lm.module, lm.config.to_dict()
@@ -396,7 +397,8 @@ def run(args) -> dict:
                            group_size=args.group_size, sc_topk=args.sc_topk, linears=args.linears,
                            compile=args.compile, moe_tiles=args.moe_tiles, moe_sum=args.moe_sum,
                            linear_tiles=args.linear_tiles, merge_projections=args.merge_projections,
-                           attention_kernel=args.attention_kernel, attention_split=args.attention_split)
+                           attention_kernel=args.attention_kernel, attention_split=args.attention_split,
+                           embeddings=args.embeddings)
     except ValueError as e:
         raise InputError(str(e)) from None
     if args.prefill_chunk is not None:  # 0: the whole prompt in one pass
@@ -414,7 +416,7 @@ def run(args) -> dict:
     result = {"bench": "generate", "hardware": hardware(device), "device": str(device), "torch": torch.__version__,
               "preset": None if (args.config or args.model) else args.preset, "config_file": args.config,
               "model": args.model, "dtype": str(dtype).replace("torch.", ""), "precision": args.precision,
-              "linears": args.linears, "backends": choice, "sampler": args.sampler,
+              "linears": args.linears, "embeddings": args.embeddings, "backends": choice, "sampler": args.sampler,
               "cuda_graphs": bool(args.cuda_graphs), "fuse_commit": fused,
               "compact_rows": bool(args.compact_rows),
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "steps": args.steps,

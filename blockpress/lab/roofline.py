@@ -39,7 +39,7 @@ def weight_groups(module) -> dict[str, int]:
         g["dense_mlp"] += _nbytes(list(layer.mlp.parameters()) + list(layer.mlp.buffers()))
         g["router"] += _nbytes(layer.router.parameters())
         g["norms"] += _nbytes(p for n, p in layer.named_parameters() if "norm" in n)
-    g["embedding"] = _nbytes([module.embed_tokens.weight])
+    g["embedding"] = _nbytes(list(module.embed_tokens.parameters()) + list(module.embed_tokens.buffers()))  # int8
     g["self_conditioning"] = _nbytes(module.self_conditioning.parameters())
     return g
 
@@ -66,7 +66,7 @@ def step_bytes(module, batch: int, canvas: int, cached: int, hit: float = 1.0, n
     k = None if native else getattr(module, "sc_topk", None)  # top-k soft embedding: k rows per position, not E
     t = module.text
     soft = g["embedding"] if k is None else min(g["embedding"], batch * canvas * k * t.hidden_size *
-                                                 module.embed_tokens.weight.element_size())
+                                                 module.dtype.itemsize)
     b = {
         "experts": int(g["experts"] * hit),
         "attention+dense+router+norms": g["attention"] + g["dense_mlp"] + g["router"] + g["norms"],

@@ -423,3 +423,24 @@ def test_the_int8_lm_head_through_the_triton_kernel_equals_the_torch_reference(d
     torch.testing.assert_close(ref, torch.nn.functional.linear(h, table.dequantize(dtype)[40:290]))
     table.backend = "triton"
     assert table.resolved_backend(h) == "triton" and _rel(table.head(h, slice(40, 290)), ref) < tol
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("V,H,rows", [(300, 72, 9), (1000, 48, 40)])
+def test_the_int8_soft_embedding_through_the_triton_kernel_equals_the_reference(dtype, tol, V, H, rows):
+    """The soft embedding on a GPU: the int8 kernel reading the table down its columns (a transposed view) with each
+    token's scale on its probability, against the torch reference in table slices."""
+    from blockpress.kernels.linear_q import QuantizedEmbedding
+
+    g = torch.Generator().manual_seed(V + H)
+    emb = torch.nn.Embedding(V, H)
+    emb.weight.copy_(torch.randn(V, H, generator=g) * torch.logspace(-2, 1, V)[:, None])
+    table = QuantizedEmbedding.from_embedding(emb.to(DEV, dtype))
+    probs = torch.softmax(torch.randn(rows, V, generator=g) * 4, -1).to(DEV, dtype)
+    ref = table.soft_slices(probs)
+    torch.testing.assert_close(ref.float(), (probs.float() @ table.dequantize(torch.float32)),
+                               rtol=tol, atol=tol * float(ref.abs().max()))
+    table.backend = "triton"
+    out = table.soft(probs)
+    assert out.shape == (rows, H) and out.dtype == dtype and _rel(out, ref) < tol

@@ -283,14 +283,18 @@ DEFAULT_LINEAR_SPEC = linear_tiles_spec(DEFAULT_LINEAR_TILES)
 if triton is not None:
 
     @triton.jit
-    def _linear_q_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_qn, stride_om,
-                         F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr):
+    def _linear_q_kernel(x_ptr, q_ptr, s_ptr, ks_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_qn, stride_qk,
+                         stride_om, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, KSCALE: tl.constexpr):
         """out[m, n] = scale[n] * sum_k x[m, k] q[n, k]. Programs that share an N block run side by side
         (axis 0 is M), so the weight tile they all read comes from L2 after the first. EVEN_K (BK divides K,
         every projection of the 26B model): no K mask. SPLIT > 1: program_id(2) sums K_SPLIT of K (a multiple
         of BK) and adds its scaled partial to out (fp32, zeroed) atomically. SWAP: the accumulator is [BN, BM],
-        the weight tile the dot's first operand (moe_grouped._dot)."""
+        the weight tile the dot's first operand (moe_grouped._dot). stride_qk: 1 for a weight's rows (Triton
+        specialises it, the code the projections always ran), or the row length of a weight read down its columns
+        (the int8 embedding table [V, H] as the soft embedding's [H, V]). KSCALE: a scale per input column k too,
+        applied to x in fp32 before the product's rounding to x's dtype (the table's per-token scales on the
+        probabilities)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         m = pid_m * BM + tl.arange(0, BM)
         n = pid_n * BN + tl.arange(0, BN)
@@ -309,10 +313,15 @@ if triton is not None:
                 kmask = k < k_hi
                 xmask, wmask = mmask[:, None] & kmask[None, :], kmask[:, None] & nmask[None, :]
             xa = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :], mask=xmask, other=0.0)
+            if KSCALE:
+                ks = tl.load(ks_ptr + k, mask=k < K, other=0.0)
+                xa = (xa.to(tl.float32) * ks[None, :]).to(xa.dtype)
             if SWAP:  # [BN, BK] of q
-                w = tl.load(q_ptr + n[:, None].to(tl.int64) * stride_qn + k[None, :], mask=tl.trans(wmask), other=0.0)
+                w = tl.load(q_ptr + n[:, None].to(tl.int64) * stride_qn + k[None, :] * stride_qk,
+                            mask=tl.trans(wmask), other=0.0)
             else:  # [BK, BN] of q^T
-                w = tl.load(q_ptr + n[None, :].to(tl.int64) * stride_qn + k[:, None], mask=wmask, other=0.0)
+                w = tl.load(q_ptr + n[None, :].to(tl.int64) * stride_qn + k[:, None] * stride_qk,
+                            mask=wmask, other=0.0)
             # int8 and e4m3 values are exact in bf16 / fp16
             acc = _dot(xa, w.to(tl.float32).to(xa.dtype), acc, F32, SWAP)
         acc *= _cols(tl.load(s_ptr + n, mask=nmask, other=0.0), SWAP)
@@ -326,7 +335,8 @@ if triton is not None:
 
 def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
                     block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                    num_warps: int | None = None, split_k: int | None = None, swap: bool = False) -> torch.Tensor:
+                    num_warps: int | None = None, split_k: int | None = None, swap: bool = False,
+                    scale_I: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel (q int8 or float8_e4m3fn).
     block_m: rows per program (default `block_m_for`). Each program converts its weight tile to the activation
     dtype, so M / block_m programs convert every weight: at a canvas (256 rows, BM 64) 4 times, ~20 instructions
@@ -335,12 +345,16 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     split_k > 1 sums K in that many programs per output tile into an fp32 buffer (atomic
     adds: run-to-run last-bit differences), then casts: two more small kernels, for a grid that fills the GPU.
     swap: the weight tile as the dot's first operand (Hopper's wgmma reads it from registers; its M is block_n, so
-    block_m may be a whole canvas, up to wgmma's N of 256, and each weight is converted once)."""
+    block_m may be a whole canvas, up to wgmma's N of 256, and each weight is converted once).
+    q_OI may also be column-major (a transposed view, stride(0) == 1), and scale_I [I] a scale per input applied to
+    x first (fp32, then x's dtype): the int8 embedding table's soft embedding, kernels/linear_q.py QuantizedEmbedding."""
     if triton is None:
         raise RuntimeError("linear_q_triton needs triton (pip install triton)")
     lead, I = x.shape[:-1], x.shape[-1]
     O = q_OI.shape[0]
-    assert q_OI.shape[1] == I and q_OI.stride(1) == 1 and scale_O.shape == (O,), "weight [O, I] row-major, scale [O]"
+    assert q_OI.shape[1] == I and 1 in q_OI.stride() and scale_O.shape == (O,), "weight [O, I], scale [O]"
+    assert scale_I is None or scale_I.shape == (I,), "scale_I [I]"
+    assert q_OI.stride(1) * I < 2 ** 31, "a column-major weight's column offsets must fit int32"
     x2 = x.reshape(-1, I)  # [M, I]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -365,8 +379,9 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
                      bn * bk * x2.element_size() if wgmma else 0, wgmma)
     if warps:
         launch["num_warps"] = warps
-    _linear_q_kernel[grid](x2, q_OI, scale_O, out, M, O, I, k_split, x2.stride(0), q_OI.stride(0), out.stride(0),
-                           F32=f32, BM=bm, BN=bn, BK=bk, EVEN_K=I % bk == 0, SPLIT=split, SWAP=bool(swap), **launch)
+    _linear_q_kernel[grid](x2, q_OI, scale_O, scale_O if scale_I is None else scale_I, out, M, O, I, k_split,
+                           x2.stride(0), q_OI.stride(0), q_OI.stride(1), out.stride(0), F32=f32, BM=bm, BN=bn, BK=bk,
+                           EVEN_K=I % bk == 0, SPLIT=split, SWAP=bool(swap), KSCALE=scale_I is not None, **launch)
     if split > 1:
         out = out.to(x.dtype)
     return out.view(*lead, O)
@@ -422,15 +437,16 @@ class QuantizedEmbedding(QuantizedLinear):
       this is a QuantizedLinear and the int8 linear kernel runs it (over a slice of the vocabulary), reading half the
       bytes;
     - the self-conditioning soft embedding (`soft(probs)`: probabilities [.., V] @ table): a product over the
-      vocabulary, which the int8 kernel (a weight's inputs contiguous) does not read in place; each row's scale goes
-      onto its probability and the int8 rows are converted to the activation dtype (exact) in slices of at most
-      SOFT_SLICE_BYTES, the slices' products summed in fp32. That moves ~2.6x the bf16 table's bytes for this
-      product: the memory is what it buys, until a kernel reads the int8 table along the vocabulary.
+      vocabulary, each token's scale on its probability. On a GPU the same int8 kernel reads the table down its
+      columns (a transposed view: 1 byte a weight, the table read once); the reference (`soft_slices`, and a CPU)
+      converts the int8 rows to the activation dtype (exact) in slices of at most SOFT_SLICE_BYTES and sums the
+      slices' products in fp32.
     Inference only, like the other 8-bit weights (`lm_logits` dequantises the table for a gradient)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device=None):
         super().__init__(embedding_dim, num_embeddings, "int8", device=device)
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self._unit: dict = {}  # device -> ones [H] (the soft embedding kernel's per-output scale)
 
     @classmethod
     @torch.no_grad()
@@ -453,9 +469,30 @@ class QuantizedEmbedding(QuantizedLinear):
         return self.linear_with(h, self.weight_q[rows], self.weight_scale[rows])
 
     def soft(self, probs: torch.Tensor) -> torch.Tensor:
-        """probs [..., V] @ table -> [..., H] in probs' dtype: sum over v of (probs[v] * scale[v]) q[v], the scales
-        applied to the probabilities (a [rows, slice] product) and the int8 rows converted to probs' dtype as they
-        are (exact), a slice of the vocabulary at a time."""
+        """probs [..., V] @ table -> [..., H] in probs' dtype: sum over v of (probs[v] * scale[v]) q[v]. On a GPU the
+        int8 linear kernel reads the table down its columns (the table's one read, 1 byte a weight), the scales
+        applied to the probabilities in registers; checked on first use against `soft_slices`, the reference."""
+        if linear_backend(self.backend, self.fmt, probs) != "triton":
+            return self.soft_slices(probs)
+        V, H = self.weight_q.shape
+        unit = self._unit.get(probs.device)
+        if unit is None:  # the kernel's per-output scale: none (made once per device, outside any graph capture)
+            unit = self._unit[probs.device] = torch.ones(H, dtype=torch.float32, device=probs.device)
+
+        def run():
+            return linear_q_triton(probs, self.weight_q.t(), unit, scale_I=self.weight_scale, **self.tiles)
+
+        if self.backend == "triton":  # asked for by name: the kernel, unchecked
+            return run()
+        M = probs.numel() // V
+        key = (str(probs.device), str(probs.dtype).removeprefix("torch."), "triton int8 soft embedding",
+               (block_m_for(M, self.tiles.get("swap", False)), M % 16 == 0, self.tiles_spec))
+        return checked_on_first_use(key, run, lambda: self.soft_slices(probs), "the Triton int8 soft embedding")
+
+    def soft_slices(self, probs: torch.Tensor) -> torch.Tensor:
+        """`soft` in torch (the reference, and what runs on a CPU): the scales applied to the probabilities and the
+        int8 rows converted to probs' dtype as they are (exact), a slice of the vocabulary at a time, the slices'
+        products summed in fp32."""
         V, H = self.weight_q.shape
         flat = probs.reshape(-1, V)
         step = max(1, SOFT_SLICE_BYTES // (H * probs.element_size()))

@@ -332,8 +332,8 @@ EOF
     # int4's peak: peak_memory.py predicts 17.91 GB with the fast sampler reading the LM head's bf16 product
     # (2026-11-27-cpu-fused-softcap.md; 18.2 GB was measured before that and the graphs' smaller pool)
     STEP_LIMIT=80 bench int4 $ROW --precision int4
-    # the embedding table / LM head in int8 (2026-11-29, CPU only): predicted 17.17 GB; the LM head through the int8
-    # kernel (half the bytes), the soft embedding in table slices (~2.6x the bf16 table's bytes): the step's cost
+    # the embedding table / LM head in int8 (2026-11-29, CPU only): predicted 17.17 GB; the LM head and the soft
+    # embedding through the int8 kernel (the latter reading the table down its columns, new): half the table's bytes
     STEP_LIMIT=80 bench int4-emb8 $ROW --precision int4 --embeddings int8
     # the <= 18 GB candidates with no slower kernel: 512-token prefill chunks (a ring of 1,536 slots in the sliding
     # layers; the same numbers), predicted 17.73 GB; and int4 scales per 128 inputs where the dim allows (gate/up; a

@@ -66,8 +66,8 @@ def main(argv=None) -> dict:
                    help="attention / dense-MLP projections (8 bits: only the weights change; the Triton kernel "
                         "allocates what F.linear does, its output)")
     p.add_argument("--embeddings", default="native", choices=EMBEDDING_FORMATS,
-                   help="the embedding table / LM head: int8 (the LM head's Triton kernel allocates its output; the "
-                        "soft embedding's dequantised table slices are counted)")
+                   help="the embedding table / LM head: int8 (the LM head and the soft embedding are the int8 "
+                        "kernel, which allocates its output only)")
     p.add_argument("--group-size", type=_group_size, default=64,
                    help="int4 scale group along the input dim (64: 4.25 bits a weight; 128: 4.125 where the input "
                         "dim allows, which the 26B model's down projections (704 inputs) do not)")
@@ -100,7 +100,9 @@ def main(argv=None) -> dict:
 
         table = QuantizedEmbedding(m.text.vocab_size, m.text.hidden_size, dtype, device="meta")
         vocab = range(m.text.vocab_size)
-        table.head = lambda h, rows=slice(None): h.new_empty(*h.shape[:-1], len(vocab[rows]))  # the kernel's output
+        # on a GPU both products are the int8 kernel, which allocates its output only
+        table.head = lambda h, rows=slice(None): h.new_empty(*h.shape[:-1], len(vocab[rows]))
+        table.soft = lambda probs: probs.new_empty(*probs.shape[:-1], m.text.hidden_size)
         m.embed_tokens = table
     C, V = m.config.canvas_length, m.text.vocab_size
     capacity = P + math.ceil(N / C) * C  # generate's cache: the commits and one canvas of room (its scratch K/V)

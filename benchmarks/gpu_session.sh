@@ -315,10 +315,11 @@ EOF
     # kernel's logits sampled?); the kernels' fixes of 2026-11-28's fuzz, compiled (a temperature per row in the fused
     # sampler, -inf logits, rows that see no key, routing); the logit bias inside the fused sampler (2026-11-29, CPU
     # only: the kernel against the capped logits plus the bias, and in the engine); pre-quantised fp8 / int4 / int8
-    # checkpoints loaded onto the GPU (2026-11-29, CPU only: the stored bytes, the tokens of quantising at load)
+    # checkpoints loaded onto the GPU and the int8 embedding table's kernels (2026-11-29, CPU only)
     gpu_tests 60 -s -k "lm_head_slices or keys_split or 26b_shapes or soft_cap or before_the_cap or per_row or minus_inf \
-      or sees_no_key or after_the_cap or fused_kernel or checkpoint_loads or int4_attention" tests/test_kernels.py \
-      tests/test_attention_kernel.py tests/test_route.py tests/test_logit_bias.py tests/test_prequantized.py
+      or sees_no_key or after_the_cap or fused_kernel or checkpoint_loads or int4_attention or int8_lm_head \
+      or soft_embedding_through or int8_embeddings" tests/test_kernels.py tests/test_attention_kernel.py \
+      tests/test_route.py tests/test_logit_bias.py tests/test_prequantized.py tests/test_linear_q.py
     grep -h "bit-equal" "$OUT/gpu-tests.txt" | tee -a "$OUT/summary.txt"
     # with our AR decode (issue 30 item 9, never timed compiled + graphed): 256 greedy tokens, batch 1
     STEP_LIMIT=110 bench fp8 ${ROW/--no-ar/--ar-tokens 256} --precision fp8 --profile

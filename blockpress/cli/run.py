@@ -125,7 +125,7 @@ def _group_size(v: str) -> int:
 
 
 def add_storage_args(p: argparse.ArgumentParser) -> None:
-    """--precision, --group-size, --linears: how the weights are stored, fixed at load (blockpress/options.py)."""
+    """--precision, --group-size, --linears, --embeddings: how the weights are stored, fixed at load (options.py)."""
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
                    help="expert weights: native (as stored), or fp8 / int4 quantised layer by layer while loading (a "
                         "model too big for the GPU in bf16 loads straight into 4 bits); attention and embeddings keep "

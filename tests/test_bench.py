@@ -203,7 +203,12 @@ def test_quality_guard_tiny(capsys, monkeypatch):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["format"]: r for r in result["results"]}
     assert set(rows) == {"bf16", "fp8", "int4", "int8-linears", "fp8-linears", "fp8-linears-a8", "int4-mlp",
-                         "fp8+int8-linears", "int4+int8-linears", "int4+int4-mlp"}
+                         "fp8+int8-linears", "int4+int8-linears", "int4+int4-mlp", "int8-embeddings",
+                         "int4+int8-embeddings"}
+    # the int8 embedding table: the logits move (KL > 0) with no expert or projection output changed
+    emb = rows["int8-embeddings"]
+    assert emb["experts_rel_err"] == 0 == emb["linears_rel_err"] and 0 < emb["mean_kl"] < rows["int4"]["mean_kl"]
+    assert rows["int4+int8-embeddings"]["experts_rel_err"] == rows["int4"]["experts_rel_err"]
     assert rows["bf16"]["experts_rel_err"] < rows["fp8"]["experts_rel_err"] < rows["int4"]["experts_rel_err"]
     assert rows["int8-linears"]["experts_rel_err"] == 0 == rows["int4"]["linears_rel_err"]  # each swaps only its part
     assert 0 < rows["int8-linears"]["linears_rel_err"] == rows["int4+int8-linears"]["linears_rel_err"] < 0.02

@@ -215,7 +215,9 @@ class DiffusionGemmaModel(nn.Module):
         model). Into `out`, a product larger than `LM_HEAD_PART_BYTES` runs over the vocabulary in up to
         `LM_HEAD_PARTS` slices instead, each soft-capped into its columns of `out`: the table is still read once, and
         the model-dtype intermediate is a slice's (17 MB on the 26B model at batch 1, not 134 MB: the CUDA graphs'
-        memory pool peaks there). Each logit is the same dot product either way (bit for bit on a CPU, tested)."""
+        memory pool peaks there). Each logit is the same dot product either way (bit for bit on a CPU, tested).
+        An int8 table (`quantized_table`) computes each product in its int8 linear kernel (`head`), whole or by slice
+        the same way, a capped=False product into `out` by a copy."""
         table = self.quantized_table
         w = self.embed_tokens.weight if table is None else None
         if table is not None and torch.is_grad_enabled() and h.requires_grad:  # (training: differentiable in h)

@@ -43,10 +43,12 @@ class BlockDiffusionLM:
         """Change how this model runs: the engine's options (sampler, fuse_commit, compact_rows, cuda_graphs,
         compile) and the kernels' (experts, attention, attention_kernel, sc_topk, moe_tiles, moe_sum,
         linear_tiles, merge_projections); see `blockpress.options`. Validated once, here. The storage precision
-        (precision, group_size, linears) is chosen at load: changing it here is an InputError (quantising is not
-        undone, and the options would describe weights the model does not hold). Returns the new options."""
-        storage = {k: v for k, v in changes.items()
-                   if k in ("precision", "group_size", "linears") and v != getattr(self.options, k)}
+        (precision, group_size, linears, embeddings: `options.STORAGE_FIELDS`) is chosen at load: changing it here is
+        an InputError (quantising is not undone, and the options would describe weights the model does not hold).
+        Returns the new options."""
+        from .options import STORAGE_FIELDS
+
+        storage = {k: v for k, v in changes.items() if k in STORAGE_FIELDS and v != getattr(self.options, k)}
         if storage:
             asked = ", ".join(f"{k}={v!r}" for k, v in storage.items())
             raise InputError(f"configure({asked}): the storage precision is chosen at load; load the model again with "

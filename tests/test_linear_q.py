@@ -384,6 +384,9 @@ def test_int8_embeddings_are_the_model_with_the_dequantised_table(tmp_path, monk
     assert not (tmp_path / "copy").exists()
     with pytest.raises(blockpress.InputError, match="sc_topk .* with embeddings='int8' use exact"):
         blockpress.load(folder, progress=False, embeddings="int8", sc_topk=8)
+    with pytest.raises(blockpress.InputError, match=r"configure\(embeddings='native'\): the storage precision is "
+                                                    "chosen at load"):
+        q.configure(embeddings="native")  # (the table stays int8: the options would say otherwise)
     with pytest.raises(blockpress.InputError, match="unknown embeddings format 'int4'"):
         blockpress.load(folder, progress=False, embeddings="int4")
 

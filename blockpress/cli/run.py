@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MAX_SEED, reply_tokens
-from ..options import EMBEDDING_FORMATS, LINEAR_FORMATS
+from ..options import EMBEDDING_FORMATS, LINEAR_FORMATS, STORAGE_FIELDS
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
 EXAMPLE_SUDOKU = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
@@ -144,8 +144,7 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
 
 def storage_options(args) -> dict[str, Any]:
     """The storage flags (add_storage_args) -> `blockpress.load` options."""
-    return {name: getattr(args, name) for name in ("precision", "group_size", "linears", "embeddings")
-            if hasattr(args, name)}
+    return {name: getattr(args, name) for name in STORAGE_FIELDS if hasattr(args, name)}
 
 
 def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,

@@ -294,6 +294,9 @@ def test_convert_writes_an_fp8_checkpoint_and_other_dtypes(checkpoints, tmp_path
     with pytest.raises(SystemExit) as e:  # argparse: not a choice
         cli(["convert", str(flt), str(tmp_path / "no"), "--precision", "int8"])
     assert e.value.code == 2
+    capsys.readouterr()
+    assert cli(["convert", str(flt), str(tmp_path / "no"), "--embeddings", "int8"]) == 2
+    assert "no checkpoint format blockpress writes holds an int8 embedding table" in capsys.readouterr().err
     assert not (tmp_path / "no").exists()
 
 

@@ -35,6 +35,11 @@ def main(args) -> int:
     from ..loading import resolve_path
     from ..model.weights import find_weight_files, headers_dtype, read_headers
 
+    if args.embeddings != "native":  # (before loading anything: save would refuse it at the end)
+        from ..errors import InputError
+
+        raise InputError("convert --embeddings int8: no checkpoint format blockpress writes holds an int8 embedding "
+                         "table; drop --embeddings (load the converted model with --embeddings int8 instead)")
     t0 = time.perf_counter()
     folder = resolve_path(args.model, progress=True)
     raw = ModelConfig.from_file(folder / "config.json").raw

@@ -447,3 +447,7 @@ def test_the_int8_soft_embedding_through_the_triton_kernel_equals_the_reference(
     table.backend = "triton"
     out = table.soft(probs)
     assert out.shape == (rows, H) and out.dtype == dtype and _rel(out, ref) < tol
+    with torch.enable_grad():  # a gradient through the probabilities: the reference (the kernel has no backward)
+        p = probs.clone().requires_grad_()
+        table.soft(p).float().sum().backward()
+    assert p.grad is not None and p.grad.shape == probs.shape

@@ -425,7 +425,7 @@ def quantized_linears(module: nn.Module) -> list[QuantizedLinear]:
 
 # ------------------------------------------------------------------------------------ the embedding table
 
-SOFT_SLICE_BYTES = 32 << 20  # the soft embedding's dequantised slice of the table, at most (bf16 on the 26B: 5,957 rows)
+SOFT_SLICE_BYTES = 32 << 20  # the reference soft embedding's converted slice of the table, at most (26B: 5,957 rows)
 QUANTIZE_ROWS = 16384  # rows of the table quantised at a time (bounded fp32 temporaries: 185 MB on the 26B model)
 
 
@@ -471,8 +471,10 @@ class QuantizedEmbedding(QuantizedLinear):
     def soft(self, probs: torch.Tensor) -> torch.Tensor:
         """probs [..., V] @ table -> [..., H] in probs' dtype: sum over v of (probs[v] * scale[v]) q[v]. On a GPU the
         int8 linear kernel reads the table down its columns (the table's one read, 1 byte a weight), the scales
-        applied to the probabilities in registers; checked on first use against `soft_slices`, the reference."""
-        if linear_backend(self.backend, self.fmt, probs) != "triton":
+        applied to the probabilities in registers; checked on first use against `soft_slices`, the reference (which
+        also runs where a gradient flows through the probabilities: the kernel has no backward)."""
+        grad = torch.is_grad_enabled() and probs.requires_grad
+        if grad or linear_backend(self.backend, self.fmt, probs) != "triton":
             return self.soft_slices(probs)
         V, H = self.weight_q.shape
         unit = self._unit.get(probs.device)

@@ -128,8 +128,8 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
     """--precision, --group-size, --linears, --embeddings: how the weights are stored, fixed at load (options.py)."""
     p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
                    help="expert weights: native (as stored), or fp8 / int4 quantised layer by layer while loading (a "
-                        "model too big for the GPU in bf16 loads straight into 4 bits); attention and embeddings keep "
-                        "--dtype. A pre-quantised checkpoint loads as stored")
+                        "model too big for the GPU in bf16 loads straight into 4 bits); the rest as --linears and "
+                        "--embeddings say. A pre-quantised checkpoint loads as stored")
     p.add_argument("--group-size", type=_group_size, default=64,
                    help="int4: input columns per scale, a power of two >= 16 (default 64)")
     p.add_argument("--linears", choices=LINEAR_FORMATS, default="native",

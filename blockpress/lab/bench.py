@@ -375,12 +375,12 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     if args.model:
         from ..loading import load
+        from ..options import STORAGE_FIELDS
 
         lm = load(args.model, device=str(device), dtype=dtype, progress=False, tokenizer=args.prompt is not None,
-                  precision=args.precision, group_size=args.group_size, linears=args.linears,
-                  embeddings=args.embeddings)
-        # a pre-quantised checkpoint's own
-        args.precision, args.group_size, args.linears = lm.options.precision, lm.options.group_size, lm.options.linears
+                  **{k: getattr(args, k) for k in STORAGE_FIELDS})
+        for k in STORAGE_FIELDS:  # what loaded: a pre-quantised checkpoint's own
+            setattr(args, k, getattr(lm.options, k))
         module, config = lm.module, lm.config.to_dict()
         args.model_folder = lm.path  # a shipped model's name or a run folder, resolved: what transformers loads
         if args.prompt is not None:

@@ -50,10 +50,9 @@ from torch import nn
 
 from ..errors import CheckpointError, InputError
 
-EXPERT_KEY = re.compile(r"^model\.decoder\.layers\.(\d+)\.experts\.(\d+)\.(gate|up|down)_proj\."
-                        r"(weight|weight_packed|weight_scale|weight_shape)$")
-LINEAR_KEY = re.compile(r"^model\.decoder\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\."
-                        r"(weight|weight_packed|weight_scale|weight_shape)$")
+PARTS = ("weight", "weight_packed", "weight_scale", "weight_shape")  # what a quantised projection stores
+EXPERT_KEY = re.compile(rf"^model\.decoder\.layers\.(\d+)\.experts\.(\d+)\.(gate|up|down)_proj\.({'|'.join(PARTS)})$")
+LINEAR_KEY = re.compile(rf"^model\.decoder\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.({'|'.join(PARTS)})$")
 SUPPORTED = ("compressed-tensors float-quantized (8-bit float weights, a scale per output channel: llm-compressor's "
              "FP8 recipes) or pack-quantized (symmetric 4-bit int weights by group, 8-bit by channel, weight-only: "
              "its W4A16 / W8A16)")
@@ -61,7 +60,6 @@ FIX = ("load the model's bf16 checkpoint instead and quantise it at load with pr
        "(--precision)")
 PREQUANTIZED_FIX = f"blockpress reads float weights, and pre-quantised ones only as {SUPPORTED}; {FIX}"
 KINDS = ("fp8", "int4", "int8")
-PARTS = ("weight", "weight_packed", "weight_scale", "weight_shape")
 
 
 def expert_key(i: int, e: int, proj: str, part: str) -> str:

@@ -49,21 +49,22 @@ def expert_variants(text, dtype, passes, tiles: list[str], precisions: list[str]
 
     E, H, Im, K = text.num_experts, text.hidden_size, text.moe_intermediate_size, text.top_k_experts
     for precision in precisions:
+        weights = precision.removesuffix("-a8")  # fp8-a8: fp8 weights with fp8 activations (experts="w8a8")
         if precision == "native":
             gate_up, down = torch.empty(E, 2 * Im, H, dtype=dtype), torch.empty(E, H, Im, dtype=dtype)
             kw = {}
         else:
-            q = QuantizedExperts(E, H, Im, precision, dtype=dtype)
+            q = QuantizedExperts(E, H, Im, weights, dtype=dtype)
             gate_up, down = q.gate_up_q, q.down_q
-            kw = dict(fmt=mg.FMT_FP8 if precision == "fp8" else mg.FMT_INT4, gate_up_scale=q.gate_up_scale,
-                      down_scale=q.down_scale, groups=q.groups, inter=Im)
+            kw = dict(fmt=mg.FMT_FP8 if weights == "fp8" else mg.FMT_INT4, gate_up_scale=q.gate_up_scale,
+                      down_scale=q.down_scale, groups=q.groups, inter=Im, act8=precision == "fp8-a8")
         for what, N in passes:
             g = torch.Generator().manual_seed(N)
             idx = torch.rand(N, E, generator=g).topk(K, dim=-1).indices
             x, w = torch.empty(N, H, dtype=dtype), torch.full((N, K), 1.0 / K)
             for spec in tiles:
                 for moe_sum in ("kernel", "atomic") if spec == tiles[0] else ("kernel",):
-                    t = mg.as_tiles(spec) if spec else (base or mg.default_tiles(precision, arch >= 90))
+                    t = mg.as_tiles(spec) if spec else (base or mg.default_tiles(weights, arch >= 90))
 
                     def run(t=t, moe_sum=moe_sum, x=x, w=w, idx=idx, gate_up=gate_up, down=down, kw=kw):
                         mg.experts_triton(x, w, idx, gate_up, down, tiles=t, moe_sum=moe_sum, **kw)
@@ -159,7 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default="90", help=f"comma-separated compute capabilities ({', '.join(map(str, ARCHS))})")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="activation dtype (the GPU runs bf16)")
     p.add_argument("--batch", default="1,2,4,8", help="canvas batch sizes")
-    p.add_argument("--precision", default="native,fp8,int4", help="expert formats")
+    p.add_argument("--precision", default="native,fp8,int4,fp8-a8",
+                   help="expert formats (fp8-a8: fp8 weights and activations, experts='w8a8')")
     p.add_argument("--linears", default="int8,fp8", help="8-bit projection formats ('' for none)")
     p.add_argument("--grid", default="", help="extra MoE tile settings, e.g. 'bm=auto,32;bn=64,128' "
                                               "(benchmarks/sweep_moe_tiles.py's grid syntax)")
@@ -187,8 +189,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--arch takes {sorted(ARCHS)} (got {args.arch!r}); --batch positive integers")
     precisions = [x for x in args.precision.split(",") if x]
     linears = [x for x in args.linears.split(",") if x]
-    if set(precisions) - {"native", "fp8", "int4"} or set(linears) - {"int8", "fp8"}:
-        raise SystemExit("--precision takes native, fp8, int4; --linears takes int8, fp8")
+    if set(precisions) - {"native", "fp8", "int4", "fp8-a8"} or set(linears) - {"int8", "fp8"}:
+        raise SystemExit("--precision takes native, fp8, int4, fp8-a8; --linears takes int8, fp8")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sweep_moe_tiles, bench_linears
     from sweep_moe_tiles import parse_grid
 
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
 ISSUE_CARDS = {90: ("H100 SXM", 132, 1.98e9, 3.35e12), 89: ("RTX 4090", 128, 2.52e9, 1.008e12),
                86: ("RTX 3090", 82, 1.695e9, 0.936e12), 80: ("A100 SXM", 108, 1.41e9, 2.039e12),
                120: ("RTX 5090", 170, 2.41e9, 1.792e12)}
-BYTES_PER_WEIGHT = {"native": 2.0, "fp8": 1.0 + 4 / 2816, "int4": 0.5 + 2 / 64}  # with their scales
+BYTES_PER_WEIGHT = {"native": 2.0, "fp8": 1.0 + 4 / 2816, "int4": 0.5 + 2 / 64, "fp8-a8": 1.0 + 4 / 2816}  # + scales
 LOADED_LATENCY_S = 1e-6  # device-memory latency under full load, assumed (idle: ~0.5-0.8 us): Little's law below
 
 
@@ -287,7 +289,7 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
           f"{'L2->SM GB':>9} {'x HBM':>6}  KB in flight per SM, up / down (Little's law: {need / 1024:.0f} KB at "
           f"{LOADED_LATENCY_S * 1e9:.0f} ns)")
     for precision in precisions:
-        TILES = tiles or default_tiles(precision, arch >= 90)  # noqa: N806 - the tiles the report reads
+        TILES = tiles or default_tiles(precision.removesuffix("-a8"), arch >= 90)  # noqa: N806 - the tiles read
         bk = TILES.block_k
         if precision == "int4":  # the K tile the launcher runs (QuantizedExperts' default groups of 64)
             bk = int4_block_k(bk, (group_for(H, 64), group_for(Im, 64)))
@@ -300,8 +302,8 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
             if r is None:
                 break
             per[kernel] = r["loop"] / (matrices * TILES.block_n * bk / (32 * r["num_warps"]))
-            flight[kernel] = in_flight_per_sm(r, bm, TILES.block_n, bk, act_bytes, BYTES_PER_WEIGHT[precision],
-                                              matrices)
+            flight[kernel] = in_flight_per_sm(r, bm, TILES.block_n, bk, 1 if precision == "fp8-a8" else act_bytes,
+                                              BYTES_PER_WEIGHT[precision], matrices)
         if len(per) < 2:
             continue
         up_w, down_w = L * E * 2 * Im * H, L * E * H * Im
@@ -314,7 +316,8 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
         issue = m_blocks * (up_w * per["_moe_up_kernel"] * waste["_moe_up_kernel"]
                             + down_w * per["_moe_down_kernel"] * waste["_moe_down_kernel"]) / 32 / issue_rate * 1e3
         mem = (up_w + down_w) * BYTES_PER_WEIGHT[precision] / bandwidth * 1e3
-        l2 = l2_to_sm_bytes(text, batch * canvas, bm, TILES.block_n, BYTES_PER_WEIGHT[precision], act_bytes)
+        l2 = l2_to_sm_bytes(text, batch * canvas, bm, TILES.block_n, BYTES_PER_WEIGHT[precision],
+                            1 if precision == "fp8-a8" else act_bytes)
         row = {"experts": precision, "card": name, "batch": batch, "up_instr_per_weight": round(per["_moe_up_kernel"], 2),
                "down_instr_per_weight": round(per["_moe_down_kernel"], 2), "m_blocks_per_expert": round(m_blocks, 3), "block_m": bm,
                "issue_ms": round(issue, 2), "bytes_ms": round(mem, 2),

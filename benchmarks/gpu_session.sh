@@ -36,7 +36,8 @@
 #            (beside the default row, both with --profile's kernels per step), int4 + int8 linears, int4, bf16
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
 #            passes' profile; int4; the align kernel's test
-#   defaults the rows as they run with today's defaults (no tile or attention flag): fp8 (--profile, AR), the attention
+#   defaults the rows as they run with today's defaults (no tile or attention flag): fp8 (--profile, AR), fp8 with fp8
+#            activations in the experts (--experts w8a8, --profile) and one layer's w8a8 tiles, the attention
 #            kernel's split keys per layer and fp8 with --attention-split 2, int4, int4 with 512-token prefill chunks
 #            and also at group 128 (<= 18 GB predicted), int4 + int4 MLP, fp8 at batch 4 against the older tiles, the
 #            int4 MLP's tile sweep, bf16; structured output's walk with the logits on the GPU
@@ -318,11 +319,29 @@ EOF
     # checkpoints loaded onto the GPU and the int8 embedding table's kernels (2026-11-29, CPU only)
     gpu_tests 60 -s -k "lm_head_slices or keys_split or 26b_shapes or soft_cap or before_the_cap or per_row or minus_inf \
       or sees_no_key or after_the_cap or fused_kernel or checkpoint_loads or int4_attention or int8_lm_head \
-      or soft_embedding_through or int8_embeddings" tests/test_kernels.py tests/test_attention_kernel.py \
-      tests/test_route.py tests/test_logit_bias.py tests/test_prequantized.py tests/test_linear_q.py
+      or soft_embedding_through or int8_embeddings or quant_rows or w8a8" tests/test_kernels.py \
+      tests/test_attention_kernel.py tests/test_route.py tests/test_logit_bias.py tests/test_prequantized.py \
+      tests/test_linear_q.py tests/test_quant.py
     grep -h "bit-equal" "$OUT/gpu-tests.txt" | tee -a "$OUT/summary.txt"
     # with our AR decode (issue 30 item 9, never timed compiled + graphed): 256 greedy tokens, batch 1
     STEP_LIMIT=110 bench fp8 ${ROW/--no-ar/--ar-tokens 256} --precision fp8 --profile
+    # fp8 x fp8 experts in the Triton kernels (--experts w8a8, 2026-11-29, CPU only: compile_report.py has their
+    # K-tile loops at 118 / 97 instructions against weight-only fp8's 529 / 295, e4m3 wgmma, no weight converted);
+    # the step against the fp8 row above (--profile: the experts' kernel time against its 12.9 ms; a CPU dry run: its
+    # torch reference); after the int4 rows, one layer's kernels, fp8 against fp8-a8 at the default tiles and a few
+    # others (the copy rate against the 85 % goal)
+    STEP_LIMIT=90 bench fp8-w8a8 ${ROW/--experts $FAST/--experts w8a8} --precision fp8 --profile
+    # int4's peak: peak_memory.py predicts 17.91 GB with the fast sampler reading the LM head's bf16 product
+    # (2026-11-27-cpu-fused-softcap.md; 18.2 GB was measured before that and the graphs' smaller pool)
+    STEP_LIMIT=80 bench int4 $ROW --precision int4
+    # the embedding table / LM head in int8 (2026-11-29, CPU only): predicted 17.17 GB; the LM head and the soft
+    # embedding through the int8 kernel (the latter reading the table down its columns, new): half the table's bytes
+    STEP_LIMIT=80 bench int4-emb8 $ROW --precision int4 --embeddings int8
+    # the w8a8 experts' one-layer sweep (see the fp8-w8a8 row)
+    lim=$(limit 70)
+    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 benchmarks/sweep_moe_tiles.py --preset "$PRESET" \
+      --precision fp8,fp8-a8 --batch 1 --grid "bm=auto,32;bn=64,128;bk=128,256;swap=1|bm=auto;bn=128;bk=128" \
+      --out "$OUT/tiles-a8.json" 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" | tail -24
     # the attention kernel took 2.58 ms a step on 64 (sliding) / 128 (full) programs for 132 SMs: the keys of each row
     # block in 2-4 runs (SPLIT, merged by a second kernel; never timed), per layer against the default
     lim=$(limit 60)
@@ -330,12 +349,6 @@ EOF
       --tiles "split=2;split=3;split=4;dv=128,split=2" --out "$OUT/attention-split.json" 2>&1 | grep -v '^{' \
       | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
     [ "$CUDA" = 1 ] && STEP_LIMIT=80 bench fp8-split2 $ROW --precision fp8 --attention-split 2
-    # int4's peak: peak_memory.py predicts 17.91 GB with the fast sampler reading the LM head's bf16 product
-    # (2026-11-27-cpu-fused-softcap.md; 18.2 GB was measured before that and the graphs' smaller pool)
-    STEP_LIMIT=80 bench int4 $ROW --precision int4
-    # the embedding table / LM head in int8 (2026-11-29, CPU only): predicted 17.17 GB; the LM head and the soft
-    # embedding through the int8 kernel (the latter reading the table down its columns, new): half the table's bytes
-    STEP_LIMIT=80 bench int4-emb8 $ROW --precision int4 --embeddings int8
     # the <= 18 GB candidates with no slower kernel: 512-token prefill chunks (a ring of 1,536 slots in the sliding
     # layers; the same numbers), predicted 17.73 GB; and int4 scales per 128 inputs where the dim allows (gate/up; a
     # small quality cost, benchmarks/results/2026-11-27-cpu-memory-attention.md), 17.49 GB

@@ -1,6 +1,7 @@
 """Quality guard for low-precision weights: fp8 / int4 experts, int8 linears (and bf16 for scale) vs fp32.
 
-For each format the same model is copied, its experts quantised (fp8, int4), or its attention and
+For each format the same model is copied, its experts quantised (fp8, int4; fp8-a8: fp8 weights and fp8
+activations, experts="w8a8"), or its attention and
 dense-MLP projections (int8-linears), or its dense MLP alone in int4 (int4-mlp), or one of each
 (int4+int8-linears, int4+int4-mlp); embeddings, router and
 self-conditioning stay fp32. Each is compared with the fp32 model on
@@ -47,15 +48,17 @@ from blockpress.lab.random_weights import build_model
 LINEAR_PARTS = {"int8-linears": ("int8", "torch"), "fp8-linears": ("fp8", "torch"),
                 "fp8-linears-a8": ("fp8", "scaled_mm"), "int4-mlp": None}  # int4-mlp: the dense MLP alone, in int4
 MLP4 = "int4-mlp"  # (kernels/quant.py QuantizedMLP: one int4 expert every token takes)
+A8 = "fp8-a8"  # fp8 experts with fp8 activations (experts="w8a8"; on a CPU its torch reference, experts_w8a8_torch)
+EXPERT_FORMATS = ("fp8", "int4", A8)
 LINEARS = "int8-linears"
 # relative error of the experts' output (of each projection's output, for the linears)
-ERR_BUDGET = {"bf16": 0.01, "fp8": 0.08, "int4": 0.25, "int8-linears": 0.02, "fp8-linears": 0.08,
+ERR_BUDGET = {"bf16": 0.01, "fp8": 0.08, "int4": 0.25, A8: 0.10, "int8-linears": 0.02, "fp8-linears": 0.08,
               "fp8-linears-a8": 0.10, MLP4: 0.25}
 # mean KL may be at most this multiple of bf16's (combined formats: the experts format's budget). fp8-linears was
 # 4.0 while the bf16 yardstick also rounded the rotary frequencies to bf16 (load keeps them fp32): a yardstick ~1.3x
 # too wide on the tiny preset (benchmarks/results/2026-11-28-cpu-rope-dtype.md)
 EMB = "int8-embeddings"  # the embedding table (also the LM head) in int8 with a scale per token
-KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, "int8-linears": 2.0, "fp8-linears": 5.0, "fp8-linears-a8": 8.0, MLP4: 8.0,
+KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, A8: 4.0, "int8-linears": 2.0, "fp8-linears": 5.0, "fp8-linears-a8": 8.0, MLP4: 8.0,
               EMB: 2.0}
 
 
@@ -72,10 +75,10 @@ def load_model(args):
 def _parts(fmt: str) -> tuple[str | None, str | None]:
     """'int4+int8-linears' -> ('int4', 'int8-linears'); 'fp8-linears' -> (None, 'fp8-linears'); 'fp8' -> ('fp8', None)."""
     parts = [x for x in fmt.split("+") if x != EMB] if fmt != EMB else []
-    experts = [x for x in parts if x in ("fp8", "int4")]
+    experts = [x for x in parts if x in EXPERT_FORMATS]
     linears = [x for x in parts if x in LINEAR_PARTS]
     if len(experts) + len(linears) != len(parts) or len(experts) > 1 or len(linears) > 1:
-        raise SystemExit(f"unknown format {fmt!r}: use bf16, an experts format (fp8, int4), a linears format "
+        raise SystemExit(f"unknown format {fmt!r}: use bf16, an experts format ({', '.join(EXPERT_FORMATS)}), a linears format "
                          f"({', '.join(LINEAR_PARTS)}), {EMB}, or one of each joined by + (e.g. int4+{LINEARS})")
     return (experts or [None])[0], (linears or [None])[0]
 
@@ -104,9 +107,10 @@ def variant(ref, fmt: str, group_size: int):
     try:
         for layer, old in zip(ref.layers, saved) if experts else ():
             E, two_im, H = old.gate_up_proj.shape
-            q = QuantizedExperts(E, H, two_im // 2, experts, group_size, dtype=old.gate_up_proj.dtype,
-                                 device=old.gate_up_proj.device)
+            q = QuantizedExperts(E, H, two_im // 2, experts.removesuffix("-a8"), group_size,
+                                 dtype=old.gate_up_proj.dtype, device=old.gate_up_proj.device)
             layer.experts = q.load_float_(old.gate_up_proj, old.down_proj)
+            q.backend = "w8a8" if experts == A8 else q.backend
         for layer, old in zip(ref.layers, saved_mlp) if linears == MLP4 else ():
             layer.mlp = QuantizedMLP.from_mlp(old, group_size)
             layer.mlp.experts.backend = "torch"
@@ -180,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--model", help="checkpoint folder of a trained model (e.g. blockpress/assets/sudoku)")
     p.add_argument("--formats", default=f"bf16,fp8,int4,{','.join(LINEAR_PARTS)},fp8+{LINEARS},int4+{LINEARS},"
-                                        f"int4+{MLP4},{EMB},int4+{EMB}")
+                                        f"int4+{MLP4},{EMB},int4+{EMB},{A8}")
     p.add_argument("--group-size", type=_group_size, default=64)
     p.add_argument("--init-std", type=float, default=0.05, help="random weights: larger = peakier logits")
     p.add_argument("--prompt-tokens", type=_positive_int, default=32)

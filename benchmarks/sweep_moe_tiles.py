@@ -70,7 +70,7 @@ def build_layer(text, precision: str, device, dtype, group_size: int, seed: int,
     expert bytes of the whole layer). mlp: the layer's dense MLP instead, as the one expert every token takes
     (`--linears int4-mlp`, kernels/quant.py QuantizedMLP)."""
     from blockpress.kernels.moe_grouped import FMT_FP8, FMT_INT4, experts_triton
-    from blockpress.kernels.quant import QuantizedExperts
+    from blockpress.kernels.quant import QuantizedExperts, experts_w8a8_torch
     from blockpress.model.moe import experts_loop
 
     E, H, Im = (1, text.hidden_size, text.intermediate_size) if mlp else \
@@ -84,13 +84,16 @@ def build_layer(text, precision: str, device, dtype, group_size: int, seed: int,
         def call(x, w, idx, tiles):
             return experts_triton(x, w, idx, gate_up, down, tiles=tiles)
         return call, (lambda x, w, idx: experts_loop(x, w, idx, gate_up, down)), nbytes
-    q = QuantizedExperts(E, H, Im, precision, group_size, dtype=dtype, device=device).load_float_(gate_up, down)
+    weights, a8 = precision.removesuffix("-a8"), precision == "fp8-a8"  # fp8-a8: fp8 activations too (w8a8)
+    q = QuantizedExperts(E, H, Im, weights, group_size, dtype=dtype, device=device).load_float_(gate_up, down)
     del gate_up, down
-    fmt = FMT_FP8 if precision == "fp8" else FMT_INT4
+    fmt = FMT_FP8 if weights == "fp8" else FMT_INT4
 
     def call(x, w, idx, tiles):
         return experts_triton(x, w, idx, q.gate_up_q, q.down_q, fmt=fmt, gate_up_scale=q.gate_up_scale,
-                              down_scale=q.down_scale, groups=q.groups, inter=q.inter, tiles=tiles)
+                              down_scale=q.down_scale, groups=q.groups, inter=q.inter, tiles=tiles, act8=a8)
+    if a8:
+        return call, (lambda x, w, idx: experts_w8a8_torch(x, w, idx, *q._weights())), q.weight_bytes()
     return call, q._forward_torch, q.weight_bytes()  # the torch path dequantises each busy expert
 
 
@@ -106,7 +109,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="real-26b", choices=["tiny", "small", "real-26b"])
     p.add_argument("--config", help="a config.json (diffusion_gemma) instead of a preset")
-    p.add_argument("--precision", default="native,fp8,int4", help="comma-separated: native, fp8, int4")
+    p.add_argument("--precision", default="native,fp8,int4",
+                   help="comma-separated: native, fp8, int4, fp8-a8 (fp8 weights and activations: experts='w8a8')")
     p.add_argument("--batch", type=int, default=1, help="rows of the canvas batch (tokens = batch x canvas)")
     p.add_argument("--grid", default=None, help=f"tile grid (default on CUDA: {DEFAULT_GRID!r}; on a CPU: "
                                                 "the default tiles only)")
@@ -125,9 +129,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"Triton cannot run on {device} here: install triton (CUDA), or on a CPU set "
                          "TRITON_INTERPRET=1 before starting")
     precisions = [x for x in args.precision.split(",") if x]
-    bad = sorted(set(precisions) - {"native", "fp8", "int4"})
+    bad = sorted(set(precisions) - {"native", "fp8", "int4", "fp8-a8"})
     if bad or args.batch < 1:
-        raise SystemExit(f"--precision takes native, fp8, int4 (got {bad}); --batch must be >= 1")
+        raise SystemExit(f"--precision takes native, fp8, int4, fp8-a8 (got {bad}); --batch must be >= 1")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     config = json.load(open(args.config)) if args.config else preset_config(args.preset)[0]
     cfg = ModelConfig.from_dict(config)
@@ -137,7 +141,7 @@ def main(argv=None) -> int:
     if args.mlp:
         K, E, Im = 1, 1, text.intermediate_size
     grid = parse_grid(args.grid if args.grid is not None else (DEFAULT_GRID if device.type == "cuda" else ""))
-    defaults = {prec: default_tiles(prec, _wgmma_target(device)).spec() for prec in precisions}
+    defaults = {prec: default_tiles(prec.removesuffix("-a8"), _wgmma_target(device)).spec() for prec in precisions}
     bandwidth = measure_bandwidth(device)
     hit = expected_hit_fraction(E, K, N)
     g = torch.Generator(device=device).manual_seed(args.seed + 1)

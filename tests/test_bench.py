@@ -204,7 +204,7 @@ def test_quality_guard_tiny(capsys, monkeypatch):
     rows = {r["format"]: r for r in result["results"]}
     assert set(rows) == {"bf16", "fp8", "int4", "int8-linears", "fp8-linears", "fp8-linears-a8", "int4-mlp",
                          "fp8+int8-linears", "int4+int8-linears", "int4+int4-mlp", "int8-embeddings",
-                         "int4+int8-embeddings"}
+                         "int4+int8-embeddings", "fp8-a8"}
     # the int8 embedding table: the logits move (KL > 0) with no expert or projection output changed
     emb = rows["int8-embeddings"]
     assert emb["experts_rel_err"] == 0 == emb["linears_rel_err"] and 0 < emb["mean_kl"] < rows["int4"]["mean_kl"]
@@ -219,6 +219,9 @@ def test_quality_guard_tiny(capsys, monkeypatch):
     # int8 keeps ~7 bits of a row's bulk, fp8 3; fp8 activations add their own rounding
     assert rows["int8-linears"]["linears_rel_err"] < rows["fp8-linears"]["linears_rel_err"] \
         < rows["fp8-linears-a8"]["linears_rel_err"] < 0.1
+    # fp8 activations on fp8 experts (experts="w8a8"): the experts' own rounding grows, nothing else moves
+    assert rows["fp8"]["experts_rel_err"] < rows["fp8-a8"]["experts_rel_err"] < 0.1
+    assert rows["fp8-a8"]["linears_rel_err"] == 0
     assert e.value.code == 0 and all(r["pass"] for r in rows.values())
 
 
@@ -343,12 +346,12 @@ def test_moe_tile_sweep_on_cpu_checks_every_setting_against_torch(capsys, monkey
     if triton is None or not usable_on(torch.device("cpu")):
         pytest.skip("triton not installed (pip install triton), or TRITON_INTERPRET is off")
     monkeypatch.setattr(sys, "argv", ["sweep_moe_tiles.py", "--preset", "tiny", "--device", "cpu", "--precision",
-                                      "native,int4", "--grid", "bm=16;bn=16,32;bk=16", "--repeats", "1"])
+                                      "native,int4,fp8-a8", "--grid", "bm=16;bn=16,32;bk=16", "--repeats", "1"])
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(ROOT / "benchmarks" / "sweep_moe_tiles.py"), run_name="__main__")
     assert e.value.code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(result["best"]) == {"native", "int4"}
+    assert set(result["best"]) == {"native", "int4", "fp8-a8"}  # fp8-a8: the w8a8 kernels against their reference
     assert all(v < 1e-4 for v in result["rel_err_vs_torch"].values())
     rows = result["results"]
     assert [r["spec"] for r in rows if r["precision"] == "native"] == \

@@ -379,3 +379,144 @@ def test_int4_mlp_through_load_configure_and_the_byte_estimate(tmp_path):
     assert (back.options.precision, back.options.group_size, back.options.linears) == ("int4", 16, "int4-mlp")
     sc = back.module.state_dict()
     assert sc.keys() == sa.keys() and all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+# ------------------------------------------------------------------------------------ w8a8 experts
+
+
+def _e4m3_edges() -> torch.Tensor:
+    """Every finite e4m3 magnitude's midpoint with its neighbour (the ties), a hair either side of each, and the
+    values themselves, with both signs: where rounding to fp8 can go wrong."""
+    vals = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = vals[torch.isfinite(vals)].unique()  # 0 .. 448
+    mids = (vals[1:] + vals[:-1]) / 2
+    near = torch.cat([mids, mids * (1 + 2 ** -20), mids * (1 - 2 ** -20), vals])
+    return torch.cat([near, -near])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_rows_kernel_is_quantize_rows_fp8_byte_for_byte(dtype):
+    """The w8a8 experts' row quantiser (Triton) writes `quantize_rows_fp8`'s bytes and scales: rows of random
+    values, a zero row, and a row whose scale is 1 holding every e4m3 rounding tie and its neighbours (ties to
+    even; Triton's interpreter casts some of these wrongly itself, which `_fp8_nearest` avoids). Rows whose id
+    marks expert-block padding are left unwritten."""
+    from blockpress.kernels.moe_grouped import _quant_rows
+    from blockpress.kernels.quant import quantize_rows_fp8
+
+    edges = _e4m3_edges()
+    x = torch.randn(6, edges.numel(), generator=torch.Generator().manual_seed(0)) * torch.tensor(
+        [1.0, 1e-3, 1e4, 0.0, 1.0, 1.0])[:, None]
+    x[4] = edges
+    x[4, 0] = 448.0  # amax 448: scale 1, the row's values are rounded as they are
+    x = x.to(dtype)
+    q, s = _quant_rows(x.to(DEV))
+    rq, rs = quantize_rows_fp8(x)
+    assert torch.equal(s.cpu(), rs)
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+    ids = torch.tensor([0, 5, 1, 5, 2, 5], device=DEV)  # A = 5: rows 1, 3 and 5 are padding
+    q2 = torch.full_like(q, 7.0)
+    s2 = torch.full_like(s, -1.0)
+    from blockpress.kernels import moe_grouped
+
+    moe_grouped._quant_rows_kernel[(6,)](x.to(DEV), q2, s2, ids, 5, x.shape[1], x.stride(0), q2.stride(0),
+                                         BLOCK=triton.next_power_of_2(x.shape[1]), IDS=True)
+    kept = torch.tensor([0, 2, 4])
+    assert torch.equal(q2.cpu()[kept].view(torch.uint8), rq[kept].view(torch.uint8))
+    assert (q2.cpu()[[1, 3, 5]].float() == 7.0).all() and (s2.cpu()[[1, 3, 5]] == -1.0).all()
+
+
+def test_w8a8_reference_is_torch_fp8_matmuls():
+    """`experts_w8a8_torch` is the arithmetic of torch's own fp8 x fp8 matmul (`torch._scaled_mm`, per-row scales on
+    both sides) run expert by expert, in fp32; and it is a different function from weight-only fp8 (the activations
+    really are quantised), within fp8's error of the float experts."""
+    from blockpress.kernels.linear_q import linear_fp8_scaled_mm
+    from blockpress.kernels.quant import experts_w8a8_torch
+    from blockpress.model.layers import gelu_tanh
+
+    q, gu, dn = _quantized("fp8", torch.float32)
+    x = torch.randn(30, 64, generator=torch.Generator().manual_seed(4))
+    w, idx = _routing(30, 8, 3, 5)
+    out = experts_w8a8_torch(x, w, idx, *q._weights())
+    want = torch.zeros_like(x)
+    for t in range(30):
+        for k in range(3):
+            e = int(idx[t, k])
+            u = linear_fp8_scaled_mm(x[t:t + 1], q.gate_up_q[e], q.gate_up_scale[e])
+            a = gelu_tanh(u[:, :32]) * u[:, 32:]
+            want[t] += w[t, k] * linear_fp8_scaled_mm(a, q.down_q[e], q.down_scale[e])[0]
+    assert _rel(out, want) < 1e-5
+    q.backend = "torch"
+    weight_only = q(x, w, idx)
+    assert _rel(out, weight_only) > 1e-3
+    assert _rel(out, experts_loop(x, w, idx, gu, dn)) < 0.1
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("moe_sum,swap", [("kernel", False), ("atomic", False), ("kernel", True)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_w8a8_kernel_equals_its_reference(dtype, tol, moe_sum, swap):
+    """The Triton experts with fp8 activations (act8: fp8 x fp8 dots, both scales on the accumulator) against
+    `experts_w8a8_torch`; the module's "w8a8" backend resolves to the kernel where it compiles and to the reference
+    on a CPU. (bf16 in the interpreter: Triton's interpreter truncates fp32 -> bf16 casts, hence the wider bound.)"""
+    from blockpress.kernels import moe_grouped
+
+    dev = DEV
+    if not fp8_usable_on(dev):
+        pytest.skip("fp8 Triton kernels need sm_89+")
+    q, _, _ = _quantized("fp8", dtype)
+    q = q.to(dev)
+    x = torch.randn(21, 64, generator=torch.Generator().manual_seed(6)).to(dev, dtype)
+    w, idx = (t.to(dev) for t in _routing(21, 8, 3, 7))
+    q.backend = "w8a8"
+    assert q.resolved_backend(x) == ("triton-a8" if dev.type == "cuda" else "torch-a8")
+    from blockpress.kernels.quant import experts_w8a8_torch
+
+    ref = experts_w8a8_torch(x, w, idx, *q._weights())
+    if dev.type == "cpu":
+        assert torch.equal(q(x, w, idx), ref)
+    q.backend, q.moe_sum = "triton-a8", moe_sum
+    q.tiles = moe_grouped.parse_tiles("swap=1" if swap else "")
+    assert q.resolved_backend(x) == "triton-a8"
+    assert _rel(q(x, w, idx), ref) < tol
+    q.backend = "torch"
+    assert _rel(q(x, w, idx), ref) > 1e-3  # not weight-only fp8 by another name
+
+
+def test_w8a8_backend_through_load_and_configure_needs_fp8(tmp_path):
+    """`experts="w8a8"`: refused without fp8 experts (one line naming the fix); with them every layer takes it, its
+    kernels hold no host sync (CUDA graphs may capture them), a compiled block's custom op computes the same, and
+    generation runs (a CPU: the torch reference)."""
+    import blockpress
+    from blockpress.errors import InputError
+    from blockpress.kernels import configure
+    from blockpress.kernels.select import host_syncs
+    from blockpress.train import sizes
+
+    folder = tmp_path / "m"
+    blockpress.from_config(sizes.model_config("nano", vocab_size=256, canvas_length=8, context=16), seed=0).save(folder)
+    with pytest.raises(InputError, match="w8a8 experts backend .* needs fp8 experts; add --precision fp8"):
+        blockpress.load(folder, progress=False, experts="w8a8")
+    lm = blockpress.load(folder, progress=False, precision="fp8", experts="w8a8")
+    module = lm.module
+    assert all(layer.experts.backend == "w8a8" for layer in module.layers)
+    assert host_syncs(module) == []
+    ids = torch.randint(5, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    res = lm.generate(ids, max_new_tokens=8, max_denoising_steps=3, generator=torch.Generator().manual_seed(1))
+    assert res.sequences.shape == (1, 14)
+    chosen = configure(module, experts="w8a8", precision="fp8")
+    assert chosen["experts"] == "torch-a8" and chosen["linears"] == "native"
+    cfg = module.config
+    from blockpress.kernels.quant import experts_quantized, quantized_experts_op
+
+    ex = module.layers[0].experts
+    x = torch.randn(10, cfg.text.hidden_size)
+    w, idx = _routing(10, cfg.text.num_experts, cfg.text.top_k_experts, 1)
+    eager = experts_quantized(x, w, idx, *ex._weights(), ex.fmt, ex.dtype, ex.groups, ex.backend, ex.tiles,
+                              ex.moe_sum)
+    op = quantized_experts_op(x, w, idx, *ex._weights(), ex.fmt, ex.dtype, list(ex.groups), ex.backend,
+                              ex.tiles.spec(), ex.moe_sum)
+    assert torch.equal(eager, op)
+    ex.backend = "torch"
+    assert not torch.equal(eager, ex(x, w, idx))

@@ -42,7 +42,7 @@ from ._triton import fp8_usable_on, interpreted, tl, triton, usable_on
 from .moe_grouped import _stages, checked_on_first_use, runs_wgmma
 if triton is not None:
     from .moe_grouped import _cols, _dot, _rows
-from .quant import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
+from .quant import FP8, dequantize_fp8, quantize_fp8, quantize_rows_fp8
 
 INT8_MAX = 127.0
 # the projections made 8-bit, by the module that holds them (router, embeddings, self-conditioning stay)
@@ -183,13 +183,6 @@ class _QuantLinearFn(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None
         return grad @ ctx.lin.dequantize(grad.dtype), None
-
-
-def quantize_rows_fp8(x_MI: torch.Tensor):
-    """Activations -> fp8 [M, I] and their fp32 scale per row [M] (amax / 448)."""
-    xf = x_MI.float()
-    scale = (xf.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
-    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def linear_fp8_scaled_mm(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:

@@ -173,8 +173,8 @@ if triton is not None:
     def _load_w_tile(w_ptr, n, nmask, k0, KD, stride_n, stride_k, BK: tl.constexpr, EVEN_K: tl.constexpr,
                      SWAP: tl.constexpr):
         """Tile [BK, BN] of W^T (W is [O, KD], plain or fp8) for the K tile starting at k0, or [BN, BK] of W itself
-        with SWAP (the weight as the dot's first operand, see _dot), in fp32 (fp8's per-channel scale factors out of
-        the dot product: the kernels apply it at the end). EVEN_K (BK divides KD): no K mask; a mask on K limits the
+        with SWAP (the weight as the dot's first operand, see _dot), as stored (the callers convert it; fp8's
+        per-channel scale factors out of the dot product: the kernels apply it at the end). EVEN_K (BK divides KD): no K mask; a mask on K limits the
         vector loads to what Triton knows of KD's alignment (16 elements). int4 tiles: _int4_halves."""
         k = k0 + tl.arange(0, BK)
         if SWAP:  # one return per function: Triton compiles both sides of a constexpr if that returns early
@@ -183,7 +183,7 @@ if triton is not None:
         else:
             m = nmask[None, :] if EVEN_K else (k < KD)[:, None] & nmask[None, :]
             w = tl.load(w_ptr + n[None, :] * stride_n + k[:, None] * stride_k, mask=m, other=0.0)
-        return w.to(tl.float32)
+        return w
 
     @triton.jit
     def _int4_halves(w_ptr, n, nmask, k0, s_ptr, stride_n, stride_k, stride_sn, stride_sg,
@@ -254,13 +254,15 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _moe_up_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, act_ptr, A, H, Im, TOPK,
+    def _moe_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, act_ptr, A, H, Im, TOPK,
                        stride_xn, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_am,
                        FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                       ROUND: tl.constexpr, SWAP: tl.constexpr):
+                       ROUND: tl.constexpr, SWAP: tl.constexpr, A8: tl.constexpr):
         """act[row] = gelu_tanh(x W_gate^T) * (x W_up^T) for the BM assignments of one expert block (the
-        accumulators [BM, BN], or [BN, BM] with SWAP: _dot)."""
+        accumulators [BM, BN], or [BN, BM] with SWAP: _dot). A8 (fp8 weights): x is fp8 with a scale per token
+        (xs_ptr, `_quant_rows_kernel`), the dots take both fp8 tiles as they are (no weight converted) and both
+        scales are applied to the fp32 accumulators."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
         if e < 0:
@@ -291,30 +293,36 @@ if triton is not None:
             else:
                 wg = _load_w_tile(w_e, n, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K, SWAP)
                 wu = _load_w_tile(w_e, n + Im, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K, SWAP)
-                wg, wu = wg.to(xa.dtype), wu.to(xa.dtype)  # bf16 / e4m3 values: exact in the activation dtype
+                if not A8:  # bf16 / e4m3 values: exact in the activation dtype
+                    wg, wu = wg.to(tl.float32).to(xa.dtype), wu.to(tl.float32).to(xa.dtype)
                 acc_g = _dot(xa, wg, acc_g, F32, SWAP)
                 acc_u = _dot(xa, wu, acc_u, F32, SWAP)
         if FMT == 1:  # fp8: the per-output-channel scale factors out of the dot product
             acc_g *= _cols(tl.load(s_e + n * stride_sn, mask=nmask, other=0.0), SWAP)
             acc_u *= _cols(tl.load(s_e + (n + Im) * stride_sn, mask=nmask, other=0.0), SWAP)
+        if A8:  # each token's activation scale
+            xs = _rows(tl.load(xs_ptr + tok, mask=valid, other=0.0), SWAP)
+            acc_g *= xs
+            acc_u *= xs
         inner = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
         act = 0.5 * acc_g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0)) * acc_u
         tl.store(act_ptr + _rows(rows, SWAP) * stride_am + _cols(n, SWAP), act.to(act_ptr.dtype.element_ty),
                  mask=_cols(nmask, SWAP))
 
     @triton.jit
-    def _moe_down_kernel(act_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, out_ptr, rw_ptr, A, H, Im, TOPK,
+    def _moe_down_kernel(act_ptr, as_ptr, w_ptr, s_ptr, sorted_ptr, bexp_ptr, out_ptr, rw_ptr, A, H, Im, TOPK,
                          stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_on,
                          FMT: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                          ATOMIC: tl.constexpr,
-                         ROUND: tl.constexpr, SWAP: tl.constexpr):
+                         ROUND: tl.constexpr, SWAP: tl.constexpr, A8: tl.constexpr):
         """out[assignment] = act W_down^T in the activation dtype (rounded there, as the torch paths round each
         expert's output), one row per assignment; the router weights are applied by _moe_sum_kernel. ATOMIC: the
         weighted sum over the K assignments of a token is done here instead, added in fp32 into out[token] (each
         output rounded first to the activation dtype, ROUND 1: bf16, 2: fp16, as the torch paths round it; the
         order of the K additions is the GPU's, so the last bit of the sum may differ from run to run). SWAP: the
-        accumulator is [BN, BM] (_dot)."""
+        accumulator is [BN, BM] (_dot). A8: the activations are fp8 with a scale per row (as_ptr), as in the up
+        kernel."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
         if e < 0:
@@ -338,9 +346,13 @@ if triton is not None:
                 acc = _dot(ao, whi, _dot(ae, wlo, acc, F32, SWAP), F32, SWAP)
             else:
                 w = _load_w_tile(w_e, n, nmask, k0, Im, stride_wn, stride_wk, BK, EVEN_K, SWAP)
-                acc = _dot(a, w.to(a.dtype), acc, F32, SWAP)
+                if not A8:
+                    w = w.to(tl.float32).to(a.dtype)
+                acc = _dot(a, w, acc, F32, SWAP)
         if FMT == 1:
             acc *= _cols(tl.load(s_e + n * stride_sn, mask=nmask, other=0.0), SWAP)
+        if A8:
+            acc *= _rows(tl.load(as_ptr + rows, mask=valid, other=0.0), SWAP)
         mask = _rows(valid, SWAP) & _cols(nmask, SWAP)
         if ATOMIC:
             if ROUND == 1:
@@ -386,6 +398,37 @@ if triton is not None:
                 t = t0 + tl.arange(0, TAIL)
                 tl.store(sorted_ptr + t, tl.full((TAIL,), 0, tl.int64) + A, mask=(t >= total) & (t < L))
                 tl.store(bexp_ptr + t // BM, tl.full((TAIL,), -1, tl.int32), mask=(t >= total) & (t < L) & (t % BM == 0))
+
+    @triton.jit
+    def _fp8_nearest(v):
+        """fp32 values within +-448 rounded to the nearest float8_e4m3fn value (ties to even), still in fp32: adding
+        and subtracting 1.5 * 2^23 quanta of the magnitude's binade rounds it to that quantum (fp32 addition rounds
+        to nearest even); quanta of 2^(exponent - 3), at least 2^-9 (e4m3's subnormal step). The cast to fp8 after it is
+        then exact on any backend (Triton's interpreter rounds some fp32 -> fp8 casts wrongly, 124.3 -> 64)."""
+        bits = v.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+        quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        magic = quantum * 12582912.0  # 1.5 * 2^23 quanta
+        r = (tl.abs(v) + magic) - magic  # the magnitude, then v's sign bit (what rounds to zero keeps it: -0.0)
+        return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, A, C, stride_x, stride_q, BLOCK: tl.constexpr,
+                           IDS: tl.constexpr):
+        """One row of x [R, C] per program -> fp8 q and its fp32 scale amax / 448 (clamped to 1e-12): the bytes of
+        `quant.quantize_rows_fp8`. IDS: rows whose sorted assignment id is A (an expert block's padding) are
+        skipped."""
+        r = tl.program_id(0).to(tl.int64)
+        if IDS:
+            if tl.load(ids_ptr + r) >= A:
+                return
+        c = tl.arange(0, BLOCK)
+        m = c < C
+        x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0).to(tl.float32)
+        s = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1e-12)  # IEEE division (a compiled `/` is not)
+        v = _fp8_nearest(tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0))
+        tl.store(q_ptr + r * stride_q + c, v.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(s_ptr + r, s)
 
     @triton.jit
     def _moe_sum_kernel(y_ptr, rw_ptr, out_ptr, H, K, BH: tl.constexpr):
@@ -655,12 +698,17 @@ def int4_block_k(block_k: int, groups: tuple[int, int]) -> int:
 def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_PLAIN,
                    gate_up_scale=None, down_scale=None, groups: tuple[int, int] = (0, 0), inter: int | None = None,
                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                   tiles: Tiles | None = None, moe_sum: str = "kernel"):
+                   tiles: Tiles | None = None, moe_sum: str = "kernel", act8: bool = False):
     """Fused Triton experts. Plain weights: gate_up [E, 2Im, H], down [E, H, Im]. fp8: same shapes
     (float8_e4m3fn) with scales [E, O]. int4: packed uint8 [E, O, I/2] with scales [E, O, I/G].
-    Tiles: explicit block_* arguments, else `tiles`, else the defaults. moe_sum: "kernel" or "atomic" (above)."""
+    Tiles: explicit block_* arguments, else `tiles`, else the defaults. moe_sum: "kernel" or "atomic" (above).
+    act8 (fp8 weights only): w8a8, the tokens and the up kernel's activations quantised to fp8 per row first
+    (`_quant_rows_kernel`, one launch each), so both kernels' dots take fp8 x fp8 and no weight is converted
+    (`quant.experts_w8a8_torch` is the reference)."""
     if triton is None:
         raise RuntimeError("experts_triton needs triton (pip install triton)")
+    if act8 and fmt != FMT_FP8:
+        raise ValueError("act8 (fp8 activations) needs fp8 expert weights")
     t = tiles or DEFAULT_TILES
     block_m = block_m if block_m is not None else t.block_m
     block_n = block_n if block_n is not None else t.block_n
@@ -681,40 +729,47 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
         # the kernels load int4 K tiles unmasked: a tile never runs past a row (groups divide H and Im)
         assert H % block_k == 0 and Im % block_k == 0, f"int4 groups {groups} must divide H={H} and Im={Im}"
     x = x_NH.contiguous()
+    dummy = x.new_empty(1, 1, 1, dtype=torch.float32)
+    x_in, x_scale = x, dummy  # what the up kernel reads: x, or with act8 its fp8 rows and their scales
+    if act8:
+        x_in, x_scale = _quant_rows(x)
     align = align_blocks_triton if A <= ALIGN_MAX else align_blocks
     sorted_ids, block_expert = align(idx_NK, E, block_m)
     L = sorted_ids.numel()
     act = x.new_empty(L, Im)  # [L, Im] activations in padded expert order
     # fp32 operands: exact ieee dots; the interpreter also needs them (its bf16 tl.dot is wrong in triton 3.9)
     f32 = x.dtype == torch.float32 or interpreted()
-    dummy = x.new_empty(1, 1, 1, dtype=torch.float32)
     gs, ds = gate_up_scale if gate_up_scale is not None else dummy, down_scale if down_scale is not None else dummy
     g_st, d_st = _scale_strides(gate_up_scale), _scale_strides(down_scale)
     # shared memory outside the pipeline (what _stages fits): with wgmma (bm >= 64 on sm_90) the converted tile of
     # fp8 / int4 weights, in the activation dtype (int4: a byte more per weight; read back from compiles)
     wgmma = runs_wgmma(block_m, block_n, t.swap, x.device)
-    converted = 0 if fmt == FMT_PLAIN or not wgmma else x.element_size() + (1 if fmt == FMT_INT4 else 0)
+    converted = 0 if fmt == FMT_PLAIN or act8 or not wgmma else x.element_size() + (1 if fmt == FMT_INT4 else 0)
+    a_bytes = x_in.element_size()  # an activation tile's bytes per element (1 with act8)
     bn_up = min(block_n, max(16, triton.next_power_of_2(Im)))  # no wider than the output: a small model's tiles
     bn_dn = min(block_n, max(16, triton.next_power_of_2(H)))
     grid = (L // block_m, triton.cdiv(Im, bn_up))
     rnd = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)  # 16-bit activations: int4 dequant in that dtype
     min_k = INT4_MIN_K if fmt == FMT_INT4 else 16
-    stages_up, bk_up = _fit_k(t.num_stages, block_m * x.element_size() + 2 * bn_up * gate_up_EFH.element_size(),
+    stages_up, bk_up = _fit_k(t.num_stages, block_m * a_bytes + 2 * bn_up * gate_up_EFH.element_size(),
                               converted * bn_up, wgmma, block_k, min_k)
-    _moe_up_kernel[grid](x, gate_up_EFH, gs, sorted_ids, block_expert, act, A, H, Im, K,
-                         x.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
+    _moe_up_kernel[grid](x_in, x_scale, gate_up_EFH, gs, sorted_ids, block_expert, act, A, H, Im, K,
+                         x_in.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2), *g_st,
                          act.stride(0), FMT=fmt, GROUP=max(groups[0], 1), F32=f32, BM=block_m, BN=bn_up, BK=bk_up,
-                         EVEN_K=H % bk_up == 0, ROUND=rnd, SWAP=t.swap, **warps, **stages_up)
+                         EVEN_K=H % bk_up == 0, ROUND=rnd, SWAP=t.swap, A8=act8, **warps, **stages_up)
+    act_in, act_scale = act, dummy  # what the down kernel reads
+    if act8:  # the rows of expert-block padding (id A) are skipped: the down kernel never reads them
+        act_in, act_scale = _quant_rows(act, sorted_ids, A)
     rw = w_NK.reshape(-1).float().contiguous()
     grid = (L // block_m, triton.cdiv(H, bn_dn))
-    stages_dn, bk_dn = _fit_k(t.num_stages, block_m * x.element_size() + bn_dn * down_EHI.element_size(),
+    stages_dn, bk_dn = _fit_k(t.num_stages, block_m * a_bytes + bn_dn * down_EHI.element_size(),
                               converted * bn_dn, wgmma, block_k, min_k)
     down = dict(FMT=fmt, GROUP=max(groups[1], 1), F32=f32, BM=block_m, BN=bn_dn, BK=bk_dn, EVEN_K=Im % bk_dn == 0,
-                ROUND=rnd, SWAP=t.swap, **warps, **stages_dn)
+                ROUND=rnd, SWAP=t.swap, A8=act8, **warps, **stages_dn)
     if moe_sum == "atomic":  # the weighted sum over K added into fp32 [N, H] by the down kernel itself
         acc = torch.zeros(N, H, dtype=torch.float32, device=x.device)
-        _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, acc, rw, A, H, Im, K,
-                               act.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
+        _moe_down_kernel[grid](act_in, act_scale, down_EHI, ds, sorted_ids, block_expert, acc, rw, A, H, Im, K,
+                               act_in.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
                                acc.stride(0), ATOMIC=True, **down)
         return acc.to(x.dtype)
     # per-assignment outputs in the activation dtype (bf16: 11.5 MB per layer of the 26B model at batch 1, not
@@ -723,12 +778,23 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     y = torch.empty(A, H, dtype=x.dtype, device=x.device)
     if UNWRITTEN_FILL is not None:  # tests: poison the buffer, so an element the kernel misses shows up
         y.fill_(UNWRITTEN_FILL)
-    _moe_down_kernel[grid](act, down_EHI, ds, sorted_ids, block_expert, y, rw, A, H, Im, K,
-                           act.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
+    _moe_down_kernel[grid](act_in, act_scale, down_EHI, ds, sorted_ids, block_expert, y, rw, A, H, Im, K,
+                           act_in.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
                            y.stride(0), ATOMIC=False, **down)
     out = torch.empty(N, H, dtype=x.dtype, device=x.device)
     _moe_sum_kernel[(N, triton.cdiv(H, SUM_BLOCK))](y, rw, out, H, K, BH=SUM_BLOCK)
     return out
+
+
+def _quant_rows(x_RC: torch.Tensor, ids: torch.Tensor | None = None, A: int = 0):
+    """x [R, C] -> (fp8 [R, C], fp32 scales [R]) by `_quant_rows_kernel`, one launch (ids, A: skip the rows whose id is
+    A or more; their outputs are left unwritten)."""
+    R, C = x_RC.shape
+    q = torch.empty(R, C, dtype=torch.float8_e4m3fn, device=x_RC.device)
+    scale = torch.empty(R, dtype=torch.float32, device=x_RC.device)
+    _quant_rows_kernel[(R,)](x_RC, q, scale, ids if ids is not None else scale, A, C, x_RC.stride(0), q.stride(0),
+                             BLOCK=triton.next_power_of_2(C), IDS=ids is not None)
+    return q, scale
 
 
 # ------------------------------------------------------------------------------------ checked on first use

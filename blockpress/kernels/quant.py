@@ -21,7 +21,11 @@ self-conditioning stay in the model dtype. `quantize_experts_` swaps `layer.expe
 QuantizedExperts backends: "torch" (reference: dequantise each busy expert, same math as
 `experts_loop`), "triton" (fused dequant-in-registers kernel, moe_grouped.py), "scaled_mm"
 (fp8 on Hopper: activations quantised per row, `torch._scaled_grouped_mm`; w8a8, so a slightly
-different function, covered by the quality guard not the agreement test). "auto" picks triton
+different function, covered by the quality guard not the agreement test; host syncs, so no CUDA graph), "w8a8"
+(fp8 weights and fp8 activations in the Triton kernels: each token and each expert activation quantised to fp8
+with a scale per row, fp8 x fp8 dots, so no weight is converted on the way to the tensor cores, as vLLM runs fp8
+MoE checkpoints; graph-safe; checked on first use against its own torch reference `experts_w8a8_torch`, which
+also runs it on a CPU; its quality against weight-only fp8 is the quality guard's "fp8-a8"). "auto" picks triton
 on CUDA, checked against torch on its first call (`moe_grouped.checked_on_first_use`: a kernel that
 fails or disagrees on an untried GPU is replaced by torch with a warning), else torch. The forward is
 `experts_quantized`, a function of the weights and settings; a compiled block calls it as the custom op
@@ -55,6 +59,14 @@ def quantize_fp8(w_EOI: torch.Tensor):
     scale = (wf.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
     q = (wf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
+
+
+def quantize_rows_fp8(x_MI: torch.Tensor):
+    """Activations -> fp8 [M, I] and their fp32 scale per row [M] (amax / 448): what fp8 x fp8 matmuls (w8a8) take;
+    the Triton experts' `_quant_rows_kernel` computes the same bytes."""
+    xf = x_MI.float()
+    scale = (xf.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
+    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def dequantize_fp8(q_EOI: torch.Tensor, scale_EO: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -153,7 +165,9 @@ class QuantizedExperts(nn.Module):
         if fmt not in FORMATS:
             raise ValueError(f"unknown expert weight format {fmt!r}; use one of {FORMATS}")
         self.fmt, self.dtype, self.inter, self.hidden = fmt, dtype, inter, hidden
-        # the kernel: "auto" (Triton where it runs, checked on first use), "triton" (unchecked), "scaled_mm", "torch";
+        # the kernel: "auto" (Triton where it runs, checked on first use), "triton" (unchecked), "scaled_mm", "torch",
+        # "w8a8" (fp8 activations too: the Triton kernel on CUDA, checked on first use, else its torch reference),
+        # "triton-a8" (that kernel, unchecked);
         # with the Triton kernel's tiles and K sum. Chosen by kernels.select.
         self.backend, self.tiles, self.moe_sum = "auto", DEFAULT_TILES, "kernel"
         E, H, Im = n_experts, hidden, inter
@@ -226,8 +240,15 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: tor
 
 
 def quantized_backend(backend: str, fmt: str, groups: tuple, x: torch.Tensor) -> str:
-    """What a `QuantizedExperts.backend` runs on x's device: "triton", "scaled_mm" or "torch"."""
+    """What a `QuantizedExperts.backend` runs on x's device: "triton", "scaled_mm" or "torch"; for "w8a8" (fp8
+    weights and activations) "triton-a8" (the kernel, on CUDA) or "torch-a8" (its reference), and "triton-a8" asked
+    by name is the kernel anywhere (Triton's interpreter on a CPU)."""
     code = FMT_FP8 if fmt == "fp8" else FMT_INT4
+    if backend in ("w8a8", "triton-a8"):
+        if fmt != "fp8":
+            raise ValueError("w8a8 experts (fp8 activations) need fp8 expert weights; add --precision fp8")
+        runs = (backend == "triton-a8" or x.is_cuda) and triton_supported(x, code, groups)
+        return "triton-a8" if runs else "torch-a8"
     # "auto" takes Triton on CUDA only (on a CPU it would be the interpreter); "triton" forces it
     if (backend == "triton" or (backend == "auto" and x.is_cuda)) and triton_supported(x, code, groups):
         return "triton"
@@ -259,6 +280,20 @@ def experts_quantized(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down
                compiled_variant(idx_NK, gate_up_q.shape[0], tiles, moe_sum))
         return checked_on_first_use(key, fast, lambda: experts_quantized_torch(x_NH, w_NK, idx_NK, *weights, fmt, dtype),
                                     f"the Triton {fmt} experts kernel")
+    if which == "triton-a8":
+        def fast_a8():
+            return experts_triton(x_NH, w_NK, idx_NK, gate_up_q, down_q, fmt=FMT_FP8, gate_up_scale=gate_up_scale,
+                                  down_scale=down_scale, groups=tuple(groups), inter=_inter(down_q, fmt), tiles=tiles,
+                                  moe_sum=moe_sum, act8=True)
+
+        if backend == "triton-a8":  # asked for by name: the kernel, unchecked
+            return fast_a8()
+        key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), "triton w8a8 experts",
+               compiled_variant(idx_NK, gate_up_q.shape[0], tiles, moe_sum))
+        return checked_on_first_use(key, fast_a8, lambda: experts_w8a8_torch(x_NH, w_NK, idx_NK, *weights),
+                                    "the Triton w8a8 experts kernel")
+    if which == "torch-a8":
+        return experts_w8a8_torch(x_NH, w_NK, idx_NK, *weights)
     if which == "scaled_mm":
         return experts_quantized_scaled_mm(x_NH, w_NK, idx_NK, *weights, fmt)
     return experts_quantized_torch(x_NH, w_NK, idx_NK, *weights, fmt, dtype)
@@ -300,6 +335,32 @@ def experts_quantized_torch(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q
     return combine(y, order, w_NK, x_NH.dtype)
 
 
+def experts_w8a8_torch(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale) -> torch.Tensor:
+    """Reference of the w8a8 experts (fp8 weights and fp8 activations, `experts="w8a8"`): each token quantised to
+    fp8 with its own scale (`quantize_rows_fp8`), the fp8 x fp8 products summed in fp32 and scaled by the weight
+    row's and the token's scales, gate and up kept in fp32 through the GELU, the activation rounded to the model
+    dtype and quantised per row again for the down projection, whose output is rounded to the model dtype; the K
+    outputs summed as `combine` does. The Triton kernels (`experts_triton(..., act8=True)`) compute this up to the
+    order of the fp32 sums (and, on Hopper, the tensor cores' fp8 accumulation)."""
+    N, H = x_NH.shape
+    K, Im = idx_NK.shape[1], _inter(down_q, "fp8")
+    order, counts, _ = route_by_expert(idx_NK, gate_up_q.shape[0])
+    tok = order // K
+    xq, sx = quantize_rows_fp8(x_NH)
+    y = x_NH.new_empty(N * K, H)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c == 0:
+            continue
+        t = tok[start:start + c]
+        u = (xq[t].float() @ gate_up_q[e].float().t()) * gate_up_scale[e][None, :] * sx[t][:, None]
+        a = (gelu_tanh(u[:, :Im]) * u[:, Im:]).to(x_NH.dtype)
+        aq, sa = quantize_rows_fp8(a)
+        y[start:start + c] = ((aq.float() @ down_q[e].float().t()) * down_scale[e][None, :] * sa[:, None]).to(y.dtype)
+        start += c
+    return combine(y, order, w_NK, x_NH.dtype)
+
+
 def experts_quantized_scaled_mm(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale,
                                 fmt: str) -> torch.Tensor:
     """Hopper fp8 x fp8 grouped GEMMs with per-row activation scales (w8a8)."""
@@ -333,9 +394,7 @@ class DequantMatmul(torch.autograd.Function):
 
 
 def _fp8_grouped(x_AI, q_EOI, scale_EO, offs):
-    xf = x_AI.float()
-    sa = (xf.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)  # [A] per-row activation scale
-    xq = (xf / sa[:, None]).to(FP8)
+    xq, sa = quantize_rows_fp8(x_AI)  # [A] per-row activation scale
     return torch._scaled_grouped_mm(xq, q_EOI.transpose(1, 2), sa, scale_EO, offs=offs,
                                     out_dtype=x_AI.dtype, use_fast_accum=True)
 

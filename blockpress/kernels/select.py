@@ -48,7 +48,7 @@ from .softcap import softcap_triton, softcap_triton_checked
 
 ATTENTION = {"eager": attention_eager, "sdpa": attention_sdpa, "sdpa_gqa": attention_sdpa_gqa}
 SOFTCAP = {"torch": softcap_logits, "triton": softcap_triton, "triton_checked": softcap_triton_checked}
-EXPERT_NAMES = ("auto", "scaled_mm", "torch", *FLOAT_EXPERTS)
+EXPERT_NAMES = ("auto", "scaled_mm", "w8a8", "torch", *FLOAT_EXPERTS)
 
 
 def auto_experts_backend(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...] = ()) -> str:
@@ -100,7 +100,9 @@ def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool,
         if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
             raise ValueError("the scaled_mm experts backend needs a CUDA GPU with fp8 matmuls (compute capability "
                              ">= 8.9: Ada, Hopper); use the default experts backend here")
-    backend = "torch" if asked == "loop" else name if name in ("triton", "scaled_mm", "torch") else "auto"
+    if name == "w8a8" and (not quantized or module.layers[0].experts.fmt != "fp8"):  # fp8 x fp8 Triton experts
+        raise ValueError("the w8a8 experts backend (fp8 activations) needs fp8 experts; add --precision fp8")
+    backend = "torch" if asked == "loop" else name if name in ("triton", "scaled_mm", "w8a8", "torch") else "auto"
     for layer in module.layers:  # int4 MLPs run on the quantised experts' kernels: "triton" where it runs, else torch
         if isinstance(layer.mlp, QuantizedMLP):
             mlp = layer.mlp.experts
@@ -136,7 +138,8 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     linears: "native", or "int8" / "fp8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py);
     a module that already holds 8-bit linears keeps them. Their kernel follows `experts`: "loop" / "torch" (the
     references) -> the torch reference, "triton" -> the kernel unchecked, "scaled_mm" -> fp8 linears with fp8
-    activations too (w8a8, like the experts), else "auto" (checked on first use). moe_tiles / linear_tiles: spec
+    activations too (w8a8, like the experts), else "auto" (checked on first use; so "w8a8", fp8 activations in the
+    Triton experts, leaves the linears weight-only). moe_tiles / linear_tiles: spec
     strings of the Triton kernels' tiles (None: the defaults, `moe_grouped.default_tiles` for the experts);
     moe_sum: "kernel" or "atomic". merge_projections: each layer's q/k/v and gate/up projections as one GEMM each
     (None: `Options.merges`' default); layers whose projections cannot merge (a LoRA adapter attached) run them one
@@ -219,7 +222,7 @@ def host_syncs(module) -> list[str]:
     for layer in module.layers:
         ex = layer.experts
         if isinstance(ex, QuantizedExperts):
-            if ex.backend not in ("triton", "auto"):
+            if ex.backend not in ("triton", "auto", "w8a8", "triton-a8"):
                 names.add(f"{ex.backend} ({ex.fmt})")
         else:
             name = kernel_of(ex.kernel)

@@ -269,6 +269,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     """
     from .kernels import check_names
     from .kernels.quant import check_group_size, check_int4_sizes
+    from .kernels.select import check_experts_precision
 
     opts = Options().replace(**options)
     if opts.precision == "int4":
@@ -289,6 +290,10 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
         layout = Layout.read(read_headers(files), module)
         opts = opts.replace(**resolve_options(layout, opts))
     check_int4_sizes(config.text, opts.precision, opts.linears)
+    try:
+        check_experts_precision(opts.experts, opts.precision)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     gen_path = folder / "generation_config.json"
     gen_defaults = _checkpoint_generation_defaults(gen_path, config.text.vocab_size) if gen_path.is_file() else {}
     dev = parse_device(device)

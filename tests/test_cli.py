@@ -114,6 +114,28 @@ def test_compile_flag_compiles_the_loaded_blocks_and_refuses_the_references(mode
         load_model(p.parse_args([str(model_dir), "--compile", "--reference-kernels"]))
 
 
+def test_fp8_activations_flag_runs_the_w8a8_experts(model_dir, capsys):
+    """--fp8-activations (run, chat, infill, eval, serve) loads the w8a8 experts backend (fp8 activations; on a CPU its
+    torch reference), which generates; without fp8 experts, or with --reference-kernels, it is refused in one line
+    before any weight is read."""
+    import argparse
+
+    from blockpress.cli.run import add_model_args, load_model
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    lm = load_model(p.parse_args([str(model_dir), "--precision", "fp8", "--fp8-activations"]))
+    assert lm.options.experts == "w8a8"
+    assert all(layer.experts.backend == "w8a8" for layer in lm.module.layers)
+    with pytest.raises(blockpress.InputError, match="needs fp8 experts; add --precision fp8"):
+        load_model(p.parse_args([str(model_dir), "--fp8-activations"]))
+    with pytest.raises(blockpress.InputError, match="--fp8-activations and --reference-kernels"):
+        load_model(p.parse_args([str(model_dir), "--precision", "fp8", "--fp8-activations", "--reference-kernels"]))
+    r = run_json(capsys, str(model_dir), "Why is the sky blue?", "--max-new-tokens", "16", "--steps", "3", "--seed",
+                 "2", "--precision", "fp8", "--fp8-activations")
+    assert len(r["token_ids"]) == 16
+
+
 def test_extra_candidates_run_on_the_fixed_shape_passes_and_parse_no_cuda_graphs():
     """`run sudoku`'s extra candidates (rows > 1, one generator) asked for row compaction whenever the
     `cuda_graphs` option was off, which the fixed-shape passes refuse with one generator: under --compile (those

@@ -496,8 +496,19 @@ def test_w8a8_backend_through_load_and_configure_needs_fp8(tmp_path):
 
     folder = tmp_path / "m"
     blockpress.from_config(sizes.model_config("nano", vocab_size=256, canvas_length=8, context=16), seed=0).save(folder)
-    with pytest.raises(InputError, match="w8a8 experts backend .* needs fp8 experts; add --precision fp8"):
-        blockpress.load(folder, progress=False, experts="w8a8")
+    import blockpress.loading
+
+    real = blockpress.loading.load_weights
+
+    def no_weights(*a, **k):
+        raise AssertionError("a weight was read before the refusal")
+
+    blockpress.loading.load_weights = no_weights  # the refusal comes before any weight is read
+    try:
+        with pytest.raises(InputError, match="w8a8 experts backend .* needs fp8 experts; add --precision fp8"):
+            blockpress.load(folder, progress=False, experts="w8a8")
+    finally:
+        blockpress.loading.load_weights = real
     lm = blockpress.load(folder, progress=False, precision="fp8", experts="w8a8")
     module = lm.module
     assert all(layer.experts.backend == "w8a8" for layer in module.layers)

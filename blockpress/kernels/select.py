@@ -72,6 +72,15 @@ def check_names(experts: str = "auto", attention: str = "auto", linears: str = "
         raise ValueError(f"unknown attention backend {attention!r}; use one of {sorted({'auto', *ATTENTION})}")
 
 
+def check_experts_precision(experts: str, precision: str) -> None:
+    """ValueError naming the fix where an experts backend needs weights the model will not hold: the fp8 x fp8 ones
+    ("scaled_mm", "w8a8") need fp8 experts. Cheap: `load` asks it before reading a weight, `configure` after."""
+    if experts in ("scaled_mm", "w8a8") and precision != "fp8":
+        what = "fp8 activations in the Triton experts" if experts == "w8a8" else "torch's grouped fp8 GEMM"
+        raise ValueError(f"the {experts} experts backend ({what}) needs fp8 experts; add --precision fp8 (or load an "
+                         f"fp8 checkpoint)")
+
+
 def _store(module, precision: str, group_size: int, linears: str, embeddings: str = "native") -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {PRECISIONS}")
@@ -94,14 +103,11 @@ def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool,
     the int4 MLPs' tiles where they differ from the experts' (None: the same)."""
     dev, dtype = module.device, module.dtype
     quantized = isinstance(module.layers[0].experts, QuantizedExperts)
+    check_experts_precision(name, module.layers[0].experts.fmt if quantized else "native")
     if name == "scaled_mm":  # torch._scaled_grouped_mm: fp8 x fp8 on Hopper-class GPUs only
-        if not quantized or module.layers[0].experts.fmt != "fp8":
-            raise ValueError("the scaled_mm experts backend needs fp8 experts; add --precision fp8")
         if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
             raise ValueError("the scaled_mm experts backend needs a CUDA GPU with fp8 matmuls (compute capability "
                              ">= 8.9: Ada, Hopper); use the default experts backend here")
-    if name == "w8a8" and (not quantized or module.layers[0].experts.fmt != "fp8"):  # fp8 x fp8 Triton experts
-        raise ValueError("the w8a8 experts backend (fp8 activations) needs fp8 experts; add --precision fp8")
     backend = "torch" if asked == "loop" else name if name in ("triton", "scaled_mm", "w8a8", "torch") else "auto"
     for layer in module.layers:  # int4 MLPs run on the quantised experts' kernels: "triton" where it runs, else torch
         if isinstance(layer.mlp, QuantizedMLP):

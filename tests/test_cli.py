@@ -136,6 +136,21 @@ def test_fp8_activations_flag_runs_the_w8a8_experts(model_dir, capsys):
     assert len(r["token_ids"]) == 16
 
 
+def test_eval_takes_fp8_activations(monkeypatch, tmp_path):
+    """`eval` judges a format by the task: --fp8-activations reaches its load (the same mapping as the other
+    commands, `experts_option`)."""
+    asked, real_load = [], blockpress.load
+
+    def spy(*a, **k):
+        asked.append(k.get("experts"))
+        return real_load(*a, **k)
+
+    monkeypatch.setattr(blockpress, "load", spy)
+    assert cli(["eval", "sudoku", "--n", "1", "--blanks", "45", "--precision", "fp8", "--fp8-activations",
+                "--json", str(tmp_path / "e.json")]) == 0
+    assert asked == ["w8a8"]
+
+
 def test_extra_candidates_run_on_the_fixed_shape_passes_and_parse_no_cuda_graphs():
     """`run sudoku`'s extra candidates (rows > 1, one generator) asked for row compaction whenever the
     `cuda_graphs` option was off, which the fixed-shape passes refuse with one generator: under --compile (those

@@ -44,8 +44,9 @@ import sys
 
 from ..config import fixed_steps
 from ..errors import InputError
-from .run import (MAX_STEPS, add_storage_args, storage_options, _int_in, _nonneg_int, _output_file, _positive_int, _seed, _steps, add_sampler_args,
-                  sampler_kwargs)
+from .run import (MAX_STEPS, _int_in, _nonneg_int, _output_file, _positive_int, _seed, _steps,
+                  add_fp8_activations_arg, add_sampler_args, add_storage_args, experts_option, sampler_kwargs,
+                  storage_options)
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -82,6 +83,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
     add_storage_args(p)  # (judge a format by the task)
+    add_fp8_activations_arg(p)
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="torch CPU threads")
     p.add_argument("--json", default=None, type=_output_file, help="write the results here")
 
@@ -170,7 +172,7 @@ def main(args) -> int:
     if args.model is None and not (sd.DEFAULT_MODEL_PATH / "config.json").is_file():
         raise sd.SudokuModelMissing(f"no sudoku model at {path}; pass --model DIR")
     lm = blockpress.load(path, device=args.device, dtype=args.dtype, progress=False,
-                         **storage_options(args))
+                         **storage_options(args), **experts_option(args))
     sd.require_sudoku_model(lm, path)
     if args.adapter:
         from blockpress.train.lora import apply_adapter
@@ -207,7 +209,7 @@ def _infill(args) -> int:
         passages(Path(args.data))
     path = resolve_path(args.model, progress=False) if args.model else SHIPPED_MODELS["kjv"]
     lm = blockpress.load(path, device=args.device, dtype=args.dtype, progress=False,
-                         **storage_options(args))
+                         **storage_options(args), **experts_option(args))
     refuse_task_model(lm, "eval infill")
     data = passages(Path(args.data) if args.data else path / "eval" / "heldout.txt")
     if args.adapter:
@@ -244,7 +246,7 @@ def _chat(args) -> int:
 
     def load(path):
         lm = blockpress.load(path, device=args.device, dtype=args.dtype, progress=False,
-                             **storage_options(args))
+                             **storage_options(args), **experts_option(args))
         refuse_task_model(lm, "eval chat")
         return lm
 

@@ -142,6 +142,26 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
                         "(0.74 GB less on the 26B-A4B model)")
 
 
+def add_fp8_activations_arg(p: argparse.ArgumentParser) -> None:
+    """--fp8-activations: the w8a8 experts (`experts_option`)."""
+    p.add_argument("--fp8-activations", action="store_true",
+                   help="with fp8 experts (--precision fp8, or an FP8 checkpoint): quantise the experts' activations "
+                        "to fp8 too, a scale per token (w8a8, as vLLM runs FP8 checkpoints), so the tensor cores take "
+                        "the fp8 weights as stored; slightly different numbers (within bf16's error on the shipped "
+                        "models); a CPU runs its torch reference")
+
+
+def experts_option(args) -> dict[str, Any]:
+    """--reference-kernels / --fp8-activations -> the `experts` option of `blockpress.load`."""
+    reference, a8 = getattr(args, "reference_kernels", False), getattr(args, "fp8_activations", False)
+    if reference and a8:
+        from ..errors import InputError
+
+        raise InputError("--fp8-activations and --reference-kernels: the references run the experts' activations in "
+                         "--dtype; pass one of them")
+    return {"experts": "loop" if reference else "w8a8" if a8 else "auto"}
+
+
 def storage_options(args) -> dict[str, Any]:
     """The storage flags (add_storage_args) -> `blockpress.load` options."""
     return {name: getattr(args, name) for name in STORAGE_FIELDS if hasattr(args, name)}
@@ -166,11 +186,7 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
     p.add_argument("--reference-kernels", action="store_true",
                    help="run the plain PyTorch references (experts one by one, attention with expanded KV heads) "
                         "instead of the fast kernels: the same function up to rounding, for checking a fast path")
-    p.add_argument("--fp8-activations", action="store_true",
-                   help="with fp8 experts (--precision fp8, or an FP8 checkpoint): quantise the experts' activations "
-                        "to fp8 too, a scale per token (w8a8, as vLLM runs FP8 checkpoints), so the tensor cores take "
-                        "the fp8 weights as stored; slightly different numbers (within bf16's error on the shipped "
-                        "models); a CPU runs its torch reference")
+    add_fp8_activations_arg(p)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     add_speed_args(p)
     if cuda_graphs:
@@ -293,14 +309,8 @@ def refuse_task_model(lm, command: str) -> None:
 
 def model_options(args) -> dict[str, Any]:
     """The model flags -> `blockpress.load` options (blockpress/options.py)."""
-    reference, a8 = getattr(args, "reference_kernels", False), getattr(args, "fp8_activations", False)
-    if reference and a8:
-        from ..errors import InputError
-
-        raise InputError("--fp8-activations and --reference-kernels: the references run the experts' activations in "
-                         "--dtype; pass one of them")
-    opts = {**storage_options(args), "experts": "loop" if reference else "w8a8" if a8 else "auto",
-            "attention": "sdpa" if reference else "auto"}
+    opts = {**storage_options(args), **experts_option(args),
+            "attention": "sdpa" if getattr(args, "reference_kernels", False) else "auto"}
     for name in ("sampler", "fuse_commit", "merge_projections", "attention_kernel"):
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)

@@ -19,7 +19,7 @@ from .errors import CheckpointError, ConfigError, InputError, SamplingError
 from .lm import BlockDiffusionLM
 from .model.diffusion_gemma import DiffusionGemmaModel
 from .options import Options
-from .model.prequantized import PREQUANTIZED_FIX, Layout, resolve_options, scheme_problem
+from .model.prequantized import PREQUANTIZED_FIX, Layout, recipe_fp8_activations, resolve_options, scheme_problem
 from .model.weights import find_weight_files, load_weights, read_headers
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
@@ -301,7 +301,9 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     check_memory(module, dev, dt, opts.precision, opts.group_size, opts.linears, opts.embeddings)
     if layout:
         layout.prepare(module, dt)
-        print(f"blockpress: a pre-quantised checkpoint: {layout.describe()}, loaded as stored", file=sys.stderr)
+        hint = "; its recipe also quantises the activations to fp8 per token, which --fp8-activations (experts=" \
+            "'w8a8') does for the experts" if recipe_fp8_activations(prequantized) and opts.experts != "w8a8" else ""
+        print(f"blockpress: a pre-quantised checkpoint: {layout.describe()}, loaded as stored{hint}", file=sys.stderr)
     hooks = []
     if opts.precision != "native" and not layout.experts:
         from .kernels.quant import streaming_quantizer
@@ -343,11 +345,11 @@ def _quant_method(qc) -> str:
     return method + (f" ({detail})" if detail and str(detail) != method else "")
 
 
-def _prequantized(folder: Path, raw: dict) -> bool:
-    """Whether config.json (or its text_config) has a quantization_config of a pre-quantised scheme blockpress reads
-    (compressed-tensors fp8 by output channel, packed int4 / int8: model/prequantized.py). CheckpointError before any
-    weight is read for another scheme, or when the folder holds ModelOpt's hf_quant_config.json (the tensors' own
-    check is in model/weights.py `load_weights`)."""
+def _prequantized(folder: Path, raw: dict) -> dict | None:
+    """config.json's (or its text_config's) quantization_config where it is a pre-quantised scheme blockpress reads
+    (compressed-tensors fp8 by output channel, packed int4 / int8: model/prequantized.py), else None. CheckpointError
+    before any weight is read for another scheme, or when the folder holds ModelOpt's hf_quant_config.json (the
+    tensors' own check is in model/weights.py `load_weights`)."""
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     qc = raw.get("quantization_config") or text.get("quantization_config")
     where = "config.json has a quantization_config"
@@ -359,12 +361,12 @@ def _prequantized(folder: Path, raw: dict) -> bool:
         qc = {"quant_method": "modelopt", **(qc if isinstance(qc, dict) else {})}
         where = "the folder holds hf_quant_config.json"
     if not qc:
-        return False
+        return None
     why = scheme_problem(qc)
     if why:
         raise CheckpointError(f"{folder} is a pre-quantised checkpoint ({where}, quant_method "
                               f"{_quant_method(qc)}) that blockpress cannot read ({why}); {PREQUANTIZED_FIX}")
-    return True
+    return qc
 
 
 def _refuse_adapter_folder(folder: Path, model) -> None:

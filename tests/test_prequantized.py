@@ -304,7 +304,12 @@ def test_the_command_line_runs_an_fp8_checkpoint(checkpoints, capsys):
     from blockpress.cli import main as cli
 
     assert cli(["run", str(checkpoints[1]), "hi", "--no-live", "--max-new-tokens", "8"]) == 0
-    assert "fp8" in capsys.readouterr().err  # what ran: the stored precision
+    err = capsys.readouterr().err
+    assert "fp8" in err  # what ran: the stored precision
+    assert "its recipe also quantises the activations to fp8 per token, which --fp8-activations" in err  # FP8-dynamic
+    assert cli(["run", str(checkpoints[1]), "hi", "--no-live", "--max-new-tokens", "8", "--fp8-activations"]) == 0
+    err = capsys.readouterr().err
+    assert "loaded as stored" in err and "--fp8-activations" not in err  # asked for: nothing to suggest
 
 
 def test_training_an_fp8_checkpoint_takes_adapters_not_full_fine_tuning(tmp_path, capsys):

@@ -36,7 +36,9 @@ held in the activation dtype, as blockpress's own int4 holds them (bf16 checkpoi
 
 The fp8 recipe also quantises activations to fp8 per token at run time (w8a8). blockpress runs the stored weights
 against the model-dtype activations by default (the same weights without the activations' rounding);
-`experts="scaled_mm"` runs the experts w8a8 as vLLM does (Hopper / Ada).
+`experts="w8a8"` (`--fp8-activations`) runs the experts w8a8 as vLLM does, in blockpress's Triton kernels
+(`experts="scaled_mm"`: torch's grouped fp8 GEMM, Hopper / Ada). `recipe_fp8_activations` says whether a
+checkpoint's recipe asks for it (the load's stderr line then names the flag).
 """
 
 from __future__ import annotations
@@ -119,6 +121,13 @@ def scheme_problem(qc) -> str | None:
         if g.get("output_activations"):
             return f"config group {name} quantises outputs"
     return None
+
+
+def recipe_fp8_activations(qc) -> bool:
+    """Does a (readable) quantization_config quantise activations to fp8 per token at run time (FP8-dynamic)?"""
+    groups = qc.get("config_groups") if isinstance(qc, dict) else None
+    return isinstance(groups, dict) and any(isinstance(g, dict) and isinstance(g.get("input_activations"), dict)
+                                            for g in groups.values())
 
 
 # ------------------------------------------------------------------------------------ loading

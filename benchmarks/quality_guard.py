@@ -58,7 +58,8 @@ ERR_BUDGET = {"bf16": 0.01, "fp8": 0.08, "int4": 0.25, A8: 0.10, "int8-linears":
 # 4.0 while the bf16 yardstick also rounded the rotary frequencies to bf16 (load keeps them fp32): a yardstick ~1.3x
 # too wide on the tiny preset (benchmarks/results/2026-11-28-cpu-rope-dtype.md)
 EMB = "int8-embeddings"  # the embedding table (also the LM head) in int8 with a scale per token
-KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, A8: 4.0, "int8-linears": 2.0, "fp8-linears": 5.0, "fp8-linears-a8": 8.0, MLP4: 8.0,
+KL_VS_BF16 = {"fp8": 2.0, "int4": 8.0, A8: 4.0,
+              "int8-linears": 2.0, "fp8-linears": 5.0, "fp8-linears-a8": 8.0, MLP4: 8.0,
               EMB: 2.0}
 
 
@@ -78,7 +79,8 @@ def _parts(fmt: str) -> tuple[str | None, str | None]:
     experts = [x for x in parts if x in EXPERT_FORMATS]
     linears = [x for x in parts if x in LINEAR_PARTS]
     if len(experts) + len(linears) != len(parts) or len(experts) > 1 or len(linears) > 1:
-        raise SystemExit(f"unknown format {fmt!r}: use bf16, an experts format ({', '.join(EXPERT_FORMATS)}), a linears format "
+        raise SystemExit(f"unknown format {fmt!r}: use bf16, an experts format ({', '.join(EXPERT_FORMATS)}), "
+                         f"a linears format "
                          f"({', '.join(LINEAR_PARTS)}), {EMB}, or one of each joined by + (e.g. int4+{LINEARS})")
     return (experts or [None])[0], (linears or [None])[0]
 

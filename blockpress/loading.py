@@ -258,8 +258,9 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
       router, embeddings and norms stay in `dtype`. linears: "native", or "int8" / "fp8": the attention and
       dense-MLP projections in 8 bits (a scale per output row), quantised as each is read; with precision="int4"
       the 26B-A4B weights take ~15.3 GB, not ~17. int8 is the more accurate; fp8 can also run with fp8
-      activations (experts="scaled_mm", Hopper / Ada; experts="w8a8": fp8 activations in the Triton experts). embeddings: "native", or "int8": the embedding table (also
-      the LM head) with a scale per token, 0.74 GB less on the 26B-A4B model.
+      activations (experts="scaled_mm", Hopper / Ada). experts="w8a8" runs fp8 experts with fp8 activations in the
+      Triton kernels. embeddings: "native", or "int8": the embedding table (also the LM head) with a scale per
+      token, 0.74 GB less on the 26B-A4B model.
     - experts / attention: the kernels. "auto" picks the fastest path that runs here (experts: the Triton kernel
       on a CUDA GPU, grouped GEMMs on a CPU; attention: SDPA with the KV heads grouped inside the kernel);
       "loop" / "sdpa" or "eager" are the plain references (the same function up to fp32 summation order).

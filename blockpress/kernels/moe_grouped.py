@@ -174,8 +174,9 @@ if triton is not None:
                      SWAP: tl.constexpr):
         """Tile [BK, BN] of W^T (W is [O, KD], plain or fp8) for the K tile starting at k0, or [BN, BK] of W itself
         with SWAP (the weight as the dot's first operand, see _dot), as stored (the callers convert it; fp8's
-        per-channel scale factors out of the dot product: the kernels apply it at the end). EVEN_K (BK divides KD): no K mask; a mask on K limits the
-        vector loads to what Triton knows of KD's alignment (16 elements). int4 tiles: _int4_halves."""
+        per-channel scale factors out of the dot product: the kernels apply it at the end). EVEN_K (BK divides KD):
+        no K mask; a mask on K limits the vector loads to what Triton knows of KD's alignment (16 elements). int4
+        tiles: _int4_halves."""
         k = k0 + tl.arange(0, BK)
         if SWAP:  # one return per function: Triton compiles both sides of a constexpr if that returns early
             m = nmask[:, None] if EVEN_K else nmask[:, None] & (k < KD)[None, :]

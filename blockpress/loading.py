@@ -269,8 +269,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
       changes them later.
     """
     from .kernels import check_names
-    from .kernels.quant import check_group_size, check_int4_sizes
-    from .kernels.select import check_experts_precision
+    from .kernels.quant import check_experts_precision, check_group_size, check_int4_sizes
 
     opts = Options().replace(**options)
     if opts.precision == "int4":

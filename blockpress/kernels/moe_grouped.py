@@ -404,8 +404,9 @@ if triton is not None:
     def _fp8_nearest(v):
         """fp32 values within +-448 rounded to the nearest float8_e4m3fn value (ties to even), still in fp32: adding
         and subtracting 1.5 * 2^23 quanta of the magnitude's binade rounds it to that quantum (fp32 addition rounds
-        to nearest even); quanta of 2^(exponent - 3), at least 2^-9 (e4m3's subnormal step). The cast to fp8 after it is
-        then exact on any backend (Triton's interpreter rounds some fp32 -> fp8 casts wrongly, 124.3 -> 64)."""
+        to nearest even); quanta of 2^(exponent - 3), at least 2^-9 (e4m3's subnormal step). The cast to fp8 after
+        it is then exact on any backend (Triton's interpreter rounds some fp32 -> fp8 casts wrongly, 124.3 -> 64;
+        compiled, the two additions become two fma.rn with an exact product: the same roundings)."""
         bits = v.to(tl.int32, bitcast=True)
         e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
         quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
@@ -788,8 +789,8 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
 
 
 def _quant_rows(x_RC: torch.Tensor, ids: torch.Tensor | None = None, A: int = 0):
-    """x [R, C] -> (fp8 [R, C], fp32 scales [R]) by `_quant_rows_kernel`, one launch (ids, A: skip the rows whose id is
-    A or more; their outputs are left unwritten)."""
+    """x [R, C] -> (fp8 [R, C], fp32 scales [R]) by `_quant_rows_kernel`, one launch (ids, A: skip the rows whose id
+    is A or more; their outputs are left unwritten)."""
     R, C = x_RC.shape
     q = torch.empty(R, C, dtype=torch.float8_e4m3fn, device=x_RC.device)
     scale = torch.empty(R, dtype=torch.float32, device=x_RC.device)

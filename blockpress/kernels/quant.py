@@ -239,14 +239,22 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: tor
     return dequantize_fp8(q, scale, dtype) if fmt == "fp8" else dequantize_int4(q, scale, dtype)
 
 
+def check_experts_precision(experts: str, precision: str) -> None:
+    """ValueError naming the fix where an experts backend needs weights the model will not hold: the fp8 x fp8 ones
+    ("scaled_mm", "w8a8") need fp8 experts. Cheap: `load` asks it before reading a weight, `configure` after."""
+    if experts in ("scaled_mm", "w8a8") and precision != "fp8":
+        what = "fp8 activations in the Triton experts" if experts == "w8a8" else "torch's grouped fp8 GEMM"
+        raise ValueError(f"the {experts} experts backend ({what}) needs fp8 experts; add --precision fp8 (or load an "
+                         f"fp8 checkpoint)")
+
+
 def quantized_backend(backend: str, fmt: str, groups: tuple, x: torch.Tensor) -> str:
     """What a `QuantizedExperts.backend` runs on x's device: "triton", "scaled_mm" or "torch"; for "w8a8" (fp8
     weights and activations) "triton-a8" (the kernel, on CUDA) or "torch-a8" (its reference), and "triton-a8" asked
     by name is the kernel anywhere (Triton's interpreter on a CPU)."""
     code = FMT_FP8 if fmt == "fp8" else FMT_INT4
     if backend in ("w8a8", "triton-a8"):
-        if fmt != "fp8":
-            raise ValueError("w8a8 experts (fp8 activations) need fp8 expert weights; add --precision fp8")
+        check_experts_precision("w8a8", fmt)
         runs = (backend == "triton-a8" or x.is_cuda) and triton_supported(x, code, groups)
         return "triton-a8" if runs else "torch-a8"
     # "auto" takes Triton on CUDA only (on a CPU it would be the interpreter); "triton" forces it

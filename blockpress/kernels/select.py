@@ -41,7 +41,7 @@ from .library import FLOAT_EXPERTS, float_experts, float_experts_op, kernel_of
 from .linear_q import (QuantizedLinear, as_linear_tiles, linear_tiles_spec, quantize_embeddings_, quantize_linears_,
                        quantized_linears)
 from .moe_grouped import _grouped_mm_ok, _wgmma_target, as_tiles, default_tiles
-from .quant import QuantizedExperts, QuantizedMLP, quantize_experts_, quantize_mlp_
+from .quant import QuantizedExperts, QuantizedMLP, check_experts_precision, quantize_experts_, quantize_mlp_
 from .route import ROUTE, route_op
 from .sc_topk import soft_embedding_topk
 from .softcap import softcap_triton, softcap_triton_checked
@@ -70,15 +70,6 @@ def check_names(experts: str = "auto", attention: str = "auto", linears: str = "
         raise ValueError(f"unknown experts backend {experts!r}; use one of {sorted(EXPERT_NAMES)}")
     if attention != "auto" and attention not in ATTENTION:
         raise ValueError(f"unknown attention backend {attention!r}; use one of {sorted({'auto', *ATTENTION})}")
-
-
-def check_experts_precision(experts: str, precision: str) -> None:
-    """ValueError naming the fix where an experts backend needs weights the model will not hold: the fp8 x fp8 ones
-    ("scaled_mm", "w8a8") need fp8 experts. Cheap: `load` asks it before reading a weight, `configure` after."""
-    if experts in ("scaled_mm", "w8a8") and precision != "fp8":
-        what = "fp8 activations in the Triton experts" if experts == "w8a8" else "torch's grouped fp8 GEMM"
-        raise ValueError(f"the {experts} experts backend ({what}) needs fp8 experts; add --precision fp8 (or load an "
-                         f"fp8 checkpoint)")
 
 
 def _store(module, precision: str, group_size: int, linears: str, embeddings: str = "native") -> None:

@@ -326,7 +326,7 @@ EOF
     # with our AR decode (issue 30 item 9, never timed compiled + graphed): 256 greedy tokens, batch 1
     STEP_LIMIT=110 bench fp8 ${ROW/--no-ar/--ar-tokens 256} --precision fp8 --profile
     # fp8 x fp8 experts in the Triton kernels (--experts w8a8, 2026-11-29, CPU only: compile_report.py has their
-    # K-tile loops at 118 / 97 instructions against weight-only fp8's 529 / 295, e4m3 wgmma, no weight converted);
+    # K-tile loops at 135 / 106 instructions against weight-only fp8's 529 / 295, e4m3 wgmma, no weight converted);
     # the step against the fp8 row above (--profile: the experts' kernel time against its 12.9 ms; a CPU dry run: its
     # torch reference); after the int4 rows, one layer's kernels, fp8 against fp8-a8 at the default tiles and a few
     # others (the copy rate against the 85 % goal)

@@ -175,7 +175,8 @@ def test_int4_dequantisation_stays_cheap(report):
     batches = {b for _, b in model} | {1}  # batch 4 with --runslow
     assert set(model) == {(e, b) for e in ("native", "fp8", "int4", "fp8-a8") for b in batches}
     # fp8 activations (experts="w8a8"): the dots take the fp8 weights as stored, so the K loops convert nothing:
-    # 0.92 / 1.52 instructions per weight against weight-only fp8's 4.13 / 4.61 (2026-11-29)
+    # 1.05 / 1.66 instructions per weight against weight-only fp8's 4.13 / 4.61 (2026-11-29; each K tile's sum
+    # promoted to full fp32 included)
     a8, w8 = model["fp8-a8", 1], model["fp8", 1]
     assert a8["up_instr_per_weight"] < 0.4 * w8["up_instr_per_weight"]
     assert a8["down_instr_per_weight"] < 0.5 * w8["down_instr_per_weight"]

@@ -237,6 +237,19 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _dot8(x, w, acc, F32: tl.constexpr, SWAP: tl.constexpr, BK: tl.constexpr):
+        """`_dot` for fp8 x fp8 tiles (A8) with every K tile's sum added to the fp32 accumulator in full precision
+        (max_num_imprecise_acc = BK: Hopper's fp8 MMAs otherwise keep a narrower accumulator across the whole K loop,
+        ~14 bits, and lose low bits of long sums, which DeepSeek-V3's fp8 GEMMs promote every 128 for)."""
+        if F32:
+            out = _dot(x, w, acc, F32, SWAP)
+        elif SWAP:
+            out = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BK)
+        else:
+            out = tl.dot(x, w, acc, max_num_imprecise_acc=BK)
+        return out
+
+    @triton.jit
     def _cols(v, SWAP: tl.constexpr):
         """A vector over the tile's output columns (BN), shaped to broadcast against the accumulator."""
         if SWAP:
@@ -294,10 +307,13 @@ if triton is not None:
             else:
                 wg = _load_w_tile(w_e, n, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K, SWAP)
                 wu = _load_w_tile(w_e, n + Im, nmask, k0, H, stride_wn, stride_wk, BK, EVEN_K, SWAP)
-                if not A8:  # bf16 / e4m3 values: exact in the activation dtype
+                if A8:
+                    acc_g = _dot8(xa, wg, acc_g, F32, SWAP, BK)
+                    acc_u = _dot8(xa, wu, acc_u, F32, SWAP, BK)
+                else:  # bf16 / e4m3 values: exact in the activation dtype
                     wg, wu = wg.to(tl.float32).to(xa.dtype), wu.to(tl.float32).to(xa.dtype)
-                acc_g = _dot(xa, wg, acc_g, F32, SWAP)
-                acc_u = _dot(xa, wu, acc_u, F32, SWAP)
+                    acc_g = _dot(xa, wg, acc_g, F32, SWAP)
+                    acc_u = _dot(xa, wu, acc_u, F32, SWAP)
         if FMT == 1:  # fp8: the per-output-channel scale factors out of the dot product
             acc_g *= _cols(tl.load(s_e + n * stride_sn, mask=nmask, other=0.0), SWAP)
             acc_u *= _cols(tl.load(s_e + (n + Im) * stride_sn, mask=nmask, other=0.0), SWAP)
@@ -347,9 +363,10 @@ if triton is not None:
                 acc = _dot(ao, whi, _dot(ae, wlo, acc, F32, SWAP), F32, SWAP)
             else:
                 w = _load_w_tile(w_e, n, nmask, k0, Im, stride_wn, stride_wk, BK, EVEN_K, SWAP)
-                if not A8:
-                    w = w.to(tl.float32).to(a.dtype)
-                acc = _dot(a, w, acc, F32, SWAP)
+                if A8:
+                    acc = _dot8(a, w, acc, F32, SWAP, BK)
+                else:
+                    acc = _dot(a, w.to(tl.float32).to(a.dtype), acc, F32, SWAP)
         if FMT == 1:
             acc *= _cols(tl.load(s_e + n * stride_sn, mask=nmask, other=0.0), SWAP)
         if A8:

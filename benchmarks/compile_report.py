@@ -45,11 +45,11 @@ def expert_variants(text, dtype, passes, tiles: list[str], precisions: list[str]
     """(label, thunk) per expert kernel launch: every precision x pass x tile setting (+ the atomic K-sum); the
     setting "" is `base` (default: the engine's defaults for that precision on `arch`, `moe_grouped.default_tiles`)."""
     from blockpress.kernels import moe_grouped as mg
-    from blockpress.kernels.quant import QuantizedExperts
+    from blockpress.kernels.quant import QuantizedExperts, expert_format
 
     E, H, Im, K = text.num_experts, text.hidden_size, text.moe_intermediate_size, text.top_k_experts
     for precision in precisions:
-        weights = precision.removesuffix("-a8")  # fp8-a8: fp8 weights with fp8 activations (experts="w8a8")
+        weights, a8 = expert_format(precision)  # fp8-a8: fp8 weights with fp8 activations (experts="w8a8")
         if precision == "native":
             gate_up, down = torch.empty(E, 2 * Im, H, dtype=dtype), torch.empty(E, H, Im, dtype=dtype)
             kw = {}
@@ -57,7 +57,7 @@ def expert_variants(text, dtype, passes, tiles: list[str], precisions: list[str]
             q = QuantizedExperts(E, H, Im, weights, dtype=dtype)
             gate_up, down = q.gate_up_q, q.down_q
             kw = dict(fmt=mg.FMT_FP8 if weights == "fp8" else mg.FMT_INT4, gate_up_scale=q.gate_up_scale,
-                      down_scale=q.down_scale, groups=q.groups, inter=Im, act8=precision == "fp8-a8")
+                      down_scale=q.down_scale, groups=q.groups, inter=Im, act8=a8)
         for what, N in passes:
             g = torch.Generator().manual_seed(N)
             idx = torch.rand(N, E, generator=g).topk(K, dim=-1).indices
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
 ISSUE_CARDS = {90: ("H100 SXM", 132, 1.98e9, 3.35e12), 89: ("RTX 4090", 128, 2.52e9, 1.008e12),
                86: ("RTX 3090", 82, 1.695e9, 0.936e12), 80: ("A100 SXM", 108, 1.41e9, 2.039e12),
                120: ("RTX 5090", 170, 2.41e9, 1.792e12)}
-BYTES_PER_WEIGHT = {"native": 2.0, "fp8": 1.0 + 4 / 2816, "int4": 0.5 + 2 / 64, "fp8-a8": 1.0 + 4 / 2816}  # + scales
+BYTES_PER_WEIGHT = {"native": 2.0, "fp8": 1.0 + 4 / 2816, "int4": 0.5 + 2 / 64}  # with their scales
 LOADED_LATENCY_S = 1e-6  # device-memory latency under full load, assumed (idle: ~0.5-0.8 us): Little's law below
 
 
@@ -276,7 +276,7 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
     its instructions; and the bytes a step reads from L2 (l2_to_sm_bytes), to set against the card's L2 rate
     (benchmarks/l2_bandwidth.py)."""
     from blockpress.kernels.moe_grouped import auto_block_m, default_tiles, expected_m_blocks, int4_block_k
-    from blockpress.kernels.quant import group_for
+    from blockpress.kernels.quant import expert_format, group_for
 
     name, sms, clock, bandwidth = ISSUE_CARDS[arch]
     E, H, Im, L = text.num_experts, text.hidden_size, text.moe_intermediate_size, text.num_hidden_layers
@@ -289,9 +289,10 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
           f"{'L2->SM GB':>9} {'x HBM':>6}  KB in flight per SM, up / down (Little's law: {need / 1024:.0f} KB at "
           f"{LOADED_LATENCY_S * 1e9:.0f} ns)")
     for precision in precisions:
-        TILES = tiles or default_tiles(precision.removesuffix("-a8"), arch >= 90)  # noqa: N806 - the tiles read
+        weights, a8 = expert_format(precision)
+        TILES = tiles or default_tiles(weights, arch >= 90)  # noqa: N806 - the tiles the report reads
         bk = TILES.block_k
-        if precision == "int4":  # the K tile the launcher runs (QuantizedExperts' default groups of 64)
+        if weights == "int4":  # the K tile the launcher runs (QuantizedExperts' default groups of 64)
             bk = int4_block_k(bk, (group_for(H, 64), group_for(Im, 64)))
         per, flight = {}, {}
         bm = TILES.block_m or auto_block_m(batch * canvas, text.top_k_experts, E, arch >= 90, TILES.swap)
@@ -302,8 +303,8 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
             if r is None:
                 break
             per[kernel] = r["loop"] / (matrices * TILES.block_n * bk / (32 * r["num_warps"]))
-            flight[kernel] = in_flight_per_sm(r, bm, TILES.block_n, bk, 1 if precision == "fp8-a8" else act_bytes,
-                                              BYTES_PER_WEIGHT[precision], matrices)
+            flight[kernel] = in_flight_per_sm(r, bm, TILES.block_n, bk, 1 if a8 else act_bytes,
+                                              BYTES_PER_WEIGHT[weights], matrices)
         if len(per) < 2:
             continue
         up_w, down_w = L * E * 2 * Im * H, L * E * H * Im
@@ -315,9 +316,9 @@ def issue_model(rows: list[dict], arch: int, text, precisions: list[str], batch:
                  "_moe_down_kernel": -(-H // TILES.block_n) * TILES.block_n / H}
         issue = m_blocks * (up_w * per["_moe_up_kernel"] * waste["_moe_up_kernel"]
                             + down_w * per["_moe_down_kernel"] * waste["_moe_down_kernel"]) / 32 / issue_rate * 1e3
-        mem = (up_w + down_w) * BYTES_PER_WEIGHT[precision] / bandwidth * 1e3
-        l2 = l2_to_sm_bytes(text, batch * canvas, bm, TILES.block_n, BYTES_PER_WEIGHT[precision],
-                            1 if precision == "fp8-a8" else act_bytes)
+        mem = (up_w + down_w) * BYTES_PER_WEIGHT[weights] / bandwidth * 1e3
+        l2 = l2_to_sm_bytes(text, batch * canvas, bm, TILES.block_n, BYTES_PER_WEIGHT[weights],
+                            1 if a8 else act_bytes)
         row = {"experts": precision, "card": name, "batch": batch, "up_instr_per_weight": round(per["_moe_up_kernel"], 2),
                "down_instr_per_weight": round(per["_moe_down_kernel"], 2), "m_blocks_per_expert": round(m_blocks, 3), "block_m": bm,
                "issue_ms": round(issue, 2), "bytes_ms": round(mem, 2),

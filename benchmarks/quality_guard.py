@@ -40,7 +40,7 @@ from blockpress.cli.run import _positive_int
 from blockpress.config import GenerationConfig
 from blockpress.engine.generate import generate
 from blockpress.kernels.linear_q import QUANTIZED_LINEARS, QuantizedEmbedding, QuantizedLinear
-from blockpress.kernels.quant import QuantizedExperts, QuantizedMLP, compare_logits
+from blockpress.kernels.quant import W8A8_FORMAT, QuantizedExperts, QuantizedMLP, compare_logits, expert_format
 from blockpress.lab.random_weights import build_model
 
 # attention and dense-MLP projections in 8 bits (kernels/linear_q.py): weight-only int8 / fp8, or fp8 weights and
@@ -48,7 +48,7 @@ from blockpress.lab.random_weights import build_model
 LINEAR_PARTS = {"int8-linears": ("int8", "torch"), "fp8-linears": ("fp8", "torch"),
                 "fp8-linears-a8": ("fp8", "scaled_mm"), "int4-mlp": None}  # int4-mlp: the dense MLP alone, in int4
 MLP4 = "int4-mlp"  # (kernels/quant.py QuantizedMLP: one int4 expert every token takes)
-A8 = "fp8-a8"  # fp8 experts with fp8 activations (experts="w8a8"; on a CPU its torch reference, experts_w8a8_torch)
+A8 = W8A8_FORMAT  # fp8 experts with fp8 activations (experts="w8a8"; on a CPU its torch reference, experts_w8a8_torch)
 EXPERT_FORMATS = ("fp8", "int4", A8)
 LINEARS = "int8-linears"
 # relative error of the experts' output (of each projection's output, for the linears)
@@ -109,10 +109,11 @@ def variant(ref, fmt: str, group_size: int):
     try:
         for layer, old in zip(ref.layers, saved) if experts else ():
             E, two_im, H = old.gate_up_proj.shape
-            q = QuantizedExperts(E, H, two_im // 2, experts.removesuffix("-a8"), group_size,
-                                 dtype=old.gate_up_proj.dtype, device=old.gate_up_proj.device)
+            weights, a8 = expert_format(experts)
+            q = QuantizedExperts(E, H, two_im // 2, weights, group_size, dtype=old.gate_up_proj.dtype,
+                                 device=old.gate_up_proj.device)
             layer.experts = q.load_float_(old.gate_up_proj, old.down_proj)
-            q.backend = "w8a8" if experts == A8 else q.backend
+            q.backend = "w8a8" if a8 else q.backend
         for layer, old in zip(ref.layers, saved_mlp) if linears == MLP4 else ():
             layer.mlp = QuantizedMLP.from_mlp(old, group_size)
             layer.mlp.experts.backend = "torch"

@@ -70,7 +70,7 @@ def build_layer(text, precision: str, device, dtype, group_size: int, seed: int,
     expert bytes of the whole layer). mlp: the layer's dense MLP instead, as the one expert every token takes
     (`--linears int4-mlp`, kernels/quant.py QuantizedMLP)."""
     from blockpress.kernels.moe_grouped import FMT_FP8, FMT_INT4, experts_triton
-    from blockpress.kernels.quant import QuantizedExperts, experts_w8a8_torch
+    from blockpress.kernels.quant import QuantizedExperts, expert_format, experts_w8a8_torch
     from blockpress.model.moe import experts_loop
 
     E, H, Im = (1, text.hidden_size, text.intermediate_size) if mlp else \
@@ -84,7 +84,7 @@ def build_layer(text, precision: str, device, dtype, group_size: int, seed: int,
         def call(x, w, idx, tiles):
             return experts_triton(x, w, idx, gate_up, down, tiles=tiles)
         return call, (lambda x, w, idx: experts_loop(x, w, idx, gate_up, down)), nbytes
-    weights, a8 = precision.removesuffix("-a8"), precision == "fp8-a8"  # fp8-a8: fp8 activations too (w8a8)
+    weights, a8 = expert_format(precision)  # fp8-a8: fp8 activations too (w8a8)
     q = QuantizedExperts(E, H, Im, weights, group_size, dtype=dtype, device=device).load_float_(gate_up, down)
     del gate_up, down
     fmt = FMT_FP8 if weights == "fp8" else FMT_INT4
@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     from blockpress.config import ModelConfig
     from blockpress.kernels._triton import triton, usable_on
     from blockpress.kernels.moe_grouped import _wgmma_target, default_tiles, parse_tiles
+    from blockpress.kernels.quant import expert_format
     from blockpress.lab.roofline import expected_hit_fraction, measure_bandwidth
     from blockpress.loading import parse_device
 
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
     if args.mlp:
         K, E, Im = 1, 1, text.intermediate_size
     grid = parse_grid(args.grid if args.grid is not None else (DEFAULT_GRID if device.type == "cuda" else ""))
-    defaults = {prec: default_tiles(prec.removesuffix("-a8"), _wgmma_target(device)).spec() for prec in precisions}
+    defaults = {prec: default_tiles(expert_format(prec)[0], _wgmma_target(device)).spec() for prec in precisions}
     bandwidth = measure_bandwidth(device)
     hit = expected_hit_fraction(E, K, N)
     g = torch.Generator(device=device).manual_seed(args.seed + 1)

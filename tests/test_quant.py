@@ -484,7 +484,7 @@ def test_w8a8_kernel_equals_its_reference(dtype, tol, moe_sum, swap):
     assert _rel(q(x, w, idx), ref) > 1e-3  # not weight-only fp8 by another name
 
 
-def test_w8a8_backend_through_load_and_configure_needs_fp8(tmp_path):
+def test_w8a8_backend_through_load_and_configure_needs_fp8(tmp_path, monkeypatch):
     """`experts="w8a8"`: refused without fp8 experts (one line naming the fix); with them every layer takes it, its
     kernels hold no host sync (CUDA graphs may capture them), a compiled block's custom op computes the same, and
     generation runs (a CPU: the torch reference)."""
@@ -498,17 +498,13 @@ def test_w8a8_backend_through_load_and_configure_needs_fp8(tmp_path):
     blockpress.from_config(sizes.model_config("nano", vocab_size=256, canvas_length=8, context=16), seed=0).save(folder)
     import blockpress.loading
 
-    real = blockpress.loading.load_weights
-
     def no_weights(*a, **k):
         raise AssertionError("a weight was read before the refusal")
 
-    blockpress.loading.load_weights = no_weights  # the refusal comes before any weight is read
-    try:
+    with monkeypatch.context() as m:  # the refusal comes before any weight is read
+        m.setattr(blockpress.loading, "load_weights", no_weights)
         with pytest.raises(InputError, match="w8a8 experts backend .* needs fp8 experts; add --precision fp8"):
             blockpress.load(folder, progress=False, experts="w8a8")
-    finally:
-        blockpress.loading.load_weights = real
     lm = blockpress.load(folder, progress=False, precision="fp8", experts="w8a8")
     module = lm.module
     assert all(layer.experts.backend == "w8a8" for layer in module.layers)

@@ -48,6 +48,7 @@ from .moe_grouped import (DEFAULT_TILES, FMT_FP8, FMT_INT4, as_tiles, checked_on
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FORMATS = ("fp8", "int4")
+W8A8_FORMAT = "fp8-a8"  # the benchmarks' name for fp8 experts run with fp8 activations (experts="w8a8")
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)  # int4 clipping candidates (amax * ratio maps to 7)
 
 
@@ -237,6 +238,12 @@ class QuantizedExperts(nn.Module):
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
     """A quantised weight (fp8 or packed int4, any leading dims) in `dtype`."""
     return dequantize_fp8(q, scale, dtype) if fmt == "fp8" else dequantize_int4(q, scale, dtype)
+
+
+def expert_format(name: str) -> tuple[str, bool]:
+    """A benchmark's expert format ("native", "fp8", "int4" or W8A8_FORMAT) -> (the weights' format, whether the
+    activations are fp8 too)."""
+    return ("fp8", True) if name == W8A8_FORMAT else (name, False)
 
 
 def check_experts_precision(experts: str, precision: str) -> None:

@@ -4,8 +4,8 @@
 depends on this kernel: at 256 rows (one canvas) a projection sits near the GPU's ridge point, at one row
 (an AR step) it is purely bandwidth-bound, from 512 rows on compute-bound. For every projection shape of a
 config (sliding and full attention layers, dense MLP) and every row count in `--rows`, this times the
-bf16 matmul, the weight-only Triton kernel with int8 and with fp8 weights, and fp8 x fp8 (`torch._scaled_mm`,
-w8a8; on fp8-capable GPUs) (`triton.testing.do_bench` on CUDA, the best of `--repeats` on a CPU), checks each
+bf16 matmul, the weight-only Triton kernel with int8 and with fp8 weights, and fp8 x fp8 (w8a8, on fp8-capable
+GPUs: our kernel, `experts="w8a8"`'s projections, and `torch._scaled_mm`) (`triton.testing.do_bench` on CUDA, the best of `--repeats` on a CPU), checks each
 against its reference (the dequantising `F.linear`; the w8a8 arithmetic in fp32; exits 1 past 2e-2 relative),
 and prints ms and the speedup per shape, then the per-pass totals (each shape times the number of layers
 that have it).
@@ -74,7 +74,11 @@ def main(argv=None) -> int:
                   "bm=auto,bn=32,bk=128,split=4", "bm=128,bn=64,bk=64",
                   # the weight as the MMA's register operand (wgmma on sm_90), a canvas's rows in one block
                   "bm=auto,bn=64,bk=64,swap=1", "bm=auto,bn=128,bk=64,swap=1"]
-    variants = [f"int8 {sp}" for sp in int8_specs] + ["fp8"] + (["fp8-a8"] if w8a8 else [])
+    # fp8-a8: our w8a8 kernel (experts="w8a8"'s projections: the row quantiser, then fp8 x fp8 dots), at the default
+    # tiles and with a whole 128-row block; fp8-a8 scaled_mm: the same function through torch._scaled_mm
+    a8_specs = ["bm=auto,bn=64,bk=64", "bm=128,bn=64,bk=128"]
+    variants = [f"int8 {sp}" for sp in int8_specs] + ["fp8"] + \
+        ([f"fp8-a8 {sp}" for sp in a8_specs] + ["fp8-a8 scaled_mm"] if w8a8 else [])
     text = ModelConfig.from_dict(preset_config(args.preset)[0]).text
     rows = [int(r) for r in args.rows.split(",") if r]
     shapes = projection_shapes(text, fused=args.fused)
@@ -96,9 +100,11 @@ def main(argv=None) -> int:
             x = torch.randn(M, I, generator=g, device=device, dtype=torch.float32).to(dtype)
             calls = {f"int8 {sp}": ((lambda t=parse_linear_tiles(sp): linear_q_triton(
                 x, q["int8"].weight_q, q["int8"].weight_scale, **t)), q["int8"]) for sp in int8_specs}
+            calls.update({f"fp8-a8 {sp}": ((lambda t=parse_linear_tiles(sp): linear_q_triton(
+                x, q["fp8"].weight_q, q["fp8"].weight_scale, **t, act8=True)), None) for sp in a8_specs})
             calls.update({
                 "fp8": (lambda: linear_q_triton(x, q["fp8"].weight_q, q["fp8"].weight_scale), q["fp8"]),
-                "fp8-a8": (lambda: linear_fp8_scaled_mm(x, q["fp8"].weight_q, q["fp8"].weight_scale), None)})
+                "fp8-a8 scaled_mm": (lambda: linear_fp8_scaled_mm(x, q["fp8"].weight_q, q["fp8"].weight_scale), None)})
             r = {"in": I, "out": O, "count": count, "rows": M, "native_gbs": 0.0, "rel_err": {}}
             with torch.no_grad():
                 r["native_ms"] = time_ms(lambda: torch.nn.functional.linear(x, w), device, args.repeats)
@@ -114,16 +120,18 @@ def main(argv=None) -> int:
             cells = " ".join(f"{r[f'{v}_ms']:8.4f} ({r['native_ms'] / r[f'{v}_ms']:4.2f}x)" for v in variants)
             print(f"{f'{I}x{O}':>12} {count:5d} {M:5d} {r['native_ms']:9.4f} {cells} {r['native_gbs']:12.0f} "
                   f"{max(r['rel_err'].values()):8.1e}")
-    totals, best = {}, {}
+    totals, best = {}, {"int8": {}, "fp8-a8": {}}
     for M in rows:
         mine = [r for r in results if r["rows"] == M]
         totals[M] = {v: sum(r[f"{v}_ms"] * r["count"] for r in mine) for v in ["native"] + variants}
         print(f"  one pass, {M:5d} rows: " + ", ".join(f"{v} {ms:.3f} ms" for v, ms in totals[M].items()))
-        int8 = {v: ms for v, ms in totals[M].items() if v.startswith("int8 ")}
-        best[M] = min(int8, key=int8.get).removeprefix("int8 ")  # the spec for --linear-tiles
+        for fmt, specs in (("int8", int8_specs), ("fp8-a8", a8_specs if w8a8 else [])):  # the spec for --linear-tiles
+            if specs:
+                best[fmt][M] = min(specs, key=lambda sp: totals[M][f"{fmt} {sp}"])
     print(json.dumps({"bench": "linears", "preset": args.preset, "device": str(device), "fused": args.fused,
                       "dtype": str(dtype).removeprefix("torch."), "variants": variants, "ok": ok,
-                      "totals_ms_per_pass": totals, "best_int8_spec": best, "results": results}))
+                      "totals_ms_per_pass": totals, "best_int8_spec": best["int8"], "best_a8_spec": best["fp8-a8"],
+                      "results": results}))
     return 0 if ok else 1
 
 

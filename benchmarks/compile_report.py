@@ -81,19 +81,22 @@ def linear_variants(text, dtype, passes, formats: list[str]):
     from blockpress.kernels.quant import FP8
 
     for fmt in formats:
+        a8 = fmt == "fp8-a8"  # fp8 weights with fp8 activations (experts="w8a8"): the row quantiser, then the kernel
         for I, O in sorted(projection_shapes(text)):
             q = torch.empty(O, I, dtype=torch.int8 if fmt == "int8" else FP8)
             s = torch.empty(O, dtype=torch.float32)
             for what, M in passes:
                 x = torch.empty(M, I, dtype=dtype)
-                yield f"linear {fmt} [{O}x{I}], {what}", (lambda x=x, q=q, s=s: linear_q_triton(x, q, s))
+                yield f"linear {fmt} [{O}x{I}], {what}", (lambda x=x, q=q, s=s, a8=a8: linear_q_triton(x, q, s, act8=a8))
                 if fmt == "int8" and what.startswith("canvas"):  # bench_linears.py's int8-bm128 / -bm256
                     for bm in (128, 256):
                         yield (f"linear {fmt} [{O}x{I}], {what}, bm {bm}",
                                lambda x=x, q=q, s=s, bm=bm: linear_q_triton(x, q, s, block_m=bm))
-                if what.startswith("canvas"):  # the weight as wgmma's register operand, a canvas in one block
+                # the weight as wgmma's register operand, a canvas in one block (not with fp8 activations: they
+                # convert no weight, and 256 rows' fp32 accumulators spill)
+                if what.startswith("canvas") and not a8:
                     yield (f"linear {fmt} [{O}x{I}], {what}, swap",
-                           lambda x=x, q=q, s=s: linear_q_triton(x, q, s, swap=True))
+                           lambda x=x, q=q, s=s, a8=a8: linear_q_triton(x, q, s, swap=True, act8=a8))
 
 
 def attention_variants(text, dtype, canvas: int, batches: list[int], splits: list[int] = ()):
@@ -162,7 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="1,2,4,8", help="canvas batch sizes")
     p.add_argument("--precision", default="native,fp8,int4,fp8-a8",
                    help="expert formats (fp8-a8: fp8 weights and activations, experts='w8a8')")
-    p.add_argument("--linears", default="int8,fp8", help="8-bit projection formats ('' for none)")
+    p.add_argument("--linears", default="int8,fp8,fp8-a8",
+                   help="8-bit projection formats ('' for none; fp8-a8: fp8 weights and activations)")
     p.add_argument("--grid", default="", help="extra MoE tile settings, e.g. 'bm=auto,32;bn=64,128' "
                                               "(benchmarks/sweep_moe_tiles.py's grid syntax)")
     p.add_argument("--tiles", default=None, help="the MoE tiles to take as the defaults (a moe_tiles spec, e.g. "
@@ -189,8 +193,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--arch takes {sorted(ARCHS)} (got {args.arch!r}); --batch positive integers")
     precisions = [x for x in args.precision.split(",") if x]
     linears = [x for x in args.linears.split(",") if x]
-    if set(precisions) - {"native", "fp8", "int4", "fp8-a8"} or set(linears) - {"int8", "fp8"}:
-        raise SystemExit("--precision takes native, fp8, int4, fp8-a8; --linears takes int8, fp8")
+    if set(precisions) - {"native", "fp8", "int4", "fp8-a8"} or set(linears) - {"int8", "fp8", "fp8-a8"}:
+        raise SystemExit("--precision takes native, fp8, int4, fp8-a8; --linears takes int8, fp8, fp8-a8")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sweep_moe_tiles, bench_linears
     from sweep_moe_tiles import parse_grid
 

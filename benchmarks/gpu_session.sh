@@ -37,7 +37,9 @@
 #   align    the compiled fp8 row before (gpu_baseline/) and after the one-launch align, with the fixed-shape
 #            passes' profile; int4; the align kernel's test
 #   defaults the rows as they run with today's defaults (no tile or attention flag): fp8 (--profile, AR), fp8 with fp8
-#            activations in the experts (--experts w8a8, --profile) and one layer's w8a8 tiles, the attention
+#            activations in the experts (--experts w8a8, --profile), then in the fp8 projections too (--linears fp8),
+#            int4, int4 + fp8 projections with fp8 activations, the projections alone (bench_linears.py, one canvas),
+#            one layer's w8a8 tiles, the attention
 #            kernel's split keys per layer and fp8 with --attention-split 2, int4, int4 with 512-token prefill chunks
 #            and also at group 128 (<= 18 GB predicted), int4 + int4 MLP, fp8 at batch 4 against the older tiles, the
 #            int4 MLP's tile sweep, bf16; structured output's walk with the logits on the GPU
@@ -331,9 +333,20 @@ EOF
     # torch reference); after the int4 rows, one layer's kernels, fp8 against fp8-a8 at the default tiles and a few
     # others (the copy rate against the 85 % goal)
     STEP_LIMIT=90 bench fp8-w8a8 ${ROW/--experts $FAST/--experts w8a8} --precision fp8 --profile
+    # every fp8 weight with fp8 activations, vLLM's FP8 recipe (2026-11-30, CPU only): the projections in fp8 too,
+    # through our w8a8 linear kernel (compile_report.py: no weight converted, 99 instructions a K tile against the
+    # weight-only kernel's 163); the dense GEMMs' kernel time against the fp8 row's 3.3 ms
+    STEP_LIMIT=90 bench fp8-w8a8-all ${ROW/--experts $FAST/--experts w8a8} --precision fp8 --linears fp8 --profile
     # int4's peak: peak_memory.py predicts 17.91 GB with the fast sampler reading the LM head's bf16 product
     # (2026-11-27-cpu-fused-softcap.md; 18.2 GB was measured before that and the graphs' smaller pool)
     STEP_LIMIT=80 bench int4 $ROW --precision int4
+    # int4 experts beside fp8 projections with fp8 activations: 1.65 GB less than bf16 projections (the <= 18 GB
+    # target) if the w8a8 kernel is no slower than cuBLAS bf16 (the int8 kernel cost 2.9 ms a step)
+    STEP_LIMIT=80 bench int4-lin8a8 ${ROW/--experts $FAST/--experts w8a8} --precision int4 --linears fp8
+    # the projections alone, one canvas: cuBLAS bf16 against the w8a8 kernel (two tiles) and torch._scaled_mm
+    lim=$(limit 60)
+    [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 benchmarks/bench_linears.py --preset "$PRESET" \
+      --rows 256 --fused 2>&1 | tee "$OUT/linears.txt" | grep "one pass" | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
     # the embedding table / LM head in int8 (2026-11-29, CPU only): predicted 17.17 GB; the LM head and the soft
     # embedding through the int8 kernel (the latter reading the table down its columns, new): half the table's bytes
     STEP_LIMIT=80 bench int4-emb8 $ROW --precision int4 --embeddings int8

@@ -46,7 +46,7 @@ from blockpress.lab.random_weights import build_model
 # attention and dense-MLP projections in 8 bits (kernels/linear_q.py): weight-only int8 / fp8, or fp8 weights and
 # fp8 activations ("-a8": the scaled_mm backend, w8a8, which runs on a CPU too)
 LINEAR_PARTS = {"int8-linears": ("int8", "torch"), "fp8-linears": ("fp8", "torch"),
-                "fp8-linears-a8": ("fp8", "scaled_mm"), "int4-mlp": None}  # int4-mlp: the dense MLP alone, in int4
+                "fp8-linears-a8": ("fp8", "w8a8"), "int4-mlp": None}  # int4-mlp: the dense MLP alone, in int4
 MLP4 = "int4-mlp"  # (kernels/quant.py QuantizedMLP: one int4 expert every token takes)
 A8 = W8A8_FORMAT  # fp8 experts with fp8 activations (experts="w8a8"; on a CPU its torch reference, experts_w8a8_torch)
 EXPERT_FORMATS = ("fp8", "int4", A8)

@@ -258,8 +258,8 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
       router, embeddings and norms stay in `dtype`. linears: "native", or "int8" / "fp8": the attention and
       dense-MLP projections in 8 bits (a scale per output row), quantised as each is read; with precision="int4"
       the 26B-A4B weights take ~15.3 GB, not ~17. int8 is the more accurate; fp8 can also run with fp8
-      activations (experts="scaled_mm", Hopper / Ada). experts="w8a8" runs fp8 experts with fp8 activations in the
-      Triton kernels. embeddings: "native", or "int8": the embedding table (also the LM head) with a scale per
+      activations (experts="scaled_mm", Hopper / Ada). experts="w8a8" runs every fp8 weight (experts, projections)
+      with fp8 activations in the Triton kernels (it needs one of them in fp8). embeddings: "native", or "int8": the embedding table (also the LM head) with a scale per
       token, 0.74 GB less on the 26B-A4B model.
     - experts / attention: the kernels. "auto" picks the fastest path that runs here (experts: the Triton kernel
       on a CUDA GPU, grouped GEMMs on a CPU; attention: SDPA with the KV heads grouped inside the kernel);
@@ -291,7 +291,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
         opts = opts.replace(**resolve_options(layout, opts))
     check_int4_sizes(config.text, opts.precision, opts.linears)
     try:
-        check_experts_precision(opts.experts, opts.precision)
+        check_experts_precision(opts.experts, opts.precision, opts.linears)
     except ValueError as e:
         raise InputError(str(e)) from None
     gen_path = folder / "generation_config.json"
@@ -302,7 +302,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     if layout:
         layout.prepare(module, dt)
         hint = "; its recipe also quantises the activations to fp8 per token, which --fp8-activations (experts=" \
-            "'w8a8') does for the experts" if recipe_fp8_activations(prequantized) and opts.experts != "w8a8" else ""
+            "'w8a8') does for its fp8 experts and projections" if recipe_fp8_activations(prequantized) and opts.experts != "w8a8" else ""
         print(f"blockpress: a pre-quantised checkpoint: {layout.describe()}, loaded as stored{hint}", file=sys.stderr)
     hooks = []
     if opts.precision != "native" and not layout.experts:

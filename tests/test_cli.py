@@ -115,9 +115,9 @@ def test_compile_flag_compiles_the_loaded_blocks_and_refuses_the_references(mode
 
 
 def test_fp8_activations_flag_runs_the_w8a8_experts(model_dir, capsys):
-    """--fp8-activations (run, chat, infill, eval, serve) loads the w8a8 experts backend (fp8 activations; on a CPU its
-    torch reference), which generates; without fp8 experts, or with --reference-kernels, it is refused in one line
-    before any weight is read."""
+    """--fp8-activations (run, chat, infill, eval, serve) loads the w8a8 backend (fp8 activations for the fp8 experts
+    and fp8 projections; on a CPU its torch reference), which generates; without fp8 weights, or with
+    --reference-kernels, it is refused in one line before any weight is read."""
     import argparse
 
     from blockpress.cli.run import add_model_args, load_model
@@ -127,8 +127,13 @@ def test_fp8_activations_flag_runs_the_w8a8_experts(model_dir, capsys):
     lm = load_model(p.parse_args([str(model_dir), "--precision", "fp8", "--fp8-activations"]))
     assert lm.options.experts == "w8a8"
     assert all(layer.experts.backend == "w8a8" for layer in lm.module.layers)
-    with pytest.raises(blockpress.InputError, match="needs fp8 experts; add --precision fp8"):
+    with pytest.raises(blockpress.InputError, match="need fp8 weights; add --precision fp8 and / or --linears fp8"):
         load_model(p.parse_args([str(model_dir), "--fp8-activations"]))
+    lm = load_model(p.parse_args([str(model_dir), "--precision", "fp8", "--linears", "fp8", "--fp8-activations"]))
+    from blockpress.kernels.linear_q import quantized_linears
+
+    qs = quantized_linears(lm.module)  # fp8 projections take fp8 activations too
+    assert qs and all(q.backend == "w8a8" and q.resolved_backend(torch.empty(0)) == "torch-a8" for q in qs)
     with pytest.raises(blockpress.InputError, match="--fp8-activations and --reference-kernels"):
         load_model(p.parse_args([str(model_dir), "--precision", "fp8", "--fp8-activations", "--reference-kernels"]))
     r = run_json(capsys, str(model_dir), "Why is the sky blue?", "--max-new-tokens", "16", "--steps", "3", "--seed",

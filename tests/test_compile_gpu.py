@@ -49,7 +49,7 @@ def start_background(config):
     log = open(tmp / "log.txt", "w")
     proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--arch",
                              "90,89" if full else "90", "--batch", "1,4" if full else "1",
-                             "--linears", "int8,fp8" if full else "int8",
+                             "--linears", "int8,fp8,fp8-a8" if full else "int8,fp8-a8",
                              "--grid", "bn=128,256;bk=128|swap=1" if full else "",
                              "--attention-split", "2,4" if full else "", "--out", str(tmp / "report.json")],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -192,6 +192,21 @@ def test_int4_dequantisation_stays_cheap(report):
     # than an H100's bandwidth x loaded latency needs; short of it, no kernel could reach the bandwidth
     for row in model.values():
         assert min(row["in_flight_kb_per_sm"].values()) > row["in_flight_kb_needed"] > 20, row
+
+
+@needs_ptxas
+def test_w8a8_projections_convert_no_weight(report):
+    """The fp8 projections with fp8 activations (experts="w8a8"): at a canvas the kernel takes wgmma with both fp8
+    tiles from shared memory as loaded, so its K-tile loop holds no conversion: 99 instructions against the int8
+    weight-only kernel's 164 at the same tiles (2026-11-30), in fewer registers and shared memory, no spill."""
+    _, result, _ = report
+    rows = {r["label"]: r for r in result["archs"]["90"]["kernels"] if r["kernel"] == "_linear_q_kernel"}
+    for label in (x for x in rows if x.startswith("linear fp8-a8") and x.endswith("canvas x1")):
+        a8, w8 = rows[label], rows[label.replace("fp8-a8", "int8")]
+        assert a8["mma"] == w8["mma"] == "wgmma" and a8["spill"] == 0, a8
+        assert a8["loop"] < 0.7 * w8["loop"] and a8["regs"] <= w8["regs"] + 8 and a8["shared"] < w8["shared"], (a8, w8)
+    assert any(x.startswith("linear fp8-a8") for x in rows) and any(
+        r["kernel"] == "_quant_rows_kernel" and "linear fp8-a8" in r["label"] for r in result["archs"]["90"]["kernels"])
 
 
 def test_compile_only_refuses_interpreted_kernels():

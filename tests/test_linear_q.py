@@ -132,6 +132,84 @@ def test_fp8_w8a8_scaled_mm_equals_its_arithmetic(dtype, tol):
     assert int8.resolved_backend(x) == "torch"  # w8a8 needs fp8 weights: int8 keeps its weight-only paths
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("M,I,O,tiles", [(1, 64, 80, {}), (17, 96, 130, {}), (100, 128, 64, {"swap": True}),
+                                         (40, 160, 72, {"split_k": 2}), (256, 72, 200, {"block_m": 128})])
+def test_w8a8_kernel_equals_its_reference(dtype, tol, M, I, O, tiles):
+    """The "w8a8" backend's kernel (each row quantised to fp8 by the experts' row kernel, then fp8 x fp8 dots, both
+    scales on the fp32 accumulator) computes `linear_fp8_w8a8_reference` (fp32: up to the order of the sums; bf16:
+    Triton's interpreter truncates the output cast), which torch._scaled_mm computes too; odd sizes on purpose."""
+    if not fp8_usable_on(DEV):
+        pytest.skip("fp8 Triton kernels need sm_89+; fp8 linears take the torch path here")
+    g = torch.Generator().manual_seed(M + I + O)
+    lin = torch.nn.Linear(I, O, bias=False)
+    lin.weight.copy_(torch.randn(O, I, generator=g) / I ** 0.5)
+    m = QuantizedLinear.from_linear(lin.to(DEV, dtype), "fp8", backend="w8a8")
+    x = (torch.randn(M, I, generator=g) * torch.rand(M, 1, generator=g) * 4).to(DEV, dtype)  # rows of other scales
+    ref = linear_fp8_w8a8_reference(x, m.weight_q, m.weight_scale)
+    assert _rel(linear_fp8_scaled_mm(x, m.weight_q, m.weight_scale), ref) < max(tol, 1e-5)
+    assert _rel(linear_q_triton(x, m.weight_q, m.weight_scale, act8=True, **tiles), ref) < tol
+    assert m.resolved_backend(x) == ("triton-a8" if x.is_cuda else "torch-a8")  # a CPU runs the reference itself
+    assert torch.equal(m(x), ref) or x.is_cuda
+    m.backend = "triton-a8"  # the kernel by name: anywhere Triton runs
+    x3 = torch.randn(2, 5, 2 * I, generator=g).to(DEV, dtype)[..., ::2]  # 3-d, non-contiguous rows
+    out3 = m(x3)
+    assert out3.shape == (2, 5, O) and _rel(out3, linear_fp8_w8a8_reference(x3, m.weight_q, m.weight_scale)) < tol
+    m.backend = "torch"  # weight-only fp8 is closer to the float layer than fp8 activations
+    assert _rel(m(x), lin.to(DEV, dtype)(x)) < _rel(ref, lin(x)) < 0.1
+    int8 = QuantizedLinear.from_linear(lin, "int8", backend="w8a8")
+    assert int8.resolved_backend(x) == int8.resolved_backend(x.new_empty(0)) == ("triton" if x.is_cuda else "torch")
+    with pytest.raises(ValueError, match="fp8 activations.*needs fp8 weights"):
+        linear_q_triton(x, int8.weight_q, int8.weight_scale, act8=True)
+
+
+def test_fp8_activations_reach_fp8_projections_beside_any_experts():
+    """experts="w8a8" means fp8 activations wherever the weights are fp8: fp8 experts and fp8 projections take them,
+    int8 projections and int4 / float experts keep their weight-only kernels; without any fp8 weight it is refused."""
+    m = _tiny()
+    choice = configure(m, experts="w8a8", precision="fp8", linears="fp8")
+    assert choice["experts"] == "torch-a8" and choice["linears"] == "fp8 torch-a8"
+    assert all(q.backend == "w8a8" for q in m.modules() if isinstance(q, QuantizedLinear))
+    m4 = _tiny()
+    choice = configure(m4, experts="w8a8", precision="int4", group_size=32, linears="fp8")
+    assert choice["linears"] == "fp8 torch-a8" and "a8" not in choice["experts"]
+    assert {m4.layers[0].experts.backend} == {"auto"}
+    with pytest.raises(ValueError, match="need fp8 weights; add --precision fp8 and / or --linears fp8"):
+        configure(_tiny(), experts="w8a8", precision="int4", group_size=32, linears="int8")
+    with pytest.raises(ValueError, match="need fp8 weights"):
+        configure(_tiny(), experts="w8a8")
+    m8 = _tiny()
+    assert configure(m8, experts="w8a8", precision="fp8", linears="int8")["linears"] == "int8 torch"
+
+
+@needs_triton
+def test_a_decoder_pass_with_the_w8a8_linear_kernel_equals_its_reference():
+    """fp32: a prompt encoded and a canvas decoded with fp8 projections and fp8 activations through the Triton kernel
+    (the interpreter on a CPU) give the logits of the same arithmetic in torch ("torch-a8") up to the order of the
+    fp32 sums: a last-bit difference can move an activation across an fp8 rounding boundary, one quantum of 2^-3,
+    so the bound is relative to what fp8 activations change against weight-only fp8, not bit for bit (seeded
+    generations of the tiny model drift apart after a few steps for that reason)."""
+    if not fp8_usable_on(DEV):
+        pytest.skip("fp8 Triton kernels need sm_89+")
+    m = _tiny(seed=3).to(DEV)
+    configure(m, experts="grouped" if DEV.type == "cpu" else "auto", linears="fp8")
+    g = torch.Generator().manual_seed(1)
+    ids, canvas = torch.randint(5, 512, (2, 12), generator=g).to(DEV), torch.randint(5, 512, (2, 16), generator=g).to(DEV)
+
+    def logits(backend):
+        for mod in m.modules():
+            if isinstance(mod, QuantizedLinear):
+                mod.backend = backend
+        cache = m.new_cache(2, 64)
+        m.encode(ids, cache, output=False)
+        return m.decode(canvas, cache)
+
+    ref, kernel, weight_only = logits("torch-a8"), logits("triton-a8"), logits("torch")
+    assert _rel(kernel, ref) < 1e-3 < _rel(weight_only, ref)
+    assert _rel(kernel, ref) < _rel(weight_only, ref) / 20
+
+
 def test_module_swap_touches_only_the_projections_and_counts_bytes():
     m = _tiny()
     before = {n: p.clone() for n, p in m.named_parameters()}

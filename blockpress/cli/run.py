@@ -143,12 +143,13 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_fp8_activations_arg(p: argparse.ArgumentParser) -> None:
-    """--fp8-activations: the w8a8 experts (`experts_option`)."""
+    """--fp8-activations: the w8a8 backend (`experts_option`)."""
     p.add_argument("--fp8-activations", action="store_true",
-                   help="with fp8 experts (--precision fp8, or an FP8 checkpoint): quantise the experts' activations "
-                        "to fp8 too, a scale per token (w8a8, as vLLM runs FP8 checkpoints), so the tensor cores take "
-                        "the fp8 weights as stored; slightly different numbers (within bf16's error on the shipped "
-                        "models); a CPU runs its torch reference")
+                   help="with fp8 weights (--precision fp8 and / or --linears fp8, or an FP8 checkpoint): quantise "
+                        "the activations of the fp8 experts and projections to fp8 too, a scale per token (w8a8, as "
+                        "vLLM runs FP8 checkpoints), so the tensor cores take the fp8 weights as stored; slightly "
+                        "different numbers (within bf16's error on the shipped models); a CPU runs its torch "
+                        "reference")
 
 
 def experts_option(args) -> dict[str, Any]:

@@ -20,7 +20,13 @@ Backends of `QuantizedLinear` (chosen by `kernels.configure(..., linears=)`):
 - "scaled_mm" (fp8 only): w8a8, activations quantised to fp8 per row, `torch._scaled_mm` with row and
   column scales: half the math of the others on Hopper / Ada (at 256 rows a projection is compute-bound
   in 8 bits), a different function (activation rounding), judged by the quality guard, not the agreement
-  test (which checks it against the same w8a8 arithmetic in fp32);
+  test (which checks it against the same w8a8 arithmetic in fp32); on an H200 it ran 5.6x slower than
+  cuBLAS bf16 at these shapes (benchmarks/results/2026-11-25-h200.md);
+- "w8a8" (fp8 only; int8 runs "auto"): the same w8a8 function in our own kernels, `experts="w8a8"`'s choice
+  for the projections: each row quantised to fp8 by one launch (the experts' `_quant_rows_kernel`), then the
+  Triton kernel below with fp8 x fp8 dots, both scales on the fp32 accumulator, no weight converted; checked on
+  first use against `linear_fp8_w8a8_reference` on a CUDA GPU, that reference elsewhere ("triton-a8": the
+  kernel unchecked, also in Triton's interpreter);
 - "auto": triton on CUDA, checked against torch on its first call per device, dtype and compiled
   variant (`moe_grouped.checked_on_first_use`), else torch.
 The kernels are free of host synchronisation, so CUDA graphs hold them. The forward is `linear_q`, a function of
@@ -39,9 +45,9 @@ from torch import nn
 
 from ..options import LINEAR_FORMATS
 from ._triton import fp8_usable_on, interpreted, tl, triton, usable_on
-from .moe_grouped import _stages, checked_on_first_use, runs_wgmma
+from .moe_grouped import _quant_rows, _stages, checked_on_first_use, runs_wgmma
 if triton is not None:
-    from .moe_grouped import _cols, _dot, _rows
+    from .moe_grouped import _cols, _dot, _dot8, _rows
 from .quant import FP8, dequantize_fp8, quantize_fp8, quantize_rows_fp8
 
 INT8_MAX = 127.0
@@ -75,8 +81,8 @@ class QuantizedLinear(nn.Module):
         if fmt not in LINEAR_FORMATS[1:]:
             raise ValueError(f"unknown linear weight format {fmt!r}; use one of {LINEAR_FORMATS[1:]}")
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
-        # the kernel: "auto" (Triton where it runs, checked on first use), "triton" (unchecked), "scaled_mm" (fp8
-        # weights and activations), "torch"; with the Triton kernel's tiles. Chosen by kernels.select.
+        # the kernel: "auto" (Triton where it runs, checked on first use), "triton" (unchecked), "scaled_mm" / "w8a8"
+        # (fp8 weights and activations), "torch"; with the Triton kernel's tiles. Chosen by kernels.select.
         self.backend, self.tiles, self.tiles_spec = "auto", DEFAULT_LINEAR_TILES, DEFAULT_LINEAR_SPEC
         dtype = torch.int8 if fmt == "int8" else FP8
         self.register_buffer("weight_q", torch.empty(out_features, in_features, dtype=dtype, device=device))
@@ -121,8 +127,22 @@ def dequantize_rows(q_OI: torch.Tensor, scale_O: torch.Tensor, fmt: str, dtype: 
     return dequantize_fp8(q_OI, scale_O, dtype) if fmt == "fp8" else dequantize_int8_rows(q_OI, scale_O, dtype)
 
 
+A8_BACKENDS = ("w8a8", "triton-a8", "torch-a8")  # fp8 weights with fp8 activations (int8: "w8a8" runs "auto")
+
+
 def linear_backend(backend: str, fmt: str, x: torch.Tensor) -> str:
-    """What a `QuantizedLinear.backend` runs on x's device: "triton", "scaled_mm" or "torch"."""
+    """What a `QuantizedLinear.backend` runs on x's device: "triton", "scaled_mm" or "torch"; with fp8 weights,
+    "w8a8" (fp8 activations too) runs "triton-a8" (the kernel, on a CUDA GPU with fp8 tensor cores) or "torch-a8"
+    (its reference, `linear_fp8_w8a8_reference`); asked by name, "triton-a8" is the kernel anywhere Triton runs (its
+    interpreter on a CPU) and "torch-a8" the reference anywhere. int8 weights take "w8a8" as "auto": the experts'
+    choice, which the projections follow, quantises activations only where the weights are fp8."""
+    if backend in A8_BACKENDS:
+        if fmt == "fp8":
+            runs = backend != "torch-a8" and (backend == "triton-a8" or x.is_cuda) and fp8_usable_on(x.device)
+            return "triton-a8" if runs else "torch-a8"
+        if backend != "w8a8":
+            raise ValueError(f"the {backend} linear backend (fp8 activations) needs fp8 weights, not {fmt}")
+        backend = "auto"
     if backend == "scaled_mm" and fmt == "fp8":
         return "scaled_mm"
     if backend == "triton" or (backend == "auto" and x.is_cuda):
@@ -139,17 +159,22 @@ def linear_q(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor, fmt: st
     which = linear_backend(backend, fmt, x)
     if which == "torch":
         return F.linear(x, dequantize_rows(q_OI, scale_O, fmt, x.dtype))
+    if which == "torch-a8":
+        return linear_fp8_w8a8_reference(x, q_OI, scale_O)
     if which == "scaled_mm":
         return linear_fp8_scaled_mm(x, q_OI, scale_O)
-    if backend == "triton":  # asked for by name: the kernel, unchecked
-        return linear_q_triton(x, q_OI, scale_O, **tiles)
+    a8 = which == "triton-a8"
+    if backend in ("triton", "triton-a8"):  # asked for by name: the kernel, unchecked
+        return linear_q_triton(x, q_OI, scale_O, **tiles, act8=a8)
     M = x.numel() // x.shape[-1]
     O, I = q_OI.shape
-    key = (str(x.device), str(x.dtype).removeprefix("torch."), f"triton {fmt} linear",
+    what = f"triton {fmt}{' x fp8' if a8 else ''} linear"
+    key = (str(x.device), str(x.dtype).removeprefix("torch."), what,
            (block_m_for(M, tiles.get("swap", False)), M == 1, M % 16 == 0, O % 16 == 0, I % 16 == 0, tiles_spec))
-    return checked_on_first_use(key, lambda: linear_q_triton(x, q_OI, scale_O, **tiles),
-                                lambda: F.linear(x, dequantize_rows(q_OI, scale_O, fmt, x.dtype)),
-                                f"the Triton {fmt} linear kernel")
+    reference = (lambda: linear_fp8_w8a8_reference(x, q_OI, scale_O)) if a8 else \
+        (lambda: F.linear(x, dequantize_rows(q_OI, scale_O, fmt, x.dtype)))
+    return checked_on_first_use(key, lambda: linear_q_triton(x, q_OI, scale_O, **tiles, act8=a8), reference,
+                                f"the Triton {fmt}{' x fp8' if a8 else ''} linear kernel")
 
 
 @torch.library.custom_op("blockpress::linear_q", mutates_args=())
@@ -201,10 +226,13 @@ def linear_fp8_scaled_mm(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Ten
 
 
 def linear_fp8_w8a8_reference(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
-    """The arithmetic `linear_fp8_scaled_mm` stands for, in plain fp32 torch (its agreement test)."""
+    """w8a8 in plain fp32 torch: x quantised to fp8 per row (`quantize_rows_fp8`), the fp8 x fp8 products summed in
+    fp32 (each product exact), then scaled by the weight row's and the activation row's scales, rounded once to x's
+    dtype. What `linear_fp8_scaled_mm` and the Triton kernel (`linear_q_triton(..., act8=True)`) compute up to the
+    order of the fp32 sums; the "w8a8" backend's path where the kernel does not run."""
     lead, I = x.shape[:-1], x.shape[-1]
     xq, sa = quantize_rows_fp8(x.reshape(-1, I))
-    out = (xq.float() * sa[:, None]) @ (q_OI.float() * scale_O[:, None]).t()
+    out = (xq.float() @ q_OI.float().t()) * scale_O[None, :] * sa[:, None]
     return out.to(x.dtype).view(*lead, q_OI.shape[0])
 
 
@@ -276,9 +304,10 @@ DEFAULT_LINEAR_SPEC = linear_tiles_spec(DEFAULT_LINEAR_TILES)
 if triton is not None:
 
     @triton.jit
-    def _linear_q_kernel(x_ptr, q_ptr, s_ptr, ks_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_qn, stride_qk,
-                         stride_om, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, KSCALE: tl.constexpr):
+    def _linear_q_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, ks_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_qn,
+                         stride_qk, stride_om, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
+                         KSCALE: tl.constexpr, A8: tl.constexpr):
         """out[m, n] = scale[n] * sum_k x[m, k] q[n, k]. Programs that share an N block run side by side
         (axis 0 is M), so the weight tile they all read comes from L2 after the first. EVEN_K (BK divides K,
         every projection of the 26B model): no K mask. SPLIT > 1: program_id(2) sums K_SPLIT of K (a multiple
@@ -287,7 +316,8 @@ if triton is not None:
         specialises it, the code the projections always ran), or the row length of a weight read down its columns
         (the int8 embedding table [V, H] as the soft embedding's [H, V]). KSCALE: a scale per input column k too,
         applied to x in fp32 before the product's rounding to x's dtype (the table's per-token scales on the
-        probabilities)."""
+        probabilities). A8 (fp8 weights, w8a8): x is fp8 with a scale per row (xs_ptr, moe_grouped._quant_rows), the
+        dots take both fp8 tiles as they are (no weight converted) and both scales go on the fp32 accumulator."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         m = pid_m * BM + tl.arange(0, BM)
         n = pid_n * BN + tl.arange(0, BN)
@@ -315,9 +345,13 @@ if triton is not None:
             else:  # [BK, BN] of q^T
                 w = tl.load(q_ptr + n[None, :].to(tl.int64) * stride_qn + k[:, None] * stride_qk,
                             mask=wmask, other=0.0)
-            # int8 and e4m3 values are exact in bf16 / fp16
-            acc = _dot(xa, w.to(tl.float32).to(xa.dtype), acc, F32, SWAP)
+            if A8:
+                acc = _dot8(xa, w, acc, F32, SWAP, BK)
+            else:  # int8 and e4m3 values are exact in bf16 / fp16
+                acc = _dot(xa, w.to(tl.float32).to(xa.dtype), acc, F32, SWAP)
         acc *= _cols(tl.load(s_ptr + n, mask=nmask, other=0.0), SWAP)
+        if A8:  # each row's activation scale
+            acc *= _rows(tl.load(xs_ptr + m, mask=mmask, other=0.0), SWAP)
         ptrs = out_ptr + _rows(m.to(tl.int64), SWAP) * stride_om + _cols(n, SWAP)
         mask = _rows(mmask, SWAP) & _cols(nmask, SWAP)
         if SPLIT > 1:
@@ -329,7 +363,7 @@ if triton is not None:
 def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
                     block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                     num_warps: int | None = None, split_k: int | None = None, swap: bool = False,
-                    scale_I: torch.Tensor | None = None) -> torch.Tensor:
+                    scale_I: torch.Tensor | None = None, act8: bool = False) -> torch.Tensor:
     """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel (q int8 or float8_e4m3fn).
     block_m: rows per program (default `block_m_for`). Each program converts its weight tile to the activation
     dtype, so M / block_m programs convert every weight: at a canvas (256 rows, BM 64) 4 times, ~20 instructions
@@ -340,9 +374,13 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     swap: the weight tile as the dot's first operand (Hopper's wgmma reads it from registers; its M is block_n, so
     block_m may be a whole canvas, up to wgmma's N of 256, and each weight is converted once).
     q_OI may also be column-major (a transposed view, stride(0) == 1), and scale_I [I] a scale per input applied to
-    x first (fp32, then x's dtype): the int8 embedding table's soft embedding, kernels/linear_q.py QuantizedEmbedding."""
+    x first (fp32, then x's dtype): the int8 embedding table's soft embedding, kernels/linear_q.py QuantizedEmbedding.
+    act8 (fp8 weights): w8a8, x quantised to fp8 per row first (moe_grouped._quant_rows, one launch), then fp8 x fp8
+    dots, no weight converted: `linear_fp8_w8a8_reference` computes the same up to the order of the fp32 sums."""
     if triton is None:
         raise RuntimeError("linear_q_triton needs triton (pip install triton)")
+    if act8 and (q_OI.dtype != FP8 or scale_I is not None):
+        raise ValueError("act8 (fp8 activations) needs fp8 weights and no per-input scale")
     lead, I = x.shape[:-1], x.shape[-1]
     O = q_OI.shape[0]
     assert q_OI.shape[1] == I and 1 in q_OI.stride() and scale_O.shape == (O,), "weight [O, I], scale [O]"
@@ -366,15 +404,17 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
         torch.zeros(M, O, dtype=torch.float32, device=x.device)
     # fp32 operands: exact ieee dots; the interpreter needs them too (its bf16 tl.dot is wrong in triton 3.9)
     f32 = x.dtype == torch.float32 or interpreted()
+    x_in, x_scale = _quant_rows(x2) if act8 else (x2, scale_O)  # what the kernel reads (act8: fp8 rows, scales)
     grid = (triton.cdiv(M, bm), triton.cdiv(O, bn), split)
     wgmma = runs_wgmma(bm, bn, swap, x.device)  # Hopper's wgmma keeps the converted weight tile in shared memory
-    launch = _stages(None, (bm * x2.element_size() + bn * q_OI.element_size()) * bk,
-                     bn * bk * x2.element_size() if wgmma else 0, wgmma)
+    launch = _stages(None, (bm * x_in.element_size() + bn * q_OI.element_size()) * bk,
+                     bn * bk * x2.element_size() if wgmma and not act8 else 0, wgmma)
     if warps:
         launch["num_warps"] = warps
-    _linear_q_kernel[grid](x2, q_OI, scale_O, scale_O if scale_I is None else scale_I, out, M, O, I, k_split,
-                           x2.stride(0), q_OI.stride(0), q_OI.stride(1), out.stride(0), F32=f32, BM=bm, BN=bn, BK=bk,
-                           EVEN_K=I % bk == 0, SPLIT=split, SWAP=bool(swap), KSCALE=scale_I is not None, **launch)
+    _linear_q_kernel[grid](x_in, x_scale, q_OI, scale_O, scale_O if scale_I is None else scale_I, out, M, O, I,
+                           k_split, x_in.stride(0), q_OI.stride(0), q_OI.stride(1), out.stride(0), F32=f32, BM=bm,
+                           BN=bn, BK=bk, EVEN_K=I % bk == 0, SPLIT=split, SWAP=bool(swap),
+                           KSCALE=scale_I is not None, A8=act8, **launch)
     if split > 1:
         out = out.to(x.dtype)
     return out.view(*lead, O)

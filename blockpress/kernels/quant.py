@@ -246,13 +246,16 @@ def expert_format(name: str) -> tuple[str, bool]:
     return ("fp8", True) if name == W8A8_FORMAT else (name, False)
 
 
-def check_experts_precision(experts: str, precision: str) -> None:
-    """ValueError naming the fix where an experts backend needs weights the model will not hold: the fp8 x fp8 ones
-    ("scaled_mm", "w8a8") need fp8 experts. Cheap: `load` asks it before reading a weight, `configure` after."""
-    if experts in ("scaled_mm", "w8a8") and precision != "fp8":
-        what = "fp8 activations in the Triton experts" if experts == "w8a8" else "torch's grouped fp8 GEMM"
-        raise ValueError(f"the {experts} experts backend ({what}) needs fp8 experts; add --precision fp8 (or load an "
-                         f"fp8 checkpoint)")
+def check_experts_precision(experts: str, precision: str, linears: str = "native") -> None:
+    """ValueError naming the fix where an experts backend needs weights the model will not hold: "scaled_mm"
+    (torch's grouped fp8 GEMM) needs fp8 experts; "w8a8" (fp8 activations wherever the weights are fp8) needs fp8
+    experts or fp8 projections (`linears`). Cheap: `load` asks it before reading a weight, `configure` after."""
+    if experts == "scaled_mm" and precision != "fp8":
+        raise ValueError("the scaled_mm experts backend (torch's grouped fp8 GEMM) needs fp8 experts; add --precision "
+                         "fp8 (or load an fp8 checkpoint)")
+    if experts == "w8a8" and precision != "fp8" and linears != "fp8":
+        raise ValueError("fp8 activations (the w8a8 backend) need fp8 weights; add --precision fp8 and / or --linears "
+                         "fp8 (or load an fp8 checkpoint)")
 
 
 def quantized_backend(backend: str, fmt: str, groups: tuple, x: torch.Tensor) -> str:
@@ -261,7 +264,8 @@ def quantized_backend(backend: str, fmt: str, groups: tuple, x: torch.Tensor) ->
     by name is the kernel anywhere (Triton's interpreter on a CPU)."""
     code = FMT_FP8 if fmt == "fp8" else FMT_INT4
     if backend in ("w8a8", "triton-a8"):
-        check_experts_precision("w8a8", fmt)
+        if fmt != "fp8":
+            raise ValueError(f"the {backend} experts backend (fp8 activations) needs fp8 experts, not {fmt}")
         runs = (backend == "triton-a8" or x.is_cuda) and triton_supported(x, code, groups)
         return "triton-a8" if runs else "torch-a8"
     # "auto" takes Triton on CUDA only (on a CPU it would be the interpreter); "triton" forces it

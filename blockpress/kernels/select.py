@@ -94,7 +94,8 @@ def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool,
     the int4 MLPs' tiles where they differ from the experts' (None: the same)."""
     dev, dtype = module.device, module.dtype
     quantized = isinstance(module.layers[0].experts, QuantizedExperts)
-    check_experts_precision(name, module.layers[0].experts.fmt if quantized else "native")
+    fp8_linears = "fp8" if any(m.fmt == "fp8" for m in quantized_linears(module)) else "native"
+    check_experts_precision(asked, module.layers[0].experts.fmt if quantized else "native", fp8_linears)
     if name == "scaled_mm":  # torch._scaled_grouped_mm: fp8 x fp8 on Hopper-class GPUs only
         if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
             raise ValueError("the scaled_mm experts backend needs a CUDA GPU with fp8 matmuls (compute capability "
@@ -134,9 +135,10 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py).
     linears: "native", or "int8" / "fp8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py);
     a module that already holds 8-bit linears keeps them. Their kernel follows `experts`: "loop" / "torch" (the
-    references) -> the torch reference, "triton" -> the kernel unchecked, "scaled_mm" -> fp8 linears with fp8
-    activations too (w8a8, like the experts), else "auto" (checked on first use; so "w8a8", fp8 activations in the
-    Triton experts, leaves the linears weight-only). moe_tiles / linear_tiles: spec
+    references) -> the torch reference, "triton" -> the kernel unchecked, "scaled_mm" / "w8a8" -> fp8 linears with
+    fp8 activations too (torch._scaled_mm / the Triton kernel, like the experts; int8 linears stay weight-only),
+    else "auto" (checked on first use). "w8a8" thus means fp8 activations wherever the weights are fp8: it needs
+    fp8 experts or fp8 linears, and experts in another format run as "auto" beside fp8 linears. moe_tiles / linear_tiles: spec
     strings of the Triton kernels' tiles (None: the defaults, `moe_grouped.default_tiles` for the experts);
     moe_sum: "kernel" or "atomic". merge_projections: each layer's q/k/v and gate/up projections as one GEMM each
     (None: `Options.merges`' default); layers whose projections cannot merge (a LoRA adapter attached) run them one
@@ -160,7 +162,10 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     tiles = as_tiles(moe_tiles) if moe_tiles is not None else default_tiles(
         held.fmt if isinstance(held, QuantizedExperts) else "native", wgmma)
     mlp_tiles = None if moe_tiles is not None else default_tiles("int4", wgmma)  # an int4 MLP: int4's defaults
-    name = auto_experts_backend(dev, dtype, _expert_widths(held)) if experts == "auto" else experts
+    # "w8a8": fp8 activations where the weights are fp8; experts that are not fp8 run as "auto" beside fp8 projections
+    a8_experts = isinstance(held, QuantizedExperts) and held.fmt == "fp8"
+    name = auto_experts_backend(dev, dtype, _expert_widths(held)) \
+        if experts == "auto" or (experts == "w8a8" and not a8_experts) else experts
     resolved = _experts(module, experts, name, tiles, moe_sum, compile, mlp_tiles)
     fast = dev.type == "cuda" and usable_on(dev)
     softcap = routing = "torch" if experts in ("loop", "torch") or not fast else "triton" if experts == "triton" \
@@ -169,7 +174,7 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     table = [module.quantized_table] if module.quantized_table is not None else []
     for m in quantized_linears(module) + table:  # 8-bit: the experts' choice where it applies, else "auto"
         m.backend = "torch" if experts in ("loop", "torch") else "triton" if experts == "triton" else \
-            "scaled_mm" if experts == "scaled_mm" and m.fmt == "fp8" else "auto"
+            experts if experts in ("scaled_mm", "w8a8") and m.fmt == "fp8" else "auto"
         m.tiles, m.tiles_spec = lin_tiles, linear_tiles_spec(lin_tiles)
     merged = merge_projections_(module, Options(merge_projections=merge_projections).validate().merges())
     attention = "sdpa_gqa" if attention == "auto" else attention

@@ -333,7 +333,7 @@ EOF
     # torch reference); after the int4 rows, one layer's kernels, fp8 against fp8-a8 at the default tiles and a few
     # others (the copy rate against the 85 % goal)
     STEP_LIMIT=90 bench fp8-w8a8 ${ROW/--experts $FAST/--experts w8a8} --precision fp8 --profile
-    # every fp8 weight with fp8 activations, vLLM's FP8 recipe (2026-11-30, CPU only): the projections in fp8 too,
+    # every fp8 weight with fp8 activations, vLLM's FP8 recipe (2026-11-29, CPU only): the projections in fp8 too,
     # through our w8a8 linear kernel (compile_report.py: no weight converted, 99 instructions a K tile against the
     # weight-only kernel's 163); the dense GEMMs' kernel time against the fp8 row's 3.3 ms
     STEP_LIMIT=90 bench fp8-w8a8-all ${ROW/--experts $FAST/--experts w8a8} --precision fp8 --linears fp8 --profile

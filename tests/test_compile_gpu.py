@@ -198,7 +198,7 @@ def test_int4_dequantisation_stays_cheap(report):
 def test_w8a8_projections_convert_no_weight(report):
     """The fp8 projections with fp8 activations (experts="w8a8"): at a canvas the kernel takes wgmma with both fp8
     tiles from shared memory as loaded, so its K-tile loop holds no conversion: 99 instructions against the int8
-    weight-only kernel's 164 at the same tiles (2026-11-30), in fewer registers and shared memory, no spill."""
+    weight-only kernel's 164 at the same tiles (2026-11-29), in fewer registers and shared memory, no spill."""
     _, result, _ = report
     rows = {r["label"]: r for r in result["archs"]["90"]["kernels"] if r["kernel"] == "_linear_q_kernel"}
     for label in (x for x in rows if x.startswith("linear fp8-a8") and x.endswith("canvas x1")):

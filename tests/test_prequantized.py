@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import blockpress
 from blockpress.errors import CheckpointError, InputError
-from blockpress.kernels.linear_q import QUANTIZED_LINEARS, QuantizedLinear
+from blockpress.kernels.linear_q import QUANTIZED_LINEARS, QuantizedLinear, quantized_linears
 from blockpress.kernels.quant import FP8_MAX, QuantizedExperts, quantize_fp8
 from blockpress.testing import build_tiny_gemma_tokenizer
 from blockpress.train import sizes
@@ -310,6 +310,11 @@ def test_the_command_line_runs_an_fp8_checkpoint(checkpoints, capsys):
     assert cli(["run", str(checkpoints[1]), "hi", "--no-live", "--max-new-tokens", "8", "--fp8-activations"]) == 0
     err = capsys.readouterr().err
     assert "loaded as stored" in err and "--fp8-activations" not in err  # asked for: nothing to suggest
+    # the recipe's activations: fp8 for every stored fp8 weight, the experts and the projections
+    lm = blockpress.load(checkpoints[1], progress=False, experts="w8a8")
+    qs = quantized_linears(lm.module)
+    assert qs and all(q.fmt == "fp8" and q.backend == "w8a8" for q in qs)
+    assert all(layer.experts.backend == "w8a8" for layer in lm.module.layers)
 
 
 def test_training_an_fp8_checkpoint_takes_adapters_not_full_fine_tuning(tmp_path, capsys):

@@ -87,7 +87,8 @@ def linear_variants(text, dtype, passes, formats: list[str]):
             s = torch.empty(O, dtype=torch.float32)
             for what, M in passes:
                 x = torch.empty(M, I, dtype=dtype)
-                yield f"linear {fmt} [{O}x{I}], {what}", (lambda x=x, q=q, s=s, a8=a8: linear_q_triton(x, q, s, act8=a8))
+                yield (f"linear {fmt} [{O}x{I}], {what}",
+                       lambda x=x, q=q, s=s, a8=a8: linear_q_triton(x, q, s, act8=a8))
                 if fmt == "int8" and what.startswith("canvas"):  # bench_linears.py's int8-bm128 / -bm256
                     for bm in (128, 256):
                         yield (f"linear {fmt} [{O}x{I}], {what}, bm {bm}",

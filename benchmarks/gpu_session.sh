@@ -346,7 +346,8 @@ EOF
     # the projections alone, one canvas: cuBLAS bf16 against the w8a8 kernel (two tiles) and torch._scaled_mm
     lim=$(limit 60)
     [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && timeout "$lim" python3 benchmarks/bench_linears.py --preset "$PRESET" \
-      --rows 256 --fused 2>&1 | tee "$OUT/linears.txt" | grep "one pass" | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
+      --rows 256 --fused 2>&1 | tee "$OUT/linears.txt" | grep "one pass" | tee -a "$OUT/log.txt" \
+      | tee -a "$OUT/summary.txt"
     # the embedding table / LM head in int8 (2026-11-29, CPU only): predicted 17.17 GB; the LM head and the soft
     # embedding through the int8 kernel (the latter reading the table down its columns, new): half the table's bytes
     STEP_LIMIT=80 bench int4-emb8 $ROW --precision int4 --embeddings int8

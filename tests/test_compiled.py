@@ -111,7 +111,7 @@ def test_compiled_blocks_under_the_graphs_fixed_shape_passes_give_the_eager_toke
     assert torch.equal(got.sequences, want.sequences)
 
 
-@pytest.mark.parametrize("precision,linears,experts", [("native", "native", "grouped"),
+@pytest.mark.parametrize("precision,linears,experts", [("native", "native", "grouped"), ("fp8", "fp8", "w8a8"),
                                                        pytest.param("int4", "int8", "triton", marks=needs_triton)])
 def test_a_compiled_block_is_one_graph_without_breaks_in_the_fixed_shape_pass(precision, linears, experts):
     """The fixed-shape denoising pass (what CUDA graphs capture) on compiled blocks: one graph per kind of layer
@@ -172,6 +172,41 @@ def test_the_quantized_ops_are_their_modules_and_pass_opcheck():
     tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(quantized_experts_op, qargs, test_utils=tests)
     torch.library.opcheck(linear_q_op, largs, test_utils=tests)
+
+
+def test_w8a8_projections_quantise_their_rows_inside_the_compiled_kernels():
+    """Compiled, the fp8 projections with fp8 activations (experts="w8a8") quantise their rows in traced torch and
+    call `linear_a8_op` on them: the compiler folds the quantisation into the kernels that made the rows (the norms,
+    the MLP's activation), so a block has no more kernels than with weight-only fp8 projections, no quantising
+    launch of its own per projection; the logits are the eager ones (the eager path quantises the same way)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from blockpress.kernels.linear_q import linear_a8_op, w8a8_product
+    from blockpress.kernels.quant import quantize_rows_fp8
+
+    code, logits = {}, {}
+    for experts in ("grouped", "w8a8"):
+        m = _model("fp8", "fp8", experts)
+        ids, x = _inputs(m)
+        cache = m.new_cache(ids.shape[0], ids.shape[1] + 2 * m.config.canvas_length)
+        m.encode(ids, cache)
+        start = torch.tensor(cache.length, device=m.device)
+        want = m.decode(x, cache, start=start)
+        kernels.configure(m, experts=experts, attention="sdpa_gqa", linears="fp8", precision="fp8", compile=True)
+        torch._dynamo.reset()
+        logits[experts], code[experts] = run_and_get_code(lambda: m.decode(x, cache, start=start))
+        _close([logits[experts]], [want])
+    a8, w8 = "\n".join(code["w8a8"]), "\n".join(code["grouped"])
+    assert "blockpress.linear_a8" in a8 and "blockpress.linear_q" not in a8 and "blockpress.linear_q" in w8
+    assert a8.count("async_compile.cpp_pybinding") == w8.count("async_compile.cpp_pybinding") > 0
+    # the op: the product of the rows it is given; its fake gives the shape and dtype (fp8 inputs: opcheck's schema
+    # test cannot run, it multiplies them on a CPU)
+    g = torch.Generator().manual_seed(0)
+    xq, xs = quantize_rows_fp8(torch.randn(5, 32, generator=g))
+    q, s = quantize_rows_fp8(torch.randn(16, 32, generator=g))
+    args = (xq, xs, q, s, torch.float32, "w8a8", "bm=auto,bn=64,bk=64")
+    assert torch.equal(linear_a8_op(*args), w8a8_product(xq, xs, q, s, torch.float32))
+    torch.library.opcheck(linear_a8_op, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 def test_a_span_pass_refuses_to_be_traced():

@@ -7,9 +7,10 @@ import torch
 import blockpress
 from blockpress.kernels import configure
 from blockpress.kernels._triton import fp8_usable_on, triton
-from blockpress.kernels.linear_q import (QUANTIZED_LINEARS, QuantizedLinear, dequantize_int8_rows,
+from blockpress.kernels.linear_q import (QUANTIZED_LINEARS, QuantizedLinear, dequantize_int8_rows, linear_a8,
                                          linear_fp8_scaled_mm, linear_fp8_w8a8_reference, linear_q_triton,
                                          quantize_int8_rows, quantize_linears_)
+from blockpress.kernels.quant import quantize_rows_fp8
 from blockpress.lab.random_weights import build_model
 from kernel_device import COMPILED, DEV, needs_triton
 
@@ -149,7 +150,17 @@ def test_w8a8_kernel_equals_its_reference(dtype, tol, M, I, O, tiles):
     x = (torch.randn(M, I, generator=g) * torch.rand(M, 1, generator=g) * 4).to(DEV, dtype)  # rows of other scales
     ref = linear_fp8_w8a8_reference(x, m.weight_q, m.weight_scale)
     assert _rel(linear_fp8_scaled_mm(x, m.weight_q, m.weight_scale), ref) < max(tol, 1e-5)
-    assert _rel(linear_q_triton(x, m.weight_q, m.weight_scale, act8=True, **tiles), ref) < tol
+    out = linear_q_triton(x, m.weight_q, m.weight_scale, act8=True, **tiles)
+    assert _rel(out, ref) < tol
+    # rows quantised already (a compiled block's path, `linear_a8`): the same kernel without its quantising launch
+    xq, xs = quantize_rows_fp8(x)
+    pre = linear_q_triton(xq, m.weight_q, m.weight_scale, x_scale=xs, out_dtype=dtype, **tiles)
+    assert pre.dtype == dtype and torch.equal(pre, out)
+    assert torch.equal(linear_a8(xq, xs, m.weight_q, m.weight_scale, dtype, "triton-a8", tiles, ""), pre)
+    assert torch.equal(linear_a8(xq, xs, m.weight_q, m.weight_scale, dtype, "torch-a8", tiles, ""),
+                       ref.reshape(M, O))
+    with pytest.raises(ValueError, match="fp8 rows come with their scales"):
+        linear_q_triton(xq, m.weight_q, m.weight_scale, out_dtype=dtype)
     assert m.resolved_backend(x) == ("triton-a8" if x.is_cuda else "torch-a8")  # a CPU runs the reference itself
     assert torch.equal(m(x), ref) or x.is_cuda
     m.backend = "triton-a8"  # the kernel by name: anywhere Triton runs

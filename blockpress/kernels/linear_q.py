@@ -31,7 +31,9 @@ Backends of `QuantizedLinear` (chosen by `kernels.configure(..., linears=)`):
   variant (`moe_grouped.checked_on_first_use`), else torch.
 The kernels are free of host synchronisation, so CUDA graphs hold them. The forward is `linear_q`, a function of
 the weight and settings; a compiled block calls it as the custom op `linear_q_op` (one graph node, the first-use
-check inside it; kernels/library.py says why).
+check inside it; kernels/library.py says why), except with fp8 activations: there the rows are quantised in traced
+torch (`quantize_rows_fp8`), which the compiler folds into the kernel that made them (the norm before q/k/v and
+gate/up, the activation before down: no launch of its own), and `linear_a8_op` takes the quantised rows.
 """
 
 from __future__ import annotations
@@ -119,6 +121,12 @@ class QuantizedLinear(nn.Module):
         """x @ (weight_q * weight_scale)^T through this module's kernel, without autograd: its own weight (`forward`)
         or merged rows holding it."""
         if torch.compiler.is_compiling():  # a compiled block: one call of the custom op (the same function)
+            if linear_backend(self.backend, self.fmt, x) in ("triton-a8", "torch-a8"):
+                # w8a8: the rows quantised in traced torch, which the compiler fuses into the kernel that made x
+                # (the norm before q/k/v and gate/up, the activation before down), then the product as one op
+                xq, xs = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+                out = linear_a8_op(xq, xs, weight_q, weight_scale, x.dtype, self.backend, self.tiles_spec)
+                return out.view(*x.shape[:-1], weight_q.shape[0])
             return linear_q_op(x, weight_q, weight_scale, self.fmt, self.backend, self.tiles_spec)
         return linear_q(x, weight_q, weight_scale, self.fmt, self.backend, self.tiles, self.tiles_spec)
 
@@ -232,8 +240,44 @@ def linear_fp8_w8a8_reference(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torc
     order of the fp32 sums; the "w8a8" backend's path where the kernel does not run."""
     lead, I = x.shape[:-1], x.shape[-1]
     xq, sa = quantize_rows_fp8(x.reshape(-1, I))
-    out = (xq.float() @ q_OI.float().t()) * scale_O[None, :] * sa[:, None]
-    return out.to(x.dtype).view(*lead, q_OI.shape[0])
+    return w8a8_product(xq, sa, q_OI, scale_O, x.dtype).view(*lead, q_OI.shape[0])
+
+
+def w8a8_product(xq_MI: torch.Tensor, xs_M: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """fp8 rows [M, I] with their scales [M] times fp8 weights [O, I] with theirs [O] -> [M, O] in dtype: the fp8 x fp8
+    products summed in fp32 (each exact), scaled by the weight row's then the activation row's scale, rounded once."""
+    return ((xq_MI.float() @ q_OI.float().t()) * scale_O[None, :] * xs_M[:, None]).to(dtype)
+
+
+def linear_a8(xq: torch.Tensor, xs: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor, dtype: torch.dtype,
+              backend: str, tiles: dict, tiles_spec: str) -> torch.Tensor:
+    """The w8a8 product of rows quantised already (xq fp8 [M, I], xs [M]: `quantize_rows_fp8`'s) through the backend
+    `linear_backend` resolves for fp8 weights ("w8a8": the kernel on a CUDA GPU, checked on its first call against
+    `w8a8_product`; the product elsewhere; "triton-a8" / "torch-a8" by name) -> [M, O] in dtype. What a compiled
+    block's w8a8 projections run (`linear_a8_op`), the quantisation traced before it."""
+    which = linear_backend(backend, "fp8", xq)
+    if which != "triton-a8":
+        return w8a8_product(xq, xs, q_OI, scale_O, dtype)
+    if backend == "triton-a8":  # asked for by name: the kernel, unchecked
+        return linear_q_triton(xq, q_OI, scale_O, **tiles, x_scale=xs, out_dtype=dtype)
+    M, (O, I) = xq.shape[0], q_OI.shape
+    key = (str(xq.device), str(dtype).removeprefix("torch."), "triton fp8 x fp8 linear, rows quantised",
+           (block_m_for(M, tiles.get("swap", False)), M == 1, M % 16 == 0, O % 16 == 0, I % 16 == 0, tiles_spec))
+    return checked_on_first_use(key, lambda: linear_q_triton(xq, q_OI, scale_O, **tiles, x_scale=xs, out_dtype=dtype),
+                                lambda: w8a8_product(xq, xs, q_OI, scale_O, dtype), "the Triton fp8 x fp8 linear kernel")
+
+
+@torch.library.custom_op("blockpress::linear_a8", mutates_args=())
+def linear_a8_op(xq: torch.Tensor, xs: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor, dtype: torch.dtype,
+                 backend: str, tiles_spec: str) -> torch.Tensor:
+    """`linear_a8` as one opaque call in a compiled graph."""
+    return linear_a8(xq, xs, q_OI, scale_O, dtype, backend, _tiles_of(tiles_spec), tiles_spec)
+
+
+@linear_a8_op.register_fake
+def _(xq, xs, q_OI, scale_O, dtype, backend, tiles_spec):
+    return xq.new_empty(xq.shape[0], q_OI.shape[0], dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------ Triton
@@ -363,7 +407,8 @@ if triton is not None:
 def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
                     block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                     num_warps: int | None = None, split_k: int | None = None, swap: bool = False,
-                    scale_I: torch.Tensor | None = None, act8: bool = False) -> torch.Tensor:
+                    scale_I: torch.Tensor | None = None, act8: bool = False, x_scale: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., I] @ (q * scale)^T -> [..., O] in x's dtype, in one Triton kernel (q int8 or float8_e4m3fn).
     block_m: rows per program (default `block_m_for`). Each program converts its weight tile to the activation
     dtype, so M / block_m programs convert every weight: at a canvas (256 rows, BM 64) 4 times, ~20 instructions
@@ -376,11 +421,17 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     q_OI may also be column-major (a transposed view, stride(0) == 1), and scale_I [I] a scale per input applied to
     x first (fp32, then x's dtype): the int8 embedding table's soft embedding, kernels/linear_q.py QuantizedEmbedding.
     act8 (fp8 weights): w8a8, x quantised to fp8 per row first (moe_grouped._quant_rows, one launch), then fp8 x fp8
-    dots, no weight converted: `linear_fp8_w8a8_reference` computes the same up to the order of the fp32 sums."""
+    dots, no weight converted: `linear_fp8_w8a8_reference` computes the same up to the order of the fp32 sums.
+    x_scale [..]: x is fp8 rows already quantised, these their scales (act8 without the quantising launch: what a
+    compiled block runs, its quantisation fused into the op that made x), and out_dtype the output's dtype."""
     if triton is None:
         raise RuntimeError("linear_q_triton needs triton (pip install triton)")
+    act8 = act8 or x_scale is not None
     if act8 and (q_OI.dtype != FP8 or scale_I is not None):
         raise ValueError("act8 (fp8 activations) needs fp8 weights and no per-input scale")
+    if (x_scale is not None) != (x.dtype == FP8):
+        raise ValueError("fp8 rows come with their scales (x_scale), and x_scale with fp8 rows")
+    dtype = out_dtype or x.dtype
     lead, I = x.shape[:-1], x.shape[-1]
     O = q_OI.shape[0]
     assert q_OI.shape[1] == I and 1 in q_OI.stride() and scale_O.shape == (O,), "weight [O, I], scale [O]"
@@ -399,24 +450,25 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     k_split = triton.cdiv(blocks_k, split) * bk
     split = triton.cdiv(I, k_split)  # no empty split
     if M == 0:
-        return torch.empty(*lead, O, dtype=x.dtype, device=x.device)
-    out = torch.empty(M, O, dtype=x.dtype, device=x.device) if split == 1 else \
+        return torch.empty(*lead, O, dtype=dtype, device=x.device)
+    out = torch.empty(M, O, dtype=dtype, device=x.device) if split == 1 else \
         torch.zeros(M, O, dtype=torch.float32, device=x.device)
     # fp32 operands: exact ieee dots; the interpreter needs them too (its bf16 tl.dot is wrong in triton 3.9)
-    f32 = x.dtype == torch.float32 or interpreted()
-    x_in, x_scale = _quant_rows(x2) if act8 else (x2, scale_O)  # what the kernel reads (act8: fp8 rows, scales)
+    f32 = dtype == torch.float32 or interpreted()
+    # what the kernel reads: x, or with act8 its fp8 rows and their scales (quantised here unless given)
+    x_in, x_s = (x2, x_scale.reshape(-1)) if x_scale is not None else _quant_rows(x2) if act8 else (x2, scale_O)
     grid = (triton.cdiv(M, bm), triton.cdiv(O, bn), split)
     wgmma = runs_wgmma(bm, bn, swap, x.device)  # Hopper's wgmma keeps the converted weight tile in shared memory
     launch = _stages(None, (bm * x_in.element_size() + bn * q_OI.element_size()) * bk,
-                     bn * bk * x2.element_size() if wgmma and not act8 else 0, wgmma)
+                     bn * bk * dtype.itemsize if wgmma and not act8 else 0, wgmma)
     if warps:
         launch["num_warps"] = warps
-    _linear_q_kernel[grid](x_in, x_scale, q_OI, scale_O, scale_O if scale_I is None else scale_I, out, M, O, I,
+    _linear_q_kernel[grid](x_in, x_s, q_OI, scale_O, scale_O if scale_I is None else scale_I, out, M, O, I,
                            k_split, x_in.stride(0), q_OI.stride(0), q_OI.stride(1), out.stride(0), F32=f32, BM=bm,
                            BN=bn, BK=bk, EVEN_K=I % bk == 0, SPLIT=split, SWAP=bool(swap),
                            KSCALE=scale_I is not None, A8=act8, **launch)
     if split > 1:
-        out = out.to(x.dtype)
+        out = out.to(dtype)
     return out.view(*lead, O)
 
 

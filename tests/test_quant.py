@@ -479,7 +479,18 @@ def test_w8a8_kernel_equals_its_reference(dtype, tol, moe_sum, swap):
     q.backend, q.moe_sum = "triton-a8", moe_sum
     q.tiles = moe_grouped.parse_tiles("swap=1" if swap else "")
     assert q.resolved_backend(x) == "triton-a8"
-    assert _rel(q(x, w, idx), ref) < tol
+    out = q(x, w, idx)
+    assert _rel(out, ref) < tol
+    # tokens quantised already (a compiled block's path): the same numbers without the first quantising launch
+    from blockpress.kernels.quant import experts_quantized, quantize_rows_fp8
+
+    xq, xs = quantize_rows_fp8(x)
+    args = (xq, w, idx, *q._weights(), "fp8", dtype, q.groups)
+    pre = experts_quantized(*args, "triton-a8", q.tiles, moe_sum, xs)
+    assert pre.dtype == dtype and torch.equal(pre, out)
+    assert torch.equal(experts_quantized(*args, "w8a8", q.tiles, moe_sum, xs), ref if dev.type == "cpu" else pre)
+    with pytest.raises(ValueError, match="tokens quantised to fp8 need the w8a8 experts backend"):
+        experts_quantized(*args, "torch", q.tiles, moe_sum, xs)
     q.backend = "torch"
     assert _rel(q(x, w, idx), ref) > 1e-3  # not weight-only fp8 by another name
 

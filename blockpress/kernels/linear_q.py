@@ -50,7 +50,7 @@ from ._triton import fp8_usable_on, interpreted, tl, triton, usable_on
 from .moe_grouped import _quant_rows, _stages, checked_on_first_use, runs_wgmma
 if triton is not None:
     from .moe_grouped import _cols, _dot, _dot8, _rows
-from .quant import FP8, dequantize_fp8, quantize_fp8, quantize_rows_fp8
+from .quant import FP8, dequantize_fp8, quantize_fp8, quantize_rows_fp8, traced_fp8_rows
 
 INT8_MAX = 127.0
 # the projections made 8-bit, by the module that holds them (router, embeddings, self-conditioning stay)
@@ -121,11 +121,9 @@ class QuantizedLinear(nn.Module):
         """x @ (weight_q * weight_scale)^T through this module's kernel, without autograd: its own weight (`forward`)
         or merged rows holding it."""
         if torch.compiler.is_compiling():  # a compiled block: one call of the custom op (the same function)
-            which = linear_backend(self.backend, self.fmt, x)
-            if which == "triton-a8" or (which == "torch-a8" and not x.is_cuda):
+            if linear_backend(self.backend, self.fmt, x) in ("triton-a8", "torch-a8") and traced_fp8_rows(x):
                 # w8a8: the rows quantised in traced torch, which the compiler fuses into the kernel that made x
-                # (the norm before q/k/v and gate/up, the activation before down), then the product as one op (not
-                # on a GPU without fp8 tensor cores: the compiler's Triton code cannot cast to e4m3 before sm_89)
+                # (the norm before q/k/v and gate/up, the activation before down), then the product as one op
                 xq, xs = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
                 out = linear_a8_op(xq, xs, weight_q, weight_scale, x.dtype, self.backend, self.tiles_spec)
                 return out.view(*x.shape[:-1], weight_q.shape[0])

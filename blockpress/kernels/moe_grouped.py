@@ -717,17 +717,23 @@ def int4_block_k(block_k: int, groups: tuple[int, int]) -> int:
 def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_PLAIN,
                    gate_up_scale=None, down_scale=None, groups: tuple[int, int] = (0, 0), inter: int | None = None,
                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                   tiles: Tiles | None = None, moe_sum: str = "kernel", act8: bool = False):
+                   tiles: Tiles | None = None, moe_sum: str = "kernel", act8: bool = False,
+                   x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
     """Fused Triton experts. Plain weights: gate_up [E, 2Im, H], down [E, H, Im]. fp8: same shapes
     (float8_e4m3fn) with scales [E, O]. int4: packed uint8 [E, O, I/2] with scales [E, O, I/G].
     Tiles: explicit block_* arguments, else `tiles`, else the defaults. moe_sum: "kernel" or "atomic" (above).
     act8 (fp8 weights only): w8a8, the tokens and the up kernel's activations quantised to fp8 per row first
     (`_quant_rows_kernel`, one launch each), so both kernels' dots take fp8 x fp8 and no weight is converted
-    (`quant.experts_w8a8_torch` is the reference)."""
+    (`quant.experts_w8a8_torch` is the reference). x_scale [N]: the tokens are fp8 rows quantised already, these their
+    scales (act8 without the first quantising launch: a compiled block's path), and out_dtype the output's dtype."""
     if triton is None:
         raise RuntimeError("experts_triton needs triton (pip install triton)")
+    act8 = act8 or x_scale is not None
     if act8 and fmt != FMT_FP8:
         raise ValueError("act8 (fp8 activations) needs fp8 expert weights")
+    if (x_scale is not None) != (x_NH.dtype == torch.float8_e4m3fn):
+        raise ValueError("fp8 tokens come with their scales (x_scale), and x_scale with fp8 tokens")
+    dtype = out_dtype or x_NH.dtype
     t = tiles or DEFAULT_TILES
     block_m = block_m if block_m is not None else t.block_m
     block_n = block_n if block_n is not None else t.block_n
@@ -749,26 +755,25 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
         assert H % block_k == 0 and Im % block_k == 0, f"int4 groups {groups} must divide H={H} and Im={Im}"
     x = x_NH.contiguous()
     dummy = x.new_empty(1, 1, 1, dtype=torch.float32)
-    x_in, x_scale = x, dummy  # what the up kernel reads: x, or with act8 its fp8 rows and their scales
-    if act8:
-        x_in, x_scale = _quant_rows(x)
+    # what the up kernel reads: x, or with act8 its fp8 rows and their scales (quantised here unless given)
+    x_in, x_scale = (x, x_scale.contiguous()) if x_scale is not None else _quant_rows(x) if act8 else (x, dummy)
     align = align_blocks_triton if A <= ALIGN_MAX else align_blocks
     sorted_ids, block_expert = align(idx_NK, E, block_m)
     L = sorted_ids.numel()
-    act = x.new_empty(L, Im)  # [L, Im] activations in padded expert order
+    act = x.new_empty(L, Im, dtype=dtype)  # [L, Im] activations in padded expert order
     # fp32 operands: exact ieee dots; the interpreter also needs them (its bf16 tl.dot is wrong in triton 3.9)
-    f32 = x.dtype == torch.float32 or interpreted()
+    f32 = dtype == torch.float32 or interpreted()
     gs, ds = gate_up_scale if gate_up_scale is not None else dummy, down_scale if down_scale is not None else dummy
     g_st, d_st = _scale_strides(gate_up_scale), _scale_strides(down_scale)
     # shared memory outside the pipeline (what _stages fits): with wgmma (bm >= 64 on sm_90) the converted tile of
     # fp8 / int4 weights, in the activation dtype (int4: a byte more per weight; read back from compiles)
     wgmma = runs_wgmma(block_m, block_n, t.swap, x.device)
-    converted = 0 if fmt == FMT_PLAIN or act8 or not wgmma else x.element_size() + (1 if fmt == FMT_INT4 else 0)
+    converted = 0 if fmt == FMT_PLAIN or act8 or not wgmma else dtype.itemsize + (1 if fmt == FMT_INT4 else 0)
     a_bytes = x_in.element_size()  # an activation tile's bytes per element (1 with act8)
     bn_up = min(block_n, max(16, triton.next_power_of_2(Im)))  # no wider than the output: a small model's tiles
     bn_dn = min(block_n, max(16, triton.next_power_of_2(H)))
     grid = (L // block_m, triton.cdiv(Im, bn_up))
-    rnd = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)  # 16-bit activations: int4 dequant in that dtype
+    rnd = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)  # 16-bit activations: int4 dequant in that dtype
     min_k = INT4_MIN_K if fmt == FMT_INT4 else 16
     stages_up, bk_up = _fit_k(t.num_stages, block_m * a_bytes + 2 * bn_up * gate_up_EFH.element_size(),
                               converted * bn_up, wgmma, block_k, min_k)
@@ -790,17 +795,17 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
         _moe_down_kernel[grid](act_in, act_scale, down_EHI, ds, sorted_ids, block_expert, acc, rw, A, H, Im, K,
                                act_in.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
                                acc.stride(0), ATOMIC=True, **down)
-        return acc.to(x.dtype)
+        return acc.to(dtype)
     # per-assignment outputs in the activation dtype (bf16: 11.5 MB per layer of the 26B model at batch 1, not
     # fp32's 23 MB written and read again). Every (assignment, column) is stored by the down kernel (each
     # assignment id sits once in a used block), so the buffer needs no zero fill.
-    y = torch.empty(A, H, dtype=x.dtype, device=x.device)
+    y = torch.empty(A, H, dtype=dtype, device=x.device)
     if UNWRITTEN_FILL is not None:  # tests: poison the buffer, so an element the kernel misses shows up
         y.fill_(UNWRITTEN_FILL)
     _moe_down_kernel[grid](act_in, act_scale, down_EHI, ds, sorted_ids, block_expert, y, rw, A, H, Im, K,
                            act_in.stride(0), down_EHI.stride(0), down_EHI.stride(1), down_EHI.stride(2), *d_st,
                            y.stride(0), ATOMIC=False, **down)
-    out = torch.empty(N, H, dtype=x.dtype, device=x.device)
+    out = torch.empty(N, H, dtype=dtype, device=x.device)
     _moe_sum_kernel[(N, triton.cdiv(H, SUM_BLOCK))](y, rw, out, H, K, BH=SUM_BLOCK)
     return out
 

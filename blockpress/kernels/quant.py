@@ -42,6 +42,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..model.layers import gelu_tanh
+from ._triton import fp8_usable_on
 from .moe_grouped import (DEFAULT_TILES, FMT_FP8, FMT_INT4, as_tiles, checked_on_first_use, combine,
                           compiled_variant, experts_triton, route_by_expert, triton_supported)
 
@@ -60,6 +61,13 @@ def quantize_fp8(w_EOI: torch.Tensor):
     scale = (wf.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
     q = (wf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
+
+
+def traced_fp8_rows(x: torch.Tensor) -> bool:
+    """Can a compiled graph quantise rows of x to fp8 itself (`quantize_rows_fp8` traced, fused by the compiler into
+    the kernel that made x)? On a CPU, and on a GPU with fp8 tensor cores: the compiler's Triton code cannot cast to
+    e4m3 before sm_89 (there the w8a8 ops quantise inside, as uncompiled)."""
+    return not x.is_cuda or fp8_usable_on(x.device)
 
 
 def quantize_rows_fp8(x_MI: torch.Tensor):
@@ -225,8 +233,12 @@ class QuantizedExperts(nn.Module):
             # path is differentiable in its input and keeps no dequantised weight for the backward pass
             return self._forward_torch(x_NH, w_NK, idx_NK)
         if torch.compiler.is_compiling():  # a compiled block: one call of the custom op (the same function)
+            xs = None
+            if self.resolved_backend(x_NH) in ("triton-a8", "torch-a8") and traced_fp8_rows(x_NH):
+                # w8a8: the tokens quantised in traced torch, which the compiler fuses into the norm before
+                x_NH, xs = quantize_rows_fp8(x_NH)
             return quantized_experts_op(x_NH, w_NK, idx_NK, *self._weights(), self.fmt, self.dtype, list(self.groups),
-                                        self.backend, self.tiles.spec(), self.moe_sum)
+                                        self.backend, self.tiles.spec(), self.moe_sum, xs)
         return experts_quantized(x_NH, w_NK, idx_NK, *self._weights(), self.fmt, self.dtype, self.groups,
                                  self.backend, self.tiles, self.moe_sum)
 
@@ -281,11 +293,15 @@ def _inter(down_q: torch.Tensor, fmt: str) -> int:
 
 
 def experts_quantized(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt: str,
-                      dtype: torch.dtype, groups: tuple, backend: str, tiles, moe_sum: str) -> torch.Tensor:
+                      dtype: torch.dtype, groups: tuple, backend: str, tiles, moe_sum: str,
+                      x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`QuantizedExperts.forward` without autograd, as a function of its weights and settings (what its custom op
     runs): the backend `quantized_backend` resolves; "auto" on CUDA is the Triton kernel checked against the torch
-    path on its first call per device, dtype and compiled variant."""
+    path on its first call per device, dtype and compiled variant. x_scale (the w8a8 backends only): x_NH is fp8
+    tokens quantised already, these their scales (a compiled block's path, `QuantizedExperts.forward`)."""
     which = quantized_backend(backend, fmt, groups, x_NH)
+    if x_scale is not None and which not in ("triton-a8", "torch-a8"):
+        raise ValueError(f"tokens quantised to fp8 need the w8a8 experts backend, not {which}")
     weights = (gate_up_q, gate_up_scale, down_q, down_scale)
     if which == "triton":
         def fast():
@@ -303,16 +319,18 @@ def experts_quantized(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down
         def fast_a8():
             return experts_triton(x_NH, w_NK, idx_NK, gate_up_q, down_q, fmt=FMT_FP8, gate_up_scale=gate_up_scale,
                                   down_scale=down_scale, groups=tuple(groups), inter=_inter(down_q, fmt), tiles=tiles,
-                                  moe_sum=moe_sum, act8=True)
+                                  moe_sum=moe_sum, act8=True, x_scale=x_scale, out_dtype=dtype)
 
         if backend == "triton-a8":  # asked for by name: the kernel, unchecked
             return fast_a8()
-        key = (str(x_NH.device), str(x_NH.dtype).removeprefix("torch."), "triton w8a8 experts",
+        key = (str(x_NH.device), str(dtype).removeprefix("torch."),
+               "triton w8a8 experts" + (", tokens quantised" if x_scale is not None else ""),
                compiled_variant(idx_NK, gate_up_q.shape[0], tiles, moe_sum))
-        return checked_on_first_use(key, fast_a8, lambda: experts_w8a8_torch(x_NH, w_NK, idx_NK, *weights),
+        return checked_on_first_use(key, fast_a8, lambda: experts_w8a8_torch(x_NH, w_NK, idx_NK, *weights, x_scale,
+                                                                             dtype),
                                     "the Triton w8a8 experts kernel")
     if which == "torch-a8":
-        return experts_w8a8_torch(x_NH, w_NK, idx_NK, *weights)
+        return experts_w8a8_torch(x_NH, w_NK, idx_NK, *weights, x_scale, dtype)
     if which == "scaled_mm":
         return experts_quantized_scaled_mm(x_NH, w_NK, idx_NK, *weights, fmt)
     return experts_quantized_torch(x_NH, w_NK, idx_NK, *weights, fmt, dtype)
@@ -322,16 +340,18 @@ def experts_quantized(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down
 def quantized_experts_op(x_NH: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, gate_up_q: torch.Tensor,
                          gate_up_scale: torch.Tensor, down_q: torch.Tensor, down_scale: torch.Tensor, fmt: str,
                          dtype: torch.dtype, groups: list[int], backend: str, tiles: str,
-                         moe_sum: str) -> torch.Tensor:
+                         moe_sum: str, x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`experts_quantized` as one opaque call in a compiled graph (tiles: a spec string); kernels/library.py says
     why."""
     return experts_quantized(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt, dtype,
-                             tuple(groups), backend, as_tiles(tiles), moe_sum)
+                             tuple(groups), backend, as_tiles(tiles), moe_sum, x_scale)
 
 
 @quantized_experts_op.register_fake
-def _(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt, dtype, groups, backend, tiles, moe_sum):
-    return x_NH.new_empty(x_NH.shape)  # the kernels return contiguous [N, H]
+def _(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt, dtype, groups, backend, tiles, moe_sum,
+      x_scale=None):
+    # the kernels return contiguous [N, H] in the tokens' dtype, or the model's for tokens quantised to fp8
+    return x_NH.new_empty(x_NH.shape, dtype=dtype if x_scale is not None else x_NH.dtype)
 
 
 def experts_quantized_torch(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale, fmt: str,
@@ -354,30 +374,33 @@ def experts_quantized_torch(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q
     return combine(y, order, w_NK, x_NH.dtype)
 
 
-def experts_w8a8_torch(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale) -> torch.Tensor:
+def experts_w8a8_torch(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale,
+                       x_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Reference of the w8a8 experts (fp8 weights and fp8 activations, `experts="w8a8"`): each token quantised to
     fp8 with its own scale (`quantize_rows_fp8`), the fp8 x fp8 products summed in fp32 and scaled by the weight
     row's and the token's scales, gate and up kept in fp32 through the GELU, the activation rounded to the model
     dtype and quantised per row again for the down projection, whose output is rounded to the model dtype; the K
     outputs summed as `combine` does. The Triton kernels (`experts_triton(..., act8=True)`) compute this up to the
-    order of the fp32 sums (and, on Hopper, the tensor cores' fp8 accumulation)."""
+    order of the fp32 sums (and, on Hopper, the tensor cores' fp8 accumulation). x_scale: x_NH is fp8 tokens quantised
+    already (`quantize_rows_fp8`'s), these their scales, and dtype the model dtype (a compiled block's path)."""
     N, H = x_NH.shape
     K, Im = idx_NK.shape[1], _inter(down_q, "fp8")
     order, counts, _ = route_by_expert(idx_NK, gate_up_q.shape[0])
     tok = order // K
-    xq, sx = quantize_rows_fp8(x_NH)
-    y = x_NH.new_empty(N * K, H)
+    xq, sx = (x_NH, x_scale) if x_scale is not None else quantize_rows_fp8(x_NH)
+    dtype = dtype or x_NH.dtype
+    y = x_NH.new_empty(N * K, H, dtype=dtype)
     start = 0
     for e, c in enumerate(counts.tolist()):
         if c == 0:
             continue
         t = tok[start:start + c]
         u = (xq[t].float() @ gate_up_q[e].float().t()) * gate_up_scale[e][None, :] * sx[t][:, None]
-        a = (gelu_tanh(u[:, :Im]) * u[:, Im:]).to(x_NH.dtype)
+        a = (gelu_tanh(u[:, :Im]) * u[:, Im:]).to(dtype)
         aq, sa = quantize_rows_fp8(a)
         y[start:start + c] = ((aq.float() @ down_q[e].float().t()) * down_scale[e][None, :] * sa[:, None]).to(y.dtype)
         start += c
-    return combine(y, order, w_NK, x_NH.dtype)
+    return combine(y, order, w_NK, dtype)
 
 
 def experts_quantized_scaled_mm(x_NH, w_NK, idx_NK, gate_up_q, gate_up_scale, down_q, down_scale,

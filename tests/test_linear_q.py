@@ -186,6 +186,10 @@ def test_fp8_activations_reach_fp8_projections_beside_any_experts():
     choice = configure(m4, experts="w8a8", precision="int4", group_size=32, linears="fp8")
     assert choice["linears"] == "fp8 torch-a8" and "a8" not in choice["experts"]
     assert {m4.layers[0].experts.backend} == {"auto"}
+    from blockpress.kernels import use
+
+    use(m4, experts="w8a8")  # changing the experts' kernel by name resolves it as configure does
+    assert m4.layers[0].experts.backend == "auto"
     choice = configure(_tiny(), experts="w8a8", linears="fp8")  # float experts: their "auto" kernel
     assert choice["linears"] == "fp8 torch-a8" and choice["experts"] in ("grouped", "dense")
     with pytest.raises(ValueError, match="need fp8 weights; add --precision fp8 and / or --linears fp8"):

@@ -64,8 +64,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_storage_args(p)
     p.add_argument("--experts", default="auto",
                    help="experts backend: auto, loop (or torch: the reference), dense, grouped, triton, "
-                        "triton_checked, scaled_mm or w8a8 (fp8 experts with fp8 activations: torch's grouped GEMM, "
-                        "or the Triton kernels)")
+                        "triton_checked, scaled_mm (fp8 experts with fp8 activations in torch's grouped GEMM) or "
+                        "w8a8 (every fp8 weight, experts and --linears fp8, with fp8 activations in the Triton "
+                        "kernels)")
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
     add_speed_args(p)
     p.add_argument("--attention-split", type=_int_in(1, 16), default=1, metavar="K",

@@ -88,14 +88,19 @@ def _store(module, precision: str, group_size: int, linears: str, embeddings: st
         quantize_linears_(module, linears)
 
 
-def _experts(module, asked: str, name: str, tiles, moe_sum: str, compiled: bool, mlp_tiles=None) -> str:
-    """Set every layer's experts kernel; returns what runs (for reports). compiled: the blocks are compiled, so float
-    experts go through their custom op (kernels/library.py; quantised experts choose theirs themselves). mlp_tiles:
-    the int4 MLPs' tiles where they differ from the experts' (None: the same)."""
+def _experts(module, asked: str, tiles, moe_sum: str, compiled: bool, mlp_tiles=None) -> str:
+    """Set every layer's experts kernel for the `experts` option `asked`; returns what runs (for reports). "auto":
+    the fastest kernel here (`auto_experts_backend`); "w8a8" (fp8 activations wherever the weights are fp8) on
+    experts that are not fp8, beside fp8 projections: the same. compiled: the blocks are compiled, so float experts
+    go through their custom op (kernels/library.py; quantised experts choose theirs themselves). mlp_tiles: the int4
+    MLPs' tiles where they differ from the experts' (None: the same)."""
     dev, dtype = module.device, module.dtype
-    quantized = isinstance(module.layers[0].experts, QuantizedExperts)
+    held = module.layers[0].experts
+    quantized = isinstance(held, QuantizedExperts)
     fp8_linears = "fp8" if any(m.fmt == "fp8" for m in quantized_linears(module)) else "native"
-    check_experts_precision(asked, module.layers[0].experts.fmt if quantized else "native", fp8_linears)
+    check_experts_precision(asked, held.fmt if quantized else "native", fp8_linears)
+    auto = asked == "auto" or (asked == "w8a8" and not (quantized and held.fmt == "fp8"))
+    name = auto_experts_backend(dev, dtype, _expert_widths(held)) if auto else asked
     if name == "scaled_mm":  # torch._scaled_grouped_mm: fp8 x fp8 on Hopper-class GPUs only
         if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
             raise ValueError("the scaled_mm experts backend needs a CUDA GPU with fp8 matmuls (compute capability "
@@ -162,11 +167,7 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     tiles = as_tiles(moe_tiles) if moe_tiles is not None else default_tiles(
         held.fmt if isinstance(held, QuantizedExperts) else "native", wgmma)
     mlp_tiles = None if moe_tiles is not None else default_tiles("int4", wgmma)  # an int4 MLP: int4's defaults
-    # "w8a8": fp8 activations where the weights are fp8; experts that are not fp8 run as "auto" beside fp8 projections
-    a8_experts = isinstance(held, QuantizedExperts) and held.fmt == "fp8"
-    name = auto_experts_backend(dev, dtype, _expert_widths(held)) \
-        if experts == "auto" or (experts == "w8a8" and not a8_experts) else experts
-    resolved = _experts(module, experts, name, tiles, moe_sum, compile, mlp_tiles)
+    resolved = _experts(module, experts, tiles, moe_sum, compile, mlp_tiles)
     fast = dev.type == "cuda" and usable_on(dev)
     softcap = routing = "torch" if experts in ("loop", "torch") or not fast else "triton" if experts == "triton" \
         else "triton_checked"
@@ -288,8 +289,7 @@ def use(module, *, attention: str | None = None, experts: str | None = None, sof
             (getattr(ex.kernel, "keywords", {}).get("tiles", as_tiles(None)),
              getattr(ex.kernel, "keywords", {}).get("moe_sum", "kernel"))
         mlp = next((layer.mlp.experts for layer in module.layers if isinstance(layer.mlp, QuantizedMLP)), None)
-        _experts(module, experts, experts, tiles, moe_sum, module.ops.block is not None,
-                 None if mlp is None else mlp.tiles)
+        _experts(module, experts, tiles, moe_sum, module.ops.block is not None, None if mlp is None else mlp.tiles)
 
 
 def _name(table: dict, fn) -> str:

@@ -5,10 +5,10 @@ depends on this kernel: at 256 rows (one canvas) a projection sits near the GPU'
 (an AR step) it is purely bandwidth-bound, from 512 rows on compute-bound. For every projection shape of a
 config (sliding and full attention layers, dense MLP) and every row count in `--rows`, this times the
 bf16 matmul, the weight-only Triton kernel with int8 and with fp8 weights, and fp8 x fp8 (w8a8, on fp8-capable
-GPUs: our kernel, `experts="w8a8"`'s projections, and `torch._scaled_mm`) (`triton.testing.do_bench` on CUDA, the best of `--repeats` on a CPU), checks each
-against its reference (the dequantising `F.linear`; the w8a8 arithmetic in fp32; exits 1 past 2e-2 relative),
-and prints ms and the speedup per shape, then the per-pass totals (each shape times the number of layers
-that have it).
+GPUs: our kernel, `experts="w8a8"`'s projections, and `torch._scaled_mm`) (`triton.testing.do_bench` on CUDA, the
+best of `--repeats` on a CPU), checks each against its reference (the dequantising `F.linear`; the w8a8 arithmetic
+in fp32; exits 1 past 2e-2 relative), and prints ms and the speedup per shape, then the per-pass totals (each
+shape times the number of layers that have it).
 
     python benchmarks/bench_linears.py --preset real-26b                      # H100/H200, < 1 min (estimated)
     TRITON_INTERPRET=1 python benchmarks/bench_linears.py --preset tiny --rows 1,16 --repeats 1   # CPU check

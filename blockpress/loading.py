@@ -259,8 +259,8 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
       dense-MLP projections in 8 bits (a scale per output row), quantised as each is read; with precision="int4"
       the 26B-A4B weights take ~15.3 GB, not ~17. int8 is the more accurate; fp8 can also run with fp8
       activations (experts="scaled_mm", Hopper / Ada). experts="w8a8" runs every fp8 weight (experts, projections)
-      with fp8 activations in the Triton kernels (it needs one of them in fp8). embeddings: "native", or "int8": the embedding table (also the LM head) with a scale per
-      token, 0.74 GB less on the 26B-A4B model.
+      with fp8 activations in the Triton kernels (it needs one of them in fp8). embeddings: "native", or "int8":
+      the embedding table (also the LM head) with a scale per token, 0.74 GB less on the 26B-A4B model.
     - experts / attention: the kernels. "auto" picks the fastest path that runs here (experts: the Triton kernel
       on a CUDA GPU, grouped GEMMs on a CPU; attention: SDPA with the KV heads grouped inside the kernel);
       "loop" / "sdpa" or "eager" are the plain references (the same function up to fp32 summation order).
@@ -302,7 +302,8 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     if layout:
         layout.prepare(module, dt)
         hint = "; its recipe also quantises the activations to fp8 per token, which --fp8-activations (experts=" \
-            "'w8a8') does for its fp8 experts and projections" if recipe_fp8_activations(prequantized) and opts.experts != "w8a8" else ""
+            "'w8a8') does for its fp8 experts and projections" \
+            if recipe_fp8_activations(prequantized) and opts.experts != "w8a8" else ""
         print(f"blockpress: a pre-quantised checkpoint: {layout.describe()}, loaded as stored{hint}", file=sys.stderr)
     hooks = []
     if opts.precision != "native" and not layout.experts:

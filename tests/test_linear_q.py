@@ -161,8 +161,9 @@ def test_w8a8_kernel_equals_its_reference(dtype, tol, M, I, O, tiles):
                        ref.reshape(M, O))
     with pytest.raises(ValueError, match="fp8 rows come with their scales"):
         linear_q_triton(xq, m.weight_q, m.weight_scale, out_dtype=dtype)
-    assert m.resolved_backend(x) == ("triton-a8" if x.is_cuda else "torch-a8")  # a CPU runs the reference itself
-    assert torch.equal(m(x), ref) or x.is_cuda
+    assert m.resolved_backend(x) == ("triton-a8" if x.is_cuda else "torch-a8")
+    if not x.is_cuda:  # a CPU runs the reference itself
+        assert torch.equal(m(x), ref)
     m.backend = "triton-a8"  # the kernel by name: anywhere Triton runs
     x3 = torch.randn(2, 5, 2 * I, generator=g).to(DEV, dtype)[..., ::2]  # 3-d, non-contiguous rows
     out3 = m(x3)
@@ -212,7 +213,8 @@ def test_a_decoder_pass_with_the_w8a8_linear_kernel_equals_its_reference():
     m = _tiny(seed=3).to(DEV)
     configure(m, experts="grouped" if DEV.type == "cpu" else "auto", linears="fp8")
     g = torch.Generator().manual_seed(1)
-    ids, canvas = torch.randint(5, 512, (2, 12), generator=g).to(DEV), torch.randint(5, 512, (2, 16), generator=g).to(DEV)
+    ids = torch.randint(5, 512, (2, 12), generator=g).to(DEV)
+    canvas = torch.randint(5, 512, (2, 16), generator=g).to(DEV)
 
     def logits(backend):
         for mod in m.modules():

@@ -265,7 +265,8 @@ def linear_a8(xq: torch.Tensor, xs: torch.Tensor, q_OI: torch.Tensor, scale_O: t
     key = (str(xq.device), str(dtype).removeprefix("torch."), "triton fp8 x fp8 linear, rows quantised",
            (block_m_for(M, tiles.get("swap", False)), M == 1, M % 16 == 0, O % 16 == 0, I % 16 == 0, tiles_spec))
     return checked_on_first_use(key, lambda: linear_q_triton(xq, q_OI, scale_O, **tiles, x_scale=xs, out_dtype=dtype),
-                                lambda: w8a8_product(xq, xs, q_OI, scale_O, dtype), "the Triton fp8 x fp8 linear kernel")
+                                lambda: w8a8_product(xq, xs, q_OI, scale_O, dtype),
+                                "the Triton fp8 x fp8 linear kernel")
 
 
 @torch.library.custom_op("blockpress::linear_a8", mutates_args=())

@@ -145,13 +145,13 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     else "auto" (checked on first use). "w8a8" thus means fp8 activations wherever the weights are fp8: it needs
     fp8 experts or fp8 linears, and experts in another format run as "auto" beside fp8 linears. moe_tiles /
     linear_tiles: spec strings of the Triton kernels' tiles (None: the defaults, `moe_grouped.default_tiles` for the
-    experts); moe_sum: "kernel" or "atomic". merge_projections: each layer's q/k/v and gate/up projections as one GEMM each
-    (None: `Options.merges`' default); layers whose projections cannot merge (a LoRA adapter attached) run them one
-    by one. attention_kernel: the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU only
-    (None: `Options.attention_kernel_on`; elsewhere it changes nothing); attention_split: that kernel's key runs per
-    row block (kernels/attention_fixed.py SPLIT). embeddings: "native", or "int8" (the embedding table, which is also
-    the LM head, with a scale per token: kernels/linear_q.py QuantizedEmbedding; its LM head takes the projections'
-    kernel choice)."""
+    experts); moe_sum: "kernel" or "atomic". merge_projections: each layer's q/k/v and gate/up projections as one
+    GEMM each (None: `Options.merges`' default); layers whose projections cannot merge (a LoRA adapter attached) run
+    them one by one. attention_kernel: the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU
+    only (None: `Options.attention_kernel_on`; elsewhere it changes nothing); attention_split: that kernel's key runs
+    per row block (kernels/attention_fixed.py SPLIT). embeddings: "native", or "int8" (the embedding table, which is
+    also the LM head, with a scale per token: kernels/linear_q.py QuantizedEmbedding; its LM head takes the
+    projections' kernel choice)."""
     check_names(experts, attention, linears)
     if moe_sum not in ("kernel", "atomic"):
         raise ValueError(f"unknown MoE sum {moe_sum!r}; use 'kernel' (deterministic, default) or 'atomic'")

@@ -201,7 +201,9 @@ def test_w8a8_projections_convert_no_weight(report):
     weight-only kernel's 164 at the same tiles (2026-11-29), in fewer registers and shared memory, no spill."""
     _, result, _ = report
     rows = {r["label"]: r for r in result["archs"]["90"]["kernels"] if r["kernel"] == "_linear_q_kernel"}
-    for label in (x for x in rows if x.startswith("linear fp8-a8") and x.endswith("canvas x1")):
+    canvas = [x for x in rows if x.startswith("linear fp8-a8") and x.endswith("canvas x1")]
+    assert canvas, sorted(rows)
+    for label in canvas:
         a8, w8 = rows[label], rows[label.replace("fp8-a8", "int8")]
         assert a8["mma"] == w8["mma"] == "wgmma" and a8["spill"] == 0, a8
         assert a8["loop"] < 0.7 * w8["loop"] and a8["regs"] <= w8["regs"] + 8 and a8["shared"] < w8["shared"], (a8, w8)

@@ -158,8 +158,8 @@ def experts_option(args) -> dict[str, Any]:
     if reference and a8:
         from ..errors import InputError
 
-        raise InputError("--fp8-activations and --reference-kernels: the references run the experts' activations in "
-                         "--dtype; pass one of them")
+        raise InputError("--fp8-activations and --reference-kernels: the references run the activations in --dtype; "
+                         "pass one of them")
     return {"experts": "loop" if reference else "w8a8" if a8 else "auto"}
 
 

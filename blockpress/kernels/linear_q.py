@@ -47,7 +47,7 @@ from torch import nn
 
 from ..options import LINEAR_FORMATS
 from ._triton import fp8_usable_on, interpreted, tl, triton, usable_on
-from .moe_grouped import _quant_rows, _stages, checked_on_first_use, runs_wgmma
+from .moe_grouped import _stages, checked_on_first_use, fp8_rows, runs_wgmma
 if triton is not None:
     from .moe_grouped import _cols, _dot, _dot8, _rows
 from .quant import FP8, dequantize_fp8, quantize_fp8, quantize_rows_fp8, traced_fp8_rows
@@ -427,11 +427,9 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
     compiled block runs, its quantisation fused into the op that made x), and out_dtype the output's dtype."""
     if triton is None:
         raise RuntimeError("linear_q_triton needs triton (pip install triton)")
-    act8 = act8 or x_scale is not None
+    act8 = act8 or x_scale is not None or x.dtype == FP8
     if act8 and (q_OI.dtype != FP8 or scale_I is not None):
         raise ValueError("act8 (fp8 activations) needs fp8 weights and no per-input scale")
-    if (x_scale is not None) != (x.dtype == FP8):
-        raise ValueError("fp8 rows come with their scales (x_scale), and x_scale with fp8 rows")
     dtype = out_dtype or x.dtype
     lead, I = x.shape[:-1], x.shape[-1]
     O = q_OI.shape[0]
@@ -456,8 +454,7 @@ def linear_q_triton(x: torch.Tensor, q_OI: torch.Tensor, scale_O: torch.Tensor,
         torch.zeros(M, O, dtype=torch.float32, device=x.device)
     # fp32 operands: exact ieee dots; the interpreter needs them too (its bf16 tl.dot is wrong in triton 3.9)
     f32 = dtype == torch.float32 or interpreted()
-    # what the kernel reads: x, or with act8 its fp8 rows and their scales (quantised here unless given)
-    x_in, x_s = (x2, x_scale.reshape(-1)) if x_scale is not None else _quant_rows(x2) if act8 else (x2, scale_O)
+    x_in, x_s = fp8_rows(x2, x_scale) if act8 else (x2, scale_O)  # what the kernel reads
     grid = (triton.cdiv(M, bm), triton.cdiv(O, bn), split)
     wgmma = runs_wgmma(bm, bn, swap, x.device)  # Hopper's wgmma keeps the converted weight tile in shared memory
     launch = _stages(None, (bm * x_in.element_size() + bn * q_OI.element_size()) * bk,

@@ -728,11 +728,9 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     scales (act8 without the first quantising launch: a compiled block's path), and out_dtype the output's dtype."""
     if triton is None:
         raise RuntimeError("experts_triton needs triton (pip install triton)")
-    act8 = act8 or x_scale is not None
+    act8 = act8 or x_scale is not None or x_NH.dtype == torch.float8_e4m3fn
     if act8 and fmt != FMT_FP8:
         raise ValueError("act8 (fp8 activations) needs fp8 expert weights")
-    if (x_scale is not None) != (x_NH.dtype == torch.float8_e4m3fn):
-        raise ValueError("fp8 tokens come with their scales (x_scale), and x_scale with fp8 tokens")
     dtype = out_dtype or x_NH.dtype
     t = tiles or DEFAULT_TILES
     block_m = block_m if block_m is not None else t.block_m
@@ -755,8 +753,7 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
         assert H % block_k == 0 and Im % block_k == 0, f"int4 groups {groups} must divide H={H} and Im={Im}"
     x = x_NH.contiguous()
     dummy = x.new_empty(1, 1, 1, dtype=torch.float32)
-    # what the up kernel reads: x, or with act8 its fp8 rows and their scales (quantised here unless given)
-    x_in, x_scale = (x, x_scale.contiguous()) if x_scale is not None else _quant_rows(x) if act8 else (x, dummy)
+    x_in, x_scale = fp8_rows(x, x_scale) if act8 else (x, dummy)  # what the up kernel reads
     align = align_blocks_triton if A <= ALIGN_MAX else align_blocks
     sorted_ids, block_expert = align(idx_NK, E, block_m)
     L = sorted_ids.numel()
@@ -808,6 +805,14 @@ def experts_triton(x_NH, w_NK, idx_NK, gate_up_EFH, down_EHI, *, fmt: int = FMT_
     out = torch.empty(N, H, dtype=dtype, device=x.device)
     _moe_sum_kernel[(N, triton.cdiv(H, SUM_BLOCK))](y, rw, out, H, K, BH=SUM_BLOCK)
     return out
+
+
+def fp8_rows(x_RC: torch.Tensor, x_scale: torch.Tensor | None = None):
+    """The fp8 x fp8 kernels' input (act8): x [R, C] quantised to fp8 per row (`_quant_rows`), or, when x is fp8 rows
+    already (a compiled block quantised them), x with its scales `x_scale` -> (fp8 [R, C], fp32 scales [R])."""
+    if (x_scale is not None) != (x_RC.dtype == torch.float8_e4m3fn):
+        raise ValueError("fp8 rows come with their scales (x_scale), and x_scale with fp8 rows")
+    return _quant_rows(x_RC) if x_scale is None else (x_RC, x_scale.reshape(-1).contiguous())
 
 
 def _quant_rows(x_RC: torch.Tensor, ids: torch.Tensor | None = None, A: int = 0):

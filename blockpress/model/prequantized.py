@@ -36,8 +36,8 @@ held in the activation dtype, as blockpress's own int4 holds them (bf16 checkpoi
 
 The fp8 recipe also quantises activations to fp8 per token at run time (w8a8). blockpress runs the stored weights
 against the model-dtype activations by default (the same weights without the activations' rounding);
-`experts="w8a8"` (`--fp8-activations`) runs the experts w8a8 as vLLM does, in blockpress's Triton kernels
-(`experts="scaled_mm"`: torch's grouped fp8 GEMM, Hopper / Ada). `recipe_fp8_activations` says whether a
+`experts="w8a8"` (`--fp8-activations`) runs the fp8 experts and projections w8a8 as vLLM does, in blockpress's Triton
+kernels (`experts="scaled_mm"`: torch's grouped fp8 GEMM for the experts, Hopper / Ada). `recipe_fp8_activations` says whether a
 checkpoint's recipe asks for it (the load's stderr line then names the flag).
 """
 

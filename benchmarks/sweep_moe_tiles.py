@@ -24,7 +24,6 @@ Ends with one JSON line; its "best" gives, per precision, the spec to pass on:
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 
@@ -32,69 +31,17 @@ import torch
 
 from blockpress.cli.run import _group_size
 from blockpress.cli.run import _positive_int
-from blockpress.lab.profile import time_ms
-
-# 18 settings (+ the defaults, which are among them), then the M tile alone at the default N and K tiles (bm=auto
-# sizes it for the spread of the routing, from compile_report.py's issue model: a timing has to confirm it); ~2.5 min on an H100, estimated, not yet run. BK 32 and BN 64
-# stay in: the defaults moved to BK 64 and BN 128 on compile_report.py's static model (instructions, L2 traffic),
-# a timing has to confirm them; BN 256 reads the activations from L2 half as often again (int4 at batch 1: 14.1 GB
-# a step against 16.1 at BN 128) for as many instructions, but 255 registers from bm 64 on
-DEFAULT_GRID = "bm=auto;bn=64,128,256;bk=32,64,128;warps=4,8|bm=16,32,64|bm=auto,16,32;bn=64,128;bk=64,128;swap=1"
+from blockpress.lab.tune import DEFAULT_GRID, build_layer, fastest, routed_tokens, sweep_tiles, tolerance
 
 
 def parse_grid(text: str) -> list[str]:
-    """'bm=16,32;bn=64' -> ['bm=16,bn=64', 'bm=32,bn=64'] (every combination, each checked by parse_tiles); grids
-    joined by '|' are taken one after the other ('bm=auto;bn=64,128|bm=16,32': four settings)."""
-    from blockpress.kernels.moe_grouped import parse_tiles
+    """`blockpress.lab.tune.parse_grid` for this script's --grid: SystemExit naming the problem."""
+    from blockpress.lab.tune import parse_grid as parse
 
-    specs = []
-    for grid in text.split("|"):
-        axes = []
-        for part in filter(None, (p.strip() for p in grid.split(";"))):
-            key, _, vals = part.partition("=")
-            if not vals:
-                raise SystemExit(f"bad --grid part {part!r}: use key=v1,v2 parts separated by ';'")
-            axes.append([f"{key.strip()}={v.strip()}" for v in vals.split(",") if v.strip()])
-        specs += [s for s in (",".join(combo) for combo in itertools.product(*axes)) if s not in specs]
-    specs = specs or [""]
-    for spec in specs:
-        try:
-            parse_tiles(spec)
-        except ValueError as e:
-            raise SystemExit(f"--grid: {e}") from None
-    return specs
-
-
-def build_layer(text, precision: str, device, dtype, group_size: int, seed: int, mlp: bool = False):
-    """One layer's experts: (call(x, w, idx, tiles) -> [N, H], reference(x, w, idx) -> [N, H] in plain torch,
-    expert bytes of the whole layer). mlp: the layer's dense MLP instead, as the one expert every token takes
-    (`--linears int4-mlp`, kernels/quant.py QuantizedMLP)."""
-    from blockpress.kernels.moe_grouped import FMT_FP8, FMT_INT4, experts_triton
-    from blockpress.kernels.quant import QuantizedExperts, expert_format, experts_w8a8_torch
-    from blockpress.model.moe import experts_loop
-
-    E, H, Im = (1, text.hidden_size, text.intermediate_size) if mlp else \
-        (text.num_experts, text.hidden_size, text.moe_intermediate_size)
-    g = torch.Generator(device=device).manual_seed(seed)
-    gate_up = (torch.randn(E, 2 * Im, H, generator=g, device=device) * 0.02).to(dtype)
-    down = (torch.randn(E, H, Im, generator=g, device=device) * 0.02).to(dtype)
-    if precision == "native":
-        nbytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
-
-        def call(x, w, idx, tiles):
-            return experts_triton(x, w, idx, gate_up, down, tiles=tiles)
-        return call, (lambda x, w, idx: experts_loop(x, w, idx, gate_up, down)), nbytes
-    weights, a8 = expert_format(precision)  # fp8-a8: fp8 activations too (w8a8)
-    q = QuantizedExperts(E, H, Im, weights, group_size, dtype=dtype, device=device).load_float_(gate_up, down)
-    del gate_up, down
-    fmt = FMT_FP8 if weights == "fp8" else FMT_INT4
-
-    def call(x, w, idx, tiles):
-        return experts_triton(x, w, idx, q.gate_up_q, q.down_q, fmt=fmt, gate_up_scale=q.gate_up_scale,
-                              down_scale=q.down_scale, groups=q.groups, inter=q.inter, tiles=tiles, act8=a8)
-    if a8:
-        return call, (lambda x, w, idx: experts_w8a8_torch(x, w, idx, *q._weights())), q.weight_bytes()
-    return call, q._forward_torch, q.weight_bytes()  # the torch path dequantises each busy expert
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise SystemExit(f"--grid: {e}") from None
 
 
 def main(argv=None) -> int:
@@ -145,14 +92,7 @@ def main(argv=None) -> int:
     defaults = {prec: default_tiles(expert_format(prec)[0], _wgmma_target(device)).spec() for prec in precisions}
     bandwidth = measure_bandwidth(device)
     hit = expected_hit_fraction(E, K, N)
-    g = torch.Generator(device=device).manual_seed(args.seed + 1)
-    x = torch.randn(N, text.hidden_size, generator=g, device=device).to(dtype)
-    if args.mlp:  # every token to the one expert with weight 1, as QuantizedMLP routes
-        w, idx = torch.ones(N, 1, device=device), torch.zeros(N, 1, dtype=torch.int64, device=device)
-    else:
-        probs = torch.softmax(torch.randn(N, E, generator=g, device=device), dim=-1)
-        w, idx = torch.topk(probs, K, dim=-1)
-        w = w / w.sum(-1, keepdim=True)
+    x, w, idx = routed_tokens(text, N, device, dtype, args.seed, args.mlp)
     print(f"sweep_moe_tiles: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
           f"{args.config or args.preset}, one layer{'s dense MLP' if args.mlp else ''}: E={E} H={text.hidden_size} "
           f"Im={Im} top-{K}, {N} tokens (batch {args.batch} x canvas {C}), copy bandwidth {bandwidth / 1e9:.0f} "
@@ -167,31 +107,20 @@ def main(argv=None) -> int:
         call, reference, layer_bytes = build_layer(text, precision, device, dtype, args.group_size, args.seed,
                                                    args.mlp)
         floor_bytes = layer_bytes * hit
-        torch_out = reference(x, w, idx).float()
-        ref = None
-        rows = []
-        for i, spec in enumerate(specs, 1):
-            tiles = parse_tiles(spec)
-            row = {"precision": precision, "spec": tiles.spec()}
-            try:
-                out = call(x, w, idx, tiles)
-                if ref is None:  # the default tiles against plain torch: the compiled kernel is right
-                    ref = out.float()
-                    result.setdefault("rel_err_vs_torch", {})[precision] = float(
-                        (ref - torch_out).abs().max() / torch_out.abs().max().clamp_min(1e-30))
-                err = float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-                ms = time_ms(lambda: call(x, w, idx, tiles), device, args.repeats)
-                row.update(ms=ms, gbs=floor_bytes / (ms / 1e3) / 1e9, floor_fraction=floor_bytes / bandwidth / (ms / 1e3),
-                           rel_err_vs_first=err, ok=err < (2e-2 if dtype != torch.float32 else 1e-4))
-            except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result, not a crash
-                row.update(failed=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-            rows.append(row)
+
+        def report(row, i, n, precision=precision, floor_bytes=floor_bytes):
+            row["precision"] = precision
+            if "ms" in row:
+                row.update(gbs=floor_bytes / (row["ms"] / 1e3) / 1e9,
+                           floor_fraction=floor_bytes / bandwidth / (row["ms"] / 1e3))
             status = row.get("failed") or (f"{row['ms']:.3f} ms  {row['gbs']:.0f} GB/s  "
                                            f"{row['floor_fraction']:.0%} of copy  err {row['rel_err_vs_first']:.1e}")
-            print(f"  [{precision} {i}/{len(specs)}] {row['spec']:<40} {status}", flush=True)
-        timed = [r for r in rows if "ms" in r and r["ok"]]
-        if timed:
-            best = min(timed, key=lambda r: r["ms"])
+            print(f"  [{precision} {i}/{n}] {row['spec']:<40} {status}", flush=True)
+
+        rows, vs_torch = sweep_tiles(call, reference, x, w, idx, specs, device, args.repeats, report)
+        result.setdefault("rel_err_vs_torch", {})[precision] = vs_torch
+        timed, best = [r for r in rows if r.get("ok")], fastest(rows)
+        if best is not None:
             default = next((r for r in timed if r["spec"] == TILES.spec()), None)
             result["best"][precision] = {"spec": best["spec"], "ms": best["ms"], "gbs": best["gbs"],
                                          "floor_fraction": best["floor_fraction"],
@@ -212,7 +141,7 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             f.write(line + "\n")
     print(line)
-    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    tol = tolerance(dtype)
     wrong = {k: v for k, v in result.get("rel_err_vs_torch", {}).items() if not v < tol}
     if wrong:
         print(f"sweep_moe_tiles: the Triton kernel disagrees with the torch reference: {wrong}", file=sys.stderr)

@@ -33,10 +33,10 @@ SHIPPED_MODELS = {"sudoku": ASSETS / "sudoku", "kjv": ASSETS / "kjv",  # name ->
 DEFAULT_CHAT_MODEL = "assistant"  # `blockpress serve` / `blockpress chat` without a model: the shipped chat model
 
 
-def resolve_path(model: str | Path, progress: bool = True) -> Path:
+def resolve_path(model: str | Path, progress: bool = True, patterns=None) -> Path:
     """A folder as is (a training run's folder: the checkpoint its `latest` file names, `run_checkpoint`); a shipped
     model's name ('sudoku', 'kjv', 'assistant') when no such folder exists; otherwise a Hub id (owner/name)
-    downloaded or found in the local HF cache."""
+    downloaded or found in the local HF cache (the files matching `patterns`, default `HUB_PATTERNS`: a model)."""
     if not isinstance(model, (str, Path)) or not str(model).strip():
         raise InputError(f"model must be a folder, a shipped model's name or a Hub id (a string or Path), got "
                          f"{model!r}")
@@ -62,7 +62,7 @@ def resolve_path(model: str | Path, progress: bool = True) -> Path:
         from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
         (enable_progress_bars if progress else disable_progress_bars)()
-        return Path(snapshot_download(s, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(s, allow_patterns=patterns or HUB_PATTERNS))
     except Exception as e:  # network, auth, missing repo: one clear line
         if isinstance(e, FileNotFoundError) and getattr(constants, "HF_HUB_OFFLINE", False):  # LocalEntryNotFound
             var = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") or not os.environ.get("TRANSFORMERS_OFFLINE") \

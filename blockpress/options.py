@@ -9,11 +9,12 @@
   (torch.compile of the decoder blocks).
 - Kernels: `experts`, `attention` ("auto": the fastest path that runs here; "loop" / "sdpa" the references),
   `sc_topk` (self-conditioning over the top-K tokens, an approximation), the Triton kernels' settings
-  `moe_tiles`, `moe_sum`, `linear_tiles` (None: the defaults), and `merge_projections` (each layer's q/k/v and
+  `moe_tiles`, `moe_sum`, `linear_tiles` (None: the tuned ones for this card, `blockpress tune`, kernels/tuned.py,
+  else the defaults; `linear_tiles`: the defaults), and `merge_projections` (each layer's q/k/v and
   gate/up projections as one GEMM each, inference only; None: on, see `merges`); `attention_kernel` (the
   fixed-shape passes' attention in one Triton kernel that reads the cache in place, kernels/attention_fixed.py;
   None: on a Hopper GPU, see `attention_kernel_on`) and `attention_split` (that kernel's key tiles of a row block
-  in that many runs, merged by a second kernel: more programs at batch 1; 1, the default, one run).
+  in that many runs, merged by a second kernel: more programs at batch 1; None: the tuned count, else one run).
 - Storage, fixed at load: `precision` of the experts ("native", "fp8", "int4", with `group_size`) and of the
   attention / dense-MLP projections (`linears`: "native", "int8", "fp8" for both; "int4-mlp": the dense MLP alone
   in int4 through the expert kernels), and of the token embedding table that is also the LM head (`embeddings`:
@@ -53,7 +54,7 @@ class Options:
     moe_sum: str = "kernel"
     linear_tiles: str | None = None
     attention_kernel: bool | None = None  # None: on Hopper GPUs (`attention_kernel_on`)
-    attention_split: int = 1
+    attention_split: int | None = None  # None: the tuned value for this card (kernels/tuned.py), else 1
     precision: str = "native"
     group_size: int = 64
     linears: str = "native"
@@ -89,10 +90,10 @@ class Options:
         if self.attention_kernel not in (None, True, False):
             raise InputError(f"option attention_kernel must be None (automatic), True or False, got "
                              f"{self.attention_kernel!r}")
-        if isinstance(self.attention_split, bool) or not isinstance(self.attention_split, int) \
-                or not 1 <= self.attention_split <= 16:
-            raise InputError(f"attention_split must be a whole number of key runs from 1 to 16, got "
-                             f"{self.attention_split!r}")
+        if self.attention_split is not None and (isinstance(self.attention_split, bool) or not isinstance(
+                self.attention_split, int) or not 1 <= self.attention_split <= 16):
+            raise InputError(f"attention_split must be None (tuned, else 1) or a whole number of key runs from 1 to "
+                             f"16, got {self.attention_split!r}")
         if self.merge_projections not in (None, True, False):
             raise InputError(f"option merge_projections must be None (automatic), True or False, got "
                              f"{self.merge_projections!r}")

@@ -37,6 +37,9 @@ def pytest_collection_finish(session):
 # session-scoped fixtures see it too (a value from the shell is overridden: these tests assume it). Tests marked gpu
 # get CUDA as their default.
 os.environ["BLOCKPRESS_DEVICE"] = "cpu"
+# No tuned kernel settings (`blockpress tune`'s file, kernels/tuned.py) from the machine's cache: the tests choose the
+# kernels they test; tests of the tuned settings point BLOCKPRESS_TUNED at a file of their own.
+os.environ["BLOCKPRESS_TUNED"] = "off"
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,7 @@ COMMANDS = {
     "train": "train or fine-tune (full or LoRA) with the DiffusionGemma objective",
     "eval": "evaluate a model on a task (e.g. sudoku)",
     "convert": "convert or quantize a checkpoint",
+    "tune": "time the GPU kernels' settings on this card and keep the fastest",
 }
 
 

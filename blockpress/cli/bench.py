@@ -69,14 +69,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "kernels)")
     p.add_argument("--attention", default="auto", help="attention backend: auto, eager, sdpa, sdpa_gqa")
     add_speed_args(p)
-    p.add_argument("--attention-split", type=_int_in(1, 16), default=1, metavar="K",
+    p.add_argument("--attention-split", type=_int_in(1, 16), default=None, metavar="K",
                    help="the attention kernel's key tiles of each row block in K runs, merged by a second kernel (more "
-                        "programs at batch 1; default 1: one run)")
+                        "programs at batch 1; default: what blockpress tune kept for this card, else 1)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC",
-                   help="Triton expert kernels' tiles, e.g. bm=32,bn=128,bk=64,warps=8,stages=4 (the winner of "
-                        "benchmarks/sweep_moe_tiles.py; default: bm=auto,bn=128,bk=64, and for fp8 on Hopper "
+                   help="Triton expert kernels' tiles, e.g. bm=32,bn=128,bk=64,warps=8,stages=4 (default: what "
+                        "blockpress tune kept for this card, else bm=auto,bn=128,bk=64, and for fp8 on Hopper "
                         "bm=auto,bn=64,bk=128,swap=1); swap=1: the weight tile as the MMA's first operand (Hopper's "
                         "wgmma reads it from registers)")
     p.add_argument("--linear-tiles", type=_linear_tiles, metavar="SPEC",

@@ -20,6 +20,8 @@ a Hopper GPU, `Options.attention_kernel_on`) gives the fixed-shape passes the ch
 CUDA GPU (kernels/attention_fixed.py), and changes nothing elsewhere. Explicit "triton" skips the
 first-use check (benchmarks and tests want the kernel, not a fallback); "loop" / "torch" are the references. With
 compiled blocks the kernels a block calls are custom ops (kernels/library.py), so a block traces as one graph.
+Where the Triton kernels run and no tiles / key runs are asked for, the ones `blockpress tune` kept for this card and
+these shapes are used (`_tuned`, kernels/tuned.py), else the defaults.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ from .library import FLOAT_EXPERTS, float_experts, float_experts_op, kernel_of
 from .linear_q import (QuantizedLinear, as_linear_tiles, linear_tiles_spec, quantize_embeddings_, quantize_linears_,
                        quantized_linears)
 from .moe_grouped import _grouped_mm_ok, _wgmma_target, as_tiles, default_tiles
-from .quant import QuantizedExperts, QuantizedMLP, check_experts_precision, quantize_experts_, quantize_mlp_
+from .quant import (W8A8_FORMAT, QuantizedExperts, QuantizedMLP, check_experts_precision, quantize_experts_,
+                    quantize_mlp_)
 from .route import ROUTE, route_op
 from .sc_topk import soft_embedding_topk
 from .softcap import softcap_triton, softcap_triton_checked
+from . import tuned
 
 ATTENTION = {"eager": attention_eager, "sdpa": attention_sdpa, "sdpa_gqa": attention_sdpa_gqa}
 SOFTCAP = {"torch": softcap_logits, "triton": softcap_triton, "triton_checked": softcap_triton_checked}
@@ -131,11 +135,22 @@ def _expert_widths(experts) -> tuple[int, ...]:
     return tuple(down.shape[1:]) if isinstance(down, torch.Tensor) else ()
 
 
+def _tuned(dev: torch.device, key: str, check) -> str | int | None:
+    """The setting `blockpress tune` kept for `key` on this device, where the Triton kernels run (None: none kept,
+    or kernels that have no such setting here)."""
+    return tuned.lookup(dev, key, check) if usable_on(dev) else None
+
+
+def _check_split(k) -> None:
+    Options(attention_split=k).validate()
+
+
 def configure(module, experts: str = "auto", attention: str = "auto", precision: str = "native",
               group_size: int = 64, sc_topk: int | None = None, linears: str = "native", compile: bool = False,
               moe_tiles=None, moe_sum: str = "kernel", linear_tiles=None,
               merge_projections: bool | None = None,
-              attention_kernel: bool | None = None, attention_split: int = 1, embeddings: str = "native") -> dict:
+              attention_kernel: bool | None = None, attention_split: int | None = None,
+              embeddings: str = "native") -> dict:
     """Apply kernel / storage choices to a DiffusionGemmaModel in place; return what was chosen.
     sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py).
     linears: "native", or "int8" / "fp8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py);
@@ -144,14 +159,16 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     fp8 activations too (torch._scaled_mm / the Triton kernel, like the experts; int8 linears stay weight-only),
     else "auto" (checked on first use). "w8a8" thus means fp8 activations wherever the weights are fp8: it needs
     fp8 experts or fp8 linears, and experts in another format run as "auto" beside fp8 linears. moe_tiles /
-    linear_tiles: spec strings of the Triton kernels' tiles (None: the defaults, `moe_grouped.default_tiles` for the
-    experts); moe_sum: "kernel" or "atomic". merge_projections: each layer's q/k/v and gate/up projections as one
+    linear_tiles: spec strings of the Triton kernels' tiles (None: for the experts and an int4 MLP the tiles tuned
+    for this card and shapes, `_tuned`, else `moe_grouped.default_tiles`; the linears' defaults); moe_sum: "kernel"
+    or "atomic". merge_projections: each layer's q/k/v and gate/up projections as one
     GEMM each (None: `Options.merges`' default); layers whose projections cannot merge (a LoRA adapter attached) run
     them one by one. attention_kernel: the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU
     only (None: `Options.attention_kernel_on`; elsewhere it changes nothing); attention_split: that kernel's key runs
-    per row block (kernels/attention_fixed.py SPLIT). embeddings: "native", or "int8" (the embedding table, which is
-    also the LM head, with a scale per token: kernels/linear_q.py QuantizedEmbedding; its LM head takes the
-    projections' kernel choice)."""
+    per row block (kernels/attention_fixed.py SPLIT; None: the tuned count, else 1). embeddings: "native", or
+    "int8" (the embedding table, which is also the LM head, with a scale per token: kernels/linear_q.py
+    QuantizedEmbedding; its LM head takes the projections' kernel choice). The returned dict's "tuned" names what
+    came from `blockpress tune`'s file."""
     check_names(experts, attention, linears)
     if moe_sum not in ("kernel", "atomic"):
         raise ValueError(f"unknown MoE sum {moe_sum!r}; use 'kernel' (deterministic, default) or 'atomic'")
@@ -164,9 +181,20 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     dev, dtype = module.device, module.dtype
     lin_tiles = as_linear_tiles(linear_tiles)
     held, wgmma = module.layers[0].experts, _wgmma_target(dev)
-    tiles = as_tiles(moe_tiles) if moe_tiles is not None else default_tiles(
-        held.fmt if isinstance(held, QuantizedExperts) else "native", wgmma)
-    mlp_tiles = None if moe_tiles is not None else default_tiles("int4", wgmma)  # an int4 MLP: int4's defaults
+    fmt = held.fmt if isinstance(held, QuantizedExperts) else "native"
+    from_file = {}  # the settings that came from `blockpress tune`'s file
+    if moe_tiles is None:  # none asked for: the ones tuned for this card and these shapes, else the defaults
+        a8 = experts == "w8a8" and fmt == "fp8"
+        key = tuned.experts_key(module.text, W8A8_FORMAT if a8 else fmt, dtype, getattr(held, "group_size", None))
+        from_file["moe_tiles"] = _tuned(dev, key, as_tiles)
+        mlp = module.layers[0].mlp
+        if isinstance(mlp, QuantizedMLP):
+            key = tuned.experts_key(module.text, "int4", dtype, mlp.experts.group_size, mlp=True)
+            from_file["mlp_tiles"] = _tuned(dev, key, as_tiles)
+        tiles = as_tiles(from_file["moe_tiles"]) if from_file["moe_tiles"] else default_tiles(fmt, wgmma)
+        mlp_tiles = as_tiles(from_file["mlp_tiles"]) if from_file.get("mlp_tiles") else default_tiles("int4", wgmma)
+    else:
+        tiles, mlp_tiles = as_tiles(moe_tiles), None  # an int4 MLP: the tiles asked for too
     resolved = _experts(module, experts, tiles, moe_sum, compile, mlp_tiles)
     fast = dev.type == "cuda" and usable_on(dev)
     softcap = routing = "torch" if experts in ("loop", "torch") or not fast else "triton" if experts == "triton" \
@@ -181,6 +209,10 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     attention = "sdpa_gqa" if attention == "auto" else attention
     fixed = "triton_checked" if fast and Options(attention_kernel=attention_kernel).validate().attention_kernel_on(dev) \
         else None
+    if attention_split is None:
+        attention_split = from_file["attention_split"] = _tuned(
+            dev, tuned.attention_key(module.text, dtype), _check_split) if fixed is not None else None
+        attention_split = attention_split or 1
     module.ops = Ops(attention=ATTENTION[attention], softcap=SOFTCAP[softcap], soft_embedding=_soft_embedding(sc_topk),
                      block=compiled_block() if compile else None,
                      fixed_attention=_fixed_attention(fixed, compile, attention_split))
@@ -196,7 +228,9 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
             "linears": lin, "embeddings": "native" if not table else f"int8 {table[0].resolved_backend(probe)}",
             "merged_projections": merged,
             **({"linear_tiles": q.tiles_spec} if q is not None else {}),
-            "triton": None if triton is None else triton.__version__}
+            "triton": None if triton is None else triton.__version__,
+            **({"tuned": {k: v for k, v in from_file.items() if v is not None}}
+               if any(v is not None for v in from_file.values()) else {})}
 
 
 def apply(module, old: Options | None, new: Options) -> bool:

@@ -1,0 +1,212 @@
+"""Time the Triton kernels' settings on this GPU for a model's shapes, and keep the fastest (`blockpress tune`).
+
+Shape legend: N tokens (batch x canvas), E experts, K top-k, H hidden, Im the experts' intermediate width.
+
+Two choices are tuned, each among variants of one function (the same numbers up to fp32 summation order), so the
+choice changes speed only:
+- the expert kernels' tiles (`moe_tiles`): one layer's experts with random weights of the model's shapes and format,
+  a canvas's tokens routed top-K by a random router, every setting of a grid timed; the built-in default first,
+  checked against the plain-torch experts, every other setting against it;
+- the attention kernel's key runs per row block (`attention_split`, kernels/attention_fixed.py): a denoising pass's
+  attention after `context` cached tokens, per kind of layer, summed over the model's layers; each run count
+  checked against the kernel's one-run output and the torch reference.
+A setting that does not compile or disagrees is reported and never kept. The winner goes to the tuned-settings
+file (kernels/tuned.py), which `load` reads when no setting is asked for.
+
+Timing: `profile.time_ms` (CUDA: triton's do_bench, median after warm-up; a CPU runs Triton's interpreter, whose
+times say nothing about a GPU: tests only).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import torch
+
+from .profile import time_ms
+
+# 18 settings (+ the defaults, which are among them), then the M tile alone at the default N and K tiles (bm=auto
+# sizes it for the spread of the routing, from compile_report.py's issue model), then the weight as the MMA's
+# register operand (swap). BK 32 and BN 64 stay in: the defaults moved to BK 64 and BN 128 on compile_report.py's
+# static model; BN 256 reads the activations from L2 half as often again for as many instructions, but needs 255
+# registers from bm 64 on
+DEFAULT_GRID = "bm=auto;bn=64,128,256;bk=32,64,128;warps=4,8|bm=16,32,64|bm=auto,16,32;bn=64,128;bk=64,128;swap=1"
+QUICK_GRID = "bm=auto;bn=64,128;bk=64,128|bm=auto,16;bn=64,128;bk=128;swap=1"  # 8 settings
+SPLITS = (1, 2, 3, 4)
+
+
+def parse_grid(text: str) -> list[str]:
+    """'bm=16,32;bn=64' -> ['bm=16,bn=64', 'bm=32,bn=64'] (every combination, each checked by parse_tiles); grids
+    joined by '|' are taken one after the other ('bm=auto;bn=64,128|bm=16,32': four settings). ValueError naming
+    the bad part."""
+    from ..kernels.moe_grouped import parse_tiles
+
+    specs = []
+    for grid in text.split("|"):
+        axes = []
+        for part in filter(None, (p.strip() for p in grid.split(";"))):
+            key, _, vals = part.partition("=")
+            if not vals:
+                raise ValueError(f"bad grid part {part!r}: use key=v1,v2 parts separated by ';'")
+            axes.append([f"{key.strip()}={v.strip()}" for v in vals.split(",") if v.strip()])
+        specs += [s for s in (",".join(combo) for combo in itertools.product(*axes)) if s not in specs]
+    specs = specs or [""]
+    for spec in specs:
+        parse_tiles(spec)
+    return specs
+
+
+def build_layer(text, precision: str, device, dtype, group_size: int, seed: int, mlp: bool = False):
+    """One layer's experts: (call(x, w, idx, tiles) -> [N, H], reference(x, w, idx) -> [N, H] in plain torch,
+    expert bytes of the whole layer). precision: "native", "fp8", "int4" or "fp8-a8" (fp8 weights and
+    activations). mlp: the layer's dense MLP instead, as the one expert every token takes (`--linears int4-mlp`,
+    kernels/quant.py QuantizedMLP)."""
+    from ..kernels.moe_grouped import FMT_FP8, FMT_INT4, experts_triton
+    from ..kernels.quant import QuantizedExperts, expert_format, experts_w8a8_torch
+    from ..model.moe import experts_loop
+
+    E, H, Im = (1, text.hidden_size, text.intermediate_size) if mlp else \
+        (text.num_experts, text.hidden_size, text.moe_intermediate_size)
+    g = torch.Generator(device=device).manual_seed(seed)
+    gate_up = (torch.randn(E, 2 * Im, H, generator=g, device=device) * 0.02).to(dtype)
+    down = (torch.randn(E, H, Im, generator=g, device=device) * 0.02).to(dtype)
+    if precision == "native":
+        nbytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
+
+        def call(x, w, idx, tiles):
+            return experts_triton(x, w, idx, gate_up, down, tiles=tiles)
+        return call, (lambda x, w, idx: experts_loop(x, w, idx, gate_up, down)), nbytes
+    weights, a8 = expert_format(precision)  # fp8-a8: fp8 activations too (w8a8)
+    q = QuantizedExperts(E, H, Im, weights, group_size, dtype=dtype, device=device).load_float_(gate_up, down)
+    del gate_up, down
+    fmt = FMT_FP8 if weights == "fp8" else FMT_INT4
+
+    def call(x, w, idx, tiles):
+        return experts_triton(x, w, idx, q.gate_up_q, q.down_q, fmt=fmt, gate_up_scale=q.gate_up_scale,
+                              down_scale=q.down_scale, groups=q.groups, inter=q.inter, tiles=tiles, act8=a8)
+    if a8:
+        return call, (lambda x, w, idx: experts_w8a8_torch(x, w, idx, *q._weights())), q.weight_bytes()
+    return call, q._forward_torch, q.weight_bytes()  # the torch path dequantises each busy expert
+
+
+def routed_tokens(text, tokens: int, device, dtype, seed: int, mlp: bool = False):
+    """(x [N, H], w [N, K], idx [N, K]): `tokens` random activations routed top-K by a random router (mlp: every
+    token to the one expert, weight 1, as QuantizedMLP routes)."""
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    x = torch.randn(tokens, text.hidden_size, generator=g, device=device).to(dtype)
+    if mlp:
+        return x, torch.ones(tokens, 1, device=device), torch.zeros(tokens, 1, dtype=torch.int64, device=device)
+    probs = torch.softmax(torch.randn(tokens, text.num_experts, generator=g, device=device), dim=-1)
+    w, idx = torch.topk(probs, text.top_k_experts, dim=-1)
+    return x, w / w.sum(-1, keepdim=True), idx
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Largest relative max error between two settings' outputs that counts as agreeing (fp32 reassociation; in
+    16 bits, the output's rounding)."""
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def sweep_tiles(call, reference, x, w, idx, specs: list[str], device, repeats: int = 3,
+                report: Callable[[dict, int, int], None] | None = None) -> tuple[list[dict], float]:
+    """Time `call` (an expert layer, `build_layer`) at every tile spec. The first is the reference point: it is
+    checked against the plain-torch `reference`, every other spec against it. Returns (rows, the first's relative
+    error against torch); a row: spec, and ms and rel_err_vs_first and ok (within `tolerance`), or failed (why it
+    did not run). report(row, i, n) after each."""
+    from ..kernels.moe_grouped import parse_tiles
+
+    tol = tolerance(x.dtype)
+    want = reference(x, w, idx).float()
+    first, vs_torch, rows = None, float("nan"), []
+    for i, spec in enumerate(specs, 1):
+        tiles = parse_tiles(spec)
+        row = {"spec": tiles.spec()}
+        try:
+            out = call(x, w, idx, tiles)
+            if first is None:
+                first, vs_torch = out.float(), _rel(out, want)
+            err = _rel(out, first)
+            row.update(ms=time_ms(lambda: call(x, w, idx, tiles), device, repeats), rel_err_vs_first=err,
+                       ok=err < tol and vs_torch < tol)
+        except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result, not a crash
+            row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        rows.append(row)
+        if report is not None:
+            report(row, i, len(specs))
+    return rows, vs_torch
+
+
+def fastest(rows: list[dict]):
+    """The row that agreed and ran fastest, or None."""
+    timed = [r for r in rows if r.get("ok")]
+    return min(timed, key=lambda r: r["ms"]) if timed else None
+
+
+def tune_experts(text, canvas: int, fmt: str, device, dtype, group_size: int = 64, batch: int = 1,
+                 grid: str = DEFAULT_GRID, repeats: int = 3, seed: int = 0, mlp: bool = False, report=None) -> dict:
+    """The expert kernels' tiles for `fmt` ("native", "fp8", "fp8-a8", "int4") at `batch` canvases of `canvas`
+    tokens (mlp: the dense MLP on the experts' int4 kernels): the default
+    for this device first (`moe_grouped.default_tiles`), then `grid`. -> {"default", "best" (spec or None when no
+    setting ran and agreed), "rows", "rel_err_vs_torch", "tokens"}."""
+    from ..kernels.moe_grouped import _wgmma_target, default_tiles, parse_tiles
+    from ..kernels.quant import expert_format
+
+    default = default_tiles("int4" if mlp else expert_format(fmt)[0], _wgmma_target(device)).spec()
+    specs = [default] + [s for s in parse_grid(grid) if parse_tiles(s).spec() != default]
+    tokens = batch * canvas
+    x, w, idx = routed_tokens(text, tokens, device, dtype, seed, mlp)
+    call, reference, _ = build_layer(text, fmt, device, dtype, group_size, seed, mlp)
+    rows, vs_torch = sweep_tiles(call, reference, x, w, idx, specs, device, repeats, report)
+    best = fastest(rows)
+    return {"default": default, "best": None if best is None else best["spec"], "rows": rows,
+            "rel_err_vs_torch": vs_torch, "tokens": tokens}
+
+
+def tune_attention(text, canvas: int, device, dtype, batch: int = 1, context: int = 2048, splits=SPLITS,
+                   repeats: int = 3, seed: int = 0, report=None) -> dict:
+    """The attention kernel's key runs per row block for a denoising pass of `batch` canvases after `context`
+    cached tokens: each run count's time per kind of layer, times its number of layers. -> {"best" (runs or None),
+    "rows" (per run count: ms per pass, rel_err against one run, ok / failed), "rel_err_vs_torch"}."""
+    from ..config import FULL, SLIDING
+    from ..kernels.attention_fixed import fixed_attention_torch, fixed_attention_triton
+    from ..model.cache import KVCache
+
+    kinds = [t for t in (SLIDING, FULL) if t in text.layer_types]
+    first = {t: text.layer_types.index(t) for t in kinds}
+    shapes = [(text.layer_kv_heads(first[t]), text.layer_head_dim(first[t])) for t in kinds]
+    cache = KVCache(shapes, batch, context + 2 * canvas, dtype, device, sliding=[t == SLIDING for t in kinds],
+                    window=text.sliding_window, reserve=max(2048, 2 * canvas))
+    g = torch.Generator(device=device).manual_seed(seed)
+    for buf in cache.keys + cache.values:
+        buf.copy_(torch.randn(buf.shape, generator=g, device=device, dtype=torch.float32))
+    start = torch.tensor(context, device=device)
+    H, tol = text.num_attention_heads, tolerance(dtype)
+    args, vs_torch = [], 0.0
+    for i, t in enumerate(kinds):
+        D = shapes[i][1]
+        q = torch.randn(batch, H, canvas, D, generator=g, device=device, dtype=torch.float32).to(dtype) / D ** 0.25
+        a = (q, cache.keys[i], cache.values[i], cache.valid, start, 0, text.sliding_window if t == SLIDING else 0,
+             t == SLIDING and cache.ring is not None)  # the arguments model/keys.py `Fixed` passes
+        args.append((a, text.layer_types.count(t)))
+        vs_torch = max(vs_torch, _rel(fixed_attention_triton(*a), fixed_attention_torch(*a)))
+    rows = []
+    one = [fixed_attention_triton(*a).float() for a, _ in args]
+    for j, k in enumerate(splits, 1):
+        row = {"split": k}
+        try:
+            err = max(_rel(fixed_attention_triton(*a, split=k), o) for (a, _), o in zip(args, one))
+            ms = sum(n * time_ms(lambda a=a: fixed_attention_triton(*a, split=k), device, repeats) for a, n in args)
+            row.update(ms=ms, rel_err_vs_first=err, ok=err < tol and vs_torch < tol)
+        except Exception as e:  # noqa: BLE001 - a run count that does not compile is a result
+            row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        rows.append(row)
+        if report is not None:
+            report(row, j, len(splits))
+    best = fastest(rows)
+    return {"best": None if best is None else best["split"], "rows": rows, "rel_err_vs_torch": vs_torch,
+            "context": context}

@@ -1,0 +1,207 @@
+"""`blockpress tune` (lab/tune.py, cli/tune.py) and the tuned-settings file it keeps (kernels/tuned.py): the fastest
+setting that agrees is kept, per device and shape; `configure` uses it where no setting is asked for; a damaged or
+unwritable file never stops a load and is never overwritten."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from blockpress import kernels
+from blockpress.errors import InputError
+from blockpress.kernels import tuned
+from blockpress.lab import tune
+from blockpress.lab.presets import preset_config
+from blockpress.lab.random_weights import build_model
+from blockpress.config import ModelConfig
+
+from kernel_device import DEV, needs_triton
+
+pytestmark = pytest.mark.no_grad
+TEXT = ModelConfig.from_dict(preset_config("tiny")[0]).text
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def tuned_file(tmp_path, monkeypatch):
+    p = tmp_path / "cache" / "tuned.json"
+    monkeypatch.setenv("BLOCKPRESS_TUNED", str(p))
+    tuned._WARNED.clear()
+    return p
+
+
+def test_a_setting_is_kept_per_device_and_shape_and_replaced_by_a_newer_one(tuned_file):
+    fp8, int4 = tuned.experts_key(TEXT, "fp8", torch.bfloat16), tuned.experts_key(TEXT, "int4", torch.bfloat16, 64)
+    assert len({fp8, int4, tuned.experts_key(TEXT, "fp8-a8", torch.bfloat16),
+                tuned.experts_key(TEXT, "int4", torch.bfloat16, 32), tuned.experts_key(TEXT, "fp8", torch.float32),
+                tuned.experts_key(TEXT, "int4", torch.bfloat16, 64, mlp=True)}) == 6
+    assert tuned.lookup(CPU, fp8) is None  # no file yet
+    where = tuned.store(CPU, fp8, "bm=16,bn=64,bk=128,swap=1", {"bm=16,bn=64,bk=128,swap=1": 0.3}, tokens=256)
+    assert where == tuned_file and tuned_file.is_file()
+    tuned.store(CPU, int4, "bm=32", {"bm=32": 0.5})
+    assert tuned.lookup(CPU, fp8) == "bm=16,bn=64,bk=128,swap=1" and tuned.lookup(CPU, int4) == "bm=32"
+    assert tuned.lookup(torch.device("meta"), fp8) is None  # another device: its own settings
+    tuned.store(CPU, fp8, "bm=32,bn=64", {"bm=32,bn=64": 0.2})
+    data = json.loads(tuned_file.read_text())
+    entry = data["devices"]["cpu"][fp8]
+    assert data["blockpress_tuned"] == tuned.FORMAT and entry["value"] == "bm=32,bn=64"
+    assert entry["times_ms"] == {"bm=32,bn=64": 0.2} and entry["torch"] == torch.__version__ and "date" in entry
+    assert tuned.lookup(CPU, int4) == "bm=32"  # the other entry stays
+    assert [p.name for p in tuned_file.parent.iterdir()] == ["tuned.json"]  # no temporary file left
+
+
+def test_the_file_is_found_by_the_environment_and_lookups_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.delenv("BLOCKPRESS_TUNED")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tuned.path() == tmp_path / "blockpress" / "tuned.json"
+    monkeypatch.setenv("BLOCKPRESS_TUNED", " OFF ")
+    assert tuned.path() is None and tuned.lookup(CPU, "any") is None
+    with pytest.raises(InputError, match="BLOCKPRESS_TUNED=off: nothing is kept"):
+        tuned.store(CPU, "any", 1, {})
+
+
+@pytest.mark.parametrize("content,words", [("{not json", "not readable JSON"),
+                                           ('{"devices": {}}', "not a blockpress tuned-settings file"),
+                                           ('{"blockpress_tuned": 1, "devices": {"cpu": {"k": {}}}}',
+                                            "not a blockpress tuned-settings file")])
+def test_a_damaged_file_is_ignored_by_lookups_and_never_overwritten(tuned_file, content, words):
+    tuned_file.parent.mkdir(parents=True)
+    tuned_file.write_text(content)
+    with pytest.warns(UserWarning, match=words):
+        assert tuned.lookup(CPU, "k") is None
+    with pytest.raises(InputError, match=f"{words}.*delete it") as e:
+        tuned.store(CPU, "k", 1, {})
+    assert "\n" not in str(e.value) and str(tuned_file) in str(e.value)
+    assert tuned_file.read_text() == content
+
+
+def test_a_failed_write_leaves_the_old_file_as_it_was(tuned_file, monkeypatch):
+    tuned.store(CPU, "k", 1, {"1": 1.0})
+    before = tuned_file.read_bytes()
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tuned.os, "replace", full_disk)
+    with pytest.raises(InputError, match="No space left on device.*the old file is unchanged"):
+        tuned.store(CPU, "k", 2, {"2": 0.5})
+    assert tuned_file.read_bytes() == before
+    assert [p.name for p in tuned_file.parent.iterdir()] == ["tuned.json"]
+
+
+def _model(precision="fp8", linears="native"):
+    cfg = copy.deepcopy(preset_config("tiny")[0])
+    m = build_model(cfg, DEV, torch.float32, "native", 0, 0.02, 64)
+    kernels.configure(m, precision=precision, linears=linears, group_size=32)
+    return m
+
+
+@needs_triton
+def test_configure_runs_the_tuned_tiles_unless_tiles_are_asked_for(tuned_file):
+    """Where the Triton kernels run: the experts take the tiles kept for their format and shapes, fp8 weight-only and
+    fp8 x fp8 each their own, an int4 MLP its own; a `moe_tiles` given wins; "tuned" says what came from the file."""
+    m = _model("fp8")
+    key = tuned.experts_key(m.text, "fp8", torch.float32)
+    tuned.store(DEV, key, "bm=16,bn=32,bk=32", {"bm=16,bn=32,bk=32": 1.0})
+    got = kernels.configure(m, precision="fp8", group_size=32)
+    assert got["moe_tiles"] == m.layers[0].experts.tiles.spec() == "bm=16,bn=32,bk=32"
+    assert got["tuned"] == {"moe_tiles": "bm=16,bn=32,bk=32"}
+    got = kernels.configure(m, precision="fp8", group_size=32, moe_tiles="bm=32")
+    assert got["moe_tiles"] == m.layers[0].experts.tiles.spec() == "bm=32,bn=128,bk=64" and "tuned" not in got
+    default = kernels.configure(m, precision="fp8", group_size=32, experts="w8a8")  # fp8 x fp8: nothing kept yet
+    assert "tuned" not in default and default["moe_tiles"] != "bm=16,bn=32,bk=32"
+    tuned.store(DEV, tuned.experts_key(m.text, "fp8-a8", torch.float32), "bm=16,bn=64,bk=64", {})
+    assert kernels.configure(m, precision="fp8", group_size=32, experts="w8a8")["moe_tiles"] == "bm=16,bn=64,bk=64"
+    m4 = _model("int4", "int4-mlp")
+    mlp_key = tuned.experts_key(m4.text, "int4", torch.float32, 32, mlp=True)
+    tuned.store(DEV, mlp_key, "bm=16,bn=32,bk=32", {})
+    got = kernels.configure(m4, precision="int4", linears="int4-mlp", group_size=32)
+    assert m4.layers[0].mlp.experts.tiles.spec() == "bm=16,bn=32,bk=32" and got["tuned"] == {
+        "mlp_tiles": "bm=16,bn=32,bk=32"}
+    assert m4.layers[0].experts.tiles.spec() == got["moe_tiles"] != "bm=16,bn=32,bk=32"  # int4 experts: defaults
+
+
+@needs_triton
+def test_a_tuned_value_the_engine_refuses_is_ignored_with_a_warning(tuned_file):
+    m = _model("fp8")
+    tuned.store(DEV, tuned.experts_key(m.text, "fp8", torch.float32), "bn=48", {})
+    with pytest.warns(UserWarning, match="bn=48.*powers of two.*run blockpress tune again"):
+        got = kernels.configure(m, precision="fp8", group_size=32)
+    assert "tuned" not in got and got["moe_tiles"] == m.layers[0].experts.tiles.spec()
+
+
+def test_the_fastest_setting_that_agrees_is_chosen_never_a_wrong_one():
+    """A wrong candidate is never kept however fast it is; the first is checked against the reference itself."""
+    x = torch.randn(8, 4)
+    right = lambda x, w, idx: x * 2  # noqa: E731
+
+    def call(x, w, idx, tiles):
+        if tiles.block_m == 16:
+            return x * 2.1  # fast and wrong
+        time.sleep(0.02 if tiles.block_m == 32 else 0.0)
+        return x * 2 * (1 + 1e-7)
+
+    rows, vs_torch = tune.sweep_tiles(call, right, x, None, None, ["bm=32", "bm=16", "bm=64"], CPU, repeats=1)
+    assert vs_torch < 1e-6 and [r["ok"] for r in rows] == [True, False, True]
+    assert rows[1]["rel_err_vs_first"] > 0.04 and tune.fastest(rows)["spec"].startswith("bm=64")
+    rows, vs_torch = tune.sweep_tiles(lambda *a: a[0] * 3, right, x, None, None, ["bm=32"], CPU, repeats=1)
+    assert vs_torch > 0.4 and tune.fastest(rows) is None  # the first disagrees with the reference: nothing
+    broken = tune.sweep_tiles(lambda *a: 1 / 0, right, x, None, None, ["bm=32"], CPU, repeats=1)[0]
+    assert broken[0]["failed"].startswith("ZeroDivisionError") and tune.fastest(broken) is None
+
+
+@needs_triton
+def test_tune_keeps_the_fastest_agreeing_settings_and_a_dry_run_keeps_nothing(tuned_file, capsys):
+    from blockpress.cli import main
+
+    argv = ["tune", "--preset", "tiny", "--device", str(DEV), "--grid", "bm=16;bn=16,32;bk=16", "--repeats", "1",
+            "--context", "24"]
+    assert main(argv + ["--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kept"] is None and not tuned_file.exists()
+    assert main(argv + ["--precision", "int4", "--linears", "int4-mlp", "--group-size", "32"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["kept"] == str(tuned_file)
+    kept = json.loads(tuned_file.read_text())["devices"][tuned.device_key(DEV)]
+    results = out["results"]
+    assert set(kept) == set(results) and len(kept) == 3  # the experts, the int4 MLP, the attention
+    for key, res in results.items():
+        rows = res["rows"]
+        assert all(r["ok"] for r in rows)
+        best = min(rows, key=lambda r: r["ms"])
+        assert kept[key]["value"] == best.get("spec", best.get("split"))
+        if key.startswith(("experts", "mlp")):
+            assert [r["spec"] for r in rows] == [res["default"], "bm=16,bn=16,bk=16", "bm=16,bn=32,bk=16"]
+            assert kept[key]["times_ms"] == {r["spec"]: r["ms"] for r in rows}
+        else:
+            assert [r["split"] for r in rows] == [1, 2, 3, 4] and res["rel_err_vs_torch"] < 1e-4
+    assert "experts int4 g=32" in " ".join(kept) and "mlp int4 g=32" in " ".join(kept)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--fp8-activations"], "--fp8-activations tunes the fp8 x fp8 expert kernels: add --precision fp8"),
+    (["--quick", "--grid", "bm=16"], "give --grid or --quick, not both"),
+    (["--grid", "bm=17"], "--grid: bm=17: tile sizes must be powers of two"),
+    (["kjv", "--preset", "tiny"], "give MODEL or --preset, not both"),
+])
+@needs_triton
+def test_tune_refuses_bad_flags_in_one_line(argv, words, capsys, tuned_file):
+    from blockpress.cli import main
+
+    assert main(["tune", "--device", str(DEV)] + argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err and not tuned_file.exists()
+
+
+def test_tune_without_a_gpu_says_what_it_needs():
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "-m", "blockpress", "tune", "--preset", "tiny"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == ("blockpress tune: error: tune times the Triton kernels, which run on a CUDA GPU (cpu "
+                                "here: it runs the torch kernels, which have no settings to tune); on a GPU machine: "
+                                "pip install 'blockpress[gpu]'")

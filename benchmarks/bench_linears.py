@@ -26,22 +26,7 @@ import torch
 
 from blockpress.cli.run import _positive_int, _positive_int_list
 from blockpress.lab.profile import time_ms
-
-
-def projection_shapes(text, fused: bool = False) -> dict[tuple[int, int], int]:
-    """(in, out) -> how many projections of one pass have that shape (all layers). fused: q, k and v as one
-    projection, and gate and up as one (what a horizontal fusion would run: fewer, wider GEMMs)."""
-    shapes: dict[tuple[int, int], int] = {}
-    H = text.hidden_size
-    for i in range(text.num_hidden_layers):
-        heads, kv, D = text.num_attention_heads, text.layer_kv_heads(i), text.layer_head_dim(i)
-        qkv = [heads * D, kv * D] + ([] if text.is_full(i) else [kv * D])  # q, k, v (full layers: k = v)
-        layer = ([(H, sum(qkv))] if fused else [(H, o) for o in qkv]) + [(heads * D, H)]  # ..., o
-        inter = text.intermediate_size
-        layer += ([(H, 2 * inter)] if fused else [(H, inter)] * 2) + [(inter, H)]  # gate, up, down
-        for s in layer:
-            shapes[s] = shapes.get(s, 0) + 1
-    return shapes
+from blockpress.lab.tune import LINEAR_SPECS, projection_shapes
 
 
 def main(argv=None) -> int:
@@ -64,21 +49,11 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # fp8 x fp8 needs fp8 tensor cores on a GPU (Ada, Hopper); torch._scaled_mm also runs on a CPU
     w8a8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-    # int8 kernel variants, by their tiles spec (what `blockpress bench --linear-tiles` takes). On an
-    # H200 (2026-11-25) the default tiles ran 2.2x slower than cuBLAS bf16 at 256 rows and 2x at one row although
-    # they move half the bytes: a 2112-wide projection has 33 N tiles of 64, a quarter of the 132 SMs at one row.
-    # Narrower N tiles and K split over several programs (fp32 atomic adds) give the GPU more programs; bm=128 and
-    # wider tiles with 8 warps (fewer programs) were slower there.
-    int8_specs = ["bm=auto,bn=64,bk=64", "bm=auto,bn=32,bk=64", "bm=auto,bn=64,bk=64,split=2",
-                  "bm=auto,bn=64,bk=64,split=4", "bm=auto,bn=64,bk=64,split=8", "bm=auto,bn=32,bk=64,split=4",
-                  "bm=auto,bn=32,bk=128,split=4", "bm=128,bn=64,bk=64",
-                  # the weight as the MMA's register operand (wgmma on sm_90), a canvas's rows in one block
-                  "bm=auto,bn=64,bk=64,swap=1", "bm=auto,bn=128,bk=64,swap=1"]
-    # fp8-a8: our w8a8 kernel (experts="w8a8"'s projections: the row quantiser, then fp8 x fp8 dots), at the default
-    # tiles, a K tile of 128 and a 128-row block (compiled for sm_90 at a canvas: 0.39, 0.26 and 0.21 K-loop
-    # instructions per weight, 132, 132 and 66 programs for a 2,112-wide projection); fp8-a8 scaled_mm: the same
-    # function through torch._scaled_mm
-    a8_specs = ["bm=auto,bn=64,bk=64", "bm=auto,bn=64,bk=128", "bm=128,bn=64,bk=128"]
+    # the kernel's variants by their tiles spec (what `blockpress bench --linear-tiles` takes; the candidates
+    # `blockpress tune` times, lab/tune.py says why each): weight-only int8, and our fp8 x fp8 (experts="w8a8"'s
+    # projections: the row quantiser, then fp8 x fp8 dots); fp8-a8 scaled_mm: the same function through
+    # torch._scaled_mm
+    int8_specs, a8_specs = LINEAR_SPECS["int8"], LINEAR_SPECS["fp8-a8"]
     variants = [f"int8 {sp}" for sp in int8_specs] + ["fp8"] + \
         ([f"fp8-a8 {sp}" for sp in a8_specs] + ["fp8-a8 scaled_mm"] if w8a8 else [])
     text = ModelConfig.from_dict(preset_config(args.preset)[0]).text

@@ -364,11 +364,12 @@ EOF
       | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
     [ "$CUDA" = 1 ] && STEP_LIMIT=80 bench fp8-split2 $ROW --precision fp8 --attention-split 2
     # blockpress tune (2026-11-29, CPU only): the product's own tuner on the real shapes, fp8 x fp8 experts on the
-    # quick grid and the attention key runs; its file goes to $OUT (the rows above ran on the defaults, untuned)
-    lim=$(limit 100)
+    # quick grid, the fp8 x fp8 projections' tiles over a pass, and the attention key runs; its file goes to $OUT
+    # (the rows above ran on the defaults, untuned)
+    lim=$(limit 120)
     [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && BLOCKPRESS_TUNED="$OUT/tuned.json" timeout "$lim" python3 -m blockpress \
-      tune --preset "$PRESET" --precision fp8 --fp8-activations --quick 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" \
-      | tail -16 | tee -a "$OUT/summary.txt"
+      tune --preset "$PRESET" --precision fp8 --linears fp8 --fp8-activations --quick 2>&1 | grep -v '^{' \
+      | tee -a "$OUT/log.txt" | tail -20 | tee -a "$OUT/summary.txt"
     # the <= 18 GB candidates with no slower kernel: 512-token prefill chunks (a ring of 1,536 slots in the sliding
     # layers; the same numbers), predicted 17.73 GB; and int4 scales per 128 inputs where the dim allows (gate/up; a
     # small quality cost, benchmarks/results/2026-11-27-cpu-memory-attention.md), 17.49 GB

@@ -127,6 +127,25 @@ def test_configure_runs_the_tuned_tiles_unless_tiles_are_asked_for(tuned_file):
 
 
 @needs_triton
+def test_configure_runs_the_tuned_projection_tiles_for_their_format(tuned_file):
+    """8-bit projections: the tiles kept for int8, fp8 weight-only and fp8 x fp8 are three settings; a
+    `linear_tiles` given wins."""
+    m = _model("native", "fp8")
+    for fmt, spec in (("fp8", "bm=auto,bn=32,bk=64"), ("fp8-a8", "bm=auto,bn=64,bk=128")):
+        tuned.store(DEV, tuned.linears_key(m.text, fmt, torch.float32), spec, {})
+    lin = kernels.quantized_linears(m)
+    got = kernels.configure(m, linears="fp8")
+    assert got["linear_tiles"] == got["tuned"]["linear_tiles"] == "bm=auto,bn=32,bk=64"
+    assert {q.tiles_spec for q in lin} == {"bm=auto,bn=32,bk=64"}
+    got = kernels.configure(m, linears="fp8", experts="w8a8")
+    assert got["linear_tiles"] == "bm=auto,bn=64,bk=128" and {q.tiles_spec for q in lin} == {"bm=auto,bn=64,bk=128"}
+    got = kernels.configure(m, linears="fp8", linear_tiles="bm=auto,bn=64,bk=64,split=2")
+    assert "tuned" not in got and {q.tiles_spec for q in lin} == {"bm=auto,bn=64,bk=64,split=2"}
+    m8 = _model("native", "int8")
+    assert "tuned" not in kernels.configure(m8, linears="int8")  # int8: nothing kept
+
+
+@needs_triton
 def test_a_tuned_value_the_engine_refuses_is_ignored_with_a_warning(tuned_file):
     m = _model("fp8")
     tuned.store(DEV, tuned.experts_key(m.text, "fp8", torch.float32), "bn=48", {})
@@ -180,10 +199,21 @@ def test_tune_keeps_the_fastest_agreeing_settings_and_a_dry_run_keeps_nothing(tu
         else:
             assert [r["split"] for r in rows] == [1, 2, 3, 4] and res["rel_err_vs_torch"] < 1e-4
     assert "experts int4 g=32" in " ".join(kept) and "mlp int4 g=32" in " ".join(kept)
+    # fp8 weights with fp8 activations: the w8a8 experts' tiles and the projections' (the kernel's three candidates
+    # after its default), checked against the fp8 x fp8 reference
+    assert main(argv + ["--precision", "fp8", "--linears", "fp8", "--fp8-activations"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    kept = json.loads(tuned_file.read_text())["devices"][tuned.device_key(DEV)]
+    lin = out["results"][tuned.linears_key(TEXT, "fp8-a8", torch.float32)]
+    assert [r["spec"] for r in lin["rows"]] == tune.LINEAR_SPECS["fp8-a8"] and lin["rel_err_vs_torch"] < 1e-4
+    assert kept[tuned.linears_key(TEXT, "fp8-a8", torch.float32)]["value"] == min(
+        lin["rows"], key=lambda r: r["ms"])["spec"]
+    assert tuned.experts_key(TEXT, "fp8-a8", torch.float32) in kept and len(kept) == 5
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--fp8-activations"], "--fp8-activations tunes the fp8 x fp8 expert kernels: add --precision fp8"),
+    (["--fp8-activations"], "--fp8-activations tunes the fp8 x fp8 kernels of fp8 weights: add --precision fp8 and / "
+                            "or --linears fp8"),
     (["--quick", "--grid", "bm=16"], "give --grid or --quick, not both"),
     (["--grid", "bm=17"], "--grid: bm=17: tile sizes must be powers of two"),
     (["kjv", "--preset", "tiny"], "give MODEL or --preset, not both"),
@@ -197,9 +227,13 @@ def test_tune_refuses_bad_flags_in_one_line(argv, words, capsys, tuned_file):
     assert words in err and "\n" not in err and not tuned_file.exists()
 
 
-def test_tune_without_a_gpu_says_what_it_needs():
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "-m", "blockpress", "tune", "--preset", "tiny"], capture_output=True,
+@pytest.mark.parametrize("interpreter,argv", [("0", ["--device", "cpu"]), ("1", [])])
+def test_tune_without_a_gpu_says_what_it_needs(interpreter, argv):
+    """No CUDA GPU: refused in one line, also where Triton's interpreter could run unless --device cpu asks for it
+    (a user's CPU would otherwise spend hours interpreting the 26B shapes)."""
+    env = {**os.environ, "TRITON_INTERPRET": interpreter, "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("BLOCKPRESS_DEVICE", None)
+    r = subprocess.run([sys.executable, "-m", "blockpress", "tune", "--preset", "tiny"] + argv, capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip() == ("blockpress tune: error: tune times the Triton kernels, which run on a CUDA GPU (cpu "

@@ -1,7 +1,8 @@
 """`blockpress tune [MODEL]`: time the GPU kernels' settings on this card for a model's shapes and keep the fastest.
 
 What it tunes (blockpress/lab/tune.py): the expert kernels' tiles for the storage given (`--precision`,
-`--group-size`, `--fp8-activations`; `--linears int4-mlp` adds the dense MLP's), and the attention kernel's key runs.
+`--group-size`, `--fp8-activations`), the 8-bit projections' tiles (`--linears int8|fp8`; `int4-mlp`: the dense
+MLP's int4 kernels' tiles), and the attention kernel's key runs.
 Each candidate is checked against the reference and the default; one that fails or disagrees is never kept. The
 winners go to the tuned-settings file (blockpress/kernels/tuned.py: ~/.cache/blockpress/tuned.json, or
 $BLOCKPRESS_TUNED), which every later `load` / `run` / `serve` / `bench` on this card reads when no `--moe-tiles` or
@@ -30,9 +31,11 @@ def add_parser(p) -> None:
                    help="the expert weights' format you load with (a pre-quantised checkpoint: its own)")
     p.add_argument("--group-size", type=_group_size, default=64, help="int4: input columns per scale (default 64)")
     p.add_argument("--linears", choices=LINEAR_FORMATS, default="native",
-                   help="int4-mlp: tune the dense MLP's int4 kernels too")
+                   help="the projections' format you load with: int8 / fp8 tune the 8-bit projection kernel's tiles, "
+                        "int4-mlp the dense MLP's int4 kernels")
     p.add_argument("--fp8-activations", action="store_true",
-                   help="with --precision fp8: tune the fp8 x fp8 expert kernels (what --fp8-activations runs)")
+                   help="with fp8 weights (--precision fp8, --linears fp8): tune the fp8 x fp8 kernels (what "
+                        "--fp8-activations runs)")
     p.add_argument("--batch", type=_int_in(1, 64), default=1, help="canvases per pass to tune for (default 1)")
     p.add_argument("--context", type=_positive_int, default=2048,
                    help="cached tokens before the canvas, for the attention kernel (default 2048)")
@@ -74,12 +77,13 @@ def main(args) -> int:
     from ..loading import parse_device
 
     device = parse_device(args.device)
-    if not usable_on(device):
+    if not usable_on(device) or (device.type != "cuda" and args.device is None):  # (the interpreter: asked by name)
         raise InputError(f"tune times the Triton kernels, which run on a CUDA GPU ({device} here: it runs the torch "
                          "kernels, which have no settings to tune); on a GPU machine: pip install "
                          "'blockpress[gpu]'")
-    if args.fp8_activations and args.precision != "fp8":
-        raise InputError("--fp8-activations tunes the fp8 x fp8 expert kernels: add --precision fp8")
+    if args.fp8_activations and "fp8" not in (args.precision, args.linears):
+        raise InputError("--fp8-activations tunes the fp8 x fp8 kernels of fp8 weights: add --precision fp8 and / or "
+                         "--linears fp8")
     if args.grid is not None and args.quick:
         raise InputError("give --grid or --quick, not both")
     grid = args.grid or (tune.QUICK_GRID if args.quick else tune.DEFAULT_GRID)
@@ -91,8 +95,9 @@ def main(args) -> int:
     text, C = cfg.text, cfg.canvas_length
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     card = tuned.device_key(device)
-    fmt = "fp8-a8" if args.fp8_activations else args.precision
-    jobs = [("experts", fmt, False)] + ([("mlp", "int4", True)] if args.linears == "int4-mlp" else [])
+    a8 = "fp8-a8" if args.fp8_activations else None
+    experts = a8 if args.precision == "fp8" and a8 else args.precision
+    linears = a8 if args.linears == "fp8" and a8 else args.linears
     print(f"blockpress tune: {card}{' (Triton interpreter: times mean nothing for a GPU)' if interpreted() else ''}, "
           f"{source}, batch {args.batch} x canvas {C}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)
 
@@ -104,35 +109,40 @@ def main(args) -> int:
             print(f"  [{what} {i}/{n}] {name:<40} {status}", file=sys.stderr, flush=True)
         return show
 
+    common = dict(device=device, dtype=dtype, batch=args.batch, repeats=args.repeats, canvas=C)
+    jobs = [(tuned.experts_key(text, experts, dtype, args.group_size), f"experts {experts}",
+             lambda r: tune.tune_experts(text, fmt=experts, group_size=args.group_size, grid=grid, report=r,
+                                         **common))]
+    if args.linears == "int4-mlp":
+        jobs.append((tuned.experts_key(text, "int4", dtype, args.group_size, mlp=True), "mlp int4",
+                     lambda r: tune.tune_experts(text, fmt="int4", group_size=args.group_size, grid=grid, mlp=True,
+                                                 report=r, **common)))
+    elif args.linears != "native":
+        jobs.append((tuned.linears_key(text, linears, dtype), f"linears {linears}",
+                     lambda r: tune.tune_linears(text, fmt=linears, report=r, **common)))
+    jobs.append((tuned.attention_key(text, dtype), "attention",
+                 lambda r: tune.tune_attention(text, context=args.context, report=r, **common)))
     kept, summary = {}, {"device": card, "source": source, "batch": args.batch, "results": {}}
-    for kind, f, mlp in jobs:
-        key = tuned.experts_key(text, f, dtype, args.group_size, mlp=mlp)
-        res = tune.tune_experts(text, C, f, device, dtype, args.group_size, args.batch, grid, args.repeats,
-                                mlp=mlp, report=report(f"{kind} {f}"))
-        summary["results"][key] = res
+    for key, what, run in jobs:
+        res = summary["results"][key] = run(report(what))
         if res["best"] is None:
             print(f"  {key}: no setting ran and agreed with the reference; nothing kept", file=sys.stderr)
             continue
-        times = {r["spec"]: r["ms"] for r in res["rows"] if r.get("ok")}
-        kept[key] = (res["best"], times, {"tokens": res["tokens"], "default": res["default"]})
-        print(f"  {key}: {res['best']} ({times[res['default']] / times[res['best']]:.2f}x the default "
-              f"{res['default']})" if res["default"] in times else f"  {key}: {res['best']}", file=sys.stderr)
-    key = tuned.attention_key(text, dtype)
-    res = tune.tune_attention(text, C, device, dtype, args.batch, args.context, repeats=args.repeats,
-                              report=report("attention"))
-    summary["results"][key] = res
-    if res["best"] is not None:
-        times = {str(r["split"]): r["ms"] for r in res["rows"] if r.get("ok")}
-        kept[key] = (res["best"], times, {"context": args.context, "batch": args.batch})
-        print(f"  {key}: {res['best']} key run(s) per row block"
-              + (f" ({times['1'] / times[str(res['best'])]:.2f}x one)" if "1" in times else ""), file=sys.stderr)
+        name = (lambda r: str(r.get("spec", r.get("split"))))
+        times = {name(r): r["ms"] for r in res["rows"] if r.get("ok")}
+        default = str(res.get("default", 1))
+        facts = {"tokens": args.batch * C, **({"context": args.context} if what == "attention" else {}),
+                 **({"default": res["default"]} if "default" in res else {})}
+        kept[key] = (res["best"], times, facts)
+        gain = f" ({times[default] / times[str(res['best'])]:.2f}x the default {default})" if default in times else ""
+        print(f"  {key}: {res['best']}{gain}", file=sys.stderr)
     if args.dry_run or not kept:
         summary["kept"] = None
     else:
         for key, (value, times, facts) in kept.items():
             where = tuned.store(device, key, value, times, **facts)
         summary["kept"] = str(where)
-        print(f"kept in {where}: later loads on this card use them unless --moe-tiles / --attention-split are given",
-              file=sys.stderr)
+        print(f"kept in {where}: later loads on this card use them where no --moe-tiles / --linear-tiles / "
+              "--attention-split is given", file=sys.stderr)
     print(json.dumps(summary))
     return 0 if kept else 1

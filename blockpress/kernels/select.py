@@ -159,11 +159,10 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     fp8 activations too (torch._scaled_mm / the Triton kernel, like the experts; int8 linears stay weight-only),
     else "auto" (checked on first use). "w8a8" thus means fp8 activations wherever the weights are fp8: it needs
     fp8 experts or fp8 linears, and experts in another format run as "auto" beside fp8 linears. moe_tiles /
-    linear_tiles: spec strings of the Triton kernels' tiles (None: for the experts and an int4 MLP the tiles tuned
-    for this card and shapes, `_tuned`, else `moe_grouped.default_tiles`; the linears' defaults); moe_sum: "kernel"
-    or "atomic". merge_projections: each layer's q/k/v and gate/up projections as one
-    GEMM each (None: `Options.merges`' default); layers whose projections cannot merge (a LoRA adapter attached) run
-    them one by one. attention_kernel: the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU
+    linear_tiles: spec strings of the Triton kernels' tiles (None: the tiles tuned for this card, format and shapes,
+    `_tuned`, else the defaults, `moe_grouped.default_tiles` for the experts); moe_sum: "kernel" or "atomic".
+    merge_projections: each layer's q/k/v and gate/up projections as one GEMM each (None: `Options.merges`'
+    default); layers whose projections cannot merge (a LoRA adapter attached) run them one by one. attention_kernel: the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU
     only (None: `Options.attention_kernel_on`; elsewhere it changes nothing); attention_split: that kernel's key runs
     per row block (kernels/attention_fixed.py SPLIT; None: the tuned count, else 1). embeddings: "native", or
     "int8" (the embedding table, which is also the LM head, with a scale per token: kernels/linear_q.py
@@ -179,10 +178,15 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
         raise ValueError("sc_topk (self-conditioning over the top-K tokens) reads a float embedding table; this model "
                          "holds it in int8: use exact self-conditioning (sc_topk=None)")
     dev, dtype = module.device, module.dtype
+    from_file = {}  # the settings that came from `blockpress tune`'s file
+    lin = quantized_linears(module)
+    if linear_tiles is None and lin:  # none asked for: the ones tuned for this card, format and shapes, else defaults
+        a8 = experts == "w8a8" and lin[0].fmt == "fp8"
+        key = tuned.linears_key(module.text, W8A8_FORMAT if a8 else lin[0].fmt, dtype)
+        linear_tiles = from_file["linear_tiles"] = _tuned(dev, key, as_linear_tiles)
     lin_tiles = as_linear_tiles(linear_tiles)
     held, wgmma = module.layers[0].experts, _wgmma_target(dev)
     fmt = held.fmt if isinstance(held, QuantizedExperts) else "native"
-    from_file = {}  # the settings that came from `blockpress tune`'s file
     if moe_tiles is None:  # none asked for: the ones tuned for this card and these shapes, else the defaults
         a8 = experts == "w8a8" and fmt == "fp8"
         key = tuned.experts_key(module.text, W8A8_FORMAT if a8 else fmt, dtype, getattr(held, "group_size", None))

@@ -1,15 +1,17 @@
 """Kernel settings timed on this machine's GPU (`blockpress tune`), used where none are asked for.
 
 Why: how close a denoising step gets to the bandwidth floor depends on the Triton kernels' tiles, and the best tiles
-depend on the card. The built-in defaults (`moe_grouped.default_tiles`, one key run in the attention kernel) were
-chosen on one H100 (the fp8 experts' tiles alone took 2.6 ms off its step); on another card, or another model's
-shapes, they are a guess. `blockpress tune` (blockpress/lab/tune.py) times the candidates on the user's card for
+depend on the card. The built-in defaults (`moe_grouped.default_tiles`, `linear_q.DEFAULT_LINEAR_TILES`, one key
+run in the attention kernel) were chosen on one H100 (the fp8 experts' tiles alone took 2.6 ms off its step) or
+from compiles alone; on another card, or another model's shapes, they are a guess. `blockpress tune`
+(blockpress/lab/tune.py) times the candidates on the user's card for
 the model's own shapes and keeps the fastest that agrees with the reference. A tuned setting only ever picks
 among variants of the same function (tiles, key runs: the same numbers up to fp32 summation order), never a
 numeric format, so a tuned model computes what an untuned one does.
 
 What is kept, per device ("<name> sm_<major><minor>", e.g. "NVIDIA H100 80GB HBM3 sm_90") and per kernel and
-shape (`experts_key`, `attention_key`): the chosen value (a `moe_tiles` spec, an `attention_split`), every
+shape (`experts_key`, `linears_key`, `attention_key`): the chosen value (a `moe_tiles` or `linear_tiles` spec, an
+`attention_split`), every
 candidate's time, and the torch / Triton versions and date of the run. Where: one JSON file, `path()`:
 $BLOCKPRESS_TUNED, else $XDG_CACHE_HOME/blockpress/tuned.json (~/.cache/blockpress/tuned.json);
 BLOCKPRESS_TUNED=off turns the lookup off. `kernels.select.configure` asks `lookup` when an option was not given;
@@ -70,6 +72,15 @@ def experts_key(text, fmt: str, dtype: torch.dtype, group_size: int | None = Non
         (text.num_experts, text.moe_intermediate_size, text.top_k_experts)
     group = f" g={group_size}" if fmt == "int4" and group_size else ""
     return f"{'mlp' if mlp else 'experts'} {fmt}{group} E={E} H={text.hidden_size} I={Im} k={K} {_dtype(dtype)}"
+
+
+def linears_key(text, fmt: str, dtype: torch.dtype) -> str:
+    """The 8-bit projections' shape key: format ("int8", "fp8", "fp8-a8" with fp8 activations), the widths that
+    set a pass's projection shapes (hidden, heads x head dims, KV heads, the dense MLP), the activation dtype."""
+    dims = sorted({(text.layer_head_dim(i), text.layer_kv_heads(i)) for i in range(text.num_hidden_layers)})
+    attn = ",".join(f"D{d}/kv{kv}" for d, kv in dims)
+    return f"linears {fmt} H={text.hidden_size} heads={text.num_attention_heads} {attn} I={text.intermediate_size} " \
+           f"{_dtype(dtype)}"
 
 
 def attention_key(text, dtype: torch.dtype) -> str:

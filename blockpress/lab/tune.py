@@ -2,11 +2,13 @@
 
 Shape legend: N tokens (batch x canvas), E experts, K top-k, H hidden, Im the experts' intermediate width.
 
-Two choices are tuned, each among variants of one function (the same numbers up to fp32 summation order), so the
+Three choices are tuned, each among variants of one function (the same numbers up to fp32 summation order), so the
 choice changes speed only:
 - the expert kernels' tiles (`moe_tiles`): one layer's experts with random weights of the model's shapes and format,
   a canvas's tokens routed top-K by a random router, every setting of a grid timed; the built-in default first,
   checked against the plain-torch experts, every other setting against it;
+- the 8-bit projections' tiles (`linear_tiles`, kernels/linear_q.py): every projection shape of a pass (q/k/v and
+  gate/up merged, as they run), each candidate timed over the whole pass, checked against the kernel's reference;
 - the attention kernel's key runs per row block (`attention_split`, kernels/attention_fixed.py): a denoising pass's
   attention after `context` cached tokens, per kind of layer, summed over the model's layers; each run count
   checked against the kernel's one-run output and the torch reference.
@@ -34,6 +36,19 @@ from .profile import time_ms
 DEFAULT_GRID = "bm=auto;bn=64,128,256;bk=32,64,128;warps=4,8|bm=16,32,64|bm=auto,16,32;bn=64,128;bk=64,128;swap=1"
 QUICK_GRID = "bm=auto;bn=64,128;bk=64,128|bm=auto,16;bn=64,128;bk=128;swap=1"  # 8 settings
 SPLITS = (1, 2, 3, 4)
+# the 8-bit projections' candidates by format (`linear_tiles` specs), the default first. Weight-only: on an H200
+# (2026-11-25) the default tiles ran 2.2x slower than cuBLAS bf16 at 256 rows and 2x at one row although they move
+# half the bytes (a 2112-wide projection has 33 N tiles of 64, a quarter of the 132 SMs at one row); narrower N tiles
+# and K split over several programs (fp32 atomic adds) give the GPU more programs; bm=128 and wider tiles with 8
+# warps (fewer programs) were slower there; swap=1: the weight as the MMA's register operand (wgmma on sm_90), a
+# canvas's rows in one block. fp8 x fp8 ("fp8-a8", `--fp8-activations`): the default tiles, a K tile of 128 and a
+# 128-row block (compiled for sm_90 at a canvas: 0.39, 0.26 and 0.21 K-loop instructions per weight)
+WEIGHT_ONLY_SPECS = ["bm=auto,bn=64,bk=64", "bm=auto,bn=32,bk=64", "bm=auto,bn=64,bk=64,split=2",
+                     "bm=auto,bn=64,bk=64,split=4", "bm=auto,bn=64,bk=64,split=8", "bm=auto,bn=32,bk=64,split=4",
+                     "bm=auto,bn=32,bk=128,split=4", "bm=128,bn=64,bk=64", "bm=auto,bn=64,bk=64,swap=1",
+                     "bm=auto,bn=128,bk=64,swap=1"]
+LINEAR_SPECS = {"int8": WEIGHT_ONLY_SPECS, "fp8": WEIGHT_ONLY_SPECS,
+                "fp8-a8": ["bm=auto,bn=64,bk=64", "bm=auto,bn=64,bk=128", "bm=128,bn=64,bk=128"]}
 
 
 def parse_grid(text: str) -> list[str]:
@@ -165,6 +180,68 @@ def tune_experts(text, canvas: int, fmt: str, device, dtype, group_size: int = 6
     best = fastest(rows)
     return {"default": default, "best": None if best is None else best["spec"], "rows": rows,
             "rel_err_vs_torch": vs_torch, "tokens": tokens}
+
+
+def projection_shapes(text, fused: bool = False) -> dict[tuple[int, int], int]:
+    """(in, out) -> how many projections of one pass have that shape (all layers). fused: q, k and v as one
+    projection, and gate and up as one (`merge_projections`, the default: fewer, wider GEMMs)."""
+    shapes: dict[tuple[int, int], int] = {}
+    H = text.hidden_size
+    for i in range(text.num_hidden_layers):
+        heads, kv, D = text.num_attention_heads, text.layer_kv_heads(i), text.layer_head_dim(i)
+        qkv = [heads * D, kv * D] + ([] if text.is_full(i) else [kv * D])  # q, k, v (full layers: k = v)
+        layer = ([(H, sum(qkv))] if fused else [(H, o) for o in qkv]) + [(heads * D, H)]  # ..., o
+        inter = text.intermediate_size
+        layer += ([(H, 2 * inter)] if fused else [(H, inter)] * 2) + [(inter, H)]  # gate, up, down
+        for s in layer:
+            shapes[s] = shapes.get(s, 0) + 1
+    return shapes
+
+
+def tune_linears(text, canvas: int, fmt: str, device, dtype, batch: int = 1, specs=None, repeats: int = 3,
+                 seed: int = 0, report=None) -> dict:
+    """The 8-bit projections' tiles for `fmt` ("int8", "fp8", or "fp8-a8": fp8 weights and activations) at `batch`
+    canvases: each spec (default `LINEAR_SPECS[fmt]`, the built-in default first) timed over one pass's projection
+    shapes (merged, each time its count), every shape checked against the kernel's reference. -> {"default",
+    "best", "rows", "rel_err_vs_torch"} (a row: spec, ms per pass, rel_err_vs_first, ok / failed)."""
+    from ..kernels.linear_q import (DEFAULT_LINEAR_SPEC, QuantizedLinear, linear_fp8_w8a8_reference,
+                                    linear_q_triton, parse_linear_tiles)
+
+    a8 = fmt == "fp8-a8"
+    specs = list(specs or LINEAR_SPECS[fmt])
+    specs = [DEFAULT_LINEAR_SPEC] + [sp for sp in specs if sp != DEFAULT_LINEAR_SPEC]
+    g = torch.Generator(device=device).manual_seed(seed)
+    M, tol = batch * canvas, tolerance(dtype)
+    cases = []  # (x, q, reference output, count)
+    for (I, O), count in sorted(projection_shapes(text, fused=True).items()):
+        lin = torch.nn.Linear(I, O, bias=False, device=device, dtype=dtype)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(O, I, generator=g, device=device) / I ** 0.5)
+        q = QuantizedLinear.from_linear(lin, "fp8" if a8 else fmt, backend="torch")
+        x = torch.randn(M, I, generator=g, device=device).to(dtype)
+        with torch.no_grad():
+            want = linear_fp8_w8a8_reference(x, q.weight_q, q.weight_scale) if a8 else q(x)
+        cases.append((x, q, want.float(), count))
+    rows, vs_torch, first = [], 0.0, None
+    for i, spec in enumerate(specs, 1):
+        row, t = {"spec": spec}, parse_linear_tiles(spec)
+        try:
+            outs = [linear_q_triton(x, q.weight_q, q.weight_scale, **t, act8=a8) for x, q, _, _ in cases]
+            if first is None:
+                first = [o.float() for o in outs]
+                vs_torch = max(_rel(o, w) for o, (_, _, w, _) in zip(first, cases))
+            err = max(_rel(o, f) for o, f in zip(outs, first))
+            ms = sum(n * time_ms(lambda x=x, q=q: linear_q_triton(x, q.weight_q, q.weight_scale, **t, act8=a8),
+                                 device, repeats) for x, q, _, n in cases)
+            row.update(ms=ms, rel_err_vs_first=err, ok=err < tol and vs_torch < tol)
+        except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result
+            row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        rows.append(row)
+        if report is not None:
+            report(row, i, len(specs))
+    best = fastest(rows)
+    return {"default": DEFAULT_LINEAR_SPEC, "best": None if best is None else best["spec"], "rows": rows,
+            "rel_err_vs_torch": vs_torch, "tokens": M}
 
 
 def tune_attention(text, canvas: int, device, dtype, batch: int = 1, context: int = 2048, splits=SPLITS,

@@ -370,6 +370,9 @@ EOF
     [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && BLOCKPRESS_TUNED="$OUT/tuned.json" timeout "$lim" python3 -m blockpress \
       tune --preset "$PRESET" --precision fp8 --linears fp8 --fp8-activations --quick 2>&1 | grep -v '^{' \
       | tee -a "$OUT/log.txt" | tail -20 | tee -a "$OUT/summary.txt"
+    # ... and the step with what it kept (its JSON's backends name them under "tuned"), against fp8-w8a8-all
+    [ -f "$OUT/tuned.json" ] && BLOCKPRESS_TUNED="$OUT/tuned.json" STEP_LIMIT=90 bench fp8-w8a8-all-tuned \
+      ${ROW/--experts $FAST/--experts w8a8} --precision fp8 --linears fp8
     # the <= 18 GB candidates with no slower kernel: 512-token prefill chunks (a ring of 1,536 slots in the sliding
     # layers; the same numbers), predicted 17.73 GB; and int4 scales per 128 inputs where the dim allows (gate/up; a
     # small quality cost, benchmarks/results/2026-11-27-cpu-memory-attention.md), 17.49 GB

@@ -1,13 +1,14 @@
 """`blockpress tune [MODEL]`: time the GPU kernels' settings on this card for a model's shapes and keep the fastest.
 
-What it tunes (blockpress/lab/tune.py): the expert kernels' tiles for the storage given (`--precision`,
-`--group-size`, `--fp8-activations`), the 8-bit projections' tiles (`--linears int8|fp8`; `int4-mlp`: the dense
-MLP's int4 kernels' tiles), and the attention kernel's key runs.
+What it tunes (blockpress/lab/tune.py), for the storage flags given (those of `run`: `--precision`, `--group-size`,
+`--linears`, and `--fp8-activations`): the expert kernels' tiles, the 8-bit projections' tiles (`--linears
+int8|fp8`; `int4-mlp`: the dense MLP's int4 kernels' tiles), and the attention kernel's key runs.
 Each candidate is checked against the reference and the default; one that fails or disagrees is never kept. The
 winners go to the tuned-settings file (blockpress/kernels/tuned.py: ~/.cache/blockpress/tuned.json, or
-$BLOCKPRESS_TUNED), which every later `load` / `run` / `serve` / `bench` on this card reads when no `--moe-tiles` or
-`--attention-split` is given. Only MODEL's config.json is read (a Hub id fetches that file alone): the kernels run on
-random weights of its shapes. Tune with the storage flags you load with: a setting is kept per format and shape.
+$BLOCKPRESS_TUNED), which every later `load` / `run` / `serve` / `bench` on this card reads where no `--moe-tiles`,
+`--linear-tiles` or `--attention-split` is given. Only MODEL's config.json is read (a Hub id fetches that file
+alone): the kernels run on random weights of its shapes. Tune with the storage flags you load with: a setting is kept
+per format and shape.
 """
 
 from __future__ import annotations
@@ -15,27 +16,18 @@ from __future__ import annotations
 import json
 import sys
 
-from .run import _group_size, _int_in, _positive_int
+from .run import _int_in, _positive_int, add_fp8_activations_arg, add_storage_args
 
 PRESETS = ("tiny", "small", "real-26b")
 
 
 def add_parser(p) -> None:
-    from ..options import LINEAR_FORMATS
-
     p.add_argument("model", metavar="MODEL", nargs="?",
                    help="a checkpoint folder, a shipped model's name or a Hub id; only its config.json is read "
                         "(default: the 26B-A4B model's shapes, --preset real-26b)")
     p.add_argument("--preset", choices=PRESETS, default=None, help="a built-in config instead of MODEL")
-    p.add_argument("--precision", choices=["native", "fp8", "int4"], default="native",
-                   help="the expert weights' format you load with (a pre-quantised checkpoint: its own)")
-    p.add_argument("--group-size", type=_group_size, default=64, help="int4: input columns per scale (default 64)")
-    p.add_argument("--linears", choices=LINEAR_FORMATS, default="native",
-                   help="the projections' format you load with: int8 / fp8 tune the 8-bit projection kernel's tiles, "
-                        "int4-mlp the dense MLP's int4 kernels")
-    p.add_argument("--fp8-activations", action="store_true",
-                   help="with fp8 weights (--precision fp8, --linears fp8): tune the fp8 x fp8 kernels (what "
-                        "--fp8-activations runs)")
+    add_storage_args(p)  # the storage you load with: a setting is kept per format and shape
+    add_fp8_activations_arg(p)
     p.add_argument("--batch", type=_int_in(1, 64), default=1, help="canvases per pass to tune for (default 1)")
     p.add_argument("--context", type=_positive_int, default=2048,
                    help="cached tokens before the canvas, for the attention kernel (default 2048)")
@@ -43,9 +35,9 @@ def add_parser(p) -> None:
     p.add_argument("--grid", default=None, help="the tile settings to try, e.g. 'bm=auto,16;bn=64,128;bk=128;swap=1' "
                                                 "(';' between keys, ',' between values, '|' between grids)")
     p.add_argument("--repeats", type=_positive_int, default=3, help="CPU interpreter only: best of this many runs")
-    p.add_argument("--device", default=None, help="the CUDA GPU to tune (default: the first); a CPU runs Triton's "
-                                                  "interpreter only when TRITON_INTERPRET=1 (tests: its times mean "
-                                                  "nothing for a GPU)")
+    p.add_argument("--device", default=None, help="the CUDA GPU to tune (default: the first); --device cpu runs "
+                                                  "Triton's CPU interpreter, for tests: its times mean nothing for a "
+                                                  "GPU")
     p.add_argument("--dry-run", action="store_true", help="time and print, keep nothing")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -61,7 +62,13 @@ class BlockDiffusionLM:
         from .engine.graphs import passes_for
         from .kernels.select import apply, host_syncs
 
-        changed = apply(self.module, old, new)
+        chosen = apply(self.module, old, new)
+        changed = chosen is not None
+        if old is None and changed and chosen.get("tuned"):  # at load: say where the settings come from, once
+            from .kernels.tuned import path
+
+            print(f"blockpress: kernel settings tuned on this device ({path()}): "
+                  + ", ".join(f"{k} {v}" for k, v in chosen["tuned"].items()), file=sys.stderr)
         graphs = new.graphs_on(self.module.device, not host_syncs(self.module))
         try:
             self.passes = passes_for(self.module, self.passes, graphs, new.compile, changed)

@@ -136,6 +136,40 @@ def test_a_compiled_block_is_one_graph_without_breaks_in_the_fixed_shape_pass(pr
     _close([got], [want])
 
 
+def test_a_compiled_block_starts_with_its_projection_its_input_norm_made_by_the_block_before():
+    """Each block's input norm is computed by the block before it (the first's before the loop, the final norm by
+    the last block), in the kernel that makes the residual it normalises: a compiled block's first launch is its
+    q/k/v projection, with no norm kernel of its own before it (30 launches fewer a pass on the 26B model). Still
+    one graph per kind of layer, and the eager numbers: a canvas's logits, a fused commit's, and the K/V an
+    encoder pass that stops at the last layer writes with the norm handed to it."""
+    from torch._inductor.utils import run_and_get_code
+
+    m = _model(layers=4)
+    ids, x = _inputs(m)
+    C = m.config.canvas_length
+    cache = m.new_cache(ids.shape[0], ids.shape[1] + 3 * C)
+    m.encode(ids, cache)
+    T = cache.length
+    start = torch.tensor(T, device=m.device)
+    want = [m.decode(x, cache, start=start), m.encode_decode(x, x.flip(-1), cache, start=start)]
+    m.encode(x, cache, start=start, output=False)
+    want_kv = [k[:, :, T:T + C].clone() for k in cache.keys]
+    kernels.configure(m, experts="grouped", attention="sdpa_gqa", compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    got, code = run_and_get_code(lambda: m.decode(x, cache, start=start))
+    assert counters["stats"]["unique_graphs"] == 2  # sliding and full: not one more for the first or last block
+    for call in (c[c.index("def call("):] for c in code):
+        first_mm = call.index("extern_kernels.mm(")
+        assert "cpp_fused" in call[first_mm:] and "cpp_fused" not in call[:first_mm]
+    torch._dynamo.reset()
+    _close([got, m.encode_decode(x, x.flip(-1), cache, start=start)], want)
+    for k in cache.keys:
+        k[:, :, T:T + C] = 0.0
+    assert m.encode(x, cache, start=start, output=False) is None
+    _close([k[:, :, T:T + C] for k in cache.keys], want_kv)
+
+
 def _routing(N=6, E=4, K=2, H=32, Im=16, seed=0, dev=torch.device("cpu")):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, H, generator=g)

@@ -146,6 +146,24 @@ def test_configure_runs_the_tuned_projection_tiles_for_their_format(tuned_file):
 
 
 @needs_triton
+def test_a_load_says_in_one_line_which_settings_came_from_the_file(tuned_file, capsys):
+    import blockpress
+
+    cfg = preset_config("tiny")[0]
+    blockpress.from_config(cfg, device=DEV, precision="fp8", experts="auto")
+    assert "tuned" not in capsys.readouterr().err  # nothing kept yet
+    text = ModelConfig.from_dict(cfg).text
+    tuned.store(DEV, tuned.experts_key(text, "fp8", torch.float32, 64), "bm=16,bn=32,bk=32", {})
+    lm = blockpress.from_config(cfg, device=DEV, precision="fp8", experts="auto")
+    err = capsys.readouterr().err
+    assert err == f"blockpress: kernel settings tuned on this device ({tuned_file}): moe_tiles bm=16,bn=32,bk=32\n"
+    assert lm.module.layers[0].experts.tiles.spec() == "bm=16,bn=32,bk=32"
+    lm.configure(sampler="fast")  # a change of options later: no line again
+    blockpress.from_config(cfg, device=DEV, precision="fp8", experts="auto", moe_tiles="bm=32")  # asked: no file
+    assert capsys.readouterr().err == ""
+
+
+@needs_triton
 def test_a_tuned_value_the_engine_refuses_is_ignored_with_a_warning(tuned_file):
     m = _model("fp8")
     tuned.store(DEV, tuned.experts_key(m.text, "fp8", torch.float32), "bn=48", {})

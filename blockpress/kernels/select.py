@@ -237,15 +237,15 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
                if any(v is not None for v in from_file.values()) else {})}
 
 
-def apply(module, old: Options | None, new: Options) -> bool:
-    """Make `module` run as `new` says (it ran as `old`; None: a module just built or loaded). Returns whether its
-    kernels changed (CUDA graphs captured before must be captured again)."""
+def apply(module, old: Options | None, new: Options) -> dict | None:
+    """Make `module` run as `new` says (it ran as `old`; None: a module just built or loaded). Returns `configure`'s
+    answer where its kernels changed (CUDA graphs captured before must be captured again), else None."""
     fields = {f.name for f in dataclasses.fields(Options)} - {"sampler", "fuse_commit", "compact_rows", "cuda_graphs"}
     changed = new.changed(old) & fields if old is not None else fields
     if not changed:
-        return False
+        return None
     try:
-        configure(module, experts=new.experts, attention=new.attention, precision=new.precision,
+        return configure(module, experts=new.experts, attention=new.attention, precision=new.precision,
                   group_size=new.group_size, sc_topk=new.sc_topk, linears=new.linears, compile=new.compile,
                   moe_tiles=new.moe_tiles, moe_sum=new.moe_sum, linear_tiles=new.linear_tiles,
                   merge_projections=new.merge_projections,
@@ -253,7 +253,6 @@ def apply(module, old: Options | None, new: Options) -> bool:
                   embeddings=new.embeddings)
     except ValueError as e:
         raise InputError(str(e)) from None
-    return True
 
 
 def host_syncs(module) -> list[str]:

@@ -49,15 +49,18 @@ class Block(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))  # decoder pass
         self.register_buffer("encoder_layer_scalar", torch.ones(1))  # encoder pass
 
-    def forward(self, x, attend, scalar, checkpoint_ffn: bool = False):
+    def forward(self, x, attend, scalar, checkpoint_ffn: bool = False, normed=None, then=None):
         """x [B,S,H]; `attend(h) -> attention output [B,S,H]` closes over cache, mask, rope. checkpoint_ffn (training):
         recompute the feed-forward half in backward instead of keeping its activations (the attention half writes
-        the K/V cache, so it is not recomputed)."""
-        h = self.post_attention_layernorm(attend(self.input_layernorm(x)))
+        the K/V cache, so it is not recomputed). normed: `input_layernorm(x)` where the caller has it; then: the norm
+        that follows this block (the next layer's input norm, or the final norm), applied to the output and returned
+        beside it, (out, then(out)): a compiled block computes it in its last kernel (see `_layers`)."""
+        h = self.post_attention_layernorm(attend(self.input_layernorm(x) if normed is None else normed))
         x = x + h
         if checkpoint_ffn:
             return torch.utils.checkpoint.checkpoint(self.feed_forward, x, use_reentrant=False) * scalar
-        return self.feed_forward(x) * scalar
+        out = self.feed_forward(x) * scalar
+        return out if then is None else (out, then(out))
 
     def feed_forward(self, x):
         """The dense MLP and the experts side by side, on the residual after attention."""
@@ -293,15 +296,26 @@ class DiffusionGemmaModel(nn.Module):
         return tables
 
     def _layers(self, x, rope: dict, keys, scalar, upto: int | None = None, hidden_states: list | None = None,
-                checkpoint: bool = False, checkpoint_ffn: bool = False):
+                checkpoint: bool = False, checkpoint_ffn: bool = False, then=None):
         """The decoder layers [0, upto) (default all) over x [B, n, H]. keys: the pass's `KeyAccess` (where it
         writes K/V, what each query sees); scalar(layer) -> the residual scale of its rows. checkpoint: recompute
-        whole layers in backward (a pass that writes no cache); checkpoint_ffn: their feed-forward halves only."""
+        whole layers in backward (a pass that writes no cache); checkpoint_ffn: their feed-forward halves only.
+        then: the norm the caller applies to the output (the final norm, or layer `upto`'s input norm): returns
+        (x, then(x)) instead of x.
+
+        Compiled blocks (the fixed-shape passes) carry each norm between blocks: the first layer's input norm runs
+        before the loop, and each block computes the next one's input norm (the last block: `then`) in its last
+        kernel, where the residual it normalises is made, instead of a kernel of its own at the start of the next
+        block (30 kernels fewer a pass on the 26B model). Every block then takes the same arguments, so the graphs
+        stay one per kind of layer. The same norms of the same tensors: eager passes compute them where they did."""
         # compiled blocks run the fixed-shape passes only: a span pass's host-position attention breaks each block
         # into pieces, each shape (every prompt length) compiles again, and it bought nothing on an H100 (a 1,024-token
         # prefill took 68 ms compiled, 71 eager; benchmarks/results/2026-11-26-h100-compiled.md)
         attn_fn, block = self.ops.attention, self.ops.block if keys.fixed else None
-        for i, layer in enumerate(self.layers[:upto]):
+        layers = self.layers[:upto]
+        carry = block is not None and then is not None and not (checkpoint or checkpoint_ffn)
+        normed = layers[0].input_layernorm(x) if carry and len(layers) else None
+        for i, layer in enumerate(layers):
             t = FULL if layer.full else SLIDING
             cos, sin = rope[t]
 
@@ -313,13 +327,18 @@ class DiffusionGemmaModel(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(layer, x, attend, scalar(layer), use_reentrant=False)
             elif checkpoint_ffn:  # training only
                 x = layer(x, attend, scalar(layer), checkpoint_ffn=True)
-            elif block is not None:  # a compiled block (the same function)
+            elif carry:  # a compiled block (the same function), handed its input norm, making the next one's
+                x, normed = block(layer, x, attend, scalar(layer), normed=normed,
+                                  then=layers[i + 1].input_layernorm if i + 1 < len(layers) else then)
+            elif block is not None:
                 x = block(layer, x, attend, scalar(layer))
             else:
                 x = layer(x, attend, scalar(layer))
             if hidden_states is not None and i < len(self.layers) - 1:
                 hidden_states.append(x)
-        return x
+        if then is None:
+            return x
+        return x, normed if normed is not None else then(x)
 
     # encoder pass -------------------------------------------------------------------------------
     def encode(self, ids: torch.Tensor, cache: KVCache, pad_mask: torch.Tensor | None = None,
@@ -363,18 +382,19 @@ class DiffusionGemmaModel(nn.Module):
         if hidden_states is not None:
             hidden_states.append(x)
         last = len(self.layers) - 1
-        x = self._layers(x, rope, keys, lambda layer: layer.encoder_layer_scalar, upto=None if output else last,
-                         hidden_states=hidden_states,
-                         checkpoint_ffn=self.gradient_checkpointing and torch.is_grad_enabled())
+        x, normed = self._layers(x, rope, keys, lambda layer: layer.encoder_layer_scalar,
+                                 upto=None if output else last, hidden_states=hidden_states,
+                                 checkpoint_ffn=self.gradient_checkpointing and torch.is_grad_enabled(),
+                                 then=self.norm if output else self.layers[last].input_layernorm)
         if not output:  # the cache needs only the last layer's K/V
             layer = self.layers[last]
             t = FULL if layer.full else SLIDING
-            keys.write(keys.layer(last), t, *layer.self_attn.project_kv(layer.input_layernorm(x), *rope[t]))
+            keys.write(keys.layer(last), t, *layer.self_attn.project_kv(normed, *rope[t]))
         if start is None:
             cache.length = T0 + S
         if not output:
             return None
-        x = self.norm(x)
+        x = normed
         if hidden_states is not None:
             hidden_states.append(x)
         return x
@@ -425,10 +445,10 @@ class DiffusionGemmaModel(nn.Module):
         def scalar(layer):  # the encoder's scale on the chunk's rows, the decoder's on the canvas's
             return torch.cat([layer.encoder_layer_scalar.expand(S), layer.layer_scalar.expand(C)])[None, :, None]
 
-        x = self._layers(x, rope, keys, scalar)
+        x, normed = self._layers(x, rope, keys, scalar, then=self.norm)
         if start is None:
             cache.length = T0 + S
-        return self.lm_logits(self.norm(x[:, S:]), out=out, capped=capped)
+        return self.lm_logits(normed[:, S:], out=out, capped=capped)
 
     # decoder pass -------------------------------------------------------------------------------
     def decoder_input(self, canvas: torch.Tensor, sc_logits: torch.Tensor | None,
@@ -466,9 +486,8 @@ class DiffusionGemmaModel(nn.Module):
             Fixed(self, cache, start, 0, C, x.dtype)
         if hidden_states is not None:
             hidden_states.append(x)
-        x = self._layers(x, rope, keys, lambda layer: layer.layer_scalar, hidden_states=hidden_states,
-                         checkpoint=self.gradient_checkpointing and torch.is_grad_enabled())
-        x = self.norm(x)
+        _, x = self._layers(x, rope, keys, lambda layer: layer.layer_scalar, hidden_states=hidden_states,
+                            checkpoint=self.gradient_checkpointing and torch.is_grad_enabled(), then=self.norm)
         if hidden_states is not None:
             hidden_states.append(x)
         if return_hidden:

@@ -256,3 +256,25 @@ def test_a_span_pass_refuses_to_be_traced():
     with pytest.raises(Exception, match="span pass"):
         torch.compile(lambda i: m.encode(i, cache), backend="eager", fullgraph=True)(ids)
     torch._dynamo.reset()
+
+
+def test_block_kernels_counts_the_launches_a_gpu_would_run():
+    """benchmarks/block_kernels.py (in its own process: it writes Triton for a GPU, which the interpreter mode of
+    this one would not): each compiled block graph's launches, read from the Triton code inductor generates, start
+    with the q/k/v projection (the input norm carried in from the block before) and hold the block's five GEMMs and
+    three custom ops."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "block_kernels.py"
+    r = subprocess.run([sys.executable, str(script), "--preset", "tiny"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    graphs = json.loads(r.stdout.strip().splitlines()[-1])["graphs"]
+    assert len(graphs) == 2  # a sliding and a full layer
+    for ls in graphs:
+        assert ls[0] == "extern_kernels.mm" and ls.count("extern_kernels.mm") == 5
+        assert sorted(x for x in ls if x.startswith("torch.ops")) == [
+            "torch.ops.blockpress.fixed_attention", "torch.ops.blockpress.quantized_experts", "torch.ops.blockpress.route"]
+        assert 0 < sum(x.startswith("triton_") for x in ls) <= 5

@@ -19,6 +19,10 @@ is one opaque call in the graph, so a fixed-shape pass traces one graph per bloc
 (a host sync the tracer never sees; the first call is a CUDA graph's warm-up run). The first pass of each shape
 compiles (seconds to a minute); CUDA graphs capture after their warm-up runs, so they replay the compiled kernels.
 
+Each compiled block is handed its input norm and computes the next block's (the last: the final norm) in its last
+kernel (model/diffusion_gemma.py `_layers`): a block graph starts with its q/k/v projection, 13 launches at the 26B
+widths (benchmarks/block_kernels.py reads them from the Triton code inductor generates).
+
 The same function as eager up to fp32 reassociation (tests/test_compiled.py compares logits at 1e-5).
 """
 

@@ -95,10 +95,10 @@ def main(args) -> int:
 
     def report(what):
         def show(row, i, n):
-            name = row.get("spec", f"split={row.get('split')}")
+            label = row.get("spec", f"split={row.get('split')}")
             status = row.get("failed") or (f"{row['ms']:.3f} ms" + ("" if row["ok"] else
                                                                     f"  DISAGREES ({row['rel_err_vs_first']:.1e})"))
-            print(f"  [{what} {i}/{n}] {name:<40} {status}", file=sys.stderr, flush=True)
+            print(f"  [{what} {i}/{n}] {label:<40} {status}", file=sys.stderr, flush=True)
         return show
 
     common = dict(device=device, dtype=dtype, batch=args.batch, repeats=args.repeats, canvas=C)
@@ -115,12 +115,15 @@ def main(args) -> int:
     jobs.append((tuned.attention_key(text, dtype), "attention",
                  lambda r: tune.tune_attention(text, context=args.context, report=r, **common)))
     kept, summary = {}, {"device": card, "source": source, "batch": args.batch, "results": {}}
+
+    def name(row) -> str:  # a candidate: a tiles spec, or a count of key runs
+        return str(row.get("spec", row.get("split")))
+
     for key, what, run in jobs:
         res = summary["results"][key] = run(report(what))
         if res["best"] is None:
             print(f"  {key}: no setting ran and agreed with the reference; nothing kept", file=sys.stderr)
             continue
-        name = (lambda r: str(r.get("spec", r.get("split"))))
         times = {name(r): r["ms"] for r in res["rows"] if r.get("ok")}
         default = str(res.get("default", 1))
         facts = {"tokens": args.batch * C, **({"context": args.context} if what == "attention" else {}),

@@ -162,9 +162,10 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     linear_tiles: spec strings of the Triton kernels' tiles (None: the tiles tuned for this card, format and shapes,
     `_tuned`, else the defaults, `moe_grouped.default_tiles` for the experts); moe_sum: "kernel" or "atomic".
     merge_projections: each layer's q/k/v and gate/up projections as one GEMM each (None: `Options.merges`'
-    default); layers whose projections cannot merge (a LoRA adapter attached) run them one by one. attention_kernel: the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU
-    only (None: `Options.attention_kernel_on`; elsewhere it changes nothing); attention_split: that kernel's key runs
-    per row block (kernels/attention_fixed.py SPLIT; None: the tuned count, else 1). embeddings: "native", or
+    default); layers whose projections cannot merge (a LoRA adapter attached) run them one by one.
+    attention_kernel: the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU only (None:
+    `Options.attention_kernel_on`; elsewhere it changes nothing); attention_split: that kernel's key runs per row
+    block (kernels/attention_fixed.py SPLIT; None: the tuned count, else 1). embeddings: "native", or
     "int8" (the embedding table, which is also the LM head, with a scale per token: kernels/linear_q.py
     QuantizedEmbedding; its LM head takes the projections' kernel choice). The returned dict's "tuned" names what
     came from `blockpress tune`'s file."""
@@ -246,11 +247,10 @@ def apply(module, old: Options | None, new: Options) -> dict | None:
         return None
     try:
         return configure(module, experts=new.experts, attention=new.attention, precision=new.precision,
-                  group_size=new.group_size, sc_topk=new.sc_topk, linears=new.linears, compile=new.compile,
-                  moe_tiles=new.moe_tiles, moe_sum=new.moe_sum, linear_tiles=new.linear_tiles,
-                  merge_projections=new.merge_projections,
-                  attention_kernel=new.attention_kernel, attention_split=new.attention_split,
-                  embeddings=new.embeddings)
+                         group_size=new.group_size, sc_topk=new.sc_topk, linears=new.linears, compile=new.compile,
+                         moe_tiles=new.moe_tiles, moe_sum=new.moe_sum, linear_tiles=new.linear_tiles,
+                         merge_projections=new.merge_projections, attention_kernel=new.attention_kernel,
+                         attention_split=new.attention_split, embeddings=new.embeddings)
     except ValueError as e:
         raise InputError(str(e)) from None
 

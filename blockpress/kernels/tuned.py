@@ -4,22 +4,22 @@ Why: how close a denoising step gets to the bandwidth floor depends on the Trito
 depend on the card. The built-in defaults (`moe_grouped.default_tiles`, `linear_q.DEFAULT_LINEAR_TILES`, one key
 run in the attention kernel) were chosen on one H100 (the fp8 experts' tiles alone took 2.6 ms off its step) or
 from compiles alone; on another card, or another model's shapes, they are a guess. `blockpress tune`
-(blockpress/lab/tune.py) times the candidates on the user's card for
-the model's own shapes and keeps the fastest that agrees with the reference. A tuned setting only ever picks
-among variants of the same function (tiles, key runs: the same numbers up to fp32 summation order), never a
-numeric format, so a tuned model computes what an untuned one does.
+(blockpress/lab/tune.py) times the candidates on the user's card for the model's own shapes and keeps the fastest
+that agrees with the reference. A tuned setting only ever picks among variants of the same function (tiles, key
+runs: the same numbers up to fp32 summation order), never a numeric format, so a tuned model computes what an
+untuned one does.
 
 What is kept, per device ("<name> sm_<major><minor>", e.g. "NVIDIA H100 80GB HBM3 sm_90") and per kernel and
 shape (`experts_key`, `linears_key`, `attention_key`): the chosen value (a `moe_tiles` or `linear_tiles` spec, an
-`attention_split`), every
-candidate's time, and the torch / Triton versions and date of the run. Where: one JSON file, `path()`:
-$BLOCKPRESS_TUNED, else $XDG_CACHE_HOME/blockpress/tuned.json (~/.cache/blockpress/tuned.json);
+`attention_split`), every candidate's time, and the torch / Triton versions and date of the run. Where: one JSON
+file, `path()`: $BLOCKPRESS_TUNED, else $XDG_CACHE_HOME/blockpress/tuned.json (~/.cache/blockpress/tuned.json), as
+{"blockpress_tuned": FORMAT, "devices": {device: {key: {"value": ..., "times_ms": ..., ...}}}};
 BLOCKPRESS_TUNED=off turns the lookup off. `kernels.select.configure` asks `lookup` when an option was not given;
 an option given (`moe_tiles=...`, `--moe-tiles`) always wins.
 
 The file is only replaced whole (written beside it, then renamed), so a run cut off or a full disk leaves the old
-one. A file that is not the format below is never overwritten (`store` refuses with the fix) and is ignored with a
-warning by `lookup`, so a damaged cache cannot stop a model from loading.
+one. A file not in that form is never overwritten (`store` refuses, naming the fix) and is ignored with a warning by
+`lookup`, so a damaged cache cannot stop a model from loading.
 """
 
 from __future__ import annotations

@@ -165,9 +165,9 @@ def fastest(rows: list[dict]):
 def tune_experts(text, canvas: int, fmt: str, device, dtype, group_size: int = 64, batch: int = 1,
                  grid: str = DEFAULT_GRID, repeats: int = 3, seed: int = 0, mlp: bool = False, report=None) -> dict:
     """The expert kernels' tiles for `fmt` ("native", "fp8", "fp8-a8", "int4") at `batch` canvases of `canvas`
-    tokens (mlp: the dense MLP on the experts' int4 kernels): the default
-    for this device first (`moe_grouped.default_tiles`), then `grid`. -> {"default", "best" (spec or None when no
-    setting ran and agreed), "rows", "rel_err_vs_torch", "tokens"}."""
+    tokens (mlp: the dense MLP on the experts' int4 kernels): the default for this device first
+    (`moe_grouped.default_tiles`), then `grid`. -> {"default", "best" (spec or None when no setting ran and
+    agreed), "rows", "rel_err_vs_torch", "tokens"}."""
     from ..kernels.moe_grouped import _wgmma_target, default_tiles, parse_tiles
     from ..kernels.quant import expert_format
 

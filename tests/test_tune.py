@@ -229,6 +229,18 @@ def test_tune_keeps_the_fastest_agreeing_settings_and_a_dry_run_keeps_nothing(tu
     assert tuned.experts_key(TEXT, "fp8-a8", torch.float32) in kept and len(kept) == 5
 
 
+@needs_triton
+def test_tune_refuses_a_file_it_cannot_replace_before_timing_anything(tuned_file, capsys):
+    from blockpress.cli import main
+
+    tuned_file.parent.mkdir(parents=True)
+    tuned_file.write_text("[]")
+    assert main(["tune", "--preset", "tiny", "--device", str(DEV)]) == 2
+    captured = capsys.readouterr()
+    assert "is not a blockpress tuned-settings file" in captured.err and "[experts" not in captured.err
+    assert tuned_file.read_text() == "[]"
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--fp8-activations"], "--fp8-activations tunes the fp8 x fp8 kernels of fp8 weights: add --precision fp8 and / "
                             "or --linears fp8"),

@@ -83,6 +83,8 @@ def main(args) -> int:
         tune.parse_grid(grid)
     except ValueError as e:
         raise InputError(f"--grid: {e}") from None
+    if not args.dry_run:
+        tuned.writable()  # before timing anything: a file it would refuse to replace, or BLOCKPRESS_TUNED=off
     cfg, source = _config(args)
     text, C = cfg.text, cfg.canvas_length
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -119,7 +121,8 @@ def main(args) -> int:
     def name(row) -> str:  # a candidate: a tiles spec, or a count of key runs
         return str(row.get("spec", row.get("split")))
 
-    for key, what, run in jobs:
+    where = None
+    for key, what, run in jobs:  # each kept as soon as it is timed: an interrupted run keeps the finished ones
         res = summary["results"][key] = run(report(what))
         if res["best"] is None:
             print(f"  {key}: no setting ran and agreed with the reference; nothing kept", file=sys.stderr)
@@ -128,15 +131,13 @@ def main(args) -> int:
         default = str(res.get("default", 1))
         facts = {"tokens": args.batch * C, **({"context": args.context} if what == "attention" else {}),
                  **({"default": res["default"]} if "default" in res else {})}
-        kept[key] = (res["best"], times, facts)
+        kept[key] = res["best"]
         gain = f" ({times[default] / times[str(res['best'])]:.2f}x the default {default})" if default in times else ""
         print(f"  {key}: {res['best']}{gain}", file=sys.stderr)
-    if args.dry_run or not kept:
-        summary["kept"] = None
-    else:
-        for key, (value, times, facts) in kept.items():
-            where = tuned.store(device, key, value, times, **facts)
-        summary["kept"] = str(where)
+        if not args.dry_run:
+            where = tuned.store(device, key, res["best"], times, **facts)
+    summary["kept"] = None if where is None else str(where)
+    if where is not None:
         print(f"kept in {where}: later loads on this card use them where no --moe-tiles / --linear-tiles / "
               "--attention-split is given", file=sys.stderr)
     print(json.dumps(summary))

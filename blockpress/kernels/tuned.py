@@ -157,15 +157,23 @@ def lookup(device: torch.device, key: str, check=None):
     return entry["value"]
 
 
+def writable() -> Path:
+    """The file `store` writes to, where it can: InputError (one line, the fix) when lookups are off or the file
+    there is not a tuned-settings file (what `store` would refuse, asked before a long run)."""
+    p = path()
+    if p is None:
+        raise InputError("BLOCKPRESS_TUNED=off: nothing is kept; unset it (or point it at a file) to keep tuned "
+                         "settings")
+    _read(p)
+    return p
+
+
 def store(device: torch.device, key: str, value, times: dict, **facts) -> Path:
     """Keep `value` (with every candidate's time in ms, `times`, and `facts`: what was measured) as this device's
     setting for `key`, replacing an older one; the other entries stay. Returns the file. InputError (one line) when
     lookups are off, the file is not a tuned-settings file, or it cannot be written; the old file is then as it
     was."""
-    p = path()
-    if p is None:
-        raise InputError("BLOCKPRESS_TUNED=off: nothing is kept; unset it (or point it at a file) to keep tuned "
-                         "settings")
+    p = writable()
     devices = _read(p)
     entry = {"value": value, "times_ms": times, "torch": torch.__version__, **facts,
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -108,16 +108,14 @@ def main(argv=None) -> int:
                                                    args.mlp)
         floor_bytes = layer_bytes * hit
 
-        def report(row, i, n, precision=precision, floor_bytes=floor_bytes):
+        def report(row, i, n, precision=precision):
             row["precision"] = precision
-            if "ms" in row:
-                row.update(gbs=floor_bytes / (row["ms"] / 1e3) / 1e9,
-                           floor_fraction=floor_bytes / bandwidth / (row["ms"] / 1e3))
             status = row.get("failed") or (f"{row['ms']:.3f} ms  {row['gbs']:.0f} GB/s  "
                                            f"{row['floor_fraction']:.0%} of copy  err {row['rel_err_vs_first']:.1e}")
             print(f"  [{precision} {i}/{n}] {row['spec']:<40} {status}", flush=True)
 
-        rows, vs_torch = sweep_tiles(call, reference, x, w, idx, specs, device, args.repeats, report)
+        rows, vs_torch = sweep_tiles(call, reference, x, w, idx, specs, device, args.repeats, report, floor_bytes,
+                                     bandwidth)
         result.setdefault("rel_err_vs_torch", {})[precision] = vs_torch
         timed, best = [r for r in rows if r.get("ok")], fastest(rows)
         if best is not None:

@@ -214,6 +214,7 @@ def test_tune_keeps_the_fastest_agreeing_settings_and_a_dry_run_keeps_nothing(tu
         if key.startswith(("experts", "mlp")):
             assert [r["spec"] for r in rows] == [res["default"], "bm=16,bn=16,bk=16", "bm=16,bn=32,bk=16"]
             assert kept[key]["times_ms"] == {r["spec"]: r["ms"] for r in rows}
+            assert all(r["gbs"] > 0 for r in rows)  # the expert bytes the tokens hit, over the time
         else:
             assert [r["split"] for r in rows] == [1, 2, 3, 4] and res["rel_err_vs_torch"] < 1e-4
     assert "experts int4 g=32" in " ".join(kept) and "mlp int4 g=32" in " ".join(kept)

@@ -64,8 +64,9 @@ def main(args) -> int:
 
     from ..errors import InputError
     from ..kernels import tuned
-    from ..kernels._triton import interpreted, usable_on
+    from ..kernels._triton import fp8_usable_on, interpreted, usable_on
     from ..lab import tune
+    from ..lab.roofline import measure_bandwidth
     from ..loading import parse_device
 
     device = parse_device(args.device)
@@ -98,22 +99,31 @@ def main(args) -> int:
     def report(what):
         def show(row, i, n):
             label = row.get("spec", f"split={row.get('split')}")
-            status = row.get("failed") or (f"{row['ms']:.3f} ms" + ("" if row["ok"] else
-                                                                    f"  DISAGREES ({row['rel_err_vs_first']:.1e})"))
+            speed = "".join([f"  {row['gbs']:,.0f} GB/s" if "gbs" in row else "",
+                             f" ({row['floor_fraction']:.0%} of copy)" if "floor_fraction" in row else ""])
+            status = row.get("failed") or (f"{row['ms']:.3f} ms{speed}" + (
+                "" if row["ok"] else f"  DISAGREES ({row['rel_err_vs_first']:.1e})"))
             print(f"  [{what} {i}/{n}] {label:<40} {status}", file=sys.stderr, flush=True)
         return show
 
     common = dict(device=device, dtype=dtype, batch=args.batch, repeats=args.repeats, canvas=C)
+    bandwidth = measure_bandwidth(device) if device.type == "cuda" else None  # for the experts' share of it
     jobs = [(tuned.experts_key(text, experts, dtype, args.group_size), f"experts {experts}",
              lambda r: tune.tune_experts(text, fmt=experts, group_size=args.group_size, grid=grid, report=r,
-                                         **common))]
+                                         bandwidth=bandwidth, **common))]
     if args.linears == "int4-mlp":
         jobs.append((tuned.experts_key(text, "int4", dtype, args.group_size, mlp=True), "mlp int4",
                      lambda r: tune.tune_experts(text, fmt="int4", group_size=args.group_size, grid=grid, mlp=True,
-                                                 report=r, **common)))
+                                                 report=r, bandwidth=bandwidth, **common)))
     elif args.linears != "native":
         jobs.append((tuned.linears_key(text, linears, dtype), f"linears {linears}",
                      lambda r: tune.tune_linears(text, fmt=linears, report=r, **common)))
+    if not fp8_usable_on(device):  # fp8 weights run the torch path there (Triton has no e4m3 before sm_89)
+        skipped = [key for key, what, _ in jobs if "fp8" in what]
+        for key in skipped:
+            print(f"  {key}: skipped, the fp8 kernels do not run on this GPU (before sm_89: its torch path has no "
+                  "tiles)", file=sys.stderr)
+        jobs = [j for j in jobs if j[0] not in skipped]
     jobs.append((tuned.attention_key(text, dtype), "attention",
                  lambda r: tune.tune_attention(text, context=args.context, report=r, **common)))
     kept, summary = {}, {"device": card, "source": source, "batch": args.batch, "results": {}}

@@ -128,11 +128,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def sweep_tiles(call, reference, x, w, idx, specs: list[str], device, repeats: int = 3,
-                report: Callable[[dict, int, int], None] | None = None) -> tuple[list[dict], float]:
+                report: Callable[[dict, int, int], None] | None = None, floor_bytes: float | None = None,
+                bandwidth: float | None = None) -> tuple[list[dict], float]:
     """Time `call` (an expert layer, `build_layer`) at every tile spec. The first is the reference point: it is
     checked against the plain-torch `reference`, every other spec against it. Returns (rows, the first's relative
     error against torch); a row: spec, and ms and rel_err_vs_first and ok (within `tolerance`), or failed (why it
-    did not run). report(row, i, n) after each."""
+    did not run); with `floor_bytes` (the expert bytes a call must read) also gbs, and with the device's copy
+    `bandwidth` (bytes/s) floor_fraction, the share of it. report(row, i, n) after each."""
     from ..kernels.moe_grouped import parse_tiles
 
     tol = tolerance(x.dtype)
@@ -146,8 +148,12 @@ def sweep_tiles(call, reference, x, w, idx, specs: list[str], device, repeats: i
             if first is None:
                 first, vs_torch = out.float(), _rel(out, want)
             err = _rel(out, first)
-            row.update(ms=time_ms(lambda: call(x, w, idx, tiles), device, repeats), rel_err_vs_first=err,
-                       ok=err < tol and vs_torch < tol)
+            ms = time_ms(lambda: call(x, w, idx, tiles), device, repeats)
+            row.update(ms=ms, rel_err_vs_first=err, ok=err < tol and vs_torch < tol)
+            if floor_bytes:
+                row["gbs"] = floor_bytes / (ms / 1e3) / 1e9
+                if bandwidth:
+                    row["floor_fraction"] = floor_bytes / bandwidth / (ms / 1e3)
         except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result, not a crash
             row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         rows.append(row)
@@ -163,20 +169,25 @@ def fastest(rows: list[dict]):
 
 
 def tune_experts(text, canvas: int, fmt: str, device, dtype, group_size: int = 64, batch: int = 1,
-                 grid: str = DEFAULT_GRID, repeats: int = 3, seed: int = 0, mlp: bool = False, report=None) -> dict:
+                 grid: str = DEFAULT_GRID, repeats: int = 3, seed: int = 0, mlp: bool = False, report=None,
+                 bandwidth: float | None = None) -> dict:
     """The expert kernels' tiles for `fmt` ("native", "fp8", "fp8-a8", "int4") at `batch` canvases of `canvas`
     tokens (mlp: the dense MLP on the experts' int4 kernels): the default for this device first
     (`moe_grouped.default_tiles`), then `grid`. -> {"default", "best" (spec or None when no setting ran and
-    agreed), "rows", "rel_err_vs_torch", "tokens"}."""
+    agreed), "rows", "rel_err_vs_torch", "tokens"}; each row's gbs is the layer's expert bytes the tokens hit
+    (`roofline.expected_hit_fraction`) over its time, and with the copy `bandwidth` its floor_fraction."""
     from ..kernels.moe_grouped import _wgmma_target, default_tiles, parse_tiles
     from ..kernels.quant import expert_format
+    from .roofline import expected_hit_fraction
 
     default = default_tiles("int4" if mlp else expert_format(fmt)[0], _wgmma_target(device)).spec()
     specs = [default] + [s for s in parse_grid(grid) if parse_tiles(s).spec() != default]
     tokens = batch * canvas
     x, w, idx = routed_tokens(text, tokens, device, dtype, seed, mlp)
-    call, reference, _ = build_layer(text, fmt, device, dtype, group_size, seed, mlp)
-    rows, vs_torch = sweep_tiles(call, reference, x, w, idx, specs, device, repeats, report)
+    call, reference, layer_bytes = build_layer(text, fmt, device, dtype, group_size, seed, mlp)
+    hit = 1.0 if mlp else expected_hit_fraction(text.num_experts, text.top_k_experts, tokens)
+    rows, vs_torch = sweep_tiles(call, reference, x, w, idx, specs, device, repeats, report, layer_bytes * hit,
+                                 bandwidth)
     best = fastest(rows)
     return {"default": default, "best": None if best is None else best["spec"], "rows": rows,
             "rel_err_vs_torch": vs_torch, "tokens": tokens}

@@ -9,8 +9,8 @@
   (torch.compile of the decoder blocks).
 - Kernels: `experts`, `attention` ("auto": the fastest path that runs here; "loop" / "sdpa" the references),
   `sc_topk` (self-conditioning over the top-K tokens, an approximation), the Triton kernels' settings
-  `moe_tiles`, `moe_sum`, `linear_tiles` (None: the tuned ones for this card, `blockpress tune`, kernels/tuned.py,
-  else the defaults; `linear_tiles`: the defaults), and `merge_projections` (each layer's q/k/v and
+  `moe_tiles`, `moe_sum`, `linear_tiles` (None: the tiles `blockpress tune` kept for this card, kernels/tuned.py,
+  else the defaults), and `merge_projections` (each layer's q/k/v and
   gate/up projections as one GEMM each, inference only; None: on, see `merges`); `attention_kernel` (the
   fixed-shape passes' attention in one Triton kernel that reads the cache in place, kernels/attention_fixed.py;
   None: on a Hopper GPU, see `attention_kernel_on`) and `attention_split` (that kernel's key tiles of a row block

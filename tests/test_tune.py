@@ -108,9 +108,11 @@ def test_configure_runs_the_tuned_tiles_unless_tiles_are_asked_for(tuned_file):
     m = _model("fp8")
     key = tuned.experts_key(m.text, "fp8", torch.float32)
     tuned.store(DEV, key, "bm=16,bn=32,bk=32", {"bm=16,bn=32,bk=32": 1.0})
-    got = kernels.configure(m, precision="fp8", group_size=32)
+    got = kernels.configure(m, precision="fp8", group_size=32, experts="triton")
     assert got["moe_tiles"] == m.layers[0].experts.tiles.spec() == "bm=16,bn=32,bk=32"
     assert got["tuned"] == {"moe_tiles": "bm=16,bn=32,bk=32"}
+    # a kernel with no tiles (the torch reference): they are set but not reported as in use
+    assert "tuned" not in kernels.configure(m, precision="fp8", group_size=32, experts="torch")
     got = kernels.configure(m, precision="fp8", group_size=32, moe_tiles="bm=32")
     assert got["moe_tiles"] == m.layers[0].experts.tiles.spec() == "bm=32,bn=128,bk=64" and "tuned" not in got
     default = kernels.configure(m, precision="fp8", group_size=32, experts="w8a8")  # fp8 x fp8: nothing kept yet
@@ -121,8 +123,11 @@ def test_configure_runs_the_tuned_tiles_unless_tiles_are_asked_for(tuned_file):
     mlp_key = tuned.experts_key(m4.text, "int4", torch.float32, 32, mlp=True)
     tuned.store(DEV, mlp_key, "bm=16,bn=32,bk=32", {})
     got = kernels.configure(m4, precision="int4", linears="int4-mlp", group_size=32)
-    assert m4.layers[0].mlp.experts.tiles.spec() == "bm=16,bn=32,bk=32" and got["tuned"] == {
-        "mlp_tiles": "bm=16,bn=32,bk=32"}
+    mlp = m4.layers[0].mlp.experts
+    assert mlp.tiles.spec() == "bm=16,bn=32,bk=32"
+    # named as in use where the MLP runs its Triton kernel ("auto": on a GPU; a CPU runs its torch path)
+    runs = "triton" in mlp.resolved_backend(torch.empty(0, device=DEV))
+    assert got.get("tuned", {}).get("mlp_tiles") == ("bm=16,bn=32,bk=32" if runs else None)
     assert m4.layers[0].experts.tiles.spec() == got["moe_tiles"] != "bm=16,bn=32,bk=32"  # int4 experts: defaults
 
 
@@ -134,11 +139,12 @@ def test_configure_runs_the_tuned_projection_tiles_for_their_format(tuned_file):
     for fmt, spec in (("fp8", "bm=auto,bn=32,bk=64"), ("fp8-a8", "bm=auto,bn=64,bk=128")):
         tuned.store(DEV, tuned.linears_key(m.text, fmt, torch.float32), spec, {})
     lin = kernels.quantized_linears(m)
-    got = kernels.configure(m, linears="fp8")
+    got = kernels.configure(m, linears="fp8", experts="triton")
     assert got["linear_tiles"] == got["tuned"]["linear_tiles"] == "bm=auto,bn=32,bk=64"
     assert {q.tiles_spec for q in lin} == {"bm=auto,bn=32,bk=64"}
     got = kernels.configure(m, linears="fp8", experts="w8a8")
     assert got["linear_tiles"] == "bm=auto,bn=64,bk=128" and {q.tiles_spec for q in lin} == {"bm=auto,bn=64,bk=128"}
+    assert "tuned" not in kernels.configure(m, linears="fp8", experts="torch")  # the reference: tiles unused
     got = kernels.configure(m, linears="fp8", linear_tiles="bm=auto,bn=64,bk=64,split=2")
     assert "tuned" not in got and {q.tiles_spec for q in lin} == {"bm=auto,bn=64,bk=64,split=2"}
     m8 = _model("native", "int8")
@@ -150,16 +156,16 @@ def test_a_load_says_in_one_line_which_settings_came_from_the_file(tuned_file, c
     import blockpress
 
     cfg = preset_config("tiny")[0]
-    blockpress.from_config(cfg, device=DEV, precision="fp8", experts="auto")
+    blockpress.from_config(cfg, device=DEV, precision="fp8", experts="triton")
     assert "tuned" not in capsys.readouterr().err  # nothing kept yet
     text = ModelConfig.from_dict(cfg).text
     tuned.store(DEV, tuned.experts_key(text, "fp8", torch.float32, 64), "bm=16,bn=32,bk=32", {})
-    lm = blockpress.from_config(cfg, device=DEV, precision="fp8", experts="auto")
+    lm = blockpress.from_config(cfg, device=DEV, precision="fp8", experts="triton")
     err = capsys.readouterr().err
     assert err == f"blockpress: kernel settings tuned on this device ({tuned_file}): moe_tiles bm=16,bn=32,bk=32\n"
     assert lm.module.layers[0].experts.tiles.spec() == "bm=16,bn=32,bk=32"
     lm.configure(sampler="fast")  # a change of options later: no line again
-    blockpress.from_config(cfg, device=DEV, precision="fp8", experts="auto", moe_tiles="bm=32")  # asked: no file
+    blockpress.from_config(cfg, device=DEV, precision="fp8", experts="triton", moe_tiles="bm=32")  # asked: no file
     assert capsys.readouterr().err == ""
 
 

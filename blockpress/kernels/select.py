@@ -201,6 +201,8 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     else:
         tiles, mlp_tiles = as_tiles(moe_tiles), None  # an int4 MLP: the tiles asked for too
     resolved = _experts(module, experts, tiles, moe_sum, compile, mlp_tiles)
+    if "triton" not in resolved:  # kernels with no tiles (grouped GEMMs, scaled_mm, the references) ignore them
+        from_file.pop("moe_tiles", None)
     fast = dev.type == "cuda" and usable_on(dev)
     softcap = routing = "torch" if experts in ("loop", "torch") or not fast else "triton" if experts == "triton" \
         else "triton_checked"
@@ -226,6 +228,9 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     mlp4 = module.layers[0].mlp.experts if isinstance(module.layers[0].mlp, QuantizedMLP) else None
     lin = "native" if q is None and mlp4 is None else f"int4-mlp {mlp4.resolved_backend(probe)}" if q is None else \
         f"{q.fmt} {q.resolved_backend(probe)}"
+    for key, runs in (("mlp_tiles", mlp4), ("linear_tiles", q)):  # tuned tiles a kernel without tiles ignores
+        if runs is not None and "triton" not in runs.resolved_backend(probe):
+            from_file.pop(key, None)
     return {"compiled_blocks": bool(compile), "experts": resolved, "attention": attention, "attention_kernel": fixed,
             **({"attention_split": attention_split} if fixed is not None else {}),
             "precision": precision,

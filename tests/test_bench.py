@@ -537,8 +537,11 @@ def test_bench_runs_replay_graphed_passes_after_the_warmup(fuse):
     assert torch.equal(seqs, eager_seqs)
     assert s["graph_captures_timed"] == 0 and ar["graph_captures_timed"] == 0
     assert "graph_captures_timed" not in eager and "graph_captures_timed" not in eager_ar
-    commit = ("encode_decode", ((1, 16), (1, 16))) if fuse else ("commit", (1, 16))  # commit: encode without output
-    assert passes == {("decode", (1, 16)), commit, ("encode", (1, 1))} and graphs.captures == 3  # AR: (1, 1)
+    # commit: encode without output; fused, the commit is a canvas's first step, which has no self-conditioning
+    # logits (a pass of its own, "_nosc", as the first canvas's first step)
+    commit = ("encode_decode_nosc", ((1, 16), (1, 16))) if fuse else ("commit", (1, 16))
+    assert passes == {("decode", (1, 16)), ("decode_nosc", (1, 16)), commit, ("encode", (1, 1))}  # AR: (1, 1)
+    assert graphs.captures == 4
 
 
 def test_linear_kernel_bench_checks_every_projection_shape(capsys):

@@ -555,9 +555,12 @@ def test_graphed_passes_plumbing_generates_the_same_tokens(fuse, sampler):
         torch.manual_seed(0)
         want.append(lm.generate(ids, **kw, **mode).sequences)
     with cuda_graphs(lm) as g:
-        passes = {"decode", "encode_decode"} if fuse else {"decode", "commit"}  # commit: the cache-only encoder pass
+        # a canvas's first step has no self-conditioning logits: a pass of its own ("_nosc") that skips that work;
+        # fused, it is the commit's pass too. commit: the cache-only encoder pass
+        passes = {"decode", "decode_nosc", "encode_decode_nosc"} if fuse else {"decode", "decode_nosc", "commit"}
         if sampler == "fast":  # its passes end at the LM head's product (the sampler applies the soft cap)
-            passes = {p if p == "commit" else f"{p}_product" for p in passes}
+            passes = {p if p == "commit" else p.replace("_nosc", "") + "_product" + "_nosc" * p.endswith("_nosc")
+                      for p in passes}
         for round_ in range(2):
             for mode, ref in zip(modes, want):
                 torch.manual_seed(0)
@@ -587,6 +590,30 @@ def test_graphed_passes_plumbing_generates_the_same_tokens(fuse, sampler):
     assert lm.passes is lm.module and not lm.options.cuda_graphs
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_canvas_first_step_skips_the_self_conditioning_work(fuse, monkeypatch):
+    """A canvas's first step has no self-conditioning logits. Under the graphs' fixed-shape passes it is a pass of
+    its own that never computes the soft embedding or the self-conditioning MLP; a pass with those inputs ran them
+    on a zero mask (on the 26B model a softmax over [256, 262,144] and a product with the 1.48 GB table: ~0.7 ms of
+    an H100 step, once a canvas). The tokens stay the eager engine's; every later step conditions as before."""
+    lm = _tiny_model()
+    C = lm.canvas_length
+    ids = torch.randint(5, 512, (2, 12), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=3 * C, max_denoising_steps=3, stability_threshold=None, confidence_threshold=None,
+              fuse_commit=fuse)
+    torch.manual_seed(0)
+    want = lm.generate(ids, **kw).sequences
+    soft, mlp = [], []
+    real_soft, real_mlp = lm.module.soft_embedding, lm.module.self_conditioning.forward
+    monkeypatch.setattr(lm.module, "soft_embedding", lambda *a, **k: soft.append(1) or real_soft(*a, **k))
+    monkeypatch.setattr(lm.module.self_conditioning, "forward", lambda *a, **k: mlp.append(1) or real_mlp(*a, **k))
+    with cuda_graphs(lm):
+        torch.manual_seed(0)
+        got = lm.generate(ids, **kw).sequences
+    assert torch.equal(got, want)
+    assert len(soft) == len(mlp) == 3 * (3 - 1)  # 3 canvases of 3 steps: the 2 later steps of each
+
+
 def test_graphed_passes_capture_once_per_cache_size_in_a_loop_over_prompts():
     """A loop over prompts of many lengths (an eval over a dataset) asks for as many cache capacities. They are
     rounded up to powers of two (`rounded_capacity`), so the pool keeps one cache per size met and each pass is
@@ -610,7 +637,7 @@ def test_graphed_passes_capture_once_per_cache_size_in_a_loop_over_prompts():
             del out  # its cache goes back to the pool
             assert len(g._pool) == min(i + 1, 2), f"{len(g._pool)} pooled caches after {i + 1} prompts"
         assert sorted(key[1] for key in g._pool) == [32, 64]
-        assert g.captures == 2 * 2
+        assert g.captures == 2 * 3  # decode, decode_nosc (a canvas's first step) and commit, on each size
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -642,7 +669,9 @@ def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monke
             torch.manual_seed(B)
             assert torch.equal(lm.generate(prompts[B], **kw).sequences, want[B])
         assert copies == []  # each step's self-conditioning logits were written where the passes read them
-        assert {k for k, *_ in g.captured} == {"decode", "encode_decode"} and len(g.captured) == 4  # B = 2 and 1
+        # a canvas's first step (no self-conditioning logits) and the fused commits: passes of their own
+        assert {k for k, *_ in g.captured} == {"decode", "decode_nosc", "encode_decode_nosc"}
+        assert len(g.captured) == 6  # B = 2 and 1
         out, sc_in = g._shared[("out", C)], g._shared[("sc_logits", C)]
         assert out.shape[0] == sc_in.shape[0] == 2 and out.dtype == torch.float32 and sc_in.dtype == m.dtype
         cache = m.new_cache(1, 32)
@@ -655,7 +684,8 @@ def test_graphed_passes_share_logits_buffers_across_passes_and_batch_sizes(monke
         assert torch.equal(lm.generate(prompts[3], **kw).sequences, want[3])
         grown = g._shared[("out", C)]
         assert grown.shape[0] == 3 and grown.data_ptr() != out.data_ptr()
-        assert {key[0] if name == "decode" else key[0][0] for name, key, _ in g.captured} == {3}  # B 1, 2: gone
+        shapes = {key[0] if name.startswith("decode") else key[0][0] for name, key, _ in g.captured}
+        assert shapes == {3}  # B 1, 2: gone
         assert all(out.data_ptr() not in c.shared for c in g.captured.values())
 
 
@@ -687,7 +717,8 @@ def test_gpu_fast_path_combination_gives_the_reference_tokens():
         torch.manual_seed(0)
         seqs.append(lm.generate(ids, **kw).sequences)
         if g is not None:
-            assert {name for name, *_ in g.captured} == {"decode_product", "encode_decode_product"}
+            assert {name for name, *_ in g.captured} == {"decode_product", "decode_product_nosc",
+                                                         "encode_decode_product_nosc"}
             assert {name for name, _ in g._shared} == {"product", "sc_logits"}
     same = float((seqs[0] == seqs[1]).float().mean())
     assert same == 1.0 if dev == "cpu" else same >= 0.95  # a GPU's fp32 kernels may sum in another order

@@ -841,9 +841,9 @@ def test_worker_cache_slots_for_cuda_graphs(lm, fuse_commit, monkeypatch):
         assert rows[0].count == rows[1].count and rows[0].total == rows[1].total < rows[2].total
         slots, captures = s.runner._slots, g.captures
         assert slots.batch == 4 and slots.capacity >= len(plan[2][0].prompt_ids) + 160
-        names = {k[0] for k in g.captured}
-        assert "decode" in names and ("encode_decode" in names) == fuse_commit and names <= {"decode", "commit",
-                                                                                             "encode_decode"}
+        names = {k[0] for k in g.captured}  # "_nosc": a pass without self-conditioning logits (first steps)
+        assert "decode" in names and any(n.startswith("encode_decode") for n in names) == fuse_commit
+        assert names <= {"decode", "decode_nosc", "commit", "encode_decode", "encode_decode_nosc"}
         assert all(c.buffers == tuple(t.data_ptr() for t in (*slots.keys, *slots.values, slots.valid))
                    for c in g.captured.values())  # the graphs on the first, smaller slots were released
         assert drive_worker(s, plan) == want  # batch sizes last seen on the first slots are captured on these
@@ -1019,8 +1019,10 @@ def test_worker_warm_up_leaves_it_ready(lm, monkeypatch):
         s = Worker(lm, fuse_commit=True, max_batch=3)
         assert s.warm_up() > 0 and not s.busy and s.runner.cache is None
         C = lm.canvas_length
-        assert {k[:2] for k in g.captured} == {("decode", (b, C)) for b in (1, 2, 3)} | {("commit", (b, C)) for b in (1, 2, 3)} \
-            | {("encode_decode", ((b, C), (b, C))) for b in (1, 2, 3)}
+        # "_nosc": a canvas's first step, without self-conditioning logits (a fused commit is always one)
+        assert {k[:2] for k in g.captured} == {(p, (b, C)) for b in (1, 2, 3) for p in ("decode", "decode_nosc",
+                                                                                       "commit")} \
+            | {("encode_decode_nosc", ((b, C), (b, C))) for b in (1, 2, 3)}
         captures = g.captures
         assert drive_worker(s, {0: [job]}) == want
         assert drive_worker(s, jobs) == want_mixed and sum(map(len, jobs.values())) >= 4
@@ -1030,7 +1032,8 @@ def test_worker_warm_up_leaves_it_ready(lm, monkeypatch):
         g.captured.clear()
         s = Worker(lm, fuse_commit=True, max_batch=3)
         s.warm_up()
-        assert {k[:2] for k in g.captured} == {("decode", (1, C)), ("encode_decode", ((1, C), (1, C)))}
+        assert {k[:2] for k in g.captured} == {("decode", (1, C)), ("decode_nosc", (1, C)),
+                                                ("encode_decode_nosc", ((1, C), (1, C)))}
     s = Worker(lm).start()
     try:
         with pytest.raises(RuntimeError, match="before start"):

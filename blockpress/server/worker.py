@@ -216,8 +216,9 @@ class Worker:
         """Run short requests through the loop before `start()`: on a GPU, Triton compiles and checks its kernels
         and CUDA graphs capture their passes here instead of inside the first clients' requests. One request of
         two canvases of two steps (a fused commit runs too); then, under CUDA graphs, `max_batch` requests of
-        2..max_batch+1 canvases and 1..max_batch steps, so that each batch size runs a denoising step, a commit
-        and (with `fuse_commit`) a fused commit: every graph the server replays is captured before it listens.
+        2..max_batch+1 canvases and as many steps, so that each batch size runs a canvas's first step (a pass
+        without self-conditioning logits), a later step, a commit and (with `fuse_commit`) a fused commit: every
+        graph the server replays is captured before it listens.
         That second part is left out where slots for it would not fit in the GPU's spare memory. Returns the
         seconds it took."""
         if self._thread is not None:
@@ -231,7 +232,9 @@ class Worker:
             spare = self.runner.spare()
             if need <= self.module.text.max_position_embeddings and (
                     spare is None or self.runner.slot_bytes(M, cap) <= spare // 2):
-                plan = [(i + 2, i + 1) for i in range(M)]  # (canvases, steps): rows stop, then leave, one by one
+                # (canvases, steps): rows stop, then leave, one by one; two steps at least, so that the full batch
+                # also runs a step with self-conditioning logits
+                plan = [(i + 2, i + 2) for i in range(M)]
                 fuse = self.engine.fuse
                 try:
                     self.engine.fuse = False  # plain commits (what a boundary with a request joining runs)

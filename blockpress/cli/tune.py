@@ -65,6 +65,7 @@ def main(args) -> int:
     from ..errors import InputError
     from ..kernels import tuned
     from ..kernels._triton import fp8_usable_on, interpreted, usable_on
+    from ..kernels.quant import expert_format, run_format
     from ..lab import tune
     from ..lab.roofline import measure_bandwidth
     from ..loading import parse_device
@@ -90,9 +91,8 @@ def main(args) -> int:
     text, C = cfg.text, cfg.canvas_length
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     card = tuned.device_key(device)
-    a8 = "fp8-a8" if args.fp8_activations else None
-    experts = a8 if args.precision == "fp8" and a8 else args.precision
-    linears = a8 if args.linears == "fp8" and a8 else args.linears
+    option = "w8a8" if args.fp8_activations else "auto"  # the experts option those flags load with
+    experts, linears = run_format(args.precision, option), run_format(args.linears, option)
     print(f"blockpress tune: {card}{' (Triton interpreter: times mean nothing for a GPU)' if interpreted() else ''}, "
           f"{source}, batch {args.batch} x canvas {C}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)
 
@@ -108,23 +108,23 @@ def main(args) -> int:
 
     common = dict(device=device, dtype=dtype, batch=args.batch, repeats=args.repeats, canvas=C)
     bandwidth = measure_bandwidth(device) if device.type == "cuda" else None  # for the experts' share of it
-    jobs = [(tuned.experts_key(text, experts, dtype, args.group_size), f"experts {experts}",
+    jobs = [(tuned.experts_key(text, experts, dtype, args.group_size), f"experts {experts}", experts,
              lambda r: tune.tune_experts(text, fmt=experts, group_size=args.group_size, grid=grid, report=r,
                                          bandwidth=bandwidth, **common))]
     if args.linears == "int4-mlp":
-        jobs.append((tuned.experts_key(text, "int4", dtype, args.group_size, mlp=True), "mlp int4",
+        jobs.append((tuned.experts_key(text, "int4", dtype, args.group_size, mlp=True), "mlp int4", "int4",
                      lambda r: tune.tune_experts(text, fmt="int4", group_size=args.group_size, grid=grid, mlp=True,
                                                  report=r, bandwidth=bandwidth, **common)))
     elif args.linears != "native":
-        jobs.append((tuned.linears_key(text, linears, dtype), f"linears {linears}",
+        jobs.append((tuned.linears_key(text, linears, dtype), f"linears {linears}", linears,
                      lambda r: tune.tune_linears(text, fmt=linears, report=r, **common)))
     if not fp8_usable_on(device):  # fp8 weights run the torch path there (Triton has no e4m3 before sm_89)
-        skipped = [key for key, what, _ in jobs if "fp8" in what]
-        for key in skipped:
-            print(f"  {key}: skipped, the fp8 kernels do not run on this GPU (before sm_89: its torch path has no "
-                  "tiles)", file=sys.stderr)
-        jobs = [j for j in jobs if j[0] not in skipped]
-    jobs.append((tuned.attention_key(text, dtype), "attention",
+        for key, _, fmt, _ in jobs:
+            if expert_format(fmt)[0] == "fp8":
+                print(f"  {key}: skipped, the fp8 kernels do not run on this GPU (before sm_89: its torch path has "
+                      "no tiles)", file=sys.stderr)
+        jobs = [j for j in jobs if expert_format(j[2])[0] != "fp8"]
+    jobs.append((tuned.attention_key(text, dtype), "attention", None,
                  lambda r: tune.tune_attention(text, context=args.context, report=r, **common)))
     kept, summary = {}, {"device": card, "source": source, "batch": args.batch, "results": {}}
 
@@ -132,7 +132,7 @@ def main(args) -> int:
         return str(row.get("spec", row.get("split")))
 
     where = None
-    for key, what, run in jobs:  # each kept as soon as it is timed: an interrupted run keeps the finished ones
+    for key, what, _, run in jobs:  # each kept as soon as it is timed: an interrupted run keeps the finished ones
         res = summary["results"][key] = run(report(what))
         if res["best"] is None:
             print(f"  {key}: no setting ran and agreed with the reference; nothing kept", file=sys.stderr)

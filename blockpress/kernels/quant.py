@@ -252,6 +252,13 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: tor
     return dequantize_fp8(q, scale, dtype) if fmt == "fp8" else dequantize_int4(q, scale, dtype)
 
 
+def run_format(weights: str, experts: str) -> str:
+    """The format a kernel runs for weights in `weights` under the `experts` option: fp8 weights with fp8
+    activations (experts="w8a8") are W8A8_FORMAT; every other pairing, the weights' own (`expert_format`'s
+    inverse)."""
+    return W8A8_FORMAT if experts == "w8a8" and weights == "fp8" else weights
+
+
 def expert_format(name: str) -> tuple[str, bool]:
     """A benchmark's expert format ("native", "fp8", "int4" or W8A8_FORMAT) -> (the weights' format, whether the
     activations are fp8 too)."""

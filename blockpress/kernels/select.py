@@ -43,8 +43,8 @@ from .library import FLOAT_EXPERTS, float_experts, float_experts_op, kernel_of
 from .linear_q import (QuantizedLinear, as_linear_tiles, linear_tiles_spec, quantize_embeddings_, quantize_linears_,
                        quantized_linears)
 from .moe_grouped import _grouped_mm_ok, _wgmma_target, as_tiles, default_tiles
-from .quant import (W8A8_FORMAT, QuantizedExperts, QuantizedMLP, check_experts_precision, quantize_experts_,
-                    quantize_mlp_)
+from .quant import (QuantizedExperts, QuantizedMLP, check_experts_precision, quantize_experts_, quantize_mlp_,
+                    run_format)
 from .route import ROUTE, route_op
 from .sc_topk import soft_embedding_topk
 from .softcap import softcap_triton, softcap_triton_checked
@@ -182,15 +182,13 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     from_file = {}  # the settings that came from `blockpress tune`'s file
     lin = quantized_linears(module)
     if linear_tiles is None and lin:  # none asked for: the ones tuned for this card, format and shapes, else defaults
-        a8 = experts == "w8a8" and lin[0].fmt == "fp8"
-        key = tuned.linears_key(module.text, W8A8_FORMAT if a8 else lin[0].fmt, dtype)
+        key = tuned.linears_key(module.text, run_format(lin[0].fmt, experts), dtype)
         linear_tiles = from_file["linear_tiles"] = _tuned(dev, key, as_linear_tiles)
     lin_tiles = as_linear_tiles(linear_tiles)
     held, wgmma = module.layers[0].experts, _wgmma_target(dev)
     fmt = held.fmt if isinstance(held, QuantizedExperts) else "native"
     if moe_tiles is None:  # none asked for: the ones tuned for this card and these shapes, else the defaults
-        a8 = experts == "w8a8" and fmt == "fp8"
-        key = tuned.experts_key(module.text, W8A8_FORMAT if a8 else fmt, dtype, getattr(held, "group_size", None))
+        key = tuned.experts_key(module.text, run_format(fmt, experts), dtype, getattr(held, "group_size", None))
         from_file["moe_tiles"] = _tuned(dev, key, as_tiles)
         mlp = module.layers[0].mlp
         if isinstance(mlp, QuantizedMLP):

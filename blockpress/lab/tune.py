@@ -274,16 +274,16 @@ def tune_attention(text, canvas: int, device, dtype, batch: int = 1, context: in
         buf.copy_(torch.randn(buf.shape, generator=g, device=device, dtype=torch.float32))
     start = torch.tensor(context, device=device)
     H, tol = text.num_attention_heads, tolerance(dtype)
-    args, vs_torch = [], 0.0
+    args, one, vs_torch = [], [], 0.0  # one: each kind's output in one run (the reference point of the others)
     for i, t in enumerate(kinds):
         D = shapes[i][1]
         q = torch.randn(batch, H, canvas, D, generator=g, device=device, dtype=torch.float32).to(dtype) / D ** 0.25
         a = (q, cache.keys[i], cache.values[i], cache.valid, start, 0, text.sliding_window if t == SLIDING else 0,
              t == SLIDING and cache.ring is not None)  # the arguments model/keys.py `Fixed` passes
         args.append((a, text.layer_types.count(t)))
-        vs_torch = max(vs_torch, _rel(fixed_attention_triton(*a), fixed_attention_torch(*a)))
+        one.append(fixed_attention_triton(*a).float())
+        vs_torch = max(vs_torch, _rel(one[-1], fixed_attention_torch(*a)))
     rows = []
-    one = [fixed_attention_triton(*a).float() for a, _ in args]
     for j, k in enumerate(splits, 1):
         row = {"split": k}
         try:

@@ -8,8 +8,9 @@ Both from the same cache, positions and queries; their outputs are compared (rel
 wrong kernel shows. The per-step estimate sums each kind of layer's time over the model's layers.
 
     python benchmarks/bench_attention.py                         # the 26B shapes at batch 1, ~2K cached tokens (GPU)
-    python benchmarks/bench_attention.py --tiles "dv=128;bm=128,bn=32;bn=16,stages=3;split=2"  # + tile variants
-    (split=k: the keys of a row block in k runs, k times the programs, merged by a second kernel)
+    python benchmarks/bench_attention.py --tiles "dv=128|bm=128,bn=32|sliding:bn=16,stages=3|split=2"  # + variants
+    (attention tiles specs, as `blockpress tune` keeps them; split=k: the keys of a row block in k runs, k times the
+    programs, merged by a second kernel)
     python benchmarks/bench_attention.py --preset tiny --device cpu  # the interpreter: a check that it runs
 
 Ends with one JSON line.
@@ -29,29 +30,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from blockpress.cli.run import _positive_int  # noqa: E402
 
-TILE_KEYS = {"bm": "BM", "bn": "BN", "dv": "DV", "split": "SPLIT", "warps": "num_warps", "stages": "num_stages"}
+def parse_variants(arg: str) -> list[str]:
+    """--tiles: attention tiles specs joined by '|' (kernels/attention_fixed.py `parse_attention_tiles`; ValueError
+    naming the bad one)."""
+    from blockpress.kernels.attention_fixed import parse_attention_tiles
 
-
-def parse_tiles(spec: str) -> list[dict]:
-    """'bm=64,bn=32,warps=8;dv=128' -> [{'BM': 64, 'BN': 32, 'num_warps': 8}, {'DV': 128}] (ValueError if bad; dv:
-    the output columns a program computes, a divisor of the head dim)."""
-    out = []
-    for part in filter(None, spec.split(";")):
-        t = {}
-        for kv in filter(None, part.split(",")):
-            k, _, v = kv.partition("=")
-            if k not in TILE_KEYS or not v.isdigit() or int(v) < 1:
-                raise ValueError(f"bad tile setting {kv!r}: use {', '.join(TILE_KEYS)} = positive integers")
-            t[TILE_KEYS[k]] = int(v)
-        out.append(t)
-    return out
+    specs = [s.strip() for s in arg.split("|") if s.strip()]
+    for spec in specs:
+        parse_attention_tiles(spec)
+    return specs
 
 
 def main(argv=None) -> int:
     from blockpress.config import FULL, SLIDING, ModelConfig
     from blockpress.kernels._triton import usable_on
     from blockpress.kernels.attention import attention_sdpa_gqa
-    from blockpress.kernels.attention_fixed import fixed_attention_triton, tiles_for
+    from blockpress.kernels.attention_fixed import fixed_attention_triton, kind_tiles, tiles_for
     from blockpress.lab.bench import DTYPES
     from blockpress.lab.presets import preset_config
     from blockpress.lab.profile import time_ms
@@ -65,12 +59,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default bf16 on a GPU, fp32 on a CPU")
     p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--cached", type=_positive_int, default=2048, help="cached tokens before the canvas")
-    p.add_argument("--tiles", default="", help="kernel tile variants to time beside the defaults, "
-                                               "e.g. 'bm=64,bn=64,warps=8;dv=128' (bm, bn, dv, warps, stages)")
+    p.add_argument("--tiles", default="", help="kernel tile variants to time beside the defaults, '|' between "
+                                               "them, e.g. 'bm=64,bn=64,warps=8|full:dv=128' (bm, bn, dv, warps, "
+                                               "stages, split; 'kind:' for one kind of layer)")
     p.add_argument("--out", help="also write the JSON result here")
     args = p.parse_args(argv)
     try:
-        variants = [{}] + parse_tiles(args.tiles)
+        variants = [""] + parse_variants(args.tiles)
     except ValueError as e:
         raise SystemExit(f"--tiles: {e}") from None
     dev = torch.device(args.device)
@@ -110,7 +105,10 @@ def main(argv=None) -> int:
         today_ms = time_ms(lambda: today.attend(layer, t, q, k, v, attention_sdpa_gqa), dev)
         n_layers = text.layer_types.count(t)
         step["today"] += n_layers * today_ms
-        for tiles in variants:
+        for variant in variants:
+            tiles = dict(kind_tiles(variant, text.sliding_window if t == SLIDING else 0))
+            if variant and not tiles:  # a variant for the other kind of layer
+                continue
             if D % tiles.get("DV", D) or tiles.get("DV", D) < 16:  # a column tile this head dim cannot take
                 print(f"{t.split('_')[0]:<8} {D:>4} {H // kv:>2} {cache.keys[i].shape[2]:>6} DV={tiles['DV']}: "
                       f"not a divisor of the head dim, skipped")

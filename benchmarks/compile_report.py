@@ -100,10 +100,11 @@ def linear_variants(text, dtype, passes, formats: list[str]):
                            lambda x=x, q=q, s=s, a8=a8: linear_q_triton(x, q, s, swap=True, act8=a8))
 
 
-def attention_variants(text, dtype, canvas: int, batches: list[int], splits: list[int] = ()):
-    """(label, thunk) per launch of the fixed-shape passes' attention kernel (kernels/attention_fixed.py, opt-in):
-    each kind of layer (a sliding one on its ring) for a canvas of each batch size after 2,048 cached tokens, and a
-    fused commit + canvas; at batch 1 also with the keys in each of `splits` runs (SPLIT and the merging kernel)."""
+def attention_variants(text, dtype, canvas: int, batches: list[int], specs: list[str] = ()):
+    """(label, thunk) per launch of the fixed-shape passes' attention kernel (kernels/attention_fixed.py): each kind
+    of layer (a sliding one on its ring) for a canvas of each batch size after 2,048 cached tokens, and a fused
+    commit + canvas; at batch 1 also at each attention tiles spec of `specs` (split=k: SPLIT and the merging
+    kernel; `blockpress tune`'s candidates: blockpress.lab.tune.attention_candidates)."""
     from blockpress.config import FULL, SLIDING
     from blockpress.kernels.attention_fixed import fixed_attention_triton
 
@@ -123,10 +124,30 @@ def attention_variants(text, dtype, canvas: int, batches: list[int], splits: lis
             yield (f"attention {t.split('_')[0]} D {D} G {H // kv}, {what}",
                    lambda q=q, k=keys, v=values, valid=valid, start=start, S=S, W=W:
                    fixed_attention_triton(q, k, v, valid, start, S, W, bool(W)))
-            for runs in splits if what == "canvas x1" else ():  # the keys in that many runs and their merge
-                yield (f"attention {t.split('_')[0]} D {D} G {H // kv}, {what}, split={runs}",
-                       lambda q=q, k=keys, v=values, valid=valid, start=start, S=S, W=W, runs=runs:
-                       fixed_attention_triton(q, k, v, valid, start, S, W, bool(W), split=runs))
+            for spec in specs if what == "canvas x1" else ():  # other tiles, or the keys in runs and their merge
+                yield (f"attention {t.split('_')[0]} D {D} G {H // kv}, {what}, {spec}",
+                       lambda q=q, k=keys, v=values, valid=valid, start=start, S=S, W=W, spec=spec:
+                       fixed_attention_triton(q, k, v, valid, start, S, W, bool(W), tiles=spec))
+
+
+def attention_specs(arg: str, text) -> list[str]:
+    """--attention-tiles: '|'-separated attention tiles specs, checked; 'tune': `blockpress tune`'s candidates for
+    this model's head dims (the defaults left out: they are compiled anyway)."""
+    from blockpress.kernels.attention_fixed import parse_attention_tiles
+    from blockpress.lab.tune import attention_candidates
+
+    if arg.strip() == "tune":
+        dims = {}  # kind of layer -> its head dim
+        for i, t in enumerate(text.layer_types):
+            dims.setdefault(t.split("_")[0], text.layer_head_dim(i))
+        return [f"{kind}:{spec}" for kind, D in dims.items() for spec in attention_candidates(D) if spec]
+    specs = [s.strip() for s in arg.split("|") if s.strip()]
+    try:
+        for spec in specs:
+            parse_attention_tiles(spec)
+    except ValueError as e:
+        raise SystemExit(f"--attention-tiles: {e}") from None
+    return specs
 
 
 def head_variants(vocab: int, canvas: int, dtype, batches: list[int], cap: float | None):
@@ -172,8 +193,9 @@ def main(argv=None) -> int:
                                               "(benchmarks/sweep_moe_tiles.py's grid syntax)")
     p.add_argument("--tiles", default=None, help="the MoE tiles to take as the defaults (a moe_tiles spec, e.g. "
                                                  "'bk=64'; the issue model reads these)")
-    p.add_argument("--attention-split", default="",
-                   help="also compile the attention kernel with its keys in these runs at batch 1 (e.g. '2,4')")
+    p.add_argument("--attention-tiles", default="",
+                   help="also compile the attention kernel at these tiles at batch 1, '|' between specs (e.g. "
+                        "'split=2|sliding:bm=32,warps=4'); 'tune': blockpress tune's candidates")
     p.add_argument("--out", help="also write the JSON result here")
     args = p.parse_args(argv)
     from blockpress.kernels.moe_grouped import as_tiles
@@ -207,7 +229,7 @@ def main(argv=None) -> int:
     tiles = [""] + (parse_grid(args.grid) if args.grid else [])
     rest = list(linear_variants(text, dtype, passes, linears)) + \
         list(head_variants(text.vocab_size, C, dtype, batches, text.final_logit_softcapping)) + \
-        list(attention_variants(text, dtype, C, batches, [int(k) for k in args.attention_split.split(",") if k]))
+        list(attention_variants(text, dtype, C, batches, attention_specs(args.attention_tiles, text)))
     todo = {arch: list(expert_variants(text, dtype, passes, tiles, precisions, base, arch)) + rest for arch in archs}
     print(f"compile_report: triton {triton.__version__}, torch {torch.__version__}, {args.config or args.preset}, "
           f"{args.dtype} activations, {len(todo[archs[0]])} launches x sm_{', sm_'.join(map(str, archs))}", flush=True)

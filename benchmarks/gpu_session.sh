@@ -298,7 +298,7 @@ EOF
     gpu_tests 120 -n 8 -m "gpu or not slow" tests/test_attention_kernel.py
     lim=$(limit 60)
     [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/bench_attention.py --preset "$PRESET" \
-      --tiles "dv=128;bm=128;bn=32;bn=16,stages=3;warps=4" --out "$OUT/attention-layers.json" 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
+      --tiles "dv=128|bm=128|bn=32|bn=16,stages=3|warps=4" --out "$OUT/attention-layers.json" 2>&1 | grep -v '^{' | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
     STEP_LIMIT=120 bench fp8-default $ROW
     STEP_LIMIT=120 bench fp8-attention $ROW --attention-kernel --profile
     grep -h "attention kernel is off" "$OUT/log.txt" | head -3 | tee -a "$OUT/summary.txt"
@@ -360,11 +360,12 @@ EOF
     # block in 2-4 runs (SPLIT, merged by a second kernel; never timed), per layer against the default
     lim=$(limit 60)
     [ "$lim" != 0 ] && timeout "$lim" python3 benchmarks/bench_attention.py --preset "$PRESET" \
-      --tiles "split=2;split=3;split=4;dv=128,split=2" --out "$OUT/attention-split.json" 2>&1 | grep -v '^{' \
+      --tiles "split=2|split=3|split=4|dv=128,split=2" --out "$OUT/attention-split.json" 2>&1 | grep -v '^{' \
       | tee -a "$OUT/log.txt" | tee -a "$OUT/summary.txt"
     [ "$CUDA" = 1 ] && STEP_LIMIT=80 bench fp8-split2 $ROW --precision fp8 --attention-split 2
     # blockpress tune (2026-11-29, CPU only): the product's own tuner on the real shapes, fp8 x fp8 experts on the
-    # quick grid, the fp8 x fp8 projections' tiles over a pass, and the attention key runs; its file goes to $OUT
+    # quick grid, the fp8 x fp8 projections' tiles over a pass, and the attention kernel's tiles and key runs per kind
+    # of layer (2026-11-29: ~20 candidates that compile for sm_90 without spilling); its file goes to $OUT
     # (the rows above ran on the defaults, untuned)
     lim=$(limit 120)
     [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && BLOCKPRESS_TUNED="$OUT/tuned.json" timeout "$lim" python3 -m blockpress \

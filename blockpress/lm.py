@@ -42,8 +42,8 @@ class BlockDiffusionLM:
 
     def configure(self, **changes) -> Options:
         """Change how this model runs: the engine's options (sampler, fuse_commit, compact_rows, cuda_graphs,
-        compile) and the kernels' (experts, attention, attention_kernel, sc_topk, moe_tiles, moe_sum,
-        linear_tiles, merge_projections); see `blockpress.options`. Validated once, here. The storage precision
+        compile) and the kernels' (experts, attention, attention_kernel, attention_tiles, attention_split, sc_topk,
+        moe_tiles, moe_sum, linear_tiles, merge_projections); see `blockpress.options`. Validated once, here. The storage precision
         (precision, group_size, linears, embeddings: `options.STORAGE_FIELDS`) is chosen at load: changing it here is
         an InputError (quantising is not undone, and the options would describe weights the model does not hold).
         Returns the new options."""

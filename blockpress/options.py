@@ -13,8 +13,10 @@
   else the defaults), and `merge_projections` (each layer's q/k/v and
   gate/up projections as one GEMM each, inference only; None: on, see `merges`); `attention_kernel` (the
   fixed-shape passes' attention in one Triton kernel that reads the cache in place, kernels/attention_fixed.py;
-  None: on a Hopper GPU, see `attention_kernel_on`) and `attention_split` (that kernel's key tiles of a row block
-  in that many runs, merged by a second kernel: more programs at batch 1; None: the tuned count, else one run).
+  None: on a Hopper GPU, see `attention_kernel_on`), `attention_tiles` (that kernel's tiles per kind of layer, a
+  spec such as "sliding:bm=32,split=2;full:split=1"; None: the tiles `blockpress tune` kept, else the defaults) and
+  `attention_split` (that kernel's key tiles of a row block in that many runs for every layer, merged by a second
+  kernel: more programs at batch 1; None: as the tiles say, else one run).
 - Storage, fixed at load: `precision` of the experts ("native", "fp8", "int4", with `group_size`) and of the
   attention / dense-MLP projections (`linears`: "native", "int8", "fp8" for both; "int4-mlp": the dense MLP alone
   in int4 through the expert kernels), and of the token embedding table that is also the LM head (`embeddings`:
@@ -54,7 +56,8 @@ class Options:
     moe_sum: str = "kernel"
     linear_tiles: str | None = None
     attention_kernel: bool | None = None  # None: on Hopper GPUs (`attention_kernel_on`)
-    attention_split: int | None = None  # None: the tuned value for this card (kernels/tuned.py), else 1
+    attention_split: int | None = None  # None: as attention_tiles say, else 1
+    attention_tiles: str | None = None  # None: the tiles tuned for this card (kernels/tuned.py), else the defaults
     precision: str = "native"
     group_size: int = 64
     linears: str = "native"
@@ -94,6 +97,9 @@ class Options:
                 self.attention_split, int) or not 1 <= self.attention_split <= 16):
             raise InputError(f"attention_split must be None (tuned, else 1) or a whole number of key runs from 1 to "
                              f"16, got {self.attention_split!r}")
+        if self.attention_tiles is not None and not isinstance(self.attention_tiles, str):
+            raise InputError(f"attention_tiles must be None (tuned, else the defaults) or a spec string such as "
+                             f"'sliding:bm=32,split=2', got {self.attention_tiles!r}")
         if self.merge_projections not in (None, True, False):
             raise InputError(f"option merge_projections must be None (automatic), True or False, got "
                              f"{self.merge_projections!r}")

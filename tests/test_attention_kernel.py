@@ -156,6 +156,25 @@ def test_a_bad_split_is_refused():
                                torch.tensor(0, device=DEV), 0, 0, False, tiles={"SPLIT": 0})
 
 
+def test_attention_tiles_specs_per_kind_of_layer():
+    """An attention tiles spec: a part for every kind of layer or for one ('kind:'), later parts over earlier ones;
+    one written form; `attention_split` sets every kind's key runs over it; a bad part is named."""
+    from blockpress.kernels.attention_fixed import attention_tiles_spec, kind_tiles, parse_attention_tiles, with_split
+
+    assert parse_attention_tiles("") == parse_attention_tiles(None) == {} and with_split(None, None) == ""
+    got = parse_attention_tiles("bm=32,split=2; full:dv=128,split=1")
+    assert got == {"sliding": {"BM": 32, "SPLIT": 2}, "full": {"BM": 32, "DV": 128, "SPLIT": 1}}
+    assert attention_tiles_spec(got) == "sliding:bm=32,split=2;full:bm=32,dv=128,split=1"
+    assert parse_attention_tiles(attention_tiles_spec(got)) == got  # the written form reads back the same
+    assert with_split("full:dv=128", 3) == "sliding:split=3;full:dv=128,split=3"
+    assert with_split("full:dv=128", None) == "full:dv=128"
+    assert dict(kind_tiles("full:dv=128", 0)) == {"DV": 128} and kind_tiles("full:dv=128", 8) == ()
+    for bad, words in (("bm=0", "bad attention tile setting 'bm=0'"), ("bk=64", "bk=64"), ("bm", "'bm'"),
+                       ("middle:bm=32", "unknown kind of layer 'middle'")):
+        with pytest.raises(ValueError, match=words):
+            parse_attention_tiles(bad)
+
+
 def test_the_torch_reference_reads_the_same_slots():
     """`fixed_attention_torch` (the first-use check's reference: the rules' mask over every slot, the position
     each holds computed on the device) is the same function, ring or not."""
@@ -185,10 +204,11 @@ def tiny():
     return m
 
 
-def _passes(m, cache, canvas, kernel, split=1):
+def _passes(m, cache, canvas, kernel, tiles=""):
     """A denoising step, a fused commit + step and a commit, in their fixed-shape form, with `kernel` as the
-    fixed-shape attention (None: the masks) in `split` key runs; returns their outputs and the cache after them."""
-    kernels.use(m, attention_kernel=kernel, attention_split=split)
+    fixed-shape attention (None: the masks) at `tiles` (an attention tiles spec); returns their outputs and the cache
+    after them."""
+    kernels.use(m, attention_kernel=kernel, attention_tiles=tiles)
     try:
         cache = copy.deepcopy(cache)
         T = cache.length
@@ -202,12 +222,14 @@ def _passes(m, cache, canvas, kernel, split=1):
         kernels.use(m, attention_kernel=None)
 
 
-@pytest.mark.parametrize("ring,split", [(False, 1), (True, 1), (True, 2)])
-def test_a_tiny_models_fixed_shape_passes_with_the_kernel(tiny, ring, split):
+@pytest.mark.parametrize("ring,tiles", [(False, ""), (True, ""), (True, "split=2"),
+                                        (True, "sliding:bm=32,split=3;full:bn=32,split=2")])
+def test_a_tiny_models_fixed_shape_passes_with_the_kernel(tiny, ring, tiles):
     """The tiny model (head dims 16 and 32, groups 2 and 4, a window of 8) on a left-padded 30-token prompt: the
     fixed-shape passes with the kernel selected give the logits and hidden states of the default fixed-shape passes
     (masks over the cache, SDPA), on a cache that keeps every position and on a ring (24 slots, wrapping); the keys
-    in one run and, as `attention_split=2` sets it, in two."""
+    in one run, in two for every layer (`attention_split=2` sets that), and each kind of layer with tiles of its
+    own (what `blockpress tune` keeps)."""
     B = 2
     ids = torch.randint(5, 512, (B, 30), generator=torch.Generator().manual_seed(3)).to(DEV)
     pad = torch.ones(B, 30, dtype=torch.bool, device=DEV)
@@ -218,7 +240,7 @@ def test_a_tiny_models_fixed_shape_passes_with_the_kernel(tiny, ring, split):
     cache.ensure_capacity(cache.length + 16, write=16)
     canvas = torch.randint(0, 512, (B, 8), generator=torch.Generator().manual_seed(4)).to(DEV)
     want, c1 = _passes(tiny, cache, canvas, None)
-    got, c2 = _passes(tiny, cache, canvas, "triton", split)
+    got, c2 = _passes(tiny, cache, canvas, "triton", tiles)
     for a, b in zip(got, want):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     for a, b in zip(c2.keys + c2.values, c1.keys + c1.values):  # the same K/V written
@@ -248,8 +270,12 @@ def test_the_checked_kernel_the_op_and_the_option(tiny, monkeypatch):
     assert torch.equal(fixed_attention_op(*args, "triton"), fixed_attention_triton(*args))
     torch.library.opcheck(fixed_attention_op, (*args, "triton"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
-    assert torch.equal(fixed_attention_op(*args, "triton", 2), fixed_attention_triton(*args, split=2))
-    torch.library.opcheck(fixed_attention_op, (*args, "triton", 2), test_utils=("test_schema", "test_faketensor"))
+    assert torch.equal(fixed_attention_op(*args, "triton", "split=2"), fixed_attention_triton(*args, tiles="split=2"))
+    torch.library.opcheck(fixed_attention_op, (*args, "triton", "split=2"),
+                          test_utils=("test_schema", "test_faketensor"))
+    # a spec's part for the other kind of layer (args: a sliding one) changes nothing; its own part is what runs
+    assert torch.equal(fixed_attention_triton(*args, tiles="full:split=2;sliding:bm=32"),
+                       fixed_attention_triton(*args, tiles={"BM": 32}))
 
     assert Options().attention_kernel is None and Options().attention_split is None  # None: tuned, else one run
     with pytest.raises(blockpress.InputError):
@@ -269,9 +295,13 @@ def test_the_checked_kernel_the_op_and_the_option(tiny, monkeypatch):
                              attention_kernel=False)["attention_kernel"] is None
     kernels.use(m, attention_kernel="triton")
     assert kernels.kernel_names(m)["attention_kernel"] == "triton"
-    assert kernels.kernel_names(m)["attention_split"] == 1
-    kernels.use(m, attention_kernel="triton", attention_split=3)
-    assert kernels.kernel_names(m)["attention_split"] == 3
+    assert kernels.kernel_names(m)["attention_tiles"] == ""
+    kernels.use(m, attention_kernel="triton", attention_tiles="split=3")
+    assert kernels.kernel_names(m)["attention_tiles"] == "sliding:split=3;full:split=3"
+    with pytest.raises(blockpress.InputError, match="attention_tiles"):
+        Options().replace(attention_tiles=3)
+    with pytest.raises(ValueError, match="bad attention tile setting 'bk=32'"):
+        kernels.configure(m, experts="grouped" if DEV.type == "cpu" else "auto", attention_tiles="bk=32")
 
 
 def test_the_kernel_is_on_by_default_on_hopper_only(monkeypatch):
@@ -310,10 +340,10 @@ def test_a_compiled_block_with_the_kernel_is_one_graph_without_breaks(tiny):
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] == 2  # Block.forward for a sliding and a full layer
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-    kernels.use(m, routing="torch", attention_kernel="triton", attention_split=2)  # the op with its split argument
+    kernels.use(m, routing="torch", attention_kernel="triton", attention_tiles="split=2")  # the op with its tiles
     got = m.decode(canvas, cache, start=start)
     assert dict(counters["graph_break"]) == {}
-    assert counters["stats"]["unique_graphs"] == 4  # recompiled: the split is a constant of the graph
+    assert counters["stats"]["unique_graphs"] == 4  # recompiled: the tiles are a constant of the graph
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 

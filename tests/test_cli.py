@@ -232,6 +232,7 @@ def test_threads_must_be_a_positive_integer_everywhere(command, capsys):
     (["bench", "--repeats", "0"], "--repeats: expected a positive integer"),
     (["bench", "--new-tokens", "0"], "--new-tokens: expected a positive integer"),
     (["bench", "--attention-split", "0"], "--attention-split: expected an integer in 1..16, got 0"),
+    (["bench", "--attention-tiles", "middle:bm=32"], "--attention-tiles: unknown kind of layer 'middle'"),
     (["run", "kjv", "x", "--seed", "99999999999999999999"], "--seed: expected a seed in 0..18446744073709551615"),
     (["eval", "sudoku", "--seed", "-1"], "--seed: expected a seed in 0.."),
     (["eval", "sudoku", "--json", "/no-such-folder/x.json"], "--json: the folder /no-such-folder does not exist"),

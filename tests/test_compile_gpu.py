@@ -40,7 +40,7 @@ def start_background(config):
     """Start the compile report (called by conftest when these tests are collected; they run last, so its ~50 s of
     ptxas overlap the rest of the suite): the H100's kernels at batch 1 with the engine's default tiles (8-bit
     projections: int8); with --runslow also the RTX 40xx's, batch 4, fp8 projections, a grid of other tiles (bn 128 /
-    256 at bk 128, swap at the defaults' bn and bk) and the attention kernel with its keys in 2 and 4 runs, ~5 min."""
+    256 at bk 128, swap at the defaults' bn and bk) and `blockpress tune`'s attention candidates, ~6 min."""
     if not _ptxas() or _REPORT:
         return
     tmp = Path(tempfile.mkdtemp(prefix="compile-report-"))
@@ -51,7 +51,7 @@ def start_background(config):
                              "90,89" if full else "90", "--batch", "1,4" if full else "1",
                              "--linears", "int8,fp8,fp8-a8" if full else "int8,fp8-a8",
                              "--grid", "bn=128,256;bk=128|swap=1" if full else "",
-                             "--attention-split", "2,4" if full else "", "--out", str(tmp / "report.json")],
+                             "--attention-tiles", "tune" if full else "", "--out", str(tmp / "report.json")],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     _REPORT.update(proc=proc, tmp=tmp, log=log)
 
@@ -103,11 +103,15 @@ def test_every_kernel_compiles_and_would_launch(report, request):
     assert {r["kernel"] for r in swapped} == {"_moe_up_kernel", "_moe_down_kernel", "_linear_q_kernel"}
     assert all(r["mma"] == "wgmma" for r in swapped)
     # the fixed-shape passes' attention: head dims 256 and 512 on wgmma, no spill, in the H100's shared memory; with
-    # --runslow also the keys in 2 and 4 runs (SPLIT, merged by _combine_kernel)
+    # --runslow also every candidate of `blockpress tune` (kernels of their own: the keys in runs, merged by
+    # _combine_kernel; other tiles), none spilling (the 32-row blocks run mma.sync: 4 warps, under a warpgroup's 64)
+    from blockpress.lab.tune import ATTENTION_TILES
+
     attention = [r for r in result["archs"]["90"]["kernels"] if r["kernel"] == "_fixed_attention_kernel"]
-    assert all(r["mma"] == "wgmma" and r["spill"] == 0 for r in attention)
-    assert sum("split=" not in r["label"] for r in attention) == 2
-    assert sum("split=" in r["label"] for r in attention) == (4 if split else 0)
+    assert all(r["spill"] == 0 for r in attention)
+    assert all(r["mma"] == "wgmma" for r in attention if "bm=32" not in r["label"])
+    assert sum(":" not in r["label"] for r in attention) == 2  # the defaults (the candidates' labels name a kind)
+    assert len(attention) == 2 + (sum(len(v) - 1 for v in ATTENTION_TILES.values()) if split else 0)
 
 
 def test_pipeline_stages_fit_the_shared_memory(monkeypatch):

@@ -278,3 +278,69 @@ def test_block_kernels_counts_the_launches_a_gpu_would_run():
         assert sorted(x for x in ls if x.startswith("torch.ops")) == [
             "torch.ops.blockpress.fixed_attention", "torch.ops.blockpress.quantized_experts", "torch.ops.blockpress.route"]
         assert 0 < sum(x.startswith("triton_") for x in ls) <= 5
+
+
+_PROBE = '''
+import sys, torch
+if sys.argv[1] == "before":
+    @torch.library.custom_op("bp_probe::f", mutates_args=())
+    def f(x: torch.Tensor, split: int = 1) -> torch.Tensor:
+        return x * 2
+else:  # an upgrade changed the op's arguments (as the attention op's split became tiles)
+    @torch.library.custom_op("bp_probe::f", mutates_args=())
+    def f(x: torch.Tensor, tiles: str = "") -> torch.Tensor:
+        return x * 2
+f.register_fake(lambda x, *a: torch.empty_like(x))
+if sys.argv[2] == "tagged":
+    from blockpress.kernels.compiled import ops_cache_tag, tag_compile_cache
+    tag_compile_cache(ops_cache_tag("bp_probe"))
+print(torch.compile(lambda x: f(x + 1) * 3)(torch.ones(4)).sum().item())
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tagged", [False, True])
+def test_an_op_whose_arguments_changed_compiles_again_rather_than_running_stale_code(tmp_path, tagged):
+    """torch.compile's disk cache, shared by two processes: the first compiles a graph calling an op at its default
+    argument, the second has the op with another argument. Untagged, the second reuses the first's code, which names
+    the old argument: it fails (the bug `compiled_block`'s tag fixes). Tagged with the ops' schemas, it compiles again
+    (~40 s: four processes, two compiles)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "probe.py"
+    script.write_text(_PROBE)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    runs = [subprocess.run([sys.executable, str(script), version, "tagged" if tagged else "plain"], env=env,
+                           capture_output=True, text=True, timeout=300) for version in ("before", "after")]
+    assert runs[0].returncode == 0 and runs[0].stdout.strip() == "48.0", runs[0].stderr[-2000:]
+    if tagged:
+        assert runs[1].returncode == 0 and runs[1].stdout.strip() == "48.0", runs[1].stderr[-2000:]
+    else:
+        assert runs[1].returncode != 0 and "Unknown keyword argument 'split'" in runs[1].stderr
+
+
+def test_the_compile_cache_is_keyed_by_the_ops_schemas():
+    """`compiled_block` adds a hash of blockpress's op schemas to torch.compile's cache key, beside a tag the caller
+    set; the hash changes when an op's schema does (here: an op added to a namespace) and only then."""
+    from blockpress.kernels.compiled import compiled_block, ops_cache_tag, tag_compile_cache
+
+    old = torch.compiler.config.cache_key_tag
+    try:
+        torch.compiler.config.cache_key_tag = "mine"
+        compiled_block.cache_clear()
+        compiled_block()
+        assert torch.compiler.config.cache_key_tag == f"mine+{ops_cache_tag()}"
+        tag_compile_cache(ops_cache_tag())  # once only
+        assert torch.compiler.config.cache_key_tag == f"mine+{ops_cache_tag()}"
+    finally:
+        torch.compiler.config.cache_key_tag = old
+    lib = torch.library.Library("bp_tag_test", "FRAGMENT")
+    lib.define("a(Tensor x) -> Tensor")
+    one = ops_cache_tag("bp_tag_test")
+    assert one == ops_cache_tag("bp_tag_test") and one.startswith("bp_tag_test-ops-")
+    lib.define("b(Tensor x, int split=1) -> Tensor")
+    assert ops_cache_tag("bp_tag_test") != one

@@ -152,6 +152,27 @@ def test_configure_runs_the_tuned_projection_tiles_for_their_format(tuned_file):
 
 
 @needs_triton
+def test_the_attention_kernel_runs_the_tuned_tiles_unless_tiles_are_asked_for(tuned_file):
+    """The attention kernel (on a GPU, where configure selects it): the tiles kept for the model's shapes, an asked
+    spec instead, an asked `attention_split` over either; a kept value that is not a tiles spec is ignored with a
+    warning."""
+    from blockpress.kernels.select import _attention_tiles
+
+    def tiles(asked=None, split=None):
+        noted = {}
+        return _attention_tiles(DEV, TEXT, torch.float32, asked, split, noted), noted.get("attention_tiles")
+
+    assert tiles() == ("", None)  # nothing kept: the defaults
+    tuned.store(DEV, tuned.attention_key(TEXT, torch.float32), "sliding:bm=32,split=2", {})
+    assert tiles() == ("sliding:bm=32,split=2", "sliding:bm=32,split=2")
+    assert tiles(split=3) == ("sliding:bm=32,split=3;full:split=3", "sliding:bm=32,split=2")
+    assert tiles("full:dv=16") == ("full:dv=16", None)
+    tuned.store(DEV, tuned.attention_key(TEXT, torch.float32), 2, {})  # what the first tuner kept: a count of runs
+    with pytest.warns(UserWarning, match="attention tiles spec is a string"):
+        assert tiles() == ("", None)
+
+
+@needs_triton
 def test_a_load_says_in_one_line_which_settings_came_from_the_file(tuned_file, capsys):
     import blockpress
 
@@ -215,14 +236,18 @@ def test_tune_keeps_the_fastest_agreeing_settings_and_a_dry_run_keeps_nothing(tu
     for key, res in results.items():
         rows = res["rows"]
         assert all(r["ok"] for r in rows)
-        best = min(rows, key=lambda r: r["ms"])
-        assert kept[key]["value"] == best.get("spec", best.get("split"))
         if key.startswith(("experts", "mlp")):
+            assert kept[key]["value"] == min(rows, key=lambda r: r["ms"])["spec"]
             assert [r["spec"] for r in rows] == [res["default"], "bm=16,bn=16,bk=16", "bm=16,bn=32,bk=16"]
             assert kept[key]["times_ms"] == {r["spec"]: r["ms"] for r in rows}
             assert all(r["gbs"] > 0 for r in rows)  # the expert bytes the tokens hit, over the time
-        else:
-            assert [r["split"] for r in rows] == [1, 2, 3, 4] and res["rel_err_vs_torch"] < 1e-4
+        else:  # the attention: each kind of layer's fastest, kept as one spec (the tiny model's head dims: key runs)
+            assert [(r["kind"], r["spec"]) for r in rows] == [(k, s) for k in ("sliding", "full") for s in tune.SPLITS]
+            best = {k: min((r for r in rows if r["kind"] == k), key=lambda r: r["ms"])["spec"] for k in ("sliding",
+                                                                                                         "full")}
+            assert kept[key]["value"] == res["best"] == ";".join(f"{k}:{v}" for k, v in best.items() if v)
+            assert kept[key]["times_ms"] == {f"{r['kind']}:{r['spec']}": r["ms"] for r in rows}
+            assert res["rel_err_vs_torch"] < 1e-4 and res["best_ms"] <= res["default_ms"]
     assert "experts int4 g=32" in " ".join(kept) and "mlp int4 g=32" in " ".join(kept)
     # fp8 weights with fp8 activations: the w8a8 experts' tiles and the projections' (the kernel's three candidates
     # after its default), checked against the fp8 x fp8 reference

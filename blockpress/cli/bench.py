@@ -36,6 +36,13 @@ def _linear_tiles(spec: str) -> str:
     return _spec_type(parse_linear_tiles)(spec)
 
 
+def _attention_tiles(spec: str) -> str:
+    """argparse type of --attention-tiles."""
+    from ..kernels.attention_fixed import parse_attention_tiles
+
+    return _spec_type(parse_attention_tiles)(spec)
+
+
 def _modes(spec: str) -> str:
     """argparse type of --modes: a comma-separated subset of fixed, adaptive."""
     modes = [m for m in spec.split(",") if m]
@@ -71,7 +78,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_speed_args(p)
     p.add_argument("--attention-split", type=_int_in(1, 16), default=None, metavar="K",
                    help="the attention kernel's key tiles of each row block in K runs, merged by a second kernel (more "
-                        "programs at batch 1; default: what blockpress tune kept for this card, else 1)")
+                        "programs at batch 1; default: as the attention tiles say, else 1)")
+    p.add_argument("--attention-tiles", type=_attention_tiles, default=None, metavar="SPEC",
+                   help="the attention kernel's tiles per kind of layer, e.g. 'sliding:bm=32,split=2;full:dv=128' (bm, "
+                        "bn, dv, warps, stages, split; a part without 'kind:' sets both kinds; default: what "
+                        "blockpress tune kept for this card, else the built-in tiles)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC",

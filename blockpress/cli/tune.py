@@ -2,11 +2,12 @@
 
 What it tunes (blockpress/lab/tune.py), for the storage flags given (those of `run`: `--precision`, `--group-size`,
 `--linears`, and `--fp8-activations`): the expert kernels' tiles, the 8-bit projections' tiles (`--linears
-int8|fp8`; `int4-mlp`: the dense MLP's int4 kernels' tiles), and the attention kernel's key runs.
+int8|fp8`; `int4-mlp`: the dense MLP's int4 kernels' tiles), and the attention kernel's tiles and key runs per
+kind of layer.
 Each candidate is checked against the reference and the default; one that fails or disagrees is never kept. The
 winners go to the tuned-settings file (blockpress/kernels/tuned.py: ~/.cache/blockpress/tuned.json, or
 $BLOCKPRESS_TUNED), which every later `load` / `run` / `serve` / `bench` on this card reads where no `--moe-tiles`,
-`--linear-tiles` or `--attention-split` is given. Only MODEL's config.json is read (a Hub id fetches that file
+`--linear-tiles` or `--attention-tiles` is given. Only MODEL's config.json is read (a Hub id fetches that file
 alone): the kernels run on random weights of its shapes. Tune with the storage flags you load with: a setting is kept
 per format and shape.
 """
@@ -98,7 +99,7 @@ def main(args) -> int:
 
     def report(what):
         def show(row, i, n):
-            label = row.get("spec", f"split={row.get('split')}")
+            label = f"{row['kind']}:{row['spec'] or 'default'}" if "kind" in row else row["spec"]
             speed = "".join([f"  {row['gbs']:,.0f} GB/s" if "gbs" in row else "",
                              f" ({row['floor_fraction']:.0%} of copy)" if "floor_fraction" in row else ""])
             status = row.get("failed") or (f"{row['ms']:.3f} ms{speed}" + (
@@ -128,8 +129,8 @@ def main(args) -> int:
                  lambda r: tune.tune_attention(text, context=args.context, report=r, **common)))
     kept, summary = {}, {"device": card, "source": source, "batch": args.batch, "results": {}}
 
-    def name(row) -> str:  # a candidate: a tiles spec, or a count of key runs
-        return str(row.get("spec", row.get("split")))
+    def name(row) -> str:  # a candidate: a tiles spec (attention: per kind of layer)
+        return f"{row['kind']}:{row['spec']}" if "kind" in row else row["spec"]
 
     where = None
     for key, what, _, run in jobs:  # each kept as soon as it is timed: an interrupted run keeps the finished ones
@@ -138,17 +139,20 @@ def main(args) -> int:
             print(f"  {key}: no setting ran and agreed with the reference; nothing kept", file=sys.stderr)
             continue
         times = {name(r): r["ms"] for r in res["rows"] if r.get("ok")}
-        default = str(res.get("default", 1))
-        facts = {"tokens": args.batch * C, **({"context": args.context} if what == "attention" else {}),
-                 **({"default": res["default"]} if "default" in res else {})}
+        default = res["default"]
+        facts = {"tokens": args.batch * C, "default": default,
+                 **({"context": args.context} if what == "attention" else {})}
         kept[key] = res["best"]
-        gain = f" ({times[default] / times[str(res['best'])]:.2f}x the default {default})" if default in times else ""
-        print(f"  {key}: {res['best']}{gain}", file=sys.stderr)
+        was, now = (res.get("default_ms"), res.get("best_ms")) if "default_ms" in res else \
+            (times.get(default), times.get(res["best"]))
+        gain = " (the default)" if res["best"] == default else \
+            f" ({was / now:.2f}x the default {default or 'tiles'})" if was and now else ""
+        print(f"  {key}: {res['best'] or 'the built-in tiles'}{gain}", file=sys.stderr)
         if not args.dry_run:
             where = tuned.store(device, key, res["best"], times, **facts)
     summary["kept"] = None if where is None else str(where)
     if where is not None:
         print(f"kept in {where}: later loads on this card use them where no --moe-tiles / --linear-tiles / "
-              "--attention-split is given", file=sys.stderr)
+              "--attention-tiles is given", file=sys.stderr)
     print(json.dumps(summary))
     return 0 if kept else 1

@@ -40,11 +40,12 @@ P V for its half: 195 registers, no spill, BN = 32 keys a step, Q 64 KB + two pi
 (16 KB) = 160 KB of shared memory (the H100 allows 227 KB). It also doubles the programs at batch 1: a full layer's
 2 KV heads x 2,048 rows / 64 = 64 row blocks, 128 programs for the H100's 132 SMs. D = 256: whole rows, BM = 64,
 BN = 64, 8 warps: 250 registers, no spill, 160 KB (64 programs a sliding layer at batch 1; DV = 128 would give 128
-at 1.5x the arithmetic: a setting for bench_attention.py's sweep). These are what compiles without spilling, not
-the winners of a sweep. SPLIT = k (a tile setting, default 1; `Options.attention_split`) is flash-decoding's answer
-to few programs: each row block's key tiles in k runs, k times the programs, each run writing its normalised fp32
-output and log-sum-exp, which `_combine_kernel` merges (exp(lse_run - lse) weights); no spill at k = 2 on sm_90,
-not yet timed. On an H100 the kernel took 2.58 ms of a batch-1 step against SDPA's 2.62, yet the whole
+at 1.5x the arithmetic). These are what compiles without spilling, not the winners of a sweep: `blockpress tune`
+times other tiles per kind of layer on the user's card (an attention tiles spec, `parse_attention_tiles`;
+`Options.attention_tiles`). SPLIT = k (a tile setting, default 1; `Options.attention_split` sets it for every
+layer) is flash-decoding's answer to few programs: each row block's key tiles in k runs, k times the programs, each
+run writing its normalised fp32 output and log-sum-exp, which `_combine_kernel` merges (exp(lse_run - lse)
+weights); no spill at k = 2 on sm_90, not yet timed. On an H100 the kernel took 2.58 ms of a batch-1 step against SDPA's 2.62, yet the whole
 graphed step took 1.25 ms less with it, a gain the profile did not place (the SDPA path also builds a mask over the
 cache and gathers the sliding window each pass; benchmarks/results/2026-11-27-h100-stack.md).
 
@@ -55,6 +56,7 @@ checked against the reference on its first use per device, dtype and variant (`f
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -186,6 +188,55 @@ def tiles_for(D: int, itemsize: int = 2) -> dict:
     return {"BM": 64, "BN": 64, "num_warps": 4, "num_stages": 3}
 
 
+TILE_KEYS = {"bm": "BM", "bn": "BN", "dv": "DV", "split": "SPLIT", "warps": "num_warps", "stages": "num_stages"}
+KINDS = ("sliding", "full")
+
+
+def parse_attention_tiles(spec: str | None) -> dict[str, dict]:
+    """An attention tiles spec -> {kind: {kernel key: value}} for the kinds of layer it names ("sliding", "full").
+    The spec: parts joined by ';', each 'key=value,...' for every kind of layer or 'kind:key=value,...' for one,
+    later parts over earlier ones; keys bm, bn, dv, warps, stages, split (positive integers). '' or None: the
+    defaults (`tiles_for`). 'split=2' -> both kinds in two key runs; 'sliding:bm=32,split=2;full:dv=128'.
+    ValueError naming the bad part."""
+    out: dict[str, dict] = {k: {} for k in KINDS}
+    for part in filter(None, (spec or "").replace(" ", "").split(";")):
+        kind, _, body = part.rpartition(":")
+        if kind and kind not in KINDS:
+            raise ValueError(f"unknown kind of layer {kind!r} in attention tiles {part!r}; use {' or '.join(KINDS)}")
+        for kv in body.split(","):
+            k, _, v = kv.partition("=")
+            if k not in TILE_KEYS or not v.isdigit() or int(v) < 1:
+                raise ValueError(f"bad attention tile setting {kv!r} in {spec!r}: use {', '.join(TILE_KEYS)} = "
+                                 "positive integers")
+            for one in ([kind] if kind else KINDS):
+                out[one][TILE_KEYS[k]] = int(v)
+    return {k: t for k, t in out.items() if t}
+
+
+def attention_tiles_spec(tiles: dict[str, dict]) -> str:
+    """`parse_attention_tiles`' inverse, in one written form: 'sliding:bm=32,split=2;full:split=2' ('' for the
+    defaults), keys in `TILE_KEYS` order."""
+    names = {v: k for k, v in TILE_KEYS.items()}
+    return ";".join(f"{kind}:" + ",".join(f"{names[k]}={tiles[kind][k]}" for k in TILE_KEYS.values()
+                                          if k in tiles[kind]) for kind in KINDS if tiles.get(kind))
+
+
+def with_split(spec: str | None, split: int | None) -> str:
+    """`spec` (an attention tiles spec) with every kind of layer's key runs set to `split` (None: as it is), in
+    `attention_tiles_spec`'s form."""
+    tiles = parse_attention_tiles(spec)
+    if split is not None:
+        tiles = {kind: {**tiles.get(kind, {}), "SPLIT": split} for kind in KINDS}
+    return attention_tiles_spec(tiles)
+
+
+@functools.lru_cache(maxsize=64)
+def kind_tiles(spec: str, window: int) -> tuple:
+    """The (key, value) tile settings `spec` gives a layer with this window (0: a full layer), for `fixed_attention
+    _triton`'s `tiles` (a tuple: cached per spec, read on every call of a pass)."""
+    return tuple(sorted(parse_attention_tiles(spec).get("sliding" if window else "full", {}).items()))
+
+
 def supports(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Shapes the kernel takes: a power-of-two head dim of 16 or more (one dot over all of it), K = V head dims,
     whole groups of query heads."""
@@ -193,15 +244,14 @@ def supports(q: torch.Tensor, keys: torch.Tensor) -> bool:
     return D >= 16 and D & (D - 1) == 0 and keys.shape[-1] == D and q.shape[1] % keys.shape[1] == 0
 
 
-def fixed_attention_triton(q, keys, values, valid, start, S: int, window: int, ring: bool, tiles=None,
-                           split: int | None = None):
+def fixed_attention_triton(q, keys, values, valid, start, S: int, window: int, ring: bool, tiles=None):
     """q [B, nh, M, D] (M = S + C rows at positions [start, start + M)), keys / values [B, kv, R, D] a layer's cache
     buffers holding this pass's K/V already, valid [B, P] bool, start a 0-dim int64 tensor on q's device, window W
     (0: a full layer), ring: position p in slot p % R -> [B, nh, M, D] (a transposed view of [B, M, nh, D], which
-    the output projection's reshape takes without a copy). tiles: `tiles_for`'s keys (BM, BN, DV, num_warps,
-    num_stages) and SPLIT (default 1: each program runs over all of its rows' keys; k > 1: over a k-th of them, k
-    times the programs, merged by a second kernel), for tests and benchmarks/bench_attention.py; split: SPLIT as the
-    engine sets it (`Options.attention_split`)."""
+    the output projection's reshape takes without a copy). tiles: over `tiles_for`'s, a dict of its keys (BM, BN,
+    DV, num_warps, num_stages) and SPLIT (default 1: each program runs over all of its rows' keys; k > 1: over a
+    k-th of them, k times the programs, merged by a second kernel), or an attention tiles spec (a string,
+    `parse_attention_tiles`: what the engine passes, `Options.attention_tiles`), of which this layer's kind's part."""
     if triton is None:
         raise RuntimeError("fixed_attention_triton needs triton (pip install triton)")
     if not supports(q, keys):
@@ -211,7 +261,9 @@ def fixed_attention_triton(q, keys, values, valid, start, S: int, window: int, r
     kv = keys.shape[1]
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(B, M, H, D, dtype=q.dtype, device=q.device)
-    t = dict(tiles_for(D, q.element_size()), **(tiles or {}), **({"SPLIT": split} if split is not None else {}))
+    if isinstance(tiles, str):
+        tiles = dict(kind_tiles(tiles, window))
+    t = dict(tiles_for(D, q.element_size()), **(tiles or {}))
     bm, bn, dv, split = t.pop("BM"), t.pop("BN"), t.pop("DV", D), t.pop("SPLIT", 1)
     if D % dv or dv < 16:
         raise ValueError(f"the output column tile DV={dv} must divide the head dim {D} (and be >= 16)")
@@ -242,10 +294,10 @@ def slot_positions(slots: int, end: torch.Tensor, ring: bool) -> torch.Tensor:
     return s + torch.div(end - 1 - s, slots, rounding_mode="floor") * slots if ring else s
 
 
-def fixed_attention_torch(q, keys, values, valid, start, S: int, window: int, ring: bool, split: int | None = None):
+def fixed_attention_torch(q, keys, values, valid, start, S: int, window: int, ring: bool, tiles: str = ""):
     """`fixed_attention_triton` by the rules of model/keys.py: a mask over every slot of the layer (built on the
     device from `start`: fixed shapes, as a CUDA graph needs), through SDPA. The reference of the first-use check
-    (`split`, the kernel's work split, is taken and changes nothing here)."""
+    (`tiles`, the kernel's tiles spec, is taken and changes nothing here)."""
     M = q.shape[2]
     kpos = slot_positions(keys.shape[2], start + M, ring)
     seen = valid.index_select(1, kpos.clamp(min=0)) & (kpos >= 0)[None]
@@ -260,14 +312,14 @@ def fixed_attention_torch(q, keys, values, valid, start, S: int, window: int, ri
     return out.masked_fill_(blind, 0.0)
 
 
-def fixed_attention_checked(q, keys, values, valid, start, S: int, window: int, ring: bool, split: int | None = None):
+def fixed_attention_checked(q, keys, values, valid, start, S: int, window: int, ring: bool, tiles: str = ""):
     """`fixed_attention_triton`, compared with `fixed_attention_torch` on its first call per device, dtype and
-    compiled variant (head dim, group, sliding, ring, with encoder rows), and replaced by it with a warning if it
-    fails or disagrees: what the `attention_kernel` option runs on a CUDA GPU."""
+    compiled variant (head dim, group, sliding, ring, with encoder rows, the layer's tiles), and replaced by it with a
+    warning if it fails or disagrees: what the `attention_kernel` option runs on a CUDA GPU."""
     args = (q, keys, values, valid, start, S, window, ring)
     key = (str(q.device), str(q.dtype).removeprefix("torch."), "triton fixed attention",
-           (q.shape[-1], q.shape[1] // keys.shape[1], window > 0, bool(ring), S > 0, split or 1))
-    return checked_on_first_use(key, lambda: fixed_attention_triton(*args, split=split),
+           (q.shape[-1], q.shape[1] // keys.shape[1], window > 0, bool(ring), S > 0, kind_tiles(tiles, window)))
+    return checked_on_first_use(key, lambda: fixed_attention_triton(*args, tiles=tiles),
                                 lambda: fixed_attention_torch(*args),
                                 "the Triton attention kernel")
 
@@ -279,12 +331,12 @@ FIXED_ATTENTION = {"torch": fixed_attention_torch, "triton": fixed_attention_tri
 @torch.library.custom_op("blockpress::fixed_attention", mutates_args=())
 def fixed_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                        start: torch.Tensor, S: int, window: int, ring: bool, kernel: str,
-                       split: int = 1) -> torch.Tensor:
-    """`FIXED_ATTENTION[kernel]` as one opaque call in a compiled graph."""
-    return FIXED_ATTENTION[kernel](q, keys, values, valid, start, S, window, ring, split=split)
+                       tiles: str = "") -> torch.Tensor:
+    """`FIXED_ATTENTION[kernel]` as one opaque call in a compiled graph (tiles: an attention tiles spec)."""
+    return FIXED_ATTENTION[kernel](q, keys, values, valid, start, S, window, ring, tiles=tiles)
 
 
 @fixed_attention_op.register_fake
-def _(q, keys, values, valid, start, S, window, ring, kernel, split=1):
+def _(q, keys, values, valid, start, S, window, ring, kernel, tiles=""):
     B, H, M, D = q.shape
     return q.new_empty(B, M, H, D).transpose(1, 2)

@@ -24,6 +24,13 @@ kernel (model/diffusion_gemma.py `_layers`): a block graph starts with its q/k/v
 widths (benchmarks/block_kernels.py reads them from the Triton code inductor generates).
 
 The same function as eager up to fp32 reassociation (tests/test_compiled.py compares logits at 1e-5).
+
+torch.compile keeps what it compiled on disk and reuses it in later processes. Its key holds the traced graph, in which
+a custom op's arguments left at their defaults do not appear, while the code it generated passes every argument by
+name: after a blockpress upgrade that changed an op's arguments (the attention op's `split` became `tiles`), the
+cached code called the op with an argument it no longer has and `--compile` failed. `compiled_block` therefore adds
+`ops_cache_tag()`, a hash of the blockpress ops' schemas, to torch.compile's cache key (`torch.compiler.config.
+cache_key_tag`): an upgrade that changes an op compiles again, one that does not keeps the cache.
 """
 
 from __future__ import annotations
@@ -35,9 +42,27 @@ import torch
 RECOMPILE_LIMIT = 64  # per code object: (sliding, full) x (encode, decode, fused commit) x batch sizes x chunk lengths
 
 
+def ops_cache_tag(namespace: str = "blockpress") -> str:
+    """'<namespace>-ops-<hash>': a hash of the schemas of the custom ops registered under `namespace` (every overload,
+    sorted), for torch.compile's cache key (module docstring)."""
+    import hashlib
+
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith(namespace + "::")]
+    schemas = sorted(str(s) for n in names for s in torch._C._jit_get_schemas_for_operator(n))
+    return f"{namespace}-ops-" + hashlib.sha256("\n".join(schemas).encode()).hexdigest()[:16]
+
+
+def tag_compile_cache(tag: str) -> None:
+    """Add `tag` to torch.compile's cache key (`torch.compiler.config.cache_key_tag`, beside a tag of the caller's)."""
+    old = torch.compiler.config.cache_key_tag
+    if tag not in old.split("+"):
+        torch.compiler.config.cache_key_tag = f"{old}+{tag}" if old else tag
+
+
 @functools.lru_cache(maxsize=1)
 def compiled_block():
-    """`Block.forward` under torch.compile: `ops.block(layer, x, attend, scalar)` (made once per process)."""
+    """`Block.forward` under torch.compile: `ops.block(layer, x, attend, scalar)` (made once per process, after the
+    custom ops are registered: kernels.select imports them)."""
     import torch._dynamo
 
     from ..model.diffusion_gemma import Block
@@ -45,4 +70,5 @@ def compiled_block():
     for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.6; raise whichever this torch has
         if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < RECOMPILE_LIMIT:
             setattr(torch._dynamo.config, name, RECOMPILE_LIMIT)
+    tag_compile_cache(ops_cache_tag())
     return torch.compile(Block.forward)

@@ -37,7 +37,7 @@ from ..model.ops import Ops
 from ..options import EMBEDDING_FORMATS, LINEAR_FORMATS, PRECISIONS, Options
 from ._triton import triton, usable_on
 from .attention import attention_sdpa_gqa
-from .attention_fixed import FIXED_ATTENTION, fixed_attention_op
+from .attention_fixed import FIXED_ATTENTION, fixed_attention_op, parse_attention_tiles, with_split
 from .compiled import compiled_block
 from .library import FLOAT_EXPERTS, float_experts, float_experts_op, kernel_of
 from .linear_q import (QuantizedLinear, as_linear_tiles, linear_tiles_spec, quantize_embeddings_, quantize_linears_,
@@ -141,8 +141,18 @@ def _tuned(dev: torch.device, key: str, check) -> str | int | None:
     return tuned.lookup(dev, key, check) if usable_on(dev) else None
 
 
-def _check_split(k) -> None:
-    Options(attention_split=k).validate()
+def _check_attention_tiles(spec) -> None:
+    if not isinstance(spec, str):
+        raise TypeError(f"an attention tiles spec is a string, got {spec!r}")
+    parse_attention_tiles(spec)
+
+
+def _attention_tiles(dev, text, dtype, tiles: str | None, split: int | None, from_file: dict) -> str:
+    """The attention kernel's tiles spec: `tiles` as asked, else the ones tuned for this card and shapes (noted in
+    `from_file`), else the defaults (''); an asked `split` sets every kind of layer's key runs over them."""
+    if tiles is None:
+        tiles = from_file["attention_tiles"] = _tuned(dev, tuned.attention_key(text, dtype), _check_attention_tiles)
+    return with_split(tiles, split)
 
 
 def configure(module, experts: str = "auto", attention: str = "auto", precision: str = "native",
@@ -150,7 +160,7 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
               moe_tiles=None, moe_sum: str = "kernel", linear_tiles=None,
               merge_projections: bool | None = None,
               attention_kernel: bool | None = None, attention_split: int | None = None,
-              embeddings: str = "native") -> dict:
+              attention_tiles: str | None = None, embeddings: str = "native") -> dict:
     """Apply kernel / storage choices to a DiffusionGemmaModel in place; return what was chosen.
     sc_topk: None (exact self-conditioning) or K (soft embedding over the top-K tokens: kernels/sc_topk.py).
     linears: "native", or "int8" / "fp8" (attention and dense-MLP projections in 8 bits: kernels/linear_q.py);
@@ -164,8 +174,10 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     merge_projections: each layer's q/k/v and gate/up projections as one GEMM each (None: `Options.merges`'
     default); layers whose projections cannot merge (a LoRA adapter attached) run them one by one.
     attention_kernel: the fixed-shape passes' attention in the checked Triton kernel, on a CUDA GPU only (None:
-    `Options.attention_kernel_on`; elsewhere it changes nothing); attention_split: that kernel's key runs per row
-    block (kernels/attention_fixed.py SPLIT; None: the tuned count, else 1). embeddings: "native", or
+    `Options.attention_kernel_on`; elsewhere it changes nothing); attention_tiles: that kernel's tiles per kind of
+    layer (an attention tiles spec, kernels/attention_fixed.py `parse_attention_tiles`; None: the tuned ones, else
+    the defaults); attention_split: its key runs per row block for every layer, over the tiles' (None: as they
+    say, else 1). embeddings: "native", or
     "int8" (the embedding table, which is also the LM head, with a scale per token: kernels/linear_q.py
     QuantizedEmbedding; its LM head takes the projections' kernel choice). The returned dict's "tuned" names what
     came from `blockpress tune`'s file."""
@@ -214,13 +226,11 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
     attention = "sdpa_gqa" if attention == "auto" else attention
     fixed = "triton_checked" if fast and Options(attention_kernel=attention_kernel).validate().attention_kernel_on(dev) \
         else None
-    if attention_split is None:
-        attention_split = from_file["attention_split"] = _tuned(
-            dev, tuned.attention_key(module.text, dtype), _check_split) if fixed is not None else None
-        attention_split = attention_split or 1
+    attention_tiles = _attention_tiles(dev, module.text, dtype, attention_tiles, attention_split, from_file) \
+        if fixed is not None else with_split(attention_tiles, attention_split)  # (a spec asked is checked anyway)
     module.ops = Ops(attention=ATTENTION[attention], softcap=SOFTCAP[softcap], soft_embedding=_soft_embedding(sc_topk),
                      block=compiled_block() if compile else None,
-                     fixed_attention=_fixed_attention(fixed, compile, attention_split))
+                     fixed_attention=_fixed_attention(fixed, compile, attention_tiles))
     q = (quantized_linears(module) or [None])[0]
     probe = torch.empty(0, device=dev, dtype=dtype)
     mlp4 = module.layers[0].mlp.experts if isinstance(module.layers[0].mlp, QuantizedMLP) else None
@@ -230,7 +240,7 @@ def configure(module, experts: str = "auto", attention: str = "auto", precision:
         if runs is not None and "triton" not in runs.resolved_backend(probe):
             from_file.pop(key, None)
     return {"compiled_blocks": bool(compile), "experts": resolved, "attention": attention, "attention_kernel": fixed,
-            **({"attention_split": attention_split} if fixed is not None else {}),
+            **({"attention_tiles": attention_tiles} if fixed is not None else {}),
             "precision": precision,
             "sc_topk": sc_topk, "softcap": softcap, "routing": routing, "moe_tiles": tiles.spec(), "moe_sum": moe_sum,
             "linears": lin, "embeddings": "native" if not table else f"int8 {table[0].resolved_backend(probe)}",
@@ -253,7 +263,8 @@ def apply(module, old: Options | None, new: Options) -> dict | None:
                          group_size=new.group_size, sc_topk=new.sc_topk, linears=new.linears, compile=new.compile,
                          moe_tiles=new.moe_tiles, moe_sum=new.moe_sum, linear_tiles=new.linear_tiles,
                          merge_projections=new.merge_projections, attention_kernel=new.attention_kernel,
-                         attention_split=new.attention_split, embeddings=new.embeddings)
+                         attention_split=new.attention_split, attention_tiles=new.attention_tiles,
+                         embeddings=new.embeddings)
     except ValueError as e:
         raise InputError(str(e)) from None
 
@@ -284,16 +295,16 @@ def _routing(module, name: str, compiled: bool) -> None:
         layer.router.kernel = route
 
 
-def _fixed_attention(name: str | None, compiled: bool, split: int = 1):
-    """`Ops.fixed_attention` for a `FIXED_ATTENTION` name (None: none, the passes' masks) with the kernel's key runs
-    per row block (`split`): through its custom op in compiled blocks."""
+def _fixed_attention(name: str | None, compiled: bool, tiles: str = ""):
+    """`Ops.fixed_attention` for a `FIXED_ATTENTION` name (None: none, the passes' masks) with the kernel's tiles (an
+    attention tiles spec, '' the defaults): through its custom op in compiled blocks."""
     if name is None:
         return None
     if name not in FIXED_ATTENTION:
         raise ValueError(f"unknown attention kernel {name!r}; use one of {sorted(FIXED_ATTENTION)} or None")
     if compiled:
-        return functools.partial(fixed_attention_op, kernel=name, split=split)
-    return FIXED_ATTENTION[name] if split == 1 else functools.partial(FIXED_ATTENTION[name], split=split)
+        return functools.partial(fixed_attention_op, kernel=name, tiles=tiles)
+    return FIXED_ATTENTION[name] if not tiles else functools.partial(FIXED_ATTENTION[name], tiles=tiles)
 
 
 def _soft_embedding(sc_topk: int | None):
@@ -304,13 +315,14 @@ _UNSET = object()
 
 
 def use(module, *, attention: str | None = None, experts: str | None = None, softcap: str | None = None,
-        sc_topk=_UNSET, routing: str | None = None, attention_kernel=_UNSET, attention_split: int = 1) -> None:
+        sc_topk=_UNSET, routing: str | None = None, attention_kernel=_UNSET, attention_tiles: str = "") -> None:
     """Change some of a configured module's kernels by name and leave the others as they are (tests comparing a
     fast path with its reference, the trainer's experts). attention_kernel: a `FIXED_ATTENTION` name or None, on any
-    device (Triton's interpreter on a CPU), with `attention_split` key runs per row block."""
+    device (Triton's interpreter on a CPU), with `attention_tiles` (an attention tiles spec)."""
     changes = {}
     if attention_kernel is not _UNSET:
-        changes["fixed_attention"] = _fixed_attention(attention_kernel, module.ops.block is not None, attention_split)
+        changes["fixed_attention"] = _fixed_attention(attention_kernel, module.ops.block is not None,
+                                                      with_split(attention_tiles, None))
     if attention is not None:
         check_names(attention=attention)
         changes["attention"] = ATTENTION[attention]
@@ -344,7 +356,7 @@ def kernel_names(module) -> dict:
     return {"attention": _name(ATTENTION, ops.attention), "softcap": _name(SOFTCAP, ops.softcap),
             "attention_kernel": None if fixed is None else fixed.keywords["kernel"]
             if getattr(fixed, "func", None) is fixed_attention_op else _name(FIXED_ATTENTION, fixed),
-            "attention_split": None if fixed is None else getattr(fixed, "keywords", {}).get("split", 1),
+            "attention_tiles": None if fixed is None else getattr(fixed, "keywords", {}).get("tiles", ""),
             "routing": route.keywords["kernel"] if getattr(route, "func", None) is route_op else _name(ROUTE, route),
             "experts": ex.backend if isinstance(ex, QuantizedExperts) else kernel_of(ex.kernel) or str(ex.kernel),
             "compiled_blocks": ops.block is not None,

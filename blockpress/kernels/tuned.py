@@ -1,8 +1,8 @@
 """Kernel settings timed on this machine's GPU (`blockpress tune`), used where none are asked for.
 
 Why: how close a denoising step gets to the bandwidth floor depends on the Triton kernels' tiles, and the best tiles
-depend on the card. The built-in defaults (`moe_grouped.default_tiles`, `linear_q.DEFAULT_LINEAR_TILES`, one key
-run in the attention kernel) were chosen on one H100 (the fp8 experts' tiles alone took 2.6 ms off its step) or
+depend on the card. The built-in defaults (`moe_grouped.default_tiles`, `linear_q.DEFAULT_LINEAR_TILES`,
+`attention_fixed.tiles_for`) were chosen on one H100 (the fp8 experts' tiles alone took 2.6 ms off its step) or
 from compiles alone; on another card, or another model's shapes, they are a guess. `blockpress tune`
 (blockpress/lab/tune.py) times the candidates on the user's card for the model's own shapes and keeps the fastest
 that agrees with the reference. A tuned setting only ever picks among variants of the same function (tiles, key
@@ -10,8 +10,8 @@ runs: the same numbers up to fp32 summation order), never a numeric format, so a
 untuned one does.
 
 What is kept, per device ("<name> sm_<major><minor>", e.g. "NVIDIA H100 80GB HBM3 sm_90") and per kernel and
-shape (`experts_key`, `linears_key`, `attention_key`): the chosen value (a `moe_tiles` or `linear_tiles` spec, an
-`attention_split`), every candidate's time, and the torch / Triton versions and date of the run. Where: one JSON
+shape (`experts_key`, `linears_key`, `attention_key`): the chosen value (a `moe_tiles`, `linear_tiles` or
+`attention_tiles` spec), every candidate's time, and the torch / Triton versions and date of the run. Where: one JSON
 file, `path()`: $BLOCKPRESS_TUNED, else $XDG_CACHE_HOME/blockpress/tuned.json (~/.cache/blockpress/tuned.json), as
 {"blockpress_tuned": FORMAT, "devices": {device: {key: {"value": ..., "times_ms": ..., ...}}}};
 BLOCKPRESS_TUNED=off turns the lookup off. `kernels.select.configure` asks `lookup` when an option was not given;
@@ -85,14 +85,15 @@ def linears_key(text, fmt: str, dtype: torch.dtype) -> str:
 
 def attention_key(text, dtype: torch.dtype) -> str:
     """The attention kernel's shape key: per kind of layer its head dim, KV heads and count; query heads, window,
-    dtype."""
+    dtype. ("attention-tiles": its value is an attention tiles spec; the first tuner kept a count of key runs under
+    "attention".)"""
     kinds = []
     for kind in ("sliding_attention", "full_attention"):
         ids = [i for i, t in enumerate(text.layer_types) if t == kind]
         if ids:
             kinds.append(f"{kind.split('_')[0]}=D{text.layer_head_dim(ids[0])}/kv{text.layer_kv_heads(ids[0])}"
                          f"x{len(ids)}")
-    return f"attention heads={text.num_attention_heads} {' '.join(kinds)} window={text.sliding_window} " \
+    return f"attention-tiles heads={text.num_attention_heads} {' '.join(kinds)} window={text.sliding_window} " \
            f"{_dtype(dtype)}"
 
 

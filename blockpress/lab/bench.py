@@ -398,7 +398,7 @@ def run(args) -> dict:
                            compile=args.compile, moe_tiles=args.moe_tiles, moe_sum=args.moe_sum,
                            linear_tiles=args.linear_tiles, merge_projections=args.merge_projections,
                            attention_kernel=args.attention_kernel, attention_split=args.attention_split,
-                           embeddings=args.embeddings)
+                           attention_tiles=args.attention_tiles, embeddings=args.embeddings)
     except ValueError as e:
         raise InputError(str(e)) from None
     if args.prefill_chunk is not None:  # 0: the whole prompt in one pass

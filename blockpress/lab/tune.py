@@ -9,9 +9,10 @@ choice changes speed only:
   checked against the plain-torch experts, every other setting against it;
 - the 8-bit projections' tiles (`linear_tiles`, kernels/linear_q.py): every projection shape of a pass (q/k/v and
   gate/up merged, as they run), each candidate timed over the whole pass, checked against the kernel's reference;
-- the attention kernel's key runs per row block (`attention_split`, kernels/attention_fixed.py): a denoising pass's
-  attention after `context` cached tokens, per kind of layer, summed over the model's layers; each run count
-  checked against the kernel's one-run output and the torch reference.
+- the attention kernel's tiles and key runs per row block, per kind of layer (`attention_tiles`,
+  kernels/attention_fixed.py): a denoising pass's attention after `context` cached tokens, each candidate timed on
+  one layer of a kind times its number of layers, checked against the defaults' output and that against the torch
+  reference.
 A setting that does not compile or disagrees is reported and never kept. The winner goes to the tuned-settings
 file (kernels/tuned.py), which `load` reads when no setting is asked for.
 
@@ -35,7 +36,18 @@ from .profile import time_ms
 # registers from bm 64 on
 DEFAULT_GRID = "bm=auto;bn=64,128,256;bk=32,64,128;warps=4,8|bm=16,32,64|bm=auto,16,32;bn=64,128;bk=64,128;swap=1"
 QUICK_GRID = "bm=auto;bn=64,128;bk=64,128|bm=auto,16;bn=64,128;bk=128;swap=1"  # 8 settings
-SPLITS = (1, 2, 3, 4)
+# the attention kernel's candidates by head dim (attention tiles specs, kernels/attention_fixed.py), its defaults
+# ('': `tiles_for`) first; other head dims: the defaults in 1-4 key runs. Those that compile for sm_90 without
+# spilling (benchmarks/compile_report.py --attention-tiles tune). D 256, the 26B model's sliding layers (64 programs at
+# batch 1 with the defaults' 64-row blocks, for 132 SMs): the keys in runs, 32-key tiles with three stages on 4 warps
+# (wgmma), 32-row blocks on 4 warps (mma.sync; in one run they spill). D 512, its full layers: runs, DV 128 (four
+# programs a row block, each with all of Q K^T), 32-row blocks (mma.sync), 16-key tiles with three stages in one run
+SPLITS = ("", "split=2", "split=3", "split=4")
+ATTENTION_TILES = {
+    256: [*SPLITS, "bn=32,warps=4,stages=3", "bn=32,warps=4,stages=3,split=2", "bn=32,warps=4,stages=3,split=4",
+          "bm=32,warps=4,split=2", "bm=32,warps=4,split=4", "bm=32,warps=4,stages=3,split=2"],
+    512: [*SPLITS, "dv=128", "dv=128,split=2", "dv=128,split=4", "bm=32,warps=4", "bm=32,warps=4,split=2",
+          "bn=16,stages=3"]}
 # the 8-bit projections' candidates by format (`linear_tiles` specs), the default first. Weight-only: on an H200
 # (2026-11-25) the default tiles ran 2.2x slower than cuBLAS bf16 at 256 rows and 2x at one row although they move
 # half the bytes (a 2112-wide projection has 33 N tiles of 64, a quarter of the 132 SMs at one row); narrower N tiles
@@ -255,13 +267,23 @@ def tune_linears(text, canvas: int, fmt: str, device, dtype, batch: int = 1, spe
             "rel_err_vs_torch": vs_torch, "tokens": M}
 
 
-def tune_attention(text, canvas: int, device, dtype, batch: int = 1, context: int = 2048, splits=SPLITS,
-                   repeats: int = 3, seed: int = 0, report=None) -> dict:
-    """The attention kernel's key runs per row block for a denoising pass of `batch` canvases after `context`
-    cached tokens: each run count's time per kind of layer, times its number of layers. -> {"best" (runs or None),
-    "rows" (per run count: ms per pass, rel_err against one run, ok / failed), "rel_err_vs_torch"}."""
+def attention_candidates(D: int) -> list[str]:
+    """The attention kernel's candidates (attention tiles specs) for a kind of layer of head dim D, the defaults ('')
+    first: `ATTENTION_TILES`, else the defaults in 1 to 4 key runs."""
+    return list(ATTENTION_TILES.get(D, SPLITS))
+
+
+def tune_attention(text, canvas: int, device, dtype, batch: int = 1, context: int = 2048, repeats: int = 3,
+                   seed: int = 0, report=None, candidates=attention_candidates) -> dict:
+    """The attention kernel's tiles per kind of layer for a denoising pass of `batch` canvases after `context`
+    cached tokens: each candidate (`candidates(D)`: attention tiles specs for both kinds, the defaults '' first)
+    timed on that kind's layer, times its number of layers, checked against the defaults' output (which is checked
+    against the torch reference). Kinds are tuned apart: the best is each kind's fastest that agreed, as one
+    attention tiles spec. -> {"default": '', "best" (None where a kind has none), "rows" (kind, spec, ms per pass,
+    rel_err_vs_first, ok / failed), "rel_err_vs_torch", "default_ms", "best_ms", "context"}."""
     from ..config import FULL, SLIDING
-    from ..kernels.attention_fixed import fixed_attention_torch, fixed_attention_triton
+    from ..kernels.attention_fixed import (attention_tiles_spec, fixed_attention_torch, fixed_attention_triton,
+                                           parse_attention_tiles)
     from ..model.cache import KVCache
 
     kinds = [t for t in (SLIDING, FULL) if t in text.layer_types]
@@ -274,27 +296,35 @@ def tune_attention(text, canvas: int, device, dtype, batch: int = 1, context: in
         buf.copy_(torch.randn(buf.shape, generator=g, device=device, dtype=torch.float32))
     start = torch.tensor(context, device=device)
     H, tol = text.num_attention_heads, tolerance(dtype)
-    args, one, vs_torch = [], [], 0.0  # one: each kind's output in one run (the reference point of the others)
+    todo = []
     for i, t in enumerate(kinds):
         D = shapes[i][1]
         q = torch.randn(batch, H, canvas, D, generator=g, device=device, dtype=torch.float32).to(dtype) / D ** 0.25
         a = (q, cache.keys[i], cache.values[i], cache.valid, start, 0, text.sliding_window if t == SLIDING else 0,
              t == SLIDING and cache.ring is not None)  # the arguments model/keys.py `Fixed` passes
-        args.append((a, text.layer_types.count(t)))
-        one.append(fixed_attention_triton(*a).float())
-        vs_torch = max(vs_torch, _rel(one[-1], fixed_attention_torch(*a)))
-    rows = []
-    for j, k in enumerate(splits, 1):
-        row = {"split": k}
+        todo += [(t.split("_")[0], a, text.layer_types.count(t), spec) for spec in candidates(D)]
+    rows, ref, vs_torch = [], {}, 0.0  # ref: each kind's output at the defaults (the reference point of the others)
+    for j, (kind, a, n, spec) in enumerate(todo, 1):
+        row = {"kind": kind, "spec": spec}
+        tiles = dict(parse_attention_tiles(spec).get(kind, {}))
         try:
-            err = max(_rel(fixed_attention_triton(*a, split=k), o) for (a, _), o in zip(args, one))
-            ms = sum(n * time_ms(lambda a=a: fixed_attention_triton(*a, split=k), device, repeats) for a, n in args)
+            out = fixed_attention_triton(*a, tiles=tiles).float()
+            if kind not in ref:
+                ref[kind] = out
+                vs_torch = max(vs_torch, _rel(out, fixed_attention_torch(*a)))
+            err = _rel(out, ref[kind])
+            ms = n * time_ms(lambda: fixed_attention_triton(*a, tiles=tiles), device, repeats)
             row.update(ms=ms, rel_err_vs_first=err, ok=err < tol and vs_torch < tol)
-        except Exception as e:  # noqa: BLE001 - a run count that does not compile is a result
+        except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result
             row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         rows.append(row)
         if report is not None:
-            report(row, j, len(splits))
-    best = fastest(rows)
-    return {"best": None if best is None else best["split"], "rows": rows, "rel_err_vs_torch": vs_torch,
-            "context": context}
+            report(row, j, len(todo))
+    wins = {kind: fastest([r for r in rows if r["kind"] == kind]) for kind, *_ in todo}
+    default = {kind: next((r for r in rows if r["kind"] == kind and r["spec"] == "" and r.get("ok")), None)
+               for kind in wins}
+    best = None if None in wins.values() else attention_tiles_spec(
+        {kind: parse_attention_tiles(r["spec"]).get(kind, {}) for kind, r in wins.items()})
+    return {"default": "", "best": best, "rows": rows, "rel_err_vs_torch": vs_torch, "context": context,
+            "best_ms": None if best is None else sum(r["ms"] for r in wins.values()),
+            "default_ms": None if None in default.values() else sum(r["ms"] for r in default.values())}

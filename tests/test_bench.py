@@ -92,6 +92,23 @@ def test_roofline_counting_math_too(real_meta):
     assert peak_bf16_flops("NVIDIA H200") == 989e12 and peak_bf16_flops("Some New GPU") is None
 
 
+def test_a_profiles_kernel_classes_carry_the_steps_floor(real_meta):
+    """Each kernel class of a step profile has the floor of the pass parts it runs (`class_floors_ms`): they add up
+    to the step's floor, bytes only or with math; the 26B fp8 step's experts carry most of it (22.9 GB at 3.35 TB/s);
+    a part no class carries is an error, not a floor left out."""
+    from blockpress.lab.roofline import class_floors_ms, floor_seconds, pass_parts
+
+    m = _quantized_copy(real_meta, "fp8")
+    parts = pass_parts(m, 1, 256, 1024)
+    for peak in (None, 989e12):
+        floors = class_floors_ms(parts, H100_BPS, peak)
+        assert set(floors) == {"experts", "dense GEMM", "attention", "sampler"}
+        assert sum(floors.values()) == pytest.approx(floor_seconds(parts, H100_BPS, peak) * 1e3, rel=1e-12)
+    assert 6.5 < floors["experts"] < 7.2 and floors["experts"] > 2 * floors["dense GEMM"] > 0
+    with pytest.raises(ValueError, match="no kernel class.*'something new'"):
+        class_floors_ms({**parts, "something new": (1, 0)}, H100_BPS, None)
+
+
 def test_presets_are_valid_configs():
     for name in PRESETS:
         config, prompt, new = preset_config(name)
@@ -313,6 +330,9 @@ def test_bench_profile_splits_a_step_by_kernel_class(capsys):
     assert sum(p["by_part_ms"].values()) == pytest.approx(total, rel=1e-6)
     assert all(p["by_part_ms"][part] > 0 for part in ("experts", "attention", "decoder, rest", "sampler"))
     assert p["experts_achieved_gbs"] > 0
+    # each class beside its floor (the profiled steps' own: a canvas after the prompt), in the table too
+    assert set(p["floor_ms_by_class"]) == {"experts", "dense GEMM", "attention", "sampler"}
+    assert all(v > 0 for v in p["floor_ms_by_class"].values()) and "x floor" in out
     assert p["wall_ms_per_step"] >= p["busy_ms_per_step"] * 0.5
     assert p["kernels_per_step"] >= sum(k["calls_per_step"] for k in p["top"]) > len(p["top"])  # counts launches
     times = [k["ms_per_step"] for k in p["top"]]

@@ -342,8 +342,8 @@ def run(args) -> dict:
     from ..engine.graphs import passes_for
     from ..kernels import configure
     from .random_weights import build_model, build_reference, load_reference
-    from .roofline import (expected_hit_fraction, floor_seconds, generation_floor_seconds, measure_bandwidth,
-                                    pass_parts, peak_bf16_flops)
+    from .roofline import (class_floors_ms, expected_hit_fraction, floor_seconds, generation_floor_seconds,
+                           measure_bandwidth, pass_parts, peak_bf16_flops)
 
     from ..errors import InputError
 
@@ -467,6 +467,9 @@ def run(args) -> dict:
                                           sampler=args.sampler, passes=passes_for(module, None, False, fixed, True))
         result["profile"]["batch"] = B
         result["profile"]["passes"] = "fixed-shape, uncaptured" if fixed else "span (eager)"
+        # each class's floor (the profiled steps follow the prompt: its tokens are cached), to read the gap against
+        result["profile"]["floor_ms_by_class"] = class_floors_ms(
+            pass_parts(module, B, C, args.prompt_tokens, hit), bandwidth, peak)
         print_profile(result["profile"], f"B={B}")
     ref_ok = args.reference and args.precision == "native" and args.linears == "native"
     if args.reference and not ref_ok:

@@ -277,9 +277,17 @@ def print_profile(p: dict, title: str = "") -> None:
     for part, ms in p["by_part_ms"].items():
         lines.append(f"  {part:<16} {ms:9.3f} {ms / total:7.1%}")
     busy = p["busy_ms_per_step"] or 1.0
-    lines.append(f"  {'kernel class':<16} {'ms/step':>9} {'share':>7}   (busy time)")
+    floors = p.get("floor_ms_by_class")  # bench's: each class's roofline floor
+    lines.append(f"  {'kernel class':<16} {'ms/step':>9} {'share':>7}" + (
+        f" {'floor ms':>9} {'x floor':>8} {'above it':>9}" if floors else "") + "   (busy time)")
     for cls, ms in sorted(p["by_class_ms"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {cls:<16} {ms:9.3f} {ms / busy:7.1%}")
+        floor = None if floors is None else floors.get(cls, 0.0)
+        lines.append(f"  {cls:<16} {ms:9.3f} {ms / busy:7.1%}" + ("" if floor is None else (
+            f" {floor:9.3f} {ms / floor:7.1f}x {ms - floor:9.3f}" if floor > 0 else f" {'-':>9} {'-':>8} {ms:9.3f}")))
+    if floors:
+        floor = sum(floors.values())
+        lines.append(f"  {'all':<16} {busy:9.3f} {'':>7} {floor:9.3f} {busy / floor:7.1f}x {busy - floor:9.3f}"
+                     "   (norm, other: no floor counted)")
     if "experts_achieved_gbs" in p:
         lines.append(f"  experts: {p['expert_bytes_per_step'] / 1e9:.3f} GB per step at "
                      f"{p['experts_achieved_gbs']:.0f} GB/s")

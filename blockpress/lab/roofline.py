@@ -170,6 +170,27 @@ def floor_seconds(parts: dict[str, tuple[int, int]], bandwidth_bps: float, peak_
     return sum(max(nb / bandwidth_bps, fl / peak_flops if peak_flops else 0.0) for nb, fl in parts.values())
 
 
+# the profile's kernel classes (lab/profile.py CLASSES) -> the pass parts (`pass_parts`) whose floors they carry:
+# every part is one class's, so the classes' floors add up to the step's (`floor_seconds`); "norm" and "other" carry
+# none (their weights are in "router + norms", counted with the router's GEMM: the activations they pass are not
+# counted by the roofline)
+CLASS_PARTS = {"experts": ("experts",),
+               "dense GEMM": ("projections + dense MLP", "LM head + soft embedding", "self-conditioning MLP",
+                              "router + norms"),
+               "attention": ("attention (KV cache)",),
+               "sampler": ("logits",)}
+
+
+def class_floors_ms(parts: dict[str, tuple[int, int]], bandwidth_bps: float, peak_flops: float | None) -> dict:
+    """The floor of each kernel class of a step profile, in ms: the `floor_seconds` of the pass parts it carries
+    (`CLASS_PARTS`). ValueError for a part no class carries (the mapping fell behind `pass_parts`)."""
+    left = set(parts) - {p for ps in CLASS_PARTS.values() for p in ps}
+    if left:
+        raise ValueError(f"pass parts with no kernel class: {sorted(left)}")
+    return {cls: floor_seconds({p: parts[p] for p in ps if p in parts}, bandwidth_bps, peak_flops) * 1e3
+            for cls, ps in CLASS_PARTS.items()}
+
+
 def expected_hit_fraction(n_experts: int, top_k: int, tokens: int) -> float:
     """Fraction of experts receiving >= 1 of `tokens` uniformly routed tokens (top-k, no repeats)."""
     return 1.0 - (1.0 - top_k / n_experts) ** tokens

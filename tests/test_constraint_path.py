@@ -150,3 +150,19 @@ def test_random_regexes_close_within_any_budget_the_path_found_fits(lm, seed):
         assert 1 in out[:budget], (pattern, budget, tok.decode(out))
         text = tok.decode(out[:out.index(1)])
         assert re.fullmatch(pattern, text), (pattern, budget, text)
+
+
+@pytest.mark.parametrize("pattern", [r"[a-z0-9._]+@[a-z0-9]+\.[a-z]{2,3}", r"[a-z0-9.-]+:[0-9]{2,5}"])
+def test_a_separator_the_repetition_before_it_does_not_take_is_found(lm, pattern):
+    """An e-mail address and a host:port: the repetition's class (38 characters, most of the tiny tokenizer's
+    pieces) hides its way out, the `@` or `:` it newly allows, from the greedy path (a digit, again and again) and
+    from the bounded search (one mask for each of its characters, level after level). They were refused as needing
+    more than 4096 tokens; `_novel` takes the newly allowed character. A budget that holds its path closes, matched."""
+    V = lm.config.text.vocab_size
+    need = len(Constraint(grammar_for(regex=pattern), lm.tokenizer, [1], V, 10**4).path) + 1
+    assert need <= 8
+    for seed in range(2):
+        out, _ = _walk_to_the_end(Constraint(grammar_for(regex=pattern), lm.tokenizer, [1], V, need + 6), V, seed)
+        assert 1 in out
+        text = lm.tokenizer.decode(out[:out.index(1)])
+        assert re.fullmatch(pattern, text), text

@@ -357,6 +357,7 @@ class Constraint:
     LOOP, DEMOTE = 32, 3  # `closing_path`: choices a path may make before it is made again, and how many times
     NODES, TRIES, WORDS = 128, 16384, 64  # `_search`: masks it may compute, tokens it may try as a path's last,
     # and words of the grammar's text it takes as steps
+    NOVEL = 256  # `_novel`: tokens its path may take
     REPAIR = 3  # `_path_after`: greedy steps after a token before the path carried so far is made again (the
     # continuation bytes of a 4-byte UTF-8 character)
 
@@ -413,7 +414,9 @@ class Constraint:
         choices. Where that goes round (`[a-z]+x`: a letter, then another, and the `x` that closes is a letter too),
         or is longer than `within`, `_search` looks for a shorter one. Where that finds none either (a long minimum
         length, `[a-z]{400}`), the greedy path is made again with the class it chose most put last in the order (up
-        to `DEMOTE` classes: `[a-z]{40}(, [0-9]+)*\\.`), and last in the plain order, to `cap` tokens."""
+        to `DEMOTE` classes: `[a-z]{40}(, [0-9]+)*\\.`), then in the plain order, to `cap` tokens. Where that does
+        not close either, last `_novel`: the characters each state newly allows first (`[a-z0-9._]+@...`, an e-mail
+        address, whose `@` the search met too late among the 38 characters of its loop)."""
         cap = self.CLOSE_LIMIT if cap is None else cap
         path, kinds = self._greedy(m, frozenset(), self.LOOP, cap)
         if path is not None and (within is None or len(path) <= within):
@@ -429,7 +432,28 @@ class Constraint:
             path, kinds = self._greedy(m, demoted, self.LOOP, cap)
             if path is not None:
                 return path
-        return self._greedy(m, frozenset(), None, cap)[0]
+        path = self._greedy(m, frozenset(), None, cap)[0]
+        return path if path is not None else self._novel(m, min(cap, self.NOVEL))
+
+    def _novel(self, m, cap: int) -> list[int] | None:
+        """A closing path from `m` of at most `cap` tokens that takes, at each choice, the soonest-closing of the
+        characters the grammar allows there and did not allow at the choice before (`Vocabulary.allowed_leads`: the
+        way out of a repetition, which opens where the repetition may end: the `@` after a character of
+        `[a-z0-9._]+`), else the soonest-closing allowed token; None where it does not close."""
+        trial, out, before = m.deep_copy(), [], None
+        while not (trial.is_accepting() or trial.is_stopped()):
+            if len(out) >= cap:
+                return None
+            step = trial.compute_ff_tokens()
+            if not step:
+                self.masks += 1
+                bits = trial.compute_bitmask()
+                leads = self.vocab.allowed_leads(bits)
+                new = [t for t in leads if before is not None and t not in before]
+                step, before = [new[0] if new else self.vocab.closest(bits)], set(leads)
+            trial.consume_tokens(step)
+            out += step
+        return out
 
     def _greedy(self, m, demoted: frozenset, choices: int | None, cap: int) -> tuple[list[int] | None, list[int]]:
         """The greedy closing path from `m` (forced tokens, else the soonest-closing allowed token, a `demoted`

@@ -152,12 +152,15 @@ def test_random_regexes_close_within_any_budget_the_path_found_fits(lm, seed):
         assert re.fullmatch(pattern, text), (pattern, budget, text)
 
 
-@pytest.mark.parametrize("pattern", [r"[a-z0-9._]+@[a-z0-9]+\.[a-z]{2,3}", r"[a-z0-9.-]+:[0-9]{2,5}"])
+@pytest.mark.parametrize("pattern", [r"[a-z0-9._]+@[a-z0-9]+\.[a-z]{2,3}", r"[a-z0-9.-]+:[0-9]{2,5}",
+                                     r"[A-Za-z0-9_]+\([a-z, ]*\)"])
 def test_a_separator_the_repetition_before_it_does_not_take_is_found(lm, pattern):
-    """An e-mail address and a host:port: the repetition's class (38 characters, most of the tiny tokenizer's
-    pieces) hides its way out, the `@` or `:` it newly allows, from the greedy path (a digit, again and again) and
-    from the bounded search (one mask for each of its characters, level after level). They were refused as needing
-    more than 4096 tokens; `_novel` takes the newly allowed character. A budget that holds its path closes, matched."""
+    """An e-mail address, a host:port and a call: the repetition's class (38-63 characters, most of the tiny
+    tokenizer's pieces) hides its way out, the `@`, `:` or `(` it newly allows, from the greedy path (a digit, again
+    and again) and from the bounded search (one mask for each of its characters, level after level). They were
+    refused as needing more than 4096 tokens. `_novel` takes the newly allowed character (the call's `,` inside its
+    parentheses again and again, so there the search by character class finds `0()`). A budget that holds the path
+    closes, matched."""
     V = lm.config.text.vocab_size
     need = len(Constraint(grammar_for(regex=pattern), lm.tokenizer, [1], V, 10**4).path) + 1
     assert need <= 8

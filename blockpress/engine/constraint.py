@@ -265,6 +265,8 @@ class Vocabulary:
         self.kinds = self.kind.tolist()
         self.width = [len(t) for t in texts] + [0] * (vocab_size - n)  # characters (`Constraint._rest`)
         firsts, leads = set(), []  # per first character, its soonest-closing token; a special token is its own
+        self.lead_class = {}  # a lead -> its character's class for the coarse search (`allowed_classes`): digits,
+        # lower-case letters, upper-case letters, white space; any other character (a special token) its own
         for t in self.by_rank.tolist():
             if t >= n or t in stop_ids or not texts[t]:
                 continue
@@ -272,6 +274,9 @@ class Vocabulary:
             if first not in firsts:
                 firsts.add(first)
                 leads.append(t)
+                self.lead_class[t] = first if not isinstance(first, str) else "digit" if first.isdigit() else \
+                    "lower" if first.islower() else "upper" if first.isupper() else "space" if first.isspace() \
+                    else first
         self.leads = torch.tensor(leads, dtype=torch.long)  # in closing order: the steps `Constraint._search` takes
         self._lead_at, self._lead_bit = self.leads >> 3, (self.leads & 7).to(torch.uint8)
         self._shifts = torch.arange(8, dtype=torch.uint8)
@@ -308,6 +313,15 @@ class Vocabulary:
         that starts with that character is)."""
         raw = torch.frombuffer(bytearray(bits), dtype=torch.uint8)
         return self.leads[((raw[self._lead_at] >> self._lead_bit) & 1).bool()].tolist()
+
+    def allowed_classes(self, bits: bytes) -> list[int]:
+        """`allowed_leads` with one lead per character class (`lead_class`: the first, in closing order)."""
+        seen, out = set(), []
+        for t in self.allowed_leads(bits):
+            if self.lead_class[t] not in seen:
+                seen.add(self.lead_class[t])
+                out.append(t)
+        return out
 
     def allowed(self, bits: bytes, limit: int) -> list[int]:
         """The first `limit` tokens the mask allows, in closing order."""
@@ -416,7 +430,9 @@ class Constraint:
         length, `[a-z]{400}`), the greedy path is made again with the class it chose most put last in the order (up
         to `DEMOTE` classes: `[a-z]{40}(, [0-9]+)*\\.`), then in the plain order, to `cap` tokens. Where that does
         not close either, last `_novel`: the characters each state newly allows first (`[a-z0-9._]+@...`, an e-mail
-        address, whose `@` the search met too late among the 38 characters of its loop)."""
+        address, whose `@` the search met too late among the 38 characters of its loop); then `_search` with one
+        step per character class (`[A-Za-z0-9_]+\\([a-z, ]*\\)`, whose `,` `_novel` takes again and again: 4
+        steps a state, not 63)."""
         cap = self.CLOSE_LIMIT if cap is None else cap
         path, kinds = self._greedy(m, frozenset(), self.LOOP, cap)
         if path is not None and (within is None or len(path) <= within):
@@ -433,7 +449,9 @@ class Constraint:
             if path is not None:
                 return path
         path = self._greedy(m, frozenset(), None, cap)[0]
-        return path if path is not None else self._novel(m, min(cap, self.NOVEL))
+        if path is None:
+            path = self._novel(m, min(cap, self.NOVEL))
+        return path if path is not None else self._search(m, cap, coarse=True)
 
     def _novel(self, m, cap: int) -> list[int] | None:
         """A closing path from `m` of at most `cap` tokens that takes, at each choice, the soonest-closing of the
@@ -475,7 +493,7 @@ class Constraint:
             trial.consume_tokens(forced)
             out += forced
 
-    def _search(self, m, limit: int) -> list[int] | None:
+    def _search(self, m, limit: int, coarse: bool = False) -> list[int] | None:
         """The shortest closing path from `m` of at most `limit` tokens that a bounded best-first search finds, or
         None. From each state it reaches, fewest tokens first, the search tries the allowed tokens in closing order,
         and the words of the grammar's text, as the path's last (the first after which the grammar may end closes
@@ -487,7 +505,9 @@ class Constraint:
         (`[a-z]+x` before a letter and after one): so a state is dropped only where its text from `m` was reached
         already, and one whose mask was seen, with what follows it, waits until no state after a new mask is left
         (after `{"v": "a` of a `^[a-z]+x$` string, `ax` goes first: the quote it allows is new). Bounded by the
-        masks it computes (`NODES`) and the tokens it tries as a path's last (`TRIES`)."""
+        masks it computes (`NODES`) and the tokens it tries as a path's last (`TRIES`). coarse: one step per
+        character class the grammar takes there (`Vocabulary.allowed_classes`), not per character: fewer states a
+        level, blind to a way out that is one letter among others (`[a-z]+x`)."""
         stop, vocab = self.vocab.stop_ids[0], self.vocab
         order = itertools.count()
         queues: tuple[list, list] = ([(0, next(order), [], m, [], None)], [])  # after new masks, after seen ones
@@ -517,7 +537,7 @@ class Constraint:
             if not forced:
                 ends = [[t] for t in vocab.allowed(bits, tries)]
                 tries -= len(ends)
-                steps = [[t] for t in vocab.allowed_leads(bits)]
+                steps = [[t] for t in (vocab.allowed_classes(bits) if coarse else vocab.allowed_leads(bits))]
                 for w in self._words:
                     if node.validate_tokens(w) == len(w):
                         ends.append(w)

@@ -43,9 +43,10 @@ class BlockDiffusionLM:
     def configure(self, **changes) -> Options:
         """Change how this model runs: the engine's options (sampler, fuse_commit, compact_rows, cuda_graphs,
         compile) and the kernels' (experts, attention, attention_kernel, attention_tiles, attention_split, sc_topk,
-        moe_tiles, moe_sum, linear_tiles, merge_projections); see `blockpress.options`. Validated once, here. The storage precision
-        (precision, group_size, linears, embeddings: `options.STORAGE_FIELDS`) is chosen at load: changing it here is
-        an InputError (quantising is not undone, and the options would describe weights the model does not hold).
+        moe_tiles, moe_sum, linear_tiles, merge_projections); see `blockpress.options`. Validated once, here. The
+        storage precision (precision, group_size, linears, embeddings: `options.STORAGE_FIELDS`) is chosen at load:
+        changing it here is an InputError (quantising is not undone, and the options would describe weights the model
+        does not hold).
         Returns the new options."""
         from .options import STORAGE_FIELDS
 
@@ -68,7 +69,8 @@ class BlockDiffusionLM:
             from .kernels.tuned import path
 
             print(f"blockpress: kernel settings tuned on this device ({path()}): "
-                  + ", ".join(f"{k} {v}" for k, v in chosen["tuned"].items()), file=sys.stderr)
+                  + ", ".join(f"{k} {v or '(the built-in ones)'}" for k, v in chosen["tuned"].items()),
+                  file=sys.stderr)
         graphs = new.graphs_on(self.module.device, not host_syncs(self.module))
         try:
             self.passes = passes_for(self.module, self.passes, graphs, new.compile, changed)

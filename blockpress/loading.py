@@ -265,8 +265,8 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
       on a CUDA GPU, grouped GEMMs on a CPU; attention: SDPA with the KV heads grouped inside the kernel);
       "loop" / "sdpa" or "eager" are the plain references (the same function up to fp32 summation order).
     - cuda_graphs, compile, sampler, fuse_commit, compact_rows, sc_topk, moe_tiles, moe_sum, linear_tiles,
-      merge_projections, attention_kernel, attention_tiles, attention_split: how generation runs (see blockpress/options.py); `lm.configure(...)`
-      changes them later.
+      merge_projections, attention_kernel, attention_tiles, attention_split: how generation runs (see
+      blockpress/options.py); `lm.configure(...)` changes them later.
     """
     from .kernels import check_names
     from .kernels.quant import check_experts_precision, check_group_size, check_int4_sizes

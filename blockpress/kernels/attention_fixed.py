@@ -45,9 +45,10 @@ times other tiles per kind of layer on the user's card (an attention tiles spec,
 `Options.attention_tiles`). SPLIT = k (a tile setting, default 1; `Options.attention_split` sets it for every
 layer) is flash-decoding's answer to few programs: each row block's key tiles in k runs, k times the programs, each
 run writing its normalised fp32 output and log-sum-exp, which `_combine_kernel` merges (exp(lse_run - lse)
-weights); no spill at k = 2 on sm_90, not yet timed. On an H100 the kernel took 2.58 ms of a batch-1 step against SDPA's 2.62, yet the whole
-graphed step took 1.25 ms less with it, a gain the profile did not place (the SDPA path also builds a mask over the
-cache and gathers the sliding window each pass; benchmarks/results/2026-11-27-h100-stack.md).
+weights); no spill at k = 2 on sm_90, not yet timed. On an H100 the kernel took 2.58 ms of a batch-1 step against
+SDPA's 2.62, yet the whole graphed step took 1.25 ms less with it, a gain the profile did not place (the SDPA path
+also builds a mask over the cache and gathers the sliding window each pass;
+benchmarks/results/2026-11-27-h100-stack.md).
 
 On by default on Hopper, opt-in on other CUDA GPUs (`Options.attention_kernel_on`, `bench --attention-kernel`),
 checked against the reference on its first use per device, dtype and variant (`fixed_attention_checked`);
@@ -232,8 +233,8 @@ def with_split(spec: str | None, split: int | None) -> str:
 
 @functools.lru_cache(maxsize=64)
 def kind_tiles(spec: str, window: int) -> tuple:
-    """The (key, value) tile settings `spec` gives a layer with this window (0: a full layer), for `fixed_attention
-    _triton`'s `tiles` (a tuple: cached per spec, read on every call of a pass)."""
+    """The (key, value) tile settings `spec` gives a layer with this window (0: a full layer), for
+    `fixed_attention_triton`'s `tiles` (a tuple: cached per spec, read on every call of a pass)."""
     return tuple(sorted(parse_attention_tiles(spec).get("sliding" if window else "full", {}).items()))
 
 

@@ -365,7 +365,8 @@ EOF
     [ "$CUDA" = 1 ] && STEP_LIMIT=80 bench fp8-split2 $ROW --precision fp8 --attention-split 2
     # blockpress tune (2026-11-29, CPU only): the product's own tuner on the real shapes, fp8 x fp8 experts on the
     # quick grid, the fp8 x fp8 projections' tiles over a pass, and the attention kernel's tiles and key runs per kind
-    # of layer (2026-11-29: ~20 candidates that compile for sm_90 without spilling); its file goes to $OUT
+    # of layer, first (2026-11-29: --quick's 10 of the 20 candidates that compile for sm_90 without spilling); its file
+    # goes to $OUT
     # (the rows above ran on the defaults, untuned)
     lim=$(limit 120)
     [ "$lim" != 0 ] && [ "$CUDA" = 1 ] && BLOCKPRESS_TUNED="$OUT/tuned.json" timeout "$lim" python3 -m blockpress \

@@ -219,6 +219,19 @@ def test_the_fastest_setting_that_agrees_is_chosen_never_a_wrong_one():
     assert broken[0]["failed"].startswith("ZeroDivisionError") and tune.fastest(broken) is None
 
 
+def test_the_attention_candidates_start_with_the_defaults_and_quick_ones_are_among_them():
+    """Each head dim's candidates start with the built-in tiles (the reference point of the others) and hold no
+    setting twice; `--quick`'s are a subset, so the compile test's check for spills (`--runslow`: every candidate)
+    covers them; other head dims take the key runs."""
+    from blockpress.kernels.attention_fixed import parse_attention_tiles
+
+    for D in (256, 512):
+        full, quick = tune.attention_candidates(D), tune.attention_candidates(D, quick=True)
+        assert full[0] == quick[0] == "" and len(set(full)) == len(full) and set(quick) < set(full)
+        assert len({str(parse_attention_tiles(s)) for s in full}) == len(full)  # distinct settings, each valid
+    assert tune.attention_candidates(32) == tune.attention_candidates(32, quick=True) == list(tune.SPLITS)
+
+
 @needs_triton
 def test_tune_keeps_the_fastest_agreeing_settings_and_a_dry_run_keeps_nothing(tuned_file, capsys):
     from blockpress.cli import main

@@ -48,6 +48,10 @@ ATTENTION_TILES = {
           "bm=32,warps=4,split=2", "bm=32,warps=4,split=4", "bm=32,warps=4,stages=3,split=2"],
     512: [*SPLITS, "dv=128", "dv=128,split=2", "dv=128,split=4", "bm=32,warps=4", "bm=32,warps=4,split=2",
           "bn=16,stages=3"]}
+# `--quick`: 5 a head dim (each a compile of its own, ~seconds on a GPU): the defaults, in 2 runs, and one of each
+# other kind of tile
+ATTENTION_QUICK = {256: ["", "split=2", "split=4", "bn=32,warps=4,stages=3,split=2", "bm=32,warps=4,split=2"],
+                   512: ["", "split=2", "dv=128", "dv=128,split=2", "bm=32,warps=4"]}
 # the 8-bit projections' candidates by format (`linear_tiles` specs), the default first. Weight-only: on an H200
 # (2026-11-25) the default tiles ran 2.2x slower than cuBLAS bf16 at 256 rows and 2x at one row although they move
 # half the bytes (a 2112-wide projection has 33 N tiles of 64, a quarter of the 132 SMs at one row); narrower N tiles
@@ -267,10 +271,10 @@ def tune_linears(text, canvas: int, fmt: str, device, dtype, batch: int = 1, spe
             "rel_err_vs_torch": vs_torch, "tokens": M}
 
 
-def attention_candidates(D: int) -> list[str]:
+def attention_candidates(D: int, quick: bool = False) -> list[str]:
     """The attention kernel's candidates (attention tiles specs) for a kind of layer of head dim D, the defaults ('')
-    first: `ATTENTION_TILES`, else the defaults in 1 to 4 key runs."""
-    return list(ATTENTION_TILES.get(D, SPLITS))
+    first: `ATTENTION_TILES` (quick: `ATTENTION_QUICK`), else the defaults in 1 to 4 key runs."""
+    return list((ATTENTION_QUICK if quick else ATTENTION_TILES).get(D, SPLITS))
 
 
 def tune_attention(text, canvas: int, device, dtype, batch: int = 1, context: int = 2048, repeats: int = 3,

@@ -85,8 +85,7 @@ def linears_key(text, fmt: str, dtype: torch.dtype) -> str:
 
 def attention_key(text, dtype: torch.dtype) -> str:
     """The attention kernel's shape key: per kind of layer its head dim, KV heads and count; query heads, window,
-    dtype. ("attention-tiles": its value is an attention tiles spec; the first tuner kept a count of key runs under
-    "attention".)"""
+    dtype; its value is an attention tiles spec."""
     kinds = []
     for kind in ("sliding_attention", "full_attention"):
         ids = [i for i, t in enumerate(text.layer_types) if t == kind]

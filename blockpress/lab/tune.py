@@ -139,6 +139,11 @@ def tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 2e-2
 
 
+def _failure(e: Exception) -> str:
+    """A candidate that did not run, as its row says it: the error's type and first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
@@ -171,7 +176,7 @@ def sweep_tiles(call, reference, x, w, idx, specs: list[str], device, repeats: i
                 if bandwidth:
                     row["floor_fraction"] = floor_bytes / bandwidth / (ms / 1e3)
         except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result, not a crash
-            row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            row["failed"] = _failure(e)
         rows.append(row)
         if report is not None:
             report(row, i, len(specs))
@@ -262,7 +267,7 @@ def tune_linears(text, canvas: int, fmt: str, device, dtype, batch: int = 1, spe
                                  device, repeats) for x, q, _, n in cases)
             row.update(ms=ms, rel_err_vs_first=err, ok=err < tol and vs_torch < tol)
         except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result
-            row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            row["failed"] = _failure(e)
         rows.append(row)
         if report is not None:
             report(row, i, len(specs))
@@ -307,20 +312,19 @@ def tune_attention(text, canvas: int, device, dtype, batch: int = 1, context: in
         a = (q, cache.keys[i], cache.values[i], cache.valid, start, 0, text.sliding_window if t == SLIDING else 0,
              t == SLIDING and cache.ring is not None)  # the arguments model/keys.py `Fixed` passes
         todo += [(t.split("_")[0], a, text.layer_types.count(t), spec) for spec in candidates(D)]
-    rows, ref, vs_torch = [], {}, 0.0  # ref: each kind's output at the defaults (the reference point of the others)
+    rows, ref, vs_torch = [], {}, {}  # per kind: the output at the defaults (the others' reference point), and its
+    # error against torch
     for j, (kind, a, n, spec) in enumerate(todo, 1):
         row = {"kind": kind, "spec": spec}
-        tiles = dict(parse_attention_tiles(spec).get(kind, {}))
-        try:
-            out = fixed_attention_triton(*a, tiles=tiles).float()
+        try:  # (the kernel takes the spec's part for this kind of layer)
+            out = fixed_attention_triton(*a, tiles=spec).float()
             if kind not in ref:
-                ref[kind] = out
-                vs_torch = max(vs_torch, _rel(out, fixed_attention_torch(*a)))
+                ref[kind], vs_torch[kind] = out, _rel(out, fixed_attention_torch(*a))
             err = _rel(out, ref[kind])
-            ms = n * time_ms(lambda: fixed_attention_triton(*a, tiles=tiles), device, repeats)
-            row.update(ms=ms, rel_err_vs_first=err, ok=err < tol and vs_torch < tol)
+            ms = n * time_ms(lambda: fixed_attention_triton(*a, tiles=spec), device, repeats)
+            row.update(ms=ms, rel_err_vs_first=err, ok=err < tol and vs_torch[kind] < tol)
         except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result
-            row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            row["failed"] = _failure(e)
         rows.append(row)
         if report is not None:
             report(row, j, len(todo))
@@ -329,6 +333,7 @@ def tune_attention(text, canvas: int, device, dtype, batch: int = 1, context: in
                for kind in wins}
     best = None if None in wins.values() else attention_tiles_spec(
         {kind: parse_attention_tiles(r["spec"]).get(kind, {}) for kind, r in wins.items()})
-    return {"default": "", "best": best, "rows": rows, "rel_err_vs_torch": vs_torch, "context": context,
+    return {"default": "", "best": best, "rows": rows, "rel_err_vs_torch": max(vs_torch.values(), default=0.0),
+            "context": context,
             "best_ms": None if best is None else sum(r["ms"] for r in wins.values()),
             "default_ms": None if None in default.values() else sum(r["ms"] for r in default.values())}

@@ -153,14 +153,17 @@ def test_random_regexes_close_within_any_budget_the_path_found_fits(lm, seed):
 
 
 @pytest.mark.parametrize("pattern", [r"[a-z0-9._]+@[a-z0-9]+\.[a-z]{2,3}", r"[a-z0-9.-]+:[0-9]{2,5}",
-                                     r"[A-Za-z0-9_]+\([a-z, ]*\)"])
+                                     r"[A-Za-z0-9_]+\([a-z, ]*\)", r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9.-]+\.[a-zA-Z]{2,}"])
 def test_a_separator_the_repetition_before_it_does_not_take_is_found(lm, pattern):
     """An e-mail address, a host:port and a call: the repetition's class (38-63 characters, most of the tiny
     tokenizer's pieces) hides its way out, the `@`, `:` or `(` it newly allows, from the greedy path (a digit, again
     and again) and from the bounded search (one mask for each of its characters, level after level). They were
     refused as needing more than 4096 tokens. `_novel` takes the newly allowed character (the call's `,` inside its
-    parentheses again and again, so there the search by character class finds `0()`). A budget that holds the path
-    closes, matched."""
+    parentheses again and again, so there the search by character class finds `0()`). The common e-mail regex's `.`
+    is a character of the repetition before it too, so no state newly allows it and every state after the `@` has one
+    mask: the search by class finds `0@0.he` going depth first, where more masks were new (it failed breadth
+    first), with the tiny tokenizer's byte tokens (`<0x41>`) classed by their characters (it failed with each its
+    own class, 62 steps a state). A budget that holds the path closes, matched."""
     V = lm.config.text.vocab_size
     need = len(Constraint(grammar_for(regex=pattern), lm.tokenizer, [1], V, 10**4).path) + 1
     assert need <= 8
@@ -169,3 +172,27 @@ def test_a_separator_the_repetition_before_it_does_not_take_is_found(lm, pattern
         assert 1 in out
         text = lm.tokenizer.decode(out[:out.index(1)])
         assert re.fullmatch(pattern, text), text
+
+
+def test_a_byte_token_is_classed_by_its_character_for_the_search_by_class(lm):
+    """The tiny tokenizer has a token per byte (`<0x30>`) beside the characters' own: each is a lead of its own (a
+    special-looking piece), and the search by character class took every one as a class of its own."""
+    c = Constraint(grammar_for(regex="[a-z0-9]+"), lm.tokenizer, [1], lm.config.text.vocab_size, 8)
+    raw = lm.tokenizer._tok if hasattr(lm.tokenizer, "_tok") else lm.tokenizer
+    vocab, bits = c.vocab, c.matcher.compute_bitmask()
+    byte_leads = [t for t in vocab.allowed_leads(bits) if re.fullmatch(r"<0x[0-9A-F]{2}>", raw.id_to_token(t) or "")]
+    assert byte_leads  # the regression needs them: the allowed byte tokens of digits and letters are leads
+    assert {vocab.lead_class[t] for t in byte_leads} <= {"digit", "lower"}
+    assert len(vocab.allowed_classes(bits)) == 2
+
+
+def test_an_email_pattern_inside_a_json_schema_closes(lm):
+    """The common e-mail regex as a JSON Schema string's `pattern` (where pydantic-style schemas put it): the
+    closing quote and brace follow the address, one level deeper than the regex alone, and the search by class
+    found no path in 128 masks depth first, nor breadth first; it has `DEEP_NODES` (it was a 400 at any max_tokens)."""
+    email = r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9.-]+\.[a-zA-Z]{2,}"
+    schema = {"type": "object", "properties": {"email": {"type": "string", "pattern": f"^{email}$"}},
+              "required": ["email"], "additionalProperties": False}
+    for seed in range(2):
+        _, text = _gen(lm, seed, json_schema=schema, max_new_tokens=40)
+        assert re.fullmatch(email, json.loads(text)["email"]), text

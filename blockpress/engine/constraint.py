@@ -266,7 +266,8 @@ class Vocabulary:
         self.width = [len(t) for t in texts] + [0] * (vocab_size - n)  # characters (`Constraint._rest`)
         firsts, leads = set(), []  # per first character, its soonest-closing token; a special token is its own
         self.lead_class = {}  # a lead -> its character's class for the coarse search (`allowed_classes`): digits,
-        # lower-case letters, upper-case letters, white space; any other character (a special token) its own
+        # lower-case letters, upper-case letters, white space; any other character (a special token) its own; a
+        # byte-fallback token (`<0x41>`, a lead of its own) its byte's character's
         for t in self.by_rank.tolist():
             if t >= n or t in stop_ids or not texts[t]:
                 continue
@@ -274,9 +275,9 @@ class Vocabulary:
             if first not in firsts:
                 firsts.add(first)
                 leads.append(t)
-                self.lead_class[t] = first if not isinstance(first, str) else "digit" if first.isdigit() else \
-                    "lower" if first.islower() else "upper" if first.isupper() else "space" if first.isspace() \
-                    else first
+                c = texts[t][0] if _BYTE.fullmatch(pieces[t] or "") else first  # a byte token: its character's
+                self.lead_class[t] = c if not isinstance(c, str) else "digit" if c.isdigit() else \
+                    "lower" if c.islower() else "upper" if c.isupper() else "space" if c.isspace() else c
         self.leads = torch.tensor(leads, dtype=torch.long)  # in closing order: the steps `Constraint._search` takes
         self._lead_at, self._lead_bit = self.leads >> 3, (self.leads & 7).to(torch.uint8)
         self._shifts = torch.arange(8, dtype=torch.uint8)
@@ -349,6 +350,9 @@ def _rank(piece: str | None, text: str) -> int:
     return cls * 1000 + len(text)
 
 
+_BYTE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token's piece
+
+
 def _special(piece: str | None) -> bool:
     """Whether a token is a special one (`<...>`), or has no piece."""
     return piece is None or (piece.startswith("<") and piece.endswith(">") and len(piece) > 2)
@@ -371,6 +375,7 @@ class Constraint:
     LOOP, DEMOTE = 32, 3  # `closing_path`: choices a path may make before it is made again, and how many times
     NODES, TRIES, WORDS = 128, 16384, 64  # `_search`: masks it may compute, tokens it may try as a path's last,
     # and words of the grammar's text it takes as steps
+    DEEP_NODES = 512  # `_search(deep=True)`'s masks: the last resort, after the greedy paths' (up to `cap` each)
     NOVEL = 256  # `_novel`: tokens its path may take
     REPAIR = 3  # `_path_after`: greedy steps after a token before the path carried so far is made again (the
     # continuation bytes of a 4-byte UTF-8 character)
@@ -432,7 +437,9 @@ class Constraint:
         not close either, last `_novel`: the characters each state newly allows first (`[a-z0-9._]+@...`, an e-mail
         address, whose `@` the search met too late among the 38 characters of its loop); then `_search` with one
         step per character class (`[A-Za-z0-9_]+\\([a-z, ]*\\)`, whose `,` `_novel` takes again and again: 4
-        steps a state, not 63)."""
+        steps a state, not 63); then that search depth first (the e-mail address
+        `[a-zA-Z0-9._%+-]+@[a-zA-Z0-9.-]+\\.[a-zA-Z]{2,}`, whose `.` is also a character of the repetition before it,
+        so no state newly allows it)."""
         cap = self.CLOSE_LIMIT if cap is None else cap
         path, kinds = self._greedy(m, frozenset(), self.LOOP, cap)
         if path is not None and (within is None or len(path) <= within):
@@ -451,7 +458,9 @@ class Constraint:
         path = self._greedy(m, frozenset(), None, cap)[0]
         if path is None:
             path = self._novel(m, min(cap, self.NOVEL))
-        return path if path is not None else self._search(m, cap, coarse=True)
+        if path is None:
+            path = self._search(m, cap, coarse=True)
+        return path if path is not None else self._search(m, cap, coarse=True, deep=True)
 
     def _novel(self, m, cap: int) -> list[int] | None:
         """A closing path from `m` of at most `cap` tokens that takes, at each choice, the soonest-closing of the
@@ -493,7 +502,7 @@ class Constraint:
             trial.consume_tokens(forced)
             out += forced
 
-    def _search(self, m, limit: int, coarse: bool = False) -> list[int] | None:
+    def _search(self, m, limit: int, coarse: bool = False, deep: bool = False) -> list[int] | None:
         """The shortest closing path from `m` of at most `limit` tokens that a bounded best-first search finds, or
         None. From each state it reaches, fewest tokens first, the search tries the allowed tokens in closing order,
         and the words of the grammar's text, as the path's last (the first after which the grammar may end closes
@@ -505,17 +514,22 @@ class Constraint:
         (`[a-z]+x` before a letter and after one): so a state is dropped only where its text from `m` was reached
         already, and one whose mask was seen, with what follows it, waits until no state after a new mask is left
         (after `{"v": "a` of a `^[a-z]+x$` string, `ax` goes first: the quote it allows is new). Bounded by the
-        masks it computes (`NODES`) and the tokens it tries as a path's last (`TRIES`). coarse: one step per
-        character class the grammar takes there (`Vocabulary.allowed_classes`), not per character: fewer states a
-        level, blind to a way out that is one letter among others (`[a-z]+x`)."""
+        masks it computes (`NODES`; deep, `DEEP_NODES`) and the tokens it tries as a path's last (`TRIES`).
+        coarse: one step per character class the grammar takes there (`Vocabulary.allowed_classes`), not per
+        character: fewer states a level, blind to a way out that is one letter among others (`[a-z]+x`). deep: a
+        state after more new masks goes first, however many tokens it took: depth first through the grammar's parts,
+        which finds longer paths than breadth first, and finds them sooner (in an e-mail address's
+        `[a-zA-Z0-9.-]+\.[a-zA-Z]{2,}` no mask is new after the `@`, and the `0@0.a` that closes is five levels of
+        four to nine classes down, past the budget breadth first; inside a JSON string, whose closing quote must
+        follow, one level more)."""
         stop, vocab = self.vocab.stop_ids[0], self.vocab
         order = itertools.count()
-        queues: tuple[list, list] = ([(0, next(order), [], m, [], None)], [])  # after new masks, after seen ones
+        queues: tuple[list, list] = ([(0, 0, next(order), [], m, [], None)], [])  # after new masks, after seen ones
         reached, seen = {b""}, set()
-        best, masks, tries = None, 0, self.TRIES
-        while (queues[0] or queues[1]) and masks < self.NODES:
+        best, masks, tries, nodes = None, 0, self.TRIES, self.DEEP_NODES if deep else self.NODES
+        while (queues[0] or queues[1]) and masks < nodes:
             late = not queues[0]
-            cost, _, path, node, step, bits = heapq.heappop(queues[late])
+            rank, cost, _, path, node, step, bits = heapq.heappop(queues[late])  # rank: minus the new masks (deep)
             if cost >= limit or best is not None and cost + 1 >= len(best):
                 continue
             if step:  # made when first taken from a queue: most states queued never are
@@ -529,9 +543,11 @@ class Constraint:
                 masks += 1
                 bits = node.compute_bitmask()
                 if bits in seen and not late:
-                    heapq.heappush(queues[1], (cost, next(order), path, node, [], bits))
+                    heapq.heappush(queues[1], (rank, cost, next(order), path, node, [], bits))
                     continue
                 late = bits in seen
+                if not late and deep:
+                    rank -= 1
                 seen.add(bits)
             ends, steps = [forced] if forced else [], [forced] if forced else []
             if not forced:
@@ -549,7 +565,7 @@ class Constraint:
                 n, text = cost + len(step), vocab.llg.decode_bytes(path + step)
                 if n < limit and (best is None or n + 1 < len(best)) and text not in reached:
                     reached.add(text)
-                    heapq.heappush(queues[late], (n, next(order), path + step, node, step, None))
+                    heapq.heappush(queues[late], (rank, n, next(order), path + step, node, step, None))
         self.masks += masks
         return best
 

@@ -1,17 +1,16 @@
 """`blockpress chat [MODEL]`: a multi-turn REPL that keeps the KV cache between turns.
 
 `ChatSession` holds the turn logic (testable without a terminal):
-- Turn 1 encodes the rendered conversation. After each turn the cache holds everything but the
-  last committed canvas (the engine never encodes it).
-- Turn k+1 encodes only what the cache lacks: the last canvas trimmed at the end of the reply
-  (the first stop id, or the max_new_tokens cut), then `<turn|>\\n` closing the model turn, then
-  the new user turn and generation prompt. That suffix is the chat template's own text: the
-  conversation rendered with the new message minus the conversation rendered up to the previous
-  reply, so any template that renders turns incrementally works.
-- The model keeps seeing its raw previous output (reasoning included), not the template's
-  re-rendering of the reply. If the template's rendering is not incremental, or after
-  `/thinking on|off` (which changes the system turn) the next turn re-encodes the whole
-  conversation once (history holds the replies' content).
+- Every turn's prompt is the whole conversation rendered by the chat template, as the server and `lm.chat` build
+  it: the previous replies as their content, without the thought channel and its markers that the model wrote
+  after the generation prompt (Gemma 4's rule for multi-turn chats: the history holds final answers only, not
+  past thoughts), tokenized afresh. So the model sees what it was trained on and what every other engine sends.
+- The cache holds the K/V of the tokens of the last turn's prompt and of its committed canvases but the last (the
+  engine never encodes the last one). A turn keeps the longest common prefix of those tokens and its prompt
+  (`engine.prefix.common_prefix`), crops the cache there and encodes the rest: the previous reply, re-tokenized
+  from its content, the turn end and the new turn (the prefix ends at the previous generation prompt's thought
+  block, which the re-rendered history lacks). A cache whose sliding layers' ring no longer holds the window before
+  that point starts over, as `/thinking on|off` does (it changes the system turn, the first tokens).
 
 REPL commands: /thinking on|off, /reset, /exit (also Ctrl-D). Ctrl-C during a reply drops that turn
 (the next one re-encodes the conversation); at the prompt it ends the chat. A model without a chat
@@ -27,9 +26,6 @@ from typing import Any, Iterator
 from .run import (add_model_args, add_sampling_args, load_model, refuse_task_model, sampling_kwargs,
                   stats_line, stats_of)
 
-END_OF_TURN = "<turn|>\n"
-
-
 @dataclass
 class Reply:
     content: str
@@ -42,7 +38,7 @@ class Reply:
 
 
 class ChatSession:
-    """Conversation state: messages, the committed KV cache and the tokens it still lacks."""
+    """Conversation state: messages, the committed KV cache and the token ids whose K/V it holds."""
 
     def __init__(self, lm, thinking: bool = False, sampling: dict[str, Any] | None = None, seed: int | None = None):
         from ..engine.generate import seeded
@@ -64,43 +60,48 @@ class ChatSession:
     def reset(self) -> None:
         self.messages: list[dict[str, Any]] = []
         self.cache = None
-        self.pending: list[int] = []  # committed tokens not yet in the cache
+        self.cached: list[int] = []  # the token ids at the cache's positions [0, cache.length)
         self.last_reply: Reply | None = None
 
     def abort_turn(self) -> None:
         """A reply interrupted mid-way: the turn is dropped, and the cache (which the engine may have extended)
         with it; the next turn re-encodes the conversation."""
-        self.cache, self.pending = None, []
+        self.cache, self.cached = None, []
 
     def set_thinking(self, on: bool) -> None:
         if on != self.thinking:
             self.thinking = on
-            self.cache, self.pending = None, []  # the system turn changes: re-encode next turn
+            self.cache, self.cached = None, []  # the system turn changes: re-encode next turn
 
-    def _render(self, messages, generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                            enable_thinking=self.thinking, tokenize=False)
+    def plan(self, text: str) -> tuple[int, list[int]]:
+        """(keep, ids) for a turn with the user message `text`: the prompt is the cache's first `keep` positions
+        and then `ids`, the tokens this turn encodes (the whole rendered conversation when nothing is kept)."""
+        from ..engine.prefix import common_prefix
 
-    def prompt_ids(self, text: str) -> list[int]:
-        """The tokens this turn must encode (the whole conversation when there is no cache)."""
         convo = self.messages + [{"role": "user", "content": text}]
-        full = self._render(convo, True)
-        if self.cache is not None:
-            base = self._render(self.messages, False)
-            if full.startswith(base):
-                return self.pending + self.tok.encode(full[len(base):])
-            self.cache, self.pending = None, []  # template not incremental: start over
-        return self.tok.encode(full)
+        full = self.tok.encode(self.tok.apply_chat_template(convo, add_generation_prompt=True,
+                                                            enable_thinking=self.thinking, tokenize=False))
+        keep = min(common_prefix(tuple(self.cached), tuple(full)), len(full) - 1) if self.cache is not None else 0
+        if keep:
+            try:
+                self.cache.prefix(keep)  # (what crop would refuse: a ring that no longer holds the window)
+            except ValueError:
+                keep = 0
+        return keep, full[keep:]
 
     def stream(self, text: str, drafts: bool = True) -> Iterator[Any]:
         """Engine events (Draft, Commit, Finished) for one user turn. When Finished is yielded the
         state is already updated and `last_reply` holds the turn's Reply."""
         import blockpress
 
-        ids = self.prompt_ids(text)
-        for ev in self.lm.stream([ids], generator=self.generator, cache=self.cache, drafts=drafts, **self.sampling):
+        keep, ids = self.plan(text)
+        cache, kept = (self.cache, self.cached[:keep]) if keep else (None, [])
+        if cache is not None:
+            cache.crop(keep)
+        self.cache, self.cached = None, []  # until the turn ends: an interrupted one leaves nothing to reuse
+        for ev in self.lm.stream([ids], generator=self.generator, cache=cache, drafts=drafts, **self.sampling):
             if isinstance(ev, blockpress.Finished):
-                self.last_reply = self._finish(text, ids, ev.result)
+                self.last_reply = self._finish(text, kept, ids, ev.result)
             yield ev
 
     def send(self, text: str) -> Reply:
@@ -108,15 +109,13 @@ class ChatSession:
             pass
         return self.last_reply
 
-    def _finish(self, text: str, ids: list[int], result) -> Reply:
+    def _finish(self, text: str, kept: list[int], ids: list[int], result) -> Reply:
         from ..parsing import parse_reply
 
-        C = self.lm.canvas_length
         new = result.new_tokens[0].tolist()
         tokens, reason = self.cfg.reply(new)
-        in_last = len(tokens) - (len(new) - C)  # reply tokens inside the last (unencoded) canvas
         self.cache = result.cache
-        self.pending = new[len(new) - C:][:max(in_last, 0)] + self.tok.encode(END_OF_TURN)
+        self.cached = (kept + ids + new)[:result.cache.length]
         parsed = parse_reply(self.tok, tokens, reason)
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": parsed.content}]
         return Reply(parsed.content, parsed.reasoning, parsed.tool_calls, parsed.finish_reason, tokens, len(ids),

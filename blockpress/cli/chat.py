@@ -3,8 +3,8 @@
 `ChatSession` holds the turn logic (testable without a terminal):
 - Every turn's prompt is the whole conversation rendered by the chat template, as the server and `lm.chat` build
   it: the previous replies as their content, without the thought channel and its markers that the model wrote
-  after the generation prompt (Gemma 4's rule for multi-turn chats: the history holds final answers only, not
-  past thoughts), tokenized afresh. So the model sees what it was trained on and what every other engine sends.
+  after the generation prompt (Gemma 4's model card: a multi-turn history holds the final responses, not past
+  thoughts), tokenized afresh. So the model sees what it was trained on and what every other engine sends.
 - The cache holds the K/V of the tokens of the last turn's prompt and of its committed canvases but the last (the
   engine never encodes the last one). A turn keeps the longest common prefix of those tokens and its prompt
   (`engine.prefix.common_prefix`), crops the cache there and encodes the rest: the previous reply, re-tokenized

@@ -65,6 +65,9 @@ model, on CPU.
         --n 48000 --holdout-val --teach-tables --sub-working zeros
     OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 27 --out runs/chat-talk2-model --threads 2
     python3 scripts/finetune_chat.py --stage 28 --out runs/chat-soup28    # the mean of stage 20 (shipped then) and 27
+    python3 scripts/prepare_chat.py --out runs/chat-dialogue --mix-seed 29 --drill 0.75 --drills smalltalk-more \
+        --n 26000 --holdout-val --teach-tables --sub-working zeros --history 4
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/finetune_chat.py --stage 29 --out runs/chat-dialogue-model --threads 2
 
 Stages 4 to 10 are experiments toward the conversions goal; none beat stage 3 on unseen questions, so none is shipped
 (benchmarks/results/2026-11-27-cpu-assistant.md §7 to §9). Stage 4 first grows stage 3's model to 8 layers
@@ -99,7 +102,10 @@ workings in the "zeros" style (`--sub-working zeros`). Stages 21 and 22 are the 
 1.5e-4 (§14; none is shipped: each cost 2-digit subtraction what it gained in refusals). Stage 26 goes on from stage
 20 with small talk in the drills (`--drills smalltalk`: greetings, thanks, questions about the assistant, requests
 outside its skills), stage 27 from stage 26 with twice as much (`--drills smalltalk-more`): the shipped model. Stage
-28, the mean of 20 and 27, lost the small talk (benchmarks/results/2026-11-28-cpu-chat-smalltalk.md).
+28, the mean of 20 and 27, lost the small talk (benchmarks/results/2026-11-28-cpu-chat-smalltalk.md). Stage 29 goes on
+from the shipped model (stage 27) on stage 27's kind of mix whose conversations open with up to four earlier exchanges,
+half of them small talk (`--history 4`): every mix before held one at most, and a chat of several turns lost its
+replies turn after turn (`benchmarks/chat_probe/dialogue.py`; benchmarks/results/2026-11-29-cpu-chat-history.md).
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
@@ -143,11 +149,13 @@ STAGES = {
     25: ("runs/chat-sub2", "runs/chat-soup24", 600, 25),
     26: ("runs/chat-talk", "runs/chat-sub2-model/checkpoint-0001500", 800, 26),
     27: ("runs/chat-talk2", "runs/chat-talk-model/checkpoint-0000800", 1500, 27),
+    29: ("runs/chat-dialogue", "blockpress/assets/assistant", 800, 29),
 }
 OVERRIDES = {8: ["--lr", "3e-4"], 14: ["--lr", "3e-4"], 18: ["--lr", "3e-4"], 19: ["--lr", "3e-4"],
              20: ["--lr", "3e-4"], 23: ["--lr", "3e-4"],
              25: ["--lr", "1.5e-4"], 26: ["--lr", "2e-4", "--save-every", "400"],
-             27: ["--lr", "4e-4", "--save-every", "500"]}  # stage: flags in place of COMMON's
+             27: ["--lr", "4e-4", "--save-every", "500"],
+             29: ["--lr", "2e-4", "--save-every", "400", "--eval-every", "400"]}  # stage: flags in place of COMMON's
 
 
 def stage_args(stage: int) -> list[str]:

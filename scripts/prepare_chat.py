@@ -32,7 +32,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    from blockpress.tasks.assistant import DRILLS, skills
+    from blockpress.tasks.assistant import DRILLS, dialogs, skills
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/chat")
@@ -63,6 +63,9 @@ def main(argv=None) -> int:
                     help="leave the one-digit sums and products (assistant.TABLES) in the mix although the held-out "
                          "set asks most of them: a model trained on it has been taught its tables, and the eval's "
                          "\"add 1-digit\" and \"mul 1x1-digit\" rows measure recall")
+    ap.add_argument("--history", type=int, default=1,
+                    help="the most earlier exchanges a training conversation opens with (blockpress.tasks.assistant."
+                         "dialogs.HISTORY; 1: one, in a quarter of them, as every stage before 29)")
     ap.add_argument("--mix-seed", type=int, default=4, help="seed of the training conversations")
     ap.add_argument("--tokenizer-rows", type=int, default=120_000, help="conversations the BPE is learned on")
     ap.add_argument("--heldout", type=int, default=40, help="held-out conversations per table row")
@@ -82,10 +85,12 @@ def main(argv=None) -> int:
     working = skills.CONVERSION_WORKING.set(args.conversion_working)  # the mix and the eval-loss rows
     sub_working = skills.SUB_WORKING.set(args.sub_working)
     held = assistant.heldout(args.heldout)
+    history = dialogs.HISTORY.set(args.history)  # the mix only
     with open(out / "train.jsonl", "w") as f:
         exclude = assistant.mix_exclude(val=args.holdout_val, tables=args.teach_tables)
         for d in assistant.drilled_dialogs(args.n, args.mix_seed, args.drill, exclude, drills=args.drills):
             f.write(json.dumps(d.row(), ensure_ascii=False) + "\n")
+    dialogs.HISTORY.reset(history)
     skills.CONVERSION_WORKING.reset(working)
     skills.SUB_WORKING.reset(sub_working)
     rows = [d.row() for d in assistant.train_dialogs(args.tokenizer_rows, args.seed)]

@@ -155,6 +155,41 @@ def test_teach_tables_leaves_in_only_the_one_digit_facts():
     assert asked & one_digit and not asked & taught
 
 
+def _earlier_exchanges(d) -> int:
+    """The exchanges before a conversation's last question (its final user turn and what follows it left out)."""
+    last = max(i for i, m in enumerate(d.messages) if m["role"] == "user")
+    return sum(m["role"] == "user" for m in d.messages[:last])
+
+
+def test_history_opens_conversations_with_several_earlier_exchanges_and_leaves_the_default_stream():
+    """prepare_chat.py --history K (dialogs.HISTORY): 1 to K earlier exchanges in about two thirds of the
+    conversations, about half of them small talk, so that a chat of several turns is what the model saw (stage 29);
+    the default, 1, keeps every stage's stream: the same conversations, draw for draw."""
+    talk = {reply for _, reply, _ in dialogs.TALK.values()}
+    plain = list(assistant.drilled_dialogs(400, 29, 0.75, drills="smalltalk-more"))
+    token = dialogs.HISTORY.set(4)
+    try:
+        long = list(assistant.drilled_dialogs(400, 29, 0.75, drills="smalltalk-more"))
+    finally:
+        dialogs.HISTORY.reset(token)
+    again = list(assistant.drilled_dialogs(400, 29, 0.75, drills="smalltalk-more"))
+    assert [d.messages for d in again] == [d.messages for d in plain]  # the setting does not leak
+    skills_only = [d for d in plain if d.expect["kind"] == "answer" and d.expect["row"] != "follow-up"]
+    assert max(_earlier_exchanges(d) for d in skills_only) == 1
+    opened = [d for d in long if d.expect["kind"] == "answer" and d.expect["row"] != "follow-up"]
+    counts = [_earlier_exchanges(d) for d in opened]
+    assert max(counts) == 4 and 0.55 <= sum(c > 0 for c in counts) / len(counts) <= 0.8
+    earlier = [m["content"] for d in opened for m in d.messages[:-2] if m["role"] == "assistant"]
+    assert 0.35 <= sum(c in talk for c in earlier) / len(earlier) <= 0.65
+    keys = assistant.heldout_keys()  # (the held-out set is the default stream's, even where a mix asks for more)
+    assert not any(k in keys for d in long for k in d.keys)  # the earlier questions are kept out too
+    token = dialogs.HISTORY.set(4)
+    try:
+        assert assistant.heldout_keys() == keys
+    finally:
+        dialogs.HISTORY.reset(token)
+
+
 def test_working_matches_the_answer():
     rng = random.Random(0)
     for _ in range(300):

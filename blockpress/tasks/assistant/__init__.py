@@ -42,13 +42,17 @@ def strata():
 
 def heldout(n: int = 40, seed: str = HELDOUT_SEED) -> list[dialogs.Dialog]:
     """n conversations per stratum, thinking on for every other one; each stratum's are the first n of
-    heldout(m)'s for m > n."""
-    out = []
-    for s, (kind, make) in enumerate(strata()):
-        for i in range(n):
-            rng = random.Random(f"{seed}/{s}/{i}")
-            d = dialogs.conversation(rng, kind, make(rng) if make else None)
-            out.append(_set_thinking(d, i % 2 == 1, rng, kind, make))
+    heldout(m)'s for m > n. Always drawn with the default `dialogs.HISTORY`: a split is one set of questions,
+    whatever history a training mix being made asks for (its exclusion, `heldout_keys`, is computed inside it)."""
+    out, history = [], dialogs.HISTORY.set(1)
+    try:
+        for s, (kind, make) in enumerate(strata()):
+            for i in range(n):
+                rng = random.Random(f"{seed}/{s}/{i}")
+                d = dialogs.conversation(rng, kind, make(rng) if make else None)
+                out.append(_set_thinking(d, i % 2 == 1, rng, kind, make))
+    finally:
+        dialogs.HISTORY.reset(history)
     return out
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from . import skills as sk
@@ -168,12 +169,28 @@ def _lead(rng: random.Random, thinking: bool, json_system: bool = False) -> list
     return [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.3 else []
 
 
+# The most earlier exchanges a conversation opens with (`_prior`). 1: one exchange in a quarter of the conversations,
+# the stream every stage before 29 trained on; k > 1: 1 to k exchanges in two thirds of them, half of those small
+# talk, so that a chat of several turns (what `blockpress chat` is) is what the model saw (scripts/prepare_chat.py
+# --history; stage 29 of scripts/finetune_chat.py).
+HISTORY: ContextVar[int] = ContextVar("HISTORY", default=1)
+
+
 def _prior(rng: random.Random) -> tuple[list[dict], tuple]:
-    """Maybe one earlier, unrelated exchange (context the model must look past)."""
-    if rng.random() >= 0.25:
+    """Maybe earlier, unrelated exchanges (context the model must look past): `HISTORY` says how many."""
+    most = HISTORY.get()
+    if rng.random() >= (0.25 if most == 1 else 2 / 3):
         return [], ()
-    it = sk.any_item(rng)
-    return [{"role": "user", "content": it.question}, {"role": "assistant", "content": it.answer}], (it.key,)
+    msgs, keys = [], ()
+    for _ in range(1 if most == 1 else rng.randint(1, most)):
+        if most > 1 and rng.random() < 0.5:
+            phrasings, reply, _ = TALK[rng.choice(list(TALK))]
+            msgs += [{"role": "user", "content": rng.choice(phrasings)}, {"role": "assistant", "content": reply}]
+            continue
+        it = sk.any_item(rng)
+        msgs += [{"role": "user", "content": it.question}, {"role": "assistant", "content": it.answer}]
+        keys += (it.key,)
+    return msgs, keys
 
 
 def _also(it: sk.Item) -> dict:

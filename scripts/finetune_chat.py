@@ -103,9 +103,10 @@ workings in the "zeros" style (`--sub-working zeros`). Stages 21 and 22 are the 
 20 with small talk in the drills (`--drills smalltalk`: greetings, thanks, questions about the assistant, requests
 outside its skills), stage 27 from stage 26 with twice as much (`--drills smalltalk-more`): the shipped model. Stage
 28, the mean of 20 and 27, lost the small talk (benchmarks/results/2026-11-28-cpu-chat-smalltalk.md). Stage 29 goes on
-from the shipped model (stage 27) on stage 27's kind of mix whose conversations open with up to four earlier exchanges,
+from stage 27 (run from the asset it was shipped as) on stage 27's kind of mix whose conversations open with up to four earlier exchanges,
 half of them small talk (`--history 4`): every mix before held one at most, and a chat of several turns lost its
-replies turn after turn (`benchmarks/chat_probe/dialogue.py`; benchmarks/results/2026-11-29-cpu-chat-history.md).
+replies turn after turn (`benchmarks/chat_probe/dialogue.py`; benchmarks/results/2026-11-29-cpu-chat-history.md). Its
+checkpoint at step 400 is the shipped model.
 
 Each is `blockpress train MIX/train.jsonl --model PREVIOUS` with the recipe below: the same objective as
 train_chat.py (the encoder's AR loss on at weight 1; without it an earlier fine-tune lost tool-call validity), from
@@ -149,7 +150,8 @@ STAGES = {
     25: ("runs/chat-sub2", "runs/chat-soup24", 600, 25),
     26: ("runs/chat-talk", "runs/chat-sub2-model/checkpoint-0001500", 800, 26),
     27: ("runs/chat-talk2", "runs/chat-talk-model/checkpoint-0000800", 1500, 27),
-    29: ("runs/chat-dialogue", "blockpress/assets/assistant", 800, 29),
+    29: ("runs/chat-dialogue", "runs/chat-talk2-model/checkpoint-0001500", 800, 29),  # (run from the asset, which
+    # held those weights)
 }
 OVERRIDES = {8: ["--lr", "3e-4"], 14: ["--lr", "3e-4"], 18: ["--lr", "3e-4"], 19: ["--lr", "3e-4"],
              20: ["--lr", "3e-4"], 23: ["--lr", "3e-4"],

@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0, help="seed of the conversations the BPE is learned on")
     args = ap.parse_args(argv)
+    if args.history < 1:
+        ap.error(f"--history must be 1 or more (earlier exchanges a conversation may open with), got {args.history}")
 
     from blockpress.chat import DEFAULT_GEMMA4_TEMPLATE, render_chat_template
     from blockpress.tasks import assistant

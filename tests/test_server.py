@@ -1360,6 +1360,24 @@ def test_non_ascii_api_keys_and_every_5xx_counted(lm, capsys, monkeypatch):
     assert "--api-key (or $BLOCKPRESS_API_KEY) must be printable ASCII" in capsys.readouterr().err
 
 
+def test_a_json_body_is_read_whatever_content_type_it_is_sent_with(lm):
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded: the body was not read as JSON and the client got
+    "Input should be a valid dictionary"; every POST body is JSON now, so the type does not matter (a charset in it
+    still does)."""
+    app, serving, _ = _app(lm)
+    serving.worker.start()
+    body = json.dumps({"prompt": "The sky", "max_tokens": 4, **FAST}).encode()
+    for kind in (None, "application/json", "application/x-www-form-urlencoded", "text/plain; charset=utf-8",
+                 "application/merge-patch+json"):
+        r = asyncio.run(_asgi(app, "POST", "/v1/completions", content=body,
+                              headers={"Content-Type": kind} if kind else {}))
+        assert r.status_code == 200 and r.json()["object"] == "text_completion", (kind, r.text)
+    r = asyncio.run(_asgi(app, "POST", "/v1/completions", content=b"prompt=hi",
+                          headers={"Content-Type": "application/x-www-form-urlencoded"}))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    serving.worker.stop()
+
+
 def test_chunked_body_over_the_limit_is_413_and_a_slow_body_408(lm):
     app, _, metrics = _app(lm, limits={"max_body_bytes": 1000, "body_timeout": 0.3})
 
@@ -1540,9 +1558,9 @@ def test_responses_truncation_auto_drops_the_oldest_whole_turns_that_make_it_fit
     responses = ResponsesServing(serving)
     chat = ResponsesRequest.model_validate(body).to_chat()
     with pytest.raises(APIError, match="more than 200 tokens"):
-        responses.prompt(chat, auto=False)  # as before
+        responses.prompt(chat, auto=False, room=serving.prompt_limit)  # as before
 
-    ids = responses.prompt(chat, auto=True)
+    ids = responses.prompt(chat, auto=True, room=serving.prompt_limit)
     assert len(ids) <= 200
 
     def kept(k):  # the system message, then the conversation from turn k on (None: over the limit)
@@ -1557,7 +1575,70 @@ def test_responses_truncation_auto_drops_the_oldest_whole_turns_that_make_it_fit
     assert serving.tok.decode(ids).count("question") == 8 - k and "Be brief." in serving.tok.decode(ids)
     tiny = OpenAIServing(lm, Worker(lm), "tiny", Limits(max_tokens=64, max_prompt_tokens=5))
     with pytest.raises(APIError, match="prompt"):  # the last turn alone is over: still refused
-        ResponsesServing(tiny).prompt(chat, auto=True)
+        ResponsesServing(tiny).prompt(chat, auto=True, room=tiny.prompt_limit)
+
+
+@pytest.fixture(scope="module")
+def short_app(tmp_path_factory):
+    """The tiny model with 96 positions (canvases of 16), served in process by a started worker."""
+    from blockpress.server.app import create_app
+    from blockpress.server.metrics import Metrics
+
+    path = tmp_path_factory.mktemp("short")
+    cfg = {"model_type": "diffusion_gemma", "canvas_length": 16,
+           "text_config": {**TINY_TEXT, "max_position_embeddings": 96}}
+    blockpress.from_config(cfg, seed=0).save(path)
+    build_tiny_gemma_tokenizer(path)
+    lm = blockpress.load(path, progress=False)
+    serving = OpenAIServing(lm, Worker(lm), "short", Limits(), metrics=Metrics())
+    serving.worker.start()
+    yield create_app(serving, serving.metrics), serving
+    serving.worker.stop()
+
+
+def test_a_long_prompt_gets_the_room_left_and_errors_name_what_to_change(short_app):
+    """Against the model's positions (96 here, canvases of 16): a request without max_tokens gets the whole
+    canvases the prompt leaves (it was a 400 telling the client to lower a max_tokens it never sent); a max_tokens
+    that does not fit is a 400 naming it and the most that fits; a prompt with no room for one canvas is a 400
+    naming the prompt's field; truncation "auto" drops old turns down to what fits the model, not only down to
+    --max-prompt-tokens (32768 here, which never helped)."""
+    app, serving = short_app
+    assert serving.prompt_limit == 96 - 16
+
+    def post(path, body):
+        return asyncio.run(_asgi(app, "POST", path, json={**body, **FAST}))
+
+    for n in (40, 70, 80):  # prompt tokens: 56, 26 and 16 positions left
+        r = post("/v1/completions", {"prompt": [5] * n})  # no max_tokens: OpenAI's 16, cut to what fits
+        assert r.status_code == 200, r.json()
+        assert r.json()["usage"]["completion_tokens"] <= min(16, (96 - n) // 16 * 16)
+        r = post("/v1/completions", {"prompt": [5] * n, "max_tokens": 64})
+        if n + 64 <= 96:
+            assert r.status_code == 200
+        else:
+            err = r.json()["error"]
+            assert (r.status_code, err["param"], err["code"]) == (400, "max_tokens", "context_length_exceeded")
+            assert f"at most {(96 - n) // 16 * 16}" in err["message"], err
+    chat = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "sea " * 45}]})
+    assert chat.status_code == 200, chat.json()  # its default budget (the checkpoint's) is larger than the room
+    for path, body, param in [("/v1/completions", {"prompt": [5] * 81}, "prompt"),
+                              ("/v1/completions", {"prompt": [[5] * 10, [5] * 90]}, "prompt.1"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "sea " * 90}]},
+                               "messages")]:
+        r = post(path, body)
+        err = r.json()["error"]
+        assert (r.status_code, err["param"], err["code"]) == (400, param, "context_length_exceeded"), err
+        assert "at most 80 fit" in err["message"] and "\n" not in err["message"]
+    turns = [{"role": "user", "content": "sea " * 30}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": "sky " * 30}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": "and the sun?"}]
+    for trunc, max_out, status in [("disabled", None, 400), ("auto", None, 200), ("auto", 32, 200)]:
+        r = post("/v1/responses", {"input": turns, "truncation": trunc,
+                                   **({"max_output_tokens": max_out} if max_out else {})})
+        assert r.status_code == status, r.json()
+        if status == 200:
+            used = r.json()["usage"]
+            assert used["input_tokens"] + (max_out or 16) <= 96  # the oldest turn dropped (both turns: > 80)
 
 
 def test_responses_items_and_events_from_real_token_ids(lm):
@@ -1771,6 +1852,21 @@ def test_a_stop_string_after_a_tool_call_keeps_the_call(lm):
             final = asm.finish()
             assert (len(final.tool_calls), final.content) == (calls, content), (text, split)
             assert final.finish_reason == ("tool_calls" if calls else "stop")  # a client runs the calls it got
+
+
+def test_a_tool_call_reply_cut_by_max_tokens_says_length(lm):
+    """max_tokens running out after one call and inside the next: the whole call stays, the cut one goes, and the
+    finish reason is "length" (OpenAI's whenever the limit ended generation), not "tool_calls"; a reply that ends
+    its turn within the budget keeps "tool_calls"."""
+    tok = lm.tokenizer
+    call = "<|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>}<tool_call|>"
+    ids = tok.encode(call + call.replace("Paris", "Rome") + "<turn|>")
+    first = len(tok.encode(call))
+    for budget, calls, reason in [(first + 3, 1, "length"), (len(ids), 2, "tool_calls"), (len(ids) - 1, 2, "length")]:
+        asm = OutputAssembler(tok, [1, 106], budget, chat=True)
+        asm.feed(ids)
+        final = asm.finish()
+        assert (len(final.tool_calls), final.finish_reason) == (calls, reason), budget
 
 
 def _check_entries(tokens, logprobs, tops, k, exact=True):

@@ -6,7 +6,9 @@ unexpected, here or inside, into a counted 500) -> `HostCheck` (starlette's Trus
 matching, against DNS rebinding) -> CORS (starlette's, opt-in) -> `Guard` (API key, body size,
 body time) -> routes. CORS sits outside the key check so that a browser's preflight is answered.
 
-Invariants: every refusal is an OpenAI-style error body that names the fix; the key is compared as
+Invariants: every POST body is read as JSON, whatever Content-Type the client sent (`curl -d` sends
+application/x-www-form-urlencoded; the API takes nothing else); every refusal is an OpenAI-style error
+body that names the fix; the key is compared as
 bytes, so a client's non-ASCII key is a 401, never a 500; a body stream that passes the size limit
 (declared or chunked) is 413, one that stalls for `body_timeout` seconds is 408; the wait for a
 client's disconnect after its body has no deadline.
@@ -120,6 +122,8 @@ class Guard:
         if self.key and scope["path"].startswith("/v1/") and not self._authorized(headers.get(b"authorization", b"")):
             return await _error(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        if scope["method"] == "POST" and not _json_type(headers.get(b"content-type")):
+            scope = _as_json(scope)  # `curl -d '{...}'` sends a form type: every body here is JSON
         length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit():
@@ -153,6 +157,22 @@ class Guard:
         except (_BodyTooLarge, _BodyTimeout) as e:  # raised outside FastAPI's body parsing (its handler answers there)
             if not started:
                 await _error(e.status_code, e.detail, code=e.code)(scope, receive, send)
+
+
+def _json_type(value: bytes | None) -> bool:
+    """A Content-Type FastAPI reads as JSON (application/json, application/...+json; not none at all)."""
+    if value is None:
+        return False
+    kind = value.split(b";")[0].strip().lower()
+    return kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))
+
+
+def _as_json(scope: dict) -> dict:
+    """The scope with its Content-Type replaced by application/json (its charset kept)."""
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+    old = dict((k.lower(), v) for k, v in scope["headers"]).get(b"content-type", b"")
+    charset = [p.strip() for p in old.split(b";")[1:] if p.strip().lower().startswith(b"charset=")]
+    return {**scope, "headers": headers + [(b"content-type", b"; ".join([b"application/json", *charset]))]}
 
 
 def _too_large(limit: int) -> JSONResponse:

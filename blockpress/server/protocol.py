@@ -10,7 +10,10 @@ Invariants:
 - A missing `model` means the served model, and so does the stable alias `blockpress` (client code
   need not know the folder's name); another name is 404 `model_not_found`.
 - A request without max_tokens gets the server's `--max-new-tokens` (`Limits.default_max_tokens`),
-  else the checkpoint's default (chat) or OpenAI's 16 (completions).
+  else the checkpoint's default (chat) or OpenAI's 16 (completions), cut to the whole canvases the model's
+  positions leave after the prompt (`OpenAIServing._fit`); a max_tokens given that does not fit is a 400.
+- A prompt may have at most `--max-prompt-tokens`, and at most what the model's positions leave for one
+  canvas (`OpenAIServing.prompt_limit`).
 - Every bound is declared in the field's JSON Schema (`minimum`, `maxItems`, ...), so `/openapi.json`
   says what the server accepts: constraints on optional ints sit inside their `Annotated` type
   (pydantic writes a constraint on a union as a non-standard `"ge"`).
@@ -150,6 +153,8 @@ class Sampling:
     cfg: GenerationConfig
     max_tokens: int
     seed: int | None
+    budget_field: str | None = None  # the request field that set max_tokens; None: not given (the default, which
+    # the server cuts to what the model's positions leave after the prompt, as OpenAI generates into what is left)
     stop: list[str] = field(default_factory=list)
     include_usage: bool = False
     include_drafts: bool = False
@@ -394,6 +399,7 @@ class _DiffusionKnobs(_Request):
             raise APIError(400, str(e), param=param, code="invalid_value") from None
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return Sampling(cfg=cfg, max_tokens=n, seed=seed, stop=stops,
+                        budget_field=None if max_tokens is None else max_tokens_field,
                         include_usage=bool(stream_options and stream_options.include_usage),
                         include_drafts=bool(stream_options and stream_options.include_drafts), n=self.n,
                         logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None)

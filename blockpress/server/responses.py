@@ -161,17 +161,18 @@ class ResponsesServing:
         try:
             chat = req.to_chat()
             sampling = chat.to_sampling(s.limits, s.defaults)
-            ids = await asyncio.to_thread(self.prompt, chat, req.truncation == "auto")
+            ids = await asyncio.to_thread(self.prompt, chat, req.truncation == "auto", s.prompt_room(sampling))
             sampling, fixed = s.forced_call(chat, sampling)
             run = s._submit_choices(ids, sampling, fixed_tokens=fixed)[0]
         except APIError as e:
             raise responses_error(e) from None
         return await self.respond(run, sampling, req, disconnected)
 
-    def prompt(self, chat: ChatCompletionRequest, auto: bool) -> list[int]:
-        """The chat prompt's ids. truncation "auto": a conversation over the server's prompt limit loses its oldest
-        turns, whole (a user message and what follows it up to the next one), after its system messages, as few as
-        make it fit; the last turn always stays (alone over the limit: the chat path's 400)."""
+    def prompt(self, chat: ChatCompletionRequest, auto: bool, room: int) -> list[int]:
+        """The chat prompt's ids. truncation "auto": a conversation over `room` tokens (the prompt limit, or what
+        the model's positions leave beside the budget the request gave: `OpenAIServing.prompt_room`) loses its
+        oldest turns, whole (a user message and what follows it up to the next one), after its system messages, as
+        few as make it fit; the last turn always stays (alone over the room: the chat path's 400)."""
         msgs = chat.messages
         first = next((i for i, m in enumerate(msgs) if m.role not in ("system", "developer")), len(msgs))
         starts = [i for i in range(first + 1, len(msgs)) if msgs[i].role == "user"]  # where later turns begin
@@ -186,7 +187,7 @@ class ResponsesServing:
                 if e.code != "context_length_exceeded":
                     raise
                 return None
-            return ids if len(ids) <= self.s.limits.max_prompt_tokens else None
+            return ids if len(ids) <= room else None
 
         lo, hi = 0, len(starts)  # the fewest turns dropped that fit: a prompt only shortens as more are dropped
         found = {k: ids for k in (lo, hi) if (ids := ids_without(k)) is not None}

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from ..engine.rows import positions_needed
 from ..errors import BlockpressError, InputError, SamplingError
 from ..infill import unspaced, whole_canvases
 from ..parsing import ToolCall, call_ban, reply_parser
@@ -324,9 +325,11 @@ class OutputAssembler:
         self.content.append(tail)
         self._released += len(tail)
         self._release(last, final=True)
-        # a grammar closed early for the budget says "length"; a stop string after a call keeps "tool_calls"
-        reason = "length" if self.cut else "tool_calls" if calls else "stop" if self.stopper.hit else \
-            self.finish_reason
+        # the budget ended the reply (a grammar closed early for it, or max_tokens ran out, after a call too: its
+        # next call may be cut): "length", as OpenAI says whenever the limit ended generation; a stop string after a
+        # call keeps "tool_calls"
+        budget = self.cut or (self.finish_reason == "length" and not self.stopper.hit)
+        reason = "length" if budget else "tool_calls" if calls else "stop" if self.stopper.hit else self.finish_reason
         self._final = Final("".join(self.content), reasoning, calls, reason, len(self.tokens), last,
                             None if self.aligner is None else self.aligner.entries)
         return self._final
@@ -397,14 +400,60 @@ class OpenAIServing:
             raise APIError(400, str(e), param="messages") from None
         return self._encode_within_limit(text, "messages")
 
-    def _encode_within_limit(self, text: str, param: str) -> list[int]:
-        """The prompt's ids; a prompt surely over the limit is refused after counting about `limit` tokens."""
-        ids = encode_within(self.tok.encode, text, self.limits.max_prompt_tokens)
+    @property
+    def prompt_limit(self) -> int:
+        """The most tokens a prompt may have: this server's `--max-prompt-tokens`, and what the model's positions
+        leave for the one canvas a reply needs at least."""
+        return min(self.limits.max_prompt_tokens, self.worker.scheduler.max_positions - self.lm.canvas_length)
+
+    def _over_limit(self, what: str, param: str) -> APIError:
+        """The 400 of a prompt over `prompt_limit` (`what`: its size, e.g. "more than 4064")."""
+        P, C = self.worker.scheduler.max_positions, self.lm.canvas_length
+        why = f"this server's limit (--max-prompt-tokens)" if self.limits.max_prompt_tokens <= P - C else \
+            f"what the model's {P} positions leave for a reply's first canvas of {C}"
+        fix = "shorten the messages or the tool schemas" if param == "messages" else "shorten the prompt"
+        return APIError(400, f"the prompt has {what} tokens; at most {self.prompt_limit} fit, {why}: {fix}",
+                        param=param, code="context_length_exceeded")
+
+    def _encode_within_limit(self, text: str, param: str, encode=None) -> list[int]:
+        """The prompt's ids (`encode`, default the tokenizer's); a prompt surely over `prompt_limit` is refused
+        after counting about that many tokens."""
+        ids = encode_within(encode or self.tok.encode, text, self.prompt_limit)
         if ids is None:
-            raise APIError(400, f"the prompt has more than {self.limits.max_prompt_tokens} tokens, this server's "
-                           "limit; shorten the messages or the tool schemas", param=param,
-                           code="context_length_exceeded")
+            raise self._over_limit(f"more than {self.prompt_limit}", param)
         return ids
+
+    def _fit(self, prompts: list[list[int]], sampling: Sampling, prompt_field: str) -> None:
+        """Check that the prompts fit the model's positions with the reply's canvases. A budget the request did not
+        give (`sampling.budget_field` None) is cut to the whole canvases the longest prompt leaves, in place (as
+        OpenAI generates into what is left of the context); a prompt over `prompt_limit`, or a budget the request
+        gave that does not fit, is a 400 naming its field and the most that fits."""
+        k, longest = max(enumerate(map(len, prompts)), key=lambda kv: kv[1])
+        if longest > self.prompt_limit:
+            raise self._over_limit(str(longest), prompt_field if len(prompts) == 1 else f"{prompt_field}.{k}")
+        P, C = self.worker.scheduler.max_positions, self.lm.canvas_length
+        need = positions_needed(longest, sampling.cfg.max_new_tokens, C)
+        if need <= P:
+            return
+        room = (P - longest) // C * C  # >= C: the prompt is within prompt_limit
+        if sampling.budget_field is None:
+            sampling.cfg = dataclasses.replace(sampling.cfg, max_new_tokens=room)
+            sampling.max_tokens = min(sampling.max_tokens, room)
+            return
+        name = sampling.budget_field
+        most = room - (sampling.cfg.max_new_tokens - sampling.max_tokens)  # (insert mode: less the suffix's part)
+        fix = f"lower {name} to at most {most} or shorten the prompt" if most > 0 else "shorten the prompt"
+        raise APIError(400, f"the prompt's {longest} tokens and {name}={sampling.max_tokens} need {need} positions "
+                       f"(whole canvases of {C}); the model has {P}: {fix}", param=name,
+                       code="context_length_exceeded")
+
+    def prompt_room(self, sampling: Sampling) -> int:
+        """The most prompt tokens that fit with `sampling`'s budget (`_fit`'s rule; a default budget shrinks, so
+        only `prompt_limit` bounds it): what truncation aims at."""
+        if sampling.budget_field is None:
+            return self.prompt_limit
+        P, C = self.worker.scheduler.max_positions, self.lm.canvas_length
+        return min(self.prompt_limit, P - positions_needed(0, sampling.cfg.max_new_tokens, C))
 
     def completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[bool]]:
         """The ids of each prompt of the request (token ids as given; text after <bos>), and per prompt whether
@@ -428,10 +477,8 @@ class OpenAIServing:
         return out, spaced
 
     def _submit(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None,
-                prompt_field: str = "messages", constraint=None) -> _Run:
-        if len(ids) > self.limits.max_prompt_tokens:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's limit is "
-                           f"{self.limits.max_prompt_tokens}", param=prompt_field, code="context_length_exceeded")
+                constraint=None) -> _Run:
+        """One row for the worker; the prompt was checked by `_fit`."""
         job = Job(ids, sampling.cfg, seed=sampling.seed, drafts=sampling.include_drafts, fixed_tokens=fixed_tokens,
                   logprobs=sampling.logprobs, constraint=constraint, logit_bias=sampling.logit_bias)
         try:
@@ -553,13 +600,15 @@ class OpenAIServing:
     # ---------------------------------------------------------------- several choices
     def _submit_choices(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None,
                         prompt_field: str = "messages") -> list[_Run]:
-        """One run per choice (`n`), choice i seeded with seed + i; all or none are admitted."""
+        """One run per choice (`n`), choice i seeded with seed + i; all or none are admitted. The prompt is
+        checked (and a default budget cut) by `_fit` first, in `sampling` itself."""
         runs: list[_Run] = []
+        self._fit([ids], sampling, prompt_field)
         constraint = self._constraint(sampling)
         try:
             for i in range(sampling.n):
                 runs.append(self._submit(ids, dataclasses.replace(sampling, seed=sampling.choice_seed(i)),
-                                         fixed_tokens, prompt_field, constraint if i == 0 or constraint is None
+                                         fixed_tokens, constraint if i == 0 or constraint is None
                                          else constraint.clone()))
         except APIError:
             for r in runs:
@@ -760,6 +809,7 @@ class OpenAIServing:
                                param="suffix", code="context_length_exceeded")
             n_new, holes = whole_canvases(region, self.lm.canvas_length)  # past the suffix: -2, discarded
             sampling.cfg = dataclasses.replace(sampling.cfg, max_new_tokens=n_new)
+            sampling.budget_field = "max_tokens"  # the hole's size: never cut (the suffix is laid out after it)
         runs = self._submit_batch(prompts, sampling, fixed_tokens=holes)
         asms = [self._new_assembler(sampling, chat=False, drop_space=spaced[k // sampling.n])
                 for k in range(len(runs))]  # run k is prompt k // n's
@@ -775,8 +825,10 @@ class OpenAIServing:
 
     def _submit_batch(self, prompts: list[list[int]], sampling: Sampling,
                       fixed_tokens: list[int] | None = None) -> list[_Run]:
-        """n runs per prompt, in order (prompt p's choice i is run p * n + i); all or none are admitted."""
+        """n runs per prompt, in order (prompt p's choice i is run p * n + i); all or none are admitted. A default
+        budget is cut for the longest prompt, so every prompt's choices write the same number of tokens."""
         runs: list[_Run] = []
+        self._fit(prompts, sampling, "prompt")
         try:
             for k, ids in enumerate(prompts):
                 runs += self._submit_choices(ids, sampling, fixed_tokens, "prompt" if len(prompts) == 1

@@ -253,22 +253,30 @@ FORCED_F = {"tool_choice": "required",
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs", "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "string", "format": "no-such-format"}}}}, "Unknown format", "response_format"),
-    ({"regex": "(?<=a)b"}, "look-around", "response_format"),
-    ({"regex": "a", "response_format": {"type": "json_object"}}, "give one of", "response_format"),
+    ({"regex": "(?<=a)b"}, "look-around", "regex"),
+    ({"regex": "[a-"}, 'grammar cannot be used: invalid regex "[a-" (in regex): regex parse error: unclosed '
+                        'character class', "regex"),
+    ({"grammar": "start: ???"}, "Expected value", "grammar"),
+    ({"regex": "a", "response_format": {"type": "json_object"}}, "give one of", "regex"),
     ({"response_format": {"type": "json_object"}, "max_tokens": 1}, "max_tokens=1 is too small", "max_tokens"),
     ({"response_format": {"type": "json_object"}, **FORCED_F}, "cannot be", "response_format"),
     ({**FORCED_F, "max_tokens": 3}, "max_tokens=3 is too small", "max_tokens"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "format": "no-such-format"}}}}}]},
      "a tool's parameters schema cannot be used", "tools"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "foo"}}}}}]}, "cannot be used: failed to compile JSON schema: Invalid type: foo",
+     "tools"),
 ])
 def test_structured_output_errors_name_the_problem(server, body, needle, param):
-    """A grammar that cannot be used is a 400 naming the field it came from; one whose shortest output does not fit
-    names max_tokens (a forced tool call's grammar too)."""
+    """A grammar that cannot be used is a 400 naming the field it came from (regex and grammar were named
+    response_format), in one line (llguidance's listing of the grammar it compiled was sent too); one whose
+    shortest output does not fit names max_tokens (a forced tool call's grammar too)."""
     pytest.importorskip("llguidance")
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 32, **body}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    assert needle in r.json()["error"]["message"], r.text
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == (param, "invalid_value"), r.text
+    assert needle in err["message"] and "\n" not in err["message"], r.text
 
 
 def test_completion_insert_mode_errors(server):
@@ -576,7 +584,12 @@ BAD = [
     ("logit_bias over 100", {"messages": MSG, "logit_bias": {"1": 500}}, 400, "logit_bias.1"),
     ("null user content", {"messages": [{"role": "user", "content": None}]}, 400, "messages.0"),
     ("string parameters", {"messages": MSG, "tool_choice": "required", "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "tools.0"),
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "tools.0.function"),
+    # the path named "tools.0.name": "function" was taken for a union branch's name
+    ("tool name not a string", {"messages": MSG, "tools": [{"type": "function", "function": {"name": 5}}]}, 400,
+     "tools.0.function.name"),
+    ("arguments not a string", {"messages": MSG + [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function",
+        "function": {"name": "f", "arguments": {}}}]}]}, 400, "messages.1.tool_calls.0.function.arguments"),
     # accepted and dropped before: a client would have read an answer to another question
     ("response_format without type", {"messages": MSG, "response_format": {"json_schema": {"name": "x", "schema": {
         "type": "object"}}}}, 400, "response_format.type"),
@@ -1378,6 +1391,19 @@ def test_a_json_body_is_read_whatever_content_type_it_is_sent_with(lm):
     serving.worker.stop()
 
 
+def test_bodies_that_are_not_json_get_a_code_and_a_message_that_says_what_to_send(lm):
+    """A body that is not UTF-8, JSON nested past Python's limit or an integer of 5,000 digits got FastAPI's
+    "There was an error parsing the body" (code null), an empty body "Field required" (param null)."""
+    app, _, _ = _app(lm)
+    for body, needle in [(b'{"prompt": "\xff"}', "send UTF-8 JSON"), (b"[" * 5000 + b"]" * 5000, "nested"),
+                         (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "digits"),
+                         (b"", "request body is empty"), (b"{", "not valid JSON")]:
+        r = asyncio.run(_asgi(app, "POST", "/v1/completions", content=body,
+                              headers={"Content-Type": "application/json"}))
+        err = r.json()["error"]
+        assert (r.status_code, err["code"]) == (400, "invalid_json") and needle in err["message"], (body[:20], err)
+
+
 def test_chunked_body_over_the_limit_is_413_and_a_slow_body_408(lm):
     app, _, metrics = _app(lm, limits={"max_body_bytes": 1000, "body_timeout": 0.3})
 
@@ -1482,6 +1508,10 @@ def test_responses_api_through_the_openai_client(client):
     assert events[-1].response.output_text == r.output_text
     assert {"response.output_item.added", "response.content_part.added", "response.output_text.done",
             "response.content_part.done", "response.output_item.done"} <= set(types)
+    # the request's settings come back as sent (text.format was always "text", temperature and top_p null)
+    r3 = client.responses.create(input="Hi", temperature=0.5, top_p=0.9, text={"format": {"type": "json_object"}}, **kw)
+    assert (r3.temperature, r3.top_p, r3.text.format.type) == (0.5, 0.9, "json_object")
+    assert (r.temperature, r.top_p, r.text.format.type) == (None, None, "text")
     # items in: a function call and its output join the conversation as the chat path's tool turn
     items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
              {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
@@ -1512,6 +1542,8 @@ def test_responses_tool_choice_and_refusals(server):
            ({"max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens=100000 exceeds"),
            ({"tools": [{"type": "web_search"}]}, "tools.0.type", "blockpress runs no built-in tools"),
            ({"text": {"format": {"type": "xml"}}}, "text", "text.format type 'xml' is not one of"),
+           ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",  # (the hint said chat's shape)
+            'needs {"type": "json_schema", "name": ..., "schema": {...}}'),
            ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0", "not supported"),
            ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input.0.content.0.type", "send text as input_text parts"),

@@ -363,6 +363,17 @@ def _vocabulary(tokenizer, stop_ids: tuple[int, ...], vocab_size: int) -> Vocabu
     return Vocabulary(tokenizer, stop_ids, vocab_size)
 
 
+def one_line(error: str) -> str:
+    """llguidance's error text in one line: its first line, with the `error: ...` detail of the lines under it
+    (a regex's parse error); the source listing it draws (`1 | start: ...`, a caret under it) dropped, since it shows
+    the grammar compiled from the request, not what the client wrote."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return "unknown error"
+    detail = [line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")]
+    return lines[0].rstrip(":") + (f": {detail[0]}" if detail else "")
+
+
 class GrammarBudgetError(InputError):
     """The shortest output found for the grammar does not fit in max_new_tokens (the fix is the budget, not the
     grammar)."""
@@ -396,7 +407,7 @@ class Constraint:
         self.vocab = _vocabulary(tokenizer, stop_ids, vocab_size)
         self.matcher = llg.LLMatcher(self.vocab.llg, grammar)
         if self.matcher.is_error():
-            raise InputError(f"the grammar cannot be used: {self.matcher.get_error()}")
+            raise InputError(f"the grammar cannot be used: {one_line(self.matcher.get_error())}")
         self.budget, self.written, self.ended = max_new_tokens, 0, False
         self.cut = False  # the budget closed the output early: a committed canvas's walk put its closing path in
         # place of what the model chose (a finish "length", though the output is complete and valid)

@@ -42,7 +42,7 @@ ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 4
 
 # pydantic names the branch of a union field in the error's location ("stop.constrained-str",
 # "prompt.list[constrained-int]"): not a path a client can act on
-_BRANCH_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function"}
+_BRANCH_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
 # what a union field takes, said once instead of one complaint per branch
 UNION_FIELDS = {
     "stop": "a string of 1-256 characters or a list of at most 4 such strings",
@@ -101,6 +101,8 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
         errs = list(e.errors())
         if errs and errs[0].get("type") == "json_invalid":
             return _error(400, "request body is not valid JSON", code="invalid_json")
+        if errs and errs[0].get("type") == "missing" and tuple(errs[0].get("loc", ())) == ("body",):
+            return _error(400, "request body is empty; send the request as a JSON object", code="invalid_json")
         message, where = validation_message(errs)
         return _error(400, message, param=where, code="invalid_value")
 
@@ -108,6 +110,10 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
     async def _http(request: Request, e: StarletteHTTPException):
         message = e.detail if isinstance(e.detail, str) else "request failed"
         code = getattr(e, "code", None) or ("not_found" if e.status_code == 404 else None)
+        if e.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's, for a body that
+            # is not UTF-8, or JSON Python's parser refuses (nested too deep, an integer of 5,000 digits)
+            message, code = "request body is not JSON this server reads: send UTF-8 JSON, nested less than 1000 " \
+                            "deep, with integers of at most 4300 digits", "invalid_json"
         return _error(e.status_code, message, code=code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(RecursionError)

@@ -86,6 +86,7 @@ Logprobs (chat `logprobs: true` + `top_logprobs` 0..20; completions `logprobs` 0
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -359,7 +360,11 @@ class _DiffusionKnobs(_Request):
         try:
             return grammar_for(json_schema=schema, json_object=json_object, regex=self.regex, grammar=self.grammar)
         except InputError as e:
-            raise APIError(400, str(e), param="response_format", code="invalid_value") from None
+            raise APIError(400, str(e), param=self.grammar_field(), code="invalid_value") from None
+
+    def grammar_field(self) -> str:
+        """The request field the output grammar comes from (what a 400 about it names)."""
+        return "regex" if self.regex is not None else "grammar" if self.grammar is not None else "response_format"
 
     def _resolve(self, limits: Limits, defaults: dict[str, Any], max_tokens: int | None, max_tokens_field: str,
                  default_max_tokens: int, seed: int | None, stop, stream_options) -> Sampling:
@@ -481,7 +486,7 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
             return None
         names = [t.function.name for t in self.tools or []]
         if not names:
-            raise APIError(400, f"tool_choice {choice!r} needs tools; offer at least one in 'tools'",
+            raise APIError(400, f"tool_choice {json.dumps(choice)} needs tools; offer at least one in 'tools'",
                            param="tool_choice", code="invalid_value")
         if choice == "required":
             return names[0] if len(names) == 1 else ""
@@ -518,7 +523,8 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
         sampling = self._resolve(limits, defaults, n, field_name, default, self.seed, self.stop, self.stream_options)
         sampling.logprobs = (self.top_logprobs or 0) if self.logprobs else None
         sampling.one_call = self.parallel_tool_calls is False
-        sampling.grammar = self.output_grammar()  # beside tools that ask for a grammar: serving.tool_call_grammar
+        # (beside tools that ask for a grammar: serving.tool_call_grammar)
+        sampling.grammar, sampling.grammar_param = self.output_grammar(), self.grammar_field()
         return sampling
 
 
@@ -675,7 +681,7 @@ class CompletionRequest(_DiffusionKnobs, _CompletionFields):
         sampling = self._resolve(limits, defaults, self.max_tokens, "max_tokens", default, self.seed, self.stop,
                                  self.stream_options)
         sampling.logprobs = self.logprobs
-        sampling.grammar = self.output_grammar()
+        sampling.grammar, sampling.grammar_param = self.output_grammar(), self.grammar_field()
         if sampling.grammar is not None and self.suffix:
             raise APIError(400, "response_format (or regex / grammar) and suffix (insert mode) cannot be combined",
                            param="response_format", code="invalid_value")

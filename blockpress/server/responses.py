@@ -60,7 +60,8 @@ class ResponseBuilder:
             instructions=r.instructions, max_output_tokens=r.max_output_tokens, reasoning=r.reasoning,
             parallel_tool_calls=r.parallel_tool_calls is not False, tool_choice=r.tool_choice or "auto",
             tools=r.tools or [], truncation=r.truncation or "disabled", usage=usage, user=r.user,
-            metadata=r.metadata or {})
+            metadata=r.metadata or {}, temperature=r.temperature, top_p=r.top_p,
+            **({"text": r.text} if r.text is not None and r.text.format is not None else {}))
 
     def start(self) -> list[dict[str, Any]]:
         snapshot = self.response().model_dump()

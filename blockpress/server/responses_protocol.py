@@ -176,6 +176,9 @@ class ResponsesRequest(_DiffusionKnobs, _ResponsesFields):
         fmt = (self.text.format if self.text else None) or {"type": "text"}
         if fmt.get("type") != "json_schema":
             return fmt
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, 'text.format json_schema needs {"type": "json_schema", "name": ..., "schema": {...}}',
+                           param="text.format", code="invalid_value")
         return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
     def messages(self) -> list[dict[str, Any]]:
@@ -335,11 +338,12 @@ class ResponseObject(BaseModel):
     previous_response_id: None = None
     reasoning: ReasoningConfig | None = None
     store: bool = False
-    temperature: None = Field(None, description="not used: the denoising sampler has its own temperature schedule")
+    temperature: float | None = Field(None, description="the request's, as sent (the denoising sampler keeps its "
+                                      "own temperature schedule; 0 fixes the seed)")
     text: TextConfig = Field(default_factory=lambda: TextConfig(format={"type": "text"}))
     tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceFunction] = "auto"
     tools: list[FunctionTool] = Field(default_factory=list)
-    top_p: None = None
+    top_p: float | None = Field(None, description="the request's, as sent (not used by the sampler)")
     truncation: Literal["auto", "disabled"] = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None

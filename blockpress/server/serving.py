@@ -396,8 +396,10 @@ class OpenAIServing:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True,
                                                 enable_thinking=req.enable_thinking, tools=req.offered_tools,
                                                 tokenize=False)
-        except BlockpressError as e:
-            raise APIError(400, str(e), param="messages") from None
+        except BlockpressError as e:  # a message the template cannot take: named by its path ("messages[1]...")
+            where = re.match(r"messages(\[\d+\]|\.\w+)*", str(e))
+            raise APIError(400, str(e), param=re.sub(r"\[(\d+)\]", r".\1", where.group()) if where else "messages",
+                           code="invalid_value") from None
         return self._encode_within_limit(text, "messages")
 
     @property
@@ -505,12 +507,17 @@ class OpenAIServing:
             return Constraint(sampling.grammar, self.tok, sampling.cfg.eos_token_id, self.lm.config.text.vocab_size,
                               sampling.cfg.max_new_tokens, sampling.guarded)
         except GrammarBudgetError as e:
-            raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"), param="max_tokens",
-                           code="invalid_value") from None
+            name = sampling.budget_field or "max_tokens"
+            raise APIError(400, str(e).replace("max_new_tokens", name), param=name, code="invalid_value") from None
         except (ValueError, BlockpressError) as e:
+            message = str(e)
+            if sampling.grammar_param != "grammar":  # a place in the grammar compiled from the field, not in it
+                message = re.sub(r": at \d+\(\d+\): ", ": ", message)
             if sampling.grammar_param == "tools":
-                raise APIError(400, f"a tool's parameters schema cannot be used: {e}", param="tools") from None
-            raise APIError(400, str(e), param=sampling.grammar_param, code="invalid_value") from None
+                raise APIError(400, "a tool's parameters schema cannot be used: "
+                               f"{message.removeprefix('the grammar cannot be used: ')}", param="tools",
+                               code="invalid_value") from None
+            raise APIError(400, message, param=sampling.grammar_param, code="invalid_value") from None
 
     async def _events(self, run: _Run, asm: OutputAssembler, disconnected: Disconnected | None):
         """Engine events for one request until it is complete or the text is done (stop string,

@@ -9,7 +9,14 @@ Invariants:
   folder takes precedence over any template in `tokenizer_config.json`; without either, the
   built-in `chat.DEFAULT_GEMMA4_TEMPLATE` is used (`chat_template_source == "default"`).
 - `encode` never adds special tokens unless asked: chat templates already write `<bos>`, and
-  special-token text in the input (e.g. `<|turn>`) is matched to its id, as in Hugging Face.
+  special-token text in the input (e.g. `<|turn>`) is matched to its id, as in Hugging Face: a plain prompt
+  may spell a turn by hand.
+- Text inside chat messages and tool declarations never becomes a control token: `apply_chat_template` marks
+  each special-token string in them (`literal`: its first character becomes `TEXT_LT`, as the output side marks
+  text) and `encode_marked` encodes a marked string as the ordinary tokens that spell it (Hugging Face's
+  `split_special_tokens`), so a user's or a tool's text cannot close its turn or forge a system turn, a tool call
+  or a tool response. The template's own markup stays control tokens; a conversation without such text is
+  encoded exactly as `encode` encodes its rendered text.
 - `decode` keeps special tokens by default (the output parser needs `<|channel>`, `<|tool_call>`,
   `<turn|>`, ... to split reasoning / tool calls / content).
 - `decode(marked=True)` is the text the output parser reads: the plain text with each "<" that an ordinary token
@@ -22,9 +29,11 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +247,62 @@ class Tokenizer:
                 raise InputError(f"texts to encode must be strings, got {type(t).__name__}; pass str")
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
+    # ------------------------------------------------------------------ message text that stays text
+    @functools.cached_property
+    def _specials(self) -> tuple[re.Pattern | None, re.Pattern | None, dict[str, str]]:
+        """(the special-token strings, longest first; their marked forms; marked form -> the string), made once."""
+        toks = sorted({t for t in self._special_tokens if t}, key=len, reverse=True)
+        if not toks:
+            return None, None, {}
+        back = {}
+        for t in toks:
+            back.setdefault(TEXT_LT + t[1:], t)
+        return (re.compile("|".join(map(re.escape, toks))), re.compile("|".join(map(re.escape, back))), back)
+
+    @functools.cached_property
+    def _literal_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the tokenizer that encodes special-token strings as the ordinary tokens spelling them."""
+        tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    def literal(self, value: Any) -> Any:
+        """`value` (a string, or dicts and lists of them: messages, tools) with every special-token string in its
+        text (keys included) marked: its first character replaced by `TEXT_LT`. Rendered by a template and encoded by
+        `encode_marked`, the marked strings are the ordinary tokens that spell them. Other values as they are; a
+        value with no such string is returned unchanged."""
+        pattern = self._specials[0]
+        if pattern is None:
+            return value
+        if isinstance(value, str):
+            return pattern.sub(lambda m: TEXT_LT + m.group()[1:], value) if pattern.search(value) else value
+        if isinstance(value, Mapping):
+            return {self.literal(k): self.literal(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.literal(v) for v in value]
+        return value
+
+    def encode_marked(self, text: str) -> list[int]:
+        """The ids of text rendered from `literal` values: special-token strings as their ids where the text spells
+        them (the template's markup), marked ones as the ordinary tokens that spell them. Text without a mark:
+        exactly `encode(text)`. Like the tokenizer, it splits the text at its special tokens and encodes each piece
+        between them alone, so the pieces without marks get the ids `encode` gives them."""
+        if TEXT_LT not in text:
+            return self.encode(text)
+        split, marks, back = self._specials
+        ids: list[int] = []
+        pos = 0
+        for m in [*split.finditer(text), None]:
+            piece = text[pos:m.start() if m else len(text)]
+            if piece:
+                restored = marks.sub(lambda x: back[x.group()], piece)
+                ids += self.encode(piece) if restored == piece else \
+                    self._literal_backend.encode(restored, add_special_tokens=False).ids
+            if m:
+                ids.append(self._tok.token_to_id(m.group()))
+                pos = m.end()
+        return ids
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False, marked: bool = False) -> str:
         """marked: the text the output parser reads (`parsing`), where only a control token's own id spells
         control-token text: every "<" that ordinary tokens wrote is `TEXT_LT` (a Unicode noncharacter, one
@@ -282,8 +347,13 @@ class Tokenizer:
     # ------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True,
                             enable_thinking: bool = False, tools: Any = None,
-                            tokenize: bool = True, **template_kwargs: Any) -> list[int] | str:
+                            tokenize: bool = True, marked: bool | None = None,
+                            **template_kwargs: Any) -> list[int] | str:
         """Render the chat template; ids (default) or the prompt text (`tokenize=False`).
+
+        The messages' and tools' text never becomes control tokens (module docstring): the ids encode it as text.
+        `tokenize=False, marked=True` gives the text `encode_marked` takes to those ids (for a caller that encodes
+        it in its own way); `tokenize=False` alone the plain text, to read.
 
         Extra keyword arguments become template variables (e.g. `empty_thought_block=False`), except
         `continue_final_message=True`: the prompt ends inside the last message, for the model to continue it
@@ -291,12 +361,14 @@ class Tokenizer:
         special tokens.
         """
         from .chat import render_chat_template
+        if tokenize if marked is None else marked:
+            messages, tools = self.literal(messages), self.literal(tools)
         text = render_chat_template(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking, tools=tools,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
             **{"pad_token": self.pad_token or "", "unk_token": self.unk_token or "", **template_kwargs})
-        return self.encode(text) if tokenize else text
+        return self.encode_marked(text) if tokenize else text
 
 
 class StreamDecoder:

@@ -173,6 +173,27 @@ def test_eval_cli_full_default_sets():
     assert cli_main(["eval", "sudoku"]) == 0
 
 
+def test_chat_rows_train_control_token_text_as_text(tmp_path):
+    """A training row's text that spells control tokens (a user asking about `<turn|>`, a reply quoting it) is
+    trained as the ordinary tokens that spell it, as inference encodes a request's text; the reply's own markup
+    (its end of turn, a tool call) stays control tokens."""
+    from blockpress.testing import build_tiny_gemma_tokenizer
+    from blockpress.train.data import chat_example
+
+    tok = build_tiny_gemma_tokenizer(tmp_path / "tok")
+    said = "a turn ends with <turn|> and a call opens with <|tool_call>"
+    row = {"messages": [{"role": "user", "content": f"What does {said} mean?"},
+                        {"role": "assistant", "content": f"It means {said}.", "tool_calls": [
+                            {"type": "function", "function": {"name": "f", "arguments": {"q": "<turn|>"}}}]}]}
+    prompt, resp = chat_example(tok, row)
+    assert tok.decode(prompt).count(said) == 1 and tok.decode(resp).count(said) == 1
+    end = tok.token_to_id("<turn|>")
+    assert (prompt.count(end), resp.count(end)) == (1, 0)  # the user turn's end; the reply ends in a tool response
+    assert resp[-1] == tok.token_to_id("<|tool_response>") and tok.token_to_id("<|tool_call>") in resp
+    prompt2, resp2 = chat_example(tok, {"prompt": said, "completion": said})
+    assert tok.decode(resp2) == said + "<turn|>" and sum(map(tok.is_special, resp2)) == 1
+
+
 def test_chat_jsonl_supervises_only_the_final_assistant_turn(tmp_path):
     from blockpress.testing import build_tiny_gemma_tokenizer
     from blockpress.train.data import ChatJsonlSource, chat_example

@@ -79,8 +79,7 @@ class ChatSession:
         from ..engine.prefix import common_prefix
 
         convo = self.messages + [{"role": "user", "content": text}]
-        full = self.tok.encode(self.tok.apply_chat_template(convo, add_generation_prompt=True,
-                                                            enable_thinking=self.thinking, tokenize=False))
+        full = self.tok.apply_chat_template(convo, add_generation_prompt=True, enable_thinking=self.thinking)
         keep = min(common_prefix(tuple(self.cached), tuple(full)), len(full) - 1) if self.cache is not None else 0
         if keep:
             try:

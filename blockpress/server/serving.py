@@ -395,12 +395,12 @@ class OpenAIServing:
         try:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True,
                                                 enable_thinking=req.enable_thinking, tools=req.offered_tools,
-                                                tokenize=False)
+                                                tokenize=False, marked=True)  # messages' text stays text
         except BlockpressError as e:  # a message the template cannot take: named by its path ("messages[1]...")
             where = re.match(r"messages(\[\d+\]|\.\w+)*", str(e))
             raise APIError(400, str(e), param=re.sub(r"\[(\d+)\]", r".\1", where.group()) if where else "messages",
                            code="invalid_value") from None
-        return self._encode_within_limit(text, "messages")
+        return self._encode_within_limit(text, "messages", self.tok.encode_marked)
 
     @property
     def prompt_limit(self) -> int:

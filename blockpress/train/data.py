@@ -155,19 +155,20 @@ def chat_example(tokenizer, row: dict, where: str = "a chat row") -> Example:
         tools, thinking = row.get("tools"), bool(row.get("enable_thinking", False))
         prompt = tokenizer.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True,
                                                enable_thinking=thinking, tools=tools)
-        final = msgs[-1]
+        final = tokenizer.literal(msgs[-1])  # its text stays text, as the prompt's does (Tokenizer.literal)
         if tokenizer.token_to_id("<turn|>") is None:  # not the Gemma 4 turn format: the content + EOS
             if final.get("tool_calls") or final.get("reasoning_content"):
                 raise InputError(f"{where}: tool calls and reasoning need a Gemma 4 tokenizer (<turn|>, <|tool_call>)")
-            return list(prompt), tokenizer.encode(_text(final.get("content"))) + _close(tokenizer)
-        return list(prompt), tokenizer.encode(assistant_turn_text(tokenizer.chat_template, final, thinking, where))
+            return list(prompt), tokenizer.encode_marked(_text(final.get("content"))) + _close(tokenizer)
+        return list(prompt), tokenizer.encode_marked(assistant_turn_text(tokenizer.chat_template, final, thinking,
+                                                                         where))
     if "prompt" in row and "completion" in row:
         answer = row["completion"]
         if not isinstance(answer, str) or not isinstance(row["prompt"], str):
             raise InputError(f"{where}: 'prompt' and 'completion' must be strings")
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
                                                add_generation_prompt=True, tokenize=True)
-        return list(prompt), tokenizer.encode(answer) + _close(tokenizer)
+        return list(prompt), tokenizer.encode_marked(tokenizer.literal(answer)) + _close(tokenizer)
     raise InputError(f"{where}: a JSONL row needs 'messages' (chat) or 'prompt' + 'completion'")
 
 

@@ -146,6 +146,9 @@ class BlockDiffusionLM:
                                  "text (model.tokenizer.encode) or pass a torch.long tensor")
             if ids.dim() == 1:
                 ids = ids[None]
+            if ids.dim() != 2 or ids.shape[1] == 0:
+                raise InputError(f"input_ids must be [batch, length] (or [length]) with at least one token, got shape "
+                                 f"{list(input_ids.shape)}")
             return ids.long(), attention_mask
         if not input_ids:
             raise InputError("input_ids is empty; give at least one token")
@@ -260,6 +263,9 @@ class BlockDiffusionLM:
 
     def _reply_ids(self, result: engine.GenerationResult, row: int = 0) -> tuple[list[int], str]:
         """(ids, finish reason) of row `row`'s reply (`GenerationConfig.reply`), padding dropped."""
+        rows = result.new_tokens.shape[0]
+        if isinstance(row, bool) or not isinstance(row, numbers.Integral) or not -rows <= row < rows:
+            raise InputError(f"row {row!r} is not a row of this result (it has {rows}: 0 to {rows - 1})")
         self._need_tokenizer()
         cfg = result.config or self.generation_config()
         ids, reason = cfg.reply([int(i) for i in result.new_tokens[row].tolist()])
@@ -331,6 +337,9 @@ class BlockDiffusionLM:
         from .model.prequantized import quantization_config
         from .model.weights import SHARD_BYTES, state_dict_for_checkpoint, stored_dtype, weight_files, write_atomic
 
+        if shard_bytes is not None and (isinstance(shard_bytes, bool) or not isinstance(shard_bytes, numbers.Integral)
+                                        or shard_bytes < 1):
+            raise InputError(f"shard_bytes must be a whole number of bytes >= 1 (e.g. 5 * 10**9), got {shard_bytes!r}")
         path = Path(path)
         if self.module.quantized_table is not None:
             raise InputError("this model holds its embedding table in int8 (embeddings='int8'), which no checkpoint "

@@ -102,6 +102,23 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def check_text(text: Any, what: str = "the text to encode") -> None:
+    """InputError (one line, the fix) for what the tokenizer cannot take: not a string, or not Unicode text (a lone
+    surrogate: a byte that was not UTF-8, kept by Python's surrogateescape when it read a file or stdin)."""
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be a string, got {type(text).__name__}; pass str")
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        what_it_is = f"the byte 0x{ord(bad) - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= ord(bad) <= 0xDCFF \
+            else f"a lone surrogate U+{ord(bad):04X}"
+        raise InputError(f"{what} is not valid Unicode: character {e.start} is {what_it_is}; convert the input to "
+                         "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
 class Tokenizer:
     """Checkpoint tokenizer: encode/decode, special ids, chat template, streaming decode."""
 
@@ -237,14 +254,12 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        if not isinstance(text, str):
-            raise InputError(f"text to encode must be a string, got {type(text).__name__}; pass str")
+        check_text(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         for t in texts:
-            if not isinstance(t, str):
-                raise InputError(f"texts to encode must be strings, got {type(t).__name__}; pass str")
+            check_text(t, "each of the texts to encode")
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     # ------------------------------------------------------------------ message text that stays text

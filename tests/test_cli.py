@@ -717,3 +717,77 @@ def test_the_engine_flags_reach_load_from_serve_bench_and_bench_serve(flag):
     serve.add_parser(p)
     assert model_options(p.parse_args(["m", f"--no-{flag}"]))[name] is False
     assert name not in model_options(p.parse_args(["m"]))
+
+
+def test_a_damaged_task_file_is_an_error_not_a_text_model(tmp_path, capsys):
+    """A blockpress_task.json that is not JSON, not an object, or names an unknown task was ignored: the Sudoku
+    model became a text model and `run` said "no PROMPT given". Each is now one line naming the file."""
+    import shutil
+    from pathlib import Path
+
+    folder = tmp_path / "m"
+    shutil.copytree(Path(blockpress.__file__).parent / "assets" / "sudoku", folder)
+    for text, needle in [("{bad", "is not valid JSON"), ("[1]", "must be a JSON object"),
+                         ('{"task": "chess"}', "names the task 'chess', which blockpress does not know")]:
+        (folder / "blockpress_task.json").write_text(text)
+        assert cli(["run", str(folder), "." * 81, "--no-live", "--threads", "1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and str(folder / "blockpress_task.json") in err and "\n" not in err, err
+
+
+def test_more_threads_than_cpus_gets_a_note(capsys):
+    """`--threads 999` on two cores ran 40x slower without a word; now stderr says why (the count is still set,
+    as asked)."""
+    import os
+
+    from blockpress.cli.threads import set_threads
+
+    n, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    try:
+        set_threads(cores)
+        assert capsys.readouterr().err == ""
+        set_threads(cores + 1)
+        assert torch.get_num_threads() == cores + 1
+        assert f"--threads {cores + 1} is more than the {cores} CPU" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_a_dash_alone_is_the_prompt_from_stdin(monkeypatch, capsys):
+    """`echo PUZZLE | blockpress run -` and `... | blockpress infill -` took "-" for the model's name ("- is neither a
+    folder, a shipped model ..."), although the help says "-" reads stdin."""
+    import sys
+
+    puzzle = "53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(puzzle + "\n"))
+    assert cli(["run", "-", "--no-live", "--threads", "1", "--seed", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["puzzle"] == puzzle.replace(".", "0")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("And God [MASK] the light\n"))
+    assert cli(["infill", "-", "--no-live", "--threads", "1", "--seed", "0"]) == 0
+    assert capsys.readouterr().out.startswith("And God ")
+
+
+def test_chat_refuses_a_broken_template_before_the_first_turn(tmp_path, capsys):
+    """A chat_template.jinja with a syntax error let `blockpress chat` start and then ended the whole chat at the
+    first message (with `< /dev/null`: exit 0, nothing said)."""
+    import shutil
+    from pathlib import Path
+
+    folder = tmp_path / "a"
+    shutil.copytree(Path(blockpress.__file__).parent / "assets" / "assistant", folder)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    assert cli(["chat", str(folder), "--no-live", "--threads", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "chat template has a syntax error at line 1" in err and "\n" not in err
+
+
+def test_chat_drops_a_turn_that_is_not_utf8_and_goes_on(monkeypatch, capsys):
+    """`printf 'Hi\\n\\xff\\nThanks!\\n' | blockpress chat`: the bad line ended the chat with a traceback; now that turn
+    is dropped with one line saying why, and the next is answered."""
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n\udcff\udcfe bad\nThanks!\n"))
+    assert cli(["chat", "--no-live", "--threads", "1", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "your message is not valid Unicode: character 0 is the byte 0xff" in out
+    assert out.count("tokens/s") == 2  # the two other turns were answered

@@ -9,6 +9,7 @@ from blockpress.errors import InputError, SamplingError
 from blockpress.kernels import kernel_names, use
 from blockpress.model.moe import experts_dense, experts_loop
 from blockpress.testing import count_host_reads
+from hf_oracle import TINY_TEXT
 
 transformers = pytest.importorskip("transformers")
 from transformers import EntropyBoundSamplerConfig  # noqa: E402
@@ -635,3 +636,44 @@ def test_load_turns_on_cuda_graphs_and_compile_from_python(tmp_path):
     assert not kernel_names(plain.module)["compiled_blocks"]
     with pytest.raises(blockpress.BlockpressError, match="cuda_graphs"):
         blockpress.load(folder, progress=False, cuda_graphs="yes")
+
+
+def test_a_cache_is_extended_in_place_and_another_models_is_refused(bp):
+    """The cache a call is given is the one it extends (documented; a copy continues a prefix another way and
+    leaves it as it was), and a cache of another layout is an InputError naming why (it was an IndexError deep in
+    the cache, or a silent run on a cache whose dtype is not the model's)."""
+    import copy
+
+    g = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
+    base = bp.generate(ids(1), generator=g(0), **KW)
+    c = base.cache
+    n = c.length
+    a = bp.generate([[9, 10]], cache=copy.deepcopy(c), generator=g(1), **KW)
+    b = bp.generate([[9, 10]], cache=copy.deepcopy(c), generator=g(1), **KW)
+    assert torch.equal(a.sequences, b.sequences) and c.length == n
+    same = bp.generate([[9, 10]], cache=c, generator=g(1), **KW)
+    assert same.cache is c and c.length > n and torch.equal(same.sequences, a.sequences)
+    other = blockpress.from_config({"model_type": "diffusion_gemma", "canvas_length": bp.canvas_length,
+                                    "text_config": {**TINY_TEXT, "num_hidden_layers": 2,
+                                                    "layer_types": TINY_TEXT["layer_types"][:2]}}, seed=0)
+    foreign = other.generate([[5, 6, 7]], max_new_tokens=8).cache
+    with pytest.raises(InputError, match="cache is not this model's .2 layers, the model has"):
+        bp.generate([[9, 10]], cache=foreign, **KW)
+    half = copy.deepcopy(c)
+    half.keys = [k.to(torch.bfloat16) for k in half.keys]
+    with pytest.raises(InputError, match="torch.bfloat16 on cpu, the model is torch.float32"):
+        bp.generate([[9, 10]], cache=half, **KW)
+
+
+def test_api_misuse_is_an_input_error_not_a_python_one(bp, tmp_path):
+    """A 0-d or 3-d tensor of ids, a row past the result, a shard size that is not a positive number of bytes:
+    IndexError / TypeError before, or (shard_bytes=-5) a checkpoint of one tensor a file."""
+    r = bp.generate(ids(1), **KW)
+    for call, needle in [(lambda: bp.generate(torch.tensor(5), **KW), "input_ids must be \\[batch, length\\]"),
+                         (lambda: bp.generate(torch.zeros(1, 2, 3, dtype=torch.long), **KW), "got shape \\[1, 2, 3\\]"),
+                         (lambda: bp.decode_new(r, 5), "row 5 is not a row of this result"),
+                         (lambda: bp.save(tmp_path / "a", shard_bytes="big"), "shard_bytes must be"),
+                         (lambda: bp.save(tmp_path / "b", shard_bytes=-5), "shard_bytes must be")]:
+        with pytest.raises(InputError, match=needle):
+            call()
+    assert not (tmp_path / "b").exists()

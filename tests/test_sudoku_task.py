@@ -300,6 +300,7 @@ def test_solve_rejects_bad_puzzle_before_loading_model():
 
 @pytest.mark.parametrize("kw, words", [
     (dict(samples=0), "samples must be a whole number"), (dict(samples=1.5), "samples must be"),
+    (dict(samples=20000), "samples=20000 is over 1024 candidates"),  # was a memory-allocation traceback
     (dict(repair=-1), "repair must be a whole number"), (dict(repair=None), "repair must be"),
     (dict(repair_scope="rows"), "unknown repair_scope"), (dict(fixed_tokens=[[1]]), "not fixed_tokens"),
 ])

@@ -35,6 +35,8 @@ def test_walk_replaces_only_banned_argmax_and_draws():
     for bad in ([], [-1], [4]):
         with pytest.raises(InputError, match="suppress_tokens must be token ids"):
             TokenBan(bad, 4)
+    with pytest.raises(InputError, match="bans every one of the 4 tokens"):  # was a RuntimeError in the first step
+        TokenBan([0, 1, 2, 3], 4)
 
 
 def _rows(lm, seeds, **kw):

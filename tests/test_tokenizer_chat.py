@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -525,3 +526,18 @@ def test_a_conversation_without_control_text_is_encoded_as_before(tok, seed):
     assert head == tok.encode(tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=False, tokenize=False))
     more = tok.apply_chat_template(msgs + [{"role": "user", "content": text() + "<|turn>" + text()}], tools=tools)
     assert more[:len(head)] == head
+
+
+def test_text_that_is_not_unicode_is_an_input_error(tok):
+    """A byte that was not UTF-8 (Python keeps it as a lone surrogate when it reads stdin or a file with
+    surrogateescape) reached the tokenizer and raised TypeError ("TextInputSequence must be str"): a traceback from
+    `blockpress run`, and the end of a whole `blockpress chat`."""
+    for text, at, what in [("abc\udcff", 3, "the byte 0xff, which is not UTF-8"),
+                           ("\ud800x", 0, "a lone surrogate U+D800")]:
+        for call in (lambda: tok.encode(text), lambda: tok.encode_batch(["ok", text])):
+            with pytest.raises(InputError, match=re.escape(f"character {at} is {what}")):
+                call()
+        with pytest.raises(InputError, match=re.escape(what)):  # (a character of the rendered conversation)
+            tok.apply_chat_template([{"role": "user", "content": text}])
+    with pytest.raises(InputError, match="must be a string"):
+        tok.encode(b"bytes")

@@ -50,6 +50,9 @@ class ChatSession:
             raise InputError(f"{lm.path} is a plain text model (no chat template): chat turns would reach it in a "
                              f"format it never saw; continue text with `blockpress run {lm.path} TEXT`, or add "
                              "chat_template.jinja to its folder")
+        from ..chat import compile_chat_template
+
+        compile_chat_template(lm.tokenizer.chat_template)  # a broken template: refused now, not at the first turn
         self.lm, self.tok = lm, lm.tokenizer
         self.sampling = {**lm.text_defaults(), **(sampling or {})}
         self.cfg = lm.generation_config(**self.sampling)  # validated once
@@ -77,7 +80,9 @@ class ChatSession:
         """(keep, ids) for a turn with the user message `text`: the prompt is the cache's first `keep` positions
         and then `ids`, the tokens this turn encodes (the whole rendered conversation when nothing is kept)."""
         from ..engine.prefix import common_prefix
+        from ..tokenizer import check_text
 
+        check_text(text, "your message")
         convo = self.messages + [{"role": "user", "content": text}]
         full = self.tok.apply_chat_template(convo, add_generation_prompt=True, enable_thinking=self.thinking)
         keep = min(common_prefix(tuple(self.cached), tuple(full)), len(full) - 1) if self.cache is not None else 0
@@ -151,7 +156,9 @@ def main(args) -> int:
     while True:
         try:
             line = input("you> " if interactive else "")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: the chat ends, on a line of its own
+            if interactive:
+                console.print()
             break
         text = line.strip()
         if not text:

@@ -154,7 +154,9 @@ def main(args) -> int:
     from blockpress.tasks import sudoku as sd
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        from .threads import set_threads
+
+        set_threads(args.threads)
     # flags of one task given to another were ignored: the numbers would not be what was asked for
     only = {"sudoku": {"blanks": None, "repair": 0, "samples": None, "no_compact_rows": False},
             "chat": {"compare_ar": None}, "infill": {"data": None}}

@@ -60,7 +60,8 @@ def main(args) -> int:
     from ..loading import SHIPPED_MODELS
     from .view import CanvasView, TextRenderer
 
-    if args.template is None and args.model is not None and (HOLE.search(args.model) or " " in args.model.strip()):
+    if args.template is None and args.model is not None and (HOLE.search(args.model) or " " in args.model.strip()
+                                                             or args.model == "-"):  # `infill -`: stdin
         # one argument with holes (or words: no model's name has a space): the template, default model
         args.template, args.model = args.model, None
     if args.model is None:  # the shipped text model (`run`'s default, the Sudoku model, has no text to fill)

@@ -327,9 +327,9 @@ def load_model(args):
         raise InputError("--merge-adapter needs --adapter DIR")
     watch = None
     if getattr(args, "threads", None):
-        import torch
+        from .threads import set_threads
 
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     elif "OMP_NUM_THREADS" not in os.environ:  # measure the other processes' load while the model loads
         from .threads import CpuWatch
 
@@ -443,6 +443,8 @@ def main(args) -> int:
 
     from ..engine.generate import seeded
 
+    if args.model == "-" and args.prompt is None:  # `run -`: the prompt from stdin, to the default model
+        args.model, args.prompt = None, "-"
     lm = load_model(args)
     prompt = read_prompt(args.prompt)
     console = Console(highlight=False, soft_wrap=True)  # text is never hard-wrapped (a pipe or a file gets it whole)

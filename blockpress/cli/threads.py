@@ -86,6 +86,20 @@ class CpuWatch:
         return CpuLoad(cores, round(min(others, cores), 2))
 
 
+def set_threads(n: int) -> None:
+    """`--threads N`: torch's CPU threads, with a note on stderr when N is more than the CPUs this process may use
+    (each thread past them waits for a core: `--threads 999` on two cores ran 40x slower)."""
+    import sys
+
+    import torch
+
+    cores = len(_cpus())
+    if n > cores:
+        print(f"note: --threads {n} is more than the {cores} CPU{'s' if cores != 1 else ''} this process may use; the "
+              f"extra threads only wait for them (--threads {cores} or fewer is faster)", file=sys.stderr)
+    torch.set_num_threads(n)
+
+
 def default_threads(load: CpuLoad | None) -> int | None:
     """One thread per free core (at least 1); None (torch's default) when nothing was measured."""
     if load is None:

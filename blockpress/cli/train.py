@@ -404,7 +404,9 @@ def main(args) -> int:
     from blockpress.train.trainer import Trainer, clean_stale
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        from .threads import set_threads
+
+        set_threads(args.threads)
     rank, world = dist.setup()
     lm, source, eval_source, tcfg, lora, extra, resume_ck = build(args, world)
     if args.warmup > args.steps and rank == 0:  # after build: a bad flag or file stays a one-line error

@@ -721,7 +721,11 @@ class TokenBan:
     def __init__(self, banned, vocab_size: int):
         ids = sorted({int(t) for t in banned})
         if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
-            raise InputError(f"suppress_tokens must be token ids in [0, {vocab_size}) (got {list(banned)})")
+            bad = "none" if not ids else ids[0] if ids[0] < 0 else ids[-1]
+            raise InputError(f"suppress_tokens must be token ids in [0, {vocab_size}) (got {bad})")
+        if len(ids) == vocab_size:
+            raise InputError(f"suppress_tokens bans every one of the {vocab_size} tokens; leave the model at least one "
+                             "to write")
         self.banned = torch.tensor(ids, dtype=torch.long)
         self._on: dict = {}  # device -> the ids there (copied once)
 

@@ -96,6 +96,8 @@ def _check(module, input_ids, cfg, C, attention_mask, generator, cache, fixed_to
                              f"where the model runs; make it with torch.Generator(device={dev.type!r}).manual_seed(...)")
     if cache is not None and not isinstance(cache, KVCache):
         raise InputError(f"cache must be the KVCache of an earlier result (result.cache), got {type(cache).__name__}")
+    if cache is not None and (why := module.cache_mismatch(cache)) is not None:
+        raise InputError(f"cache is not this model's ({why}); pass the .cache of this model's own result")
     T_start = cache.length if cache is not None else 0
     n_canvases = math.ceil(cfg.max_new_tokens / C)
     limit = module.text.max_position_embeddings

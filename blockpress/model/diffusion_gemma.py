@@ -174,6 +174,24 @@ class DiffusionGemmaModel(nn.Module):
         every position in every layer (training: a cache cropped back to its context)."""
         return self._cache(batch, capacity, self.device, self.cache_reserve() if ring else None)
 
+    def cache_mismatch(self, cache: KVCache) -> str | None:
+        """What makes `cache` not this model's layout (layers, K/V heads and head dims, sliding layers and window,
+        dtype, device), in words; None when it fits. A cache of another model with the same layout fits."""
+        shapes = [(self.text.layer_kv_heads(i), self.text.layer_head_dim(i)) for i in range(len(self.layers))]
+        held = [(k.shape[1], k.shape[3]) for k in cache.keys]
+        if len(held) != len(shapes):
+            return f"{len(held)} layers, the model has {len(shapes)}"
+        if held != shapes:
+            i = next(i for i, (a, b) in enumerate(zip(held, shapes)) if a != b)
+            return f"layer {i} holds {held[i][0]} K/V heads of {held[i][1]}, the model's has {shapes[i][0]} of " \
+                   f"{shapes[i][1]}"
+        sliding = [not layer.full for layer in self.layers]
+        if list(cache.sliding) != sliding or (any(sliding) and cache.window != self.window):
+            return "its sliding-window layers are not the model's"
+        if cache.keys and (cache.keys[0].dtype != self.dtype or cache.keys[0].device != self.device):
+            return f"{cache.keys[0].dtype} on {cache.keys[0].device}, the model is {self.dtype} on {self.device}"
+        return None
+
     def _cache(self, batch: int, capacity: int, device, reserve: int | None) -> KVCache:
         shapes = [(self.text.layer_kv_heads(i), self.text.layer_head_dim(i)) for i in range(len(self.layers))]
         return KVCache(shapes, batch, capacity, self.dtype, device, sliding=[not layer.full for layer in self.layers],

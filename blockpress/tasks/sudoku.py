@@ -781,6 +781,9 @@ def repair_canvas(puzzle: str, grid: str, free: Iterable[int], format: str = "pr
     return row + [EOS_ID] * (CANVAS_LEN - N_CELLS)
 
 
+MAX_SAMPLES = 1024  # candidates a puzzle (rows of one batch): past it, memory, not the answer, grows
+
+
 def solve_batch(puzzles: Sequence[str], model: Any = None, *, samples: int | None = None, repair: int = 0,
                 repair_scope: str = "units", **sampling: Any) -> list[str]:
     """Predict solutions for puzzles with one batched generate (prompts are all PROMPT_LEN long).
@@ -811,6 +814,9 @@ def solve_batch(puzzles: Sequence[str], model: Any = None, *, samples: int | Non
         raise InputError(f"repair must be a whole number of rounds >= 0, got {repair!r}")
     if samples is not None and (not isinstance(samples, int) or isinstance(samples, bool) or samples < 1):
         raise InputError(f"samples must be a whole number of candidates >= 1, got {samples!r}")
+    if samples is not None and samples > MAX_SAMPLES:
+        raise InputError(f"samples={samples} is over {MAX_SAMPLES} candidates a puzzle (each is a row of one batch: "
+                         "20,000 took over 5 GB); ask for fewer")
     if repair_scope not in REPAIR_SCOPES:
         raise InputError(f"unknown repair_scope {repair_scope!r}; use one of {REPAIR_SCOPES}")
     if "fixed_tokens" in sampling:
@@ -858,9 +864,9 @@ def default_samples(model: Any) -> int:
     from . import task_info
 
     k = task_info(model).get("samples", 1)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ConfigError(f"the model's blockpress_task.json sets samples={k!r}; it must be a whole number >= 1 "
-                         "(fix or remove the field)")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SAMPLES:
+        raise ConfigError(f"the model's blockpress_task.json sets samples={k!r}; it must be a whole number in "
+                          f"[1, {MAX_SAMPLES}] (fix or remove the field)")
     return k
 
 

@@ -351,6 +351,29 @@ def test_a_strict_reply_calls_offered_tools_only_with_valid_arguments(lm):
     assert not accepted("call:get_weather{}<tool_call|>")  # a call's closing marker is no text either
 
 
+def test_a_required_call_may_come_with_more_a_named_one_alone(lm):
+    """tool_choice "required" allowed exactly one call (the weather in Paris and in Rome got one); OpenAI's
+    "required" is one or more. With `parallel` the grammar takes one or more calls of offered tools, never none;
+    without it (a named tool, or parallel_tool_calls false) exactly one."""
+    import llguidance
+
+    from blockpress.engine.constraint import Constraint, reply_grammar
+
+    tok = lm.tokenizer
+    paris, rome = ('<|tool_call>call:get_time{city:<|"|>' + c + '<|"|>}<tool_call|>' for c in ("Paris", "Rome"))
+
+    def accepted(grammar: str, text: str) -> bool:
+        m = llguidance.LLMatcher(Constraint(grammar, tok, [1], lm.config.text.vocab_size, 64).vocab.llg, grammar)
+        return all(m.consume_token(t) for t in tok.encode(text)) and m.is_accepting()
+
+    some = reply_grammar(tok, STRICT_TOOLS, forced="", parallel=True)[0]
+    one = reply_grammar(tok, STRICT_TOOLS, forced="")[0]
+    named = reply_grammar(tok, STRICT_TOOLS, forced="get_time")[0]
+    for grammar, two in ((some, True), (one, False), (named, False)):
+        assert accepted(grammar, paris) and accepted(grammar, paris + rome) == two
+        assert not accepted(grammar, "") and not accepted(grammar, "It is noon.")
+
+
 def test_tools_that_ask_for_a_grammar_refuse_an_output_grammar_beside_them(lm):
     """A forced call or strict tools bring their own grammar, so an output grammar beside them is an error, not a
     choice made silently: reply_grammar holds the rule, and the Python API says so as the server does (a 400,

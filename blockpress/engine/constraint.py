@@ -105,11 +105,11 @@ def grammar_for(json_schema=None, json_object: bool = False, regex: str | None =
 
 
 def call_grammar(open_id: int, close_id: int, tools: dict[str, dict | None], quote_id: int | None = None,
-                 answer: bool = False) -> str:
+                 answer: bool = False, more: bool = False) -> str:
     """The grammar of a tool call in Gemma's format, `<|tool_call>call:NAME{...}<tool_call|>` (the markers are token
     ids), NAME one of `tools` and its arguments valid against that tool's parameters schema (an object; a tool
-    mapped to None, in a reply: any object in that notation). answer False: exactly one call (a forced call).
-    answer True: a whole reply whose calls obey that: any text without the call markers, then any number of calls
+    mapped to None, in a reply: any object in that notation). answer False: exactly one call (a forced call), or
+    with `more` one or more (tool_choice "required" with parallel calls). answer True: a whole reply whose calls obey that: any text without the call markers, then any number of calls
     (OpenAI's `strict` tools under tool_choice "auto"). The arguments are written in Gemma's own notation, as the
     chat template renders a call and the model learned it: keys bare and in sorted order, strings between `<|"|>`
     tokens (`quote_id`), numbers, booleans, null, lists and objects as in JSON, no spaces
@@ -127,7 +127,8 @@ def call_grammar(open_id: int, close_id: int, tools: dict[str, dict | None], quo
         value = _gemma_value(schema, quote_id, rules) if quote_id is not None else None
         alts.append(f"{json.dumps(name)} " + (value or f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"))
     call = f'<[{open_id}]> "call:" ({" | ".join(alts)}) <[{close_id}]>'
-    start = f"start: <[^{open_id},{close_id}]>* ({call})*" if answer else f"start: {call}"
+    start = f"start: <[^{open_id},{close_id}]>* ({call})*" if answer else f"start: ({call})+" if more else \
+        f"start: {call}"
     return llg.LLMatcher.grammar_from_lark("\n".join([start] + rules) + "\n")
 
 
@@ -143,10 +144,11 @@ def _any_gemma_object(quote: int) -> str:
 
 
 def reply_grammar(tokenizer, tools: list[dict] | None, forced: str | None = None,
-                  output_grammar: bool = False) -> tuple[str, tuple[int, ...]] | None:
+                  output_grammar: bool = False, parallel: bool = False) -> tuple[str, tuple[int, ...]] | None:
     """What a chat reply offered `tools` (OpenAI tool dicts) must obey, as (grammar, guarded tokens) for
     `Constraint`; None for a free reply. forced "" (any offered tool) or a tool's name: exactly one call of it,
-    its arguments valid against its parameters schema. Else, where any offered tool is `strict`: the whole reply,
+    its arguments valid against its parameters schema; with `parallel` (tool_choice "required", parallel calls
+    allowed) one or more such calls. Else, where any offered tool is `strict`: the whole reply,
     whose calls name offered tools only, with a strict tool's arguments valid (OpenAI's guarantee for strict
     tools), and a call's opening guarded: it is not written where the model's draft after it names no offered
     tool. Needs llguidance. output_grammar: the caller also asks for an output grammar (JSON, regex, Lark), which
@@ -166,7 +168,7 @@ def reply_grammar(tokenizer, tools: list[dict] | None, forced: str | None = None
                          "call tools; leave out tools")
     if forced is not None:
         schemas = {f["name"]: f.get("parameters") for f in tools if not forced or f["name"] == forced}
-        return call_grammar(ids["<|tool_call>"], ids["<tool_call|>"], schemas, ids['<|"|>']), ()
+        return call_grammar(ids["<|tool_call>"], ids["<tool_call|>"], schemas, ids['<|"|>'], more=parallel), ()
     schemas = {f["name"]: (f.get("parameters") or {"type": "object"}) if f.get("strict") else None for f in tools}
     return call_grammar(ids["<|tool_call>"], ids["<tool_call|>"], schemas, ids['<|"|>'], answer=True), \
         (ids["<|tool_call>"],)

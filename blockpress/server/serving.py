@@ -687,8 +687,8 @@ class OpenAIServing:
 
     def tool_call_grammar(self, req: ChatCompletionRequest, sampling: Sampling) -> tuple[str, tuple[int, ...]] | None:
         """The grammar (and its guarded tokens) of the reply's tool calls: tool_choice "required" / named with the
-        structured extra installed, exactly one call of an offered tool (the named one), its arguments valid
-        against its parameters schema; `strict` tools under "auto", the reply's calls valid (a 400 without the
+        structured extra installed, one or more calls of offered tools ("required"; one with parallel_tool_calls
+        false) or exactly one call of the named one, their arguments valid against the tool's parameters schema; `strict` tools under "auto", the reply's calls valid (a 400 without the
         structured extra, or beside response_format). Constrained while it is denoised (engine/constraint.py; a
         schema it cannot use is a 400 naming `tools` when the request is submitted). None for a free reply, or a
         forced call without llguidance."""
@@ -697,7 +697,8 @@ class OpenAIServing:
         if req.forced_tool is not None and not structured_extra():
             return None  # the call's opening is held instead (tool_call_prefix)
         try:
-            return reply_grammar(self.tok, req.offered_tools, req.forced_tool, sampling.grammar is not None)
+            return reply_grammar(self.tok, req.offered_tools, req.forced_tool, sampling.grammar is not None,
+                                 parallel=req.tool_choice == "required" and not sampling.one_call)
         except InputError as e:  # beside response_format, or strict tools without llguidance
             raise APIError(400, str(e), param="response_format" if sampling.grammar is not None else "tools",
                            code="invalid_value") from None

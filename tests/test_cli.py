@@ -267,12 +267,13 @@ def test_invalid_sampling_values_are_one_line_errors(model_dir, capsys, tmp_path
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-def test_cuda_graphs_flag_is_refused_without_a_gpu(model_dir, capsys):
+@pytest.mark.parametrize("flag", ["--cuda-graphs", "--attention-kernel"])  # (the kernel's flag was ignored)
+def test_cuda_only_flags_are_refused_without_a_gpu(model_dir, capsys, flag):
     for cmd in (["run", str(model_dir), "hi"], ["chat", str(model_dir)], ["infill", str(model_dir), "a [MASK] b"],
                 ["serve", str(model_dir), "--port", "0"]):
-        assert cli([*cmd, "--cuda-graphs"]) == 2
+        assert cli([*cmd, flag]) == 2
         err = capsys.readouterr().err.strip()
-        assert "--cuda-graphs needs a CUDA GPU and the model would run on cpu" in err and "\n" not in err
+        assert f"{flag} needs a CUDA GPU and the model would run on cpu" in err and "\n" not in err
 
 
 def test_prompt_from_stdin(model_dir, capsys, monkeypatch):
@@ -629,6 +630,9 @@ def test_a_turn_past_the_context_is_refused_and_the_chat_goes_on(model_dir, caps
     (["eval", "sudoku", "--compare-ar", "x"], "--compare-ar (chat): not a flag of `blockpress eval sudoku`"),
     (["eval", "infill", "--ar"], "--ar (sudoku, chat): not a flag of `blockpress eval infill`"),
     (["run", "--thinking"], "--thinking applies to text models"),
+    (["run", "--max-new-tokens", "5"], "--max-new-tokens applies to text models"),
+    (["run", "kjv", "And God", "--thinking"], "--thinking turns on a chat model's thought channel"),
+    (["run", "assistant", "Hi", "--raw", "--thinking"], "which a plain prompt does not have (--raw)"),
 ])
 def test_flags_that_would_be_ignored_are_refused(argv, needle, capsys, monkeypatch):
     """Each of these ran, the flag silently ignored (or overridden by --steps): numbers or text other than asked."""

@@ -121,7 +121,7 @@ def _group_size(v: str) -> int:
     try:
         return check_group_size(int(v))
     except ValueError:  # not an integer, or InputError (a ValueError): not a power of two >= 16
-        raise argparse.ArgumentTypeError(f"expected a power of two >= 16 (16, 32, 64, 128), got {v!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a power of two >= 16 (e.g. 32, 64, 128), got {v!r}") from None
 
 
 def add_storage_args(p: argparse.ArgumentParser) -> None:
@@ -335,12 +335,12 @@ def load_model(args):
 
         watch = CpuWatch()
     graphs = getattr(args, "cuda_graphs", None)
-    if graphs:
+    for flag, on in (("--cuda-graphs", graphs), ("--attention-kernel", getattr(args, "attention_kernel", None))):
         from ..errors import InputError
         from ..loading import parse_device
 
-        if parse_device(args.device).type != "cuda":
-            raise InputError(f"--cuda-graphs needs a CUDA GPU and the model would run on {parse_device(args.device)}; "
+        if on and parse_device(args.device).type != "cuda":
+            raise InputError(f"{flag} needs a CUDA GPU and the model would run on {parse_device(args.device)}; "
                              "drop the flag (or pass --device cuda on a machine with one)")
     opts = model_options(args)
     compile_ = getattr(args, "compile", False)
@@ -451,7 +451,8 @@ def main(args) -> int:
     gen = seeded(args.seed, lm.device) if args.seed is not None else None
     live = not (args.no_live or args.json)
     if task_of(lm) == "sudoku":
-        text_only = [f for f, on in (("--thinking", args.thinking), ("--raw", args.raw)) if on]
+        text_only = [f for f, on in (("--thinking", args.thinking), ("--raw", args.raw),
+                                     ("--max-new-tokens", args.max_new_tokens is not None)) if on]
         if text_only:
             from ..errors import InputError
 
@@ -477,6 +478,11 @@ def main(args) -> int:
         from ..errors import InputError
 
         raise InputError("no PROMPT given; pass it as an argument, or '-' to read it from stdin")
+    if args.thinking and (args.raw or not lm.tokenizer.is_chat):
+        from ..errors import InputError
+
+        raise InputError("--thinking turns on a chat model's thought channel, which a plain prompt does not have "
+                         f"({'--raw' if args.raw else f'{lm.path} has no chat template'}); drop --thinking")
     kw = {**lm.text_defaults(), **sampling_kwargs(args)}
     cfg = lm.generation_config(**kw)  # validates: SamplingError -> one-line error, exit 2
     ids = lm.encode_chat(prompt, enable_thinking=args.thinking, chat=False if args.raw else None)

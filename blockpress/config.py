@@ -301,7 +301,8 @@ def _as_list(x) -> list[int] | None:
 
 def _read_json(path: Path, what: str) -> dict:
     if not path.is_file():
-        raise ConfigError(f"{what} not found at {path}; point blockpress at a DiffusionGemma checkpoint folder")
+        raise ConfigError(f"{what} not found at {path.absolute()}; point blockpress at a DiffusionGemma checkpoint "
+                          "folder")
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -689,3 +689,15 @@ def test_save_shards_past_the_shard_size_and_loads_back(tmp_path):
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     back.save(out)  # the default shard size: one file, the shards gone
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_the_loading_bar_is_drawn_on_a_terminal_only(tmp_path, capfd):
+    """`blockpress.load(...)` (progress on by default) drew tqdm's bar into logs and pipes: a "\\r loading weights"
+    line per redraw. It is tqdm's automatic choice now: a terminal only (here stderr is a pipe)."""
+    from blockpress.model.weights import _progress
+
+    bar = _progress(3, "loading weights", True)
+    bar.update(3)
+    bar.close()
+    assert bar.disable and "loading weights" not in capfd.readouterr().err
+    assert _progress(3, "x", False).disable

@@ -141,7 +141,7 @@ def _open_error(f: Path, e: BaseException) -> CheckpointError:
     except OSError as os_error:
         return CheckpointError(f"could not read {f} ({os_error.strerror or os_error}); "
                                f"{_READ_FIX.get(os_error.errno, 're-download the checkpoint')}")
-    return CheckpointError(f"{f.name} is not a readable safetensors file ({e}); it may be truncated: re-download it")
+    return CheckpointError(f"{f} is not a readable safetensors file ({e}); it may be truncated: re-download it")
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -149,7 +149,9 @@ def _progress(total: int, desc: str, enabled: bool):
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm comes with huggingface_hub
         return None
-    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, file=sys.stderr, leave=False)
+    # disable=None: tqdm's own rule, drawn only on a terminal (a log or a pipe got every redraw's \r line)
+    return tqdm(total=total, desc=desc, unit="tensor", disable=None if enabled else True, file=sys.stderr,
+                leave=False)
 
 
 def read_headers(files: list[Path]) -> dict[str, tuple[str, list[int]]]:

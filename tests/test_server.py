@@ -611,6 +611,8 @@ BAD = [
     ("null user content", {"messages": [{"role": "user", "content": None}]}, 400, "messages.0"),
     ("string parameters", {"messages": MSG, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "tools.0.function"),
+    ("duplicate tool names", {"messages": MSG, "tools": [WEATHER, {"type": "function", "function": {"name": "x"}},
+                                                          WEATHER]}, 400, "tools.2.function.name"),
     # the path named "tools.0.name": "function" was taken for a union branch's name
     ("tool name not a string", {"messages": MSG, "tools": [{"type": "function", "function": {"name": 5}}]}, 400,
      "tools.0.function.name"),
@@ -647,6 +649,7 @@ BAD_MESSAGES = {
     "stream_options unstreamed": "stream_options is only allowed with stream: true",
     "legacy functions": "send the functions as tools", "audio output": "only text output is supported",
     "string parameters": 'parameters must be a JSON Schema of type "object"',
+    "duplicate tool names": "tools 0 and 2 are both named 'get_weather'",
     "steps and stability": "steps N runs exactly N steps a canvas (adaptive stopping off), which stability_threshold "
                            "would set; give one or the other",
     "steps and thresholds": "which stability_threshold and confidence_threshold would set",

@@ -475,6 +475,13 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
         """The tools the model may call, as the chat template declares them: none when tool_choice is "none"."""
         if not self.tools or self.tool_choice == "none":
             return None
+        names = [t.function.name for t in self.tools]
+        twice = next((n for k, n in enumerate(names) if n in names[:k]), None)
+        if twice is not None:  # a call names its tool: which of the two would it call?
+            first, second = [k for k, n in enumerate(names) if n == twice][:2]
+            raise APIError(400, f"tools {first} and {second} are both named {twice!r}: a call names the tool it "
+                           "calls; give each tool its own name", param=f"tools.{second}.function.name",
+                           code="invalid_value")
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @property

@@ -2022,3 +2022,50 @@ def test_worker_logprobs_in_a_batch_follow_their_rows(lm, graphs):
         flat = [torch.tensor([[v] + [x for _, x in a] for v, a in g]) for g in (got, ref)]
         assert torch.allclose(*flat, atol=1e-5)  # a batch's matmuls may round otherwise than one row's
         assert all(len(a) == (2 if i == 0 else 0) for _, a in got)
+
+
+def test_a_short_request_joins_a_long_running_batch_at_the_next_boundary(lm):
+    """A short request that arrived while a long one had written more than four canvases waited for the whole batch
+    to drain (the padding to the batch's end was bounded: 14 s behind a long reply on the shipped chat model); now
+    it joins at the next boundary, finishes while the long one runs, and gets the tokens it gets alone. Prompts that
+    join together still keep their own padding bounded."""
+    from blockpress.engine.scheduler import Scheduler
+
+    cfg = dict(max_denoising_steps=2, stability_threshold=None, confidence_threshold=None, eos_token_id=None)
+    long = Job(lm.encode_chat("Tell me a long story"), lm.generation_config(max_new_tokens=16 * 12, **cfg), seed=1)
+    short_ids = lm.encode_chat("Hi")
+    w = Worker(lm, max_batch=4)
+    h_long = w.submit(long)
+    for _ in range(6):  # six canvases: the cache is 96 positions past the long prompt
+        with torch.no_grad():
+            w.canvas()
+    short = Job(short_ids, lm.generation_config(max_new_tokens=16, **cfg), seed=2)
+    assert w.runner.cache.length - len(short_ids) > w.scheduler.max_padding
+    h_short = w.submit(short)
+    done_at, events = None, []
+    for k in range(12):
+        with torch.no_grad():
+            w.canvas()
+        events += h_short.drain()
+        if events and isinstance(events[-1], RowDone):
+            done_at = k
+            break
+    assert done_at is not None and done_at <= 2 and w.busy  # the long request still runs
+    alone = run_job(lm, Job(short_ids, short.cfg, seed=2))
+    assert [t for e in events if isinstance(e, RowCommit) for t in e.tokens] == \
+        [t for e in alone if isinstance(e, RowCommit) for t in e.tokens]
+    while w.busy:
+        with torch.no_grad():
+            w.canvas()
+    assert isinstance(h_long.drain()[-1], RowDone)
+
+    class R:  # a queued row, as the scheduler reads it
+        def __init__(self, S):
+            self.prompt_length, self.cancelled = S, False
+            self.cfg = lm.generation_config(max_new_tokens=16)
+
+    s = Scheduler(16, 4096, max_batch=8)
+    for S in (10, 200, 20):
+        s.submit(R(S))
+    assert [r.prompt_length for r in s.admit([object()], 1000).rows] == [10, 20]  # 200 - 10 > 64: next boundary
+    assert [r.prompt_length for r in s.admit([object()], 1016).rows] == [200]

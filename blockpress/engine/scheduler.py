@@ -4,9 +4,15 @@ Continuous batching at canvas granularity:
 - Requests wait in a bounded queue (`QueueFull` when it is full: a server answers 429).
 - The batch's rows share one KV cache whose length (E, the encoded positions) is the same for every row. A
   joining prompt of S tokens is left-padded so that it ends where the batch's cache ends: it is encoded at
-  positions [E - S, E). Attention depends on position differences only (RoPE), so a padded row computes what it
-  would compute alone. It joins when S <= E and the padding E - S <= `max_padding`; otherwise it waits (E grows
-  by a canvas per boundary; when the batch drains, a fresh one starts, left-padded to its longest prompt).
+  positions [E - S, E) (the positions before it are masked, never computed). Attention depends on
+  position differences only (RoPE), so a padded row computes what it would compute alone (up to rounding). It
+  joins when S <= E, however long the batch has run: a short request that arrives while a long one writes its
+  tenth canvas joins at the next boundary (it waited for the whole batch to drain while the padding was bounded,
+  14 s behind a long reply on the shipped chat model). A longer prompt waits (E grows by a canvas per boundary;
+  when the batch drains, a fresh one starts).
+- The prompts that join at one boundary are encoded together, left-padded to the longest of them, and that
+  padding is computed: they join together while the longest minus the shortest is at most `max_padding` (the
+  others join at a later boundary). A fresh batch (after the last one drained) ends at its longest prompt.
 - First come, first served, skipping requests that do not fit yet; at most `max_batch` rows.
 - Rows leave at a boundary once finished or cancelled; a waiting request that was cancelled is dropped.
 
@@ -87,7 +93,7 @@ class Scheduler:
         return Admission(chosen, end)
 
     def _choose(self, running: list, length: int | None) -> list:
-        lo = hi = length
+        lo = hi = None  # the shortest and longest prompt chosen: they are encoded together, padded to the longest
         chosen: list = []
         for row in list(self.queue):
             if row.cancelled:
@@ -97,17 +103,16 @@ class Scheduler:
             if len(running) + len(chosen) >= self.max_batch:
                 break
             S = row.prompt_length
-            if length is not None:  # join a running batch: end where its cache ends
-                ok, end = S <= length and length - S <= self.max_padding, length
-            else:  # a fresh batch: everyone is left-padded to the longest prompt
-                end = max(hi or 0, S)
-                ok = end - min(lo if lo is not None else S, S) <= self.max_padding
+            low, high = min(S, lo if lo is not None else S), max(S, hi or 0)
+            # a running batch: end where its cache ends (the padding before the joiners' prompts is masked only);
+            # a fresh batch: at the longest prompt
+            end = length if length is not None else high
+            ok = S <= end and high - low <= self.max_padding  # (the joiners' own padding is computed)
             ok = ok and all(self._need(r, end) <= self.max_positions for r in (*chosen, row))
             if ok:
                 self.queue.remove(row)
                 chosen.append(row)
-                if length is None:
-                    lo, hi = min(lo if lo is not None else S, S), end
+                lo, hi = low, high
         return chosen
 
     def clear(self) -> list:

@@ -1253,13 +1253,13 @@ def test_queue_full_is_429_and_api_key(lm):
     err = asyncio.run(twice())
     assert err.status == 429 and err.type == "rate_limit_error"
 
-    # n choices are admitted all or none: a queue with room for 2 refuses n=3 and frees the 2 it took
+    # n choices are queued all or none (at once, so they join at the same boundary): a queue with room for 2
+    # refuses n=3 and holds none of them
     serving3 = OpenAIServing(lm, Worker(lm, queue_size=2), "tiny")
     with pytest.raises(APIError) as e3:
         asyncio.run(serving3.chat(ChatCompletionRequest(messages=MSG, n=3)))
-    assert e3.value.status == 429
-    waiting = serving3.worker.scheduler.queue
-    assert len(waiting) == 2 and all(h.cancelled for h in waiting)
+    assert e3.value.status == 429 and "no room for its 3 rows" in e3.value.message
+    assert len(serving3.worker.scheduler.queue) == 0
 
     app = create_app(serving, Metrics(), api_key="sekret")
 

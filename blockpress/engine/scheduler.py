@@ -65,16 +65,20 @@ class Scheduler:
     def _need(self, row, end: int) -> int:
         return end - row.prompt_length + positions_needed(row.prompt_length, row.cfg.max_new_tokens, self.C)
 
-    def submit(self, row) -> None:
-        """Queue a row; QueueFull when the queue is full, InputError when the prompt can never fit the positions."""
-        need = positions_needed(row.prompt_length, row.cfg.max_new_tokens, self.C)
-        if need > self.max_positions:
-            raise InputError(f"prompt ({row.prompt_length} tokens) + generated canvases need {need} positions; "
-                             f"the model has {self.max_positions}: shorten the prompt or lower max_tokens")
+    def submit(self, *rows) -> None:
+        """Queue rows at once, all or none (the choices of one request: they join at the same boundary); QueueFull
+        when the queue has no room for all, InputError when a prompt can never fit the positions."""
+        for row in rows:
+            need = positions_needed(row.prompt_length, row.cfg.max_new_tokens, self.C)
+            if need > self.max_positions:
+                raise InputError(f"prompt ({row.prompt_length} tokens) + generated canvases need {need} positions; "
+                                 f"the model has {self.max_positions}: shorten the prompt or lower max_tokens")
         with self.lock:
-            if len(self.queue) >= self.queue_size:
-                raise QueueFull(f"the request queue is full ({self.queue_size} waiting)")
-            self.queue.append(row)
+            if len(self.queue) + len(rows) > self.queue_size:
+                raise QueueFull(f"the request queue is full ({self.queue_size} waiting)" if len(rows) == 1 else
+                                f"the request queue has no room for its {len(rows)} rows ({len(self.queue)} of "
+                                f"{self.queue_size} waiting)")
+            self.queue.extend(rows)
 
     def waiting(self) -> bool:
         return bool(self.queue)

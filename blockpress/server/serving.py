@@ -478,13 +478,20 @@ class OpenAIServing:
                 out.append(([bos] if bos is not None else []) + self._encode_within_limit(prompt, where))
         return out, spaced
 
-    def _submit(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None,
-                constraint=None) -> _Run:
-        """One row for the worker; the prompt was checked by `_fit`."""
-        job = Job(ids, sampling.cfg, seed=sampling.seed, drafts=sampling.include_drafts, fixed_tokens=fixed_tokens,
-                  logprobs=sampling.logprobs, constraint=constraint, logit_bias=sampling.logit_bias)
+    def _jobs(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None) -> list[Job]:
+        """The n choices of one prompt as worker jobs (choice i seeded with seed + i), the prompt checked (and a
+        default budget cut) by `_fit` first, in `sampling` itself; a grammar compiled once, cloned per choice."""
+        constraint = self._constraint(sampling)
+        return [Job(ids, sampling.cfg, seed=sampling.choice_seed(i), drafts=sampling.include_drafts,
+                    fixed_tokens=fixed_tokens, logprobs=sampling.logprobs,
+                    constraint=constraint if i == 0 or constraint is None else constraint.clone(),
+                    logit_bias=sampling.logit_bias) for i in range(sampling.n)]
+
+    def _submit(self, jobs: list[Job]) -> list[_Run]:
+        """A request's rows for the worker, queued at once (all or none): they join the batch at the same canvas
+        boundary, so a choice's padding (and its last bits) do not depend on when the worker looked."""
         try:
-            handle = self.worker.submit(job, loop=asyncio.get_running_loop())
+            handles = self.worker.submit_together(jobs, loop=asyncio.get_running_loop())
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error",
                            code="queue_full") from None
@@ -493,8 +500,8 @@ class OpenAIServing:
         except BlockpressError as e:
             raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
         if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(ids))
-        return _Run(handle, len(ids))
+            self.metrics.prompt_tokens.inc(sum(len(j.prompt_ids) for j in jobs))
+        return [_Run(h, len(j.prompt_ids)) for h, j in zip(handles, jobs)]
 
     def _constraint(self, sampling: Sampling):
         """The grammar state of a request with structured output (compiled once; each choice runs a `clone`); else
@@ -607,21 +614,9 @@ class OpenAIServing:
     # ---------------------------------------------------------------- several choices
     def _submit_choices(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None,
                         prompt_field: str = "messages") -> list[_Run]:
-        """One run per choice (`n`), choice i seeded with seed + i; all or none are admitted. The prompt is
-        checked (and a default budget cut) by `_fit` first, in `sampling` itself."""
-        runs: list[_Run] = []
+        """One run per choice (`n`), choice i seeded with seed + i; all or none are admitted."""
         self._fit([ids], sampling, prompt_field)
-        constraint = self._constraint(sampling)
-        try:
-            for i in range(sampling.n):
-                runs.append(self._submit(ids, dataclasses.replace(sampling, seed=sampling.choice_seed(i)),
-                                         fixed_tokens, constraint if i == 0 or constraint is None
-                                         else constraint.clone()))
-        except APIError:
-            for r in runs:
-                self._release(r, False)
-            raise
-        return runs
+        return self._submit(self._jobs(ids, sampling, fixed_tokens))
 
     async def _collect(self, run: _Run, asm: OutputAssembler, disconnected: Disconnected | None,
                        tokens_of: Callable[[RowCommit], tuple[list[int], list | None]],
@@ -835,17 +830,8 @@ class OpenAIServing:
                       fixed_tokens: list[int] | None = None) -> list[_Run]:
         """n runs per prompt, in order (prompt p's choice i is run p * n + i); all or none are admitted. A default
         budget is cut for the longest prompt, so every prompt's choices write the same number of tokens."""
-        runs: list[_Run] = []
         self._fit(prompts, sampling, "prompt")
-        try:
-            for k, ids in enumerate(prompts):
-                runs += self._submit_choices(ids, sampling, fixed_tokens, "prompt" if len(prompts) == 1
-                                             else f"prompt.{k}")
-        except APIError:
-            for r in runs:
-                self._release(r, False)
-            raise
-        return runs
+        return self._submit([job for ids in prompts for job in self._jobs(ids, sampling, fixed_tokens)])
 
     async def _completion_stream(self, rid: str, runs: list[_Run], asms: list[OutputAssembler], sampling: Sampling,
                                  disconnected: Disconnected | None,

@@ -178,18 +178,26 @@ class Worker:
     def submit(self, job: Job, loop=None) -> Handle:
         """Queue a job; raises QueueFull, InputError when the prompt can never fit the positions, or SamplingError for
         a logit bias of ids outside the vocabulary."""
-        handle = Handle(job, loop)
-        g = torch.Generator(device=self.module.device)
-        g.manual_seed(job.seed) if job.seed is not None else g.seed()
-        bias = bias_vector(job.logit_bias, self.module.text.vocab_size, self.module.device)
-        row = Row(job.cfg, canvases_for(job.cfg.max_new_tokens, self.C), prompt_length=len(job.prompt_ids),
-                  generator=g, fixed=self._held(job), constraint=job.constraint, job=job, sink=handle, bias=bias)
-        handle.row = row
+        return self.submit_together([job], loop)[0]
+
+    def submit_together(self, jobs: list[Job], loop=None) -> list[Handle]:
+        """Queue jobs at once, all or none (`submit`'s errors): a request's choices join at the same boundary."""
+        handles, rows = [], []
+        for job in jobs:
+            handle = Handle(job, loop)
+            g = torch.Generator(device=self.module.device)
+            g.manual_seed(job.seed) if job.seed is not None else g.seed()
+            bias = bias_vector(job.logit_bias, self.module.text.vocab_size, self.module.device)
+            handle.row = Row(job.cfg, canvases_for(job.cfg.max_new_tokens, self.C), prompt_length=len(job.prompt_ids),
+                             generator=g, fixed=self._held(job), constraint=job.constraint, job=job, sink=handle,
+                             bias=bias)
+            handles.append(handle)
+            rows.append(handle.row)
         with self._cond:
-            self.scheduler.submit(row)
+            self.scheduler.submit(*rows)
             self._gauge()
             self._cond.notify_all()
-        return handle
+        return handles
 
     def _held(self, job: Job):
         """The job's held tokens over its whole canvases ([n * C] ids on the device, -1 past them), or None."""

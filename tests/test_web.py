@@ -169,3 +169,81 @@ def test_page_without_a_model_chats_with_the_shipped_assistant(tmp_path):
         assert thought.strip() and (thought, answer) == (api["reasoning_content"], api["content"])
     finally:
         s.stop()
+
+
+def test_page_stop_keeps_the_reply_so_far_and_frees_the_row(server):
+    """The page had no stop: "new chat" was the only way out, and it threw the whole conversation away. "stop" ends
+    the reply where it is (the server frees its row when the stream closes), keeps what it wrote on screen and in
+    the conversation the next turn sends."""
+    with open_page(server) as (page, errors):
+        assert page.is_hidden("#stop")
+        page.eval_on_selector("#steps", "e => { e.value = 64; e.dispatchEvent(new Event('input')); }")
+        page.fill("#max-tokens", "200")
+        page.fill("#prompt", "Tell me a long story.")
+        page.click("#send")
+        page.wait_for_function("Number(document.getElementById('canvas').dataset.frames) > 2", timeout=60_000)
+        assert page.is_visible("#stop")
+        page.click("#stop")
+        page.wait_for_selector(".msg.assistant.stopped[data-done='1']", timeout=30_000)
+        assert page.is_hidden("#stop") and "(stopped)" in page.text_content(".msg.assistant .tool")
+        for _ in range(50):
+            if httpx.get(server.url + "/health").json()["active"] == 0:
+                break
+            page.wait_for_timeout(100)
+        assert httpx.get(server.url + "/health").json()["active"] == 0
+        sent = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        page.eval_on_selector("#steps", "e => { e.value = 2; e.dispatchEvent(new Event('input')); }")
+        page.fill("#max-tokens", "8")
+        page.fill("#prompt", "Go on.")
+        page.click("#send")
+        page.wait_for_selector(".msg.assistant:nth-of-type(4)[data-done='1']", timeout=60_000)
+        assert [m["role"] for m in sent[0]["messages"]] == ["user", "assistant", "user"]
+        assert not errors, errors
+
+
+def test_page_reports_a_stream_cut_before_done(server):
+    """A stream that ended without `data: [DONE]` (a server or proxy gone mid-reply) was taken for a whole reply and
+    added to the conversation; now the reply says so and the question is marked as not sent again. Events may end
+    their lines with CRLF (the page ignored such a stream)."""
+    chunk = ('data: {"id":"x","object":"chat.completion.chunk","created":0,"model":"m","choices":[{"index":0,'
+             '"delta":{"content":"Half a"},"finish_reason":null}]}\r\n\r\n')
+    with open_page(server) as (page, errors):
+        page.route("**/v1/chat/completions", lambda route: route.fulfill(
+            status=200, headers={"Content-Type": "text/event-stream"}, body=chunk))
+        page.fill("#prompt", "Hello?")
+        page.click("#send")
+        page.wait_for_selector(".msg.assistant.error", timeout=30_000)
+        assert "the stream ended before the reply did" in page.text_content(".msg.assistant .content")
+        assert "unsent" in page.get_attribute(".msg.user", "class")
+        page.unroute("**/v1/chat/completions")
+        page.route("**/v1/chat/completions", lambda route: route.fulfill(
+            status=200, headers={"Content-Type": "text/event-stream"}, body=chunk + "data: [DONE]\r\n\r\n"))
+        page.fill("#prompt", "Hello again?")
+        page.click("#send")
+        page.wait_for_selector(".msg.assistant[data-done='1']", timeout=30_000)
+        assert page.text_content(".msg.assistant[data-done='1'] .content") == "Half a"
+        assert not errors, errors
+
+
+def test_page_with_an_api_key_learns_the_model_once_the_key_is_given(tmp_path):
+    """With `serve --api-key`, the page's first /v1/models got a 401 it swallowed: the label stayed "…" and a plain
+    text model stayed in chat mode until a reload. Now the 401 is shown, and entering the key asks again."""
+    from blockpress.loading import SHIPPED_MODELS
+
+    s = ServerProcess(SHIPPED_MODELS["kjv"], "--api-key", "sekret", log=tmp_path / "serve.log")
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+            try:
+                page = browser.new_page()
+                page.goto(s.url + "/")
+                page.wait_for_function("document.getElementById('model').textContent.includes('401')")
+                page.fill("#apikey", "sekret")
+                page.dispatch_event("#apikey", "change")
+                page.wait_for_function("document.getElementById('model').dataset.id !== undefined")
+                assert page.input_value("#mode") == "text"  # kjv has no chat template
+            finally:
+                browser.close()
+    finally:
+        s.stop()

@@ -8,10 +8,14 @@
 const $ = (id) => document.getElementById(id);
 const conversation = [];          // the conversation sent with every request (OpenAI messages)
 let busy = false;
-let inFlight = null;               // the AbortController of the reply being streamed ("new chat" aborts it)
+let inFlight = null;               // the AbortController of the reply being streamed ("new chat" and "stop" abort it)
+let stopping = false;              // the abort is "stop": the reply so far stays
 
 $("apikey").value = localStorage.getItem("blockpress-key") || "";
-$("apikey").addEventListener("change", () => localStorage.setItem("blockpress-key", $("apikey").value));
+$("apikey").addEventListener("change", () => {
+  localStorage.setItem("blockpress-key", $("apikey").value);
+  loadModel();  // a server with --api-key answered the first /v1/models with 401
+});
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -29,14 +33,22 @@ function setMode(mode) {
 }
 $("mode").addEventListener("change", () => setMode($("mode").value));
 
-fetch("/v1/models", { headers: headers() }).then((r) => r.json()).then((j) => {
-  const m = j.data && j.data[0];
-  if (m) {
-    $("model").textContent = `${m.id} · canvas ${m.canvas_length} tokens`;
-    setMode(m.chat === false ? "text" : "chat");
-    $("model").dataset.id = m.id;
-  }
-}).catch(() => {});
+function loadModel() {
+  fetch("/v1/models", { headers: headers() }).then(async (r) => {
+    const j = await r.json().catch(() => ({}));
+    if (!r.ok) {  // e.g. 401: the server wants the API key (the box on the right)
+      $("model").textContent = `… (${r.status}: ${(j.error && j.error.message) || "no model list"})`;
+      return;
+    }
+    const m = j.data && j.data[0];
+    if (m) {
+      $("model").textContent = `${m.id} · canvas ${m.canvas_length} tokens`;
+      setMode(m.chat === false ? "text" : "chat");
+      $("model").dataset.id = m.id;
+    }
+  }).catch(() => { $("model").textContent = "… (the server does not answer)"; });
+}
+loadModel();
 
 const steps = $("steps");
 const showSteps = () => { $("steps-out").textContent = steps.value === "0" ? "auto" : steps.value; };
@@ -94,7 +106,7 @@ async function* sseEvents(response) {
   for (;;) {
     const { value, done } = await reader.read();
     if (done) break;
-    buf += decoder.decode(value, { stream: true });
+    buf += decoder.decode(value, { stream: true }).replace(/\r\n/g, "\n");  // (SSE allows CRLF)
     let i;
     while ((i = buf.indexOf("\n\n")) >= 0) {
       const block = buf.slice(0, i); buf = buf.slice(i + 2);
@@ -105,14 +117,19 @@ async function* sseEvents(response) {
   }
 }
 
+function setBusy(on) {
+  busy = on; $("send").disabled = on; $("stop").hidden = !on;
+}
+
 async function send(text) {
-  busy = true; $("send").disabled = true;
+  setBusy(true);
   const chat = $("mode").value === "chat";
   const suffix = chat ? "" : $("suffix").value;
-  let out;
+  let out, asked;
+  $("stats").replaceChildren();  // (the last reply's numbers are not this one's)
   if (chat) {
     conversation.push({ role: "user", content: text });
-    addMessage("user", text);
+    asked = addMessage("user", text);
     out = addMessage("assistant", "");
   } else {  // one box: the given text plain, the model's text highlighted as it arrives
     out = addMessage("assistant", "");
@@ -142,7 +159,7 @@ async function send(text) {
   if (steps.value !== "0") body.steps = Number(steps.value);
   if ($("seed").value !== "") body.seed = Number($("seed").value);
   const t0 = performance.now();
-  let firstCommit = null, canvases = 0, stepsTotal = 0, content = "", reasoning = "";
+  let firstCommit = null, canvases = 0, stepsTotal = 0, content = "", reasoning = "", done = false;
   try {
     const url = chat ? "/v1/chat/completions" : "/v1/completions";
     inFlight = new AbortController();
@@ -153,7 +170,7 @@ async function send(text) {
       throw new Error((j.error && j.error.message) || `HTTP ${r.status}`);
     }
     for await (const data of sseEvents(r)) {
-      if (data === "[DONE]") break;
+      if (data === "[DONE]") { done = true; break; }
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message);
       if (chunk.blockpress) {
@@ -186,16 +203,29 @@ async function send(text) {
       }
       $("log").scrollTop = $("log").scrollHeight;
     }
+    if (!done) throw new Error("the stream ended before the reply did (did the server stop?)");
     if (chat) conversation.push({ role: "assistant", content });
     out.div.dataset.done = "1";
   } catch (e) {
+    if (e.name === "AbortError" && stopping) {  // "stop": the reply so far stays, and in chat the conversation
+      out.tools.textContent += "(stopped)";
+      out.div.classList.add("stopped");
+      if (chat) conversation.push({ role: "assistant", content });
+      out.div.dataset.done = "1";
+      return;
+    }
     if (e.name === "AbortError") return;  // "new chat": the conversation and this reply are gone
     out.div.classList.add("error");
     // chat: the reply's place; text mode: below the text (not inside the highlighted fill)
     (chat ? out.content : out.tools).textContent = "error: " + e.message;
-    if (chat) conversation.pop();
+    if (chat) {  // the question is not in the conversation any more: shown as such
+      conversation.pop();
+      asked.div.classList.add("unsent");
+      asked.div.title = "not sent again: its reply failed";
+    }
+    out.div.scrollIntoView({ block: "end" });
   } finally {
-    inFlight = null; busy = false; $("send").disabled = false;
+    inFlight = null; stopping = false; setBusy(false);
   }
 }
 
@@ -203,7 +233,8 @@ $("form").addEventListener("submit", (e) => {
   e.preventDefault();
   const chat = $("mode").value === "chat";
   const text = chat ? $("prompt").value.trim() : $("prompt").value;
-  if (!text.trim() || busy) return;
+  const gap = !chat && $("suffix").value.trim();  // insert mode may fill before the text after the gap alone
+  if ((!text.trim() && !gap) || busy) return;
   if (chat) $("prompt").value = "";  // text mode keeps both boxes: edit and run again
   send(text);
 });
@@ -213,4 +244,8 @@ $("prompt").addEventListener("keydown", (e) => {
 $("reset").addEventListener("click", () => {
   if (inFlight) inFlight.abort();  // its reply must not land in the new conversation
   conversation.length = 0; $("log").replaceChildren(); $("canvas").replaceChildren(); $("stats").replaceChildren();
+  $("canvas-head").textContent = "";
+});
+$("stop").addEventListener("click", () => {  // the server frees the row when the stream closes
+  if (inFlight) { stopping = true; inFlight.abort(); }
 });

@@ -795,3 +795,10 @@ def test_chat_drops_a_turn_that_is_not_utf8_and_goes_on(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "your message is not valid Unicode: character 0 is the byte 0xff" in out
     assert out.count("tokens/s") == 2  # the two other turns were answered
+
+
+def test_eval_chat_applies_its_adapter(tmp_path, capsys):
+    """`eval chat --adapter DIR` never applied DIR: a folder that does not exist ran, and a chat LoRA's table was the
+    base model's. It goes through the adapter loader now, as `eval sudoku` / `eval infill` do."""
+    assert cli(["eval", "chat", "--n", "1", "--threads", "1", "--adapter", str(tmp_path / "none")]) == 2
+    assert "is not a LoRA adapter folder" in capsys.readouterr().err

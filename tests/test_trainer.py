@@ -794,3 +794,58 @@ def test_grad_accum_under_ddp_or_fsdp_equals_one_process(tmp_path, wrapper):
     for k, p in lm.module.named_parameters():
         if p.grad is not None:
             assert (p.grad - two["grads"][k]).norm() <= 1e-5 * p.grad.norm() + 1e-8, k
+
+
+def test_a_resume_never_starts_over_on_top_of_complete_checkpoints(tmp_path, capsys):
+    """`latest` gone, or naming a checkpoint that is not there: --resume said "nothing to resume", trained from step 0
+    and overwrote (then pruned) the run's complete checkpoints. Now it continues from the newest complete one, and a
+    folder of checkpoints none of which can be continued is refused; a damaged trainer_state.pt is one line."""
+    out = tmp_path / "run"
+    args = ["train", "sudoku", "--out", str(out), "--steps", "6", "--save-every", "2", *TINY]
+    assert cli_main([*args, "--stop-after", "4"]) == 0
+    ck4 = (out / "checkpoint-0000004" / "model.safetensors").read_bytes()
+    (out / "latest").write_text("checkpoint-0000099")
+    capsys.readouterr()
+    assert cli_main([*args, "--resume"]) == 0
+    assert "names 'checkpoint-0000099', not a complete checkpoint: resuming from checkpoint-0000004" in \
+        capsys.readouterr().err
+    assert (out / "checkpoint-0000004" / "model.safetensors").read_bytes() == ck4  # not trained over from step 0
+    assert [json.loads(r)["step"] for r in open(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    (out / "latest").unlink()  # no latest at all: the newest complete checkpoint, which is the run's end
+    ck6 = (out / "checkpoint-0000006" / "model.safetensors").read_bytes()
+    assert cli_main([*args, "--resume"]) == 0  # nothing left to train, nothing overwritten
+    assert (out / "checkpoint-0000006" / "model.safetensors").read_bytes() == ck6
+    assert [json.loads(r)["step"] for r in open(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    for ck in out.glob("checkpoint-*"):
+        (ck / "trainer_state.pt").unlink()
+    capsys.readouterr()
+    assert cli_main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds checkpoint folders, but none with its trainer state" in err and "\n" not in err
+    damaged = tmp_path / "damaged"
+    assert cli_main(["train", "sudoku", "--out", str(damaged), "--steps", "2", "--save-every", "2", *TINY]) == 0
+    state = damaged / "checkpoint-0000002" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    capsys.readouterr()
+    assert cli_main(["train", "sudoku", "--out", str(damaged), "--steps", "4", "--save-every", "2", *TINY,
+                     "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{state} is damaged" in err and "\n" not in err
+
+
+def test_a_save_into_a_runs_checkpoint_is_refused(tmp_path, capsys):
+    """`blockpress convert kjv RUN/checkpoint-N` (or `lm.save` there) replaced the checkpoint and deleted its
+    optimizer state and trainer_state.pt without a word: the run could no longer be resumed from it. Now it is
+    refused, nothing written; the trainer itself still writes a step of its own run again (a resume from an
+    earlier checkpoint)."""
+    out = tmp_path / "run"
+    args = ["train", "sudoku", "--out", str(out), "--steps", "4", "--save-every", "2", *TINY]
+    assert cli_main(args) == 0
+    ck = out / "checkpoint-0000004"
+    before = sorted(p.name for p in ck.iterdir())
+    assert cli_main(["convert", "sudoku", str(ck), "--precision", "int4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a training run's checkpoint (trainer_state.pt and optimizer)" in err and "\n" not in err
+    assert sorted(p.name for p in ck.iterdir()) == before
+    (out / "latest").write_text("checkpoint-0000002")  # back to step 2: the resume writes step 4 again
+    assert cli_main([*args, "--resume"]) == 0 and (ck / "trainer_state.pt").is_file()

@@ -176,10 +176,7 @@ def main(args) -> int:
     lm = blockpress.load(path, device=args.device, dtype=args.dtype, progress=False,
                          **storage_options(args), **experts_option(args))
     sd.require_sudoku_model(lm, path)
-    if args.adapter:
-        from blockpress.train.lora import apply_adapter
-
-        apply_adapter(lm, args.adapter)
+    _adapter(lm, args)
     results = run_eval(lm, args.n or 50, args.blanks, args.steps, args.batch_size, args.seed, args.ar, args.repair,
                        args.split, args.samples, not args.no_compact_rows, **sampler_kwargs(args))
     for name, res in results.items():
@@ -189,6 +186,15 @@ def main(args) -> int:
         with open(args.json, "w") as f:
             json.dump({k: v for k, v in results.items()}, f, indent=2)
     return 0
+
+
+def _adapter(lm, args):
+    """The model evaluated: `lm` with `--adapter` applied (every task's; one line naming a bad folder)."""
+    if args.adapter:
+        from blockpress.train.lora import apply_adapter
+
+        apply_adapter(lm, args.adapter)
+    return lm
 
 
 def _infill(args) -> int:
@@ -214,10 +220,7 @@ def _infill(args) -> int:
                          **storage_options(args), **experts_option(args))
     refuse_task_model(lm, "eval infill")
     data = passages(Path(args.data) if args.data else path / "eval" / "heldout.txt")
-    if args.adapter:
-        from blockpress.train.lora import apply_adapter
-
-        apply_adapter(lm, args.adapter)
+    _adapter(lm, args)
     examples = ti.make_examples(data, args.n or 200, args.seed)
     results = {}
     sampling = sampler_kwargs(args)
@@ -252,7 +255,7 @@ def _chat(args) -> int:
         refuse_task_model(lm, "eval chat")
         return lm
 
-    lm = load(args.model or DEFAULT_CHAT_MODEL)
+    lm = _adapter(load(args.model or DEFAULT_CHAT_MODEL), args)  # (it was not applied: the base model's table)
     dialogs = assistant.heldout(args.n or 40, assistant.HELDOUT_SEED if args.split == "test" else assistant.VAL_SEED)
     results = {}
     if args.ar:

@@ -226,8 +226,16 @@ def build(args, world: int = 1):
                          "it with --resume, or give another --out (or delete that folder to start over)")
     resume_ck = latest_checkpoint(out) if args.resume else None
     if args.resume and resume_ck is None:
+        if out.is_dir() and any(p.is_dir() for p in out.glob("checkpoint-*")):
+            raise InputError(f"{out} holds checkpoint folders, but none with its trainer state (trainer_state.pt): "
+                             "nothing a resume can continue, and starting over would overwrite them; give another "
+                             "--out (or delete them to start over)")
         print(f"blockpress train: nothing to resume in {out} (no complete checkpoint there): starting from step 0",
               file=sys.stderr)
+    elif resume_ck is not None and (out / "latest").is_file() and \
+            (out / "latest").read_text().strip() != resume_ck.name:
+        print(f"blockpress train: {out / 'latest'} names {(out / 'latest').read_text().strip()!r}, not a complete "
+              f"checkpoint: resuming from {resume_ck.name}, the newest complete one", file=sys.stderr)
     if quantized and not args.lora:
         raise InputError("--precision / --linears train LoRA adapters over frozen quantised weights (QLoRA); full "
                          "fine-tuning of quantised weights is not supported: add --lora RANK, or drop --precision / "

@@ -413,6 +413,11 @@ def _refuse_to_replace(folder: Path, files: dict) -> None:
     if not folder.is_dir():
         raise CheckpointError(f"cannot save to {folder}: it is a file, not a folder; choose a new folder path "
                               "(nothing was written)")
+    state = [n for n in ("trainer_state.pt", "optimizer") if (folder / n).exists()]
+    if state:  # (the trainer clears a checkpoint of its own run before it writes that step again)
+        raise CheckpointError(f"cannot save to {folder}: it is a training run's checkpoint ({' and '.join(state)}), "
+                              "which a save there would leave without its training state (a resume would start "
+                              "over); choose a new folder (nothing was written)")
     mine = {Path(rel).parts[0] for rel in files}
     other = sorted(p.name for p in folder.iterdir()
                    if p.name not in CHECKPOINT_FILES and p.name not in mine and not _SHARD.match(p.name))

@@ -39,6 +39,8 @@ import contextlib
 import json
 import math
 import os
+import pickle
+import re
 import shutil
 import time
 import warnings
@@ -112,12 +114,28 @@ def check_batch(cfg: TrainConfig, world: int) -> None:
                          f"x --grad-accum ({cfg.grad_accum}): each micro-batch takes an equal share")
 
 
+def read_state(ckpt: str | Path) -> dict:
+    """A checkpoint's trainer_state.pt; a file torch cannot read (truncated by a crash or a copy) is one
+    CheckpointError line naming it and the way on, not a traceback."""
+    f = Path(ckpt) / "trainer_state.pt"
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{f} is damaged ({str(e).splitlines()[0] if str(e) else type(e).__name__}); resume "
+                              f"from an earlier checkpoint (write its folder name into {Path(ckpt).parent / 'latest'}) "
+                              "or start over with another --out") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{f} is not a trainer state (a {type(state).__name__}); resume from an earlier "
+                              "checkpoint or start over")
+    return state
+
+
 def check_resume(ckpt: str | Path, cfg: TrainConfig, state: dict | None = None) -> None:
     """Refuse to continue a run (the config in its checkpoint's trainer_state.pt; `state`: that file, already read)
     with settings that change which examples a step takes or the loss on them: the resumed run would be neither the
     old one nor a new one. One line naming the flag and both values. The CLI calls it before loading the model."""
     if state is None:
-        state = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
+        state = read_state(ckpt)
     saved, where = state.get("config"), f"{Path(ckpt).name}/trainer_state.pt"
     if not isinstance(saved, dict):
         return
@@ -147,12 +165,22 @@ def writing_run_folder(out: str | Path):
                               "disk space)") from None
 
 
+CHECKPOINT_STEP = re.compile(r"checkpoint-\d+")  # the folders a run's saves are named
+
+
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    p = Path(out_dir) / "latest"
-    if not p.is_file():
-        return None
-    ck = Path(out_dir) / p.read_text().strip()
-    return ck if (ck / "trainer_state.pt").is_file() else None
+    """The checkpoint a resume continues: the one `latest` names where it is complete (it holds trainer_state.pt),
+    else the newest complete `checkpoint-<step>` (a `latest` lost, stale or edited: a resume from step 0 over the
+    run's checkpoints would have overwritten them); None where the folder holds no complete checkpoint."""
+    out = Path(out_dir)
+    p = out / "latest"
+    if p.is_file():
+        name = p.read_text().strip()
+        if name and name == Path(name).name and (out / name / "trainer_state.pt").is_file():
+            return out / name
+    complete = [c for c in out.glob("checkpoint-*") if CHECKPOINT_STEP.fullmatch(c.name)
+                and (c / "trainer_state.pt").is_file()]
+    return max(complete, key=lambda c: int(c.name.split("-")[1]), default=None)
 
 
 def clean_stale(out_dir: str | Path) -> list[str]:
@@ -366,6 +394,8 @@ class Trainer:
             + f": {self.resume_command}")
 
     def _write_weights(self, path: Path, tensors: dict | None) -> None:
+        if path.is_dir():  # this run's own checkpoint of this step (a resume from an earlier one): written again
+            shutil.rmtree(path)
         if self.lora is not None:
             from .lora import save_adapter
 
@@ -392,7 +422,7 @@ class Trainer:
         """Restore optimizer, scheduler, step and history (weights are loaded by the caller). Refuses a config that
         changes the run's examples or loss (`check_resume`); this config's learning rate, schedule, weight decay
         and betas apply from here on."""
-        st = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
+        st = read_state(ckpt)
         check_resume(ckpt, self.cfg, st)
         if "optimizer" in st:  # a checkpoint written before the optimizer moved to optimizer/
             self.opt.load_state_dict(st["optimizer"])

@@ -204,3 +204,38 @@ def test_resume_refuses_flags_that_change_the_examples_or_the_loss(tmp_path, cap
         after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
         assert after == before
     assert cli_main([*args, "--resume", "--grad-accum", "2"]) == 0  # the same steps, summed in two parts
+
+
+def test_resume_refuses_other_data_another_model_or_other_prompt_flags(tmp_path, capsys):
+    """Another data file, another --model (the assistant's weights went on training on KJV text), --infill-rate,
+    --max-prompt or --prompt-tokens were accepted by a resume; each decides the examples, so each is refused now,
+    one line naming the flag and both values, the run folder as it was. The same data file moved elsewhere is the
+    same data."""
+    import shutil
+
+    text = tmp_path / "notes.txt"
+    text.write_text("\n\n".join(f"In the beginning was paragraph {i}, and it was long enough to learn from."
+                                for i in range(40)))
+    other = tmp_path / "other.txt"
+    other.write_text(text.read_text() + "\n\nOne more.")
+    out = tmp_path / "run"
+    args = ["--out", str(out), "--steps", "3", "--save-every", "2", "--model", "kjv", "--batch-size", "4",
+            "--warmup", "1", "--eval-every", "0", "--threads", "1", "--no-progress"]
+    assert cli_main(["train", str(text), *args, "--stop-after", "2"]) == 0
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assistant = [a if a != "kjv" else "assistant" for a in args]
+    for data, given, needle in (
+            (other, args, "the data (other.txt ("),
+            (text, assistant, "--model "),
+            (text, [*args, "--infill-rate", "0.3"], "--infill-rate 0.3 differs from the run being resumed "
+                                                    "(--infill-rate "),
+            (text, [*args, "--prompt-tokens", "4", "8"], "--prompt-tokens 4 8 differs from the run being resumed "
+                                                         "(--prompt-tokens 16 16")):
+        assert cli_main(["train", str(data), *given, "--resume"]) == 2, given
+        err = _one_line(capsys)
+        assert needle in err and "checkpoint-0000002/trainer_state.pt" in err, err
+        assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    moved = tmp_path / "elsewhere" / "notes.txt"
+    moved.parent.mkdir()
+    shutil.copy(text, moved)
+    assert cli_main(["train", str(moved), *args, "--resume"]) == 0

@@ -215,7 +215,8 @@ def build(args, world: int = 1):
                            keep_last=args.keep_last,
                            grad_checkpointing=quantized if args.grad_checkpointing is None else args.grad_checkpointing,
                            max_canvases=args.max_canvases, stop_after=args.stop_after,
-                           progress=not args.no_progress, grad_accum=args.grad_accum, objective=ocfg)
+                           progress=not args.no_progress, grad_accum=args.grad_accum, objective=ocfg,
+                           inputs=_inputs(args))
     except ValueError as e:  # name the flag, not the dataclass field
         raise _flag_error(e) from None
     check_batch(tcfg, world)
@@ -395,6 +396,21 @@ def _is_chat(path: str) -> bool:
                 return True
             return isinstance(row, dict) and ("messages" in row or "prompt" in row)
     return False
+
+
+def _inputs(args) -> dict:
+    """What decides a run's examples beyond its TrainConfig (a resume refuses a change: `check_resume`): the data (a
+    file by its name and size, so the run folder may move with it), the model trained from (a folder by its resolved
+    path), the infill and prompt flags."""
+    from blockpress.loading import resolve_path
+
+    data = args.data
+    if data != "sudoku" and Path(data).is_file():
+        data = f"{Path(data).name} ({Path(data).stat().st_size} bytes)"
+    model = str(resolve_path(args.model, progress=False).resolve()) if args.model else None
+    return {"data": data, "--model": model, "--infill-rate": args.infill_rate,
+            "--infill-span": list(args.infill_span) if args.infill_rate else None, "--max-prompt": args.max_prompt,
+            "--prompt-tokens": list(args.prompt_tokens)}
 
 
 def resume_command(args) -> str:

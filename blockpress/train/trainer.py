@@ -83,6 +83,8 @@ class TrainConfig:
     progress: bool = True
     grad_accum: int = 1  # micro-batches per optimizer step (each process's share of batch_size cut in N)
     objective: obj.ObjectiveConfig = field(default_factory=obj.ObjectiveConfig)
+    inputs: dict = field(default_factory=dict)  # what else decides the examples (the CLI's: the data file's name and
+    # size, the model trained from, the infill and prompt flags), flag -> value; a resume refuses a change
 
     def __post_init__(self):
         # messages start with the field's name: the CLI turns it into the flag's
@@ -140,17 +142,23 @@ def check_resume(ckpt: str | Path, cfg: TrainConfig, state: dict | None = None) 
     if not isinstance(saved, dict):
         return
     now = _jsonable(asdict(cfg))
-    pairs = [(k, saved.get(k), now[k]) for k in SAME_RUN if k in saved]
-    pairs += [(k, saved["objective"].get(k), v) for k, v in now["objective"].items()
+    pairs = [("--" + k.replace("_", "-"), saved.get(k), now[k]) for k in SAME_RUN if k in saved]
+    pairs += [("--" + k.replace("_", "-"), saved["objective"].get(k), v) for k, v in now["objective"].items()
               if k in saved.get("objective", {})]
-    for name, was, new in pairs:
+    pairs += [(k, saved["inputs"].get(k), v) for k, v in now["inputs"].items() if k in saved.get("inputs", {})]
+    for flag, was, new in pairs:
         if was != new:
-            flag = "--" + name.replace("_", "-")
+            if flag == "data":
+                raise InputError(f"the data ({_shown(new)}) is not the run's ({_shown(was)}, in {where}): a resume "
+                                 "continues the same examples; resume with that data, or start a new run with "
+                                 "another --out")
             raise InputError(f"{flag} {_shown(new)} differs from the run being resumed ({flag} {_shown(was)}, in "
                              f"{where}); resume with {flag} {_shown(was)}, or start a new run with another --out")
 
 
 def _shown(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return " ".join(map(str, v))
     return {True: "on", False: "off", None: "unset"}.get(v, str(v)) if isinstance(v, (bool, type(None))) else str(v)
 
 

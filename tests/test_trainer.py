@@ -12,6 +12,8 @@ from blockpress.kernels import use
 
 TINY = ["--size", "nano", "--batch-size", "4", "--lr", "3e-3", "--warmup", "2", "--log-every", "1",
         "--eval-every", "0", "--threads", "1", "--no-progress", "--blanks", "40", "44"]
+FINE_TUNE = [a for a in TINY if a not in ("--size", "nano")]  # --model brings its size
+TEXT = [a for a in TINY if a not in ("--blanks", "40", "44")]  # Sudoku's blanks: not a flag of text data
 
 
 
@@ -298,7 +300,7 @@ def test_inplace_sudoku_model_trains_and_solve_holds_the_clues(tmp_path, capsys)
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["format"] == "inplace" and res["clues_kept"] == 1.0 and res["token_ids"][81] == sd.EOS_ID
     assert cli_main(["train", "sudoku", "--out", str(tmp_path / "mixed"), "--model", str(ck), "--steps", "1",
-                     *TINY]) == 2  # an inplace model continued in the prompt format: refused
+                     *FINE_TUNE]) == 2  # an inplace model continued in the prompt format: refused
     assert "trained with --sudoku-format inplace" in capsys.readouterr().err
     prompt_run = tmp_path / "prompt"
     assert cli_main(["train", "sudoku", "--out", str(prompt_run), "--steps", "1", "--save-every", "1", *TINY]) == 0
@@ -339,7 +341,7 @@ def test_infill_source_leaves_one_span_per_canvas_free(tmp_path, capsys):
         InfillSource(inner, C, rate=1.5)
     assert cli_main(["train", "sudoku", "--out", str(tmp_path / "x"), "--infill-rate", "0.5", *TINY]) == 2
     assert "for Sudoku use --sudoku-format inplace" in capsys.readouterr().err
-    assert cli_main(["train", str(tmp_path / "t.txt"), "--augment", "4", *TINY]) == 2
+    assert cli_main(["train", str(tmp_path / "t.txt"), "--augment", "4", *TEXT]) == 2
     assert "apply to `blockpress train sudoku` only" in capsys.readouterr().err
     assert cli_main(["train", "sudoku", "--out", str(tmp_path / "y"), "--swap-rate", "1.5", *TINY]) == 2
     assert "--swap-rate must be in [0, 1], got 1.5" in capsys.readouterr().err
@@ -375,7 +377,7 @@ def test_bad_training_data_and_flags_are_one_line_errors(tmp_path, capsys):
         elif content is not None:
             path.write_text(content)
         out = tmp_path / ("out-" + name)
-        assert cli_main(["train", str(path), "--tokenizer", str(tmp_path / "tok"), *TINY, "--steps", "1",
+        assert cli_main(["train", str(path), "--tokenizer", str(tmp_path / "tok"), *TEXT, "--steps", "1",
                          "--out", str(out)]) == 2, name
         err = capsys.readouterr().err.strip()
         assert re.search(needle, err) and "\n" not in err and "Traceback" not in err, (name, err)
@@ -400,9 +402,20 @@ def test_bad_training_data_and_flags_are_one_line_errors(tmp_path, capsys):
                           (["--eval-data", "x.txt"], "--eval-data / --prompt-tokens (text and chat data"),
                           (["--infill-span", "2", "4"], "--infill-span (the spans of --infill-rate P")):
         out = tmp_path / "x"
-        assert cli_main(["train", "sudoku", *TINY, "--steps", "1", *flags, "--out", str(out)]) == 2, flags
+        base = FINE_TUNE if "--model" in flags else TINY
+        assert cli_main(["train", "sudoku", *base, "--steps", "1", *flags, "--out", str(out)]) == 2, flags
         assert needle in capsys.readouterr().err, flags
         assert not out.exists(), flags
+    # accepted and ignored before: a from-scratch size beside --model, Sudoku's blanks on text, prompt flags on chat
+    (tmp_path / "c.jsonl").write_text(json.dumps(ok) + "\n")
+    for argv, needle in ((["sudoku", "--model", "sudoku", "--size", "mini"], "--size / --config (a model trained "
+                                                                              "from scratch"),
+                         (["sudoku", "--ar-only", "--ar-weight", "0"], "--ar-weight (--ar-only trains the next-token"),
+                         ([str(tmp_path / "c.jsonl"), "--model", "assistant", "--blanks", "3", "9"], "--blanks (Sudoku"),
+                         ([str(tmp_path / "c.jsonl"), "--model", "assistant", "--prompt-tokens", "4", "8"],
+                          "--prompt-tokens (plain text's prompts")):
+        assert cli_main(["train", *argv, "--steps", "1", "--out", str(tmp_path / "y")]) == 2, argv
+        assert needle in capsys.readouterr().err, argv
 
 
 def test_training_from_scratch_takes_the_tokenizers_special_ids_and_whole_documents(tmp_path):

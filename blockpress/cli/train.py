@@ -30,7 +30,8 @@ SUDOKU_GENERATION = {"max_new_tokens": 82, "max_denoising_steps": 32, "entropy_b
 
 # the defaults of flags whose use depends on the setup (`_ignored` tells a given value from its default)
 DEFAULTS = {"canvas_length": 64, "context": 512, "prompt_tokens": (16, 16), "infill_span": (1, 8),
-            "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"}
+            "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "size": "micro",
+            "blanks": (25, 58), "ar_weight": 1.0}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("model")
     src.add_argument("--model", help="checkpoint folder to fine-tune (default: train from scratch)")
     src.add_argument("--config", help="config.json for a model trained from scratch")
-    src.add_argument("--size", default="micro", help="named size from scratch: nano, micro, mini, small")
+    src.add_argument("--size", default=DEFAULTS["size"], help="named size from scratch: nano, micro, mini, small")
     src.add_argument("--tokenizer", help="folder with tokenizer.json (text/chat from scratch)")
     src.add_argument("--canvas-length", type=_positive_int, default=DEFAULTS["canvas_length"], help="text/chat from scratch: canvas length")
     src.add_argument("--context", type=_positive_int, default=DEFAULTS["context"],
@@ -85,16 +86,17 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                      help="chat: keep the last N tokens of each row's prompt (rows longer than the model's positions "
                           "are refused, naming the line)")
     run.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
-    run.add_argument("--no-progress", action="store_true")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress bar (nor, off a terminal, its line every --log-every steps); metrics.jsonl keeps every row")
     o = p.add_argument_group("objective")
     o.add_argument("--eps", type=float, default=1e-3, help="t ~ U[eps, 1)")
     o.add_argument("--sc-prob", type=float, default=0.5, help="self-conditioning probability")
-    o.add_argument("--ar-weight", type=float, default=1.0, help="encoder next-token loss weight")
+    o.add_argument("--ar-weight", type=float, default=DEFAULTS["ar_weight"], help="encoder next-token loss weight")
     o.add_argument("--ar-scope", default="response", choices=["response", "all"])
     o.add_argument("--ar-only", action="store_true", help="autoregressive baseline (encoder only, causal LM)")
     o.add_argument("--prompt-tokens", type=int, nargs=2, default=DEFAULTS["prompt_tokens"], metavar=("LO", "HI"),
                    help="plain text: tokens of each document given as prompt (a per-document draw in [LO, HI])")
-    o.add_argument("--blanks", type=int, nargs=2, default=(25, 58), metavar=("LO", "HI"),
+    o.add_argument("--blanks", type=int, nargs=2, default=DEFAULTS["blanks"], metavar=("LO", "HI"),
                    help="sudoku: blanks per training puzzle")
     o.add_argument("--swap-rate", type=float, default=0.0, metavar="P",
                    help="also overwrite each uncorrupted canvas position, with prob P, by the token of another "
@@ -154,8 +156,16 @@ def _ignored(args, task: bool) -> list[str]:
     out = []
     if not args.lora and (args.lora_alpha is not None or changed("lora_targets")):
         out.append("--lora-alpha / --lora-targets (they shape LoRA adapters: add --lora RANK)")
-    if args.model and (args.tokenizer or changed("canvas_length") or changed("context")):
-        out.append("--tokenizer / --canvas-length / --context (a model trained from scratch; --model brings its own)")
+    if args.model and (args.tokenizer or changed("canvas_length") or changed("context") or changed("size")
+                       or args.config):
+        out.append("--tokenizer / --canvas-length / --context / --size / --config (a model trained from scratch; "
+                   "--model brings its own)")
+    if not task and changed("blanks"):
+        out.append("--blanks (Sudoku puzzles' blank cells; this data is not Sudoku)")
+    if task is False and _is_chat_data(args) and changed("prompt_tokens"):
+        out.append("--prompt-tokens (plain text's prompts; a chat row's prompt is its conversation)")
+    if args.ar_only and changed("ar_weight"):
+        out.append("--ar-weight (--ar-only trains the next-token loss alone)")
     if task and (args.eval_data or changed("prompt_tokens")):
         out.append("--eval-data / --prompt-tokens (text and chat data; Sudoku evaluates on held-out puzzles)")
     if not args.infill_rate and changed("infill_span"):

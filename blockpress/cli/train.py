@@ -87,7 +87,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                           "are refused, naming the line)")
     run.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
     run.add_argument("--no-progress", action="store_true",
-                     help="no progress bar (nor, off a terminal, its line every --log-every steps); metrics.jsonl keeps every row")
+                     help="no progress bar (nor, off a terminal, its line every --log-every steps); "
+                          "metrics.jsonl keeps every row")
     o = p.add_argument_group("objective")
     o.add_argument("--eps", type=float, default=1e-3, help="t ~ U[eps, 1)")
     o.add_argument("--sc-prob", type=float, default=0.5, help="self-conditioning probability")

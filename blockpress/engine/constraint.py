@@ -109,8 +109,9 @@ def call_grammar(open_id: int, close_id: int, tools: dict[str, dict | None], quo
     """The grammar of a tool call in Gemma's format, `<|tool_call>call:NAME{...}<tool_call|>` (the markers are token
     ids), NAME one of `tools` and its arguments valid against that tool's parameters schema (an object; a tool
     mapped to None, in a reply: any object in that notation). answer False: exactly one call (a forced call), or
-    with `more` one or more (tool_choice "required" with parallel calls). answer True: a whole reply whose calls obey that: any text without the call markers, then any number of calls
-    (OpenAI's `strict` tools under tool_choice "auto"). The arguments are written in Gemma's own notation, as the
+    with `more` one or more (tool_choice "required" with parallel calls). answer True: a whole reply whose calls
+    obey that: any text without the call markers, then any number of calls (OpenAI's `strict` tools under
+    tool_choice "auto"). The arguments are written in Gemma's own notation, as the
     chat template renders a call and the model learned it: keys bare and in sorted order, strings between `<|"|>`
     tokens (`quote_id`), numbers, booleans, null, lists and objects as in JSON, no spaces
     (`{city:<|"|>Paris<|"|>,days:3}`). A schema that notation's translation does not cover (see

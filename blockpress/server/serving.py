@@ -683,8 +683,9 @@ class OpenAIServing:
     def tool_call_grammar(self, req: ChatCompletionRequest, sampling: Sampling) -> tuple[str, tuple[int, ...]] | None:
         """The grammar (and its guarded tokens) of the reply's tool calls: tool_choice "required" / named with the
         structured extra installed, one or more calls of offered tools ("required"; one with parallel_tool_calls
-        false) or exactly one call of the named one, their arguments valid against the tool's parameters schema; `strict` tools under "auto", the reply's calls valid (a 400 without the
-        structured extra, or beside response_format). Constrained while it is denoised (engine/constraint.py; a
+        false) or exactly one call of the named one, their arguments valid against the tool's parameters schema;
+        `strict` tools under "auto", the reply's calls valid (a 400 without the structured extra, or beside
+        response_format). Constrained while it is denoised (engine/constraint.py; a
         schema it cannot use is a 400 naming `tools` when the request is submitted). None for a free reply, or a
         forced call without llguidance."""
         from ..engine.constraint import reply_grammar, structured_extra

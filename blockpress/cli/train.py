@@ -163,7 +163,7 @@ def _ignored(args, task: bool) -> list[str]:
                    "--model brings its own)")
     if not task and changed("blanks"):
         out.append("--blanks (Sudoku puzzles' blank cells; this data is not Sudoku)")
-    if task is False and _is_chat_data(args) and changed("prompt_tokens"):
+    if not task and changed("prompt_tokens") and _is_chat_data(args):
         out.append("--prompt-tokens (plain text's prompts; a chat row's prompt is its conversation)")
     if args.ar_only and changed("ar_weight"):
         out.append("--ar-weight (--ar-only trains the next-token loss alone)")

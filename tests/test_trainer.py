@@ -862,3 +862,23 @@ def test_a_save_into_a_runs_checkpoint_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in ck.iterdir()) == before
     (out / "latest").write_text("checkpoint-0000002")  # back to step 2: the resume writes step 4 again
     assert cli_main([*args, "--resume"]) == 0 and (ck / "trainer_state.pt").is_file()
+
+
+def test_ctrl_c_says_where_the_run_stands_and_how_to_go_on(tmp_path, capsys, monkeypatch):
+    """Ctrl-C ended a run with no word of its last checkpoint or how to resume; now it says both (the exit code
+    stays 130)."""
+    from blockpress.train.trainer import Trainer
+
+    out = tmp_path / "run"
+    args = ["train", "sudoku", "--out", str(out), "--steps", "4", "--save-every", "2", *TINY]
+    assert cli_main([*args, "--stop-after", "2"]) == 0
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "train", interrupted)
+    capsys.readouterr()
+    assert cli_main([*args, "--resume"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted at step 2; the last complete checkpoint is checkpoint-0000002: continue with blockpress " \
+           "train sudoku" in err and "--resume" in err

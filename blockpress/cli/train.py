@@ -466,6 +466,16 @@ def main(args) -> int:
         n = sum(p.numel() for p in lm.module.parameters() if p.requires_grad)  # whole, not this rank's shard
         how = f", {'FSDP2-sharded' if trainer.sharded else 'DDP'}" if world > 1 else ""
         print(f"training {n / 1e6:.2f}M parameters on {lm.device} ({world} process(es){how}), out: {tcfg.out_dir}")
-    trainer.train()
+    try:
+        trainer.train()
+    except KeyboardInterrupt:  # Ctrl-C: where the run stands and how to go on (the checkpoints are whole)
+        if rank == 0:
+            from blockpress.train.trainer import latest_checkpoint
+
+            last = latest_checkpoint(tcfg.out_dir)
+            print(f"\nblockpress train: interrupted at step {trainer.step}; "
+                  + (f"the last complete checkpoint is {last.name}: continue with {resume_command(args)}"
+                     if last is not None else "no checkpoint was saved yet (a new run starts over)"), file=sys.stderr)
+        raise
     dist.cleanup()
     return 0

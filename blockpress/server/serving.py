@@ -411,7 +411,7 @@ class OpenAIServing:
     def _over_limit(self, what: str, param: str) -> APIError:
         """The 400 of a prompt over `prompt_limit` (`what`: its size, e.g. "more than 4064")."""
         P, C = self.worker.scheduler.max_positions, self.lm.canvas_length
-        why = f"this server's limit (--max-prompt-tokens)" if self.limits.max_prompt_tokens <= P - C else \
+        why = "this server's limit (--max-prompt-tokens)" if self.limits.max_prompt_tokens <= P - C else \
             f"what the model's {P} positions leave for a reply's first canvas of {C}"
         fix = "shorten the messages or the tool schemas" if param == "messages" else "shorten the prompt"
         return APIError(400, f"the prompt has {what} tokens; at most {self.prompt_limit} fit, {why}: {fix}",
@@ -479,8 +479,8 @@ class OpenAIServing:
         return out, spaced
 
     def _jobs(self, ids: list[int], sampling: Sampling, fixed_tokens: list[int] | None = None) -> list[Job]:
-        """The n choices of one prompt as worker jobs (choice i seeded with seed + i), the prompt checked (and a
-        default budget cut) by `_fit` first, in `sampling` itself; a grammar compiled once, cloned per choice."""
+        """The n choices of one prompt as worker jobs (choice i seeded with seed + i; the callers check the prompt,
+        and cut a default budget, with `_fit` first); a grammar compiled once, cloned per choice."""
         constraint = self._constraint(sampling)
         return [Job(ids, sampling.cfg, seed=sampling.choice_seed(i), drafts=sampling.include_drafts,
                     fixed_tokens=fixed_tokens, logprobs=sampling.logprobs,

@@ -335,11 +335,13 @@ class Tokenizer:
             return plain.replace(TEXT_LT, "\ufffd").replace("<", TEXT_LT)
         parts, run = [], []
         for i in ids + [-1]:
+            if skip_special_tokens and i in self._special_ids:
+                continue  # dropped before decoding, as the plain decode drops it: the ids around it are one run
             if i in self._added or i < 0:
                 if run:
                     parts.append(self._tok.decode(run).replace(TEXT_LT, "\ufffd").replace("<", TEXT_LT))
                     run = []
-                if i >= 0 and not (skip_special_tokens and i in self._special_ids):
+                if i >= 0:
                     parts.append(self._added[i])
             else:
                 run.append(i)

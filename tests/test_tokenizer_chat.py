@@ -9,7 +9,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from blockpress.chat import DEFAULT_GEMMA4_TEMPLATE, render_chat_template
@@ -144,6 +144,10 @@ def test_stream_decoder_holds_multibyte_characters(tok):
 @FAST
 @given(ids=st.lists(st.integers(0, TINY_VOCAB_SIZE - 1), min_size=1, max_size=40),
        cuts=st.lists(st.integers(0, 1000), max_size=10), skip=st.booleans(), marked=st.booleans())
+# found by this search in CI: "<", a byte, a skipped <pad>, a byte. The marked decode split the bytes' run at the
+# skipped id (the plain one drops it first, so the two bytes decode together), fell back to the plain text, and
+# the stream decoder, having emitted the marked "<", dropped the rest
+@example(ids=[33, 113, 0, 241], cuts=[], skip=True, marked=True)
 def test_stream_decoder_of_any_ids_concatenates_to_decode(tok, ids, cuts, skip, marked):
     """Any ids, as a random model writes them: byte tokens that form no character, special ids among them. A byte
     token that decodes alone ("#" from <0x23>) became U+FFFD once an invalid byte followed it (the run decodes

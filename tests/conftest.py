@@ -9,9 +9,22 @@ sys.path.insert(0, os.path.dirname(__file__))
 # each other (four heavy test files: 188 s with two threads against 150 s with one; alone 155 s against 162 s)
 torch.set_num_threads(1)
 
+try:  # property tests draw the same examples on every run (a CI run is reproducible; `--runslow` explores anew)
+    from hypothesis import settings as _hypothesis
+
+    _hypothesis.register_profile("reproducible", derandomize=True)
+    _hypothesis.register_profile("explore", derandomize=False)
+except ImportError:  # (hypothesis is a test extra)
+    _hypothesis = None
+
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_configure(config):
+    if _hypothesis is not None:
+        _hypothesis.load_profile("explore" if config.getoption("--runslow") else "reproducible")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -802,3 +802,9 @@ def test_eval_chat_applies_its_adapter(tmp_path, capsys):
     base model's. It goes through the adapter loader now, as `eval sudoku` / `eval infill` do."""
     assert cli(["eval", "chat", "--n", "1", "--threads", "1", "--adapter", str(tmp_path / "none")]) == 2
     assert "is not a LoRA adapter folder" in capsys.readouterr().err
+
+
+def test_eval_chat_refuses_a_text_model(capsys):
+    """`eval chat --model kjv` (no chat template) printed a table of scores for a model that cannot chat."""
+    assert cli(["eval", "chat", "--model", "kjv", "--n", "1", "--threads", "1"]) == 2
+    assert "is a plain text model (no chat template)" in capsys.readouterr().err

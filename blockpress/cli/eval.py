@@ -250,9 +250,14 @@ def _chat(args) -> int:
     from .run import refuse_task_model
 
     def load(path):
+        from blockpress.errors import InputError
+
         lm = blockpress.load(path, device=args.device, dtype=args.dtype, progress=False,
                              **storage_options(args), **experts_option(args))
         refuse_task_model(lm, "eval chat")
+        if lm.tokenizer is None or not lm.tokenizer.is_chat:  # (it printed a table of a text model's noise)
+            raise InputError(f"{lm.path} is a plain text model (no chat template): `eval chat` scores chat replies; "
+                             "give a chat model (--model, default the shipped assistant)")
         return lm
 
     lm = _adapter(load(args.model or DEFAULT_CHAT_MODEL), args)  # (it was not applied: the base model's table)

@@ -335,10 +335,10 @@ def load_model(args):
 
         watch = CpuWatch()
     graphs = getattr(args, "cuda_graphs", None)
-    for flag, on in (("--cuda-graphs", graphs), ("--attention-kernel", getattr(args, "attention_kernel", None))):
-        from ..errors import InputError
-        from ..loading import parse_device
+    from ..errors import InputError
+    from ..loading import parse_device
 
+    for flag, on in (("--cuda-graphs", graphs), ("--attention-kernel", getattr(args, "attention_kernel", None))):
         if on and parse_device(args.device).type != "cuda":
             raise InputError(f"{flag} needs a CUDA GPU and the model would run on {parse_device(args.device)}; "
                              "drop the flag (or pass --device cuda on a machine with one)")

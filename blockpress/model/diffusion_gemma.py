@@ -177,7 +177,7 @@ class DiffusionGemmaModel(nn.Module):
     def cache_mismatch(self, cache: KVCache) -> str | None:
         """What makes `cache` not this model's layout (layers, K/V heads and head dims, sliding layers and window,
         dtype, device), in words; None when it fits. A cache of another model with the same layout fits."""
-        shapes = [(self.text.layer_kv_heads(i), self.text.layer_head_dim(i)) for i in range(len(self.layers))]
+        shapes = self._cache_shapes()
         held = [(k.shape[1], k.shape[3]) for k in cache.keys]
         if len(held) != len(shapes):
             return f"{len(held)} layers, the model has {len(shapes)}"
@@ -192,9 +192,12 @@ class DiffusionGemmaModel(nn.Module):
             return f"{cache.keys[0].dtype} on {cache.keys[0].device}, the model is {self.dtype} on {self.device}"
         return None
 
+    def _cache_shapes(self) -> list[tuple[int, int]]:
+        """(K/V heads, head dim) of each layer's cache."""
+        return [(self.text.layer_kv_heads(i), self.text.layer_head_dim(i)) for i in range(len(self.layers))]
+
     def _cache(self, batch: int, capacity: int, device, reserve: int | None) -> KVCache:
-        shapes = [(self.text.layer_kv_heads(i), self.text.layer_head_dim(i)) for i in range(len(self.layers))]
-        return KVCache(shapes, batch, capacity, self.dtype, device, sliding=[not layer.full for layer in self.layers],
+        return KVCache(self._cache_shapes(), batch, capacity, self.dtype, device, sliding=[not layer.full for layer in self.layers],
                        window=self.window, reserve=reserve)
 
     def cache_reserve(self) -> int | None:

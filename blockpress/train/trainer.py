@@ -40,7 +40,6 @@ import json
 import math
 import os
 import pickle
-import re
 import shutil
 import time
 import warnings
@@ -173,9 +172,6 @@ def writing_run_folder(out: str | Path):
                               "disk space)") from None
 
 
-CHECKPOINT_STEP = re.compile(r"checkpoint-\d+")  # the folders a run's saves are named
-
-
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     """The checkpoint a resume continues: the one `latest` names where it is complete (it holds trainer_state.pt),
     else the newest complete `checkpoint-<step>` (a `latest` lost, stale or edited: a resume from step 0 over the
@@ -186,9 +182,11 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
         name = p.read_text().strip()
         if name and name == Path(name).name and (out / name / "trainer_state.pt").is_file():
             return out / name
-    complete = [c for c in out.glob("checkpoint-*") if CHECKPOINT_STEP.fullmatch(c.name)
+    from ..loading import CHECKPOINT_NAME
+
+    complete = [c for c in out.glob("checkpoint-*") if CHECKPOINT_NAME.match(c.name)
                 and (c / "trainer_state.pt").is_file()]
-    return max(complete, key=lambda c: int(c.name.split("-")[1]), default=None)
+    return max(complete, key=lambda c: int(CHECKPOINT_NAME.match(c.name).group(1)), default=None)
 
 
 def clean_stale(out_dir: str | Path) -> list[str]:

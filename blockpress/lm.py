@@ -22,10 +22,6 @@ from .errors import InputError
 from .options import Options
 
 # files of a checkpoint folder that belong to its tokenizer
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-# what save() copies from the folder the model was loaded from: the tokenizer and what the model is for (a Sudoku
-# model's blockpress_task.json)
-FOLDER_FILES = TOKENIZER_FILES + ("blockpress_task.json",)
 
 
 class BlockDiffusionLM:
@@ -335,7 +331,8 @@ class BlockDiffusionLM:
         shard_bytes: past this many bytes of weights (default 5 GB, the Hub's convention), they go into files of at
         most that size with an index (model-0000i-of-0000n.safetensors, model.safetensors.index.json)."""
         from .model.prequantized import quantization_config
-        from .model.weights import SHARD_BYTES, state_dict_for_checkpoint, stored_dtype, weight_files, write_atomic
+        from .model.weights import (FOLDER_FILES, SHARD_BYTES, state_dict_for_checkpoint, stored_dtype, weight_files,
+                                     write_atomic)
 
         if shard_bytes is not None and (isinstance(shard_bytes, bool) or not isinstance(shard_bytes, numbers.Integral)
                                         or shard_bytes < 1):

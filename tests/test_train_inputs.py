@@ -222,6 +222,7 @@ def test_resume_refuses_other_data_another_model_or_other_prompt_flags(tmp_path,
     args = ["--out", str(out), "--steps", "3", "--save-every", "2", "--model", "kjv", "--batch-size", "4",
             "--warmup", "1", "--eval-every", "0", "--threads", "1", "--no-progress"]
     assert cli_main(["train", str(text), *args, "--stop-after", "2"]) == 0
+    capsys.readouterr()  # (its note: the AR weight kjv was trained with)
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assistant = [a if a != "kjv" else "assistant" for a in args]
     for data, given, needle in (
@@ -239,3 +240,56 @@ def test_resume_refuses_other_data_another_model_or_other_prompt_flags(tmp_path,
     moved.parent.mkdir()
     shutil.copy(text, moved)
     assert cli_main(["train", str(moved), *args, "--resume"]) == 0
+
+
+def test_a_fine_tune_trains_with_the_objective_its_model_was_trained_with(tmp_path, capsys):
+    """The shipped KJV and Sudoku models trained with the encoder's AR loss off; `train --model kjv` turned it on
+    (the default weight 1), and that untrained head's loss led the update (Sudoku: 10 of 10 puzzles solved -> 5 after
+    20 steps). A fine-tune now takes the weight its model was trained with (the folder's blockpress_objective.json,
+    which every checkpoint the trainer writes carries), says so, and --ar-weight still decides; a resume keeps its
+    run's own weight; a damaged file is one line."""
+    import shutil
+
+    from blockpress.train.trainer import read_state
+
+    text = tmp_path / "notes.txt"
+    text.write_text("\n\n".join(f"In the beginning was paragraph {i}, and it was long enough to learn from."
+                                for i in range(40)))
+    common = ["--steps", "2", "--save-every", "2", "--batch-size", "4", "--warmup", "1", "--eval-every", "0",
+              "--threads", "1", "--no-progress"]
+
+    def weight(run: Path) -> float:
+        return read_state(run / "checkpoint-0000002")["config"]["objective"]["ar_weight"]
+
+    assert cli_main(["train", str(text), "--model", "kjv", "--out", str(tmp_path / "a"), *common]) == 0
+    assert "--ar-weight 0, the weight kjv was trained with" in capsys.readouterr().err
+    assert weight(tmp_path / "a") == 0.0
+    written = json.loads((tmp_path / "a" / "checkpoint-0000002" / "blockpress_objective.json").read_text())
+    assert written["ar_weight"] == 0.0 and "seed" not in written
+    # a fine-tune of that checkpoint reads the file the trainer wrote
+    assert cli_main(["train", str(text), "--model", str(tmp_path / "a" / "checkpoint-0000002"),
+                     "--out", str(tmp_path / "b"), *common]) == 0
+    assert weight(tmp_path / "b") == 0.0 and "checkpoint-0000002 was trained with" in capsys.readouterr().err
+    # the flag decides over the file, silently
+    assert cli_main(["train", str(text), "--model", "kjv", "--ar-weight", "1", "--out", str(tmp_path / "c"),
+                     *common]) == 0
+    assert "was trained with" not in capsys.readouterr().err
+    assert weight(tmp_path / "c") == 1.0
+    # a resume continues its run's weight (from scratch with --ar-weight 0: the default 1 was refused before)
+    scratch = ["train", "sudoku", "--out", str(tmp_path / "d"), "--steps", "3", "--save-every", "2", *TINY]
+    assert cli_main([*scratch, "--ar-weight", "0", "--stop-after", "2"]) == 0
+    assert cli_main([*scratch, "--resume"]) == 0
+    assert read_state(tmp_path / "d" / "checkpoint-0000003")["config"]["objective"]["ar_weight"] == 0.0
+    # lm.save (convert) keeps the record with the weights
+    model = blockpress.load("kjv", device="cpu", progress=False)
+    model.save(tmp_path / "kjv-copy")
+    assert json.loads((tmp_path / "kjv-copy" / "blockpress_objective.json").read_text())["ar_weight"] == 0.0
+    # a damaged record is one line naming it
+    (tmp_path / "kjv-copy" / "blockpress_objective.json").write_text('{"ar_weight": "off"}')
+    capsys.readouterr()
+    assert cli_main(["train", str(text), "--model", str(tmp_path / "kjv-copy"), "--out", str(tmp_path / "e"),
+                     *common]) == 2
+    err = _one_line(capsys)
+    assert "kjv-copy/blockpress_objective.json must be a JSON object" in err and "--ar-weight" in err, err
+    assert not (tmp_path / "e").exists()
+    shutil.rmtree(tmp_path / "kjv-copy")

@@ -92,7 +92,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("objective")
     o.add_argument("--eps", type=float, default=1e-3, help="t ~ U[eps, 1)")
     o.add_argument("--sc-prob", type=float, default=0.5, help="self-conditioning probability")
-    o.add_argument("--ar-weight", type=float, default=DEFAULTS["ar_weight"], help="encoder next-token loss weight")
+    o.add_argument("--ar-weight", type=float, default=None,
+                   help="encoder next-token loss weight (default: the run's own on --resume, else the one the --model "
+                        "was trained with, from its blockpress_objective.json, else 1)")
     o.add_argument("--ar-scope", default="response", choices=["response", "all"])
     o.add_argument("--ar-only", action="store_true", help="autoregressive baseline (encoder only, causal LM)")
     o.add_argument("--prompt-tokens", type=int, nargs=2, default=DEFAULTS["prompt_tokens"], metavar=("LO", "HI"),
@@ -165,7 +167,7 @@ def _ignored(args, task: bool) -> list[str]:
         out.append("--blanks (Sudoku puzzles' blank cells; this data is not Sudoku)")
     if not task and changed("prompt_tokens") and _is_chat_data(args):
         out.append("--prompt-tokens (plain text's prompts; a chat row's prompt is its conversation)")
-    if args.ar_only and changed("ar_weight"):
+    if args.ar_only and args.ar_weight is not None:
         out.append("--ar-weight (--ar-only trains the next-token loss alone)")
     if task and (args.eval_data or changed("prompt_tokens")):
         out.append("--eval-data / --prompt-tokens (text and chat data; Sudoku evaluates on held-out puzzles)")
@@ -215,8 +217,10 @@ def build(args, world: int = 1):
     if not task and (args.augment != 1 or args.sudoku_format != "prompt"):
         raise InputError("--augment and --sudoku-format apply to `blockpress train sudoku` only")
     quantized = args.precision != "native" or args.linears != "native"
+    resume_ck = latest_checkpoint(out) if args.resume and out.is_dir() else None
+    ar_weight, ar_note = _ar_weight(args, resume_ck)  # (its errors are its own lines, not a flag's: outside the try)
     try:  # validated here, before any work (and the same way for the Python API: the dataclasses check themselves)
-        ocfg = obj.ObjectiveConfig(eps=args.eps, sc_prob=args.sc_prob, ar_weight=args.ar_weight,
+        ocfg = obj.ObjectiveConfig(eps=args.eps, sc_prob=args.sc_prob, ar_weight=ar_weight,
                                    ar_scope=args.ar_scope, seed=args.seed, ar_only=args.ar_only,
                                    swap_rate=args.swap_rate, rollout=args.rollout)
         tcfg = TrainConfig(out_dir=str(out), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
@@ -236,7 +240,6 @@ def build(args, world: int = 1):
     if not args.resume and out.is_dir() and any(p.is_dir() for p in out.glob("checkpoint-*")):
         raise InputError(f"{out} already holds a training run's checkpoints, which this run would overwrite; continue "
                          "it with --resume, or give another --out (or delete that folder to start over)")
-    resume_ck = latest_checkpoint(out) if args.resume else None
     if args.resume and resume_ck is None:
         if out.is_dir() and any(p.is_dir() for p in out.glob("checkpoint-*")):
             raise InputError(f"{out} holds checkpoint folders, but none with its trainer state (trainer_state.pt): "
@@ -255,7 +258,7 @@ def build(args, world: int = 1):
     if quantized and not args.model:
         raise InputError("--precision / --linears quantise a base checkpoint for LoRA: give it with --model DIR (a model "
                          "trained from scratch has nothing to quantise)")
-    extra = {}
+    extra = {obj.OBJECTIVE_FILE: obj.objective_record(ocfg)}  # what `--model CHECKPOINT` fine-tunes read back
     lora = None
     if args.lora:
         from blockpress.train.lora import PROJ, LoraSpec
@@ -383,7 +386,7 @@ def build(args, world: int = 1):
                 raise OSError(f"{tokdir / 'tokenizer.json'}: {e}") from None
             lm.path = tokdir
         elif lm.path is not None and Path(lm.path).resolve() != tokdir.resolve():
-            from blockpress.lm import TOKENIZER_FILES
+            from blockpress.model.weights import TOKENIZER_FILES
 
             names = [n for n in TOKENIZER_FILES if (Path(lm.path) / n).is_file()]
             if names:
@@ -391,6 +394,8 @@ def build(args, world: int = 1):
                 for n in names:
                     (tokdir / n).write_bytes((Path(lm.path) / n).read_bytes())
                 lm.path = tokdir
+    if ar_note:
+        print(ar_note, file=sys.stderr)
     return lm, source, eval_source, tcfg, lora, extra, resume_ck
 
 
@@ -407,6 +412,28 @@ def _is_chat(path: str) -> bool:
                 return True
             return isinstance(row, dict) and ("messages" in row or "prompt" in row)
     return False
+
+
+def _ar_weight(args, resume_ck) -> tuple[float, str | None]:
+    """--ar-weight; else the resumed run's own; else the one the --model was trained with (its
+    blockpress_objective.json: the shipped Sudoku and KJV models trained with the loss off, and turning it on for a
+    fine-tune trains an encoder head that never learned, whose loss then leads the update); else 1. With the line
+    that says so where the model's weight is not the default (printed once the run's setup is checked)."""
+    from blockpress.loading import resolve_path
+    from blockpress.train.objective import OBJECTIVE_FILE, trained_ar_weight
+    from blockpress.train.trainer import read_state
+
+    if args.ar_weight is not None:
+        return args.ar_weight, None
+    if resume_ck is not None:
+        config = read_state(resume_ck).get("config")
+        saved = config.get("objective", {}).get("ar_weight") if isinstance(config, dict) else None
+        return (DEFAULTS["ar_weight"] if saved is None else saved), None
+    w = trained_ar_weight(resolve_path(args.model, progress=False)) if args.model and not args.ar_only else None
+    if w is None or w == DEFAULTS["ar_weight"]:
+        return DEFAULTS["ar_weight"], None
+    return w, (f"blockpress train: --ar-weight {w:g}, the weight {args.model} was trained with (its {OBJECTIVE_FILE}); "
+               "give --ar-weight to choose another")
 
 
 def _inputs(args) -> dict:

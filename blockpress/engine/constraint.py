@@ -517,7 +517,7 @@ class Constraint:
             out += forced
 
     def _search(self, m, limit: int, coarse: bool = False, deep: bool = False) -> list[int] | None:
-        """The shortest closing path from `m` of at most `limit` tokens that a bounded best-first search finds, or
+        r"""The shortest closing path from `m` of at most `limit` tokens that a bounded best-first search finds, or
         None. From each state it reaches, fewest tokens first, the search tries the allowed tokens in closing order,
         and the words of the grammar's text, as the path's last (the first after which the grammar may end closes
         it), and goes on with one token per first character the grammar takes there (`Vocabulary.allowed_leads`:

@@ -367,9 +367,12 @@ def _most_elements(pairs) -> str | None:
 
 # what a checkpoint or adapter folder holds (these files and sharded weights): an existing folder holding only such
 # files is replaced by a save into it; one holding anything else (a model card a person wrote, too) is refused
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+# what a save copies from the folder the model was loaded from: the tokenizer, what the model is for (a Sudoku
+# model's blockpress_task.json) and the objective it was trained with (the trainer's blockpress_objective.json)
+FOLDER_FILES = TOKENIZER_FILES + ("blockpress_task.json", "blockpress_objective.json")
 CHECKPOINT_FILES = frozenset({
-    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
-    "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "blockpress_task.json",
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json", *FOLDER_FILES,
     "adapter_config.json", "adapter_model.safetensors", "trainer_state.pt", "optimizer"})  # (a training checkpoint's)
 _SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 

@@ -23,12 +23,12 @@ from pathlib import Path
 
 from ..config import ModelConfig
 from ..errors import InputError
+from ..model.weights import FOLDER_FILES
 
 # the last op of each residual branch: zero weights make the branch add nothing
 BRANCH_OUTPUT_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
 _LAYER_KEY = re.compile(r"^(.*\.layers\.)(\d+)\.(.+)$")
-_COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-           "blockpress_task.json")
+_COPIED = FOLDER_FILES + ("generation_config.json",)
 
 
 def grow_depth(src: str | Path, out: str | Path, times: int = 2) -> dict:

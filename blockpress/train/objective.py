@@ -45,8 +45,10 @@ with rollout 0 draws exactly what it did before.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +85,34 @@ class ObjectiveConfig:
         if not self.ar_only and self.ar_weight == 0 and self.diffusion_weight == 0:
             raise ValueError("ar_weight and diffusion_weight are both 0: the loss is 0, nothing would be learnt; give "
                              "one of them a weight > 0")
+
+
+OBJECTIVE_FILE = "blockpress_objective.json"  # in every checkpoint the trainer writes: the loss it trained with
+
+
+def objective_record(cfg: ObjectiveConfig) -> str:
+    """The OBJECTIVE_FILE of a run with this objective (its fields but the data seed)."""
+    return json.dumps({k: v for k, v in asdict(cfg).items() if k != "seed"}, indent=2)
+
+
+def trained_ar_weight(folder: str | Path | None) -> float | None:
+    """The encoder next-token loss weight a model folder says it was trained with (its OBJECTIVE_FILE), or None
+    where it says nothing. A fine-tune defaults to it: a model trained with the loss off has an encoder head that
+    never learned the next token, and turning the loss on makes that untrained term lead the update. A damaged file
+    is an InputError naming it."""
+    from ..errors import InputError
+
+    f = Path(folder) / OBJECTIVE_FILE if folder is not None else None
+    if f is None or not f.is_file():
+        return None
+    try:
+        w = json.loads(f.read_text(encoding="utf-8")).get("ar_weight")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        w = "damaged"
+    if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0)):
+        raise InputError(f'{f} must be a JSON object whose "ar_weight" is a number >= 0 (the objective the model was '
+                         'trained with, e.g. {"ar_weight": 0}); fix it, or delete it and give --ar-weight')
+    return None if w is None else float(w)
 
 
 def example_generator(seed: int, step: int, index: int, stream: str = "train") -> torch.Generator:

@@ -207,10 +207,13 @@ def test_steps_fixes_steps_per_canvas(model_dir, capsys):
     (["--threads", "0"], "--threads"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(model_dir, capsys, flags, needle):
+    """One line, as every other error of the CLI (argparse printed its usage block first: 9 lines for `run`)."""
     with pytest.raises(SystemExit) as e:
         cli(["run", str(model_dir), "hi", *flags])
     assert e.value.code == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and err.startswith("blockpress run: error: "), err
+    assert err.rstrip().endswith("(see `blockpress run --help`)"), err
 
 
 @pytest.mark.parametrize("command", [["eval", "sudoku"], ["bench"], ["train"], ["serve"], ["chat"]])

@@ -33,9 +33,17 @@ EXTRAS = {"fastapi": "server", "uvicorn": "server", "pydantic": "server", "starl
 ALL = object()  # build_parser(ALL): every command's flags
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line, as every other error of the CLI is: the problem and where the
+    flags are listed (argparse prints the whole usage block first, a screenful for `run`)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser(command: str | None | object = ALL) -> argparse.ArgumentParser:
     """The parser with every command listed; the flags of `command` only (ALL: of every command)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="blockpress",
         description="Fast, local engine for block-diffusion language models (DiffusionGemma).",
     )

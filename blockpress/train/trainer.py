@@ -115,6 +115,22 @@ def check_batch(cfg: TrainConfig, world: int) -> None:
                          f"x --grad-accum ({cfg.grad_accum}): each micro-batch takes an equal share")
 
 
+def _with_flag(command: str, flag: str, value: str) -> str:
+    """A command line (shlex-quoted) with `flag value` in place of the one it gives, or added."""
+    import shlex
+
+    try:
+        argv = shlex.split(command)
+    except ValueError:
+        return f"{command} {flag} {value}"
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return shlex.join([*argv[:i + 1], value, *argv[i + 2:]])
+        if a.startswith(flag + "="):
+            return shlex.join([*argv[:i], f"{flag}={value}", *argv[i + 1:]])
+    return f"{command} {flag} {value}"
+
+
 def read_state(ckpt: str | Path) -> dict:
     """A checkpoint's trainer_state.pt; a file torch cannot read (truncated by a crash or a copy) is one
     CheckpointError line naming it and the way on, not a traceback."""
@@ -328,10 +344,11 @@ class Trainer:
             at, f"at step {at}: the loss or the gradient norm is not finite")
         last = latest_checkpoint(self.out)
         cont = f"continue from {last.name}" if last is not None else "start over (no checkpoint yet)"
+        lower = f"{self.cfg.lr / 10:g}"  # a tenth, in the command that continues (it repeated the rate that diverged)
         raise DivergedError(
             f"training diverged {what} (nothing was saved after it); lower --lr (now {self.cfg.lr:g}) or clip the "
-            f"gradient norm (--clip, now {f'{self.cfg.clip:g}' if self.cfg.clip else 'off'}) and {cont}: "
-            f"{self.resume_command}")
+            f"gradient norm (--clip, now {f'{self.cfg.clip:g}' if self.cfg.clip else 'off'}) and {cont}, e.g. "
+            f"{_with_flag(self.resume_command, '--lr', lower)}")
 
     @torch.no_grad()
     def evaluate(self) -> dict:

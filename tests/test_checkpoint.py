@@ -261,8 +261,8 @@ def test_save_replaces_only_a_checkpoint_and_keeps_what_the_model_is_for(tmp_pat
         lm.save(out)  # an earlier checkpoint is replaced
     finally:
         os.umask(old)
-    assert sorted(p.name for p in out.iterdir()) == ["blockpress_task.json", "config.json", "generation_config.json",
-                                                     "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["blockpress_objective.json", "blockpress_task.json", "config.json",
+                                                     "generation_config.json", "model.safetensors", "tokenizer.json"]
     assert stat.S_IMODE(out.stat().st_mode) == 0o755 and stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp or old folders left
     from blockpress.tasks import sudoku as su

@@ -506,6 +506,36 @@ def test_tool_choice_errors(server, tools, choice, needle):
     assert needle in r.json()["error"]["message"]
 
 
+def test_a_tool_reply_must_answer_a_call_before_it(server):
+    """A tool message with an unknown tool_call_id (or after no call at all) was accepted: its prompt held a tool
+    response naming another call's function, or none. It is a 400 naming the message, as OpenAI answers it; an id of
+    the calls before it, or none (the n-th reply answers the n-th call), is taken. /v1/responses: a
+    function_call_output whose call_id no function_call before it has."""
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    ask = {"role": "user", "content": "Weather in Paris?"}
+    reply = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    body = {"tools": [WEATHER], "max_tokens": 8, "seed": 0, **FAST}
+    for messages, param, needle in (
+            ([ask, call, {**reply, "tool_call_id": "call_9"}], "messages.2.tool_call_id",
+             "'call_9' is not the id of a call in the assistant message before it ('call_1')"),
+            ([ask, reply], "messages.1", "a tool message must answer a call of an assistant message with tool_calls"),
+            ([ask, call, reply, ask, reply], "messages.4", "must answer a call")):
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, "messages": messages}, timeout=30)
+        assert r.status_code == 400, (messages, r.text)
+        assert r.json()["error"]["param"] == param and needle in r.json()["error"]["message"], r.json()
+    for messages in ([ask, call, reply], [ask, call, {k: v for k, v in reply.items() if k != "tool_call_id"}]):
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, "messages": messages}, timeout=60)
+        assert r.status_code == 200, r.text
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_2", "output": "sunny"}]
+    r = httpx.post(server.url + "/v1/responses", json={"input": items, "max_output_tokens": 8, **FAST}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.2.call_id", r.text
+    assert "no function_call with call_id 'call_2' comes before this function_call_output" in r.json()["error"][
+        "message"]
+
+
 def test_draft_frames_only_on_request(server):
     def frames(options):
         out = []

@@ -189,7 +189,7 @@ class ResponsesRequest(_DiffusionKnobs, _ResponsesFields):
         if isinstance(self.input, str):
             return out + [{"role": "user", "content": self.input}]
         names: dict[str, str] = {}  # call_id -> function name, for the tool messages
-        for item in self.input:
+        for i, item in enumerate(self.input):
             if isinstance(item, InputMessage):
                 out.append({"role": item.role, "content": _content(item.content)})
             elif isinstance(item, FunctionCallItem):
@@ -201,10 +201,12 @@ class ResponsesRequest(_DiffusionKnobs, _ResponsesFields):
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutputItem):
-                msg = {"role": "tool", "tool_call_id": item.call_id, "content": _content(item.output)}
-                if item.call_id in names:
-                    msg["name"] = names[item.call_id]
-                out.append(msg)
+                if item.call_id not in names:  # (OpenAI: "No tool call found for function call output")
+                    raise APIError(400, f"input.{i}: no function_call with call_id {item.call_id!r} comes before this "
+                                   "function_call_output; send the function_call item it answers first",
+                                   param=f"input.{i}.call_id", code="invalid_value")
+                out.append({"role": "tool", "tool_call_id": item.call_id, "name": names[item.call_id],
+                            "content": _content(item.output)})
         return out
 
     def to_chat(self) -> ChatCompletionRequest:

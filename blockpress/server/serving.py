@@ -352,6 +352,30 @@ class _Run:
     complete: bool = False  # the engine finished the row (no cancel needed)
 
 
+def _check_tool_replies(messages: list[dict]) -> None:
+    """A tool message answers a call of the assistant message with `tool_calls` before it (only tool messages
+    between), and its `tool_call_id`, where given, is one of those calls' ids: OpenAI's rule. Otherwise the prompt
+    would hold a tool response naming no function, or another call's. (Without an id, the n-th reply answers the
+    n-th call, as the chat template reads it.)"""
+    ids: list[str] | None = None  # the calls of the assistant turn the tool messages answer, by id
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            calls = m.get("tool_calls") or []
+            ids = [c["id"] for c in calls if c.get("id")] if calls else None
+        elif m["role"] == "tool":
+            if ids is None:
+                raise APIError(400, f"messages.{i}: a tool message must answer a call of an assistant message with "
+                               "tool_calls before it (only tool messages between); send that assistant message "
+                               "first", param=f"messages.{i}", code="invalid_value")
+            cid = m.get("tool_call_id")
+            if cid is not None and ids and cid not in ids:
+                raise APIError(400, f"messages.{i}.tool_call_id: {cid!r} is not the id of a call in the assistant "
+                               f"message before it ({', '.join(map(repr, ids))}); send the id of the call it answers",
+                               param=f"messages.{i}.tool_call_id", code="invalid_value")
+        else:
+            ids = None
+
+
 class OpenAIServing:
     """Turns validated requests into engine jobs and engine events into OpenAI responses."""
 
@@ -392,6 +416,7 @@ class OpenAIServing:
             raise APIError(400, f"'{self.model_name}' is a plain text model (no chat template); use /v1/completions",
                            param="messages", code="model_not_chat")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        _check_tool_replies(messages)
         try:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True,
                                                 enable_thinking=req.enable_thinking, tools=req.offered_tools,

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--repeats", type=_positive_int, default=3, help="CPU: timed calls per setting (best taken)")
     p.add_argument("--fused", action="store_true",
-                   help="the shapes of a pass with q/k/v and gate/up fused into one projection each (205 -> 115 "
+                   help="the shapes of a pass with q/k/v and gate/up fused into one projection each (205 -> 120 "
                         "GEMMs on the 26B model): is a horizontal fusion worth building?")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -41,7 +41,9 @@ def main(argv=None) -> int:
     p.add_argument("--repair", type=_nonneg_int, default=0, metavar="R",
                    help="also evaluate the default sampler with up to R repair rounds (editing in place)")
     p.add_argument("--threads", type=_positive_int, default=None)
-    p.add_argument("--png", default="benchmarks/results/sudoku_ar_vs_diffusion.png")
+    p.add_argument("--png", default=None, help="also draw the table as a plot here (the shipped one: "
+                   "benchmarks/results/sudoku_ar_vs_diffusion.png)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the final JSON line's summary here")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -79,12 +81,16 @@ def main(argv=None) -> int:
         o = res["overall"]
         print(f"| {name} | {steps} | {per} | {100 * o['solve_rate']:.1f}% | {100 * o['cell_accuracy']:.1f}% | "
               f"{100 * o['clues_kept']:.1f}% | {o['seconds']:.1f} |")
-    _plot(rows, args.png)
+    if args.png:
+        _plot(rows, args.png)
     summary = {"bench": "sudoku_ar_vs_diffusion", "n_per": args.n, "blanks": args.blanks,
                "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "wall_s": round(wall, 1),
                "results": [{"model": n, "steps": s, **{k: round(v, 4) for k, v in r["overall"].items()}}
                            for n, s, r in rows]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
     print(json.dumps(summary))
     return 0
 

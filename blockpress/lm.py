@@ -334,6 +334,8 @@ class BlockDiffusionLM:
         from .model.weights import (FOLDER_FILES, SHARD_BYTES, state_dict_for_checkpoint, stored_dtype, weight_files,
                                      write_atomic)
 
+        if isinstance(shard_bytes, float) and shard_bytes.is_integer():  # 5e9: a whole number, written as a float
+            shard_bytes = int(shard_bytes)
         if shard_bytes is not None and (isinstance(shard_bytes, bool) or not isinstance(shard_bytes, numbers.Integral)
                                         or shard_bytes < 1):
             raise InputError(f"shard_bytes must be a whole number of bytes >= 1 (e.g. 5 * 10**9), got {shard_bytes!r}")

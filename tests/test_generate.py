@@ -673,7 +673,12 @@ def test_api_misuse_is_an_input_error_not_a_python_one(bp, tmp_path):
                          (lambda: bp.generate(torch.zeros(1, 2, 3, dtype=torch.long), **KW), "got shape \\[1, 2, 3\\]"),
                          (lambda: bp.decode_new(r, 5), "row 5 is not a row of this result"),
                          (lambda: bp.save(tmp_path / "a", shard_bytes="big"), "shard_bytes must be"),
-                         (lambda: bp.save(tmp_path / "b", shard_bytes=-5), "shard_bytes must be")]:
+                         (lambda: bp.save(tmp_path / "b", shard_bytes=-5), "shard_bytes must be"),
+                         (lambda: bp.save(tmp_path / "c", shard_bytes=2.5), "shard_bytes must be"),
+                         (lambda: r.cache.crop(10 ** 6), "cannot crop a cache of length")]:
         with pytest.raises(InputError, match=needle):
             call()
     assert not (tmp_path / "b").exists()
+    # a whole number written as a float (docs/api.md's 5e9) is that many bytes
+    assert sorted(p.name for p in bp.save(tmp_path / "d", shard_bytes=5e9).iterdir()) == sorted(
+        p.name for p in bp.save(tmp_path / "e", shard_bytes=5 * 10 ** 9).iterdir())

@@ -208,7 +208,7 @@ def test_ar_vs_diffusion_bench_rescores_a_saved_ar_eval(tmp_path, capsys):
     root = PUBLISHED.parent.parent
     saved = root / "results" / "sudoku-ar-equal-data.json"
     argv = ["x", "--n", "2", "--blanks", "35", "45", "--steps", "1", "--threads", "1", "--png",
-            str(tmp_path / "p.png"), "--ar-results", str(saved)]
+            str(tmp_path / "p.png"), "--ar-results", str(saved), "--json", str(tmp_path / "s.json")]
     old = sys.argv
     try:
         sys.argv = argv
@@ -222,7 +222,7 @@ def test_ar_vs_diffusion_bench_rescores_a_saved_ar_eval(tmp_path, capsys):
                 for (p, sol), pred in zip(sd.test_set(b, 2), want[str(b)]["predictions"])]
         assert ar[0]["cell_accuracy"] == pytest.approx(sum(r["cell_accuracy"] for r in rows) / 4, abs=1e-4)
         assert [r["model"] for r in line["results"]][:2] == ["diffusion", "diffusion (adaptive)"]
-        assert (tmp_path / "p.png").is_file()
+        assert (tmp_path / "p.png").is_file() and json.loads((tmp_path / "s.json").read_text()) == line
         sys.argv = argv[:2] + ["999"] + argv[3:]
         with pytest.raises(SystemExit, match="fewer than 999 AR predictions"):
             runpy.run_path(str(root / "sudoku_ar_vs_diffusion.py"), run_name="__main__")

@@ -83,8 +83,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="the attention kernel's tiles per kind of layer, e.g. 'sliding:bm=32,split=2;full:dv=128' (bm, "
                         "bn, dv, warps, stages, split; a part without 'kind:' sets both kinds; default: what "
                         "blockpress tune kept for this card, else the built-in tiles)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="replay denoising steps, commits (also fused ones) and AR steps from CUDA graphs (default "
+                        "off: the bench times what its flags ask; run, chat, infill and serve replay graphs by default "
+                        "on a GPU)")
     p.add_argument("--moe-tiles", type=_tiles, metavar="SPEC",
                    help="Triton expert kernels' tiles, e.g. bm=32,bn=128,bk=64,warps=8,stages=4 (default: what "
                         "blockpress tune kept for this card, else bm=auto,bn=128,bk=64, and for fp8 on Hopper "

@@ -219,7 +219,8 @@ def _infill(args) -> int:
     lm = blockpress.load(path, device=args.device, dtype=args.dtype, progress=False,
                          **storage_options(args), **experts_option(args))
     refuse_task_model(lm, "eval infill")
-    data = passages(Path(args.data) if args.data else path / "eval" / "heldout.txt")
+    source = Path(args.data) if args.data else path / "eval" / "heldout.txt"
+    data = passages(source)
     _adapter(lm, args)
     examples = ti.make_examples(data, args.n or 200, args.seed)
     results = {}
@@ -228,7 +229,7 @@ def _infill(args) -> int:
         kw = _budget(sampling, s)
         name = "default" if s is None else f"steps={s}"
         results[name] = res = ti.evaluate(lm, examples, args.seed, **kw)
-        print(f"\n{name} ({path}, {len(examples)} passages of {data}, {res['seconds']:.0f} s)")
+        print(f"\n{name} ({path}, {len(examples)} passages of {source}, {res['seconds']:.0f} s)")
         print(ti.format_report(res))
     if args.json:
         with open(args.json, "w") as f:

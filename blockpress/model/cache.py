@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
+
 
 def rounded_capacity(needed: int, limit: int) -> int:
     """The positions a cache on reused buffers is made with for `needed`: the next power of two, at most `limit`
@@ -215,12 +217,13 @@ class KVCache:
         self.has_padding = not bool(self.valid[:, :length].all())
 
     def _check_end(self, length: int) -> None:
-        """ValueError unless positions [0, length) can be this cache's content: no more than it holds, and its
-        sliding layers still hold the window before `length`."""
+        """InputError (a ValueError) unless positions [0, length) can be this cache's content: no more than it holds,
+        and its sliding layers still hold the window before `length`."""
         if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+            raise InputError(f"cannot crop a cache of length {self.length} to {length}; give a length in 0.."
+                             f"{self.length}")
         if self.ring is not None and max(0, length - self.window) < self._present_from():
-            raise ValueError(f"cannot crop a cache of length {self.length} to {length}: its sliding layers keep the "
+            raise InputError(f"cannot crop a cache of length {self.length} to {length}: its sliding layers keep the "
                              f"last {self.ring} positions written, and position {max(0, length - self.window)} is "
                              "gone; encode the text again from the start (or keep a copy of the cache before going "
                              "on)")
@@ -232,7 +235,7 @@ class KVCache:
         ring no longer holds position 0."""
         self._check_end(length)
         if whole and self._present_from() > 0:
-            raise ValueError(f"positions [0, {self._present_from()}) of this cache's sliding layers are gone")
+            raise InputError(f"positions [0, {self._present_from()}) of this cache's sliding layers are gone")
         out = self._like(self.keys, self.values, self.valid, self.batch, self.capacity, length, False)
         out.has_padding = not bool(self.valid[:, :length].all())
         out._high, out.view = self._high, True

@@ -2054,6 +2054,96 @@ def test_worker_logprobs_in_a_batch_follow_their_rows(lm, graphs):
         assert all(len(a) == (2 if i == 0 else 0) for _, a in got)
 
 
+def test_cancelled_waiting_rows_hold_no_place_and_a_requests_rows_join_together(lm):
+    """Two findings of a soak: (1) cancelled requests behind a live one kept their places while the batch was full,
+    so new requests got 429 "queue is full" with one live request waiting (and /health counted the ghosts); (2) a
+    request's n choices joined at different boundaries when the batch had room for some of them only."""
+    from blockpress.engine.scheduler import QueueFull, Scheduler
+
+    class R:  # a queued row, as the scheduler reads it
+        def __init__(self, S=10):
+            self.prompt_length, self.cancelled = S, False
+            self.cfg = lm.generation_config(max_new_tokens=16)
+
+    s = Scheduler(16, 4096, max_batch=4, queue_size=4)
+    live, ghosts = R(), [R(), R(), R()]
+    s.submit(live)
+    for g in ghosts:
+        s.submit(g)
+    for g in ghosts:
+        g.cancelled = True  # their clients hung up while the batch was full
+    newcomer = R()
+    s.submit(newcomer)  # QueueFull before: 4 waiting
+    assert s.depth() == 2 and s.dropped == 3
+    running = [object()] * 4
+    assert s.admit(running, 100).rows == []  # a full batch: both wait
+    assert s.admit(running[:3], 100).rows == [live]
+    # a request's three choices wait for room for all three; what came after them waits too
+    s2 = Scheduler(16, 4096, max_batch=4)
+    choices, later = (R(), R(), R()), R()
+    s2.submit(*choices)
+    s2.submit(later)
+    assert s2.admit([object()] * 2, 100).rows == []
+    assert s2.admit([object()], 100).rows == list(choices)
+    assert s2.admit([object()] * 3, 100).rows == [later]
+    # more rows than a batch holds (a completions batch): parts of max_batch rows
+    s3 = Scheduler(16, 4096, max_batch=4)
+    many = [R() for _ in range(6)]
+    s3.submit(*many)
+    assert s3.admit([], None).rows == many[:4] and s3.admit([], None).rows == many[4:]
+    with pytest.raises(QueueFull):
+        Scheduler(16, 4096, max_batch=4, queue_size=2).submit(R(), R(), R())
+
+
+def test_sigterm_drains_within_the_shutdown_timeout_and_tells_every_client(model_dir, lm, tmp_path):
+    """SIGTERM waited for every running and queued request to finish, however long (75 s for one 2,500-token stream
+    in a soak), so a supervisor's kill cut streams without a word, and a forced quit sent plain-text 500s. Now a
+    waiting request gets a 503 at once, a running stream ends with a shutdown error event within
+    --shutdown-timeout, and the process exits without a traceback."""
+    s = ServerProcess(model_dir, "--max-batch", "1", "--shutdown-timeout", "2", "--max-tokens-limit", "4096",
+                      log=tmp_path / "server.log")
+    eos = lm.generation_defaults.get("eos_token_id")
+    ban = {str(i): -100 for i in ([eos] if isinstance(eos, int) else eos or [])}
+    body = {"messages": MSG, "max_tokens": 2048, "steps": 64, "logit_bias": ban}  # (~10 s of work or more)
+    events, waiting = [], {}
+
+    def stream():
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            if r.status_code != 200:
+                events.append(f"status {r.status_code}: {r.read()!r}")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+
+    def queued():
+        r = httpx.post(s.url + "/v1/chat/completions", json={**body, "max_tokens": 8}, timeout=60)
+        waiting.update(status=r.status_code, body=r.json())
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=queued)]
+    try:
+        threads[0].start()
+        deadline = time.monotonic() + 60
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert events and events[0].startswith("{"), events
+        threads[1].start()
+        time.sleep(1.0)  # the second request waits: the batch holds one row
+        t0 = time.monotonic()
+        s.proc.terminate()
+        for t in threads:
+            t.join(timeout=30)
+        s.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        s.stop()
+    assert waiting["status"] == 503 and waiting["body"].get("error", {}).get("code") == "shutting_down", waiting
+    assert events[-1] == "[DONE]" and json.loads(events[-2]).get("error", {}).get("code") == "shutting_down", \
+        events[-3:]
+    assert took < 2 + 10, took
+    log = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in log and "shutting down: 1 running request(s) get up to 2 s" in log, log[-2000:]
+
+
 def test_a_short_request_joins_a_long_running_batch_at_the_next_boundary(lm):
     """A short request that arrived while a long one had written more than four canvases waited for the whole batch
     to drain (the padding to the batch's end was bounded: 14 s behind a long reply on the shipped chat model); now

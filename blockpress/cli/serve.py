@@ -53,6 +53,10 @@ def add_parser(p) -> None:
                    help="keep the K/V of prompts that ran alone, up to this many GiB on the model's device, for later "
                         "prompts that start the same way (a chat's next turn encodes only its new tokens; 0: off; "
                         "default: 1)")
+    p.add_argument("--shutdown-timeout", type=_float_in(0, strict=False), default=8.0, metavar="SECONDS",
+                   help="on SIGINT / SIGTERM: waiting requests get a 503 at once, running ones this long to finish "
+                        "before they end with a shutdown error (a stream's error event); default 8, within docker "
+                        "stop's 10 s")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_sampling_args(p, seed=False, server=True)
 
@@ -148,8 +152,19 @@ def main(args) -> int:
                                   "or without CUDA graphs: --no-cuda-graphs") from None
     worker.start()
     print(f"blockpress: serving '{name}' on http://{args.host}:{args.port} (web page at /, API at /v1)", flush=True)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # the first signal starts the drain, then uvicorn's graceful shutdown
+            if not self.should_exit:
+                print(f"blockpress: shutting down: {worker.active} running request(s) get up to "
+                      f"{args.shutdown_timeout:g} s to finish, {worker.queue_depth} waiting and new ones a 503",
+                      flush=True)
+                worker.drain(args.shutdown_timeout)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)  # (a backstop: the drain ends rows)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+        Server(config).run()
     finally:
         worker.stop()
     return 0

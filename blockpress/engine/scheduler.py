@@ -13,8 +13,12 @@ Continuous batching at canvas granularity:
 - The prompts that join at one boundary are encoded together, left-padded to the longest of them, and that
   padding is computed: they join together while the longest minus the shortest is at most `max_padding` (the
   others join at a later boundary). A fresh batch (after the last one drained) ends at its longest prompt.
-- First come, first served, skipping requests that do not fit yet; at most `max_batch` rows.
-- Rows leave at a boundary once finished or cancelled; a waiting request that was cancelled is dropped.
+- The rows queued by one `submit` (a request's `n` choices, a completions batch) join at the same boundary, all or
+  none (in parts of `max_batch` rows where there are more).
+- First come, first served, skipping requests whose prompts do not fit yet; at most `max_batch` rows: a request
+  that waits for room in the batch is not overtaken by later ones.
+- Rows leave at a boundary once finished or cancelled; a waiting request that was cancelled is dropped at once,
+  wherever it waits (it does not hold a place in the queue).
 
 Rows are `engine.rows.Row` (anything with `prompt_length`, `cfg.max_new_tokens`, `cancelled` and `finished`
 does). `submit` may be called from other threads than the one running the loop (a lock guards the queue).
@@ -58,7 +62,7 @@ class Scheduler:
         self.C, self.max_positions = canvas_length, max_positions
         self.max_batch, self.queue_size = max_batch, queue_size
         self.max_padding = 4 * canvas_length if max_padding is None else max_padding
-        self.queue: deque = deque()
+        self.queue: deque = deque()  # of groups: the rows of one `submit` (or a part of max_batch of them), in order
         self.dropped = 0  # requests abandoned by their clients, waiting or in the batch (a server counts them)
         self.lock = threading.Lock()
 
@@ -74,14 +78,34 @@ class Scheduler:
                 raise InputError(f"prompt ({row.prompt_length} tokens) + generated canvases need {need} positions; "
                                  f"the model has {self.max_positions}: shorten the prompt or lower max_tokens")
         with self.lock:
-            if len(self.queue) + len(rows) > self.queue_size:
+            waiting = self._prune()
+            if waiting + len(rows) > self.queue_size:
                 raise QueueFull(f"the request queue is full ({self.queue_size} waiting)" if len(rows) == 1 else
-                                f"the request queue has no room for its {len(rows)} rows ({len(self.queue)} of "
+                                f"the request queue has no room for its {len(rows)} rows ({waiting} of "
                                 f"{self.queue_size} waiting)")
-            self.queue.extend(rows)
+            self.queue.extend(tuple(rows[i:i + self.max_batch]) for i in range(0, len(rows), self.max_batch))
+
+    def _prune(self) -> int:
+        """Drop the cancelled rows from the queue (under the lock); the number of rows still waiting."""
+        n = 0
+        for group in list(self.queue):
+            live = tuple(r for r in group if not r.cancelled)
+            if len(live) < len(group):
+                self.dropped += len(group) - len(live)
+                if live:
+                    self.queue[self.queue.index(group)] = live
+                else:
+                    self.queue.remove(group)
+            n += len(live)
+        return n
+
+    def depth(self) -> int:
+        """Rows waiting to join (the cancelled ones dropped)."""
+        with self.lock:
+            return self._prune()
 
     def waiting(self) -> bool:
-        return bool(self.queue)
+        return self.depth() > 0
 
     def keep(self, running: list) -> list[int]:
         """The rows of the batch that stay at this boundary (not finished, not cancelled), in order."""
@@ -97,30 +121,27 @@ class Scheduler:
         return Admission(chosen, end)
 
     def _choose(self, running: list, length: int | None) -> list:
+        self._prune()
         lo = hi = None  # the shortest and longest prompt chosen: they are encoded together, padded to the longest
         chosen: list = []
-        for row in list(self.queue):
-            if row.cancelled:
-                self.queue.remove(row)
-                self.dropped += 1
-                continue
-            if len(running) + len(chosen) >= self.max_batch:
-                break
-            S = row.prompt_length
-            low, high = min(S, lo if lo is not None else S), max(S, hi or 0)
+        for group in list(self.queue):
+            if len(running) + len(chosen) + len(group) > self.max_batch:
+                break  # it waits for room, and nothing queued after it goes first
+            S = [r.prompt_length for r in group]
+            low, high = min(S) if lo is None else min(lo, *S), max(S) if hi is None else max(hi, *S)
             # a running batch: end where its cache ends (the padding before the joiners' prompts is masked only);
             # a fresh batch: at the longest prompt
             end = length if length is not None else high
-            ok = S <= end and high - low <= self.max_padding  # (the joiners' own padding is computed)
-            ok = ok and all(self._need(r, end) <= self.max_positions for r in (*chosen, row))
+            ok = max(S) <= end and high - low <= self.max_padding  # (the joiners' own padding is computed)
+            ok = ok and all(self._need(r, end) <= self.max_positions for r in (*chosen, *group))
             if ok:
-                self.queue.remove(row)
-                chosen.append(row)
+                self.queue.remove(group)
+                chosen.extend(group)
                 lo, hi = low, high
         return chosen
 
     def clear(self) -> list:
         """Empty the queue (shutting down); returns the rows that waited."""
         with self.lock:
-            rows, self.queue = list(self.queue), deque()
+            rows, self.queue = [r for group in self.queue for r in group], deque()
         return rows

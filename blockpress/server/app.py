@@ -37,7 +37,7 @@ from .responses_protocol import ResponseObject, ResponsesRequest, ResponseStream
 from .serving import OpenAIServing
 
 log = logging.getLogger("blockpress.server")
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500)}
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)}
 
 
 # pydantic names the branch of a union field in the error's location ("stop.constrained-str",

@@ -35,7 +35,7 @@ from .budget import encode_within
 from .protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                        CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, FunctionCall,
                        Limits, ModelCard, ModelList, ResponseMessage, ResponseToolCall, Sampling, Usage)
-from .worker import Handle, Job, QueueFull, RowCommit, RowDraft, RowError, Worker
+from .worker import Handle, Job, QueueFull, RowCommit, RowDraft, RowError, ShuttingDown, Worker
 
 Disconnected = Callable[[], Awaitable[bool]]
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -520,6 +520,8 @@ class OpenAIServing:
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error",
                            code="queue_full") from None
+        except ShuttingDown as e:
+            raise APIError(503, str(e), type="server_error", code="shutting_down") from None
         except SamplingError as e:  # (the one sampling setting only the model can check: logit_bias's token ids)
             raise APIError(400, str(e), param="logit_bias", code="invalid_value") from None
         except BlockpressError as e:
@@ -572,6 +574,8 @@ class OpenAIServing:
                     continue
             if isinstance(ev, RowError):
                 run.complete = True
+                if ev.shutdown:
+                    raise APIError(503, ev.message, type="server_error", code="shutting_down")
                 self.engine_error = ev.message
                 raise APIError(500, ev.message, type="server_error")
             if isinstance(ev, RowCommit):

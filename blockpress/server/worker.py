@@ -39,7 +39,8 @@ from ..sampling import bias_vector
 
 log = logging.getLogger("blockpress.server")
 
-__all__ = ["Worker", "Job", "Handle", "QueueFull", "RowDraft", "RowCommit", "RowDone", "RowError", "run_job"]
+__all__ = ["Worker", "Job", "Handle", "QueueFull", "ShuttingDown", "RowDraft", "RowCommit", "RowDone", "RowError",
+           "run_job"]
 
 
 @dataclass
@@ -76,6 +77,14 @@ class RowDone:
 @dataclass
 class RowError:
     message: str
+    shutdown: bool = False  # the server is shutting down (a 503), not a failed generation (a 500)
+
+
+SHUTTING_DOWN = "the server is shutting down; retry on another server, or once it is back"
+
+
+class ShuttingDown(Exception):
+    """The worker takes no more requests: the server is shutting down."""
 
 
 class Handle:
@@ -160,6 +169,7 @@ class Worker:
         self.engine = Engine(self.runner, self.scheduler, self.options.sampler, self.options.fused(lm.device))
         self._cond = threading.Condition()
         self._stop = False
+        self._deadline: float | None = None  # set by `drain`: the running rows end by then
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ public API
@@ -174,6 +184,18 @@ class Worker:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def drain(self, seconds: float) -> None:
+        """Begin a shutdown (the server got SIGINT or SIGTERM): no new requests (`ShuttingDown`, a 503), the waiting
+        ones ended now, and the running rows given up to `seconds` to finish before they are ended too, each with a
+        shutdown error its client sees (a stream's error event), so every connection closes before the process
+        exits and none is cut without a word."""
+        with self._cond:
+            self._deadline = time.monotonic() + seconds
+            for row in self.scheduler.clear():
+                row.sink.put(RowError(SHUTTING_DOWN, shutdown=True))
+            self._gauge()
+            self._cond.notify_all()
 
     def submit(self, job: Job, loop=None) -> Handle:
         """Queue a job; raises QueueFull, InputError when the prompt can never fit the positions, or SamplingError for
@@ -194,6 +216,8 @@ class Worker:
             handles.append(handle)
             rows.append(handle.row)
         with self._cond:
+            if self._deadline is not None:
+                raise ShuttingDown(SHUTTING_DOWN)
             self.scheduler.submit(*rows)
             self._gauge()
             self._cond.notify_all()
@@ -209,7 +233,7 @@ class Worker:
 
     @property
     def queue_depth(self) -> int:
-        return len(self.scheduler.queue)
+        return self.scheduler.depth()
 
     @property
     def active(self) -> int:
@@ -218,7 +242,7 @@ class Worker:
     @property
     def busy(self) -> bool:
         """Rows in the batch, or waiting to join."""
-        return bool(self.engine.rows or self.scheduler.queue)
+        return bool(self.engine.rows) or self.scheduler.waiting()
 
     def warm_up(self) -> float:
         """Run short requests through the loop before `start()`: on a GPU, Triton compiles and checks its kernels
@@ -283,6 +307,12 @@ class Worker:
                     self._cond.wait(timeout=1.0)
                 if self._stop:
                     break
+            if self._deadline is not None and time.monotonic() >= self._deadline and self.engine.rows:
+                for row in self.engine.rows:  # out of time to finish: end them, each with a word to its client
+                    row.sink.put(RowError(SHUTTING_DOWN, shutdown=True))
+                self.engine.reset()
+                self._gauge()
+                continue
             try:
                 with torch.no_grad():
                     self.canvas()
@@ -294,7 +324,7 @@ class Worker:
                 self.engine.reset()
                 self._gauge()
         for row in self.engine.rows + self.scheduler.clear():
-            row.sink.put(RowError("server is shutting down"))
+            row.sink.put(RowError(SHUTTING_DOWN, shutdown=True))
 
     def canvas(self) -> None:
         """One canvas boundary and one denoised canvas for every row, their events delivered (the thread's loop

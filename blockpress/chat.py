@@ -190,10 +190,26 @@ class _GenerationTag(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's sandbox, also bounding what `*` and `**` make: `'x' * 10**10` in a damaged template took the process's
+    memory (the sandbox bounds `range` alone)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+    LIMIT = 10 ** 7  # items of a repeated string or list; digits of a power, roughly
+
+    def call_binop(self, context, operator, left, right):
+        seq, n = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+        if operator == "*" and isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > self.LIMIT:
+            raise jinja2.sandbox.SecurityError(f"a repeat of {len(seq) * n} items is too long for a prompt")
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and \
+                right * max(abs(left), 2).bit_length() > 4 * self.LIMIT:
+            raise jinja2.sandbox.SecurityError("a power too large for a prompt")
+        return super().call_binop(context, operator, left, right)
+
+
 @functools.lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols, _GenerationTag])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -360,11 +376,16 @@ def render_chat_template(template: str, messages: Any, *, add_generation_prompt:
     try:
         text = compiled.render(**variables)
     except jinja2.exceptions.TemplateError as exc:
-        raise InputError(f"chat template rejected the conversation: {exc}; fix the messages") from None
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-        raise InputError(f"chat template failed on this conversation ({type(exc).__name__}: {exc}); "
-                         "check the message fields the template expects") from None
+        raise InputError(f"chat template rejected the conversation: {_first_line(exc)}; fix the messages") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the template's code raised (ZeroDivisionError, a recursion,
+        # the sandbox's OverflowError for a huge range): one line, as every error from rendering
+        raise InputError(f"chat template failed on this conversation ({type(exc).__name__}: {_first_line(exc)}); "
+                         "check the message fields the template expects, or fix the template") from None
     return _continued(text, normalized[-1]) if continue_final_message else text
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0][:300]
 
 
 def _continued(text: str, last: dict[str, Any]) -> str:

@@ -143,6 +143,9 @@ class TextConfig:
         n = self.num_hidden_layers
         if not self.layer_types:
             self.layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)]
+        elif not isinstance(self.layer_types, list) or not all(isinstance(t, str) for t in self.layer_types):
+            raise ConfigError(f"config field 'layer_types' must be a list of '{SLIDING}' / '{FULL}', one per layer, "
+                              f"got {json.dumps(self.layer_types)[:80]}; fix config.json")
         else:
             self.layer_types = list(self.layer_types)
         if len(self.layer_types) != n:
@@ -165,6 +168,8 @@ class TextConfig:
                 raise ConfigError(f"config field 'rope_parameters.{t}.rope_type' is {rt!r}; "
                                   "supported: 'default', 'proportional'")
             _number(f"rope_parameters.{t}.rope_theta", merged[t].get("rope_theta", 10000.0), lo=1.0)
+            if merged[t].get("factor") is not None:  # (0 or NaN made every logit NaN at the first draw)
+                _number(f"rope_parameters.{t}.factor", merged[t]["factor"])
             if "partial_rotary_factor" in merged[t]:
                 _number(f"rope_parameters.{t}.partial_rotary_factor", merged[t]["partial_rotary_factor"], hi=1.0)
                 if rt == "default" and merged[t]["partial_rotary_factor"] != 1.0:  # it would be ignored here
@@ -305,7 +310,7 @@ def _read_json(path: Path, what: str) -> dict:
                           "folder")
     try:
         return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"{path} is not valid JSON ({e}); re-download or fix the file") from None
     except OSError as e:  # no permission, a disk error
         fix = "make it readable (chmod a+r) or load as its owner" if isinstance(e, PermissionError) else \

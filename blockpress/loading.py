@@ -280,6 +280,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
         raise InputError(str(e)) from None
     folder = resolve_path(model, progress)
     _refuse_adapter_folder(folder, model)
+    _refuse_unreadable_side_files(folder)
     config = ModelConfig.from_file(folder / "config.json")
     prequantized = _prequantized(folder, config.raw)
     files = find_weight_files(folder)
@@ -368,6 +369,19 @@ def _prequantized(folder: Path, raw: dict) -> dict | None:
         raise CheckpointError(f"{folder} is a pre-quantised checkpoint ({where}, quant_method "
                               f"{_quant_method(qc)}) that blockpress cannot read ({why}); {PREQUANTIZED_FIX}")
     return qc
+
+
+def _refuse_unreadable_side_files(folder: Path) -> None:
+    """A file the folder may hold that is there but cannot be read (a broken link, as a Hub cache's missing blob
+    leaves; a folder in its place) was read as absent: the reference's sampler instead of the checkpoint's, the
+    built-in chat template instead of its own. CheckpointError naming it."""
+    from .model.weights import FOLDER_FILES
+
+    for name in ("generation_config.json", *FOLDER_FILES):
+        f = folder / name
+        if (f.exists() or f.is_symlink()) and not f.is_file():
+            why = "a folder" if f.is_dir() else "a broken link"
+            raise CheckpointError(f"{f} is {why}, not a file; restore it (re-download the checkpoint) or delete it")
 
 
 def _refuse_adapter_folder(folder: Path, model) -> None:

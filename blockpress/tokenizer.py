@@ -95,7 +95,7 @@ def _token_content(value: Any) -> str | None:
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc}); re-download the checkpoint file") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object; re-download the checkpoint file")

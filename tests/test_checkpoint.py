@@ -701,3 +701,73 @@ def test_the_loading_bar_is_drawn_on_a_terminal_only(tmp_path, capfd):
     bar.close()
     assert bar.disable and "loading weights" not in capfd.readouterr().err
     assert _progress(3, "x", False).disable
+
+
+def test_damaged_files_found_by_a_file_audit_are_one_line(tmp_path):
+    """One damage at a time to a copy of the shipped KJV model, each a traceback or a silently other model before:
+    a tensor in two weight files (the last file won), a broken link in place of generation_config.json (the
+    reference's sampler instead of the checkpoint's), JSON nested too deeply (RecursionError), weights that make NaN
+    logits (a RuntimeError from torch at the first draw), chat templates that divide by zero or repeat a string 10^10
+    times (the process was killed), a trainer state without its fields. An F64 checkpoint was refused as pre-quantised;
+    it loads."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from blockpress.chat import render_chat_template
+    from blockpress.errors import BlockpressError, InputError
+    from blockpress.loading import SHIPPED_MODELS
+    from blockpress.train.trainer import read_state
+
+    src = SHIPPED_MODELS["kjv"]
+
+    def copy(name):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        return d
+
+    def refused(d, needle):
+        with pytest.raises(BlockpressError, match=needle) as e:
+            blockpress.load(d, progress=False)
+        assert "\n" not in str(e.value)
+
+    sd = load_file(str(src / "model.safetensors"))
+    key = next(iter(sd))
+    d = copy("dup")  # two shards of an index, the tensor in both
+    save_file({k: v for k, v in sd.items()}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({key: sd[key] + 1}, str(d / "model-00002-of-00002.safetensors"))
+    os.remove(d / "model.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        **{k: "model-00001-of-00002.safetensors" for k in sd}, "x": "model-00002-of-00002.safetensors"}}))
+    refused(d, f"{key} is in both")
+    d = copy("link")
+    os.remove(d / "generation_config.json")
+    os.symlink(tmp_path / "nowhere", d / "generation_config.json")
+    refused(d, "generation_config.json is a broken link")
+    d = copy("deep")
+    (d / "config.json").write_text("[" * 100000 + "]" * 100000)
+    refused(d, "config.json is not valid JSON")
+    d = copy("f64")
+    save_file({k: v.double() for k, v in sd.items()}, str(d / "model.safetensors"))
+    assert blockpress.load(d, progress=False, dtype="float32").generate_text("And God said", seed=0, max_new_tokens=8)
+    for field, value, needle in (("layer_types", 1.5, "must be a list of"), ("layer_types", [["x"]] * 4, "must be a list"),
+                                 ("rope_parameters", {"full_attention": {"rope_type": "proportional", "factor": 0}},
+                                  "factor' must be a number > 0")):
+        d = copy(f"cfg-{field}-{len(str(value))}")
+        raw = json.loads((d / "config.json").read_text())
+        (raw.get("text_config") or raw)[field] = value
+        (d / "config.json").write_text(json.dumps(raw))
+        refused(d, needle)
+    from blockpress.sampling import sample_tokens  # NaN logits (an overflow, a merged NaN adapter): one line
+    with pytest.raises(BlockpressError, match="logits are not finite"):
+        sample_tokens(torch.full((1, 2, 5), float("nan")), torch.Generator().manual_seed(0))
+    for template, needle in (("{{ 1/0 }}", "ZeroDivisionError"), ("{{ 'ab' * 10**10 }}", "too long"),
+                             ("{{ raise_exception('line one\nline two') }}", "line one;")):
+        with pytest.raises(InputError, match=needle) as e:
+            render_chat_template(template, [{"role": "user", "content": "hi"}])
+        assert "\n" not in str(e.value)
+    (tmp_path / "ck").mkdir()
+    torch.save({"config": "x", "step": "y"}, tmp_path / "ck" / "trainer_state.pt")
+    with pytest.raises(BlockpressError, match="is not a trainer state"):
+        read_state(tmp_path / "ck")

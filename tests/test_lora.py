@@ -265,3 +265,39 @@ def test_resuming_with_other_lora_flags_names_the_flag_to_change(tmp_path, capsy
     assert "fine-tunes every weight (checkpoint-0000001 has no adapter_config.json); drop --lora 2" in \
         capsys.readouterr().err
     assert cli_main([*lora, "--resume", "--lora", "2", "--lora-alpha", "4"]) == 0  # alpha 2 x rank, as started
+
+
+def test_a_damaged_adapter_is_one_line_and_leaves_the_model_usable(adapter, tmp_path):
+    """A file audit damaged adapters one field at a time: r 0 / "abc" / null, lora_alpha "abc" / NaN, a lora_B
+    missing, NaN weights and a nested-too-deep config each reached int()/float(), a KeyError, or NaN logits at
+    generate (a torch RuntimeError). Each is a CheckpointError naming the problem; the model is unchanged."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from blockpress.errors import CheckpointError
+
+    path, _, out, _ = adapter
+    lm = blockpress.load(path, progress=False)
+    ids = torch.tensor([[5, 6, 7]])
+    before = lm.generate(ids, max_new_tokens=8, generator=torch.Generator().manual_seed(0)).sequences
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    a_key = next(k for k in tensors if k.endswith("lora_A.weight") and ".decoder." in k)
+    cases = [({"r": 0}, None, "r is 0"), ({"r": "abc"}, None, "r is 'abc'"), ({"r": None}, None, "r is None"),
+             ({"lora_alpha": "abc"}, None, "lora_alpha is 'abc'"), ({"lora_alpha": float("nan")}, None, "lora_alpha is nan"),
+             ({}, {k: v for k, v in tensors.items() if k != a_key.replace("lora_A", "lora_B")}, "but not its lora_B"),
+             ({}, {**tensors, a_key: torch.full_like(tensors[a_key], float("nan"))}, "hold NaN or inf"),
+             ("[" * 100000 + "]" * 100000, None, "not valid JSON")]
+    for i, (change, weights, needle) in enumerate(cases):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(out, bad)
+        text = change if isinstance(change, str) else json.dumps({**cfg, **change})
+        (bad / "adapter_config.json").write_text(text)
+        if weights is not None:
+            save_file(weights, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(CheckpointError, match=needle) as e:
+            L.apply_adapter(lm, bad)
+        assert "\n" not in str(e.value)
+    after = lm.generate(ids, max_new_tokens=8, generator=torch.Generator().manual_seed(0)).sequences
+    assert torch.equal(before, after)

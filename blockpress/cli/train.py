@@ -408,7 +408,7 @@ def _is_chat(path: str) -> bool:
         if line.strip():
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 return True
             return isinstance(row, dict) and ("messages" in row or "prompt" in row)
     return False

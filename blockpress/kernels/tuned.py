@@ -114,7 +114,7 @@ def _read(p: Path) -> dict:
     fix = "delete it (blockpress tune writes it again) or set BLOCKPRESS_TUNED to another file"
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise InputError(f"the tuned settings {p} are not readable JSON ({type(e).__name__}): {fix}") from None
     devices = data.get("devices") if isinstance(data, dict) else None
     if not isinstance(data, dict) or data.get("blockpress_tuned") != FORMAT or not isinstance(devices, dict) or \

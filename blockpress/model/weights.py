@@ -45,7 +45,7 @@ FLOAT_DTYPES = set(SAFETENSORS_FLOATS)  # safetensors' names of the float types 
 # and, beside its weights, the scales, zero points and packed values of its quantiser (FP8: weight_scale(_inv),
 # input_scale; NVFP4 / compressed-tensors: weight_packed, weight_global_scale, weight_scale_2; GPTQ / AWQ: qweight,
 # qzeros, scales, g_idx; k_scale / v_scale of an fp8 KV cache)
-LOW_BIT_FLOAT = re.compile(r"^F[468]")
+LOW_BIT_FLOAT = re.compile(r"^F([468]$|[468]_)")  # F4, F6_E3M2, F8_E4M3, ...; not F64 (a float format this loads)
 QUANT_COMPANION = re.compile(r"(_scale|_scale_inv|_scale_2|_global_scale|weight_packed|_zero_point|weight_shape|"
                              r"\.qweight|\.qzeros|\.scales|g_idx)$")
 
@@ -73,8 +73,9 @@ def find_weight_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is malformed ({e!r}); re-download the checkpoint") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
+            why = str(e).splitlines()[0][:200] if str(e) else ""
+            raise CheckpointError(f"{index} is malformed ({type(e).__name__}: {why}); re-download the checkpoint") from None
         except OSError as e:
             raise CheckpointError(f"could not read {index} ({e.strerror or e}); "
                                   f"{_READ_FIX.get(e.errno, 're-download the checkpoint')}") from None
@@ -186,10 +187,16 @@ def load_weights(module: torch.nn.Module, files: list[Path], device, dtype, prog
     keys_per_file = []
     sums: list[tuple[str, torch.Tensor]] = []  # (key, fp32 sum): NaN or Inf when the tensor holds one
     seen_quantized: set[str] = set()
+    first_file: dict[str, Path] = {}  # a tensor in two files: which one would win is an accident of their order
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as h:
                 keys_per_file.append((f, list(h.keys())))
+                for key in keys_per_file[-1][1]:
+                    if first_file.setdefault(key, f) != f:
+                        raise CheckpointError(f"{key} is in both {first_file[key].name} and {f.name}; a checkpoint "
+                                              "holds each tensor once: remove the stray weight file (or "
+                                              "re-download the checkpoint)")
                 _refuse_prequantized(f, h, expected, layout.wanted if layout is not None else ())
         except (SafetensorError, OSError, ValueError) as e:
             raise _open_error(f, e) from None

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ..errors import SamplingError
+from ..errors import CheckpointError, SamplingError
 
 _SCHEDULE_CHUNK = 4096
 
@@ -117,11 +117,18 @@ def sample_tokens(z: torch.Tensor, generator=None, active=None) -> torch.Tensor:
     """One categorical draw per position from softmax(z) (fp32). z [B,C,V] -> [B,C]."""
     B, C, V = z.shape
     probs = torch.softmax(z, dim=-1, dtype=torch.float32)
-    if isinstance(generator, (list, tuple)):
-        return torch.stack([torch.multinomial(probs[b], num_samples=1, generator=g).view(C) if on
-                            else torch.zeros(C, dtype=torch.long, device=z.device)
-                            for b, (g, on) in enumerate(_rows(generator, active))])
-    return torch.multinomial(probs.view(-1, V), num_samples=1, generator=generator).view(B, C)
+    try:
+        if isinstance(generator, (list, tuple)):
+            return torch.stack([torch.multinomial(probs[b], num_samples=1, generator=g).view(C) if on
+                                else torch.zeros(C, dtype=torch.long, device=z.device)
+                                for b, (g, on) in enumerate(_rows(generator, active))])
+        return torch.multinomial(probs.view(-1, V), num_samples=1, generator=generator).view(B, C)
+    except RuntimeError as e:  # torch checks the probabilities on the host side of the draw: no cost when they are fine
+        if "probability tensor contains" not in str(e):
+            raise
+        raise CheckpointError("the model's logits are not finite (NaN or inf): its weights, an adapter's, or a "
+                            "config value such as a rotary factor of 0 make them so; check the checkpoint (and "
+                            "adapter) with blockpress.load and a plain generate") from None
 
 
 class StabilityTracker:

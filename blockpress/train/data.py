@@ -121,8 +121,9 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
         if line.strip():
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{n} is not valid JSON ({e.msg}); one JSON object per line") from None
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise InputError(f"{path}:{n} is not valid JSON ({getattr(e, 'msg', 'nested too deeply')}); one JSON "
+                                 "object per line") from None
             if not isinstance(row, dict):
                 raise InputError(f"{path}:{n} is a JSON {type(row).__name__}, not an object; one JSON object "
                                  "per line")

@@ -168,7 +168,7 @@ def check_resume_adapters(spec: LoraSpec | None, ck: str | Path) -> None:
         return
     try:
         cfg = json.loads(cfg_p.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{cfg_p} is not readable JSON ({e}); resume from an earlier checkpoint") from None
     r, alpha, targets = cfg.get("r"), cfg.get("lora_alpha"), _targets(cfg.get("target_modules"))
     if spec is None:
@@ -208,7 +208,7 @@ def _read_adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
                               "adapter_model.safetensors, as PEFT writes)")
     try:
         cfg = json.loads(cfg_p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{cfg_p} is not valid JSON ({e}); re-download or re-save the adapter") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{cfg_p} must contain a JSON object; re-download or re-save the adapter")
@@ -239,6 +239,14 @@ def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, to
         else:
             raise CheckpointError("the adapter has no text-layer LoRA keys (expected "
                                   f"'{DEC}layers.N.self_attn.q_proj.lora_A.weight')")
+    for name, ab in dec.items():  # a pair without its other half, or weights that are not numbers
+        half = next((x for x in "AB" if x not in ab), None)
+        if half is not None:
+            raise CheckpointError(f"the adapter has {name}'s lora_{'AB'.replace(half, '')} but not its lora_{half}; "
+                                  "the adapter's weights file is incomplete: re-download or re-save the adapter")
+        if not all(bool(torch.isfinite(t).all()) for t in ab.values()):
+            raise CheckpointError(f"the adapter's weights for {name} hold NaN or inf (a diverged run?); use another "
+                                  "checkpoint of it")
     differs = [n for n in enc if n in dec and any(not torch.equal(enc[n][x], dec[n][x]) for x in "AB" if x in enc[n])]
     if differs:
         print(f"blockpress: the adapter's encoder and decoder LoRA weights differ ({len(differs)} modules, e.g. "
@@ -268,9 +276,10 @@ def _check_base_model(base: Any, module: nn.Module, path: str | Path) -> None:
     folder = SHIPPED_MODELS.get(base, Path(base))
     try:
         raw = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return
-    vocab = (raw.get("text_config") or raw).get("vocab_size")
+    text = raw.get("text_config") or raw if isinstance(raw, dict) else None
+    vocab = text.get("vocab_size") if isinstance(text, dict) else None
     have = module.config.text.vocab_size if hasattr(module, "config") else None
     if isinstance(vocab, int) and have is not None and vocab != have:
         raise CheckpointError(f"{path} was trained on {base} (vocabulary {vocab}), but this model's vocabulary is "
@@ -285,8 +294,14 @@ def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
     module = getattr(model, "module", model)
     cfg, tensors = _read_adapter(Path(path))
     ab_all = _adapter_tensors(tensors)
-    r = int(cfg.get("r", 8))
-    alpha = float(cfg.get("lora_alpha", r))
+    r, alpha = cfg.get("r", 8), cfg.get("lora_alpha", cfg.get("r", 8))
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise CheckpointError(f"adapter_config.json's r is {r!r}; it must be the adapter's rank, a whole number >= 1: "
+                              "re-download or re-save the adapter")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise CheckpointError(f"adapter_config.json's lora_alpha is {alpha!r}; it must be a finite number (PEFT "
+                              "scales the adapter by lora_alpha / r): re-download or re-save the adapter")
+    alpha = float(alpha)
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r  # rsLoRA scales by 1/sqrt(r)
     if cfg.get("use_dora"):
         raise CheckpointError("DoRA adapters are not supported; train a plain LoRA adapter")
@@ -317,7 +332,8 @@ def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
                                   f"model's layer maps {lin.in_features} -> {lin.out_features}; the adapter was "
                                   "trained on another base model")
         if not merge and hasattr(lin, "lora_A"):
-            raise ValueError(f"{name} already has a LoRA adapter attached")
+            raise InputError(f"{name} already has a LoRA adapter attached; load the model again to apply another "
+                             "(or merge=True to fold this one in)")
         checked.append((name, lin, A, B))
     if not merge:  # an adapter's hook adds to its own projection's output: one GEMM each (merging folds in place)
         merge_projections_(module, False)

@@ -107,7 +107,7 @@ def trained_ar_weight(folder: str | Path | None) -> float | None:
         return None
     try:
         w = json.loads(f.read_text(encoding="utf-8")).get("ar_weight")
-    except (ValueError, UnicodeDecodeError, AttributeError):
+    except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):
         w = "damaged"
     if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0)):
         raise InputError(f'{f} must be a JSON object whose "ar_weight" is a number >= 0 (the objective the model was '

@@ -137,13 +137,16 @@ def read_state(ckpt: str | Path) -> dict:
     f = Path(ckpt) / "trainer_state.pt"
     try:
         state = torch.load(f, map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError, ImportError, AttributeError) as e:
         raise CheckpointError(f"{f} is damaged ({str(e).splitlines()[0] if str(e) else type(e).__name__}); resume "
                               f"from an earlier checkpoint (write its folder name into {Path(ckpt).parent / 'latest'}) "
                               "or start over with another --out") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{f} is not a trainer state (a {type(state).__name__}); resume from an earlier "
-                              "checkpoint or start over")
+    missing = [k for k in ("step", "scheduler") if k not in state] if isinstance(state, dict) else None
+    if not isinstance(state, dict) or missing or not isinstance(state["step"], int):
+        what = f"a {type(state).__name__}" if not isinstance(state, dict) else \
+            f"no {missing[0]}" if missing else f"step {state['step']!r}"
+        raise CheckpointError(f"{f} is not a trainer state ({what}); resume from an earlier checkpoint (write its "
+                              f"folder name into {Path(ckpt).parent / 'latest'}) or start over with another --out")
     return state
 
 
@@ -195,7 +198,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     out = Path(out_dir)
     p = out / "latest"
     if p.is_file():
-        name = p.read_text().strip()
+        name = p.read_bytes().decode("utf-8", "replace").strip()  # a damaged one names no checkpoint: the newest then
         if name and name == Path(name).name and (out / name / "trainer_state.pt").is_file():
             return out / name
     from ..loading import CHECKPOINT_NAME

@@ -75,7 +75,8 @@ def find_weight_files(folder: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
             why = str(e).splitlines()[0][:200] if str(e) else ""
-            raise CheckpointError(f"{index} is malformed ({type(e).__name__}: {why}); re-download the checkpoint") from None
+            raise CheckpointError(f"{index} is malformed ({type(e).__name__}: {why}); re-download the "
+                                  "checkpoint") from None
         except OSError as e:
             raise CheckpointError(f"could not read {index} ({e.strerror or e}); "
                                   f"{_READ_FIX.get(e.errno, 're-download the checkpoint')}") from None

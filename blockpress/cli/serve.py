@@ -152,6 +152,7 @@ def main(args) -> int:
                                   "or without CUDA graphs: --no-cuda-graphs") from None
     worker.start()
     print(f"blockpress: serving '{name}' on http://{args.host}:{args.port} (web page at /, API at /v1)", flush=True)
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # the first signal starts the drain, then uvicorn's graceful shutdown
             if not self.should_exit:

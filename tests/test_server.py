@@ -2102,8 +2102,11 @@ def test_sigterm_drains_within_the_shutdown_timeout_and_tells_every_client(model
     --shutdown-timeout, and the process exits without a traceback."""
     s = ServerProcess(model_dir, "--max-batch", "1", "--shutdown-timeout", "2", "--max-tokens-limit", "4096",
                       log=tmp_path / "server.log")
+    from blockpress.parsing import STOP_TOKENS
+
     eos = lm.generation_defaults.get("eos_token_id")
-    ban = {str(i): -100 for i in ([eos] if isinstance(eos, int) else eos or [])}
+    stops = [lm.tokenizer.token_to_id(t) for t in STOP_TOKENS] + ([eos] if isinstance(eos, int) else eos or [])
+    ban = {str(i): -100 for i in stops if i is not None}  # no reply ends before the signal: every stop id banned
     body = {"messages": MSG, "max_tokens": 2048, "steps": 64, "logit_bias": ban}  # (~10 s of work or more)
     events, waiting = [], {}
 

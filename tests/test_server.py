@@ -2130,7 +2130,9 @@ def test_sigterm_drains_within_the_shutdown_timeout_and_tells_every_client(model
             time.sleep(0.05)
         assert events and events[0].startswith("{"), events
         threads[1].start()
-        time.sleep(1.0)  # the second request waits: the batch holds one row
+        deadline = time.monotonic() + 60  # the second request waits: the batch holds one row
+        while httpx.get(s.url + "/health", timeout=10).json().get("queue_depth") != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         t0 = time.monotonic()
         s.proc.terminate()
         for t in threads:

@@ -751,7 +751,8 @@ def test_damaged_files_found_by_a_file_audit_are_one_line(tmp_path):
     d = copy("f64")
     save_file({k: v.double() for k, v in sd.items()}, str(d / "model.safetensors"))
     assert blockpress.load(d, progress=False, dtype="float32").generate_text("And God said", seed=0, max_new_tokens=8)
-    for field, value, needle in (("layer_types", 1.5, "must be a list of"), ("layer_types", [["x"]] * 4, "must be a list"),
+    for field, value, needle in (("layer_types", 1.5, "must be a list of"),
+                                 ("layer_types", [["x"]] * 4, "must be a list"),
                                  ("rope_parameters", {"full_attention": {"rope_type": "proportional", "factor": 0}},
                                   "factor' must be a number > 0")):
         d = copy(f"cfg-{field}-{len(str(value))}")

@@ -285,7 +285,8 @@ def test_a_damaged_adapter_is_one_line_and_leaves_the_model_usable(adapter, tmp_
     tensors = load_file(str(out / "adapter_model.safetensors"))
     a_key = next(k for k in tensors if k.endswith("lora_A.weight") and ".decoder." in k)
     cases = [({"r": 0}, None, "r is 0"), ({"r": "abc"}, None, "r is 'abc'"), ({"r": None}, None, "r is None"),
-             ({"lora_alpha": "abc"}, None, "lora_alpha is 'abc'"), ({"lora_alpha": float("nan")}, None, "lora_alpha is nan"),
+             ({"lora_alpha": "abc"}, None, "lora_alpha is 'abc'"),
+             ({"lora_alpha": float("nan")}, None, "lora_alpha is nan"),
              ({}, {k: v for k, v in tensors.items() if k != a_key.replace("lora_A", "lora_B")}, "but not its lora_B"),
              ({}, {**tensors, a_key: torch.full_like(tensors[a_key], float("nan"))}, "hold NaN or inf"),
              ("[" * 100000 + "]" * 100000, None, "not valid JSON")]

@@ -197,8 +197,8 @@ class DiffusionGemmaModel(nn.Module):
         return [(self.text.layer_kv_heads(i), self.text.layer_head_dim(i)) for i in range(len(self.layers))]
 
     def _cache(self, batch: int, capacity: int, device, reserve: int | None) -> KVCache:
-        return KVCache(self._cache_shapes(), batch, capacity, self.dtype, device, sliding=[not layer.full for layer in self.layers],
-                       window=self.window, reserve=reserve)
+        return KVCache(self._cache_shapes(), batch, capacity, self.dtype, device,
+                       sliding=[not layer.full for layer in self.layers], window=self.window, reserve=reserve)
 
     def cache_reserve(self) -> int | None:
         """The most positions one inference pass writes into the cache: a prompt chunk, or a canvas and the commit

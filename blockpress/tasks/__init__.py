@@ -36,9 +36,6 @@ def task_info(lm: Any) -> dict[str, Any]:
     info = None
     if path is not None:
         f = Path(path) / "blockpress_task.json"
-        if (f.exists() or f.is_symlink()) and not f.is_file():  # a broken link (a Hub cache's missing blob), a folder
-            raise InputError(f"{f} is not a readable file (a broken link or a folder); restore it from the model's "
-                             'source, e.g. {"task": "sudoku", "format": "prompt"}, or delete it for a text model')
         if f.is_file():
             try:
                 info = json.loads(f.read_text(encoding="utf-8"))

@@ -107,11 +107,11 @@ def trained_ar_weight(folder: str | Path | None) -> float | None:
         return None
     try:
         w = json.loads(f.read_text(encoding="utf-8")).get("ar_weight")
+        if w is not None:
+            ObjectiveConfig(ar_weight=w)  # its own rule for the weight (a finite number >= 0)
     except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):
-        w = "damaged"
-    if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0)):
         raise InputError(f'{f} must be a JSON object whose "ar_weight" is a number >= 0 (the objective the model was '
-                         'trained with, e.g. {"ar_weight": 0}); fix it, or delete it and give --ar-weight')
+                         'trained with, e.g. {"ar_weight": 0}); fix it, or delete it and give --ar-weight') from None
     return None if w is None else float(w)
 
 

@@ -297,6 +297,7 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
         raise InputError(str(e)) from None
     gen_path = folder / "generation_config.json"
     gen_defaults = _checkpoint_generation_defaults(gen_path, config.text.vocab_size) if gen_path.is_file() else {}
+    tok = _read_tokenizer(folder, config.text.vocab_size) if tokenizer else None
     dev = parse_device(device)
     dt = parse_dtype(dtype, config, dev)
     check_memory(module, dev, dt, opts.precision, opts.group_size, opts.linears, opts.embeddings)
@@ -328,12 +329,21 @@ def load(model: str | Path, device: str | torch.device | None = None, dtype=None
     layout.finish(module)
     module.materialize_buffers(dev)
     module.eval()
-    tok = None
-    if tokenizer and (folder / "tokenizer.json").is_file():
-        from .tokenizer import Tokenizer
-
-        tok = Tokenizer.from_dir(folder)
     return BlockDiffusionLM(module, config, gen_defaults, tok, folder, options=opts)
+
+
+def _read_tokenizer(folder: Path, vocab_size: int):
+    """The folder's tokenizer (None without tokenizer.json), read before the weights; refused when it has ids past
+    the model's embedding, which would fail in the middle of a generation."""
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    from .tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(folder)
+    if tok.vocab_size > vocab_size:
+        raise CheckpointError(f"{folder / 'tokenizer.json'} has {tok.vocab_size} ids but the model's vocabulary is "
+                              f"{vocab_size} (text_config.vocab_size); pair the weights with their own tokenizer")
+    return tok
 
 
 def _quant_method(qc) -> str:

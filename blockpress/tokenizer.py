@@ -183,6 +183,9 @@ class Tokenizer:
                 template, source = jinja_file.read_text(encoding="utf-8"), "chat_template.jinja"
             except (OSError, UnicodeDecodeError) as exc:
                 raise CheckpointError(f"cannot read {jinja_file} ({exc}); fix or delete the file") from None
+            if not template.strip():  # a cut copy or download: read as "no template", it gave some paths raw text
+                raise CheckpointError(f"{jinja_file} is empty; restore it from the model's source, or delete it "
+                                      "(the model then has no chat template of its own)")
         return cls(tok, bos_token=fields.get("bos_token", "<bos>"),
                    eos_token=fields.get("eos_token", "<eos>"),
                    pad_token=fields.get("pad_token", "<pad>"),

@@ -705,11 +705,11 @@ def test_the_loading_bar_is_drawn_on_a_terminal_only(tmp_path, capfd):
 
 def test_damaged_files_found_by_a_file_audit_are_one_line(tmp_path):
     """One damage at a time to a copy of the shipped KJV model, each a traceback or a silently other model before:
-    a tensor in two weight files (the last file won), a broken link in place of generation_config.json (the
-    reference's sampler instead of the checkpoint's), JSON nested too deeply (RecursionError), weights that make NaN
-    logits (a RuntimeError from torch at the first draw), chat templates that divide by zero or repeat a string 10^10
-    times (the process was killed), a trainer state without its fields. An F64 checkpoint was refused as pre-quantised;
-    it loads."""
+    a tensor in two weight files (the last file won), a tokenizer with ids past the embedding (a server 500), an empty
+    chat template (no template to generate_text), a broken link in place of generation_config.json (the reference's
+    sampler instead of the checkpoint's), JSON nested too deeply (RecursionError), weights that make NaN logits (a
+    RuntimeError from torch at the first draw), chat templates that divide by zero or repeat a string 10^10 times (the
+    process was killed), a trainer state without its fields. An F64 checkpoint was refused as pre-quantised; it loads."""
     import os
     import shutil
 
@@ -745,6 +745,15 @@ def test_damaged_files_found_by_a_file_audit_are_one_line(tmp_path):
     os.remove(d / "generation_config.json")
     os.symlink(tmp_path / "nowhere", d / "generation_config.json")
     refused(d, "generation_config.json is a broken link")
+    d = copy("tokenizer")  # ids past the embedding: the server answered a prompt that used one with a 500
+    import tokenizers
+    tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_tokens(["<a token the model never saw>"])
+    tok.save(str(d / "tokenizer.json"))
+    refused(d, "has 2049 ids but the model's vocabulary is 2048")
+    d = copy("template")  # generate_text took it for "no template", `chat` for a template that writes nothing
+    (d / "chat_template.jinja").write_text("\n")
+    refused(d, "chat_template.jinja is empty")
     d = copy("deep")
     (d / "config.json").write_text("[" * 100000 + "]" * 100000)
     refused(d, "config.json is not valid JSON")

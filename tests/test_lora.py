@@ -270,7 +270,9 @@ def test_resuming_with_other_lora_flags_names_the_flag_to_change(tmp_path, capsy
 def test_a_damaged_adapter_is_one_line_and_leaves_the_model_usable(adapter, tmp_path):
     """A file audit damaged adapters one field at a time: r 0 / "abc" / null, lora_alpha "abc" / NaN, a lora_B
     missing, NaN weights and a nested-too-deep config each reached int()/float(), a KeyError, or NaN logits at
-    generate (a torch RuntimeError). Each is a CheckpointError naming the problem; the model is unchanged."""
+    generate (a torch RuntimeError). PEFT options blockpress does not implement (trained biases, saved modules,
+    per-module alphas, transposed weights), tensors it would drop and integer weights loaded as another model.
+    Each is a CheckpointError naming the problem; the model is unchanged."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -289,6 +291,12 @@ def test_a_damaged_adapter_is_one_line_and_leaves_the_model_usable(adapter, tmp_
              ({"lora_alpha": float("nan")}, None, "lora_alpha is nan"),
              ({}, {k: v for k, v in tensors.items() if k != a_key.replace("lora_A", "lora_B")}, "but not its lora_B"),
              ({}, {**tensors, a_key: torch.full_like(tensors[a_key], float("nan"))}, "hold NaN or inf"),
+             ({"bias": "all"}, None, "bias is 'all': the adapter uses trained bias terms"),
+             ({"modules_to_save": ["lm_head"]}, None, "modules_to_save is \\['lm_head'\\]"),
+             ({"alpha_pattern": {"q_proj": 64}}, None, "alpha_pattern is"), ({"use_dora": True}, None, "DoRA"),
+             ({"fan_in_fan_out": True}, None, "fan_in_fan_out is True"),
+             ({}, {**tensors, a_key.replace("lora_A.weight", "lora_B.bias"): torch.zeros(4)}, "lora_B.bias, which is"),
+             ({}, {**tensors, a_key: tensors[a_key].to(torch.int32)}, "is int32, not floating point"),
              ("[" * 100000 + "]" * 100000, None, "not valid JSON")]
     for i, (change, weights, needle) in enumerate(cases):
         bad = tmp_path / f"bad{i}"

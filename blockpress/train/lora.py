@@ -231,8 +231,13 @@ def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, to
         for prefix, dst in ((DEC, dec), (ENC, enc)):
             if k.startswith(prefix):
                 m = _KEY.match(k[len(prefix):])
-                if m:
-                    dst.setdefault(m.group(1), {})[m.group(2)] = v
+                if not m:  # a bias, a saved module, an embedding adapter: dropping it would run another model
+                    raise CheckpointError(f"the adapter holds {k}, which is not a LoRA A/B weight of a text-layer "
+                                          "projection; blockpress loads plain LoRA adapters only")
+                if not v.is_floating_point():
+                    raise CheckpointError(f"the adapter's {k} is {str(v.dtype).removeprefix('torch.')}, not floating "
+                                          "point; re-save the adapter")
+                dst.setdefault(m.group(1), {})[m.group(2)] = v
     if not dec:
         if enc:
             dec = enc
@@ -286,6 +291,22 @@ def _check_base_model(base: Any, module: nn.Module, path: str | Path) -> None:
                               f"{have}; load the adapter on its base model")
 
 
+# PEFT options that change what an adapter computes and that blockpress does not implement, with the value that
+# means "not used" (None and an empty list / dict mean it too): loading past one would run another model, silently
+UNSUPPORTED = {"use_dora": (False, "DoRA's magnitude vectors"), "bias": ("none", "trained bias terms"),
+               "lora_bias": (False, "a bias on lora_B"), "modules_to_save": (None, "whole trained modules"),
+               "rank_pattern": ({}, "per-module ranks"), "alpha_pattern": ({}, "per-module alphas"),
+               "fan_in_fan_out": (False, "transposed weights")}
+
+
+def _refuse_unsupported_options(cfg: dict) -> None:
+    for key, (off, what) in UNSUPPORTED.items():
+        value = cfg.get(key)
+        if value not in (None, False, off) and value != [] and value != {}:
+            raise CheckpointError(f"adapter_config.json's {key} is {value!r}: the adapter uses {what}, which blockpress "
+                                  f"does not load; train a plain LoRA adapter ({key}={off!r})")
+
+
 def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
     """Load a PEFT LoRA adapter folder into a blockpress model (BlockDiffusionLM or its module).
 
@@ -303,8 +324,7 @@ def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
                               "scales the adapter by lora_alpha / r): re-download or re-save the adapter")
     alpha = float(alpha)
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r  # rsLoRA scales by 1/sqrt(r)
-    if cfg.get("use_dora"):
-        raise CheckpointError("DoRA adapters are not supported; train a plain LoRA adapter")
+    _refuse_unsupported_options(cfg)
     _check_base_model(cfg.get("base_model_name_or_path"), module, path)
     mods = dict(module.named_modules())
     checked = []  # every layer is checked before any is changed: a bad adapter leaves the model as it was

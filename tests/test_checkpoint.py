@@ -393,7 +393,7 @@ def test_damaged_checkpoints_are_refused_naming_the_tensor(hf_tiny_dir, tmp_path
 def test_nan_or_inf_weights_are_refused_at_load(hf_tiny_dir, tmp_path, capsys):
     """NaN weights loaded and every generation failed later (22-line traceback from `run`, 500s from `serve`
     while /health said ok): refused at load in one line naming the tensor; an overflow of --dtype float16 names
-    the dtype."""
+    the dtype; large finite values load."""
     from blockpress.cli import main as cli
 
     path, _ = hf_tiny_dir
@@ -413,6 +413,11 @@ def test_nan_or_inf_weights_are_refused_at_load(hf_tiny_dir, tmp_path, capsys):
     sd[key][0, 0] = 1e6  # fine in float32, inf in float16
     save_file(sd, big / "model.safetensors")
     blockpress.load(big, progress=False)
+    huge = _copy(path, tmp_path / "huge")  # finite, but their sum is not: the probe called the file damaged
+    sd = load_file(huge / "model.safetensors")
+    sd[key][0, :2] = 3e38
+    save_file(sd, huge / "model.safetensors")
+    blockpress.load(huge, progress=False)
     with pytest.raises(CheckpointError, match="once cast to float16: the values overflow it; load with dtype "
                                               "bfloat16 or float32"):
         blockpress.load(big, dtype="float16", progress=False)

@@ -55,6 +55,9 @@ def _token_ids(name: str, value: Any) -> None:
                           f"{value!r}; fix config.json")
 
 
+MAX_HEAD_DIM = 1 << 16  # a sanity bound for config.json; DiffusionGemma's heads are 256 and 512 wide
+
+
 @dataclass
 class TextConfig:
     """The text stack (encoder and decoder share it). Field names follow the HF config."""
@@ -208,6 +211,9 @@ class TextConfig:
                                   f"num_key_value_heads ({kv}); fix config.json")
             if hd % 2:
                 raise ConfigError(f"layer {i}: head_dim {hd} must be even for rotary embeddings")
+            if hd > MAX_HEAD_DIM:  # (10^12 asked the allocator for 4 TB of rotary frequencies: its traceback)
+                raise ConfigError(f"layer {i}: head_dim {hd} is past any attention head's (at most {MAX_HEAD_DIM}); "
+                                  "fix config.json")
         # full layers of one model share a geometry (one rope table per layer type)
         for t in (SLIDING, FULL):
             dims = {self.layer_head_dim(i) for i in range(n) if self.layer_types[i] == t}

@@ -714,7 +714,8 @@ def test_damaged_files_found_by_a_file_audit_are_one_line(tmp_path):
     chat template (no template to generate_text), a broken link in place of generation_config.json (the reference's
     sampler instead of the checkpoint's), JSON nested too deeply (RecursionError), weights that make NaN logits (a
     RuntimeError from torch at the first draw), chat templates that divide by zero or repeat a string 10^10 times (the
-    process was killed), a trainer state without its fields. An F64 checkpoint was refused as pre-quantised; it loads."""
+    process was killed), a head_dim of 10^12 (the allocator's 4 TB traceback), a trainer state without its fields.
+    An F64 checkpoint was refused as pre-quantised; it loads."""
     import os
     import shutil
 
@@ -767,6 +768,7 @@ def test_damaged_files_found_by_a_file_audit_are_one_line(tmp_path):
     assert blockpress.load(d, progress=False, dtype="float32").generate_text("And God said", seed=0, max_new_tokens=8)
     for field, value, needle in (("layer_types", 1.5, "must be a list of"),
                                  ("layer_types", [["x"]] * 4, "must be a list"),
+                                 ("head_dim", 10 ** 12, "head_dim 1000000000000 is past any attention head's"),
                                  ("rope_parameters", {"full_attention": {"rope_type": "proportional", "factor": 0}},
                                   "factor' must be a number > 0")):
         d = copy(f"cfg-{field}-{len(str(value))}")

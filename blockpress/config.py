@@ -55,6 +55,7 @@ def _token_ids(name: str, value: Any) -> None:
                           f"{value!r}; fix config.json")
 
 
+SAMPLER_CLASS = "EntropyBoundSamplerConfig"  # generation_config.json's sampler_config._cls_name: the one sampler
 MAX_HEAD_DIM = 1 << 16  # a sanity bound for config.json; DiffusionGemma's heads are 256 and 512 wide
 
 
@@ -411,6 +412,11 @@ class GenerationConfig:
             if d.get(k) is not None:
                 out[k] = d[k]
         sc = d.get("sampler_config")
+        if sc is not None and (not isinstance(sc, dict) or sc.get("_cls_name", SAMPLER_CLASS) != SAMPLER_CLASS):
+            shown = sc.get("_cls_name") if isinstance(sc, dict) else sc
+            raise ConfigError(f"generation_config.json's sampler_config is {shown!r}; blockpress runs the "
+                              f"reference's one sampler, {SAMPLER_CLASS} (a dict with _cls_name and entropy_bound): "
+                              "fix the file or delete it to use the reference defaults")
         if isinstance(sc, dict) and sc.get("entropy_bound") is not None:
             out["entropy_bound"] = sc["entropy_bound"]
         elif d.get("entropy_bound") is not None:

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .config import GenerationConfig, ModelConfig
+from .config import SAMPLER_CLASS, GenerationConfig, ModelConfig
 from .engine import generate as engine
 from .errors import InputError
 from .options import Options
@@ -356,7 +356,7 @@ class BlockDiffusionLM:
                 config["torch_dtype"] = dtype
         gen = {"_from_model_config": False, **self.generation_defaults}
         if "entropy_bound" in gen:
-            gen["sampler_config"] = {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": gen.pop("entropy_bound")}
+            gen["sampler_config"] = {"_cls_name": SAMPLER_CLASS, "entropy_bound": gen.pop("entropy_bound")}
         files: dict[str, Any] = {
             "config.json": json.dumps(config, indent=2),
             "generation_config.json": json.dumps(gen, indent=2),

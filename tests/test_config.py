@@ -136,6 +136,11 @@ def test_generation_config_priority_and_validation():
     cfg = GenerationConfig.resolve(ckpt, max_denoising_steps=16)
     assert cfg.max_denoising_steps == 16 and cfg.entropy_bound == 0.25 and cfg.eos_token_id == [1, 106, 50]
     assert GenerationConfig.resolve({}).max_denoising_steps == 48  # reference default
+    # another sampler class (the reference fails on it) ran as the entropy bound, silently
+    for sc, shown in (({"_cls_name": "TopKSamplerConfig", "k": 4}, "'TopKSamplerConfig'"), ("greedy", "'greedy'")):
+        with pytest.raises(ConfigError, match=f"sampler_config is {shown}; blockpress runs the reference's one sampler"):
+            GenerationConfig.from_checkpoint_dict({"sampler_config": sc})
+    assert GenerationConfig.from_checkpoint_dict({"sampler_config": {"entropy_bound": 0.3}}) == {"entropy_bound": 0.3}
     for kw, name in [(dict(max_denoising_steps=0), "max_denoising_steps"), (dict(entropy_bound=-1.0), "entropy_bound"),
                      (dict(t_min=0.9, t_max=0.5), "t_max"), (dict(stability_threshold=-1), "stability_threshold"),
                      (dict(confidence_threshold=0), "confidence_threshold"), (dict(max_new_tokens=1.5), "max_new_tokens"),

@@ -32,6 +32,7 @@ pytest.importorskip("fastapi")
 
 from blockpress.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, Limits  # noqa: E402
 from blockpress.engine import runner as runner_mod  # noqa: E402
+from blockpress.engine.rows import Row  # noqa: E402
 from blockpress.server.worker import Handle, Job, RowCommit, RowDone, RowDraft, Worker, run_job  # noqa: E402
 from blockpress.server.serving import OpenAIServing, OutputAssembler, _Run  # noqa: E402
 
@@ -566,15 +567,19 @@ def test_a_chats_next_turn_reuses_the_conversation_so_far(server, client, lm):
     first = [{"role": "system", "content": "You answer about the weather in long careful sentences."},
              {"role": "user", "content": "What does a cold front bring to a coastal town in late autumn?"}]
     key = "blockpress_prefix_cache_tokens_total"
-    reply, _ = chat_text(client, seed=11, messages=first, max_tokens=16)
+    reply, r1 = chat_text(client, seed=11, messages=first, max_tokens=16)
     second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And in spring?"}]
     tok = lm.tokenizer
     shared = common_prefix(*(tuple(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True))
                              for m in (first, second)))
     assert shared >= 30  # all of the first prompt but its empty thought channel
     mid = server.metrics().get(key, 0)  # counted when a request is admitted, before its reply
-    chat_text(client, seed=12, messages=second, max_tokens=16)
+    _, r2 = chat_text(client, seed=12, messages=second, max_tokens=16)
     assert server.metrics()[key] - mid == shared
+    # and each reply's usage says so, as OpenAI's prompt caching reports it (they said 0 tokens cached)
+    d1, d2 = r1.usage.prompt_tokens_details, r2.usage.prompt_tokens_details
+    assert (d1.cached_tokens, d1.cache_write_tokens) == (0, r1.usage.prompt_tokens)
+    assert (d2.cached_tokens, d2.cache_write_tokens) == (shared, r2.usage.prompt_tokens - shared)
 
 
 def test_metrics_move(server, client):
@@ -1122,9 +1127,17 @@ def _serving(lm):
     return OpenAIServing(lm, Worker(lm), "tiny", Limits(max_tokens=64))
 
 
+def _handle(serving, ids) -> Handle:
+    """A request's handle with its row, as the worker's submit makes them (no worker: the test plays the engine)."""
+    job = Job(ids, serving.lm.generation_config())
+    h = Handle(job, loop=asyncio.get_running_loop())
+    h.row = Row(job.cfg, 1, job=job, sink=h)
+    return h
+
+
 def _run_with(serving, ids, canvas):
     """A submitted run whose engine events are the given token ids, one RowCommit per canvas."""
-    h = Handle(Job(ids, serving.lm.generation_config()), loop=asyncio.get_running_loop())
+    h = _handle(serving, ids)
     chunks = [ids[i:i + canvas] for i in range(0, len(ids), canvas)]
     for k, c in enumerate(chunks):
         c = c + [0] * (canvas - len(c))
@@ -1174,7 +1187,7 @@ def test_a_client_gone_is_noticed_while_canvases_keep_committing(lm):
     ids = lm.tokenizer.encode("word " * 200)
 
     async def go():
-        h = Handle(Job(ids, serving.lm.generation_config()), loop=asyncio.get_running_loop())
+        h = _handle(serving, ids)
         run = _Run(h, prompt_tokens=7)
 
         async def commits():  # a canvas every 0.1 s for 4 s, the last one finishing the row
@@ -1211,6 +1224,7 @@ def test_response_assembly_reasoning_and_tool_calls(lm):
         [("get_weather", {"city": "Paris"})]
     assert full.choices[0].finish_reason == "tool_calls"
     assert full.usage.completion_tokens == ids.index(106) + 1 and full.usage.denoising_steps == 3 * 2  # 3 canvases
+    assert full.usage.completion_tokens_details.reasoning_tokens == len(tok.encode("hmm"))  # (chat had no details)
     chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == "Hello"
@@ -1559,6 +1573,8 @@ def test_responses_api_through_the_openai_client(client):
     assert r.output_text == chat.choices[0].message.content and r.output_text
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # random model: no stop
     assert r.usage.output_tokens == 24 and r.usage.input_tokens == chat.usage.prompt_tokens
+    from openai.types.responses import Response  # every field its client requires (cache_write_tokens was missing)
+    Response.model_validate(r.model_dump(exclude_unset=True))
     events = list(client.responses.create(input="Why is the sky blue?", instructions="Be brief.", stream=True, **kw))
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.incomplete"

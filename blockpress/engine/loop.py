@@ -86,7 +86,9 @@ class Engine:
             mask = None if all(map(all, mask)) else torch.tensor(mask, device=run.device)
         horizon = max(r.n_canvases for r in adm.rows)
         prompts = [r.job.prompt_ids for r in adm.rows] if run.prefixes is not None else None
-        run.prefill(ids, mask, adm.end, adm.end + horizon * run.C, adm.cache, prompts)
+        reused, written = run.prefill(ids, mask, adm.end, adm.end + horizon * run.C, adm.cache, prompts)
+        if reused or written:  # (one row joined alone: the prefix cache's own counts, which its usage reports)
+            adm.rows[0].cached_tokens, adm.rows[0].cache_write_tokens = reused, written
         self.rows, self.admitting = self.rows + adm.rows, []
         return adm.rows
 

@@ -75,12 +75,12 @@ class PrefixCache:
         self.tokens_reused += best_n
         return best_n, part
 
-    def store(self, prompt: list[int], cache) -> None:
+    def store(self, prompt: list[int], cache) -> bool:
         """Keep `cache` (a 1-row copy holding positions [0, len(prompt))) for `prompt`; entries that are a prefix of
-        it go (it answers every match they would)."""
+        it go (it answers every match they would). Whether it was kept (not when too large or too short)."""
         size = cache.nbytes()
         if size > self.budget or len(prompt) < self.min_tokens:
-            return
+            return False
         key = tuple(prompt)
         for old in [k for k in self.entries if len(k) <= len(key) and key[:len(k)] == k]:
             self._drop(old)
@@ -88,6 +88,7 @@ class PrefixCache:
         self.bytes += size
         while self.bytes > self.budget or len(self.entries) > self.max_entries:
             self._drop(next(iter(self.entries)))
+        return True
 
     def covers(self, prompt: list[int]) -> bool:
         """Whether a kept entry already holds all of `prompt` (storing it again would add nothing)."""

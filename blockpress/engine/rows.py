@@ -53,6 +53,8 @@ class Row:
     steps: int = 0  # denoising steps taken in the current canvas
     left: int = 0  # denoising steps left in the current canvas
     passes: int = 0  # decoder passes this row was counted in (not while frozen or finished)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not encoded)
+    cache_write_tokens: int = 0  # prompt tokens this row's prefill put in the prefix cache
     steps_per_canvas: list[int] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     first_commit: float = 0.0

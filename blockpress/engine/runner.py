@@ -62,11 +62,12 @@ class Runner:
 
     # ------------------------------------------------------------------ joining and leaving
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None, end: int, capacity: int,
-                cache: KVCache | None = None, prompts: list | None = None) -> None:
+                cache: KVCache | None = None, prompts: list | None = None) -> tuple[int, int]:
         """Encode joining rows' prompts (ids [B, S], left-padded; mask [B, S] bool or None) at positions
         [end - S, end) into their cache rows and add them after the batch's rows. cache: the caller's cache to
         continue (a whole Python batch; its length is end - S). prompts: the rows' prompt ids as host lists, for
-        the prefix cache (one row encoded from position 0 takes a kept prefix and is kept)."""
+        the prefix cache (one row encoded from position 0 takes a kept prefix and is kept). Returns the prefix
+        cache's (tokens reused, tokens written) for that row: (0, 0) for any other admission."""
         B, S = ids.shape
         alone = self.prefixes is not None and prompts is not None and B == 1 and end == S and cache is None
         fresh = self.cache is None
@@ -82,6 +83,7 @@ class Runner:
                 cache.valid[:, :end - S] = False
                 cache.has_padding = True
         kept = self.prefixes.match(prompts[0], whole=cache.ring is None) if alone else None
+        n = written = 0
         if kept is not None:  # its first n positions' K/V as they were encoded: the rest is one more chunk
             n, part = kept
             cache.put_rows(0, part)
@@ -90,31 +92,32 @@ class Runner:
         encode = self.module.encode if self.slots_mode else self.passes.encode
         if ids.shape[1]:
             encode(ids, cache, pad_mask=mask, output=False)
-        if alone and not self.prefixes.covers(prompts[0]):
-            self._keep(prompts[0], cache)
+        if alone and not self.prefixes.covers(prompts[0]) and self._keep(prompts[0], cache):
+            written = S - n
         if fresh:
             self.cache = cache
         elif self.slots_mode and self.graphs is not None:  # already in place after the batch's rows
             self.cache = self._group(self.cache.batch + B, end, self.cache.has_padding or cache.has_padding)
         else:
             self.cache.append_rows(cache)
+        return n, written
 
-    def _keep(self, prompt: list, cache: KVCache) -> None:
+    def _keep(self, prompt: list, cache: KVCache) -> bool:
         """Put a copy of a prompt's K/V (positions [0, S) of the 1-row `cache`) in the prefix cache, laid out as a
         cache of S positions is (a ring only where that is smaller): not the whole ring of a server's slots, which
-        may have grown for a long request. Only where the device has twice its size free."""
+        may have grown for a long request. Only where the device has twice its size free. Whether it was kept."""
         S = len(prompt)
         spare = self.spare()
         if spare is not None and spare <= 2 * self.module.cache_bytes(1, S):
-            return
+            return False
         entry = self.module.new_cache(1, S)
         try:
             part = cache.prefix(S, whole=entry.ring is None)
         except ValueError:  # the slots' ring bookkeeping (positions written by an earlier group) counts some as gone
-            return
+            return False
         entry.put_rows(0, part)
         entry.length = S
-        self.prefixes.store(prompt, entry)
+        return self.prefixes.store(prompt, entry)
 
     def keep(self, keep: list[int]) -> None:
         """Only the rows `keep` (ascending) stay."""

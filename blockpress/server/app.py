@@ -152,7 +152,7 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
     async def models():
         return serving.models()
 
-    @app.get("/v1/models/{model}", response_model=ModelCard, responses=ERRORS)
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERRORS)  # (Hub ids hold a "/")
     async def model(model: str):
         return serving.model(model)
 

@@ -34,7 +34,9 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
   field: after every denoising step `{"type": "draft", "canvas", "step", "max_steps", "text",
   "tokens": [piece per position], "accepted": [0/1 per position]}`, after every canvas
   `{"type": "commit", "canvas", "steps"}`. Without it the stream is plain OpenAI.
-- `usage.denoising_steps` (decoder passes for this request) and `usage.tokens_per_forward`.
+- `usage.denoising_steps` (decoder passes for this request) and `usage.tokens_per_forward`; OpenAI's
+  `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the prefix cache held (engine/prefix.py),
+  `cache_write_tokens` those the request left there.
 - `n` choices (up to `Limits.max_choices`) run as n rows of the batch; with a seed, choice i samples
   with seed + i, so choice 0 is the n=1 answer. Usage counts the prompt once and sums the rest.
 - A list of prompts on /v1/completions (strings or token-id lists, up to `Limits.max_prompts`) runs
@@ -432,6 +434,10 @@ class ChatTemplateKwargs(BaseModel):
     enable_thinking: bool | None = None
 
 
+# OpenAI's reasoning effort levels (its client's `ReasoningEffort`); anything but none / minimal turns thinking on
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class _ChatFields(_Request):
     """OpenAI's chat-completions fields that this server uses, in OpenAI's order."""
 
@@ -442,7 +448,7 @@ class _ChatFields(_Request):
     n: Annotated[PosInt, _null_is(1)] = Field(1, description="choices; choice i samples with seed + i")
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: Effort | None = None
     seed: SeedInt | None = None
     stop: _Stop = _stop_field()
     stream: Annotated[bool, _null_is(False)] = False
@@ -581,10 +587,21 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length", "tool_calls"]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="prompt tokens whose keys and values the prefix cache held (not encoded)")
+    cache_write_tokens: int = Field(0, description="prompt tokens this request put in the prefix cache")
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(0, description="tokens of the reasoning text (its re-encoded length)")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
     denoising_steps: int = Field(description="blockpress: decoder passes spent on this request")
     tokens_per_forward: float = Field(description="blockpress: completion tokens per decoder pass")
 

@@ -215,8 +215,7 @@ class ResponsesServing:
         return builder.final
 
     def _usage(self, run: _Run, final: Final) -> ResponseUsage:
-        reasoning = len(self.s.tok.encode(final.reasoning)) if final.reasoning else 0
-        return ResponseUsage.of(self.s._usage(run, final), reasoning)
+        return ResponseUsage.of(self.s._usage(run, final))
 
     async def _stream(self, run: _Run, asm, builder: ResponseBuilder,
                       disconnected: Disconnected | None) -> AsyncIterator[str]:

@@ -29,8 +29,8 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 from typing_extensions import Annotated
 
-from .protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, PosInt, SeedInt, Usage, _DiffusionKnobs,
-                       _Request, _STRICT, _null_is)
+from .protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, CompletionTokensDetails, Effort, PosInt,
+                       PromptTokensDetails, SeedInt, Usage, _DiffusionKnobs, _Request, _STRICT, _null_is)
 
 # chat field -> the Responses field a client sent (an error's param)
 RESPONSES_FIELDS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -120,7 +120,7 @@ class ToolChoiceFunction(BaseModel):
 
 class ReasoningConfig(BaseModel):
     model_config = _STRICT
-    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    effort: Effort | None = None
 
 
 class TextConfig(BaseModel):
@@ -291,27 +291,20 @@ class FunctionCallOut(BaseModel):
 OutputItem = Union[ReasoningItem, OutputMessage, FunctionCallOut]
 
 
-class InputTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = Field(description="tokens of the reasoning text (its re-encoded length)")
-
-
 class ResponseUsage(BaseModel):
     input_tokens: int
-    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    input_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     output_tokens: int
-    output_tokens_details: OutputTokensDetails
+    output_tokens_details: CompletionTokensDetails
     total_tokens: int
     denoising_steps: int = Field(description="blockpress: decoder passes spent on this request")
     tokens_per_forward: float = Field(description="blockpress: output tokens per decoder pass")
 
     @classmethod
-    def of(cls, usage: Usage, reasoning_tokens: int) -> "ResponseUsage":
+    def of(cls, usage: Usage) -> "ResponseUsage":
         return cls(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                   output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
+                   input_tokens_details=usage.prompt_tokens_details,
+                   output_tokens_details=usage.completion_tokens_details,
                    total_tokens=usage.total_tokens, denoising_steps=usage.denoising_steps,
                    tokens_per_forward=usage.tokens_per_forward)
 

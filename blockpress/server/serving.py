@@ -33,8 +33,9 @@ from ..infill import unspaced, whole_canvases
 from ..parsing import ToolCall, call_ban, reply_parser
 from .budget import encode_within
 from .protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-                       CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, FunctionCall,
-                       Limits, ModelCard, ModelList, ResponseMessage, ResponseToolCall, Sampling, Usage)
+                       CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                       CompletionTokensDetails, FunctionCall, Limits, ModelCard, ModelList, PromptTokensDetails,
+                       ResponseMessage, ResponseToolCall, Sampling, Usage)
 from .worker import Handle, Job, QueueFull, RowCommit, RowDraft, RowError, ShuttingDown, Worker
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -600,7 +601,12 @@ class OpenAIServing:
             self.metrics.generated_tokens.inc(n)
             self.metrics.forward_passes.inc(run.passes)
             self.metrics.tokens_per_forward.observe(n / passes)
+        row = run.handle.row  # (its prefix-cache counts were set at admission, before any event of it)
+        reasoning = len(self.tok.encode(final.reasoning)) if final.reasoning else 0
         return Usage(prompt_tokens=run.prompt_tokens, completion_tokens=n, total_tokens=run.prompt_tokens + n,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=row.cached_tokens,
+                                                               cache_write_tokens=row.cache_write_tokens),
+                     completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning),
                      denoising_steps=run.passes, tokens_per_forward=round(n / passes, 4))
 
     def _piece(self, t: int) -> str:
@@ -677,9 +683,14 @@ class OpenAIServing:
         us = [self._usage(r, f) for r, f in zip(runs, finals)]
         if len(us) == 1:
             return us[0]
-        prompt = sum(u.prompt_tokens for u in us[::per_prompt or len(us)])
+        firsts = us[::per_prompt or len(us)]  # each prompt's first choice: its prompt counted once
+        prompt = sum(u.prompt_tokens for u in firsts)
         n, passes = sum(u.completion_tokens for u in us), sum(u.denoising_steps for u in us)
-        return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n,
+        cached = PromptTokensDetails(**{k: sum(getattr(u.prompt_tokens_details, k) for u in us)
+                                        for k in PromptTokensDetails.model_fields})
+        reasoning = sum(u.completion_tokens_details.reasoning_tokens for u in us)
+        return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n, prompt_tokens_details=cached,
+                     completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning),
                      denoising_steps=passes, tokens_per_forward=round(n / max(passes, 1), 4))
 
     def _frame(self, frame: dict[str, Any], index: int, n: int) -> dict[str, Any]:

@@ -1426,6 +1426,22 @@ async def _asgi(app, method, path, **kw):
         return await c.request(method, path, **kw)
 
 
+def test_a_model_id_with_a_slash_is_retrieved_and_every_reasoning_effort_accepted(lm):
+    """A model loaded by Hub id is served under that id ("org/name"): GET /v1/models/org/name was a 404 from the router
+    (not even model_not_found). The openai client's newer reasoning_effort levels ("xhigh", "max") were a 400."""
+    from blockpress.server.responses_protocol import ResponsesRequest
+
+    app, serving, _ = _app(lm)
+    serving.model_name = "org/tiny-1"
+    r = asyncio.run(_asgi(app, "GET", "/v1/models/org/tiny-1"))
+    assert r.status_code == 200 and r.json()["id"] == "org/tiny-1", r.text
+    r = asyncio.run(_asgi(app, "GET", "/v1/models/org/other"))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    for effort in ("xhigh", "max"):
+        assert ChatCompletionRequest(messages=MSG, reasoning_effort=effort).enable_thinking
+        assert ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": effort}}).to_chat().enable_thinking
+
+
 def test_non_ascii_api_keys_and_every_5xx_counted(lm, capsys, monkeypatch):
     """A non-ASCII key in the header is a 401 (it was a 500 with a traceback, missing from /metrics); a non-ASCII
     --api-key is refused at start (clients cannot send it); any 5xx is counted."""

@@ -184,9 +184,11 @@ class BlockDiffusionLM:
         word). One dict for every row, or a list with one (or None) per row.
         sampler / fuse_commit / compact_rows: this call's engine options (None: `self.options`'), see
         `blockpress.options` and engine.stream."""
+        from .engine.constraint import grammar_kinds
+
         cfg = self.generation_config(**sampling)
         grammar = dict(json_schema=json_schema, json_object=json_object, regex=regex, grammar=grammar)
-        if any(grammar.values()) and not cfg.eos_token_id:  # a grammar's output ends with a stop id
+        if grammar_kinds(**grammar) and not cfg.eos_token_id:  # a grammar's output ends with a stop id
             eos = self._need_tokenizer().eos_token_id
             if eos is None:
                 raise InputError("structured output needs a stop id: give eos_token_id=")

@@ -71,6 +71,9 @@ def test_regex_lark_and_json_object(lm):
     assert re.fullmatch(r"yes|no|maybe [0-9]+", text), text
     _, text = _gen(lm, 2, json_object=True, max_new_tokens=48)
     assert isinstance(json.loads(text), dict)
+    for seed in range(3):  # the empty schema is any JSON value (it was taken for no schema: free text)
+        _, text = _gen(lm, seed, json_schema={}, max_new_tokens=32)
+        json.loads(text)
 
 
 @pytest.mark.parametrize("pattern", [r"[0-9]+ apples", r"[a-z]{2,5}(, [0-9]+)*\.", r"x[0-9]+y[0-9]+z"])

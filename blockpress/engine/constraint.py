@@ -71,6 +71,12 @@ def _llguidance(need: str = "structured output needs", hint: str = ""):
     return llguidance
 
 
+def grammar_kinds(json_schema=None, json_object: bool = False, regex=None, grammar=None) -> list[str]:
+    """Which of the output grammars are asked for (`{}`, the empty schema, is: any JSON value)."""
+    return [n for n, v in (("json_schema", json_schema), ("json_object", json_object), ("regex", regex),
+                           ("grammar", grammar)) if v is not None and v is not False]
+
+
 def grammar_for(json_schema=None, json_object: bool = False, regex: str | None = None,
                 grammar: str | None = None) -> str | None:
     """The llguidance grammar of one of: a JSON Schema (dict or JSON text), any JSON object, a regular expression,
@@ -78,8 +84,7 @@ def grammar_for(json_schema=None, json_object: bool = False, regex: str | None =
     for name, v in (("regex", regex), ("grammar", grammar)):
         if v is not None and not (isinstance(v, str) and v.strip()):
             raise InputError(f"{name} must be a non-empty string, got {v!r}; leave it out for free text")
-    given = [n for n, v in (("json_schema", json_schema), ("json_object", json_object), ("regex", regex),
-                            ("grammar", grammar)) if v]
+    given = grammar_kinds(json_schema, json_object, regex, grammar)
     if not given:
         return None
     if len(given) > 1:

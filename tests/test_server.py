@@ -1630,6 +1630,7 @@ def test_responses_tool_choice_and_refusals(server):
     calls = [it for it in r["output"] if it["type"] == "function_call"]
     assert (calls and calls[0]["name"] == "get_weather") or text.startswith("call:get_weather{")
     bad = [({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+           ({"prompt": {"id": "pmpt_1"}}, "prompt", "keeps no prompts"),  # (ignored: its instructions never ran)
            ({"max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens=100000 exceeds"),
            ({"tools": [{"type": "web_search"}]}, "tools.0.type", "blockpress runs no built-in tools"),
            ({"text": {"format": {"type": "xml"}}}, "text", "text.format type 'xml' is not one of"),

@@ -10,7 +10,7 @@ Invariants:
   `max_output_tokens` -> max_completion_tokens; `reasoning.effort` -> reasoning_effort; `text.format` ->
   response_format (json_schema's flattened fields nested as chat nests them); `parallel_tool_calls` as is.
 - Refused with a 400 naming the field, rather than answered wrongly: `previous_response_id` and
-  `conversation` (the server keeps no responses: send the conversation in `input`), `background`,
+  `conversation` (the server keeps no responses: send the conversation in `input`), a stored `prompt`, `background`,
   non-function tools, non-text content, and logprobs (`top_logprobs`,
   `include` of logprobs). Reasoning items in `input` are dropped (the template does not show
   earlier thinking to the model). `store` is accepted and answered `false`.
@@ -141,6 +141,7 @@ class _ResponsesFields(_Request):
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
+    prompt: Any = Field(None, description="refused: a prompt template stored at OpenAI")
     reasoning: ReasoningConfig | None = None
     store: bool | None = None
     stream: Annotated[bool, _null_is(False)] = False
@@ -159,6 +160,10 @@ class ResponsesRequest(_DiffusionKnobs, _ResponsesFields):
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
     def _refuse(self) -> None:
+        if self.prompt is not None:  # (ignored, the reply ran without the template's instructions and variables)
+            raise APIError(400, "prompt (a prompt template stored at OpenAI) is not supported: this server keeps no "
+                           "prompts; send its text as `instructions` and `input`", param="prompt",
+                           code="unsupported_value")
         if self.previous_response_id is not None or self.conversation is not None:
             param = "previous_response_id" if self.previous_response_id is not None else "conversation"
             raise APIError(400, f"{param} is not supported: this server keeps no responses; send the conversation "

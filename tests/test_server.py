@@ -245,6 +245,52 @@ def test_structured_output_through_the_openai_client(client):
     assert re.fullmatch("[A-Z]{2}-[0-9]{3}", c.choices[0].text), c.choices[0].text
 
 
+def test_vllms_structured_output_fields_constrain_and_its_other_fields_are_honoured_or_refused(client):
+    """Code written for vLLM sends its own fields (extra_body): guided_json / guided_regex / guided_choice /
+    guided_grammar and structured_outputs were ignored, so the output came back unconstrained; each is now the
+    grammar it names. ignore_eos runs to max_tokens; min_tokens and include_stop_str_in_output are refused."""
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    model, kw = client.model_id, dict(max_tokens=48)
+    choices = ["yes", "no way", "a.b|c (x)"]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+    def text(seed, **extra):
+        r = client.chat.completions.create(model=model, messages=MSG, seed=seed, extra_body={**FAST, **extra}, **kw)
+        return r.choices[0].message.content
+
+    for seed in range(3):
+        assert text(seed, guided_choice=choices) in choices
+        assert text(seed, structured_outputs={"choice": choices}) in choices
+        jsonschema.validate(json.loads(text(seed, guided_json=schema)), schema)
+        jsonschema.validate(json.loads(text(seed, structured_outputs={"json": json.dumps(schema)})), schema)
+        assert re.fullmatch("[A-Z]{3}", text(seed, guided_regex="[A-Z]{3}"))
+        assert text(seed, guided_grammar='start: "up" | "down"') in ("up", "down")
+        assert isinstance(json.loads(text(seed, structured_outputs={"json_object": True})), dict)
+    # the same seed without the field: free text (so the checks above measure the fields)
+    assert text(0) not in choices
+    stop_id = client.completions.create(model=model, prompt="The sea", seed=1, max_tokens=40,
+                                        extra_body={**FAST, "logit_bias": {"1": 100}})
+    assert stop_id.usage.completion_tokens < 40  # the stop id ends it ...
+    ran = client.completions.create(model=model, prompt="The sea", seed=1, max_tokens=40,
+                                    extra_body={**FAST, "logit_bias": {"1": 100}, "ignore_eos": True})
+    assert ran.usage.completion_tokens == 40 and ran.choices[0].finish_reason == "length"  # ... but not with it
+    for extra, param, needle in (
+            ({"min_tokens": 4}, "min_tokens", "min_tokens is not supported"),
+            ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "stop strings are cut"),
+            ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice",
+             "give one of guided_regex and guided_choice"),
+            ({"guided_regex": "b", "regex": "a"}, "guided_regex", "guided_regex and regex both constrain"),
+            ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "needs one of"),
+            ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "not supported"),
+            ({"structured_outputs": {"choice": [1]}}, "structured_outputs.choice", "a list of non-empty strings"),
+            ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos", "a constrained output ends with a stop id")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=MSG, extra_body=extra, **kw)
+        err = e.value.body
+        assert err["param"] == param and needle in err["message"], (extra, err)
+
+
 FORCED_F = {"tool_choice": "required",
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
 

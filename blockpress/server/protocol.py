@@ -58,6 +58,10 @@ Structured output: `response_format` `{"type": "json_object"}` or `{"type": "jso
 is constrained during denoising (engine/constraint.py) to parse and validate and to end within `max_tokens`. A
 schema or grammar the engine cannot compile is a 400 naming the problem; so is a `max_tokens` too small for the
 shortest valid output. In chat the constrained output is the message's `content` (no thinking, no tool call).
+vLLM's fields (what code written for it sends) are these grammars under its names (`guided_json`, `guided_regex`,
+`guided_choice`: a regex of the strings, `guided_grammar`, `structured_outputs`); `ignore_eos` empties the stop ids;
+`min_tokens` and `include_stop_str_in_output` are refused. Its other sampling fields (`top_k`, `min_p`, penalties)
+are ignored like OpenAI's.
 
 Logprobs (chat `logprobs: true` + `top_logprobs` 0..20; completions `logprobs` 0..5):
 - Meaning: a denoised token is not drawn once from a left-to-right distribution. The committed canvas is the
@@ -171,6 +175,7 @@ class Sampling:
     # request that offers no tool: the opening of a tool call, parsing.call_ban)
     one_call: bool = False  # parallel_tool_calls false: a reply's tool calls end after the first
     logit_bias: dict[int, float] | None = None  # added to the logits every step (engine: sampling.bias_vector)
+    ignore_eos: bool = False  # vLLM's ignore_eos: no stop id (cfg.eos_token_id is empty)
 
     def choice_seed(self, i: int) -> int | None:
         if self.seed is None:
@@ -319,6 +324,18 @@ class Tool(BaseModel):
     function: FunctionDef
 
 
+# vLLM's structured-output fields -> the `grammar_for` keyword each means ("choice": a regex of the strings)
+VLLM_GRAMMARS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar", "structured_outputs": None}
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                      "json_object": "json_object"}
+
+
+def _regex_literal(text: str) -> str:
+    """A regex that matches `text` only: every character but ASCII letters and digits as a \\x{..} escape."""
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+
+
 class _DiffusionKnobs(_Request):
     """blockpress sampling extensions shared by both endpoints."""
 
@@ -337,10 +354,60 @@ class _DiffusionKnobs(_Request):
                               "expression (constrained during denoising)")
     grammar: str | None = Field(None, max_length=65536, description="blockpress: the output follows this Lark "
                                 "grammar (constrained during denoising)")
+    # vLLM's extensions, as code written for vLLM sends them: its structured-output fields are the ones above under
+    # other names; the others would change what its client reads, so each is honoured or refused, never dropped
+    guided_json: Union[dict[str, Any], str, None] = Field(None, description="vLLM: a JSON Schema the output follows")
+    guided_regex: str | None = Field(None, max_length=4096, description="vLLM: `regex`")
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=1024)]],
+                             Field(min_length=1, max_length=256)] | None = Field(
+        None, description="vLLM: the output is one of these strings")
+    guided_grammar: str | None = Field(None, max_length=65536, description="vLLM: `grammar` (Lark)")
+    structured_outputs: dict[str, Any] | None = Field(None, description="vLLM: one of json, regex, choice, grammar, "
+                                                      "json_object, as the guided_ fields")
+    ignore_eos: bool | None = Field(None, description="vLLM: no stop id ends the output; it runs to max_tokens")
+    min_tokens: NonNegInt | None = Field(None, description="vLLM: refused (but 0): no stop id is held back")
+    include_stop_str_in_output: bool | None = Field(None, description="vLLM: refused when true; stop strings are "
+                                                    "cut from the text, as OpenAI cuts them")
+
+    def _vllm_grammar(self) -> tuple[dict[str, Any], str | None]:
+        """vLLM's structured-output fields as this server's (json_schema / json_object / regex / grammar keywords of
+        `grammar_for`) and the field they came from; ({}, None) without one."""
+        given = [(k, v) for k in VLLM_GRAMMARS if (v := getattr(self, k)) is not None]
+        if not given:
+            return {}, None
+        if len(given) > 1:
+            raise APIError(400, f"give one of {' and '.join(k for k, _ in given)}", param=given[1][0],
+                           code="invalid_value")
+        name, value = given[0]
+        if name == "structured_outputs":
+            if value.get("structural_tag") is not None:
+                raise APIError(400, "structured_outputs.structural_tag is not supported; use json, regex, choice or "
+                               "grammar", param="structured_outputs.structural_tag", code="unsupported_value")
+            kinds = [k for k in STRUCTURED_OUTPUTS if value.get(k) is not None and value.get(k) is not False]
+            if len(kinds) != 1:
+                raise APIError(400, f"structured_outputs needs one of {', '.join(STRUCTURED_OUTPUTS)} (got "
+                               f"{', '.join(kinds) or 'none'})", param="structured_outputs", code="invalid_value")
+            name, value = f"structured_outputs.{kinds[0]}", value[kinds[0]]
+        kind = VLLM_GRAMMARS.get(name) or STRUCTURED_OUTPUTS[name.partition(".")[2]]
+        if kind == "choice":
+            if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+                raise APIError(400, f"{name} must be a list of non-empty strings", param=name, code="invalid_value")
+            kind, value = "regex", "|".join(map(_regex_literal, value))
+        return {kind: value}, name
+
+    def _refuse_vllm(self) -> None:
+        if self.min_tokens:
+            raise APIError(400, "min_tokens is not supported: a canvas may end at its first stop id; leave it out",
+                           param="min_tokens", code="unsupported_value")
+        if self.include_stop_str_in_output:
+            raise APIError(400, "include_stop_str_in_output is not supported: stop strings are cut from the text, as "
+                           "OpenAI cuts them; add it back yourself", param="include_stop_str_in_output",
+                           code="unsupported_value")
 
     def output_grammar(self) -> str | None:
-        """The compiled grammar of response_format / regex / grammar (at most one), or None for free text."""
-        from ..engine.constraint import grammar_for
+        """The compiled grammar of response_format / regex / grammar or vLLM's fields (at most one), or None for free
+        text."""
+        from ..engine.constraint import grammar_for, grammar_kinds
 
         fmt = self.response_format or {"type": "text"}
         if "type" not in fmt:
@@ -359,17 +426,25 @@ class _DiffusionKnobs(_Request):
         elif kind != "text":
             raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
                            param="response_format", code="invalid_value")
+        asked = dict(json_schema=schema, json_object=json_object, regex=self.regex, grammar=self.grammar)
+        vllm, name = self._vllm_grammar()
+        if vllm and grammar_kinds(**asked):
+            raise APIError(400, f"{name} and {self.grammar_field()} both constrain the output; give one", param=name,
+                           code="invalid_value")
         try:
-            return grammar_for(json_schema=schema, json_object=json_object, regex=self.regex, grammar=self.grammar)
+            return grammar_for(**(vllm or asked))
         except InputError as e:
             raise APIError(400, str(e), param=self.grammar_field(), code="invalid_value") from None
 
     def grammar_field(self) -> str:
         """The request field the output grammar comes from (what a 400 about it names)."""
-        return "regex" if self.regex is not None else "grammar" if self.grammar is not None else "response_format"
+        if self.regex is not None or self.grammar is not None:
+            return "regex" if self.regex is not None else "grammar"
+        return next((k for k in VLLM_GRAMMARS if getattr(self, k) is not None), "response_format")
 
     def _resolve(self, limits: Limits, defaults: dict[str, Any], max_tokens: int | None, max_tokens_field: str,
                  default_max_tokens: int, seed: int | None, stop, stream_options) -> Sampling:
+        self._refuse_vllm()
         if stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true; drop it or stream the response",
                            param="stream_options", code="invalid_value")
@@ -380,6 +455,8 @@ class _DiffusionKnobs(_Request):
             raise APIError(400, f"{max_tokens_field}={n} exceeds this server's limit of {limits.max_tokens}; "
                            "lower it", param=max_tokens_field, code="invalid_value")
         kw: dict[str, Any] = {"max_new_tokens": n}
+        if self.ignore_eos:  # no stop id: the output runs to max_tokens
+            kw["eos_token_id"] = []
         names = {"max_new_tokens": max_tokens_field}
         for k in ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
                   "confidence_threshold"):
@@ -409,7 +486,8 @@ class _DiffusionKnobs(_Request):
                         budget_field=None if max_tokens is None else max_tokens_field,
                         include_usage=bool(stream_options and stream_options.include_usage),
                         include_drafts=bool(stream_options and stream_options.include_drafts), n=self.n,
-                        logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None)
+                        logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                        ignore_eos=bool(self.ignore_eos))
 
 
 def _refuse_unsupported(req, limits: Limits) -> None:

@@ -538,6 +538,9 @@ class OpenAIServing:
 
         if sampling.grammar is None:
             return TokenBan(sampling.suppress, self.lm.config.text.vocab_size) if sampling.suppress else None
+        if sampling.ignore_eos:
+            raise APIError(400, f"ignore_eos and {sampling.grammar_param} cannot be combined: a constrained output "
+                           "ends with a stop id", param="ignore_eos", code="invalid_value")
         try:
             return Constraint(sampling.grammar, self.tok, sampling.cfg.eos_token_id, self.lm.config.text.vocab_size,
                               sampling.cfg.max_new_tokens, sampling.guarded)

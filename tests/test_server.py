@@ -1299,6 +1299,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call_and_nulls_are_defaults(l
                     for tc in ch["delta"].get("tool_calls", [])]
         assert streamed == want
         assert all("usage" in c and c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["total_tokens"]
+    both = CompletionRequest(prompt="hi", n=2, best_of=2).to_sampling(serving.limits, serving.defaults)
+    assert both.n == 2  # best_of = n asks for every choice there is (a 400 before)
     nulls = ChatCompletionRequest(messages=MSG, n=None, stream=None)
     assert nulls.n == 1 and nulls.stream is False
     assert CompletionRequest(prompt="hi", echo=None, n=None, stream=None).echo is False
@@ -1362,6 +1364,17 @@ def test_queue_full_is_429_and_api_key(lm):
 
     assert asyncio.run(calls()) == [401, 401, 200, 200, 200]  # the scheme's name in any case (RFC 7235)
 
+    busy_serving = OpenAIServing(lm, Worker(lm, queue_size=1), "tiny")  # never started
+
+    async def busy():  # a 429 says when to retry (clients waited their own default backoff)
+        await busy_serving.chat(req)  # the queue's one place (a stream: its row waits, nobody reads it)
+        transport = httpx.ASGITransport(app=create_app(busy_serving, Metrics()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post("/v1/chat/completions", json={"messages": MSG})
+
+    r = asyncio.run(busy())
+    assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+
 
 # ----------------------------------------------------------------------------- issue 31: conformance and robustness
 @pytest.fixture(scope="module")
@@ -1410,6 +1423,7 @@ def test_models_retrieve_and_the_blockpress_alias(client):
     every route accepts as `model` (README's example); another id is a 404."""
     card = client.models.retrieve(client.model_id)
     assert card.id == client.model_id and card.object == "model"
+    assert time.time() - 3600 < card.created <= time.time() and card.max_model_len > 0  # (0 and absent before)
     assert client.models.retrieve("blockpress").id == client.model_id
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-9")

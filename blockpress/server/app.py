@@ -94,7 +94,7 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
     # ---------------------------------------------------------------- errors
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):

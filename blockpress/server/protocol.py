@@ -49,7 +49,7 @@ blockpress extensions (OpenAI clients pass them with `extra_body=`):
   entropy-bounded denoising sampler); a value outside OpenAI's range (temperature 0-2, top_p 0-1, penalties
   -2 to 2) is still a 400, as OpenAI answers it. `temperature: 0` without a seed samples with seed 0: a client
   asking for the same answer every time gets it. Refused with a 400 naming the field rather than silently
-  dropped, because a client would read a wrong answer: `best_of` > 1, `echo`, image/audio content parts, audio
+  dropped, because a client would read a wrong answer: `best_of` > 1 (but = n), `echo`, image/audio content parts, audio
   output, the deprecated `functions` / `function_call`, `stream_options` without `stream`, a `response_format`
   without a type, and `top_logprobs` > 0 without `logprobs: true` (chat).
 
@@ -111,9 +111,10 @@ class APIError(Exception):
     """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -770,9 +771,10 @@ class CompletionRequest(_DiffusionKnobs, _CompletionFields):
         if len(self.prompts) > limits.max_prompts:
             raise APIError(400, f"{len(self.prompts)} prompts exceed this server's limit of {limits.max_prompts} per "
                            "request; split the batch", param="prompt", code="invalid_value")
-        if self.best_of not in (None, 1):
-            raise APIError(400, f"best_of={self.best_of} is not supported: one completion per request; send "
-                           "several requests with different seeds", param="best_of", code="unsupported_value")
+        if self.best_of not in (None, 1, self.n):  # (best_of = n: all the n choices there are)
+            raise APIError(400, f"best_of={self.best_of} is not supported (but equal to n): the server returns every "
+                           "choice it generates, unranked; ask for n choices", param="best_of",
+                           code="unsupported_value")
         if self.echo:
             raise APIError(400, "echo is not supported: the prompt is not repeated in the completion; prepend it "
                            "yourself", param="echo", code="unsupported_value")
@@ -839,8 +841,10 @@ class CompletionResponse(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = 0
+    created: int = Field(0, description="when the server loaded the model (Unix seconds)")
     owned_by: str = "blockpress"
+    max_model_len: int | None = Field(None, description="positions a request may use, prompt and output together "
+                                      "(vLLM's field)")
     canvas_length: int = Field(description="blockpress: tokens per canvas")
     chat: bool = Field(True, description="blockpress: the model has its own chat template (else: a text model, "
                                          "use /v1/completions)")

@@ -388,6 +388,7 @@ class OpenAIServing:
             raise BlockpressError("this model has no tokenizer.json; the server needs one to read and write text")
         self.lm, self.tok, self.worker = lm, lm.tokenizer, worker
         self.model_name = model_name
+        self.created = int(time.time())  # the model cards' `created`: when this server loaded it
         self.limits = limits or Limits()
         self.metrics = metrics
         self.defaults = {**lm.generation_defaults, **lm.text_defaults(), **(defaults or {})}
@@ -405,7 +406,8 @@ class OpenAIServing:
         return self._card()
 
     def _card(self) -> ModelCard:
-        return ModelCard(id=self.model_name, canvas_length=self.lm.canvas_length, chat=self.tok.is_chat)
+        return ModelCard(id=self.model_name, created=self.created, canvas_length=self.lm.canvas_length,
+                         chat=self.tok.is_chat, max_model_len=self.worker.scheduler.max_positions)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_name, MODEL_ALIAS):
@@ -519,8 +521,8 @@ class OpenAIServing:
         try:
             handles = self.worker.submit_together(jobs, loop=asyncio.get_running_loop())
         except QueueFull as e:
-            raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error",
-                           code="queue_full") from None
+            raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None  # (a place frees at a canvas boundary)
         except ShuttingDown as e:
             raise APIError(503, str(e), type="server_error", code="shutting_down") from None
         except SamplingError as e:  # (the one sampling setting only the model can check: logit_bias's token ids)

@@ -283,8 +283,8 @@ class BlockDiffusionLM:
         ("stop", "tool_calls", or "length" when no stop token came within max_new_tokens). Given no `tools`, the
         reply holds no tool call, as the server's (`parsing.call_ban`; suppress_tokens=None lifts the ban). Where a
         tool is `"strict": True` (OpenAI's field), the reply's calls name offered tools and a strict tool's
-        arguments are valid against its parameters (engine/constraint.py `reply_grammar`; the structured extra), and
-        an output grammar beside it (json_schema=, regex=...) is an InputError, as on the server."""
+        arguments are valid against its parameters (engine/constraint.py `reply_grammar`; the structured extra); with
+        an output grammar beside tools (json_schema=, regex=...), the reply is calls or an answer in that grammar."""
         from .parsing import parse_reply
 
         result = self._reply(messages_or_prompt, enable_thinking, tools, seed, sampling)
@@ -300,12 +300,12 @@ class BlockDiffusionLM:
         if self.tokenizer.is_chat and "suppress_tokens" not in sampling:  # a chat turn: no tool offered, no call
             sampling = {**sampling, "suppress_tokens": call_ban(self.tokenizer, tools)}
         if self.tokenizer.is_chat:
-            from .engine.constraint import reply_grammar
+            from .engine.constraint import grammar_for, reply_grammar
 
-            asked = any(sampling.get(k) for k in ("json_schema", "json_object", "regex", "grammar"))
-            rule = reply_grammar(self.tokenizer, tools, output_grammar=asked)  # strict tools: calls name offered
-            if rule is not None:  # tools, valid arguments
-                sampling = {**sampling, "grammar": rule[0], "guarded_tokens": rule[1]}
+            asked = {k: sampling.pop(k) for k in ("json_schema", "json_object", "regex", "grammar") if k in sampling}
+            output = grammar_for(**asked)
+            rule = reply_grammar(self.tokenizer, tools, output_grammar=output)  # calls name offered tools
+            sampling["grammar"], sampling["guarded_tokens"] = (output, ()) if rule is None else rule
         return self.generate([ids], generator=gen, **sampling)
 
     def infill(self, template: str, seed: int | None = None, **sampling):

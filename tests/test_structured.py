@@ -377,23 +377,48 @@ def test_a_required_call_may_come_with_more_a_named_one_alone(lm):
         assert not accepted(grammar, "") and not accepted(grammar, "It is noon.")
 
 
-def test_tools_that_ask_for_a_grammar_refuse_an_output_grammar_beside_them(lm):
-    """A forced call or strict tools bring their own grammar, so an output grammar beside them is an error, not a
-    choice made silently: reply_grammar holds the rule, and the Python API says so as the server does (a 400,
-    test_server.py). Tools that ask for nothing leave the caller's grammar as it is."""
-    from blockpress.engine.constraint import reply_grammar
+def test_tools_beside_an_output_grammar_give_calls_or_an_answer_in_that_grammar(lm):
+    """OpenAI's tools beside response_format (an agent's tool loop with a typed final answer, the Agents SDK's
+    `output_type` with tools): the reply is one or more calls of offered tools, or an answer in the output grammar.
+    It was refused beside strict tools (a 400 on the server), and beside other tools the grammar covered the whole
+    reply, so no tool could ever be called. A forced call is the whole reply (the answer comes on a later turn)."""
+    import llguidance
+
+    from blockpress.engine.constraint import Constraint, grammar_for, reply_grammar
 
     tok = lm.tokenizer
-    with pytest.raises(InputError, match="strict tools cannot be combined"):
-        reply_grammar(tok, STRICT_TOOLS, output_grammar=True)
-    with pytest.raises(InputError, match=r"a forced tool call \(tool_choice\) cannot be combined"):
-        reply_grammar(tok, STRICT_TOOLS, forced="get_time", output_grammar=True)
-    with pytest.raises(InputError, match="strict tools cannot be combined"):
-        lm.chat("What time is it in Oslo?", tools=STRICT_TOOLS, json_object=True, max_new_tokens=8)
+    schema = {"type": "object", "properties": {"hour": {"type": "integer"}}, "required": ["hour"]}
+    output = grammar_for(json_schema=schema)
     loose = [{**t, "function": {**t["function"], "strict": False}} for t in STRICT_TOOLS]
-    assert reply_grammar(tok, loose, output_grammar=True) is None
-    reply = lm.chat("What time is it in Oslo?", tools=loose, regex="[a-z]{3}", max_new_tokens=8, seed=0)
-    assert re.fullmatch("[a-z]{3}", reply.content), reply
+    call = '<|tool_call>call:get_time{city:<|"|>Oslo<|"|>}<tool_call|>'
+    for tools in (STRICT_TOOLS, loose):
+        grammar, guarded = reply_grammar(tok, tools, output_grammar=output)
+        assert guarded == (tok.token_to_id("<|tool_call>"),)
+
+        def accepted(text: str) -> bool:
+            m = llguidance.LLMatcher(Constraint(grammar, tok, [1], lm.config.text.vocab_size, 64).vocab.llg,
+                                     grammar)
+            return all(m.consume_token(t) for t in tok.encode(text)) and m.is_accepting()
+
+        assert accepted('{"hour": 12}') and accepted(call) and accepted(call + call)
+        assert not accepted("It is noon.") and not accepted('{"minute": 3}') and not accepted('{"hour": 12}' + call)
+        assert not accepted('<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>')  # not offered
+        assert accepted("<|tool_call>call:get_time{}<tool_call|>") == (tools is loose)  # strict: city required
+    forced = reply_grammar(tok, STRICT_TOOLS, forced="get_time", output_grammar=output)
+    assert forced == reply_grammar(tok, STRICT_TOOLS, forced="get_time")
+    assert reply_grammar(tok, None, output_grammar=output) is None  # no tools: the output grammar alone
+    assert reply_grammar(tok, loose) is None  # neither: a free reply
+    seen = set()
+    for seed in range(6):  # the Python API: each reply is calls or the answer, whichever the model drafts
+        reply = lm.chat("What time is it in Oslo?", tools=STRICT_TOOLS, json_schema=schema, max_new_tokens=48,
+                        seed=seed)
+        if reply.tool_calls:
+            assert not reply.content and {c.name for c in reply.tool_calls} <= {"get_time", "calculate"}
+            seen.add("calls")
+        else:
+            assert isinstance(json.loads(reply.content)["hour"], int)
+            seen.add("answer")
+    assert seen == {"calls", "answer"}, seen  # (this model drafts both, across these seeds)
 
 
 def test_a_guarded_opening_is_not_written_where_the_drafted_name_is_not_offered(lm):

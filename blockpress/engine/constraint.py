@@ -110,7 +110,7 @@ def grammar_for(json_schema=None, json_object: bool = False, regex: str | None =
 
 
 def call_grammar(open_id: int, close_id: int, tools: dict[str, dict | None], quote_id: int | None = None,
-                 answer: bool = False, more: bool = False) -> str:
+                 answer: bool = False, more: bool = False, output: str | None = None) -> str:
     """The grammar of a tool call in Gemma's format, `<|tool_call>call:NAME{...}<tool_call|>` (the markers are token
     ids), NAME one of `tools` and its arguments valid against that tool's parameters schema (an object; a tool
     mapped to None, in a reply: any object in that notation). answer False: exactly one call (a forced call), or
@@ -120,7 +120,9 @@ def call_grammar(open_id: int, close_id: int, tools: dict[str, dict | None], quo
     chat template renders a call and the model learned it: keys bare and in sorted order, strings between `<|"|>`
     tokens (`quote_id`), numbers, booleans, null, lists and objects as in JSON, no spaces
     (`{city:<|"|>Paris<|"|>,days:3}`). A schema that notation's translation does not cover (see
-    `_gemma_value`), or no `quote_id`, gets JSON arguments instead, which the parser reads too."""
+    `_gemma_value`), or no `quote_id`, gets JSON arguments instead, which the parser reads too. output (with
+    `answer`): a grammar (`grammar_for`'s) the reply's text obeys where it makes no call, as OpenAI answers an output
+    format beside tools: either one or more calls, or the final answer in that format."""
     llg = _llguidance()
     alts, rules = [], []
     for name, params in tools.items():
@@ -135,7 +137,21 @@ def call_grammar(open_id: int, close_id: int, tools: dict[str, dict | None], quo
     call = f'<[{open_id}]> "call:" ({" | ".join(alts)}) <[{close_id}]>'
     start = f"start: <[^{open_id},{close_id}]>* ({call})*" if answer else f"start: ({call})+" if more else \
         f"start: {call}"
-    return llg.LLMatcher.grammar_from_lark("\n".join([start] + rules) + "\n")
+    if output is not None:
+        start = f"start: @{OUTPUT} | ({call})+"
+    lark = llg.LLMatcher.grammar_from_lark("\n".join([start] + rules) + "\n")
+    return lark if output is None else _with_subgrammar(lark, output)
+
+
+OUTPUT = "output"  # the name a reply's grammar gives the output format's grammar within it
+
+
+def _with_subgrammar(lark: str, sub: str) -> str:
+    """A top-level grammar: `lark` first (the start), then `sub` (a `grammar_for` result: llguidance's top-level JSON,
+    or Lark text) under the name `OUTPUT`, which `lark` refers to as @output."""
+    inner = json.loads(sub)["grammars"] if sub.lstrip().startswith("{") else [{"lark_grammar": sub}]
+    return json.dumps({"grammars": [{"name": "reply", "lark_grammar": lark}, {**inner[0], "name": OUTPUT},
+                                    *inner[1:]]})
 
 
 def _any_gemma_object(quote: int) -> str:
@@ -150,22 +166,20 @@ def _any_gemma_object(quote: int) -> str:
 
 
 def reply_grammar(tokenizer, tools: list[dict] | None, forced: str | None = None,
-                  output_grammar: bool = False, parallel: bool = False) -> tuple[str, tuple[int, ...]] | None:
+                  output_grammar: str | None = None, parallel: bool = False) -> tuple[str, tuple[int, ...]] | None:
     """What a chat reply offered `tools` (OpenAI tool dicts) must obey, as (grammar, guarded tokens) for
-    `Constraint`; None for a free reply. forced "" (any offered tool) or a tool's name: exactly one call of it,
-    its arguments valid against its parameters schema; with `parallel` (tool_choice "required", parallel calls
-    allowed) one or more such calls. Else, where any offered tool is `strict`: the whole reply,
-    whose calls name offered tools only, with a strict tool's arguments valid (OpenAI's guarantee for strict
-    tools), and a call's opening guarded: it is not written where the model's draft after it names no offered
-    tool. Needs llguidance. output_grammar: the caller also asks for an output grammar (JSON, regex, Lark), which
-    a forced call or strict tools cannot be combined with (InputError): this is the one place that rule lives."""
+    `Constraint`; None for a free reply (or one that obeys `output_grammar` alone: no tool offered). forced ""
+    (any offered tool) or a tool's name: exactly one call of it, its arguments valid against its parameters schema;
+    with `parallel` (tool_choice "required", parallel calls allowed) one or more such calls; the output grammar is
+    then for a later turn's answer. Else, where any offered tool is `strict`, or an output grammar is asked (a
+    `grammar_for` result: JSON, regex, Lark): the whole reply, whose calls name offered tools only, with a strict
+    tool's arguments valid (OpenAI's guarantee for strict tools), and a call's opening guarded: it is not written
+    where the model's draft after it names no offered tool; with an output grammar, the reply is either calls or
+    an answer in that grammar (OpenAI's tools beside response_format: an agent's tool loop with a typed final
+    answer). Needs llguidance. This is the one place these rules live."""
     tools = [t.get("function", t) for t in tools or []]
-    if forced is None and not any(f.get("strict") for f in tools):
+    if not tools or forced is None and output_grammar is None and not any(f.get("strict") for f in tools):
         return None
-    if output_grammar:
-        what = "strict tools" if forced is None else "a forced tool call (tool_choice)"
-        raise InputError(f"an output grammar (response_format, json_schema, json_object, regex or grammar) and {what} "
-                         "cannot be combined; drop one")
     if forced is None:
         _llguidance("strict tools need", " (or send the tools without strict)")
     ids = {m: tokenizer.token_to_id(m) for m in ("<|tool_call>", "<tool_call|>", '<|"|>')}
@@ -176,8 +190,8 @@ def reply_grammar(tokenizer, tools: list[dict] | None, forced: str | None = None
         schemas = {f["name"]: f.get("parameters") for f in tools if not forced or f["name"] == forced}
         return call_grammar(ids["<|tool_call>"], ids["<tool_call|>"], schemas, ids['<|"|>'], more=parallel), ()
     schemas = {f["name"]: (f.get("parameters") or {"type": "object"}) if f.get("strict") else None for f in tools}
-    return call_grammar(ids["<|tool_call>"], ids["<tool_call|>"], schemas, ids['<|"|>'], answer=True), \
-        (ids["<|tool_call>"],)
+    return call_grammar(ids["<|tool_call>"], ids["<tool_call|>"], schemas, ids['<|"|>'], answer=True,
+                        output=output_grammar), (ids["<|tool_call>"],)
 
 
 _NOTATION_KEYS = {"type", "properties", "required", "additionalProperties", "items", "enum", "minLength", "maxLength",

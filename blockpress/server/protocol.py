@@ -57,7 +57,8 @@ Structured output: `response_format` `{"type": "json_object"}` or `{"type": "jso
 {"name", "schema", "strict"}}` (chat and completions), or the extensions `regex` / `grammar` (Lark): the output
 is constrained during denoising (engine/constraint.py) to parse and validate and to end within `max_tokens`. A
 schema or grammar the engine cannot compile is a 400 naming the problem; so is a `max_tokens` too small for the
-shortest valid output. In chat the constrained output is the message's `content` (no thinking, no tool call).
+shortest valid output. In chat the constrained output is the message's `content` (no thinking); beside tools the
+reply is calls or that content (constraint.reply_grammar).
 vLLM's fields (what code written for it sends) are these grammars under its names (`guided_json`, `guided_regex`,
 `guided_choice`: a regex of the strings, `guided_grammar`, `structured_outputs`); `ignore_eos` empties the stop ids;
 `min_tokens` and `include_stop_str_in_output` are refused. Its other sampling fields (`top_k`, `min_p`, penalties)

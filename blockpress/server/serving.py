@@ -729,8 +729,9 @@ class OpenAIServing:
         """The grammar (and its guarded tokens) of the reply's tool calls: tool_choice "required" / named with the
         structured extra installed, one or more calls of offered tools ("required"; one with parallel_tool_calls
         false) or exactly one call of the named one, their arguments valid against the tool's parameters schema;
-        `strict` tools under "auto", the reply's calls valid (a 400 without the structured extra, or beside
-        response_format). Constrained while it is denoised (engine/constraint.py; a
+        `strict` tools under "auto", the reply's calls valid (a 400 without the structured extra); tools beside an
+        output format (response_format, regex, grammar): calls, or an answer in that format. Constrained while it is
+        denoised (engine/constraint.py; a
         schema it cannot use is a 400 naming `tools` when the request is submitted). None for a free reply, or a
         forced call without llguidance."""
         from ..engine.constraint import reply_grammar, structured_extra
@@ -738,11 +739,10 @@ class OpenAIServing:
         if req.forced_tool is not None and not structured_extra():
             return None  # the call's opening is held instead (tool_call_prefix)
         try:
-            return reply_grammar(self.tok, req.offered_tools, req.forced_tool, sampling.grammar is not None,
+            return reply_grammar(self.tok, req.offered_tools, req.forced_tool, sampling.grammar,
                                  parallel=req.tool_choice == "required" and not sampling.one_call)
-        except InputError as e:  # beside response_format, or strict tools without llguidance
-            raise APIError(400, str(e), param="response_format" if sampling.grammar is not None else "tools",
-                           code="invalid_value") from None
+        except InputError as e:  # strict tools without llguidance, a model without tool-call tokens
+            raise APIError(400, str(e), param="tools", code="invalid_value") from None
 
     def tool_call_prefix(self, tool: str | None) -> list[int] | None:
         """tool_choice "required" / named without the structured extra, done the diffusion way: the opening of a

@@ -138,7 +138,7 @@ def test_generation_config_priority_and_validation():
     assert GenerationConfig.resolve({}).max_denoising_steps == 48  # reference default
     # another sampler class (the reference fails on it) ran as the entropy bound, silently
     for sc, shown in (({"_cls_name": "TopKSamplerConfig", "k": 4}, "'TopKSamplerConfig'"), ("greedy", "'greedy'")):
-        with pytest.raises(ConfigError, match=f"sampler_config is {shown}; blockpress runs the reference's one sampler"):
+        with pytest.raises(ConfigError, match=f"sampler_config is {shown}; blockpress runs the reference's one"):
             GenerationConfig.from_checkpoint_dict({"sampler_config": sc})
     assert GenerationConfig.from_checkpoint_dict({"sampler_config": {"entropy_bound": 0.3}}) == {"entropy_bound": 0.3}
     for kw, name in [(dict(max_denoising_steps=0), "max_denoising_steps"), (dict(entropy_bound=-1.0), "entropy_bound"),

@@ -1525,7 +1525,8 @@ def test_a_model_id_with_a_slash_is_retrieved_and_every_reasoning_effort_accepte
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     for effort in ("xhigh", "max"):
         assert ChatCompletionRequest(messages=MSG, reasoning_effort=effort).enable_thinking
-        assert ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": effort}}).to_chat().enable_thinking
+        responses = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": effort}})
+        assert responses.to_chat().enable_thinking
 
 
 def test_non_ascii_api_keys_and_every_5xx_counted(lm, capsys, monkeypatch):

@@ -93,7 +93,8 @@ def fuzz(server, examples: dict) -> None:
     # whole suite's, at collection), so any code change shifts the mix: the same 543 requests have made 49 to 85
     # generations. The floors are loose for that reason; each generating endpoint must run the engine at least once.
     for endpoint in ("/v1/completions", "/v1/responses"):
-        assert counts.get(f'blockpress_requests_total{{endpoint="{endpoint}",status="200"}}', 0) >= 1, (endpoint, counts)
+        key = f'blockpress_requests_total{{endpoint="{endpoint}",status="200"}}'
+        assert counts.get(key, 0) >= 1, (endpoint, counts)
     print(f"fuzz: {sent['n']} requests, {generated:.0f} generations", counts)
     return sent["n"], generated
 

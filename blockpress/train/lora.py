@@ -303,8 +303,8 @@ def _refuse_unsupported_options(cfg: dict) -> None:
     for key, (off, what) in UNSUPPORTED.items():
         value = cfg.get(key)
         if value not in (None, False, off) and value != [] and value != {}:
-            raise CheckpointError(f"adapter_config.json's {key} is {value!r}: the adapter uses {what}, which blockpress "
-                                  f"does not load; train a plain LoRA adapter ({key}={off!r})")
+            raise CheckpointError(f"adapter_config.json's {key} is {value!r}: the adapter uses {what}, which "
+                                  f"blockpress does not load; train a plain LoRA adapter ({key}={off!r})")
 
 
 def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:

@@ -407,7 +407,7 @@ class OpenAIServing:
 
     def _card(self) -> ModelCard:
         return ModelCard(id=self.model_name, created=self.created, canvas_length=self.lm.canvas_length,
-                         chat=self.tok.is_chat, max_model_len=self.worker.scheduler.max_positions)
+                         chat=self.tok.is_chat, max_model_len=self.lm.config.text.max_position_embeddings)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_name, MODEL_ALIAS):

@@ -291,6 +291,32 @@ def test_vllms_structured_output_fields_constrain_and_its_other_fields_are_honou
         assert err["param"] == param and needle in err["message"], (extra, err)
 
 
+def test_vllms_prompt_fields_continue_the_last_message_or_are_refused(client, lm):
+    """vLLM's continue_final_message (a prefilled reply the model continues) and add_generation_prompt were ignored:
+    the last assistant message was closed and a new turn opened. chat_template (a template from the request) is
+    refused rather than dropped."""
+    tok = lm.tokenizer
+    messages = [{"role": "user", "content": "Tell me about the sea."}, {"role": "assistant", "content": "The sea is"}]
+
+    def prompt_tokens(**extra):
+        r = client.chat.completions.create(model=client.model_id, messages=messages, max_tokens=16, seed=0,
+                                           extra_body={**FAST, **extra})
+        return r.usage.prompt_tokens
+
+    continued = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(continued).endswith("The sea is")
+    assert prompt_tokens(continue_final_message=True, add_generation_prompt=False) == len(continued)
+    assert prompt_tokens(continue_final_message=True) == len(continued)
+    assert prompt_tokens() == len(tok.apply_chat_template(messages, add_generation_prompt=True)) != len(continued)
+    assert prompt_tokens(add_generation_prompt=False) == len(tok.apply_chat_template(messages,
+                                                                                     add_generation_prompt=False))
+    for extra, param in (({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+                         ({"chat_template": "{{ messages }}"}, "chat_template")):
+        with pytest.raises(openai.BadRequestError) as e:
+            prompt_tokens(**extra)
+        assert e.value.body["param"] == param, e.value.body
+
+
 def test_tools_beside_response_format_give_calls_or_the_typed_answer(client):
     """The Agents SDK's `output_type` with tools sends strict tools and response_format together: a 400 ("cannot be
     combined") before; with tools that are not strict, the format covered the whole reply and no tool was ever

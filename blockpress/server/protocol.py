@@ -61,8 +61,9 @@ shortest valid output. In chat the constrained output is the message's `content`
 reply is calls or that content (constraint.reply_grammar).
 vLLM's fields (what code written for it sends) are these grammars under its names (`guided_json`, `guided_regex`,
 `guided_choice`: a regex of the strings, `guided_grammar`, `structured_outputs`); `ignore_eos` empties the stop ids;
-`min_tokens` and `include_stop_str_in_output` are refused. Its other sampling fields (`top_k`, `min_p`, penalties)
-are ignored like OpenAI's.
+chat's `continue_final_message` / `add_generation_prompt` shape the prompt as vLLM's do; `min_tokens`,
+`include_stop_str_in_output` and a request's `chat_template` are refused. Its other sampling fields (`top_k`,
+`min_p`, penalties) are ignored like OpenAI's.
 
 Logprobs (chat `logprobs: true` + `top_logprobs` 0..20; completions `logprobs` 0..5):
 - Meaning: a denoised token is not drawn once from a left-to-right distribution. The committed canvas is the
@@ -549,6 +550,20 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
     """POST /v1/chat/completions: OpenAI's fields, then the blockpress extensions."""
 
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    # vLLM's prompt fields: the last message continued (a prefilled reply), or no generation prompt at all
+    continue_final_message: bool = Field(False, description="vLLM: the prompt ends inside the last message, which "
+                                         "the reply continues (leave add_generation_prompt out or false)")
+    add_generation_prompt: bool | None = Field(None, description="vLLM: false renders no opening of the reply's turn")
+    chat_template: str | None = Field(None, description="vLLM: refused; the server renders the model's own template")
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the prompt ends with the opening of the reply's turn (not where the last message is continued)."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: the prompt "
+                           "either continues the last message or opens a new turn", param="add_generation_prompt",
+                           code="invalid_value")
+        return not self.continue_final_message and self.add_generation_prompt is not False
 
     @property
     def enable_thinking(self) -> bool:
@@ -599,6 +614,9 @@ class ChatCompletionRequest(_DiffusionKnobs, _ChatFields):
             raise APIError(400, f"{len(self.messages)} messages exceed this server's limit of {limits.max_messages}; "
                            "drop older turns", param="messages", code="too_many_messages")
         _refuse_unsupported(self, limits)
+        if self.chat_template is not None:  # (a template from the request would change the prompt, so not dropped)
+            raise APIError(400, "chat_template is not supported: the server renders the model's own template; leave "
+                           "it out", param="chat_template", code="unsupported_value")
         for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 raise APIError(400, f"{name} (OpenAI's deprecated form) is not supported; send the functions as "

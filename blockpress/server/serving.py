@@ -421,7 +421,8 @@ class OpenAIServing:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         _check_tool_replies(messages)
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True,
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=req.generation_prompt,
+                                                continue_final_message=req.continue_final_message,
                                                 enable_thinking=req.enable_thinking, tools=req.offered_tools,
                                                 tokenize=False, marked=True)  # messages' text stays text
         except BlockpressError as e:  # a message the template cannot take: named by its path ("messages[1]...")

@@ -291,6 +291,20 @@ def test_vllms_structured_output_fields_constrain_and_its_other_fields_are_honou
         assert err["param"] == param and needle in err["message"], (extra, err)
 
 
+def test_a_replayed_refusal_is_the_assistant_turns_text():
+    """A conversation replayed from OpenAI may hold an assistant refusal, as a `refusal` part or field: a 400 that
+    spoke of images before, now the turn's text."""
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+        {"role": "assistant", "content": None, "refusal": "Not that."}, {"role": "user", "content": "ok"}]})
+    assert [m.model_dump(exclude_none=True) for m in req.messages][1:3] == [
+        {"role": "assistant", "content": [{"type": "text", "text": "No."}]},
+        {"role": "assistant", "content": "Not that."}]
+    with pytest.raises(Exception, match="only text content parts"):  # a user's part is still text or nothing
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+            {"type": "refusal", "refusal": "x"}]}]})
+
+
 def test_vllms_prompt_fields_continue_the_last_message_or_are_refused(client, lm):
     """vLLM's continue_final_message (a prefilled reply the model continues) and add_generation_prompt were ignored:
     the last assistant message was closed and a new turn opened. chat_template (a template from the request) is

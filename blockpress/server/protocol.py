@@ -293,6 +293,23 @@ class ChatMessage(BaseModel):
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCallIn] | None = Field(None, max_length=64)
     tool_call_id: str | None = Field(None, max_length=256)
+    refusal: str | None = Field(None, description="an earlier assistant turn's refusal: read as its content, when "
+                                "it has no other")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refusals_are_text(cls, data: Any) -> Any:
+        """An assistant turn replayed from OpenAI may hold its refusal as a `refusal` part (or field): what it said,
+        so its text (it was a 400 that spoke of images)."""
+        if not isinstance(data, dict) or data.get("role") != "assistant":
+            return data
+        content = data.get("content")
+        if isinstance(content, list):
+            content = [{"type": "text", "text": p["refusal"]} if isinstance(p, dict) and p.get("type") == "refusal"
+                       and isinstance(p.get("refusal"), str) else p for p in content]
+        elif content is None and isinstance(data.get("refusal"), str) and not data.get("tool_calls"):
+            content = data["refusal"]
+        return {**data, "content": content, "refusal": None}
 
     @model_validator(mode="after")
     def _has_content(self):

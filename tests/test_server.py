@@ -281,6 +281,8 @@ def test_vllms_structured_output_fields_constrain_and_its_other_fields_are_honou
             ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice",
              "give one of guided_regex and guided_choice"),
             ({"guided_regex": "b", "regex": "a"}, "guided_regex", "guided_regex and regex both constrain"),
+            ({"guided_json": {}, "response_format": {"type": "json_object"}}, "guided_json",
+             "guided_json and response_format both constrain"),
             ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "needs one of"),
             ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "not supported"),
             ({"structured_outputs": {"choice": [1]}}, "structured_outputs.choice", "a list of non-empty strings"),
@@ -300,6 +302,13 @@ def test_a_replayed_refusal_is_the_assistant_turns_text():
     assert [m.model_dump(exclude_none=True) for m in req.messages][1:3] == [
         {"role": "assistant", "content": [{"type": "text", "text": "No."}]},
         {"role": "assistant", "content": "Not that."}]
+    from blockpress.server.responses_protocol import ResponsesRequest
+
+    item = {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+            "content": [{"type": "refusal", "refusal": "No."}]}  # as OpenAI's Responses API replays it
+    chat = ResponsesRequest.model_validate({"input": [{"role": "user", "content": "hi"}, item]}).to_chat()
+    assert chat.messages[1].model_dump(exclude_none=True) == {"role": "assistant", "content": [
+        {"type": "text", "text": "No."}]}
     with pytest.raises(Exception, match="only text content parts"):  # a user's part is still text or nothing
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
             {"type": "refusal", "refusal": "x"}]}]})

@@ -286,6 +286,15 @@ class TextPart(BaseModel):
     text: str
 
 
+def refusals_as_text(content: Any, text_type: str) -> Any:
+    """An assistant turn's content parts with each `refusal` part (OpenAI's, in a replayed conversation) as a text
+    part of `text_type`: what the assistant said."""
+    if not isinstance(content, list):
+        return content
+    return [{"type": text_type, "text": p["refusal"]} if isinstance(p, dict) and p.get("type") == "refusal"
+            and isinstance(p.get("refusal"), str) else p for p in content]
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -303,11 +312,8 @@ class ChatMessage(BaseModel):
         so its text (it was a 400 that spoke of images)."""
         if not isinstance(data, dict) or data.get("role") != "assistant":
             return data
-        content = data.get("content")
-        if isinstance(content, list):
-            content = [{"type": "text", "text": p["refusal"]} if isinstance(p, dict) and p.get("type") == "refusal"
-                       and isinstance(p.get("refusal"), str) else p for p in content]
-        elif content is None and isinstance(data.get("refusal"), str) and not data.get("tool_calls"):
+        content = refusals_as_text(data.get("content"), "text")
+        if content is None and isinstance(data.get("refusal"), str) and not data.get("tool_calls"):
             content = data["refusal"]
         return {**data, "content": content, "refusal": None}
 
@@ -449,8 +455,8 @@ class _DiffusionKnobs(_Request):
         asked = dict(json_schema=schema, json_object=json_object, regex=self.regex, grammar=self.grammar)
         vllm, name = self._vllm_grammar()
         if vllm and grammar_kinds(**asked):
-            raise APIError(400, f"{name} and {self.grammar_field()} both constrain the output; give one", param=name,
-                           code="invalid_value")
+            raise APIError(400, f"{name} and {self._own_grammar_field()} both constrain the output; give one",
+                           param=name, code="invalid_value")
         try:
             return grammar_for(**(vllm or asked))
         except InputError as e:
@@ -459,8 +465,12 @@ class _DiffusionKnobs(_Request):
     def grammar_field(self) -> str:
         """The request field the output grammar comes from (what a 400 about it names)."""
         if self.regex is not None or self.grammar is not None:
-            return "regex" if self.regex is not None else "grammar"
+            return self._own_grammar_field()
         return next((k for k in VLLM_GRAMMARS if getattr(self, k) is not None), "response_format")
+
+    def _own_grammar_field(self) -> str:
+        """This server's own field of the output grammar: regex, grammar, else response_format."""
+        return "regex" if self.regex is not None else "grammar" if self.grammar is not None else "response_format"
 
     def _resolve(self, limits: Limits, defaults: dict[str, Any], max_tokens: int | None, max_tokens_field: str,
                  default_max_tokens: int, seed: int | None, stop, stream_options) -> Sampling:

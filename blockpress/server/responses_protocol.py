@@ -26,11 +26,12 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 from typing_extensions import Annotated
 
 from .protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, CompletionTokensDetails, Effort, PosInt,
-                       PromptTokensDetails, SeedInt, Usage, _DiffusionKnobs, _Request, _STRICT, _null_is)
+                       PromptTokensDetails, SeedInt, Usage, _DiffusionKnobs, _Request, _STRICT, _null_is,
+                       refusals_as_text)
 
 # chat field -> the Responses field a client sent (an error's param)
 RESPONSES_FIELDS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -67,6 +68,13 @@ class InputMessage(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: _Content
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refusals_are_text(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") == "assistant":
+            return {**data, "content": refusals_as_text(data.get("content"), "output_text")}
+        return data
 
 
 class FunctionCallItem(BaseModel):

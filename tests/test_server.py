@@ -1561,6 +1561,48 @@ async def _asgi(app, method, path, **kw):
         return await c.request(method, path, **kw)
 
 
+def test_a_stream_its_client_left_before_it_started_frees_its_rows(lm):
+    """A streamed request whose client goes away before the server starts the response: Starlette cancels the body
+    unstarted, so the generator's `finally` never ran and the row stayed queued, to run to the end for nobody (its
+    queue place held: the next request was a 429). Now the response's background frees it, as closing it does."""
+    from blockpress.server.app import create_app
+    from blockpress.server.metrics import Metrics
+
+    serving = OpenAIServing(lm, Worker(lm, queue_size=1), "tiny")  # never started: rows wait in the queue
+    app = create_app(serving, Metrics())
+    body = json.dumps({"messages": MSG, "stream": True, "max_tokens": 16}).encode()
+
+    async def gone_at_once():
+        sent, messages = [], [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):  # a server whose send yields (a paused transport): the cancel lands first
+            sent.append(message)
+            await asyncio.sleep(0)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"host", b"127.0.0.1"),
+                                                                    (b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        await app(scope, receive, send)
+        return sent
+
+    sent = asyncio.run(gone_at_once())
+    assert [m["type"] for m in sent] == ["http.response.start"]  # submitted, then gone before any line was read
+    assert serving.worker.scheduler.depth() == 0  # the queue place is free again (1 before)
+
+    async def closed_unread():  # a caller that closes a stream it never read frees its rows too
+        stream = await serving.chat(ChatCompletionRequest(messages=MSG, stream=True, max_tokens=16))
+        await stream.aclose()
+        again = await serving.chat(ChatCompletionRequest(messages=MSG, stream=True, max_tokens=16))  # no 429
+        await again.aclose()
+
+    asyncio.run(closed_unread())
+
+
 def test_a_model_id_with_a_slash_is_retrieved_and_every_reasoning_effort_accepted(lm):
     """A model loaded by Hub id is served under that id ("org/name"): GET /v1/models/org/name was a 404 from the router
     (not even model_not_found). The openai client's newer reasoning_effort levels ("xhigh", "max") were a 400."""

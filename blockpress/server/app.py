@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import CONTENT_TYPE, Metrics
@@ -34,7 +35,7 @@ from .protocol import (APIError, ChatCompletionChunk, ChatCompletionRequest, Cha
                        CompletionRequest, CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from .responses import ResponsesServing
 from .responses_protocol import ResponseObject, ResponsesRequest, ResponseStreamEvent
-from .serving import OpenAIServing
+from .serving import OpenAIServing, Stream
 
 log = logging.getLogger("blockpress.server")
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)}
@@ -127,8 +128,8 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
 
     # ---------------------------------------------------------------- routes
     def _respond(result: Any):
-        if hasattr(result, "__aiter__"):
-            return StreamingResponse(result, media_type="text/event-stream",
+        if isinstance(result, Stream):  # (its runs freed however the response ends: `Stream.release`)
+            return StreamingResponse(result, media_type="text/event-stream", background=BackgroundTask(result.release),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(result.model_dump())
 

@@ -32,7 +32,7 @@ from .protocol import APIError, ChatCompletionRequest, Sampling
 from .responses_protocol import (IncompleteDetails, ResponseError, ResponseObject, ResponsesRequest, ResponseUsage,
                                  responses_error)
 from .worker import RowCommit
-from .serving import Delta, Disconnected, Final, OpenAIServing, _Run
+from .serving import Delta, Disconnected, Final, OpenAIServing, Stream, _Run
 
 
 class ResponseBuilder:
@@ -209,7 +209,7 @@ class ResponsesServing:
         asm = self.s._new_assembler(sampling, chat=True)
         builder = ResponseBuilder(req, self.s.model_name)
         if req.stream:
-            return self._stream(run, asm, builder, disconnected)
+            return Stream(self._stream(run, asm, builder, disconnected), [run])
         final = await self.s._collect(run, asm, disconnected, lambda ev: (ev.tokens, None), on_delta=builder.delta)
         builder.finish(final, self._usage(run, final))
         return builder.final

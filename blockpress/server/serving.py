@@ -353,6 +353,31 @@ class _Run:
     complete: bool = False  # the engine finished the row (no cancel needed)
 
 
+class Stream:
+    """A streamed reply's SSE lines (`gen`, an async generator over `runs`) that frees its runs however it ends:
+    `release()` (also `aclose()`) cancels the runs its generator did not finish or free, as abandoned. A generator
+    frees its runs in its own `finally`, but one never started has none to run: a client gone before the server
+    began the response (Starlette then cancels it unstarted) left its rows queued, to run to the end for nobody."""
+
+    def __init__(self, gen: AsyncIterator[str], runs: list[_Run]):
+        self.gen, self.runs = gen, runs
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> str:
+        return await self.gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self.gen.aclose()
+        self.release()
+
+    def release(self) -> None:
+        for run in self.runs:
+            if not run.handle.cancelled:
+                OpenAIServing._release(run, abandoned=True)
+
+
 def _check_tool_replies(messages: list[dict]) -> None:
     """A tool message answers a call of the assistant message with `tool_calls` before it (only tool messages
     between), and its `tool_call_id`, where given, is one of those calls' ids: OpenAI's rule. Otherwise the prompt
@@ -766,7 +791,7 @@ class OpenAIServing:
         asms = [self._new_assembler(sampling, chat=True) for _ in runs]
         rid = "chatcmpl-" + secrets.token_hex(12)
         if stream:
-            return self._chat_stream(rid, runs, asms, sampling, disconnected)
+            return Stream(self._chat_stream(rid, runs, asms, sampling, disconnected), runs)
         finals = await self._collect_all(runs, asms, disconnected, lambda ev: (ev.tokens, ev.logprobs))
         choices = []
         for i, final in enumerate(finals):
@@ -865,7 +890,7 @@ class OpenAIServing:
                 for k in range(len(runs))]  # run k is prompt k // n's
         rid = "cmpl-" + secrets.token_hex(12)
         if req.stream:
-            return self._completion_stream(rid, runs, asms, sampling, disconnected, holes)
+            return Stream(self._completion_stream(rid, runs, asms, sampling, disconnected, holes), runs)
         finals = await self._collect_all(runs, asms, disconnected, lambda ev: self._hole_tokens(ev, holes))
         return CompletionResponse(id=rid, model=self.model_name,
                                   choices=[CompletionChoice(index=i, text=f.content, finish_reason=f.finish_reason,

@@ -129,8 +129,9 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
     # ---------------------------------------------------------------- routes
     def _respond(result: Any):
         if isinstance(result, Stream):  # (its runs freed however the response ends: `Stream.release`)
-            return StreamingResponse(result, media_type="text/event-stream", background=BackgroundTask(result.release),
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(result, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(result.release))
         return JSONResponse(result.model_dump())
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)

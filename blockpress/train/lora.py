@@ -302,7 +302,7 @@ UNSUPPORTED = {"use_dora": (False, "DoRA's magnitude vectors"), "bias": ("none",
 def _refuse_unsupported_options(cfg: dict) -> None:
     for key, (off, what) in UNSUPPORTED.items():
         value = cfg.get(key)
-        if value not in (None, False, off) and value != [] and value != {}:
+        if value not in (None, False, [], {}, off):
             raise CheckpointError(f"adapter_config.json's {key} is {value!r}: the adapter uses {what}, which "
                                   f"blockpress does not load; train a plain LoRA adapter ({key}={off!r})")
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -261,6 +262,17 @@ def _text_content(content: Any, where: str) -> str | list[dict[str, str]]:
     raise InputError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}; send a string")
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
 def _parse_arguments(arguments: Any, where: str) -> Any:
     arguments = _plain(arguments)
     if arguments is None or arguments == "":
@@ -268,9 +280,13 @@ def _parse_arguments(arguments: Any, where: str) -> Any:
     if isinstance(arguments, Mapping):
         return dict(arguments)
     if isinstance(arguments, str):
-        try:
-            value = json.loads(arguments)
-        except json.JSONDecodeError:
+        try:  # NaN / Infinity are Python's, not JSON; an integer past 4300 digits is a ValueError of its own
+            value = json.loads(arguments, parse_constant=_not_json, parse_float=_finite)
+            json.dumps(value, ensure_ascii=False).encode()  # a lone surrogate written as an escape ("\\ud800")
+        except UnicodeEncodeError:
+            raise InputError(f"{where}.function.arguments holds a lone surrogate (an escape such as \\ud800 without "
+                             "its pair); send valid Unicode") from None
+        except (ValueError, RecursionError):
             raise InputError(f"{where}.function.arguments is not valid JSON; send the arguments as a JSON object string") from None
         if not isinstance(value, dict):
             raise InputError(f"{where}.function.arguments must encode a JSON object, got {type(value).__name__}; wrap the values in an object")

@@ -331,6 +331,7 @@ def _read_json(path: Path, what: str) -> dict:
 # (with the schedule's n / N on top) leaves fp32's range, so the probabilities become inf / nan. 1e-6 is already an
 # argmax for any logit gap over ~1e-4.
 MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest finite number: a temperature past it is inf there
 
 REFERENCE_DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 256,
@@ -346,6 +347,14 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
 
 
 MAX_SEED = 2 ** 64 - 1  # the largest seed torch.Generator.manual_seed takes
+MIN_SEED = -(2 ** 63)  # the smallest: torch reads a negative seed as seed + 2**64 (`torch_seed`)
+
+
+def torch_seed(seed: int) -> int:
+    """The seed in 0..MAX_SEED that `seed` (MIN_SEED..MAX_SEED) stands for: a negative one is seed + 2**64, as
+    torch.Generator.manual_seed reads it. The server's choices count from it (choice i: seed + i), and the Python
+    API and the CLI take the same range, so a seed a client sent replays anywhere."""
+    return seed % (MAX_SEED + 1)
 
 
 def reply_tokens(new_tokens: list[int], stop_ids, limit: int) -> tuple[list[int], str]:
@@ -461,6 +470,9 @@ class GenerationConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
                 bad(name, "a finite number >= 0 (or None for no temperature schedule)", v)
+            if v is not None and v > MAX_TEMPERATURE:
+                bad(name, f"at most {MAX_TEMPERATURE:g}, fp32's largest number (past it the step's logits divide to "
+                    "nan); a large temperature already draws uniformly", v)
             if v is not None and 0 < v < MIN_TEMPERATURE:
                 bad(name, f"0 or at least {MIN_TEMPERATURE:g} (a smaller temperature divides the logits past fp32's "
                     f"range; {MIN_TEMPERATURE:g} already takes the argmax)", v)

@@ -43,8 +43,8 @@ import torch
 
 from .errors import InputError
 
-HOLE = re.compile(r"\[MASK(?::(\d+))?\]")
-MARKER = re.compile(r"(\\?)\[mask", re.IGNORECASE)  # where a hole marker, an escaped one or a malformed one starts
+HOLE = re.compile(r"\[MASK(?::([0-9]+))?\]")
+MARKER = re.compile(r"(\\?)\[mask", re.IGNORECASE | re.ASCII)  # where a hole marker, an escaped one or a malformed one starts
 MAX_HOLE = 4096
 
 
@@ -105,9 +105,11 @@ def parse_template(template: str) -> Template:
             bad = re.match(r"\[[^\[\]\n]{0,24}\]|\[[^\s\[]*", template[m.start():]).group(0)
             raise InputError(f"malformed hole marker {bad!r} in the template; write [MASK] (one token) or [MASK:n] "
                              f"(n tokens, 1..{MAX_HOLE}), or \\[MASK for the text [MASK")
-        n = int(hole.group(1)) if hole.group(1) is not None else 1
+        digits = hole.group(1)
+        n = 1 if digits is None else int(digits) if len(digits) <= 6 else MAX_HOLE + 1  # (int() stops at 4300 digits)
         if not 1 <= n <= MAX_HOLE:
-            raise InputError(f"hole {hole.group(0)} must hold 1..{MAX_HOLE} tokens")
+            shown = hole.group(0) if len(hole.group(0)) <= 16 else f"[MASK:{digits[:6]}...]"
+            raise InputError(f"hole {shown} must hold 1..{MAX_HOLE} tokens")
         outside.append(text)
         holes.append(n)
         text, pos = "", hole.end()

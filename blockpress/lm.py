@@ -133,6 +133,14 @@ class BlockDiffusionLM:
             out["pad_token_id"] = pad if pad is not None else 0
         return out
 
+    def chat_ban(self, tools=None) -> list[int] | None:
+        """The tokens a chat turn that offers no tool may not write (`parsing.call_ban`: the opening of a tool call),
+        as `suppress_tokens`; None for a plain text model or where tools are offered. One rule for `chat`,
+        `generate_text`, `blockpress chat` and `blockpress run`, so a seeded turn is the server's."""
+        from .parsing import call_ban
+
+        return call_ban(self.tokenizer, tools) if self.tokenizer is not None and self.tokenizer.is_chat else None
+
     # ------------------------------------------------------------------------------- token API
     def _prepare(self, input_ids, attention_mask):
         if isinstance(input_ids, torch.Tensor):
@@ -291,14 +299,12 @@ class BlockDiffusionLM:
         return parse_reply(self.tokenizer, *self._reply_ids(result))
 
     def _reply(self, messages_or_prompt, enable_thinking, tools, seed, sampling) -> engine.GenerationResult:
-        from .parsing import call_ban
-
         ids = self.encode_chat(messages_or_prompt, enable_thinking=enable_thinking, tools=tools)
         sampling = dict(sampling)
         gen = engine.seed_or_generator(seed, sampling.pop("generator", None), self.device)
         sampling = {**self.text_defaults(), **sampling}  # stop and pad ids where the checkpoint lacks them (as the CLI)
-        if self.tokenizer.is_chat and "suppress_tokens" not in sampling:  # a chat turn: no tool offered, no call
-            sampling = {**sampling, "suppress_tokens": call_ban(self.tokenizer, tools)}
+        if "suppress_tokens" not in sampling:  # a chat turn: no tool offered, no call
+            sampling = {**sampling, "suppress_tokens": self.chat_ban(tools)}
         if self.tokenizer.is_chat:
             from .engine.constraint import grammar_for, reply_grammar
 

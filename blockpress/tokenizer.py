@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import os
@@ -117,6 +118,18 @@ def check_text(text: Any, what: str = "the text to encode") -> None:
             else f"a lone surrogate U+{ord(bad):04X}"
         raise InputError(f"{what} is not valid Unicode: character {e.start} is {what_it_is}; convert the input to "
                          "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token's piece
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte as a printable character. The printable Latin-1 bytes stand
+    for themselves; the others (controls, space, the soft hyphen...) take the characters from U+0100 on, in order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
 
 
 class Tokenizer:
@@ -254,6 +267,43 @@ class Tokenizer:
             self._byte_ids = frozenset(i for t, i in self._tok.get_vocab(with_added_tokens=False).items()
                                        if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
         return self._byte_ids
+
+    # ------------------------------------------------------------------ the bytes a token writes
+    @functools.cached_property
+    def _byte_level(self) -> dict[str, int] | None:
+        """Byte-level BPE (GPT-2's alphabet: every byte a printable character): piece character -> its byte; None
+        for other decoders (a SentencePiece-style one, with byte-fallback tokens `<0xE6>`)."""
+        dec = self._tok.decoder
+        spec = json.loads(dec.__getstate__()) if dec is not None else {}
+        if "ByteLevel" not in [d.get("type") for d in spec.get("decoders", [spec])]:
+            return None
+        return {c: b for b, c in _byte_alphabet().items()}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` writes: a token holding part of a multi-byte character gives that part (a
+        byte-fallback token its one byte, a byte-level token its bytes), so a run of tokens' bytes is the UTF-8
+        of their text; a special token, its string."""
+        t = int(token_id)
+        piece = self._tok.id_to_token(t)
+        if piece is None or t in self._added:
+            return self.decode([t]).encode("utf-8")
+        if _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        alphabet = self._byte_level
+        if alphabet is not None and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        return self.decode([t]).encode("utf-8")
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """One string per id whose concatenation is the ids' text (each invalid byte run U+FFFD): a character
+        written by several tokens shows at the token that completes it, the tokens before it give "". A canvas as
+        text per position (the live view, draft frames), where decoding each id alone shows every part of a
+        multi-byte character as U+FFFD."""
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        out = [utf8.decode(self.token_bytes(t)) for t in ids]
+        if out:
+            out[-1] += utf8.decode(b"", final=True)
+        return out
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

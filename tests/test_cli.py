@@ -236,8 +236,8 @@ def test_threads_must_be_a_positive_integer_everywhere(command, capsys):
     (["bench", "--new-tokens", "0"], "--new-tokens: expected a positive integer"),
     (["bench", "--attention-split", "0"], "--attention-split: expected an integer in 1..16, got 0"),
     (["bench", "--attention-tiles", "middle:bm=32"], "--attention-tiles: unknown kind of layer 'middle'"),
-    (["run", "kjv", "x", "--seed", "99999999999999999999"], "--seed: expected a seed in 0..18446744073709551615"),
-    (["eval", "sudoku", "--seed", "-1"], "--seed: expected a seed in 0.."),
+    (["run", "kjv", "x", "--seed", "99999999999999999999"], "--seed: expected a seed in -9223372036854775808..18446744073709551615"),
+    (["eval", "sudoku", "--seed", "-9223372036854775809"], "--seed: expected a seed in -9223372036854775808.."),
     (["eval", "sudoku", "--json", "/no-such-folder/x.json"], "--json: the folder /no-such-folder does not exist"),
     (["bench", "--out", "/"], "--out: / is a folder; give a file path"),
 ])
@@ -334,14 +334,14 @@ def test_chat_session_encodes_only_new_tokens(model_dir):
     thought = lm.tokenizer.encode("<|channel>thought\n<channel|>")
     assert prompt1[-len(thought):] == thought and full[:len(prompt1) - len(thought)] == prompt1[:-len(thought)]
     encoded.clear()
-    state = s.generator.get_state()
     second = s.send("And the sea?")
     assert encoded[0] == second.encoded == len(full) - (len(prompt1) - len(thought))  # the cache kept up to there
     assert s.cached[:len(full)] == full  # the history the model saw is the template's
-    # and the reply is what a from-scratch run over the rendered conversation gives
+    # and the reply is what a from-scratch run over the rendered conversation gives with the seed (each turn draws
+    # from it afresh, as each request to the server does), no tool call offered
     lm.module.encode, lm.module.encode_decode = real_encode, real_fused
-    ref = lm.generate([full], generator=torch.Generator().set_state(state), max_new_tokens=40,
-                      max_denoising_steps=3, eos_token_id=[1, 106], pad_token_id=0)
+    ref = lm.generate([full], generator=torch.Generator().manual_seed(0), max_new_tokens=40, max_denoising_steps=3,
+                      eos_token_id=[1, 106], pad_token_id=0, suppress_tokens=lm.chat_ban())
     assert second.tokens == ref.new_tokens[0].tolist()[:len(second.tokens)]
 
 
@@ -360,17 +360,38 @@ def test_chat_session_starts_over_where_the_ring_lost_the_window_it_would_keep(m
     convo = [{"role": "user", "content": "Why is the sky blue?"}, {"role": "assistant", "content": first.content},
              {"role": "user", "content": "And the sea?"}]
     full = lm.encode_chat(convo)
-    state = s.generator.get_state()
     second = s.send("And the sea?")
     assert second.encoded == len(full)
-    ref = lm.generate([full], generator=torch.Generator().set_state(state), **kw)
+    ref = lm.generate([full], generator=torch.Generator().manual_seed(0), suppress_tokens=lm.chat_ban(), **kw)
     assert second.tokens == ref.new_tokens[0].tolist()[:len(second.tokens)]
+
+
+def test_chat_and_run_ban_the_call_opening_as_the_server_does(model_dir, monkeypatch, capsys):
+    """A chat turn that offers no tool may not open a tool call (`lm.chat` and the server ban the token): `blockpress
+    chat` and `run` did not, so where the model drew it they gave another reply for the same seed, with markup for
+    a call no one declared."""
+    from blockpress.lm import BlockDiffusionLM as LM
+
+    bans, real = [], LM.stream
+
+    def spy(self, *args, **kwargs):  # the engine's call, as the commands make it
+        bans.append(kwargs.get("suppress_tokens"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LM, "stream", spy)
+    lm = blockpress.load(model_dir, progress=False)
+    call = [lm.tokenizer.token_to_id("<|tool_call>")]
+    ChatSession(lm, sampling={"max_new_tokens": 8, "max_denoising_steps": 2}, seed=0).send("hi")
+    assert cli(["run", str(model_dir), "hi", "--no-live", "--threads", "1", "--max-new-tokens", "8"]) == 0
+    assert cli(["run", str(model_dir), "hi", "--raw", "--no-live", "--threads", "1", "--max-new-tokens", "8"]) == 0
+    capsys.readouterr()
+    assert bans == [call, call, None] and lm.chat_ban() == call and lm.chat_ban(tools=[{"name": "f"}]) is None
 
 
 def test_chat_thinking_toggle_and_reset_reencode(model_dir):
     lm = blockpress.load(model_dir, progress=False)
     s = ChatSession(lm, sampling={"max_new_tokens": 16, "max_denoising_steps": 2}, seed=1)
-    s.send("hi")
+    hi = s.send("hi").tokens
     assert s.cache is not None
     s.set_thinking(True)
     keep, ids = s.plan("again")
@@ -379,6 +400,9 @@ def test_chat_thinking_toggle_and_reset_reencode(model_dir):
     s.send("again")
     s.reset()
     assert s.messages == [] and s.cache is None
+    s.set_thinking(False)
+    assert s.send("hi").tokens == hi  # a new conversation with the seed: its first reply again (the session's one
+    # random stream went on, so /reset then the same message gave another reply)
 
 
 def test_chat_repl_commands(model_dir, capsys, monkeypatch):
@@ -798,6 +822,24 @@ def test_chat_drops_a_turn_that_is_not_utf8_and_goes_on(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "your message is not valid Unicode: character 0 is the byte 0xff" in out
     assert out.count("tokens/s") == 2  # the two other turns were answered
+
+
+def test_stdin_that_is_not_utf8_is_named_under_a_strict_locale(monkeypatch, capsys):
+    """Under en_US.UTF-8 Python reads stdin strictly: invalid bytes were a UnicodeDecodeError traceback in `run -`
+    and ended `chat`. The commands now read them as surrogate escapes, which the text checks name in one line."""
+    import sys
+
+    def strict(data: bytes):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="strict"))
+
+    strict(b"Hi\n\xff bad\nThanks!\n")
+    assert cli(["chat", "--no-live", "--threads", "1", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "your message is not valid Unicode: character 0 is the byte 0xff" in out and out.count("tokens/s") == 2
+    strict(b"And God \xff said")
+    assert cli(["run", "kjv", "-", "--no-live", "--threads", "1", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "character 8 is the byte 0xff, which is not UTF-8" in err and err.count("\n") == 1
 
 
 def test_eval_chat_applies_its_adapter(tmp_path, capsys):

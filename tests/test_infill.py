@@ -141,9 +141,15 @@ def test_parse_template():
     assert parse_template("x  [MASK] y [MASK]").pieces == [1, " y", 1]  # one space moves into the hole, not two
     assert parse_template("[MASK:4]").prefix == ""
     assert parse_template("x [MASK:02]").holes == [2]
-    for bad, msg in [("no holes here", "no hole"), ("x [MASK:0]", "1.."), ("x [MASK:99999]", "1..")]:
-        with pytest.raises(InputError, match=msg):
+    for bad, msg in [("no holes here", "no hole"), ("x [MASK:0]", "1.."), ("x [MASK:99999]", "1.."),
+                     ("x [MASK:" + "9" * 5000 + "]", r"hole \[MASK:999999\.\.\.\] must hold 1\.\.4096")]:
+        with pytest.raises(InputError, match=msg):  # 5000 digits: int() refused them with a ValueError traceback
             parse_template(bad)
+    # only ASCII digits count, and only the ASCII letters of "mask" start a marker ("\u017f" is read as "s" by an
+    # IGNORECASE pattern: the text was refused as a malformed "[MASK]"); Arabic-Indic 3 was a hole of 3
+    assert parse_template("x [MA\u017fK] [MASK]").outside == ["x [MA\u017fK] ", ""]
+    with pytest.raises(InputError, match="malformed hole marker"):
+        parse_template("x [MASK:\u0663]")
 
 
 @pytest.mark.parametrize("bad", ["[MASK:-1]", "[MASK: 2]", "[mask]", "[MASK:3", "[Mask:2]", "[MASKED]", "[MASK:1.5]"])

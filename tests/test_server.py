@@ -517,6 +517,16 @@ def test_n_choices_are_the_single_answers_with_seed_plus_i(client):
     assert [c.index for c in comp.choices] == [0, 1] and comp.choices[1].text == one.choices[0].text
 
 
+def test_a_negative_seed_is_the_seed_torch_reads_it_as_here_and_in_python(client, lm):
+    """The server took seed -1 (vLLM's range) and torch seeded it as 2**64 - 1, while choice 1 counted from -1 (seed
+    0) and the Python API refused -1: a seed from a client could not be replayed. -1 is now 2**64 - 1 everywhere."""
+    kw = dict(model=client.model_id, prompt="The sky", max_tokens=16, n=2, extra_body=FAST)
+    neg, top = (client.completions.create(seed=s, **kw) for s in (-1, 2**64 - 1))
+    assert [c.text for c in neg.choices] == [c.text for c in top.choices]
+    assert lm.generate_text("The sky", seed=-1, max_new_tokens=16, **FAST_KW) == \
+        lm.generate_text("The sky", seed=2**64 - 1, max_new_tokens=16, **FAST_KW)
+
+
 def test_n_choices_under_a_grammar_share_its_compile_and_are_the_single_answers(client):
     """A grammar is compiled once per request and each choice walks a copy of its state: choice i is the n=1
     answer with seed + i, each valid, and no choice's tokens reach another's state."""
@@ -786,11 +796,22 @@ BAD = [
     ("audio output", {"messages": MSG, "modalities": ["text", "audio"]}, 400, "modalities"),
     # found by the schema fuzzer: a temperature schedule under fp32's range made the exact sampler's probabilities nan
     ("denormal t_max", {"prompt": "hi", "t_min": 0.0, "t_max": 5e-324, "entropy_bound": 5e-324}, 400, "t_max"),
+    # past fp32's range the temperature is inf there: every token came back <pad>, with a 200
+    ("t_max past fp32", {"prompt": "hi", "t_max": 1e39}, 400, "t_max"),
+    # a non-ASCII digit is not a token id ("\uff17\uff12" was read as 72), as the schema's own pattern says
+    ("logit_bias wide digits", {"messages": MSG, "logit_bias": {"\uff17\uff12": 100}}, 400, "logit_bias.\uff17\uff12"),
+    # replayed arguments whose JSON decodes to what the prompt cannot hold: each was a 500
+    *[(f"arguments {what}", {"messages": MSG + [
+        {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": a}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "ok"}]}, 400, "messages.1.tool_calls.0.function.arguments")
+      for what, a in [("lone surrogate", json.dumps({"city": "\ud800"})), ("5000 digits", '{"x": 1' + "0" * 5000 + "}"),
+                      ("NaN", '{"x": NaN}'), ("1e999", '{"x": 1e999}')]],
 ]
 
 # what each refusal must say (a client reads the message, not the code)
 BAD_MESSAGES = {
-    "chat top_logprobs alone": "top_logprobs needs logprobs: true", "unknown response_format": "is not one of text, json_object, json_schema",
+    "arguments lone surrogate": "arguments holds a lone surrogate", "arguments 5000 digits": "is not valid JSON",
+    "t_max past fp32": "at most 3.40282e+38", "chat top_logprobs alone": "top_logprobs needs logprobs: true", "unknown response_format": "is not one of text, json_object, json_schema",
     "image part": "only text content parts are supported", "n over limit": "n=9 exceeds this server's limit of 8",
     "completion batch too big": "33 prompts exceed this server's limit of 32",
     "completion batch entry": "prompt.1: String should have at least 1 character",

@@ -525,3 +525,17 @@ def test_an_output_the_budget_closed_finishes_with_length(lm):
             asm.cut = asm.cut or e.cut  # what OpenAIServing._events does
             asm.feed(e.tokens)
         assert asm.finish().finish_reason == want
+
+
+@pytest.mark.parametrize("pattern", ["x<mask>y", "said <eos> to", r"see <turn\|> here"])
+def test_a_grammar_whose_text_spells_a_control_token_writes_that_text(lm, pattern):
+    """A grammar's text is text: `<mask>` in a regex is written as the ordinary tokens that spell it, as a prompt's
+    text is encoded. The grammar engine's tokenizer split such text into the control token's id, so the forced
+    tokens held an id the grammar refuses: `<mask>` broke the grammar (a RuntimeError, a 500 on the server) and
+    `<eos>` / `<turn|>` ended the output early as if it were done."""
+    for seed in range(2):
+        out, text = _gen(lm, seed, regex=pattern, max_new_tokens=24)
+        assert re.fullmatch(pattern, text), text
+        control = {lm.tokenizer.token_to_id(s) for s in ("<mask>", "<eos>", "<turn|>")} - {None}
+        new = out.new_tokens[0].tolist()
+        assert not control & set(new[:new.index(1) if 1 in new else len(new)])  # as text, not as control ids

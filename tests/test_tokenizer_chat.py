@@ -545,3 +545,31 @@ def test_text_that_is_not_unicode_is_an_input_error(tok):
             tok.apply_chat_template([{"role": "user", "content": text}])
     with pytest.raises(InputError, match="must be a string"):
         tok.encode(b"bytes")
+
+
+@pytest.fixture(scope="module")
+def shipped_tok() -> Tokenizer:
+    """The shipped models' tokenizer: byte-level BPE (GPT-2's alphabet), where the tiny one has byte fallback."""
+    from pathlib import Path
+
+    import blockpress
+
+    return Tokenizer.from_dir(Path(blockpress.__file__).parent / "assets" / "assistant")
+
+
+@pytest.mark.parametrize("which", ["tiny", "shipped"])
+@FAST
+@given(text=st.text(max_size=40))
+@example(text="日本語 é 👍 \x00 <x> \u00ad")
+def test_token_bytes_spell_the_text_and_pieces_show_whole_characters(tok, shipped_tok, which, text):
+    """The bytes tokens write are the UTF-8 of their text, a character split over tokens included (the server's
+    logprobs `bytes`: a byte-level token holding part of a character gave U+FFFD's bytes); `pieces` joined is the
+    decoded text, each character at the token that completes it (draft frames and the live view showed every
+    multi-byte character as U+FFFD)."""
+    t = tok if which == "tiny" else shipped_tok
+    ids = t.encode(text)
+    assert b"".join(t.token_bytes(i) for i in ids) == text.encode()
+    pieces = t.pieces(ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == t.decode(ids) == text
+    assert "\ufffd" not in "".join(pieces)
+    assert t.pieces(ids[:-1]) == pieces[:-1] or "\ufffd" in t.pieces(ids[:-1])[-1]  # a cut character: U+FFFD

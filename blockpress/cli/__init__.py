@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import io
 import sys
 
 COMMANDS = {
@@ -62,6 +63,18 @@ def build_parser(command: str | None | object = ALL) -> argparse.ArgumentParser:
     return parser
 
 
+def _lenient_stdin() -> None:
+    """Invalid UTF-8 on stdin reaches the commands as surrogate escapes, which their text checks name in one line
+    (`tokenizer.check_text`), as Python reads stdin under a C locale; where the locale makes it strict
+    (en_US.UTF-8) `run -`, `infill -` and every turn of `chat` ended in a UnicodeDecodeError traceback."""
+    stdin = sys.stdin
+    if isinstance(stdin, io.TextIOWrapper) and stdin.errors == "strict":
+        try:
+            stdin.reconfigure(errors="surrogateescape")
+        except (ValueError, OSError):  # a closed or detached stream: nothing will be read from it
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..errors import BlockpressError
 
@@ -72,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
+    _lenient_stdin()
     try:
         return int(args._module.main(args) or 0)
     except BlockpressError as e:

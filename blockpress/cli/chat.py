@@ -57,7 +57,9 @@ class ChatSession:
         self.sampling = {**lm.text_defaults(), **(sampling or {})}
         self.cfg = lm.generation_config(**self.sampling)  # validated once
         self.thinking = thinking
-        self.generator = seeded(seed, lm.device) if seed is not None else None
+        if seed is not None:
+            seeded(seed, lm.device)  # a bad seed: refused now, not at the first turn
+        self.seed = seed  # each turn draws from it afresh, as each request to the server does
         self.reset()
 
     def reset(self) -> None:
@@ -98,12 +100,16 @@ class ChatSession:
         state is already updated and `last_reply` holds the turn's Reply."""
         import blockpress
 
+        from ..engine.generate import seeded
+
         keep, ids = self.plan(text)
         cache, kept = (self.cache, self.cached[:keep]) if keep else (None, [])
         if cache is not None:
             cache.crop(keep)
         self.cache, self.cached = None, []  # until the turn ends: an interrupted one leaves nothing to reuse
-        for ev in self.lm.stream([ids], generator=self.generator, cache=cache, drafts=drafts, **self.sampling):
+        generator = seeded(self.seed, self.lm.device) if self.seed is not None else None
+        for ev in self.lm.stream([ids], generator=generator, cache=cache, drafts=drafts,
+                                 suppress_tokens=self.lm.chat_ban(), **self.sampling):
             if isinstance(ev, blockpress.Finished):
                 self.last_reply = self._finish(text, kept, ids, ev.result)
             yield ev

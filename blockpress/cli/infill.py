@@ -36,15 +36,15 @@ class _HoleRenderer:
 
         out = Text()
         base = self.index * self.C
-        for j, t in enumerate(tokens):
+        for j, (t, piece) in enumerate(zip(tokens, self.r.pieces(tokens))):
             k = base + j
             if k >= len(self.region):
                 break
             if self.region[k] >= 0:
-                out.append(self.r.piece(t), style="default")
+                out.append(piece, style="default")
             else:
                 style = ACCEPTED if accepted[j] else (STABLE if prev is not None and prev[j] == t else NOISE)
-                out.append(self.r.piece(t), style=style + " underline")
+                out.append(piece, style=style + " underline")
         return out
 
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import MAX_SEED, reply_tokens
+from ..config import MAX_SEED, MIN_SEED, reply_tokens
 from ..options import EMBEDDING_FORMATS, LINEAR_FORMATS, STORAGE_FIELDS
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
@@ -58,7 +58,7 @@ _nonneg_int = _int_flag("an integer >= 0", 0)
 _int_or_none = _int_flag("an integer >= 0 or none", 0, allow_none=True)
 
 
-_seed = _int_flag(f"a seed in 0..{MAX_SEED}", 0, MAX_SEED)
+_seed = _int_flag(f"a seed in {MIN_SEED}..{MAX_SEED}", MIN_SEED, MAX_SEED)
 
 
 def _output_file(s: str) -> str:
@@ -489,7 +489,9 @@ def main(args) -> int:
     from .threads import CpuWatch
 
     watch = CpuWatch()
-    result = _generate(lm, ids, kw, gen, _text_view(lm, console, live), decode=True)
+    ban = None if args.raw else lm.chat_ban()  # a chat turn that offers no tool: no call (as lm.chat, the server)
+    result = _generate(lm, ids, {**kw, "suppress_tokens": ban} if ban else kw, gen, _text_view(lm, console, live),
+                       decode=True)
     tokens, reason = cfg.reply(result.new_tokens[0].tolist())
     from ..parsing import parse_reply
 

@@ -29,19 +29,16 @@ class TextRenderer:
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
-        self._cache: dict[int, str] = {}
 
-    def piece(self, t: int) -> str:
-        p = self._cache.get(t)
-        if p is None:
-            p = self._cache[t] = visible(self.tok.decode([t]))
-        return p
+    def pieces(self, tokens: list[int]) -> list[str]:
+        """Each position's text (`Tokenizer.pieces`: a multi-byte character at the token that completes it)."""
+        return [visible(p) for p in self.tok.pieces(tokens)]
 
     def canvas(self, tokens: list[int], accepted: list[bool], prev: list[int] | None) -> Text:
         out = Text()
-        for j, t in enumerate(tokens):
+        for j, (t, piece) in enumerate(zip(tokens, self.pieces(tokens))):
             style = ACCEPTED if accepted[j] else (STABLE if prev is not None and prev[j] == t else NOISE)
-            out.append(self.piece(t), style=style)
+            out.append(piece, style=style)
         return out
 
 

@@ -271,7 +271,7 @@ class Vocabulary:
     def __init__(self, tokenizer, stop_ids: tuple[int, ...], vocab_size: int):
         llg = _llguidance()
         raw = tokenizer._tok if hasattr(tokenizer, "_tok") else tokenizer
-        self.llg = llg.LLTokenizer(raw.to_str(), n_vocab=vocab_size, eos_token=list(stop_ids))
+        self.llg = _text_tokenizer(llg, raw, vocab_size, list(stop_ids))
         self.stop_ids, self.V = stop_ids, vocab_size
         n = min(raw.get_vocab_size(), vocab_size)
         pieces = [raw.id_to_token(i) for i in range(n)]
@@ -355,6 +355,28 @@ class Vocabulary:
         set (the stop id if none is)."""
         order = sorted(self.by_rank.tolist(), key=lambda t: self.kinds[t] in demoted)  # stable: by_rank within
         return next((t for t in order if (bits[t >> 3] >> (t & 7)) & 1), self.stop_ids[0])
+
+
+def _text_tokenizer(llg, raw, vocab_size: int, stop_ids: list[int]):
+    """llguidance's tokenizer for `raw` (a `tokenizers.Tokenizer`) that writes a grammar's text as text: the
+    forced tokens of a regex's `x<mask>y` are the ordinary tokens that spell `<mask>`, as a prompt's text is encoded
+    (`Tokenizer.literal`). Built from the tokenizer file, llguidance splits such text into the control token's id,
+    which its grammar then refuses (a committed token broke the grammar), or, for a stop id such as `<eos>`, ends
+    the output there. So the tokens' bytes and which are special are the file's, and only the encoding of forced
+    text comes from a copy that reads special-token strings as text (`encode_special_tokens`)."""
+    ll = llg.LLTokenizer(raw.to_str(), n_vocab=vocab_size, eos_token=stop_ids)
+    text = raw.__class__.from_str(raw.to_str())
+    text.encode_special_tokens = True
+
+    class Encoder:  # what llguidance.TokenizerWrapper reads
+        eos_token_id, bos_token_id = stop_ids[0], None
+        tokens = [ll.decode_bytes([i]) for i in range(vocab_size)]
+        special_token_ids = [i for i in range(vocab_size) if ll.is_special_token(i)]
+
+        def __call__(self, s: str) -> list[int]:
+            return text.encode(s, add_special_tokens=False).ids
+
+    return llg.LLTokenizer(llg.TokenizerWrapper(Encoder()), n_vocab=vocab_size, eos_token=stop_ids)
 
 
 def _rank(piece: str | None, text: str) -> int:

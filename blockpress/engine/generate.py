@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from ..config import MAX_SEED, GenerationConfig
+from ..config import MAX_SEED, MIN_SEED, GenerationConfig, torch_seed
 from ..errors import InputError, SamplingError
 from ..options import Options
 from ..sampling import bias_vector
@@ -224,10 +224,11 @@ def stream(module, input_ids: torch.Tensor, cfg: GenerationConfig, canvas_length
 
 
 def seeded(seed, device) -> torch.Generator:
-    """A generator on `device` seeded with `seed`, a whole number in 0..2**64 - 1 (else SamplingError)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise SamplingError(f"seed must be a whole number in 0..{MAX_SEED}, got {seed!r}")
-    return torch.Generator(device=device).manual_seed(seed)
+    """A generator on `device` seeded with `seed`, a whole number in -2**63..2**64 - 1 (else SamplingError; a negative
+    one is seed + 2**64: `config.torch_seed`)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not MIN_SEED <= seed <= MAX_SEED:
+        raise SamplingError(f"seed must be a whole number in {MIN_SEED}..{MAX_SEED}, got {seed!r}")
+    return torch.Generator(device=device).manual_seed(torch_seed(seed))
 
 
 def seed_or_generator(seed, generator, device) -> torch.Generator | None:

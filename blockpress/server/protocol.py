@@ -69,8 +69,9 @@ Logprobs (chat `logprobs: true` + `top_logprobs` 0..20; completions `logprobs` 0
 - Meaning: a denoised token is not drawn once from a left-to-right distribution. The committed canvas is the
   argmax of the canvas's last executed denoising step, so a token's logprob is log_softmax of that step's
   (temperature-scaled) logits at its position, and the alternatives are that distribution's most likely tokens
-  (the first is the token itself, which is the argmax; with a bf16 model the logits are the bf16 ones the step
-  keeps). The engine computes them once per canvas, only for the requests that asked; the tokens are the same
+  (the first is the token itself, which is the argmax, except where a grammar wrote another token: its logprob is
+  then that token's under the same distribution, below the alternatives'; with a bf16 model the logits are the
+  bf16 ones the step keeps). The engine computes them once per canvas, only for the requests that asked; the tokens are the same
   bits with or without them.
 - Alignment: one entry per token of the returned text, in order. `token` (chat) / `tokens[i]` (completions) is
   the text that token contributes, so the entries' tokens joined are the returned text; an entry may be "" (a
@@ -100,10 +101,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 from typing_extensions import Annotated
 
-from ..config import REFERENCE_DEFAULTS, GenerationConfig, steps_sampling
+from ..config import MAX_SEED, MIN_SEED, REFERENCE_DEFAULTS, GenerationConfig, steps_sampling, torch_seed
 from ..errors import InputError, SamplingError
 
 # ----------------------------------------------------------------------------- errors
@@ -183,13 +184,12 @@ class Sampling:
     def choice_seed(self, i: int) -> int | None:
         if self.seed is None:
             return None
-        return self.seed + i if self.seed + i <= _SEED_MAX else self.seed - i
+        return self.seed + i if self.seed + i <= MAX_SEED else self.seed - i
 
 
 # ----------------------------------------------------------------------------- shared pieces
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
-_SEED_MAX = 2**64 - 1
 
 
 def _integral(v: Any) -> Any:
@@ -207,7 +207,7 @@ NonNegInt = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
 def _null_is(default):
     """A BeforeValidator: an explicit null means the field's default (OpenAI's nullable fields with defaults)."""
     return BeforeValidator(lambda v: default if v is None else v)
-SeedInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1), BeforeValidator(_integral)]
+SeedInt = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED), BeforeValidator(_integral), AfterValidator(torch_seed)]
 PosFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 
@@ -242,7 +242,7 @@ class _Request(BaseModel):
     top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
     presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
-    logit_bias: dict[Annotated[str, Field(pattern=r"^\d{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None = \
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None = \
         Field(None, max_length=1024, description="added to the logits (soft-capped) of these token ids before the "
               "temperature, every denoising step: -100 bans a token, +100 forces it")
 

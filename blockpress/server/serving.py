@@ -39,7 +39,6 @@ from .protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompleti
 from .worker import Handle, Job, QueueFull, RowCommit, RowDraft, RowError, ShuttingDown, Worker
 
 Disconnected = Callable[[], Awaitable[bool]]
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 DISCONNECT_POLL = 0.5  # seconds between checks that a request's client is still there
 LOGPROB_FLOOR = -9999.0  # what a -inf (or a lower) log-probability is reported as: JSON has no infinities
 
@@ -647,9 +646,8 @@ class OpenAIServing:
         return p
 
     def _bytes(self, t: int) -> list[int]:
-        """A token's own UTF-8 bytes (a byte-fallback token's one byte)."""
-        m = _BYTE_TOKEN.fullmatch(self.tok.id_to_token(t) or "")
-        return [int(m.group(1), 16)] if m else list(self._piece(t).encode("utf-8"))
+        """A token's own bytes (`Tokenizer.token_bytes`: a token holding part of a character, that part)."""
+        return list(self.tok.token_bytes(t))
 
     def _chat_logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         """Entries -> a chat choice's `logprobs` ({"content": [...]}); None when not asked."""
@@ -673,7 +671,7 @@ class OpenAIServing:
                 "top_logprobs": tops, "text_offset": [e.offset for e in entries]}
 
     def _draft_frame(self, ev: RowDraft) -> dict[str, Any]:
-        pieces = [self._piece(t) for t in ev.tokens]
+        pieces = self.tok.pieces(ev.tokens)  # a character at the token completing it (one token alone: U+FFFD)
         return {"type": "draft", "canvas": ev.canvas, "step": ev.step, "max_steps": ev.max_steps,
                 "text": "".join(pieces), "tokens": pieces, "accepted": [int(a) for a in ev.accepted]}
 

@@ -121,6 +121,16 @@ function setBusy(on) {
   busy = on; $("send").disabled = on; $("stop").hidden = !on;
 }
 
+// The request's JSON with the seed field's digits as they were typed: a JS number holds integers exactly only up to
+// 2**53, so Number() sent another seed above it (and 2**64 - 1 as a number the server refuses).
+function withSeed(body) {
+  const seed = $("seed").value.trim();
+  const json = JSON.stringify(body);
+  if (seed === "") return json;
+  if (!/^-?[0-9]+$/.test(seed)) throw new Error(`seed must be a whole number, got ${seed}`);
+  return json.slice(0, -1) + `,"seed":${seed}}`;
+}
+
 async function send(text) {
   setBusy(true);
   const chat = $("mode").value === "chat";
@@ -157,13 +167,12 @@ async function send(text) {
   }
   if ($("model").dataset.id) body.model = $("model").dataset.id;
   if (steps.value !== "0") body.steps = Number(steps.value);
-  if ($("seed").value !== "") body.seed = Number($("seed").value);
   const t0 = performance.now();
   let firstCommit = null, canvases = 0, stepsTotal = 0, content = "", reasoning = "", done = false;
   try {
     const url = chat ? "/v1/chat/completions" : "/v1/completions";
     inFlight = new AbortController();
-    const r = await fetch(url, { method: "POST", headers: headers(), body: JSON.stringify(body),
+    const r = await fetch(url, { method: "POST", headers: headers(), body: withSeed(body),
                                  signal: inFlight.signal });
     if (!r.ok) {
       const j = await r.json().catch(() => ({}));

@@ -10,7 +10,8 @@ private generator, per-row generators, row compaction on and off, the fused samp
 left-padded batches, EOS with and without a pad id, multi-turn cache reuse, given decoder inputs and
 self-conditioning logits, a sliding ring cache with chunked prefill, every draft of a stream, CUDA-graph plumbing
 without capture), the server's scheduler (one request alone; a batch with joins, cancellations, drafts and mixed
-settings; insert mode), and the shipped models (KJV text and infilling, Sudoku batches with candidates and repair).
+settings; insert mode), and the shipped models (KJV text and infilling, Sudoku batches with candidates and repair;
+structured output: schemas, a regex, a Lark grammar, JSON objects, strict tool calls, tools beside a schema).
 Ends with one JSON line: the number of cases and, with --against, how many differ.
 """
 
@@ -229,6 +230,45 @@ def shipped_cases(out):
     out["sudoku_batch"] = sd.solve_batch(puzzles, generator=gens(range(len(puzzles))))
     out["sudoku_batch_one_gen"] = sd.solve_batch(puzzles, generator=torch.Generator().manual_seed(0))
     out["sudoku_samples_repair"] = sd.solve_batch(puzzles, samples=3, repair=2, generator=gens(range(len(puzzles))))
+    structured_cases(out)
+
+
+def structured_cases(out):
+    """Structured output on the shipped models (the grammar engine's extra): a schema, a regex, a Lark grammar, JSON
+    objects, strict and forced tool calls, tools beside a schema."""
+    from blockpress.engine.constraint import structured_extra
+
+    if not structured_extra():
+        print("structured: llguidance is not installed; its cases are left out", file=sys.stderr)
+        return
+    kjv = blockpress.load("kjv", device="cpu", progress=False)
+    chat = blockpress.load("assistant", device="cpu", progress=False)
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    time_tool = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}}
+    calc = {"type": "function", "function": {"name": "calculate", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+    def reply(r):
+        return [r.content, r.reasoning, [c.to_openai()["function"] for c in r.tool_calls], r.finish_reason]
+
+    for s in range(3):
+        out[f"kjv_schema_{s}"] = kjv.generate_text("And God said", seed=s, json_schema=person, max_new_tokens=48)
+        out[f"kjv_regex_{s}"] = kjv.generate_text("And God said", seed=s, regex=r"[A-Z][a-z]+( [a-z]+){2,5}\.",
+                                                  max_new_tokens=24)
+        out[f"chat_schema_{s}"] = reply(chat.chat("Invent a person.", seed=s, json_schema=person, max_new_tokens=48))
+        out[f"chat_json_object_{s}"] = reply(chat.chat("List two colours.", seed=s, json_object=True,
+                                                       max_new_tokens=48))
+        out[f"chat_tools_{s}"] = reply(chat.chat("What time is it in Oslo?", seed=s, tools=[time_tool, calc],
+                                                 max_new_tokens=48))
+        out[f"chat_tools_schema_{s}"] = reply(chat.chat("What time is it in Oslo?", seed=s, tools=[time_tool, calc],
+                                                        json_schema={"type": "object", "properties": {
+                                                            "hour": {"type": "integer"}}, "required": ["hour"]},
+                                                        max_new_tokens=48))
+    out["kjv_lark"] = kjv.generate_text("And God said", seed=0, max_new_tokens=16,
+                                        grammar='start: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[0-9]+/')
 
 
 def main(argv=None) -> int:

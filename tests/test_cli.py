@@ -699,6 +699,16 @@ def test_infill_help_names_its_own_default_model(capsys):
     assert "default: the shipped text model, kjv" in out and "Sudoku" not in out
 
 
+def test_infill_reads_one_argument_that_names_no_model_as_the_template(capsys, monkeypatch):
+    """`blockpress infill 日本` (no hole, no space) was taken for a model's name and said "no TEMPLATE given"; an
+    argument that is no shipped name, folder or org/name Hub id is the template, and its real problem is named."""
+    assert cli(["infill", "日本", "--threads", "1"]) == 2
+    assert "the template has no hole" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # (an empty pipe)
+    assert cli(["infill", "kjv", "--threads", "1"]) == 2  # a model's name alone: no template
+    assert "no TEMPLATE given" in capsys.readouterr().err
+
+
 def test_default_threads_follow_the_free_cores(model_dir, capsys):
     """The default thread count was one per core even with another busy process on them (~10x slower than
     --threads 1): it is the cores left free, and the stats line says when other processes competed."""

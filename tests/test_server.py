@@ -810,6 +810,7 @@ BAD = [
 
 # what each refusal must say (a client reads the message, not the code)
 BAD_MESSAGES = {
+    "lone surrogate": "messages.0.content holds invalid Unicode (a lone surrogate, '\\ud800')",
     "arguments lone surrogate": "arguments holds a lone surrogate", "arguments 5000 digits": "is not valid JSON",
     "t_max past fp32": "at most 3.40282e+38", "chat top_logprobs alone": "top_logprobs needs logprobs: true", "unknown response_format": "is not one of text, json_object, json_schema",
     "image part": "only text content parts are supported", "n over limit": "n=9 exceeds this server's limit of 8",

@@ -9,6 +9,7 @@ MODEL defaults to the shipped text model (blockpress/assets/kjv) when it is inst
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from .run import (DEFAULT_MODEL, add_model_args, add_sampling_args, load_model, read_prompt, refuse_task_model,
                   sampling_kwargs, stats_line, stats_of)
@@ -60,10 +61,12 @@ def main(args) -> int:
     from ..loading import SHIPPED_MODELS
     from .view import CanvasView, TextRenderer
 
-    if args.template is None and args.model is not None and (HOLE.search(args.model) or " " in args.model.strip()
-                                                             or args.model == "-"):  # `infill -`: stdin
-        # one argument with holes (or words: no model's name has a space): the template, default model
-        args.template, args.model = args.model, None
+    one = args.model if args.template is None else None
+    if one is not None and (HOLE.search(one) or " " in one.strip() or one == "-"  # `infill -`: stdin
+                            or not (one in SHIPPED_MODELS or "/" in one or Path(one).exists())):
+        # one argument with holes, words (no model's name has a space), or naming no model (not a shipped name, a
+        # folder or an org/name Hub id): the template, default model
+        args.template, args.model = one, None
     if args.model is None:  # the shipped text model (`run`'s default, the Sudoku model, has no text to fill)
         if not (SHIPPED_MODELS["kjv"] / "config.json").is_file():
             raise InputError(f"no MODEL given and the shipped text model is not installed at {SHIPPED_MODELS['kjv']}; "

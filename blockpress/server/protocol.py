@@ -212,22 +212,24 @@ PosFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 
 
-def _check_unicode(value: Any, depth: int = 0) -> None:
-    """Reject strings with lone surrogates anywhere in the request (they cannot be tokenised)."""
-    if depth > 64:
+def _check_unicode(value: Any, path: tuple = ()) -> None:
+    """Reject strings with lone surrogates anywhere in the request (they cannot be tokenised), naming where."""
+    if len(path) > 64:
         raise ValueError("request JSON is nested too deeply (more than 64 levels)")
     if isinstance(value, str):
         try:
             value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("a string contains invalid Unicode (a lone surrogate); send valid UTF-8 text") from None
+        except UnicodeEncodeError as e:
+            where = ".".join(map(str, path)) or "the request"
+            raise ValueError(f"{where} holds invalid Unicode (a lone surrogate, {value[e.start]!r}); send valid "
+                             "UTF-8 text") from None
     elif isinstance(value, dict):
         for k, v in value.items():
-            _check_unicode(k, depth + 1)
-            _check_unicode(v, depth + 1)
+            _check_unicode(k, path + ("(a key)",))
+            _check_unicode(v, path + (k,))
     elif isinstance(value, list):
-        for v in value:
-            _check_unicode(v, depth + 1)
+        for i, v in enumerate(value):
+            _check_unicode(v, path + (i,))
 
 
 _IGNORED = "ignored by the denoising sampler (its temperature schedule is t_min / t_max); validated as OpenAI does"

@@ -2293,9 +2293,9 @@ def test_cancelled_waiting_rows_hold_no_place_and_a_requests_rows_join_together(
     request's n choices joined at different boundaries when the batch had room for some of them only."""
     from blockpress.engine.scheduler import QueueFull, Scheduler
 
-    class R:  # a queued row, as the scheduler reads it
+    class R:  # a row, as the scheduler reads it
         def __init__(self, S=10):
-            self.prompt_length, self.cancelled = S, False
+            self.prompt_length, self.cancelled, self.canvas = S, False, 0
             self.cfg = lm.generation_config(max_new_tokens=16)
 
     s = Scheduler(16, 4096, max_batch=4, queue_size=4)
@@ -2308,7 +2308,7 @@ def test_cancelled_waiting_rows_hold_no_place_and_a_requests_rows_join_together(
     newcomer = R()
     s.submit(newcomer)  # QueueFull before: 4 waiting
     assert s.depth() == 2 and s.dropped == 3
-    running = [object()] * 4
+    running = [R(100)] * 4  # (rows in the batch: their cache ends at 100)
     assert s.admit(running, 100).rows == []  # a full batch: both wait
     assert s.admit(running[:3], 100).rows == [live]
     # a request's three choices wait for room for all three; what came after them waits too
@@ -2316,9 +2316,9 @@ def test_cancelled_waiting_rows_hold_no_place_and_a_requests_rows_join_together(
     choices, later = (R(), R(), R()), R()
     s2.submit(*choices)
     s2.submit(later)
-    assert s2.admit([object()] * 2, 100).rows == []
-    assert s2.admit([object()], 100).rows == list(choices)
-    assert s2.admit([object()] * 3, 100).rows == [later]
+    assert s2.admit([R(100)] * 2, 100).rows == []
+    assert s2.admit([R(100)], 100).rows == list(choices)
+    assert s2.admit([R(100)] * 3, 100).rows == [later]
     # more rows than a batch holds (a completions batch): parts of max_batch rows
     s3 = Scheduler(16, 4096, max_batch=4)
     many = [R() for _ in range(6)]
@@ -2417,13 +2417,34 @@ def test_a_short_request_joins_a_long_running_batch_at_the_next_boundary(lm):
             w.canvas()
     assert isinstance(h_long.drain()[-1], RowDone)
 
-    class R:  # a queued row, as the scheduler reads it
-        def __init__(self, S):
-            self.prompt_length, self.cancelled = S, False
+    class R:  # a row, as the scheduler reads it
+        def __init__(self, S, canvas=0):
+            self.prompt_length, self.cancelled, self.canvas = S, False, canvas
             self.cfg = lm.generation_config(max_new_tokens=16)
 
     s = Scheduler(16, 4096, max_batch=8)
     for S in (10, 200, 20):
         s.submit(R(S))
-    assert [r.prompt_length for r in s.admit([object()], 1000).rows] == [10, 20]  # 200 - 10 > 64: next boundary
-    assert [r.prompt_length for r in s.admit([object()], 1016).rows] == [200]
+    assert [r.prompt_length for r in s.admit([R(1000)], 1000).rows] == [10, 20]  # 200 - 10 > 64: next boundary
+    assert [r.prompt_length for r in s.admit([R(1000)], 1016).rows] == [200]
+
+    # steady short traffic: one 40-token request of two canvases a boundary. Each joined at the end of the last one's
+    # cache, so the batch's cache end E climbed a canvas a boundary to the model's positions (4,096 here) whatever
+    # the requests needed; a joiner's padding is now bounded by the running rows' own spans, so E stays near them
+    s, running, length, most, admitted = Scheduler(16, 4096, max_batch=8), [], None, 0, 0
+    for _ in range(400):
+        s.submit(R(40))
+        adm = s.admit(running, length)
+        admitted += len(adm.rows)
+        running += adm.rows
+        length = adm.end if length is None else length
+        if not running:
+            length = None
+            continue
+        length += 16  # a canvas, committed
+        for r in running:
+            r.canvas += 1
+        running = [r for r in running if r.canvas < 2]
+        most = max(most, length)
+        length = length if running else None
+    assert most <= 256 and admitted >= 300  # within a few canvases of the rows' own 72 positions (4,096 before)

@@ -10,6 +10,14 @@ Continuous batching at canvas granularity:
   tenth canvas joins at the next boundary (it waited for the whole batch to drain while the padding was bounded,
   14 s behind a long reply on the shipped chat model). A longer prompt waits (E grows by a canvas per boundary;
   when the batch drains, a fresh one starts).
+- The positions before every running row's prompt are kept for no one, so a joiner may not find more of them than
+  its own prompt plus `max_padding`: its padding E - S is at most the longest running row's own span (its prompt
+  and committed canvases) plus `max_padding`. A short request behind a long prompt or a long reply joins; under
+  steady short traffic, where each row joined at the end of the last one's cache, joins stop once E has run that
+  far ahead of every row's own span, the batch drains within its rows' last canvases, and a fresh one starts at
+  its longest prompt. Without that bound E climbed by a canvas per boundary to the model's position limit,
+  whatever the requests' lengths (a 40-token chat reached 3,800 positions a row on the shipped chat model; the
+  26B model's 262,144 would be ~6 GB a row), and a longer prompt waited for E to reach it.
 - The prompts that join at one boundary are encoded together, left-padded to the longest of them, and that
   padding is computed: they join together while the longest minus the shortest is at most `max_padding` (the
   others join at a later boundary). A fresh batch (after the last one drained) ends at its longest prompt.
@@ -124,6 +132,8 @@ class Scheduler:
         self._prune()
         lo = hi = None  # the shortest and longest prompt chosen: they are encoded together, padded to the longest
         chosen: list = []
+        # what a joiner's padding may reach: the longest running row's own positions, and max_padding
+        reach = max((r.prompt_length + r.canvas * self.C for r in running), default=0) + self.max_padding
         for group in list(self.queue):
             if len(running) + len(chosen) + len(group) > self.max_batch:
                 break  # it waits for room, and nothing queued after it goes first
@@ -133,6 +143,7 @@ class Scheduler:
             # a fresh batch: at the longest prompt
             end = length if length is not None else high
             ok = max(S) <= end and high - low <= self.max_padding  # (the joiners' own padding is computed)
+            ok = ok and (length is None or end - low <= reach)  # (a running batch: the padding kept for no one)
             ok = ok and all(self._need(r, end) <= self.max_positions for r in (*chosen, *group))
             if ok:
                 self.queue.remove(group)

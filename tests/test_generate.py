@@ -179,8 +179,11 @@ def test_invalid_inputs_get_clear_errors(bp):
         bp.generate(x, max_denoising_steps=-2)
     with pytest.raises(SamplingError, match="entropy_bound"):
         bp.generate(x, entropy_bound=0)
-    with pytest.raises(InputError, match="max_position_embeddings"):
+    with pytest.raises(InputError, match="max_position_embeddings=4096; shorten the prompt$"):
         bp.generate(torch.randint(5, 512, (1, 4090)), max_new_tokens=32)
+    room = (4096 - 4000) // bp.canvas_length * bp.canvas_length  # the number a fix needs (it said only "lower it")
+    with pytest.raises(InputError, match=f"lower max_new_tokens to at most {room} or shorten the prompt"):
+        bp.generate(torch.randint(5, 512, (1, 4000)), max_new_tokens=200)
     with pytest.raises(InputError, match="vocabulary"):
         bp.generate(torch.tensor([[5, 600]]))
     with pytest.raises(InputError, match="empty"):

@@ -197,6 +197,20 @@ def test_no_prefix_cache_for_a_bidirectional_encoder():
     assert Worker(m, max_batch=1).runner.prefixes is None
 
 
+def test_a_ring_that_lost_the_window_makes_way_for_another_entry_with_the_prefix(tiny):
+    """A long prompt kept as a ring and a short one kept whole share a 20-token start (a system prompt). A third
+    prompt with that start was a miss: the lookup took the one entry with the longest shared prefix (ties: the
+    least recently used, the ring), found its window gone and tried no other. Now the short entry serves it, with
+    the tokens of a worker without the cache."""
+    system = _ids(20, 8)
+    plan = {0: [_job(tiny, system + _ids(40, 9), 1)], 5: [_job(tiny, system + _ids(8, 10), 2)],
+            10: [_job(tiny, system + _ids(8, 11), 3)]}
+    w = Worker(tiny, max_batch=1)
+    got = drive_worker(w, plan)
+    assert (w.runner.prefixes.hits, w.runner.prefixes.misses, w.runner.prefixes.tokens_reused) == (1, 2, 20)
+    assert got == drive_worker(Worker(tiny, max_batch=1, prefix_cache=0), plan)
+
+
 def test_a_short_prompt_in_a_cache_without_a_ring_after_a_long_one_is_served(tiny):
     """A kept 30-token prompt's sliding layers keep a ring of 24 slots (positions 0-5 gone). A 16-token prompt that
     is its start needs only positions 8-15 there, but its own cache (16 + one 8-token canvas) is small enough to keep

@@ -102,8 +102,10 @@ def _check(module, input_ids, cfg, C, attention_mask, generator, cache, fixed_to
     n_canvases = math.ceil(cfg.max_new_tokens / C)
     limit = module.text.max_position_embeddings
     if T_start + S + n_canvases * C > limit:
+        room = (limit - T_start - S) // C * C  # the whole canvases the prompt leaves
+        fix = f"lower max_new_tokens to at most {room} or shorten the prompt" if room > 0 else "shorten the prompt"
         raise InputError(f"prompt ({T_start + S} tokens) + {n_canvases} canvas(es) of {C} exceeds "
-                         f"max_position_embeddings={limit}; shorten the prompt or lower max_new_tokens")
+                         f"max_position_embeddings={limit}; {fix}")
     if cache is not None and cache.batch != B:
         raise InputError(f"cache was built for batch {cache.batch}, got input batch {B}")
     if attention_mask is not None:

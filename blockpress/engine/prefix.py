@@ -56,24 +56,23 @@ class PrefixCache:
     def match(self, prompt: list[int], whole: bool = False):
         """(n, cache) for the longest kept prefix of `prompt` (a 1-row cache of positions [0, n) whose sliding
         layers still hold what position n needs; with `whole`, every position: for a cache without a ring), or None.
-        Counts a hit or a miss."""
-        best, best_n, prompt = None, 0, tuple(prompt)
-        for key in self.entries:
-            n = common_prefix(key, prompt)
-            if n > best_n:
-                best, best_n = key, n
-        if best is None or best_n < self.min_tokens:
-            self.misses += 1
-            return None
-        try:
-            part = self.entries[best].prefix(best_n, whole)
-        except ValueError:  # a ring no longer holds the window before position n (a long entry cut short), or whole
-            self.misses += 1
-            return None
-        self.entries.move_to_end(best)
-        self.hits += 1
-        self.tokens_reused += best_n
-        return best_n, part
+        The entries are tried longest shared prefix first (ties: the least recently used): one that cannot give its
+        prefix (a ring that no longer holds the window before position n, a long prompt cut short; or `whole`) makes
+        way for the next, so a long conversation kept as a ring does not hide the short entries that share its
+        system prompt. Counts a hit or a miss."""
+        prompt = tuple(prompt)
+        shared = [(common_prefix(key, prompt), key) for key in self.entries]
+        for n, key in sorted((x for x in shared if x[0] >= self.min_tokens), key=lambda x: -x[0]):  # (stable)
+            try:
+                part = self.entries[key].prefix(n, whole)
+            except ValueError:
+                continue
+            self.entries.move_to_end(key)
+            self.hits += 1
+            self.tokens_reused += n
+            return n, part
+        self.misses += 1
+        return None
 
     def store(self, prompt: list[int], cache) -> bool:
         """Keep `cache` (a 1-row copy holding positions [0, len(prompt))) for `prompt`; entries that are a prefix of

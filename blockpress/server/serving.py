@@ -496,11 +496,13 @@ class OpenAIServing:
             sampling.max_tokens = min(sampling.max_tokens, room)
             return
         name = sampling.budget_field
+        suffix = sampling.cfg.max_new_tokens > sampling.max_tokens  # insert mode: the suffix is laid out after it
         most = room - (sampling.cfg.max_new_tokens - sampling.max_tokens)  # (insert mode: less the suffix's part)
-        fix = f"lower {name} to at most {most} or shorten the prompt" if most > 0 else "shorten the prompt"
-        raise APIError(400, f"the prompt's {longest} tokens and {name}={sampling.max_tokens} need {need} positions "
-                       f"(whole canvases of {C}); the model has {P}: {fix}", param=name,
-                       code="context_length_exceeded")
+        shorten = "shorten the prompt or the suffix" if suffix else "shorten the prompt"
+        fix = f"lower {name} to at most {most} or {shorten}" if most > 0 else shorten
+        what = f"{name}={sampling.max_tokens} and the suffix after it" if suffix else f"{name}={sampling.max_tokens}"
+        raise APIError(400, f"the prompt's {longest} tokens, {what} need {need} positions (whole canvases of {C}); "
+                       f"the model has {P}: {fix}", param=name, code="context_length_exceeded")
 
     def prompt_room(self, sampling: Sampling) -> int:
         """The most prompt tokens that fit with `sampling`'s budget (`_fit`'s rule; a default budget shrinks, so

@@ -18,7 +18,7 @@ import torch
 
 from .config import SAMPLER_CLASS, GenerationConfig, ModelConfig
 from .engine import generate as engine
-from .errors import InputError
+from .errors import ConfigError, InputError
 from .options import Options
 
 # files of a checkpoint folder that belong to its tokenizer
@@ -93,14 +93,14 @@ class BlockDiffusionLM:
         decided again: the kernels (`experts="auto"` and the rest) and the CUDA-graphs default; passes captured or
         buffers held for the old ones are dropped. Quantized weights keep their format, so a model loaded with
         precision or linears other than "native" refuses a new dtype (load it again with that dtype)."""
-        from .loading import parse_device
+        from .loading import compute_dtype, parse_device
 
         device = None if device is None else parse_device(device)  # one that torch cannot use here: InputError
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else dtype
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise InputError(f"to(dtype={dtype!r}): not a floating-point torch dtype; use e.g. torch.bfloat16 or "
-                             "'float32'")
-        quantized = [f"{k}={getattr(self.options, k)!r}" for k in ("precision", "linears")
+        try:
+            dtype = None if dtype is None else compute_dtype(dtype)
+        except ConfigError as e:
+            raise InputError(f"to(dtype={dtype!r}): {e}") from None
+        quantized = [f"{k}={getattr(self.options, k)!r}" for k in ("precision", "linears", "embeddings")
                      if getattr(self.options, k) != "native"]
         if dtype is not None and dtype != self.dtype and quantized:
             raise InputError(f"to(dtype={dtype}): this model holds quantized weights ({', '.join(quantized)}), "

@@ -24,7 +24,7 @@ from .model.weights import find_weight_files, load_weights, read_headers
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
 
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -146,19 +146,24 @@ def parse_device(device: str | torch.device | None) -> torch.device:
 
 
 def parse_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ConfigError(f"dtype {dtype} is not a floating-point type; use float32, bfloat16 or float16 "
-                              "(quantised weights: precision='fp8' or 'int4')")
-        return dtype
     if dtype in (None, "auto"):
         if device.type == "cpu":
             return torch.float32  # bf16 matmuls are slow on most CPUs
         stored = config.raw.get("dtype") or config.raw.get("torch_dtype") or "bfloat16"
         return DTYPES.get(str(stored), torch.bfloat16)
-    if str(dtype) not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
-    return DTYPES[str(dtype)]
+    return compute_dtype(dtype)
+
+
+def compute_dtype(dtype) -> torch.dtype:
+    """A dtype the model may compute in, given as a torch dtype or a name of `DTYPES` (load's dtype=, `to`, the
+    CLI's --dtype); else a ConfigError. An 8-bit float (float8_e4m3fn) is a floating-point torch dtype but no
+    compute type: it passed, and generating failed in torch ("mul_cpu_reduced_float not implemented")."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ConfigError(f"dtype {dtype!r} is not one the model computes in; use one of {sorted(DTYPES)} (8-bit weights: "
+                      "precision='fp8' or 'int4', linears='int8')")
 
 
 def _checkpoint_generation_defaults(path: Path, vocab_size: int) -> dict:

@@ -550,11 +550,18 @@ def test_to_decides_the_kernels_and_passes_again_for_the_new_dtype():
     q = blockpress.load("kjv", progress=False, precision="int4")
     with pytest.raises(blockpress.InputError, match="quantized weights.*load it again with dtype='float16'"):
         q.to(dtype=torch.float16)
-    with pytest.raises(blockpress.InputError, match="not a floating-point torch dtype"):
+    with pytest.raises(blockpress.InputError, match="is not one the model computes in"):
         q.to(dtype="half-ish")
     # each of these was a raw torch error (TypeError, RuntimeError, AssertionError without a CUDA build)
-    with pytest.raises(blockpress.InputError, match="not a floating-point torch dtype"):
-        q.to(dtype=torch.int8)
+    for bad in (torch.int8, torch.float8_e4m3fn):
+        with pytest.raises(blockpress.InputError, match="is not one the model computes in"):
+            q.to(dtype=bad)
+    # an int8 embedding table is quantized storage too: the cast left its fp32 rows beside bf16 projections (a torch
+    # dtype error at the first generate)
+    e8 = blockpress.load("kjv", progress=False, embeddings="int8")
+    with pytest.raises(blockpress.InputError, match="embeddings='int8'"):
+        e8.to(dtype=torch.bfloat16)
+    assert lm.to(dtype="bf16").dtype == torch.bfloat16  # the names load takes ("bf16" was refused here)
     with pytest.raises(blockpress.InputError, match="unknown device 'tpu'"):
         q.to("tpu")
     # storage is chosen at load: configure quantised the weights in place, and could not undo it

@@ -1945,7 +1945,7 @@ def test_a_long_prompt_gets_the_room_left_and_errors_name_what_to_change(short_a
             assert f"at most {(96 - n) // 16 * 16}" in err["message"], err
     # insert mode: the suffix is laid out after max_tokens, so the 400 names it (it told a client with a 1-token
     # prompt to "shorten the prompt")
-    err = post("/v1/completions", {"prompt": [5], "suffix": "sea " * 60, "max_tokens": 4}).json()["error"]
+    err = post("/v1/completions", {"prompt": [5], "suffix": "sea " * 100, "max_tokens": 4}).json()["error"]
     assert err["param"] == "max_tokens" and "max_tokens=4 and the suffix after it need" in err["message"]
     assert err["message"].endswith("shorten the prompt or the suffix"), err
     chat = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "sea " * 45}]})

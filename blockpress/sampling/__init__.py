@@ -126,7 +126,8 @@ def sample_tokens(z: torch.Tensor, generator=None, active=None) -> torch.Tensor:
     except RuntimeError as e:  # torch checks the probabilities on the host side of the draw: no cost when they are fine
         if "probability tensor contains" not in str(e):
             raise
-        raise CheckpointError("the model's logits are not finite (NaN or inf): its weights, an adapter's, or a "
+        raise CheckpointError("the model's logits are not finite (NaN or inf): in float16 its activations can pass "
+                            "that type's range (load it in bfloat16 or float32); else its weights, an adapter's, or a "
                             "config value such as a rotary factor of 0 make them so; check the checkpoint (and "
                             "adapter) with blockpress.load and a plain generate") from None
 

@@ -18,13 +18,12 @@ from .config import GenerationConfig, ModelConfig, _read_json
 from .errors import CheckpointError, ConfigError, InputError, SamplingError
 from .lm import BlockDiffusionLM
 from .model.diffusion_gemma import DiffusionGemmaModel
-from .options import Options
+from .options import DTYPE_NAMES, Options
 from .model.prequantized import PREQUANTIZED_FIX, Layout, recipe_fp8_activations, resolve_options, scheme_problem
 from .model.weights import find_weight_files, load_weights, read_headers
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
+DTYPES = {name: getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}
 
 
 ASSETS = Path(__file__).resolve().parent / "assets"

@@ -33,6 +33,10 @@ from dataclasses import dataclass
 
 from .errors import InputError
 
+# the dtypes a model computes in, by every name load's dtype= and each command's --dtype take -> torch's name
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "float64": "float64", "fp64": "float64"}
+
 SAMPLERS = ("exact", "fast")
 PRECISIONS = ("native", "fp8", "int4")
 LINEAR_FORMATS = ("native", "int8", "fp8", "int4-mlp")

@@ -709,6 +709,20 @@ def test_infill_reads_one_argument_that_names_no_model_as_the_template(capsys, m
     assert "no TEMPLATE given" in capsys.readouterr().err
 
 
+def test_every_command_takes_every_dtype_name(capsys):
+    """`run --dtype bf16` and `bench --dtype bfloat16` were argparse errors: each command spelled dtypes its own way,
+    and load(dtype=) took both. One table (options.DTYPE_NAMES) now gives every command's choices."""
+    from blockpress.cli import build_parser
+    from blockpress.options import DTYPE_NAMES
+
+    assert cli(["run", "kjv", "x", "--dtype", "bf16", "--max-new-tokens", "4", "--no-live", "--threads", "1"]) == 0
+    for command in ("run", "serve", "chat", "infill", "bench", "convert", "eval"):
+        actions = [a for a in build_parser(command)._subparsers._group_actions[0].choices[command]._actions
+                   if "--dtype" in a.option_strings]
+        assert actions and set(DTYPE_NAMES) <= set(actions[0].choices), command
+    capsys.readouterr()
+
+
 def test_default_threads_follow_the_free_cores(model_dir, capsys):
     """The default thread count was one per core even with another busy process on them (~10x slower than
     --threads 1): it is the cores left free, and the stats line says when other processes competed."""

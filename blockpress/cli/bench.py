@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..lab.presets import DTYPE_NAMES, PRESETS
+from ..lab.presets import PRESETS
+from ..options import DTYPE_NAMES
 from .run import COMPILE_HELP, _int_in, add_speed_args, add_storage_args, _nonneg_int, _positive_int, _positive_int_list, _seed, _output_file
 
 MODES = ("fixed", "adaptive")

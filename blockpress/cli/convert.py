@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import time
 
+from ..options import DTYPE_NAMES
 from .run import add_storage_args, storage_options
 
 
@@ -22,7 +23,7 @@ def add_parser(p) -> None:
     p.add_argument("model", metavar="MODEL", help="a checkpoint folder, a shipped model's name or a Hub id")
     p.add_argument("out", metavar="OUT", help="the folder to write")
     add_storage_args(p)
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    p.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default=None,
                    help="the float weights' type (default: the checkpoint's own)")
     p.add_argument("--device", default=None,
                    help="where to quantise (default: $BLOCKPRESS_DEVICE, else a CUDA GPU when there is one, else cpu)")

@@ -44,6 +44,7 @@ import sys
 
 from ..config import fixed_steps
 from ..errors import InputError
+from ..options import DTYPE_NAMES
 from .run import (MAX_STEPS, _int_in, _nonneg_int, _output_file, _positive_int, _seed, _steps,
                   add_fp8_activations_arg, add_sampler_args, add_storage_args, experts_option, sampler_kwargs,
                   storage_options)
@@ -80,7 +81,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="sudoku and chat: the held-out test set (default) or the validation split, for choosing "
                         "settings and checkpoints without touching the test set")
     p.add_argument("--device", default=None)
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+    p.add_argument("--dtype", choices=["auto", *DTYPE_NAMES], default="auto",
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
     add_storage_args(p)  # (judge a format by the task)
     add_fp8_activations_arg(p)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MAX_SEED, MIN_SEED, reply_tokens
-from ..options import EMBEDDING_FORMATS, LINEAR_FORMATS, STORAGE_FIELDS
+from ..options import DTYPE_NAMES, EMBEDDING_FORMATS, LINEAR_FORMATS, STORAGE_FIELDS
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
 EXAMPLE_SUDOKU = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
@@ -174,7 +174,7 @@ def add_model_args(p: argparse.ArgumentParser, cuda_graphs: bool = True,
                    help="checkpoint folder, Hub id, or a shipped model's name: sudoku, kjv, assistant "
                         f"(default: {default})")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: $BLOCKPRESS_DEVICE, else cuda when available)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+    p.add_argument("--dtype", choices=["auto", *DTYPE_NAMES], default="auto",
                    help="weights dtype (default: float32 on CPU, the checkpoint's dtype on GPU)")
     add_storage_args(p)
     p.add_argument("--adapter", metavar="DIR",

@@ -27,11 +27,8 @@ from pathlib import Path
 
 import torch
 
+from ..loading import DTYPES  # noqa: F401  (every name --dtype takes: bf16 and bfloat16 alike; re-exported)
 from .presets import PRESETS, preset_config  # noqa: F401  (the harness's presets, re-exported)
-
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # ------------------------------------------------------------------------------------ timing

@@ -23,7 +23,6 @@ PRESETS = {
                       final_logit_softcapping=30.0, use_bidirectional_attention="vision",
                       layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5), 256, 1024, 1024),
 }
-DTYPE_NAMES = ("bf16", "fp16", "fp32")
 
 
 def preset_config(name: str) -> tuple[dict, int, int]:

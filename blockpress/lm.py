@@ -92,7 +92,7 @@ class BlockDiffusionLM:
         """Move the model to `device` and/or cast it to `dtype`. What `load` decides from the device and dtype is
         decided again: the kernels (`experts="auto"` and the rest) and the CUDA-graphs default; passes captured or
         buffers held for the old ones are dropped. Quantized weights keep their format, so a model loaded with
-        precision or linears other than "native" refuses a new dtype (load it again with that dtype)."""
+        precision, linears or embeddings other than "native" refuses a new dtype (load it again with that dtype)."""
         from .loading import compute_dtype, parse_device
 
         device = None if device is None else parse_device(device)  # one that torch cannot use here: InputError

@@ -71,8 +71,8 @@ Logprobs (chat `logprobs: true` + `top_logprobs` 0..20; completions `logprobs` 0
   (temperature-scaled) logits at its position, and the alternatives are that distribution's most likely tokens
   (the first is the token itself, which is the argmax, except where a grammar wrote another token: its logprob is
   then that token's under the same distribution, below the alternatives'; with a bf16 model the logits are the
-  bf16 ones the step keeps). The engine computes them once per canvas, only for the requests that asked; the tokens are the same
-  bits with or without them.
+  bf16 ones the step keeps). The engine computes them once per canvas, only for the requests that asked; the
+  tokens are the same bits with or without them.
 - Alignment: one entry per token of the returned text, in order. `token` (chat) / `tokens[i]` (completions) is
   the text that token contributes, so the entries' tokens joined are the returned text; an entry may be "" (a
   token holding part of a multi-byte character, whose text goes to the token completing it, or a special
@@ -220,7 +220,7 @@ def _check_unicode(value: Any, path: tuple = ()) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            where = ".".join(map(str, path)) or "the request"
+            where = ".".join(str(p)[:40] for p in path) or "the request"  # (a key may be long)
             raise ValueError(f"{where} holds invalid Unicode (a lone surrogate, {value[e.start]!r}); send valid "
                              "UTF-8 text") from None
     elif isinstance(value, dict):

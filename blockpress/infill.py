@@ -44,7 +44,8 @@ import torch
 from .errors import InputError
 
 HOLE = re.compile(r"\[MASK(?::([0-9]+))?\]")
-MARKER = re.compile(r"(\\?)\[mask", re.IGNORECASE | re.ASCII)  # where a hole marker, an escaped one or a malformed one starts
+# where a hole marker, an escaped one or a malformed one starts
+MARKER = re.compile(r"(\\?)\[mask", re.IGNORECASE | re.ASCII)
 MAX_HOLE = 4096
 
 

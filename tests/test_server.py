@@ -802,7 +802,8 @@ BAD = [
     ("logit_bias wide digits", {"messages": MSG, "logit_bias": {"\uff17\uff12": 100}}, 400, "logit_bias.\uff17\uff12"),
     # replayed arguments whose JSON decodes to what the prompt cannot hold: each was a 500
     *[(f"arguments {what}", {"messages": MSG + [
-        {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": a}}]},
+        {"role": "assistant",
+         "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": a}}]},
         {"role": "tool", "tool_call_id": "a", "content": "ok"}]}, 400, "messages.1.tool_calls.0.function.arguments")
       for what, a in [("lone surrogate", json.dumps({"city": "\ud800"})), ("5000 digits", '{"x": 1' + "0" * 5000 + "}"),
                       ("NaN", '{"x": NaN}'), ("1e999", '{"x": 1e999}')]],
@@ -812,7 +813,8 @@ BAD = [
 BAD_MESSAGES = {
     "lone surrogate": "messages.0.content holds invalid Unicode (a lone surrogate, '\\ud800')",
     "arguments lone surrogate": "arguments holds a lone surrogate", "arguments 5000 digits": "is not valid JSON",
-    "t_max past fp32": "at most 3.40282e+38", "chat top_logprobs alone": "top_logprobs needs logprobs: true", "unknown response_format": "is not one of text, json_object, json_schema",
+    "t_max past fp32": "at most 3.40282e+38",
+    "chat top_logprobs alone": "top_logprobs needs logprobs: true", "unknown response_format": "is not one of text, json_object, json_schema",
     "image part": "only text content parts are supported", "n over limit": "n=9 exceeds this server's limit of 8",
     "completion batch too big": "33 prompts exceed this server's limit of 32",
     "completion batch entry": "prompt.1: String should have at least 1 character",

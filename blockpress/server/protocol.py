@@ -244,9 +244,10 @@ class _Request(BaseModel):
     top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
     presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = Field(None, description=_IGNORED)
-    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None = \
-        Field(None, max_length=1024, description="added to the logits (soft-capped) of these token ids before the "
-              "temperature, every denoising step: -100 bans a token, +100 forces it")
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                     Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=1024, description="added to the logits (soft-capped) of these token ids before the "
+        "temperature, every denoising step: -100 bans a token, +100 forces it")
 
     @model_validator(mode="before")
     @classmethod

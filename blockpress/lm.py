@@ -335,24 +335,31 @@ class BlockDiffusionLM:
         for byte (compressed-tensors' fp8 by output channel and packed int, model/prequantized.py). Atomic; an
         existing `path` is replaced only where it holds nothing but a checkpoint's files (else CheckpointError,
         nothing written).
+        The float weights keep the tensors it loaded but does not run (a vision tower: read again from that folder),
+        and generation_config.json that folder's keys, with this model's defaults over them. Attached LoRA adapters
+        are saved folded into the weights (as `merge_lora` folds them; the model keeps them attached).
         tensors: the weights by module name when the module holds only a shard of them (a sharded training run).
         shard_bytes: past this many bytes of weights (default 5 GB, the Hub's convention), they go into files of at
         most that size with an index (model-0000i-of-0000n.safetensors, model.safetensors.index.json)."""
         from .model.prequantized import quantization_config
-        from .model.weights import (FOLDER_FILES, SHARD_BYTES, state_dict_for_checkpoint, stored_dtype, weight_files,
-                                     write_atomic)
+        from .model.weights import (FOLDER_FILES, SHARD_BYTES, state_dict_for_checkpoint, stored_dtype,
+                                     vision_tensors, weight_files, write_atomic)
+        from .train.lora import folded_tensors
 
         if isinstance(shard_bytes, float) and shard_bytes.is_integer():  # 5e9: a whole number, written as a float
             shard_bytes = int(shard_bytes)
         if shard_bytes is not None and (isinstance(shard_bytes, bool) or not isinstance(shard_bytes, numbers.Integral)
                                         or shard_bytes < 1):
             raise InputError(f"shard_bytes must be a whole number of bytes >= 1 (e.g. 5 * 10**9), got {shard_bytes!r}")
-        path = Path(path)
+        path = Path(path).expanduser().absolute()
+        source = Path(self.path).resolve() if self.path is not None else None
         if self.module.quantized_table is not None:
             raise InputError("this model holds its embedding table in int8 (embeddings='int8'), which no checkpoint "
                              "format blockpress writes holds; load it with embeddings='native' to save it (the "
                              "experts and projections may stay quantised)")
-        sd = state_dict_for_checkpoint(self.module, tensors)
+        sd = state_dict_for_checkpoint(self.module, tensors if tensors is not None else folded_tensors(self.module))
+        if source is not None:
+            sd.update(vision_tensors(source, self.module.dtype))
         config = self.config.to_dict()
         qc = quantization_config(self.module)
         if qc is not None:  # quantised experts / projections: the pre-quantised layout load reads back
@@ -362,7 +369,8 @@ class BlockDiffusionLM:
             config["dtype"] = dtype
             if "torch_dtype" in config:  # (transformers < 4.56's name)
                 config["torch_dtype"] = dtype
-        gen = {"_from_model_config": False, **self.generation_defaults}
+        gen = {**_json_object(source / "generation_config.json" if source is not None else None),
+               "_from_model_config": False, **self.generation_defaults}
         if "entropy_bound" in gen:
             gen["sampler_config"] = {"_cls_name": SAMPLER_CLASS, "entropy_bound": gen.pop("entropy_bound")}
         files: dict[str, Any] = {
@@ -377,3 +385,12 @@ class BlockDiffusionLM:
                     files[name] = src.read_bytes()
         write_atomic(path, files)
         return path
+
+
+def _json_object(path: Path | None) -> dict[str, Any]:
+    """A JSON file's object, or {} where there is none to read (no file, not an object: `load` read it already)."""
+    try:
+        value = json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

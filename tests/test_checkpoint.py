@@ -790,3 +790,91 @@ def test_damaged_files_found_by_a_file_audit_are_one_line(tmp_path):
     torch.save({"config": "x", "step": "y"}, tmp_path / "ck" / "trainer_state.pt")
     with pytest.raises(BlockpressError, match="is not a trainer state"):
         read_state(tmp_path / "ck")
+
+
+def test_a_save_keeps_the_vision_tower_and_the_generation_config_it_does_not_use(hf_tiny_dir, tmp_path):
+    """The engine is text-only, but a save (convert, a fine-tune) writes a checkpoint whose config.json still declares
+    the vision tower: its tensors go along, in the saved dtype, so transformers finds no weight missing (it made a
+    random tower before), and generation_config.json keeps the keys blockpress does not read (bos_token_id)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from blockpress.model.weights import VISION
+
+    path, _ = hf_tiny_dir
+    given = {k: v for k, v in load_file(path / "model.safetensors").items() if k.startswith(VISION)}
+    assert given
+    out = blockpress.load(path, dtype="bfloat16", progress=False).save(tmp_path / "bf16")
+    kept = {k: v for k, v in load_file(out / "model.safetensors").items() if k.startswith(VISION)}
+    assert kept.keys() == given.keys() and all(torch.equal(kept[k], given[k].to(torch.bfloat16)) for k in given)
+    _, info = DiffusionGemmaForBlockDiffusion.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"], info["missing_keys"]
+    source = json.loads((path / "generation_config.json").read_text())
+    written = json.loads((out / "generation_config.json").read_text())
+    assert {k: v for k, v in source.items() if k != "_from_model_config"}.items() <= written.items()
+
+
+def test_a_convert_never_replaces_its_input_nor_a_save_the_working_folder(tmp_path, monkeypatch, capsys):
+    """`convert MODEL MODEL` (or OUT a link to it) replaced the float checkpoint with the converted one, for good;
+    `convert MODEL .` inside a checkpoint folder replaced the shell's folder under it and printed "0.0 MB"; `save("~/x")`
+    wrote a folder named "~"."""
+    from blockpress.cli import main as cli
+    from blockpress.loading import resolve_path
+
+    src = shutil.copytree(resolve_path("sudoku"), tmp_path / "sudoku")  # checkpoint files only
+    before = (src / "model.safetensors").read_bytes()
+    (tmp_path / "link").symlink_to(src)
+    for out in (src, tmp_path / "link"):
+        assert cli(["convert", str(src), str(out), "--precision", "int4"]) == 2
+        assert "is MODEL's own folder" in capsys.readouterr().err
+        assert (src / "model.safetensors").read_bytes() == before
+    lm = blockpress.load(src, progress=False)
+    ck = lm.save(tmp_path / "ck")
+    monkeypatch.chdir(ck)
+    with pytest.raises(CheckpointError, match="holds the current directory"):
+        lm.save(".")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert lm.save("~/x") == tmp_path / "home" / "x" and (tmp_path / "home" / "x" / "model.safetensors").is_file()
+    assert not (tmp_path / "~").exists()
+    assert lm.save("rel") == tmp_path / "rel"  # where it went, as a path that still names it
+
+
+def test_a_convert_ended_by_sigterm_leaves_no_temp_folder(tmp_path):
+    """`timeout`, systemd and batch schedulers end a job with SIGTERM: the save's temp folder beside OUT (a partial
+    copy of the whole checkpoint) is removed on the way out, as after Ctrl-C, and the exit status says SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ready = tmp_path / "writing"
+    script = f"""
+import time, sys
+from pathlib import Path
+import blockpress.model.weights as w
+real = w.weight_files
+def slow(sd, shard_bytes=w.SHARD_BYTES):
+    files = real(sd, shard_bytes)
+    write = files["model.safetensors"]
+    def writer(p):
+        write(p)
+        Path({str(ready)!r}).write_text("x")
+        time.sleep(60)
+    return {{**files, "model.safetensors": writer}}
+w.weight_files = slow
+from blockpress.cli import main
+sys.exit(main(["convert", "kjv", {str(tmp_path / "out")!r}]))
+"""
+    p = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), p.stderr.read() if p.poll() is not None else "the write never started"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["writing"]

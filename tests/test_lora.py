@@ -103,6 +103,38 @@ def test_apply_and_merge_once(adapter):
     assert (base[1] - merged[1]).abs().max() > 1e-3
 
 
+def test_saving_an_adapted_model_writes_the_adapter_folded_in(adapter, tmp_path):
+    """lm.save of a model with an adapter attached wrote the adapter under names nothing reads: the checkpoint loaded
+    as the base model. It now writes the weights merge_lora would make (the same bits), keeps the adapter attached in
+    memory, and refuses where the adapter sits beside 8-bit weights; `convert --adapter` writes the same checkpoint."""
+    from safetensors.torch import load_file
+
+    from blockpress.cli import main as cli
+    from blockpress.errors import InputError
+
+    path, _, out, _ = adapter
+    attached = blockpress.load(path, progress=False)
+    L.apply_adapter(attached, out)
+    saved = attached.save(tmp_path / "attached")
+    assert any(".lora_A." in n for n, _ in attached.module.named_parameters())  # still attached
+    merged = blockpress.load(path, progress=False)
+    L.apply_adapter(merged, out, merge=True)
+    want = load_file(merged.save(tmp_path / "merged") / "model.safetensors")
+    got = load_file(saved / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    base = load_file(blockpress.load(path, progress=False).save(tmp_path / "base") / "model.safetensors")
+    assert not all(torch.equal(got[k], base[k]) for k in base)
+    assert cli(["convert", str(path), str(tmp_path / "convert"), "--adapter", str(out), "--dtype", "float32"]) == 0
+    converted = load_file(tmp_path / "convert" / "model.safetensors")
+    assert all(torch.equal(converted[k], want[k]) for k in want)
+    eight = blockpress.load(path, progress=False, linears="int8")
+    L.apply_adapter(eight, out)
+    with pytest.raises(InputError, match="8-bit weights .* with a LoRA adapter beside them"):
+        eight.save(tmp_path / "eight")
+    assert not (tmp_path / "eight").exists()
+    assert cli(["convert", str(path), str(tmp_path / "no"), "--adapter", str(out), "--linears", "int8"]) == 2
+
+
 def test_lora_training_updates_only_adapters(tmp_path):
     from blockpress.train import objective as obj
     from blockpress.train.sizes import model_config

@@ -13,6 +13,7 @@ import argparse
 import importlib
 import importlib.util
 import io
+import signal
 import sys
 
 COMMANDS = {
@@ -75,6 +76,21 @@ def _lenient_stdin() -> None:
             pass
 
 
+def _unwind_on_sigterm():
+    """SIGTERM (`timeout`, systemd, a batch scheduler, `kill`) ends a command as SystemExit(143) rather than at once,
+    so that what an interrupted write cleans up on the way out is cleaned up: a save's temp folder beside its output
+    (model/weights.py `write_atomic`: a partial copy of the whole checkpoint), a live canvas's terminal state.
+    Returns the handler it replaced (None where none was replaced)."""
+
+    def terminated(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        return signal.signal(signal.SIGTERM, terminated)
+    except ValueError:  # not the main thread (main() called from a thread): the default action stays
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..errors import BlockpressError
 
@@ -86,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     _lenient_stdin()
+    previous = _unwind_on_sigterm() if args.command != "serve" else None  # (the server drains: uvicorn's handler)
     try:
         return int(args._module.main(args) or 0)
     except BlockpressError as e:
@@ -100,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # python -m blockpress.cli

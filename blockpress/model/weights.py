@@ -133,6 +133,27 @@ def _check_link(path: Path) -> None:
         raise
 
 
+def vision_tensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The vision tower's tensors (VISION) in the checkpoint in `folder`, which the text-only engine leaves unloaded,
+    the float ones in `dtype`: a save carries them, so that what it writes still holds the image input its
+    config.json declares (transformers and vLLM would otherwise make a random tower)."""
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    if not ((folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()):
+        return out  # (a model built in memory, its `path` the tokenizer's folder: train/cli)
+    for f in find_weight_files(folder):
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                for key in h.keys():
+                    if key.startswith(VISION):
+                        t = h.get_tensor(key)
+                        out[key] = t.to(dtype) if t.is_floating_point() else t
+        except (SafetensorError, OSError, ValueError) as e:
+            raise _open_error(f, e) from None
+    return out
+
+
 def _open_error(f: Path, e: BaseException) -> CheckpointError:
     """Why safetensors could not open `f`: it reports every failure to open the file as "No such file or directory",
     so the file is opened here to name the real cause (no permission, a folder, a disk error); where it opens, it is
@@ -337,10 +358,11 @@ def _assign(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 def state_dict_for_checkpoint(module: torch.nn.Module, tensors: dict | None = None) -> dict[str, torch.Tensor]:
     """The module's parameters and buffers under the checkpoint's names, on the CPU. tensors: the same names' values
-    gathered elsewhere (a sharded training run's, train/distributed.py `full_tensors`) instead of the module's."""
+    gathered elsewhere (a sharded training run's, train/distributed.py `full_tensors`) instead of the module's.
+    Attached LoRA adapters' tensors are not the model's: `lm.save` passes their weights folded in as `tensors`."""
     named = {name: (tensors[name] if tensors is not None else t).detach()
              for name, t in list(module.named_parameters()) + list(module.named_buffers())
-             if not name.split(".")[-1].startswith("inv_freq")}
+             if not name.split(".")[-1].startswith("inv_freq") and ".lora_A." not in name and ".lora_B." not in name}
     out = {}
     for name, t in named.items():
         quantized = checkpoint_entries(name, t, named.get(name.removesuffix("scale") + "q"))
@@ -436,6 +458,14 @@ def _refuse_to_replace(folder: Path, files: dict) -> None:
         shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
         raise CheckpointError(f"cannot save to {folder}: it holds files that are not a checkpoint's ({shown}), which "
                               "saving there would delete; choose a new or empty folder (nothing was written)")
+    try:
+        here = Path.cwd().resolve()
+    except OSError:  # the current directory was removed
+        here = None
+    if here is not None and (here == folder.resolve() or folder.resolve() in here.parents):
+        raise CheckpointError(f"cannot save to {folder}: it holds the current directory, which the save would replace "
+                              "(a shell there would be left in a removed folder); choose another folder (nothing was "
+                              "written)")
 
 
 def _readable(tmp: Path) -> None:
@@ -454,7 +484,7 @@ def write_atomic(folder: Path, files: dict) -> None:
     limit) is a one-line CheckpointError, the existing checkpoint intact."""
     from safetensors import SafetensorError
 
-    folder = Path(folder).absolute()  # "." has a name to put the temp dir beside
+    folder = Path(folder).expanduser().absolute()  # "." has a name to put the temp dir beside
     if folder.is_symlink():  # a link to a checkpoint folder: write into the folder it names, and keep the link
         try:
             folder = folder.resolve()

@@ -374,18 +374,48 @@ def apply_adapter(model, path: str | Path, merge: bool = False) -> list[str]:
     return [name for name, *_ in checked]
 
 
+def _fold(weight: torch.Tensor, lin: nn.Module) -> None:
+    """weight += the adapter on `lin` (scale * B @ A), in place: the one fold of a merge and of a save."""
+    with torch.no_grad():
+        weight += lin.lora_scale * (lin.lora_B.weight @ lin.lora_A.weight)
+
+
 def merge_lora(module: nn.Module) -> int:
     """Fold every attached adapter into its weight (once) and remove it. Returns the count merged."""
     n = 0
     for lin in list(module.modules()):
         if isinstance(lin, nn.Linear) and hasattr(lin, "lora_A"):
-            with torch.no_grad():
-                lin.weight += lin.lora_scale * (lin.lora_B.weight @ lin.lora_A.weight)
+            _fold(lin.weight, lin)
             remove_lora_from(lin)
             n += 1
     if hasattr(module, "lora_spec"):
         del module.lora_spec
     return n
+
+
+def folded_tensors(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """What a save of a model with adapters attached writes: the module's parameters and buffers by name, each adapted
+    weight a copy with its adapter folded in (as `merge_lora` folds it: the same bits), the adapters' own tensors left
+    out; the module is not changed. None where no adapter is attached. An adapter beside 8-bit weights cannot be
+    folded: InputError naming what can be saved instead."""
+    adapted = {name: lin for name, lin in module.named_modules() if hasattr(lin, "lora_A")}
+    if not adapted:
+        return None
+    for name, lin in adapted.items():
+        if _quantized(lin):
+            raise InputError(f"{name} holds 8-bit weights (--linears) with a LoRA adapter beside them, which a "
+                             "checkpoint cannot hold folded in; save the adapter (blockpress.train.lora.save_adapter)"
+                             ", or load the model with linears='native' to save the merged model")
+    out = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        if owner in adapted and leaf == "weight":
+            t = t.detach().clone()
+            _fold(t, adapted[owner])
+        out[name] = t
+    return out
 
 
 def remove_lora_from(lin: nn.Linear) -> None:

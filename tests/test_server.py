@@ -1356,6 +1356,51 @@ def test_a_client_gone_is_noticed_while_canvases_keep_committing(lm):
     assert h.cancelled and h.abandoned and took < 2.0, took
 
 
+def test_a_reply_whose_client_hung_up_is_not_counted_as_returned(lm):
+    """A non-streamed request whose client hung up was answered as complete: counted a 200, its tokens and passes
+    added to what was returned, and `/health` set back to ok. It is now a 499 in the metrics, with nothing counted
+    as returned."""
+    from blockpress.server.app import create_app
+    from blockpress.server.metrics import Metrics
+    from blockpress.server.serving import ClientGone
+
+    serving = _serving(lm)
+    serving.metrics = Metrics()
+    sampling = ChatCompletionRequest(messages=MSG, max_tokens=64).to_sampling(serving.limits, serving.defaults)
+    ids = lm.tokenizer.encode("word " * 40)
+    serving.engine_error = "an earlier failure"
+
+    async def go():
+        h = _handle(serving, ids)
+        h.put(RowCommit(0, ids[:4], False, 2))
+
+        async def gone():
+            return True
+
+        with pytest.raises(ClientGone):
+            await serving.chat_response(_Run(h, prompt_tokens=7), sampling, stream=False, disconnected=gone)
+        return h
+
+    h = asyncio.run(go())
+    assert h.cancelled and h.abandoned
+    assert serving.metrics.generated_tokens.value() == 0 and serving.metrics.forward_passes.value() == 0
+    assert serving.engine_error == "an earlier failure"
+
+    async def over_http():
+        app = create_app(serving, serving.metrics)
+
+        async def chat(req, disconnected=None):
+            raise ClientGone()
+
+        serving.chat = chat
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return (await c.post("/v1/chat/completions", json={"messages": MSG})).status_code
+
+    assert asyncio.run(over_http()) == 499
+    assert serving.metrics.requests.value("/v1/chat/completions", "499") == 1
+
+
 def test_response_assembly_reasoning_and_tool_calls(lm):
     tok = lm.tokenizer
     ids = tok.encode(THOUGHT_AND_CALL)
@@ -1444,13 +1489,26 @@ def test_queue_full_is_429_and_api_key(lm):
     err = asyncio.run(twice())
     assert err.status == 429 and err.type == "rate_limit_error"
 
-    # n choices are queued all or none (at once, so they join at the same boundary): a queue with room for 2
-    # refuses n=3 and holds none of them
-    serving3 = OpenAIServing(lm, Worker(lm, queue_size=2), "tiny")
-    with pytest.raises(APIError) as e3:
-        asyncio.run(serving3.chat(ChatCompletionRequest(messages=MSG, n=3)))
-    assert e3.value.status == 429 and "no room for its 3 rows" in e3.value.message
-    assert len(serving3.worker.scheduler.queue) == 0
+    # n choices are queued all or none (at once, so they join at the same boundary): a queue of 3 holding one
+    # request has no room for n=3 now (a 429) and holds none of them; a queue of 2 never will (a 400, not a 429 that
+    # a client retries for ever)
+    serving3 = OpenAIServing(lm, Worker(lm, queue_size=3), "tiny")
+
+    async def full():
+        await serving3.chat(ChatCompletionRequest(messages=MSG, stream=True))  # (its row waits: nobody reads it)
+        with pytest.raises(APIError) as e:
+            await serving3.chat(ChatCompletionRequest(messages=MSG, n=3))
+        return e.value
+
+    e3 = asyncio.run(full())
+    assert e3.status == 429 and "no room for its 3 rows" in e3.message
+    assert len(serving3.worker.scheduler.queue) == 1
+    serving2 = OpenAIServing(lm, Worker(lm, queue_size=2), "tiny")
+    with pytest.raises(APIError) as e2:
+        asyncio.run(serving2.chat(ChatCompletionRequest(messages=MSG, n=3)))
+    assert (e2.value.status, e2.value.param) == (400, "n") and "more than the server's queue ever holds (2" in \
+        e2.value.message
+    assert len(serving2.worker.scheduler.queue) == 0
 
     app = create_app(serving, Metrics(), api_key="sekret")
 
@@ -2331,7 +2389,11 @@ def test_cancelled_waiting_rows_hold_no_place_and_a_requests_rows_join_together(
     many = [R() for _ in range(6)]
     s3.submit(*many)
     assert s3.admit([], None).rows == many[:4] and s3.admit([], None).rows == many[4:]
+    full = Scheduler(16, 4096, max_batch=4, queue_size=3)
+    full.submit(R())
     with pytest.raises(QueueFull):
+        full.submit(R(), R(), R())
+    with pytest.raises(blockpress.errors.InputError, match="needs 3 rows"):  # never: not a QueueFull (a 429 to retry)
         Scheduler(16, 4096, max_batch=4, queue_size=2).submit(R(), R(), R())
 
 
@@ -2387,6 +2449,61 @@ def test_sigterm_drains_within_the_shutdown_timeout_and_tells_every_client(model
     assert took < 2 + 10, took
     log = (tmp_path / "server.log").read_text()
     assert "Traceback" not in log and "shutting down: 1 running request(s) get up to 2 s" in log, log[-2000:]
+
+
+def test_a_second_ctrl_c_ends_the_running_requests_at_once_with_their_error(model_dir, lm, tmp_path):
+    """uvicorn's second Ctrl-C (its log invites one: "CTRL+C to force quit") cancelled running requests mid-reply:
+    tracebacks in the log, a plain-text 500, streams cut without a word. It now ends them at their next step with
+    the shutdown error, as the drain's deadline does; the socket is bound before the model loads and held."""
+    import signal
+
+    from blockpress.cli.serve import _bind
+
+    s = ServerProcess(model_dir, "--max-batch", "1", "--shutdown-timeout", "120", "--max-tokens-limit", "4096",
+                      log=tmp_path / "server.log")
+    from blockpress.parsing import STOP_TOKENS
+
+    eos = lm.generation_defaults.get("eos_token_id")
+    stops = [lm.tokenizer.token_to_id(t) for t in STOP_TOKENS] + ([eos] if isinstance(eos, int) else eos or [])
+    ban = {str(i): -100 for i in stops if i is not None}
+    body = {"messages": MSG, "max_tokens": 2048, "steps": 64, "logit_bias": ban, "stream": True}
+    events = []
+
+    def stream():
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+
+    t = threading.Thread(target=stream)
+    try:
+        with pytest.raises(blockpress.errors.InputError, match=f"cannot listen on 127.0.0.1:{s.port}"):
+            _bind("127.0.0.1", s.port)  # held by the server
+        t.start()
+        deadline = time.monotonic() + 60
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert events, "no stream event"
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGINT)
+        t.join(timeout=60)
+        took = time.monotonic() - t0
+        code = s.proc.wait(timeout=60)
+    finally:
+        s.stop()
+    assert events[-1] == "[DONE]" and json.loads(events[-2]).get("error", {}).get("code") == "shutting_down", \
+        events[-3:]
+    assert took < 20, took
+    log = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in log and "ending the running requests now" in log, log[-2000:]
+    assert code == 130, code
+    sock = _bind("127.0.0.1", 0)
+    try:
+        assert sock.getsockname()[1] > 0
+    finally:
+        sock.close()
 
 
 def test_a_short_request_joins_a_long_running_batch_at_the_next_boundary(lm):
@@ -2455,3 +2572,64 @@ def test_a_short_request_joins_a_long_running_batch_at_the_next_boundary(lm):
         most = max(most, length)
         length = length if running else None
     assert most <= 256 and admitted >= 300  # within a few canvases of the rows' own 72 positions (4,096 before)
+
+
+def test_the_body_deadline_is_for_the_whole_body_and_head_answers_as_get(lm):
+    """--body-timeout bounded each gap between a body's parts, so a body trickled in a byte at a time took as long
+    as its sender liked (22 s at a 5 s limit); it bounds the whole body now. HEAD on the open GET routes (what
+    uptime checkers send) was a 405."""
+    app, serving, metrics = _app(lm, limits={"body_timeout": 0.6})
+    body = json.dumps({"messages": MSG, "max_tokens": 4}).encode()
+    parts = [body[i:i + 8] for i in range(0, len(body), 8)]
+
+    async def trickled():
+        sent = []
+
+        async def receive():
+            await asyncio.sleep(0.1)  # every gap well within the limit; the whole body not
+            if parts:
+                part = parts.pop(0)
+                return {"type": "http.request", "body": part, "more_body": bool(parts)}
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"host", b"127.0.0.1"),
+                                                                    (b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        await app(scope, receive, send)
+        return sent
+
+    assert len(parts) > 6
+    sent = asyncio.run(trickled())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 408, sent[:1]
+    for path in ("/health", "/metrics", "/"):
+        get, head = asyncio.run(_asgi(app, "GET", path)), asyncio.run(_asgi(app, "HEAD", path))
+        assert head.status_code == get.status_code == 200 and head.content == b""
+        assert head.headers["content-type"] == get.headers["content-type"]
+    assert asyncio.run(_asgi(app, "HEAD", "/v1/chat/completions")).status_code == 405
+
+
+def test_a_drain_ends_running_rows_within_a_canvas(lm):
+    """A shutdown's deadline was checked between canvases only: a canvas of many steps outlasted --shutdown-timeout
+    and uvicorn's backstop cut its stream without an error event. A row now ends at the next step after the
+    deadline, with the shutdown error its client sees."""
+    cfg = lm.generation_config(max_new_tokens=16, max_denoising_steps=64, stability_threshold=None,
+                               confidence_threshold=None, eos_token_id=None)
+    w = Worker(lm, max_batch=1)
+    h = w.submit(Job(lm.encode_chat("Hi"), cfg, seed=0, drafts=True))
+    drafts = w._drafts
+
+    def drain_after_the_first_step(ev):
+        drafts(ev)
+        w.drain(0)
+
+    w._drafts = drain_after_the_first_step
+    with torch.no_grad():
+        w.canvas()
+    events = h.drain()
+    assert [type(e).__name__ for e in events] == ["RowDraft", "RowError"], events
+    assert events[-1].shutdown and not w.engine.rows and not w.busy

@@ -32,9 +32,11 @@ def add_parser(p) -> None:
     p.add_argument("--allowed-origins", metavar="URL1,URL2",
                    help="browser origins allowed to call the API from another page (CORS), e.g. "
                         "http://localhost:3000, or '*' (default: none)")
-    p.add_argument("--max-batch", type=_positive_int, default=8, help="requests denoised together (default: 8)")
+    p.add_argument("--max-batch", type=_positive_int, default=8,
+                   help="rows denoised together: a request's n choices (and a completions batch's prompts) each "
+                        "take one (default: 8)")
     p.add_argument("--queue-size", type=_positive_int, default=64,
-                   help="requests allowed to wait; more get 429 (default: 64)")
+                   help="rows allowed to wait; more get 429, and a request of more rows than this a 400 (default: 64)")
     p.add_argument("--max-tokens-limit", type=_positive_int, default=4096,
                    help="largest max_tokens a request may ask for (default: 4096)")
     p.add_argument("--max-prompt-tokens", type=_positive_int, default=32768, help="longest prompt (default: 32768)")
@@ -48,21 +50,23 @@ def add_parser(p) -> None:
     p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20,
                    help="largest request body (default: 1 MiB)")
     p.add_argument("--body-timeout", type=_float_in(0, strict=True), default=30.0, metavar="SECONDS",
-                   help="time a client has to send its request body; slower ones get 408 (default: 30)")
+                   help="time a client has to send its whole request body; slower ones get 408 (default: 30)")
     p.add_argument("--prefix-cache-gb", type=_float_in(0, strict=False), default=1.0, metavar="GB",
                    help="keep the K/V of prompts that ran alone, up to this many GiB on the model's device, for later "
                         "prompts that start the same way (a chat's next turn encodes only its new tokens; 0: off; "
                         "default: 1)")
     p.add_argument("--shutdown-timeout", type=_float_in(0, strict=False), default=8.0, metavar="SECONDS",
                    help="on SIGINT / SIGTERM: waiting requests get a 503 at once, running ones this long to finish "
-                        "before they end with a shutdown error (a stream's error event); default 8, within docker "
-                        "stop's 10 s")
+                        "before they end with a shutdown error (a stream's error event) at the next denoising step; "
+                        "a second signal ends them at once; default 8, within docker stop's 10 s")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_sampling_args(p, seed=False, server=True)
 
 
-def _check_address(host: str, port: int) -> None:
-    """Fail before the model loads (minutes for a big one) when the address cannot be bound."""
+def _bind(host: str, port: int):
+    """The server's socket, bound before the model loads (minutes for a big one): an address that cannot be bound
+    fails at once in one line, and no other process can take the port meanwhile (it is held, not checked and let
+    go); uvicorn listens on it. Port 0 binds a free port, which the banner then names."""
     import socket
 
     from ..errors import InputError
@@ -73,13 +77,15 @@ def _check_address(host: str, port: int) -> None:
         raise InputError(f"cannot resolve --host {host!r} ({e.strerror}); use an address such as 127.0.0.1 "
                          "or 0.0.0.0") from None
     family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            s.bind(addr)
-        except OSError as e:
-            raise InputError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port, or stop the "
-                             "process using it") from None
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        s.bind(addr)
+    except OSError as e:
+        s.close()
+        raise InputError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port, or stop the "
+                         "process using it") from None
+    return s
 
 
 def _check_api_key(key: str | None) -> None:
@@ -103,15 +109,21 @@ def _allowed_hosts(arg: str | None, host: str) -> list[str] | None:
 
 
 def main(args) -> int:
-    import uvicorn
-
     _check_api_key(args.api_key)
-    _check_address(args.host, args.port)
     if args.max_new_tokens is not None and args.max_new_tokens > args.max_tokens_limit:
         from ..errors import InputError
 
         raise InputError(f"--max-new-tokens {args.max_new_tokens} exceeds --max-tokens-limit {args.max_tokens_limit}; "
                          "lower it, raise the limit, or give -1 (the limit)")
+    sock = _bind(args.host, args.port)
+    try:
+        return _serve(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args, sock) -> int:
+    import uvicorn
 
     from ..server.app import create_app
     from ..server.metrics import Metrics
@@ -151,21 +163,32 @@ def main(args) -> int:
                                   "with less GPU memory than the model needs, try --precision int4 --linears int8, "
                                   "or without CUDA graphs: --no-cuda-graphs") from None
     worker.start()
-    print(f"blockpress: serving '{name}' on http://{args.host}:{args.port} (web page at /, API at /v1)", flush=True)
+    port = sock.getsockname()[1]  # (--port 0: the one bound)
+    print(f"blockpress: serving '{name}' on http://{args.host}:{port} (web page at /, API at /v1)", flush=True)
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # the first signal starts the drain, then uvicorn's graceful shutdown
-            if not self.should_exit:
+        signals = 0
+
+        def handle_exit(self, sig, frame):
+            """The first signal starts the drain, then uvicorn's graceful shutdown; a second ends the running
+            requests at once, each with its shutdown error (uvicorn's own second Ctrl-C cancelled them mid-reply: a
+            plain-text 500, streams cut, tracebacks); a third is uvicorn's: quit without waiting."""
+            self.signals += 1
+            if self.signals == 1:
                 print(f"blockpress: shutting down: {worker.active} running request(s) get up to "
                       f"{args.shutdown_timeout:g} s to finish, {worker.queue_depth} waiting and new ones a 503",
                       flush=True)
                 worker.drain(args.shutdown_timeout)
+            elif self.signals == 2:
+                print("blockpress: ending the running requests now (once more to quit without waiting)", flush=True)
+                worker.drain(0)
+                return
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+    config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)  # (a backstop: the drain ends rows)
     try:
-        Server(config).run()
+        Server(config).run(sockets=[sock])
     finally:
         worker.stop()
     return 0

@@ -51,6 +51,10 @@ class QueueFull(Exception):
     """The waiting queue is at capacity."""
 
 
+class TooManyRows(InputError):
+    """One submit's rows are more than the queue ever holds."""
+
+
 @dataclass
 class Admission:
     """Rows that join at a boundary, their prompts ending at position `end`. ids / mask ([B, S] tensors): the
@@ -79,12 +83,16 @@ class Scheduler:
 
     def submit(self, *rows) -> None:
         """Queue rows at once, all or none (the choices of one request: they join at the same boundary); QueueFull
-        when the queue has no room for all, InputError when a prompt can never fit the positions."""
+        when the queue has no room for all now, InputError when a prompt can never fit the positions or the rows
+        are more than the queue holds."""
         for row in rows:
             need = positions_needed(row.prompt_length, row.cfg.max_new_tokens, self.C)
             if need > self.max_positions:
                 raise InputError(f"prompt ({row.prompt_length} tokens) + generated canvases need {need} positions; "
                                  f"the model has {self.max_positions}: shorten the prompt or lower max_tokens")
+        if len(rows) > self.queue_size:  # no wait would ever make room: not a 429 to retry
+            raise TooManyRows(f"this request needs {len(rows)} rows (its prompts times n), more than the server's "
+                             f"queue ever holds ({self.queue_size}, --queue-size); send fewer prompts or a lower n")
         with self.lock:
             waiting = self._prune()
             if waiting + len(rows) > self.queue_size:

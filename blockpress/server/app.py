@@ -9,7 +9,8 @@ Invariants:
 - With an API key, every /v1 route needs `Authorization: Bearer KEY` (401 otherwise, also for a key
   that is not ASCII); `/`, `/health` and `/metrics` stay open.
 - Host check (against DNS rebinding): `allowed_hosts` (serve bound to loopback allows only loopback
-  names by default). CORS: opt-in `allowed_origins`. Every response is counted, 5xx included
+  names by default). CORS: opt-in `allowed_origins`. Every response is counted, 5xx included, and a
+  reply whose client hung up before it was complete as 499 (nginx's "client closed request"), never as a 200
   (middleware.py: the order and what each layer does).
 - `/openapi.json` is the contract: true JSON Schema, streaming bodies documented as
   `text/event-stream`, and only the status codes the server answers.
@@ -35,7 +36,7 @@ from .protocol import (APIError, ChatCompletionChunk, ChatCompletionRequest, Cha
                        CompletionRequest, CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from .responses import ResponsesServing
 from .responses_protocol import ResponseObject, ResponsesRequest, ResponseStreamEvent
-from .serving import OpenAIServing, Stream
+from .serving import ClientGone, OpenAIServing, Stream
 
 log = logging.getLogger("blockpress.server")
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)}
@@ -116,6 +117,10 @@ def create_app(serving: OpenAIServing, metrics: Metrics, api_key: str | None = N
             message, code = "request body is not JSON this server reads: send UTF-8 JSON, nested less than 1000 " \
                             "deep, with integers of at most 4300 digits", "invalid_json"
         return _error(e.status_code, message, code=code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, e: ClientGone):  # nobody reads it: the metrics count it as 499
+        return Response(status_code=499)
 
     @app.exception_handler(RecursionError)
     async def _deep(request: Request, e: RecursionError):

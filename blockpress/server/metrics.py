@@ -116,10 +116,11 @@ class Metrics:
 
     def __init__(self):
         p = "blockpress_"
-        self.requests = Counter(p + "requests_total", "HTTP requests by endpoint and status code.",
-                                ("endpoint", "status"))
+        self.requests = Counter(p + "requests_total", "HTTP requests by endpoint and status code (499: the client "
+                                "hung up before its reply was complete).", ("endpoint", "status"))
         self.cancelled = Counter(p + "requests_cancelled_total",
-                                 "Generations abandoned because the client went away.")
+                                 "Generation rows (a request's n choices and prompts each count) abandoned because "
+                                 "the client went away.")
         self.generated_tokens = Counter(p + "generated_tokens_total", "Completion tokens returned to clients.")
         self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens received.")
         self.prefix_hits = Counter(p + "prefix_cache_hits_total", "Prompts that reused a kept prefix's K/V.")
@@ -130,13 +131,15 @@ class Metrics:
         self.tokens_per_forward = Histogram(p + "tokens_per_forward", "Completion tokens per decoder pass, "
                                             "per request.", (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32, 64))
         self.step_seconds = Histogram(p + "step_seconds", "Latency of one batched denoising step.", _LATENCY)
-        self.batch_rows = Histogram(p + "batch_rows", "Requests denoised together, per denoising step.",
+        self.batch_rows = Histogram(p + "batch_rows", "Rows denoised together, per denoising step.",
                                     (1, 2, 4, 8, 16, 32, 64, 128))
         self.canvas_seconds = Histogram(p + "canvas_seconds", "Latency of one batched canvas.", _LATENCY)
         self.queue_seconds = Histogram(p + "queue_seconds", "Time a request waited before joining a batch.",
                                        _LATENCY)
-        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting to join a batch.")
-        self.active_requests = Gauge(p + "active_requests", "Requests being denoised.")
+        self.queue_depth = Gauge(p + "queue_depth", "Rows waiting to join a batch (a request's n choices and "
+                                 "prompts each count).")
+        self.active_requests = Gauge(p + "active_requests", "Rows being denoised (a request's n choices and prompts "
+                                     "each count).")
 
     def render(self) -> str:
         lines: list[str] = []

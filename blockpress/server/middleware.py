@@ -10,8 +10,9 @@ Invariants: every POST body is read as JSON, whatever Content-Type the client se
 application/x-www-form-urlencoded; the API takes nothing else); every refusal is an OpenAI-style error
 body that names the fix; the key is compared as
 bytes, so a client's non-ASCII key is a 401, never a 500; a body stream that passes the size limit
-(declared or chunked) is 413, one that stalls for `body_timeout` seconds is 408; the wait for a
-client's disconnect after its body has no deadline.
+(declared or chunked) is 413, one not in within `body_timeout` seconds (all of it, however it trickles in) is
+408; the wait for a client's disconnect after its body has no deadline. HEAD on the open GET routes (`/`,
+`/health`, `/metrics`: what uptime checkers send) is their GET's status and headers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ log = logging.getLogger("blockpress.server")
 ENDPOINTS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses",
              "/openapi.json", "/docs"}
 LOOPBACK_HOSTS = ["localhost", "127.0.0.1", "::1", "[::1]"]
+HEAD_ROUTES = {"/", "/health", "/metrics"}  # GET routes a HEAD is answered on
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -118,6 +120,8 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["method"] == "HEAD" and scope["path"] in HEAD_ROUTES:
+            scope, send = {**scope, "method": "GET"}, _headers_only(send)
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         if self.key and scope["path"].startswith("/v1/") and not self._authorized(headers.get(b"authorization", b"")):
             return await _error(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
@@ -131,13 +135,14 @@ class Guard:
             if int(length) > self.max_body:
                 return await _too_large(self.max_body)(scope, receive, send)
         received, body_done, started = 0, False, False
+        deadline = asyncio.get_running_loop().time() + self.body_timeout  # for the whole body, not each part
 
         async def limited_receive():
             nonlocal received, body_done
             if body_done:  # the body is in: what follows is the wait for a disconnect, which has no deadline
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout)
+                message = await asyncio.wait_for(receive(), max(deadline - asyncio.get_running_loop().time(), 0))
             except asyncio.TimeoutError:
                 raise _BodyTimeout(self.body_timeout) from None
             if message["type"] == "http.request":
@@ -157,6 +162,16 @@ class Guard:
         except (_BodyTooLarge, _BodyTimeout) as e:  # raised outside FastAPI's body parsing (its handler answers there)
             if not started:
                 await _error(e.status_code, e.detail, code=e.code)(scope, receive, send)
+
+
+def _headers_only(send):
+    """`send` for a HEAD answered as a GET: the status and headers, an empty body."""
+    async def send_head(message):
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b"", "more_body": False} if not message.get("more_body") else None
+        if message is not None:
+            await send(message)
+    return send_head
 
 
 def _json_type(value: bytes | None) -> bool:

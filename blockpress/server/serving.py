@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..engine.rows import positions_needed
+from ..engine.scheduler import TooManyRows
 from ..errors import BlockpressError, InputError, SamplingError
 from ..infill import unspaced, whole_canvases
 from ..parsing import ToolCall, call_ban, reply_parser
@@ -350,6 +351,12 @@ class _Run:
     prompt_tokens: int
     passes: int = 0
     complete: bool = False  # the engine finished the row (no cancel needed)
+    gone: bool = False  # its client hung up before the reply was complete
+
+
+class ClientGone(Exception):
+    """A non-streaming request's client hung up: there is no reply to send (the app answers 499, nginx's "client
+    closed request", which only the metrics see)."""
 
 
 class Stream:
@@ -552,6 +559,8 @@ class OpenAIServing:
                            headers={"Retry-After": "1"}) from None  # (a place frees at a canvas boundary)
         except ShuttingDown as e:
             raise APIError(503, str(e), type="server_error", code="shutting_down") from None
+        except TooManyRows as e:
+            raise APIError(400, str(e), param="n", code="invalid_value") from None
         except SamplingError as e:  # (the one sampling setting only the model can check: logit_bias's token ids)
             raise APIError(400, str(e), param="logit_bias", code="invalid_value") from None
         except BlockpressError as e:
@@ -602,6 +611,7 @@ class OpenAIServing:
                 if ev is None or time.monotonic() - polled >= DISCONNECT_POLL:
                     polled = time.monotonic()
                     if await disconnected():
+                        run.gone = True
                         return
                 if ev is None:
                     continue
@@ -696,6 +706,8 @@ class OpenAIServing:
                         on_delta(d)
         finally:
             self._release(run, not asm.done)
+        if run.gone:  # no reply to build: its tokens are not counted as returned, nor is it a success
+            raise ClientGone()
         return asm.finish()
 
     async def _collect_all(self, runs: list[_Run], asms: list[OutputAssembler], disconnected: Disconnected | None,

@@ -187,9 +187,10 @@ class Worker:
 
     def drain(self, seconds: float) -> None:
         """Begin a shutdown (the server got SIGINT or SIGTERM): no new requests (`ShuttingDown`, a 503), the waiting
-        ones ended now, and the running rows given up to `seconds` to finish before they are ended too, each with a
-        shutdown error its client sees (a stream's error event), so every connection closes before the process
-        exits and none is cut without a word."""
+        ones ended now, and the running rows given up to `seconds` to finish before they are ended too, at the next
+        denoising step, each with a shutdown error its client sees (a stream's error event), so every connection
+        closes before the process exits and none is cut without a word. A second call moves the deadline
+        (`drain(0)`: the running rows end at the next step)."""
         with self._cond:
             self._deadline = time.monotonic() + seconds
             for row in self.scheduler.clear():
@@ -307,11 +308,7 @@ class Worker:
                     self._cond.wait(timeout=1.0)
                 if self._stop:
                     break
-            if self._deadline is not None and time.monotonic() >= self._deadline and self.engine.rows:
-                for row in self.engine.rows:  # out of time to finish: end them, each with a word to its client
-                    row.sink.put(RowError(SHUTTING_DOWN, shutdown=True))
-                self.engine.reset()
-                self._gauge()
+            if self._out_of_time():
                 continue
             try:
                 with torch.no_grad():
@@ -326,11 +323,27 @@ class Worker:
         for row in self.engine.rows + self.scheduler.clear():
             row.sink.put(RowError(SHUTTING_DOWN, shutdown=True))
 
+    def _out_of_time(self) -> bool:
+        """Past a drain's deadline with rows running: end each with a shutdown error, a word to its client (checked
+        at every event of a canvas: a canvas of many steps may take longer than the drain gives)."""
+        rows = self.engine.rows + self.engine.admitting
+        if self._deadline is None or time.monotonic() < self._deadline or not rows:
+            return False
+        for row in rows:
+            row.sink.put(RowError(SHUTTING_DOWN, shutdown=True))
+        self.engine.reset()
+        self._gauge()
+        return True
+
     def canvas(self) -> None:
         """One canvas boundary and one denoised canvas for every row, their events delivered (the thread's loop
         body; tests drive it by hand for a deterministic schedule)."""
         t = time.perf_counter()
-        for ev in self.engine.canvas():
+        events = self.engine.canvas()
+        for ev in events:
+            if self._deadline is not None and self._out_of_time():
+                events.close()  # (the rows are ended and the engine reset: nothing of this canvas is delivered)
+                return
             now = time.perf_counter()
             if isinstance(ev, Admitted):
                 for row in ev.rows:

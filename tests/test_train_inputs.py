@@ -293,3 +293,102 @@ def test_a_fine_tune_trains_with_the_objective_its_model_was_trained_with(tmp_pa
     assert "kjv-copy/blockpress_objective.json must be a JSON object" in err and "--ar-weight" in err, err
     assert not (tmp_path / "e").exists()
     shutil.rmtree(tmp_path / "kjv-copy")
+
+
+# ----------------------------------------------------------------------------- data a user brings (audit 8)
+def test_user_data_that_trained_the_wrong_thing_is_read_right_or_refused_by_its_line(tmp_path, capsys):
+    """Found by a fine-tuning audit, each trained silently on something else than the data said: a chat file saved as
+    .json (datasets' to_json) or .JSONL read as plain text; a .csv read as text; OpenAI's legacy functions /
+    function_call, an empty final assistant message and `weight: 0` trained an empty reply or the unwanted turn.
+    The template's own refusals named no file:line, and the final message as messages[0]."""
+    from blockpress.testing import build_tiny_gemma_tokenizer
+    from blockpress.train.data import ChatJsonlSource, TextSource, build_source
+
+    tok = build_tiny_gemma_tokenizer(tmp_path / "tok")
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    for name in ("hf.json", "UPPER.JSONL", "rows.ndjson"):
+        (tmp_path / name).write_text(json.dumps(row) + "\n")
+    base = ["--tokenizer", str(tmp_path / "tok"), "--size", "nano", "--canvas-length", "8", "--context", "16",
+            "--steps", "1", "--batch-size", "2", "--eval-every", "0", "--no-progress", "--threads", "1"]
+    from blockpress.cli.train import _is_chat
+
+    assert all(_is_chat(str(tmp_path / n)) for n in ("hf.json", "UPPER.JSONL", "rows.ndjson"))
+    want = ChatJsonlSource(tmp_path / "hf.json", tok, 1, canvas_length=8).examples
+    assert want == ChatJsonlSource(tmp_path / "UPPER.JSONL", tok, 1, canvas_length=8).examples
+    (tmp_path / "data.csv").write_text("prompt,completion\nhi,yo\n")
+    assert cli_main(["train", str(tmp_path / "data.csv"), *base, "--out", str(tmp_path / "o")]) == 2
+    assert "not csv; convert it" in _one_line(capsys)
+    with pytest.raises(InputError, match="not csv"):
+        build_source("text", str(tmp_path / "data.csv"), tok, 1, 0, canvas_length=8)
+
+    def refused(bad: dict, needle: str):
+        data = tmp_path / "bad.jsonl"
+        data.write_text(json.dumps(row) + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(InputError) as e:
+            ChatJsonlSource(data, tok, 1, canvas_length=8)
+        assert str(e.value).startswith(f"{data}:2: ") and needle in str(e.value), str(e.value)
+
+    user = {"role": "user", "content": "hi"}
+    refused({"messages": [user, {"role": "assistant", "content": None, "function_call": {"name": "f",
+                                                                                         "arguments": "{}"}}]},
+            "'functions' / 'function_call'")
+    refused({**row, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, "deprecated function calling")
+    refused({"messages": [user, {"role": "assistant", "content": ""}]}, "no text and no tool calls")
+    refused({"messages": [user, {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "no text and no tool calls")
+    refused({"messages": [user, {"role": "assistant", "content": "no", "weight": 0}]}, "weight 0")
+    refused({"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            "messages[0].role is 'human'")
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+    refused({"messages": [user, {"role": "assistant", "content": None, "tool_calls": [call]}]},
+            "messages[1].tool_calls[0].function.arguments")
+    tool_row = {"messages": [user, {"role": "assistant", "content": None, "tool_calls": [
+        {**call, "function": {"name": "f", "arguments": "{}"}}]}]}
+    (tmp_path / "ok.jsonl").write_text(json.dumps(tool_row) + "\n")  # a call with no text is a reply
+    assert len(ChatJsonlSource(tmp_path / "ok.jsonl", tok, 1, canvas_length=8).examples) == 1
+    (tmp_path / "sharegpt.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
+    with pytest.raises(InputError, match="ShareGPT's 'conversations' is not read"):
+        TextSource(tmp_path / "sharegpt.jsonl", tok, 1, canvas_length=8)
+
+
+def test_short_documents_are_counted_a_typo_is_named_and_out_is_never_a_model(tmp_path, capsys):
+    """Documents no longer than their prompt part were left out without a word (3 of 5 paragraphs of a notes
+    file); a canvas longer than an example was diagnosed as a long document; `train sudokuu` asked for --tokenizer;
+    --out could be a model folder (its own --model), which then still loaded as the base model."""
+    from blockpress.train.data import TextSource
+
+    tok = _word_tokenizer(tmp_path / "tok")
+    long = " ".join(f"w{i}" for i in range(40))
+    (tmp_path / "notes.txt").write_text("\n\n".join([long, "w1 w2", long, "w3", "w4 w5 w6"]))
+    assert len(TextSource(tmp_path / "notes.txt", tok, 1, prompt_tokens=4, canvas_length=8).examples) == 2
+    err = capsys.readouterr().err
+    assert "3 of 5 document(s)" in err and "no longer than their prompt part (--prompt-tokens 4)" in err, err
+    with pytest.raises(InputError, match="fewer than a prompt part of 4 tokens and BOS plus one canvas of 2000"):
+        TextSource(tmp_path / "notes.txt", tok, 1, prompt_tokens=4, canvas_length=2000)
+    assert cli_main(["train", "sudokuu", "--size", "nano", "--out", str(tmp_path / "t")]) == 2
+    assert "data file sudokuu not found" in _one_line(capsys)
+    model = tmp_path / "model"
+    blockpress.load("sudoku", progress=False).save(model)
+    assert cli_main(["train", "sudoku", "--model", str(model), "--out", str(model), "--steps", "1", *TINY[2:]]) == 2
+    assert "holds a model (config.json)" in _one_line(capsys)
+    assert not (model / "latest").exists()
+
+
+def test_the_logged_line_is_the_windows_mean_as_the_metrics_file(tmp_path, capsys):
+    """The printed line showed the last step's loss and lr, metrics.jsonl (and loss.png) the window's mean: two
+    numbers for one step. The plot's eval curve says what it ran on without eval data."""
+    out = tmp_path / "run"
+    assert cli_main(["train", "sudoku", "--out", str(out), "--steps", "4", "--size", "nano", "--batch-size", "4",
+                     "--lr", "3e-3", "--warmup", "2", "--log-every", "2", "--eval-every", "0", "--threads", "1",
+                     "--blanks", "40", "44"]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "loss" in r]
+    assert len(printed) == len(logged) == 2
+    for line, r in zip(printed, logged):
+        assert f"loss {r['loss']:.4f}" in line, (line, r)
+    from blockpress.train.plot import plot_history
+
+    pytest.importorskip("matplotlib")
+    assert plot_history([{"step": 1, "loss": 1.0}, {"step": 1, "eval_loss": 1.2}], tmp_path / "p.png",
+                        eval_on="training examples") == ["train loss", "eval loss (training examples)"]

@@ -179,7 +179,7 @@ def _ignored(args, task: bool) -> list[str]:
 
 
 def _is_chat_data(args) -> bool:
-    return args.data.endswith(".jsonl") and _is_chat(args.data)
+    return _is_chat(args.data)
 
 
 def _flag_error(e: ValueError):
@@ -237,6 +237,9 @@ def build(args, world: int = 1):
     check_batch(tcfg, world)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; give a folder for the run's checkpoints")
+    if (out / "config.json").is_file():  # (loading that folder would still give its model, not the run's)
+        raise InputError(f"--out {out} holds a model (config.json); a run writes its checkpoint-* folders and "
+                         "`latest` into a folder of its own: give another --out")
     if not args.resume and out.is_dir() and any(p.is_dir() for p in out.glob("checkpoint-*")):
         raise InputError(f"{out} already holds a training run's checkpoints, which this run would overwrite; continue "
                          "it with --resume, or give another --out (or delete that folder to start over)")
@@ -303,6 +306,10 @@ def build(args, world: int = 1):
                 raise InputError(f"--config: a Sudoku model needs vocab_size >= {len(sd.VOCAB)} (its tokens), got "
                                  f"{vocab}")
         else:
+            if not Path(args.data).is_file():  # (a typo of `sudoku` named as such, not as a missing --tokenizer)
+                from blockpress.tasks import read_data_file
+
+                read_data_file(Path(args.data))  # (its one-line error)
             if not args.tokenizer and not args.config:
                 raise InputError("training text/chat from scratch needs --tokenizer DIR (tokenizer.json)")
             from blockpress.tokenizer import Tokenizer
@@ -365,7 +372,7 @@ def build(args, world: int = 1):
                               args.seed, **fit)
         eval_source = None
         if args.eval_data:
-            eval_source = build_source("chat" if args.eval_data.endswith(".jsonl") and _is_chat(args.eval_data)
+            eval_source = build_source("chat" if _is_chat(args.eval_data)
                                        else "text", args.eval_data, lm.tokenizer, args.batch_size, args.seed, **fit)
         if args.infill_rate:
             from blockpress.train.data import InfillSource
@@ -400,9 +407,13 @@ def build(args, world: int = 1):
 
 
 def _is_chat(path: str) -> bool:
-    """Whether a .jsonl file holds chat rows (its first row has 'messages' or 'prompt'); a broken file is
-    left to the data reader, which names the line."""
+    """Whether a data file is JSON Lines (`data.is_jsonl`) holding chat rows (its first row has 'messages' or
+    'prompt'); a broken file is left to the data reader, which names the line."""
     from blockpress.tasks import read_data_file
+    from blockpress.train.data import is_jsonl
+
+    if not is_jsonl(path):
+        return False
 
     for line in read_data_file(Path(path)).splitlines():
         if line.strip():

@@ -31,9 +31,10 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import BlockpressError, InputError
 from ..tasks import read_data_file
 
 Example = tuple  # (prompt ids, response ids) or (prompt ids, response ids, held flags per response token)
@@ -114,6 +115,20 @@ def trained_length(prompt: list, response: list, canvas_length: int, max_canvase
     return len(prompt) + min(n, max_canvases or n) * canvas_length
 
 
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # (datasets' `to_json` writes JSON Lines as .json)
+TABLE_SUFFIXES = (".csv", ".tsv", ".parquet", ".arrow", ".xlsx")
+
+
+def is_jsonl(path: str | Path) -> bool:
+    """Whether a data file is read as JSON Lines (.jsonl, .json, .ndjson, in any case) rather than as plain text; a
+    table format is refused (it was read as plain text: the model trained on its raw lines)."""
+    suffix = Path(path).suffix.lower()
+    if suffix in TABLE_SUFFIXES:
+        raise InputError(f"{path}: train reads JSON Lines (.jsonl, one JSON object per line) or plain text (.txt), not "
+                         f"{suffix[1:]}; convert it (e.g. datasets: Dataset.from_csv(path).to_json('data.jsonl'))")
+    return suffix in JSONL_SUFFIXES
+
+
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
     """[(where, row)]: `where` is "path:line" for error messages; every row must be a JSON object."""
     rows = []
@@ -140,12 +155,31 @@ def _message(m, where: str) -> dict:
     return m
 
 
+def _check_openai_fields(row: dict, msgs: list, where: str) -> None:
+    """OpenAI fine-tuning fields that would train something else than the row says: refused in one line (they were
+    dropped: a legacy function call trained an empty reply)."""
+    if "functions" in row or any("function_call" in m for m in msgs):
+        raise InputError(f"{where}: 'functions' / 'function_call' (OpenAI's deprecated function calling) are not read; "
+                         "give the functions as 'tools' and the call as the assistant message's 'tool_calls'")
+    final = msgs[-1]
+    if final.get("weight", 1) == 0:
+        raise InputError(f"{where}: the final assistant message has weight 0 (not to be trained), and a row trains "
+                         "its final assistant message alone: drop the row, or end it at the turn to train")
+    parts = final.get("content")
+    text = parts if isinstance(parts, str) else "".join(p.get("text", "") for p in parts or [] if isinstance(p, dict)
+                                                        and p.get("type") == "text")
+    if not text.strip() and not final.get("tool_calls") and not final.get("reasoning_content"):
+        raise InputError(f"{where}: the final assistant message has no text and no tool calls: it would teach the "
+                         "model to answer nothing; give the reply, or drop the row")
+
+
 def chat_example(tokenizer, row: dict, where: str = "a chat row") -> Example:
     """One chat row -> (prompt ids via the chat template, final assistant turn ids as the model writes it).
 
     The row may declare `tools` (OpenAI function declarations, rendered in the system turn) and
     `enable_thinking`; the final assistant message may carry `reasoning_content` (thinking rows only) and
-    `tool_calls`. See `assistant_turn_text` for the supervised text."""
+    `tool_calls`. See `assistant_turn_text` for the supervised text. What the template or the text checks refuse is
+    named with `where` (the file and line), and the final message by its index in the row."""
     if "messages" in row:
         msgs = row["messages"]
         if not isinstance(msgs, list):
@@ -153,16 +187,25 @@ def chat_example(tokenizer, row: dict, where: str = "a chat row") -> Example:
         msgs = [_message(m, where) for m in msgs]
         if not msgs or msgs[-1].get("role") != "assistant":
             raise InputError(f"{where}: a chat row must end with an assistant message (the supervised turn)")
+        _check_openai_fields(row, msgs, where)
         tools, thinking = row.get("tools"), bool(row.get("enable_thinking", False))
-        prompt = tokenizer.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True,
-                                               enable_thinking=thinking, tools=tools)
+        try:
+            prompt = tokenizer.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True,
+                                                   enable_thinking=thinking, tools=tools)
+        except BlockpressError as e:
+            raise InputError(f"{where}: {e}") from None
         final = tokenizer.literal(msgs[-1])  # its text stays text, as the prompt's does (Tokenizer.literal)
-        if tokenizer.token_to_id("<turn|>") is None:  # not the Gemma 4 turn format: the content + EOS
-            if final.get("tool_calls") or final.get("reasoning_content"):
-                raise InputError(f"{where}: tool calls and reasoning need a Gemma 4 tokenizer (<turn|>, <|tool_call>)")
-            return list(prompt), tokenizer.encode_marked(_text(final.get("content"))) + _close(tokenizer)
-        return list(prompt), tokenizer.encode_marked(assistant_turn_text(tokenizer.chat_template, final, thinking,
-                                                                         where))
+        last = f"messages[{len(msgs) - 1}]"  # (the final message is rendered alone: its errors say messages[0])
+        try:
+            if tokenizer.token_to_id("<turn|>") is None:  # not the Gemma 4 turn format: the content + EOS
+                if final.get("tool_calls") or final.get("reasoning_content"):
+                    raise InputError("tool calls and reasoning need a Gemma 4 tokenizer (<turn|>, <|tool_call>)")
+                return list(prompt), tokenizer.encode_marked(_text(final.get("content"))) + _close(tokenizer)
+            return list(prompt), tokenizer.encode_marked(assistant_turn_text(tokenizer.chat_template, final,
+                                                                             thinking, last))
+        except BlockpressError as e:
+            message = str(e).replace("messages[0]", last)
+            raise InputError(message if message.startswith(where) else f"{where}: {message}") from None
     if "prompt" in row and "completion" in row:
         answer = row["completion"]
         if not isinstance(answer, str) or not isinstance(row["prompt"], str):
@@ -257,12 +300,13 @@ class TextSource(ListSource):
         if tokenizer is None:
             raise InputError("text training needs a tokenizer (tokenizer.json in the model folder)")
         path = Path(path)
-        if path.suffix == ".jsonl":
+        if is_jsonl(path):
             docs = []
             for where, r in _read_jsonl(path):
                 if "text" not in r:  # dropped without a word before (the file's kind is its first row's)
-                    raise InputError(f"{where}: no 'text' field; a text .jsonl holds {{\"text\": ...}} rows (a chat "
-                                     "file: every row a conversation, from the first)")
+                    raise InputError(f"{where}: no 'text' field; a text .jsonl holds {{\"text\": ...}} rows, a chat "
+                                     "file 'messages' (OpenAI's format; ShareGPT's 'conversations' is not read: "
+                                     "convert it) or 'prompt' + 'completion', from its first row")
                 if not isinstance(r["text"], str):
                     raise InputError(f"{where}: 'text' must be a string")
                 if r["text"]:
@@ -279,10 +323,14 @@ class TextSource(ListSource):
         budget = min(max_tokens, max_positions or max_tokens)  # positions of one example, BOS included
         rng = random.Random(f"text-prompt/{seed}")
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        exs = []
+        if len(bos) + lo + C > budget:  # not even a canvas after the prompt part fits one example
+            raise InputError(f"{path}: one example holds {budget} positions, fewer than a prompt part of {lo} tokens"
+                             f"{' and BOS' if bos else ''} plus one canvas of {C}: lower --canvas-length or "
+                             "--prompt-tokens")
+        exs, short = [], 0
         for d in docs:
             whole = tokenizer.encode(d)
-            start = 0
+            start, before = 0, len(exs)
             while start < len(whole):
                 k = rng.randint(lo, hi)
                 rest = whole[start:]
@@ -301,10 +349,16 @@ class TextSource(ListSource):
                                      f"into a prompt of {k} tokens and whole canvases of {C}; lower --prompt-tokens")
                 exs.append((bos + rest[:k], rest[k:k + r]))
                 start += k + r
+            short += len(exs) == before  # no response left after its prompt part: nothing of it trains
         if docs and not exs:
             raise InputError(f"none of the {len(docs)} document(s) in {path} is longer than its prompt part "
                              f"(--prompt-tokens {lo} {hi}); give longer documents (separated by blank lines) "
                              "or lower --prompt-tokens")
+        if short:  # left out without a word before
+            span = f"{lo}" if lo == hi else f"{lo} {hi}"
+            print(f"blockpress train: warning: {short} of {len(docs)} document(s) in {path} are no longer than their "
+                  f"prompt part (--prompt-tokens {span}), so nothing of them trains; lower --prompt-tokens, or join "
+                  "short paragraphs (documents are separated by blank lines)", file=sys.stderr)
         check_vocabulary(exs, tokenizer, path)
         super().__init__(exs, batch_size, seed, name=str(path))
 

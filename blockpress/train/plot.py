@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_history(history: list[dict], path: str | Path, title: str = "training loss") -> list[str]:
-    """Write the PNG; returns the labels of the curves drawn."""
+def plot_history(history: list[dict], path: str | Path, title: str = "training loss",
+                 eval_on: str | None = None) -> list[str]:
+    """Write the PNG; returns the labels of the curves drawn. eval_on: what the eval curves ran on, in their labels
+    ("training examples" where a run has no eval data of its own)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,7 +27,8 @@ def plot_history(history: list[dict], path: str | Path, title: str = "training l
         style = {"loss": "-", "diff": "--", "ar": ":"}[key]
         ax.plot(*zip(*[(h["step"], h[key]) for h in train if key in h]), style, label=f"train {key}")
     for key in drawn(evals, "eval_loss", "eval_diff", "eval_ar"):
-        ax.plot(*zip(*[(h["step"], h[key]) for h in evals if key in h]), "o-", ms=3, label=key.replace("_", " "))
+        label = key.replace("_", " ") + (f" ({eval_on})" if eval_on else "")
+        ax.plot(*zip(*[(h["step"], h[key]) for h in evals if key in h]), "o-", ms=3, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats)")
     ax.set_yscale("log")

@@ -500,7 +500,11 @@ class Trainer:
         if not any("loss" in h or "eval_loss" in h for h in self.history):
             return  # a save before the first logged step: nothing to draw (an empty plot and a warning before)
         try:
-            plot_history(self.history, self.out / "loss.png")
+            plot_history(self.history, self.out / "loss.png",
+                         eval_on=None if self.eval_source is not None else "training examples")
+        except ModuleNotFoundError as e:
+            print(f"blockpress train: could not plot losses ({e.name} is not installed: pip install "
+                  "'blockpress[train]')")
         except Exception as e:  # a plotting problem must never kill a run
             print(f"blockpress train: could not plot losses ({e})")
 
@@ -522,9 +526,9 @@ class Trainer:
                 evals = cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
                 if logs or evals:
                     self.check_finite()
-                bar.update(self.step, stats, line=logs)
+                row = {k: sum(w[k] for w in self.window) / len(self.window) for k in self.window[0]} if logs else None
+                bar.update(self.step, row or stats, line=logs)  # a logged line: the window's mean, as metrics.jsonl
                 if logs:
-                    row = {k: sum(w[k] for w in self.window) / len(self.window) for k in self.window[0]}
                     row["step"] = self.step
                     row["time"] = time.time()
                     self.log(row)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from .model.prequantized import PREQUANTIZED_FIX, Layout, recipe_fp8_activations
 from .model.weights import find_weight_files, load_weights, read_headers
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+HUB_NOTICE_SECONDS = 15.0  # a Hub fetch still without an answer after this long says so
 DTYPES = {name: getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}
 
 
@@ -56,13 +58,24 @@ def resolve_path(model: str | Path, progress: bool = True, patterns=None) -> Pat
     if s.count("/") != 1 or s.startswith((".", "/", "~")):
         raise CheckpointError(f"{s} is neither a folder, a shipped model ({', '.join(SHIPPED_MODELS)}), nor a Hub id "
                               "like 'google/diffusiongemma-26B-A4B-it'")
+    # huggingface_hub's first request has no timeout: a proxy or network that never answers waited in silence
+    waiting = threading.Timer(HUB_NOTICE_SECONDS, lambda: print(
+        f"blockpress: still fetching '{s}' from the Hugging Face Hub after {HUB_NOTICE_SECONDS:g} s (where no download "
+        "moves, a network or proxy that does not answer: HF_HUB_OFFLINE=1 uses the local cache only; Ctrl-C stops)",
+        file=sys.stderr, flush=True))
+    waiting.daemon = True
     try:
         from huggingface_hub import constants, snapshot_download
         from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
         (enable_progress_bars if progress else disable_progress_bars)()
+        waiting.start()
         return Path(snapshot_download(s, allow_patterns=patterns or HUB_PATTERNS))
     except Exception as e:  # network, auth, missing repo: one clear line
+        if isinstance(e, (NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)):
+            raise CheckpointError(f"could not fetch '{s}': the Hugging Face cache cannot be used ({type(e).__name__}: "
+                                  f"{e.filename or e}); point HF_HOME (or HF_HUB_CACHE) at a writable folder, or "
+                                  "pass a local folder") from None
         if isinstance(e, FileNotFoundError) and getattr(constants, "HF_HUB_OFFLINE", False):  # LocalEntryNotFound
             var = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") or not os.environ.get("TRANSFORMERS_OFFLINE") \
                 else "TRANSFORMERS_OFFLINE"
@@ -72,6 +85,8 @@ def resolve_path(model: str | Path, progress: bool = True, patterns=None) -> Pat
         first = str(e).splitlines()[0].split(". ")[0][:200] if str(e) else ""  # its first sentence, whole
         raise CheckpointError(f"could not fetch '{s}' from the Hugging Face Hub ({type(e).__name__}: {first}); "
                               "check the id and network or pass a local folder") from None
+    finally:
+        waiting.cancel()
 
 
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")  # a training run's checkpoint folders (train/trainer.py)

@@ -878,3 +878,46 @@ def test_eval_chat_refuses_a_text_model(capsys):
     """`eval chat --model kjv` (no chat template) printed a table of scores for a model that cannot chat."""
     assert cli(["eval", "chat", "--model", "kjv", "--n", "1", "--threads", "1"]) == 2
     assert "is a plain text model (no chat template)" in capsys.readouterr().err
+
+
+def test_first_use_problems_found_by_a_packaging_audit_are_one_line(monkeypatch, capsys, tmp_path):
+    """From an install audit: experts="triton" where Triton cannot run loaded, then failed at the first pass in a
+    RuntimeError traceback; a Hub fetch that got no answer waited in silence (400 s and counting); an unusable
+    Hugging Face cache was blamed on the network; an ASCII stdout ended `run` in a UnicodeEncodeError."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import blockpress.kernels.select as select
+    from blockpress import loading
+    from blockpress.errors import CheckpointError, InputError
+
+    with monkeypatch.context() as m:
+        m.setattr(select, "triton", None)
+        m.setattr(select, "usable_on", lambda device: False)
+        with pytest.raises(InputError, match=r"need Triton \(pip install 'blockpress\[gpu\]'\)"):
+            blockpress.load("kjv", experts="triton", progress=False)
+    import huggingface_hub
+
+    def silent(*args, **kwargs):
+        time.sleep(0.5)
+        raise ConnectionError("no answer")
+
+    monkeypatch.setattr(loading, "HUB_NOTICE_SECONDS", 0.1)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", silent)
+    with pytest.raises(CheckpointError, match="could not fetch 'someone/model'"):
+        loading.resolve_path("someone/model", progress=False)
+    assert "still fetching 'someone/model' from the Hugging Face Hub" in capsys.readouterr().err
+
+    def unusable(*args, **kwargs):
+        raise NotADirectoryError(20, "Not a directory", "/dev/null/x/.cache")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unusable)
+    with pytest.raises(CheckpointError, match="the Hugging Face cache cannot be used .*/dev/null/x/.cache.*HF_HOME"):
+        loading.resolve_path("someone/model", progress=False)
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "blockpress", "run", "kjv", "And God said", "--no-live",
+                           "--max-new-tokens", "8", "--threads", "1"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]

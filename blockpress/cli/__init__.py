@@ -64,6 +64,20 @@ def build_parser(command: str | None | object = ALL) -> argparse.ArgumentParser:
     return parser
 
 
+def _lenient_stdout() -> None:
+    """A stdout that cannot encode every character (PYTHONIOENCODING=ascii, a latin-1 terminal) writes what it cannot
+    as "?", as stderr writes escapes: a reply, or the stats line's "·", ended the command in a UnicodeEncodeError
+    traceback after the generation."""
+    import codecs
+
+    out = sys.stdout
+    if isinstance(out, io.TextIOWrapper) and out.errors == "strict" and codecs.lookup(out.encoding).name != "utf-8":
+        try:
+            out.reconfigure(errors="replace")
+        except (ValueError, OSError):
+            pass
+
+
 def _lenient_stdin() -> None:
     """Invalid UTF-8 on stdin reaches the commands as surrogate escapes, which their text checks name in one line
     (`tokenizer.check_text`), as Python reads stdin under a C locale; where the locale makes it strict
@@ -76,6 +90,10 @@ def _lenient_stdin() -> None:
             pass
 
 
+class Terminated(SystemExit):
+    """SIGTERM, raised where the command runs (`_unwind_on_sigterm`): it exits 143 as a killed process does."""
+
+
 def _unwind_on_sigterm():
     """SIGTERM (`timeout`, systemd, a batch scheduler, `kill`) ends a command as SystemExit(143) rather than at once,
     so that what an interrupted write cleans up on the way out is cleaned up: a save's temp folder beside its output
@@ -83,7 +101,7 @@ def _unwind_on_sigterm():
     Returns the handler it replaced (None where none was replaced)."""
 
     def terminated(signum, frame):
-        raise SystemExit(128 + signum)
+        raise Terminated(128 + signum)
 
     try:
         return signal.signal(signal.SIGTERM, terminated)
@@ -102,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     _lenient_stdin()
+    _lenient_stdout()
     previous = _unwind_on_sigterm() if args.command != "serve" else None  # (the server drains: uvicorn's handler)
     try:
         return int(args._module.main(args) or 0)

@@ -40,7 +40,8 @@ def add_parser(p) -> None:
     p.add_argument("--max-tokens-limit", type=_positive_int, default=4096,
                    help="largest max_tokens a request may ask for (default: 4096)")
     p.add_argument("--max-prompt-tokens", type=_positive_int, default=32768, help="longest prompt (default: 32768)")
-    p.add_argument("--max-messages", type=_positive_int, default=256, help="most messages per chat request")
+    p.add_argument("--max-messages", type=_positive_int, default=256,
+                   help="most messages per chat request (default: 256)")
     p.add_argument("--max-choices", type=_positive_int, default=8,
                    help="most choices (n) a request may ask for; each is a row of the batch (default: 8)")
     p.add_argument("--max-steps-limit", type=_positive_int, default=MAX_STEPS,
@@ -59,7 +60,8 @@ def add_parser(p) -> None:
                    help="on SIGINT / SIGTERM: waiting requests get a 503 at once, running ones this long to finish "
                         "before they end with a shutdown error (a stream's error event) at the next denoising step; "
                         "a second signal ends them at once; default 8, within docker stop's 10 s")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server log's level (default: info)")
     add_sampling_args(p, seed=False, server=True)
 
 

@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import Terminated
 from .run import _float_in, _nonneg_int, _positive_int, _seed
 
 # generation_config.json written with a Sudoku checkpoint: one canvas (81 digits + <eos>), the reference's
@@ -50,30 +51,35 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("run")
     run.add_argument("--out", default=None, help="output folder (default runs/<data>)")
     run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    run.add_argument("--steps", type=_positive_int, default=1000)
+    run.add_argument("--steps", type=_positive_int, default=1000, help="optimizer steps (default: 1000)")
     run.add_argument("--batch-size", type=_positive_int, default=32,
-                     help="examples per optimizer step, all processes and micro-batches together")
+                     help="examples per optimizer step, all processes and micro-batches together (default: 32)")
     run.add_argument("--grad-accum", type=_positive_int, default=1, metavar="N",
                      help="cut each step's batch into N micro-batches, their gradients summed before one optimizer "
                           "step: the same step (up to fp32 rounding) in 1/N of the activation memory; --batch-size "
                           "must divide by N x processes (default 1)")
-    run.add_argument("--lr", type=_float_in(0, strict=True), default=1e-3)
+    run.add_argument("--lr", type=_float_in(0, strict=True), default=1e-3, help="peak learning rate (default: 1e-3)")
     run.add_argument("--min-lr-ratio", type=float, default=0.1,
                      help="final learning rate of the cosine schedule as a fraction of --lr, in [0, 1] (default 0.1)")
-    run.add_argument("--warmup", type=_nonneg_int, default=30)
-    run.add_argument("--weight-decay", type=_float_in(0, strict=False), default=0.01)
-    run.add_argument("--clip", type=_float_in(0, strict=False), default=1.0, help="gradient-norm clip (0: off)")
-    run.add_argument("--seed", type=_seed, default=0)
-    run.add_argument("--log-every", type=_positive_int, default=10)
+    run.add_argument("--warmup", type=_nonneg_int, default=30, help="linear warmup steps (default: 30)")
+    run.add_argument("--weight-decay", type=_float_in(0, strict=False), default=0.01, help="AdamW's (default: 0.01)")
+    run.add_argument("--clip", type=_float_in(0, strict=False), default=1.0,
+                     help="gradient-norm clip (0: off; default: 1.0)")
+    run.add_argument("--seed", type=_seed, default=0, help="(default: 0)")
+    run.add_argument("--log-every", type=_positive_int, default=10,
+                     help="steps per logged row: the mean over them (default: 10)")
     run.add_argument("--eval-data", default=None,
                      help="text/chat: held-out file for the periodic eval loss (without it the eval loss is measured "
                           "on training examples, with fixed noise: logged as such, not a held-out loss)")
     run.add_argument("--eval-every", type=_nonneg_int, default=200,
-                     help="steps between eval losses (0: off); Sudoku evaluates on its own stream of puzzles")
-    run.add_argument("--eval-batches", type=_positive_int, default=2)
-    run.add_argument("--save-every", type=_nonneg_int, default=200, help="steps between checkpoints (0: only the last)")
-    run.add_argument("--save-minutes", type=_float_in(0, strict=False), default=0.0)
-    run.add_argument("--keep-last", type=_nonneg_int, default=2, help="checkpoints kept (0: all)")
+                     help="steps between eval losses (0: off; default: 200); Sudoku evaluates on its own stream of "
+                          "puzzles")
+    run.add_argument("--eval-batches", type=_positive_int, default=2, help="batches per eval loss (default: 2)")
+    run.add_argument("--save-every", type=_nonneg_int, default=200,
+                     help="steps between checkpoints (0: only the last; default: 200)")
+    run.add_argument("--save-minutes", type=_float_in(0, strict=False), default=0.0,
+                     help="also save when this many minutes passed since the last checkpoint (0: off, the default)")
+    run.add_argument("--keep-last", type=_nonneg_int, default=2, help="checkpoints kept (0: all; default: 2)")
     run.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                      help="recompute the decoder layers and the encoder layers' feed-forward halves in backward "
                           "(less memory, ~1/3 more compute; default: on for QLoRA (--precision / --linears), off "
@@ -506,7 +512,8 @@ def main(args) -> int:
         print(f"training {n / 1e6:.2f}M parameters on {lm.device} ({world} process(es){how}), out: {tcfg.out_dir}")
     try:
         trainer.train()
-    except KeyboardInterrupt:  # Ctrl-C: where the run stands and how to go on (the checkpoints are whole)
+    except (KeyboardInterrupt, Terminated):  # Ctrl-C, SIGTERM: where the run stands and how to go on (the
+        # checkpoints are whole)
         if rank == 0:
             from blockpress.train.trainer import latest_checkpoint
 

@@ -105,6 +105,11 @@ def _experts(module, asked: str, tiles, moe_sum: str, compiled: bool, mlp_tiles=
     check_experts_precision(asked, held.fmt if quantized else "native", fp8_linears)
     auto = asked == "auto" or (asked == "w8a8" and not (quantized and held.fmt == "fp8"))
     name = auto_experts_backend(dev, dtype, _expert_widths(held)) if auto else asked
+    if name in ("triton", "triton_checked") and not usable_on(dev):  # (it failed at the first pass: a traceback)
+        need = "Triton (pip install 'blockpress[gpu]')" if triton is None else \
+            "a CUDA GPU (or Triton's CPU interpreter: TRITON_INTERPRET=1)"
+        raise ValueError(f"the {name} experts backend runs Triton kernels, which need {need}; use the default "
+                         "experts backend here")
     if name == "scaled_mm":  # torch._scaled_grouped_mm: fp8 x fp8 on Hopper-class GPUs only
         if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
             raise ValueError("the scaled_mm experts backend needs a CUDA GPU with fp8 matmuls (compute capability "

@@ -31,7 +31,8 @@ class BlockDiffusionLM:
         self.config = config
         self.generation_defaults = dict(generation_defaults or {})
         self.tokenizer = tokenizer
-        self.path = path
+        self.path = path  # the folder whose tokenizer and task files a save copies (a training run points it elsewhere)
+        self.weights_path = path  # the checkpoint the weights came from: what a save reads the unused tensors from
         self.options = Options()
         self.passes = module  # what the engine runs: the module's passes, or their CUDA graphs (`configure`)
         self._apply(None, (options or Options()).validate())
@@ -352,7 +353,7 @@ class BlockDiffusionLM:
                                         or shard_bytes < 1):
             raise InputError(f"shard_bytes must be a whole number of bytes >= 1 (e.g. 5 * 10**9), got {shard_bytes!r}")
         path = Path(path).expanduser().absolute()
-        source = Path(self.path).resolve() if self.path is not None else None
+        source = Path(self.weights_path).resolve() if self.weights_path is not None else None
         if self.module.quantized_table is not None:
             raise InputError("this model holds its embedding table in int8 (embeddings='int8'), which no checkpoint "
                              "format blockpress writes holds; load it with embeddings='native' to save it (the "

@@ -811,12 +811,16 @@ def test_a_save_keeps_the_vision_tower_and_the_generation_config_it_does_not_use
     source = json.loads((path / "generation_config.json").read_text())
     written = json.loads((out / "generation_config.json").read_text())
     assert {k: v for k, v in source.items() if k != "_from_model_config"}.items() <= written.items()
+    tuned = blockpress.load(path, progress=False)
+    tuned.path = tmp_path / "tokenizer"  # as a training run points it at its tokenizer's snapshot (cli/train.py)
+    again = {k for k in load_file(tuned.save(tmp_path / "ck") / "model.safetensors") if k.startswith(VISION)}
+    assert again == given.keys()  # a fine-tune's checkpoint keeps the tower too
 
 
 def test_a_convert_never_replaces_its_input_nor_a_save_the_working_folder(tmp_path, monkeypatch, capsys):
     """`convert MODEL MODEL` (or OUT a link to it) replaced the float checkpoint with the converted one, for good;
-    `convert MODEL .` inside a checkpoint folder replaced the shell's folder under it and printed "0.0 MB"; `save("~/x")`
-    wrote a folder named "~"."""
+    `convert MODEL .` inside a checkpoint folder replaced the shell's folder under it and printed "0.0 MB";
+    `save("~/x")` wrote a folder named "~"."""
     from blockpress.cli import main as cli
     from blockpress.loading import resolve_path
 

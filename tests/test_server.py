@@ -2595,8 +2595,9 @@ def test_the_body_deadline_is_for_the_whole_body_and_head_answers_as_get(lm):
         async def send(message):
             sent.append(message)
 
+        path = "/v1/chat/completions"
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
                  "query_string": b"", "root_path": "", "headers": [(b"host", b"127.0.0.1"),
                                                                     (b"content-type", b"application/json")],
                  "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}

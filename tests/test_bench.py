@@ -242,6 +242,7 @@ def test_quality_guard_tiny(capsys, monkeypatch):
     assert e.value.code == 0 and all(r["pass"] for r in rows.values())
 
 
+@pytest.mark.slow  # (opt-in: --runslow; the default suite stays within 10 minutes on 2 cores)
 def test_bench_a_checkpoint_with_a_text_prompt_against_its_transformers_twin(tmp_path, capsys):
     """--model: the checkpoint's own weights in both engines (transformers loads it with from_pretrained);
     --prompt: real text through the model's tokenizer. Same seed, same tokens."""
@@ -290,6 +291,7 @@ def test_bench_prefill_chunk_keeps_the_references_tokens(capsys):
     assert result["backends"]["prefill_chunk"] == 3 and result["token_agreement_vs_transformers"] == {"B1-fixed": 1.0}
 
 
+@pytest.mark.slow  # (opt-in: --runslow; the default suite stays within 10 minutes on 2 cores)
 def test_bench_moe_sum_atomic_keeps_the_references_tokens(capsys):
     """--moe-sum atomic (the Triton experts' K-sum by fp32 atomics in the down kernel; the interpreter on CPU): the
     same tokens as transformers, recorded in the JSON."""
@@ -357,6 +359,7 @@ def test_kernel_classes_of_hopper_kernel_names():
     assert kernel_class("aten::_fused_rms_norm") == "norm"
 
 
+@pytest.mark.slow  # (opt-in: --runslow; the default suite stays within 10 minutes on 2 cores)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_moe_tile_sweep_on_cpu_checks_every_setting_against_torch(capsys, monkeypatch):
     """benchmarks/sweep_moe_tiles.py through the Triton interpreter: the defaults come first and agree with the
@@ -564,6 +567,7 @@ def test_bench_runs_replay_graphed_passes_after_the_warmup(fuse):
     assert graphs.captures == 4
 
 
+@pytest.mark.slow  # (opt-in: --runslow; the default suite stays within 10 minutes on 2 cores)
 def test_linear_kernel_bench_checks_every_projection_shape(capsys):
     """bench_linears.py enumerates the real model's projections (their bytes are the roofline's 3.29 GB) and
     runs, checks and times the 8-bit paths (a CPU: Triton's interpreter and _scaled_mm; a GPU: compiled) with a

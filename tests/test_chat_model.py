@@ -395,6 +395,7 @@ def test_tool_call_comes_back_parsed(lm):
     assert p.finish_reason == "tool_calls"
 
 
+@pytest.mark.slow  # (opt-in: --runslow; the default suite stays within 10 minutes on 2 cores)
 def test_strict_tools_keep_the_chat_model_from_calling_undeclared_ones(lm):
     """Requests no declared tool fits (the validation split's): free, the shipped model calls a tool nobody
     declared in some (so the test can fail); with the tools `strict`, `model.chat` calls only declared tools, with

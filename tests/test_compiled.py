@@ -112,7 +112,8 @@ def test_compiled_blocks_under_the_graphs_fixed_shape_passes_give_the_eager_toke
 
 
 @pytest.mark.parametrize("precision,linears,experts", [("native", "native", "grouped"), ("fp8", "fp8", "w8a8"),
-                                                       pytest.param("int4", "int8", "triton", marks=needs_triton)])
+                                                       pytest.param("int4", "int8", "triton",
+                                                                    marks=[needs_triton, pytest.mark.slow])])
 def test_a_compiled_block_is_one_graph_without_breaks_in_the_fixed_shape_pass(precision, linears, experts):
     """The fixed-shape denoising pass (what CUDA graphs capture) on compiled blocks: one graph per kind of layer
     (sliding, full) however many layers there are (no recompile per layer: the 26B model has 30), no graph break

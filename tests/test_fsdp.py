@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -116,6 +117,7 @@ def _close(a, b, tol):
     return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
 
 
+@pytest.mark.slow  # (opt-in: --runslow; the default suite stays within 10 minutes on 2 cores)
 def test_fsdp_two_processes_equal_one_and_resume_across_counts(tmp_path):
     tmp = str(tmp_path)
     torch.set_num_threads(1)

@@ -97,6 +97,7 @@ def test_published_eval_is_consistent(published, single, which):
         assert r["clues_kept"] == pytest.approx(sum(x["clues_kept"] for x in rows) / len(rows))
 
 
+@pytest.mark.slow  # (opt-in: --runslow; the default suite stays within 10 minutes on 2 cores)
 def test_eval_cli_reproduces_the_published_predictions(published, tmp_path):
     """`blockpress eval sudoku` (the documented command) on a prefix of the held-out sets gives exactly the
     published predictions: per-puzzle generators make each result independent of n and batching."""
@@ -126,6 +127,7 @@ def test_eval_cli_reproduces_the_whole_published_table(published, tmp_path):
         assert fresh[b]["predictions"] == r["predictions"], b
 
 
+@pytest.mark.slow  # (opt-in: --runslow; the default suite stays within 10 minutes on 2 cores)
 def test_repair_edits_only_the_broken_cells_of_the_shipped_model(lm):
     """One repair round on real predictions (one candidate each, so repair is what changes them): cells that
     broke no rule and every clue stay as they were, solved puzzles are untouched, and the broken cells are

@@ -82,6 +82,7 @@ def test_lora_trains_fewer_bytes_than_full_fine_tuning(predictions):
     assert lora["predicted_peak_bytes"] < full["predicted_peak_bytes"]
 
 
+@pytest.mark.slow  # (opt-in: --runslow; the default suite stays within 10 minutes on 2 cores)
 def test_checkpointing_lowers_the_saved_activations(predictions):
     on = predictions(precision="int4", lora=4)
     off = predictions(precision="int4", lora=4, checkpointing=False)
@@ -89,6 +90,7 @@ def test_checkpointing_lowers_the_saved_activations(predictions):
     assert on["grad_bytes"] == off["grad_bytes"]
 
 
+@pytest.mark.slow  # (opt-in: --runslow; the default suite stays within 10 minutes on 2 cores)
 def test_fsdp_divides_the_sharded_parts(predictions):
     two = predictions(precision="native", lora=0, procs=2)
     m, weights = tm.build("tiny", "native", "native", 0)

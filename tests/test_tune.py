@@ -232,6 +232,7 @@ def test_the_attention_candidates_start_with_the_defaults_and_quick_ones_are_amo
     assert tune.attention_candidates(32) == tune.attention_candidates(32, quick=True) == list(tune.SPLITS)
 
 
+@pytest.mark.slow  # (opt-in: --runslow; the default suite stays within 10 minutes on 2 cores)
 @needs_triton
 def test_tune_keeps_the_fastest_agreeing_settings_and_a_dry_run_keeps_nothing(tuned_file, capsys):
     from blockpress.cli import main

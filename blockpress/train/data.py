@@ -158,7 +158,7 @@ def _message(m, where: str) -> dict:
 def _check_openai_fields(row: dict, msgs: list, where: str) -> None:
     """OpenAI fine-tuning fields that would train something else than the row says: refused in one line (they were
     dropped: a legacy function call trained an empty reply)."""
-    if "functions" in row or any("function_call" in m for m in msgs):
+    if row.get("functions") is not None or any(m.get("function_call") is not None for m in msgs):
         raise InputError(f"{where}: 'functions' / 'function_call' (OpenAI's deprecated function calling) are not read; "
                          "give the functions as 'tools' and the call as the assistant message's 'tool_calls'")
     final = msgs[-1]

@@ -92,7 +92,7 @@ class Scheduler:
                                  f"the model has {self.max_positions}: shorten the prompt or lower max_tokens")
         if len(rows) > self.queue_size:  # no wait would ever make room: not a 429 to retry
             raise TooManyRows(f"this request needs {len(rows)} rows (its prompts times n), more than the server's "
-                             f"queue ever holds ({self.queue_size}, --queue-size); send fewer prompts or a lower n")
+                              f"queue ever holds ({self.queue_size}, --queue-size); send fewer prompts or a lower n")
         with self.lock:
             waiting = self._prune()
             if waiting + len(rows) > self.queue_size:

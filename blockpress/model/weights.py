@@ -356,13 +356,18 @@ def _assign(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
         owner._buffers[leaf] = tensor
 
 
+def is_adapter_tensor(name: str) -> bool:
+    """A LoRA adapter's parameter (train/lora.py attaches `lora_A` / `lora_B` to a projection), not the model's."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
 def state_dict_for_checkpoint(module: torch.nn.Module, tensors: dict | None = None) -> dict[str, torch.Tensor]:
     """The module's parameters and buffers under the checkpoint's names, on the CPU. tensors: the same names' values
     gathered elsewhere (a sharded training run's, train/distributed.py `full_tensors`) instead of the module's.
     Attached LoRA adapters' tensors are not the model's: `lm.save` passes their weights folded in as `tensors`."""
     named = {name: (tensors[name] if tensors is not None else t).detach()
              for name, t in list(module.named_parameters()) + list(module.named_buffers())
-             if not name.split(".")[-1].startswith("inv_freq") and ".lora_A." not in name and ".lora_B." not in name}
+             if not name.split(".")[-1].startswith("inv_freq") and not is_adapter_tensor(name)}
     out = {}
     for name, t in named.items():
         quantized = checkpoint_entries(name, t, named.get(name.removesuffix("scale") + "q"))

@@ -326,8 +326,10 @@ class Worker:
     def _out_of_time(self) -> bool:
         """Past a drain's deadline with rows running: end each with a shutdown error, a word to its client (checked
         at every event of a canvas: a canvas of many steps may take longer than the drain gives)."""
+        if self._deadline is None or time.monotonic() < self._deadline:
+            return False
         rows = self.engine.rows + self.engine.admitting
-        if self._deadline is None or time.monotonic() < self._deadline or not rows:
+        if not rows:
             return False
         for row in rows:
             row.sink.put(RowError(SHUTTING_DOWN, shutdown=True))
@@ -341,7 +343,7 @@ class Worker:
         t = time.perf_counter()
         events = self.engine.canvas()
         for ev in events:
-            if self._deadline is not None and self._out_of_time():
+            if self._out_of_time():
                 events.close()  # (the rows are ended and the engine reset: nothing of this canvas is delivered)
                 return
             now = time.perf_counter()

@@ -165,10 +165,7 @@ def _check_openai_fields(row: dict, msgs: list, where: str) -> None:
     if final.get("weight", 1) == 0:
         raise InputError(f"{where}: the final assistant message has weight 0 (not to be trained), and a row trains "
                          "its final assistant message alone: drop the row, or end it at the turn to train")
-    parts = final.get("content")
-    text = parts if isinstance(parts, str) else "".join(p.get("text", "") for p in parts or [] if isinstance(p, dict)
-                                                        and p.get("type") == "text")
-    if not text.strip() and not final.get("tool_calls") and not final.get("reasoning_content"):
+    if not _text(final.get("content")).strip() and not final.get("tool_calls") and not final.get("reasoning_content"):
         raise InputError(f"{where}: the final assistant message has no text and no tool calls: it would teach the "
                          "model to answer nothing; give the reply, or drop the row")
 

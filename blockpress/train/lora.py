@@ -37,6 +37,7 @@ from torch import nn
 
 from ..errors import CheckpointError, InputError
 from ..model.layers import merge_projections_
+from ..model.weights import is_adapter_tensor
 
 DEC = "base_model.model.model.decoder."
 ENC = "base_model.model.model.encoder.language_model."
@@ -118,7 +119,7 @@ def add_lora(module: nn.Module, spec: LoraSpec, freeze_base: bool = True, seed: 
 
 
 def lora_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in module.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+    return {n: p for n, p in module.named_parameters() if is_adapter_tensor(n)}
 
 
 def save_adapter(module: nn.Module, path: str | Path, spec: LoraSpec | None = None,
@@ -409,7 +410,7 @@ def folded_tensors(module: nn.Module) -> dict[str, torch.Tensor] | None:
     out = {}
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         owner, _, leaf = name.rpartition(".")
-        if ".lora_A." in name or ".lora_B." in name:
+        if is_adapter_tensor(name):
             continue
         if owner in adapted and leaf == "weight":
             t = t.detach().clone()

@@ -353,6 +353,12 @@ class Trainer:
             f"gradient norm (--clip, now {f'{self.cfg.clip:g}' if self.cfg.clip else 'off'}) and {cont}, e.g. "
             f"{_with_flag(self.resume_command, '--lr', lower)}")
 
+    @property
+    def eval_on(self) -> str | None:
+        """What the eval loss is of, where it is not held-out data: without its own eval data, the training
+        examples' (fixed noise)."""
+        return None if self.eval_source is not None else "training examples"
+
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Mean loss on fixed eval examples with fixed noise (stream 'eval'): comparable across steps."""
@@ -500,8 +506,7 @@ class Trainer:
         if not any("loss" in h or "eval_loss" in h for h in self.history):
             return  # a save before the first logged step: nothing to draw (an empty plot and a warning before)
         try:
-            plot_history(self.history, self.out / "loss.png",
-                         eval_on=None if self.eval_source is not None else "training examples")
+            plot_history(self.history, self.out / "loss.png", eval_on=self.eval_on)
         except ModuleNotFoundError as e:
             print(f"blockpress train: could not plot losses ({e.name} is not installed: pip install "
                   "'blockpress[train]')")
@@ -515,8 +520,7 @@ class Trainer:
         bar = _Progress(cfg.steps, self.step, enabled=cfg.progress and self.rank == 0)
         last_save = time.time()
         done_here = 0
-        # without its own eval data the eval loss is the training examples' (fixed noise): not a held-out loss
-        label = "eval loss" if self.eval_source is not None else "eval loss (training examples)"
+        label = "eval loss" + (f" ({self.eval_on})" if self.eval_on else "")
         with bar:
             while self.step < cfg.steps:
                 stats = self.train_step()
